@@ -1,0 +1,1 @@
+"""The fast torch implementation of the Gemma 4 stack (CPU and CUDA). Built in a later issue; see README."""

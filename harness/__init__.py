@@ -1,0 +1,1 @@
+"""gemma4-harness: engines side by side: traces, metrics, gates, oracles, reports, CLI."""

@@ -1,0 +1,43 @@
+"""Sessions for gemma4-harness.
+
+    nox -s parity          # build the synthetic checkpoints, run every parity gate, write reports/<ts>-parity/
+    nox -s tests           # the whole pytest suite, slow tests included
+    nox -s tests -- -m "not slow"   # the quick subset
+
+Both sessions install the CPU build of torch pinned to 2.13.0 first, so pip
+never pulls a multi-GB CUDA build; on a GPU machine install your own torch
+into your environment and use ``pip install -e .[test]`` directly instead.
+Arguments after ``--`` go to ``g4h parity`` / ``pytest`` unchanged.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+
+TORCH_PIN = "torch==2.13.0"
+# The oracle's version is part of what a parity run means: pin the one the gates were set with.
+ORACLE_PIN = "transformers==5.23.0"
+
+
+def _install(session: nox.Session) -> None:
+    """torch first (pinned CPU build), then the project with its test extras, editable."""
+    session.install(TORCH_PIN)
+    session.install("-e", ".[test]", ORACLE_PIN)
+
+
+@nox.session
+def parity(session: nox.Session) -> None:
+    """Parity run: float64 reference vs transformers fp32 eager on every case and prompt set, plus real Gemma 3 270M."""
+    _install(session)
+    session.run("g4h", "parity", *session.posargs)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The pytest suite (default: everything, slow tests included); posargs go to pytest."""
+    _install(session)
+    session.run("pytest", *session.posargs)

@@ -1,0 +1,393 @@
+"""The specification: a float64 NumPy forward of the Gemma 4 (and Gemma 3) text decoder.
+
+One small function per operation, each with its shapes in a trailing comment;
+the model is their composition. Slow on purpose: it is what the other engines
+are measured against. Formulas follow transformers 5.23
+``models/gemma4/modeling_gemma4.py`` (the tie-breaker); llama.cpp
+``src/models/gemma4.cpp`` / ``gemma3.cpp`` for the GGUF conventions and the
+trace-point names.
+
+Shapes: T = new tokens, S = cached + new tokens, h = hidden_size, H / Hkv =
+query / KV heads, D = head_dim, L = layers, P = PLE width, V = vocab,
+E = experts, K = experts per token, F = FFN width.
+
+Trace points (llama.cpp graph-callback names): ``inp_scaled``, ``inp_per_layer``
+(layer -1); per layer ``attn_out``, ``ffn_out`` (MoE layers also ``ffn_mlp``,
+``ffn_moe``), ``per_layer_embd_out``, ``l_out``; ``result_norm``,
+``result_output`` (layer -1). A trace callback gets ``(point, layer, array)``
+with ``array`` of shape ``[T, ...]`` for the new tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .config import LayerSpec, ModelConfig
+from .errors import PromptError
+
+TraceFn = Callable[[str, int, np.ndarray], None]
+
+
+# --------------------------------------------------------------------------- operations
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """RMSNorm, ``x / sqrt(mean(x^2) + eps) * weight``; no weight = scale 1.
+
+    [..., n], [n] -> [..., n]. Gemma 4 multiplies by the weight directly (no
+    ``1 + w``); Gemma 3 GGUFs store ``1 + w`` already. Source: transformers
+    ``Gemma4RMSNorm``.
+    """
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * weight
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (``gelu_pytorch_tanh``). [...] -> [...]. Source: Hendrycks & Gimpel 2016."""
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """``cap * tanh(x / cap)``. [...] -> [...]. Source: transformers ``Gemma4ForCausalLM.forward``."""
+    return cap * np.tanh(x / cap)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable softmax along ``axis``; rows of all -inf are not expected. [...] -> [...]."""
+    z = x - np.max(x, axis=axis, keepdims=True)
+    e = np.exp(z)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T``. [T, in], [out, in] -> [T, out]."""
+    return x @ w.T
+
+
+def rope_inv_freq(layer: LayerSpec) -> np.ndarray:
+    """Inverse frequencies of one layer's RoPE.
+
+    ``inv_freq[i] = rope_scale * base^(-2i / n_rot) / factor[i]`` for i < n_rot/2.
+    [] -> [n_rot/2]. Source: llama.cpp ``ggml_rope_ext`` (theta_scale,
+    freq_factors, freq_scale); equals transformers' proportional RoPE when
+    n_rot = head_dim and the factors are 1 / 1e30.
+    """
+    i = np.arange(0, layer.n_rot, 2, dtype=np.float64)
+    inv = layer.rope_base ** (-i / layer.n_rot) * layer.rope_scale
+    if layer.rope_freq_factors is not None:
+        inv = inv / layer.rope_freq_factors.astype(np.float64)
+    return inv
+
+
+def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, n_rot: int) -> np.ndarray:
+    """NeoX-style rotary embedding on the first ``n_rot`` dims; dim j pairs with j + n_rot/2.
+
+    [T, H, D], [T], [n_rot/2] -> [T, H, D]. Source: transformers ``apply_rotary_pos_emb``
+    (``rotate_half``), llama.cpp ``LLAMA_ROPE_TYPE_NEOX``.
+    """
+    half = n_rot // 2
+    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, n_rot/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]  # [T, 1, n_rot/2]
+    x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+              window: int | None, scale: float) -> np.ndarray:
+    """Causal grouped-query attention, optionally limited to a sliding window.
+
+    Query i sees key j iff ``0 <= pos_i - pos_j`` and, with a window,
+    ``pos_i - pos_j < window``. [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S]
+    -> [T, H*D]. Source: transformers ``eager_attention_forward`` and
+    ``sliding_window_mask_function``; llama.cpp ``LLAMA_SWA_TYPE_STANDARD``.
+    """
+    T, H, D = q.shape
+    group = H // k.shape[1]
+    kh = np.repeat(k, group, axis=1)  # [S, H, D]
+    vh = np.repeat(v, group, axis=1)  # [S, H, D]
+    scores = np.einsum("thd,shd->hts", q, kh) * scale  # [H, T, S]
+    dist = q_pos[:, None] - k_pos[None, :]  # [T, S]
+    allowed = dist >= 0
+    if window is not None:
+        allowed &= dist < window
+    scores = np.where(allowed[None], scores, -np.inf)
+    out = np.einsum("hts,shd->thd", softmax(scores), vh)  # [T, H, D]
+    return out.reshape(T, H * D)
+
+
+def gelu_ffn(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    """Gated GELU MLP, ``down(gelu(gate x) * up x)``. [T, h] -> [T, h]. Source: transformers ``Gemma4TextMLP``."""
+    return linear(gelu_tanh(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+def moe_route(x: np.ndarray, w_router: np.ndarray, router_scale: np.ndarray, per_expert_scale: np.ndarray,
+              k: int, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Router: top-k experts per token and their weights.
+
+    ``p = softmax(W (rmsnorm(x) * scale / sqrt(h)))``; keep the k largest,
+    renormalise them to sum 1, multiply by ``per_expert_scale``. The input is the
+    residual stream after attention (not the pre-FFN-normed one).
+    [T, h] -> ([T, K] indices, [T, K] weights). Source: transformers ``Gemma4TextRouter``.
+    """
+    h = x.shape[-1]
+    z = rms_norm(x, None, eps) * router_scale * h**-0.5
+    probs = softmax(linear(z, w_router))  # [T, E]
+    idx = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [T, K]
+    top = np.take_along_axis(probs, idx, axis=-1)
+    top = top / top.sum(axis=-1, keepdims=True)
+    return idx, top * per_expert_scale[idx]
+
+
+def moe_experts(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, idx: np.ndarray,
+                weights: np.ndarray) -> np.ndarray:
+    """Weighted sum of the chosen experts' gated-GELU MLPs.
+
+    Expert e: ``down_e(gelu(g) * u)`` with ``[g; u] = gate_up_e x`` (gate first).
+    [T, h], [E, 2F, h], [E, h, F], [T, K], [T, K] -> [T, h]. Source: transformers
+    ``Gemma4TextExperts``.
+    """
+    out = np.zeros_like(x)
+    F = w_down.shape[2]
+    for t in range(x.shape[0]):
+        for e, wgt in zip(idx[t], weights[t]):
+            gu = w_gate_up[e] @ x[t]  # [2F]
+            out[t] += wgt * (w_down[e] @ (gelu_tanh(gu[:F]) * gu[F:]))
+    return out
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+class KVCache:
+    """Keys and values of every layer that computes its own, for all positions so far.
+
+    ``k[il]`` / ``v[il]``: [S, Hkv, D] float64 (after k_norm+RoPE / v_norm);
+    ``pos``: [S] positions. Shared layers own nothing and read their donor's
+    entry. The reference keeps the full history and applies the sliding window
+    as a mask (the plain form of the rule); ring buffers belong to ``fast/``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        self.k: dict[int, np.ndarray] = {}
+        self.v: dict[int, np.ndarray] = {}
+        self.pos = np.zeros(0, dtype=np.int64)
+        self.n_layer = cfg.n_layer
+
+    @property
+    def n_past(self) -> int:
+        """Tokens already in the cache."""
+        return int(self.pos.shape[0])
+
+    def append(self, il: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Add the new tokens' K/V of layer ``il``. [T, Hkv, D] each."""
+        if il in self.k:
+            self.k[il] = np.concatenate([self.k[il], k], axis=0)
+            self.v[il] = np.concatenate([self.v[il], v], axis=0)
+        else:
+            self.k[il], self.v[il] = k, v
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def per_layer_inputs(cfg: ModelConfig, W, ids: np.ndarray, x_scaled: np.ndarray) -> np.ndarray:
+    """Per-layer embeddings (PLE) for every layer.
+
+    token part ``E_ple[ids] * sqrt(P)``; context part
+    ``rmsnorm(x_scaled @ W_proj.T / sqrt(h))``; result ``(context + token) / sqrt(2)``.
+    [T], [T, h] -> [T, L, P]. Source: transformers ``Gemma4TextModel.get_per_layer_inputs``
+    and ``project_per_layer_inputs``.
+    """
+    T, L, P = ids.shape[0], cfg.n_layer, cfg.ple_dim
+    tok = W["per_layer_token_embd.weight"][ids].reshape(T, L, P) * math.sqrt(P)
+    ctx = linear(x_scaled, W["per_layer_model_proj.weight"]) * cfg.hidden_size**-0.5
+    ctx = rms_norm(ctx.reshape(T, L, P), W["per_layer_proj_norm.weight"], cfg.rms_eps)
+    return (ctx + tok) * 2.0**-0.5
+
+
+def attention_block(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, positions: np.ndarray,
+                    k_pos: np.ndarray, cache: KVCache) -> np.ndarray:
+    """Self-attention of one layer, from the normed stream to the o-projection.
+
+    q/k get per-head RMSNorm with weight then RoPE; v gets RMSNorm without weight
+    (Gemma 4). A k_eq_v layer uses the K projection as V; a shared layer reads its
+    donor's cached K/V. ``positions``: [T] of the new tokens; ``k_pos``: [S] of
+    every cached key after this step. [T, h] -> [T, h]. Source: transformers ``Gemma4TextAttention``.
+    """
+    b = f"blk.{layer.index}."
+    T = x.shape[0]
+    H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
+    inv_freq = rope_inv_freq(layer)
+    q = linear(x, W[b + "attn_q.weight"]).reshape(T, H, D)
+    q = apply_rope(rms_norm(q, W[b + "attn_q_norm.weight"], cfg.rms_eps), positions, inv_freq, layer.n_rot)
+    if layer.has_kv:
+        k_raw = linear(x, W[b + "attn_k.weight"]).reshape(T, Hkv, D)
+        v = linear(x, W[b + "attn_v.weight"]).reshape(T, Hkv, D) if layer.has_v_proj else k_raw
+        k = apply_rope(rms_norm(k_raw, W[b + "attn_k_norm.weight"], cfg.rms_eps), positions, inv_freq, layer.n_rot)
+        if cfg.has_v_norm:
+            v = rms_norm(v, None, cfg.rms_eps)
+        cache.append(layer.index, k, v)
+    k_all, v_all = cache.k[layer.kv_donor], cache.v[layer.kv_donor]
+    window = cfg.sliding_window if layer.is_sliding else None
+    out = attention(q, k_all, v_all, positions, k_pos, window, cfg.attn_scale)
+    return linear(out, W[b + "attn_output.weight"])
+
+
+def ffn_block(cfg: ModelConfig, layer: LayerSpec, W, attn_out: np.ndarray, trace: TraceFn | None) -> np.ndarray:
+    """Dense FFN, plus on MoE layers the router and experts beside it; before ``post_ffw_norm``.
+
+    [T, h] -> [T, h]. Source: transformers ``Gemma4TextDecoderLayer.forward``;
+    llama.cpp ``gemma4.cpp`` (``ffn_mlp``, ``ffn_moe``).
+    """
+    b, il, eps = f"blk.{layer.index}.", layer.index, cfg.rms_eps
+    x = rms_norm(attn_out, W[b + "ffn_norm.weight"], eps)
+    mlp = gelu_ffn(x, W[b + "ffn_gate.weight"], W[b + "ffn_up.weight"], W[b + "ffn_down.weight"])
+    if not layer.has_moe:
+        return mlp
+    mlp = rms_norm(mlp, W[b + "post_ffw_norm_1.weight"], eps)
+    idx, wgt = moe_route(attn_out, W[b + "ffn_gate_inp.weight"], W[b + "ffn_gate_inp.scale"],
+                         W[b + "ffn_down_exps.scale"], cfg.n_expert_used, eps)
+    xe = rms_norm(attn_out, W[b + "pre_ffw_norm_2.weight"], eps)
+    moe = moe_experts(xe, W[b + "ffn_gate_up_exps.weight"], W[b + "ffn_down_exps.weight"], idx, wgt)
+    moe = rms_norm(moe, W[b + "post_ffw_norm_2.weight"], eps)
+    if trace:
+        trace("ffn_mlp", il, mlp)
+        trace("ffn_moe", il, moe)
+    return mlp + moe
+
+
+def ple_block(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, ple: np.ndarray) -> np.ndarray:
+    """Per-layer-embedding branch: ``post_norm(proj(gelu(gate x) * ple))``. [T, h], [T, P] -> [T, h].
+
+    Source: transformers ``Gemma4TextDecoderLayer.forward`` (per_layer_input_gate ...).
+    """
+    b = f"blk.{layer.index}."
+    g = gelu_tanh(linear(x, W[b + "inp_gate.weight"])) * ple
+    return rms_norm(linear(g, W[b + "proj.weight"]), W[b + "post_norm.weight"], cfg.rms_eps)
+
+
+def decoder_layer(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, positions: np.ndarray,
+                  k_pos: np.ndarray, cache: KVCache, ple: np.ndarray | None, trace: TraceFn | None) -> np.ndarray:
+    """One decoder layer. [T, h] -> [T, h].
+
+    ``a = x + post_attn_norm(attn(attn_norm(x)))``; ``y = a + post_ffw_norm(ffn(a))``;
+    ``y += post_norm(PLE branch)``; ``y *= layer_output_scale`` (the whole stream).
+    Source: transformers ``Gemma4TextDecoderLayer.forward``.
+    """
+    b, il, eps = f"blk.{layer.index}.", layer.index, cfg.rms_eps
+    attn = attention_block(cfg, layer, W, rms_norm(x, W[b + "attn_norm.weight"], eps), positions, k_pos,
+                           cache)
+    a = x + rms_norm(attn, W[b + "post_attention_norm.weight"], eps)
+    if trace:
+        trace("attn_out", il, a)
+    f = ffn_block(cfg, layer, W, a, trace)
+    if trace:
+        trace("ffn_out", il, f)
+    y = a + rms_norm(f, W[b + "post_ffw_norm.weight"], eps)
+    if ple is not None:
+        p = ple_block(cfg, layer, W, y, ple)
+        if trace:
+            trace("per_layer_embd_out", il, p)
+        y = y + p
+    if cfg.has_layer_scalar and b + "layer_output_scale.weight" in W:
+        y = y * W[b + "layer_output_scale.weight"][0]
+    if trace:
+        trace("l_out", il, y)
+    return y
+
+
+# --------------------------------------------------------------------------- model
+
+
+def check_prompt(cfg: ModelConfig, ids: Sequence[int], n_past: int = 0) -> np.ndarray:
+    """Validate token ids; return them as int64 [T].
+
+    Raises:
+        PromptError: empty, an id outside ``[0, vocab)`` (or the PLE table), or
+            ``n_past + T`` beyond the context length.
+    """
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if arr.size == 0:
+        raise PromptError("prompt is empty")
+    limit = cfg.vocab_size if not cfg.ple_dim else min(cfg.vocab_size, cfg.vocab_size_per_layer)
+    bad = arr[(arr < 0) | (arr >= limit)]
+    if bad.size:
+        raise PromptError(f"token id {int(bad[0])} is outside the vocabulary [0, {limit})")
+    if n_past + arr.size > cfg.context_length:
+        raise PromptError(f"prompt of {n_past + arr.size} tokens is longer than the context ({cfg.context_length})")
+    return arr
+
+
+def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = None,
+            trace: TraceFn | None = None) -> np.ndarray:
+    """Logits for every new position; appends to ``cache`` when given.
+
+    Args:
+        cfg: model config.
+        W: canonical weights (float64 arrays), e.g. :class:`reference.weights.Weights`.
+        ids: token ids of the new tokens, length T.
+        cache: KV cache holding earlier tokens (positions continue from it), or
+            None for a stand-alone forward.
+        trace: optional callback ``(point, layer, array)``.
+
+    Returns:
+        float64 ``[T, V]`` logits (after the final softcap when the model has one).
+
+    Raises:
+        PromptError: see :func:`check_prompt`.
+
+    Source: transformers ``Gemma4ForCausalLM.forward``.
+    """
+    cache = cache if cache is not None else KVCache(cfg)
+    ids = check_prompt(cfg, ids, cache.n_past)
+    positions = cache.n_past + np.arange(ids.shape[0], dtype=np.int64)
+    k_pos = np.concatenate([cache.pos, positions])  # [S]
+    x = W["token_embd.weight"][ids] * math.sqrt(cfg.hidden_size)  # [T, h]
+    if trace:
+        trace("inp_scaled", -1, x)
+    ple = None
+    if cfg.ple_dim:
+        ple = per_layer_inputs(cfg, W, ids, x)  # [T, L, P]
+        if trace:
+            trace("inp_per_layer", -1, ple)
+    for layer in cfg.layers:
+        x = decoder_layer(cfg, layer, W, x, positions, k_pos, cache,
+                          None if ple is None else ple[:, layer.index], trace)
+    cache.pos = k_pos
+    x = rms_norm(x, W["output_norm.weight"], cfg.rms_eps)
+    if trace:
+        trace("result_norm", -1, x)
+    head = W["token_embd.weight"] if cfg.tie_word_embeddings else W["output.weight"]
+    logits = linear(x, head)
+    if cfg.final_logit_softcap is not None:
+        logits = softcap(logits, cfg.final_logit_softcap)
+    if trace:
+        trace("result_output", -1, logits)
+    return logits
+
+
+def greedy_generate(cfg: ModelConfig, W, prompt: Sequence[int], max_new_tokens: int,
+                    stop: Sequence[int] = ()) -> list[int]:
+    """Greedy continuation with the KV cache (prefill, then one token per step).
+
+    Args:
+        prompt: token ids.
+        max_new_tokens: tokens to produce at most.
+        stop: ids that end generation (included in the output).
+
+    Returns:
+        the new token ids. Ties go to the lowest id (``np.argmax``).
+    """
+    cache = KVCache(cfg)
+    logits = forward(cfg, W, prompt, cache)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        tok = int(np.argmax(logits[-1]))
+        out.append(tok)
+        if tok in stop:
+            break
+        logits = forward(cfg, W, [tok], cache)
+    return out

@@ -1,0 +1,282 @@
+"""One loader for every engine: GGUF or HF safetensors -> (config, canonical weights).
+
+Both formats map onto the canonical GGUF tensor names of :mod:`reference.names`.
+Tensors are read lazily: a GGUF stays memory-mapped by ``gguf.GGUFReader`` and a
+tensor is dequantized (once, into a new float64 array) only when first asked
+for, so the mapped file is never copied twice. Safetensors are opened with
+``safetensors.safe_open`` and read tensor by tensor.
+
+Quantized GGUF types are dequantized with ``gguf.quants.dequantize`` (every type
+it supports), so the reference sees exactly what llama.cpp's conversion tools
+produce. ``rope_freqs`` is kept as stored (float32), never recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from .config import ModelConfig, attach_rope_freqs, config_from_gguf, config_from_hf, expected_tensors, optional_tensors
+from .errors import ConfigError, ModelFileError
+from .names import hf_to_gguf
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class _Lazy:
+    shape: tuple[int, ...]
+    dtype: str  # GGML type name or numpy dtype name, for reports
+    read: Callable[[], np.ndarray]  # returns an array of `shape` (any float dtype)
+
+
+class Weights(Mapping):
+    """Read-only mapping canonical name -> float64 ndarray, dequantized on first access.
+
+    Shapes are numpy order: linear weights ``[out, in]``, expert stacks
+    ``[n_expert, out, in]``, norms ``[n]``. ``raw_dtype(name)`` tells the stored type.
+
+    Raises (on access):
+        KeyError: unknown name.
+        ModelFileError: the tensor holds NaN or Inf (named).
+    """
+
+    def __init__(self, source: str, tensors: dict[str, _Lazy]):
+        self.source = source
+        self._lazy = tensors
+        self._cache: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._cache:
+            lazy = self._lazy[name]
+            arr = np.asarray(lazy.read(), dtype=np.float64).reshape(lazy.shape)
+            if not np.all(np.isfinite(arr)):
+                raise ModelFileError(f"{self.source}: tensor {name} contains NaN or Inf")
+            arr.setflags(write=False)
+            self._cache[name] = arr
+        return self._cache[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._lazy)
+
+    def __len__(self) -> int:
+        return len(self._lazy)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Stored shape of ``name`` without reading it."""
+        return self._lazy[name].shape
+
+    def raw_dtype(self, name: str) -> str:
+        """Stored type of ``name`` (GGML type name such as ``Q8_0``, or a numpy dtype name)."""
+        return self._lazy[name].dtype
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor as stored after dequantization, in its natural float dtype (no float64 copy kept)."""
+        lazy = self._lazy[name]
+        return np.asarray(lazy.read()).reshape(lazy.shape)
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def _read_gguf(path: Path):
+    import gguf
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read: {e.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on truncation
+        raise ModelFileError(f"{path}: truncated or corrupt GGUF ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def gguf_metadata(reader) -> dict[str, Any]:
+    """GGUF key/values as Python values (strings, numbers, lists).
+
+    Args:
+        reader: an open ``gguf.GGUFReader``.
+
+    Returns:
+        dict key -> value; arrays become lists.
+    """
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # pragma: no cover - an unreadable field is reported where it is needed
+            meta[key] = None
+    return meta
+
+
+def _gguf_tensors(reader, path: Path) -> dict[str, _Lazy]:
+    import gguf
+
+    out: dict[str, _Lazy] = {}
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        qtype = t.tensor_type
+        name = getattr(qtype, "name", str(qtype))
+        expected_bytes = None
+        try:
+            bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+            expected_bytes = int(np.prod(shape)) // bs * ts
+        except KeyError:
+            raise ModelFileError(f"{path}: tensor {t.name} has unknown GGML type {qtype}") from None
+        if int(t.n_bytes) != expected_bytes or t.data.nbytes != expected_bytes:
+            raise ModelFileError(f"{path}: tensor {t.name} is truncated ({t.data.nbytes} of {expected_bytes} bytes)")
+
+        def read(t=t, qtype=qtype, shape=shape, tname=name):
+            try:
+                return gguf.quants.dequantize(t.data, qtype)
+            except NotImplementedError:
+                raise ModelFileError(f"{path}: tensor {t.name}: type {tname} cannot be dequantized by gguf.quants") \
+                    from None
+
+        out[t.name] = _Lazy(shape=shape, dtype=name, read=read)
+    return out
+
+
+def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:
+    """Open a ``.gguf`` file: config from its metadata, lazily dequantized weights.
+
+    Args:
+        path: the file.
+
+    Returns:
+        ``(config, weights)``.
+
+    Raises:
+        ModelFileError: not a GGUF file, truncated, missing/mis-shaped tensor,
+            undequantizable type.
+        ConfigError: bad or missing metadata (the key is named).
+    """
+    path = Path(path)
+    reader = _read_gguf(path)
+    meta = gguf_metadata(reader)
+    tensors = _gguf_tensors(reader, path)
+    cfg = config_from_gguf(meta, {k: v.shape for k, v in tensors.items()}, str(path))
+    weights = Weights(str(path), tensors)
+    weights.metadata = meta  # type: ignore[attr-defined]
+    weights.reader = reader  # type: ignore[attr-defined]  # keeps the mmap alive
+    if "rope_freqs.weight" in tensors:
+        cfg = attach_rope_freqs(cfg, np.asarray(weights.raw("rope_freqs.weight"), dtype=np.float32))
+    _validate(cfg, weights)
+    return cfg, weights
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:
+    """Open an HF model folder (``config.json`` + ``*.safetensors``).
+
+    A multimodal checkpoint (``model_type`` ``gemma4`` with ``text_config``,
+    tensors under ``model.language_model.``) loads its text decoder; vision and
+    audio tensors are ignored.
+
+    Args:
+        path: the folder.
+
+    Returns:
+        ``(config, weights)`` with canonical GGUF names.
+
+    Raises:
+        ModelFileError: no config.json or safetensors, unreadable file,
+            missing/mis-shaped tensor.
+        ConfigError: bad config fields (named).
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    cfg_path = path / "config.json"
+    try:
+        raw_cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise ModelFileError(f"{cfg_path}: missing (an HF model folder needs config.json)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw_cfg, dict):
+        raise ConfigError(f"{cfg_path}: expected a JSON object")
+    cfg = config_from_hf(raw_cfg, str(cfg_path))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelFileError(f"{path}: no *.safetensors files")
+    tensors: dict[str, _Lazy] = {}
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="numpy")
+            keys = list(handle.keys())
+        except Exception as e:
+            raise ModelFileError(f"{f}: cannot read safetensors ({str(e)[:120]})") from None
+        for key in keys:
+            canon = hf_to_gguf(key)
+            if canon is None:
+                continue
+            if canon in tensors:
+                raise ModelFileError(f"{f}: tensor {key} maps to {canon}, which another tensor already provides")
+            shape = tuple(handle.get_slice(key).get_shape())
+
+            def read(handle=handle, key=key, f=f):
+                try:
+                    return handle.get_tensor(key)
+                except TypeError:  # bfloat16 has no numpy dtype: go through torch
+                    from safetensors import safe_open as so
+
+                    with so(str(f), framework="pt") as h:
+                        return h.get_tensor(key).float().numpy()
+
+            dtype = str(handle.get_slice(key).get_dtype())
+            tensors[canon] = _Lazy(shape=shape, dtype=dtype, read=read)
+    weights = Weights(str(path), tensors)
+    _validate(cfg, weights)
+    return cfg, weights
+
+
+# --------------------------------------------------------------------------- common
+
+
+def _validate(cfg: ModelConfig, weights: Weights) -> None:
+    expected = expected_tensors(cfg)
+    optional = optional_tensors(cfg)
+    for name, shape in expected.items():
+        if name not in weights:
+            if name in optional:
+                continue
+            raise ModelFileError(f"{weights.source}: missing tensor {name} (expected shape {list(shape)})")
+        got = weights.shape(name)
+        if tuple(got) != tuple(shape):
+            raise ModelFileError(f"{weights.source}: tensor {name} has shape {list(got)}, expected {list(shape)}")
+
+
+def load_model(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:
+    """Load a model from a ``.gguf`` file or an HF folder; the one entry point every engine uses.
+
+    Args:
+        path: ``*.gguf`` file, or a folder with ``config.json`` and safetensors.
+
+    Returns:
+        ``(config, weights)``.
+
+    Raises:
+        ModelFileError: the path does not exist or is neither form; any loader error.
+        ConfigError: metadata errors.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ModelFileError(f"{p}: no such file or folder")
+    if p.is_dir():
+        return load_hf(p)
+    return load_gguf(p)

@@ -1,0 +1,152 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import pytest
+
+# --------------------------------------------------------------------------- tiny gemma4 GGUF
+
+# A 2-layer gemma4 text decoder: layer 0 sliding (head_dim 8), layer 1 full
+# (head_dim 8, proportional RoPE through rope_freqs), GQA 2:1, tied head, no
+# PLE, no MoE. Small enough that the float64 reference runs in milliseconds.
+TINY = {
+    "n_layer": 2,
+    "hidden": 16,
+    "n_head": 2,
+    "n_kv_head": 1,
+    "head_dim": 8,
+    "head_dim_swa": 8,
+    "n_ff": 32,
+    "vocab": 32,
+    "window": 4,
+    "context": 64,
+    "pattern": [True, False],  # true = sliding layer
+}
+
+
+def tiny_tensor_shapes(c: Mapping[str, Any] = TINY) -> dict[str, tuple[int, ...]]:
+    """numpy-order shapes of every tensor of the tiny model (matches reference.config.expected_tensors)."""
+    h, v = c["hidden"], c["vocab"]
+    t: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (v, h),
+        "output_norm.weight": (h,),
+        "rope_freqs.weight": (c["head_dim"] // 2,),
+    }
+    for i, sliding in enumerate(c["pattern"]):
+        d = c["head_dim_swa"] if sliding else c["head_dim"]
+        b = f"blk.{i}."
+        t[b + "attn_norm.weight"] = (h,)
+        t[b + "attn_q.weight"] = (c["n_head"] * d, h)
+        t[b + "attn_k.weight"] = (c["n_kv_head"] * d, h)
+        t[b + "attn_v.weight"] = (c["n_kv_head"] * d, h)
+        t[b + "attn_q_norm.weight"] = (d,)
+        t[b + "attn_k_norm.weight"] = (d,)
+        t[b + "attn_output.weight"] = (h, c["n_head"] * d)
+        t[b + "post_attention_norm.weight"] = (h,)
+        t[b + "ffn_norm.weight"] = (h,)
+        t[b + "ffn_gate.weight"] = (c["n_ff"], h)
+        t[b + "ffn_up.weight"] = (c["n_ff"], h)
+        t[b + "ffn_down.weight"] = (h, c["n_ff"])
+        t[b + "post_ffw_norm.weight"] = (h,)
+        t[b + "layer_output_scale.weight"] = (1,)
+    return t
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    *,
+    arch: str = "gemma4",
+    drop: tuple[str, ...] = (),
+    reshape: Mapping[str, tuple[int, ...]] | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write the tiny gemma4 model as an F32 GGUF with llama.cpp's keys and tensor names.
+
+    Args:
+        path: destination file.
+        arch: ``general.architecture`` (another value makes a wrong-architecture
+            file; the keys stay under ``gemma4.``).
+        drop: tensor names to leave out (a missing-tensor file).
+        reshape: tensor name -> numpy-order shape to write instead of the right
+            one (a mis-shaped-tensor file).
+        seed: weight seed.
+
+    Returns:
+        ``path`` as a :class:`Path`.
+    """
+    import gguf
+
+    c = TINY
+    VT = gguf.GGUFValueType
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    a = "gemma4"
+    kv: list[tuple[str, Any, Any, Any]] = [
+        ("general.name", "tiny-test", VT.STRING, None),
+        ("general.file_type", 0, VT.UINT32, None),
+        (f"{a}.context_length", c["context"], VT.UINT32, None),
+        (f"{a}.block_count", c["n_layer"], VT.UINT32, None),
+        (f"{a}.embedding_length", c["hidden"], VT.UINT32, None),
+        (f"{a}.feed_forward_length", c["n_ff"], VT.UINT32, None),
+        (f"{a}.attention.head_count", c["n_head"], VT.UINT32, None),
+        (f"{a}.attention.head_count_kv", c["n_kv_head"], VT.UINT32, None),
+        (f"{a}.attention.key_length", c["head_dim"], VT.UINT32, None),
+        (f"{a}.attention.value_length", c["head_dim"], VT.UINT32, None),
+        (f"{a}.attention.key_length_swa", c["head_dim_swa"], VT.UINT32, None),
+        (f"{a}.attention.value_length_swa", c["head_dim_swa"], VT.UINT32, None),
+        (f"{a}.attention.layer_norm_rms_epsilon", 1e-6, VT.FLOAT32, None),
+        (f"{a}.attention.sliding_window", c["window"], VT.UINT32, None),
+        (f"{a}.attention.sliding_window_pattern", list(c["pattern"]), VT.ARRAY, VT.BOOL),
+        (f"{a}.rope.freq_base", 1_000_000.0, VT.FLOAT32, None),
+        (f"{a}.rope.freq_base_swa", 10_000.0, VT.FLOAT32, None),
+        (f"{a}.rope.dimension_count", c["head_dim"], VT.UINT32, None),
+        (f"{a}.rope.dimension_count_swa", c["head_dim_swa"], VT.UINT32, None),
+        (f"{a}.final_logit_softcapping", 30.0, VT.FLOAT32, None),
+    ]
+    for key, val, vtype, sub in kv:
+        w.add_key_value(key, val, vtype, sub_type=sub)
+
+    shapes = tiny_tensor_shapes(c)
+    reshape = dict(reshape or {})
+    for name in list(reshape) + list(drop):
+        if name not in shapes:
+            raise KeyError(f"tiny model has no tensor {name}")
+    for name, shape in shapes.items():
+        if name in drop:
+            continue
+        shape = tuple(reshape.get(name, shape))
+        if name == "rope_freqs.weight":
+            # proportional RoPE, partial_rotary_factor 0.25: 1 rotated pair, 1e30 for the rest
+            n = shape[0]
+            arr = np.array([1.0] + [1e30] * (n - 1), dtype=np.float32)
+        elif len(shape) == 1:  # norms and the layer scalar: around 1, randomised
+            arr = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            arr = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def make_tiny_gguf(tmp_path) -> Callable[..., Path]:
+    """Factory ``make(name="tiny.gguf", **kw) -> Path`` writing :func:`write_tiny_gguf` variants into tmp_path."""
+
+    def make(name: str = "tiny.gguf", **kw: Any) -> Path:
+        return write_tiny_gguf(tmp_path / name, **kw)
+
+    return make
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path) -> Path:
+    """A valid tiny 2-layer F32 gemma4 GGUF (vocab 32, context 64) in tmp_path."""
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
