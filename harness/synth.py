@@ -79,7 +79,7 @@ from reference.names import gguf_to_hf
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 #: Bumped whenever the bytes this module writes for an unchanged spec change.
-BUILDER_VERSION = "synth-1"
+BUILDER_VERSION = "synth-2"
 
 #: GGUF tensor types :func:`write_gguf` and :func:`ensure_built` produce.
 QTYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
@@ -159,6 +159,10 @@ class Spec:
         init: the ``[init]`` table merged over :data:`INIT_DEFAULTS`.
         path: absolute path of the spec file.
         sha256: hex SHA-256 of the spec file's bytes.
+        gates: the ``[gates]`` table: per-gate overrides with reasons (see
+            :func:`harness.gates.resolve`); checked when the parity job runs.
+        qtypes: the GGUF variants to write (``qtypes = [...]`` in the file; default all of
+            :data:`QTYPES`; a large benchmark model may write only ``F32``).
     """
 
     name: str
@@ -168,6 +172,8 @@ class Spec:
     init: dict[str, float]
     path: Path
     sha256: str
+    gates: dict[str, Any] = field(default_factory=dict)
+    qtypes: tuple[str, ...] = QTYPES
 
 
 @dataclass(frozen=True)
@@ -255,11 +261,17 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
             raise _spec_fail(p, key, "missing")
         if not isinstance(doc[key], typ) or isinstance(doc[key], bool):
             raise _spec_fail(p, key, f"expected {typ.__name__}, got {type(doc[key]).__name__}")
-    extra = sorted(set(doc) - {"description", "seed", "config", "init"})
+    extra = sorted(set(doc) - {"description", "seed", "config", "init", "gates", "qtypes"})
     if extra:
         raise _spec_fail(p, extra[0], "unknown top-level key")
     if doc["seed"] < 0:
         raise _spec_fail(p, "seed", "must be >= 0")
+    gates = doc.get("gates", {})
+    if not isinstance(gates, dict):
+        raise _spec_fail(p, "gates", "expected a table of gate overrides")
+    qtypes = doc.get("qtypes", list(QTYPES))
+    if not isinstance(qtypes, list) or "F32" not in qtypes or any(q not in QTYPES for q in qtypes):
+        raise _spec_fail(p, "qtypes", f"expected a list of GGUF types from {list(QTYPES)} including F32")
 
     cfg = dict(doc["config"])
     for key in REQUIRED_CONFIG_KEYS:
@@ -294,6 +306,8 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
         init=init,
         path=p,
         sha256=hashlib.sha256(raw).hexdigest(),
+        gates=gates,
+        qtypes=tuple(q for q in QTYPES if q in qtypes),
     )
 
 
@@ -526,8 +540,21 @@ def make_weights(spec: Spec) -> dict[str, np.ndarray]:
         else:
             lo, hi = init[f"{kind}_low"], init[f"{kind}_high"]
             arr = rng.uniform(lo, hi, size=shape)
-        out[name] = np.ascontiguousarray(arr, dtype=np.float32)
+        out[name] = _round_to_bf16(np.ascontiguousarray(arr, dtype=np.float32))
     return out
+
+
+def _round_to_bf16(a: np.ndarray) -> np.ndarray:
+    """Round float32 values to the nearest bfloat16 (ties to even), kept as float32. [...] -> [...].
+
+    Real Gemma checkpoints ship in bfloat16, so a bf16 engine reads them without
+    re-rounding. Synthetic weights are made bf16-representable for the same reason:
+    a bf16 run is then judged on its arithmetic, not on rounding the weights
+    (which alone moves these small, sensitive models by a KLD of ~1e-3).
+    """
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return rounded.astype(np.uint32).view(np.float32)
 
 
 def rope_freqs(config: Mapping[str, Any]) -> np.ndarray:
@@ -897,7 +924,7 @@ def case_key(spec: Spec) -> str:
 
 def _built_case(spec: Spec, root: Path) -> BuiltCase:
     return BuiltCase(spec=spec, root=root, hf_dir=root / "hf",
-                     gguf={q: root / f"{spec.name}-{q}.gguf" for q in QTYPES})
+                     gguf={q: root / f"{spec.name}-{q}.gguf" for q in spec.qtypes})
 
 
 def _versions() -> dict[str, str]:

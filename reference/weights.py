@@ -34,6 +34,7 @@ class _Lazy:
     shape: tuple[int, ...]
     dtype: str  # GGML type name or numpy dtype name, for reports
     read: Callable[[], np.ndarray]  # returns an array of `shape` (any float dtype)
+    stored: np.ndarray | None = None  # GGUF only: the tensor's bytes as mapped (no copy)
 
 
 class Weights(Mapping):
@@ -79,6 +80,11 @@ class Weights(Mapping):
     def raw_dtype(self, name: str) -> str:
         """Stored type of ``name`` (GGML type name such as ``Q8_0``, or a numpy dtype name)."""
         return self._lazy[name].dtype
+
+    def stored(self, name: str) -> np.ndarray | None:
+        """The tensor's bytes exactly as stored in a GGUF (memory-mapped view, not a copy), or None
+        for safetensors. Used by ``fast/`` to dequantize on its own device."""
+        return self._lazy[name].stored
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor as stored after dequantization, in its natural float dtype (no float64 copy kept)."""
@@ -149,7 +155,7 @@ def _gguf_tensors(reader, path: Path) -> dict[str, _Lazy]:
                 raise ModelFileError(f"{path}: tensor {t.name}: type {tname} cannot be dequantized by gguf.quants") \
                     from None
 
-        out[t.name] = _Lazy(shape=shape, dtype=name, read=read)
+        out[t.name] = _Lazy(shape=shape, dtype=name, read=read, stored=t.data)
     return out
 
 

@@ -150,3 +150,20 @@ def make_tiny_gguf(tmp_path) -> Callable[..., Path]:
 def tiny_gguf(tmp_path) -> Path:
     """A valid tiny 2-layer F32 gemma4 GGUF (vocab 32, context 64) in tmp_path."""
     return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+# --------------------------------------------------------------------------- pytest --bench
+
+
+def pytest_addoption(parser):
+    parser.addoption("--bench", action="store_true", default=False,
+                     help="run the throughput benchmarks (tests marked 'bench'); they write reports/<ts>-bench/")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--bench"):
+        return
+    skip = pytest.mark.skip(reason="benchmark: run with pytest --bench")
+    for item in items:
+        if "bench" in item.keywords:
+            item.add_marker(skip)

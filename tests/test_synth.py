@@ -87,8 +87,9 @@ def test_builtin_specs_present_and_valid():
         assert spec.description and "\n" not in spec.description
         c = spec.config
         assert c["vocab_size"] == 512 and c["sliding_window"] == 16
-        assert 64 <= c["hidden_size"] <= 128 and c["hidden_size"] % 32 == 0
-        assert c["head_dim"] == 32 and c["global_head_dim"] == 64 and c["num_attention_heads"] == 4
+        # small enough for CI (the widest built-in case, e4b-wide, is 512), rows fill Q4_0/Q8_0 blocks
+        assert 64 <= c["hidden_size"] <= 512 and c["hidden_size"] % 32 == 0
+        assert c["head_dim"] % 32 == 0 and c["global_head_dim"] % 32 == 0
         assert c["layer_types"][-1] == "full_attention"
 
 
@@ -215,11 +216,14 @@ def test_ones_initialised_tensors_are_randomised(name):
     w = synth.make_weights(spec)
     for k in ones:
         arr = w[hf_to_gguf(k)]
-        assert not np.any(arr == 1.0), k
+        # weights are bf16-representable (real checkpoints ship in bf16), so an element can land
+        # on 1.0 exactly now and then; what must not happen is a constant or all-ones tensor
+        assert not np.all(arr == 1.0), k
+        assert np.mean(arr == 1.0) < 0.05, k
         if arr.size > 1:
             assert arr.std() > 0.05, k
     scalars = np.array([w[f"blk.{i}.layer_output_scale.weight"][0] for i in range(spec.config["num_hidden_layers"])])
-    assert len(set(scalars.tolist())) == len(scalars)
+    assert len(set(scalars.tolist())) > len(scalars) // 2  # per-layer values (bf16 grid: a repeat can happen)
     assert ((scalars >= 0.5) & (scalars <= 1.5)).all()
 
 
@@ -252,13 +256,13 @@ def test_hf_checkpoint_round_trips(built):
         assert ("lm_head.weight" in keys) == (not tied), name
         cfg = json.loads((case.hf_dir / "config.json").read_text())
         assert cfg["model_type"] == "gemma4_text"
-        assert cfg["global_head_dim"] == 64
+        assert cfg["global_head_dim"] == case.spec.config["global_head_dim"]
         assert cfg["hidden_size_per_layer_input"] == case.spec.config["hidden_size_per_layer_input"]
         full = [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"]
         # transformers zero-pads the layer keys ("05", "11") so they sort
         assert sorted(int(k) for k in cfg["per_layer_config"]) == full
         for k, v in cfg["per_layer_config"].items():
-            assert v["head_dim"] == 64
+            assert v["head_dim"] == case.spec.config["global_head_dim"]
 
 
 def test_hf_reload_config_and_no_ple_when_zero(built):
@@ -321,10 +325,20 @@ def test_gguf_quantized_reads_back_exactly(built, qtype):
             assert back.shape == arr.shape, k
             ref = gguf.quants.dequantize(gguf.quants.quantize(arr, qt), qt)
             assert np.array_equal(back, ref), (name, k)
-            # it is a real (lossy) encoding of the weights, not a copy
+            if qtype == "BF16":
+                # synthetic weights are bf16-representable (as real checkpoints are): held exactly
+                assert np.array_equal(back, arr), k
+                continue
+            if qtype == "F16":
+                # bf16 values fit f16's mantissa; only those below f16's normal range (2^-14) round
+                normal = np.abs(arr) >= 2.0**-14
+                assert np.array_equal(back[normal], arr[normal]), k
+                assert np.abs(back - arr).max() <= 2.0**-24, k
+                continue
+            # a quantized type is a real (lossy) encoding of the weights, not a copy
             assert not np.array_equal(back, arr)
             rel = np.abs(back - arr).max() / np.abs(arr).max()
-            assert rel < {"F16": 1e-3, "BF16": 1e-2, "Q8_0": 1e-2, "Q4_0": 0.15}[qtype], (k, rel)
+            assert rel < {"Q8_0": 1e-2, "Q4_0": 0.15}[qtype], (k, rel)
         assert n_quant > 10
         if name == "26b-a4b":
             t = ts["blk.0.ffn_gate_up_exps.weight"]

@@ -1,0 +1,161 @@
+"""Greedy generation with continuous batching over the paged cache.
+
+Each scheduler step runs one batched forward (:meth:`fast.model.FastModel.step`)
+over every active request: a prefill chunk for a request still reading its
+prompt, one token for a request that is decoding. Requests arrive at any step
+(``Request.arrival``) and take a free cache slot; they retire as soon as they
+have their tokens, freeing the slot mid-batch for the next arrival. The solo
+path is the same loop with one slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from reference.errors import PromptError
+from reference.model import check_prompt
+
+from .model import FastModel, SeqStep
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Attributes:
+        id: caller's identifier.
+        prompt: token ids.
+        max_new_tokens: tokens to generate.
+        arrival: scheduler step at which the request arrives (0 = at once).
+        stop: ids that end the request early (kept in the output).
+    """
+
+    id: str
+    prompt: Sequence[int]
+    max_new_tokens: int
+    arrival: int = 0
+    stop: tuple[int, ...] = ()
+
+
+@dataclass
+class Result:
+    """Output of one request: greedy tokens, top-5 ``(id, logprob)`` per step, and optionally
+    the float32 logits ``[V]`` each token was chosen from; ``steps`` = scheduler steps it was active."""
+
+    id: str
+    tokens: list[int] = field(default_factory=list)
+    top5: list[list[tuple[int, float]]] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Active:
+    req: Request
+    slot: int
+    prompt: np.ndarray
+    done_prompt: int = 0
+    result: Result | None = None
+
+    @property
+    def cached(self) -> int:
+        return self.done_prompt + max(0, len(self.result.tokens) - 1)
+
+
+class Engine:
+    """Continuous-batching greedy generator.
+
+    Args:
+        model: the fast model.
+        max_batch: cache slots (1 = the solo path).
+        prefill_chunk: prompt tokens per request per step.
+        max_tokens: longest sequence (prompt + new tokens); sizes the page pool.
+        keep_logits: store each step's logits in the results (for comparisons).
+    """
+
+    def __init__(self, model: FastModel, max_batch: int = 8, prefill_chunk: int = 64, max_tokens: int = 4096,
+                 keep_logits: bool = False, page_size: int = 16):
+        self.model = model
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.max_tokens = max_tokens
+        self.keep_logits = keep_logits
+        self.page_size = page_size
+        self.batch_sizes: list[int] = []
+
+    def run(self, requests: Sequence[Request]) -> dict[str, Result]:
+        """Serve every request; returns results by id.
+
+        Raises:
+            PromptError: a bad prompt or one longer than ``max_tokens``.
+        """
+        cfg = self.model.cfg
+        pending = sorted(requests, key=lambda r: r.arrival)
+        for r in pending:
+            check_prompt(cfg, r.prompt)
+            if len(r.prompt) + r.max_new_tokens > self.max_tokens:
+                raise PromptError(f"request {r.id}: {len(r.prompt)} + {r.max_new_tokens} tokens exceed "
+                                  f"max_tokens {self.max_tokens}")
+        cache = self.model.new_cache(self.max_batch, self.max_tokens, self.page_size)
+        active: list[_Active] = []
+        results: dict[str, Result] = {}
+        step = 0
+        with torch.inference_mode():
+            while pending or active:
+                while pending and pending[0].arrival <= step and len(active) < self.max_batch:
+                    r = pending.pop(0)
+                    a = _Active(r, cache.alloc(), np.asarray(r.prompt, dtype=np.int64), result=Result(r.id))
+                    active.append(a)
+                if not active:
+                    step = max(step + 1, pending[0].arrival)
+                    continue
+                seqs = []
+                for a in active:
+                    if a.done_prompt < len(a.prompt):
+                        chunk = a.prompt[a.done_prompt:a.done_prompt + self.prefill_chunk]
+                        seqs.append(SeqStep(a.slot, torch.from_numpy(chunk), a.done_prompt))
+                    else:
+                        seqs.append(SeqStep(a.slot, torch.tensor([a.result.tokens[-1]]), a.cached))
+                self.batch_sizes.append(len(seqs))
+                logits = self.model.step(cache, seqs)  # [B, V] float32
+                still = []
+                for a, s, row in zip(active, seqs, logits):
+                    a.result.steps.append(step)
+                    if a.done_prompt < len(a.prompt):
+                        a.done_prompt += int(s.ids.numel())
+                        if a.done_prompt < len(a.prompt):
+                            still.append(a)
+                            continue
+                    self._emit(a, row)
+                    r = a.req
+                    if len(a.result.tokens) >= r.max_new_tokens or a.result.tokens[-1] in r.stop:
+                        cache.free(a.slot)
+                        results[r.id] = a.result
+                    else:
+                        still.append(a)
+                active = still
+                step += 1
+        return results
+
+    def _emit(self, a: _Active, row: torch.Tensor) -> None:
+        logp = torch.log_softmax(row.float(), dim=-1)
+        top = torch.topk(logp, 5)
+        tok = int(torch.argmax(row).item())
+        a.result.tokens.append(tok)
+        a.result.top5.append([(int(i), float(v)) for i, v in zip(top.indices.tolist(), top.values.tolist())])
+        if self.keep_logits:
+            a.result.logits.append(row.float().cpu().numpy().copy())
+
+
+def generate(model: FastModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, batched: bool = True,
+             max_batch: int = 8, prefill_chunk: int = 64) -> list[Result]:
+    """Greedy continuations of ``prompts`` (all arriving at step 0), batched or solo, in input order."""
+    reqs = [Request(str(i), p, max_new_tokens) for i, p in enumerate(prompts)]
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    eng = Engine(model, max_batch=max_batch if batched else 1, prefill_chunk=prefill_chunk, max_tokens=longest)
+    res = eng.run(reqs)
+    return [res[r.id] for r in reqs]
