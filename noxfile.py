@@ -52,3 +52,22 @@ def bench(session: nox.Session) -> None:
     """Throughput benchmarks (pytest --bench); writes reports/<ts>-bench/."""
     _install(session)
     session.run("pytest", "--bench", "-m", "bench", "-s", *session.posargs)
+
+
+LLAMA_CPP_PIN = "llama-cpp-python==0.3.36"
+LLAMA_CPP_CMAKE = ("-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF "
+                   "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=OFF")
+
+
+@nox.session
+def llamacpp(session: nox.Session) -> None:
+    """llama.cpp as an engine: builds llama-cpp-python once into .g4h-cache/wheels (about 5-10 min on
+    2 cores), reuses it afterwards, then runs its tests and the parity job (which then includes llama.cpp)."""
+    _install(session)
+    wheels = ".g4h-cache/wheels"
+    os.makedirs(wheels, exist_ok=True)
+    if not any(f.startswith("llama_cpp_python-0.3.36") for f in os.listdir(wheels)):
+        session.run("pip", "wheel", LLAMA_CPP_PIN, "--no-deps", "-w", wheels, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE})
+    session.install("--find-links", wheels, LLAMA_CPP_PIN)
+    session.run("pytest", "tests/test_llamacpp.py", *session.posargs)
+    session.run("g4h", "parity", "--no-real")

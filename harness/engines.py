@@ -289,10 +289,18 @@ class FastEngine:
         return generate(self.model, prompts, max_new_tokens, batched=self.batched)
 
 
+def _llamacpp_engine(path: str | Path, **options) -> Engine:
+    """llama.cpp through llama-cpp-python, in a worker subprocess (lazy import: :mod:`harness.llamacpp`)."""
+    from harness.llamacpp import LlamaCppEngine
+
+    return LlamaCppEngine(path, **options)
+
+
 ENGINES: dict[str, Callable[..., Engine]] = {
     "reference": ReferenceEngine,
     "transformers": TransformersEngine,
     "fast": FastEngine,
+    "llamacpp": _llamacpp_engine,
 }
 
 

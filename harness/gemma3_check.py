@@ -205,6 +205,7 @@ def run_gemma3_real(out: MutableMapping[str, Any] | None = None, *, path: str | 
         sequences.append(seq)
         ref_runs.append((logits, trace))
     res["pass"] = all(p["pass"] for p in prompts)
+    res["fast"] = _compare_fast(cfg, W, sequences, ref_runs, tok)
 
     if not compare_transformers:
         res["transformers"] = {"available": False, "reason": "not requested"}
@@ -237,6 +238,25 @@ def run_gemma3_real(out: MutableMapping[str, Any] | None = None, *, path: str | 
     cmp["gate"] = {"max_abs_logit_diff": GATE_MAX_ABS_LOGIT, "layer_rel_l2": GATE_LAYER_REL_L2,
                    "pass": worst_logit <= GATE_MAX_ABS_LOGIT and worst_layer <= GATE_LAYER_REL_L2}
     return res
+
+
+def _compare_fast(cfg, W, sequences, ref_runs, tok) -> dict[str, Any]:
+    """fast fp32 (CPU; the real Q8_0/Q5_0/Q4_K/Q6_K tensors dequantized in torch) vs the reference
+    on each prompt + generated sequence, and its own greedy continuation of the first prompt."""
+    from fast.engine import generate
+    from fast.model import FastModel
+
+    t = time.perf_counter()
+    fm = FastModel(cfg, W, "cpu", "float32")
+    out: dict[str, Any] = {"load_s": round(time.perf_counter() - t, 3), "prompts": []}
+    for (name, _, _), seq, (ref_logits, _) in zip(PROMPTS, sequences, ref_runs):
+        f = fm.logits(seq).double().numpy()
+        out["prompts"].append({"name": name, "n_tokens": len(seq),
+                               "max_abs_logit_diff": float(np.max(np.abs(f - ref_logits))),
+                               "top1_agreement": float(np.mean(np.argmax(f, -1) == np.argmax(ref_logits, -1)))})
+    first_ids = tok.encode(PROMPTS[0][1])
+    out["greedy_first_prompt"] = tok.decode(generate(fm, [first_ids], 3)[0].tokens)
+    return out
 
 
 if __name__ == "__main__":  # pragma: no cover - manual run: python -m harness.gemma3_check

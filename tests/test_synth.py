@@ -275,7 +275,7 @@ def test_hf_reload_config_and_no_ple_when_zero(built):
     assert attn_sliding.head_dim == 32 and attn_sliding.k_proj.out_features == 64
     e2b = transformers.Gemma4ForCausalLM.from_pretrained(built["e2b"].hf_dir, dtype=torch.float32)
     assert e2b.model.embed_tokens_per_layer.weight.shape == (512, 160)
-    assert e2b.model.layers[9].mlp.intermediate_size == 256 and e2b.model.layers[5].mlp.intermediate_size == 128
+    assert e2b.model.layers[9].mlp.intermediate_size == 256 and e2b.model.layers[4].mlp.intermediate_size == 128
     assert not hasattr(e2b.model.layers[9].self_attn, "k_proj")
 
 
@@ -361,7 +361,7 @@ def test_gguf_metadata_e2b(built):
     assert f["general.file_type"] == (["UINT32"], 7)
     assert f["gemma4.block_count"] == (["UINT32"], 10)
     assert f["gemma4.embedding_length"] == (["UINT32"], 64)
-    assert f["gemma4.feed_forward_length"] == (["ARRAY", "UINT32"], [128] * 6 + [256] * 4)
+    assert f["gemma4.feed_forward_length"] == (["ARRAY", "UINT32"], [128] * 5 + [256] * 5)
     assert f["gemma4.attention.head_count"] == (["UINT32"], 4)
     assert f["gemma4.attention.head_count_kv"] == (["UINT32"], 1)
     assert f["gemma4.attention.key_length"] == (["UINT32"], 64)
@@ -371,7 +371,7 @@ def test_gguf_metadata_e2b(built):
     assert f["gemma4.attention.sliding_window"] == (["UINT32"], 16)
     pattern = [True] * 4 + [False] + [True] * 4 + [False]
     assert f["gemma4.attention.sliding_window_pattern"] == (["ARRAY", "BOOL"], pattern)
-    assert f["gemma4.attention.shared_kv_layers"] == (["UINT32"], 4)
+    assert f["gemma4.attention.shared_kv_layers"] == (["UINT32"], 5)
     assert f["gemma4.embedding_length_per_layer_input"] == (["UINT32"], 16)
     assert f["gemma4.rope.freq_base"] == (["FLOAT32"], 1e6)
     assert f["gemma4.rope.freq_base_swa"] == (["FLOAT32"], 1e4)
