@@ -4,9 +4,14 @@ Sub-commands:
 
 * ``g4h logits --model PATH --engine NAME --prompt-ids FILE.json --out FILE.npy``
   writes the logits of every position, ``[T, vocab]`` (float64 for the
-  reference, float32 otherwise unless ``--dtype`` says so).
-* ``g4h parity [--model PATH ...] [--against ENGINE] [--out DIR]`` runs the
+  reference, float32 otherwise unless ``--out-dtype`` says so).
+* ``g4h generate --model PATH --engine NAME --prompts FILE.jsonl --max-new-tokens N --out FILE.jsonl``
+  greedy continuations with top-5 log-probabilities.
+* ``g4h parity [--model PATH ...] [--against ENGINE] [--out DIR] [--baseline F]`` runs the
   parity job (see :mod:`harness.parity`).
+* ``g4h trace`` / ``g4h diff`` write and compare checksum traces (:mod:`harness.traces`);
+  ``g4h selftest`` runs the mutation self-test (:mod:`harness.selftest`).
+* ``g4h tokenize`` / ``g4h tokcheck``: tokenizer engines and parity (:mod:`harness.tokengines`).
 
 Exit status: 0 success / all gates pass, 1 a gate failed, 2 bad input (one line
 on stderr naming the file, key or tensor).

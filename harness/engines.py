@@ -7,8 +7,9 @@ An engine is built from a model path (a ``.gguf`` file or an HF folder) and can
 * report trace points (llama.cpp graph-callback names, see :mod:`reference.model`)
   through the ``trace`` callback ``(point, layer, array [T, ...])``.
 
-Engines here: ``reference`` (float64 NumPy) and ``transformers`` (HF fp32 eager,
-the oracle). New engines register in :data:`ENGINES`.
+Engines: ``reference`` (float64 NumPy), ``transformers`` (HF fp32 eager, the
+oracle), ``fast`` (torch, any device and dtype) and ``llamacpp`` (llama-cpp-python
+in a subprocess, :mod:`harness.llamacpp`). New engines register in :data:`ENGINES`.
 """
 
 from __future__ import annotations
