@@ -25,18 +25,26 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
         for chk in c["checks"]:
             by_gate.setdefault(chk["gate"], []).append(chk)
         for gate, checks in by_gate.items():
-            op = checks[0]["op"]
-            worst = max(checks, key=lambda k: k["measured"]) if op == "le" else min(checks, key=lambda k: k["measured"])
-            ok = all(k["pass"] for k in checks)
-            info = any(k.get("informational") for k in checks)
-            note = f"{sum(k['pass'] for k in checks)}/{len(checks)} within"
-            if info:
-                note += f"; not gating: {checks[0].get('reason', '')}"
-            if worst.get("first_divergence"):
-                note += f"; first divergence {worst['first_divergence']}"
-            rows.append({"case": c["case"], "gate": gate, "worst": f"{worst['measured']:.3g}",
-                         "limit": f"{'<=' if op == 'le' else '>='} {worst['limit']:g}",
-                         "result": "INFO" if info else ("PASS" if ok else "FAIL"), "note": note})
+            # gating and informational checks of one gate get separate rows, so an informational
+            # check can never hide a gating failure
+            gating = [k for k in checks if not k.get("informational")]
+            info = [k for k in checks if k.get("informational")]
+            for group, is_info in ((gating, False), (info, True)):
+                if not group:
+                    continue
+                op = group[0]["op"]
+                pick = max if op == "le" else min
+                worst = pick(group, key=lambda k: k["measured"])
+                note = f"{sum(k['pass'] for k in group)}/{len(group)} within"
+                if is_info:
+                    reasons = sorted({k.get("reason", "") for k in group if k.get("reason")})
+                    note += "; not gating: " + " / ".join(reasons)
+                if worst.get("first_divergence"):
+                    note += f"; first divergence {worst['first_divergence']}"
+                ok = all(k["pass"] for k in group)
+                rows.append({"case": c["case"], "gate": gate, "worst": f"{worst['measured']:.3g}",
+                             "limit": f"{'<=' if op == 'le' else '>='} {worst['limit']:g}",
+                             "result": "INFO" if is_info else ("PASS" if ok else "FAIL"), "note": note})
         if c.get("info", {}).get("skipped"):
             rows.append({"case": c["case"], "gate": "(oracle)", "worst": "", "limit": "", "result": "SKIP",
                          "note": c["info"]["skipped"]})
@@ -120,7 +128,7 @@ def render_markdown(data: dict[str, Any], plot: str | None) -> str:
             continue
         rows = [{"gate": k["gate"], "prompt": (k["prompt"] or "").replace("\n", "\\n"),
                  "measured": f"{k['measured']:.3g}",
-                 "pass": "yes" if k["pass"] else "NO",
+                 "pass": "yes" if k["pass"] else ("info" if k.get("informational") else "NO"),
                  "extra": ", ".join(f"{x}={k[x]!r}" if isinstance(k[x], str) else f"{x}={k[x]}" for x in ("tokens", "same_top1", "worst_point", "qtype", "variant",
                                                          "positions", "expected", "got")
                                     if x in k and k[x] is not None)} for k in c["checks"]]
