@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from clitools import assert_one_line_error, run_cli
 
 from conftest import TINY
 
@@ -26,23 +27,8 @@ CLI_TIMEOUT_S = 120
 
 def run_logits(model: Path | str, prompt: Path | str, out: Path | str, engine: str = "reference"):
     """Run ``g4h logits`` in a subprocess; return the CompletedProcess (text mode)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "harness.cli", "logits", "--model", str(model), "--engine", engine,
-           "--prompt-ids", str(prompt), "--out", str(out)]
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
-
-
-def assert_one_line_error(proc, *names: str) -> str:
-    """Exit 2, exactly one non-empty stderr line, no traceback, and the line names one of ``names``."""
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    detail = f"rc={proc.returncode}\n--- stderr ---\n{proc.stderr}\n--- stdout ---\n{proc.stdout}"
-    assert "Traceback" not in proc.stderr, detail
-    assert proc.returncode == 2, detail
-    assert len(lines) == 1, detail
-    line = lines[0]
-    assert any(n in line for n in names), f"the error line names none of {names!r}: {line!r}"
-    return line
+    return run_cli("logits", "--model", str(model), "--engine", engine, "--prompt-ids", str(prompt),
+                   "--out", str(out), timeout=CLI_TIMEOUT_S)
 
 
 def write_prompt(tmp_path: Path, content, name: str = "prompt.json") -> Path:

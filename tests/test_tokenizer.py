@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from clitools import assert_one_line_error
+from clitools import run_cli as _run_cli
 
 from reference.errors import ConfigError, InputError
 
@@ -373,21 +375,10 @@ def test_engine_selection_errors(tmp_path):
 
 
 def run_cli(*args: str, extra_path: Path | None = None):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(p) for p in (extra_path, REPO_ROOT) if p] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    return _run_cli(*args, extra_path=extra_path, timeout=CLI_TIMEOUT_S)
 
 
-def one_line_error(proc, *names: str) -> str:
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    detail = f"rc={proc.returncode}\n{proc.stderr}\n{proc.stdout}"
-    assert "Traceback" not in proc.stderr, detail
-    assert proc.returncode == 2, detail
-    assert len(lines) == 1, detail
-    assert any(n in lines[0] for n in names), lines[0]
-    return lines[0]
+one_line_error = assert_one_line_error
 
 
 @pytest.fixture

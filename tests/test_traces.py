@@ -17,27 +17,11 @@ import numpy as np
 import pytest
 
 from harness import traces
+from clitools import assert_one_line_error, run_cli
 from harness.traces import DivergenceRule, TraceWriter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [2, 5, 7, 11, 13, 17, 19, 23, 29, 30]  # 10 tokens: > 6 rows, so eval-callback text elides rows
-
-
-def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def assert_one_line_error(proc, *names: str) -> str:
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    detail = f"rc={proc.returncode}\n--- stderr ---\n{proc.stderr}\n--- stdout ---\n{proc.stdout}"
-    assert "Traceback" not in proc.stderr, detail
-    assert proc.returncode == 2, detail
-    assert len(lines) == 1, detail
-    assert any(n in lines[0] for n in names), f"{lines[0]!r} names none of {names!r}"
-    return lines[0]
 
 
 def reference_trace(model: Path, ids=PROMPT, keep: bool = True) -> TraceWriter:
