@@ -150,6 +150,48 @@ class _Matcher:
         return out
 
 
+def merge_pairs(pieces: list[str], priority) -> list[str]:
+    """Merge adjacent symbols, best pair first, until no pair has a priority; returns the final symbols.
+
+    ``priority(left, right, merged)`` gives a sort key for merging symbols ``left`` and ``right``
+    (indices into ``pieces``, which is updated in place) into ``merged``, or None when they must not
+    merge; the smallest key wins, ties go to the leftmost pair. A heap holds candidate pairs;
+    entries made stale by an earlier merge are skipped when popped. Both SentencePiece BPE (key
+    = -score) and merges-based BPE (key = rank) are this loop. Sources: sentencepiece
+    ``bpe_model.cc`` ``Model::Encode``; HF ``tokenizers`` ``Word::merge_all``.
+    """
+    n = len(pieces)
+    prev = list(range(-1, n - 1))  # linked list over live symbols; -1 = none
+    nxt = [i + 1 if i + 1 < n else -1 for i in range(n)]
+    heap: list[tuple] = []
+
+    def push(left: int, right: int) -> None:
+        if left < 0 or right < 0:
+            return
+        merged = pieces[left] + pieces[right]
+        key = priority(left, right, merged)
+        if key is not None:
+            heapq.heappush(heap, (key, left, right, merged))
+
+    for i in range(n - 1):
+        push(i, i + 1)
+    while heap:
+        _, left, right, merged = heapq.heappop(heap)
+        if nxt[left] != right or pieces[left] + pieces[right] != merged:
+            continue  # stale: one side has changed since this pair was queued
+        pieces[left], pieces[right] = merged, ""
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prev[nxt[right]] = left
+        push(prev[left], left)
+        push(left, nxt[left])
+    out, i = [], 0 if n else -1
+    while i >= 0:
+        out.append(pieces[i])
+        i = nxt[i]
+    return out
+
+
 class GGUFTokenizer:
     """Tokenizer from GGUF metadata: ``llama`` (SentencePiece BPE) or ``gemma4`` (BPE with merges).
 
@@ -303,38 +345,16 @@ class GGUFTokenizer:
         entries made stale by an earlier merge are skipped when popped. Source:
         sentencepiece ``bpe_model.cc`` ``Model::Encode``.
         """
-        pieces = [s for s, _ in symbols]
         frozen = [f for _, f in symbols]
-        n = len(pieces)
-        prev = list(range(-1, n - 1))  # linked list over live symbols; -1 = none
-        nxt = [i + 1 if i + 1 < n else -1 for i in range(n)]
-        heap: list[tuple[float, int, int, str]] = []
+        scores, normal = self.scores, self.normal
 
-        def push(left: int, right: int) -> None:
-            if left < 0 or right < 0 or frozen[left] or frozen[right]:
-                return
-            merged = pieces[left] + pieces[right]
-            tid = self.normal.get(merged)
-            if tid is not None:
-                heapq.heappush(heap, (-self.scores[tid], left, right, merged))
+        def priority(left: int, right: int, merged: str) -> float | None:
+            if frozen[left] or frozen[right]:
+                return None
+            tid = normal.get(merged)
+            return None if tid is None else -scores[tid]
 
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, left, right, merged = heapq.heappop(heap)
-            if nxt[left] != right or pieces[left] + pieces[right] != merged:
-                continue  # stale: one side has changed since this pair was queued
-            pieces[left], pieces[right] = merged, ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            push(prev[left], left)
-            push(left, nxt[left])
-        out, i = [], 0 if n else -1
-        while i >= 0:
-            out.append(pieces[i])
-            i = nxt[i]
-        return out
+        return merge_pairs([s for s, _ in symbols], priority)
 
     def _piece_ids(self, piece: str, frozen_id: int | None) -> list[int]:
         """Ids of one final symbol: the token, else byte fallback (else unknown)."""
@@ -382,37 +402,15 @@ class GGUFTokenizer:
         cached = self._cache.get(word)
         if cached is not None:
             return cached
-        pieces = list(word)
-        n = len(pieces)
-        nxt = [i + 1 if i + 1 < n else -1 for i in range(n)]
-        prev = list(range(-1, n - 1))
         ranks = self.ranks
-        heap: list[tuple[int, int, int, str]] = []
 
-        def push(left: int, right: int) -> None:
-            if left < 0 or right < 0:
-                return
-            r = ranks.get(pieces[left] + " " + pieces[right])
-            if r is not None:
-                heapq.heappush(heap, (r, left, right, pieces[left] + pieces[right]))
+        def priority(left: int, right: int, merged: str) -> int | None:
+            return ranks.get(pieces[left] + " " + pieces[right])
 
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, left, right, merged = heapq.heappop(heap)
-            if nxt[left] != right or pieces[left] + pieces[right] != merged:
-                continue
-            pieces[left], pieces[right] = merged, ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            push(prev[left], left)
-            push(left, nxt[left])
+        pieces = list(word)
         ids: list[int] = []
-        i = 0 if n else -1
-        while i >= 0:
-            ids.extend(self._piece_ids(pieces[i], None))
-            i = nxt[i]
+        for piece in merge_pairs(pieces, priority):
+            ids.extend(self._piece_ids(piece, None))
         if len(word) <= 64:
             if len(self._cache) > 50_000:
                 self._cache.clear()
