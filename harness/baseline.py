@@ -209,7 +209,9 @@ def compare_to_baseline(current: Mapping[str, Any], baseline: Mapping[str, Any],
 
 def baseline_section(data: Mapping[str, Any]) -> list[str]:
     """Markdown lines for the parity report's "Baseline comparison" section (empty when no baseline)."""
-    from .report import markdown_table
+    import pandas as pd
+
+    from .report import dataframe_markdown
 
     b = data.get("baseline")
     if not b:
@@ -230,7 +232,9 @@ def baseline_section(data: Mapping[str, Any]) -> list[str]:
         rows = [{"case": r["case"], "gate": r["gate"], "prompt": r.get("prompt") or "", "rule": r["rule"],
                  "baseline": r.get("baseline"), "now": r.get("now"),
                  "ratio": f"{r['ratio']:.3g}x" if "ratio" in r else ""} for r in regs]
-        lines += [markdown_table(rows, ["case", "gate", "prompt", "rule", "baseline", "now", "ratio"]), ""]
+        cols = ["case", "gate", "prompt", "rule", "baseline", "now", "ratio"]
+        frame = pd.DataFrame(rows, columns=cols, dtype=object)
+        lines += [dataframe_markdown(frame, right=["baseline", "now", "ratio"]), ""]
     if b["improved"]:
         lines += [f"Now passing (failed in the baseline): "
                   + ", ".join(f"{r['case']} {r['gate']} {r.get('prompt') or ''}".strip() for r in b["improved"]), ""]

@@ -21,12 +21,13 @@ from fast.model import FastModel, SeqStep
 from reference import model as ref_model
 
 from . import metrics
-from .parity import TraceRecorder
+from .parity import TraceRecorder, layer_errors
 
 
 def fast_vs_reference(fm: FastModel, cfg, W, prompts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per prompt: max |Δlogit|, same-top-1, min cosine over trace points (first one below 0.99999 named),
-    and the logits of both sides (for KLD over the whole set)."""
+    relative L2 per trace point (``per_point``: ``[[point, layer, rel_l2], ...]``, for the report's
+    per-layer plots), and the logits of both sides (for KLD over the whole set)."""
     rows = []
     for p in prompts:
         ra, fa = TraceRecorder(), TraceRecorder()
@@ -39,7 +40,9 @@ def fast_vs_reference(fm: FastModel, cfg, W, prompts: Sequence[dict[str, Any]]) 
                      "same_top1": metrics.top1_agreement(fast, ref), "min_cosine": worst[1],
                      "worst_point": f"{worst[0][0]}@{worst[0][1]}",
                      "first_divergence": None if first_low is None else f"{first_low[0]}@{first_low[1]}",
-                     "n_points": len(cos), "_ref": ref, "_fast": fast})
+                     "n_points": len(cos),
+                     "per_point": [[r["point"], r["layer"], r["rel_l2"]] for r in layer_errors(fa, ra)],
+                     "_ref": ref, "_fast": fast})
     return rows
 
 
@@ -48,6 +51,23 @@ def kld_over(rows: list[dict[str, Any]]) -> metrics.KLDStats:
     ours = np.concatenate([r["_fast"] for r in rows])
     base = np.concatenate([r["_ref"] for r in rows])
     return metrics.kld_stats(ours, base)
+
+
+def kld_values(rows: list[dict[str, Any]]) -> np.ndarray:
+    """Per-position KLD (reference = base) over every position of every prompt, in prompt order."""
+    return metrics.kld_per_position(np.concatenate([r["_fast"] for r in rows]),
+                                    np.concatenate([r["_ref"] for r in rows]))
+
+
+def max_per_point(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """The largest relative L2 of each trace point over the prompts of :func:`fast_vs_reference`,
+    as ``[[point, layer, rel_l2], ...]`` in first-seen order."""
+    worst: dict[tuple[str, int], float] = {}
+    for r in rows:
+        for point, layer, v in r.get("per_point", []):
+            key = (point, layer)
+            worst[key] = max(worst.get(key, v), v)
+    return [[p, layer, v] for (p, layer), v in worst.items()]
 
 
 def batch_scenario(window: int, vocab: int, seed: int = 0) -> list[Request]:
@@ -89,15 +109,63 @@ def batched_vs_solo(fm: FastModel, prefill_chunk: int | None = None, seed: int =
                           "new": r.max_new_tokens} for r in reqs]}
 
 
-def chunked_vs_oneshot(fm: FastModel, ids: Sequence[int]) -> dict[str, float]:
+class _ConcatRecorder:
+    """Trace callback for a forward run in several steps: each point's arrays joined along the token axis."""
+
+    def __init__(self) -> None:
+        self.parts: dict[tuple[str, int], list[np.ndarray]] = {}
+
+    def __call__(self, point: str, layer: int, arr: np.ndarray) -> None:
+        self.parts.setdefault((point, layer), []).append(np.asarray(arr, dtype=np.float64))
+
+    def recorder(self) -> TraceRecorder:
+        """The joined arrays as a :class:`TraceRecorder` (same order of points)."""
+        rec = TraceRecorder()
+        rec.points = {k: np.concatenate(v, axis=0) for k, v in self.parts.items()}
+        return rec
+
+
+def _chunked_traced(fm: FastModel, ids: Sequence[int], chunk: int) -> tuple[np.ndarray, TraceRecorder]:
+    """Logits of a prefill in chunks of ``chunk`` and its trace (every chunk's step traced, joined)."""
+    import torch
+
+    cache = fm.new_cache(1, len(ids))
+    slot = cache.alloc()
+    rec = _ConcatRecorder()
+    parts = []
+    with torch.inference_mode():
+        for start in range(0, len(ids), chunk):
+            part = torch.tensor(list(ids[start:start + chunk]))
+            parts.append(fm.step(cache, [SeqStep(slot, part, start)], all_logits=True, trace=rec))
+    return torch.cat(parts).cpu().numpy(), rec.recorder()
+
+
+def chunked_vs_oneshot(fm: FastModel, ids: Sequence[int],
+                       per_point: dict[str, list[list[Any]]] | None = None) -> dict[str, float]:
     """Max |Δlogit| of chunked prefills (window-5, window, window+3) and of a half prefill followed by
-    token-by-token decode, against the one-shot forward."""
+    token-by-token decode, against the one-shot forward.
+
+    Args:
+        fm: the fast model.
+        ids: the prompt.
+        per_point: when given, filled with ``variant -> [[point, layer, rel_l2], ...]`` for the chunked
+            prefills: each trace point of the chunked run (chunks joined) against the one-shot run's.
+    """
     cfg = fm.cfg
     w = cfg.sliding_window or 16
     full = fm.logits(ids).cpu().numpy()
+    one_trace = None
+    if per_point is not None:
+        one_trace = TraceRecorder()
+        fm.logits(ids, trace=one_trace)
     out = {}
     for name, c in (("chunk<window", max(1, w - 5)), ("chunk=window", w), ("chunk>window", w + 3)):
-        out[name] = float(np.max(np.abs(fm.logits(ids, chunk=c).cpu().numpy() - full)))
+        if one_trace is None:
+            chunked = fm.logits(ids, chunk=c).cpu().numpy()
+        else:
+            chunked, rec = _chunked_traced(fm, ids, c)
+            per_point[name] = [[r["point"], r["layer"], r["rel_l2"]] for r in layer_errors(rec, one_trace)]
+        out[name] = float(np.max(np.abs(chunked - full)))
     import torch
 
     cache = fm.new_cache(1, len(ids))

@@ -242,9 +242,12 @@ def run_gemma3_real(out: MutableMapping[str, Any] | None = None, *, path: str | 
 
 def _compare_fast(cfg, W, sequences, ref_runs, tok) -> dict[str, Any]:
     """fast fp32 (CPU; the real Q8_0/Q5_0/Q4_K/Q6_K tensors dequantized in torch) vs the reference
-    on each prompt + generated sequence, and its own greedy continuation of the first prompt."""
+    on each prompt + generated sequence (max |Δlogit|, same top-1, per-position KLD counted on
+    :func:`harness.metrics.kld_histogram`'s fixed log bins), and its own greedy continuation of the
+    first prompt."""
     from fast.engine import generate
     from fast.model import FastModel
+    from harness.metrics import kld_histogram, kld_per_position
 
     t = time.perf_counter()
     fm = FastModel(cfg, W, "cpu", "float32")
@@ -253,7 +256,8 @@ def _compare_fast(cfg, W, sequences, ref_runs, tok) -> dict[str, Any]:
         f = fm.logits(seq).double().numpy()
         out["prompts"].append({"name": name, "n_tokens": len(seq),
                                "max_abs_logit_diff": float(np.max(np.abs(f - ref_logits))),
-                               "top1_agreement": float(np.mean(np.argmax(f, -1) == np.argmax(ref_logits, -1)))})
+                               "top1_agreement": float(np.mean(np.argmax(f, -1) == np.argmax(ref_logits, -1))),
+                               "kld_hist": kld_histogram(kld_per_position(f, ref_logits))})
     first_ids = tok.encode(PROMPTS[0][1])
     out["greedy_first_prompt"] = tok.decode(generate(fm, [first_ids], 3)[0].tokens)
     return out

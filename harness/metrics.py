@@ -12,7 +12,8 @@ Three groups (DESIGN.md, "Metrics"):
   (llama.cpp ``tools/perplexity/perplexity.cpp``, function ``kl_divergence``
   and its helpers), from two logit arrays: :func:`kld_stats` returning
   :class:`KLDStats`, with the helpers :func:`kld_per_position` and
-  :func:`top1_agreement`;
+  :func:`top1_agreement` (and :func:`kld_histogram`, per-position values
+  counted on fixed log bins for the reports);
 * vLLM's greedy-stream comparison (``tests/models/utils.py``,
   ``check_logprobs_close``): :func:`greedy_agreement`.
 
@@ -42,6 +43,7 @@ __all__ = [
     "rel_l2",
     "log_softmax",
     "kld_per_position",
+    "kld_histogram",
     "top1_agreement",
     "KLDStats",
     "kld_stats",
@@ -303,6 +305,46 @@ def kld_per_position(ours: Any, base: Any) -> np.ndarray:
     """
     x, y = _logit_pair(ours, base)
     return _kld_rows(_log_softmax(x), _log_softmax(y))
+
+
+KLD_HIST_BINS_PER_DECADE = 4
+"""Bins per factor of 10 in :func:`kld_histogram` (bin ``k`` holds ``10**(k/4) <= KLD < 10**((k+1)/4)``)."""
+
+KLD_HIST_FLOOR_LOG10 = -16
+"""Per-position KLD below ``10**-16`` (float64 rounding noise, exact zeros) is counted in ``below``."""
+
+
+def kld_histogram(kld: Any) -> dict[str, Any]:
+    """Per-position KLD values counted on a fixed log10 grid: compact, JSON-able, deterministic.
+
+    The grid does not depend on the data (bin ``k`` is ``[10**(k/b), 10**((k+1)/b))`` with
+    ``b`` = :data:`KLD_HIST_BINS_PER_DECADE`), so two runs that give the same values give the same
+    counts, and histograms of different runs or cases can be added bin by bin. Only the bins from the
+    first to the last non-empty one are stored.
+
+    Args:
+        kld: per-position KLD values (e.g. :func:`kld_per_position`), any shape.
+
+    Returns:
+        ``{"n", "bins_per_decade", "log10_lo", "counts", "below", "nonfinite"}``: ``n`` values in all;
+        ``counts[i]`` values in bin ``[10**(log10_lo + i/b), 10**(log10_lo + (i+1)/b))``; ``below``
+        values under ``10**`` :data:`KLD_HIST_FLOOR_LOG10` (zeros included; negatives too, which a
+        KLD never is); ``nonfinite`` NaN / inf values. ``counts`` is empty (``log10_lo`` = the
+        floor) when no value lies on the grid.
+    """
+    v = np.asarray(kld, dtype=np.float64).ravel()
+    b = KLD_HIST_BINS_PER_DECADE
+    finite = np.isfinite(v)
+    on_grid = finite & (v >= 10.0 ** KLD_HIST_FLOOR_LOG10)
+    k = np.floor(np.log10(v[on_grid]) * b).astype(np.int64)
+    out: dict[str, Any] = {"n": int(v.size), "bins_per_decade": b, "log10_lo": float(KLD_HIST_FLOOR_LOG10),
+                           "counts": [], "below": int(np.sum(finite & ~on_grid)),
+                           "nonfinite": int(np.sum(~finite))}
+    if k.size:
+        lo, hi = int(k.min()), int(k.max())
+        out["log10_lo"] = lo / b
+        out["counts"] = np.bincount(k - lo, minlength=hi - lo + 1).astype(int).tolist()
+    return out
 
 
 def top1_agreement(ours: Any, base: Any) -> float:

@@ -213,6 +213,7 @@ def run_llamacpp_checks(res: CaseResult, gates: dict[str, Gate], built, prompts,
         res.info["llamacpp"] = "not run: llama-cpp-python is not installed (pip install 'gemma4-harness[llamacpp]')"
         return
     from .llamacpp import check_synthetic
+    from .metrics import kld_histogram
 
     progress(f"[{name}] llama.cpp vs reference")
     rows = check_synthetic(built, prompts)
@@ -224,9 +225,14 @@ def run_llamacpp_checks(res: CaseResult, gates: dict[str, Gate], built, prompts,
     trace = summary.get("trace") or {}
     fd = trace.get("first_divergence") if isinstance(trace, dict) else None
     first = f"{fd['point']}@{fd['layer']}" if fd else None
+    per_point = trace.get("per_point") if isinstance(trace, dict) else None
     res.add(gates["llamacpp~reference.max_abs_logit"], summary["max_abs_logit"], None,
-            positions=summary["n_tokens"], first_divergence=first)
-    res.add(gates["llamacpp~reference.mean_kld"], summary["mean_kld"], None, positions=summary["n_tokens"])
+            positions=summary["n_tokens"], first_divergence=first,
+            **({"per_point": per_point, "traced_prompt": trace.get("prompt")} if per_point else {}))
+    # per-position KLD for the report's histogram, when check_synthetic hands the values over
+    kld_pos = summary.get("kld_per_position")
+    res.add(gates["llamacpp~reference.mean_kld"], summary["mean_kld"], None, positions=summary["n_tokens"],
+            **({"kld_hist": kld_histogram(kld_pos)} if kld_pos is not None else {}))
     res.add(gates["llamacpp~reference.same_top1"], summary["same_top1"], None, positions=summary["n_tokens"],
             near_ties=summary.get("near_ties"), top1_flips=summary.get("top1_flips"))
 
@@ -235,7 +241,9 @@ def run_fast_checks(res: CaseResult, gates: dict[str, Gate], cfg, W, prompts, pr
     """fast fp32 and bf16 vs the reference, batched vs solo, chunked vs one-shot (CPU)."""
     from fast.model import FastModel
 
-    from .fastcheck import batched_vs_solo, chunked_vs_oneshot, fast_vs_reference, kld_over
+    from .fastcheck import (batched_vs_solo, chunked_vs_oneshot, fast_vs_reference, kld_over, kld_values,
+                            max_per_point)
+    from .metrics import kld_histogram
 
     progress(f"[{name}] fast fp32 / bf16 vs reference")
     fm32 = FastModel(cfg, W, "cpu", "float32")
@@ -243,11 +251,12 @@ def run_fast_checks(res: CaseResult, gates: dict[str, Gate], cfg, W, prompts, pr
         res.add(gates["fast~reference.max_abs_logit"], r["max_abs_logit"], r["id"], tokens=r["tokens"],
                 same_top1=r["same_top1"])
         res.add(gates["fast~reference.layer_cosine"], r["min_cosine"], r["id"], worst_point=r["worst_point"],
-                first_divergence=r["first_divergence"])
+                first_divergence=r["first_divergence"], per_point=r["per_point"])
     rows16 = fast_vs_reference(FastModel(cfg, W, "cpu", "bfloat16"), cfg, W, prompts)
     kld = kld_over(rows16)
     res.add(gates["fast_bf16~reference.mean_kld"], kld.mean_kld, None, positions=kld.n,
-            kld_p99=kld.kld_p99_0, max_kld=kld.maximum_kld)
+            kld_p99=kld.kld_p99_0, max_kld=kld.maximum_kld, kld_hist=kld_histogram(kld_values(rows16)),
+            per_point=max_per_point(rows16))
     res.add(gates["fast_bf16~reference.same_top1"], kld.same_top_p_pct / 100.0, None, positions=kld.n)
     res.info["bf16_kld"] = {k: v for k, v in kld.as_dict().items() if v is not None}
     progress(f"[{name}] fast batched vs solo, chunked vs one-shot")
@@ -257,8 +266,10 @@ def run_fast_checks(res: CaseResult, gates: dict[str, Gate], cfg, W, prompts, pr
             retired_mid_batch=bs["retired_mid_batch"], max_batch=bs["max_batch_seen"])
     res.add(gates["fast.neighbour_isolation.max_abs_logit"], bs["isolation_max_abs"], None)
     longest = max(prompts, key=lambda p: len(p["prompt_ids"]))
-    for variant, v in chunked_vs_oneshot(fm32, longest["prompt_ids"]).items():
-        res.add(gates["fast.chunked~oneshot.max_abs_logit"], v, longest["id"], variant=variant)
+    chunk_points: dict[str, list[list[Any]]] = {}
+    for variant, v in chunked_vs_oneshot(fm32, longest["prompt_ids"], per_point=chunk_points).items():
+        res.add(gates["fast.chunked~oneshot.max_abs_logit"], v, longest["id"], variant=variant,
+                **({"per_point": chunk_points[variant]} if variant in chunk_points else {}))
 
 
 def run_user_model(path: str, against: str, prompts, progress) -> CaseResult:
@@ -302,7 +313,8 @@ def run_gemma3(progress) -> CaseResult:
                 expected=item.get("expected"), got=item.get("continuation"))
     for item in out.get("fast", {}).get("prompts", []):
         res.add(gates["fast~reference.max_abs_logit"], item["max_abs_logit_diff"], item["name"],
-                tokens=item["n_tokens"], same_top1=item["top1_agreement"])
+                tokens=item["n_tokens"], same_top1=item["top1_agreement"],
+                **({"kld_hist": item["kld_hist"]} if "kld_hist" in item else {}))
     hf = out.get("transformers", {})
     for item in hf.get("prompts", []):
         res.add(gates["reference~transformers.max_abs_logit"], item["max_abs_logit_diff"], item["name"],

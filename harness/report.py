@@ -17,7 +17,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -332,3 +332,45 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     sep = "| " + " | ".join(("-" * (widths[j] - 1) + ":") if numeric[j] else "-" * widths[j]
                              for j in range(len(columns))) + " |"
     return "\n".join([line(header), sep] + [line(r) for r in body]) + "\n"
+
+
+def dataframe_markdown(df: Any, right: Sequence[str] = ()) -> str:
+    """A pandas DataFrame as a GitHub-flavoured Markdown table (``DataFrame.to_markdown``, via tabulate).
+
+    Cells are formatted as in :func:`markdown_table` (floats with 6 significant digits, ``None`` as an
+    empty cell, ``|`` and newlines escaped; in a text column a NaN, which is how pandas stores a
+    missing value, is empty too, while in a float column it shows as ``nan``) and then passed to
+    tabulate as text, so tabulate never re-parses or re-rounds a figure. The index is not shown.
+    Numeric columns, and those named in ``right``, are right-aligned. Without tabulate installed (it
+    is a dependency, but an old environment may lack it) the rows go through :func:`markdown_table`.
+
+    Args:
+        df: the table; its column names are the header.
+        right: more columns to right-align (e.g. figures pre-formatted as strings).
+
+    Returns:
+        the table, lines joined with ``\\n``, ending with a newline.
+
+    Raises:
+        ValueError: ``df`` has no columns.
+    """
+    columns = [str(c) for c in df.columns]
+    if not columns:
+        raise ValueError("dataframe_markdown: expected at least one column")
+    try:
+        import tabulate  # noqa: F401  (DataFrame.to_markdown needs it)
+    except ImportError:
+        return markdown_table(df.to_dict("records"), list(df.columns))
+
+    def fmt(col: Any) -> Any:
+        # pandas stores a missing value (None) of a text column as NaN: shown empty; in a float column NaN is a value
+        if col.dtype.kind == "O":
+            return col.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else _cell(v))
+        return col.astype(object).map(_cell)
+
+    cells = df.apply(fmt) if len(df) else df.astype(object)
+    cells.columns = columns
+    numeric = [df[c].dtype.kind in "iuf" and len(df) > 0 for c in df.columns]
+    align = ["right" if num or c in right else "left" for c, num in zip(columns, numeric)]
+    text = cells.to_markdown(index=False, tablefmt="pipe", disable_numparse=True, colalign=align)
+    return text.rstrip("\n") + "\n"

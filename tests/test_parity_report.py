@@ -26,3 +26,200 @@ def test_informational_check_never_hides_a_gating_failure():
 def test_all_informational_group_is_info_not_fail():
     data = {"cases": [{"case": "t", "error": None, "info": {}, "checks": [_check(0.0, False, info=True, reason="r")]}]}
     assert [r["result"] for r in summarize(data)] == ["INFO"]
+
+
+# --------------------------------------------------------------------------- plots and tables
+
+import json  # noqa: E402
+import re  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from harness.metrics import kld_histogram  # noqa: E402
+from harness.parity_report import (kld_hists, merge_kld_hists, pair_slug, per_layer_frame,  # noqa: E402
+                                   write_parity_report)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _layer_check(gate, prompt, values, point="l_out", **kw):
+    per_point = [["inp_scaled", -1, 1e-9]] + [[point, i, v] for i, v in enumerate(values)]
+    return {"gate": gate, "prompt": prompt, "measured": max(values), "limit": 1.0, "op": "le", "pass": True,
+            "per_point": per_point, **kw}
+
+
+def _case(name, kld_scale):
+    rng = np.random.default_rng(len(name))
+    hist = kld_histogram(np.concatenate([[0.0], kld_scale * rng.lognormal(0.0, 1.0, 200)]))
+    return {"case": name, "kind": "synthetic", "model": "m", "error": None, "info": {}, "checks": [
+        _layer_check("reference~transformers.layer_rel_l2", "p1", [1e-7, 2e-7, 4e-7]),
+        _layer_check("reference~transformers.layer_rel_l2", "p2", [3e-7, 1e-7, 5e-7]),
+        _layer_check("fast~reference.layer_cosine", "p1", [1e-7, 1e-6, 1e-5]),
+        _layer_check("fast.chunked~oneshot.max_abs_logit", "p1", [0.0, 0.0, 1e-8], variant="chunk=window"),
+        {**_layer_check("fast_bf16~reference.mean_kld", None, [1e-3, 2e-3, 4e-3]), "kld_hist": hist},
+        {"gate": "fast.batched~solo.same_tokens", "prompt": None, "measured": 1.0, "limit": 1.0, "op": "ge",
+         "pass": True},
+        {"gate": "llamacpp~reference.max_abs_logit", "prompt": None, "measured": 1e-3, "limit": 2e-2, "op": "le",
+         "pass": True, "per_point": [["l_out", 0, 1e-6], ["l_out", 1, "NaN"], ["attn_out", 1, 1e-5]]},
+    ]}
+
+
+def _data():
+    return {"version": 1, "kind": "parity", "status": 0, "created_utc": "2025-01-01T00:00:00Z", "seconds": 1.0,
+            "cases": [_case("e2b", 1e-4), _case("e4b", 1e-3),
+                      {"case": "broken", "kind": "synthetic", "model": "m", "error": "engine crashed: X",
+                       "info": {}, "checks": []}]}
+
+
+def _table_rows(text, header_start, after=""):
+    """The body rows of the first Markdown table after the line ``after`` whose header starts with
+    ``header_start``, as lists of cells."""
+    lines = text.splitlines()
+    first = lines.index(after) if after else 0
+    i = next(k for k, ln in enumerate(lines) if k > first and ln.startswith(header_start))
+    rows = []
+    for ln in lines[i + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip("|").split(" | ")])
+    return rows
+
+
+def test_pngs_are_written_valid_and_linked(tmp_path):
+    data = _data()
+    write_parity_report(tmp_path, data)
+    pairs = ["reference~transformers", "fast~reference", "fast.chunked~oneshot", "fast_bf16~reference",
+             "llamacpp~reference"]
+    names = [f"layer_error-{pair_slug(p)}.png" for p in pairs] + ["kld_hist.png"]
+    assert "layer_error-reference_vs_transformers.png" in names
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == sorted(names + ["report.md", "results.json"])  # no temporary file left, no other plot
+    for n in names:
+        blob = (tmp_path / n).read_bytes()
+        assert len(blob) > 1000 and blob.startswith(PNG_MAGIC), n
+    report = (tmp_path / "report.md").read_text()
+    linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
+    assert sorted(linked) == sorted(names)
+    assert report.index("## Per-layer error") < report.index("## Per-position KLD") < report.index("## Details")
+    assert json.loads((tmp_path / "results.json").read_text())["cases"][0]["checks"][4]["kld_hist"]["n"] == 201
+
+
+def test_report_tables_have_the_right_rows(tmp_path):
+    data = _data()
+    write_parity_report(tmp_path, data)
+    report = (tmp_path / "report.md").read_text()
+    summary = _table_rows(report, "| case ")
+    # per case: one row per gate (batched~solo included); the broken case one ERROR row
+    assert len(summary) == 2 * 6 + 1
+    assert summary[-1][:2] == ["broken", "(case could not run)"] and summary[-1][4] == "ERROR"
+    assert {r[4] for r in summary[:-1]} == {"PASS"}
+    layers = _table_rows(report, "| pair ", after="## Per-layer error")
+    assert [(r[0], r[1]) for r in layers] == [(p, c) for p in ("reference~transformers", "fast~reference",
+                                                               "fast.chunked~oneshot", "fast_bf16~reference",
+                                                               "llamacpp~reference") for c in ("e2b", "e4b")]
+    ref = layers[0]
+    # largest over the two prompts per layer: 3e-7, 2e-7, 5e-7
+    assert ref[2:] == ["3", "3e-07", "5e-07", "5e-07", "1.67"]
+    chunked = layers[4]
+    assert chunked[3] == "0" and chunked[6] == ""  # bit-identical first layer: no growth factor
+    assert layers[8][2] == "1"  # llama.cpp: the NaN layer is left out; l_out preferred over attn_out
+    kld = _table_rows(report, "| pair ", after="## Per-position KLD")
+    assert [(r[0], r[1], r[2], r[3]) for r in kld] == [("fast_bf16~reference", "e2b", "201", "1"),
+                                                       ("fast_bf16~reference", "e4b", "201", "1")]
+    details = _table_rows(report, "| gate ")
+    assert len(details) == 7 and details[0][0] == "reference~transformers.layer_rel_l2"
+
+
+def test_no_per_layer_or_kld_data_means_no_plots(tmp_path):
+    data = {"status": 1, "created_utc": "x", "cases": [{"case": "t", "kind": "tokenizer", "model": "m",
+                                                      "error": None, "info": {}, "checks": [_check(0.0, False)]}]}
+    write_parity_report(tmp_path, data)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.json"]
+    report = (tmp_path / "report.md").read_text()
+    assert "Per-layer error" not in report and "Per-position KLD" not in report and ".png" not in report
+
+
+def test_per_layer_frame_takes_the_worst_over_prompts():
+    frame = per_layer_frame(_data())
+    ref = frame[(frame["pair"] == "reference~transformers") & (frame["case"] == "e2b")]
+    assert ref["layer"].tolist() == [0, 1, 2] and ref["rel_l2"].tolist() == [3e-7, 2e-7, 5e-7]
+    assert "broken" not in set(frame["case"])
+
+
+def test_kld_histogram_fixed_grid_and_merge():
+    h = kld_histogram([0.0, 1e-20, 1e-3, 1.5e-3, 0.5, np.nan, np.inf])
+    assert h["n"] == 7 and h["below"] == 2 and h["nonfinite"] == 2 and sum(h["counts"]) == 3
+    assert h["log10_lo"] == -3.0 and h["bins_per_decade"] == 4
+    assert h["counts"][0] == 2 and h["counts"][-1] == 1  # 0.5 lies in [10**-0.5, 1)
+    assert kld_histogram([1e-3, 1.5e-3]) == kld_histogram(np.array([1.5e-3, 1e-3]))  # order does not matter
+    empty = kld_histogram([0.0])
+    assert empty["counts"] == [] and empty["below"] == 1
+    m = merge_kld_hists([h, kld_histogram([1e-6]), empty])
+    assert m["n"] == 9 and m["below"] == 3 and m["log10_lo"] == -6.0 and sum(m["counts"]) == 4
+    assert m["counts"][0] == 1 and m["counts"][12] == 2
+    assert merge_kld_hists([]) is None
+    with pytest.raises(ValueError):
+        merge_kld_hists([h, {**h, "bins_per_decade": 2}])
+    groups = kld_hists(_data())
+    assert list(groups) == [("fast_bf16~reference", "e2b"), ("fast_bf16~reference", "e4b")]
+
+
+def test_fast_checks_carry_per_layer_and_kld_data(tiny_gguf):
+    from fast.model import FastModel
+    from harness.fastcheck import chunked_vs_oneshot, fast_vs_reference, kld_values, max_per_point
+    from reference import load_model
+
+    cfg, w = load_model(tiny_gguf)
+    fm = FastModel(cfg, w, "cpu", "float32")
+    prompts = [{"id": "a", "prompt_ids": [2, 5, 6, 7, 8, 9, 10]}, {"id": "b", "prompt_ids": [2, 11, 12]}]
+    rows = fast_vs_reference(fm, cfg, w, prompts)
+    assert all({"l_out"} <= {p for p, _, _ in r["per_point"]} for r in rows)
+    worst = {(p, layer): v for p, layer, v in max_per_point(rows)}
+    assert worst[("l_out", 1)] == max(v for r in rows for p, layer, v in r["per_point"] if (p, layer) == ("l_out", 1))
+    kld = kld_values(rows)
+    assert kld.shape == (10,) and np.all(kld >= 0)
+    ids = list(range(2, 14))
+    per_point: dict = {}
+    plain = chunked_vs_oneshot(fm, ids)
+    assert chunked_vs_oneshot(fm, ids, per_point=per_point) == plain  # tracing does not change the figures
+    assert set(per_point) == {"chunk<window", "chunk=window", "chunk>window"}
+    for rows_ in per_point.values():
+        assert {layer for p, layer, _ in rows_ if p == "l_out"} == set(range(cfg.n_layer))
+
+
+def test_gemma3_fast_comparison_carries_kld_hist(tiny_gguf):
+    """The real-Gemma-3 fast~reference rows (harness.gemma3_check) carry a per-position KLD histogram;
+    run here on the tiny model with a stand-in tokenizer."""
+    from harness.gemma3_check import PROMPTS, _compare_fast
+    from reference import load_model
+    from reference.model import forward
+
+    class Tok:
+        def encode(self, text, add_bos=True):
+            return [2, 5, 6]
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    cfg, w = load_model(tiny_gguf)
+    seqs = [[2, 5, 6, 7, 8 + i] for i in range(len(PROMPTS))]
+    out = _compare_fast(cfg, w, seqs, [(forward(cfg, w, s), {}) for s in seqs], Tok())
+    for item, seq in zip(out["prompts"], seqs):
+        h = item["kld_hist"]
+        assert h["n"] == len(seq) and h["below"] + sum(h["counts"]) == len(seq) and h["nonfinite"] == 0
+
+
+def test_run_gemma3_passes_the_kld_hist_to_its_check(monkeypatch):
+    import harness.gemma3_check as g3
+    from harness.parity import run_gemma3
+
+    hist = kld_histogram([1e-9, 2e-9, 0.0])
+    fake = {"prompts": [], "transformers": {"available": False, "reason": "test"},
+            "fast": {"prompts": [{"name": "p", "n_tokens": 3, "max_abs_logit_diff": 1e-5, "top1_agreement": 1.0,
+                                  "kld_hist": hist}]}}
+    monkeypatch.setattr(g3, "run_gemma3_real", lambda: fake)
+    res = run_gemma3(lambda msg: None)
+    (chk,) = [c for c in res.checks if c["gate"] == "fast~reference.max_abs_logit"]
+    assert chk["kld_hist"] == hist
+    assert list(kld_hists({"cases": [res.__dict__]})) == [("fast~reference", "gemma3-270m-real")]

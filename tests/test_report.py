@@ -241,3 +241,33 @@ def test_markdown_table_empty_rows_and_errors():
         markdown_table([{"a": 1}], [])
     with pytest.raises(TypeError):
         markdown_table([1], ["a"])  # type: ignore[list-item]
+
+
+def test_dataframe_markdown():
+    import pandas as pd
+
+    df = pd.DataFrame([{"case": "31b|x", "value": 1.23456789e-5, "n": 3, "note": None, "fig": "1e-3"},
+                       {"case": "multi\nline", "value": float("nan"), "n": 4, "note": "ok", "fig": "2"}])
+    t = report.dataframe_markdown(df, right=["fig"])
+    lines = t.rstrip("\n").split("\n")
+    assert t.endswith("\n") and len(lines) == 4
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["case", "value", "n", "note", "fig"]
+    align = [c.strip() for c in lines[1].strip("|").split("|")]
+    assert [a.endswith(":") for a in align] == [False, True, True, False, True]  # numeric + asked: right
+    cells = [c.strip() for c in lines[2].strip("|").split(" | ")]
+    assert cells == ["31b\\|x", "1.23457e-05", "3", "", "1e-3"]  # pipe escaped, None empty, strings verbatim
+    assert "multi line" in lines[3] and "nan" in lines[3]  # one line per row; NaN in a float column is a value
+    assert len({len(line) for line in lines}) == 1  # padded columns
+    assert report.dataframe_markdown(pd.DataFrame(columns=["a", "b"])).count("\n") == 2
+    with pytest.raises(ValueError):
+        report.dataframe_markdown(pd.DataFrame())
+
+
+def test_dataframe_markdown_without_tabulate_falls_back(monkeypatch):
+    import sys
+
+    import pandas as pd
+
+    monkeypatch.setitem(sys.modules, "tabulate", None)  # import tabulate -> ImportError
+    df = pd.DataFrame([{"case": "a|b", "value": 1.5}])
+    assert report.dataframe_markdown(df) == markdown_table([{"case": "a|b", "value": 1.5}], ["case", "value"])
