@@ -14,7 +14,8 @@ Sub-commands:
 * ``g4h tokenize`` / ``g4h tokcheck``: tokenizer engines and parity (:mod:`harness.tokengines`).
 
 Exit status: 0 success / all gates pass, 1 a gate failed, 2 bad input (one line
-on stderr naming the file, key or tensor).
+on stderr naming the file, key or tensor) or an engine whose worker process
+crashed on it (one line: ``g4h: error: engine crashed: ...``).
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         lines = [unescape(x) for x in lines]
     engine = make_tok_engine(args.engine, args.tokenizer, add_bos=not args.no_bos,
                              parse_special=special_mode(args.special, args.engine))
-    out = [json.dumps({"text": t, "ids": engine.encode(t)}, ensure_ascii=False) for t in lines]
+    out = [json.dumps({"text": t, "ids": ids}, ensure_ascii=False)
+           for t, ids in zip(lines, engine.encode_many(lines))]
     try:
         write_text_atomic(args.out, "\n".join(out) + ("\n" if out else ""))
     except OSError as e:
@@ -365,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("g4h: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        # An engine's worker process died (llama.cpp aborted): one line, like bad input, never a traceback.
+        llamacpp = sys.modules.get("harness.llamacpp")
+        if llamacpp is None or not isinstance(e, llamacpp.EngineCrashed):
+            raise
+        print(f"g4h: error: {str(e).splitlines()[0] if str(e) else 'engine crashed'}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ Public API: :class:`LlamaCppEngine` (the engine protocol of
 :mod:`harness.engines`), :class:`EngineCrashed`, :func:`check_synthetic`
 (llama.cpp vs reference on a built synthetic case, with the gates) and
 :func:`check_gemma3_real` (llama.cpp vs reference on the real Gemma 3 270M GGUF,
-the full ``llama-perplexity --kl-divergence`` statistic set).
+the full ``llama-perplexity --kl-divergence`` statistic set); for other workers (the tokenizer's,
+:mod:`harness.llamacpp_tokworker`), :func:`worker_env` and :func:`crash_error`.
 
 Batches: :meth:`LlamaCppEngine.generate` with ``batched=True`` serves all
 prompts from one context, one ``seq_id`` per prompt (prefill in one
@@ -123,6 +124,38 @@ def _describe_rc(rc: int) -> str:
     return f"exit status {rc}"
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a llama.cpp worker process: this one's, plus the repo root first on ``PYTHONPATH``
+    (so ``python -m harness.<worker>`` imports this checkout) and ``GGML_NO_BACKTRACE=1`` (an abort prints
+    its assert line and never attaches a debugger)."""
+    env = dict(os.environ)
+    env["GGML_NO_BACKTRACE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def crash_error(stderr: str, rc: int, model_name: str) -> EngineCrashed:
+    """The :class:`EngineCrashed` for a worker that died with exit status ``rc`` (negative: a signal).
+
+    Args:
+        stderr: everything the worker wrote on stderr.
+        rc: its exit status (``Popen.returncode``).
+        model_name: the GGUF's file name, named when stderr does not say why.
+
+    Returns:
+        ``EngineCrashed("engine crashed: <line>")``, one line: the worker's ``G4H-WORKER-ERROR`` message,
+        else its last line that names a reason (``GGML_ASSERT``, ``error``, ``terminate``, ...; source paths
+        shortened to the file name) with the exit status, else ``llama.cpp worker died (<status>) on
+        <model_name>`` and its last stderr line, if any.
+    """
+    line = _crash_line(stderr, rc)
+    if not _is_reason(stderr):
+        line = f"llama.cpp worker died ({_describe_rc(rc)}) on {model_name}" + (
+            f"; its last message: {line}" if stderr.strip() else "")
+        return EngineCrashed(f"engine crashed: {line}")
+    return EngineCrashed(f"engine crashed: {line} ({_describe_rc(rc)})")
+
+
 class LlamaCppEngine:
     """llama.cpp (llama-cpp-python 0.3.36) on CPU, F32 KV cache, flash attention off, in a subprocess.
 
@@ -185,13 +218,11 @@ class LlamaCppEngine:
         req = {"model": str(self.path), "n_ctx": self.n_ctx, "threads": self.threads,
                "n_batch": need, "n_ubatch": min(self.n_ubatch, need) if self.n_ubatch else need,
                "swa_full": self.swa_full, "extra_bufts": self.extra_bufts, "out_dir": str(out_dir), "jobs": jobs}
-        env = dict(os.environ)
-        env["GGML_NO_BACKTRACE"] = "1"  # an abort prints its assert line, never attaches gdb
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, "-m", "harness.llamacpp_worker"], input=json.dumps(req),
-                                  capture_output=True, text=True, env=env, timeout=self.timeout, cwd=str(REPO_ROOT))
+                                  capture_output=True, text=True, env=worker_env(), timeout=self.timeout,
+                                  cwd=str(REPO_ROOT))
         except subprocess.TimeoutExpired:
             _rmtree(out_dir)
             raise EngineCrashed(f"engine crashed: llama.cpp worker ran past {self.timeout:.0f} s "
@@ -200,14 +231,9 @@ class LlamaCppEngine:
             self.last_run_s = time.perf_counter() - t0
         if proc.returncode != 0 or not (out_dir / "result.json").is_file():
             _rmtree(out_dir)
-            line = _crash_line(proc.stderr, proc.returncode)
             if "G4H-WORKER-ERROR[prompt]" in proc.stderr:
-                raise PromptError(f"{self.path.name}: llama.cpp: {line}")
-            if not _is_reason(proc.stderr):
-                line = f"llama.cpp worker died ({_describe_rc(proc.returncode)}) on {self.path.name}" + (
-                    f"; its last message: {line}" if proc.stderr.strip() else "")
-                raise EngineCrashed(f"engine crashed: {line}")
-            raise EngineCrashed(f"engine crashed: {line} ({_describe_rc(proc.returncode)})")
+                raise PromptError(f"{self.path.name}: llama.cpp: {_crash_line(proc.stderr, proc.returncode)}")
+            raise crash_error(proc.stderr, proc.returncode, self.path.name)
         res = json.loads((out_dir / "result.json").read_text())
         return res["jobs"], out_dir
 

@@ -136,6 +136,7 @@ class _Log:
     def __init__(self, llama_cpp) -> None:
         self.last_level = 0
         self.last_error = ""
+        self.errors: list[str] = []  # every ERROR message, in order
         self._buf = ""
 
         def cb(level, text, user_data):
@@ -149,6 +150,7 @@ class _Log:
                 sys.stderr.flush()
                 if level >= 4 and msg.strip():
                     self.last_error = msg.strip()
+                    self.errors.append(self.last_error)
 
         self.cfunc = llama_cpp.llama_log_callback(cb)
         llama_cpp.llama_log_set(self.cfunc, ctypes.c_void_p())

@@ -9,7 +9,18 @@ Every engine has ``encode(text) -> ids``, ``decode(ids) -> text`` and
 | ``hf`` | tokenizer.json | HF ``tokenizers`` |
 | ``spm`` | tokenizer.model | ``sentencepiece`` |
 | ``transformers-gguf`` | .gguf | transformers' own GGUF -> tokenizer conversion (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``) |
-| ``llamacpp`` | .gguf | llama.cpp's tokenizer through ``llama-cpp-python`` (``Llama(vocab_only=True)``) |
+| ``llamacpp`` | .gguf | llama.cpp's tokenizer through ``llama-cpp-python``, vocabulary only, in a worker subprocess (``python -m harness.llamacpp_tokworker``) |
+
+``encode_many(texts)`` encodes a batch (the ``llamacpp`` engine sends it to its
+worker in a few requests instead of one per text).
+
+llama.cpp can abort the whole process on a bad vocabulary, so the ``llamacpp``
+engine never loads it in this one: it starts one worker per engine, which loads
+the GGUF's vocabulary once and answers encode/decode requests. A worker that
+dies raises :class:`harness.llamacpp.EngineCrashed` (``engine crashed: <its
+last stderr line>``, one line); :func:`compare_engines` lets that through (the
+engine failed, not a text), ``harness.tokreport`` reports the check as an
+``error`` and goes on, ``g4h tokcheck`` prints the line and exits 2.
 
 The same policies apply to every engine so that a difference is a difference
 in *tokenization*:
@@ -33,11 +44,16 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
 import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -59,7 +75,13 @@ class EngineUnavailable(InputError):
 
 
 class TokEngine:
-    """The interface: ``encode``, ``decode``, ``pieces``; ``name``, ``path``, ``bos_id``."""
+    """The interface: ``encode``, ``encode_many``, ``decode``, ``pieces``; ``name``, ``path``, ``bos_id``.
+
+    Args:
+        path: the tokenizer file.
+        add_bos: :meth:`encode` puts ``bos_id`` in front exactly once.
+        parse_special: see the module docstring.
+    """
 
     name = "?"
 
@@ -72,12 +94,22 @@ class TokEngine:
     def _raw_encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
-    def encode(self, text: str) -> list[int]:
-        """Text -> ids, BOS in front exactly once when ``add_bos``."""
-        ids = list(self._raw_encode(text))
+    def _with_bos(self, ids: list[int]) -> list[int]:
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
         return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids, BOS in front exactly once when ``add_bos``."""
+        return self._with_bos(list(self._raw_encode(text)))
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`encode` of each text (an engine with a worker process sends them in batches).
+
+        Raises:
+            whatever :meth:`encode` raises, on the first text that fails.
+        """
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Ids -> text, control tokens dropped."""
@@ -254,42 +286,220 @@ class TransformersGGUFEngine(TokEngine):
 
 
 class LlamaCppEngine(TokEngine):
-    """llama.cpp's tokenizer via ``llama-cpp-python`` (vocabulary only)."""
+    """llama.cpp's tokenizer (``llama-cpp-python``, vocabulary only) in one long-lived worker subprocess.
+
+    The worker is ``python -m harness.llamacpp_tokworker FILE.gguf`` (protocol: that module's docstring),
+    started here and kept for the engine's life: llama.cpp can abort the whole process on a bad
+    vocabulary, so it never runs in this one. Texts go to it in batches of :attr:`BATCH`. The calls and
+    flags are those of ``Llama.tokenize(text, add_bos=False, special=parse_special is not False)`` and
+    ``Llama.detokenize``: same ids for the same text.
+
+    A worker that dies (abort, signal, cannot load the file) raises
+    :class:`harness.llamacpp.EngineCrashed` (``engine crashed: <its last stderr line>``); the next call
+    starts a fresh worker.
+
+    Args:
+        path: a ``.gguf`` file.
+        add_bos, parse_special: see the module docstring.
+        timeout: seconds one request (or the start) may take before the worker is killed.
+
+    Raises:
+        EngineUnavailable: llama-cpp-python is not installed (one line saying how to install it).
+        EngineCrashed: the worker died before it had loaded the vocabulary.
+    """
 
     name = "llamacpp"
+    #: Texts (or id sequences) per request to the worker.
+    BATCH = 512
+    INSTALL_LINE = "llamacpp: not installed: pip install llama-cpp-python"
 
-    def __init__(self, path: Path, add_bos: bool = True, parse_special: bool | None = None):
+    def __init__(self, path: Path, add_bos: bool = True, parse_special: bool | None = None,
+                 timeout: float = 600.0):
         super().__init__(path, add_bos, parse_special)
+        if not _llama_cpp_present():
+            raise EngineUnavailable(self.INSTALL_LINE)
+        self.timeout = float(timeout)
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._stderr = None
+        with self._lock:
+            hello = self._start()
+        self.n_vocab = int(hello["n_vocab"])
+        self.bos_id = int(hello["bos"]) if int(hello["bos"]) >= 0 else None
+        _LIVE_WORKERS.add(self)
+
+    # ------------------------------------------------------------------ worker
+
+    @property
+    def worker_pid(self) -> int | None:
+        """Process id of the running worker (None when there is none)."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def _start(self) -> dict:
+        from .llamacpp import REPO_ROOT as root, worker_env
+
+        self._stderr = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen([sys.executable, "-m", "harness.llamacpp_tokworker", str(self.path.resolve())],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                      env=worker_env(), cwd=str(root))
+        return self._exchange(None)
+
+    def _exchange(self, req: dict | None) -> dict:
+        """Send ``req`` (None: just read the hello line) and read one answer; a dead worker -> EngineCrashed."""
+        proc = self._proc
+        fired = threading.Event()
+
+        def kill() -> None:
+            fired.set()
+            proc.kill()
+
+        timer = threading.Timer(self.timeout, kill)
+        timer.daemon = True
+        timer.start()
         try:
-            import llama_cpp
-        except ImportError:
-            raise EngineUnavailable("llamacpp: not installed: pip install llama-cpp-python") from None
+            if req is not None:
+                proc.stdin.write(json.dumps(req, ensure_ascii=False).encode("utf-8") + b"\n")
+                proc.stdin.flush()
+            line = proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = b""
+        finally:
+            timer.cancel()
+        if line:
+            return json.loads(line)
+        raise self._died(fired.is_set())
+
+    def _died(self, timed_out: bool) -> Exception:
+        """Reap the dead worker and return the error to raise."""
+        from .llamacpp import crash_error
+
+        proc, self._proc = self._proc, None
         try:
-            self.llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-        except Exception as e:  # noqa: BLE001
-            raise EngineUnavailable(f"llamacpp: cannot load {Path(path).name} ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
-        self.bos_id = self.llm.token_bos() if self.llm.token_bos() >= 0 else None
-        # Free the model before interpreter teardown; Llama.__del__ fails noisily once llama_cpp is unloaded.
-        atexit.register(_close_quietly, self.llm)
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._stderr.seek(0)
+        err = self._stderr.read().decode("utf-8", "replace")
+        self._stderr.close()
+        if "G4H-WORKER-ERROR[missing]" in err:
+            return EngineUnavailable(self.INSTALL_LINE)
+        if timed_out:
+            from .llamacpp import EngineCrashed
+
+            return EngineCrashed(f"engine crashed: llama.cpp tokenizer worker ran past {self.timeout:.0f} s "
+                                 f"on {self.path.name}")
+        return crash_error(err, rc, self.path.name)
+
+    def _request(self, req: dict) -> dict:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                if self._proc is not None:  # died between requests
+                    raise self._died(False)
+                self._start()
+            ans = self._exchange(req)
+        if not ans.get("ok"):
+            raise InputError(f"llamacpp: {ans.get('error', 'the worker refused the request')}")
+        return ans
+
+    def close(self) -> None:
+        """Stop the worker (it exits when its stdin closes; killed after 5 s). Safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        if self._stderr is not None:
+            self._stderr.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - best effort, also at interpreter exit
+            pass
+
+    # ------------------------------------------------------------------ the interface
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`encode` of each text, :attr:`BATCH` texts per request.
+
+        Raises:
+            UnicodeEncodeError: a text that is not valid Unicode (a lone surrogate); nothing is sent.
+            EngineCrashed: the worker died.
+        """
+        texts = list(texts)
+        for t in texts:
+            t.encode("utf-8")
+        special = self.parse_special is not False
+        out: list[list[int]] = []
+        for k in range(0, len(texts), self.BATCH):
+            ans = self._request({"op": "encode", "texts": texts[k:k + self.BATCH], "parse_special": special})
+            out.extend(self._with_bos([int(i) for i in ids]) for ids in ans["ids"])
+        return out
 
     def _raw_encode(self, text: str) -> list[int]:
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=self.parse_special is not False)
+        text.encode("utf-8")
+        return self._request({"op": "encode", "texts": [text], "parse_special": self.parse_special is not False}
+                             )["ids"][0]
+
+    def _decode_many(self, seqs: list[list[int]], special: bool) -> list[str]:
+        out: list[str] = []
+        for k in range(0, len(seqs), self.BATCH):
+            out.extend(self._request({"op": "decode", "seqs": seqs[k:k + self.BATCH], "special": special})["texts"])
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
-        """``Llama.detokenize`` (UTF-8, invalid bytes replaced)."""
-        return self.llm.detokenize([int(i) for i in ids]).decode("utf-8", errors="replace")
+        """``Llama.detokenize`` (control tokens not rendered; UTF-8, invalid bytes replaced).
+
+        Raises:
+            InputError: an id outside the vocabulary. EngineCrashed: the worker died.
+        """
+        return self._decode_many([[int(i) for i in ids]], False)[0]
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
-        """Each id detokenized alone with special tokens rendered."""
-        return [self.llm.detokenize([int(i)], special=True).decode("utf-8", errors="replace") for i in ids]
+        """Each id detokenized alone with special tokens rendered (UTF-8, invalid bytes replaced).
+
+        Raises:
+            InputError: an id outside the vocabulary. EngineCrashed: the worker died.
+        """
+        return self._decode_many([[int(i)] for i in ids], True)
 
 
-def _close_quietly(llm) -> None:
+def _llama_cpp_present() -> bool:
+    """True when ``llama_cpp`` can be found, without importing it here (the worker imports it)."""
     try:
-        llm.close()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
+        return importlib.util.find_spec("llama_cpp") is not None
+    except (ImportError, ValueError):
+        return True  # there, but odd: the worker says whether it imports
+
+
+#: Engines with a worker process, closed at exit.
+_LIVE_WORKERS: "weakref.WeakSet[LlamaCppEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_workers() -> None:
+    for eng in list(_LIVE_WORKERS):
+        try:
+            eng.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+def is_engine_crash(err: BaseException) -> bool:
+    """True when ``err`` is :class:`harness.llamacpp.EngineCrashed` (checked without importing that module)."""
+    mod = sys.modules.get("harness.llamacpp")
+    return mod is not None and isinstance(err, mod.EngineCrashed)
 
 
 _CLASSES = {"ours": OursEngine, "hf": HFEngine, "spm": SpmEngine,
@@ -434,6 +644,30 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _encode_each(engine: TokEngine, texts: list[str]) -> list[list[int] | Exception]:
+    """Ids of each text, or the exception the engine raised on it (an engine failing on a text is a finding).
+
+    All texts go through :meth:`TokEngine.encode_many` at once; when that raises, text by text.
+
+    Raises:
+        EngineCrashed: the engine's process died: it failed, not one text.
+    """
+    try:
+        return list(engine.encode_many(texts))
+    except Exception as e:  # noqa: BLE001
+        if is_engine_crash(e):
+            raise
+    out: list[list[int] | Exception] = []
+    for t in texts:
+        try:
+            out.append(engine.encode(t))
+        except Exception as e:  # noqa: BLE001
+            if is_engine_crash(e):
+                raise
+            out.append(e)
+    return out
+
+
 def compare_engines(a: TokEngine, b: TokEngine, texts: Iterable[CorpusText | str],
                     max_examples: int | None = None) -> dict:
     """Encode every text with both engines and list the ones whose ids differ.
@@ -444,21 +678,23 @@ def compare_engines(a: TokEngine, b: TokEngine, texts: Iterable[CorpusText | str
         ``a_ids``/``b_ids`` and ``a_pieces``/``b_pieces`` from 2 before that
         position to 4 after, and ``error`` when an engine raised on the text.
         ``diffs`` is cut at ``max_examples`` (``differing`` counts all).
+
+    Raises:
+        EngineCrashed: an engine's worker process died (llama.cpp aborted): the engine failed, so there is
+            no comparison; ``str(err)`` is ``engine crashed: ...``.
     """
+    items = [(it.source, it.text) if isinstance(it, CorpusText) else (f"#{k}", it) for k, it in enumerate(texts)]
+    all_a = _encode_each(a, [t for _, t in items])
+    all_b = _encode_each(b, [t for _, t in items])
     diffs: list[dict] = []
     n = differing = 0
-    for item in texts:
-        src, text = (item.source, item.text) if isinstance(item, CorpusText) else (f"#{n}", item)
+    for (src, text), ia, ib in zip(items, all_a, all_b):
         n += 1
         err = None
-        try:
-            ia = a.encode(text)
-        except Exception as e:  # noqa: BLE001 - an engine failing on a text is a finding
-            ia, err = None, f"{a.name}: {type(e).__name__}: {e}"
-        try:
-            ib = b.encode(text)
-        except Exception as e:  # noqa: BLE001
-            ib, err = None, (err + "; " if err else "") + f"{b.name}: {type(e).__name__}: {e}"
+        if isinstance(ia, Exception):
+            ia, err = None, f"{a.name}: {type(ia).__name__}: {ia}"
+        if isinstance(ib, Exception):
+            ib, err = None, (err + "; " if err else "") + f"{b.name}: {type(ib).__name__}: {ib}"
         if err is None and ia == ib:
             continue
         differing += 1

@@ -4,7 +4,8 @@ Each check has a ``status``: ``pass`` / ``fail`` (a parity or round-trip gate),
 ``info`` (a finding to report, not a gate: how a GGUF vocabulary differs from
 the real tokenizer and what that changes), ``skip`` (a resource or package is
 missing, or the check is slow and was not asked for; ``detail`` says which),
-or ``error`` (the check itself raised; ``detail`` has the one-line reason).
+or ``error`` (the check itself raised, or an engine's worker process crashed:
+``engine crashed: ...``; ``detail`` has the one-line reason).
 Every check carries ``counts`` and a few ``examples``.
 
 Files used: the gemma4-type test tokenizer (:func:`harness.tokbuild.build_gemma4_test_tokenizer`),
@@ -24,7 +25,8 @@ from typing import Any, Callable
 from reference.errors import InputError
 from reference.tokenizer import NORMAL, SPACE
 
-from .tokengines import CorpusText, cached_tok_engine, compare_engines, default_corpus_dir, load_corpus
+from .tokengines import (CorpusText, cached_tok_engine, compare_engines, default_corpus_dir, is_engine_crash,
+                         load_corpus)
 
 REPORT_VERSION = 1
 _TYPE_NAMES = {1: "normal", 2: "unknown", 3: "control", 4: "user-defined", 5: "unused", 6: "byte"}
@@ -44,7 +46,10 @@ def _check(name: str, fn: Callable[[], dict]) -> dict:
     except InputError as e:
         res = {"status": "skip", "detail": str(e).splitlines()[0] if str(e) else type(e).__name__}
     except Exception as e:  # noqa: BLE001 - a broken check is reported, the others still run
-        res = {"status": "error", "detail": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        if is_engine_crash(e):  # an engine's worker died: "engine crashed: <its last stderr line>"
+            res = {"status": "error", "detail": str(e).splitlines()[0] if str(e) else "engine crashed"}
+        else:
+            res = {"status": "error", "detail": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     res.setdefault("counts", {})
     res.setdefault("examples", [])
     return {"name": name, **res, "seconds": round(time.perf_counter() - t, 2)}
@@ -402,8 +407,9 @@ def tokenizer_checks(corpus: str | Path | None = None, *, slow: bool = False, n_
         res = compare_engines(eng("llamacpp", b.gguf, True), eng("hf", b.json, True), extra, max_examples=MAX_EXAMPLES)
         res_t = compare_engines(eng("llamacpp", b.gguf, False), eng("hf", b.json, False), extra,
                                 max_examples=MAX_EXAMPLES)
-        out = _gate(res, f"llama.cpp's tokenizer (llama-cpp-python, vocab_only) on the gemma4-type test GGUF vs HF "
-                         f"tokenizers with markers parsed (the gate), corpus + {n_random} seeded random strings. "
+        out = _gate(res, "llama.cpp's tokenizer (llama-cpp-python, vocab_only, in a worker subprocess) on the "
+                         f"gemma4-type test GGUF vs HF tokenizers with markers parsed (the gate), corpus + {n_random} "
+                         "seeded random strings. "
                          "With markers kept as text (parse_special=false) llama.cpp differs where the text holds "
                          "<|tool_response>: it detects that token as end-of-generation and adds the control "
                          "attribute to the user-defined type (attr 24), so it is no longer matched in plain text "

@@ -143,3 +143,166 @@ def test_not_installed_message(monkeypatch, passing):
     assert isinstance(ei.value, InputError)
     with pytest.raises(EngineUnavailable, match="not installed"):
         make_engine("llamacpp", passing.gguf["F32"])
+
+
+# --------------------------------------------------------------------------- the tokenizer engine (a worker too)
+
+TOK_BYTES = [f"<0x{i:02X}>" for i in range(256)]
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """A small gemma4-type vocabulary GGUF llama.cpp loads: specials, a marker, a few merges, 256 byte tokens."""
+    from harness.tokbuild import write_vocab_gguf
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "a", "b", "ab", "▁", "▁a"] + TOK_BYTES
+    return write_vocab_gguf(tmp_path_factory.mktemp("tokvocab") / "small.gguf", {
+        "tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3, 3, 3, 1, 1, 1, 1, 1] + [6] * 256,
+        "tokenizer.ggml.merges": ["a b", "▁ a"], "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 0})
+
+
+@pytest.fixture(scope="module")
+def aborting_vocab(tmp_path_factory):
+    """A llama-type vocabulary without byte tokens: it loads, but tokenizing throws std::out_of_range in llama.cpp
+    (``byte_to_token``), which ends in ``std::terminate`` -> abort."""
+    from harness.tokbuild import write_vocab_gguf
+
+    return write_vocab_gguf(tmp_path_factory.mktemp("tokvocab") / "noscores.gguf", {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.token_type": [1, 1]})
+
+
+TOK_TEXTS = ["ab ab", "<|turn>ab<bos>", "", "a\nb", "é日本😀", "<|turn><|turn>"]
+
+#: Run in a fresh interpreter: the tokenizer engine, and llama-cpp-python's own Llama(vocab_only=True) (what the
+#: engine ran in-process before it had a worker) on the same texts and flags.
+_CHILD = r"""
+import json, os, sys
+from harness.tokengines import make_tok_engine
+path, texts = sys.argv[1], json.loads(sys.argv[2])
+out = {"pid": os.getpid()}
+for ps in (True, False):
+    e = make_tok_engine("llamacpp", path, add_bos=True, parse_special=ps)
+    ids = e.encode_many(texts)
+    out[f"ids_{ps}"] = ids
+    out[f"one_by_one_{ps}"] = [e.encode(t) for t in texts]
+    out[f"decode_{ps}"] = [e.decode(i) for i in ids]
+    out[f"pieces_{ps}"] = [e.pieces(i) for i in ids]
+    out["worker_pid"] = e.worker_pid
+    out["bos_id"] = e.bos_id
+out["llama_cpp_loaded_in_parent"] = "llama_cpp" in sys.modules
+import llama_cpp
+llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+bos = llm.token_bos()
+for ps in (True, False):
+    direct = [llm.tokenize(t.encode(), add_bos=False, special=ps) for t in texts]
+    out[f"direct_{ps}"] = [i if i[:1] == [bos] else [bos] + i for i in direct]
+    out[f"direct_decode_{ps}"] = [llm.detokenize(i).decode("utf-8", "replace") for i in out[f"ids_{ps}"]]
+    out[f"direct_pieces_{ps}"] = [[llm.detokenize([t], special=True).decode("utf-8", "replace") for t in i]
+                                  for i in out[f"ids_{ps}"]]
+print(json.dumps(out))
+os._exit(0)
+"""
+
+
+def test_tokenizer_engine_runs_in_a_worker_with_the_old_results(small_vocab):
+    import json
+    import subprocess
+
+    from clitools import REPO_ROOT
+
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(small_vocab), json.dumps(TOK_TEXTS)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["llama_cpp_loaded_in_parent"] is False  # llama.cpp never ran in the harness process
+    assert out["worker_pid"] not in (None, out["pid"])
+    assert out["bos_id"] == 2
+    for ps in ("True", "False"):
+        assert out[f"ids_{ps}"] == out[f"direct_{ps}"], ps  # same ids as Llama.tokenize, BOS once
+        assert out[f"one_by_one_{ps}"] == out[f"ids_{ps}"]
+        assert out[f"decode_{ps}"] == out[f"direct_decode_{ps}"]
+        assert out[f"pieces_{ps}"] == out[f"direct_pieces_{ps}"]
+    assert out["ids_True"][1][:2] == [2, 4] and 4 not in out["ids_False"][1]  # <|turn> parsed / kept as text
+
+
+def test_tokenizer_worker_is_one_child_process(small_vocab):
+    import os
+
+    from harness.tokengines import make_tok_engine
+
+    eng = make_tok_engine("llamacpp", small_vocab)
+    pid = eng.worker_pid
+    assert pid is not None and pid != os.getpid()
+    eng.encode_many(["ab"] * 1500)  # several batches, one worker
+    eng.encode("ab")
+    assert eng.worker_pid == pid
+    eng.close()
+    assert eng.worker_pid is None
+
+
+def test_tokenizer_worker_abort_is_engine_crashed(aborting_vocab, small_vocab):
+    import os
+    import signal
+
+    from harness.tokengines import make_tok_engine
+
+    crashing = make_tok_engine("llamacpp", aborting_vocab)
+    with pytest.raises(EngineCrashed) as ei:
+        crashing.encode_many(["ab", "a b"])
+    msg = str(ei.value)
+    assert msg.startswith("engine crashed: ") and "\n" not in msg
+    assert "std::out_of_range" in msg and "SIGABRT" in msg
+    # a worker killed under a live engine: the next call names the signal, the one after runs a fresh worker
+    eng = make_tok_engine("llamacpp", small_vocab)
+    want = eng.encode("ab ab")
+    os.kill(eng.worker_pid, signal.SIGKILL)
+    with pytest.raises(EngineCrashed, match=r"^engine crashed: llama\.cpp worker died \(signal SIGKILL\) on small"):
+        eng.encode("ab ab")
+    assert eng.encode("ab ab") == want
+    with pytest.raises(InputError, match="outside the vocabulary"):  # refused by the worker, which stays up
+        eng.pieces([10**6])
+    assert eng.decode(want) == "ab ab"
+
+
+def test_tokenizer_unloadable_file_is_engine_crashed(tmp_path, small_vocab):
+    from harness.tokengines import make_tok_engine
+
+    bad = tmp_path / "truncated.gguf"
+    data = small_vocab.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(EngineCrashed) as ei:
+        make_tok_engine("llamacpp", bad)
+    msg = str(ei.value)
+    assert msg.startswith("engine crashed: llama.cpp could not load the vocabulary of truncated.gguf: ")
+    assert "\n" not in msg
+
+
+def test_tokenizer_crash_is_reported_and_the_run_goes_on(aborting_vocab, small_vocab, tmp_path):
+    import os
+    import signal
+
+    from clitools import assert_one_line_error, run_cli
+
+    from harness.tokengines import compare_engines, make_tok_engine
+    from harness.tokreport import _check
+
+    def crashing() -> dict:
+        compare_engines(make_tok_engine("ours", small_vocab), make_tok_engine("llamacpp", aborting_vocab), ["ab"])
+        return {"status": "pass"}
+
+    chk = _check("llamacpp", crashing)
+    assert chk["status"] == "error" and chk["detail"].startswith("engine crashed: ") and "SIGABRT" in chk["detail"]
+    # a crash in the middle of a comparison ends it with the same error, not one error per text
+    eng = make_tok_engine("llamacpp", small_vocab)
+    os.kill(eng.worker_pid, signal.SIGKILL)
+    with pytest.raises(EngineCrashed):
+        compare_engines(make_tok_engine("ours", small_vocab), eng, ["ab", "ba"])
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("ab\nab ab\n")
+    line = assert_one_line_error(run_cli("tokcheck", "--tokenizer", str(small_vocab), "--against", "llamacpp",
+                                         "--against-tokenizer", str(aborting_vocab), "--corpus", str(corpus)),
+                                 "engine crashed")
+    assert line.startswith("g4h: error: engine crashed: ") and "std::out_of_range" in line
