@@ -194,6 +194,9 @@ class FastWeights:
         for name in W:
             keep32 = any(s in name for s in self.FLOAT32_ALWAYS) or len(W.shape(name)) == 1
             target = torch.float32 if keep32 else dtype
+            if hasattr(W, "torch_tensor"):  # made on the device, no file (fast.shapes.RandomWeights)
+                self.t[name] = W.torch_tensor(name, device, target)
+                continue
             stored = W.stored(name) if hasattr(W, "stored") else None
             qtype = W.raw_dtype(name) if hasattr(W, "raw_dtype") else "F32"
             if stored is not None and qtype != "F32":
