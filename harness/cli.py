@@ -12,6 +12,8 @@ Sub-commands:
 * ``g4h trace`` / ``g4h diff`` write and compare checksum traces (:mod:`harness.traces`);
   ``g4h selftest`` runs the mutation self-test (:mod:`harness.selftest`).
 * ``g4h tokenize`` / ``g4h tokcheck``: tokenizer engines and parity (:mod:`harness.tokengines`).
+* ``g4h bench --model PATH --engines fast,transformers,...``: llama-bench-style throughput
+  with a batch/depth sweep and roofline shares (:mod:`harness.bench_cli`).
 
 Exit status: 0 success / all gates pass, 1 a gate failed, 2 bad input (one line
 on stderr naming the file, key or tensor) or an engine whose worker process
@@ -315,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a figure this many times worse than the baseline is a regression (default 10)")
     pa.set_defaults(func=cmd_parity)
     _add_trace_parsers(sub)
+
+    from .bench_cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
 
     tk = sub.add_parser("tokenize", help="token ids of each line of a text file, to JSONL")
     tk.add_argument("--tokenizer", required=True, help=".gguf, tokenizer.json or tokenizer.model")

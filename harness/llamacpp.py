@@ -156,6 +156,10 @@ def crash_error(stderr: str, rc: int, model_name: str) -> EngineCrashed:
     return EngineCrashed(f"engine crashed: {line} ({_describe_rc(rc)})")
 
 
+BENCH_CHUNK = 512
+"""Tokens per ``llama_decode`` when a bench job fills its context (``depth``) before the clock starts."""
+
+
 class LlamaCppEngine:
     """llama.cpp (llama-cpp-python 0.3.36) on CPU, F32 KV cache, flash attention off, in a subprocess.
 
@@ -214,10 +218,15 @@ class LlamaCppEngine:
             elif j["op"] == "generate":
                 lens = [len(p) for p in j["prompts"]]
                 need = max(need, sum(lens) if j.get("batched") else max(lens, default=1), len(lens))
+            elif j["op"] == "bench":
+                need = max(need, j["batch"] * (j["n"] if j["test"] == "pp" else 1),
+                           j["batch"] * min(j["depth"], BENCH_CHUNK))
         out_dir = Path(tempfile.mkdtemp(prefix="g4h-llamacpp-"))
         req = {"model": str(self.path), "n_ctx": self.n_ctx, "threads": self.threads,
                "n_batch": need, "n_ubatch": min(self.n_ubatch, need) if self.n_ubatch else need,
-               "swa_full": self.swa_full, "extra_bufts": self.extra_bufts, "out_dir": str(out_dir), "jobs": jobs}
+               "swa_full": self.swa_full, "extra_bufts": self.extra_bufts, "out_dir": str(out_dir), "jobs": jobs,
+               # The eval callback (trace points) costs a Python call per graph node: off for timing-only runs.
+               "eval_cb": not all(j["op"] == "bench" for j in jobs)}
         t0 = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, "-m", "harness.llamacpp_worker"], input=json.dumps(req),

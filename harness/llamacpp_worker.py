@@ -45,6 +45,7 @@ import ctypes
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +208,8 @@ class Runner:
         cp.offload_kqv = False
         cp.op_offload = False
         cp.no_perf = True
-        cp.cb_eval = self._cb
+        if req.get("eval_cb", True):
+            cp.cb_eval = self._cb
         cp.cb_eval_user_data = None
         ctx = L.llama_init_from_model(self.model, cp)
         if not ctx:
@@ -255,6 +257,46 @@ class Runner:
         if not p:
             raise DecodeError(f"llama_get_logits_ith({i}) returned NULL")
         return np.ctypeslib.as_array(p, shape=(self.n_vocab,)).astype(np.float32, copy=True)
+
+    def job_bench(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Time ``pp`` or ``tg`` the way :mod:`harness.bench` times the other engines.
+
+        Job: ``{"test": "pp"|"tg", "n", "depth", "batch", "reps", "warmup", "ctx_ids": [depth ids],
+        "pp_ids": [[n ids] per sequence], "first": [one id per sequence], "chunk": 512}``. Each
+        repetition clears the cache, fills ``depth`` tokens per sequence untimed (``chunk`` tokens per
+        decode), then times one decode of all ``batch * n`` prompt tokens (pp), or ``n`` decode steps
+        of ``batch`` tokens with a greedy argmax over each sequence's logits (tg).
+
+        Returns:
+            ``{"op": "bench", "seconds": [one per timed repetition]}``.
+        """
+        L = self.L
+        test, n, depth, b = job["test"], int(job["n"]), int(job["depth"]), int(job["batch"])
+        chunk = int(job.get("chunk", 512))
+        ctx_ids = [int(t) for t in job.get("ctx_ids", [])]
+        self._check_ids(ctx_ids + [int(t) for s in job.get("pp_ids", []) for t in s] + [int(t) for t in job["first"]])
+        seconds = []
+        for r in range(int(job["warmup"]) + int(job["reps"])):
+            ctx = self.context(b)  # clears the cache
+            for s0 in range(0, depth, chunk):
+                part = ctx_ids[s0:s0 + chunk]
+                self._decode(ctx, [(t, s0 + i, s, False) for s in range(b) for i, t in enumerate(part)])
+            if test == "pp":
+                toks = [(int(t), depth + i, s, i == n - 1) for s in range(b) for i, t in enumerate(job["pp_ids"][s])]
+                t0 = time.perf_counter()
+                self._decode(ctx, toks)
+                dt = time.perf_counter() - t0
+            else:
+                cur = [int(t) for t in job["first"]]
+                t0 = time.perf_counter()
+                for k in range(n):
+                    self._decode(ctx, [(cur[s], depth + k, s, True) for s in range(b)])
+                    cur = [int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, s), shape=(self.n_vocab,)).argmax())
+                           for s in range(b)]
+                dt = time.perf_counter() - t0
+            if r >= int(job["warmup"]):
+                seconds.append(dt)
+        return {"op": "bench", "seconds": seconds}
 
     def _check_ids(self, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.n_vocab]
@@ -381,6 +423,8 @@ def main() -> int:
                 results.append(runner.job_generate(job))
             elif op == "tokenize":
                 results.append(runner.job_tokenize(job))
+            elif op == "bench":
+                results.append(runner.job_bench(job))
             elif op == "info":
                 results.append(runner.job_info())
             else:
