@@ -49,8 +49,13 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Throughput benchmarks (pytest --bench); writes reports/<ts>-bench/."""
+    """Throughput benchmarks (pytest --bench); writes reports/<ts>-bench/. llama.cpp is included when
+    ``nox -s llamacpp`` has built its wheel into .g4h-cache/wheels (otherwise it is listed as skipped)."""
     _install(session)
+    wheels = ".g4h-cache/wheels"
+    built = sorted(f for f in os.listdir(wheels) if f.startswith("llama_cpp_python-0.3.36")) if os.path.isdir(wheels) else []
+    if built:
+        session.install(os.path.join(wheels, built[-1]))
     session.run("pytest", "--bench", "-m", "bench", "-s", *session.posargs)
 
 

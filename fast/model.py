@@ -31,6 +31,7 @@ from reference.config import LayerSpec, ModelConfig
 from reference.errors import InputError, PromptError
 from reference.model import check_prompt, rope_inv_freq
 
+from . import cpu_kernels
 from .kvcache import PagedKVCache
 
 TraceFn = Callable[[str, int, np.ndarray], None]
@@ -94,11 +95,17 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
 
     Activations are float32; a 16-bit weight multiplies a 16-bit copy of ``x``
     (the GEMM accumulates in float32) and the result returns to float32, as in
-    llama.cpp's 16-bit weight path.
+    llama.cpp's 16-bit weight path. On the CPU in float32, 1 to 16 rows go
+    through :func:`fast.cpu_kernels.linear_f32` (a bandwidth-bound kernel; see
+    that module for why and when), more through ``F.linear``.
     """
     if isinstance(w, torch.Tensor):
         if w.dtype != x.dtype:
             return F.linear(x.to(w.dtype), w).to(x.dtype)
+        if x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS and x.device.type == "cpu":
+            y = cpu_kernels.linear_f32(x, w)  # small-M CPU fp32 decode kernel; None when it does not apply
+            if y is not None:
+                return y
         return F.linear(x, w)
     return w.linear(x).to(x.dtype)
 
@@ -127,25 +134,31 @@ def moe_route(x: torch.Tensor, w_router, router_scale: torch.Tensor, per_expert_
 
 
 def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, idx: torch.Tensor,
-                weights: torch.Tensor, rows: int = 16) -> torch.Tensor:
+                weights: torch.Tensor, rows: int = 16,
+                act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Weighted sum of the chosen experts. [N, h], [E, 2F, h], [E, h, F], [N, K] x2 -> [N, h].
 
-    Each expert runs on its tokens padded with zero rows to a multiple of
-    ``rows``, so every matmul has a shape that does not depend on how many
-    *other* tokens chose the expert: a token's result is then independent of its
-    neighbours in the batch (DESIGN.md: neighbour isolation). Source:
-    transformers ``Gemma4TextExperts`` (gate first in gate_up).
+    ``act`` is the gate activation, GELU-tanh when None (the mutation self-test passes another).
+
+    Each expert runs on its tokens in blocks of exactly ``rows`` rows (the last
+    one padded with zeros), so every matmul has the same shape whatever number
+    of *other* tokens chose the expert: a token's result is then independent of
+    its neighbours in the batch (DESIGN.md: neighbour isolation), with any GEMM
+    kernel. Source: transformers ``Gemma4TextExperts`` (gate first in gate_up).
     """
     out = torch.zeros_like(x, dtype=torch.float32)
     Fdim = w_down.shape[2]
     for e in torch.unique(idx).tolist():
         tok, slot = torch.nonzero(idx == e, as_tuple=True)
-        n = tok.numel()
-        xe = x.new_zeros((-(-n // rows) * rows, x.shape[1]))
-        xe[:n] = x[tok]
-        gu = linear(xe, w_gate_up[e])
-        y = linear(F.gelu(gu[:, :Fdim], approximate="tanh") * gu[:, Fdim:], w_down[e])[:n]
-        out.index_add_(0, tok, y.float() * weights[tok, slot, None])
+        for c in range(0, tok.numel(), rows):
+            t, sl = tok[c:c + rows], slot[c:c + rows]
+            n = t.numel()
+            xe = x.new_zeros((rows, x.shape[1]))
+            xe[:n] = x[t]
+            gu = linear(xe, w_gate_up[e])
+            g = F.gelu(gu[:, :Fdim], approximate="tanh") if act is None else act(gu[:, :Fdim])
+            y = linear(g * gu[:, Fdim:], w_down[e])[:n]
+            out.index_add_(0, t, y.float() * weights[t, sl, None])
     return out.to(x.dtype)
 
 

@@ -16,7 +16,9 @@ cache), an output row for every position. Two known, expected differences from
 the float64 reference:
 
 * llama.cpp's CPU GELU reads an fp16 lookup table: ~1e-3 in activations, up to
-  ~1e-2 in logits on the small synthetic models (the max-|Δlogit| gate allows 2e-2);
+  ~3e-2 in logits on the small synthetic models. :func:`check_synthetic` therefore
+  gates against the reference with the same table emulated (:class:`llamacpp_numerics`)
+  and reports the figures against the exact reference beside them;
 * a gemma4 GGUF without a ``final_logit_softcapping`` key gets llama.cpp's
   default softcap of 30 (``llama-hparams.h``), where the file (and the harness)
   says there is none: that shows as an engine disagreement on ``edge-no-softcap``.
@@ -51,6 +53,7 @@ import numpy as np
 
 from harness.engines import EngineUnavailable, Generated, TraceFn
 from reference.errors import PromptError
+from reference.model import gelu_tanh as _exact_gelu  # bound at import: llamacpp_numerics swaps the module's name
 
 INSTALL_MSG = ("llama.cpp engine not installed: pip install 'gemma4-harness[llamacpp]' "
                "(builds llama-cpp-python from source, ~5 min)")
@@ -413,9 +416,55 @@ def _gate_rows(measured: dict[str, float], overrides: Any, where: str) -> dict[s
     return out
 
 
+def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
+    """GELU (tanh form) the way llama.cpp's CPU backend computes it: through an fp16 lookup table.
+
+    ggml's CPU ``gelu`` / ``geglu`` (with ``GGML_GELU_FP16``, the default) return 0 for
+    ``x <= -10`` and ``x`` for ``x >= 10``; otherwise they round ``x`` to fp16 and read a
+    65536-entry table holding ``fp16(gelu(fp16 value))``. Here: the same rounding, with the
+    float64 :func:`reference.model.gelu_tanh` in between.
+
+    Args:
+        x: float64 array, any shape.
+
+    Returns:
+        float64 array of the same shape (values exactly representable in fp16 inside ``(-10, 10)``).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    table = _exact_gelu(x.astype(np.float16).astype(np.float64)).astype(np.float16).astype(np.float64)
+    return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table))
+
+
+class llamacpp_numerics:
+    """Context manager: the reference computes its GELUs with :func:`gelu_fp16_table` while inside.
+
+    llama.cpp's fp16 GELU table is a deliberate, documented approximation, and on the small
+    synthetic cases it moves logits by up to ~3e-2 and can flip a near-tied top-1 (measured: e2b
+    max |Δlogit| 0.0267 -> 0.0162, 26b-a4b top-1 99.5 % -> 100 %, KLD 10-60x lower on every case once
+    emulated). Comparing against a reference with the same table removes that known difference,
+    so what is left, and gated, is fp32 rounding plus any real formula or layout fault. The
+    reference module looks ``gelu_tanh`` up at call time; this swaps that one name and restores it
+    on exit (not thread-safe: the harness runs its checks one at a time).
+    """
+
+    def __enter__(self):
+        import reference.model as rm
+
+        self._rm, self._orig = rm, rm.gelu_tanh
+        rm.gelu_tanh = gelu_fp16_table
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._rm.gelu_tanh = self._orig
+
+
 def check_synthetic(built_case, prompts: Iterable[Any], *, threads: int | None = None,
                     n_ubatch: int | None = None, trace: bool = True) -> list[dict[str, Any]]:
     """llama.cpp on a built case's F32 GGUF vs the float64 reference, over every prompt position.
+
+    The gated figures compare with the reference under :class:`llamacpp_numerics` (its GELUs through
+    llama.cpp's fp16 table); the same figures against the exact reference are kept as
+    ``exact_reference`` in the summary row and reported beside them.
 
     Args:
         built_case: a :class:`harness.synth.BuiltCase` (``ensure_built``).
@@ -428,7 +477,10 @@ def check_synthetic(built_case, prompts: Iterable[Any], *, threads: int | None =
         One row per prompt: ``case``, ``prompt``, ``n_tokens``, ``max_abs_logit``, ``mean_kld``,
         ``same_top1`` (fraction), ``max_abs_logit_at`` ([position, token id]), ``max_abs_ref_logit``;
         then a summary row with ``prompt`` = ``"all"`` holding the same figures over all positions
-        pooled, ``gates`` (name -> measured, limit, pass, reason; the case's ``[gates]`` overrides
+        pooled, ``kld_per_position`` (one float per position, for the report's histogram),
+        ``exact_reference`` (max_abs_logit, mean_kld, same_top1, same_top1_decisive, top1_flips against
+        the exact reference),
+        ``gates`` (name -> measured, limit, pass, reason; the case's ``[gates]`` overrides
         applied), ``pass``, ``trace`` (see :func:`compare_traces`) and ``seconds``.
         When llama.cpp crashes the list is one row: ``case``, ``prompt`` = ``"all"``, ``error``
         (``engine crashed: ...``), ``error_kind`` = ``"engine"``, ``pass`` = False.
@@ -437,7 +489,7 @@ def check_synthetic(built_case, prompts: Iterable[Any], *, threads: int | None =
         EngineUnavailable: llama-cpp-python is not installed.
     """
     from harness.engines import ReferenceEngine
-    from harness.metrics import kld_stats
+    from harness.metrics import kld_per_position, kld_stats
 
     case = built_case.spec.name
     gguf_path = built_case.gguf["F32"]
@@ -454,21 +506,29 @@ def check_synthetic(built_case, prompts: Iterable[Any], *, threads: int | None =
         return [{"case": case, "prompt": "all", "error": str(e), "error_kind": "engine", "pass": False,
                  "seconds": round(time.perf_counter() - t0, 3)}]
     rows: list[dict[str, Any]] = []
-    all_ours, all_ref = [], []
+    all_ours, all_ref, all_exact = [], [], []
     for (pid, ids), (ours, _) in zip(items, runs):
-        base = ref.logits(ids)
+        exact = ref.logits(ids)
+        with llamacpp_numerics():
+            base = ref.logits(ids)
         rows.append(_compare_row(case, pid, ours, base, kld_stats))
         all_ours.append(ours)
         all_ref.append(base)
+        all_exact.append(exact)
     ours_all, ref_all = np.concatenate(all_ours), np.concatenate(all_ref)
     summary = _compare_row(case, "all", ours_all, ref_all, kld_stats)
+    summary["kld_per_position"] = [float(v) for v in kld_per_position(ours_all, ref_all)]
+    vs_exact = _compare_row(case, "all", ours_all, np.concatenate(all_exact), kld_stats)
+    summary["exact_reference"] = {k: vs_exact[k] for k in ("max_abs_logit", "mean_kld", "same_top1",
+                                                          "same_top1_decisive", "top1_flips")}
     measured = {"mean_kld": summary["mean_kld"], "same_top1": summary["same_top1"],
                 "max_abs_logit": summary["max_abs_logit"]}
     summary["gates"] = _gate_rows(measured, built_case.spec.gates, str(built_case.spec.path))
     summary["pass"] = all(g["pass"] or g["informational"] for g in summary["gates"].values())
     if traced is not None:
         ref_trace: dict[tuple[str, int], np.ndarray] = {}
-        ref.logits(items[longest][1], trace=lambda p, layer, a: ref_trace.__setitem__((p, layer), np.array(a)))
+        with llamacpp_numerics():
+            ref.logits(items[longest][1], trace=lambda p, layer, a: ref_trace.__setitem__((p, layer), np.array(a)))
         summary["trace"] = {"prompt": items[longest][0], **compare_traces(traced, ref_trace)}
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     rows.append(summary)

@@ -226,15 +226,18 @@ def run_llamacpp_checks(res: CaseResult, gates: dict[str, Gate], built, prompts,
     fd = trace.get("first_divergence") if isinstance(trace, dict) else None
     first = f"{fd['point']}@{fd['layer']}" if fd else None
     per_point = trace.get("per_point") if isinstance(trace, dict) else None
+    exact = summary.get("exact_reference") or {}
     res.add(gates["llamacpp~reference.max_abs_logit"], summary["max_abs_logit"], None,
-            positions=summary["n_tokens"], first_divergence=first,
+            positions=summary["n_tokens"], first_divergence=first, vs_exact_gelu=exact.get("max_abs_logit"),
             **({"per_point": per_point, "traced_prompt": trace.get("prompt")} if per_point else {}))
     # per-position KLD for the report's histogram, when check_synthetic hands the values over
     kld_pos = summary.get("kld_per_position")
     res.add(gates["llamacpp~reference.mean_kld"], summary["mean_kld"], None, positions=summary["n_tokens"],
+            vs_exact_gelu=exact.get("mean_kld"),
             **({"kld_hist": kld_histogram(kld_pos)} if kld_pos is not None else {}))
     res.add(gates["llamacpp~reference.same_top1"], summary["same_top1"], None, positions=summary["n_tokens"],
-            near_ties=summary.get("near_ties"), top1_flips=summary.get("top1_flips"))
+            near_ties=summary.get("near_ties"), top1_flips=summary.get("top1_flips"),
+            vs_exact_gelu=exact.get("same_top1"), top1_flips_vs_exact_gelu=exact.get("top1_flips"))
 
 
 def run_fast_checks(res: CaseResult, gates: dict[str, Gate], cfg, W, prompts, progress, name: str) -> None:

@@ -54,17 +54,7 @@ def moe_experts_act(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
     [N, h], [E, 2F, h], [E, h, F], [N, K] x2 -> [N, h]. ``act`` is GELU-tanh in the model (transformers
     ``Gemma4TextExperts``); the SwiGLU mutant passes ``F.silu``.
     """
-    out = torch.zeros_like(x, dtype=torch.float32)
-    Fdim = w_down.shape[2]
-    for e in torch.unique(idx).tolist():
-        tok, slot = torch.nonzero(idx == e, as_tuple=True)
-        n = tok.numel()
-        xe = x.new_zeros((-(-n // rows) * rows, x.shape[1]))
-        xe[:n] = x[tok]
-        gu = linear(xe, w_gate_up[e])
-        y = linear(act(gu[:, :Fdim]) * gu[:, Fdim:], w_down[e])[:n]
-        out.index_add_(0, tok, y.float() * weights[tok, slot, None])
-    return out.to(x.dtype)
+    return fast_model.moe_experts(x, w_gate_up, w_down, idx, weights, rows=rows, act=act)
 
 
 def _gelu_tanh(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,11 @@
-"""Throughput benchmarks (``pytest --bench``): figures go to a report, never into asserts."""
+"""Throughput benchmarks (``pytest --bench``): the ``g4h bench`` run, figures to a report, never into asserts.
+
+Each test runs the same code as ``g4h bench`` and writes ``reports/<ts>-bench/``
+(``report.md``, ``results.json``, PNGs). Sizes are smaller than llama-bench's
+defaults so the pair of runs fits in a few minutes on 2 cores; set
+``G4H_BENCH_REPS``, ``G4H_BENCH_TG``, ``G4H_BENCH_PP`` and ``G4H_BENCH_BATCH`` for
+longer runs, or call ``g4h bench`` directly.
+"""
 
 from __future__ import annotations
 
@@ -8,35 +15,37 @@ import os
 import pytest
 
 from harness import synth
-from harness.bench import fast_decode, reference_decode, transformers_decode
-from harness.report import markdown_table, new_run_dir, write_json_atomic, write_text_atomic
 
 BENCH_SPEC = synth.REPO_ROOT / "cases" / "bench" / "e4b-1024.toml"
 
 
+def _bench(model: str, engines: str) -> dict:
+    from harness import bench_cli
+    from harness.cli import build_parser
+    from harness.report import DEFAULT_REPORTS_DIR
+
+    argv = ["bench", "--model", model, "--engines", engines, "--dtype", "float32,bfloat16",
+            "--batch", os.environ.get("G4H_BENCH_BATCH", "1,2,4,8"), "--pp", os.environ.get("G4H_BENCH_PP", "64"),
+            "--tg", os.environ.get("G4H_BENCH_TG", "32"), "--reps", os.environ.get("G4H_BENCH_REPS", "3")]
+    before = set(DEFAULT_REPORTS_DIR.glob("*-bench*")) if DEFAULT_REPORTS_DIR.exists() else set()
+    assert bench_cli.cmd_bench(build_parser().parse_args(argv)) == 0
+    (run,) = set(DEFAULT_REPORTS_DIR.glob("*-bench*")) - before
+    print((run / "report.md").read_text())
+    return json.loads((run / "results.json").read_text())
+
+
 @pytest.mark.bench
-def test_decode_throughput_cpu_fp32():
-    """Decode tokens/s on the CPU, fp32, one run: reference f64, transformers eager, fast solo and batched 8."""
-    built = synth.ensure_built(BENCH_SPEC)
-    prompt = [2] + [4 + (i * 37) % 200 for i in range(63)]
-    reps = int(os.environ.get("G4H_BENCH_REPS", "5"))
-    rows = [
-        reference_decode(built.gguf["F32"], prompt, n=8, reps=max(2, reps // 2), warmup=1),
-        transformers_decode(built.hf_dir, prompt, n=32, reps=reps, warmup=1),
-        fast_decode(built.gguf["F32"], prompt, n=32, batch=1, reps=reps, warmup=1),
-        fast_decode(built.gguf["F32"], prompt, n=32, batch=8, reps=reps, warmup=1),
-    ]
-    ref, hf, solo, b8 = (r.mean for r in rows)
-    ratios = {"fast/reference": solo / ref, "fast/transformers": solo / hf, "fast batched 8 / fast solo": b8 / solo}
-    run = new_run_dir("bench")
-    data = {"version": 1, "kind": "bench", "model": str(BENCH_SPEC), "prompt_tokens": len(prompt),
-            "measurements": [r.as_dict() for r in rows], "ratios": ratios}
-    write_json_atomic(run / "results.json", data)
-    table = markdown_table([{"engine": r.engine, "batch": r.batch, "tg tokens": r.tokens,
-                             "tok/s": f"{r.mean:.2f} ± {r.std:.2f}"} for r in rows],
-                           ["engine", "batch", "tg tokens", "tok/s"])
-    text = (f"# Decode benchmark (CPU, fp32)\n\nmodel: `{BENCH_SPEC.name}`, prompt {len(prompt)} tokens\n\n{table}\n\n"
-            + "\n".join(f"- {k}: {v:.2f}x" for k, v in ratios.items()) + "\n")
-    write_text_atomic(run / "report.md", text)
-    print("\n" + text + f"\nreport: {run}/report.md")
-    assert all(r.tok_per_s for r in rows)
+def test_bench_model_cpu():
+    """The ~0.4 B bench model: fast fp32/bf16 against transformers eager, llama.cpp and the reference."""
+    data = _bench(str(BENCH_SPEC), "fast,transformers,llamacpp,reference")
+    assert any(r["mean_tok_s"] for r in data["rows"] if r["engine"] == "fast")
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+def test_bench_gemma3_270m_gguf_cpu():
+    """The real Gemma 3 270M Q4_K_M GGUF: the same engines (transformers through its GGUF loader)."""
+    from harness.realdata import gemma3_270m_gguf
+
+    data = _bench(str(gemma3_270m_gguf()), "fast,transformers,llamacpp,reference")
+    assert any(r["mean_tok_s"] for r in data["rows"] if r["engine"] == "fast")

@@ -1,0 +1,149 @@
+"""A small-batch float32 matmul for CPU decode, compiled from ``fast/csrc/linear_f32.c`` on first use.
+
+Why: on the CPU a decode step is bound by reading the weights. For one row
+(``M = 1``) torch's ``F.linear`` already streams the weights at the machine's
+read bandwidth, but for ``M = 2..16`` (a batch of decoding sequences) the BLAS
+GEMM it calls runs at about a third of that, so batching buys little. The C
+kernel reads each weight once and keeps all ``M`` accumulators in registers
+(see the C file). Measured on the 2-core CI VM in one run (``g4h bench`` and
+the kernel probe in ``tests/test_cpu_kernels.py``): at ``M = 8`` it reads
+13 GB/s where ``F.linear`` reads 9-10 GB/s; at ``M = 1`` both are at the read
+roofline.
+
+How: the source is compiled with the system C compiler (``$CC``, else ``cc``)
+with ``-O3 -march=native -fopenmp`` into ``$G4H_CACHE/kernels/<hash>/`` (default
+``<repo>/.g4h-cache/kernels``; the hash covers the source, flags, compiler
+version and CPU model) and loaded with :mod:`ctypes`. Its OpenMP calls resolve
+to the ``libgomp`` torch has already loaded, so the two share one thread pool.
+
+When it is not used: no compiler, a failed build, ``G4H_CPU_KERNEL=0`` in the
+environment, a non-CPU or non-float32 tensor, ``M`` outside ``[1, MAX_ROWS]``,
+or shapes the kernel does not take (``K % 16 != 0``, odd ``N``). Then
+:func:`linear_f32` returns None and the caller uses ``F.linear``. The choice
+depends only on shapes, never on values, so neighbour isolation holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 16
+"""Largest ``M`` sent to the kernel; above it a BLAS GEMM is compute-efficient and wins."""
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_f32.c"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+
+_lib = None
+_state = "unloaded"  # unloaded | ready | unavailable
+_why = ""
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("G4H_CACHE")
+    root = Path(env) if env else Path(__file__).resolve().parent.parent / ".g4h-cache"
+    return root / "kernels"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel (or find it in the cache) and return the shared library's path.
+
+    Args:
+        force: rebuild even when a cached library exists.
+
+    Raises:
+        RuntimeError: no C compiler, or it failed (the message holds its last line of output).
+    """
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cc}: {e}") from None
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_model()]).encode()).hexdigest()
+    out = _cache_dir() / key[:16] / "liblinear_f32.so"
+    if out.is_file() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {last}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load():
+    global _lib, _state, _why
+    if os.environ.get("G4H_CPU_KERNEL", "1") == "0":
+        _state, _why = "unavailable", "disabled by G4H_CPU_KERNEL=0"
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+        fn = lib.g4h_linear_f32
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                       ctypes.c_long, ctypes.c_int]
+        fn.restype = None
+        _lib, _state = fn, "ready"
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        _state, _why = "unavailable", str(e).splitlines()[0] if str(e) else type(e).__name__
+    return _lib
+
+
+def status() -> tuple[bool, str]:
+    """``(available, reason)``: whether the kernel is in use here, and why not when it is not."""
+    if _state == "unloaded":
+        _load()
+    return _state == "ready", _why
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """``x @ w.T`` through the C kernel, or None when it does not apply (the caller uses ``F.linear``).
+
+    Args:
+        x: float32 ``[M, K]`` on the CPU, ``1 <= M <= MAX_ROWS``.
+        w: float32 ``[N, K]`` on the CPU, ``K % 16 == 0``, ``N`` even.
+
+    Returns:
+        float32 ``[M, N]`` (a new tensor), or None.
+    """
+    if _state == "unavailable":
+        return None
+    if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
+            or x.dim() != 2 or w.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != w.shape[1]
+            or w.shape[1] % 16 or w.shape[0] % 2 or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return None
+    fn = _lib if _state == "ready" else _load()
+    if fn is None:
+        return None
+    x = x.contiguous()
+    if not w.is_contiguous():
+        return None
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
+    return y
