@@ -29,6 +29,7 @@ baseline.
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import os
@@ -306,6 +307,10 @@ class BenchEngine:
         """Seconds for ``n`` greedy decode steps of ``batch`` sequences after ``depth`` cached tokens."""
         raise NotImplementedError
 
+    def timed(self, test: str, n: int, depth: int, batch: int) -> float:
+        """Seconds of one ``pp`` or ``tg`` repetition."""
+        return self.pp(n, depth, batch) if test == "pp" else self.tg(n, depth, batch)
+
     def close(self) -> None:
         """Free what the engine holds."""
 
@@ -397,7 +402,10 @@ class TransformersBench(BenchEngine):
         self.torch = torch
         self.cfg = cfg
         self.dtype = dtype
-        self.model = model.to(getattr(torch, dtype)).eval()
+        target = getattr(torch, dtype)
+        # Module.to() casts in place: another dtype gets its own copy, so two adapters never share one module.
+        same = all(p.dtype == target for p in model.parameters())
+        self.model = (model if same else copy.deepcopy(model).to(target)).eval()
 
     def _context(self, depth: int, batch: int):
         torch = self.torch
@@ -505,6 +513,15 @@ class LlamaCppBench(BenchEngine):
             self._types = _gguf_elem_bytes(self.path)
         return self._types.get(name, 4.0)
 
+    def timed(self, test: str, n: int, depth: int, batch: int) -> float:
+        """Seconds of one repetition, timed inside a fresh worker after one untimed repetition.
+
+        Raises:
+            harness.llamacpp.EngineCrashed: the worker died.
+        """
+        job = {"test": test, "n": n, "depth": depth, "batch": batch, "reps": 1, "warmup": 1}
+        return self.run([job], n_ctx=depth + n + 8)[0][0]
+
     def run(self, jobs: list[dict[str, Any]], n_ctx: int) -> list[list[float]]:
         """Run bench jobs ``{"test", "n", "depth", "batch", "reps", "warmup"}`` in one worker; seconds per rep.
 
@@ -580,75 +597,58 @@ class BenchPlan:
         return [(t, n) for t, n in (("pp", self.pp), ("tg", self.tg)) if n > 0]
 
 
-def _time(fn: Callable[[], float], tokens: int, reps: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        out.append(tokens / fn())
-        gc.collect()
-    return out
-
-
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".strip()
 
 
-def run_engine(bench: BenchEngine, plan: BenchPlan, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
-    """Measure every (test, depth, batch) of ``plan`` for one in-process engine.
+def run_plan(benches: Sequence[BenchEngine], plan: BenchPlan,
+             progress: Callable[[str], None] | None = None) -> list[BenchRow]:
+    """Measure every (test, depth, batch) of ``plan`` on every engine, interleaved.
 
-    A configuration beyond ``bench.max_batch`` or one that raises gets a row
-    with ``error`` set (one line) and the run goes on.
+    For each configuration, every engine first runs its warm-up, then the timed
+    repetitions go round-robin (repetition 1 of every engine, then repetition 2,
+    ...), so a drift of the machine's speed during a long run (a busy neighbour
+    on a shared VM, thermal limits) touches every engine alike and the same-run
+    ratios stay fair. llama.cpp runs each of its turns in its own worker process
+    (its timing starts after the model is loaded and its own warm-up step).
+
+    A configuration beyond an engine's ``max_batch``, or one that raises, gets a
+    row with ``error`` set (one line) and the run goes on.
+
+    Returns:
+        rows in the order engine, test, depth, batch.
     """
-    rows = []
-    for test, n in plan.tests():
-        for depth in plan.depths:
-            for batch in plan.batches:
-                row = BenchRow(bench.engine, bench.dtype, test, n, depth, batch)
-                rows.append(row)
-                if bench.max_batch is not None and batch > bench.max_batch:
-                    row.error = f"{bench.engine} runs one sequence at a time (batch {bench.max_batch} only)"
-                    continue
-                if progress:
-                    progress(f"{bench.engine}-{bench.dtype} {row.label} batch {batch}")
-                fn = (lambda n=n, d=depth, b=batch: bench.pp(n, d, b)) if test == "pp" else \
-                     (lambda n=n, d=depth, b=batch: bench.tg(n, d, b))
-                try:
-                    row.tok_per_s = _time(fn, n * batch, plan.reps, plan.warmup)
-                except (RuntimeError, ValueError, MemoryError, InputError) as e:
-                    row.error = _one_line(e)
-                if test == "tg":
-                    row.bytes_per_token = bytes_per_token(bench.cfg, bench.elem_bytes, batch, depth, n, bench.kv_elem)
-    return rows
-
-
-def run_llamacpp(bench: LlamaCppBench, plan: BenchPlan, progress: Callable[[str], None] | None = None
-                 ) -> list[BenchRow]:
-    """Measure ``plan`` with llama.cpp: one worker process for all configurations; a crash marks them all."""
     from harness.llamacpp import EngineCrashed
 
-    rows, jobs = [], []
+    rows: dict[tuple[int, str, int, int], BenchRow] = {}
     for test, n in plan.tests():
         for depth in plan.depths:
             for batch in plan.batches:
-                rows.append(BenchRow("llamacpp", bench.dtype, test, n, depth, batch))
-                jobs.append({"test": test, "n": n, "depth": depth, "batch": batch, "reps": plan.reps,
-                             "warmup": plan.warmup})
-    if progress:
-        progress(f"llamacpp-{bench.dtype}: {len(jobs)} configurations in one worker")
-    n_ctx = max(j["depth"] + j["n"] for j in jobs) + 8
-    try:
-        seconds = bench.run(jobs, n_ctx)
-    except EngineCrashed as e:
-        for r in rows:
-            r.error = _one_line(e)
-        return rows
-    for r, secs in zip(rows, seconds):
-        r.tok_per_s = [r.n * r.batch / s for s in secs]
-        if r.test == "tg":
-            r.bytes_per_token = bytes_per_token(bench.cfg, bench.elem_bytes, r.batch, r.depth, r.n, bench.kv_elem)
-    return rows
+                live = []
+                for k, be in enumerate(benches):
+                    row = rows[(k, test, depth, batch)] = BenchRow(be.engine, be.dtype, test, n, depth, batch)
+                    if be.max_batch is not None and batch > be.max_batch:
+                        row.error = f"{be.engine} runs one sequence at a time (batch {be.max_batch} only)"
+                        continue
+                    if test == "tg":
+                        row.bytes_per_token = bytes_per_token(be.cfg, be.elem_bytes, batch, depth, n, be.kv_elem)
+                    live.append((k, be, row))
+                if progress:
+                    progress(f"{test}{n} depth {depth} batch {batch}: {', '.join(f'{b.engine}-{b.dtype}' for _, b, _ in live)}")
+                for rep in range(-plan.warmup, plan.reps):
+                    for k, be, row in live:
+                        if row.error:
+                            continue
+                        try:
+                            secs = be.timed(test, n, depth, batch)
+                        except (RuntimeError, ValueError, MemoryError, InputError, EngineCrashed) as e:
+                            row.error, row.tok_per_s = _one_line(e), []
+                            continue
+                        if rep >= 0:
+                            row.tok_per_s.append(n * batch / secs)
+                    gc.collect()
+    return [rows[key] for key in sorted(rows, key=lambda t: (t[0], t[1] != "pp", t[2], t[3]))]
 
 
 def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float]:

@@ -192,21 +192,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     progress(f"measuring read bandwidth on {args.device}")
     bandwidth = B.measure_read_bandwidth(args.device)
-    rows: list[B.BenchRow] = []
+    benches: list[B.BenchEngine] = []
     skipped: dict[str, str] = {}
     for name in engines:
         try:
-            benches = make_bench_engines(name, src, args)
+            benches += make_bench_engines(name, src, args)
         except (EngineUnavailable, InputError) as e:
             skipped[name] = str(e).splitlines()[0]
             progress(f"{name}: skipped: {skipped[name]}")
-            continue
-        for be in benches:
-            if isinstance(be, B.LlamaCppBench):
-                rows += B.run_llamacpp(be, plan, progress)
-            else:
-                rows += B.run_engine(be, plan, progress)
-            be.close()
+    rows = B.run_plan(benches, plan, progress)
+    for be in benches:
+        be.close()
     data = results(rows, plan, B.machine_info(args.device), src.info(), bandwidth, B.ratios(rows))
     data["skipped"] = skipped
     status = 0
