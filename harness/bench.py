@@ -543,7 +543,16 @@ class LlamaCppBench(BenchEngine):
 
 
 def _gguf_file_type(path: Path) -> str:
-    """A short name of a GGUF's weight type: the most common matrix type (``F32``, ``Q4_K``...)."""
+    """A short name of a GGUF's weight type: ``general.file_type`` (``Q4_K_M``, ``F32``...) when the file
+    says, else the most common matrix type by elements."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(str(path)).fields.get("general.file_type")
+    if field is not None:
+        try:
+            return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except (ValueError, IndexError):
+            pass
     counts: dict[str, int] = {}
     for name, t in _gguf_types(path).items():
         if name.endswith(".weight") and "norm" not in name:
