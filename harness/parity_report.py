@@ -37,6 +37,10 @@ PLOT_FLOOR = 1e-18
 """A relative error of exactly 0 (bit-identical) is drawn at this value on the log axis."""
 
 
+NOTE_CHARS = 140
+"""Longest informational reason quoted in the summary table (the details section has every reason whole)."""
+
+
 def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (case, gate): worst measured value, limit, pass. Errors get a row of their own."""
     rows = []
@@ -62,7 +66,9 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
                 note = f"{sum(k['pass'] for k in group)}/{len(group)} within"
                 if is_info:
                     reasons = sorted({k.get("reason", "") for k in group if k.get("reason")})
-                    note += "; not gating: " + " / ".join(reasons)
+                    first = reasons[0] if len(reasons[0]) <= NOTE_CHARS else reasons[0][:NOTE_CHARS - 3] + "..."
+                    more = f" (+{len(reasons) - 1} more reasons, see details)" if len(reasons) > 1 else ""
+                    note += f"; not gating: {first}{more}"
                 if worst.get("first_divergence"):
                     note += f"; first divergence {worst['first_divergence']}"
                 ok = all(k["pass"] for k in group)
