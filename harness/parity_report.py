@@ -383,6 +383,15 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
                                                          "positions", "expected", "got")
                                     if x in k and k[x] is not None)} for k in c["checks"]]
         lines += [_table(rows, ["gate", "prompt", "measured", "pass", "extra"], right=["measured"]), ""]
+        why = {}
+        for k in c["checks"]:
+            if k.get("informational") and k.get("reason"):
+                why.setdefault(k["gate"], [])
+                if k["reason"] not in why[k["gate"]]:
+                    why[k["gate"]].append(k["reason"])
+        if why:
+            lines += ["Not gating here, with the case's reasons:", ""]
+            lines += [f"- `{g}`: " + " / ".join(rs) for g, rs in sorted(why.items())] + [""]
         drift = c.get("info", {}).get("quant_logit_drift")
         if drift:
             lines += ["Quantized GGUF logit drift vs F32 (informational, longest prompt, max |Δlogit|): "
