@@ -204,7 +204,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for be in benches:
         be.close()
     data = results(rows, plan, B.machine_info(args.device), src.info(), bandwidth, B.ratios(rows))
-    data["skipped"] = skipped
+    data["skipped"] = skipped  # before the report is written: report.md lists them
     status = 0
     if baseline is not None:
         verdict = compare_baseline(data, baseline, args.baseline, SPEED_RATIO_MARGIN)

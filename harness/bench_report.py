@@ -58,6 +58,11 @@ def _fmt_params(n: int | None) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
+def _not_run(error: str | None) -> str:
+    """Table text for a row without figures: a known limit reads ``not run``, anything else ``failed``."""
+    return f"not run: {error}" if error and "one sequence at a time" in error else f"failed: {error}"
+
+
 def table_frame(data: Mapping[str, Any]):
     """A pandas DataFrame of the rows, with llama-bench's columns plus batch, GB/s and roofline share."""
     import pandas as pd
@@ -70,7 +75,7 @@ def table_frame(data: Mapping[str, Any]):
             "model": m.get("name", ""), "size": _fmt_size(m.get("size_bytes")), "params": _fmt_params(m.get("params")),
             "engine": r["engine"], "dtype": r["dtype"], "threads": data["machine"].get("threads"),
             "batch": r["batch"], "test": r["label"],
-            "t/s": f"{r['mean_tok_s']:.2f} ± {r['std_tok_s']:.2f}" if ok else f"failed: {r['error']}",
+            "t/s": f"{r['mean_tok_s']:.2f} ± {r['std_tok_s']:.2f}" if ok else _not_run(r["error"]),
             "GB/s": f"{r['read_gbs']:.1f}" if r.get("read_gbs") is not None else "",
             "roofline": f"{100 * r['roofline_share']:.0f} %" if r.get("roofline_share") is not None else "",
         })
@@ -169,6 +174,10 @@ def render_markdown(data: Mapping[str, Any], plots: list[str]) -> str:
               f"- {data['plan']['reps']} timed repetitions after {data['plan']['warmup']} warm-up; t/s is mean ± std; "
               "pp and tg count the tokens of every sequence in the batch", ""]
     lines += [table_frame(data).to_markdown(index=False), ""]
+    for name, why in sorted((data.get("skipped") or {}).items()):
+        lines += [f"- **{name} skipped:** {why}"]
+    if data.get("skipped"):
+        lines += [""]
     lines += ["GB/s: weights and KV bytes read per generated token (weights once per step, shared by the batch) × "
               "tokens/s; roofline: that as a share of the read bandwidth.", ""]
     if data["ratios"]:
@@ -255,9 +264,9 @@ def summary_lines(data: Mapping[str, Any]) -> list[str]:
     """Short console summary: one line per row, then the ratios."""
     out = []
     for r in data["rows"]:
-        tps = f"{r['mean_tok_s']:9.2f} ± {r['std_tok_s']:.2f} t/s" if r["mean_tok_s"] is not None else f"failed: {r['error']}"
+        tps = f"{r['mean_tok_s']:9.2f} ± {r['std_tok_s']:.2f} t/s" if r["mean_tok_s"] is not None else _not_run(r["error"])
         share = f"  {100 * r['roofline_share']:.0f} % roofline" if r.get("roofline_share") is not None else ""
-        out.append(f"{r['engine']}-{r['dtype']:<9} {r['label']:<14} b{r['batch']:<3} {tps}{share}")
+        out.append(f"{r['engine'] + '-' + r['dtype']:<22} {r['label']:<14} b{r['batch']:<3} {tps}{share}")
     for k, v in data["ratios"].items():
         out.append(f"ratio {k}: {v:.2f}x")
     if not math.isnan(data.get("read_bandwidth_gbs") or math.nan):

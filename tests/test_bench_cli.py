@@ -54,6 +54,7 @@ def test_bench_writes_results_report_and_plots(bench_run):
     for r in data["rows"]:
         if r["engine"] == "reference" and r["batch"] > 1:
             assert r["mean_tok_s"] is None and "one sequence at a time" in r["error"]
+            assert "not run: reference runs one sequence at a time" in (run / "report.md").read_text()
             continue
         assert r["error"] is None and len(r["reps_tok_s"]) == 2 and r["mean_tok_s"] > 0
         if r["test"] == "tg":
@@ -176,6 +177,7 @@ def test_missing_engine_is_skipped_with_install_hint(monkeypatch, tmp_path):
     assert rc == 0
     data = json.loads((_run_dir(tmp_path) / "results.json").read_text())
     assert "pip install" in data["skipped"]["llamacpp"]
+    assert f"**llamacpp skipped:** {data['skipped']['llamacpp']}" in (_run_dir(tmp_path) / "report.md").read_text()
     assert {r["engine"] for r in data["rows"]} == {"fast"}
 
 
