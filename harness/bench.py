@@ -336,7 +336,6 @@ class FastBench(BenchEngine):
         self.dtype = dtype
         self.fm = FastModel(cfg, W, device, dtype, keep_quantized=keep_quantized)
         self.sync = torch.cuda.synchronize if self.fm.device.type == "cuda" else (lambda: None)
-        self.keep32 = self.fm.w.FLOAT32_ALWAYS
 
     def elem_bytes(self, name: str) -> float:
         t = self.fm.w[name] if name in self.fm.w else None
@@ -504,14 +503,11 @@ class LlamaCppBench(BenchEngine):
         self.path = Path(path)
         self.cfg = cfg
         self.threads = threads
-        self.llm_factory = LlamaCppEngine
-        self.dtype = _gguf_file_type(self.path)
-        self._types: dict[str, float] = {}
+        self.engine_cls = LlamaCppEngine
+        self.dtype, self._per_elem = _gguf_facts(self.path)
 
     def elem_bytes(self, name: str) -> float:
-        if not self._types:
-            self._types = _gguf_elem_bytes(self.path)
-        return self._types.get(name, 4.0)
+        return self._per_elem.get(name, 4.0)
 
     def timed(self, test: str, n: int, depth: int, batch: int) -> float:
         """Seconds of one repetition, timed inside a fresh worker after one untimed repetition.
@@ -528,7 +524,7 @@ class LlamaCppBench(BenchEngine):
         Raises:
             harness.llamacpp.EngineCrashed: the worker died (the caller records it as the rows' error).
         """
-        eng = self.llm_factory(self.path, n_ctx=n_ctx, threads=self.threads, timeout=6 * 3600.0)
+        eng = self.engine_cls(self.path, n_ctx=n_ctx, threads=self.threads, timeout=6 * 3600.0)
         v = self.cfg.vocab_size
         full = []
         for j in jobs:  # the same token ids as the in-process engines get
@@ -542,37 +538,26 @@ class LlamaCppBench(BenchEngine):
         return [r["seconds"] for r in results]
 
 
-def _gguf_file_type(path: Path) -> str:
-    """A short name of a GGUF's weight type: ``general.file_type`` (``Q4_K_M``, ``F32``...) when the file
-    says, else the most common matrix type by elements."""
+def _gguf_facts(path: Path) -> tuple[str, dict[str, float]]:
+    """One read of a GGUF's header (about 9 s with a 262k vocabulary, so once): its weight type's short
+    name, ``general.file_type`` (``Q4_K_M``, ``F32``...) or else the most common matrix type by elements,
+    and tensor name -> stored bytes per element (block size included: Q8_0 is 34/32)."""
     from gguf import GGUFReader, LlamaFileType
 
-    field = GGUFReader(str(path)).fields.get("general.file_type")
+    r = GGUFReader(str(path))
+    per_elem = {t.name: float(t.n_bytes) / float(t.n_elements) for t in r.tensors}
+    field = r.fields.get("general.file_type")
     if field is not None:
         try:
-            return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            name = LlamaFileType(int(field.parts[field.data[0]][0])).name
+            return name.removeprefix("MOSTLY_").removeprefix("ALL_"), per_elem
         except (ValueError, IndexError):
             pass
     counts: dict[str, int] = {}
-    for name, t in _gguf_types(path).items():
-        if name.endswith(".weight") and "norm" not in name:
-            counts[t[0]] = counts.get(t[0], 0) + t[1]
-    return max(counts, key=counts.get) if counts else "F32"
-
-
-def _gguf_types(path: Path) -> dict[str, tuple[str, int]]:
-    from gguf import GGUFReader
-
-    r = GGUFReader(str(path))
-    return {t.name: (t.tensor_type.name, int(t.n_elements)) for t in r.tensors}
-
-
-def _gguf_elem_bytes(path: Path) -> dict[str, float]:
-    """GGUF tensor name -> stored bytes per element (block size included: Q8_0 is 34/32)."""
-    from gguf import GGUFReader
-
-    r = GGUFReader(str(path))
-    return {t.name: float(t.n_bytes) / float(t.n_elements) for t in r.tensors}
+    for t in r.tensors:
+        if t.name.endswith(".weight") and "norm" not in t.name:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    return (max(counts, key=counts.get) if counts else "F32"), per_elem
 
 
 # --------------------------------------------------------------------------- the run

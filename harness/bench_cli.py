@@ -84,7 +84,7 @@ class ModelSource:
         from reference import load_model
 
         self.cfg, self.W = load_model(self.gguf or self.hf_dir)
-        self.name = p.stem if p.suffix != ".toml" else p.stem
+        self.name = p.stem
         self.path = str(p)
         self.size_bytes = (self.gguf.stat().st_size if self.gguf else
                            sum(f.stat().st_size for f in self.hf_dir.glob("*.safetensors")))

@@ -17,7 +17,7 @@ the float64 reference:
 
 * llama.cpp's CPU GELU reads an fp16 lookup table: ~1e-3 in activations, up to
   ~3e-2 in logits on the small synthetic models. :func:`check_synthetic` therefore
-  gates against the reference with the same table emulated (:class:`llamacpp_numerics`)
+  gates against the reference with the same table emulated (:func:`llamacpp_numerics`)
   and reports the figures against the exact reference beside them;
 * a gemma4 GGUF without a ``final_logit_softcapping`` key gets llama.cpp's
   default softcap of 30 (``llama-hparams.h``), where the file (and the harness)
@@ -37,6 +37,7 @@ prompts from one context, one ``seq_id`` per prompt (prefill in one
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -47,7 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -435,8 +436,9 @@ def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
     return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table))
 
 
-class llamacpp_numerics:
-    """Context manager: the reference computes its GELUs with :func:`gelu_fp16_table` while inside.
+@contextlib.contextmanager
+def llamacpp_numerics() -> Iterator[None]:
+    """While inside, the reference computes its GELUs with :func:`gelu_fp16_table`.
 
     llama.cpp's fp16 GELU table is a deliberate, documented approximation, and on the small
     synthetic cases it moves logits by up to ~3e-2 and can flip a near-tied top-1 (measured: e2b
@@ -446,23 +448,21 @@ class llamacpp_numerics:
     reference module looks ``gelu_tanh`` up at call time; this swaps that one name and restores it
     on exit (not thread-safe: the harness runs its checks one at a time).
     """
+    import reference.model as rm
 
-    def __enter__(self):
-        import reference.model as rm
-
-        self._rm, self._orig = rm, rm.gelu_tanh
-        rm.gelu_tanh = gelu_fp16_table
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._rm.gelu_tanh = self._orig
+    original = rm.gelu_tanh
+    rm.gelu_tanh = gelu_fp16_table
+    try:
+        yield
+    finally:
+        rm.gelu_tanh = original
 
 
 def check_synthetic(built_case, prompts: Iterable[Any], *, threads: int | None = None,
                     n_ubatch: int | None = None, trace: bool = True) -> list[dict[str, Any]]:
     """llama.cpp on a built case's F32 GGUF vs the float64 reference, over every prompt position.
 
-    The gated figures compare with the reference under :class:`llamacpp_numerics` (its GELUs through
+    The gated figures compare with the reference under :func:`llamacpp_numerics` (its GELUs through
     llama.cpp's fp16 table); the same figures against the exact reference are kept as
     ``exact_reference`` in the summary row and reported beside them.
 
