@@ -1,40 +1,40 @@
 """The Gemma 4 (and Gemma 3) text decoder in torch: the same forward as ``reference/``, fast.
 
-Same config object and the same loader as the reference
-(:func:`reference.weights.load_model`), so a difference between the twins is a
-difference in the math. Functions carry the reference's names (``rms_norm``,
-``apply_rope``, ``attention``, ``gelu_ffn``, ``moe_route`` ...).
+Same config object and the same loader as the reference (:func:`reference.weights.load_model`), so a
+difference between the twins is a difference in the math. It reads like :mod:`reference.model`: the
+same operations under the same names and signatures (``rms_norm``, ``rope_angles``, ``apply_rope``,
+``attention``, ``gelu_ffn``, ``moe_route``, ``expert_ffn``, ``moe_experts`` ...), and the same blocks as
+methods of :class:`FastModel` (``embed``, ``ple_token``, ``ple_context``, ``per_layer_inputs``,
+``attention_block``, ``ffn_block``, ``moe_block``, ``ple_block``, ``layer_scale``, ``decoder_layer``,
+``lm_head``). The self-test's mutants override one of these each.
 
-Speed comes from batching every new token of every sequence into one matrix
-(``[N, h]``: a ragged batch, as in vLLM), from ``scaled_dot_product_attention``
-and from a paged KV cache (:mod:`fast.kvcache`), not from clever code. The
-device (``cpu``/``cuda``) and dtype (float32, bfloat16, float16) are the
-caller's and applies to the weights; activations, the KV cache, norms, softmax
-and RoPE stay float32 (llama.cpp's layout for 16-bit weights).
+Speed comes from batching every new token of every sequence into one matrix (``[N, h]``: a ragged
+batch, as in vLLM), from ``scaled_dot_product_attention`` and from a paged KV cache
+(:mod:`fast.kvcache`), not from clever code. The device (``cpu``/``cuda``) and dtype (float32,
+bfloat16, float16) are the caller's and apply to the weights; activations, the KV cache, norms,
+softmax and RoPE stay float32 (llama.cpp's layout for 16-bit weights).
 
-Shapes: N = new tokens in the step (all sequences), T = a sequence's new tokens,
-S = its keys, h = hidden, H/Hkv = query/KV heads, D = head_dim, L = layers,
-P = PLE width, V = vocab.
+Shapes: N = new tokens in the step (all sequences), T = a sequence's new tokens, S = its keys,
+h = hidden, H/Hkv = query/KV heads, D = head_dim, L = layers, P = PLE width, V = vocab.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from reference.config import LayerSpec, ModelConfig
-from reference.errors import InputError, PromptError
-from reference.model import check_prompt, rope_inv_freq
+from reference.errors import InputError
+from reference.model import TraceFn, check_prompt, rope_inv_freq
 
 from . import cpu_kernels
 from .kvcache import PagedKVCache
-
-TraceFn = Callable[[str, int, np.ndarray], None]
+from .weights import FastWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,16 +78,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
-    """NeoX RoPE on the first n_rot dims. [N, H, D], [N, 1, n_rot/2] x2 -> [N, H, D].
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (``gelu_pytorch_tanh``). [...] -> [...]. Source: Hendrycks & Gimpel 2016."""
+    return F.gelu(x, approximate="tanh")
 
-    Source: transformers ``apply_rotary_pos_emb``; equals :func:`reference.model.apply_rope`.
-    """
-    half = n_rot // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:n_rot]
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., n_rot:]], dim=-1)
-    return out.to(x.dtype)
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)``. [...] -> [...]. Source: transformers ``Gemma4ForCausalLM.forward``."""
+    return torch.tanh(x / cap) * cap
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
@@ -117,48 +115,26 @@ def embed_rows(w, ids: torch.Tensor) -> torch.Tensor:
     return w.take_rows(ids, dtype=torch.float32)
 
 
-def gelu_ffn(x: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
-    """``down(gelu_tanh(gate x) * up x)``. [N, h] -> [N, h]. Source: transformers ``Gemma4TextMLP``."""
-    return linear(F.gelu(linear(x, w_gate), approximate="tanh") * linear(x, w_up), w_down)
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``pos * inv_freq``, formed in float64 and rounded once to float32.
 
-
-def moe_route(x: torch.Tensor, w_router, router_scale: torch.Tensor, per_expert_scale: torch.Tensor, k: int,
-              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k experts and weights. [N, h] -> ([N, K] int64, [N, K] float32). Source: transformers ``Gemma4TextRouter``."""
-    h = x.shape[-1]
-    z = rms_norm(x, None, eps).float() * router_scale * h**-0.5
-    probs = torch.softmax(linear(z.to(x.dtype), w_router).float(), dim=-1)
-    top, idx = torch.topk(probs, k, dim=-1)
-    top = top / top.sum(-1, keepdim=True)
-    return idx, top * per_expert_scale[idx]
-
-
-def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, idx: torch.Tensor,
-                weights: torch.Tensor, rows: int = 16,
-                act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Weighted sum of the chosen experts. [N, h], [E, 2F, h], [E, h, F], [N, K] x2 -> [N, h].
-
-    ``act`` is the gate activation, GELU-tanh when None (the mutation self-test passes another).
-
-    Each expert runs on its tokens in blocks of exactly ``rows`` rows (the last
-    one padded with zeros), so every matmul has the same shape whatever number
-    of *other* tokens chose the expert: a token's result is then independent of
-    its neighbours in the batch (DESIGN.md: neighbour isolation), with any GEMM
-    kernel. Source: transformers ``Gemma4TextExperts`` (gate first in gate_up).
+    [T], [n_rot/2] -> ([T, n_rot/2], [T, n_rot/2]). The reference computes them exactly; transformers
+    in float32. Source: transformers ``Gemma4RotaryEmbedding.forward``.
     """
-    out = torch.zeros_like(x, dtype=torch.float32)
-    Fdim = w_down.shape[2]
-    for e in torch.unique(idx).tolist():
-        tok, slot = torch.nonzero(idx == e, as_tuple=True)
-        for c in range(0, tok.numel(), rows):
-            t, sl = tok[c:c + rows], slot[c:c + rows]
-            n = t.numel()
-            xe = x.new_zeros((rows, x.shape[1]))
-            xe[:n] = x[t]
-            gu = linear(xe, w_gate_up[e])
-            g = F.gelu(gu[:, :Fdim], approximate="tanh") if act is None else act(gu[:, :Fdim])
-            y = linear(g * gu[:, Fdim:], w_down[e])[:n]
-            out.index_add_(0, t, y.float() * weights[t, sl, None])
+    ang = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    return torch.cos(ang).float(), torch.sin(ang).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """NeoX RoPE on the first n_rot dims, in float32. [N, H, D], [N, n_rot/2] x2 -> [N, H, D].
+
+    Source: transformers ``apply_rotary_pos_emb``; equals :func:`reference.model.apply_rope`.
+    """
+    half = n_rot // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:n_rot]
+    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, xf[..., n_rot:]], dim=-1)
     return out.to(x.dtype)
 
 
@@ -184,63 +160,57 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out.transpose(0, 1).reshape(T, H * D)
 
 
-# --------------------------------------------------------------------------- weights
+def gelu_ffn(x: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
+    """``down(gelu_tanh(gate x) * up x)``. [N, h] -> [N, h]. Source: transformers ``Gemma4TextMLP``."""
+    return linear(gelu_tanh(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
-class FastWeights:
-    """Canonical weights as torch tensors on one device and dtype.
+def moe_route(x: torch.Tensor, w_router, router_scale: torch.Tensor, per_expert_scale: torch.Tensor, k: int,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts and weights. [N, h] -> ([N, K] int64, [N, K] float32). Source: transformers ``Gemma4TextRouter``."""
+    h = x.shape[-1]
+    z = rms_norm(x, None, eps).float() * router_scale * h**-0.5
+    probs = torch.softmax(linear(z.to(x.dtype), w_router).float(), dim=-1)
+    top, idx = torch.topk(probs, k, dim=-1)
+    top = top / top.sum(-1, keepdim=True)
+    return idx, top * per_expert_scale[idx]
 
-    GGUF tensors are dequantized with :mod:`fast.quants` on the device from the
-    mapped bytes (bit-exact with ``gguf.quants``); safetensors go through numpy.
-    With ``keep_quantized`` (CUDA), 2-D quantized weights stay packed and are
-    dequantized block by block inside each matmul. Norms, scales and
-    ``rope_freqs`` are kept in float32.
 
-    Raises:
-        InputError: a quant type fast dequantization does not support.
+def expert_ffn(x: torch.Tensor, w_gate_up, w_down) -> torch.Tensor:
+    """One expert's gated-GELU MLP: ``down(gelu(g) * u)`` with ``[g; u] = gate_up x`` (gate first).
+
+    [N, h], [2F, h], [h, F] -> [N, h] (the reference twin takes one token, ``[h]``).
+    Source: transformers ``Gemma4TextExperts``.
     """
-
-    FLOAT32_ALWAYS = ("norm", "scale", "rope_freqs", "ffn_gate_inp.scale", "ffn_down_exps.scale")
-
-    def __init__(self, cfg: ModelConfig, W, device: torch.device, dtype: torch.dtype, keep_quantized: bool = False):
-        self.t: dict[str, object] = {}
-        for name in W:
-            keep32 = any(s in name for s in self.FLOAT32_ALWAYS) or len(W.shape(name)) == 1
-            target = torch.float32 if keep32 else dtype
-            if hasattr(W, "torch_tensor"):  # made on the device, no file (fast.shapes.RandomWeights)
-                self.t[name] = W.torch_tensor(name, device, target)
-                continue
-            stored = W.stored(name) if hasattr(W, "stored") else None
-            qtype = W.raw_dtype(name) if hasattr(W, "raw_dtype") else "F32"
-            if stored is not None and qtype != "F32":
-                from . import quants
-
-                if qtype not in quants.SUPPORTED:
-                    raise InputError(f"{W.source}: tensor {name}: type {qtype} is not supported by fast dequantization")
-                raw = torch.from_numpy(np.array(stored).view(np.uint8)).to(device)  # own copy of the mapped bytes
-                if keep_quantized and len(W.shape(name)) == 2 and qtype not in ("F16", "BF16"):
-                    self.t[name] = quants.QuantizedTensor(raw, qtype, W.shape(name))
-                    continue
-                self.t[name] = quants.dequantize(raw, qtype, W.shape(name), dtype=torch.float32).to(target)
-            else:
-                arr = np.array(W.raw(name), dtype=np.float32)  # own copy: the source may be a read-only map
-                self.t[name] = torch.from_numpy(arr).to(device=device, dtype=target)
-
-    def __getitem__(self, name: str):
-        return self.t[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.t
-
-    def nbytes(self) -> int:
-        """Bytes the weights occupy on the device."""
-        total = 0
-        for v in self.t.values():
-            total += v.numel() * v.element_size() if isinstance(v, torch.Tensor) else int(v.nbytes)
-        return total
+    Fdim = w_down.shape[1]
+    gu = linear(x, w_gate_up)
+    return linear(gelu_tanh(gu[:, :Fdim]) * gu[:, Fdim:], w_down)
 
 
-# --------------------------------------------------------------------------- model
+def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, idx: torch.Tensor,
+                weights: torch.Tensor, rows: int = 16) -> torch.Tensor:
+    """Weighted sum of the chosen experts (:func:`expert_ffn`). [N, h], [E, 2F, h], [E, h, F], [N, K] x2 -> [N, h].
+
+    Each expert runs on its tokens in blocks of exactly ``rows`` rows (the last
+    one padded with zeros), so every matmul has the same shape whatever number
+    of *other* tokens chose the expert: a token's result is then independent of
+    its neighbours in the batch (``docs/design.md``: neighbour isolation), with any GEMM
+    kernel. Source: transformers ``Gemma4TextExperts`` (gate first in gate_up).
+    """
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for e in torch.unique(idx).tolist():
+        tok, slot = torch.nonzero(idx == e, as_tuple=True)
+        for c in range(0, tok.numel(), rows):
+            t, sl = tok[c:c + rows], slot[c:c + rows]
+            n = t.numel()
+            xe = x.new_zeros((rows, x.shape[1]))
+            xe[:n] = x[t]
+            y = expert_ffn(xe, w_gate_up[e], w_down[e])[:n]
+            out.index_add_(0, t, y.float() * weights[t, sl, None])
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- the model
 
 
 @dataclass
@@ -250,6 +220,34 @@ class SeqStep:
     slot: int
     ids: torch.Tensor  # [T] int64
     start: int  # position of ids[0]
+
+
+@dataclass
+class StepBatch:
+    """The bookkeeping of one batched step, shared by every layer.
+
+    Attributes:
+        seqs: the sequences of the step.
+        positions: [N] position of every new token.
+        offsets: [len(seqs) + 1] where each sequence's rows start in the ``[N, ...]`` activations.
+        cache: the paged KV cache.
+        views: per KV-owning layer, per sequence, the ``(k, v, k_pos)`` it attended (a shared layer
+            reads its donor's entry: no copy into the cache).
+    """
+
+    seqs: Sequence[SeqStep]
+    positions: torch.Tensor
+    offsets: np.ndarray
+    cache: PagedKVCache
+    views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+    def rows(self, i: int) -> slice:
+        """The rows of sequence ``i`` in the step's activations."""
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+
+def _no_trace(point: str, layer: int, t: torch.Tensor) -> None:
+    """The default trace of a step: nothing is converted or recorded."""
 
 
 class FastModel:
@@ -273,7 +271,6 @@ class FastModel:
         self.w = FastWeights(cfg, W, self.device, self.dtype, keep_quantized)
         self.inv_freq = {L.index: torch.tensor(rope_inv_freq(L), dtype=torch.float64) for L in cfg.layers}
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.embed_scale = math.sqrt(cfg.hidden_size)
 
     def new_cache(self, max_seqs: int, max_tokens: int, page_size: int = 16) -> PagedKVCache:
         """A paged KV cache for up to ``max_seqs`` sequences of up to ``max_tokens`` tokens each."""
@@ -281,20 +278,17 @@ class FastModel:
                             device=self.device, dtype=torch.float32)
 
     def rope_tables(self, layer: LayerSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for ``positions`` of one layer, float32 ``[N, 1, n_rot/2]``.
-
-        Angles are formed in float64 and rounded once (the reference computes
-        them exactly; transformers in float32).
-        """
+        """cos/sin (:func:`rope_angles`) for ``positions`` of one layer, float32 ``[N, n_rot/2]``, from a
+        per-layer table grown on demand."""
         need = int(positions.max().item()) + 1 if positions.numel() else 0
         cached = self._rope_cache.get(layer.index)
         if cached is None or cached[0].shape[0] < need:
             n = max(need, 256, 2 * (cached[0].shape[0] if cached else 0))
-            ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[layer.index][None, :]
-            cached = (torch.cos(ang).float().to(self.device), torch.sin(ang).float().to(self.device))
+            cos, sin = rope_angles(torch.arange(n), self.inv_freq[layer.index])
+            cached = (cos.to(self.device), sin.to(self.device))
             self._rope_cache[layer.index] = cached
         cos, sin = cached
-        return cos[positions][:, None, :], sin[positions][:, None, :]
+        return cos[positions], sin[positions]
 
     # ------------------------------------------------------------------ the step
 
@@ -310,125 +304,113 @@ class FastModel:
 
         Returns:
             float32 logits ``[N, V]`` (all_logits) or ``[len(seqs), V]``.
+
+        Raises:
+            ValueError: a trace asked for on a batch of several sequences.
         """
-        cfg, w, dev = self.cfg, self.w, self.device
+        cfg, dev = self.cfg, self.device
         if trace is not None and len(seqs) != 1:
             raise ValueError("tracing is for single-sequence steps")
+        tr = _no_trace if trace is None else (lambda p, il, t: trace(p, il, t.detach().double().cpu().numpy()))
         ids = torch.cat([s.ids for s in seqs]).to(dev)
         lens = [int(s.ids.numel()) for s in seqs]
         positions = torch.cat([torch.arange(s.start, s.start + n, dtype=torch.long) for s, n in zip(seqs, lens)]).to(dev)
-        offsets = np.cumsum([0] + lens)
-
-        def tr(point, layer, t):
-            if trace is not None:
-                trace(point, layer, t.detach().double().cpu().numpy())
-
-        x = embed_rows(w["token_embd.weight"], ids) * self.embed_scale  # [N, h] float32
+        batch = StepBatch(seqs, positions, np.cumsum([0] + lens), cache)
+        x = self.embed(ids)  # [N, h] float32
         tr("inp_scaled", -1, x)
         ple = None
         if cfg.ple_dim:
             ple = self.per_layer_inputs(ids, x)  # [N, L, P]
             tr("inp_per_layer", -1, ple)
-        views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for layer in cfg.layers:
-            x = self.decoder_layer(layer, x, positions, seqs, offsets, cache, views,
-                                   None if ple is None else ple[:, layer.index], tr if trace else None)
+            x = self.decoder_layer(layer, x, batch, None if ple is None else ple[:, layer.index], tr)
         if not all_logits:
-            x = x[torch.as_tensor(offsets[1:] - 1, device=dev)]
-        x = rms_norm(x, w["output_norm.weight"], cfg.rms_eps)
+            x = x[torch.as_tensor(batch.offsets[1:] - 1, device=dev)]
+        x = rms_norm(x, self.w["output_norm.weight"], cfg.rms_eps)
         tr("result_norm", -1, x)
-        head = w["token_embd.weight"] if cfg.tie_word_embeddings else w["output.weight"]
-        logits = linear(x, head).float()
-        if cfg.final_logit_softcap is not None:
-            c = cfg.final_logit_softcap
-            logits = torch.tanh(logits / c) * c
+        logits = self.lm_head(x)
         tr("result_output", -1, logits)
         return logits
 
-    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """PLE for every layer. [N], [N, h] -> [N, L, P]. Source: reference ``per_layer_inputs``."""
-        cfg, w = self.cfg, self.w
-        N, L, P = ids.shape[0], cfg.n_layer, cfg.ple_dim
-        tok = embed_rows(w["per_layer_token_embd.weight"], ids).reshape(N, L, P) * math.sqrt(P)
-        ctx = linear(x, w["per_layer_model_proj.weight"]).float() * cfg.hidden_size**-0.5
-        ctx = rms_norm(ctx.reshape(N, L, P), w["per_layer_proj_norm.weight"], cfg.rms_eps)
-        return (ctx + tok) * 2.0**-0.5
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Scaled token embeddings ``E[ids] * sqrt(h)``, float32. [N] -> [N, h]. Source: reference ``embed``."""
+        return embed_rows(self.w["token_embd.weight"], ids) * math.sqrt(self.cfg.hidden_size)
 
-    def decoder_layer(self, layer: LayerSpec, x, positions, seqs, offsets, cache, views, ple, tr) -> torch.Tensor:
+    def ple_token(self, ids: torch.Tensor) -> torch.Tensor:
+        """PLE token part ``E_ple[ids] * sqrt(P)``. [N] -> [N, L, P]. Source: reference ``ple_token``."""
+        N, L, P = ids.shape[0], self.cfg.n_layer, self.cfg.ple_dim
+        return embed_rows(self.w["per_layer_token_embd.weight"], ids).reshape(N, L, P) * math.sqrt(P)
+
+    def ple_context(self, x: torch.Tensor) -> torch.Tensor:
+        """PLE context part ``rmsnorm(x @ W_proj.T / sqrt(h))``. [N, h] -> [N, L, P]. Source: reference ``ple_context``."""
+        cfg = self.cfg
+        N, L, P = x.shape[0], cfg.n_layer, cfg.ple_dim
+        ctx = linear(x, self.w["per_layer_model_proj.weight"]).float() * cfg.hidden_size**-0.5
+        return rms_norm(ctx.reshape(N, L, P), self.w["per_layer_proj_norm.weight"], cfg.rms_eps)
+
+    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """PLE for every layer, ``(context + token) / sqrt(2)``. [N], [N, h] -> [N, L, P].
+
+        Source: reference ``per_layer_inputs``.
+        """
+        return (self.ple_context(x) + self.ple_token(ids)) * 2.0**-0.5
+
+    def decoder_layer(self, layer: LayerSpec, x: torch.Tensor, batch: StepBatch, ple: torch.Tensor | None,
+                      tr=_no_trace) -> torch.Tensor:
         """One layer over the ragged batch. [N, h] -> [N, h]. Source: reference ``decoder_layer``."""
-        cfg, w, eps, il = self.cfg, self.w, self.cfg.rms_eps, layer.index
+        w, eps, il = self.w, self.cfg.rms_eps, layer.index
         b = f"blk.{il}."
-        attn = self.attention_block(layer, rms_norm(x, w[b + "attn_norm.weight"], eps), positions, seqs, offsets,
-                                    cache, views)
+        attn = self.attention_block(layer, rms_norm(x, w[b + "attn_norm.weight"], eps), batch)
         a = x + rms_norm(attn, w[b + "post_attention_norm.weight"], eps)
-        if tr:
-            tr("attn_out", il, a)
-        xn = rms_norm(a, w[b + "ffn_norm.weight"], eps)
-        f = gelu_ffn(xn, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"])
-        if layer.has_moe:
-            f = rms_norm(f, w[b + "post_ffw_norm_1.weight"], eps)
-            idx, wgt = moe_route(a, w[b + "ffn_gate_inp.weight"], w[b + "ffn_gate_inp.scale"],
-                                 w[b + "ffn_down_exps.scale"], cfg.n_expert_used, eps)
-            xe = rms_norm(a, w[b + "pre_ffw_norm_2.weight"], eps)
-            moe = rms_norm(moe_experts(xe, w[b + "ffn_gate_up_exps.weight"], w[b + "ffn_down_exps.weight"], idx, wgt),
-                           w[b + "post_ffw_norm_2.weight"], eps)
-            if tr:
-                tr("ffn_mlp", il, f)
-                tr("ffn_moe", il, moe)
-            f = f + moe
-        if tr:
-            tr("ffn_out", il, f)
+        tr("attn_out", il, a)
+        f = self.ffn_block(layer, a, tr)
+        tr("ffn_out", il, f)
         y = a + rms_norm(f, w[b + "post_ffw_norm.weight"], eps)
         if ple is not None:
-            g = F.gelu(linear(y, w[b + "inp_gate.weight"]), approximate="tanh") * ple
-            p = rms_norm(linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], eps)
-            if tr:
-                tr("per_layer_embd_out", il, p)
+            p = self.ple_block(layer, y, ple)
+            tr("per_layer_embd_out", il, p)
             y = y + p
-        if cfg.has_layer_scalar and b + "layer_output_scale.weight" in w:
-            y = y * w[b + "layer_output_scale.weight"].to(y.dtype)
-        if tr:
-            tr("l_out", il, y)
+        y = self.layer_scale(layer, y)
+        tr("l_out", il, y)
         return y
 
-    def attention_block(self, layer: LayerSpec, x, positions, seqs, offsets, cache: PagedKVCache, views):
+    def attention_block(self, layer: LayerSpec, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """q/k/v for the whole batch, then per-sequence cached attention. [N, h] -> [N, h].
 
-        A KV-owning layer writes its new K/V into the cache and records, per
-        sequence, the keys it attended (``views``) so that a shared layer reads
-        exactly its donor's K/V without any copy into the cache.
-        Source: reference ``attention_block``.
+        A KV-owning layer writes its new K/V into the cache and records, per sequence, the keys it
+        attended (``batch.views``) so that a shared layer reads exactly its donor's K/V without any copy
+        into the cache. Source: reference ``attention_block``.
         """
-        cfg, w, eps = self.cfg, self.w, self.cfg.rms_eps
+        w, eps = self.w, self.cfg.rms_eps
         b = f"blk.{layer.index}."
         N = x.shape[0]
         H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
-        cos, sin = self.rope_tables(layer, positions)
+        cos, sin = self.rope_tables(layer, batch.positions)
         q = linear(x, w[b + "attn_q.weight"]).view(N, H, D)
         q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin, layer.n_rot)
-        window = cfg.sliding_window if layer.is_sliding else None
-        outs = []
         if layer.has_kv:
             k_raw = linear(x, w[b + "attn_k.weight"]).view(N, Hkv, D)
             v = linear(x, w[b + "attn_v.weight"]).view(N, Hkv, D) if layer.has_v_proj else k_raw
-            if cfg.has_v_norm:
+            if self.cfg.has_v_norm:
                 v = rms_norm(v, None, eps)
             k = apply_rope(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin, layer.n_rot)
             per_seq = []
-            for i, s in enumerate(seqs):
-                lo, hi = offsets[i], offsets[i + 1]
-                k_all, v_all, k_pos = cache.attend_and_append(layer.index, s.slot, s.start, k[lo:hi], v[lo:hi],
-                                                              derive_k=self._derive_k(layer))
-                per_seq.append((k_all, v_all, k_pos))
-                outs.append(attention(q[lo:hi], k_all, v_all, positions[lo:hi], k_pos, window, cfg.attn_scale))
-            views[layer.index] = per_seq
-        else:
-            donor = views[layer.kv_donor]
-            for i, s in enumerate(seqs):
-                lo, hi = offsets[i], offsets[i + 1]
-                k_all, v_all, k_pos = donor[i]
-                outs.append(attention(q[lo:hi], k_all, v_all, positions[lo:hi], k_pos, window, cfg.attn_scale))
+            for i, s in enumerate(batch.seqs):
+                rows = batch.rows(i)
+                per_seq.append(batch.cache.attend_and_append(layer.index, s.slot, s.start, k[rows], v[rows],
+                                                             derive_k=self._derive_k(layer)))
+            batch.views[layer.index] = per_seq
+        outs = []
+        for i, (k_all, v_all, k_pos) in enumerate(batch.views[layer.kv_donor]):
+            rows = batch.rows(i)
+            outs.append(self.attend(layer, q[rows], k_all, v_all, batch.positions[rows], k_pos))
         return linear(torch.cat(outs, 0), w[b + "attn_output.weight"])
+
+    def attend(self, layer: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+               k_pos: torch.Tensor) -> torch.Tensor:
+        """:func:`attention` with the layer's window (sliding layers) and the model's scale. [T, H, D] -> [T, H*D]."""
+        window = self.cfg.sliding_window if layer.is_sliding else None
+        return attention(q, k, v, q_pos, k_pos, window, self.cfg.attn_scale)
 
     def _derive_k(self, layer: LayerSpec):
         """For a k_eq_v layer the cache keeps only V = rmsnorm(raw); K = rope(V * k_norm weight) is
@@ -442,6 +424,70 @@ class FastModel:
             return apply_rope((v.float() * wk).to(v.dtype), cos, sin, layer.n_rot)
 
         return derive
+
+    def ffn_block(self, layer: LayerSpec, a: torch.Tensor, tr=_no_trace) -> torch.Tensor:
+        """Dense FFN, plus on MoE layers :meth:`moe_block` beside it; before ``post_ffw_norm``. [N, h] -> [N, h].
+
+        Source: reference ``ffn_block``.
+        """
+        w, eps, il = self.w, self.cfg.rms_eps, layer.index
+        b = f"blk.{il}."
+        xn = rms_norm(a, w[b + "ffn_norm.weight"], eps)
+        f = gelu_ffn(xn, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"])
+        if not layer.has_moe:
+            return f
+        f = rms_norm(f, w[b + "post_ffw_norm_1.weight"], eps)
+        moe = self.moe_block(layer, a)
+        tr("ffn_mlp", il, f)
+        tr("ffn_moe", il, moe)
+        return f + moe
+
+    def moe_block(self, layer: LayerSpec, a: torch.Tensor) -> torch.Tensor:
+        """Route the residual ``a``, run the experts on its ``pre_ffw_norm_2`` norm, then ``post_ffw_norm_2``.
+
+        [N, h] -> [N, h]. Source: reference ``moe_block``.
+        """
+        w, eps = self.w, self.cfg.rms_eps
+        b = f"blk.{layer.index}."
+        idx, wgt = self.moe_route(layer, a)
+        xe = rms_norm(a, w[b + "pre_ffw_norm_2.weight"], eps)
+        return rms_norm(self.moe_experts(layer, xe, idx, wgt), w[b + "post_ffw_norm_2.weight"], eps)
+
+    def moe_route(self, layer: LayerSpec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`moe_route` with the layer's router weights. [N, h] -> ([N, K], [N, K])."""
+        w, b = self.w, f"blk.{layer.index}."
+        return moe_route(x, w[b + "ffn_gate_inp.weight"], w[b + "ffn_gate_inp.scale"], w[b + "ffn_down_exps.scale"],
+                         self.cfg.n_expert_used, self.cfg.rms_eps)
+
+    def moe_experts(self, layer: LayerSpec, x: torch.Tensor, idx: torch.Tensor, wgt: torch.Tensor) -> torch.Tensor:
+        """:func:`moe_experts` with the layer's expert weights. [N, h] -> [N, h]."""
+        w, b = self.w, f"blk.{layer.index}."
+        return moe_experts(x, w[b + "ffn_gate_up_exps.weight"], w[b + "ffn_down_exps.weight"], idx, wgt)
+
+    def ple_block(self, layer: LayerSpec, y: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
+        """``post_norm(proj(gelu(gate y) * ple))``. [N, h], [N, P] -> [N, h]. Source: reference ``ple_block``."""
+        w, b = self.w, f"blk.{layer.index}."
+        g = gelu_tanh(linear(y, w[b + "inp_gate.weight"])) * ple
+        return rms_norm(linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], self.cfg.rms_eps)
+
+    def layer_scale(self, layer: LayerSpec, y: torch.Tensor) -> torch.Tensor:
+        """``y * layer_output_scale`` (absent: 1). [N, h] -> [N, h]. Source: reference ``layer_scale``."""
+        name = f"blk.{layer.index}.layer_output_scale.weight"
+        if self.cfg.has_layer_scalar and name in self.w:
+            return y * self.w[name].to(y.dtype)
+        return y
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``x @ head.T`` in float32, then the final softcap when set. [N, h] -> [N, V].
+
+        Source: reference ``lm_head``.
+        """
+        cfg = self.cfg
+        head = self.w["token_embd.weight"] if cfg.tie_word_embeddings else self.w["output.weight"]
+        logits = linear(x, head).float()
+        if cfg.final_logit_softcap is not None:
+            logits = softcap(logits, cfg.final_logit_softcap)
+        return logits
 
     # ------------------------------------------------------------------ conveniences
 

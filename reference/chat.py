@@ -56,6 +56,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from .errors import InputError
+from .tokenizer import read_gguf_metadata
 
 BOS = "<bos>"
 EOS = "<eos>"
@@ -756,8 +757,6 @@ def chat_template_from_gguf(path: str | os.PathLike) -> str | None:
     Raises:
         ModelFileError: not a readable GGUF.
     """
-    from .tokenizer import read_gguf_metadata
-
     t = read_gguf_metadata(path).get("tokenizer.chat_template")
     return str(t) if t is not None else None
 
@@ -771,7 +770,7 @@ def render_with_template(template: str, messages: Sequence[Mapping[str, Any]],
         InputError: transformers/jinja2 missing, or the template fails (one line).
     """
     try:
-        from transformers.utils.chat_template_utils import render_jinja_template
+        from transformers.utils.chat_template_utils import render_jinja_template  # optional heavy dependency
     except ImportError:
         raise InputError("rendering a Jinja chat template needs transformers and jinja2: pip install transformers jinja2") from None
     try:

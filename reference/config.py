@@ -6,7 +6,7 @@ The per-layer tables are derived once, here, in the style of llama.cpp's
 reads them from :class:`LayerSpec` instead of re-deriving them.
 
 Where the two sources disagree, transformers' Gemma 4 code is the tie-breaker
-(DESIGN.md). In particular:
+(``docs/design.md``). In particular:
 
 * the KV donor of a shared layer is the *last non-shared layer of the same
   type* (``Gemma4TextConfig.kv_sharing_modes``);

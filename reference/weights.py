@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import gguf
 import numpy as np
+from safetensors import safe_open
 
 from .config import ModelConfig, attach_rope_freqs, config_from_gguf, config_from_hf, expected_tensors, optional_tensors
 from .errors import ConfigError, ModelFileError
@@ -96,8 +98,6 @@ class Weights(Mapping):
 
 
 def _read_gguf(path: Path):
-    import gguf
-
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -132,8 +132,6 @@ def gguf_metadata(reader) -> dict[str, Any]:
 
 
 def _gguf_tensors(reader, path: Path) -> dict[str, _Lazy]:
-    import gguf
-
     out: dict[str, _Lazy] = {}
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -208,8 +206,6 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:
             missing/mis-shaped tensor.
         ConfigError: bad config fields (named).
     """
-    from safetensors import safe_open
-
     path = Path(path)
     cfg_path = path / "config.json"
     try:
@@ -243,9 +239,7 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:
                 try:
                     return handle.get_tensor(key)
                 except TypeError:  # bfloat16 has no numpy dtype: go through torch
-                    from safetensors import safe_open as so
-
-                    with so(str(f), framework="pt") as h:
+                    with safe_open(str(f), framework="pt") as h:  # needs torch installed (safetensors' pt path)
                         return h.get_tensor(key).float().numpy()
 
             dtype = str(handle.get_slice(key).get_dtype())

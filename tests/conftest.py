@@ -161,9 +161,10 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Without ``--bench`` the benchmarks are deselected (not skipped: they were not asked for)."""
     if config.getoption("--bench"):
         return
-    skip = pytest.mark.skip(reason="benchmark: run with pytest --bench")
-    for item in items:
-        if "bench" in item.keywords:
-            item.add_marker(skip)
+    bench = [item for item in items if "bench" in item.keywords]
+    if bench:
+        config.hook.pytest_deselected(items=bench)
+        items[:] = [item for item in items if "bench" not in item.keywords]

@@ -12,14 +12,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from reference import chat
 from reference.errors import InputError
 
-REAL_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gemma3-tokenizer"
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -271,16 +269,14 @@ def test_model_output_round_trip():
 
 @pytest.fixture(scope="module")
 def built():
-    if not (REAL_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"real Gemma 3 tokenizer.json not found in {REAL_DIR}")
-    from harness.tokbuild import build_gemma4_test_tokenizer
+    from harness.tokenizer.build import build_gemma4_test_tokenizer
 
-    return build_gemma4_test_tokenizer(source_dir=REAL_DIR)
+    return build_gemma4_test_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def g4(built):
-    from harness.tokengines import cached_tok_engine
+    from harness.tokenizer.engines import cached_tok_engine
 
     return cached_tok_engine("ours", str(built.gguf), True, None).tok
 

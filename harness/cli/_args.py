@@ -1,0 +1,54 @@
+"""Argument groups several ``g4h`` sub-commands share, and the model resolver behind ``--model``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from reference.errors import InputError
+
+from .. import synth
+from ..core.cases import MODELS_DIR
+from ..engines import ENGINES
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference", model_required: bool = True) -> None:
+    """``--model``, ``--engine``, ``--device``, ``--dtype`` and ``--weights`` (the engine options)."""
+    p.add_argument("--model", required=model_required, default=None,
+                   help=".gguf file, HF model folder, or a case: a built-in name (e2b, 26b-a4b ...) or a spec .toml "
+                        "(built and cached on first use)")
+    p.add_argument("--engine", default=default_engine, help=" | ".join(ENGINES))
+    p.add_argument("--device", default=None, help="fast engine: cpu | cuda[:N] (default: cuda when present)")
+    p.add_argument("--dtype", dest="dtype_engine", choices=DTYPES, default=None,
+                   help="fast engine: compute dtype (default float32)")
+    p.add_argument("--weights", choices=("packed", "dequantized"), default=None,
+                   help="fast engine, GGUF input: keep quantized matrices packed and dequantize on the fly, or "
+                        "dequantize them once at load (default dequantized)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine keywords from :func:`add_model_args`' options (None = the engine's default)."""
+    return {"device": getattr(args, "device", None), "dtype": getattr(args, "dtype_engine", None),
+            "batched": getattr(args, "batched", None), "weights": getattr(args, "weights", None)}
+
+
+def resolve_model(model: str, engine: str) -> Path:
+    """``--model`` as a path the engine can read.
+
+    A file or folder is taken as it is. A case (a built-in name such as ``e2b``, or a ``.toml`` spec) is
+    built and cached (:func:`harness.synth.ensure_built`), then given as the HF folder to ``transformers``
+    and as the F32 GGUF to every other engine.
+
+    Raises:
+        InputError: neither an existing path nor a known case.
+    """
+    p = Path(model)
+    if p.exists() and p.suffix != ".toml":
+        return p
+    if p.suffix == ".toml" or (MODELS_DIR / f"{model}.toml").is_file():
+        built = synth.ensure_built(p if p.suffix == ".toml" else MODELS_DIR / f"{model}.toml")
+        return built.hf_dir if engine == "transformers" else built.gguf["F32"]
+    raise InputError(f"{model}: no such file or folder, and not a built-in case "
+                     f"(known: {', '.join(s.stem for s in sorted(MODELS_DIR.glob('*.toml')))})")

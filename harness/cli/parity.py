@@ -1,0 +1,54 @@
+"""``g4h parity``: compare engines on the case library and apply the gates (:mod:`harness.parity`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..parity import run as run_parity
+from ..parity.report import short_table
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``g4h parity``."""
+    p.add_argument("--model", action="append", default=None,
+                   help="a user model (.gguf or HF folder); repeatable. Default: the built-in cases")
+    p.add_argument("--against", default="transformers", help="oracle engine for --model (default transformers)")
+    p.add_argument("--out", default=None, help="parent folder of the run directory (default reports/)")
+    p.add_argument("--case", action="append", default=None, help="only this built-in case (repeatable)")
+    p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
+    p.add_argument("--skip", action="append", default=[], metavar="CHECK",
+                   help="opt a check out (repeatable): llamacpp, gemma3-real, tokenizer, or a tokenizer check's "
+                        "name. A check that cannot run here and was not opted out fails the run")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--baseline", default=None,
+                   help="earlier results.json (or --write-baseline file): exit 1 on a regression against it")
+    p.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this file")
+    p.add_argument("--regression-factor", type=float, default=10.0,
+                   help="a figure this many times worse than the baseline is a regression (default 10)")
+
+
+def _print_baseline(data: dict, written: str | None) -> None:
+    """Terminal lines for ``--baseline`` (regressions, one per line) and ``--write-baseline``."""
+    b = data.get("baseline")
+    if b:
+        regs = b["regressions"]
+        print(f"\nbaseline {b['file']}: {b['compared']} checks compared, {len(regs)} regression(s)")
+        for r in regs:
+            extra = f" ({r['ratio']:.3g}x worse)" if "ratio" in r else ""
+            print(f"  REGRESSION {r['case']} {r['gate']} {r.get('prompt') or ''}: {r['rule']}{extra}: "
+                  f"baseline {r.get('baseline')} -> now {r.get('now')}")
+    if written:
+        print(f"baseline written: {written}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job, print the verdict table; return the exit status."""
+    data, status = run_parity(models=args.model, against=args.against, out=args.out, real=not args.no_real,
+                              case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
+                              write_baseline=args.write_baseline, regression_factor=args.regression_factor,
+                              skip=tuple(args.skip))
+    print(short_table(data))
+    _print_baseline(data, args.write_baseline)
+    print(f"\nreport: {data['run_dir']}/report.md")
+    print(f"{data['verdict']} (exit {status})")
+    return status

