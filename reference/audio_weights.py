@@ -256,8 +256,8 @@ def load_audio_hf(path: str | os.PathLike) -> tuple[AudioConfig, AudioWeights]:
                 canon = hf_to_gguf_audio(key)
             except ModelFileError:
                 raise ModelFileError(f"{f}: unknown audio tensor {key}") from None
-            if canon is None:
-                continue
+            if canon is None or (not cfg.use_clipped_linears and canon.rsplit(".", 1)[-1] in CLIP_BOUNDS):
+                continue  # transformers creates no bound buffers without use_clipped_linears
             if canon in tensors:
                 raise ModelFileError(f"{f}: tensor {key} maps to {canon}, which another tensor already provides")
             shape = tuple(handle.get_slice(key).get_shape())

@@ -323,6 +323,16 @@ def test_encoder_matches_hf_on_30s(tiny):
     assert y.shape[0] == 750 and np.abs(y - emb[out_mask]).max() <= EMBED_MAX_ABS
 
 
+def test_encoder_without_clipped_linears_matches_hf(tmp_path):
+    d = make_tiny_audio_hf(tmp_path / "hf", seed=2, audio={"use_clipped_linears": False})
+    cfg, W = load_audio_hf(d)
+    assert not cfg.use_clipped_linears and not any(k.rsplit(".", 1)[-1] in CLIP_BOUNDS for k in W)
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(d, attn_implementation="eager").eval()
+    feats, mask = AF.extract_features(noise_clip(16160, seed=7))
+    _, emb, out_mask = hf_trace(model, feats, mask)
+    assert np.abs(A.encode_audio(cfg, W, feats, mask) - emb[out_mask]).max() <= EMBED_MAX_ABS
+
+
 def test_soft_token_rows_per_second(tiny):
     _, cfg, W, model = tiny
     for sec in (1, 2):
