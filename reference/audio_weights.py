@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
 
 from .audio import AudioConfig
 from .errors import ConfigError, ModelFileError
@@ -175,7 +176,6 @@ class AudioWeights(Weights):
         KeyError: unknown name.
         ModelFileError: NaN anywhere, or +-inf outside a clip bound (named).
     """
-
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._cache:
             lazy = self._lazy[name]
@@ -228,8 +228,6 @@ def load_audio_hf(path: str | os.PathLike) -> tuple[AudioConfig, AudioWeights]:
             duplicate, unknown or mis-shaped audio tensor.
         ConfigError: no ``audio_config`` or bad fields (named).
     """
-    from safetensors import safe_open
-
     path = Path(path)
     cfg_path = path / "config.json"
     try:

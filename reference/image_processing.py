@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from PIL import Image, UnidentifiedImageError
 
 from .errors import ConfigError, InputError
 
@@ -55,7 +56,6 @@ class ImageProcessorConfig:
         rescale_factor, do_normalize, image_mean, image_std, do_convert_rgb: the steps.
         source: where the settings came from (for messages).
     """
-
     patch_size: int = 16
     pooling_kernel_size: int = 3
     max_soft_tokens: int = 280
@@ -148,7 +148,6 @@ class ImageInput:
         num_soft_tokens: soft tokens the image becomes (valid patches / k^2).
         size: ``(height, width)`` in pixels after the resize.
     """
-
     pixel_values: np.ndarray
     position_ids: np.ndarray
     num_soft_tokens: int
@@ -179,8 +178,6 @@ def load_image(path: str | os.PathLike):
     Raises:
         InputError: one line naming the file (missing, unreadable, not an image, truncated).
     """
-    from PIL import Image, UnidentifiedImageError
-
     try:
         with Image.open(path) as im:
             im.load()
@@ -206,8 +203,6 @@ def to_rgb(image) -> np.ndarray:
 
     Source: transformers ``image_transforms.convert_to_rgb``.
     """
-    from PIL import Image
-
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
             raise InputError(f"image array of dtype {image.dtype} and shape {list(image.shape)}: "
@@ -262,8 +257,6 @@ def resize(rgb: np.ndarray, size: tuple[int, int], resample: int) -> np.ndarray:
 
     uint8 [H, W, 3] -> uint8 [h, w, 3]. Source: transformers ``image_transforms.resize`` (PIL).
     """
-    from PIL import Image
-
     if rgb.shape[:2] == tuple(size):
         return rgb
     return np.asarray(Image.fromarray(rgb).resize((size[1], size[0]), resample=resample))
@@ -355,7 +348,6 @@ class VideoFrame:
 
     In the prompt the frame is ``text_prefix + boi + video_token * n + eoi``.
     """
-
     timestamp: str
     image: ImageInput
 

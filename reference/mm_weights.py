@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import ConfigError, ModelFileError
@@ -137,7 +138,6 @@ class VisionWeights(Weights):
         KeyError: unknown name.
         ModelFileError: NaN anywhere, or Inf in a tensor other than a clip scalar (named).
     """
-
     def __init__(self, source: str, tensors: dict[str, _Lazy], config: VisionConfig):
         super().__init__(source, tensors)
         self.config = config
@@ -192,8 +192,6 @@ def load_vision_hf(path: str | os.PathLike) -> tuple[VisionConfig, VisionWeights
             missing, mis-shaped, duplicate or unknown vision tensor.
         ConfigError: no vision_config, bad fields (named).
     """
-    from safetensors import safe_open
-
     path = Path(path)
     cfg_path = path / "config.json"
     try:

@@ -1,6 +1,6 @@
 """The float64 audio reference (front end, encoder, embed_audio, loaders) against transformers 5.23 fp32 eager.
 
-A tiny random ``Gemma4ForConditionalGeneration`` (``harness.mm_synth_audio``:
+A tiny random ``Gemma4ForConditionalGeneration`` (``harness.synth.mm_audio``:
 hidden 32, 2 layers, 2 heads, channels [128, 8], output_proj_dims 24, clipped
 linears, llama.cpp's chunk 12 / context_left 13 / kernel 5) is saved with
 ``save_pretrained`` and read by our loader; every trace point is compared with
@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from harness.mm_synth_audio import TINY_IDS, make_tiny_audio_hf, write_audio_mmproj
+from harness.synth.mm_audio import TINY_IDS, make_tiny_audio_hf, write_audio_mmproj
 from reference import audio as A
 from reference import audio_features as AF
 from reference.audio_weights import (
@@ -456,7 +456,7 @@ def test_mmproj_missing_tensor_is_named(tiny, tmp_path):
     import gguf
     from gguf import GGUFValueType as VT
 
-    from harness.mm_synth_audio import audio_mmproj_metadata
+    from harness.synth.mm_audio import audio_mmproj_metadata
 
     _, cfg, W, _ = tiny
     w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "clip")

@@ -158,7 +158,7 @@ def tiny(request, tmp_path_factory):
     import torch
     from transformers import Gemma4ForConditionalGeneration
 
-    from harness.mm_synth_vision import build_tiny_hf
+    from harness.synth.mm_vision import build_tiny_hf
 
     d = build_tiny_hf(tmp_path_factory.mktemp(request.param), clipped=request.param == "clipped", seed=7)
     model = Gemma4ForConditionalGeneration.from_pretrained(d, attn_implementation="eager",
@@ -344,7 +344,7 @@ def test_clip_bounds_bite(tiny, monkeypatch):
 def test_hf_folder_and_mmproj_load_identical_arrays(tiny, tmp_path):
     from safetensors import safe_open
 
-    from harness.mm_synth_vision import write_mmproj
+    from harness.synth.mm_vision import write_mmproj
 
     d, _, cfg, W = tiny
     mm_cfg, mm_W = load_mmproj(write_mmproj(d, tmp_path / "mmproj.gguf"))
@@ -445,7 +445,7 @@ def test_mmproj_that_is_not_gemma4v(tmp_path, tiny_gguf):
 
 @pytest.mark.slow
 def test_mmproj_must_match_the_text_model(tiny, tmp_path):
-    from harness.mm_synth_vision import write_mmproj
+    from harness.synth.mm_vision import write_mmproj
     from reference.weights import load_hf
 
     d, _, _, _ = tiny

@@ -34,7 +34,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
+import torch
+from gguf import GGUFValueType as VT
+from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
 from reference.audio import AudioConfig
 from reference.audio_weights import expected_audio_tensors
@@ -81,8 +85,6 @@ def randomise_audio_tower(model: Any, seed: int) -> None:
         model: a transformers ``Gemma4ForConditionalGeneration`` (or ``Gemma4Model``) with an audio tower.
         seed: numpy seed; each tensor draws from its own stream keyed by its name.
     """
-    import torch
-
     state = model.state_dict()
     new: dict[str, torch.Tensor] = {}
     for name, t in state.items():
@@ -120,14 +122,6 @@ def make_tiny_audio_hf(out_dir: str | os.PathLike, seed: int = 0, audio: Mapping
     Returns:
         ``Path(out_dir)``.
     """
-    import torch
-    from transformers import (
-        Gemma4AudioConfig,
-        Gemma4Config,
-        Gemma4ForConditionalGeneration,
-        Gemma4TextConfig,
-    )
-
     torch.manual_seed(seed)
     cfg = Gemma4Config(text_config=Gemma4TextConfig(**TINY_TEXT), vision_config=None,
                        audio_config=Gemma4AudioConfig(**{**TINY_AUDIO, **(audio or {})}), **TINY_IDS)
@@ -182,9 +176,6 @@ def write_audio_mmproj(path: str | os.PathLike, cfg: AudioConfig, weights: Mappi
         KeyError: a tensor is missing from ``weights``.
         ValueError: a tensor has the wrong shape.
     """
-    import gguf
-    from gguf import GGUFValueType as VT
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), "clip")

@@ -19,7 +19,20 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+import gguf
 import numpy as np
+import torch
+from safetensors.numpy import load_file
+from transformers import (
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4ImageProcessorPil,
+    Gemma4TextConfig,
+    Gemma4VisionConfig,
+)
+from transformers.models.gemma4.modeling_gemma4 import Gemma4ClippableLinear
+
+from reference.image_processing import ImageProcessorConfig
 
 # Tiny vision tower (k = 3 as llama.cpp hard-codes it; head_dim = hidden / heads as llama.cpp assumes).
 TINY_VISION: dict[str, Any] = {
@@ -39,8 +52,6 @@ CLIP_QUANTILES = (0.1, 0.9)  # clip bounds sit at these quantiles of each linear
 
 def _randomise(model, seed: int, clipped: bool) -> None:
     """Give every vision parameter a value that exposes faults; calibrate clip bounds so that they bite."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     vt, ev = model.model.vision_tower, model.model.embed_vision
     with torch.no_grad():
@@ -62,9 +73,6 @@ def _randomise(model, seed: int, clipped: bool) -> None:
 def _calibrate_clips(model, g) -> None:
     """Set each ClippableLinear's bounds to quantiles of what it sees on a random image: the input
     bounds first, then (with those in force) the output bounds, so that every bound bites."""
-    import torch
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4ClippableLinear
-
     vt, cfg = model.model.vision_tower, model.config.vision_config
     linears = [m for m in vt.modules() if isinstance(m, Gemma4ClippableLinear)]
     side, p = 6 * cfg.patch_size * cfg.pooling_kernel_size, cfg.patch_size
@@ -105,15 +113,6 @@ def build_tiny_hf(out_dir: str | os.PathLike, *, clipped: bool = False, seed: in
     Returns:
         ``Path(out_dir)``.
     """
-    import torch
-    from transformers import (
-        Gemma4Config,
-        Gemma4ForConditionalGeneration,
-        Gemma4ImageProcessorPil,
-        Gemma4TextConfig,
-        Gemma4VisionConfig,
-    )
-
     vcfg = {**TINY_VISION, **(vision or {}), "use_clipped_linears": clipped}
     cfg = Gemma4Config(text_config=Gemma4TextConfig(**TINY_TEXT), vision_config=Gemma4VisionConfig(**vcfg),
                        **TINY_TOKEN_IDS)
@@ -163,10 +162,6 @@ def write_mmproj(hf_dir: str | os.PathLike, path: str | os.PathLike, *, use_gelu
     Raises:
         RuntimeError: a tensor gguf-py cannot name, or the read-back check fails.
     """
-    import gguf
-    from safetensors.numpy import load_file
-
-    from reference.image_processing import ImageProcessorConfig
 
     hf_dir, path = Path(hf_dir), Path(path)
     raw = json.loads((hf_dir / "config.json").read_text())
@@ -235,7 +230,6 @@ def write_mmproj(hf_dir: str | os.PathLike, path: str | os.PathLike, *, use_gelu
 
 
 def _verify(path: Path, expected: Mapping[str, np.ndarray]) -> None:
-    import gguf
 
     reader = gguf.GGUFReader(str(path))
     got = {t.name: t for t in reader.tensors}
