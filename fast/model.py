@@ -138,26 +138,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int
     return out.to(x.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-              window: int | None, scale: float) -> torch.Tensor:
-    """Causal (optionally sliding-window) GQA through ``scaled_dot_product_attention``.
+ATTENTION_BLOCK = 512
+"""Queries per block in :func:`attention` (the mask and scores of a block are ``[H, block, keys in reach]``)."""
 
-    [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H*D]. Query i sees key j
-    iff ``0 <= pos_i - pos_j (< window)``. Source: transformers ``eager_attention_forward``.
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query sees: ``0 <= pos_i - pos_j (< window)``. [T], [S] -> bool [T, S].
+
+    Source: reference ``attention_mask``.
     """
-    T, H, D = q.shape
     dist = q_pos[:, None] - k_pos[None, :]
     allowed = dist >= 0
     if window is not None:
         allowed &= dist < window
+    return allowed
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              window: int | None, scale: float) -> torch.Tensor:
+    """Causal (optionally sliding-window) GQA through ``scaled_dot_product_attention``, in bounded memory.
+
+    Queries go in blocks of :data:`ATTENTION_BLOCK`, each reading only the keys it can see (a sliding
+    layer: its window), so a long prompt never builds the ``[H, T, S]`` score matrix.
+    [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H*D]. Source: reference ``attention``;
+    transformers ``eager_attention_forward``.
+    """
+    T, H, D = q.shape
     group = H // k.shape[1]
-    kk = k.transpose(0, 1)  # [Hkv, S, D]
-    vv = v.transpose(0, 1)
-    if group > 1:
-        kk = kk.repeat_interleave(group, dim=0)
-        vv = vv.repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=allowed, scale=scale)  # [H, T, D]
-    return out.transpose(0, 1).reshape(T, H * D)
+    outs = []
+    for lo in range(0, T, ATTENTION_BLOCK):
+        qp = q_pos[lo:lo + ATTENTION_BLOCK]
+        reach = k_pos <= qp.max()
+        if window is not None:
+            reach &= k_pos > qp.min() - window
+        kk, vv = k[reach].transpose(0, 1), v[reach].transpose(0, 1)  # [Hkv, S', D]
+        if group > 1:
+            kk = kk.repeat_interleave(group, dim=0)
+            vv = vv.repeat_interleave(group, dim=0)
+        allowed = attention_mask(qp, k_pos[reach], window)
+        out = F.scaled_dot_product_attention(q[lo:lo + ATTENTION_BLOCK].transpose(0, 1), kk, vv, attn_mask=allowed,
+                                             scale=scale)  # [H, t, D]
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs, 0).reshape(T, H * D)
 
 
 def gelu_ffn(x: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:

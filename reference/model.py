@@ -114,26 +114,46 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> n
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
 
 
+ATTENTION_BLOCK = 256
+"""Queries per block in :func:`attention`: the score matrix of a block is ``[H, block, keys in reach]``."""
+
+
+def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
+    """Which keys each query sees: ``0 <= pos_i - pos_j`` and, with a window, ``pos_i - pos_j < window``.
+
+    [T], [S] -> bool [T, S]. Source: transformers ``sliding_window_mask_function``; llama.cpp
+    ``LLAMA_SWA_TYPE_STANDARD``.
+    """
+    dist = q_pos[:, None] - k_pos[None, :]
+    allowed = dist >= 0
+    if window is not None:
+        allowed &= dist < window
+    return allowed
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
               window: int | None, scale: float) -> np.ndarray:
     """Causal grouped-query attention, optionally limited to a sliding window.
 
-    Query i sees key j iff ``0 <= pos_i - pos_j`` and, with a window,
-    ``pos_i - pos_j < window``. [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S]
-    -> [T, H*D]. Source: transformers ``eager_attention_forward`` and
-    ``sliding_window_mask_function``; llama.cpp ``LLAMA_SWA_TYPE_STANDARD``.
+    ``softmax(q k^T * scale + mask) v`` per head, the mask from :func:`attention_mask`. Queries go in
+    blocks of :data:`ATTENTION_BLOCK`, and each block reads only the keys it can see (a sliding layer:
+    its window), so memory is bounded by the block, not by T x S, and a sliding layer's time grows
+    linearly in T. [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H*D].
+    Source: transformers ``eager_attention_forward``.
     """
     T, H, D = q.shape
     group = H // k.shape[1]
-    kh = np.repeat(k, group, axis=1)  # [S, H, D]
-    vh = np.repeat(v, group, axis=1)  # [S, H, D]
-    scores = np.einsum("thd,shd->hts", q, kh) * scale  # [H, T, S]
-    dist = q_pos[:, None] - k_pos[None, :]  # [T, S]
-    allowed = dist >= 0
-    if window is not None:
-        allowed &= dist < window
-    scores = np.where(allowed[None], scores, -np.inf)
-    out = np.einsum("hts,shd->thd", softmax(scores), vh)  # [T, H, D]
+    out = np.empty((T, H, D))
+    for lo in range(0, T, ATTENTION_BLOCK):
+        qp = q_pos[lo:lo + ATTENTION_BLOCK]
+        reach = k_pos <= qp.max()
+        if window is not None:
+            reach &= k_pos > qp.min() - window
+        kh = np.repeat(k[reach], group, axis=1)  # [S', H, D]
+        vh = np.repeat(v[reach], group, axis=1)  # [S', H, D]
+        scores = np.einsum("thd,shd->hts", q[lo:lo + ATTENTION_BLOCK], kh) * scale  # [H, t, S']
+        scores = np.where(attention_mask(qp, k_pos[reach], window)[None], scores, -np.inf)
+        out[lo:lo + ATTENTION_BLOCK] = np.einsum("hts,shd->thd", softmax(scores), vh)
     return out.reshape(T, H * D)
 
 

@@ -95,6 +95,17 @@ def _attention(t, s, h, hkv, d, window):
     return make
 
 
+def _mask(t, s, window):
+    def make(rng, dt):
+        qp, kp = np.arange(s - t, s), np.arange(s)
+        return (qp, kp, window), (torch.from_numpy(qp), torch.from_numpy(kp), window)
+    return make
+
+
+def _mask_compare(ref, fast) -> float:
+    return 0.0 if np.array_equal(ref, fast.numpy()) else float("inf")
+
+
 def _gelu_ffn(n, h, f):
     def make(rng, dt):
         x = rng.standard_normal((n, h))
@@ -151,6 +162,10 @@ CASES: list[OpCase] = [
     OpCase("apply_rope", "[6, 4, 64] n_rot 16", "float32", _apply_rope(6, 4, 64, 16)),
     OpCase("attention", "T 5, S 21, GQA 4:2, window 8", "float32", _attention(5, 21, 4, 2, 16, 8)),
     OpCase("attention", "T 21, S 21, MHA, full", "float32", _attention(21, 21, 2, 2, 32, None)),
+    OpCase("attention", "T 600, S 700, GQA 4:2, window 16 (3 blocks)", "float32", _attention(600, 700, 4, 2, 8, 16)),
+    OpCase("attention", "T 600, S 600, full (3 blocks)", "float32", _attention(600, 600, 2, 1, 8, None)),
+    OpCase("attention_mask", "T 9, S 40, window 8", "float32", _mask(9, 40, 8), _mask_compare),
+    OpCase("attention_mask", "T 40, S 40, full", "float32", _mask(40, 40, None), _mask_compare),
     OpCase("gelu_ffn", "[4, 64] F 128", "float32", _gelu_ffn(4, 64, 128)),
     OpCase("gelu_ffn", "[4, 64] F 128", "bfloat16", _gelu_ffn(4, 64, 128)),
     OpCase("moe_route", "[6, 64] E 8 K 2", "float32", _route(6, 64, 8, 2), _route_compare),
@@ -186,3 +201,16 @@ def test_a_formula_fault_breaks_its_bound():
     x = rng.standard_normal((3, 500)) * 40.0
     err = nmse_sum(fm.softcap(_t(x), 30.0).double().numpy(), x)
     assert err > 1e3 * OP_BOUNDS[("softcap", "float32")].max_nmse
+
+
+@pytest.mark.parametrize("window", [16, None])
+def test_blocked_attention_equals_the_whole_score_matrix(window):
+    """The reference's query blocks (and a sliding layer's window-only keys) give the plain formula's result."""
+    rng = np.random.default_rng(1)
+    T, H, D = 2 * rm.ATTENTION_BLOCK + 37, 2, 8
+    q, k, v = rng.standard_normal((T, H, D)), rng.standard_normal((T, H, D)), rng.standard_normal((T, H, D))
+    pos = np.arange(T)
+    scores = np.einsum("thd,shd->hts", q, k)
+    scores = np.where(rm.attention_mask(pos, pos, window)[None], scores, -np.inf)
+    whole = np.einsum("hts,shd->thd", rm.softmax(scores), v).reshape(T, H * D)
+    assert np.max(np.abs(rm.attention(q, k, v, pos, pos, window, 1.0) - whole)) <= 1e-12

@@ -181,6 +181,7 @@ OP_BOUNDS: dict[tuple[str, str], OpBound] = {(b.op, b.dtype): b for b in [
     OpBound("rope_angles", "float32", 1e-12, "angles formed in float64 and rounded once to float32"),
     OpBound("apply_rope", "float32", 1e-12, _FP32),
     OpBound("attention", "float32", 1e-10, _FP32 + " (softmax over S keys, then S-term sums)"),
+    OpBound("attention_mask", "float32", 0.0, "a boolean mask: the twins must see exactly the same keys"),
     OpBound("gelu_ffn", "float32", 1e-10, _FP32 + " (three matmuls)"),
     OpBound("gelu_ffn", "bfloat16", 1e-3, _BF16 + " (three matmuls, the hidden activation rounded again)"),
     OpBound("moe_route", "float32", 1e-10, "the same experts must be chosen (a swap is a fault); the weights "
