@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from reference.errors import PromptError
-from reference.model import check_prompt
+from reference.model import check_generation, check_prompt
 
 from .model import FastModel, SeqStep
 
@@ -153,7 +153,13 @@ class Engine:
 
 def generate(model: FastModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, batched: bool = True,
              max_batch: int = 8, prefill_chunk: int = 64) -> list[Result]:
-    """Greedy continuations of ``prompts`` (all arriving at step 0), batched or solo, in input order."""
+    """Greedy continuations of ``prompts`` (all arriving at step 0), batched or solo, in input order.
+
+    Raises:
+        PromptError: see :func:`reference.model.check_generation` (checked before the KV cache is sized, so
+            nothing huge is allocated).
+    """
+    check_generation(model.cfg, prompts, max_new_tokens)
     reqs = [Request(str(i), p, max_new_tokens) for i, p in enumerate(prompts)]
     longest = max(len(p) for p in prompts) + max_new_tokens
     eng = Engine(model, max_batch=max_batch if batched else 1, prefill_chunk=prefill_chunk, max_tokens=longest)

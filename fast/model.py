@@ -60,7 +60,12 @@ def resolve_device(name: str | None) -> torch.device:
     """
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise InputError(f"device {name!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device {name!r}: expected cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"device {name!r}: CUDA is not available here (torch {torch.__version__})")
     return dev

@@ -395,9 +395,17 @@ def check_prompt(cfg: ModelConfig, ids: Sequence[int], n_past: int = 0) -> np.nd
     """Validate token ids; return them as int64 [T].
 
     Raises:
-        PromptError: empty, an id outside ``[0, vocab)`` (or the PLE table), or
-            ``n_past + T`` beyond the context length.
+        PromptError: empty, not a flat list of integers, an id outside ``[0, vocab)`` (or the PLE table),
+            or ``n_past + T`` beyond the context length.
     """
+    ids = list(ids) if not isinstance(ids, np.ndarray) else ids
+    if not isinstance(ids, np.ndarray):
+        bad_type = next((i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))), None)
+        if bad_type is not None:
+            raise PromptError(f"token id {bad_type!r:.40}: expected an integer")
+        huge = next((i for i in ids if not -2**63 <= int(i) < 2**63), None)
+        if huge is not None:
+            raise PromptError(f"token id {huge} is outside the vocabulary [0, {cfg.vocab_size})")
     arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     if arr.size == 0:
         raise PromptError("prompt is empty")
@@ -408,6 +416,21 @@ def check_prompt(cfg: ModelConfig, ids: Sequence[int], n_past: int = 0) -> np.nd
     if n_past + arr.size > cfg.context_length:
         raise PromptError(f"prompt of {n_past + arr.size} tokens is longer than the context ({cfg.context_length})")
     return arr
+
+
+def check_generation(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Every prompt valid (:func:`reference.model.check_prompt`) and prompt + ``max_new_tokens`` within the context.
+
+    Raises:
+        PromptError: the first prompt that is not, named by its index; ``max_new_tokens`` < 1.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens {max_new_tokens!r}: expected an integer >= 1")
+    for i, p in enumerate(prompts):
+        check_prompt(cfg, p)
+        if len(p) + max_new_tokens > cfg.context_length:
+            raise PromptError(f"prompt {i}: {len(p)} tokens + {max_new_tokens} new exceed the context "
+                              f"({cfg.context_length})")
 
 
 def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = None,

@@ -152,6 +152,25 @@ def tiny_gguf(tmp_path) -> Path:
     return write_tiny_gguf(tmp_path / "tiny.gguf")
 
 
+# --------------------------------------------------------------------------- the gemma4-type test tokenizer
+
+
+@pytest.fixture(scope="session")
+def built():
+    """The gemma4-type test tokenizer (GGUF + tokenizer.json), built once into the cache."""
+    from harness.tokenizer.build import build_gemma4_test_tokenizer
+
+    return build_gemma4_test_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def g4(built):
+    """Ours on the gemma4-type GGUF."""
+    from harness.tokenizer.engines import cached_tok_engine
+
+    return cached_tok_engine("ours", str(built.gguf), True, None).tok
+
+
 # --------------------------------------------------------------------------- pytest --bench
 
 

@@ -267,20 +267,6 @@ def test_model_output_round_trip():
 # --------------------------------------------------------------------------- ids and the Jinja template
 
 
-@pytest.fixture(scope="module")
-def built():
-    from harness.tokenizer.build import build_gemma4_test_tokenizer
-
-    return build_gemma4_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def g4(built):
-    from harness.tokenizer.engines import cached_tok_engine
-
-    return cached_tok_engine("ours", str(built.gguf), True, None).tok
-
-
 def test_render_ids_bos_once(g4):
     msgs = CONVERSATIONS[1]
     ids = chat.render_ids(g4, msgs, [WEATHER], add_generation_prompt=True)

@@ -61,22 +61,6 @@ def test_carried_tokenizer_files_are_intact():
 
 
 @pytest.fixture(scope="module")
-def built():
-    """The gemma4-type test tokenizer (GGUF + tokenizer.json), built once into the cache."""
-    from harness.tokenizer.build import build_gemma4_test_tokenizer
-
-    return build_gemma4_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def g4(built):
-    """Ours on the gemma4-type GGUF."""
-    from harness.tokenizer.engines import cached_tok_engine
-
-    return cached_tok_engine("ours", str(built.gguf), True, None).tok
-
-
-@pytest.fixture(scope="module")
 def hf4(built):
     """HF tokenizers on the matching tokenizer.json as encode functions: (markers parsed, markers as text)."""
     pytest.importorskip("tokenizers")

@@ -31,6 +31,9 @@ from .run import ENGINE_NAMES, BenchPlan, machine_info, measure_read_bandwidth, 
 
 __all__ = ["BenchOptions", "bench"]
 
+MAX_BATCH = 4096
+"""The largest ``--batch`` accepted (the KV cache of every sequence is allocated up front)."""
+
 
 @dataclass
 class BenchOptions:
@@ -63,10 +66,16 @@ def check_options(o: BenchOptions) -> None:
     bad = [d for d in o.dtypes if d not in ("float32", "bfloat16", "float16")]
     if bad or not o.dtypes:
         raise InputError(f"--dtype: expected float32, bfloat16 or float16, got {','.join(o.dtypes)!r}")
+    if o.plan.pp < 0 or o.plan.tg < 0 or o.plan.warmup < 0:
+        raise InputError(f"--pp {o.plan.pp}, --tg {o.plan.tg}, --warmup {o.plan.warmup}: expected integers >= 0")
     if not o.plan.tests():
         raise InputError("--pp and --tg are both 0: nothing to measure")
     if min(o.plan.batches) < 1 or o.plan.reps < 1:
         raise InputError("--batch values and --reps must be >= 1")
+    if max(o.plan.batches) > MAX_BATCH:
+        raise InputError(f"--batch {max(o.plan.batches)}: at most {MAX_BATCH} sequences")
+    if o.layers is not None and o.layers < 1:
+        raise InputError(f"--layers {o.layers}: expected an integer >= 1")
     if o.write_baseline and Path(o.write_baseline).exists():
         raise InputError(f"{o.write_baseline}: a baseline is there already; remove it or choose another path")
     if o.device.startswith("cuda") and not torch.cuda.is_available():
@@ -87,6 +96,10 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
         torch.set_num_threads(o.threads)
     threads = torch.get_num_threads()
     src = ModelSource(o.model, o.shape, o.device, o.layers)
+    longest = max(o.plan.depths) + max(o.plan.pp, o.plan.tg)
+    if longest > src.cfg.context_length:
+        raise InputError(f"--depth {max(o.plan.depths)} + {max(o.plan.pp, o.plan.tg)} tokens exceed the model's "
+                         f"context ({src.cfg.context_length})")
     progress(f"measuring read bandwidth on {o.device}")
     bandwidth = measure_read_bandwidth(o.device)
     benches = []

@@ -19,6 +19,7 @@ from reference import load_model
 from reference.errors import InputError
 
 from .. import synth
+from ..core.cases import MODELS_DIR
 from ..engines.base import Benchable, EngineUnavailable
 from ..engines.fast import FastEngine
 from ..engines.llamacpp import LlamaCppBench
@@ -52,6 +53,8 @@ class ModelSource:
         if model is None:
             raise InputError("g4h bench: give --model PATH or --shape NAME")
         p = Path(model)
+        if not p.exists() and (MODELS_DIR / f"{model}.toml").is_file():
+            p = MODELS_DIR / f"{model}.toml"  # a built-in case name
         if not p.exists():
             raise InputError(f"{p}: no such file or folder")
         if p.suffix == ".toml":

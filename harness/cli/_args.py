@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from reference.errors import InputError
@@ -32,6 +33,41 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine keywords from :func:`add_model_args`' options (None = the engine's default)."""
     return {"device": getattr(args, "device", None), "dtype": getattr(args, "dtype_engine", None),
             "batched": getattr(args, "batched", None), "weights": getattr(args, "weights", None)}
+
+
+def check_out_file(path: str) -> None:
+    """Refuse an output file that cannot be written, before any work starts.
+
+    Raises:
+        InputError: ``path`` is a folder, its folder is a file, or the folder cannot be created or written.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"--out {path}: is a folder (expected a file path)")
+    parent = p.parent if str(p.parent) else Path(".")
+    existing = next((a for a in [parent, *parent.parents] if a.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise InputError(f"--out {path}: {existing} is a file, not a folder")
+    if existing is not None and not os.access(existing, os.W_OK):
+        raise InputError(f"--out {path}: {existing} is not writable")
+
+
+def check_out_dir(path: str | None) -> None:
+    """Refuse an output folder (the parent of a run directory) that cannot be used, before any work starts.
+
+    Raises:
+        InputError: ``path`` exists and is not a folder, or it cannot be created or written.
+    """
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise InputError(f"--out {path}: exists and is not a folder")
+    existing = next((a for a in [p, *p.parents] if a.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise InputError(f"--out {path}: {existing} is a file, not a folder")
+    if existing is not None and not os.access(existing, os.W_OK):
+        raise InputError(f"--out {path}: {existing} is not writable")
 
 
 def resolve_model(model: str, engine: str) -> Path:

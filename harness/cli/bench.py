@@ -22,6 +22,7 @@ from ..bench import BenchOptions, bench
 from ..bench.report import summary_lines
 from ..bench.run import BenchPlan
 from ..core.gates import SPEED_RATIO_MARGIN
+from ._args import check_out_dir
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -36,6 +37,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     """``g4h bench``; returns the exit status."""
+    check_out_dir(args.out)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     plan = BenchPlan(engines=engines, dtypes=dtypes, batches=_int_list(args.batch, "batch"), pp=args.pp, tg=args.tg,

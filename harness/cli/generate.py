@@ -12,7 +12,7 @@ from reference.errors import InputError, PromptError
 from ..core.cases import load_prompts
 from ..core.io import write_text_atomic
 from ..engines import make_engine
-from ._args import add_model_args, engine_options, resolve_model
+from ._args import add_model_args, check_out_file, engine_options, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the continuations; exit 0 (2 on bad input, from the caller)."""
+    check_out_file(args.out)
     prompts = [(p["id"], p["prompt_ids"]) for p in load_prompts(Path(args.prompts))]
     if args.max_new_tokens < 1:
         raise PromptError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")

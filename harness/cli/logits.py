@@ -10,7 +10,7 @@ import numpy as np
 from ..core.cases import read_prompt_ids
 from ..core.io import save_npy_atomic
 from ..engines import make_engine
-from ._args import add_model_args, engine_options, resolve_model
+from ._args import add_model_args, check_out_file, engine_options, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the logits; exit 0 (2 on bad input, from the caller)."""
+    check_out_file(args.out)
     ids = read_prompt_ids(args.prompt_ids)
     engine = make_engine(args.engine, resolve_model(args.model, args.engine), **engine_options(args))
     logits = engine.logits(ids)

@@ -6,6 +6,7 @@ import argparse
 
 from ..parity import run as run_parity
 from ..parity.report import short_table
+from ._args import check_out_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", action="append", default=[], metavar="CHECK",
                    help="opt a check out (repeatable): llamacpp, gemma3-real, tokenizer, or a tokenizer check's "
                         "name. A check that cannot run here and was not opted out fails the run")
+    p.add_argument("--slow", action="store_true",
+                   help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--baseline", default=None,
                    help="earlier results.json (or --write-baseline file): exit 1 on a regression against it")
@@ -43,10 +46,11 @@ def _print_baseline(data: dict, written: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the job, print the verdict table; return the exit status."""
+    check_out_dir(args.out)
     data, status = run_parity(models=args.model, against=args.against, out=args.out, real=not args.no_real,
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
-                              skip=tuple(args.skip))
+                              skip=tuple(args.skip), slow=args.slow)
     print(short_table(data))
     _print_baseline(data, args.write_baseline)
     print(f"\nreport: {data['run_dir']}/report.md")

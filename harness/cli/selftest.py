@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..selftest import selftest_command
+from ._args import check_out_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,4 +20,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every mutant is caught at its first point (see :mod:`harness.selftest`)."""
+    check_out_dir(args.out)
     return selftest_command(args.case, args.prompt, args.out, args.quiet)

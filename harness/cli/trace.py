@@ -13,7 +13,7 @@ from ..core.cases import read_prompt_ids
 from ..engines import make_engine
 from ..traces.format import TraceWriter, write_trace
 from ..traces.llama_dump import import_llama_dump
-from ._args import add_model_args, resolve_model
+from ._args import add_model_args, check_out_file, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,6 +48,7 @@ def trace_command(model: str | None, engine: str, prompt_ids_file: str, out: str
     Raises:
         InputError: bad model, engine, prompt file or dump; an output that cannot be written.
     """
+    check_out_file(out)
     ids = read_prompt_ids(prompt_ids_file)
     if llama_dump is not None:
         tr = import_llama_dump(llama_dump, ids, case=case, model=model, sum_scope=sum_scope)

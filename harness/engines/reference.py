@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from reference import model as ref_model
+from reference.model import check_generation
 from reference.weights import load_model
 
 from .base import Generated, TraceFn, bench_ids
@@ -53,11 +54,21 @@ class ReferenceEngine:
         return np.concatenate(parts, axis=0)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy, one prompt at a time, with the KV cache."""
+        """Greedy, one prompt at a time, with the KV cache.
+
+        Raises:
+            PromptError: see :func:`reference.model.check_generation` (checked before any prompt runs).
+        """
+        check_generation(self.cfg, prompts, max_new_tokens)
         return [ref_model.greedy_generate(self.cfg, self.weights, p, max_new_tokens) for p in prompts]
 
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generated]:
-        """Greedy with the top-5 log-probabilities of every step."""
+        """Greedy with the top-5 log-probabilities of every step.
+
+        Raises:
+            PromptError: see :func:`reference.model.check_generation` (checked before any prompt runs).
+        """
+        check_generation(self.cfg, prompts, max_new_tokens)
         out = []
         for p in prompts:
             cache = ref_model.KVCache(self.cfg)

@@ -21,7 +21,7 @@ import transformers
 from transformers import AutoConfig, Gemma3ForCausalLM, Gemma4Config, Gemma4ForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from reference.errors import ModelFileError
+from reference.errors import ModelFileError, PromptError
 
 from .base import DTYPE_BYTES, EngineUnavailable, Generated, TraceFn, bench_ids
 
@@ -194,8 +194,36 @@ class TransformersEngine:
 
         return handles, finish
 
+    def check_prompt(self, ids: Sequence[int], new_tokens: int = 0) -> list[int]:
+        """The prompt as a list of ids, checked against the model's vocabulary and context (the same rules as
+        :func:`reference.model.check_prompt`; transformers itself would index out of range or run past its
+        positions silently).
+
+        Raises:
+            PromptError: empty, not integers, an id outside ``[0, vocab_size)``, or prompt plus ``new_tokens``
+                longer than ``max_position_embeddings``.
+        """
+        ids = list(ids)
+        if not ids:
+            raise PromptError("prompt is empty")
+        vocab = int(self.config.vocab_size)
+        bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                    or not 0 <= int(i) < vocab), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad!r:.40} is outside the vocabulary [0, {vocab})")
+        context = int(getattr(self.config, "max_position_embeddings", 0) or 0)
+        if context and len(ids) + new_tokens > context:
+            raise PromptError(f"prompt of {len(ids)} tokens{f' + {new_tokens} new' if new_tokens else ''} is longer "
+                              f"than the context ({context})")
+        return [int(i) for i in ids]
+
     def logits(self, ids: Sequence[int], trace: TraceFn | None = None) -> np.ndarray:
-        """float32 logits as float64 ``[T, V]`` from one full forward (no cache)."""
+        """float32 logits as float64 ``[T, V]`` from one full forward (no cache).
+
+        Raises:
+            PromptError: see :meth:`check_prompt`.
+        """
+        ids = self.check_prompt(ids)
         handles, finish = self._hooks(trace) if trace else ([], None)
         try:
             with torch.no_grad():
@@ -213,7 +241,12 @@ class TransformersEngine:
         return [g.tokens for g in self.generate_full(prompts, max_new_tokens)]
 
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generated]:
-        """Greedy with transformers' own KV cache: prefill, then one token per forward."""
+        """Greedy with transformers' own KV cache: prefill, then one token per forward.
+
+        Raises:
+            PromptError: see :meth:`check_prompt` (every prompt is checked before any runs).
+        """
+        prompts = [self.check_prompt(p, max(int(max_new_tokens) - 1, 0)) for p in prompts]
         out = []
         for p in prompts:
             g = Generated()

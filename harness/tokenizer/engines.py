@@ -568,11 +568,17 @@ def unescape(line: str) -> str:
     """Decode the corpus escapes: ``\\n \\r \\t \\\\ \\uXXXX \\UXXXXXXXX``; other backslashes stay.
 
     Source: ``cases/tokenizer/README.md`` (the format of the corpora).
+
+    Raises:
+        InputError: an escape that names no character text can hold (a surrogate, or beyond U+10FFFF).
     """
     def sub(m: re.Match) -> str:
         e = m.group(1)
         if e[0] in "uU":
-            return chr(int(e[1:], 16))
+            code = int(e[1:], 16)
+            if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
+                raise InputError(f"escape \\{e}: U+{code:04X} is not a character (a surrogate or beyond U+10FFFF)")
+            return chr(code)
         return {"n": "\n", "r": "\r", "t": "\t", "\\": "\\"}[e]
 
     return _ESCAPE.sub(sub, line)
