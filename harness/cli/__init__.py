@@ -39,6 +39,7 @@ COMMANDS: dict[str, Command] = {
     "parity": Command("harness.cli.parity", "compare engines on the case library and apply the gates"),
     "selftest": Command("harness.cli.selftest", "inject known faults into a copy of the fast path; check they are caught"),
     "bench": Command("harness.cli.bench", "throughput (pp/tg tokens/s, batch and depth sweep, roofline share)"),
+    "compare": Command("harness.cli.compare", "compare logits (.npy) or greedy outputs (.jsonl) an engine wrote"),
     "tokenize": Command("harness.cli.tokenize", "token ids of each line of a text file, to JSONL"),
     "tokcheck": Command("harness.cli.tokcheck", "texts whose token ids differ between two tokenizer engines"),
     "synth": Command("harness.cli.synth", "build synthetic cases (HF safetensors + GGUFs) and print their paths"),

@@ -83,6 +83,31 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "GELU table emulated in the reference (up to 2.7e-2 without); a formula fault moves logits by > 1e-1"),
     Gate("llamacpp~reference.runs", 1.0, "ge",
          "llama.cpp must load our GGUF and run it; an abort inside llama.cpp is that engine failing the case"),
+    Gate("engine~oracle.max_abs_logit", 2e-2, "le",
+         "an fp32 engine against the oracle's logits (g4h compare, server and cmd engines): fp32 rounding through the "
+         "layers plus approximations such as llama.cpp's fp16 GELU table reach 1.6e-2 on the small cases; a formula "
+         "fault moves logits by > 1e-1"),
+    Gate("engine~oracle.mean_kld", 1e-5, "le",
+         "an fp32 engine: llama-perplexity mean KLD of 1e-8..5e-7 from rounding; a formula or layout fault gives > 1e-3"),
+    Gate("engine~oracle.same_top1_decisive", 1.0, "ge",
+         "every position whose oracle top-1 margin is at least the near-tie margin must keep its argmax; flips at "
+         "near-ties are reported beside, not failed (two correct engines may order a near-tie differently)"),
+    Gate("engine~oracle.greedy", 1.0, "ge",
+         "every greedy stream agrees by vLLM's rule (check_logprobs_close): identical, or at the first mismatch "
+         "each token is in the other side's top-N; a divergence where the oracle's margin is a near-tie passes"),
+    Gate("engine~oracle.max_abs_logprob", 2e-2, "le",
+         "an fp32 engine's log-probs of the shared top-N tokens on the agreed prefix: the same rounding as its logits"),
+    Gate("engine_bf16~oracle.max_abs_logit", 1.0, "le",
+         "reported for a 16-bit engine, not gated: bf16 moves logits by 1e-2..1 on the small cases; the KLD and "
+         "top-1 gates judge it", informational=True),
+    Gate("engine_bf16~oracle.mean_kld", 1e-3, "le",
+         "a 16-bit engine: mean KLD of ~1e-4 is typical for 16-bit formats (as fast_bf16~reference)"),
+    Gate("engine_bf16~oracle.same_top1_decisive", 0.99, "ge",
+         "a 16-bit engine may flip a few decisive positions on narrow models; more is a fault"),
+    Gate("engine_bf16~oracle.greedy", 1.0, "ge",
+         "every greedy stream agrees by vLLM's rule (check_logprobs_close), as for fp32"),
+    Gate("engine_bf16~oracle.max_abs_logprob", 1.0, "le",
+         "reported for a 16-bit engine, not gated (as its logits)", informational=True),
     Gate("tokenizer.check", 1.0, "ge",
          "a tokenizer parity check (ours vs HF tokenizers / sentencepiece / round trips) must find 0 differing texts"),
     Gate("gemma3_real.continuation", 1.0, "ge",
