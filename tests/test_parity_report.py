@@ -222,3 +222,24 @@ def test_run_gemma3_passes_the_kld_hist_to_its_check(monkeypatch):
     (chk,) = [c for c in res.checks if c["gate"] == "fast~reference.max_abs_logit"]
     assert chk["kld_hist"] == hist
     assert list(kld_hists({"cases": [res.__dict__]})) == [("fast~reference", "gemma3-270m-real")]
+
+
+def test_junit_xml_one_testcase_per_check_failures_named():
+    import xml.etree.ElementTree as ET
+
+    from harness.parity.report import junit_xml
+
+    failing = dict(_check(0.0, False), got="not_run", why="llamacpp: not installed")
+    data = {"status": 1, "created_utc": "x", "cases": [
+        {"case": "t", "kind": "tokenizer", "model": "m", "error": None, "info": {}, "seconds": 1.5,
+         "checks": [failing, _check(0.0, False, info=True, reason="documented difference"), _check(1.0, True)]},
+        {"case": "u", "kind": "user", "model": "m", "error": "x.gguf: truncated", "error_kind": "input",
+         "info": {}, "checks": []}]}
+    root = ET.fromstring(junit_xml(data).split("\n", 1)[1])
+    assert root.get("tests") == "4" and root.get("failures") == "1" and root.get("errors") == "1"
+    (fail,) = [tc for tc in root.iter("testcase") if tc.find("failure") is not None]
+    assert fail.get("classname") == "t" and fail.get("name") == "tokenizer.check[p]"
+    msg = fail.find("failure").get("message")
+    assert "tokenizer.check = 0" in msg and ">= 1" in msg and "llamacpp: not installed" in msg
+    (err,) = [tc for tc in root.iter("testcase") if tc.find("error") is not None]
+    assert err.find("error").get("message") == "x.gguf: truncated"

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.io import write_text_atomic
 from ..parity import run as run_parity
-from ..parity.report import short_table
-from ._args import check_out_dir
+from ..parity.report import junit_xml, short_table
+from ._args import check_out_dir, check_out_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default=None,
                    help="earlier results.json (or --write-baseline file): exit 1 on a regression against it")
     p.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this file")
+    p.add_argument("--junit-xml", default=None, metavar="FILE",
+                   help="also write the results as JUnit XML (one test case per check), for a CI system")
     p.add_argument("--regression-factor", type=float, default=10.0,
                    help="a figure this many times worse than the baseline is a regression (default 10)")
 
@@ -47,11 +50,15 @@ def _print_baseline(data: dict, written: str | None) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the job, print the verdict table; return the exit status."""
     check_out_dir(args.out)
+    if args.junit_xml:
+        check_out_file(args.junit_xml)
     data, status = run_parity(models=args.model, against=args.against, out=args.out, real=not args.no_real,
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
                               skip=tuple(args.skip), slow=args.slow)
     print(short_table(data))
+    if args.junit_xml:
+        write_text_atomic(args.junit_xml, junit_xml(data))
     _print_baseline(data, args.write_baseline)
     print(f"\nreport: {data['run_dir']}/report.md")
     print(f"{data['verdict']} (exit {status})")

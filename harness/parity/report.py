@@ -25,6 +25,7 @@ import io
 import math
 import numbers
 import re
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -431,3 +432,44 @@ def write_parity_report(run_dir: Path, data: dict[str, Any]) -> None:
 def short_table(data: dict[str, Any]) -> str:
     """The table printed on the terminal: one line per case and gate."""
     return _table(summarize(data), ["case", "gate", "worst", "limit", "result"], right=["worst"])
+
+
+def junit_xml(data: dict[str, Any]) -> str:
+    """The results as JUnit XML: one ``<testsuite>`` per case, one ``<testcase>`` per check.
+
+    A check's name is its gate, with the prompt and variant when it has them (``reference~transformers.
+    max_abs_logit[len17-window+1]``); a failing gating check is a ``<failure>`` whose message names the gate,
+    the measured figure and the limit (and why, when the check says); an informational one is reported as
+    passed with its reason in ``<system-out>``; a case that could not run is one ``<error>``. CI systems show
+    parity as ordinary test results from it.
+    """
+    root = ET.Element("testsuites", name="g4h parity", tests="0", failures="0", errors="0")
+    total = failures = errors = 0
+    for c in data["cases"]:
+        suite = ET.SubElement(root, "testsuite", name=str(c["case"]), time=f"{float(c.get('seconds') or 0):.3f}")
+        n_fail = n_err = 0
+        if c.get("error"):
+            tc = ET.SubElement(suite, "testcase", classname=str(c["case"]), name="(case could not run)")
+            ET.SubElement(tc, "error", message=str(c["error"]), type=str(c.get("error_kind") or "error"))
+            n_err += 1
+        for k in c.get("checks", []):
+            label = k["gate"] + "".join(f"[{k[x]}]" for x in ("prompt", "variant", "qtype") if k.get(x) not in (None, ""))
+            tc = ET.SubElement(suite, "testcase", classname=str(c["case"]), name=label)
+            op = "<=" if k["op"] == "le" else ">="
+            figure = f"{k['gate']} = {_num(k['measured']):.4g} (limit {op} {_num(k['limit']):g})"
+            if k.get("informational"):
+                ET.SubElement(tc, "system-out").text = f"informational: {figure}; {k.get('reason', '')}"
+            elif not k["pass"]:
+                why = k.get("why") or k.get("got") or k.get("first_divergence") or k.get("first_fault")
+                ET.SubElement(tc, "failure", message=figure + (f"; {why}" if why else ""), type="gate")
+                n_fail += 1
+        n = len(suite)
+        suite.set("tests", str(n))
+        suite.set("failures", str(n_fail))
+        suite.set("errors", str(n_err))
+        total, failures, errors = total + n, failures + n_fail, errors + n_err
+    root.set("tests", str(total))
+    root.set("failures", str(failures))
+    root.set("errors", str(errors))
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
