@@ -259,17 +259,25 @@ def _per_layer(value: Any, n_layer: int, key: str, allow_zero: bool = False) -> 
     return [_positive_int(value, key, allow_zero)] * n_layer
 
 
-def _check_layers(layers: list[LayerSpec], hidden_size: int, where: str) -> None:
+def _gguf_key_names(arch: str) -> dict[str, str]:
+    """The GGUF keys behind the per-layer facts :func:`_check_layers` checks, as message suffixes."""
+    return {"head_count": f" ({arch}.attention.head_count)", "head_count_kv": f" ({arch}.attention.head_count_kv)",
+            "n_rot": f" ({arch}.rope.dimension_count)", "n_rot_swa": f" ({arch}.rope.dimension_count_swa)"}
+
+
+def _check_layers(layers: list[LayerSpec], hidden_size: int, where: str, names: Mapping[str, str] | None = None
+                  ) -> None:
+    names = names or {"head_count": "", "head_count_kv": "", "n_rot": "", "n_rot_swa": ""}
     for layer in layers:
         if layer.n_head % layer.n_kv_head:
             raise ConfigError(
-                f"{where}: layer {layer.index}: head_count {layer.n_head} is not a multiple of "
-                f"head_count_kv {layer.n_kv_head}"
+                f"{where}: layer {layer.index}: head_count {layer.n_head}{names['head_count']} is not a multiple of "
+                f"head_count_kv {layer.n_kv_head}{names['head_count_kv']}"
             )
         if layer.n_rot % 2 or layer.n_rot > layer.head_dim or layer.n_rot <= 0:
             raise ConfigError(
-                f"{where}: layer {layer.index}: rope dimension count {layer.n_rot} must be even and "
-                f"<= head_dim {layer.head_dim}"
+                f"{where}: layer {layer.index}: rope dimension count {layer.n_rot}"
+                f"{names['n_rot_swa' if layer.is_sliding else 'n_rot']} must be even and <= head_dim {layer.head_dim}"
             )
         if layer.rope_freq_factors is not None and layer.rope_freq_factors.shape != (layer.n_rot // 2,):
             raise ConfigError(
@@ -404,6 +412,9 @@ def config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, .
     ple_dim = _positive_int(opt("embedding_length_per_layer_input", 0),
                             f"{source}: {a}.embedding_length_per_layer_input", allow_zero=True)
     ple_vocab = tensors["per_layer_token_embd.weight"][0] if ple_dim and "per_layer_token_embd.weight" in tensors else 0
+    if bool(ple_dim) != ("per_layer_token_embd.weight" in tensors):
+        raise ConfigError(f"{source}: {a}.embedding_length_per_layer_input = {ple_dim} but tensor "
+                          f"per_layer_token_embd.weight is {'missing' if ple_dim else 'present'}")
     has_moe = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(n_layer)]
     n_expert = n_used = n_ff_exp = 0
     if any(has_moe):
@@ -450,7 +461,7 @@ def config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, .
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         layers=tuple(layers),
     )
-    _check_layers(list(cfg.layers), hidden, source)
+    _check_layers(list(cfg.layers), hidden, source, _gguf_key_names(a))
     return cfg
 
 
@@ -474,7 +485,7 @@ def attach_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray | None) -> ModelC
             layer = _replace(layer, rope_freq_factors=np.asarray(rope_freqs, dtype=np.float32).copy())
         layers.append(layer)
     out = _replace(cfg, layers=tuple(layers))
-    _check_layers(list(out.layers), out.hidden_size, out.source)
+    _check_layers(list(out.layers), out.hidden_size, out.source, _gguf_key_names(out.arch))
     return out
 
 

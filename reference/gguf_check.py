@@ -14,8 +14,9 @@ header field, key or tensor, and what was expected):
 * header: magic ``GGUF``; version 2 or 3; ``tensor_count`` and ``kv_count``
   no larger than the bytes left can hold (a key/value needs at least 13 bytes,
   a tensor info at least 24);
-* each key/value: name length within the bytes left, UTF-8, not empty, not a
-  duplicate; a known value type; an array's element type known and not an
+* each key/value: name length within the bytes left, ASCII, 1 to 65535 bytes,
+  not a duplicate; a known value type; BOOL values 0 or 1 (the spec calls
+  anything else invalid); an array's element type known and not an
   array, and its count within the bytes left *before* anything is allocated;
 * the types of the keys this harness reads (``general.alignment``, the
   ``tokenizer.ggml`` ids and tables, every ``gemma4.*`` / ``gemma3.*`` key
@@ -27,9 +28,12 @@ header field, key or tensor, and what was expected):
 * ``general.alignment`` a power of two (default 32);
 * the data section: every tensor's offset a multiple of the alignment and its
   bytes inside the file; tensors back to back in table order, each padded to
-  the alignment, with at most one alignment of padding after the last.
+  the alignment, with less than one alignment of padding after the last.
   llama.cpp (``gguf_init_from_file_impl``) refuses any other layout, so a gap
-  or an overlap always means a wrong offset, type or shape.
+  or an overlap always means a wrong offset, type or shape;
+* every padding byte 0x00 (the spec: "the file is padded with 0x00 bytes"):
+  a tensor whose type or shape shrank it by less than the alignment leaves
+  its own bytes there.
 
 Value ranges of the model keys (block count, RoPE bases, epsilon, softcap, ...)
 are checked where the config is built, in :func:`reference.config.config_from_gguf`.
@@ -57,6 +61,8 @@ GGUF_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml GGML_MAX_DIMS
 MAX_ARRAY_ITEMS = 1 << 30  # llama.cpp GGUF_MAX_ARRAY_ELEMENTS
+MAX_KEY_BYTES = 65535  # GGUF spec: a key is ASCII, at most 2**16 - 1 bytes
+MAX_NAME_BYTES = 64  # ggml GGML_MAX_NAME: a tensor name is shorter (llama.cpp refuses longer ones)
 HEADER_BYTES = 24  # magic, version, tensor_count, kv_count
 MIN_KV_BYTES = 8 + 4 + 1  # name length, value type, smallest value
 MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
@@ -223,7 +229,12 @@ def _read_value(cur: _Cursor, key: str, vtype: int):
     """One value (Python scalar, str, numpy array or list of str) and its element type."""
     what = f"key {key}"
     if vtype in _STRUCT:
-        return cur.scalar(vtype, f"{what}: {_vt_name(vtype)} value"), None
+        value = cur.scalar(vtype if vtype != BOOL else U8, f"{what}: {_vt_name(vtype)} value")
+        if vtype == BOOL:
+            if value > 1:
+                raise ConfigError(f"{cur.path}: {what}: BOOL value {value}, expected 0 or 1")
+            value = bool(value)
+        return value, None
     if vtype == STRING:
         return cur.string(f"{what}: string value", strict=False), None
     if vtype != ARRAY:
@@ -240,6 +251,11 @@ def _read_value(cur: _Cursor, key: str, vtype: int):
                        f"only {cur.left()} are left")
     if etype != STRING:
         start = cur.take(count * item, what)
+        if etype == BOOL:
+            raw = np.frombuffer(cur.buf, dtype=np.uint8, count=count, offset=start)
+            if count and raw.max() > 1:
+                i = int(np.argmax(raw > 1))
+                raise ConfigError(f"{cur.path}: {what}: item {i} is BOOL value {raw[i]}, expected 0 or 1")
         return np.frombuffer(cur.buf, dtype=np.dtype(_NUMPY[etype]), count=count, offset=start), etype
     out: list[str] = []
     buf, pos, size, unpack, append = cur.buf, cur.pos, cur.size, struct.unpack_from, out.append
@@ -267,15 +283,16 @@ def _read_header(cur: _Cursor) -> tuple[int, int, int]:
                              "(a big-endian file reads as a huge version)")
     n_tensors = cur.scalar(U64, "header field tensor_count")
     n_kv = cur.scalar(U64, "header field kv_count")
-    if n_kv > cur.left() // MIN_KV_BYTES:
-        raise ModelFileError(f"{path}: header field kv_count = {n_kv}: {cur.left()} bytes follow the header, "
-                             f"room for at most {cur.left() // MIN_KV_BYTES} keys")
-    if n_tensors > cur.left() // MIN_TENSOR_INFO_BYTES:
-        raise ModelFileError(f"{path}: header field tensor_count = {n_tensors}: {cur.left()} bytes follow the "
-                             f"header, room for at most {cur.left() // MIN_TENSOR_INFO_BYTES} tensor infos")
-    if n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES > cur.left():
+    left, hint = cur.left(), "(the count is wrong, or the file is truncated)"
+    if n_kv > left // MIN_KV_BYTES:
+        raise ModelFileError(f"{path}: header field kv_count = {n_kv}: {left} bytes follow the header, room for at "
+                             f"most {left // MIN_KV_BYTES} keys {hint}")
+    if n_tensors > left // MIN_TENSOR_INFO_BYTES:
+        raise ModelFileError(f"{path}: header field tensor_count = {n_tensors}: {left} bytes follow the header, "
+                             f"room for at most {left // MIN_TENSOR_INFO_BYTES} tensor infos {hint}")
+    if n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES > left:
         raise ModelFileError(f"{path}: header fields kv_count = {n_kv} and tensor_count = {n_tensors} need more "
-                             f"than the {cur.left()} bytes that follow the header")
+                             f"than the {left} bytes that follow the header {hint}")
     return version, n_tensors, n_kv
 
 
@@ -283,16 +300,17 @@ def _read_kv(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[i
     meta: dict[str, Any] = {}
     types: dict[str, tuple[int, int | None]] = {}
     prev = "the header"
-    for i in range(n_kv):
+    for i in range(n_kv):  # messages locate a broken entry by the last good key before it
         key = cur.string(f"key #{i} (after {prev})", strict=True)
-        if not key:
-            raise ConfigError(f"{cur.path}: key #{i} (after {prev}) has an empty name")
+        if not key or len(key) > MAX_KEY_BYTES or not key.isascii() or not key.isprintable():
+            raise ConfigError(f"{cur.path}: key #{i} (after {prev}) is named {key[:80]!r}: expected 1 to "
+                              f"{MAX_KEY_BYTES} printable ASCII characters")
         if key in meta:
             raise ConfigError(f"{cur.path}: key {key} appears twice")
         vtype = cur.scalar(U32, f"key {key}: value type")
         meta[key], etype = _read_value(cur, key, vtype)
         types[key] = (vtype, etype)
-        prev = key
+        prev = f"key {key}"
     return meta, types
 
 
@@ -312,40 +330,42 @@ def _check_key_types(path: str, types: dict[str, tuple[int, int | None]], meta: 
                           "(llama.cpp reads it as that type and refuses any other)")
 
 
-def _read_tensor_infos(cur: _Cursor, n_tensors: int) -> list[tuple[str, tuple[int, ...], int, int]]:
+def _read_tensor_infos(cur: _Cursor, n_tensors: int, last_key: str | None
+                       ) -> list[tuple[str, tuple[int, ...], int, int]]:
     import gguf
 
     infos = []
     names: set[str] = set()
-    prev = "the last key"
+    prev = f"key {last_key}" if last_key else "the header"
     for i in range(n_tensors):
         name = cur.string(f"tensor #{i} (after {prev})", strict=True)
-        if not name:
-            raise ModelFileError(f"{cur.path}: tensor #{i} (after {prev}) has an empty name")
+        where = f"tensor {name} (#{i}, after {prev})"
+        if not 0 < len(name.encode()) < MAX_NAME_BYTES or not name.isprintable():
+            raise ModelFileError(f"{cur.path}: tensor #{i} (after {prev}) is named {name[:80]!r}: expected 1 to "
+                                 f"{MAX_NAME_BYTES - 1} printable characters")
         if name in names:
             raise ModelFileError(f"{cur.path}: tensor {name} appears twice in the tensor table")
         names.add(name)
-        n_dims = cur.scalar(U32, f"tensor {name}: n_dims")
+        n_dims = cur.scalar(U32, f"{where}: n_dims")
         if n_dims > MAX_DIMS:
-            raise ModelFileError(f"{cur.path}: tensor {name}: n_dims = {n_dims}, expected at most {MAX_DIMS}")
-        dims = tuple(cur.scalar(U64, f"tensor {name}: dimension {j}") for j in range(n_dims))
+            raise ModelFileError(f"{cur.path}: {where}: n_dims = {n_dims}, expected at most {MAX_DIMS}")
+        dims = tuple(cur.scalar(U64, f"{where}: dimension {j}") for j in range(n_dims))
         for j, d in enumerate(dims):
             if d == 0 or d >= 1 << 63:
-                raise ModelFileError(f"{cur.path}: tensor {name}: dimension {j} (ne[{j}]) = {d}, expected "
-                                     "1 <= ne < 2**63")
-        ggml_type = cur.scalar(U32, f"tensor {name}: type")
+                raise ModelFileError(f"{cur.path}: {where}: dimension {j} (ne[{j}]) = {d}, expected 1 <= ne < 2**63")
+        ggml_type = cur.scalar(U32, f"{where}: type")
         try:
             qtype = gguf.GGMLQuantizationType(ggml_type)
             block, _ = gguf.GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            raise ModelFileError(f"{cur.path}: tensor {name}: GGML type {ggml_type} is unknown") from None
+            raise ModelFileError(f"{cur.path}: {where}: GGML type {ggml_type} is unknown") from None
         row = dims[0] if dims else 1
         if row % block:
-            raise ModelFileError(f"{cur.path}: tensor {name}: type {qtype.name} stores rows of a multiple of "
-                                 f"{block} elements, but ne[0] = {row}")
-        offset = cur.scalar(U64, f"tensor {name}: offset")
+            raise ModelFileError(f"{cur.path}: {where}: type {qtype.name} stores rows of a multiple of {block} "
+                                 f"elements, but ne[0] = {row}")
+        offset = cur.scalar(U64, f"{where}: offset")
         infos.append((name, dims, int(ggml_type), offset))
-        prev = name
+        prev = f"tensor {name}"
     return infos
 
 
@@ -356,7 +376,15 @@ def _alignment(path: str, meta: dict[str, Any]) -> int:
     return a
 
 
-def _layout(path: str, infos, data_offset: int, alignment: int, size: int) -> dict[str, TensorInfo]:
+def _check_zero(path: str, buf, start: int, end: int, where: str) -> None:
+    """The GGUF spec pads with 0x00 bytes: anything else is data that belongs to no tensor."""
+    pad = bytes(buf[start:end])
+    if pad.strip(b"\0"):
+        first = start + len(pad) - len(pad.lstrip(b"\0"))
+        raise ModelFileError(f"{path}: {where}: padding byte {first} is {pad[first - start]:#04x}, expected 0x00")
+
+
+def _layout(path: str, buf, infos, data_offset: int, alignment: int, size: int) -> dict[str, TensorInfo]:
     import gguf
 
     tensors: dict[str, TensorInfo] = {}
@@ -388,12 +416,18 @@ def _layout(path: str, infos, data_offset: int, alignment: int, size: int) -> di
                                  f"the previous tensor {prev.name} ({prev.describe()}) ends "
                                  f"{t.offset - end} bytes earlier: its type or shape, or this offset, is wrong")
         expected = t.offset + -(-t.n_bytes // alignment) * alignment
+        if prev is not None:
+            _check_zero(path, buf, prev.offset + prev.n_bytes, t.offset,
+                        f"after tensor {prev.name} ({prev.describe()}; its type or shape is wrong?)")
         prev = t
-    if prev is not None and size - (prev.offset + prev.n_bytes) >= alignment:
-        extra = size - prev.offset - prev.n_bytes
-        raise ModelFileError(f"{path}: {extra} bytes follow the last tensor {prev.name} ({prev.describe()}), "
-                             f"expected less than general.alignment {alignment}: its type or shape is wrong, "
-                             "or the file has extra bytes")
+    if prev is not None:
+        end = prev.offset + prev.n_bytes
+        if size - end >= alignment:
+            raise ModelFileError(f"{path}: {size - end} bytes follow the last tensor {prev.name} ({prev.describe()}), "
+                                 f"expected less than general.alignment {alignment}: its type or shape is wrong, "
+                                 "or the file has extra bytes")
+        _check_zero(path, buf, end, size, f"after the last tensor {prev.name} ({prev.describe()}; its type or "
+                                          "shape is wrong?)")
     return tensors
 
 
@@ -428,10 +462,13 @@ def check_gguf(path: str | os.PathLike) -> GGUFFile:
     version, n_tensors, n_kv = _read_header(cur)
     meta, types = _read_kv(cur, n_kv)
     _check_key_types(path_s, types, meta)
-    infos = _read_tensor_infos(cur, n_tensors)
+    infos = _read_tensor_infos(cur, n_tensors, next(reversed(meta), None))
     alignment = _alignment(path_s, meta)
     data_offset = -(-cur.pos // alignment) * alignment
-    tensors = _layout(path_s, infos, data_offset, alignment, cur.size)
+    if infos:
+        _check_zero(path_s, buf, cur.pos, min(data_offset, cur.size), "before the data section (after the tensor "
+                    f"table: tensor_count = {n_tensors} right?)")
+    tensors = _layout(path_s, buf, infos, data_offset, alignment, cur.size)
     for key, value in meta.items():  # arrays stay views until the header is known good
         if isinstance(value, np.ndarray):
             meta[key] = value.tolist()

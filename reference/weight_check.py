@@ -56,8 +56,8 @@ _SCALE_FIELDS: dict[str, tuple[int, tuple[tuple[int, float | None], ...]]] = {
     "Q4_K": (144, ((0, 945), (2, 63))),  # sc, m <= 63, q <= 15
     "Q5_K": (176, ((0, 1953), (2, 63))),  # sc, m <= 63, q <= 31
     "Q6_K": (210, ((208, 4096),)),  # (d * sc) * (q - 32): sc int8, q in 0..63
-    "TQ1_0": (54, ((52, 1),)),  # d * (-1, 0, 1)
-    "TQ2_0": (66, ((64, 1),)),
+    "TQ1_0": (54, ((52, 1),)),  # d * (q - 1), q in 0..2
+    "TQ2_0": (66, ((64, 2),)),  # d * (q - 1), q in 0..3
     "IQ4_NL": (18, ((0, 127),)),  # d * kvalues_iq4nl, |kvalue| <= 127
     "IQ4_XS": (136, ((0, 4064),)),  # (d * (ls - 32)) * kvalue
     "IQ2_XXS": (66, ((0, None),)),
@@ -76,7 +76,7 @@ def max_abs_for(dtype: Any) -> float:
 
 
 def _where(shape: tuple[int, ...], flat_index: int) -> str:
-    return str(list(np.unravel_index(flat_index, shape))) if len(shape) > 1 else f"[{flat_index}]"
+    return str([int(i) for i in np.unravel_index(flat_index, shape)]) if len(shape) > 1 else f"[{flat_index}]"
 
 
 def _fail_value(source: str, name: str, shape, index: int, value: float, limit: float | None) -> ModelFileError:

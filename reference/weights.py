@@ -27,7 +27,7 @@ import numpy as np
 from .config import ModelConfig, attach_rope_freqs, config_from_gguf, config_from_hf, expected_tensors, optional_tensors
 from .errors import ConfigError, ModelFileError
 from .gguf_check import GGUFFile, check_gguf
-from .weight_check import check_values
+from .weight_check import check_stored, check_values
 from .names import hf_to_gguf
 
 
@@ -59,8 +59,11 @@ class Weights(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._cache:
             lazy = self._lazy[name]
+            if lazy.stored is not None:  # GGUF: checked as stored (scale fields), before dequantizing
+                check_stored(self.source, name, lazy.dtype, lazy.stored, lazy.shape)
             arr = np.asarray(lazy.read(), dtype=np.float64).reshape(lazy.shape)
-            check_values(self.source, name, arr)  # NaN, Inf, |w| > 1e30 (rope_freqs: > 0)
+            if lazy.stored is None:
+                check_values(self.source, name, arr)  # NaN, Inf, |w| > 1e30 (rope_freqs: > 0)
             arr.setflags(write=False)
             self._cache[name] = arr
         return self._cache[name]
@@ -126,7 +129,7 @@ def _gguf_tensors(gf: GGUFFile) -> dict[str, _Lazy]:
 
         def read(data=data, t=t):
             try:
-                return gguf.quants.dequantize(data, t.ggml_type)
+                return gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.ggml_type))
             except NotImplementedError:
                 raise ModelFileError(f"{gf.path}: tensor {t.name}: type {t.type_name} cannot be dequantized by "
                                      "gguf.quants") from None
