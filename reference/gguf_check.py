@@ -3,10 +3,9 @@
 :func:`check_gguf` parses the whole header with bounded reads and checks it
 against the file's size, then returns a :class:`GGUFFile` that the loader uses
 directly (metadata as Python values, memory-mapped tensor views), so the file
-is parsed once and ``gguf.GGUFReader`` (9-12 s on a 262k-token vocabulary,
-one memmap view per string) is never needed. :func:`check_tensor_values` and
-:func:`check_weights` look for NaN, Inf and magnitudes no fp32 (or fp16)
-matmul can carry, on the stored form where the format allows it.
+is parsed once and ``gguf.GGUFReader`` (9-15 s on a 262k-token vocabulary,
+one memmap view per string) is never needed. Tensor *values* (NaN, Inf,
+magnitudes no matmul can carry) are checked by :mod:`reference.weight_check`.
 
 What is checked, in order (each failure is one line naming the file and the
 header field, key or tensor, and what was expected):
@@ -22,7 +21,8 @@ header field, key or tensor, and what was expected):
   ``tokenizer.ggml`` ids and tables, every ``gemma4.*`` / ``gemma3.*`` key
   :func:`reference.config.config_from_gguf` reads): exactly the GGUF type
   llama.cpp reads them as (its ``get_key`` refuses any other);
-* each tensor info: name as for keys; ``n_dims`` <= 4; every dimension > 0
+* each tensor info: name 1 to 63 bytes (ggml ``GGML_MAX_NAME``), printable,
+  not a duplicate; ``n_dims`` <= 4; every dimension > 0
   and < 2**63; a type that ``gguf`` knows the block size of; rows a multiple
   of the block size;
 * ``general.alignment`` a power of two (default 32);
@@ -63,7 +63,6 @@ MAX_DIMS = 4  # ggml GGML_MAX_DIMS
 MAX_ARRAY_ITEMS = 1 << 30  # llama.cpp GGUF_MAX_ARRAY_ELEMENTS
 MAX_KEY_BYTES = 65535  # GGUF spec: a key is ASCII, at most 2**16 - 1 bytes
 MAX_NAME_BYTES = 64  # ggml GGML_MAX_NAME: a tensor name is shorter (llama.cpp refuses longer ones)
-HEADER_BYTES = 24  # magic, version, tensor_count, kv_count
 MIN_KV_BYTES = 8 + 4 + 1  # name length, value type, smallest value
 MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 

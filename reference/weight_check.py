@@ -5,10 +5,11 @@ Limits (the largest |w| accepted):
 * :data:`MAX_ABS_FP32` = 1e30 for fp32/bf16/fp64 compute. A matmul output
   element is a sum of ``K`` products ``x * w``; with post-RMSNorm activations
   up to ~1e4 (the norm weight times a unit-RMS vector; the real Gemma 3 270M
-  GGUF's largest norm weight is 1657) and ``K`` up to ~6.5e4 (the widest
-  contraction of a Gemma 4 model), a weight of 1e30 reaches ~6.5e38, the edge
-  of float32 (3.4e38). The largest real weight measured here is 1657: the
-  limit excludes nothing a trained model holds, only corruption.
+  GGUF's largest norm weight is 1657) and ``K`` up to 21504 (the widest
+  contraction of a Gemma 4 model: the 31B FFN down projection), a weight of
+  1e30 reaches ~2e38, the edge of float32 (3.4e38). The largest real weight
+  measured here is 1657: the limit excludes nothing a trained model holds,
+  only corruption.
 * :data:`MAX_ABS_FP16` = 65504 (the largest finite fp16) when the engine
   holds weights in fp16: a larger weight becomes Inf on conversion.
 
@@ -21,8 +22,10 @@ the codes are small integers. So a block can only be non-finite through a
 scale field, and its largest |w| is at most ``|d| * code_max + |m| * min_max``
 (the factors below, from each type's formula in gguf-py ``quants.py``). Those
 fields are read in place, every ``type_size`` bytes, without dequantizing.
-With fp16 scales the bound is at most 65504 * 4096 = 2.7e8, far below
-:data:`MAX_ABS_FP32`, so only NaN/Inf scale fields matter for fp32 compute.
+With fp16 scales the bound is at most 65504 * 4096 = 2.7e8 (Q6_K's factor,
+the largest; the IQ types' grids times their sub-scales stay below it), far
+below :data:`MAX_ABS_FP32`, so only NaN/Inf scale fields matter for fp32
+compute; for fp16 compute the IQ types are dequantized to check the values.
 Types whose scale is packed elsewhere (IQ1_M, MXFP4, NVFP4, Q1_0, ...) are
 dequantized with ``gguf.quants`` in chunks and checked as values.
 

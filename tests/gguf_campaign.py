@@ -241,6 +241,101 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> d
     }
 
 
+# --------------------------------------------------------------------------- a real-size file
+
+
+def write_big_e2b(path: str | os.PathLike, n_layer: int | None = None) -> Path:
+    """Write a Gemma 4 E2B-shaped Q8_0 GGUF (``cases/shapes/e2b.toml``: 262144-token vocabulary, PLE, 35 layers,
+    4.9 GB) with random Q8_0 blocks (fp16 scales in [1e-3, 1e-2], random int8 codes), F32 norms and the
+    vocabulary keys; ``n_layer`` keeps the first layers only. Streams the data: memory stays ~100 MB."""
+    import tomllib
+    import types
+
+    import gguf
+    from harness import synth
+
+    cfg = tomllib.loads((Path(synth.__file__).resolve().parent.parent / "cases" / "shapes" / "e2b.toml").read_text())
+    cfg = cfg["config"]
+    if n_layer:
+        cfg = dict(cfg, num_hidden_layers=n_layer, layer_types=cfg["layer_types"][:n_layer],
+                   num_kv_shared_layers=max(0, cfg["num_kv_shared_layers"] - (cfg["num_hidden_layers"] - n_layer)))
+    rng = np.random.default_rng(0)
+    blocks = np.empty((1 << 21, 34), dtype=np.uint8)
+    blocks[:, :2] = rng.uniform(1e-3, 1e-2, len(blocks)).astype("<f2").view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = rng.integers(0, 256, (len(blocks), 32), dtype=np.uint8)
+    template = blocks.reshape(-1)
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    for key, (val, vt, sub) in synth.gguf_metadata(types.SimpleNamespace(config=cfg, name="e2b-big")).items():
+        w.add_key_value(key, val, gguf.GGUFValueType[vt], sub_type=gguf.GGUFValueType[sub] if sub else None)
+    vocab = cfg["vocab_size"]
+    w.add_key_value("tokenizer.ggml.model", "gemma4", gguf.GGUFValueType.STRING)
+    w.add_key_value("tokenizer.ggml.tokens", [f"\u2581t{i}" for i in range(vocab)], gguf.GGUFValueType.ARRAY,
+                    sub_type=gguf.GGUFValueType.STRING)
+    w.add_key_value("tokenizer.ggml.scores", [0.0] * vocab, gguf.GGUFValueType.ARRAY,
+                    sub_type=gguf.GGUFValueType.FLOAT32)
+    w.add_key_value("tokenizer.ggml.token_type", [1] * vocab, gguf.GGUFValueType.ARRAY,
+                    sub_type=gguf.GGUFValueType.INT32)
+    shapes = {"rope_freqs.weight": (cfg["global_head_dim"] // 2,), **synth.tensor_shapes(cfg)}
+    datas = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            arr = synth.rope_freqs(cfg) if name == "rope_freqs.weight" else rng.uniform(0.5, 1.5, shape)
+            datas[name] = np.asarray(arr, dtype=np.float32)
+            w.add_tensor_info(name, shape, np.float32, datas[name].nbytes)
+        else:
+            row_bytes = shape[-1] // 32 * 34
+            nbytes = int(np.prod(shape[:-1])) * row_bytes
+            datas[name] = nbytes
+            w.add_tensor_info(name, (*shape[:-1], row_bytes), np.uint8, nbytes,
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    fout = w.fout[0]  # the data, streamed: each tensor padded to the alignment (as GGUFWriter pads)
+
+    def pad() -> None:
+        fout.write(b"\0" * (-fout.tell() % w.data_alignment))
+
+    pad()
+    for name, d in datas.items():
+        if isinstance(d, np.ndarray):
+            fout.write(d.tobytes())
+        else:
+            for o in range(0, d, len(template)):
+                fout.write(template[:min(len(template), d - o)].tobytes())
+        pad()
+    w.close()
+    return Path(path)
+
+
+def measure_big(path: str | os.PathLike) -> dict:
+    """Seconds for: gguf.GGUFReader, check_gguf, load_model, check_weights (fp32 and fp16 limits) on ``path``,
+    and the resident memory after them (private, and of the mapped file)."""
+    import gguf
+
+    from reference import load_model
+    from reference.gguf_check import check_gguf
+    from reference.weight_check import MAX_ABS_FP16, check_weights
+
+    out = {"bytes": os.path.getsize(path)}
+    steps = (("gguf.GGUFReader", lambda: gguf.GGUFReader(str(path))), ("check_gguf", lambda: check_gguf(path)),
+             ("load_model", lambda: load_model(path)))
+    for name, fn in steps:
+        t = time.perf_counter()
+        res = fn()
+        out[f"{name}_s"] = round(time.perf_counter() - t, 3)
+    out["tensors"] = len(res[1])
+    cfg, W = res
+    for label, limit in (("check_weights_fp32_s", None), ("check_weights_fp16_s", MAX_ABS_FP16)):
+        t = time.perf_counter()
+        check_weights(W) if limit is None else check_weights(W, limit)
+        out[label] = round(time.perf_counter() - t, 3)
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    for field in ("RssAnon", "RssFile"):  # private memory vs pages of the mapped file (page cache, reclaimable)
+        out[f"{field}_mb"] = int(status.get(field, "0 kB").split()[0]) // 1024
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -250,7 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default="/tmp/gguf-campaign")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--big", default=None, help="instead: write (if absent) and time a real-size E2B Q8_0 GGUF here")
+    ap.add_argument("--big-layers", type=int, default=None, help="with --big: keep the first N layers")
     args = ap.parse_args(argv)
+    if args.big:
+        if not Path(args.big).exists():
+            t = time.perf_counter()
+            write_big_e2b(args.big, args.big_layers)
+            print(f"wrote {args.big} in {time.perf_counter() - t:.0f} s", flush=True)
+        print(json.dumps(measure_big(args.big)), flush=True)
+        return 0
     work = Path(args.work)
     engines = ("reference",) + (("fast",) if args.fast else ())
     bases = [load_base(name, path, engines) for name, path in write_bases(work / "bases").items()]

@@ -137,10 +137,10 @@ def test_tokenizer_bpe_rules_on_a_toy_vocab():
 
 @pytest.mark.slow
 def test_fast_metadata_reader_matches_gguf_reader(gguf_path):
+    from reference.gguf_check import check_gguf  # the loader's parse (test_gguf_check compares it with GGUFReader)
     from reference.tokenizer import read_gguf_metadata
-    from reference.weights import _read_gguf, gguf_metadata
 
-    assert read_gguf_metadata(gguf_path) == gguf_metadata(_read_gguf(gguf_path))
+    assert read_gguf_metadata(gguf_path) == check_gguf(gguf_path).metadata
 
 
 # --------------------------------------------------------------------------- the model
