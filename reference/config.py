@@ -447,6 +447,11 @@ def config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, .
             rope_freq_factors=None,
             rope_scale=1.0 if sl else scale,
         ))
+    own = [L for L in layers if L.has_kv]  # Gemma4TextConfig: only full layers use K as V, and then all of them
+    no_v = [L for L in own if not L.has_v_proj and (L.is_sliding or any(F.has_v_proj for F in own if not F.is_sliding))]
+    if no_v:
+        raise ConfigError(f"{source}: missing tensor blk.{no_v[0].index}.attn_v.weight (only full-attention layers may "
+                          "use K as V, and then every one of them)")
     attn_scale = 1.0 if a == "gemma4" else 1.0 / math.sqrt(head_dim)
     cfg = ModelConfig(
         arch=a, source=source, vocab_size=vocab, hidden_size=hidden, n_layer=n_layer, rms_eps=_f32(eps),
@@ -728,3 +733,42 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def optional_tensors(cfg: ModelConfig) -> set[str]:
     """Tensors that may be absent with a defined meaning (layer_output_scale -> 1)."""
     return {f"blk.{i}.layer_output_scale.weight" for i in range(cfg.n_layer)}
+
+
+def one_edit_apart(a: str, b: str) -> bool:
+    """True when ``b`` is ``a`` with one character replaced, inserted or deleted (a flipped bit, a typo)."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[i + (len(a) >= len(b)):] == b[i + (len(b) >= len(a)):]
+
+
+def unread_tensors(cfg: ModelConfig, names) -> list[str]:
+    """Tensors the text decoder would silently ignore although they belong to it.
+
+    A ``blk.N.*`` tensor that the config does not read, except those llama.cpp
+    also accepts and ignores (``attn_k``, ``attn_k_norm``, ``attn_v`` of a
+    KV-shared layer); any other name one character from a decoder tensor
+    (``rope_freqt.weight``, ``clk.1.attn_v.weight``). Either means a damaged or misspelt name, or a config
+    that does not match the file: an ignored ``layer_output_scale`` or
+    ``attn_v`` (V = K) or ``rope_freqs`` changes the model without an error.
+    Other top-level tensors (vision/audio towers) are not the decoder's.
+
+    Args:
+        cfg: the config.
+        names: the tensor names of the file (canonical).
+
+    Returns:
+        the offending names, sorted.
+
+    Source: llama.cpp ``llama_model_loader::done_getting_tensors`` refuses any
+    tensor it did not create; ``gemma4.cpp`` ``load_arch_tensors`` (kv_flags).
+    """
+    # Names whose absence means something (no V projection, scale 1, no freq factors) count as read too.
+    read = set(expected_tensors(cfg)) | optional_tensors(cfg) | {"rope_freqs.weight"}
+    read |= {f"blk.{i}.attn_v.weight" for i in range(cfg.n_layer)}
+    for L in cfg.layers:
+        if not L.has_kv:
+            read |= {f"blk.{L.index}.{t}.weight" for t in ("attn_k", "attn_k_norm", "attn_v")}
+    return sorted(n for n in names if n not in read and (
+        n.startswith("blk.") or any(one_edit_apart(n, t) for t in read)))

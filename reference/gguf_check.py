@@ -20,7 +20,9 @@ header field, key or tensor, and what was expected):
 * the types of the keys this harness reads (``general.alignment``, the
   ``tokenizer.ggml`` ids and tables, every ``gemma4.*`` / ``gemma3.*`` key
   :func:`reference.config.config_from_gguf` reads): exactly the GGUF type
-  llama.cpp reads them as (its ``get_key`` refuses any other);
+  llama.cpp reads them as (its ``get_key`` refuses any other); an unknown
+  ``<arch>.*`` key one character from a known one is refused (a misspelt
+  optional key would silently read as absent);
 * each tensor info: name 1 to 63 bytes (ggml ``GGML_MAX_NAME``), printable,
   not a duplicate; ``n_dims`` <= 4; every dimension > 0
   and < 2**63; a type that ``gguf`` knows the block size of; rows a multiple
@@ -54,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import one_edit_apart
 from .errors import ConfigError, ModelFileError
 
 GGUF_MAGIC = b"GGUF"
@@ -224,8 +227,11 @@ def _vt_name(vtype: int) -> str:
     return VALUE_TYPE_NAMES[vtype] if 0 <= vtype < len(VALUE_TYPE_NAMES) else str(vtype)
 
 
-def _read_value(cur: _Cursor, key: str, vtype: int):
-    """One value (Python scalar, str, numpy array or list of str) and its element type."""
+def _read_value(cur: _Cursor, key: str, vtype: int, check_element=lambda etype: None):
+    """One value (Python scalar, str, numpy array or list of str) and its element type.
+
+    ``check_element(etype)`` returns an error to raise for an array of that element type, or None.
+    """
     what = f"key {key}"
     if vtype in _STRUCT:
         value = cur.scalar(vtype if vtype != BOOL else U8, f"{what}: {_vt_name(vtype)} value")
@@ -244,6 +250,9 @@ def _read_value(cur: _Cursor, key: str, vtype: int):
         raise ConfigError(f"{cur.path}: {what}: arrays of arrays are not allowed (llama.cpp refuses them)")
     if etype not in _STRUCT and etype != STRING:
         raise ConfigError(f"{cur.path}: {what}: array element type {etype} is unknown (expected 0-12, not 9)")
+    err = check_element(etype)
+    if err:
+        raise err
     item = 8 if etype == STRING else struct.calcsize(_STRUCT[etype])  # a string needs at least its length
     if count > MAX_ARRAY_ITEMS or count * item > cur.left():
         raise cur.fail(f"{what}: array of {count} {_vt_name(etype)} items needs at least {count * item} bytes, "
@@ -300,36 +309,54 @@ def _read_kv(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[i
     types: dict[str, tuple[int, int | None]] = {}
     prev = "the header"
     for i in range(n_kv):  # messages locate a broken entry by the last good key before it
-        key = cur.string(f"key #{i} (after {prev})", strict=True)
+        key = cur.string(f"key #{i} (after {prev}: its value, or this entry, is damaged)", strict=True)
         if not key or len(key) > MAX_KEY_BYTES or not key.isascii() or not key.isprintable():
             raise ConfigError(f"{cur.path}: key #{i} (after {prev}) is named {key[:80]!r}: expected 1 to "
                               f"{MAX_KEY_BYTES} printable ASCII characters")
         if key in meta:
             raise ConfigError(f"{cur.path}: key {key} appears twice")
         vtype = cur.scalar(U32, f"key {key}: value type")
-        meta[key], etype = _read_value(cur, key, vtype)
+        arch = meta.get("general.architecture")  # known types are checked before the value is read: a wrong
+        err = _key_type_error(cur.path, key, (vtype, None), arch)  # type would misread the entries that follow
+        if err:
+            raise err
+        meta[key], etype = _read_value(cur, key, vtype, lambda et: _key_type_error(cur.path, key, (ARRAY, et), arch))
         types[key] = (vtype, etype)
         prev = f"key {key}"
     return meta, types
 
 
-def _check_key_types(path: str, types: dict[str, tuple[int, int | None]], meta: dict[str, Any]) -> None:
-    arch = meta.get("general.architecture")
+def _key_type_error(path: str, key: str, got: tuple[int, int | None], arch: Any) -> ConfigError | None:
+    """The error for a known key of the wrong GGUF type, or an unknown key one character from a known one."""
     prefix = f"{arch}." if isinstance(arch, str) else None
+    allowed = _GENERAL_KEYS.get(key)
+    if allowed is None and prefix and key.startswith(prefix):
+        allowed = _ARCH_KEYS.get(key[len(prefix):])
+    if allowed is None and prefix:  # a misspelt optional key would read as absent: another model, silently
+        near = [prefix + k for k in _ARCH_KEYS if one_edit_apart(key, prefix + k)]
+        if near:
+            return ConfigError(f"{path}: key {key} is unknown, one character from {near[0]} (a misspelt or damaged "
+                               "name)")
+    if allowed is None or got in allowed or (got[0] == ARRAY and got[1] is None
+                                             and any(t[0] == ARRAY for t in allowed)):
+        return None
+
+    def show(t):
+        return _vt_name(t[0]) if t[1] is None else f"ARRAY of {_vt_name(t[1])}"
+    want = " or ".join(sorted(show(t) for t in allowed))
+    return ConfigError(f"{path}: key {key} has GGUF type {show(got)}, expected {want} "
+                       "(llama.cpp reads it as that type and refuses any other)")
+
+
+def _check_key_types(path: str, types: dict[str, tuple[int, int | None]], meta: dict[str, Any]) -> None:
+    """Keys read before ``general.architecture`` was known are checked here, after the whole section."""
     for key, got in types.items():
-        allowed = _GENERAL_KEYS.get(key)
-        if allowed is None and prefix and key.startswith(prefix):
-            allowed = _ARCH_KEYS.get(key[len(prefix):])
-        if allowed is None or got in allowed:
-            continue
-        def show(t):
-            return _vt_name(t[0]) if t[1] is None else f"ARRAY of {_vt_name(t[1])}"
-        want = " or ".join(sorted(show(t) for t in allowed))
-        raise ConfigError(f"{path}: key {key} has GGUF type {show(got)}, expected {want} "
-                          "(llama.cpp reads it as that type and refuses any other)")
+        err = _key_type_error(path, key, got, meta.get("general.architecture"))
+        if err:
+            raise err
 
 
-def _read_tensor_infos(cur: _Cursor, n_tensors: int, last_key: str | None
+def _read_tensor_infos(cur: _Cursor, n_tensors: int, last_key: str | None, alignment: int
                        ) -> list[tuple[str, tuple[int, ...], int, int]]:
     import gguf
 
@@ -337,7 +364,7 @@ def _read_tensor_infos(cur: _Cursor, n_tensors: int, last_key: str | None
     names: set[str] = set()
     prev = f"key {last_key}" if last_key else "the header"
     for i in range(n_tensors):
-        name = cur.string(f"tensor #{i} (after {prev})", strict=True)
+        name = cur.string(f"tensor #{i} (after {prev}: its n_dims or dims, or this entry, is damaged)", strict=True)
         where = f"tensor {name} (#{i}, after {prev})"
         if not 0 < len(name.encode()) < MAX_NAME_BYTES or not name.isprintable():
             raise ModelFileError(f"{cur.path}: tensor #{i} (after {prev}) is named {name[:80]!r}: expected 1 to "
@@ -363,6 +390,10 @@ def _read_tensor_infos(cur: _Cursor, n_tensors: int, last_key: str | None
             raise ModelFileError(f"{cur.path}: {where}: type {qtype.name} stores rows of a multiple of {block} "
                                  f"elements, but ne[0] = {row}")
         offset = cur.scalar(U64, f"{where}: offset")
+        if offset % alignment or offset >= cur.size:  # checked here, so a damaged n_dims or dims is caught at
+            what = "past the end of the file" if offset >= cur.size else "not a multiple of general.alignment"
+            raise ModelFileError(f"{cur.path}: tensor {name}: offset {offset} is {what} "  # this entry
+                                 f"{cur.size if offset >= cur.size else alignment}")
         infos.append((name, dims, int(ggml_type), offset))
         prev = f"tensor {name}"
     return infos
@@ -375,12 +406,13 @@ def _alignment(path: str, meta: dict[str, Any]) -> int:
     return a
 
 
-def _check_zero(path: str, buf, start: int, end: int, where: str) -> None:
+def _check_zero(path: str, buf, start: int, end: int, where: str, hint: str) -> None:
     """The GGUF spec pads with 0x00 bytes: anything else is data that belongs to no tensor."""
     pad = bytes(buf[start:end])
     if pad.strip(b"\0"):
         first = start + len(pad) - len(pad.lstrip(b"\0"))
-        raise ModelFileError(f"{path}: {where}: padding byte {first} is {pad[first - start]:#04x}, expected 0x00")
+        raise ModelFileError(f"{path}: {where}: padding byte {first} is {pad[first - start]:#04x}, expected 0x00 "
+                             f"({hint})")
 
 
 def _layout(path: str, buf, infos, data_offset: int, alignment: int, size: int) -> dict[str, TensorInfo]:
@@ -391,9 +423,6 @@ def _layout(path: str, buf, infos, data_offset: int, alignment: int, size: int) 
         block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
         n_bytes = int(np.prod(dims, dtype=object)) // block * type_size if dims else type_size
         t = TensorInfo(name, ggml_type, dims, data_offset + rel, n_bytes)
-        if rel % alignment:
-            raise ModelFileError(f"{path}: tensor {name}: offset {rel} is not a multiple of general.alignment "
-                                 f"{alignment}")
         if t.offset + n_bytes > size:
             raise ModelFileError(f"{path}: tensor {name} ({t.type_name} {list(t.shape)}, {n_bytes} bytes at "
                                  f"offset {rel}) ends at byte {t.offset + n_bytes}, past the end of the file "
@@ -416,8 +445,8 @@ def _layout(path: str, buf, infos, data_offset: int, alignment: int, size: int) 
                                  f"{t.offset - end} bytes earlier: its type or shape, or this offset, is wrong")
         expected = t.offset + -(-t.n_bytes // alignment) * alignment
         if prev is not None:
-            _check_zero(path, buf, prev.offset + prev.n_bytes, t.offset,
-                        f"after tensor {prev.name} ({prev.describe()}; its type or shape is wrong?)")
+            _check_zero(path, buf, prev.offset + prev.n_bytes, t.offset, f"tensor {prev.name} ({prev.describe()})",
+                        "its type or shape is wrong?")
         prev = t
     if prev is not None:
         end = prev.offset + prev.n_bytes
@@ -425,8 +454,8 @@ def _layout(path: str, buf, infos, data_offset: int, alignment: int, size: int) 
             raise ModelFileError(f"{path}: {size - end} bytes follow the last tensor {prev.name} ({prev.describe()}), "
                                  f"expected less than general.alignment {alignment}: its type or shape is wrong, "
                                  "or the file has extra bytes")
-        _check_zero(path, buf, end, size, f"after the last tensor {prev.name} ({prev.describe()}; its type or "
-                                          "shape is wrong?)")
+        _check_zero(path, buf, end, size, f"tensor {prev.name} ({prev.describe()}), the last one",
+                    "its type or shape is wrong?")
     return tensors
 
 
@@ -461,12 +490,12 @@ def check_gguf(path: str | os.PathLike) -> GGUFFile:
     version, n_tensors, n_kv = _read_header(cur)
     meta, types = _read_kv(cur, n_kv)
     _check_key_types(path_s, types, meta)
-    infos = _read_tensor_infos(cur, n_tensors, next(reversed(meta), None))
     alignment = _alignment(path_s, meta)
+    infos = _read_tensor_infos(cur, n_tensors, next(reversed(meta), None), alignment)
     data_offset = -(-cur.pos // alignment) * alignment
     if infos:
-        _check_zero(path_s, buf, cur.pos, min(data_offset, cur.size), "before the data section (after the tensor "
-                    f"table: tensor_count = {n_tensors} right?)")
+        _check_zero(path_s, buf, cur.pos, min(data_offset, cur.size), "before the data section",
+                    f"is header field tensor_count = {n_tensors} right?")
     tensors = _layout(path_s, buf, infos, data_offset, alignment, cur.size)
     for key, value in meta.items():  # arrays stay views until the header is known good
         if isinstance(value, np.ndarray):

@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .config import ModelConfig, attach_rope_freqs, config_from_gguf, config_from_hf, expected_tensors, optional_tensors
+from .config import (ModelConfig, attach_rope_freqs, config_from_gguf, config_from_hf, expected_tensors,
+                     optional_tensors, unread_tensors)
 from .errors import ConfigError, ModelFileError
 from .gguf_check import GGUFFile, check_gguf
 from .weight_check import check_stored, check_values
@@ -248,6 +249,9 @@ def _validate(cfg: ModelConfig, weights: Weights) -> None:
         got = weights.shape(name)
         if tuple(got) != tuple(shape):
             raise ModelFileError(f"{weights.source}: tensor {name} has shape {list(got)}, expected {list(shape)}")
+    for name in unread_tensors(cfg, weights)[:1]:
+        raise ModelFileError(f"{weights.source}: tensor {name} is not one this {cfg.arch} config reads "
+                             "(a misspelt or damaged name, or keys that do not match the tensors)")
 
 
 def load_model(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:

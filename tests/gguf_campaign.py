@@ -189,20 +189,27 @@ def load_base(name: str, path: Path, engines: tuple[str, ...] = ("reference",)) 
 # --------------------------------------------------------------------------- naming
 
 
-_HEADER_FIELDS = re.compile(r"\b(magic|header field \w+|not a GGUF file)")
+_HEADER_FIELDS = re.compile(r"\b(magic|header fields? \w+|not a GGUF file)")
 _DOTTED = re.compile(r"\b(general|tokenizer|gemma4|gemma3)\.[\w.]+")
+_NAMED = re.compile(r"\b(key|tensor) [^\s#(]")  # "tensor blk.0.attn_q.weight", not "tensor #3 (after ...)"
 
 
-def names_key_or_tensor(message: str, base: Base) -> bool:
-    """True when the message names a key (of the file, or a dotted GGUF key) or a tensor of the file."""
-    if _DOTTED.search(message):
-        return True
-    return any(f"tensor {t.name}" in message or f"after {t.name}" in message for t in base.layout.tensors)
+_NEIGHBOUR = re.compile(r"after (key|tensor) [^\s)]+")
 
 
-def names_field(message: str, base: Base) -> bool:
-    """True when it names a key, a tensor or a header field (magic, version, tensor_count, kv_count)."""
-    return names_key_or_tensor(message, base) or bool(_HEADER_FIELDS.search(message))
+def names_key_or_tensor(message: str, strict: bool = True) -> bool:
+    """True when the message names a key or tensor as the file spells it (a damaged name included).
+
+    ``strict``: the entry at fault itself; otherwise naming the last good entry
+    before an unreadable one ("key #5 (after key general.name)") counts too.
+    """
+    text = _NEIGHBOUR.sub("", message) if strict else message
+    return bool(_DOTTED.search(text) or _NAMED.search(text))
+
+
+def names_field(message: str) -> bool:
+    """Names a key, a tensor (or the entry before it) or a header field (magic, version, tensor_count, kv_count)."""
+    return names_key_or_tensor(message, strict=False) or bool(_HEADER_FIELDS.search(message))
 
 
 # --------------------------------------------------------------------------- campaign
@@ -215,7 +222,7 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> d
     counts: Counter = Counter()
     by_kind: dict[str, Counter] = {k: Counter() for k in kinds}
     examples: dict[str, list] = {}
-    named = named_field = n_errors = 0
+    named = named_near = named_field = n_errors = 0
     t0 = time.time()
     for i in range(n):
         kind = kinds[i % len(kinds)]
@@ -228,14 +235,16 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> d
         by_kind[kind][out.kind] += 1
         if out.kind == "error":
             n_errors += 1
-            named += names_key_or_tensor(out.detail, base)
-            named_field += names_field(out.detail, base)
+            named += names_key_or_tensor(out.detail)
+            named_near += names_key_or_tensor(out.detail, strict=False)
+            named_field += names_field(out.detail)
         if out.kind not in OK or len(examples.get(out.kind, [])) < 3:
             examples.setdefault(out.kind, []).append(f"{base.name} {kind}: {detail} => {out.detail}")
     return {
         "engine": engine, "files": n, "seed": seed, "seconds": round(time.time() - t0, 1),
         "outcomes": dict(counts), "by_kind": {k: dict(v) for k, v in by_kind.items()},
         "errors_naming_key_or_tensor": f"{named}/{n_errors}",
+        "errors_naming_key_or_tensor_or_the_one_before": f"{named_near}/{n_errors}",
         "errors_naming_key_tensor_or_header_field": f"{named_field}/{n_errors}",
         "examples": {k: v[:20] for k, v in examples.items()},
     }

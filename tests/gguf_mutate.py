@@ -10,7 +10,7 @@ with one line or still compute exactly the clean logits. What is *not*
 generated, because the result is another valid model that no checker can tell
 from the real one: new values inside a key's valid range (a different
 ``sliding_window``, an optional key removed, a finite softcap), bit flips in
-key or tensor names and in ordinary weight bytes, a finite weight below the
+such values and in ordinary weight bytes, a finite weight below the
 limit of ``reference.weight_check`` (fp16 ``65504`` included), a type swapped
 for another that occupies the same bytes (F16/BF16, Q4_0/IQ4_NL, Q4_0/NVFP4 on
 rows of 64, Q3_K/IQ3_S), and values of ``rope_freqs`` that are positive.
@@ -181,6 +181,17 @@ def _count_fields(lay: Layout) -> list[tuple[str, int]]:
         out += [(f"{k.name}: string length", off) for off in k.lengths[:2]]
     out += [(f"{t.name}: name length", t.start) for t in lay.tensors]
     return out
+
+
+def name_bitflip(data: bytes, lay: Layout, rng: random.Random):
+    """Flip one bit in a key name or a tensor name (a misspelt optional key or tensor would be read as absent)."""
+    names = [(f"key {k.name}", k.start + 8, len(k.name.encode())) for k in lay.keys.values()]
+    names += [(f"tensor {t.name}", t.start + 8, len(t.name.encode())) for t in lay.tensors]
+    what, off, n = rng.choice(names)
+    i, bit = rng.randrange(n), rng.randrange(8)
+    buf = bytearray(data)
+    buf[off + i] ^= 1 << bit
+    return bytes(buf), f"{what}: name byte {i} bit {bit} flipped -> {bytes(buf[off:off + n])!r}"
 
 
 def count_huge(data: bytes, lay: Layout, rng: random.Random):
@@ -417,7 +428,7 @@ def rope_freqs_bad(data: bytes, lay: Layout, rng: random.Random):
 
 
 KINDS: dict[str, Callable] = {f.__name__: f for f in (
-    truncate, header_bitflip, struct_bitflip, count_huge, count_off, value_type, array_type, key_rename,
+    truncate, header_bitflip, struct_bitflip, name_bitflip, count_huge, count_off, value_type, array_type, key_rename,
     key_remove, number_nonsense, tensor_misalign, tensor_overlap, tensor_beyond, tensor_type_swap, tensor_dims,
     tensor_ndims, weight_bad, rope_freqs_bad)}
 

@@ -126,7 +126,7 @@ def test_key_of_the_wrong_gguf_type_is_named(tiny_gguf, tmp_path):
 def test_nonzero_padding_is_refused(tiny_gguf, tmp_path):
     t = next(t for t in read_layout(tiny_gguf).tensors if t.name == "rope_freqs.weight")  # 16 bytes, 16 of padding
     msg = _error(_patched(tiny_gguf, tmp_path / "pad.gguf", t.data_start + t.n_bytes + 3, "<B", 7), ModelFileError)
-    assert "after tensor rope_freqs.weight" in msg and "expected 0x00" in msg
+    assert "tensor rope_freqs.weight" in msg and "expected 0x00" in msg
 
 
 def test_bool_other_than_0_or_1_is_refused(tiny_gguf, tmp_path):

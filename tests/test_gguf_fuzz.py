@@ -1,7 +1,7 @@
 """Hostile GGUF files: every damage class must end in one clean line or in the clean file's logits.
 
 Each example takes a valid base file, damages it in one way (``tests/gguf_mutate.py``:
-truncation in every region, header and structural bit flips, huge and off-by-few
+truncation in every region, header, structural and name bit flips, huge and off-by-few
 counts and lengths, wrong value and element types, required keys renamed or
 removed, nonsensical numbers, misaligned / overlapping / out-of-file offsets,
 type swaps, changed dims and n_dims, NaN/Inf/huge weights, bad rope_freqs),
