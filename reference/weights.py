@@ -28,8 +28,8 @@ from .config import (ModelConfig, attach_rope_freqs, config_from_gguf, config_fr
                      optional_tensors, unread_tensors)
 from .errors import ConfigError, ModelFileError
 from .gguf_check import GGUFFile, check_gguf
-from .weight_check import check_stored, check_values
 from .names import hf_to_gguf
+from .weight_check import check_stored, check_values
 
 
 @dataclass
