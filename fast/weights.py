@@ -20,6 +20,7 @@ import torch
 
 from reference.config import ModelConfig
 from reference.errors import InputError
+from reference.weight_check import check_weights, max_abs_for
 
 from . import quants
 
@@ -35,12 +36,15 @@ class FastWeights:
 
     Raises:
         InputError: a quant type fast dequantization does not support.
+        ModelFileError: a weight that is NaN, Inf or too large for ``dtype``
+            (:func:`reference.weight_check.check_weights`).
     """
 
     FLOAT32_ALWAYS = ("norm", "scale", "rope_freqs", "ffn_gate_inp.scale", "ffn_down_exps.scale")
 
     def __init__(self, cfg: ModelConfig, W, device: torch.device, dtype: torch.dtype, keep_quantized: bool = False):
         self.t: dict[str, object] = {}
+        check_weights(W, max_abs_for(dtype))  # NaN/Inf/|w| beyond the dtype, named, before any tensor is used
         for name in W:
             keep32 = any(s in name for s in self.FLOAT32_ALWAYS) or len(W.shape(name)) == 1
             target = torch.float32 if keep32 else dtype

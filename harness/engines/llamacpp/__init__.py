@@ -39,9 +39,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-from gguf import GGUFReader, LlamaFileType
+from gguf import LlamaFileType
 
 from reference.errors import PromptError
+from reference.gguf_check import check_gguf
 
 from ...core.workers import EngineCrashed, crash_error, crash_line, run_worker
 from ..base import EngineUnavailable, Generated, TraceFn, bench_ids
@@ -269,22 +270,24 @@ def _rmtree(p: Path) -> None:
 
 
 def gguf_facts(path: str | os.PathLike) -> tuple[str, dict[str, float]]:
-    """One read of a GGUF's header (about 9 s with a 262k vocabulary, so once): its weight type's short
-    name, ``general.file_type`` (``Q4_K_M``, ``F32``...) or else the most common matrix type by elements,
-    and tensor name -> stored bytes per element (block size included: Q8_0 is 34/32)."""
-    r = GGUFReader(str(path))
-    per_elem = {t.name: float(t.n_bytes) / float(t.n_elements) for t in r.tensors}
-    field = r.fields.get("general.file_type")
-    if field is not None:
+    """A GGUF's weight type's short name, ``general.file_type`` (``Q4_K_M``, ``F32``...) or else the most common
+    matrix type by elements, and tensor name -> stored bytes per element (block size included: Q8_0 is 34/32).
+
+    Raises:
+        ModelFileError: the file fails :func:`reference.gguf_check.check_gguf`.
+    """
+    gf = check_gguf(path)
+    per_elem = {t.name: t.n_bytes / float(np.prod(t.dims)) for t in gf.tensors.values()}
+    ftype = gf.metadata.get("general.file_type")
+    if isinstance(ftype, int):
         try:
-            name = LlamaFileType(int(field.parts[field.data[0]][0])).name
-            return name.removeprefix("MOSTLY_").removeprefix("ALL_"), per_elem
-        except (ValueError, IndexError):
+            return LlamaFileType(ftype).name.removeprefix("MOSTLY_").removeprefix("ALL_"), per_elem
+        except ValueError:
             pass
     counts: dict[str, int] = {}
-    for t in r.tensors:
+    for t in gf.tensors.values():
         if t.name.endswith(".weight") and "norm" not in t.name:
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+            counts[t.type_name] = counts.get(t.type_name, 0) + int(np.prod(t.dims))
     return (max(counts, key=counts.get) if counts else "F32"), per_elem
 
 
