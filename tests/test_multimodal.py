@@ -173,7 +173,6 @@ def test_config_accepts_vision_and_refuses_all(tiny):
 # --------------------------------------------------------------------------- reference vs transformers
 
 
-@pytest.mark.slow
 def test_reference_matches_transformers_with_image_and_audio(tiny, record_property):
     """End to end (our encoders, our merge, our decoder) against transformers' own, and the merge alone
     (transformers' soft tokens injected into our decoder)."""
@@ -216,7 +215,6 @@ def test_types_absent_means_causal_and_transformers_agrees(tiny):
     assert np.array_equal(RM.forward(plain, tiny.W, ids, mm=inj), causal)
 
 
-@pytest.mark.slow
 def test_injected_rows_are_not_scaled(tiny):
     """inp_scaled: placeholder rows are the soft tokens as they are, text rows E[id] * sqrt(h); transformers
     agrees; scaling the soft tokens by sqrt(h) (a plausible port bug) moves the logits far past the gate."""
@@ -281,7 +279,6 @@ def _changed(a: dict, b: dict, layer: int, pos: int) -> float:
     return float(np.linalg.norm(x - y) / np.linalg.norm(y))
 
 
-@pytest.mark.slow
 def test_perturbing_the_last_image_token_reaches_the_first_on_sliding_layers_only(tiny, record_property):
     """vLLM #40106 (mask ignored) and PR #47217 (mask dropped for images longer than the window): with the
     image 7.5 windows long, a new last soft token reaches the first one on the first sliding layer (1),
@@ -367,7 +364,6 @@ def fast32(tiny) -> FastModel:
     return FastModel(tiny.cfg, tiny.W, "cpu", "float32")
 
 
-@pytest.mark.slow
 def test_fast_encoders_match_the_reference(tiny, record_property):
     dev = torch.device("cpu")
     vw, aw = EncoderWeights(tiny.VW, dev, torch.float32), EncoderWeights(tiny.AW, dev, torch.float32)
@@ -422,7 +418,7 @@ def test_fast_bf16_runs_and_is_reported(tiny, record_property):
     assert 0 < k.mean_kld < float("inf")
 
 
-@pytest.mark.parametrize("chunk", [pytest.param(5, marks=pytest.mark.slow), 8, 16, 40])
+@pytest.mark.parametrize("chunk", [5, 8, 16, 40])
 def test_chunked_prefill_with_a_boundary_inside_the_image_equals_one_shot(tiny, fast32, chunk):
     ids, inj = prompt(tiny, MM)
     ph = np.flatnonzero(inj.placeholder)
