@@ -31,9 +31,11 @@ import torch.nn.functional as F
 from reference.config import LayerSpec, ModelConfig
 from reference.errors import InputError
 from reference.model import TraceFn, check_prompt, rope_inv_freq
+from reference.multimodal import Injection, check_injection, pad_id
 
 from . import cpu_kernels
 from .kvcache import PagedKVCache
+from .multimodal import chunk_end, llm_input_ids, merge_embeddings, vision_blocks
 from .weights import FastWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,40 +149,49 @@ ATTENTION_BLOCK = 512
 """Queries per block in :func:`attention` (the mask and scores of a block are ``[H, block, keys in reach]``)."""
 
 
-def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Which keys each query sees: ``0 <= pos_i - pos_j (< window)``. [T], [S] -> bool [T, S].
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
+                   q_block: torch.Tensor | None = None, k_block: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys each query sees: ``(pos_j <= pos_i or same block) and pos_i - pos_j < window``.
 
-    Source: reference ``attention_mask``.
+    [T], [S], window, [T], [S] -> bool [T, S]. Source: reference ``attention_mask``.
     """
     dist = q_pos[:, None] - k_pos[None, :]
     allowed = dist >= 0
+    if q_block is not None:
+        allowed |= (q_block[:, None] == k_block[None, :]) & (q_block[:, None] >= 0)
     if window is not None:
         allowed &= dist < window
     return allowed
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-              window: int | None, scale: float) -> torch.Tensor:
-    """Causal (optionally sliding-window) GQA through ``scaled_dot_product_attention``, in bounded memory.
+              window: int | None, scale: float, q_block: torch.Tensor | None = None,
+              k_block: torch.Tensor | None = None) -> torch.Tensor:
+    """GQA under :func:`attention_mask` through ``scaled_dot_product_attention``, in bounded memory.
 
     Queries go in blocks of :data:`ATTENTION_BLOCK`, each reading only the keys it can see (a sliding
-    layer: its window), so a long prompt never builds the ``[H, T, S]`` score matrix.
-    [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H*D]. Source: reference ``attention``;
-    transformers ``eager_attention_forward``.
+    layer: its window; with image blocks, up to the end of its queries' blocks), so a long prompt never
+    builds the ``[H, T, S]`` score matrix.
+    [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], window, scale, [T], [S] -> [T, H*D].
+    Source: reference ``attention``; transformers ``eager_attention_forward``.
     """
     T, H, D = q.shape
     group = H // k.shape[1]
     outs = []
     for lo in range(0, T, ATTENTION_BLOCK):
         qp = q_pos[lo:lo + ATTENTION_BLOCK]
-        reach = k_pos <= qp.max()
+        qb = None if q_block is None else q_block[lo:lo + ATTENTION_BLOCK]
+        last = qp.max()
+        if qb is not None and bool((qb >= 0).any()):
+            last = torch.maximum(last, k_pos[torch.isin(k_block, qb[qb >= 0])].max())  # later keys of the blocks
+        reach = k_pos <= last
         if window is not None:
             reach &= k_pos > qp.min() - window
         kk, vv = k[reach].transpose(0, 1), v[reach].transpose(0, 1)  # [Hkv, S', D]
         if group > 1:
             kk = kk.repeat_interleave(group, dim=0)
             vv = vv.repeat_interleave(group, dim=0)
-        allowed = attention_mask(qp, k_pos[reach], window)
+        allowed = attention_mask(qp, k_pos[reach], window, qb, None if qb is None else k_block[reach])
         out = F.scaled_dot_product_attention(q[lo:lo + ATTENTION_BLOCK].transpose(0, 1), kk, vv, attn_mask=allowed,
                                              scale=scale)  # [H, t, D]
         outs.append(out.transpose(0, 1))
@@ -242,11 +253,13 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
 
 @dataclass
 class SeqStep:
-    """One sequence's part of a batched step: cache slot, token ids and first position."""
+    """One sequence's part of a batched step: cache slot, token ids, first position, and the soft tokens
+    and types of these T tokens (:meth:`reference.multimodal.Injection.part`; None: text only)."""
 
     slot: int
     ids: torch.Tensor  # [T] int64
     start: int  # position of ids[0]
+    mm: Injection | None = None
 
 
 @dataclass
@@ -260,6 +273,8 @@ class StepBatch:
         cache: the paged KV cache.
         views: per KV-owning layer, per sequence, the ``(k, v, k_pos)`` it attended (a shared layer
             reads its donor's entry: no copy into the cache).
+        blocks: per sequence, the bidirectional block ids ``[T]`` of its new tokens
+            (:func:`fast.multimodal.vision_blocks`; sliding layers only), or None.
     """
 
     seqs: Sequence[SeqStep]
@@ -267,6 +282,7 @@ class StepBatch:
     offsets: np.ndarray
     cache: PagedKVCache
     views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    blocks: list[torch.Tensor | None] = field(default_factory=list)
 
     def rows(self, i: int) -> slice:
         """The rows of sequence ``i`` in the step's activations."""
@@ -334,6 +350,7 @@ class FastModel:
 
         Raises:
             ValueError: a trace asked for on a batch of several sequences.
+            PromptError: a sequence's injection does not fit its tokens (see reference ``check_injection``).
         """
         cfg, dev = self.cfg, self.device
         if trace is not None and len(seqs) != 1:
@@ -343,7 +360,13 @@ class FastModel:
         lens = [int(s.ids.numel()) for s in seqs]
         positions = torch.cat([torch.arange(s.start, s.start + n, dtype=torch.long) for s, n in zip(seqs, lens)]).to(dev)
         batch = StepBatch(seqs, positions, np.cumsum([0] + lens), cache)
+        mm = any(s.mm is not None for s in seqs)
+        if mm:
+            ids = self.placeholders_to_pad(batch, ids)
         x = self.embed(ids)  # [N, h] float32
+        if mm:
+            x = self.merge(batch, x)
+        batch.blocks = [None if s.mm is None else self._blocks(s.mm) for s in seqs]
         tr("inp_scaled", -1, x)
         ple = None
         if cfg.ple_dim:
@@ -358,6 +381,36 @@ class FastModel:
         logits = self.lm_head(x)
         tr("result_output", -1, logits)
         return logits
+
+    def placeholders_to_pad(self, batch: StepBatch, ids: torch.Tensor) -> torch.Tensor:
+        """Each sequence's placeholders become the pad id (:func:`fast.multimodal.llm_input_ids`). [N] -> [N]."""
+        parts = []
+        for i, s in enumerate(batch.seqs):
+            part = ids[batch.rows(i)]
+            if s.mm is not None:
+                check_injection(self.cfg, s.mm, part.shape[0])
+                ph = torch.as_tensor(np.asarray(s.mm.placeholder), device=ids.device)
+                part = llm_input_ids(part, ph, pad_id(self.cfg))
+            parts.append(part)
+        return torch.cat(parts)
+
+    def merge(self, batch: StepBatch, x: torch.Tensor) -> torch.Tensor:
+        """Each sequence's soft tokens replace its placeholder rows (:func:`fast.multimodal.merge_embeddings`).
+
+        [N, h] -> [N, h]. Source: reference ``forward`` (the merge).
+        """
+        parts = []
+        for i, s in enumerate(batch.seqs):
+            part = x[batch.rows(i)]
+            if s.mm is not None:
+                ph = torch.as_tensor(np.asarray(s.mm.placeholder), device=x.device)
+                part = merge_embeddings(part, ph, torch.as_tensor(s.mm.embeds))
+            parts.append(part)
+        return torch.cat(parts)
+
+    def _blocks(self, inj: Injection) -> torch.Tensor | None:
+        b = vision_blocks(self.cfg, inj)
+        return None if b is None else b.to(self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Scaled token embeddings ``E[ids] * sqrt(h)``, float32. [N] -> [N, h]. Source: reference ``embed``."""
@@ -430,14 +483,23 @@ class FastModel:
         outs = []
         for i, (k_all, v_all, k_pos) in enumerate(batch.views[layer.kv_donor]):
             rows = batch.rows(i)
-            outs.append(self.attend(layer, q[rows], k_all, v_all, batch.positions[rows], k_pos))
+            args = (layer, q[rows], k_all, v_all, batch.positions[rows], k_pos)
+            q_block = batch.blocks[i] if layer.is_sliding and batch.blocks else None
+            outs.append(self.attend(*args) if q_block is None else self.attend(*args, q_block))
         return linear(torch.cat(outs, 0), w[b + "attn_output.weight"])
 
     def attend(self, layer: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-               k_pos: torch.Tensor) -> torch.Tensor:
-        """:func:`attention` with the layer's window (sliding layers) and the model's scale. [T, H, D] -> [T, H*D]."""
+               k_pos: torch.Tensor, q_block: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`attention` with the layer's window (sliding layers) and the model's scale. [T, H, D] -> [T, H*D].
+
+        ``q_block``: the new tokens' bidirectional block ids (sliding layers with vision attention); the
+        cached keys before them are never in those blocks (a block is prefilled in one step), so they get -1.
+        """
         window = self.cfg.sliding_window if layer.is_sliding else None
-        return attention(q, k, v, q_pos, k_pos, window, self.cfg.attn_scale)
+        k_block = None
+        if q_block is not None:
+            k_block = torch.cat([q_block.new_full((k.shape[0] - q.shape[0],), -1), q_block])
+        return attention(q, k, v, q_pos, k_pos, window, self.cfg.attn_scale, q_block, k_block)
 
     def _derive_k(self, layer: LayerSpec):
         """For a k_eq_v layer the cache keeps only V = rmsnorm(raw); K = rope(V * k_norm weight) is
@@ -518,20 +580,30 @@ class FastModel:
 
     # ------------------------------------------------------------------ conveniences
 
-    def logits(self, ids: Sequence[int], chunk: int | None = None, trace: TraceFn | None = None) -> torch.Tensor:
+    def logits(self, ids: Sequence[int], chunk: int | None = None, trace: TraceFn | None = None,
+               mm: Injection | None = None) -> torch.Tensor:
         """Logits of every position of one sequence (prefill in chunks of ``chunk``; None = one shot).
 
-        Returns: float32 ``[T, V]``. Raises: PromptError (see reference ``check_prompt``).
+        ``mm``: the prompt's soft tokens and types (:class:`reference.multimodal.Injection`); a chunk
+        never ends inside an image block (:func:`fast.multimodal.chunk_end`).
+        Returns: float32 ``[T, V]``. Raises: PromptError (see reference ``check_prompt`` and
+        ``check_injection``).
         """
-        ids_np = check_prompt(self.cfg, ids)
+        ids_np = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if mm is not None:
+            check_injection(self.cfg, mm, ids_np.shape[0])
+        check_prompt(self.cfg, ids_np if mm is None else np.where(mm.placeholder, pad_id(self.cfg), ids_np))
         T = ids_np.shape[0]
         cache = self.new_cache(1, T)
         slot = cache.alloc()
         chunk = chunk or T
         out = []
         with torch.inference_mode():
-            for start in range(0, T, chunk):
-                part = torch.from_numpy(ids_np[start:start + chunk])
-                out.append(self.step(cache, [SeqStep(slot, part, start)], all_logits=True,
-                                     trace=trace if chunk >= T else None))
+            start = 0
+            while start < T:
+                end = chunk_end(self.cfg, mm, start, chunk, T)
+                part = torch.from_numpy(ids_np[start:end])
+                out.append(self.step(cache, [SeqStep(slot, part, start, None if mm is None else mm.part(start, end))],
+                                     all_logits=True, trace=trace if end - start >= T else None))
+                start = end
         return torch.cat(out, 0)

@@ -35,7 +35,8 @@ from safetensors import safe_open
 
 from .audio import AudioConfig
 from .errors import ConfigError, ModelFileError
-from .weights import Weights, _gguf_tensors, _Lazy, _read_gguf, gguf_metadata
+from .gguf_check import check_gguf
+from .weights import Weights, _gguf_tensors, _Lazy
 
 HF_AUDIO_PREFIX = "model.audio_tower."
 CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
@@ -298,18 +299,18 @@ def load_audio_mmproj(path: str | os.PathLike, text_hidden_size: int | None = No
             width that differs from ``text_hidden_size``.
     """
     path = Path(path)
-    reader = _read_gguf(path)
-    meta = gguf_metadata(reader)
+    gf = check_gguf(path)  # structure checked before any tensor is trusted
+    meta = gf.metadata
     if meta.get("general.architecture") != "clip":
         raise ConfigError(f"{path}: general.architecture = {meta.get('general.architecture')!r}, expected 'clip' "
                           f"(an mmproj file)")
     if not meta.get("clip.has_audio_encoder", False):
         raise ConfigError(f"{path}: clip.has_audio_encoder is not true (no audio encoder in this mmproj)")
-    tensors = {k: v for k, v in _gguf_tensors(reader, path).items() if k.startswith(("a.", "mm.a."))}
+    tensors = {k: v for k, v in _gguf_tensors(gf).items() if k.startswith(("a.", "mm.a."))}
     cfg = AudioConfig.from_mmproj(meta, {k: v.shape for k, v in tensors.items()}, str(path))
     weights = AudioWeights(str(path), tensors)
     weights.metadata = meta  # type: ignore[attr-defined]
-    weights.reader = reader  # type: ignore[attr-defined]  # keeps the mmap alive
+    weights.reader = gf  # type: ignore[attr-defined]  # keeps the mmap alive
     _validate(cfg, weights)
     if text_hidden_size is not None:
         check_text_width(cfg, text_hidden_size, text_source)

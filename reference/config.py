@@ -118,6 +118,11 @@ class ModelConfig:
         tie_word_embeddings: output head is ``token_embd`` (no ``output.weight``).
         bos_token_id, eos_token_id, pad_token_id: special ids when known.
         layers: one :class:`LayerSpec` per layer.
+        use_bidirectional_attention: ``"vision"``: on sliding layers an image or video soft token also
+            sees the later tokens of its own image when ``mm_token_type_ids`` are given
+            (:func:`reference.multimodal.block_ids`); None: causal everywhere. HF
+            ``Gemma4TextConfig.use_bidirectional_attention``; a GGUF has no key for it (llama.cpp's mtmd
+            decides by the hidden size), so a GGUF config holds None.
     """
 
     arch: str
@@ -143,6 +148,7 @@ class ModelConfig:
     eos_token_id: int | None
     pad_token_id: int | None
     layers: tuple[LayerSpec, ...]
+    use_bidirectional_attention: str | None = None
 
     def layer_types(self) -> list[str]:
         """HF-style ``layer_types`` list."""
@@ -535,9 +541,9 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
         :class:`ModelConfig` (arch ``gemma4``).
 
     Raises:
-        ConfigError: wrong model_type, unsupported options (bidirectional attention,
-            attention bias, another activation), bad or contradictory values. The
-            message names the field.
+        ConfigError: wrong model_type, unsupported options (``use_bidirectional_attention``
+            other than ``"vision"``, attention bias, another activation), bad or contradictory
+            values. The message names the field.
     """
     c = _hf_text_config(raw, source)
 
@@ -558,9 +564,10 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
     head_dim = _positive_int(get("head_dim", 256), "head_dim")
     n_ff = _positive_int(req("intermediate_size"), "intermediate_size")
     eps = get("rms_norm_eps", 1e-6)
-    if get("use_bidirectional_attention") is not None:
-        raise ConfigError(f"{source}: use_bidirectional_attention = {c['use_bidirectional_attention']!r}: "
-                          "only causal text attention is supported")
+    bidir = get("use_bidirectional_attention")
+    if bidir not in (None, "vision"):
+        raise ConfigError(f"{source}: use_bidirectional_attention = {bidir!r}: expected null or 'vision' "
+                          "(bidirectional attention over all tokens is not supported)")
     if get("attention_bias", False):
         raise ConfigError(f"{source}: attention_bias = true is not supported (Gemma 4 has no attention bias)")
     act = get("hidden_activation", "gelu_pytorch_tanh")
@@ -669,7 +676,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
         n_kv_shared=n_shared, n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
         has_v_norm=True, has_layer_scalar=True, tie_word_embeddings=bool(get("tie_word_embeddings", True)),
         bos_token_id=c.get("bos_token_id"), eos_token_id=eos, pad_token_id=c.get("pad_token_id"),
-        layers=tuple(layers),
+        layers=tuple(layers), use_bidirectional_attention=bidir,
     )
 
 

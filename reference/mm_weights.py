@@ -26,8 +26,9 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import ConfigError, ModelFileError
+from .gguf_check import check_gguf
 from .vision import CLIP_BOUND_SUFFIXES, VisionConfig
-from .weights import Weights, _gguf_tensors, _Lazy, _read_gguf, gguf_metadata
+from .weights import Weights, _gguf_tensors, _Lazy
 
 # HF tensor name -> canonical (mmproj GGUF) name, outside the encoder layers.
 GLOBAL_HF_TO_GGUF = {
@@ -264,15 +265,15 @@ def load_mmproj(path: str | os.PathLike) -> tuple[VisionConfig, VisionWeights]:
         ConfigError: not a gemma4v mmproj, a missing or bad key (named).
     """
     path = Path(path)
-    reader = _read_gguf(path)
-    meta = gguf_metadata(reader)
-    every = _gguf_tensors(reader, path)
+    gf = check_gguf(path)  # structure checked before any tensor is trusted
+    meta = gf.metadata
+    every = _gguf_tensors(gf)
     tensors = {n: t for n, t in every.items() if n.startswith(("v.", "mm.input_projection."))}
     cfg = VisionConfig.from_mmproj(meta, {n: t.shape for n, t in tensors.items()}, str(path))
     _validate(cfg, tensors, str(path), all_bounds=False)
     weights = VisionWeights(str(path), tensors, cfg)
     weights.metadata = meta  # type: ignore[attr-defined]
-    weights.reader = reader  # type: ignore[attr-defined]  # keeps the mmap alive
+    weights.reader = gf  # type: ignore[attr-defined]  # keeps the mmap alive
     return cfg, weights
 
 

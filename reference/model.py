@@ -28,6 +28,7 @@ import numpy as np
 
 from .config import LayerSpec, ModelConfig
 from .errors import PromptError
+from .multimodal import Injection, check_injection, llm_input_ids, merge_embeddings, pad_id, vision_blocks
 
 TraceFn = Callable[[str, int, np.ndarray], None]
 """A trace callback: ``(point, layer, array [T, ...])``; every engine of the harness takes one."""
@@ -118,27 +119,35 @@ ATTENTION_BLOCK = 256
 """Queries per block in :func:`attention`: the score matrix of a block is ``[H, block, keys in reach]``."""
 
 
-def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
-    """Which keys each query sees: ``0 <= pos_i - pos_j`` and, with a window, ``pos_i - pos_j < window``.
+def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None,
+                   q_block: np.ndarray | None = None, k_block: np.ndarray | None = None) -> np.ndarray:
+    """Which keys each query sees: ``(pos_j <= pos_i or same block) and pos_i - pos_j < window``.
 
-    [T], [S] -> bool [T, S]. Source: transformers ``sliding_window_mask_function``; llama.cpp
-    ``LLAMA_SWA_TYPE_STANDARD``.
+    Without blocks: causal, and with a window ``pos_i - pos_j < window``. With blocks (bidirectional
+    vision attention on a sliding layer): a query in block b >= 0 also sees every later key of block
+    b, however far ahead; the window bounds only the past. [T], [S], window, [T], [S] -> bool [T, S].
+    Source: transformers ``sliding_window_mask_function`` and ``create_masks_for_vision_model``
+    (``AND(sliding_window_overlay, OR(causal, blockwise_overlay))``); llama.cpp ``LLAMA_SWA_TYPE_STANDARD``.
     """
     dist = q_pos[:, None] - k_pos[None, :]
     allowed = dist >= 0
+    if q_block is not None:
+        allowed |= (q_block[:, None] == k_block[None, :]) & (q_block[:, None] >= 0)
     if window is not None:
         allowed &= dist < window
     return allowed
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-              window: int | None, scale: float) -> np.ndarray:
-    """Causal grouped-query attention, optionally limited to a sliding window.
+              window: int | None, scale: float, q_block: np.ndarray | None = None,
+              k_block: np.ndarray | None = None) -> np.ndarray:
+    """Grouped-query attention under :func:`attention_mask`: causal, optionally a sliding window and blocks.
 
-    ``softmax(q k^T * scale + mask) v`` per head, the mask from :func:`attention_mask`. Queries go in
-    blocks of :data:`ATTENTION_BLOCK`, and each block reads only the keys it can see (a sliding layer:
-    its window), so memory is bounded by the block, not by T x S, and a sliding layer's time grows
-    linearly in T. [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H*D].
+    ``softmax(q k^T * scale + mask) v`` per head. Queries go in blocks of :data:`ATTENTION_BLOCK`, and
+    each block reads only the keys it can see: from its first query's window start (a sliding layer)
+    to its last query, or to the end of the furthest image block one of its queries is in. Memory is
+    bounded by the block times (window + block + longest image), not by T x S.
+    [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], window, scale, [T], [S] -> [T, H*D].
     Source: transformers ``eager_attention_forward``.
     """
     T, H, D = q.shape
@@ -146,13 +155,18 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
     out = np.empty((T, H, D))
     for lo in range(0, T, ATTENTION_BLOCK):
         qp = q_pos[lo:lo + ATTENTION_BLOCK]
-        reach = k_pos <= qp.max()
+        qb = None if q_block is None else q_block[lo:lo + ATTENTION_BLOCK]
+        last = qp.max()
+        if qb is not None and (qb >= 0).any():
+            last = max(last, k_pos[np.isin(k_block, qb[qb >= 0])].max())  # later keys of the queries' blocks
+        reach = k_pos <= last
         if window is not None:
             reach &= k_pos > qp.min() - window
         kh = np.repeat(k[reach], group, axis=1)  # [S', H, D]
         vh = np.repeat(v[reach], group, axis=1)  # [S', H, D]
         scores = np.einsum("thd,shd->hts", q[lo:lo + ATTENTION_BLOCK], kh) * scale  # [H, t, S']
-        scores = np.where(attention_mask(qp, k_pos[reach], window)[None], scores, -np.inf)
+        kb = None if qb is None else k_block[reach]
+        scores = np.where(attention_mask(qp, k_pos[reach], window, qb, kb)[None], scores, -np.inf)
         out[lo:lo + ATTENTION_BLOCK] = np.einsum("hts,shd->thd", softmax(scores), vh)
     return out.reshape(T, H * D)
 
@@ -213,6 +227,8 @@ class KVCache:
     ``pos``: [S] positions. Shared layers own nothing and read their donor's
     entry. The reference keeps the full history and applies the sliding window
     as a mask (the plain form of the rule); ring buffers belong to ``fast/``.
+    ``open_block``: the last call ended inside a bidirectional image block (the
+    next call may not continue it: see :func:`forward`).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -220,6 +236,7 @@ class KVCache:
         self.v: dict[int, np.ndarray] = {}
         self.pos = np.zeros(0, dtype=np.int64)
         self.n_layer = cfg.n_layer
+        self.open_block = False
 
     @property
     def n_past(self) -> int:
@@ -274,13 +291,15 @@ def per_layer_inputs(cfg: ModelConfig, W, ids: np.ndarray, x_scaled: np.ndarray)
 
 
 def attention_block(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, positions: np.ndarray,
-                    k_pos: np.ndarray, cache: KVCache) -> np.ndarray:
+                    k_pos: np.ndarray, cache: KVCache, blocks: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Self-attention of one layer, from the normed stream to the o-projection.
 
     q/k get per-head RMSNorm with weight then RoPE; v gets RMSNorm without weight
     (Gemma 4). A k_eq_v layer uses the K projection as V; a shared layer reads its
     donor's cached K/V. ``positions``: [T] of the new tokens; ``k_pos``: [S] of
-    every cached key after this step. [T, h] -> [T, h]. Source: transformers ``Gemma4TextAttention``.
+    every cached key after this step; ``blocks``: ``(q_block [T], k_block [S])`` on a sliding layer
+    with bidirectional vision attention, else None. [T, h] -> [T, h].
+    Source: transformers ``Gemma4TextAttention``.
     """
     b = f"blk.{layer.index}."
     T = x.shape[0]
@@ -297,7 +316,7 @@ def attention_block(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, positi
         cache.append(layer.index, k, v)
     k_all, v_all = cache.k[layer.kv_donor], cache.v[layer.kv_donor]
     window = cfg.sliding_window if layer.is_sliding else None
-    out = attention(q, k_all, v_all, positions, k_pos, window, cfg.attn_scale)
+    out = attention(q, k_all, v_all, positions, k_pos, window, cfg.attn_scale, *(blocks or (None, None)))
     return linear(out, W[b + "attn_output.weight"])
 
 
@@ -353,15 +372,17 @@ def layer_scale(cfg: ModelConfig, layer: LayerSpec, W, y: np.ndarray) -> np.ndar
 
 
 def decoder_layer(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, positions: np.ndarray,
-                  k_pos: np.ndarray, cache: KVCache, ple: np.ndarray | None, trace: TraceFn = no_trace) -> np.ndarray:
+                  k_pos: np.ndarray, cache: KVCache, ple: np.ndarray | None, trace: TraceFn = no_trace,
+                  blocks: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """One decoder layer. [T, h] -> [T, h].
 
     ``a = x + post_attn_norm(attn(attn_norm(x)))``; ``y = a + post_ffw_norm(ffn(a))``;
-    ``y += post_norm(PLE branch)``; ``y *= layer_output_scale`` (the whole stream).
-    Source: transformers ``Gemma4TextDecoderLayer.forward``.
+    ``y += post_norm(PLE branch)``; ``y *= layer_output_scale`` (the whole stream). ``blocks``: see
+    :func:`attention_block`. Source: transformers ``Gemma4TextDecoderLayer.forward``.
     """
     b, il, eps = f"blk.{layer.index}.", layer.index, cfg.rms_eps
-    attn = attention_block(cfg, layer, W, rms_norm(x, W[b + "attn_norm.weight"], eps), positions, k_pos, cache)
+    attn = attention_block(cfg, layer, W, rms_norm(x, W[b + "attn_norm.weight"], eps), positions, k_pos, cache,
+                           blocks)
     a = x + rms_norm(attn, W[b + "post_attention_norm.weight"], eps)
     trace("attn_out", il, a)
     f = ffn_block(cfg, layer, W, a, trace)
@@ -434,7 +455,7 @@ def check_generation(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int)
 
 
 def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = None,
-            trace: TraceFn | None = None) -> np.ndarray:
+            trace: TraceFn | None = None, mm: Injection | None = None) -> np.ndarray:
     """Logits for every new position; appends to ``cache`` when given.
 
     Args:
@@ -444,30 +465,48 @@ def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = Non
         cache: KV cache holding earlier tokens (positions continue from it), or
             None for a stand-alone forward.
         trace: callback ``(point, layer, array)`` (:data:`TraceFn`); None records nothing.
+        mm: soft tokens to inject at placeholder positions, and ``mm_token_type_ids``
+            (:class:`reference.multimodal.Injection`); None for a text-only prompt. Placeholders read
+            the pad row of both tables; ``inp_scaled`` is the merged input.
 
     Returns:
         float64 ``[T, V]`` logits (after the final softcap when the model has one).
 
     Raises:
-        PromptError: see :func:`check_prompt`.
+        PromptError: see :func:`check_prompt` and :func:`reference.multimodal.check_injection`; a
+            placeholder count other than the number of rows; an image block continued from the
+            previous call (a bidirectional block must be in one call: its first token attends to its
+            last).
 
-    Source: transformers ``Gemma4ForCausalLM.forward``.
+    Source: transformers ``Gemma4ForCausalLM.forward``, ``Gemma4Model.forward`` (the merge).
     """
     trace = trace or no_trace
     cache = cache if cache is not None else KVCache(cfg)
+    if mm is not None:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        check_injection(cfg, mm, ids.shape[0])
+        if cache.open_block and mm.placeholder[:1].any():
+            raise PromptError(f"tokens {cache.n_past}.. continue an image block of the previous call: "
+                              "a bidirectional image block must be prefilled in one call")
+        ids = llm_input_ids(ids, mm.placeholder, pad_id(cfg))
     ids = check_prompt(cfg, ids, cache.n_past)
     positions = cache.n_past + np.arange(ids.shape[0], dtype=np.int64)
     k_pos = np.concatenate([cache.pos, positions])  # [S]
     x = embed(cfg, W, ids)  # [T, h]
+    if mm is not None:
+        x = merge_embeddings(x, mm.placeholder, mm.embeds)
     trace("inp_scaled", -1, x)
     ple = None
     if cfg.ple_dim:
         ple = per_layer_inputs(cfg, W, ids, x)  # [T, L, P]
         trace("inp_per_layer", -1, ple)
+    q_block = vision_blocks(cfg, mm)  # [T] or None
+    blocks = None if q_block is None else (q_block, np.concatenate([np.full(cache.n_past, -1), q_block]))
     for layer in cfg.layers:
         x = decoder_layer(cfg, layer, W, x, positions, k_pos, cache,
-                          None if ple is None else ple[:, layer.index], trace)
+                          None if ple is None else ple[:, layer.index], trace, blocks if layer.is_sliding else None)
     cache.pos = k_pos
+    cache.open_block = q_block is not None and bool(q_block[-1] >= 0)
     x = rms_norm(x, W["output_norm.weight"], cfg.rms_eps)
     trace("result_norm", -1, x)
     logits = lm_head(cfg, W, x)

@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .errors import ConfigError, InputError
-from .model import apply_rope, gelu_tanh, linear, rms_norm, softmax
+from .model import apply_rope, gelu_tanh, linear, rms_norm, rope_angles, softmax
 
 TraceFn = Callable[[str, int, np.ndarray], None]
 
@@ -321,8 +321,10 @@ def rope_2d(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     """
     half = x.shape[-1] // 2
     inv = rope_inv_freq_2d(x.shape[-1], theta)
-    x_part = apply_rope(x[..., :half], positions[:, 0], inv, half)
-    y_part = apply_rope(x[..., half:], positions[:, 1], inv, half)
+    cos_x, sin_x = rope_angles(positions[:, 0], inv)
+    cos_y, sin_y = rope_angles(positions[:, 1], inv)
+    x_part = apply_rope(x[..., :half], cos_x, sin_x, half)
+    y_part = apply_rope(x[..., half:], cos_y, sin_y, half)
     return np.concatenate([x_part, y_part], axis=-1)
 
 

@@ -12,12 +12,12 @@
 
 from __future__ import annotations
 
-
+import hypothesis
+import hypothesis.strategies
 import pytest
 
 from reference import chat
 from reference.errors import InputError
-
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -197,7 +197,7 @@ def test_render_parse_round_trip(msgs):
 
 
 def _conversations():
-    st = pytest.importorskip("hypothesis.strategies")
+    st = hypothesis.strategies
     safe = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="<"), max_size=12)
     key = st.text(alphabet="abcXYZ_", min_size=1, max_size=5)
     scalar = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
@@ -237,7 +237,6 @@ def _conversations():
 
 
 def test_round_trip_hypothesis():
-    hypothesis = pytest.importorskip("hypothesis")
 
     @hypothesis.settings(max_examples=150, deadline=None, derandomize=True, database=None,
                          suppress_health_check=list(hypothesis.HealthCheck))
@@ -299,7 +298,6 @@ JINJA_CASES = [
 
 
 def test_gguf_chat_template_matches_ours(built):
-    pytest.importorskip("jinja2")
     template = chat.chat_template_from_gguf(built.gguf)
     assert template is not None
     assert chat.compare_with_template(template, JINJA_CASES) == []
@@ -309,8 +307,6 @@ def test_gguf_chat_template_matches_ours(built):
 
 
 def test_gguf_chat_template_hypothesis(built):
-    hypothesis = pytest.importorskip("hypothesis")
-    pytest.importorskip("jinja2")
     template = chat.chat_template_from_gguf(built.gguf)
 
     @hypothesis.settings(max_examples=40, deadline=None, derandomize=True, database=None,
@@ -324,7 +320,6 @@ def test_gguf_chat_template_hypothesis(built):
 
 
 def test_template_errors_are_one_line():
-    pytest.importorskip("jinja2")
     with pytest.raises(InputError, match="chat template failed") as err:
         chat.render_with_template("{{ raise_exception('nope') }}", [{"role": "user", "content": "x"}])
     assert "\n" not in str(err.value)

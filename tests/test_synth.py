@@ -7,16 +7,15 @@ import json
 import time
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
+import torch
+import transformers
 
-gguf = pytest.importorskip("gguf")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from harness import synth  # noqa: E402
-from harness.core.cases import builtin_specs, load_prompts  # noqa: E402
-from reference.names import gguf_to_hf, hf_to_gguf  # noqa: E402
+from harness import synth
+from harness.core.cases import builtin_specs, load_prompts
+from reference.names import gguf_to_hf, hf_to_gguf
 
 BUILTIN = {p.stem: p for p in builtin_specs()}
 REQUIRED = ("e2b", "e4b", "31b", "26b-a4b")
@@ -237,7 +236,7 @@ def test_rope_freqs_encode_proportional_rope():
     # same rotated set as transformers' proportional inv_freq (non-zero entries)
     cfg = transformers.Gemma4TextConfig(**spec.config)
     rot = transformers.Gemma4ForCausalLM(cfg).model.rotary_emb
-    inv = getattr(rot, "full_attention_inv_freq")
+    inv = rot.full_attention_inv_freq
     assert int((inv != 0).sum()) == int((f == 1.0).sum())
 
 

@@ -63,7 +63,6 @@ def test_carried_tokenizer_files_are_intact():
 @pytest.fixture(scope="module")
 def hf4(built):
     """HF tokenizers on the matching tokenizer.json as encode functions: (markers parsed, markers as text)."""
-    pytest.importorskip("tokenizers")
     from harness.tokenizer.engines import cached_tok_engine
 
     parse = cached_tok_engine("hf", str(built.json), False, True)
@@ -121,7 +120,7 @@ def toy(merges, extra_tokens=()):
 def test_merge_rank_decides_not_score():
     t1 = toy(["a b", "b c"])
     t2 = toy(["b c", "a b"])
-    ids = lambda t, s: t.pieces(t.encode(s, add_bos=False))  # noqa: E731
+    ids = lambda t, s: t.pieces(t.encode(s, add_bos=False))
     assert ids(t1, "abc") == ["ab", "c"]
     assert ids(t2, "abc") == ["a", "bc"]
     t3 = toy(["a b", "ab c"])
@@ -345,7 +344,8 @@ def test_corpus_format(corpus, tmp_path):
 
 
 def test_engine_selection_errors(tmp_path):
-    from harness.tokenizer.engines import TokEngineUnavailable as EngineUnavailable, make_tok_engine
+    from harness.tokenizer.engines import TokEngineUnavailable as EngineUnavailable
+    from harness.tokenizer.engines import make_tok_engine
 
     with pytest.raises(InputError, match="unknown tokenizer engine"):
         make_tok_engine("nope", tmp_path)

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from harness.core.gates import DEFAULT_GATES as G
 from reference import vision
 from reference.errors import ConfigError, InputError, ModelFileError, PromptError
 from reference.image_processing import (
@@ -33,18 +34,18 @@ from reference.multimodal import (
 from reference.vision import VisionConfig, encode_image
 
 # --------------------------------------------------------------------------- tolerances
-# Bounds used here, each with its reason (to move into harness/core/gates.py).
+# Bounds used here: the gates and bounds of harness/core/gates.py, which give the reasons.
 
 # Issue gate. float64 reference vs fp32 eager on the projected soft tokens (magnitudes ~3-4):
 # fp32 rounding through 2 layers, the pooler sum and the projection gives 3e-6..1.2e-5; a formula
 # fault (see the seeded faults below) moves them by > 1.
-PROJECTED_MAX_ABS = 1e-4
+PROJECTED_MAX_ABS = G["reference~transformers.mm_soft_token_max_abs"].limit
 # Issue gate. ||ref - hf|| / ||hf|| at every encoder trace point; fp32 rounding gives ~1e-7..5e-6.
-TRACE_REL_L2 = 1e-4
+TRACE_REL_L2 = G["reference~transformers.mm_encoder_layer_rel_l2"].limit
 # Our float64 pixels, rounded once to float32, equal transformers' float32 pixels bit for bit:
 # both take uint8 * (1/255) in float64 of the same PIL-resized uint8 image; transformers then
 # casts to float32. So |ours - hf| <= half a float32 ulp at 1.0 = 2^-25.
-PIXEL_MAX_ABS = 2.0**-25
+PIXEL_MAX_ABS = G["reference~hf_processor.max_abs_pixel"].limit
 # A seeded fault must push the worst trace point at least 100x past TRACE_REL_L2.
 FAULT_MIN_REL_L2 = 100 * TRACE_REL_L2
 # Each ClippableLinear bound of the clipped tiny model must clamp at least this fraction of its

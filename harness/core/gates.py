@@ -10,8 +10,9 @@ each pair.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 from reference.errors import InputError
 
@@ -45,6 +46,8 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
     Gate("reference~transformers.max_abs_logit", 1e-4, "le",
          "float64 reference vs fp32 eager: fp32 rounding over a tiny model's depth stays ~1e-5; a formula "
          "fault moves logits by > 1e-2"),
+    Gate("reference~transformers.runs", 1.0, "ge",
+         "the transformers oracle must load the model and run; an oracle that cannot run fails the case"),
     Gate("reference~transformers.layer_rel_l2", 1e-4, "le",
          "per trace point ||ref - hf|| / ||hf||; fp32 rounding gives ~1e-6, so 1e-4 leaves room without hiding "
          "a per-layer fault"),
@@ -71,6 +74,36 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "same shapes, different neighbours: a row's arithmetic must not depend on other rows (bit-identical)"),
     Gate("fast.chunked~oneshot.max_abs_logit", 1e-4, "le",
          "chunked prefill (chunks <, =, > window) and token-by-token decode vs one forward, fp32"),
+    Gate("reference~transformers.mm_soft_token_max_abs", 1e-4, "le",
+         "projected soft tokens (embed_vision / embed_audio outputs, magnitudes ~3-4) of the float64 encoders vs "
+         "transformers' fp32 eager: rounding through the layers, the pooler and the projection measured "
+         "3e-6..1.9e-5 (images, 1-30 s clips); a formula fault moves them by > 1"),
+    Gate("reference~transformers.mm_encoder_layer_rel_l2", 1e-4, "le",
+         "||ref - hf|| / ||hf|| at every vision / audio encoder trace point, fp32 eager: measured 1e-7..5e-6; "
+         "a seeded fault moves the worst point past 1e-2"),
+    Gate("reference~transformers.mm_merged_max_abs_logit", 1e-4, "le",
+         "the merge alone: transformers' own soft tokens injected into our decoder (placeholders, the PLE pad "
+         "row, the bidirectional mask) against transformers' logits, held to the text gate (1.5e-5 measured); "
+         "merge and mask faults move logits by 3.7 (window + 1) to 16 (soft tokens scaled by sqrt(h))"),
+    Gate("reference~transformers.mm_max_abs_logit", 1e-4, "le",
+         "end to end through transformers' fp32 vision and audio towers, reported beside the gated parts: their "
+         "soft-token rounding (up to 1.5e-5 absolute, inside mm_soft_token_max_abs) reaches the logits amplified "
+         "5-10x, 7e-5..1.2e-4 measured on the tiny multimodal model; the encoders and the merge are gated "
+         "separately, so this figure only informs", informational=True),
+    Gate("reference~hf_processor.max_abs_pixel", 2.0**-25, "le",
+         "our float64 pixels rounded once to float32 vs Gemma4ImageProcessorPil's float32: both take uint8 * "
+         "(1/255) in float64 of the same PIL-resized image, so at most half a float32 ulp at 1.0"),
+    Gate("reference~hf_processor.max_abs_mel", 1e-5, "le",
+         "log-mel features vs Gemma4AudioFeatureExtractor, which frames, windows and transforms in float32: "
+         "1e-6 (1 s) to 5e-6 (30 s) measured on noise clips, 1.6e-5 on noise + tone; a pure tone sits at 3e-4 "
+         "in near-empty bins (HF's own float32 noise, shown by emulating its float32 steps)"),
+    Gate("mm.bidirectional.full_layer_change", 0.0, "le",
+         "relative change of the first image token's output on a full layer when only the last soft token "
+         "changes: a full layer is causal, the masked weight is exactly 0, so the output is bit-identical"),
+    Gate("mm.bidirectional.sliding_layer_change", 1e-3, "ge",
+         "the same change on the first sliding layer, the last soft token 7.5 windows later: 2.2e-2 measured on "
+         "the tiny multimodal model; an engine that ignores the vision mask (vLLM #40106) or drops it for an "
+         "image longer than the window (vLLM PR #47217) gives exactly 0"),
     Gate("llamacpp~reference.mean_kld", 1e-5, "le",
          "llama.cpp on CPU (F32 weights and KV cache, flash attention off) vs the float64 reference with "
          "llama.cpp's fp16 GELU table emulated (harness.engines.llamacpp.numerics.llamacpp_numerics): fp32 rounding leaves "
@@ -170,6 +203,19 @@ llama.cpp against the reference (2e-2) may legitimately order the two best token
 flip at such a position is reported as a near-tie, not a fault."""
 
 
+MEL_F32_EMULATION_MAX_ABS = 2e-6
+"""Our log-mel pipeline run in Gemma4AudioFeatureExtractor's float32 steps vs the extractor, max |diff|:
+the same formula, so only float32 rounding of the log (values of order 10, ulp ~1e-6) remains."""
+
+RESAMPLE_MAX_ABS = 2e-3
+"""Band-limited resampling (44.1 -> 16 kHz) of a 1 kHz sine of amplitude 0.5 vs the exact sine, away from
+the clip edges: the Kaiser (beta 5) filter's pass-band ripple, 5.7e-4 measured."""
+
+BLOCKED_ATTENTION_MAX_ABS = 1e-12
+"""One attention computed two ways in float64 (a full masked matrix, or query blocks reading only the keys
+in their reach): the same sums in another order, so rounding at 1e-16 relative on values of order 1."""
+
+
 # --------------------------------------------------------------------------- op-level bounds
 
 
@@ -178,8 +224,9 @@ class OpBound:
     """The bound of one op of the twins (``reference.model.X`` against ``fast.model.X``) in one dtype.
 
     Attributes:
-        op: the function name, the same in both twins.
-        dtype: the fast twin's weight/input dtype (``float32`` or ``bfloat16``).
+        op: the function name, the same in both twins; ``module.name`` outside the model modules
+            (``vision.patch_embed``: ``reference.vision`` against ``fast.vision``).
+        dtype: the fast twin's weight/input dtype (``float32`` or ``bfloat16``; ``int64`` for integer ops).
         max_nmse: the bound on ``sum((fast - ref)^2) / sum(ref^2)`` (llama.cpp test-backend-ops' NMSE).
         reason: why this bound, in one sentence.
     """
@@ -213,5 +260,32 @@ OP_BOUNDS: dict[tuple[str, str], OpBound] = {(b.op, b.dtype): b for b in [
             "are softmax outputs in float32"),
     OpBound("expert_ffn", "float32", 1e-10, _FP32 + " (two matmuls)"),
     OpBound("moe_experts", "float32", 1e-10, _FP32 + " (two matmuls per expert, weighted sums)"),
+    # the multimodal merge (reference/multimodal.py <-> fast/multimodal.py)
+    OpBound("multimodal.llm_input_ids", "int64", 0.0, "token ids: the twins must read the same table rows"),
+    OpBound("multimodal.block_ids", "int64", 0.0, "block numbers: the twins must open the same blocks"),
+    OpBound("multimodal.merge_embeddings", "float32", 1e-12, "a copy of rows: only the float32 rounding of the "
+            "float64 inputs (NMSE ~1e-16); a row out of order or scaled gives NMSE >= 1e-2"),
+    # the vision tower (reference/vision.py <-> fast/vision.py)
+    OpBound("vision.clipped_linear", "float32", 1e-12, _FP32),
+    OpBound("vision.clipped_linear", "bfloat16", 1e-4, _BF16),
+    OpBound("vision.patch_embed", "float32", 1e-12, _FP32 + " (a 3p^2-term sum per output)"),
+    OpBound("vision.patch_embed", "bfloat16", 1e-4, _BF16),
+    OpBound("vision.position_embed", "float32", 1e-12, _FP32),
+    OpBound("vision.rope_2d", "float32", 1e-12, "angles formed in float64 and rounded once to float32, then "
+            "one rotation in float32"),
+    OpBound("vision.vision_attention", "float32", 1e-10, _FP32 + " (softmax over N keys, then N-term sums)"),
+    OpBound("vision.pool", "float32", 1e-12, _FP32 + " (k^2-term means, times sqrt(H))"),
+    OpBound("vision.embed_vision", "float32", 1e-12, _FP32),
+    OpBound("vision.embed_vision", "bfloat16", 1e-4, _BF16),
+    # the audio tower (reference/audio.py <-> fast/audio.py)
+    OpBound("audio.clippable_linear", "float32", 1e-12, _FP32),
+    OpBound("audio.clippable_linear", "bfloat16", 1e-4, _BF16),
+    OpBound("audio.conv2d_stride2", "float32", 1e-12, _FP32 + " (9 * C_in-term sums)"),
+    OpBound("audio.layer_norm", "float32", 1e-12, _FP32),
+    OpBound("audio.glu", "float32", 1e-12, _FP32),
+    OpBound("audio.causal_depthwise_conv", "float32", 1e-12, _FP32),
+    OpBound("audio.rel_pos_table", "float32", 1e-12, "sines formed in float64 and rounded once to float32"),
+    OpBound("audio.relative_bias", "float32", 1e-12, _FP32 + " (D-term dot products, then a gather)"),
+    OpBound("audio.attention_mask", "float32", 0.0, "a boolean mask: the twins must see exactly the same frames"),
 ]}
 """Every op-level bound of the twin test table (``tests/test_ops.py``), keyed by ``(op, dtype)``."""

@@ -50,7 +50,7 @@ TINY_TOKEN_IDS = {"image_token_id": 500, "video_token_id": 502, "boi_token_id": 
 CLIP_QUANTILES = (0.1, 0.9)  # clip bounds sit at these quantiles of each linear's input / output: they bite
 
 
-def _randomise(model, seed: int, clipped: bool) -> None:
+def randomise_vision_tower(model, seed: int, clipped: bool) -> None:
     """Give every vision parameter a value that exposes faults; calibrate clip bounds so that they bite."""
     g = torch.Generator().manual_seed(seed)
     vt, ev = model.model.vision_tower, model.model.embed_vision
@@ -118,7 +118,7 @@ def build_tiny_hf(out_dir: str | os.PathLike, *, clipped: bool = False, seed: in
                        **TINY_TOKEN_IDS)
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(cfg).eval()
-    _randomise(model, seed, clipped)
+    randomise_vision_tower(model, seed, clipped)
     out = Path(out_dir)
     model.save_pretrained(out)
     Gemma4ImageProcessorPil(patch_size=vcfg["patch_size"], pooling_kernel_size=vcfg["pooling_kernel_size"],

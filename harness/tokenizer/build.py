@@ -4,7 +4,7 @@ No Gemma 4 vocabulary can be had offline, so :func:`build_gemma4_test_tokenizer`
 builds one that has Gemma 4's *shape* on a real 262,144-token vocabulary:
 
 * tokens, merges (514,906, in rank order) and byte tokens from the real Gemma 3
-  ``tokenizer.json`` (``<repo>/../shared/data/gemma3-tokenizer/``);
+  ``tokenizer.json`` (derived from the ``tokenizer.model`` carried in ``cases/data/gemma3-tokenizer/``);
 * Gemma 4's special tokens written over Gemma 3 placeholders, at the ids real
   Gemma 4 files use (:data:`GEMMA4_SPECIALS`; every one of them is an
   ``<unusedN>`` slot in Gemma 3, except 105/106 and 255999/256000, which were
@@ -53,9 +53,10 @@ import re
 import struct
 import tempfile
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import gguf
 

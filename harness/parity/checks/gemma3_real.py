@@ -16,7 +16,8 @@ job. The result is JSON-able.
 from __future__ import annotations
 
 import time
-from typing import Any, MutableMapping
+from collections.abc import MutableMapping
+from typing import Any
 
 import numpy as np
 
@@ -180,7 +181,8 @@ def gemma3_figures(out: MutableMapping[str, Any], info: dict[str, Any]) -> list[
 
     Figures: ``gemma3_real.continuation`` per prompt; ``fast~reference.max_abs_logit`` per prompt (with its
     KLD histogram); with transformers available, ``reference~transformers.max_abs_logit`` and
-    ``.layer_rel_l2`` (worst ``l_out``) per prompt. An unavailable transformers path is noted in ``info``.
+    ``.layer_rel_l2`` (worst ``l_out``) per prompt, and ``reference~transformers.runs`` (0 when transformers'
+    GGUF path failed, which fails the case).
     """
     figs = []
     for item in out.get("prompts", []):
@@ -198,6 +200,10 @@ def gemma3_figures(out: MutableMapping[str, Any], info: dict[str, Any]) -> list[
         worst = max(range(len(rows)), key=lambda i: rows[i])
         figs.append(fig("reference~transformers.layer_rel_l2", rows[worst], item["name"],
                         worst_point=f"l_out@{worst}", per_point=[["l_out", i, v] for i, v in enumerate(rows)]))
-    if not hf.get("available", False):
-        info["skipped"] = f"transformers GGUF path: {hf.get('reason', 'unavailable')}"
+    if hf and not hf.get("available", False):
+        # an oracle that cannot run fails the case: it is never a quiet note under a pass
+        figs.append(fig("reference~transformers.runs", 0.0, "gemma3-270m",
+                        got=f"not run: transformers' GGUF path: {hf.get('reason', 'unavailable')}"))
+    elif hf:
+        figs.append(fig("reference~transformers.runs", 1.0, "gemma3-270m"))
     return figs
