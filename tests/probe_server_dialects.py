@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import servers  # noqa: E402
+import servers  # noqa: E402  (after the sys.path lines)
 
 HEADERS = ("server", "content-type", "access-control-allow-origin", "x-request-id")
 
@@ -47,7 +47,7 @@ def call(base: str, method: str, path: str, body=None, raw: bool = False, timeou
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     req = urllib.request.Request(base + path, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             status, hdrs, text = r.status, r.headers, r.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
         status, hdrs, text = e.code, e.headers, e.read().decode("utf-8", "replace")

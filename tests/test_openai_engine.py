@@ -95,6 +95,7 @@ def test_missing_steps_follow_the_complete_utf8_rule(llama_server):
     assert g.missing == cut
 
 
+@pytest.mark.slow
 def test_llama_server_stream(llama_server, llama_server_gemma3):
     eng = OpenAIEngine(llama_server_gemma3.url)
     ids = eng.tokenize("The capital of France is")
@@ -150,6 +151,7 @@ def test_llama_server_real_gemma3_continues(llama_server_gemma3):
 # --------------------------------------------------------------------------- real llama-cpp-python server
 
 
+@pytest.mark.slow
 def test_llama_cpp_python_server(llama_cpp_python_server_gemma3, llama_server_gemma3):
     lcp = OpenAIEngine(llama_cpp_python_server_gemma3.url)
     assert lcp.dialect == "llama-cpp-python"
