@@ -8,6 +8,9 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import pytest
 
+#: The real llama.cpp servers (llama-server, llama-cpp-python) and the GGUFs they serve, as fixtures.
+pytest_plugins = ("servers",)
+
 # --------------------------------------------------------------------------- tiny gemma4 GGUF
 
 # A 2-layer gemma4 text decoder: layer 0 sliding (head_dim 8), layer 1 full

