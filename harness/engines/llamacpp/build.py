@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import base64
 import csv
+import fcntl
 import hashlib
 import io
 import json
@@ -509,8 +510,6 @@ class _Lock:
         self.fd: int | None = None
 
     def __enter__(self) -> "_Lock":
-        import fcntl
-
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -520,8 +519,6 @@ class _Lock:
         return self
 
     def __exit__(self, *exc) -> None:
-        import fcntl
-
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
