@@ -141,6 +141,39 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "every greedy stream agrees by vLLM's rule (check_logprobs_close), as for fp32"),
     Gate("engine_bf16~oracle.max_abs_logprob", 1.0, "le",
          "reported for a 16-bit engine, not gated (as its logits)", informational=True),
+    Gate("llamacpp_server~oracle.greedy", 1.0, "ge",
+         "a server built on llama.cpp (llama-server, llama-cpp-python) against the oracle: every greedy stream agrees "
+         "by vLLM's rule, a divergence at an oracle near-tie passes (as engine~oracle.greedy; its own name so that a "
+         "case can state a known llama.cpp difference without excusing other engines)"),
+    Gate("llamacpp_server~oracle.max_abs_logprob", 2e-2, "le",
+         "llama.cpp fp32 (F32 weights and KV cache) through a server against the exact float64 reference, log-probs "
+         "of the shared top-N on the agreed prefix: its fp16 GELU table and fp32 rounding, measured up to 1.3e-2 "
+         "on the built-in cases; a formula fault (or a shift of every log-prob by 0.1) goes far past 2e-2"),
+    Gate("server.tokenizer", 1.0, "ge",
+         "every text prompt must tokenize on the server to the ids our tokenizer gives; a difference is a tokenizer "
+         "fault, reported apart from the model's figures (which run on our ids)"),
+    Gate("server.batched~alone.greedy", 1.0, "ge",
+         "requests sharing batches (staggered, concurrent) against the same requests sent one at a time: fp32 "
+         "summation order changes with the batch shape (bit-identical for 1 of 16 requests on llama-server, "
+         "docs/server-dialects.md), so equality is not asked, but every request must agree by vLLM's rule or part at "
+         "a near-tie of the alone run"),
+    Gate("server.batched~alone.max_abs_logprob", 2e-2, "le",
+         "reported, not gated: on fp32 weights batch shapes move log-probs by ~4e-3, on quantized ones by up to 0.6 "
+         "(llama.cpp's quantized matmuls, docs/server-dialects.md); the greedy rule judges", informational=True),
+    Gate("server.stream~nostream.same_tokens", 1.0, "ge",
+         "streaming is a transport choice: the same request streamed must give the same tokens and text (every step "
+         "the stream names) as without streaming"),
+    Gate("server.stop.max_tokens", 1.0, "ge",
+         "max_tokens must give exactly that many tokens (finish_reason length) unless EOS comes first"),
+    Gate("server.stop.string", 1.0, "ge",
+         "with a stop string taken from the oracle's continuation, the server must stop there: finish_reason stop, "
+         "the text cut just before the string"),
+    Gate("server.stop.eos", 1.0, "ge",
+         "with EOS not ignored, the server must stop where the oracle's greedy stream reaches EOS and nowhere else "
+         "(a parting at an oracle near-tie excepted)"),
+    Gate("server.chat_template", 1.0, "ge",
+         "the ids the server evaluates for a chat request must be the ids of our Gemma 4 chat format "
+         "(reference/chat.py), BOS exactly once"),
     Gate("tokenizer.check", 1.0, "ge",
          "a tokenizer parity check (ours vs HF tokenizers / sentencepiece / round trips) must find 0 differing texts"),
     Gate("gemma3_real.continuation", 1.0, "ge",

@@ -38,7 +38,7 @@ from typing import Any, Iterator, Sequence
 
 from reference.errors import InputError
 
-from .base import Generated
+from .base import EngineUnavailable, Generated
 
 DIALECTS = ("llama-server", "llama-cpp-python", "vllm")
 
@@ -262,6 +262,35 @@ class OpenAIEngine:
             raise _shape(self.base + "/models", '{"data": [{"id": str, ...}, ...]}', self._models)
         return data[0]["id"]
 
+    @classmethod
+    def from_engine_name(cls, name: str, path: Any = None, server_model: str | None = None,
+                         server_timeout: float | None = None, concurrency: int | None = None) -> "OpenAIEngine":
+        """The engine named ``openai:URL`` on the command line (:func:`harness.engines.make_engine`).
+
+        Args:
+            name: ``openai:http://HOST:PORT/v1``.
+            path: the model file the harness compares with; the server holds its own copy, so it is not read here.
+            server_model: ``--server-model``, the model name to send (default: from ``/v1/models``).
+            server_timeout: ``--server-timeout``, seconds per request (default 120).
+            concurrency: requests in flight at once (default 4).
+
+        Raises:
+            ServerError: as the constructor.
+        """
+        return cls(name, model=server_model, timeout=120.0 if server_timeout is None else float(server_timeout),
+                   concurrency=4 if concurrency is None else int(concurrency))
+
+    def logits(self, ids: Sequence[int], trace: Any = None) -> Any:
+        """Impossible: a completion server returns the top-N log-probabilities of the tokens it generates, never
+        the logits of every position, and exposes no trace points.
+
+        Raises:
+            EngineUnavailable: always (one line; exit 2 on the command line).
+        """
+        what = "trace points" if trace is not None else "the logits of every position"
+        raise EngineUnavailable(f"openai:{self.base}: a completion server returns no {what} (only the top-N "
+                                "log-probabilities of generated tokens); use g4h generate, or g4h parity --against")
+
     # ------------------------------------------------------------------ tokens and templates
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -307,6 +336,32 @@ class OpenAIEngine:
             raise _shape(url, '{"prompt": str}', ans)
         return ans["prompt"]
 
+    def chat_ids(self, messages: Sequence[dict[str, str]], enable_thinking: bool = False) -> tuple[list[int], str | None]:
+        """The token ids the server evaluates for a chat request of ``messages`` (generation prompt added), and the
+        templated text where the server shows it.
+
+        ``enable_thinking`` goes as ``chat_template_kwargs`` (llama-server turns thinking on by default for a template
+        that supports it). llama-server: ``/apply-template`` (which drops a leading BOS text when its tokenizer adds
+        BOS), then ``/tokenize`` of that text with BOS added, as its chat endpoint does. vLLM: ``/tokenize`` with
+        ``messages`` (documented, not run here).
+
+        Raises:
+            ServerError: the dialect offers no such endpoint (llama-cpp-python), or an answer of another shape.
+        """
+        kwargs = {"chat_template_kwargs": {"enable_thinking": bool(enable_thinking)}}
+        if self.dialect == "llama-server":
+            url = self.root + "/apply-template"
+            ans = self.http.call(url, {"messages": list(messages), **kwargs})
+            if not isinstance(ans, dict) or not isinstance(ans.get("prompt"), str):
+                raise _shape(url, '{"prompt": str}', ans)
+            return self.tokenize(ans["prompt"], add_special=True), ans["prompt"]
+        if self.dialect == "vllm":
+            url = self.root + "/tokenize"
+            ans = self.http.call(url, {"model": self.model, "messages": list(messages), "add_generation_prompt": True,
+                                       **kwargs})
+            return _int_list(url, ans, "tokens"), None
+        raise ServerError(f"{self.root}: {self.dialect} offers no endpoint that renders or tokenizes a chat template")
+
     # ------------------------------------------------------------------ generation
 
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_n: int = 5,
@@ -325,23 +380,47 @@ class OpenAIEngine:
         """
         if max_new_tokens <= 0 or not prompts:
             return [ServerGenerated() for _ in prompts]
-        one = {"llama-server": self._gen_llama_server, "llama-cpp-python": self._gen_lcp,
-               "vllm": self._gen_vllm}[self.dialect]
-        args = [([int(t) for t in p], int(max_new_tokens), int(top_n), bool(stream)) for p in prompts]
+        args = [[int(t) for t in p] for p in prompts]
         with cf.ThreadPoolExecutor(min(self.concurrency, len(args))) as ex:
-            out = list(ex.map(lambda a: one(*a), args))
+            out = list(ex.map(lambda ids: self.complete(ids, max_new_tokens, top_n, stream=stream), args))
         for k, g in enumerate(out):
             _check_greedy(self.base, k, g)
         return out
+
+    def complete(self, ids: Sequence[int], max_new_tokens: int, top_n: int = 5, *, stream: bool = False,
+                 stop: Sequence[str] | None = None, ignore_eos: bool = True, gaps: bool = False) -> ServerGenerated:
+        """One greedy request (temperature 0), as the dialect takes it; no check of the answer against itself.
+
+        Args:
+            ids: the prompt's token ids (BOS included where the model wants one).
+            max_new_tokens: ``max_tokens`` / ``n_predict``.
+            top_n: log-probabilities per step (0: none asked; llama-server then reports no steps).
+            stream: read the answer as server-sent events.
+            stop: stop strings (the text is cut before the first one; ``finish_reason`` ``stop``).
+            ignore_eos: generate past EOS (llama-server, vLLM); False: stop there (``finish_reason`` ``stop``).
+                llama-cpp-python always stops at EOS.
+            gaps: llama-server streams: steps it left out (text not yet complete UTF-8) get the token id -1 and are
+                listed in ``missing``, instead of raising.
+
+        Raises:
+            ServerError: as :meth:`generate_full`, except the greedy check.
+        """
+        one = {"llama-server": self._gen_llama_server, "llama-cpp-python": self._gen_lcp,
+               "vllm": self._gen_vllm}[self.dialect]
+        extra = {"stop": [str(x) for x in stop]} if stop else {}
+        return one([int(t) for t in ids], int(max_new_tokens), int(top_n), bool(stream), extra, bool(ignore_eos),
+                   bool(gaps))
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy token ids only (the engine protocol of :mod:`harness.engines`)."""
         return [g.tokens for g in self.generate_full(prompts, max_new_tokens)]
 
-    def _gen_llama_server(self, ids: list[int], n: int, top_n: int, stream: bool) -> ServerGenerated:
+    def _gen_llama_server(self, ids: list[int], n: int, top_n: int, stream: bool, extra: dict, ignore_eos: bool,
+                          gaps: bool) -> ServerGenerated:
         url = self.root + "/completion"
         body = {"prompt": ids, "n_predict": n, "n_probs": top_n, "temperature": 0, "return_tokens": True,
-                "ignore_eos": True, "cache_prompt": False, "stream": stream}  # no reuse: numbers independent of history
+                "ignore_eos": ignore_eos, "stream": stream, **extra,
+                "cache_prompt": False}  # no reuse: a request's numbers must not depend on what its slot held
         g = ServerGenerated()
         if stream:
             placed: dict[int, dict] = {}
@@ -354,12 +433,12 @@ class OpenAIEngine:
                 if part.get("stop"):
                     g.finish_reason = "stop" if part.get("stop_type") in ("eos", "word") else "length"
                     n = int(part.get("tokens_predicted", n))
-            gaps = [i for i in range(n) if i not in placed]
-            if gaps:
-                raise ServerError(f"{url}: the stream left out steps {gaps[:8]} (llama-server sends a step only once "
-                                  f"the text is complete UTF-8) and with them their token ids; use stream=False")
-            steps: list[dict | None] = [placed[i] for i in range(n)]
-            g.tokens = [_entry_id(url, s) for s in steps]
+            left_out = [i for i in range(n) if i not in placed]
+            if left_out and not gaps:
+                raise ServerError(f"{url}: the stream left out steps {left_out[:8]} (llama-server sends a step only "
+                                  f"once the text is complete UTF-8) and with them their token ids; use stream=False")
+            steps: list[dict | None] = [placed.get(i) for i in range(n)]
+            g.tokens = [-1 if s is None else _entry_id(url, s) for s in steps]
         else:
             ans = self.http.call(url, body)
             tokens = ans.get("tokens") if isinstance(ans, dict) else None
@@ -439,10 +518,11 @@ class OpenAIEngine:
         except (KeyError, IndexError, TypeError, ValueError):
             raise _shape(url, "one step with n_vocab top_logprobs carrying bytes", ans) from None
 
-    def _gen_vllm(self, ids: list[int], n: int, top_n: int, stream: bool) -> ServerGenerated:
+    def _gen_vllm(self, ids: list[int], n: int, top_n: int, stream: bool, extra: dict, ignore_eos: bool,
+                  gaps: bool) -> ServerGenerated:
         url = self.base + "/completions"
         body = {"model": self.model, "prompt": ids, "max_tokens": n, "temperature": 0, "logprobs": top_n,
-                "ignore_eos": True, "return_tokens_as_token_ids": True, "stream": stream}
+                "ignore_eos": ignore_eos, "return_tokens_as_token_ids": True, "stream": stream, **extra}
         g = ServerGenerated()
         for part in (self.http.stream(url, body) if stream else [self.http.call(url, body)]):
             choice = _first_choice(url, part)
@@ -483,10 +563,11 @@ class OpenAIEngine:
                               f"{ids[:8]} comes back as {back[:8]} after its text round trip")
         return text
 
-    def _gen_lcp(self, ids: list[int], n: int, top_n: int, stream: bool) -> ServerGenerated:
-        url = self.base + "/completions"
+    def _gen_lcp(self, ids: list[int], n: int, top_n: int, stream: bool, extra: dict, ignore_eos: bool,
+                 gaps: bool) -> ServerGenerated:
+        url = self.base + "/completions"  # it has no ignore_eos: it always stops at EOS
         body = {"model": self.model, "prompt": self._lcp_text(ids), "max_tokens": n, "temperature": 0,
-                "logprobs": top_n, "repeat_penalty": 1.0, "stream": stream}
+                "logprobs": top_n, "repeat_penalty": 1.0, "stream": stream, **extra}
         g = ServerGenerated()
         texts: list[str] = []
         tops: list[dict] = []

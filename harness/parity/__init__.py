@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,11 +27,12 @@ from reference.errors import InputError
 
 from ..core.cases import PROMPTS, builtin_specs, load_prompts
 from ..core.io import staged_run_dir
-from ..engines import ENGINES
+from ..engines import engine_names, is_engine_name
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
 from .cases import gemma3_case, synthetic_case, tokenizer_case, user_case
+from .checks.server import SERVER_CHECKS, ServerOptions, is_server_engine, load_server_prompts
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
 
@@ -39,7 +41,7 @@ __all__ = ["RESULTS_VERSION", "run"]
 Plan = list[tuple[Callable[[], CaseResult], str, str, str]]
 
 
-SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer")
+SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", *SERVER_CHECKS)
 """What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
 
 
@@ -57,14 +59,15 @@ def check_skip(skip: tuple[str, ...]) -> None:
 
 def plan_cases(models: list[str] | None, against: str, real: bool, case_filter: list[str] | None,
                prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
-               slow: bool = False) -> Plan:
+               slow: bool = False, server: ServerOptions | None = None) -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
 
     Raises:
         InputError: a ``case_filter`` name that is not a built-in case.
     """
     if models:
-        return [(lambda m=m: user_case(m, against, prompts, progress), Path(m).name, "user", m) for m in models]
+        return [(lambda m=m: user_case(m, against, prompts, progress, server), Path(m).name, "user", m)
+                for m in models]
     names = [s.stem for s in builtin_specs()]
     bad = [c for c in case_filter or () if c not in names]
     if bad:
@@ -116,7 +119,8 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
         real: bool = True, case_filter: list[str] | None = None, quiet: bool = False,
         baseline: str | None = None, write_baseline: str | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
-        skip: tuple[str, ...] = (), slow: bool = False) -> tuple[dict[str, Any], int]:
+        skip: tuple[str, ...] = (), slow: bool = False,
+        server: ServerOptions | None = None) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -135,6 +139,8 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
         skip: checks the user opts out of (:data:`SKIPPABLE`, or a tokenizer check's name); a check that
             cannot run and was not opted out fails the run.
         slow: also run the slow checks (transformers' GGUF tokenizer conversion).
+        server: options of the server checks when ``against`` is ``openai:URL`` (then ``prompts`` may also hold
+            ``{"text"}`` lines: :func:`harness.parity.checks.server.load_server_prompts`).
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -148,11 +154,14 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
 
     skip = tuple(skip)
     check_skip(skip)
-    if models and against not in ENGINES:
-        raise InputError(f"--against {against!r}: unknown engine (available: {', '.join(ENGINES)})")
-    prompt_set = load_prompts(prompts)
+    if models and not is_engine_name(against):
+        raise InputError(f"--against {against!r}: unknown engine (available: {engine_names()})")
+    to_server = bool(models) and is_server_engine(against)
+    server = replace(server or ServerOptions(), skip=skip)
+    server.check()
+    prompt_set = load_server_prompts(prompts) if to_server else load_prompts(prompts)
     base = load_baseline(baseline) if baseline else None
-    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow)
+    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow, server)
     t0 = time.perf_counter()
     results = [guard(*case) for case in plan]
     status = exit_status(results)

@@ -3,7 +3,7 @@
 * :func:`synthetic_case`: a built-in spec (``cases/models/*.toml``), built into HF safetensors and
   GGUFs of every file type: reference vs transformers, the reference against itself, the quantized
   loaders, fast vs reference, llama.cpp vs reference;
-* :func:`user_case`: a user's model (``--model``) against ``--against``;
+* :func:`user_case`: a user's model (``--model``) against ``--against`` (a server: :mod:`.checks.server`);
 * :func:`gemma3_case`: the real Gemma 3 270M GGUF;
 * :func:`tokenizer_case`: the tokenizer checks.
 """
@@ -22,6 +22,7 @@ from .checks.fast import fast_checks
 from .checks.gemma3_real import gemma3_figures, run_gemma3_real
 from .checks.llamacpp import llamacpp_checks
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
+from .checks.server import ServerOptions, is_server_engine, server_case
 from .checks.tokenizer import tokenizer_figures
 from .result import CaseResult, fig
 
@@ -71,8 +72,12 @@ def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: 
         res.apply(llamacpp_checks(built, prompts, progress, name), gates)
 
 
-def user_case(path: str, against: str, prompts: Sequence[dict[str, Any]], progress: Progress) -> CaseResult:
-    """reference vs ``against`` on a user-supplied model (prompts restricted to its vocabulary)."""
+def user_case(path: str, against: str, prompts: Sequence[dict[str, Any]], progress: Progress,
+              server: ServerOptions | None = None) -> CaseResult:
+    """reference vs ``against`` on a user-supplied model (prompts restricted to its vocabulary); a server
+    (``openai:URL``) gets the server checks (:func:`harness.parity.checks.server.server_case`, options ``server``)."""
+    if is_server_engine(against):
+        return server_case(path, against, prompts, progress, server)
     res = CaseResult(case=Path(path).name, kind="user", model=str(path))
     gates = resolve(None, str(path))
     progress(f"[{res.case}] loading with the reference")
