@@ -124,7 +124,7 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
         only = sorted(set(ours) ^ set(oracle))
         raise InputError(f"the two generation files hold different requests (e.g. {only[0]!r})")
     rows, worst_lp, worst_at = [], 0.0, None
-    for rid in sorted(oracle, key=str):
+    for rid in oracle:  # in the order given (a file's order), so that "first" means first there
         a, b = ours[rid], oracle[rid]
         if not a["tokens"] or not b["tokens"]:
             rows.append({"request": rid, "kind": "identical", "reason": "an empty stream: no common prefix"})

@@ -702,15 +702,14 @@ def _server_checks(res: CaseResult, gates, path, against: str, prompts: Sequence
         raise PromptError(f"{name}: no prompt fits the model's vocabulary of {vocab}")
     n, top_n = opts.max_new_tokens, opts.top_n
 
-    progress(f"[{name}] oracle ({opts.oracle}): {len(order)} prompts x {n} tokens")
-    o_streams = {rid: oracle.stream(usable[rid], n, top_n, eos_ids) for rid in order}
-
-    progress(f"[{name}] greedy: {len(order)} requests one at a time")
+    progress(f"[{name}] greedy: {len(order)} requests one at a time")  # first: a failing server fails fast
     alone, alone_s = {}, {}
     for rid in order:
         t0 = time.monotonic()
         alone[rid] = eng.complete(usable[rid], n, top_n)
         alone_s[rid] = time.monotonic() - t0
+    progress(f"[{name}] oracle ({opts.oracle}): {len(order)} prompts x {n} tokens")
+    o_streams = {rid: oracle.stream(usable[rid], n, top_n, eos_ids) for rid in order}
     res.apply(greedy_figures(pair, alone, o_streams, top_n, gates[f"{pair}.max_abs_logprob"].limit), gates)
 
     if "server-batch" in opts.skip:
