@@ -296,7 +296,8 @@ def test_tokenizer_crash_is_reported_and_the_run_goes_on(aborting_vocab, small_v
     from clitools import assert_one_line_error, run_cli
 
     from harness.tokenizer.checks import Ctx, run_check
-    from harness.tokenizer.engines import compare_engines, make_tok_engine
+    from harness.tokenizer.corpus import compare_engines
+    from harness.tokenizer.engines import make_tok_engine
 
     def crashing(ctx) -> dict:
         compare_engines(make_tok_engine("ours", small_vocab), make_tok_engine("llamacpp", aborting_vocab), ["ab"])
