@@ -32,11 +32,15 @@ from harness.engines.inspect import (
     FAST_TYPES,
     FAST_WEIGHT_MODES,
     SCHEMA_VERSION,
+    Inspection,
     compact_names,
+    engine_rows,
     inspect_model,
     llamacpp_donors,
 )
+from harness.engines.llamacpp import INSTALL_MSG
 from harness.synth import ensure_built, text_config
+from reference.config import config_from_hf
 from reference.errors import InputError, ModelFileError
 from reference.weights import load_model
 
@@ -426,6 +430,22 @@ def test_llamacpp_donor_rule():
     cfg = text_config(ensure_built(REPO_ROOT / "cases" / "models" / "edge-keqv-shared-donor.toml").spec)
     n_kv = cfg.n_layer - cfg.n_kv_shared
     assert llamacpp_donors(cfg) == {i: n_kv - (2 if cfg.layers[i].is_sliding else 1) for i in range(n_kv, cfg.n_layer)}
+
+
+def test_llamacpp_row_refuses_a_donor_of_the_other_type():
+    """Same head_dim on both layer types, so only the type tells llama.cpp's donor apart: it still aborts."""
+    raw = json.loads((ensure_built(REPO_ROOT / "cases" / "models" / "edge-keqv-shared-donor.toml").hf_dir
+                      / "config.json").read_text())
+    raw = dict(raw, attention_k_eq_v=False, per_layer_config={str(i): {"head_dim": 32} for i in (0, 3)})
+    cfg = config_from_hf(raw, "config.json")
+    assert llamacpp_donors(cfg) == {3: 2} and cfg.layers[3].kv_donor == 0
+    assert (cfg.layers[2].head_dim, cfg.layers[2].n_kv_head) == (cfg.layers[3].head_dim, cfg.layers[3].n_kv_head)
+    info = Inspection(path="x.gguf", format="gguf", file_bytes=0, tokenizer={"model": "gemma4"})
+    (llama,) = [r for r in engine_rows(info, cfg) if r.engine == "llamacpp"]
+    if LLAMACPP:
+        assert not llama.can_run and "shared layer 3" in llama.reason and "layer 2" in llama.reason
+    else:
+        assert llama.reason == INSTALL_MSG
 
 
 def test_compact_names():
