@@ -320,7 +320,7 @@ def _inspect_gguf(path: Path) -> tuple[Inspection, ModelConfig | None]:
     info.tensor_types = _tensor_types((t.type_id, _type_name(t.type_id), t.shape, t.n_bytes) for t in tensors)
     _count_params(info, [(t.name, t.shape) for t in tensors], _str_or_none(meta.get("general.size_label")),
                   "general.size_label")
-    problems += _type_problems(tensors)
+    problems += _type_problems(str(path), tensors)
     shapes = {t.name: t.shape for t in tensors}
     rows = shapes["token_embd.weight"][0] if len(shapes.get("token_embd.weight", ())) == 2 else None
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -394,7 +394,7 @@ def _special_id_problems(path: str, tok: Mapping[str, Any], n_tokens: int | None
     return out
 
 
-def _type_problems(tensors: list[_Tensor]) -> list[Problem]:
+def _type_problems(path: str, tensors: list[_Tensor]) -> list[Problem]:
     """One unusable problem per tensor type ``gguf.quants`` cannot dequantize, naming its first tensor."""
     by_type: dict[int, list[str]] = {}
     for t in tensors:
@@ -409,8 +409,8 @@ def _type_problems(tensors: list[_Tensor]) -> list[Problem]:
             known = f"; llama.cpp {LLAMA_CPP_PYTHON_VERSION} knows it" if type_id in LLAMACPP_TYPE_IDS else ""
             what = f"type id {type_id}, unknown to gguf {version} (a fork's type, or a newer llama.cpp's{known})"
         more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
-        out.append(Problem(UNUSABLE, "tensor_type", names[0], f"tensor {names[0]}{more}: {what}; expected a type "
-                                                              "gguf.quants dequantizes"))
+        out.append(Problem(UNUSABLE, "tensor_type", names[0], f"{path}: tensor {names[0]}{more}: {what}; expected a "
+                                                              "type gguf.quants dequantizes"))
     return out
 
 
