@@ -604,6 +604,9 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
                 raise ConfigError(f"{source}: per_layer_config key {k!r}: expected a layer index") from None
             if not 0 <= idx < n_layer:
                 raise ConfigError(f"{source}: per_layer_config key {k!r}: layer out of range")
+            if not isinstance(v, Mapping):
+                raise ConfigError(f"{source}: per_layer_config[{k!r}]: expected an object of layer fields, "
+                                  f"got {type(v).__name__}")
             overrides[idx] = dict(v)
     else:
         glob = {"head_dim": get("global_head_dim", 512)}
