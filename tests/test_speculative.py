@@ -183,3 +183,23 @@ def test_generate_cli_in_a_subprocess(tmp_path):
     proc = run_cli("generate", "--model", "edge-no-softcap", "--prompts", str(prompts), "--max-new-tokens", "2",
                    "--out", str(tmp_path / "o.jsonl"), "--draft-model", "31b-assistant")
     assert_one_line_error(proc, "does not match the target's hidden size")
+
+
+# --------------------------------------------------------------------------- g4h bench
+
+
+def test_bench_times_speculation_beside_the_plain_engine(tmp_path):
+    """The rows, the speed-up ratio and the acceptance table exist (no timing is asserted)."""
+    from harness.bench import BenchOptions, bench
+    from harness.bench.run import BenchPlan
+
+    plan = BenchPlan(engines=["fast"], pp=0, tg=6, reps=1, warmup=0)
+    opts = BenchOptions(model=str(MODELS_DIR / "edge-no-softcap.toml"), engines=["fast"], plan=plan,
+                        out=str(tmp_path), draft_model="oracle", draft_tokens=4)
+    data, status, run_dir = bench(opts, lambda m: None)
+    assert status == 0
+    assert {(r["engine"], r["test"]) for r in data["rows"]} == {("fast", "tg"), ("fast-spec", "tg")}
+    assert "tg6 b1 fast-spec-float32/fast-float32" in data["ratios"]
+    (run,) = data["speculative"]["runs"]
+    assert run["acceptance_rate"] == 1.0 and run["tokens_per_forward"] == 6 / 2  # 6 tokens in rounds of 5, then 1
+    assert "Speculative decoding (same run)" in (run_dir / "report.md").read_text()
