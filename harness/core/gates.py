@@ -101,6 +101,18 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
     Gate("drafter.fast~reference.max_abs", 1e-4, "le",
          "fast fp32 drafter over the fast target's cache vs the float64 reference over its own: fp32 rounding of "
          "target and drafter (~1e-5 here); a wrong store layer or missing input moves logits by > 1e-1"),
+    Gate("drafter.llamacpp.runs", 1.0, "ge",
+         "llama.cpp must load the gemma4-assistant GGUF beside its target (ctx_other) and draft; an abort is "
+         "that engine failing the case"),
+    Gate("drafter.llamacpp~reference.same_drafts", 1.0, "ge",
+         "llama.cpp's drafter must propose the reference drafter's tokens (full head on both sides, fp16 GELU "
+         "table emulated): a drafter reading the wrong KV group proposes others"),
+    Gate("drafter.llamacpp~reference.max_abs", 2e-2, "le",
+         "llama.cpp F32 drafter logits and h_next vs the reference with llama.cpp's fp16 GELU table: fp32 rounding "
+         "through target and drafter (measured up to 8e-3), the bound of llamacpp~reference.max_abs_logit"),
+    Gate("speculative.llamacpp.lossless", 1.0, "ge",
+         "speculative greedy decoding inside llama.cpp (its drafter, verify, llama_memory_seq_rm rollback) must "
+         "return llama.cpp's own plain greedy tokens"),
     Gate("speculative.lossless.same_tokens", 1.0, "ge",
          "speculative greedy must return plain greedy token for token, whatever the drafter proposes (a flip at a "
          "verify-vs-decode near-tie is named in the detail)"),

@@ -27,7 +27,7 @@ from ..core.gates import resolve
 from ..engines import EngineUnavailable, make_engine
 from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
-from .checks.drafter import drafter_checks
+from .checks.drafter import drafter_checks, llamacpp_drafter_checks
 from .checks.fast import fast_checks
 from .checks.gemma3_real import gemma3_figures, run_gemma3_real
 from .checks.llamacpp import llamacpp_checks
@@ -102,6 +102,9 @@ def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: 
                        got=f"not run: {LLAMACPP_MISSING}; or opt out: g4h parity --skip llamacpp")], gates)
     else:
         res.apply(llamacpp_checks(built, prompts, progress, name), gates)
+        dspec = drafter_spec_for(built.spec.path)
+        if dspec is not None:
+            res.apply(llamacpp_drafter_checks(ensure_drafter_built(dspec), prompts, progress, name), gates)
 
 
 def user_case(path: str, against: str, prompts: Sequence[dict[str, Any]], progress: Progress) -> CaseResult:

@@ -13,7 +13,11 @@ from it at that position. Figures (none gated here; :mod:`harness.parity.result`
 * ``drafter.gguf_f32~safetensors.max_abs``: the ``gemma4-assistant`` GGUF against the HF folder (the full head
   on both sides: a GGUF has no centroid head, as in llama.cpp);
 * ``drafter.fast~reference.max_abs``: the fast drafter over the fast target's cache against the reference
-  drafter over the reference target's cache (the reference's draft tokens fed to both).
+  drafter over the reference target's cache (the reference's draft tokens fed to both);
+* with llama.cpp (:func:`llamacpp_drafter_checks`): ``drafter.llamacpp.runs``, ``drafter.llamacpp~reference.
+  same_drafts`` and ``.max_abs`` (llama.cpp's ``gemma4-assistant`` drafter against the reference's GGUF drafter,
+  with llama.cpp's fp16 GELU table emulated), and ``speculative.llamacpp.lossless`` (speculative greedy decoding
+  inside llama.cpp against its own plain greedy decoding).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from reference import drafter as ref_drafter
 from reference.drafter_weights import load_drafter
 from reference.weights import load_model
 
+from ...core.workers import EngineCrashed
 from ...engines.assistant import FULL, SLIDING, HFAssistantOracle
+from ...engines.llamacpp.drafter import llamacpp_drafts, llamacpp_speculative
+from ...engines.llamacpp.numerics import llamacpp_numerics
 from ..result import Figure, fig
 
 N_DRAFT = 4
@@ -155,4 +162,36 @@ def drafter_checks(built, prompts: Sequence[dict[str, Any]], info: dict[str, Any
     info["drafter"].update(facts)
     out += figs
     out += fast_vs_reference(d_hf, DW_hf, tcfg, TW, FastModel(tcfg, TW, "cpu", "float32"), prompts)
+    return out
+
+
+def llamacpp_drafter_checks(built, prompts: Sequence[dict[str, Any]], progress, name: str) -> list[Figure]:
+    """llama.cpp's drafter against the reference, and llama.cpp's own speculative decoding (module docstring).
+
+    A worker that dies (llama.cpp aborts on some layouts) gives ``drafter.llamacpp.runs`` = 0 with its line.
+    """
+    tcfg, TW = load_model(built.target.gguf["F32"])
+    d, DW = load_drafter(built.gguf["F32"])
+    d = ref_drafter.bind(d, tcfg)
+    ids = [p["prompt_ids"] for p in prompts]
+    progress(f"[{name}] llama.cpp drafter (gemma4-assistant GGUF, ctx_other) vs reference; speculative in llama.cpp")
+    try:
+        rounds = llamacpp_drafts(built.target.gguf["F32"], built.gguf["F32"], ids, N_DRAFT)
+        spec = llamacpp_speculative(built.target.gguf["F32"], built.gguf["F32"], ids, 12, N_DRAFT)
+    except EngineCrashed as e:
+        return [fig("drafter.llamacpp.runs", 0.0, None, got=str(e))]
+    out = [fig("drafter.llamacpp.runs", 1.0)]
+    for p, r in zip(prompts, rounds):
+        with llamacpp_numerics():
+            cache, tok, h = ref_drafter.after_prefill(tcfg, TW, p["prompt_ids"])
+            toks, logits, hs = ref_drafter.draft(d, DW, tcfg, TW, cache, tok, h, N_DRAFT)
+        same = [a == b for a, b in zip(toks, r["drafts"])]
+        out.append(fig("drafter.llamacpp~reference.same_drafts", float(np.mean(same)) if r["token"] == tok else 0.0,
+                       p["id"], drafts=r["drafts"], reference=toks, same_first_token=r["token"] == tok))
+        out.append(fig("drafter.llamacpp~reference.max_abs", max(_max_abs(r["logits"], logits),
+                                                                 _max_abs(r["h_next"], hs)), p["id"],
+                       h_prev_max_abs=float(np.max(np.abs(r["h"] - h)))))
+    bad = [p["id"] for p, s in zip(prompts, spec) if s["tokens"] != s["plain"]]
+    out.append(fig("speculative.llamacpp.lossless", 0.0 if bad else 1.0, None, streams=len(spec), mismatched=bad,
+                   drafted=sum(s["drafted"] for s in spec), accepted=sum(s["accepted"] for s in spec)))
     return out
