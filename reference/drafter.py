@@ -21,10 +21,15 @@ their type (:func:`bind`), so the math is the specification's own.
 Sources: transformers 5.23 ``models/gemma4_assistant/modeling_gemma4_assistant.py``
 (``Gemma4AssistantForCausalLM``, ``Gemma4AssistantMaskedEmbedder``) and
 ``generation/candidate_generator.py`` (``SinglePositionMultiTokenCandidateGenerator``); llama.cpp
-``src/models/gemma4-assistant.cpp`` and ``common/speculative.cpp`` (``draft-mtp``, ``is_mem_shared``). Where
-the two disagree on which keys a sliding layer sees (transformers passes the bidirectional window ``|i-j| <= W``
-over whatever the sliding store holds, rejected drafts included), this follows llama.cpp's causal rule over the
-rolled-back cache: it is what a target token at ``p`` would see, minus ``p`` itself.
+``src/models/gemma4-assistant.cpp`` and ``common/speculative.cpp`` (``draft-mtp``, ``is_mem_shared``).
+
+The two disagree on the keys a sliding layer sees once the context reaches the window. llama.cpp masks the
+drafter's query at ``p`` like a target query: keys ``p-W+1 .. p-1`` (W-1 of them) of the rolled-back cache.
+transformers applies a bidirectional window ``|i-j| <= W`` to the tail of whatever its sliding store holds: the
+last W+1 entries (measured on e2b-assistant, W = 16, a 32-token prompt: its drafter given all 32 keys equals it
+given the last 17 to 2e-6 and differs from it given the last 15 by 15 in the logits), and after a verify round
+those include rejected drafts. This specification follows llama.cpp's rule (what a target token at ``p``
+would see, minus ``p`` itself); the comparison with transformers hands it exactly those keys.
 
 Shapes: T = rows (draft tokens, usually 1), H_t = target hidden, H_a = drafter hidden, V = vocab,
 C = centroids, S = the target's cached keys.
@@ -125,9 +130,8 @@ def drafter_config_from_hf(raw: Mapping[str, Any], source: str) -> DrafterConfig
     if not isinstance(tc, Mapping):
         raise ConfigError(f"{source}: text_config: expected an object (the drafter's Gemma4TextConfig)")
     tc = dict(tc)
-    for key, bad in (("hidden_size_per_layer_input", lambda v: bool(v)), ("vocab_size_per_layer_input", bool),
-                     ("enable_moe_block", bool), ("use_double_wide_mlp", bool)):
-        if bad(tc.get(key) or 0):
+    for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block", "use_double_wide_mlp"):
+        if tc.get(key):
             raise ConfigError(f"{source}: text_config.{key} = {tc[key]!r}: a Gemma 4 assistant has none")
     if not raw.get("tie_word_embeddings", True):
         raise ConfigError(f"{source}: tie_word_embeddings = false: a Gemma 4 assistant's head is its embed_tokens")

@@ -98,6 +98,33 @@ def test_reference_drafter_matches_patched_transformers(pair):
                 oracle.speculative_generate(p["prompt_ids"], 8, 3)
 
 
+@pytest.mark.slow
+def test_transformers_drafter_sees_w_plus_1_sliding_keys_where_the_specification_sees_w_minus_1():
+    """A recorded difference (reference/drafter.py): given a sliding store longer than the window, transformers'
+    drafter attends to its last W+1 keys; llama.cpp and this specification to the W-1 before the position."""
+    from harness.engines.assistant import FULL, SLIDING, HFAssistantOracle
+
+    built = ensure_drafter_built(MODELS_DIR / "e2b-assistant.toml")
+    tcfg, TW = load_model(built.target.gguf["F32"])
+    d, DW = load_drafter(built.hf_dir)
+    d = R.bind(d, tcfg)
+    oracle = HFAssistantOracle(built.target.hf_dir, built.hf_dir)
+    ids, W = LONG["prompt_ids"], tcfg.sliding_window
+    cache, tok, h = R.after_prefill(tcfg, TW, ids)
+    s_il, f_il = d.text.layers[0].kv_donor, d.text.layers[-1].kv_donor
+    full = (cache.k[f_il], cache.v[f_il])
+
+    def hf(n_keys):
+        kv = {SLIDING: (cache.k[s_il][-n_keys:], cache.v[s_il][-n_keys:]), FULL: full}
+        return oracle.drafts(tok, h, len(ids), kv, 1)[1][0]
+
+    ref = R.draft(d, DW, tcfg, TW, cache, tok, h, 1)[1][0]
+    every = hf(len(ids))
+    assert np.max(np.abs(every - hf(W + 1))) < 1e-4
+    assert np.max(np.abs(hf(W - 1) - ref)) < 1e-4
+    assert np.max(np.abs(every - ref)) > 1.0
+
+
 def test_gguf_and_hf_drafters_agree(pair):
     built, tcfg, TW, d, DW = pair
     dg, DWg = load_drafter(built.gguf["F32"])

@@ -81,10 +81,11 @@ def reference_vs_transformers(d, DW, tcfg, TW, oracle: HFAssistantOracle,
                        same_drafts=toks == htoks, logits_max_abs=_max_abs(logits, hlogits),
                        h_next_max_abs=_max_abs(hs, hhs)))
         htok, hh, kv = oracle.after_prefill(ids)
-        if not kv:
-            out.append(fig("drafter.store_kv.reference~transformers.max_abs", float("nan"), p["id"],
-                           got="not run: transformers hands no shared_kv_states",
-                           informational_reason=NO_STORE_IN_HF))
+        if not kv:  # once per case: the same for every prompt
+            if not any(f.gate == "drafter.store_kv.reference~transformers.max_abs" for f in out):
+                out.append(fig("drafter.store_kv.reference~transformers.max_abs", float("nan"), None,
+                               got="not run: transformers hands no shared_kv_states",
+                               informational_reason=NO_STORE_IN_HF))
             continue
         errs = [float(np.max(np.abs(hh - h)))]
         for L in d.text.layers:
