@@ -141,7 +141,7 @@ def test_gguf_and_hf_drafters_agree(pair):
 
 
 def test_fast_drafter_matches_reference(pair):
-    built, tcfg, TW, d, DW = pair
+    _, tcfg, TW, d, DW = pair
     for f in fast_vs_reference(d, DW, tcfg, TW, FastModel(tcfg, TW, "cpu", "float32"), SHORT_LONG[::2]):
         assert DEFAULT_GATES[f.gate].check(f.measured), (f.prompt, f.measured)
         assert f.detail["same_drafts"]
@@ -172,7 +172,7 @@ def _perturbed_drafts(d, DW, tcfg, TW, ids, layer: int | None):
 
 
 def test_drafter_reads_the_sliding_and_the_full_store_layer(pair):
-    built, tcfg, TW, d, DW = pair
+    _, tcfg, TW, d, DW = pair
     stores = R.store_layers(tcfg)
     ids = LONG["prompt_ids"]
     base = _perturbed_drafts(d, DW, tcfg, TW, ids, None)
@@ -186,7 +186,7 @@ def test_drafter_reads_the_sliding_and_the_full_store_layer(pair):
 
 
 def test_fast_drafter_reads_the_store_layers_of_the_fast_cache(pair):
-    built, tcfg, TW, d, DW = pair
+    _, tcfg, TW, d, DW = pair
     fm = FastModel(tcfg, TW, "cpu", "float32")
     fd = FastDrafter(d, DW, fm)
     ids = LONG["prompt_ids"]
@@ -221,7 +221,7 @@ def test_a_drafter_bound_to_the_wrong_store_layer_fails_the_gates():
     ids = LONG["prompt_ids"]
     cache, tok, h = R.after_prefill(tcfg, TW, ids)
     _, logits, hs = R.draft(d, DW, tcfg, TW, cache, tok, h, 1)
-    fcache, slot, ftok, fh = fast_state(fm, ids, 1)
+    fcache, slot, _, fh = fast_state(fm, ids, 1)
     with torch.inference_mode():
         flog, fh2 = fd.drafter_forward(fcache, [slot], torch.tensor([tok]), fh, [len(ids)])
     err = max(float(np.max(np.abs(flog[0].double().numpy() - logits[0]))),

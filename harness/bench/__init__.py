@@ -51,6 +51,7 @@ class BenchOptions:
     write_baseline: str | None = None
     draft_model: str | None = None
     draft_tokens: int = 4
+    draft_label: str | None = None
 
 
 def check_options(o: BenchOptions) -> None:
@@ -110,7 +111,7 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
     if o.draft_model is not None:
         fast = next((b for b in benches if b.engine == "fast"), None)
         if fast is not None:
-            label = Path(o.draft_model).name if Path(o.draft_model).exists() else o.draft_model
+            label = o.draft_label or (Path(o.draft_model).name if Path(o.draft_model).exists() else o.draft_model)
             spec = [SpecBench(fast, o.draft_model, o.draft_tokens, label)]
             progress(f"speculative decoding: drafter {label}, K = {o.draft_tokens}, beside fast-{fast.dtype}")
     rows = run_plan(benches + spec, o.plan, progress)

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                         dtypes=dtypes, plan=plan, threads=args.threads, out=args.out, baseline=args.baseline,
                         write_baseline=args.write_baseline,
                         draft_model=None if args.draft_model is None else resolve_draft_model(args.draft_model),
-                        draft_tokens=args.draft_tokens)
+                        draft_tokens=args.draft_tokens, draft_label=args.draft_model)
     data, status, run_dir = bench(opts, lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     for line in summary_lines(data):
         print(line)

@@ -55,8 +55,8 @@ def kv_sharing_patch() -> Iterator[None]:
     Source: transformers 5.23 ``Gemma4TextConfig.kv_sharing_modes``; the workaround of
     ``MULTIMODAL_MTP_FACTS.md`` §0.1.
     """
-    from transformers import Gemma4TextConfig  # optional heavy dependency: only the oracle and the writer need it
-    import transformers  # optional heavy dependency: its version goes into the error line
+    import transformers  # optional heavy dependency: only the oracle and the writer need it
+    from transformers import Gemma4TextConfig  # optional heavy dependency (as above)
 
     with _lock:
         original = Gemma4TextConfig.__dict__["kv_sharing_modes"]

@@ -41,6 +41,7 @@ import tomllib
 
 from reference.drafter import DrafterConfig, drafter_config_from_hf, drafter_expected_tensors
 from reference.drafter_weights import gguf_to_drafter_hf
+from reference.errors import ConfigError
 
 from ..core.hf_assistant import kv_sharing_patch
 from .cache import BuiltCase, _cache_root, _versions, build_atomically, ensure_built
@@ -154,7 +155,7 @@ def load_drafter_spec(path: str | os.PathLike[str]) -> DrafterSpec:
                        config=config, assistant=assistant, init=init, path=p, sha256=sha)
     try:
         spec.drafter_config()
-    except Exception as e:  # ConfigError: name the spec file instead of a config.json that does not exist yet
+    except ConfigError as e:  # name the spec file instead of a config.json that does not exist yet
         raise SpecError(f"{p}: {str(e).split(': ', 1)[-1]}") from None
     return spec
 
