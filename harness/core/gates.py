@@ -145,6 +145,50 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "a tokenizer parity check (ours vs HF tokenizers / sentencepiece / round trips) must find 0 differing texts"),
     Gate("gemma3_real.continuation", 1.0, "ge",
          "the real Gemma 3 270M GGUF must greedily continue each known prompt with the expected text"),
+    Gate("drafter.reference~transformers.max_abs", 1e-4, "le",
+         "float64 reference drafter vs transformers' patched Gemma4AssistantForCausalLM (fp32 eager) on the same "
+         "token, h_prev and store K/V, logits and h_next over 4 draft steps: fp32 rounding gives ~3e-6; a wrong "
+         "store layer, position or head moves them by > 1e-1"),
+    Gate("drafter.store_kv.reference~transformers.max_abs", 1e-4, "le",
+         "the K/V transformers' target hands its drafter (shared_kv_states) and its hidden_states[-1] vs the "
+         "reference's bound store layers and result_norm: the same fp32-vs-float64 rounding as "
+         "reference~transformers; another layer's K/V differs by O(1)"),
+    Gate("drafter.gguf_f32~safetensors.max_abs", 0.0, "le",
+         "the same float32 drafter weights through the GGUF and safetensors loaders (full head on both sides) must "
+         "give bit-identical float64 drafts"),
+    Gate("drafter.fast~reference.max_abs", 1e-4, "le",
+         "fast fp32 drafter over the fast target's cache vs the float64 reference over its own: fp32 rounding of "
+         "target and drafter (~1e-5 here); a wrong store layer or missing input moves logits by > 1e-1"),
+    Gate("drafter.llamacpp.runs", 1.0, "ge",
+         "llama.cpp must load the gemma4-assistant GGUF beside its target (ctx_other) and draft; an abort is "
+         "that engine failing the case"),
+    Gate("drafter.llamacpp~reference.same_drafts", 1.0, "ge",
+         "llama.cpp's drafter must propose the reference drafter's tokens (full head on both sides, fp16 GELU "
+         "table emulated): a drafter reading the wrong KV group proposes others"),
+    Gate("drafter.llamacpp~reference.max_abs", 2e-2, "le",
+         "llama.cpp F32 drafter logits and h_next vs the reference with llama.cpp's fp16 GELU table: fp32 rounding "
+         "through target and drafter (measured up to 8e-3), the bound of llamacpp~reference.max_abs_logit"),
+    Gate("speculative.llamacpp.lossless", 1.0, "ge",
+         "speculative greedy decoding inside llama.cpp (its drafter, verify, llama_memory_seq_rm rollback) must "
+         "return llama.cpp's own plain greedy tokens"),
+    Gate("speculative.lossless.same_tokens", 1.0, "ge",
+         "speculative greedy must return plain greedy token for token, whatever the drafter proposes (a flip at a "
+         "verify-vs-decode near-tie is named in the detail)"),
+    Gate("speculative.verify~decode.max_abs_logit", 1e-4, "le",
+         "the logits a token is chosen from, verify forward over k+1 rows vs one-token decode: same fp32 math in "
+         "other matrix shapes, only summation-order rounding (as batched vs solo)"),
+    Gate("speculative.oracle.acceptance", 1.0, "ge",
+         "a drafter that proposes the target's own greedy tokens must have every draft accepted; less means the "
+         "verifier rejects right drafts (a rollback or verify fault, or near-ties)"),
+    Gate("speculative.random.acceptance", 0.05, "le",
+         "uniform random drafts match the target's argmax with probability about 1/V (0.2 % at V = 512); more "
+         "means the verifier accepts wrong drafts"),
+    Gate("speculative.partial.acceptance_error", 0.0, "le",
+         "a drafter right for exactly 2 tokens of every round must have exactly min(2, drafted) accepted in "
+         "every round: the accepted prefix ends at the first wrong draft"),
+    Gate("speculative.model.drafted", 1.0, "ge",
+         "the case's assistant must actually have proposed drafts (a drafter that never runs still gives "
+         "lossless output)"),
 ]}
 
 

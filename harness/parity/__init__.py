@@ -39,7 +39,7 @@ __all__ = ["RESULTS_VERSION", "run"]
 Plan = list[tuple[Callable[[], CaseResult], str, str, str]]
 
 
-SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer")
+SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative")
 """What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
 
 
