@@ -172,6 +172,12 @@ def test_cli_logits_generate_trace(tiny_gguf, tmp_path, capsys):
     assert g4h(["logits", "--model", str(tiny_gguf), "--engine", stub(), "--prompt-ids", str(ids_file),
                 "--out", str(out)]) == 0
     np.testing.assert_array_equal(np.load(out), ReferenceEngine(tiny_gguf).logits(IDS).astype(np.float32))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt_ids": IDS}) + "\n")
+    assert g4h(["generate", "--model", str(tiny_gguf), "--engine", stub(), "--prompts", str(prompts),
+                "--max-new-tokens", "3", "--out", str(tmp_path / "g.jsonl")]) == 0
+    (line,) = (tmp_path / "g.jsonl").read_text().splitlines()
+    assert json.loads(line)["tokens"] == ReferenceEngine(tiny_gguf).generate([IDS], 3)[0]
     assert g4h(["trace", "--model", str(tiny_gguf), "--engine", stub(), "--prompt-ids", str(ids_file),
                 "--out", str(tmp_path / "t.jsonl"), "--dump-tensors", str(tmp_path / "dumps")]) == 0
     tr = read_trace(tmp_path / "t.jsonl")

@@ -169,7 +169,9 @@ def test_example_engine_perturbed_fails_at_the_prompt_and_position(built, tmp_pa
     assert failed and {c["prompt"] for c in failed} == {"len17-window+1"}, failed
     worst = next(c for c in failed if c["gate"] == "reference~cmd.max_abs_logit")
     assert worst["max_abs_logit_at"][0] == 5 and worst["why"].startswith("worst at position 5 ")
+    assert worst["first_divergence"] == "logits@position 5"
     assert worst["measured"] > DEFAULT_GATES["reference~cmd.max_abs_logit"].limit
     assert all(c["pass"] for c in logit if c["prompt"] != "len17-window+1")
     report = (Path(data["run_dir"]) / "report.md").read_text()
     assert "len17-window+1: worst at position 5" in report
+    assert "prompt `len17-window+1`: reference~cmd.max_abs_logit" in report and "point: logits@position 5" in report

@@ -215,6 +215,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                      progress: Progress, case: str, approx: tuple[str, ...]) -> list[Figure]:
     out: list[Figure] = []
     layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit
+    logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
     file_trace = hasattr(eng, "trace_file")
     batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}
     with tempfile.TemporaryDirectory(prefix="g4h-pair-") as tmp:
@@ -231,7 +232,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                 ours = eng.logits(p["prompt_ids"])
             if file_trace and _can(eng, "trace"):
                 ours_trace = _read_engine_trace(eng, p, Path(tmp))
-            out += _logit_figures(runs, ours, base, approx, pair, p)
+            out += _logit_figures(runs, ours, base, approx, pair, p, logit_limit)
             if ours_trace is not None:
                 out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit))
         if _can(eng, "generate"):
@@ -277,13 +278,16 @@ def _read_engine_trace(eng: Any, p: dict[str, Any], tmp: Path) -> Trace:
 
 
 def _logit_figures(runs: ReferenceRuns, ours: np.ndarray, base: np.ndarray, approx: tuple[str, ...], pair: str,
-                   p: dict[str, Any]) -> list[Figure]:
-    """:func:`logit_figures` of one prompt, with the worst position named, and, under an approximation, the
-    same figures against the exact reference beside."""
+                   p: dict[str, Any], limit: float) -> list[Figure]:
+    """:func:`logit_figures` of one prompt, with the worst position named and the first position whose
+    max |Δlogit| is above ``limit`` (``logits@position N``), and, under an approximation, the same figures
+    against the exact reference beside."""
     figs = logit_figures(ours, base, pair, p["id"])
     pos, tok = figs[0].detail["max_abs_logit_at"]
     figs[0].detail["why"] = (f"worst at position {pos} (token {tok}): {ours[pos, tok]:.6g} vs reference "
                              f"{base[pos, tok]:.6g}")
+    beyond = np.nonzero(~(np.max(np.abs(ours - base), axis=1) <= limit))[0]
+    figs[0].detail["first_divergence"] = f"logits@position {int(beyond[0])}" if beyond.size else None
     if approx:
         exact, _ = runs.logits((), p)
         for f, e in zip(figs, logit_figures(ours, exact, pair, p["id"])):
