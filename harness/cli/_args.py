@@ -21,7 +21,8 @@ def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference"
     p.add_argument("--model", required=model_required, default=None,
                    help=".gguf file, HF model folder, or a case: a built-in name (e2b, 26b-a4b ...) or a spec .toml "
                         "(built and cached on first use)")
-    p.add_argument("--engine", default=default_engine, help=" | ".join(ENGINES))
+    p.add_argument("--engine", default=default_engine,
+                   help=" | ".join([*ENGINES, "cmd:'COMMAND ...' (docs/engine-protocol.md)"]))
     p.add_argument("--device", default=None, help="fast engine: cpu | cuda[:N] (default: cuda when present)")
     p.add_argument("--dtype", dest="dtype_engine", choices=DTYPES, default=None,
                    help="fast engine: compute dtype (default float32)")

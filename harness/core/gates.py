@@ -192,6 +192,67 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
 ]}
 
 
+# --------------------------------------------------------------------------- the reference against any engine
+
+_RUNS = ("the engine must load the model and answer; an engine that cannot run (not installed, cannot read this "
+         "model form, crashed, broke the protocol) fails the case: a check that did not run is not a pass")
+
+
+def _pair_gates(pair: str, engine: str, bf16: bool = False, **own: tuple[float, str]) -> list[Gate]:
+    """The gates of ``pair``, the reference against one engine on a user's model (``g4h parity --model M --against
+    NAME``, :mod:`harness.parity.checks.pair`): ``runs``, then each metric with the bound of ``engine~oracle``
+    (``engine_bf16~oracle`` for a 16-bit engine), unless ``own`` gives the metric a ``(limit, reason)`` of its own
+    (``layer_rel_l2`` has no ``engine~oracle`` bound, so every pair gives one). ``engine`` says what the engine is."""
+    base = "engine_bf16~oracle" if bf16 else "engine~oracle"
+    gates = [Gate(f"{pair}.runs", 1.0, "ge", _RUNS)]
+    for metric in ("max_abs_logit", "mean_kld", "same_top1_decisive", "greedy", "max_abs_logprob", "layer_rel_l2"):
+        g = DEFAULT_GATES.get(f"{base}.{metric}")
+        if metric in own:
+            limit, why = own[metric]
+            gates.append(Gate(f"{pair}.{metric}", limit, g.op if g else "le", f"{engine}: {why}"))
+        else:
+            gates.append(Gate(f"{pair}.{metric}", g.limit, g.op, f"{engine}: as {g.name}: {g.reason}", g.informational))
+    return gates
+
+
+_FP32_LAYER = (5e-3, "per trace point of an fp32 engine: llama.cpp against the reference with its GELU table "
+                     "emulated measured up to 4.6e-4 (31b ffn_out@11), fast fp32 near 1e-6; a formula fault moves a "
+                     "point by 1e-2 or more")
+
+PAIR_GATES: list[Gate] = [
+    *_pair_gates("reference~reference", "a second float64 reference on the same file",
+                 **{m: (0.0, "the same float64 code on the same weights and ids must give bit-identical results")
+                    for m in ("max_abs_logit", "mean_kld", "max_abs_logprob", "layer_rel_l2")}),
+    *_pair_gates("reference~fast", "the torch fast path in fp32",
+                 max_abs_logit=(1e-3, "as fast~reference: fp32 rounding (~1e-5 on the small cases, 3e-4 on the real "
+                                      "Gemma 3 270M) with room for kernels that sum in another order"),
+                 max_abs_logprob=(1e-3, "the same rounding as its logits (reference~fast.max_abs_logit)"),
+                 layer_rel_l2=(1e-3, "fp32 vs float64 per trace point stays near 1e-6 (g4h diff's default DIFF_TOL); "
+                                     "a formula fault moves a point by 1e-2 or more")),
+    # reference~transformers.max_abs_logit, .layer_rel_l2 and .runs are above (the built-in cases use them too)
+    Gate("reference~transformers.mean_kld", 1e-5, "le",
+         "HF transformers fp32 eager: fp32 vs float64 leaves KLD near 1e-12 (bound as engine~oracle.mean_kld); a "
+         "formula fault gives > 1e-3"),
+    Gate("reference~transformers.same_top1_decisive", 1.0, "ge",
+         "HF transformers fp32 eager: as engine~oracle.same_top1_decisive (near-ties reported, not failed)"),
+    Gate("reference~transformers.greedy", 1.0, "ge",
+         "HF transformers fp32 eager: as engine~oracle.greedy (vLLM's rule)"),
+    Gate("reference~transformers.max_abs_logprob", 1e-4, "le",
+         "HF transformers fp32 eager: the same rounding as its logits (reference~transformers.max_abs_logit)"),
+    *_pair_gates("reference~llamacpp", "llama.cpp through llama-cpp-python (F32 KV cache, flash attention off), "
+                 "against the reference with its fp16 GELU table emulated", layer_rel_l2=_FP32_LAYER),
+    *_pair_gates("reference~cmd", "an engine behind the subprocess protocol computing in 32 or 64 bits (its hello's "
+                 "dtype), against the reference with the approximations it declares emulated",
+                 layer_rel_l2=_FP32_LAYER),
+    *_pair_gates("reference~cmd_bf16", "an engine behind the subprocess protocol computing in 16 bits", bf16=True,
+                 layer_rel_l2=(5e-2, "per trace point of a 16-bit engine: bf16 rounding (unit roundoff 3.9e-3) "
+                                     "through a few operations; a formula fault moves a point by 1e-1 or more")),
+]
+"""The gates of every ``reference~<engine kind>`` pair (one line per engine kind; a new kind adds its line)."""
+
+DEFAULT_GATES.update({g.name: g for g in PAIR_GATES})
+
+
 def resolve(overrides: Mapping[str, Any] | None, where: str) -> dict[str, Gate]:
     """The default gates with a case's overrides applied.
 

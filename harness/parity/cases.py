@@ -4,7 +4,8 @@
   GGUFs of every file type: reference vs transformers, the reference against itself, the quantized
   loaders, fast vs reference, the case's drafter (``<name>-assistant.toml``) and speculative decoding with
   every drafter, llama.cpp vs reference;
-* :func:`user_case`: a user's model (``--model``) against ``--against``;
+* :func:`user_case`: a user's model (``--model``): the reference against each engine of ``--against``
+  (default: every engine that can read it) and against itself;
 * :func:`gemma3_case`: the real Gemma 3 270M GGUF;
 * :func:`tokenizer_case`: the tokenizer checks.
 """
@@ -24,13 +25,14 @@ from reference.drafter_weights import load_drafter
 from .. import synth
 from ..core.cases import drafter_spec_for
 from ..core.gates import resolve
-from ..engines import EngineUnavailable, make_engine
+from ..engines import engine_kind, make_engine
 from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
 from .checks.drafter import drafter_checks, llamacpp_drafter_checks
 from .checks.fast import fast_checks
 from .checks.gemma3_real import gemma3_figures, run_gemma3_real
 from .checks.llamacpp import llamacpp_checks
+from .checks.pair import ReferenceRuns, pair_checks
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
 from .checks.speculative import speculative_checks
 from .checks.tokenizer import tokenizer_figures
@@ -107,27 +109,33 @@ def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: 
             res.apply(llamacpp_drafter_checks(ensure_drafter_built(dspec), prompts, progress, name), gates)
 
 
-def user_case(path: str, against: str, prompts: Sequence[dict[str, Any]], progress: Progress) -> CaseResult:
-    """reference vs ``against`` on a user-supplied model (prompts restricted to its vocabulary)."""
+def default_against(path: str | Path) -> list[str]:
+    """The engines a user's model is compared with when ``--against`` is not given: what can read it. A GGUF:
+    ``fast`` and ``llamacpp`` (a missing llama.cpp fails the case unless ``--skip llamacpp``); an HF folder:
+    ``fast`` and ``transformers`` (llama.cpp reads only GGUF)."""
+    return ["fast", "transformers"] if Path(path).is_dir() else ["fast", "llamacpp"]
+
+
+def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[str, Any]], progress: Progress,
+              skip: tuple[str, ...] = ()) -> CaseResult:
+    """The reference against each engine of ``against`` (default :func:`default_against`) on a user-supplied
+    model, one pair after another (:func:`harness.parity.checks.pair.pair_checks`: an engine that cannot run
+    is a failing ``reference~<kind>.runs`` figure and the next pair still runs), then the reference against
+    itself (cached vs uncached). Prompts are restricted to the model's vocabulary."""
     res = CaseResult(case=Path(path).name, kind="user", model=str(path))
     gates = resolve(None, str(path))
     progress(f"[{res.case}] loading with the reference")
     ref = ReferenceEngine(path)
     res.info["config"] = ref.cfg.summary()
     usable = [p for p in prompts if max(p["prompt_ids"]) < ref.cfg.vocab_size]
-    try:
-        oracle = make_engine(against, path)
-    except EngineUnavailable as e:
-        res.info["skipped"] = f"{against}: {e}"
-        progress(f"[{res.case}] {against} skipped: {e}")
-        oracle = None
-    if oracle is not None:
-        progress(f"[{res.case}] reference vs {against} on {len(usable)} prompts")
-        pair = f"reference~{against}"
-        layer_gate = gates.get(f"{pair}.layer_rel_l2")
-        res.apply(compare_pair(ref, oracle, usable, pair, None if layer_gate is None else layer_gate.limit), gates)
+    names = list(against) if against else default_against(path)
+    res.info["against"] = names
+    runs = ReferenceRuns(ref)
+    for name in names:
+        opted = engine_kind(name) if engine_kind(name) in skip else None
+        res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted), gates)
     for p in usable:
-        res.apply(cached_vs_uncached(ref, p), gates)
+        res.apply(cached_vs_uncached(ref, p, runs.logits((), p)[0]), gates)
     return res
 
 
