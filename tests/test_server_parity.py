@@ -1,4 +1,5 @@
-"""``openai:URL`` as an engine name, and ``g4h parity --against openai:URL`` (harness/parity/checks/server.py).
+"""``openai:URL`` as an engine name, and ``g4h parity --against openai:URL``: the pair ``reference~openai``
+(harness/parity/checks/pair.py) and the server checks (harness/parity/checks/server.py).
 
 Against real servers: ``llama-server --parallel 4`` from the cached llama.cpp build (tests/servers.py), on the
 synthetic ``31b`` GGUF (with and without the Gemma 4 chat template) and on ``e2b`` (whose continuations reach EOS).
@@ -18,13 +19,13 @@ from servers import FaultStub, free_port, running_llama_server
 
 from harness.cli import main
 from harness.core.cases import MODELS_DIR, load_prompts
-from harness.engines import engine_class, is_engine_name, make_engine
+from harness.engines import EngineUnavailable, check_engine_name, engine_class, engine_kind, make_engine
 from harness.engines.openai import OpenAIEngine, ServerError
 from harness.parity.checks.server import (
     CHAT_CASES,
     ServerOptions,
     _our_tokenizer,
-    load_server_prompts,
+    load_user_prompts,
     template_figures,
 )
 from reference.errors import InputError, PromptError
@@ -50,6 +51,13 @@ def failing(data: dict) -> list[str]:
     return [c["gate"] for case in data["cases"] for c in case["checks"] if not c["pass"] and not c.get("informational")]
 
 
+def two_prompts(tmp_path: Path) -> list[str]:
+    """``--prompts`` with two short prompts: a fault run needs no more (it keeps the reference's own checks short)."""
+    f = tmp_path / "two.jsonl"
+    f.write_text('{"id": "a", "prompt_ids": [2, 5, 6, 7]}\n{"id": "b", "prompt_ids": [2, 9, 10]}\n')
+    return ["--prompts", str(f)]
+
+
 def prompt_id_of(ids: list[int]) -> str:
     return next(str(p["id"]) for p in load_prompts() if p["prompt_ids"] == ids)
 
@@ -58,9 +66,12 @@ def prompt_id_of(ids: list[int]) -> str:
 
 
 def test_openai_is_an_engine_name():
-    assert is_engine_name("openai:http://127.0.0.1:8080/v1") and is_engine_name("reference")
-    assert not is_engine_name("openai") and not is_engine_name("vllm:http://x")
+    check_engine_name("openai:http://127.0.0.1:8080/v1")
+    for bad in ("openai", "vllm:http://x", "openai: "):
+        with pytest.raises(EngineUnavailable):
+            check_engine_name(bad)
     assert engine_class("openai:http://127.0.0.1:1/v1") is OpenAIEngine
+    assert engine_kind("openai:http://127.0.0.1:1/v1") == "openai"
 
 
 def test_engine_name_with_a_server_down(synth_gguf):
@@ -73,12 +84,12 @@ def test_engine_name_with_a_server_down(synth_gguf):
 def test_server_prompt_file(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"text": "Hello"}\n\n{"id": "b", "prompt_ids": [2, 5]}\n')
-    assert load_server_prompts(f) == [{"id": 1, "text": "Hello"}, {"id": "b", "prompt_ids": [2, 5]}]
+    assert load_user_prompts(f) == [{"id": 1, "text": "Hello"}, {"id": "b", "prompt_ids": [2, 5]}]
     for bad, why in (('{"text": ""}', "expected"), ('{"text": "a", "prompt_ids": [2]}', "one of them"),
                      ('{"prompt_ids": [2, true]}', "expected"), ("[1]", "expected"), ("{", "not valid JSON")):
         f.write_text(bad + "\n")
         with pytest.raises(PromptError, match=why) as ei:
-            load_server_prompts(f)
+            load_user_prompts(f)
         assert str(ei.value).startswith(f"{f}:1: ")
     with pytest.raises(InputError, match="--concurrency 0: expected >= 1"):
         ServerOptions(concurrency=0).check()
@@ -92,11 +103,12 @@ def test_server_down_is_exit_2_and_the_run_goes_on(synth_gguf, tmp_path):
     other = tmp_path / "other.gguf"
     shutil.copy(synth_gguf, other)
     rc, data, report = parity(tmp_path, "--model", str(synth_gguf), "--model", str(other), "--against",
-                              f"openai:{url}/v1")
+                              f"openai:{url}/v1", *two_prompts(tmp_path))
     assert rc == 2 and [c["case"] for c in data["cases"]] == [synth_gguf.name, "other.gguf"]
-    for case in data["cases"]:  # both cases ran, each ending in the one line naming the URL
-        assert case["error"] == f"{url}/props: server down (connection refused)" and case["error_kind"] == "input"
-    assert f"{url}/props: server down" in report
+    for case in data["cases"]:  # both cases ran, the server pair of each failing in the one line naming the URL
+        runs = checks(data, data["cases"].index(case))["reference~openai.runs"]
+        assert runs["got"] == f"{url}/props: server down (connection refused)" and runs["bad_input"]
+    assert f"{url}/props: server down" in report and "BAD INPUT" in data["verdict"]
 
 
 @pytest.mark.parametrize("mode, expected", [
@@ -107,10 +119,10 @@ def test_server_down_is_exit_2_and_the_run_goes_on(synth_gguf, tmp_path):
 def test_failing_server_is_exit_2(synth_gguf, tmp_path, mode, expected):
     with FaultStub(mode, delay=3.0) as stub:
         rc, data, _ = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{stub.url}/v1",
-                             "--server-timeout", "0.5")
-    (case,) = data["cases"]
-    assert rc == 2 and case["error_kind"] == "input" and "\n" not in case["error"]
-    assert case["error"].startswith(stub.url + expected)
+                             "--server-timeout", "0.5", *two_prompts(tmp_path))
+    runs = checks(data)["reference~openai.runs"]
+    assert rc == 2 and runs["bad_input"] and "\n" not in runs["got"]
+    assert runs["got"].startswith(stub.url + expected)
 
 
 # --------------------------------------------------------------------------- the engine on the command line
@@ -164,11 +176,14 @@ def test_parity_against_llama_server_passes(llama_server_chat, synth_gguf, tmp_p
     rc, data, report = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{llama_server_chat.url}/v1")
     assert rc == 0, failing(data)
     got = checks(data)
-    assert set(got) == {"llamacpp_server~oracle.greedy", "llamacpp_server~oracle.max_abs_logprob",
-                        "server.batched~alone.greedy", "server.batched~alone.max_abs_logprob",
-                        "server.stream~nostream.same_tokens", "server.stop.max_tokens", "server.stop.string",
-                        "server.stop.eos", "server.chat_template"}
-    assert data["cases"][0]["info"]["server"]["dialect"] == "llama-server" and "dialect **llama-server**" in report
+    assert {"reference~openai.runs", "reference~openai.greedy", "reference~openai.max_abs_logprob",
+            "server.batched~alone.greedy", "server.batched~alone.max_abs_logprob",
+            "server.stream~nostream.same_tokens", "server.stop.max_tokens", "server.stop.string",
+            "server.stop.eos", "server.chat_template"} <= set(got)
+    assert not any(g.startswith("reference~openai.") and g.split(".")[1] in ("max_abs_logit", "layer_rel_l2")
+                   for g in got)  # a server gives no logits and no trace points
+    assert got["reference~openai.runs"]["approximations"] == ["gelu_fp16_table", "quantized_activations"]
+    assert "(llama-server, model " in got["reference~openai.runs"]["engine"] and "(llama-server, model " in report
     b = got["server.batched~alone.greedy"]
     assert b["requests"] == 16 and b["identical"] + b["by_top_n"] + b["near_ties"] == 16
     assert b["max_in_flight"] > 1  # the staggered requests did overlap
@@ -190,7 +205,7 @@ def test_text_prompts_tokenizer_difference_is_a_tokenizer_failure(llama_server_c
     tk = checks(data)["server.tokenizer"]
     assert tk["measured"] == 0.5
     assert tk["why"] == "request lead position 4: server [230, 154, 133, 112, 105, 101], ours [112, 105, 101, 104]"
-    assert checks(data)["llamacpp_server~oracle.greedy"]["streams"] == 3
+    assert checks(data)["reference~openai.greedy"]["streams"] == 3
 
 
 @pytest.mark.slow
@@ -198,8 +213,8 @@ def test_perturbed_logprobs_fail(llama_server, synth_gguf, tmp_path):
     with FaultStub("perturb", upstream=llama_server.url) as stub:
         rc, data, report = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{stub.url}/v1",
                                   *ONLY_GREEDY)
-    assert rc == 1 and failing(data) == ["llamacpp_server~oracle.max_abs_logprob"]
-    lp = checks(data)["llamacpp_server~oracle.max_abs_logprob"]
+    assert rc == 1 and failing(data) == ["reference~openai.max_abs_logprob"]
+    lp = checks(data)["reference~openai.max_abs_logprob"]
     assert lp["measured"] > 0.09  # every log-prob moved by 0.1
     first = load_prompts()[0]["id"]  # the first request has steps with log-probs, so it diverges first
     assert lp["first_divergence"].startswith(f"request {first} step ")
@@ -212,8 +227,8 @@ def test_swapped_token_fails_naming_request_step_and_tokens(llama_server, synth_
         rc, data, _ = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{stub.url}/v1",
                              *ONLY_GREEDY)
         first = stub.altered[0]  # the alone requests go first, in prompt order
-    assert rc == 1 and "llamacpp_server~oracle.greedy" in failing(data)
-    g = checks(data)["llamacpp_server~oracle.greedy"]
+    assert rc == 1 and "reference~openai.greedy" in failing(data)
+    g = checks(data)["reference~openai.greedy"]
     rid = prompt_id_of(first["prompt"])
     assert g["first_fault"] == f"request {rid} step 2: ours {first['now']}, oracle {first['was']}"
     row = next(r for r in g["streams_detail"] if r["request"] == rid)

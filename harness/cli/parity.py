@@ -6,40 +6,42 @@ import argparse
 
 from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
+from ..engines import split_engines
 from ..parity import run as run_parity
-from ..parity.checks.server import ORACLES, ServerOptions
+from ..parity.checks.pair import GREEDY_NEW_TOKENS
+from ..parity.checks.server import ServerOptions
 from ..parity.report import junit_xml, short_table
-from ._args import add_server_args, check_out_dir, check_out_file
+from ._args import add_server_args, check_out_dir, check_out_file, engine_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h parity``."""
     p.add_argument("--model", action="append", default=None,
                    help="a user model (.gguf or HF folder); repeatable. Default: the built-in cases")
-    p.add_argument("--against", default="transformers",
-                   help="the engine compared with the reference on --model (default transformers); openai:URL runs "
-                        "the server checks against --oracle")
+    p.add_argument("--against", action="append", default=None, metavar="ENGINE[,ENGINE...]",
+                   help="engines the reference is compared with on --model (repeatable, or a comma list): reference, "
+                        "fast, transformers, llamacpp, cmd:'COMMAND ...' (docs/engine-protocol.md), openai:URL (a "
+                        "server: docs/server-dialects.md). Default: every engine that can read the model (a GGUF: "
+                        "fast, llamacpp; an HF folder: fast, transformers)")
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
-                   help='prompt set: {"id", "prompt_ids"} per line; against a server also {"text": ...} lines '
-                        "(default: cases/prompts/synthetic.jsonl, restricted to the model's vocabulary)")
+                   help='with --model: the prompt set, {"prompt_ids": [...]} or {"text": "..."} per line, optional '
+                        '"id" (default: cases/prompts/synthetic.jsonl, restricted to the model\'s vocabulary)')
+    p.add_argument("--max-new-tokens", type=int, default=GREEDY_NEW_TOKENS,
+                   help=f"with --model: tokens of each greedy stream (default {GREEDY_NEW_TOKENS})")
     s = p.add_argument_group("server checks (--against openai:URL)")
-    s.add_argument("--oracle", choices=ORACLES, default="reference",
-                   help="what the server is judged against: the float64 reference (default) or the torch fast path")
     add_server_args(s)
-    s.add_argument("--top-n", type=int, default=5,
-                   help="vLLM's rule: each token in the other's top-N (default 5); also the log-probs asked per step")
-    s.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per request (default 16)")
     s.add_argument("--batch-requests", type=int, default=16,
                    help="batch invariance: this many requests with staggered starts (default 16)")
-    s.add_argument("--concurrency", type=int, default=8, help="batch invariance: at most this many in flight "
-                                                              "(default 8)")
+    s.add_argument("--concurrency", type=int, default=8,
+                   help="batch invariance: at most this many in flight (default 8)")
     p.add_argument("--out", default=None, help="parent folder of the run directory (default reports/)")
     p.add_argument("--case", action="append", default=None, help="only this built-in case (repeatable)")
     p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
     p.add_argument("--skip", action="append", default=[], metavar="CHECK",
-                   help="opt a check out (repeatable): llamacpp, gemma3-real, tokenizer, a tokenizer check's name, or "
-                        "a server check (server-batch, server-stream, server-stop, server-template). A check that "
-                        "cannot run here and was not opted out fails the run")
+                   help="opt a check out (repeatable): llamacpp, gemma3-real, tokenizer, speculative (the drafter "
+                        "and speculative-decoding checks), a tokenizer check's name, or a server check (server-batch, "
+                        "server-stream, server-stop, server-template). A check that cannot run here and was not opted "
+                        "out fails the run")
     p.add_argument("--slow", action="store_true",
                    help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -71,16 +73,14 @@ def run(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
     if args.junit_xml:
         check_out_file(args.junit_xml)
-    data, status = run_parity(models=args.model, against=args.against, out=args.out, real=not args.no_real,
+    against = [n for text in args.against for n in split_engines(text)] if args.against else None
+    data, status = run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
                               skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
-                              server=ServerOptions(oracle=args.oracle, top_n=args.top_n,
-                                                   max_new_tokens=args.max_new_tokens,
-                                                   batch_requests=args.batch_requests, concurrency=args.concurrency,
-                                                   server_model=args.server_model,
-                                                   server_timeout=120.0 if args.server_timeout is None
-                                                   else args.server_timeout))
+                              engine_options=engine_options(args),
+                              server=ServerOptions(max_new_tokens=args.max_new_tokens,
+                                                   batch_requests=args.batch_requests, concurrency=args.concurrency))
     print(short_table(data))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))

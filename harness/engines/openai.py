@@ -30,6 +30,7 @@ import concurrent.futures as cf
 import json
 import math
 import socket
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -41,6 +42,10 @@ from reference.errors import InputError
 from .base import EngineUnavailable, Generated
 
 DIALECTS = ("llama-server", "llama-cpp-python", "vllm")
+
+LLAMACPP_APPROXIMATIONS = ("gelu_fp16_table", "quantized_activations")
+"""What a server built on llama.cpp declares (as the ``llamacpp`` engine kind): its fp16 GELU table, and
+activations rounded to the dot-product type of quantized weights."""
 
 
 class ServerError(InputError):
@@ -228,29 +233,52 @@ def utf8_cut(text: bytes) -> bool:
 class OpenAIEngine:
     """A model served over HTTP, driven greedily, token ids in and out.
 
+    Built by :func:`harness.engines.make_engine` for the name ``openai:URL`` as ``OpenAIEngine(URL, model_path,
+    server_model=..., server_timeout=...)``.
+
     Args:
-        url: ``openai:http://HOST:PORT/v1`` (``openai:`` and ``/v1`` optional).
-        model: the model name to send (default: the first entry of ``GET /v1/models``).
-        timeout: seconds allowed for connecting and for each read of one request.
-        concurrency: requests in flight at once in :meth:`generate_full` (llama-server's ``--parallel``).
+        url: ``http://HOST:PORT/v1`` (``openai:`` and ``/v1`` optional).
+        path: the model file the harness compares with; the server holds its own copy, so it is not read here.
+        model: the model name to send (default: the first entry of ``GET /v1/models``); ``server_model`` is the
+            same (``--server-model``).
+        timeout: seconds allowed for connecting and for each read of one request; ``server_timeout`` is the same
+            (``--server-timeout``, default 120).
+        concurrency: requests in flight at once in :meth:`generate_full` (default 1: each prompt alone).
         dialect: skip detection and assume this one (one of :data:`DIALECTS`).
+        check_greedy: :meth:`generate_full` raises on a step whose token is not the top-1 of the server's own
+            log-probs (False where gates judge that instead: ``g4h parity``).
+
+    Attributes:
+        path: ``path`` as given.
+        name: ``openai:URL (dialect, model 'NAME')``, as reports show it.
+        ops: ``("generate",)``: no logits, no trace points.
+        approximations: llama.cpp's known approximations for a server built on it (llama-server,
+            llama-cpp-python; :data:`harness.parity.checks.pair.KIND_APPROXIMATIONS`), else none.
+        answers: ``(ids, max_new_tokens, top_n) -> (ServerGenerated, seconds)`` of every prompt
+            :meth:`generate_full` sent (the server checks reuse them as the answers "sent alone").
 
     Raises:
         ServerError: the server is down, slow, answers an error or an unexpected shape, or is no known dialect.
     """
 
-    name = "openai"
+    ops = ("generate",)
 
-    def __init__(self, url: str, model: str | None = None, timeout: float = 120.0, concurrency: int = 4,
-                 dialect: str | None = None) -> None:
+    def __init__(self, url: str, path: Any = None, model: str | None = None, timeout: float = 120.0,
+                 concurrency: int = 1, dialect: str | None = None, check_greedy: bool = True,
+                 server_model: str | None = None, server_timeout: float | None = None) -> None:
         self.base, self.root = parse_url(url)
-        self.http = Http(timeout)
+        self.http = Http(float(server_timeout) if server_timeout is not None else timeout)
         self.concurrency = max(1, int(concurrency))
+        self.check_greedy = check_greedy
+        self.path = path
         if dialect is not None and dialect not in DIALECTS:
             raise ServerError(f"{self.root}: unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
         self.dialect = dialect or detect_dialect(self.http, self.base, self.root)
         self._models = self.http.call(self.base + "/models")
-        self.model = model or self._model_name()
+        self.model = server_model or model or self._model_name()
+        self.name = f"openai:{self.base} ({self.dialect}, model {self.model!r})"
+        self.approximations = LLAMACPP_APPROXIMATIONS if self.dialect in ("llama-server", "llama-cpp-python") else ()
+        self.answers: dict[tuple[tuple[int, ...], int, int], tuple[ServerGenerated, float]] = {}
         self._pieces: dict[int, bytes] = {}  # llama-server: token id -> its text's bytes
         self._text_id: dict[str, int | None] = {}  # llama-cpp-python: token text -> id
         self._id_text: dict[int, str] = {}
@@ -261,24 +289,6 @@ class OpenAIEngine:
         if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
             raise _shape(self.base + "/models", '{"data": [{"id": str, ...}, ...]}', self._models)
         return data[0]["id"]
-
-    @classmethod
-    def from_engine_name(cls, name: str, path: Any = None, server_model: str | None = None,
-                         server_timeout: float | None = None, concurrency: int | None = None) -> "OpenAIEngine":
-        """The engine named ``openai:URL`` on the command line (:func:`harness.engines.make_engine`).
-
-        Args:
-            name: ``openai:http://HOST:PORT/v1``.
-            path: the model file the harness compares with; the server holds its own copy, so it is not read here.
-            server_model: ``--server-model``, the model name to send (default: from ``/v1/models``).
-            server_timeout: ``--server-timeout``, seconds per request (default 120).
-            concurrency: requests in flight at once (default 4).
-
-        Raises:
-            ServerError: as the constructor.
-        """
-        return cls(name, model=server_model, timeout=120.0 if server_timeout is None else float(server_timeout),
-                   concurrency=4 if concurrency is None else int(concurrency))
 
     def logits(self, ids: Sequence[int], trace: Any = None) -> Any:
         """Impossible: a completion server returns the top-N log-probabilities of the tokens it generates, never
@@ -368,7 +378,8 @@ class OpenAIEngine:
                       stream: bool = False) -> list[ServerGenerated]:
         """Greedy continuations (temperature 0) with the top-``top_n`` ``(id, logprob)`` of every step.
 
-        Up to ``concurrency`` requests are in flight at once; results come back in the prompts' order.
+        Up to ``concurrency`` requests are in flight at once; results come back in the prompts' order, and are
+        kept in :attr:`answers` (not streamed ones).
         llama-server and vLLM generate exactly ``max_new_tokens`` (EOS ignored); llama-cpp-python stops at EOS
         (``finish_reason == "stop"``, fewer tokens). ``stream``: read the answer as server-sent events.
 
@@ -381,10 +392,19 @@ class OpenAIEngine:
         if max_new_tokens <= 0 or not prompts:
             return [ServerGenerated() for _ in prompts]
         args = [[int(t) for t in p] for p in prompts]
+
+        def one(ids: list[int]) -> ServerGenerated:
+            t0 = time.monotonic()
+            g = self.complete(ids, max_new_tokens, top_n, stream=stream)
+            if not stream:
+                self.answers[(tuple(ids), int(max_new_tokens), int(top_n))] = (g, time.monotonic() - t0)
+            return g
+
         with cf.ThreadPoolExecutor(min(self.concurrency, len(args))) as ex:
-            out = list(ex.map(lambda ids: self.complete(ids, max_new_tokens, top_n, stream=stream), args))
-        for k, g in enumerate(out):
-            _check_greedy(self.base, k, g)
+            out = list(ex.map(one, args))
+        if self.check_greedy:
+            for k, g in enumerate(out):
+                _check_greedy(self.base, k, g)
         return out
 
     def complete(self, ids: Sequence[int], max_new_tokens: int, top_n: int = 5, *, stream: bool = False,

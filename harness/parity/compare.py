@@ -25,7 +25,8 @@ import numpy as np
 from reference.errors import InputError
 
 from ..core.gates import NEAR_TIE_MARGIN, resolve
-from ..core.metrics import greedy_agreement, kld_stats
+from ..core.kld import kld_stats
+from ..core.metrics import greedy_agreement
 from .result import CaseResult, Figure, fig
 
 PRECISIONS = {"fp32": "engine~oracle", "bf16": "engine_bf16~oracle"}
@@ -106,7 +107,7 @@ def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any =
 
 
 def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[str, Any]], pair: str,
-                       top_n: int = 5) -> list[Figure]:
+                       top_n: int = 5, logprob_limit: float | None = None) -> list[Figure]:
     """Figures of greedy streams by vLLM's rule: ``<pair>.greedy`` (the fraction of streams that agree, each
     divergence classified) and ``<pair>.max_abs_logprob`` (shared top-N log-probs on the agreed prefix).
 
@@ -115,7 +116,9 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
     is a real fault, named with the request, the step and both tokens. A divergence where our token is not the
     top-1 of our own log-probs is a fault whatever the rule says: a greedy engine never picks another token.
     A step without log-probs on a side (a server that reported none there) has no top-N on that side. Two
-    streams are compared over their common prefix (vLLM's ``zip``); an empty stream has none.
+    streams are compared over their common prefix (vLLM's ``zip``); an empty stream has none. With
+    ``logprob_limit`` (the log-prob gate's limit), the first place (request in order, step, token) beyond it is
+    named as the log-prob figure's ``first_divergence``.
 
     Raises:
         InputError: the two sides hold different request ids.
@@ -123,7 +126,7 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
     if set(ours) != set(oracle):
         only = sorted(set(ours) ^ set(oracle))
         raise InputError(f"the two generation files hold different requests (e.g. {only[0]!r})")
-    rows, worst_lp, worst_at = [], 0.0, None
+    rows, worst_lp, worst_at, beyond = [], 0.0, None, None
     for rid in oracle:  # in the order given (a file's order), so that "first" means first there
         a, b = ours[rid], oracle[rid]
         if not a["tokens"] or not b["tokens"]:
@@ -135,6 +138,9 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
             shared = set(a["logprobs"][step]) & set(b["logprobs"][step])
             for tok in sorted(shared):
                 d = abs(a["logprobs"][step][tok] - b["logprobs"][step][tok])
+                if beyond is None and logprob_limit is not None and d > logprob_limit:
+                    beyond = (f"request {rid} step {step} token {tok}: ours {a['logprobs'][step][tok]:.6g}, "
+                              f"oracle {b['logprobs'][step][tok]:.6g}")
                 if d > worst_lp:
                     worst_lp = d
                     worst_at = (f"request {rid} step {step} token {tok}: ours {a['logprobs'][step][tok]:.6g}, "
@@ -158,14 +164,18 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
     ok = [r for r in rows if r["kind"] != "fault"]
     faults = [r for r in rows if r["kind"] == "fault"]
     first = faults[0] if faults else None
+    where = (f"request {first['request']} step {first['step']}: ours {first['ours']}, oracle {first['oracle']}"
+             if first else None)
     return [fig(f"{pair}.greedy", len(ok) / len(rows), None, streams=len(rows),
                 identical=sum(r["kind"] == "identical" for r in rows),
                 by_top_n=sum(r["kind"] == "top-n" for r in rows), near_ties=sum(r["kind"] == "near-tie" for r in rows),
-                **({"first_fault": f"request {first['request']} step {first['step']}: ours {first['ours']}, "
-                                   f"oracle {first['oracle']}"} if first else {}),
+                **({"first_fault": where, "first_divergence": where, "why": f"{where} ({first['reason']})"}
+                   if first else {}),
                 streams_detail=rows[:50]),
             fig(f"{pair}.max_abs_logprob", worst_lp, None, top_n=top_n,
-                **({"worst_at": worst_at} if worst_at else {}))]
+                **({"worst_at": worst_at, "why": f"largest at {worst_at}"} if worst_at else {}),
+                **({"first_divergence": beyond, "why": f"first beyond {logprob_limit:g} at {beyond}"}
+                   if beyond else {}))]
 
 
 def judge(figures: Sequence[Figure], case: str, model: str) -> CaseResult:

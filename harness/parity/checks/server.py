@@ -1,36 +1,31 @@
 """Checks of a model behind an OpenAI-compatible server: ``g4h parity --model PATH --against openai:URL``.
 
-The server (:class:`harness.engines.openai.OpenAIEngine`: llama-server, llama-cpp-python's server, vLLM) is
-asked for greedy continuations with the top-N log-probabilities of every step, and judged against an oracle
-that runs the same model file here (the float64 reference, or ``--oracle fast``). Every check returns figures;
-the gates (``harness/core/gates.py``) judge them in :meth:`harness.parity.result.CaseResult.apply`.
+The server (:class:`harness.engines.openai.OpenAIEngine`: llama-server, llama-cpp-python's server, vLLM) is one
+more engine of the pair checks (:func:`harness.parity.checks.pair.pair_checks`, pair ``reference~openai``): its
+greedy streams are judged there against the reference's by vLLM's rule (``reference~openai.greedy``, each
+divergence a near-tie or a fault naming the request, the step and both tokens; a token that is not the server's
+own top-1 is a fault) and by ``reference~openai.max_abs_logprob`` (shared top-5 on the agreed prefix). A server
+built on llama.cpp declares llama.cpp's approximations, so the reference emulates its fp16 GELU table.
+
+This module adds the checks only a server has (:data:`harness.parity.checks.pair.EXTRA_CHECKS` ``["openai"]``,
+:func:`server_checks`), each a figure with a gate in ``harness/core/gates.py``:
 
 1. **tokenizer** (text prompts only): the server's ``/tokenize`` of each text against our tokenizer's ids; a
    difference fails ``server.tokenizer`` and the model checks still run on our ids (a tokenizer fault is not a
    model fault).
-2. **greedy** (``<pair>.greedy``): each prompt sent alone; the streams compared by vLLM's rule (top-N), each
-   divergence classified as a near-tie (the oracle's top-1/top-2 margin below
-   :data:`~harness.core.gates.NEAR_TIE_MARGIN`) or a real fault naming the request, the step and both tokens
-   (:func:`harness.parity.compare.generation_figures`); a token that is not the server's own top-1 is a fault.
-3. **log-probs** (``<pair>.max_abs_logprob``): max |Δ log-prob| over the shared top-N on the agreed prefix.
-4. **batch invariance** (``server.batched~alone.greedy``): ``batch_requests`` requests (the prompts in turn)
-   started ``stagger_s`` apart, at most ``concurrency`` in flight, against the same prompts sent alone; per
-   request: identical tokens, agreement only by the greedy rule, or a fault.
-5. **streaming** (``server.stream~nostream.same_tokens``): each prompt streamed against its alone answer.
-6. **stop and EOS** (``server.stop.max_tokens``, ``.string``, ``.eos``): ``max_tokens`` 1 and 3; a stop string
-   taken from the oracle's continuation; EOS not ignored, at every place where the oracle's greedy choice is
+2. **batch invariance** (``server.batched~alone.greedy``): ``batch_requests`` requests (the prompts in turn)
+   started ``stagger_s`` apart, at most ``concurrency`` in flight, against the same prompts sent alone (the pair
+   check's answers); per request: identical tokens, agreement only by the greedy rule, or a fault.
+3. **streaming** (``server.stream~nostream.same_tokens``): each prompt streamed against its alone answer.
+4. **stop and EOS** (``server.stop.max_tokens``, ``.string``, ``.eos``): ``max_tokens`` 1 and 3; a stop string
+   taken from the reference's continuation; EOS not ignored, at every place where the reference's greedy choice is
    EOS (inside a prompt or in a continuation) and on prompts where it never is.
-7. **chat template** (``server.chat_template``): the ids the server evaluates for a chat request against our
-   Gemma 4 chat format (:func:`reference.chat.render_ids`).
-
-``<pair>`` is ``llamacpp_server~oracle`` for servers built on llama.cpp (llama-server, llama-cpp-python), so
-that a case can state a known llama.cpp difference without excusing other engines, and ``engine~oracle``
-otherwise. A model file inside a built synthetic case (a ``spec.toml`` beside it, :mod:`harness.synth`) is
-judged with that case's ``[gates]`` table.
+5. **chat template** (``server.chat_template``): the ids the server evaluates for a chat request against our
+   Gemma 4 chat format (:func:`reference.chat.render`).
 
 A server that is down, slow past the timeout, answers an error status, malformed JSON or another shape raises
-:class:`~harness.engines.openai.ServerError`; the case then ends with that one line (exit 2, the figures
-measured so far kept) and the run goes on with the other cases.
+:class:`~harness.engines.openai.ServerError` (an :class:`InputError`); the pair then ends with that one line as
+its ``reference~openai.runs`` figure (exit 2) and the run goes on with the other engines and cases.
 """
 
 from __future__ import annotations
@@ -45,7 +40,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from reference import model as ref_model
 from reference.chat import BOS as BOS_TEXT
 from reference.chat import render
 from reference.errors import InputError, PromptError
@@ -53,26 +47,23 @@ from reference.tokenizer import BYTE, NORMAL, GGUFTokenizer
 
 from ... import synth
 from ...core.cases import PROMPTS
-from ...core.gates import NEAR_TIE_MARGIN, resolve
+from ...core.gates import NEAR_TIE_MARGIN
 from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
-from ...engines import make_engine
-from ...engines.openai import OpenAIEngine, ServerError, ServerGenerated
-from ...engines.reference import ReferenceEngine
-from ...tokenizer.build import load_tokenizer_metadata
+from ...engines.openai import OpenAIEngine, ServerGenerated
+from ...tokenizer.files import load_tokenizer_metadata
 from ..compare import generation_figures
-from ..result import CaseResult, Figure, fig, one_line
+from ..result import Figure, fig
+from .pair import EXTRA_CHECKS, NUMERICS, ReferenceRuns
 
-__all__ = ["ORACLES", "SERVER_CHECKS", "ServerOptions", "is_server_engine", "load_server_prompts", "report_lines",
-           "server_case"]
+__all__ = ["SERVER_CHECKS", "ServerOptions", "load_user_prompts", "report_lines", "server_checks", "spec_gates",
+           "with_prompt_ids"]
 
-ORACLES = ("reference", "fast")
-"""``--oracle``: the float64 reference, or the torch fast path (fp32) for speed."""
+TOP_N = 5
+"""Log-probabilities asked per step, and vLLM's N (the reference's streams carry their top 5)."""
 
 SERVER_CHECKS = ("server-batch", "server-stream", "server-stop", "server-template")
 """Server checks a user may opt out of with ``--skip`` (the greedy and log-prob figures always run)."""
-
-LLAMACPP_DIALECTS = ("llama-server", "llama-cpp-python")
 
 #: Conversations for the chat-template check (plain turns: what every server's template endpoint takes).
 CHAT_CASES: tuple[tuple[str, list[dict[str, str]]], ...] = (
@@ -84,7 +75,7 @@ CHAT_CASES: tuple[tuple[str, list[dict[str, str]]], ...] = (
 )
 
 MAX_EOS_PREFIX_SITES = 4
-"""At most this many prompt prefixes whose next greedy token (the oracle's) is EOS are sent."""
+"""At most this many prompt prefixes whose next greedy token (the reference's) is EOS are sent."""
 
 NO_EOS_PROMPTS = 2
 """This many prompts whose continuation never reaches EOS are sent with EOS not ignored (no early stop)."""
@@ -103,55 +94,38 @@ class ServerOptions:
     """Options of the server checks (``g4h parity`` flags in brackets).
 
     Attributes:
-        oracle: ``reference`` (float64) or ``fast`` (torch fp32) [``--oracle``].
-        top_n: log-probabilities per step, and vLLM's N [``--top-n``].
-        max_new_tokens: tokens generated per request [``--max-new-tokens``].
+        max_new_tokens: tokens generated per request, as in every pair's greedy streams [``--max-new-tokens``].
         batch_requests: requests in the batch-invariance run [``--batch-requests``].
         concurrency: at most this many of them in flight [``--concurrency``].
         stagger_s: seconds between the starts of two batch requests; None: the median time of one request sent
             alone over ``concurrency``.
-        server_model: the model name to send [``--server-model``]; None: from ``/v1/models``.
-        server_timeout: seconds allowed per request [``--server-timeout``].
         skip: checks opted out (:data:`SERVER_CHECKS`) [``--skip``].
     """
 
-    oracle: str = "reference"
-    top_n: int = 5
-    max_new_tokens: int = 16
+    max_new_tokens: int = 8
     batch_requests: int = 16
     concurrency: int = 8
     stagger_s: float | None = None
-    server_model: str | None = None
-    server_timeout: float = 120.0
     skip: tuple[str, ...] = field(default_factory=tuple)
 
     def check(self) -> None:
         """Refuse values that cannot work.
 
         Raises:
-            InputError: an unknown oracle, or a count or time that is not positive (the option is named).
+            InputError: a count that is not positive (the option is named).
         """
-        if self.oracle not in ORACLES:
-            raise InputError(f"--oracle {self.oracle!r}: expected one of {', '.join(ORACLES)}")
-        for flag, v in (("--top-n", self.top_n), ("--max-new-tokens", self.max_new_tokens),
-                        ("--batch-requests", self.batch_requests), ("--concurrency", self.concurrency)):
+        for flag, v in (("--max-new-tokens", self.max_new_tokens), ("--batch-requests", self.batch_requests),
+                        ("--concurrency", self.concurrency)):
             if int(v) < 1:
                 raise InputError(f"{flag} {v}: expected >= 1")
-        if not self.server_timeout > 0:
-            raise InputError(f"--server-timeout {self.server_timeout}: expected > 0 seconds")
 
 
-def is_server_engine(name: str) -> bool:
-    """True for an engine name of the form ``openai:URL``."""
-    return name.startswith("openai:")
-
-
-def load_server_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
-    """Read a server prompt file: one JSON object a line, ``{"text": "..."}`` or ``{"prompt_ids": [int, ...]}``,
+def load_user_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
+    """Read a user's prompt file: one JSON object a line, ``{"text": "..."}`` or ``{"prompt_ids": [int, ...]}``,
     each with an optional ``"id"`` (default: the line number). Blank lines are skipped.
 
     Returns:
-        ``[{"id", "text"} | {"id", "prompt_ids"}, ...]`` in file order.
+        ``[{"id", "text"} | {"id", "prompt_ids"}, ...]`` in file order (:func:`with_prompt_ids` tokenizes texts).
 
     Raises:
         PromptError: unreadable or non-UTF-8 file, a line that is neither form, a duplicate id, no prompt.
@@ -188,18 +162,32 @@ def load_server_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
     return out
 
 
-# --------------------------------------------------------------------------- the oracle
+def with_prompt_ids(prompts: Sequence[dict[str, Any]], path: str | Path) -> list[dict[str, Any]]:
+    """The prompts with ``prompt_ids`` for each: a ``{"text"}`` prompt gets our tokenizer's ids of the model at
+    ``path`` (BOS added, special-token text parsed) and keeps its text (the server's tokenizer check reads it).
+
+    Raises:
+        InputError: text prompts, and no tokenizer in the model (the path is named).
+    """
+    if not any("text" in p and "prompt_ids" not in p for p in prompts):
+        return list(prompts)
+    tok = _our_tokenizer(path)
+    return [p if "prompt_ids" in p else {**p, "prompt_ids": tok.encode(p["text"], add_bos=True, parse_special=True)}
+            for p in prompts]
+
+
+# --------------------------------------------------------------------------- the reference's streams
 
 
 @dataclass
 class OracleStream:
-    """The oracle's greedy continuation of one prompt.
+    """The reference's greedy continuation of one prompt, as the stop checks read it.
 
     Attributes:
         tokens: the greedy ids (EOS does not stop it).
-        top: per step, the top-N ``(id, logprob)`` pairs, best first.
+        top: per step, the top-5 ``(id, logprob)`` pairs, best first.
         margin: per step, the log-prob margin of the top-1 over the top-2.
-        logprobs: per step, id -> logprob of the top-N (and of every EOS id), for the stop checks.
+        logprobs: per step, id -> logprob of the top-5.
         prompt_eos: ``(position, margin)`` inside the prompt (not its last) where the greedy next token is EOS.
     """
 
@@ -210,59 +198,32 @@ class OracleStream:
     prompt_eos: list[tuple[int, float]]
 
 
-class Oracle:
-    """Greedy continuations of the model file, by the reference (float64, KV cache) or the fast path (fp32).
-
-    Raises:
-        InputError: the model cannot be read (by the loader), or the oracle kind is unknown.
-    """
-
-    def __init__(self, kind: str, path: str | Path) -> None:
-        self.kind = kind
-        self.engine = ReferenceEngine(path) if kind == "reference" else make_engine("fast", path)
-        self.cfg = self.engine.cfg
-
-    def stream(self, ids: Sequence[int], n: int, top_n: int, eos_ids: set[int]) -> OracleStream:
-        """The greedy continuation of ``ids`` (``n`` tokens) with the rows it came from.
-
-        Raises:
-            PromptError: the prompt and continuation do not fit the model (:func:`reference.model.check_generation`).
-        """
-        ids = [int(t) for t in ids]
-        ref_model.check_generation(self.cfg, [ids], n)
-        if self.kind == "reference":
-            cache = ref_model.KVCache(self.cfg)
-            rows = list(ref_model.forward(self.cfg, self.engine.weights, ids, cache))
-            tokens: list[int] = []
-            for k in range(n):
-                tokens.append(int(np.argmax(rows[-1])))
-                if k < n - 1:
-                    rows.append(ref_model.forward(self.cfg, self.engine.weights, [tokens[-1]], cache)[-1])
-            rows_arr = np.asarray(rows)
-        else:
-            tokens = [int(t) for t in self.engine.generate([ids], n)[0]]
-            rows_arr = self.engine.logits(ids + tokens[:-1])
-        lp = log_softmax(rows_arr)
-        T = len(ids)
-        out = OracleStream(tokens, [], [], [], [])
-        for k in range(n):
-            row = lp[T - 1 + k]
-            order = np.argsort(-row, kind="stable")[:max(2, top_n)]
-            out.top.append([(int(i), float(row[i])) for i in order[:top_n]])
-            out.margin.append(float(row[order[0]] - row[order[1]]))
-            out.logprobs.append({**{int(i): float(row[i]) for i in order[:top_n]},
-                                 **{e: float(row[e]) for e in eos_ids if 0 <= e < row.shape[0]}})
-        arg = np.argmax(lp[:T - 1], axis=1) if T > 1 else np.zeros(0, dtype=int)
-        for j in np.nonzero(np.isin(arg, list(eos_ids)))[0]:
-            srt = np.sort(lp[j])
-            out.prompt_eos.append((int(j), float(srt[-1] - srt[-2])))
-        return out
+def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
+                   eos_ids: set[int]) -> dict[str, OracleStream]:
+    """The reference's streams of ``n`` tokens (shared with the pair check, :meth:`ReferenceRuns.generations`) and,
+    from one forward over each prompt, the prompt positions whose greedy next token is EOS; under ``approx``."""
+    gens = runs.generations(approx, prompts, n)
+    out = {}
+    for p in prompts:
+        g = gens[str(p["id"])]
+        top = [sorted(d.items(), key=lambda kv: -kv[1]) for d in g["logprobs"]]
+        margin = [t[0][1] - t[1][1] if len(t) > 1 else float("inf") for t in top]
+        ids = list(p["prompt_ids"])
+        sites = []
+        if len(ids) > 1 and eos_ids:
+            with runs.numerics(approx):
+                lp = log_softmax(np.asarray(runs.ref.logits(ids[:-1]), dtype=np.float64))
+            for j in np.nonzero(np.isin(np.argmax(lp, axis=1), list(eos_ids)))[0]:
+                srt = np.sort(lp[j])
+                sites.append((int(j), float(srt[-1] - srt[-2])))
+        out[str(p["id"])] = OracleStream(list(g["tokens"]), top, margin, list(g["logprobs"]), sites)
+    return out
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def _spec_gates(path: str | Path) -> dict[str, Any] | None:
+def spec_gates(path: str | Path) -> dict[str, Any] | None:
     """The ``[gates]`` table of the built synthetic case ``path`` belongs to (a ``spec.toml`` beside it), else None."""
     spec = Path(path).parent / "spec.toml"
     if Path(path).suffix == ".gguf" and spec.is_file() and (Path(path).parent / "manifest.json").is_file():
@@ -312,34 +273,6 @@ def _as_gen(tokens: Sequence[int], top: Sequence[Sequence[tuple[int, float]]]) -
             "logprobs": [dict(s) for s in top]}
 
 
-def _named(figs: list[Figure], first_key: str, worst_key: str) -> list[Figure]:
-    """Copy a figure's first fault into ``why`` and ``first_divergence``, or its worst place into ``why`` (the
-    report quotes ``why`` for a failing figure, and ``first_divergence`` in its first-divergence list)."""
-    for f in figs:
-        if f.detail.get(first_key):
-            f.detail.setdefault("why", f.detail[first_key])
-            f.detail.setdefault("first_divergence", f.detail[first_key])
-        elif f.detail.get(worst_key):
-            f.detail.setdefault("why", f"largest at {f.detail[worst_key]}")
-    return figs
-
-
-def _first_beyond(ours: dict[str, dict[str, Any]], theirs: dict[str, dict[str, Any]], order: Sequence[str],
-                  limit: float) -> str | None:
-    """The first place (request in order, then step, then token id) on the agreed prefix where a shared top-N
-    log-prob differs by more than ``limit``: the first divergent request and step of a log-prob comparison."""
-    for rid in order:
-        a, b = ours[rid], theirs[rid]
-        for k, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):
-            for tok in sorted(set(a["logprobs"][k]) & set(b["logprobs"][k])):
-                la, lb = a["logprobs"][k][tok], b["logprobs"][k][tok]
-                if abs(la - lb) > limit:
-                    return f"request {rid} step {k} token {tok}: server {la:.6g}, oracle {lb:.6g}"
-            if ta != tb:
-                break
-    return None
-
-
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
@@ -355,19 +288,13 @@ def _opted_out(gate: str, name: str) -> Figure:
 # --------------------------------------------------------------------------- the checks
 
 
-def tokenizer_figures(eng: OpenAIEngine, tok: GGUFTokenizer,
-                      texts: Sequence[tuple[Any, str]]) -> tuple[list[Figure], dict[Any, list[int]]]:
-    """``server.tokenizer``: each text through the server's tokenizer and ours (BOS added, special markers parsed).
-
-    Returns:
-        (figures, prompt id -> our ids); the model checks run on our ids whatever the server said.
-    """
-    ours, rows = {}, []
-    for pid, text in texts:
-        mine = tok.encode(text, add_bos=True, parse_special=True)
+def tokenizer_figures(eng: OpenAIEngine, texts: Sequence[tuple[Any, str, list[int]]]) -> list[Figure]:
+    """``server.tokenizer``: each text through the server's tokenizer (BOS added, special markers parsed) against
+    ``ids``, our tokenizer's (:func:`with_prompt_ids`)."""
+    rows = []
+    for pid, text, mine in texts:
         theirs = eng.tokenize(text, add_special=True)
-        ours[pid] = mine
-        if theirs != mine:
+        if theirs != list(mine):
             i = _first_difference(mine, theirs)
             i = min(len(mine), len(theirs)) if i is None else i
             rows.append({"request": pid, "position": i, "ours": mine[i:i + 6], "server": theirs[i:i + 6]})
@@ -375,25 +302,7 @@ def tokenizer_figures(eng: OpenAIEngine, tok: GGUFTokenizer,
     why = (f"request {first['request']} position {first['position']}: server {first['server']}, ours {first['ours']}"
            if first else None)
     return [fig("server.tokenizer", 1.0 - len(rows) / max(1, len(texts)), None, texts=len(texts),
-                differing=len(rows), rows=rows[:20], **({"why": why, "first_divergence": why} if why else {}))], ours
-
-
-def greedy_figures(pair: str, alone: dict[str, ServerGenerated], oracle: dict[str, OracleStream], top_n: int,
-                   lp_limit: float | None = None) -> list[Figure]:
-    """``<pair>.greedy`` and ``<pair>.max_abs_logprob``: the alone answers against the oracle by vLLM's rule.
-
-    ``lp_limit``: the log-prob gate's limit, used only to name the first place beyond it (``first_divergence``);
-    the gate itself is applied by the case.
-    """
-    ours = {rid: _as_gen(g.tokens, g.top5) for rid, g in alone.items()}
-    theirs = {rid: _as_gen(o.tokens, o.top) for rid, o in oracle.items()}
-    figs = generation_figures(ours, theirs, pair, top_n)
-    figs[1].detail["steps_without_logprobs"] = sum(len(g.missing) for g in alone.values())
-    beyond = None if lp_limit is None else _first_beyond(ours, theirs, list(alone), lp_limit)
-    if beyond:
-        figs[1].detail.update(first_beyond_limit=beyond, first_divergence=beyond, why=f"first beyond {lp_limit:g} "
-                                                                                       f"at {beyond}")
-    return _named(figs, "first_fault", "worst_at")
+                differing=len(rows), rows=rows[:20], **({"why": why, "first_divergence": why} if why else {}))]
 
 
 def _run_staggered(eng: OpenAIEngine, prompts: Sequence[list[int]], n: int, top_n: int, concurrency: int,
@@ -439,16 +348,16 @@ def batch_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, li
     rids = [order[i % len(order)] for i in range(opts.batch_requests)]
     stagger = opts.stagger_s if opts.stagger_s is not None else \
         float(np.median([alone_s[r] for r in order])) / opts.concurrency
-    together, timing = _run_staggered(eng, [prompts[r] for r in rids], opts.max_new_tokens, opts.top_n,
+    together, timing = _run_staggered(eng, [prompts[r] for r in rids], opts.max_new_tokens, TOP_N,
                                       opts.concurrency, stagger)
     keys = [f"{r}#{i}" for i, r in enumerate(rids)]
     ours = {k: _as_gen(g.tokens, g.top5) for k, g in zip(keys, together)}
     theirs = {k: _as_gen(alone[r].tokens, alone[r].top5) for k, r in zip(keys, rids)}
-    figs = generation_figures(ours, theirs, "server.batched~alone", opts.top_n)
+    figs = generation_figures(ours, theirs, "server.batched~alone", TOP_N)
     bit = sum(g.tokens == alone[r].tokens and g.top5 == alone[r].top5 for g, r in zip(together, rids))
     figs[0].detail.update(requests=len(rids), concurrency=opts.concurrency, stagger_s=round(stagger, 4),
                           bit_identical=bit, **timing)
-    return _named(figs, "first_fault", "worst_at")
+    return figs
 
 
 def stream_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, list[int]],
@@ -460,7 +369,7 @@ def stream_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, l
     rows = []
     worst = 0.0
     for rid in order:
-        s = eng.complete(prompts[rid], opts.max_new_tokens, opts.top_n, stream=True, gaps=True)
+        s = eng.complete(prompts[rid], opts.max_new_tokens, TOP_N, stream=True, gaps=True)
         a = alone[rid]
         bad = None
         if len(s.tokens) != len(a.tokens):
@@ -523,7 +432,7 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
                  prompts: dict[str, list[int]], alone: dict[str, ServerGenerated], oracle: dict[str, OracleStream],
                  opts: ServerOptions) -> list[Figure]:
     """``server.stop.max_tokens``, ``server.stop.string`` and ``server.stop.eos`` (see the module docstring)."""
-    n, top_n = opts.max_new_tokens, opts.top_n
+    n, top_n = opts.max_new_tokens, TOP_N
     eos_first = {rid: next((k for k, t in enumerate(o.tokens) if t in eos_ids), None) for rid, o in oracle.items()}
     stops_at_eos = eng.dialect == "llama-cpp-python"  # it has no ignore_eos
     # max_tokens: every alone answer, and 1 and 3 tokens of the first prompt.
@@ -634,111 +543,86 @@ def template_figures(eng: OpenAIEngine, tok: GGUFTokenizer) -> list[Figure]:
                 **({"why": why, "first_divergence": why} if why else {}))]
 
 
-# --------------------------------------------------------------------------- the case
+# --------------------------------------------------------------------------- the checks, together
 
 
-def server_case(path: str | Path, against: str, prompts: Sequence[dict[str, Any]], progress: Progress,
-                options: ServerOptions | None = None) -> CaseResult:
-    """The server checks of one model file against ``against`` (``openai:URL``), as one case.
+def _alone(eng: OpenAIEngine, ids: list[int], n: int) -> tuple[ServerGenerated, float]:
+    """The answer to ``ids`` sent alone: the pair check's (:attr:`OpenAIEngine.answers`), else a new request."""
+    key = (tuple(ids), n, TOP_N)
+    if key not in eng.answers:
+        t0 = time.monotonic()
+        eng.answers[key] = (eng.complete(ids, n, TOP_N), time.monotonic() - t0)
+    return eng.answers[key]
+
+
+def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict[str, Any]], pair: str,
+                  progress: Progress, opts: ServerOptions | None = None) -> list[Figure]:
+    """The server-only checks on ``eng`` after the pair check (see the module docstring).
 
     Args:
-        path: the model file the server serves (``.gguf`` or HF folder), run here by the oracle.
-        against: ``openai:URL``.
-        prompts: ``{"id", "text"}`` / ``{"id", "prompt_ids"}`` records (:func:`load_server_prompts`); id prompts
-            outside the model's vocabulary are left out.
-        progress: progress-line callback.
-        options: :class:`ServerOptions` (defaults when None).
+        eng: the server engine the pair check used (its alone answers are reused).
+        runs: the reference's shared outputs.
+        prompts: prompt records within the model's vocabulary (``text`` kept for text prompts).
+        pair: the pair name (``reference~openai``), for progress lines.
+        opts: :class:`ServerOptions` (defaults when None).
 
     Returns:
-        the case; a server failure (:class:`ServerError`) is its one-line ``error`` (``error_kind`` ``input``,
-        exit 2) with the figures measured before it.
+        Figures for the ``server.*`` gates.
 
     Raises:
-        InputError: the model file or a prompt is bad (the caller makes it the case's error).
+        ServerError: the server failed a request (the caller makes it the pair's one line).
+        InputError: no tokenizer in the model where the checks need one.
     """
-    opts = options or ServerOptions()
-    opts.check()
-    res = CaseResult(case=Path(path).name, kind="user", model=str(path))
-    gates = resolve(_spec_gates(path), str(path))
-    progress(f"[{res.case}] loading the {opts.oracle} oracle")
-    oracle = Oracle(opts.oracle, path)
-    res.info["config"] = oracle.cfg.summary()
-    try:
-        _server_checks(res, gates, path, against, prompts, progress, opts, oracle)
-    except ServerError as e:
-        res.error, res.error_kind = one_line(e), "input"
-        progress(f"[{res.case}] {res.error}")
-    return res
-
-
-def _server_checks(res: CaseResult, gates, path, against: str, prompts: Sequence[dict[str, Any]],
-                   progress: Progress, opts: ServerOptions, oracle: Oracle) -> None:
-    name = res.case
-    eng = make_engine(against, path, server_model=opts.server_model, server_timeout=opts.server_timeout,
-                      concurrency=opts.concurrency)
-    pair = "llamacpp_server~oracle" if eng.dialect in LLAMACPP_DIALECTS else "engine~oracle"
-    res.info["server"] = {"url": eng.base, "dialect": eng.dialect, "model": eng.model, "oracle": opts.oracle,
-                          "pair": pair, "top_n": opts.top_n, "max_new_tokens": opts.max_new_tokens}
-    res.description = (f"{against} ({eng.dialect}, model {eng.model!r}) against the {opts.oracle} oracle: greedy "
-                       f"{opts.max_new_tokens} tokens, top-{opts.top_n}; batch {opts.batch_requests} requests at "
-                       f"concurrency {opts.concurrency}")
-    progress(f"[{name}] server: {eng.dialect} at {eng.base}, model {eng.model!r}")
+    opts = opts or ServerOptions()
+    path = eng.path
+    n = opts.max_new_tokens
+    out: list[Figure] = []
+    texts = [(p["id"], p["text"], list(p["prompt_ids"])) for p in prompts if "text" in p]
     tok = _our_tokenizer(path)
-    eos_ids = _eos_ids(tok, path)
-    vocab = oracle.cfg.vocab_size
-    texts = [(p["id"], p["text"]) for p in prompts if "text" in p]
-    ids_of: dict[Any, list[int]] = {}
     if texts:
-        progress(f"[{name}] tokenizer: {len(texts)} text prompts, server vs ours")
-        figs, ids_of = tokenizer_figures(eng, tok, texts)
-        res.apply(figs, gates)
-    for p in prompts:
-        if "prompt_ids" in p:
-            ids_of[p["id"]] = [int(t) for t in p["prompt_ids"]]
-    usable = {str(pid): ids for pid, ids in ids_of.items() if ids and max(ids) < vocab and min(ids) >= 0}
-    order = [str(p["id"]) for p in prompts if str(p["id"]) in usable]
-    res.info["prompts"] = {"given": len(prompts), "used": len(order)}
-    if not order:
-        raise PromptError(f"{name}: no prompt fits the model's vocabulary of {vocab}")
-    n, top_n = opts.max_new_tokens, opts.top_n
-
-    progress(f"[{name}] greedy: {len(order)} requests one at a time")  # first: a failing server fails fast
-    alone, alone_s = {}, {}
-    for rid in order:
-        t0 = time.monotonic()
-        alone[rid] = eng.complete(usable[rid], n, top_n)
-        alone_s[rid] = time.monotonic() - t0
-    progress(f"[{name}] oracle ({opts.oracle}): {len(order)} prompts x {n} tokens")
-    o_streams = {rid: oracle.stream(usable[rid], n, top_n, eos_ids) for rid in order}
-    res.apply(greedy_figures(pair, alone, o_streams, top_n, gates[f"{pair}.max_abs_logprob"].limit), gates)
+        progress(f"{pair}: tokenizer: {len(texts)} text prompts, server vs ours")
+        out += tokenizer_figures(eng, texts)
+    context = runs.ref.cfg.context_length
+    fit = [p for p in prompts if len(p["prompt_ids"]) + n <= context]
+    if not fit:
+        raise PromptError(f"{path}: no prompt leaves room for {n} new tokens in the context of {context}")
+    order = [str(p["id"]) for p in fit]
+    usable = {str(p["id"]): [int(t) for t in p["prompt_ids"]] for p in fit}
+    answers = {rid: _alone(eng, usable[rid], n) for rid in order}
+    alone = {rid: a[0] for rid, a in answers.items()}
+    alone_s = {rid: a[1] for rid, a in answers.items()}
+    eos_ids = _eos_ids(tok, path)
+    approx = tuple(a for a in getattr(eng, "approximations", ()) if a in NUMERICS)
+    o_streams = oracle_streams(runs, approx, fit, n, eos_ids)
 
     if "server-batch" in opts.skip:
-        res.apply([_opted_out("server.batched~alone.greedy", "server-batch")], gates)
+        out.append(_opted_out("server.batched~alone.greedy", "server-batch"))
     else:
-        progress(f"[{name}] batch invariance: {opts.batch_requests} requests at concurrency {opts.concurrency}")
-        res.apply(batch_figures(eng, order, usable, alone, alone_s, opts), gates)
-
+        progress(f"{pair}: batch invariance, {opts.batch_requests} requests at concurrency {opts.concurrency}")
+        out += batch_figures(eng, order, usable, alone, alone_s, opts)
     if "server-stream" in opts.skip:
-        res.apply([_opted_out("server.stream~nostream.same_tokens", "server-stream")], gates)
+        out.append(_opted_out("server.stream~nostream.same_tokens", "server-stream"))
     else:
-        progress(f"[{name}] streaming vs not streaming")
-        res.apply(stream_figures(eng, order, usable, alone, opts), gates)
-
+        progress(f"{pair}: streaming vs not streaming")
+        out += stream_figures(eng, order, usable, alone, opts)
     if "server-stop" in opts.skip:
-        res.apply([_opted_out(g, "server-stop") for g in ("server.stop.max_tokens", "server.stop.string",
-                                                          "server.stop.eos")], gates)
+        out += [_opted_out(g, "server-stop") for g in ("server.stop.max_tokens", "server.stop.string",
+                                                       "server.stop.eos")]
     else:
-        progress(f"[{name}] stop: max_tokens, a stop string, EOS")
-        res.apply(stop_figures(eng, tok, eos_ids, order, usable, alone, o_streams, opts), gates)
-
+        progress(f"{pair}: stop: max_tokens, a stop string, EOS")
+        out += stop_figures(eng, tok, eos_ids, order, usable, alone, o_streams, opts)
     if "server-template" in opts.skip:
-        res.apply([_opted_out("server.chat_template", "server-template")], gates)
+        out.append(_opted_out("server.chat_template", "server-template"))
     elif eng.dialect == "llama-cpp-python":
-        res.apply([_not_run("server.chat_template", "llama-cpp-python offers no endpoint that renders or tokenizes "
-                                                    "a chat template; opt out: --skip server-template")], gates)
+        out.append(_not_run("server.chat_template", "llama-cpp-python offers no endpoint that renders or tokenizes "
+                                                    "a chat template; opt out: --skip server-template"))
     else:
-        progress(f"[{name}] chat template: server vs ours")
-        res.apply(template_figures(eng, tok), gates)
+        progress(f"{pair}: chat template, server vs ours")
+        out += template_figures(eng, tok)
+    return out
+
+
+EXTRA_CHECKS["openai"] = server_checks
 
 
 # --------------------------------------------------------------------------- the report
@@ -750,19 +634,19 @@ def _md_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def report_lines(case: dict[str, Any]) -> list[str]:
-    """Markdown lines for a server case in ``report.md`` (after its checks table): the server, its dialect and the
-    oracle; the batch-invariance run per request; the requests that part from the oracle. Empty for other cases."""
-    srv = (case.get("info") or {}).get("server")
-    if not srv:
-        return []
-    lines = [f"Server `{srv['url']}`: dialect **{srv['dialect']}**, model `{srv['model']}`; oracle: {srv['oracle']}; "
-             f"gates of `{srv['pair']}`; {srv['max_new_tokens']} new tokens, top-{srv['top_n']}.", ""]
+    """Markdown lines for a case with a server pair in ``report.md`` (after its checks table): the server, its
+    dialect and model; the requests that part from the reference; the batch-invariance run per request. Empty for
+    other cases."""
     by_gate = {c["gate"]: c for c in case.get("checks", [])}
-    g = by_gate.get(f"{srv['pair']}.greedy")
+    runs = by_gate.get("reference~openai.runs")
+    if not runs:
+        return []
+    lines = [f"Server: `{runs.get('engine', runs.get('got', ''))}`.", ""]
+    g = by_gate.get("reference~openai.greedy")
     if g and g.get("streams_detail"):
         parted = [r for r in g["streams_detail"] if r["kind"] != "identical"]
-        lines += [f"Greedy against the oracle: {g['identical']} of {g['streams']} requests identical, "
-                  f"{g['by_top_n']} part within the top-{srv['top_n']}, {g['near_ties']} at a near-tie, "
+        lines += [f"Greedy against the reference: {g['identical']} of {g['streams']} requests identical, "
+                  f"{g['by_top_n']} part within the top-{TOP_N}, {g['near_ties']} at a near-tie, "
                   f"{g['streams'] - int(round(g['measured'] * g['streams']))} faults.", ""]
         if parted:
             lines += [_md_table(parted, ["request", "kind", "step", "ours", "oracle", "reason"]), ""]
