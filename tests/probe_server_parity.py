@@ -67,11 +67,16 @@ def run_case(spec: Path, out: Path, threads: int, extra_args: list[str]) -> dict
     runs = sorted(out.glob("*-parity"), key=lambda p: p.stat().st_mtime)
     data = json.loads((runs[-1] / "results.json").read_text()) if runs else {}
     case = (data.get("cases") or [{}])[0]
+    checks = {c["gate"]: c for c in case.get("checks", [])}
+    runs_fig = checks.get("reference~openai.runs", {})
+    batch = checks.get("server.batched~alone.greedy", {})
     row.update(status={0: "pass", 1: "fail", 2: "error"}.get(rc, str(rc)), report=str(runs[-1]) if runs else None,
-               dialect=(case.get("info") or {}).get("server", {}).get("dialect"), error=case.get("error"),
-               figures={c["gate"]: c["measured"] for c in case.get("checks", [])},
-               batch={k: next((c.get(k) for c in case.get("checks", []) if c["gate"] == "server.batched~alone.greedy"),
-                              None) for k in ("requests", "identical", "by_top_n", "near_ties", "bit_identical")})
+               server=runs_fig.get("engine"), error=case.get("error") or (None if runs_fig.get("measured") else
+                                                                           runs_fig.get("got")),
+               failing=[g for g, c in checks.items() if not c["pass"] and not c.get("informational")],
+               figures={g: c["measured"] for g, c in checks.items() if not g.startswith("reference~reference")},
+               batch={k: batch.get(k) for k in ("requests", "identical", "by_top_n", "near_ties", "bit_identical",
+                                                "max_in_flight", "wall_s")})
     return row
 
 

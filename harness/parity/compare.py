@@ -173,9 +173,9 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
                    if first else {}),
                 streams_detail=rows[:50]),
             fig(f"{pair}.max_abs_logprob", worst_lp, None, top_n=top_n,
-                **({"worst_at": worst_at, "why": f"largest at {worst_at}"} if worst_at else {}),
-                **({"first_divergence": beyond, "why": f"first beyond {logprob_limit:g} at {beyond}"}
-                   if beyond else {}))]
+                **(({"worst_at": worst_at, "why": f"largest at {worst_at}"} if worst_at else {})
+                   | ({"first_divergence": beyond, "why": f"first beyond {logprob_limit:g} at {beyond}"}
+                      if beyond else {})))]
 
 
 def judge(figures: Sequence[Figure], case: str, model: str) -> CaseResult:
