@@ -126,7 +126,8 @@ def gguf_metadata(spec: Spec) -> dict[str, tuple[Any, str, str | None]]:
     return md
 
 
-def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.PathLike[str], qtype: str = "F32") -> Path:
+def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.PathLike[str], qtype: str = "F32",
+               special_tokens: Mapping[int, str] | None = None) -> Path:
     """Write a ``gemma4`` GGUF file with llama.cpp's tensor names and keys.
 
     Keys: see :func:`gguf_metadata`, plus ``general.architecture = "gemma4"``,
@@ -148,6 +149,8 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
         weights: canonical name -> float32 array, as from :func:`make_weights`.
         path: output file.
         qtype: one of :data:`QTYPES`.
+        special_tokens: id -> token string written at that id as a CONTROL token (a multimodal case's
+            ``<|image|>`` ... strings, which the reference and llama.cpp's mtmd look up by string).
 
     Returns:
         ``Path(path)``.
@@ -167,6 +170,8 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
     if spec.config.get("tie_word_embeddings", True):
         tensors.pop("output.weight", None)
     tokens, scores, ttypes = _vocab(spec.config["vocab_size"])
+    for tid, text in (special_tokens or {}).items():
+        tokens[tid], ttypes[tid] = text, int(gguf.TokenType.CONTROL)
 
     w = gguf.GGUFWriter(str(tmp), "gemma4")
     try:
