@@ -263,6 +263,16 @@ def prefixed(trace: TraceFn | None, prefix: str) -> TraceFn | None:
     return lambda point, layer, arr: trace(prefix + point, layer, arr)
 
 
+def _no_tower(mm: MultimodalModel, tower: str, what: str) -> str:
+    """The one-line reason a model cannot take an item of ``tower``."""
+    if mm.mmproj is not None:
+        return (f"{mm.mmproj}: the mmproj has no {tower} encoder (clip.has_{tower}_encoder is not true): it cannot "
+                f"take {what}")
+    if not os.path.isdir(mm.source):
+        return f"{mm.source}: a text GGUF takes {what} only with its mmproj (--mmproj FILE)"
+    return f"{mm.source}: config.json has no {tower}_config (no {tower} tower): the model cannot take {what}"
+
+
 def image_item(mm: MultimodalModel, image: Any, max_soft_tokens: int | None = None) -> MediaItem:
     """Preprocess one image (a path, a PIL image or uint8 ``[H, W, 3]``) for ``mm``.
 
@@ -271,8 +281,7 @@ def image_item(mm: MultimodalModel, image: Any, max_soft_tokens: int | None = No
             not fit the budget, or one whose patch grid is larger than the model's position tables.
     """
     if mm.vision is None:
-        raise InputError(f"{mm.source}: the model has no vision tower (no vision_config, or an mmproj without "
-                         "clip.has_vision_encoder): it cannot take an image")
+        raise InputError(_no_tower(mm, "vision", "an image"))
     source = str(image) if isinstance(image, (str, os.PathLike)) else f"{type(image).__name__} image"
     if isinstance(image, (str, os.PathLike)):
         image = load_image(image)
@@ -295,8 +304,7 @@ def audio_item(mm: MultimodalModel, audio: Any, resample: bool = False) -> Media
             ``resample``, or a clip too short to give a frame.
     """
     if mm.audio is None:
-        raise InputError(f"{mm.source}: the model has no audio tower (no audio_config, or an mmproj without "
-                         "clip.has_audio_encoder): it cannot take audio")
+        raise InputError(_no_tower(mm, "audio", "audio"))
     if isinstance(audio, (str, os.PathLike)):
         source, samples = str(audio), load_audio(audio, mm.mel, resample_to_rate=resample)
     else:

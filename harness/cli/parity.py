@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--case", action="append", default=None, help="only this built-in case (repeatable)")
     p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
     p.add_argument("--skip", action="append", default=[], metavar="CHECK",
-                   help="opt a check out (repeatable): llamacpp, gemma3-real, tokenizer, or a tokenizer check's "
+                   help="opt a check out (repeatable): llamacpp, gemma3-real, tokenizer, multimodal, or a tokenizer check's "
                         "name. A check that cannot run here and was not opted out fails the run")
     p.add_argument("--slow", action="store_true",
                    help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
