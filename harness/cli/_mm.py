@@ -9,6 +9,7 @@ expanded prompt, so logits and traces cover the expanded sequence.
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,8 @@ from reference.errors import InputError
 from reference.mm_model import MM_TOKEN_TYPES, MultimodalModel, MultimodalPrompt, prepare_prompt
 
 from ..core.cases import MODELS_DIR
+from ..core.mm_prompts import MM_MODELS_DIR
 from ..engines.mm import MM_ENGINES, make_mm_engine, open_mm
-from ..synth.mm_case import MM_MODELS_DIR, ensure_mm_built
 
 
 def add_mm_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +62,8 @@ def resolve_mm_model(model: str, engine: str, mmproj: str | None) -> tuple[Path,
         return p, None if mmproj is None else Path(mmproj), None
     spec = p if p.suffix == ".toml" else MM_MODELS_DIR / f"{model}.toml"
     if spec.is_file():
-        built = ensure_mm_built(spec)
+        # the builder needs transformers and torch: imported only when a case is asked for
+        built = importlib.import_module("harness.synth.mm_case").ensure_mm_built(spec)
         if engine == "transformers":
             return built.hf_dir, None, built.mspec.max_soft_tokens
         return built.gguf, Path(mmproj) if mmproj else built.mmproj, built.mspec.max_soft_tokens

@@ -1,4 +1,5 @@
-"""The multimodal prompt set (``cases/prompts/multimodal.jsonl``) and the synthetic media it names.
+"""The multimodal prompt set (``cases/prompts/multimodal.jsonl``) and the synthetic media it names; where the
+multimodal specs live (:data:`MM_MODELS_DIR`).
 
 One JSON object a line::
 
@@ -32,6 +33,9 @@ from .paths import CASES_DIR
 
 MM_PROMPTS = CASES_DIR / "prompts" / "multimodal.jsonl"
 """The default multimodal prompt set."""
+
+MM_MODELS_DIR = CASES_DIR / "models" / "multimodal"
+"""Built-in multimodal specs (built by :mod:`harness.synth.mm_case`)."""
 
 PLACEHOLDERS = {"<|image|>": "image_token_id", "<|audio|>": "audio_token_id"}
 """Placeholder strings a prompt may hold, and the id each stands for."""

@@ -253,7 +253,7 @@ def run_selftest(cases: Sequence[str] | None = None, prompt_ids: Sequence[str] |
         rules[spec_path.stem] = rule.describe()
         controls.append(run_mm_case(spec_path, rule, mut_runs, progress))
     mutants, excluded = [], []
-    for m in MUTANTS + MM_MUTANTS + EQUIVALENT:
+    for m in (MUTANTS if specs else ()) + (MM_MUTANTS if mm_specs else ()) + (EQUIVALENT if specs else ()):
         runs = mut_runs[m.name]
         row = {"name": m.name, "fault": m.fault, "exercised_by": m.exercised_by,
                "cases": sorted({r["case"] for r in runs}), "runs": runs,

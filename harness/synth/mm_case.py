@@ -65,16 +65,13 @@ from reference.image_processing import SUPPORTED_SOFT_TOKENS
 from reference.mm_model import TOKEN_STRINGS
 from reference.names import gguf_to_hf
 
-from ..core.cases import MODELS_DIR
+from ..core.mm_prompts import MM_MODELS_DIR
 from ..core.paths import cache_root
 from .gguf import write_gguf
 from .mm_audio import audio_mmproj_metadata, randomise_audio_tower
 from .mm_vision import randomise_vision_tower
 from .spec import Spec, SpecError, load_spec
 from .weights import make_weights
-
-MM_MODELS_DIR = MODELS_DIR / "multimodal"
-"""Built-in multimodal specs."""
 
 MM_BUILDER_VERSION = "synth-mm-1"
 """Bumped whenever the bytes :func:`build_mm_case` writes for an unchanged spec change."""
