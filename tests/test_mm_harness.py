@@ -13,7 +13,7 @@ import json
 
 import numpy as np
 import pytest
-from clitools import assert_one_line_error, run_cli
+from clitools import run_cli
 
 from fast.model import FastModel
 from harness.core.gates import DEFAULT_GATES
@@ -180,7 +180,10 @@ def test_cli_logits_trace_generate_with_image_and_audio(case, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_multimodal_bad_input_is_one_line(case, tmp_path):
+def test_cli_multimodal_bad_input_is_one_line(case, tmp_path, capsys):
+    """In process (``harness.cli.main``, the entry point ``g4h`` runs): exit 2 and one ``g4h: error:`` line."""
+    from harness.cli import main
+
     write_png(tmp_path / "i.png", make_image(72, 120, 1))
     write_wav(tmp_path / "a44.wav", make_clip(0.5, 4, rate=44100), rate=44100)
     (tmp_path / "bad.png").write_text("not an image")
@@ -195,12 +198,16 @@ def test_cli_multimodal_bad_input_is_one_line(case, tmp_path):
             (["--model", "mm-llamacpp", *img, *aud], ("a44.wav", "44100")),
             (["--model", "mm-llamacpp", *img, *aud, "--resample", "--image-tokens", "100"], ("--image-tokens",)),
             (["--model", str(case.gguf), "--mmproj", str(other.mmproj), *img, *aud], ("does not match",)),
+            (["--model", str(case.gguf), "--mmproj", str(case.gguf), *img, *aud], ("'clip'",)),
             (["--model", str(case.gguf), *img, *aud], ("--mmproj",)),
             (["--model", str(case.hf_dir), "--mmproj", str(case.mmproj), *img, *aud], ("--mmproj",)),
-            (["--model", "mm-llamacpp", "--engine", "llamacpp", *img, *aud], ("--engine llamacpp",))):
-        assert_one_line_error(run_cli(*base, *args), *names)
-    proc = run_cli(*base, "--model", "mm-llamacpp", *img, *aud, "--resample")
-    assert proc.returncode == 0, proc.stderr
+            (["--model", "mm-llamacpp", "--engine", "llamacpp", *img, *aud], ("--engine llamacpp",)),
+            (["--model", "e2b", *img, *aud], ("text-only case",))):
+        assert main(base + args) == 2, args
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(err) == 1 and err[0].startswith("g4h: error: ") and any(n in err[0] for n in names), (args, err)
+    assert main(base + ["--model", "mm-llamacpp", *img, *aud, "--resample"]) == 0
+    assert np.load(tmp_path / "x.npy").shape[0] == 4 + 60 + 2 + 13 + 2  # 0.5 s of audio: 13 soft tokens
 
 
 @pytest.mark.slow
