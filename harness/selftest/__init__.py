@@ -211,8 +211,8 @@ def run_selftest(cases: Sequence[str] | None = None, prompt_ids: Sequence[str] |
             raise InputError(f"selftest: unknown case {bad[0]!r} (known: {', '.join(known)})")
     mm_specs = builtin_mm_specs()
     if cases:
-        known_mm = {s.stem: s for s in mm_specs}
-        specs = [s for s in specs if s.stem in cases]
+        known_text, known_mm = {s.stem: s for s in specs}, {s.stem: s for s in mm_specs}
+        specs = [known_text[c] for c in cases if c in known_text]  # in the order asked for
         mm_specs = [known_mm[c] for c in cases if c in known_mm]
     prompts = load_prompts()
     mut_runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in MUTANTS + EQUIVALENT + MM_MUTANTS}
