@@ -258,3 +258,25 @@ def test_eos_where_the_oracle_says(e2b_server, tmp_path):
     eos = checks(data)["server.stop.eos"]
     assert rc == 1 and failing(data) == ["server.stop.eos"]
     assert eos["why"].startswith(f"request {stopped[0]['request']} step {stopped[0]['eos_at']}: oracle stops")
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_from_llama_cpp_python(llama_cpp_python_server_gemma3, llama_server_chat, gemma3_gguf,
+                                               synth_gguf, tmp_path):
+    """llama-cpp-python reports prompt log-probs (``echo``): ``server.prompt_logprobs`` measures them against the
+    reference at every position it reports (informational here: the real Gemma 3 GGUF is Q4_K, whose quantized
+    activations the reference does not emulate); llama-server offers none, which the figure says."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "capital", "text": "The capital of France is"}\n')
+    _, data, _ = parity(tmp_path, "--model", str(gemma3_gguf), "--against",
+                        f"openai:{llama_cpp_python_server_gemma3.url}/v1", "--prompts", str(f), "--max-new-tokens", "4",
+                        "--skip", "server-batch", "--skip", "server-stop", "--skip", "server-template")
+    got = checks(data)
+    assert "(llama-cpp-python, model " in got["reference~openai.runs"]["engine"] and got["server.tokenizer"]["pass"]
+    plp = got["server.prompt_logprobs"]
+    assert plp["positions"] >= 4 and plp["informational"] and "quantized_activations" in plp["reason"]
+    assert 0.0 < plp["measured"] < 1.0, plp  # Q4_K rounding: visible, far below a wrong token's log-prob
+    _, data, _ = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{llama_server_chat.url}/v1",
+                        *two_prompts(tmp_path), "--max-new-tokens", "2", *ONLY_GREEDY)
+    plp = checks(data)["server.prompt_logprobs"]
+    assert plp["informational"] and plp["got"].startswith("not offered: llama-server offers no prompt log-prob")

@@ -199,6 +199,10 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
     Gate("server.stop.eos", 1.0, "ge",
          "with EOS not ignored, the server must stop where the oracle's greedy stream reaches EOS and nowhere else "
          "(a parting at an oracle near-tie excepted)"),
+    Gate("server.prompt_logprobs", 2e-2, "le",
+         "the log-probs a server reports for the prompt's own tokens (vLLM prompt_logprobs, llama-cpp-python echo) "
+         "against the reference's, and the shared top-5 at each position: the same fp32 rounding as "
+         "reference~openai.max_abs_logprob"),
     Gate("server.chat_template", 1.0, "ge",
          "the ids the server evaluates for a chat request must be the ids of our Gemma 4 chat format "
          "(reference/chat.py), BOS exactly once"),

@@ -20,7 +20,9 @@ This module adds the checks only a server has (:data:`harness.parity.checks.pair
 4. **stop and EOS** (``server.stop.max_tokens``, ``.string``, ``.eos``): ``max_tokens`` 1 and 3; a stop string
    taken from the reference's continuation; EOS not ignored, at every place where the reference's greedy choice is
    EOS (inside a prompt or in a continuation) and on prompts where it never is.
-5. **chat template** (``server.chat_template``): the ids the server evaluates for a chat request against our
+5. **prompt log-probs** (``server.prompt_logprobs``), where the dialect offers them (vLLM, llama-cpp-python):
+   the log-probs of the prompt's own tokens and the top-5 at each position against the reference's.
+6. **chat template** (``server.chat_template``): the ids the server evaluates for a chat request against our
    Gemma 4 chat format (:func:`reference.chat.render`).
 
 A server that is down, slow past the timeout, answers an error status, malformed JSON or another shape raises
@@ -47,14 +49,14 @@ from reference.tokenizer import BYTE, NORMAL, GGUFTokenizer
 
 from ... import synth
 from ...core.cases import PROMPTS
-from ...core.gates import NEAR_TIE_MARGIN
+from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN
 from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
 from ...engines.openai import OpenAIEngine, ServerGenerated
 from ...tokenizer.files import load_tokenizer_metadata
 from ..compare import generation_figures
 from ..result import Figure, fig
-from .pair import EXTRA_CHECKS, NUMERICS, ReferenceRuns
+from .pair import EXTRA_CHECKS, NUMERICS, QUANTIZED_ACTIVATIONS, ReferenceRuns
 
 __all__ = ["SERVER_CHECKS", "ServerOptions", "load_user_prompts", "report_lines", "server_checks", "spec_gates",
            "with_prompt_ids"]
@@ -189,6 +191,8 @@ class OracleStream:
         margin: per step, the log-prob margin of the top-1 over the top-2.
         logprobs: per step, id -> logprob of the top-5.
         prompt_eos: ``(position, margin)`` inside the prompt (not its last) where the greedy next token is EOS.
+        prompt_lp: per prompt position ``i >= 1``, the log-prob of the prompt's token ``i`` after the ones before it,
+            and the top-5 ``{id: logprob}`` there (index 0 is None: nothing precedes the first token).
     """
 
     tokens: list[int]
@@ -196,6 +200,7 @@ class OracleStream:
     margin: list[float]
     logprobs: list[dict[int, float]]
     prompt_eos: list[tuple[int, float]]
+    prompt_lp: list[tuple[float, dict[int, float]] | None] = field(default_factory=list)
 
 
 def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
@@ -209,14 +214,18 @@ def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequen
         top = [sorted(d.items(), key=lambda kv: -kv[1]) for d in g["logprobs"]]
         margin = [t[0][1] - t[1][1] if len(t) > 1 else float("inf") for t in top]
         ids = list(p["prompt_ids"])
-        sites = []
-        if len(ids) > 1 and eos_ids:
+        sites, plp = [], [None]
+        if len(ids) > 1:
             with runs.numerics(approx):
                 lp = log_softmax(np.asarray(runs.ref.logits(ids[:-1]), dtype=np.float64))
-            for j in np.nonzero(np.isin(np.argmax(lp, axis=1), list(eos_ids)))[0]:
+            for j in np.nonzero(np.isin(np.argmax(lp, axis=1), list(eos_ids)))[0] if eos_ids else ():
                 srt = np.sort(lp[j])
                 sites.append((int(j), float(srt[-1] - srt[-2])))
-        out[str(p["id"])] = OracleStream(list(g["tokens"]), top, margin, list(g["logprobs"]), sites)
+            for i in range(1, len(ids)):
+                row = lp[i - 1]
+                best = np.argsort(-row, kind="stable")[:TOP_N]
+                plp.append((float(row[ids[i]]), {int(k): float(row[k]) for k in best}))
+        out[str(p["id"])] = OracleStream(list(g["tokens"]), top, margin, list(g["logprobs"]), sites, plp)
     return out
 
 
@@ -508,6 +517,40 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
     return out
 
 
+def prompt_logprob_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, list[int]],
+                           oracle: dict[str, OracleStream], limit: float) -> list[Figure]:
+    """``server.prompt_logprobs``: the log-probs the server reports for each prompt's own tokens (vLLM
+    ``prompt_logprobs``, llama-cpp-python ``echo``; :meth:`OpenAIEngine.prompt_logprobs`) against the reference's:
+    max |Δ| over the prompt token's log-prob and the shared top-5 at every position both report, the worst place
+    and the first beyond ``limit`` (the gate's) named. A dialect that offers none (llama-server) gives an
+    informational figure saying so."""
+    gate = "server.prompt_logprobs"
+    if eng.dialect == "llama-server":
+        why = ("llama-server offers no prompt log-probabilities (/v1/completions ignores echo; /completion reports "
+               "generated tokens only)")
+        return [fig(gate, float("nan"), None, got=f"not offered: {why}", informational_reason=why)]
+    worst, worst_at, first, positions = 0.0, None, None, 0
+    for rid in order:
+        theirs = eng.prompt_logprobs(prompts[rid], TOP_N)
+        for i, (t, o) in enumerate(zip(theirs, oracle[rid].prompt_lp)):
+            if t is None or o is None:
+                continue
+            positions += 1
+            tl, ttop = t
+            ol, otop = o
+            diffs = [(abs(tl - ol), prompts[rid][i], tl, ol)]
+            diffs += [(abs(v - otop[k]), k, v, otop[k]) for k, v in ttop if k in otop]
+            d, k, a, b = max(diffs)
+            where = f"request {rid} position {i} token {k}: server {a:.6g}, reference {b:.6g}"
+            if d > worst:
+                worst, worst_at = d, where
+            if first is None and d > limit:
+                first = where
+    return [fig(gate, worst, None, positions=positions,
+                **({"worst_at": worst_at, "why": f"largest at {worst_at}"} if worst_at else {}),
+                **({"first_divergence": first} if first else {}))]
+
+
 def template_figures(eng: OpenAIEngine, tok: GGUFTokenizer) -> list[Figure]:
     """``server.chat_template``: each chat of :data:`CHAT_CASES`, thinking off and on, through the server's template
     against our Gemma 4 chat format: the ids it evaluates against our tokenizer's ids of our text (BOS once), and
@@ -611,6 +654,9 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
     else:
         progress(f"{pair}: stop: max_tokens, a stop string, EOS")
         out += stop_figures(eng, tok, eos_ids, order, usable, alone, o_streams, opts)
+    progress(f"{pair}: prompt log-probs, server vs reference")
+    out += _quantized(prompt_logprob_figures(eng, order, usable, o_streams,
+                                             DEFAULT_GATES["server.prompt_logprobs"].limit), eng, runs)
     if "server-template" in opts.skip:
         out.append(_opted_out("server.chat_template", "server-template"))
     elif eng.dialect == "llama-cpp-python":
@@ -620,6 +666,17 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
         progress(f"{pair}: chat template, server vs ours")
         out += template_figures(eng, tok)
     return out
+
+
+def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> list[Figure]:
+    """Log-prob figures of a server that rounds activations for quantized weights, on such a file: informational
+    with the reason the pair's own figures carry (:data:`harness.parity.checks.pair.QUANTIZED_ACTIVATIONS`)."""
+    types = runs.unemulated_types() if "quantized_activations" in getattr(eng, "approximations", ()) else []
+    if types:
+        for f in figs:
+            f.detail.setdefault("informational_reason",
+                                QUANTIZED_ACTIVATIONS.format(engine=eng.dialect, types="/".join(types)))
+    return figs
 
 
 EXTRA_CHECKS["openai"] = server_checks
