@@ -111,6 +111,20 @@ def test_server_down_is_exit_2_and_the_run_goes_on(synth_gguf, tmp_path):
     assert f"{url}/props: server down" in report and "BAD INPUT" in data["verdict"]
 
 
+@pytest.mark.slow
+def test_server_in_a_comma_list_with_another_engine(synth_gguf, tmp_path):
+    """``--against reference,openai:URL``: each engine is its own pair; the server being down fails only its pair
+    (one line, exit 2), and the other pair still runs and passes."""
+    url = f"http://127.0.0.1:{free_port()}"
+    rc, data, _ = parity(tmp_path, "--model", str(synth_gguf), "--against", f"reference,openai:{url}/v1",
+                         *two_prompts(tmp_path))
+    got = checks(data)
+    assert rc == 2 and data["cases"][0]["info"]["against"] == ["reference", f"openai:{url}/v1"]
+    assert got["reference~openai.runs"]["got"] == f"{url}/props: server down (connection refused)"
+    assert all(c["pass"] for g, c in got.items() if g.startswith("reference~reference."))
+    assert "reference~reference.greedy" in got
+
+
 @pytest.mark.parametrize("mode, expected", [
     ("500", "/completion: HTTP 500: boom: out of memory"),
     ("malformed", "/completion: answer is not JSON: "),

@@ -166,7 +166,8 @@ def _error_message(e: urllib.error.HTTPError) -> str:
     msg: Any = body
     if isinstance(body, dict):
         err = body.get("error")
-        msg = (err.get("message") if isinstance(err, dict) else err) or body.get("detail") or body.get("message") or body
+        msg = ((err.get("message") if isinstance(err, dict) else err) or body.get("detail") or body.get("message")
+               or body)
     text = msg if isinstance(msg, str) else json.dumps(msg)
     return " ".join(text.split())[:300]
 
@@ -311,7 +312,8 @@ class OpenAIEngine:
         if self.dialect == "llama-server":
             url, body = self.root + "/tokenize", {"content": text, "add_special": add_special, "parse_special": True}
         elif self.dialect == "vllm":
-            url, body = self.root + "/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": add_special}
+            url, body = self.root + "/tokenize", {"model": self.model, "prompt": text,
+                                                  "add_special_tokens": add_special}
         else:
             url, body = self.root + "/extras/tokenize", {"input": text}
         ids = _int_list(url, self.http.call(url, body), "tokens")
@@ -346,7 +348,8 @@ class OpenAIEngine:
             raise _shape(url, '{"prompt": str}', ans)
         return ans["prompt"]
 
-    def chat_ids(self, messages: Sequence[dict[str, str]], enable_thinking: bool = False) -> tuple[list[int], str | None]:
+    def chat_ids(self, messages: Sequence[dict[str, str]],
+                 enable_thinking: bool = False) -> tuple[list[int], str | None]:
         """The token ids the server evaluates for a chat request of ``messages`` (generation prompt added), and the
         templated text where the server shows it.
 
@@ -463,7 +466,8 @@ class OpenAIEngine:
             ans = self.http.call(url, body)
             tokens = ans.get("tokens") if isinstance(ans, dict) else None
             entries = ans.get("completion_probabilities", []) if isinstance(ans, dict) else None  # absent when none
-            if not isinstance(tokens, list) or not isinstance(entries, list) or len(tokens) != ans.get("tokens_predicted"):
+            if not isinstance(tokens, list) or not isinstance(entries, list) or \
+                    len(tokens) != ans.get("tokens_predicted"):
                 raise _shape(url, '{"tokens": [...] (return_tokens was sent), "tokens_predicted", '
                                   '"completion_probabilities": [...]}', ans)
             g.tokens = [int(t) for t in tokens]
@@ -689,7 +693,8 @@ class OpenAIEngine:
         # The echo lists the prompt without a leading BOS (its first entry null), then the one generated token.
         skip = len(ids) - (len(token_lp) - 1)
         if skip not in (0, 1):
-            raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and 1 generated", f"{len(token_lp)} entries")
+            raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and 1 generated",
+                         f"{len(token_lp)} entries")
         out = [None] * (skip + 1)
         for k in range(skip + 1, len(ids)):
             d = tops[k - skip] or {}
