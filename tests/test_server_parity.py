@@ -37,9 +37,9 @@ ONLY_GREEDY = ["--skip", "server-batch", "--skip", "server-stream", "--skip", "s
 
 def parity(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     """``g4h parity ARGS --out tmp_path --quiet``: exit status, results.json, report.md."""
-    out = tmp_path / "runs"
-    rc = main(["parity", *args, "--out", str(out), "--quiet"])
-    run = sorted(out.glob("*-parity"))[-1]
+    out = tmp_path / f"runs{len(list(tmp_path.glob('runs*')))}"  # one folder per run: two runs in one second
+    rc = main(["parity", *args, "--out", str(out), "--quiet"])  # would otherwise be NAME and NAME-2
+    (run,) = out.glob("*-parity*")
     return rc, json.loads((run / "results.json").read_text()), (run / "report.md").read_text()
 
 
