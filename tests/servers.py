@@ -30,9 +30,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -260,6 +262,31 @@ def _running(make, model: Path, tmp_path_factory, name: str) -> Iterator[ServerP
         srv.stop()
 
 
+def gemma4_template_args() -> list[str]:
+    """``--jinja --chat-template-file <cases/tokenizer/gemma4_chat_template.jinja>``: llama-server renders the
+    harness's Gemma 4 chat template with its Jinja engine (the synthetic GGUFs carry no template, and its fallback
+    is ChatML)."""
+    from harness.core.paths import CASES_DIR
+
+    return ["--jinja", "--chat-template-file", str(CASES_DIR / "tokenizer" / "gemma4_chat_template.jinja")]
+
+
+@contextlib.contextmanager
+def running_llama_server(model: Path, tmp_path_factory, name: str, **kw) -> Iterator[ServerProcess]:
+    """``llama-server`` on ``model`` (options ``kw`` as :func:`llama_server_cmd`), stopped on exit; a build or start
+    failure fails the test (or skips it under ``G4H_SKIP_LLAMACPP=1``)."""
+    with _running(lambda m, log: llama_server_process(m, log, **kw), model, tmp_path_factory, name) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def llama_server_chat(synth_gguf, tmp_path_factory) -> Iterator[ServerProcess]:
+    """``llama-server --parallel 4`` on the synthetic GGUF with the Gemma 4 chat template (:func:`gemma4_template_args`)."""
+    with running_llama_server(synth_gguf, tmp_path_factory, "llama-server-synth-chat",
+                              extra=gemma4_template_args()) as s:
+        yield s
+
+
 @pytest.fixture(scope="module")
 def llama_server(synth_gguf, tmp_path_factory) -> Iterator[ServerProcess]:
     """``llama-server --parallel 4`` on the synthetic GGUF."""
@@ -300,3 +327,118 @@ def llama_cpp_python_server_gemma3(gemma3_gguf, tmp_path_factory) -> Iterator[Se
     _need_llama_cpp_python_server()
     with _running(llama_cpp_python_process, gemma3_gguf, tmp_path_factory, "lcp-server-gemma3") as s:
         yield s
+
+
+# --------------------------------------------------------------------------- a fault-injecting stub
+
+
+class FaultStub:
+    """A fault-injecting HTTP server in a thread, for the tests that need a server to fail (never as a stand-in
+    for a working one).
+
+    Without ``upstream`` it answers llama-server's ``/props`` and ``/v1/models`` itself and every POST by ``mode``:
+    ``500``, ``malformed`` (JSON cut short), ``slow`` (answers after ``delay`` s), ``shape`` (ids where log-probs
+    should be). With ``upstream`` (a real server's URL) it forwards every request there and alters only the
+    non-streamed ``/completion`` answers, by ``mode``:
+
+    * ``perturb``: every log-prob 0.1 higher (an engine whose numbers are off);
+    * ``swap``: in an answer whose every step carries log-probs, step 2 reports its runner-up as the generated
+      token (the id and log-prob of the step, and the id in ``tokens``), the top list left as it was;
+    * ``ignore-eos``: every ``/completion`` request is sent on with ``ignore_eos`` true (a server that never stops
+      at EOS).
+
+    ``altered`` lists what was changed: ``{"prompt", "step", "was", "now"}`` per altered answer, in arrival order.
+    """
+
+    def __init__(self, mode: str, upstream: str | None = None, delay: float = 3.0) -> None:
+        stub = self
+        self.mode, self.upstream, self.delay = mode, upstream, delay
+        self.altered: list[dict] = []
+        self._lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up first (the timeout test)
+
+            def do_GET(self):
+                if stub.upstream:
+                    return stub.forward(self, None)
+                if self.path == "/props":
+                    return self._send(200, b'{"default_generation_settings": {}}')
+                if self.path == "/v1/models":
+                    return self._send(200, b'{"object": "list", "data": [{"id": "stub", "owned_by": "llamacpp"}]}')
+                self._send(404, b'{"error": {"code": 404, "message": "File Not Found"}}')
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                stub.answer(self, body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads, self.server.block_on_close = True, False  # a sleeping handler must not block exit
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def forward(self, h, body: bytes | None) -> None:
+        """Send the request on to ``upstream`` and relay its answer (status, type, bytes) unaltered."""
+        req = urllib.request.Request(self.upstream + h.path, data=body, headers={"Content-Type": "application/json"},
+                                     method="GET" if body is None else "POST")
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                h._send(r.status, r.read(), r.headers.get("Content-Type", "application/json"))
+        except urllib.error.HTTPError as e:
+            h._send(e.code, e.read(), e.headers.get("Content-Type", "application/json"))
+
+    def answer(self, h, body: bytes) -> None:
+        if self.mode == "500":
+            return h._send(500, b'{"error": {"code": 500, "message": "boom: out of memory", "type": "server_error"}}')
+        if self.mode == "malformed":
+            return h._send(200, b'{"content": "x", "completion_probabilities": [')
+        if self.mode == "slow":
+            time.sleep(self.delay)
+            return h._send(200, b"{}")
+        if self.mode == "shape":  # ids where log-probs should be
+            return h._send(200, b'{"content": "x", "tokens": [5, 6], "tokens_predicted": 2, '
+                                b'"completion_probabilities": [{"id": 5}, {"id": 6}]}')
+        request = json.loads(body or b"{}")
+        if self.mode == "ignore-eos" and h.path == "/completion" and not request.get("ignore_eos"):
+            request["ignore_eos"] = True  # a server that never stops at EOS
+            with self._lock:
+                self.altered.append({"prompt": request.get("prompt"), "ignore_eos": True})
+            return self.forward(h, json.dumps(request).encode())
+        if h.path != "/completion" or request.get("stream") or self.mode == "ignore-eos":
+            return self.forward(h, body)
+        req = urllib.request.Request(self.upstream + h.path, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            ans = json.loads(r.read())
+        steps = ans.get("completion_probabilities") or []
+        if self.mode == "perturb":  # every log-prob 0.1 higher: an engine whose numbers are off
+            for s in steps:
+                s["logprob"] += 0.1
+                for c in s["top_logprobs"]:
+                    c["logprob"] += 0.1
+        elif self.mode == "swap" and len(steps) > 2 and len(steps) == len(ans.get("tokens") or []):
+            s = steps[2]
+            was = s["id"]
+            s["id"], s["logprob"] = s["top_logprobs"][1]["id"], s["top_logprobs"][1]["logprob"]
+            ans["tokens"][2] = s["id"]
+            with self._lock:
+                self.altered.append({"prompt": request.get("prompt"), "step": 2, "was": was, "now": s["id"]})
+        h._send(200, json.dumps(ans).encode())
+
+    def __enter__(self) -> "FaultStub":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()

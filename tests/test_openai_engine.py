@@ -9,15 +9,11 @@ real llama-server that perturbs the log-probs or swaps one token).
 
 from __future__ import annotations
 
-import json
 import socket
-import threading
-import time
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from servers import free_port, get_json  # the server fixtures come from the servers plugin (conftest.py)
+from servers import FaultStub as Stub  # the server fixtures come from the servers plugin (conftest.py)
+from servers import free_port, get_json
 
 from harness.core.gates import DEFAULT_GATES
 from harness.core.metrics import greedy_agreement
@@ -173,80 +169,6 @@ def test_llama_cpp_python_server_takes_text_only(llama_cpp_python_server):
 
 
 # --------------------------------------------------------------------------- faults (stub server)
-
-
-class Stub:
-    """A fault-injecting HTTP server in a thread: llama-server's ``/props`` and ``/v1/models``, and ``mode`` on
-    ``/completion`` (``500``, ``malformed``, ``slow``, ``shape``, or, with ``upstream``, ``perturb`` / ``swap``:
-    forward to the real server and alter its answer)."""
-
-    def __init__(self, mode: str, upstream: str | None = None, delay: float = 3.0) -> None:
-        stub = self
-        self.mode, self.upstream, self.delay = mode, upstream, delay
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _send(self, code: int, body: bytes) -> None:
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up first (the timeout test)
-
-            def do_GET(self):
-                if self.path == "/props":
-                    return self._send(200, b'{"default_generation_settings": {}}')
-                if self.path == "/v1/models":
-                    return self._send(200, b'{"object": "list", "data": [{"id": "stub", "owned_by": "llamacpp"}]}')
-                self._send(404, b'{"error": {"code": 404, "message": "File Not Found"}}')
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                stub.answer(self, body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads, self.server.block_on_close = True, False  # a sleeping handler must not block exit
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def answer(self, h, body: bytes) -> None:
-        if self.mode == "500":
-            return h._send(500, b'{"error": {"code": 500, "message": "boom: out of memory", "type": "server_error"}}')
-        if self.mode == "malformed":
-            return h._send(200, b'{"content": "x", "completion_probabilities": [')
-        if self.mode == "slow":
-            time.sleep(self.delay)
-            return h._send(200, b"{}")
-        if self.mode == "shape":  # ids where log-probs should be
-            return h._send(200, b'{"content": "x", "tokens": [5, 6], "tokens_predicted": 2, '
-                                b'"completion_probabilities": [{"id": 5}, {"id": 6}]}')
-        req = urllib.request.Request(self.upstream + h.path, data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            ans = json.loads(r.read())
-        steps = ans["completion_probabilities"]
-        if self.mode == "perturb":  # every log-prob 0.1 higher: an engine whose numbers are off
-            for s in steps:
-                s["logprob"] += 0.1
-                for c in s["top_logprobs"]:
-                    c["logprob"] += 0.1
-        elif self.mode == "swap":  # step 2 reports the runner-up as the generated token
-            s = steps[2]
-            s["id"], s["logprob"] = s["top_logprobs"][1]["id"], s["top_logprobs"][1]["logprob"]
-            ans["tokens"][2] = s["id"]
-        h._send(200, json.dumps(ans).encode())
-
-    def __enter__(self) -> "Stub":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _one_line(e: ServerError, url: str) -> str:

@@ -101,7 +101,7 @@ def test_unknown_against_is_refused_before_any_work(tiny_gguf, tmp_path, capsys)
     assert g4h(["parity", "--model", str(tiny_gguf), "--against", "fast,nope", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["g4h: error: --against: unknown engine 'nope' (available: reference, transformers, fast, "
-                   "llamacpp, cmd:...)"], err
+                   "llamacpp, cmd:..., openai:...)"], err
     assert not out.exists()
 
 

@@ -22,19 +22,30 @@ def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference"
                    help=".gguf file, HF model folder, or a case: a built-in name (e2b, 26b-a4b ...) or a spec .toml "
                         "(built and cached on first use)")
     p.add_argument("--engine", default=default_engine,
-                   help=" | ".join([*ENGINES, "cmd:'COMMAND ...' (docs/engine-protocol.md)"]))
+                   help=" | ".join([*ENGINES, "cmd:'COMMAND ...' (docs/engine-protocol.md)", "openai:URL (a server)"]))
     p.add_argument("--device", default=None, help="fast engine: cpu | cuda[:N] (default: cuda when present)")
     p.add_argument("--dtype", dest="dtype_engine", choices=DTYPES, default=None,
                    help="fast engine: compute dtype (default float32)")
     p.add_argument("--weights", choices=("packed", "dequantized"), default=None,
                    help="fast engine, GGUF input: keep quantized matrices packed and dequantize on the fly, or "
                         "dequantize them once at load (default dequantized)")
+    add_server_args(p)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """``--server-model`` and ``--server-timeout``: the options of an ``openai:URL`` engine."""
+    p.add_argument("--server-model", default=None, metavar="NAME",
+                   help="openai:URL engine: the model name to send (default: the first of the server's /v1/models)")
+    p.add_argument("--server-timeout", type=float, default=None, metavar="SECONDS",
+                   help="openai:URL engine: seconds allowed per request (default 120)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine keywords from :func:`add_model_args`' options (None = the engine's default)."""
     return {"device": getattr(args, "device", None), "dtype": getattr(args, "dtype_engine", None),
-            "batched": getattr(args, "batched", None), "weights": getattr(args, "weights", None)}
+            "batched": getattr(args, "batched", None), "weights": getattr(args, "weights", None),
+            "server_model": getattr(args, "server_model", None),
+            "server_timeout": getattr(args, "server_timeout", None)}
 
 
 def check_out_file(path: str) -> None:

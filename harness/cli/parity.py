@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
 from ..engines import split_engines
 from ..parity import run as run_parity
+from ..parity.checks.pair import GREEDY_NEW_TOKENS
+from ..parity.checks.server import ServerOptions
 from ..parity.report import junit_xml, short_table
-from ._args import check_out_dir, check_out_file
+from ._args import add_server_args, check_out_dir, check_out_file, engine_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,15 +20,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a user model (.gguf or HF folder); repeatable. Default: the built-in cases")
     p.add_argument("--against", action="append", default=None, metavar="ENGINE[,ENGINE...]",
                    help="engines the reference is compared with on --model (repeatable, or a comma list): reference, "
-                        "fast, transformers, llamacpp, cmd:'COMMAND ...' (docs/engine-protocol.md). Default: every "
-                        "engine that can read the model (a GGUF: fast, llamacpp; an HF folder: fast, transformers)")
+                        "fast, transformers, llamacpp, cmd:'COMMAND ...' (docs/engine-protocol.md), openai:URL (a "
+                        "server: docs/server-dialects.md). Default: every engine that can read the model (a GGUF: "
+                        "fast, llamacpp; an HF folder: fast, transformers)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help='with --model: the prompt set, {"prompt_ids": [...]} or {"text": "..."} per line, optional '
+                        '"id" (default: cases/prompts/synthetic.jsonl, restricted to the model\'s vocabulary)')
+    p.add_argument("--max-new-tokens", type=int, default=GREEDY_NEW_TOKENS,
+                   help=f"with --model: tokens of each greedy stream (default {GREEDY_NEW_TOKENS})")
+    s = p.add_argument_group("server checks (--against openai:URL)")
+    add_server_args(s)
+    s.add_argument("--batch-requests", type=int, default=16,
+                   help="batch invariance: this many requests with staggered starts (default 16)")
+    s.add_argument("--concurrency", type=int, default=8,
+                   help="batch invariance: at most this many in flight (default 8)")
     p.add_argument("--out", default=None, help="parent folder of the run directory (default reports/)")
     p.add_argument("--case", action="append", default=None, help="only this built-in case (repeatable)")
     p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
     p.add_argument("--skip", action="append", default=[], metavar="CHECK",
                    help="opt a check out (repeatable): llamacpp, gemma3-real, tokenizer, speculative (the drafter "
-                        "and speculative-decoding checks), multimodal, or a tokenizer check's name. A check that cannot "
-                        "run here and was not opted out fails the run")
+                        "and speculative-decoding checks), multimodal, a tokenizer check's name, or a server check "
+                        "(server-batch, server-stream, server-stop, server-template). A check that cannot run here and "
+                        "was not opted out fails the run")
     p.add_argument("--slow", action="store_true",
                    help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -61,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
     data, status = run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
-                              skip=tuple(args.skip), slow=args.slow)
+                              skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
+                              engine_options=engine_options(args),
+                              server=ServerOptions(max_new_tokens=args.max_new_tokens,
+                                                   batch_requests=args.batch_requests, concurrency=args.concurrency))
     print(short_table(data))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))

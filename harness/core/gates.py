@@ -177,6 +177,35 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "every greedy stream agrees by vLLM's rule (check_logprobs_close), as for fp32"),
     Gate("engine_bf16~oracle.max_abs_logprob", 1.0, "le",
          "reported for a 16-bit engine, not gated (as its logits)", informational=True),
+    Gate("server.tokenizer", 1.0, "ge",
+         "every text prompt must tokenize on the server to the ids our tokenizer gives; a difference is a tokenizer "
+         "fault, reported apart from the model's figures (which run on our ids)"),
+    Gate("server.batched~alone.greedy", 1.0, "ge",
+         "requests sharing batches (staggered, concurrent) against the same requests sent one at a time: fp32 "
+         "summation order changes with the batch shape (bit-identical for 1 of 16 requests on llama-server, "
+         "docs/server-dialects.md), so equality is not asked, but every request must agree by vLLM's rule or part at "
+         "a near-tie of the alone run"),
+    Gate("server.batched~alone.max_abs_logprob", 2e-2, "le",
+         "reported, not gated: on fp32 weights batch shapes move log-probs by ~4e-3, on quantized ones by up to 0.6 "
+         "(llama.cpp's quantized matmuls, docs/server-dialects.md); the greedy rule judges", informational=True),
+    Gate("server.stream~nostream.same_tokens", 1.0, "ge",
+         "streaming is a transport choice: the same request streamed must give the same tokens and text (every step "
+         "the stream names) as without streaming"),
+    Gate("server.stop.max_tokens", 1.0, "ge",
+         "max_tokens must give exactly that many tokens (finish_reason length) unless EOS comes first"),
+    Gate("server.stop.string", 1.0, "ge",
+         "with a stop string taken from the oracle's continuation, the server must stop there: finish_reason stop, "
+         "the text cut just before the string"),
+    Gate("server.stop.eos", 1.0, "ge",
+         "with EOS not ignored, the server must stop where the oracle's greedy stream reaches EOS and nowhere else "
+         "(a parting at an oracle near-tie excepted)"),
+    Gate("server.prompt_logprobs", 2e-2, "le",
+         "the log-probs a server reports for the prompt's own tokens (vLLM prompt_logprobs, llama-cpp-python echo) "
+         "against the reference's, and the shared top-5 at each position: the same fp32 rounding as "
+         "reference~openai.max_abs_logprob"),
+    Gate("server.chat_template", 1.0, "ge",
+         "the ids the server evaluates for a chat request must be the ids of our Gemma 4 chat format "
+         "(reference/chat.py), BOS exactly once"),
     Gate("tokenizer.check", 1.0, "ge",
          "a tokenizer parity check (ours vs HF tokenizers / sentencepiece / round trips) must find 0 differing texts"),
     Gate("gemma3_real.continuation", 1.0, "ge",
@@ -277,6 +306,14 @@ PAIR_GATES: list[Gate] = [
          "HF transformers fp32 eager: the same rounding as its logits (reference~transformers.max_abs_logit)"),
     *_pair_gates("reference~llamacpp", "llama.cpp through llama-cpp-python (F32 KV cache, flash attention off), "
                  "against the reference with its fp16 GELU table emulated", layer_rel_l2=_FP32_LAYER),
+    *_pair_gates("reference~openai", "a model behind an OpenAI-compatible server (greedy streams with top-5 "
+                 "log-probs only), against the reference with the approximations its dialect declares emulated "
+                 "(llama-server, llama-cpp-python: llama.cpp's fp16 GELU table)",
+                 max_abs_logprob=(2e-2, "fp32 rounding of the shared top-5 log-probs on the agreed prefix (as "
+                                        "engine~oracle.max_abs_logprob); llama-server on F32 GGUFs measured up to "
+                                        "1.3e-2 against the exact reference; a formula fault, or a shift of every "
+                                        "log-prob by 0.1, goes far past 2e-2"),
+                 layer_rel_l2=_FP32_LAYER),
     *_pair_gates("reference~cmd", "an engine behind the subprocess protocol computing in 32 or 64 bits (its hello's "
                  "dtype), against the reference with the approximations it declares emulated",
                  layer_rel_l2=_FP32_LAYER),

@@ -12,10 +12,13 @@ transformers   HF transformers fp32 eager, the oracle (:mod:`.transformers`)
 fast           the torch twin, any device and dtype (:mod:`.fast`)
 llamacpp       llama.cpp through llama-cpp-python, in a worker subprocess (:mod:`.llamacpp`)
 cmd:COMMAND    any program that speaks the subprocess protocol (:mod:`.cmd`, ``docs/engine-protocol.md``)
+openai:URL     a model behind an OpenAI-compatible completion server (:mod:`.openai`, ``docs/server-dialects.md``;
+               greedy continuations only)
 =============  ========================================================================
 
 An engine name is a plain name (:data:`ENGINES`) or ``<scheme>:<argument>`` (:data:`ENGINE_SCHEMES`): the
-scheme picks the class, the argument says which program or server (``cmd:'python my_engine.py --threads 4'``).
+scheme picks the class, the argument says which program or server (``cmd:'python my_engine.py --threads 4'``,
+``openai:http://127.0.0.1:8080/v1``).
 :func:`engine_kind` gives the part that names gates and report rows (``cmd``); :func:`split_engines` reads a
 comma list of names (``fast,llamacpp,cmd:'./eng --a,b'``: commas inside quotes stay).
 """
@@ -55,6 +58,8 @@ ENGINES: dict[str, EngineEntry] = {
 ENGINE_SCHEMES: dict[str, EngineEntry] = {
     "cmd": EngineEntry("harness.engines.cmd", "CmdEngine",
                        "any program speaking the subprocess protocol (docs/engine-protocol.md): cmd:'COMMAND ...'"),
+    "openai": EngineEntry("harness.engines.openai", "OpenAIEngine",
+                          "a model behind an OpenAI-compatible server (generate only): openai:http://HOST:PORT/v1"),
 }
 """Scheme -> :class:`EngineEntry` for engine names ``<scheme>:<argument>``. The class is built as
 ``cls(argument, model_path, **options)``."""
@@ -62,6 +67,7 @@ ENGINE_SCHEMES: dict[str, EngineEntry] = {
 #: Keyword options each engine takes from the command line (others are not passed to it).
 ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     "fast": ("device", "dtype", "batched", "weights"),
+    "openai": ("server_model", "server_timeout", "check_greedy"),
 }
 
 
@@ -140,12 +146,14 @@ def make_engine(name: str, path: str | Path, **options: Any) -> Engine:
 
     Args:
         name: a plain engine name (:data:`ENGINES`) or ``<scheme>:<argument>`` (:data:`ENGINE_SCHEMES`).
-        options: engine-specific keywords (``device``, ``dtype``, ``batched``, ``weights`` for ``fast``);
-            None values and options the engine does not take are dropped.
+        options: engine-specific keywords (``device``, ``dtype``, ``batched``, ``weights`` for ``fast``;
+            ``server_model``, ``server_timeout``, ``check_greedy`` for ``openai``); None values and options the
+            engine does not take are dropped.
 
     Raises:
         EngineUnavailable: unknown engine name or engine not installed (one line, says how to install).
-        InputError: bad model file; a ``cmd:`` engine that fails its handshake.
+        InputError: bad model file; a ``cmd:`` engine that fails its handshake; a server that is down or answers
+            wrongly (:class:`harness.engines.openai.ServerError`).
     """
     entry, arg = _entry(name)
     cls = getattr(importlib.import_module(entry.module), entry.cls)

@@ -30,6 +30,7 @@ import concurrent.futures as cf
 import json
 import math
 import socket
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -38,9 +39,13 @@ from typing import Any, Iterator, Sequence
 
 from reference.errors import InputError
 
-from .base import Generated
+from .base import EngineUnavailable, Generated
 
 DIALECTS = ("llama-server", "llama-cpp-python", "vllm")
+
+LLAMACPP_APPROXIMATIONS = ("gelu_fp16_table", "quantized_activations")
+"""What a server built on llama.cpp declares (as the ``llamacpp`` engine kind): its fp16 GELU table, and
+activations rounded to the dot-product type of quantized weights."""
 
 
 class ServerError(InputError):
@@ -161,7 +166,8 @@ def _error_message(e: urllib.error.HTTPError) -> str:
     msg: Any = body
     if isinstance(body, dict):
         err = body.get("error")
-        msg = (err.get("message") if isinstance(err, dict) else err) or body.get("detail") or body.get("message") or body
+        msg = ((err.get("message") if isinstance(err, dict) else err) or body.get("detail") or body.get("message")
+               or body)
     text = msg if isinstance(msg, str) else json.dumps(msg)
     return " ".join(text.split())[:300]
 
@@ -228,29 +234,52 @@ def utf8_cut(text: bytes) -> bool:
 class OpenAIEngine:
     """A model served over HTTP, driven greedily, token ids in and out.
 
+    Built by :func:`harness.engines.make_engine` for the name ``openai:URL`` as ``OpenAIEngine(URL, model_path,
+    server_model=..., server_timeout=...)``.
+
     Args:
-        url: ``openai:http://HOST:PORT/v1`` (``openai:`` and ``/v1`` optional).
-        model: the model name to send (default: the first entry of ``GET /v1/models``).
-        timeout: seconds allowed for connecting and for each read of one request.
-        concurrency: requests in flight at once in :meth:`generate_full` (llama-server's ``--parallel``).
+        url: ``http://HOST:PORT/v1`` (``openai:`` and ``/v1`` optional).
+        path: the model file the harness compares with; the server holds its own copy, so it is not read here.
+        model: the model name to send (default: the first entry of ``GET /v1/models``); ``server_model`` is the
+            same (``--server-model``).
+        timeout: seconds allowed for connecting and for each read of one request; ``server_timeout`` is the same
+            (``--server-timeout``, default 120).
+        concurrency: requests in flight at once in :meth:`generate_full` (default 1: each prompt alone).
         dialect: skip detection and assume this one (one of :data:`DIALECTS`).
+        check_greedy: :meth:`generate_full` raises on a step whose token is not the top-1 of the server's own
+            log-probs (False where gates judge that instead: ``g4h parity``).
+
+    Attributes:
+        path: ``path`` as given.
+        name: ``openai:URL (dialect, model 'NAME')``, as reports show it.
+        ops: ``("generate",)``: no logits, no trace points.
+        approximations: llama.cpp's known approximations for a server built on it (llama-server,
+            llama-cpp-python; :data:`harness.parity.checks.pair.KIND_APPROXIMATIONS`), else none.
+        answers: ``(ids, max_new_tokens, top_n) -> (ServerGenerated, seconds)`` of every prompt
+            :meth:`generate_full` sent (the server checks reuse them as the answers "sent alone").
 
     Raises:
         ServerError: the server is down, slow, answers an error or an unexpected shape, or is no known dialect.
     """
 
-    name = "openai"
+    ops = ("generate",)
 
-    def __init__(self, url: str, model: str | None = None, timeout: float = 120.0, concurrency: int = 4,
-                 dialect: str | None = None) -> None:
+    def __init__(self, url: str, path: Any = None, model: str | None = None, timeout: float = 120.0,
+                 concurrency: int = 1, dialect: str | None = None, check_greedy: bool = True,
+                 server_model: str | None = None, server_timeout: float | None = None) -> None:
         self.base, self.root = parse_url(url)
-        self.http = Http(timeout)
+        self.http = Http(float(server_timeout) if server_timeout is not None else timeout)
         self.concurrency = max(1, int(concurrency))
+        self.check_greedy = check_greedy
+        self.path = path
         if dialect is not None and dialect not in DIALECTS:
             raise ServerError(f"{self.root}: unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
         self.dialect = dialect or detect_dialect(self.http, self.base, self.root)
         self._models = self.http.call(self.base + "/models")
-        self.model = model or self._model_name()
+        self.model = server_model or model or self._model_name()
+        self.name = f"openai:{self.base} ({self.dialect}, model {self.model!r})"
+        self.approximations = LLAMACPP_APPROXIMATIONS if self.dialect in ("llama-server", "llama-cpp-python") else ()
+        self.answers: dict[tuple[tuple[int, ...], int, int], tuple[ServerGenerated, float]] = {}
         self._pieces: dict[int, bytes] = {}  # llama-server: token id -> its text's bytes
         self._text_id: dict[str, int | None] = {}  # llama-cpp-python: token text -> id
         self._id_text: dict[int, str] = {}
@@ -262,6 +291,17 @@ class OpenAIEngine:
             raise _shape(self.base + "/models", '{"data": [{"id": str, ...}, ...]}', self._models)
         return data[0]["id"]
 
+    def logits(self, ids: Sequence[int], trace: Any = None) -> Any:
+        """Impossible: a completion server returns the top-N log-probabilities of the tokens it generates, never
+        the logits of every position, and exposes no trace points.
+
+        Raises:
+            EngineUnavailable: always (one line; exit 2 on the command line).
+        """
+        what = "trace points" if trace is not None else "the logits of every position"
+        raise EngineUnavailable(f"openai:{self.base}: a completion server returns no {what} (only the top-N "
+                                "log-probabilities of generated tokens); use g4h generate, or g4h parity --against")
+
     # ------------------------------------------------------------------ tokens and templates
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -272,7 +312,8 @@ class OpenAIEngine:
         if self.dialect == "llama-server":
             url, body = self.root + "/tokenize", {"content": text, "add_special": add_special, "parse_special": True}
         elif self.dialect == "vllm":
-            url, body = self.root + "/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": add_special}
+            url, body = self.root + "/tokenize", {"model": self.model, "prompt": text,
+                                                  "add_special_tokens": add_special}
         else:
             url, body = self.root + "/extras/tokenize", {"input": text}
         ids = _int_list(url, self.http.call(url, body), "tokens")
@@ -307,13 +348,41 @@ class OpenAIEngine:
             raise _shape(url, '{"prompt": str}', ans)
         return ans["prompt"]
 
+    def chat_ids(self, messages: Sequence[dict[str, str]],
+                 enable_thinking: bool = False) -> tuple[list[int], str | None]:
+        """The token ids the server evaluates for a chat request of ``messages`` (generation prompt added), and the
+        templated text where the server shows it.
+
+        ``enable_thinking`` goes as ``chat_template_kwargs`` (llama-server turns thinking on by default for a template
+        that supports it). llama-server: ``/apply-template`` (which drops a leading BOS text when its tokenizer adds
+        BOS), then ``/tokenize`` of that text with BOS added, as its chat endpoint does. vLLM: ``/tokenize`` with
+        ``messages`` (documented, not run here).
+
+        Raises:
+            ServerError: the dialect offers no such endpoint (llama-cpp-python), or an answer of another shape.
+        """
+        kwargs = {"chat_template_kwargs": {"enable_thinking": bool(enable_thinking)}}
+        if self.dialect == "llama-server":
+            url = self.root + "/apply-template"
+            ans = self.http.call(url, {"messages": list(messages), **kwargs})
+            if not isinstance(ans, dict) or not isinstance(ans.get("prompt"), str):
+                raise _shape(url, '{"prompt": str}', ans)
+            return self.tokenize(ans["prompt"], add_special=True), ans["prompt"]
+        if self.dialect == "vllm":
+            url = self.root + "/tokenize"
+            ans = self.http.call(url, {"model": self.model, "messages": list(messages), "add_generation_prompt": True,
+                                       **kwargs})
+            return _int_list(url, ans, "tokens"), None
+        raise ServerError(f"{self.root}: {self.dialect} offers no endpoint that renders or tokenizes a chat template")
+
     # ------------------------------------------------------------------ generation
 
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_n: int = 5,
                       stream: bool = False) -> list[ServerGenerated]:
         """Greedy continuations (temperature 0) with the top-``top_n`` ``(id, logprob)`` of every step.
 
-        Up to ``concurrency`` requests are in flight at once; results come back in the prompts' order.
+        Up to ``concurrency`` requests are in flight at once; results come back in the prompts' order, and are
+        kept in :attr:`answers` (not streamed ones).
         llama-server and vLLM generate exactly ``max_new_tokens`` (EOS ignored); llama-cpp-python stops at EOS
         (``finish_reason == "stop"``, fewer tokens). ``stream``: read the answer as server-sent events.
 
@@ -325,23 +394,56 @@ class OpenAIEngine:
         """
         if max_new_tokens <= 0 or not prompts:
             return [ServerGenerated() for _ in prompts]
+        args = [[int(t) for t in p] for p in prompts]
+
+        def one(ids: list[int]) -> ServerGenerated:
+            t0 = time.monotonic()
+            g = self.complete(ids, max_new_tokens, top_n, stream=stream)
+            if not stream:
+                self.answers[(tuple(ids), int(max_new_tokens), int(top_n))] = (g, time.monotonic() - t0)
+            return g
+
+        with cf.ThreadPoolExecutor(min(self.concurrency, len(args))) as ex:
+            out = list(ex.map(one, args))
+        if self.check_greedy:
+            for k, g in enumerate(out):
+                _check_greedy(self.base, k, g)
+        return out
+
+    def complete(self, ids: Sequence[int], max_new_tokens: int, top_n: int = 5, *, stream: bool = False,
+                 stop: Sequence[str] | None = None, ignore_eos: bool = True, gaps: bool = False) -> ServerGenerated:
+        """One greedy request (temperature 0), as the dialect takes it; no check of the answer against itself.
+
+        Args:
+            ids: the prompt's token ids (BOS included where the model wants one).
+            max_new_tokens: ``max_tokens`` / ``n_predict``.
+            top_n: log-probabilities per step (0: none asked; llama-server then reports no steps).
+            stream: read the answer as server-sent events.
+            stop: stop strings (the text is cut before the first one; ``finish_reason`` ``stop``).
+            ignore_eos: generate past EOS (llama-server, vLLM); False: stop there (``finish_reason`` ``stop``).
+                llama-cpp-python always stops at EOS.
+            gaps: llama-server streams: steps it left out (text not yet complete UTF-8) get the token id -1 and are
+                listed in ``missing``, instead of raising.
+
+        Raises:
+            ServerError: as :meth:`generate_full`, except the greedy check.
+        """
         one = {"llama-server": self._gen_llama_server, "llama-cpp-python": self._gen_lcp,
                "vllm": self._gen_vllm}[self.dialect]
-        args = [([int(t) for t in p], int(max_new_tokens), int(top_n), bool(stream)) for p in prompts]
-        with cf.ThreadPoolExecutor(min(self.concurrency, len(args))) as ex:
-            out = list(ex.map(lambda a: one(*a), args))
-        for k, g in enumerate(out):
-            _check_greedy(self.base, k, g)
-        return out
+        extra = {"stop": [str(x) for x in stop]} if stop else {}
+        return one([int(t) for t in ids], int(max_new_tokens), int(top_n), bool(stream), extra, bool(ignore_eos),
+                   bool(gaps))
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy token ids only (the engine protocol of :mod:`harness.engines`)."""
         return [g.tokens for g in self.generate_full(prompts, max_new_tokens)]
 
-    def _gen_llama_server(self, ids: list[int], n: int, top_n: int, stream: bool) -> ServerGenerated:
+    def _gen_llama_server(self, ids: list[int], n: int, top_n: int, stream: bool, extra: dict, ignore_eos: bool,
+                          gaps: bool) -> ServerGenerated:
         url = self.root + "/completion"
         body = {"prompt": ids, "n_predict": n, "n_probs": top_n, "temperature": 0, "return_tokens": True,
-                "ignore_eos": True, "cache_prompt": False, "stream": stream}  # no reuse: numbers independent of history
+                "ignore_eos": ignore_eos, "stream": stream, **extra,
+                "cache_prompt": False}  # no reuse: a request's numbers must not depend on what its slot held
         g = ServerGenerated()
         if stream:
             placed: dict[int, dict] = {}
@@ -354,17 +456,18 @@ class OpenAIEngine:
                 if part.get("stop"):
                     g.finish_reason = "stop" if part.get("stop_type") in ("eos", "word") else "length"
                     n = int(part.get("tokens_predicted", n))
-            gaps = [i for i in range(n) if i not in placed]
-            if gaps:
-                raise ServerError(f"{url}: the stream left out steps {gaps[:8]} (llama-server sends a step only once "
-                                  f"the text is complete UTF-8) and with them their token ids; use stream=False")
-            steps: list[dict | None] = [placed[i] for i in range(n)]
-            g.tokens = [_entry_id(url, s) for s in steps]
+            left_out = [i for i in range(n) if i not in placed]
+            if left_out and not gaps:
+                raise ServerError(f"{url}: the stream left out steps {left_out[:8]} (llama-server sends a step only "
+                                  f"once the text is complete UTF-8) and with them their token ids; use stream=False")
+            steps: list[dict | None] = [placed.get(i) for i in range(n)]
+            g.tokens = [-1 if s is None else _entry_id(url, s) for s in steps]
         else:
             ans = self.http.call(url, body)
             tokens = ans.get("tokens") if isinstance(ans, dict) else None
             entries = ans.get("completion_probabilities", []) if isinstance(ans, dict) else None  # absent when none
-            if not isinstance(tokens, list) or not isinstance(entries, list) or len(tokens) != ans.get("tokens_predicted"):
+            if not isinstance(tokens, list) or not isinstance(entries, list) or \
+                    len(tokens) != ans.get("tokens_predicted"):
                 raise _shape(url, '{"tokens": [...] (return_tokens was sent), "tokens_predicted", '
                                   '"completion_probabilities": [...]}', ans)
             g.tokens = [int(t) for t in tokens]
@@ -439,10 +542,11 @@ class OpenAIEngine:
         except (KeyError, IndexError, TypeError, ValueError):
             raise _shape(url, "one step with n_vocab top_logprobs carrying bytes", ans) from None
 
-    def _gen_vllm(self, ids: list[int], n: int, top_n: int, stream: bool) -> ServerGenerated:
+    def _gen_vllm(self, ids: list[int], n: int, top_n: int, stream: bool, extra: dict, ignore_eos: bool,
+                  gaps: bool) -> ServerGenerated:
         url = self.base + "/completions"
         body = {"model": self.model, "prompt": ids, "max_tokens": n, "temperature": 0, "logprobs": top_n,
-                "ignore_eos": True, "return_tokens_as_token_ids": True, "stream": stream}
+                "ignore_eos": ignore_eos, "return_tokens_as_token_ids": True, "stream": stream, **extra}
         g = ServerGenerated()
         for part in (self.http.stream(url, body) if stream else [self.http.call(url, body)]):
             choice = _first_choice(url, part)
@@ -483,10 +587,11 @@ class OpenAIEngine:
                               f"{ids[:8]} comes back as {back[:8]} after its text round trip")
         return text
 
-    def _gen_lcp(self, ids: list[int], n: int, top_n: int, stream: bool) -> ServerGenerated:
-        url = self.base + "/completions"
+    def _gen_lcp(self, ids: list[int], n: int, top_n: int, stream: bool, extra: dict, ignore_eos: bool,
+                 gaps: bool) -> ServerGenerated:
+        url = self.base + "/completions"  # it has no ignore_eos: it always stops at EOS
         body = {"model": self.model, "prompt": self._lcp_text(ids), "max_tokens": n, "temperature": 0,
-                "logprobs": top_n, "repeat_penalty": 1.0, "stream": stream}
+                "logprobs": top_n, "repeat_penalty": 1.0, "stream": stream, **extra}
         g = ServerGenerated()
         texts: list[str] = []
         tops: list[dict] = []
@@ -588,7 +693,8 @@ class OpenAIEngine:
         # The echo lists the prompt without a leading BOS (its first entry null), then the one generated token.
         skip = len(ids) - (len(token_lp) - 1)
         if skip not in (0, 1):
-            raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and 1 generated", f"{len(token_lp)} entries")
+            raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and 1 generated",
+                         f"{len(token_lp)} entries")
         out = [None] * (skip + 1)
         for k in range(skip + 1, len(ids)):
             d = tops[k - skip] or {}

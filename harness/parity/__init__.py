@@ -33,6 +33,7 @@ from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
 from .cases import gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
+from .checks.server import SERVER_CHECKS, ServerOptions, load_user_prompts
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
 
@@ -41,7 +42,7 @@ __all__ = ["RESULTS_VERSION", "run"]
 Plan = list[tuple[Callable[[], CaseResult], str, str, str]]
 
 
-SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative", "multimodal")
+SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative", "multimodal", *SERVER_CHECKS)
 """What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
 
 
@@ -59,14 +60,16 @@ def check_skip(skip: tuple[str, ...]) -> None:
 
 def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
                prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
-               slow: bool = False) -> Plan:
+               slow: bool = False, engine_options: dict[str, Any] | None = None,
+               server: ServerOptions | None = None) -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
 
     Raises:
         InputError: a ``case_filter`` name that is not a built-in case.
     """
     if models:
-        return [(lambda m=m: user_case(m, against, prompts, progress, skip), Path(m).name, "user", m)
+        return [(lambda m=m: user_case(m, against, prompts, progress, skip, engine_options, server), Path(m).name,
+                 "user", m)
                 for m in models]
     names = [s.stem for s in builtin_specs()]
     mm_names = [s.stem for s in builtin_mm_specs()]
@@ -128,7 +131,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         real: bool = True, case_filter: list[str] | None = None, quiet: bool = False,
         baseline: str | None = None, write_baseline: str | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
-        skip: tuple[str, ...] = (), slow: bool = False) -> tuple[dict[str, Any], int]:
+        skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
+        server: ServerOptions | None = None) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -149,6 +153,10 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         skip: checks the user opts out of (:data:`SKIPPABLE`, or a tokenizer check's name); a check that
             cannot run and was not opted out fails the run.
         slow: also run the slow checks (transformers' GGUF tokenizer conversion).
+        engine_options: keywords for the engines of ``against`` (each takes its own: ``server_model``,
+            ``server_timeout`` for ``openai:URL``).
+        server: options of the server checks of an ``openai:URL`` engine (:class:`ServerOptions`). With ``models``
+            the prompt set may also hold ``{"text"}`` lines (:func:`harness.parity.checks.server.load_user_prompts`).
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -169,9 +177,14 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             check_engine_name(name)
         except InputError as e:
             raise InputError(f"--against: {e}") from None
-    prompt_set = load_prompts(prompts)
+    # the gates judge a server's token that is not its own top-1 (a fault naming the request and step), so the
+    # engine does not raise on one
+    engine_options = {**(engine_options or {}), "check_greedy": False}
+    server = ServerOptions(**{**(server or ServerOptions()).__dict__, "skip": skip})
+    server.check()
+    prompt_set = load_user_prompts(prompts) if models else load_prompts(prompts)
     base = load_baseline(baseline) if baseline else None
-    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow)
+    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow, engine_options, server)
     t0 = time.perf_counter()
     results = [guard(*case) for case in plan]
     status = exit_status(results)

@@ -5,7 +5,8 @@
   loaders, fast vs reference, the case's drafter (``<name>-assistant.toml``) and speculative decoding with
   every drafter, llama.cpp vs reference;
 * :func:`user_case`: a user's model (``--model``): the reference against each engine of ``--against``
-  (default: every engine that can read it) and against itself;
+  (default: every engine that can read it; a server, ``openai:URL``, adds the server checks of
+  :mod:`.checks.server`) and against itself;
 * :func:`gemma3_case`: the real Gemma 3 270M GGUF;
 * :func:`tokenizer_case`: the tokenizer checks;
 * :func:`multimodal_case`: a built-in multimodal spec (``cases/models/multimodal/*.toml``) on the multimodal
@@ -44,6 +45,7 @@ from .checks.multimodal import llamacpp_figures as mm_llamacpp_figures
 from .checks.multimodal import mask_figures, mmproj_figures, oracle_figures, preprocessing_figures, usable
 from .checks.pair import ReferenceRuns, pair_checks
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
+from .checks.server import ServerOptions, spec_gates, with_prompt_ids
 from .checks.speculative import speculative_checks
 from .checks.tokenizer import tokenizer_figures
 from .result import CaseResult, fig
@@ -127,23 +129,28 @@ def default_against(path: str | Path) -> list[str]:
 
 
 def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[str, Any]], progress: Progress,
-              skip: tuple[str, ...] = ()) -> CaseResult:
+              skip: tuple[str, ...] = (), engine_options: dict[str, Any] | None = None,
+              server: ServerOptions | None = None) -> CaseResult:
     """The reference against each engine of ``against`` (default :func:`default_against`) on a user-supplied
     model, one pair after another (:func:`harness.parity.checks.pair.pair_checks`: an engine that cannot run
     is a failing ``reference~<kind>.runs`` figure and the next pair still runs), then the reference against
-    itself (cached vs uncached). Prompts are restricted to the model's vocabulary."""
+    itself (cached vs uncached). Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; prompts
+    are restricted to the model's vocabulary. A GGUF inside a built synthetic case is judged with its case's
+    ``[gates]`` table. ``engine_options`` go to every engine built (each takes its own); ``server`` holds the
+    options of the server checks (``openai:URL``)."""
     res = CaseResult(case=Path(path).name, kind="user", model=str(path))
-    gates = resolve(None, str(path))
+    gates = resolve(spec_gates(path), str(path))
     progress(f"[{res.case}] loading with the reference")
     ref = ReferenceEngine(path)
     res.info["config"] = ref.cfg.summary()
-    usable = [p for p in prompts if max(p["prompt_ids"]) < ref.cfg.vocab_size]
+    usable = [p for p in with_prompt_ids(prompts, path) if max(p["prompt_ids"]) < ref.cfg.vocab_size]
     names = list(against) if against else default_against(path)
     res.info["against"] = names
     runs = ReferenceRuns(ref)
     for name in names:
         opted = engine_kind(name) if engine_kind(name) in skip else None
-        res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted), gates)
+        res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted,
+                              options=engine_options, extra=server), gates)
     for p in usable:
         res.apply(cached_vs_uncached(ref, p, runs.logits((), p)[0]), gates)
     return res

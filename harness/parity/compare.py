@@ -107,13 +107,18 @@ def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any =
 
 
 def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[str, Any]], pair: str,
-                       top_n: int = 5) -> list[Figure]:
+                       top_n: int = 5, logprob_limit: float | None = None) -> list[Figure]:
     """Figures of greedy streams by vLLM's rule: ``<pair>.greedy`` (the fraction of streams that agree, each
     divergence classified) and ``<pair>.max_abs_logprob`` (shared top-N log-probs on the agreed prefix).
 
     A divergence passes when each token is in the other side's top-N (vLLM), or when the oracle's top-1/top-2
     log-prob margin at that step is below :data:`~harness.core.gates.NEAR_TIE_MARGIN` (a near-tie); else it
-    is a real fault, named with the request, the step and both tokens.
+    is a real fault, named with the request, the step and both tokens. A divergence where our token is not the
+    top-1 of our own log-probs is a fault whatever the rule says: a greedy engine never picks another token.
+    A step without log-probs on a side (a server that reported none there) has no top-N on that side. Two
+    streams are compared over their common prefix (vLLM's ``zip``); an empty stream has none. With
+    ``logprob_limit`` (the log-prob gate's limit), the first place (request in order, step, token) beyond it is
+    named as the log-prob figure's ``first_divergence``.
 
     Raises:
         InputError: the two sides hold different request ids.
@@ -121,21 +126,37 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
     if set(ours) != set(oracle):
         only = sorted(set(ours) ^ set(oracle))
         raise InputError(f"the two generation files hold different requests (e.g. {only[0]!r})")
-    rows, worst_lp = [], 0.0
-    for rid in sorted(oracle, key=str):
+    rows, worst_lp, worst_at, beyond = [], 0.0, None, None
+    for rid in oracle:  # in the order given (a file's order), so that "first" means first there
         a, b = ours[rid], oracle[rid]
+        if not a["tokens"] or not b["tokens"]:
+            rows.append({"request": rid, "kind": "identical", "reason": "an empty stream: no common prefix"})
+            continue
         ga = greedy_agreement(a["tokens"], b["tokens"], a["top"], b["top"], n=top_n)
         stop = ga.first_mismatch if ga.first_mismatch is not None else ga.n_compared
         for step in range(stop):
             shared = set(a["logprobs"][step]) & set(b["logprobs"][step])
-            for tok in shared:
-                worst_lp = max(worst_lp, abs(a["logprobs"][step][tok] - b["logprobs"][step][tok]))
-        kind = "identical" if ga.first_mismatch is None else ("top-n" if ga.agree else "fault")
+            for tok in sorted(shared):
+                d = abs(a["logprobs"][step][tok] - b["logprobs"][step][tok])
+                if beyond is None and logprob_limit is not None and d > logprob_limit:
+                    beyond = (f"request {rid} step {step} token {tok}: ours {a['logprobs'][step][tok]:.6g}, "
+                              f"oracle {b['logprobs'][step][tok]:.6g}")
+                if d > worst_lp:
+                    worst_lp = d
+                    worst_at = (f"request {rid} step {step} token {tok}: ours {a['logprobs'][step][tok]:.6g}, "
+                                f"oracle {b['logprobs'][step][tok]:.6g}")
+        kind, reason = ("identical" if ga.first_mismatch is None else ("top-n" if ga.agree else "fault")), ga.reason
         if ga.first_mismatch is not None and not ga.agree:
             lp = sorted(b["logprobs"][ga.first_mismatch].values(), reverse=True)
             if len(lp) > 1 and lp[0] - lp[1] < NEAR_TIE_MARGIN:
                 kind = "near-tie"
-        row = {"request": rid, "kind": kind, "reason": ga.reason}
+        if ga.first_mismatch is not None:
+            own = a["logprobs"][ga.first_mismatch]
+            mine = own.get(a["tokens"][ga.first_mismatch])
+            if own and (mine is None or mine < max(own.values())):
+                kind, reason = "fault", (f"step {ga.first_mismatch}: our token {a['tokens'][ga.first_mismatch]} is "
+                                         f"not the top-1 of our own log-probs (not greedy)")
+        row = {"request": rid, "kind": kind, "reason": reason}
         if ga.first_mismatch is not None:
             i = ga.first_mismatch
             row.update(step=i, ours=a["tokens"][i], oracle=b["tokens"][i])
@@ -143,13 +164,18 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
     ok = [r for r in rows if r["kind"] != "fault"]
     faults = [r for r in rows if r["kind"] == "fault"]
     first = faults[0] if faults else None
+    where = (f"request {first['request']} step {first['step']}: ours {first['ours']}, oracle {first['oracle']}"
+             if first else None)
     return [fig(f"{pair}.greedy", len(ok) / len(rows), None, streams=len(rows),
                 identical=sum(r["kind"] == "identical" for r in rows),
                 by_top_n=sum(r["kind"] == "top-n" for r in rows), near_ties=sum(r["kind"] == "near-tie" for r in rows),
-                **({"first_fault": f"request {first['request']} step {first['step']}: ours {first['ours']}, "
-                                   f"oracle {first['oracle']}"} if first else {}),
+                **({"first_fault": where, "first_divergence": where, "why": f"{where} ({first['reason']})"}
+                   if first else {}),
                 streams_detail=rows[:50]),
-            fig(f"{pair}.max_abs_logprob", worst_lp, None, top_n=top_n)]
+            fig(f"{pair}.max_abs_logprob", worst_lp, None, top_n=top_n,
+                **(({"worst_at": worst_at, "why": f"largest at {worst_at}"} if worst_at else {})
+                   | ({"first_divergence": beyond, "why": f"first beyond {logprob_limit:g} at {beyond}"}
+                      if beyond else {})))]
 
 
 def judge(figures: Sequence[Figure], case: str, model: str) -> CaseResult:

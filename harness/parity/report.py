@@ -37,6 +37,7 @@ from ..core.gates import DEFAULT_GATES
 from ..core.io import dataframe_markdown, write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..core.metrics import KLD_HIST_FLOOR_LOG10
 from .baseline import baseline_section
+from .checks.server import report_lines as server_report_lines
 
 LAYER_POINT = "l_out"
 """The trace point whose per-layer error the plots show (each layer's output)."""
@@ -401,6 +402,7 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
                                                          "positions", "expected", "got")
                                     if x in k and k[x] is not None)} for k in c["checks"]]
         lines += [_table(rows, ["gate", "prompt", "measured", "pass", "extra"], right=["measured"]), ""]
+        lines += server_report_lines(c)  # a server case: its dialect, per-request batch invariance
         why = {}
         for k in c["checks"]:
             if k.get("informational") and k.get("reason"):

@@ -65,8 +65,9 @@ SIXTEEN_BIT = ("bfloat16", "float16")
 Progress = Callable[[str], None]
 
 EXTRA_CHECKS: dict[str, Callable[..., list[Figure]]] = {}
-"""Engine kind -> ``fn(engine, ref_runs, prompts, pair, progress) -> figures``: more checks on the same engine,
-run after the common ones (gates ``<pair>.<metric>`` must exist)."""
+"""Engine kind -> ``fn(engine, ref_runs, prompts, pair, progress, extra) -> figures``: more checks on the same
+engine, run after the common ones (their gates must exist); ``extra`` is :func:`pair_checks`' ``extra``. Filled by
+the module of those checks (:mod:`.server` registers ``openai``)."""
 
 
 def pair_name(kind: str, dtype: str | None = None) -> str:
@@ -135,7 +136,8 @@ def _runs(pair: str, ok: bool, **detail: Any) -> Figure:
 
 
 def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Sequence[dict[str, Any]],
-                progress: Progress, case: str, opted_out: str | None = None) -> list[Figure]:
+                progress: Progress, case: str, opted_out: str | None = None, options: dict[str, Any] | None = None,
+                extra: Any = None) -> list[Figure]:
     """The reference against engine ``name`` on the model at ``path`` (see the module docstring).
 
     Args:
@@ -143,6 +145,10 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
         name: the engine name (``fast``, ``llamacpp``, ``cmd:'./eng'`` ...).
         prompts: prompt records within the model's vocabulary.
         opted_out: the ``--skip`` name that opts this engine out, when the user gave it (informational).
+        options: keywords for :func:`harness.engines.make_engine` (each engine takes its own).
+        extra: options of the kind's :data:`EXTRA_CHECKS` (a server's :class:`.server.ServerOptions`); its
+            ``max_new_tokens``, when it has one, sets the length of the greedy streams (default
+            :data:`GREEDY_NEW_TOKENS`).
 
     Returns:
         Figures for the gates ``reference~<kind>.*``; never raises for a failing engine (that is a
@@ -154,7 +160,7 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
         return [_runs(pair, False, got="opted out", informational_reason=f"opted out with --skip {opted_out}")]
     progress(f"[{case}] reference vs {name}")
     try:
-        eng = make_engine(name, path)
+        eng = make_engine(name, path, **(options or {}))
     except EngineUnavailable as e:
         hint = "; or opt out: g4h parity --skip llamacpp" if kind == "llamacpp" else ""
         return [_runs(pair, False, got=f"not run: {e}{hint}")]
@@ -165,9 +171,10 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
     pair = pair_name(kind, getattr(eng, "dtype", None) if kind != "fast" else None)
     out: list[Figure] = []
     try:
-        out += _measure(runs, eng, kind, pair, prompts, progress, case)
+        out += _measure(runs, eng, kind, pair, prompts, progress, case,
+                        int(getattr(extra, "max_new_tokens", GREEDY_NEW_TOKENS)))
         if kind in EXTRA_CHECKS:
-            out += EXTRA_CHECKS[kind](eng, runs, prompts, pair, progress)
+            out += EXTRA_CHECKS[kind](eng, runs, prompts, pair, progress, extra)
     except EngineUnavailable as e:
         return [_runs(pair, False, got=f"not run: {e}")] + out
     except EngineCrashed as e:
@@ -200,9 +207,9 @@ def _can(eng: Any, op: str) -> bool:
 
 
 def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
-             progress: Progress, case: str) -> list[Figure]:
+             progress: Progress, case: str, new_tokens: int = GREEDY_NEW_TOKENS) -> list[Figure]:
     declared = _approximations(eng, kind)
-    out = _measure_figures(runs, eng, kind, pair, prompts, progress, case, _emulated(declared))
+    out = _measure_figures(runs, eng, kind, pair, prompts, progress, case, _emulated(declared), new_tokens)
     types = runs.unemulated_types() if "quantized_activations" in declared else []
     if types:
         why = QUANTIZED_ACTIVATIONS.format(engine=kind, types="/".join(types))
@@ -212,7 +219,8 @@ def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Seque
 
 
 def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
-                     progress: Progress, case: str, approx: tuple[str, ...]) -> list[Figure]:
+                     progress: Progress, case: str, approx: tuple[str, ...],
+                     new_tokens: int = GREEDY_NEW_TOKENS) -> list[Figure]:
     out: list[Figure] = []
     layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit
     logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
@@ -237,13 +245,14 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                 out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit))
         if _can(eng, "generate"):
             context = runs.ref.cfg.context_length
-            gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + GREEDY_NEW_TOKENS <= context]
+            gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
             if gen_prompts:
-                progress(f"[{case}] reference vs {kind}: greedy streams of {GREEDY_NEW_TOKENS} tokens")
-                base_g = runs.generations(approx, gen_prompts, GREEDY_NEW_TOKENS)
+                progress(f"[{case}] reference vs {kind}: greedy streams of {new_tokens} tokens")
+                base_g = runs.generations(approx, gen_prompts, new_tokens)
                 ours_g = as_streams(gen_prompts, eng.generate_full([p["prompt_ids"] for p in gen_prompts],
-                                                                   GREEDY_NEW_TOKENS))
-                out += generation_figures(ours_g, base_g, pair)
+                                                                   new_tokens))
+                out += generation_figures(ours_g, base_g, pair,
+                                          logprob_limit=DEFAULT_GATES[f"{pair}.max_abs_logprob"].limit)
     return out
 
 

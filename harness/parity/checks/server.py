@@ -1,0 +1,720 @@
+"""Checks of a model behind an OpenAI-compatible server: ``g4h parity --model PATH --against openai:URL``.
+
+The server (:class:`harness.engines.openai.OpenAIEngine`: llama-server, llama-cpp-python's server, vLLM) is one
+more engine of the pair checks (:func:`harness.parity.checks.pair.pair_checks`, pair ``reference~openai``): its
+greedy streams are judged there against the reference's by vLLM's rule (``reference~openai.greedy``, each
+divergence a near-tie or a fault naming the request, the step and both tokens; a token that is not the server's
+own top-1 is a fault) and by ``reference~openai.max_abs_logprob`` (shared top-5 on the agreed prefix). A server
+built on llama.cpp declares llama.cpp's approximations, so the reference emulates its fp16 GELU table.
+
+This module adds the checks only a server has (:data:`harness.parity.checks.pair.EXTRA_CHECKS` ``["openai"]``,
+:func:`server_checks`), each a figure with a gate in ``harness/core/gates.py``:
+
+1. **tokenizer** (text prompts only): the server's ``/tokenize`` of each text against our tokenizer's ids; a
+   difference fails ``server.tokenizer`` and the model checks still run on our ids (a tokenizer fault is not a
+   model fault).
+2. **batch invariance** (``server.batched~alone.greedy``): ``batch_requests`` requests (the prompts in turn)
+   started ``stagger_s`` apart, at most ``concurrency`` in flight, against the same prompts sent alone (the pair
+   check's answers); per request: identical tokens, agreement only by the greedy rule, or a fault.
+3. **streaming** (``server.stream~nostream.same_tokens``): each prompt streamed against its alone answer.
+4. **stop and EOS** (``server.stop.max_tokens``, ``.string``, ``.eos``): ``max_tokens`` 1 and 3; a stop string
+   taken from the reference's continuation; EOS not ignored, at every place where the reference's greedy choice is
+   EOS (inside a prompt or in a continuation) and on prompts where it never is.
+5. **prompt log-probs** (``server.prompt_logprobs``), where the dialect offers them (vLLM, llama-cpp-python):
+   the log-probs of the prompt's own tokens and the top-5 at each position against the reference's.
+6. **chat template** (``server.chat_template``): the ids the server evaluates for a chat request against our
+   Gemma 4 chat format (:func:`reference.chat.render`).
+
+A server that is down, slow past the timeout, answers an error status, malformed JSON or another shape raises
+:class:`~harness.engines.openai.ServerError` (an :class:`InputError`); the pair then ends with that one line as
+its ``reference~openai.runs`` figure (exit 2) and the run goes on with the other engines and cases.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from reference.chat import BOS as BOS_TEXT
+from reference.chat import render
+from reference.errors import InputError, PromptError
+from reference.tokenizer import BYTE, NORMAL, GGUFTokenizer
+
+from ... import synth
+from ...core.cases import PROMPTS
+from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN
+from ...core.io import dataframe_markdown
+from ...core.metrics import log_softmax
+from ...engines.openai import OpenAIEngine, ServerGenerated
+from ...tokenizer.files import load_tokenizer_metadata
+from ..compare import generation_figures
+from ..result import Figure, fig
+from .pair import EXTRA_CHECKS, NUMERICS, QUANTIZED_ACTIVATIONS, ReferenceRuns
+
+__all__ = ["SERVER_CHECKS", "ServerOptions", "load_user_prompts", "report_lines", "server_checks", "spec_gates",
+           "with_prompt_ids"]
+
+TOP_N = 5
+"""Log-probabilities asked per step, and vLLM's N (the reference's streams carry their top 5)."""
+
+SERVER_CHECKS = ("server-batch", "server-stream", "server-stop", "server-template")
+"""Server checks a user may opt out of with ``--skip`` (the greedy and log-prob figures always run)."""
+
+#: Conversations for the chat-template check (plain turns: what every server's template endpoint takes).
+CHAT_CASES: tuple[tuple[str, list[dict[str, str]]], ...] = (
+    ("one user turn", [{"role": "user", "content": "Hi"}]),
+    ("system and user", [{"role": "system", "content": "You are terse."},
+                         {"role": "user", "content": "Name a colour."}]),
+    ("three turns", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+                     {"role": "user", "content": "Count to three."}]),
+)
+
+MAX_EOS_PREFIX_SITES = 4
+"""At most this many prompt prefixes whose next greedy token (the reference's) is EOS are sent."""
+
+NO_EOS_PROMPTS = 2
+"""This many prompts whose continuation never reaches EOS are sent with EOS not ignored (no early stop)."""
+
+STOP_STRING_REQUESTS = 3
+"""At most this many stop-string requests (each on another prompt)."""
+
+MAX_TOKENS_PROBES = (1, 3)
+"""``max_tokens`` values tried on the first prompt, besides the full ``max_new_tokens`` of every request."""
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Options of the server checks (``g4h parity`` flags in brackets).
+
+    Attributes:
+        max_new_tokens: tokens generated per request, as in every pair's greedy streams [``--max-new-tokens``].
+        batch_requests: requests in the batch-invariance run [``--batch-requests``].
+        concurrency: at most this many of them in flight [``--concurrency``].
+        stagger_s: seconds between the starts of two batch requests; None: the median time of one request sent
+            alone over ``concurrency``.
+        skip: checks opted out (:data:`SERVER_CHECKS`) [``--skip``].
+    """
+
+    max_new_tokens: int = 8
+    batch_requests: int = 16
+    concurrency: int = 8
+    stagger_s: float | None = None
+    skip: tuple[str, ...] = field(default_factory=tuple)
+
+    def check(self) -> None:
+        """Refuse values that cannot work.
+
+        Raises:
+            InputError: a count that is not positive (the option is named).
+        """
+        for flag, v in (("--max-new-tokens", self.max_new_tokens), ("--batch-requests", self.batch_requests),
+                        ("--concurrency", self.concurrency)):
+            if int(v) < 1:
+                raise InputError(f"{flag} {v}: expected >= 1")
+
+
+def load_user_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
+    """Read a user's prompt file: one JSON object a line, ``{"text": "..."}`` or ``{"prompt_ids": [int, ...]}``,
+    each with an optional ``"id"`` (default: the line number). Blank lines are skipped.
+
+    Returns:
+        ``[{"id", "text"} | {"id", "prompt_ids"}, ...]`` in file order (:func:`with_prompt_ids` tokenizes texts).
+
+    Raises:
+        PromptError: unreadable or non-UTF-8 file, a line that is neither form, a duplicate id, no prompt.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise PromptError(f"{path}: cannot read ({e.strerror or e})") from None
+    out, seen = [], set()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise PromptError(f"{path}:{n}: not valid JSON") from None
+        ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
+        text = obj.get("text") if isinstance(obj, dict) else None
+        good_ids = isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        if (ids is None) == (text is None) or (text is not None and not (isinstance(text, str) and text)) or \
+                (ids is not None and not good_ids):
+            raise PromptError(f"{path}:{n}: expected {{\"text\": \"...\"}} or {{\"prompt_ids\": [int, ...]}} "
+                              "(one of them, non-empty), with an optional \"id\"")
+        pid = obj.get("id", n)
+        if pid in seen:
+            raise PromptError(f"{path}:{n}: duplicate id {pid!r}")
+        seen.add(pid)
+        out.append({"id": pid, "text": text} if text is not None else {"id": pid, "prompt_ids": ids})
+    if not out:
+        raise PromptError(f"{path}: no prompts")
+    return out
+
+
+def with_prompt_ids(prompts: Sequence[dict[str, Any]], path: str | Path) -> list[dict[str, Any]]:
+    """The prompts with ``prompt_ids`` for each: a ``{"text"}`` prompt gets our tokenizer's ids of the model at
+    ``path`` (BOS added, special-token text parsed) and keeps its text (the server's tokenizer check reads it).
+
+    Raises:
+        InputError: text prompts, and no tokenizer in the model (the path is named).
+    """
+    if not any("text" in p and "prompt_ids" not in p for p in prompts):
+        return list(prompts)
+    tok = _our_tokenizer(path)
+    return [p if "prompt_ids" in p else {**p, "prompt_ids": tok.encode(p["text"], add_bos=True, parse_special=True)}
+            for p in prompts]
+
+
+# --------------------------------------------------------------------------- the reference's streams
+
+
+@dataclass
+class OracleStream:
+    """The reference's greedy continuation of one prompt, as the stop checks read it.
+
+    Attributes:
+        tokens: the greedy ids (EOS does not stop it).
+        top: per step, the top-5 ``(id, logprob)`` pairs, best first.
+        margin: per step, the log-prob margin of the top-1 over the top-2.
+        logprobs: per step, id -> logprob of the top-5.
+        prompt_eos: ``(position, margin)`` inside the prompt (not its last) where the greedy next token is EOS.
+        prompt_lp: per prompt position ``i >= 1``, the log-prob of the prompt's token ``i`` after the ones before it,
+            and the top-5 ``{id: logprob}`` there (index 0 is None: nothing precedes the first token).
+    """
+
+    tokens: list[int]
+    top: list[list[tuple[int, float]]]
+    margin: list[float]
+    logprobs: list[dict[int, float]]
+    prompt_eos: list[tuple[int, float]]
+    prompt_lp: list[tuple[float, dict[int, float]] | None] = field(default_factory=list)
+
+
+def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
+                   eos_ids: set[int]) -> dict[str, OracleStream]:
+    """The reference's streams of ``n`` tokens (shared with the pair check, :meth:`ReferenceRuns.generations`) and,
+    from one forward over each prompt, the prompt positions whose greedy next token is EOS; under ``approx``."""
+    gens = runs.generations(approx, prompts, n)
+    out = {}
+    for p in prompts:
+        g = gens[str(p["id"])]
+        top = [sorted(d.items(), key=lambda kv: -kv[1]) for d in g["logprobs"]]
+        margin = [t[0][1] - t[1][1] if len(t) > 1 else float("inf") for t in top]
+        ids = list(p["prompt_ids"])
+        sites, plp = [], [None]
+        if len(ids) > 1:
+            with runs.numerics(approx):
+                lp = log_softmax(np.asarray(runs.ref.logits(ids[:-1]), dtype=np.float64))
+            for j in np.nonzero(np.isin(np.argmax(lp, axis=1), list(eos_ids)))[0] if eos_ids else ():
+                srt = np.sort(lp[j])
+                sites.append((int(j), float(srt[-1] - srt[-2])))
+            for i in range(1, len(ids)):
+                row = lp[i - 1]
+                best = np.argsort(-row, kind="stable")[:TOP_N]
+                plp.append((float(row[ids[i]]), {int(k): float(row[k]) for k in best}))
+        out[str(p["id"])] = OracleStream(list(g["tokens"]), top, margin, list(g["logprobs"]), sites, plp)
+    return out
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def spec_gates(path: str | Path) -> dict[str, Any] | None:
+    """The ``[gates]`` table of the built synthetic case ``path`` belongs to (a ``spec.toml`` beside it), else None."""
+    spec = Path(path).parent / "spec.toml"
+    if Path(path).suffix == ".gguf" and spec.is_file() and (Path(path).parent / "manifest.json").is_file():
+        return synth.load_spec(spec).gates
+    return None
+
+
+def _our_tokenizer(path: str | Path) -> GGUFTokenizer:
+    """Our tokenizer of the model: the GGUF's vocabulary, or an HF folder's ``tokenizer.json``.
+
+    Raises:
+        InputError: no tokenizer there (the path is named).
+    """
+    p = Path(path)
+    src = p / "tokenizer.json" if p.is_dir() else p
+    if not src.is_file():
+        raise InputError(f"{p}: no tokenizer.json in this folder (the text prompts and chat checks need one)")
+    return GGUFTokenizer(load_tokenizer_metadata(src), source=str(src))
+
+
+def _eos_ids(tok: GGUFTokenizer, path: str | Path) -> set[int]:
+    """The ids that end a generation: the tokenizer's EOS, plus the GGUF's EOT / EOM ids where it states them."""
+    ids = {tok.eos_id} if tok.eos_id is not None else set()
+    if Path(path).suffix == ".gguf":
+        meta = load_tokenizer_metadata(path)
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            if isinstance(meta.get(key), int):
+                ids.add(int(meta[key]))
+    return ids
+
+
+def _token_bytes(tok: GGUFTokenizer, tid: int) -> bytes | None:
+    """The bytes a server's text holds for token ``tid``: a byte token's byte, a normal piece with ``▁`` as a space;
+    None for the other kinds (control, user-defined, unknown: servers render those differently)."""
+    ty = tok.types[tid]
+    piece = tok.tokens[tid]
+    if ty == BYTE and piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+        return bytes([int(piece[3:5], 16)])
+    if ty == NORMAL:
+        return piece.replace("\u2581", " ").encode("utf-8")
+    return None
+
+
+def _as_gen(tokens: Sequence[int], top: Sequence[Sequence[tuple[int, float]]]) -> dict[str, Any]:
+    """A stream in :func:`harness.parity.compare.generation_figures`' form."""
+    return {"tokens": [int(t) for t in tokens], "top": [[i for i, _ in s] for s in top],
+            "logprobs": [dict(s) for s in top]}
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def _not_run(gate: str, why: str) -> Figure:
+    return fig(gate, 0.0, None, got=f"not run: {why}", why=f"not run: {why}")
+
+
+def _opted_out(gate: str, name: str) -> Figure:
+    return fig(gate, 0.0, None, got="opted out", informational_reason=f"opted out with --skip {name}")
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def tokenizer_figures(eng: OpenAIEngine, texts: Sequence[tuple[Any, str, list[int]]]) -> list[Figure]:
+    """``server.tokenizer``: each text through the server's tokenizer (BOS added, special markers parsed) against
+    ``ids``, our tokenizer's (:func:`with_prompt_ids`)."""
+    rows = []
+    for pid, text, mine in texts:
+        theirs = eng.tokenize(text, add_special=True)
+        if theirs != list(mine):
+            i = _first_difference(mine, theirs)
+            i = min(len(mine), len(theirs)) if i is None else i
+            rows.append({"request": pid, "position": i, "ours": mine[i:i + 6], "server": theirs[i:i + 6]})
+    first = rows[0] if rows else None
+    why = (f"request {first['request']} position {first['position']}: server {first['server']}, ours {first['ours']}"
+           if first else None)
+    return [fig("server.tokenizer", 1.0 - len(rows) / max(1, len(texts)), None, texts=len(texts),
+                differing=len(rows), rows=rows[:20], **({"why": why, "first_divergence": why} if why else {}))]
+
+
+def _run_staggered(eng: OpenAIEngine, prompts: Sequence[list[int]], n: int, top_n: int, concurrency: int,
+                   stagger_s: float) -> tuple[list[ServerGenerated], dict[str, float]]:
+    """Send every prompt, request ``i`` started ``i * stagger_s`` after the first, at most ``concurrency`` in
+    flight; returns the answers in order, and the wall time with the largest and the mean number of requests in
+    flight (from each request's start and end)."""
+    t0 = time.monotonic()
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * len(prompts)
+
+    def one(i: int) -> ServerGenerated:
+        delay = t0 + i * stagger_s - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        start = time.monotonic()
+        g = eng.complete(prompts[i], n, top_n)
+        spans[i] = (start, time.monotonic())
+        return g
+
+    with cf.ThreadPoolExecutor(max(1, min(concurrency, len(prompts)))) as ex:
+        out = list(ex.map(one, range(len(prompts))))
+    wall = time.monotonic() - t0
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    live = peak = 0
+    for _, d in events:
+        live += d
+        peak = max(peak, live)
+    busy = sum(b - a for a, b in spans)
+    mean = round(busy / wall, 2) if wall else 0.0
+    return out, {"wall_s": round(wall, 3), "max_in_flight": peak, "mean_in_flight": mean}
+
+
+def batch_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, list[int]],
+                  alone: dict[str, ServerGenerated], alone_s: dict[str, float], opts: ServerOptions) -> list[Figure]:
+    """``server.batched~alone.greedy`` (and ``.max_abs_logprob``, reported): ``opts.batch_requests`` requests
+    (the prompts in turn) started ``opts.stagger_s`` apart at ``opts.concurrency``, each against its alone answer.
+    ``opts.stagger_s`` None: the median seconds of one alone request (``alone_s``) over the concurrency, so that
+    the slots fill within one request's time and later requests arrive while earlier ones are generating.
+
+    The greedy figure's detail counts ``identical`` requests (same tokens), those that agree only by the greedy
+    rule (``by_top_n``, ``near_ties``), and ``bit_identical`` ones (same tokens and the same log-probs).
+    """
+    rids = [order[i % len(order)] for i in range(opts.batch_requests)]
+    stagger = opts.stagger_s if opts.stagger_s is not None else \
+        float(np.median([alone_s[r] for r in order])) / opts.concurrency
+    together, timing = _run_staggered(eng, [prompts[r] for r in rids], opts.max_new_tokens, TOP_N,
+                                      opts.concurrency, stagger)
+    keys = [f"{r}#{i}" for i, r in enumerate(rids)]
+    ours = {k: _as_gen(g.tokens, g.top5) for k, g in zip(keys, together)}
+    theirs = {k: _as_gen(alone[r].tokens, alone[r].top5) for k, r in zip(keys, rids)}
+    figs = generation_figures(ours, theirs, "server.batched~alone", TOP_N)
+    bit = sum(g.tokens == alone[r].tokens and g.top5 == alone[r].top5 for g, r in zip(together, rids))
+    figs[0].detail.update(requests=len(rids), concurrency=opts.concurrency, stagger_s=round(stagger, 4),
+                          bit_identical=bit, **timing)
+    return figs
+
+
+def stream_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, list[int]],
+                   alone: dict[str, ServerGenerated], opts: ServerOptions) -> list[Figure]:
+    """``server.stream~nostream.same_tokens``: each prompt streamed, against its alone answer: the same number of
+    steps, the same id at every step the stream names (llama-server leaves out the ids of steps whose text ends
+    inside a UTF-8 character), and the same text where that text is valid UTF-8 (a stream holds back bytes that
+    never complete a character, where the whole answer shows U+FFFD)."""
+    rows = []
+    worst = 0.0
+    for rid in order:
+        s = eng.complete(prompts[rid], opts.max_new_tokens, TOP_N, stream=True, gaps=True)
+        a = alone[rid]
+        bad = None
+        if len(s.tokens) != len(a.tokens):
+            bad = f"{len(s.tokens)} steps streamed, {len(a.tokens)} without streaming"
+        else:
+            i = next((i for i, (x, y) in enumerate(zip(s.tokens, a.tokens)) if x != -1 and x != y), None)
+            if i is not None:
+                bad = f"step {i}: streamed {s.tokens[i]}, not streamed {a.tokens[i]}"
+            elif s.text != a.text and "\ufffd" not in a.text:
+                j = _first_difference([ord(c) for c in s.text], [ord(c) for c in a.text])
+                bad = f"texts differ at character {j if j is not None else min(len(s.text), len(a.text))}"
+        for sa, sb in zip(s.top5, a.top5):
+            db = dict(sb)
+            worst = max([worst] + [abs(v - db[t]) for t, v in sa if t in db])
+        rows.append({"request": rid, "ok": bad is None, "steps_named": sum(t != -1 for t in s.tokens),
+                     **({"why": bad} if bad else {})})
+    faults = [r for r in rows if not r["ok"]]
+    why = f"request {faults[0]['request']} {faults[0]['why']}" if faults else None
+    return [fig("server.stream~nostream.same_tokens", 1.0 - len(faults) / max(1, len(rows)), None,
+                requests=len(rows), max_abs_logprob=worst, rows=rows[:20],
+                **({"why": why, "first_divergence": why} if why else {}))]
+
+
+def _stop_verdict(tokens: Sequence[int], finish: str | None, o: OracleStream, stop_at: int | None,
+                  eos_ids: set[int], n: int) -> tuple[str, str]:
+    """Judge one stopped (or not) answer against the oracle: ``ok``, ``near-tie`` (the streams part, or the stop
+    moves, at an oracle near-tie) or ``fault``, with a reason naming the step and both tokens."""
+    got = list(tokens)
+    if finish == "stop" and got and got[-1] in eos_ids:
+        got = got[:-1]  # llama-server returns the EOS id it stopped on; vLLM may not
+    limit = n if stop_at is None else stop_at
+    i = _first_difference(got[:limit], o.tokens[:limit])
+    if i is not None:
+        kind = "near-tie" if o.margin[i] < NEAR_TIE_MARGIN else "fault"
+        return kind, f"step {i}: server {got[i]}, oracle {o.tokens[i]} (oracle margin {o.margin[i]:.3g})"
+    want_finish = "length" if stop_at is None else "stop"
+    if len(got) == limit and finish == want_finish:
+        return "ok", ""
+    k = len(got)
+    if stop_at is None or k < stop_at:  # stopped early at step k, where the oracle goes on
+        eos_lp = max((o.logprobs[k].get(e, -np.inf) for e in eos_ids), default=-np.inf) if k < len(o.tokens) else None
+        near = eos_lp is not None and o.top[k][0][1] - eos_lp < NEAR_TIE_MARGIN
+        why = (f"step {k}: server stopped ({finish}), oracle continues with {o.tokens[k]}" if k < len(o.tokens)
+               else f"{k} tokens, finish_reason {finish!r}, expected {limit} and {want_finish!r}")
+        return ("near-tie" if near else "fault"), why
+    near = o.margin[stop_at] < NEAR_TIE_MARGIN
+    return ("near-tie" if near else "fault"), (f"step {stop_at}: oracle stops (EOS {o.tokens[stop_at]}), server "
+                                               f"gave {len(got)} tokens, finish_reason {finish!r}")
+
+
+def _stop_figure(gate: str, rows: list[dict[str, Any]], **detail: Any) -> Figure:
+    faults = [r for r in rows if r["kind"] == "fault"]
+    why = f"request {faults[0]['request']} {faults[0]['why']}" if faults else None
+    return fig(gate, 1.0 - len(faults) / max(1, len(rows)), None, requests=len(rows),
+               near_ties=sum(r["kind"] == "near-tie" for r in rows), rows=rows[:20],
+               **({"why": why, "first_divergence": why} if why else {}), **detail)
+
+
+def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order: Sequence[str],
+                 prompts: dict[str, list[int]], alone: dict[str, ServerGenerated], oracle: dict[str, OracleStream],
+                 opts: ServerOptions) -> list[Figure]:
+    """``server.stop.max_tokens``, ``server.stop.string`` and ``server.stop.eos`` (see the module docstring)."""
+    n, top_n = opts.max_new_tokens, TOP_N
+    eos_first = {rid: next((k for k, t in enumerate(o.tokens) if t in eos_ids), None) for rid, o in oracle.items()}
+    stops_at_eos = eng.dialect == "llama-cpp-python"  # it has no ignore_eos
+    # max_tokens: every alone answer, and 1 and 3 tokens of the first prompt.
+    rows = []
+    for rid in order:
+        g = alone[rid]
+        kind, why = _stop_verdict(g.tokens, g.finish_reason, oracle[rid], eos_first[rid] if stops_at_eos else None,
+                                  eos_ids, n)
+        rows.append({"request": rid, "max_tokens": n, "kind": kind, "why": why})
+    first = order[0]
+    for k in MAX_TOKENS_PROBES:
+        if k < n:
+            g = eng.complete(prompts[first], k, top_n)
+            e = eos_first[first]
+            stop_at = e if stops_at_eos and e is not None and e < k else None
+            kind, why = _stop_verdict(g.tokens, g.finish_reason, oracle[first], stop_at, eos_ids, k)
+            rows.append({"request": f"{first}@max_tokens={k}", "max_tokens": k, "kind": kind, "why": why})
+    out = [_stop_figure("server.stop.max_tokens", rows)]
+
+    # A stop string: a normal token's text in the oracle's continuation, first seen where that token starts.
+    rows = []
+    for rid in order:
+        if len(rows) >= STOP_STRING_REQUESTS:
+            break
+        o = oracle[rid]
+        limit = n if eos_first[rid] is None else eos_first[rid]
+        pieces = [_token_bytes(tok, t) for t in o.tokens[:limit]]
+        plain = next((k for k, p in enumerate(pieces) if p is None), len(pieces))  # the server's text is known so far
+        whole = b"".join(pieces[:plain])
+        for k in range(1, plain):
+            word = pieces[k]
+            before = b"".join(pieces[:k])
+            if len(word.strip()) < 2 or whole.find(word) != len(before):
+                continue
+            try:
+                text, word_s = before.decode("utf-8"), word.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            g = eng.complete(prompts[rid], n, top_n, stop=[word_s])
+            i = _first_difference(g.tokens[:k], o.tokens[:k])
+            if i is not None:
+                kind = "near-tie" if o.margin[i] < NEAR_TIE_MARGIN else "fault"
+                why = f"step {i}: server {g.tokens[i]}, oracle {o.tokens[i]} (oracle margin {o.margin[i]:.3g})"
+            elif g.finish_reason == "stop" and g.text == text:
+                kind, why = "ok", ""
+            else:
+                kind, why = "fault", (f"stop string {word_s!r} at step {k}: finish_reason {g.finish_reason!r}, text "
+                                      f"ending {g.text[-24:]!r}, expected 'stop' and a text ending {text[-24:]!r}")
+            rows.append({"request": rid, "stop": word_s, "step": k, "kind": kind, "why": why})
+            break
+    out.append(_stop_figure("server.stop.string", rows) if rows else
+               _not_run("server.stop.string", "no continuation holds a plain-text token to use as a stop string"))
+
+    # EOS: prompt prefixes whose next greedy token is EOS, continuations that reach EOS, and some that never do.
+    rows = []
+    sites = [(rid, j, m) for rid in order for j, m in oracle[rid].prompt_eos][:MAX_EOS_PREFIX_SITES]
+    for rid, j, margin in sites:
+        g = eng.complete(prompts[rid][:j + 1], 4, top_n, ignore_eos=False)
+        got = [t for t in g.tokens if t not in eos_ids] if g.finish_reason == "stop" else g.tokens
+        ok = g.finish_reason == "stop" and not got
+        kind = "ok" if ok else ("near-tie" if margin < NEAR_TIE_MARGIN else "fault")
+        rows.append({"request": f"{rid}[:{j + 1}]", "eos_at": 0, "kind": kind,
+                     "why": "" if ok else f"step 0: oracle stops (EOS), server gave {g.tokens[:4]}, "
+                                          f"finish_reason {g.finish_reason!r}"})
+    reaching = [rid for rid in order if eos_first[rid] is not None]
+    never = [rid for rid in order if eos_first[rid] is None][:NO_EOS_PROMPTS]
+    for rid in reaching + never:
+        g = eng.complete(prompts[rid], n, top_n, ignore_eos=False)
+        kind, why = _stop_verdict(g.tokens, g.finish_reason, oracle[rid], eos_first[rid], eos_ids, n)
+        rows.append({"request": rid, "eos_at": eos_first[rid], "kind": kind, "why": why})
+    out.append(_stop_figure("server.stop.eos", rows, eos_ids=sorted(eos_ids),
+                            eos_reached=len(sites) + len(reaching)))
+    return out
+
+
+def prompt_logprob_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, list[int]],
+                           oracle: dict[str, OracleStream], limit: float) -> list[Figure]:
+    """``server.prompt_logprobs``: the log-probs the server reports for each prompt's own tokens (vLLM
+    ``prompt_logprobs``, llama-cpp-python ``echo``; :meth:`OpenAIEngine.prompt_logprobs`) against the reference's:
+    max |Δ| over the prompt token's log-prob and the shared top-5 at every position both report, the worst place
+    and the first beyond ``limit`` (the gate's) named. A dialect that offers none (llama-server) gives an
+    informational figure saying so."""
+    gate = "server.prompt_logprobs"
+    if eng.dialect == "llama-server":
+        why = ("llama-server offers no prompt log-probabilities (/v1/completions ignores echo; /completion reports "
+               "generated tokens only)")
+        return [fig(gate, float("nan"), None, got=f"not offered: {why}", informational_reason=why)]
+    worst, worst_at, first, positions = 0.0, None, None, 0
+    for rid in order:
+        theirs = eng.prompt_logprobs(prompts[rid], TOP_N)
+        for i, (t, o) in enumerate(zip(theirs, oracle[rid].prompt_lp)):
+            if t is None or o is None:
+                continue
+            positions += 1
+            tl, ttop = t
+            ol, otop = o
+            diffs = [(abs(tl - ol), prompts[rid][i], tl, ol)]
+            diffs += [(abs(v - otop[k]), k, v, otop[k]) for k, v in ttop if k in otop]
+            d, k, a, b = max(diffs)
+            where = f"request {rid} position {i} token {k}: server {a:.6g}, reference {b:.6g}"
+            if d > worst:
+                worst, worst_at = d, where
+            if first is None and d > limit:
+                first = where
+    return [fig(gate, worst, None, positions=positions,
+                **({"worst_at": worst_at, "why": f"largest at {worst_at}"} if worst_at else {}),
+                **({"first_divergence": first} if first else {}))]
+
+
+def template_figures(eng: OpenAIEngine, tok: GGUFTokenizer) -> list[Figure]:
+    """``server.chat_template``: each chat of :data:`CHAT_CASES`, thinking off and on, through the server's template
+    against our Gemma 4 chat format: the ids it evaluates against our tokenizer's ids of our text (BOS once), and
+    its text (where it shows it, a leading BOS text aside) against ours.
+    """
+    rows, n = [], 0
+    for thinking in (False, True):
+        for name, messages in CHAT_CASES:
+            n += 1
+            text = render(messages, add_generation_prompt=True, enable_thinking=thinking, bos=False)
+            ours = tok.encode(text, add_bos=True, parse_special=True)
+            theirs, their_text = eng.chat_ids(messages, enable_thinking=thinking)
+            shown = None if their_text is None else their_text.removeprefix(BOS_TEXT)
+            if theirs == ours and shown in (None, text):
+                continue
+            row: dict[str, Any] = {"chat": name, "thinking": thinking}
+            if theirs != ours:
+                i = _first_difference(ours, theirs)
+                i = min(len(ours), len(theirs)) if i is None else i
+                row.update(token=i, ours=ours[i:i + 6], server=theirs[i:i + 6])
+            if shown is not None and shown != text:
+                j = _first_difference([ord(c) for c in text], [ord(c) for c in shown])
+                j = min(len(text), len(shown)) if j is None else j
+                row.update(char=j, ours_text=text[max(0, j - 20):j + 40], server_text=shown[max(0, j - 20):j + 40])
+            rows.append(row)
+    first = rows[0] if rows else None
+    why = None
+    if first:
+        where = (f"text at character {first['char']}: server {first['server_text']!r}, ours {first['ours_text']!r}"
+                 if "char" in first else f"token {first['token']}: server {first['server']}, ours {first['ours']}")
+        why = f"chat {first['chat']!r} (thinking {'on' if first['thinking'] else 'off'}) {where}"
+    return [fig("server.chat_template", 1.0 - len(rows) / n, None, chats=n, differing=len(rows), rows=rows,
+                **({"why": why, "first_divergence": why} if why else {}))]
+
+
+# --------------------------------------------------------------------------- the checks, together
+
+
+def _alone(eng: OpenAIEngine, ids: list[int], n: int) -> tuple[ServerGenerated, float]:
+    """The answer to ``ids`` sent alone: the pair check's (:attr:`OpenAIEngine.answers`), else a new request."""
+    key = (tuple(ids), n, TOP_N)
+    if key not in eng.answers:
+        t0 = time.monotonic()
+        eng.answers[key] = (eng.complete(ids, n, TOP_N), time.monotonic() - t0)
+    return eng.answers[key]
+
+
+def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict[str, Any]], pair: str,
+                  progress: Progress, opts: ServerOptions | None = None) -> list[Figure]:
+    """The server-only checks on ``eng`` after the pair check (see the module docstring).
+
+    Args:
+        eng: the server engine the pair check used (its alone answers are reused).
+        runs: the reference's shared outputs.
+        prompts: prompt records within the model's vocabulary (``text`` kept for text prompts).
+        pair: the pair name (``reference~openai``), for progress lines.
+        opts: :class:`ServerOptions` (defaults when None).
+
+    Returns:
+        Figures for the ``server.*`` gates.
+
+    Raises:
+        ServerError: the server failed a request (the caller makes it the pair's one line).
+        InputError: no tokenizer in the model where the checks need one.
+    """
+    opts = opts or ServerOptions()
+    path = eng.path
+    n = opts.max_new_tokens
+    out: list[Figure] = []
+    texts = [(p["id"], p["text"], list(p["prompt_ids"])) for p in prompts if "text" in p]
+    tok = _our_tokenizer(path)
+    if texts:
+        progress(f"{pair}: tokenizer: {len(texts)} text prompts, server vs ours")
+        out += tokenizer_figures(eng, texts)
+    context = runs.ref.cfg.context_length
+    fit = [p for p in prompts if len(p["prompt_ids"]) + n <= context]
+    if not fit:
+        raise PromptError(f"{path}: no prompt leaves room for {n} new tokens in the context of {context}")
+    order = [str(p["id"]) for p in fit]
+    usable = {str(p["id"]): [int(t) for t in p["prompt_ids"]] for p in fit}
+    answers = {rid: _alone(eng, usable[rid], n) for rid in order}
+    alone = {rid: a[0] for rid, a in answers.items()}
+    alone_s = {rid: a[1] for rid, a in answers.items()}
+    eos_ids = _eos_ids(tok, path)
+    approx = tuple(a for a in getattr(eng, "approximations", ()) if a in NUMERICS)
+    o_streams = oracle_streams(runs, approx, fit, n, eos_ids)
+
+    if "server-batch" in opts.skip:
+        out.append(_opted_out("server.batched~alone.greedy", "server-batch"))
+    else:
+        progress(f"{pair}: batch invariance, {opts.batch_requests} requests at concurrency {opts.concurrency}")
+        out += batch_figures(eng, order, usable, alone, alone_s, opts)
+    if "server-stream" in opts.skip:
+        out.append(_opted_out("server.stream~nostream.same_tokens", "server-stream"))
+    else:
+        progress(f"{pair}: streaming vs not streaming")
+        out += stream_figures(eng, order, usable, alone, opts)
+    if "server-stop" in opts.skip:
+        out += [_opted_out(g, "server-stop") for g in ("server.stop.max_tokens", "server.stop.string",
+                                                       "server.stop.eos")]
+    else:
+        progress(f"{pair}: stop: max_tokens, a stop string, EOS")
+        out += stop_figures(eng, tok, eos_ids, order, usable, alone, o_streams, opts)
+    progress(f"{pair}: prompt log-probs, server vs reference")
+    out += _quantized(prompt_logprob_figures(eng, order, usable, o_streams,
+                                             DEFAULT_GATES["server.prompt_logprobs"].limit), eng, runs)
+    if "server-template" in opts.skip:
+        out.append(_opted_out("server.chat_template", "server-template"))
+    elif eng.dialect == "llama-cpp-python":
+        out.append(_not_run("server.chat_template", "llama-cpp-python offers no endpoint that renders or tokenizes "
+                                                    "a chat template; opt out: --skip server-template"))
+    else:
+        progress(f"{pair}: chat template, server vs ours")
+        out += template_figures(eng, tok)
+    return out
+
+
+def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> list[Figure]:
+    """Log-prob figures of a server that rounds activations for quantized weights, on such a file: informational
+    with the reason the pair's own figures carry (:data:`harness.parity.checks.pair.QUANTIZED_ACTIVATIONS`)."""
+    types = runs.unemulated_types() if "quantized_activations" in getattr(eng, "approximations", ()) else []
+    if types:
+        for f in figs:
+            f.detail.setdefault("informational_reason",
+                                QUANTIZED_ACTIVATIONS.format(engine=eng.dialect, types="/".join(types)))
+    return figs
+
+
+EXTRA_CHECKS["openai"] = server_checks
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _md_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    frame = pd.DataFrame([{c: r.get(c, "") for c in columns} for r in rows], columns=columns, dtype=object)
+    return dataframe_markdown(frame)
+
+
+def report_lines(case: dict[str, Any]) -> list[str]:
+    """Markdown lines for a case with a server pair in ``report.md`` (after its checks table): the server, its
+    dialect and model; the requests that part from the reference; the batch-invariance run per request. Empty for
+    other cases."""
+    by_gate = {c["gate"]: c for c in case.get("checks", [])}
+    runs = by_gate.get("reference~openai.runs")
+    if not runs:
+        return []
+    lines = [f"Server: `{runs.get('engine', runs.get('got', ''))}`.", ""]
+    g = by_gate.get("reference~openai.greedy")
+    if g and g.get("streams_detail"):
+        parted = [r for r in g["streams_detail"] if r["kind"] != "identical"]
+        lines += [f"Greedy against the reference: {g['identical']} of {g['streams']} requests identical, "
+                  f"{g['by_top_n']} part within the top-{TOP_N}, {g['near_ties']} at a near-tie, "
+                  f"{g['streams'] - int(round(g['measured'] * g['streams']))} faults.", ""]
+        if parted:
+            lines += [_md_table(parted, ["request", "kind", "step", "ours", "oracle", "reason"]), ""]
+    b = by_gate.get("server.batched~alone.greedy")
+    if b and b.get("streams_detail"):
+        faults = b["requests"] - int(round(b["measured"] * b["streams"]))
+        lines += [f"Batch invariance: {b['requests']} requests started {b['stagger_s']:g} s apart, at most "
+                  f"{b['concurrency']} in flight (seen: up to {b['max_in_flight']}, {b['mean_in_flight']:g} on "
+                  f"average over {b['wall_s']:g} s), each against the same prompt sent alone: "
+                  f"**{b['identical']} identical tokens**, **{b['by_top_n'] + b['near_ties']} agree only by the greedy "
+                  f"rule** ({b['near_ties']} of them at a near-tie), {faults} faults; {b['bit_identical']} "
+                  f"bit-identical (tokens and every log-prob).", ""]
+        lines += [_md_table(b["streams_detail"], ["request", "kind", "step", "ours", "oracle", "reason"]), ""]
+    return lines
