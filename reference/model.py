@@ -258,9 +258,10 @@ class KVCache:
 def embed(cfg: ModelConfig, W, ids: np.ndarray) -> np.ndarray:
     """Scaled token embeddings: ``E[ids] * sqrt(h)``. [T] -> [T, h].
 
+    ``W.rows`` reads only the rows of ``ids`` (:meth:`reference.weights.Weights.rows`).
     Source: transformers ``Gemma4TextScaledWordEmbedding``.
     """
-    return W["token_embd.weight"][ids] * math.sqrt(cfg.hidden_size)
+    return W.rows("token_embd.weight", ids) * math.sqrt(cfg.hidden_size)
 
 
 def ple_token(cfg: ModelConfig, W, ids: np.ndarray) -> np.ndarray:
@@ -269,7 +270,7 @@ def ple_token(cfg: ModelConfig, W, ids: np.ndarray) -> np.ndarray:
     Source: transformers ``Gemma4TextModel.get_per_layer_inputs``.
     """
     T, L, P = ids.shape[0], cfg.n_layer, cfg.ple_dim
-    return W["per_layer_token_embd.weight"][ids].reshape(T, L, P) * math.sqrt(P)
+    return W.rows("per_layer_token_embd.weight", ids).reshape(T, L, P) * math.sqrt(P)
 
 
 def ple_context(cfg: ModelConfig, W, x_scaled: np.ndarray) -> np.ndarray:
@@ -400,10 +401,12 @@ def decoder_layer(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, position
 def lm_head(cfg: ModelConfig, W, x: np.ndarray) -> np.ndarray:
     """Logits: ``x @ head.T`` (the tied ``token_embd`` or ``output``), then the final softcap when set.
 
+    The head is read a block of vocabulary rows at a time (``W.row_blocks``, see
+    :meth:`reference.weights.Weights.row_blocks`), so the table is never dequantized whole.
     [T, h] -> [T, V]. Source: transformers ``Gemma4ForCausalLM.forward``.
     """
-    head = W["token_embd.weight"] if cfg.tie_word_embeddings else W["output.weight"]
-    logits = linear(x, head)
+    name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+    logits = np.concatenate([linear(x, block) for block in W.row_blocks(name)], axis=1)  # [T, V]
     if cfg.final_logit_softcap is not None:
         logits = softcap(logits, cfg.final_logit_softcap)
     return logits

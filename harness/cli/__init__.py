@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from reference.errors import InputError
 
+from ..core.memory import failure_line, is_out_of_memory
 from ..core.workers import EngineCrashed
 
 
@@ -87,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except EngineCrashed as e:  # an engine's worker process died: one line, like bad input
         return _error(str(e).splitlines()[0] if str(e) else "engine crashed")
-    except MemoryError:
-        return _error("out of memory (try --weights packed, a smaller --ref-cache-gb, --layers N, or bfloat16)")
+    except Exception as e:  # an allocation failure outside an engine: one line too; anything else is a bug
+        if not is_out_of_memory(e):
+            raise
+        return _error(failure_line(None, e))
     except KeyboardInterrupt:
         print("g4h: interrupted", file=sys.stderr)
         return 130

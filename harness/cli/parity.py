@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from reference.errors import InputError
+
 from ..core.io import write_text_atomic
 from ..parity import run as run_parity
 from ..parity.report import junit_xml, short_table
-from ._args import check_out_dir, check_out_file
+from ._args import add_scale_args, check_out_dir, check_out_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write the results as JUnit XML (one test case per check), for a CI system")
     p.add_argument("--regression-factor", type=float, default=10.0,
                    help="a figure this many times worse than the baseline is a regression (default 10)")
+    add_scale_args(p)
 
 
 def _print_baseline(data: dict, written: str | None) -> None:
@@ -50,12 +53,15 @@ def _print_baseline(data: dict, written: str | None) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the job, print the verdict table; return the exit status."""
     check_out_dir(args.out)
+    if args.layers is not None and not args.model:
+        raise InputError("--layers N goes with --model (the built-in cases are small already)")
     if args.junit_xml:
         check_out_file(args.junit_xml)
     data, status = run_parity(models=args.model, against=args.against, out=args.out, real=not args.no_real,
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
-                              skip=tuple(args.skip), slow=args.slow)
+                              skip=tuple(args.skip), slow=args.slow,
+                              options={"cache_gb": args.ref_cache_gb, "layers": args.layers})
     print(short_table(data))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))

@@ -20,6 +20,8 @@ import importlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from reference.errors import InputError
+
 from .base import Engine, EngineCrashed, EngineUnavailable, Generated, TraceFn
 
 __all__ = ["ENGINES", "Engine", "EngineCrashed", "EngineUnavailable", "Generated", "TraceFn", "engine_class",
@@ -46,7 +48,9 @@ ENGINES: dict[str, EngineEntry] = {
 
 #: Keyword options each engine takes from the command line (others are not passed to it).
 ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "fast": ("device", "dtype", "batched", "weights"),
+    "reference": ("cache_gb", "layers"),
+    "fast": ("device", "dtype", "batched", "weights", "layers"),
+    "transformers": ("layers",),
 }
 
 
@@ -66,13 +70,19 @@ def make_engine(name: str, path: str | Path, **options: Any) -> Engine:
     """Build engine ``name`` for the model at ``path``.
 
     Args:
-        options: engine-specific keywords (``device``, ``dtype``, ``batched``, ``weights`` for ``fast``);
-            None values and options the engine does not take are dropped.
+        options: engine-specific keywords (:data:`ENGINE_OPTIONS`: ``device``, ``dtype``, ``batched``,
+            ``weights`` for ``fast``; ``cache_gb`` for the reference; ``layers`` for reference, fast and
+            transformers); None values and options the engine does not take are dropped, except
+            ``layers``, which an engine that cannot cut a model refuses.
 
     Raises:
         EngineUnavailable: unknown engine name or engine not installed (one line, says how to install).
-        InputError: bad model file.
+        InputError: bad model file; ``layers`` for an engine that cannot cut a model.
+        NotEnoughMemory: the model does not fit in the memory available (one line, with what to try).
     """
     cls = engine_class(name)
     allowed = ENGINE_OPTIONS.get(name, ())
+    if options.get("layers") is not None and "layers" not in allowed:
+        raise InputError(f"--layers {options['layers']}: the {name} engine runs the file as it is and cannot keep "
+                         "only the first layers (use reference, fast or transformers)")
     return cls(path, **{k: v for k, v in options.items() if v is not None and k in allowed})

@@ -57,14 +57,17 @@ def check_skip(skip: tuple[str, ...]) -> None:
 
 def plan_cases(models: list[str] | None, against: str, real: bool, case_filter: list[str] | None,
                prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
-               slow: bool = False) -> Plan:
+               slow: bool = False, options: dict[str, Any] | None = None) -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
+
+    ``options``: engine options for the user's models (``cache_gb``, ``layers``).
 
     Raises:
         InputError: a ``case_filter`` name that is not a built-in case.
     """
     if models:
-        return [(lambda m=m: user_case(m, against, prompts, progress), Path(m).name, "user", m) for m in models]
+        return [(lambda m=m: user_case(m, against, prompts, progress, options), Path(m).name, "user", m)
+                for m in models]
     names = [s.stem for s in builtin_specs()]
     bad = [c for c in case_filter or () if c not in names]
     if bad:
@@ -116,7 +119,8 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
         real: bool = True, case_filter: list[str] | None = None, quiet: bool = False,
         baseline: str | None = None, write_baseline: str | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
-        skip: tuple[str, ...] = (), slow: bool = False) -> tuple[dict[str, Any], int]:
+        skip: tuple[str, ...] = (), slow: bool = False,
+        options: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -135,6 +139,7 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
         skip: checks the user opts out of (:data:`SKIPPABLE`, or a tokenizer check's name); a check that
             cannot run and was not opted out fails the run.
         slow: also run the slow checks (transformers' GGUF tokenizer conversion).
+        options: engine options for user models: ``cache_gb`` (``--ref-cache-gb``), ``layers`` (``--layers``).
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -152,7 +157,7 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
         raise InputError(f"--against {against!r}: unknown engine (available: {', '.join(ENGINES)})")
     prompt_set = load_prompts(prompts)
     base = load_baseline(baseline) if baseline else None
-    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow)
+    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow, options)
     t0 = time.perf_counter()
     results = [guard(*case) for case in plan]
     status = exit_status(results)

@@ -71,16 +71,21 @@ def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: 
         res.apply(llamacpp_checks(built, prompts, progress, name), gates)
 
 
-def user_case(path: str, against: str, prompts: Sequence[dict[str, Any]], progress: Progress) -> CaseResult:
-    """reference vs ``against`` on a user-supplied model (prompts restricted to its vocabulary)."""
+def user_case(path: str, against: str, prompts: Sequence[dict[str, Any]], progress: Progress,
+              options: dict[str, Any] | None = None) -> CaseResult:
+    """reference vs ``against`` on a user-supplied model (prompts restricted to its vocabulary).
+
+    ``options``: ``cache_gb`` (the reference's ``--ref-cache-gb``), ``layers`` (``--layers N``, both engines).
+    """
+    o = options or {}
     res = CaseResult(case=Path(path).name, kind="user", model=str(path))
     gates = resolve(None, str(path))
     progress(f"[{res.case}] loading with the reference")
-    ref = ReferenceEngine(path)
+    ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
     res.info["config"] = ref.cfg.summary()
     usable = [p for p in prompts if max(p["prompt_ids"]) < ref.cfg.vocab_size]
     try:
-        oracle = make_engine(against, path)
+        oracle = make_engine(against, path, layers=o.get("layers"))
     except EngineUnavailable as e:
         res.info["skipped"] = f"{against}: {e}"
         progress(f"[{res.case}] {against} skipped: {e}")

@@ -70,6 +70,31 @@ def _vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
+def file_type(qtype: str) -> int:
+    """``general.file_type`` of a file whose matrices are ``qtype`` (llama.cpp ``LLAMA_FTYPE_*``)."""
+    return _FILE_TYPES[qtype]
+
+
+def add_tokenizer_keys(w: gguf.GGUFWriter, vocab_size: int) -> None:
+    """Write the synthetic SentencePiece-style vocabulary's keys (``tokenizer.ggml.model = "llama"``:
+    specials, byte tokens, fillers ``▁t<id>`` up to ``vocab_size``; scores, types, special ids, BOS on).
+
+    Raises:
+        ValueError: ``vocab_size`` < 260.
+    """
+    tokens, scores, ttypes = _vocab(vocab_size)
+    w.add_key_value("tokenizer.ggml.model", "llama", VT.STRING)
+    w.add_key_value("tokenizer.ggml.tokens", tokens, VT.ARRAY, sub_type=VT.STRING)
+    w.add_key_value("tokenizer.ggml.scores", scores, VT.ARRAY, sub_type=VT.FLOAT32)
+    w.add_key_value("tokenizer.ggml.token_type", ttypes, VT.ARRAY, sub_type=VT.INT32)
+    w.add_key_value("tokenizer.ggml.bos_token_id", BOS_ID, VT.UINT32)
+    w.add_key_value("tokenizer.ggml.eos_token_id", EOS_ID, VT.UINT32)
+    w.add_key_value("tokenizer.ggml.unknown_token_id", UNK_ID, VT.UINT32)
+    w.add_key_value("tokenizer.ggml.padding_token_id", PAD_ID, VT.UINT32)
+    w.add_key_value("tokenizer.ggml.add_bos_token", True, VT.BOOL)
+    w.add_key_value("tokenizer.ggml.add_eos_token", False, VT.BOOL)
+
+
 def gguf_metadata(spec: Spec) -> dict[str, tuple[Any, str, str | None]]:
     """The model keys :func:`write_gguf` writes (tokenizer keys excluded).
 
@@ -166,25 +191,16 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
     tensors.update(weights)
     if spec.config.get("tie_word_embeddings", True):
         tensors.pop("output.weight", None)
-    tokens, scores, ttypes = _vocab(spec.config["vocab_size"])
+    _vocab(spec.config["vocab_size"])  # a vocabulary too small raises before the file is opened
 
     w = gguf.GGUFWriter(str(tmp), "gemma4")
     try:
         for key, (val, vtype, sub) in gguf_metadata(spec).items():
             if key == "general.file_type":
-                val = _FILE_TYPES[qtype]
+                val = file_type(qtype)
             w.add_key_value(key, val, VT[vtype], sub_type=VT[sub] if sub else None)
         w.add_key_value("general.quantization_version", gguf.GGML_QUANT_VERSION, VT.UINT32)
-        w.add_key_value("tokenizer.ggml.model", "llama", VT.STRING)
-        w.add_key_value("tokenizer.ggml.tokens", tokens, VT.ARRAY, sub_type=VT.STRING)
-        w.add_key_value("tokenizer.ggml.scores", scores, VT.ARRAY, sub_type=VT.FLOAT32)
-        w.add_key_value("tokenizer.ggml.token_type", ttypes, VT.ARRAY, sub_type=VT.INT32)
-        w.add_key_value("tokenizer.ggml.bos_token_id", BOS_ID, VT.UINT32)
-        w.add_key_value("tokenizer.ggml.eos_token_id", EOS_ID, VT.UINT32)
-        w.add_key_value("tokenizer.ggml.unknown_token_id", UNK_ID, VT.UINT32)
-        w.add_key_value("tokenizer.ggml.padding_token_id", PAD_ID, VT.UINT32)
-        w.add_key_value("tokenizer.ggml.add_bos_token", True, VT.BOOL)
-        w.add_key_value("tokenizer.ggml.add_eos_token", False, VT.BOOL)
+        add_tokenizer_keys(w, spec.config["vocab_size"])
 
         expected: dict[str, tuple[str, np.ndarray]] = {}
         for name, arr in tensors.items():

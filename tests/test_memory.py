@@ -1,0 +1,201 @@
+"""The memory plan: estimates from the tensor table, a one-line stop when short, the peak sampler."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from harness import synth
+from harness.core import memory
+from harness.core.cases import builtin_specs
+from harness.core.paths import REPO_ROOT
+from harness.synth.scale import write_scale_gguf
+from reference.weights import load_model
+
+#: A shape with a real vocabulary and a tiny decoder: its logits alone need more than 64 MB, its file is 18 MB.
+WIDE_VOCAB_SHAPE = """
+description = "test: one small layer under a 262144-token vocabulary"
+source = "tests/test_memory.py"
+[config]
+vocab_size = 262144
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+head_dim = 32
+global_head_dim = 32
+attention_k_eq_v = false
+layer_types = ["full_attention"]
+sliding_window = 16
+max_position_embeddings = 4096
+rms_norm_eps = 1e-6
+hidden_activation = "gelu_pytorch_tanh"
+num_kv_shared_layers = 0
+hidden_size_per_layer_input = 0
+vocab_size_per_layer_input = 262144
+use_double_wide_mlp = false
+enable_moe_block = false
+final_logit_softcapping = 30.0
+tie_word_embeddings = true
+bos_token_id = 2
+eos_token_id = 1
+pad_token_id = 0
+[config.rope_parameters.sliding_attention]
+rope_type = "default"
+rope_theta = 10000.0
+[config.rope_parameters.full_attention]
+rope_type = "proportional"
+partial_rotary_factor = 0.25
+rope_theta = 1000000.0
+"""
+
+
+#: 64 tokens: the reference's logits of this prompt are [64, 262144] float64, 134 MB, held about three times.
+PROMPT = [2 + 7 * i for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def wide_vocab_gguf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wide")
+    shape = d / "wide.toml"
+    shape.write_text(WIDE_VOCAB_SHAPE)
+    return write_scale_gguf(str(shape), d / "wide.gguf", fmt="q8_0")
+
+
+def _e2b_info(form="Q8_0"):
+    built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b"))
+    return memory.model_info(built.hf_dir if form == "hf" else built.gguf[form])
+
+
+def test_plan_terms_sum_and_read_no_tensor():
+    info = _e2b_info()
+    for engine in memory.ENGINES:
+        p = memory.plan(engine, info, tokens=32)
+        assert p.need_bytes == sum(p.breakdown.values()) > 0
+        assert p.fits  # a tiny case fits any machine that runs the tests
+    packed = memory.plan("fast", info, weights="packed").breakdown
+    dequant = memory.plan("fast", info, weights="dequantized").breakdown
+    assert packed["packed weights"] > 0 and packed["weights"] < dequant["weights"]
+    assert memory.plan("fast", info, dtype="bfloat16").breakdown["weights"] < dequant["weights"]
+    once = memory.plan("reference", info, cache_bytes=10**12).breakdown
+    many = memory.plan("reference", info, cache_bytes=10**12, new_tokens=4).breakdown
+    assert once["weight cache"] == 0 < many["weight cache"]  # one forward caches nothing
+
+
+def test_reference_estimate_scales_with_the_model_not_the_file():
+    """The E2B shape at full size: the reference's estimate stays within a few GB (it streams), the fast
+    engine's dequantized fp32 weights are ~4 bytes per parameter."""
+    from fast.shapes import RandomWeights, load_shape, param_counts
+
+    cfg = load_shape("e2b")
+    info = memory.ModelInfo.from_loaded("e2b", cfg, RandomWeights(cfg))
+    ref = memory.plan("reference", info, tokens=16)
+    assert ref.need_bytes < 3 * memory.GB
+    fast = memory.plan("fast", info, tokens=16)
+    assert fast.breakdown["weights"] >= 4 * (param_counts(cfg)["total"] - 10**6)
+
+
+def test_line_is_one_line_with_need_available_and_advice():
+    info = _e2b_info()
+    p = memory.plan("fast", info)
+    p.fits, p.available_bytes, p.advice = False, 1000, ["--weights packed", "--layers 2"]
+    line = p.line()
+    assert "\n" not in line and "GB" in line and "--weights packed or --layers 2" in line
+
+
+def test_advice_names_options_that_fit(monkeypatch):
+    info = _e2b_info()
+    need = memory.plan("fast", info).need_bytes
+    runtime = memory.RUNTIME_BYTES["fast"]
+    monkeypatch.setattr(memory, "available_memory", lambda *a, **k: (need - runtime - 1, "MemAvailable"))
+    p = memory.plan("fast", info)
+    assert not p.fits and p.advice
+    for opt in p.advice:  # each piece of advice is checked with the same estimate
+        if opt == "--weights packed":
+            assert memory.plan("fast", info, weights="packed").need_bytes < need
+        if opt.startswith("--layers"):
+            assert int(opt.split()[1]) < info.cfg.n_layer
+
+
+def test_guarded_turns_allocation_failures_into_one_line():
+    class Engine:
+        engine = "fast"
+        memory_plan = None
+
+        @memory.guarded
+        def run(self, exc):
+            raise exc
+
+    try:
+        np.empty(1 << 58, dtype=np.uint8)  # numpy's own allocation failure (_ArrayMemoryError, a MemoryError)
+    except MemoryError as e:
+        numpy_failure = e
+    for exc in (MemoryError(), numpy_failure,
+                RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: "
+                             "you tried to allocate 17179869184 bytes.")):
+        with pytest.raises(memory.NotEnoughMemory) as e:
+            Engine().run(exc)
+        assert "\n" not in str(e.value) and "try" in str(e.value)
+    with pytest.raises(RuntimeError, match="something else"):
+        Engine().run(RuntimeError("something else"))
+
+
+def _run_limited(args: list[str], headroom_mb: int) -> subprocess.CompletedProcess:
+    """``g4h ARGS`` in a child whose address space is limited to what it has after its imports + headroom."""
+    code = textwrap.dedent(f"""
+        import resource, sys
+        import numpy, gguf, reference, harness.engines.reference, harness.cli.logits
+        from harness.cli import main
+        vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:")][0]
+        limit = vm + {headroom_mb} * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        sys.exit(main({args!r}))
+    """)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+                          timeout=300)
+
+
+def test_a_low_address_space_limit_stops_with_one_line(wide_vocab_gguf, tmp_path):
+    ids = tmp_path / "ids.json"
+    ids.write_text(str(PROMPT))
+    out = tmp_path / "out.npy"
+    proc = _run_limited(["logits", "--model", str(wide_vocab_gguf), "--engine", "reference",
+                         "--prompt-ids", str(ids), "--out", str(out)], headroom_mb=256)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "not enough memory for the reference engine" in lines[0] and "RLIMIT_AS" in lines[0]
+    assert not out.exists()
+
+
+def test_the_same_run_fits_with_room(wide_vocab_gguf, tmp_path):
+    ids = tmp_path / "ids.json"
+    ids.write_text(str(PROMPT))
+    out = tmp_path / "out.npy"
+    proc = _run_limited(["logits", "--model", str(wide_vocab_gguf), "--engine", "reference",
+                         "--prompt-ids", str(ids), "--out", str(out)], headroom_mb=2048)
+    assert proc.returncode == 0, proc.stderr
+    logits = np.load(out)
+    assert np.isfinite(logits).all() and logits.std() > 0.1  # the scale fixture's logits are spread out
+
+
+def test_peak_memory_sees_an_allocation():
+    with memory.PeakMemory(interval=0.001) as pm:
+        before = pm.peak_anon
+        a = np.ones(50_000_000)  # 400 MB, touched
+        a.sum()
+    assert pm.peak_anon - before > 300e6 and pm.peak_rss >= pm.peak_anon
+    del a
+
+
+def test_model_info_reads_headers_only():
+    info = _e2b_info("hf")
+    cfg, _ = load_model(info.path)
+    assert info.form == "hf" and info.cfg.n_layer == cfg.n_layer
+    assert info.tensors["token_embd.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
+    assert info.file_bytes > 0
