@@ -172,7 +172,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
 
 
 def gelu_ffn(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """Gated GELU MLP, ``down(gelu(gate x) * up x)``. [T, h] -> [T, h]. Source: transformers ``Gemma4TextMLP``."""
+    """Gated GELU MLP, ``down(gelu(gate x) * up x)``. [T, h] -> [T, h]. Source: transformers ``Gemma4TextMLP``.
+
+    :func:`ffn_block` computes exactly these operations, reading each matrix only when its product runs.
+    """
     return linear(gelu_tanh(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
@@ -334,14 +337,16 @@ def moe_block(cfg: ModelConfig, layer: LayerSpec, W, attn_out: np.ndarray) -> np
 
 
 def ffn_block(cfg: ModelConfig, layer: LayerSpec, W, attn_out: np.ndarray, trace: TraceFn = no_trace) -> np.ndarray:
-    """Dense FFN, plus on MoE layers the :func:`moe_block` beside it; before ``post_ffw_norm``.
+    """Dense FFN (:func:`gelu_ffn`), plus on MoE layers the :func:`moe_block` beside it; before ``post_ffw_norm``.
 
     [T, h] -> [T, h]. Source: transformers ``Gemma4TextDecoderLayer.forward``;
     llama.cpp ``gemma4.cpp`` (``ffn_mlp``, ``ffn_moe``).
     """
     b, il, eps = f"blk.{layer.index}.", layer.index, cfg.rms_eps
     x = rms_norm(attn_out, W[b + "ffn_norm.weight"], eps)
-    mlp = gelu_ffn(x, W[b + "ffn_gate.weight"], W[b + "ffn_up.weight"], W[b + "ffn_down.weight"])
+    # gelu_ffn's operations in its order, each matrix read when its product runs: a streamed layer holds one
+    gate = gelu_tanh(linear(x, W[b + "ffn_gate.weight"]))
+    mlp = linear(gate * linear(x, W[b + "ffn_up.weight"]), W[b + "ffn_down.weight"])
     if not layer.has_moe:
         return mlp
     mlp = rms_norm(mlp, W[b + "post_ffw_norm_1.weight"], eps)

@@ -48,7 +48,22 @@ DEFAULT_CACHE_BYTES = 2 * 10**9
 #: bytes a block may grow to by doubling its rows.
 BLOCK_ROWS, BLOCK_BYTES = 4096, 64 << 20
 
+#: Elements a matrix is dequantized in at a time, into its float64 array (bounds the float32 temporaries).
+READ_ELEMENTS = 1 << 21
+
 _Lazy = LazyTensor  # the name the multimodal loaders import
+
+
+def _read_float64(lazy: LazyTensor) -> np.ndarray:
+    """The whole tensor as float64; a matrix is dequantized :data:`READ_ELEMENTS` at a time straight into
+    the result, so no full-size float32 copy exists beside it (same values: dequantization is per block)."""
+    if lazy.read_rows is None or len(lazy.shape) != 2:
+        return np.asarray(lazy.read(), dtype=np.float64).reshape(lazy.shape)
+    out = np.empty(lazy.shape, dtype=np.float64)
+    step = max(1, READ_ELEMENTS // max(1, lazy.shape[1]))
+    for a in range(0, lazy.shape[0], step):
+        out[a:a + step] = lazy.read_rows(slice(a, min(a + step, lazy.shape[0])))
+    return out
 
 
 def block_bounds(n_rows: int, n_cols: int) -> list[tuple[int, int]]:
@@ -133,7 +148,7 @@ class Weights(Mapping):
         lazy = self._lazy[name]
         if name not in self._checked:
             self._check_before(name, lazy, lazy.stored)
-        arr = np.asarray(lazy.read(), dtype=np.float64).reshape(lazy.shape)
+        arr = _read_float64(lazy)
         if name not in self._checked:
             self._check_after(name, lazy, arr)
         self._checked.add(name)

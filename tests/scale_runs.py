@@ -14,8 +14,9 @@ them). Output: one JSON object per run on stdout.
 Runs:
 
 * ``e2b-ref``: E2B shape, 35 layers, Q8_0, 16-token prompt, the reference (default ``--ref-cache-gb 2``).
-* ``e2b-fast``: the same file, fast fp32 with ``--weights dequantized`` (the memory plan may stop it:
-  its line is the result), and with ``--layers 4``, compared with the reference's ``--layers 4`` logits.
+* ``e2b-fast``: the same file, fast fp32 with ``--weights dequantized`` under ``RLIMIT_AS``
+  ``--fast-limit-gb`` (default 16: the memory plan stops it with one line, which is the result), and
+  with ``--layers 4``, compared with the reference's ``--layers 4`` logits.
 * ``e2b-flat``: the reference on ``--layers 4``, ``8``, ``16`` and ``35`` of the same file.
 * ``31b-ref``: 31B shape cut to 4 layers (``--layers 4`` at writing), Q8_0, the reference.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -50,19 +52,24 @@ def ensure(path: Path, shape: str, layers: int | None) -> Path:
     return path
 
 
-def run_logits(label: str, model: Path, engine: str, work: Path, *extra: str) -> dict:
-    """One ``g4h logits`` in a fresh process, sampled from outside."""
+def run_logits(label: str, model: Path, engine: str, work: Path, *extra: str, limit_gb: float | None = None) -> dict:
+    """One ``g4h logits`` in a fresh process, sampled from outside; ``limit_gb``: its ``RLIMIT_AS``."""
     ids = work / "prompt.json"
     ids.write_text(json.dumps(PROMPT))
     out = work / f"{label}.npy"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "harness.cli", "logits", "--model", str(model), "--engine", engine,
            "--prompt-ids", str(ids), "--out", str(out), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    def limit() -> None:
+        if limit_gb is not None:
+            n = int(limit_gb * 1e9)
+            resource.setrlimit(resource.RLIMIT_AS, (n, n))
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, preexec_fn=limit)
     with PeakMemory(proc.pid, interval=0.02) as pm:
         _, err = proc.communicate()
     res = {"run": label, "command": "g4h " + " ".join(cmd[3:]).replace(str(work) + "/", ""), "exit": proc.returncode,
-           **pm.as_dict()}
+           **pm.as_dict(), **({"RLIMIT_AS_gb": limit_gb} if limit_gb else {})}
     if proc.returncode:
         res["stderr"] = err.strip().splitlines()[-1] if err.strip() else ""
     else:
@@ -78,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/g4h-scale", help="folder for the files (not the repository)")
     ap.add_argument("--only", default="e2b-ref,e2b-fast,e2b-flat,31b-ref", help="comma-separated runs")
     ap.add_argument("--keep", action="store_true", help="keep the written files")
+    ap.add_argument("--fast-limit-gb", type=float, default=16.0,
+                    help="RLIMIT_AS of the full-size fast fp32 run (~19 GB of weights: on a shared machine the "
+                         "plan should stop it rather than take the memory; 0 = no limit)")
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -89,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             run_logits("e2b-ref", e2b, "reference", work)
         if "e2b-fast" in only:
             run_logits("e2b-fast", e2b, "fast", work, "--device", "cpu", "--dtype", "float32",
-                       "--weights", "dequantized")
+                       "--weights", "dequantized", limit_gb=args.fast_limit_gb or None)
             a = run_logits("e2b-fast-l4", e2b, "fast", work, "--device", "cpu", "--dtype", "float32",
                            "--weights", "dequantized", "--layers", "4")
             b = run_logits("e2b-ref-l4", e2b, "reference", work, "--layers", "4")

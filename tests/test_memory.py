@@ -16,43 +16,10 @@ from harness.core.paths import REPO_ROOT
 from harness.synth.scale import write_scale_gguf
 from reference.weights import load_model
 
-#: A shape with a real vocabulary and a tiny decoder: its logits alone need more than 64 MB, its file is 18 MB.
-WIDE_VOCAB_SHAPE = """
-description = "test: one small layer under a 262144-token vocabulary"
-source = "tests/test_memory.py"
-[config]
-vocab_size = 262144
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 32
-global_head_dim = 32
-attention_k_eq_v = false
-layer_types = ["full_attention"]
-sliding_window = 16
-max_position_embeddings = 4096
-rms_norm_eps = 1e-6
-hidden_activation = "gelu_pytorch_tanh"
-num_kv_shared_layers = 0
-hidden_size_per_layer_input = 0
-vocab_size_per_layer_input = 262144
-use_double_wide_mlp = false
-enable_moe_block = false
-final_logit_softcapping = 30.0
-tie_word_embeddings = true
-bos_token_id = 2
-eos_token_id = 1
-pad_token_id = 0
-[config.rope_parameters.sliding_attention]
-rope_type = "default"
-rope_theta = 10000.0
-[config.rope_parameters.full_attention]
-rope_type = "proportional"
-partial_rotary_factor = 0.25
-rope_theta = 1000000.0
-"""
+#: E2B with a real vocabulary under one tiny layer (``[config]`` overrides): 18 MB at Q8_0, while the logits
+#: of :data:`PROMPT` alone need hundreds of MB.
+WIDE_VOCAB = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "head_dim": 32,
+              "global_head_dim": 64, "hidden_size_per_layer_input": 0}
 
 
 #: 64 tokens: the reference's logits of this prompt are [64, 262144] float64, 134 MB, held about three times.
@@ -62,9 +29,7 @@ PROMPT = [2 + 7 * i for i in range(64)]
 @pytest.fixture(scope="module")
 def wide_vocab_gguf(tmp_path_factory):
     d = tmp_path_factory.mktemp("wide")
-    shape = d / "wide.toml"
-    shape.write_text(WIDE_VOCAB_SHAPE)
-    return write_scale_gguf(str(shape), d / "wide.gguf", fmt="q8_0")
+    return write_scale_gguf("e2b", d / "wide.gguf", layers=1, fmt="q8_0", overrides=WIDE_VOCAB)
 
 
 def _e2b_info(form="Q8_0"):
@@ -160,12 +125,17 @@ def _run_limited(args: list[str], headroom_mb: int) -> subprocess.CompletedProce
                           timeout=300)
 
 
-def test_a_low_address_space_limit_stops_with_one_line(wide_vocab_gguf, tmp_path):
+def _logits_limited(model, tmp_path, headroom_mb: int):
     ids = tmp_path / "ids.json"
     ids.write_text(str(PROMPT))
     out = tmp_path / "out.npy"
-    proc = _run_limited(["logits", "--model", str(wide_vocab_gguf), "--engine", "reference",
-                         "--prompt-ids", str(ids), "--out", str(out)], headroom_mb=256)
+    proc = _run_limited(["logits", "--model", str(model), "--engine", "reference", "--prompt-ids", str(ids),
+                         "--out", str(out)], headroom_mb)
+    return proc, out
+
+
+def test_a_low_address_space_limit_stops_with_one_line(wide_vocab_gguf, tmp_path):
+    proc, out = _logits_limited(wide_vocab_gguf, tmp_path, headroom_mb=256)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -174,11 +144,7 @@ def test_a_low_address_space_limit_stops_with_one_line(wide_vocab_gguf, tmp_path
 
 
 def test_the_same_run_fits_with_room(wide_vocab_gguf, tmp_path):
-    ids = tmp_path / "ids.json"
-    ids.write_text(str(PROMPT))
-    out = tmp_path / "out.npy"
-    proc = _run_limited(["logits", "--model", str(wide_vocab_gguf), "--engine", "reference",
-                         "--prompt-ids", str(ids), "--out", str(out)], headroom_mb=2048)
+    proc, out = _logits_limited(wide_vocab_gguf, tmp_path, headroom_mb=2048)
     assert proc.returncode == 0, proc.stderr
     logits = np.load(out)
     assert np.isfinite(logits).all() and logits.std() > 0.1  # the scale fixture's logits are spread out

@@ -18,72 +18,40 @@ from reference import model as M
 from reference.config import config_from_hf
 from reference.weights import load_model
 
-SMALL_SHAPE = """
-description = "test: a small E2B-like decoder (PLE, KV sharing, double-wide MLP)"
-source = "tests/test_scale.py"
-[config]
-vocab_size = 2048
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 4
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 32
-global_head_dim = 64
-attention_k_eq_v = false
-layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-sliding_window = 8
-max_position_embeddings = 4096
-rms_norm_eps = 1e-6
-hidden_activation = "gelu_pytorch_tanh"
-num_kv_shared_layers = 2
-hidden_size_per_layer_input = 32
-vocab_size_per_layer_input = 2048
-use_double_wide_mlp = true
-enable_moe_block = false
-final_logit_softcapping = 30.0
-tie_word_embeddings = true
-bos_token_id = 2
-eos_token_id = 1
-pad_token_id = 0
-[config.rope_parameters.sliding_attention]
-rope_type = "default"
-rope_theta = 10000.0
-[config.rope_parameters.full_attention]
-rope_type = "proportional"
-partial_rotary_factor = 0.25
-rope_theta = 1000000.0
-"""
+#: E2B made small (``[config]`` overrides of ``cases/shapes/e2b.toml``), cut to 7 layers: PLE, two KV-shared
+#: layers with the double-wide MLP, both layer types.
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "head_dim": 32, "global_head_dim": 64,
+         "hidden_size_per_layer_input": 32, "vocab_size": 2048, "vocab_size_per_layer_input": 2048,
+         "sliding_window": 8}
+SMALL_LAYERS = 7
 
 
-@pytest.fixture(scope="module")
-def small_shape(tmp_path_factory):
-    p = tmp_path_factory.mktemp("shape") / "small.toml"
-    p.write_text(SMALL_SHAPE)
-    return p
+def _small(path, fmt="q8_0", **kw):
+    return write_scale_gguf("e2b", path, layers=SMALL_LAYERS, fmt=fmt, overrides=SMALL, **kw)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_fixture_writes_the_shape_in_each_format(small_shape, tmp_path, fmt):
-    path = write_scale_gguf(str(small_shape), tmp_path / "m.gguf", fmt=fmt)
+def test_fixture_writes_the_shape_in_each_format(tmp_path, fmt):
+    path = _small(tmp_path / "m.gguf", fmt)
     cfg, W = load_model(path)
-    want = load_shape(small_shape)
+    want = load_shape("e2b", layers=SMALL_LAYERS, overrides=SMALL)
+    assert want.n_kv_shared and any(L.n_ff == 256 for L in cfg.layers)
     assert [(L.is_sliding, L.n_ff, L.head_dim, L.kv_donor) for L in cfg.layers] == \
         [(L.is_sliding, L.n_ff, L.head_dim, L.kv_donor) for L in want.layers]
     assert W.raw_dtype("blk.0.ffn_up.weight") == FORMATS[fmt] and W.raw_dtype("blk.0.attn_norm.weight") == "F32"
     logits = M.forward(cfg, W, [2, 100, 7, 2047, 5])
     assert np.isfinite(logits).all() and logits.std(axis=1).min() > 0.1  # finite, not constant
-    again = write_scale_gguf(str(small_shape), tmp_path / "again.gguf", fmt=fmt)
+    again = _small(tmp_path / "again.gguf", fmt)
     assert again.read_bytes() == path.read_bytes()  # seeded per tensor: the same file every time
 
 
-def test_blocks_quantize_like_the_whole_tensor(small_shape, tmp_path, monkeypatch):
+def test_blocks_quantize_like_the_whole_tensor(tmp_path, monkeypatch):
     """Writing in blocks of rows gives the bytes of quantizing each tensor whole."""
     import harness.synth.scale as scale
 
-    whole = write_scale_gguf(str(small_shape), tmp_path / "whole.gguf", fmt="q4_0")
+    whole = _small(tmp_path / "whole.gguf", "q4_0")
     monkeypatch.setattr(scale, "BLOCK_ELEMENTS", 64 * 3)  # three rows of 64 per block
-    blocks = write_scale_gguf(str(small_shape), tmp_path / "blocks.gguf", fmt="q4_0")
+    blocks = _small(tmp_path / "blocks.gguf", "q4_0")
     a, b = gguf.GGUFReader(str(whole)), gguf.GGUFReader(str(blocks))
     for ta, tb in zip(a.tensors, b.tensors):
         assert ta.name == tb.name and np.array_equal(ta.data, tb.data), ta.name
@@ -98,14 +66,14 @@ def test_metadata_of_a_cut_shape_derives_the_same_layers(shape, layers):
         [(L.is_sliding, L.n_ff, L.head_dim, L.n_kv_head, L.kv_donor, L.has_v_proj) for L in cfg.layers]
 
 
-def test_synth_cli_writes_a_shape(small_shape, tmp_path, capsys):
+def test_synth_cli_refuses_bad_options(tmp_path):
     out = tmp_path / "cli.gguf"
-    assert main(["synth", "--shape", str(small_shape), "--layers", "2", "--format", "q8_0", "--out", str(out)]) == 0
-    cfg, _ = load_model(out)
-    assert cfg.n_layer == 2 and str(out) in capsys.readouterr().out
     assert main(["synth", "--shape", "e2b"]) == 2  # no --out
+    assert main(["synth", "--shape", "e9b", "--out", str(out)]) == 2  # unknown shape
+    assert main(["synth", "--layers", "2"]) == 2  # --layers without --shape
     with pytest.raises(SystemExit):  # argparse refuses a format it does not list
-        main(["synth", "--shape", str(small_shape), "--format", "q5_k", "--out", str(out)])
+        main(["synth", "--shape", "e2b", "--format", "q5_k", "--out", str(out)])
+    assert not out.exists()
 
 
 @pytest.mark.slow

@@ -29,15 +29,15 @@ from typing import Any, Callable, Mapping
 
 from reference.config import ModelConfig, cut_layers, expected_tensors
 from reference.errors import InputError
-from reference.weights import DEFAULT_CACHE_BYTES, block_bounds, load_model
+from reference.weights import DEFAULT_CACHE_BYTES, READ_ELEMENTS, block_bounds, load_model
 
 GB = 10**9
 
-#: Resident bytes of a process that has imported what each engine needs, before any model: measured
-#: with :class:`PeakMemory` (``VmRSS`` after the imports, CPython 3.11, numpy 2, torch 2.13 CPU,
-#: transformers 5.23): numpy + gguf ~0.1 GB, + torch ~0.4 GB, + transformers ~0.7 GB; the llama.cpp
-#: worker is a second process with llama-cpp-python's libraries (~0.2 GB). Rounded up.
-RUNTIME_BYTES = {"reference": int(0.2 * GB), "fast": int(0.6 * GB), "transformers": int(1.0 * GB),
+#: Resident bytes of a process that has imported what each engine needs, before any model, rounded up.
+#: Measured (``VmRSS`` after ``import harness.engines.<engine>``; CPython 3.11, numpy 2, torch 2.13 CPU,
+#: transformers 5.23): reference 0.04 GB, fast 0.23 GB, transformers 0.35 GB. The llama.cpp worker is a
+#: second process with llama-cpp-python's libraries: not measured here, taken as 0.3 GB.
+RUNTIME_BYTES = {"reference": int(0.1 * GB), "fast": int(0.3 * GB), "transformers": int(0.5 * GB),
                  "llamacpp": int(0.3 * GB)}
 
 #: Bytes per element of the fast engine's compute dtypes.
@@ -280,21 +280,28 @@ def _f64(t: TensorFacts) -> int:
     return 8 * t.elements
 
 
+#: Tables the reference reads in parts (rows of the prompt's tokens; the head in blocks), never whole.
+_READ_IN_PARTS = ("token_embd.weight", "per_layer_token_embd.weight", "output.weight")
+
+
 def _layer_groups(info: ModelInfo) -> list[list[TensorFacts]]:
-    """Tensors the reference holds at the same time: each attention matrix alone, the FFN's gate/up/down
-    together (``gelu_ffn`` takes all three), the MoE expert stacks together, each PLE matrix alone."""
+    """Tensors the reference holds at the same time: each matrix alone (``ffn_block`` reads the FFN's
+    three one at a time), a MoE layer's two expert stacks together (``moe_experts`` takes both); tables
+    read in parts are not among them."""
     T = info.tensors
-    groups: list[list[TensorFacts]] = []
+    groups: list[list[TensorFacts]] = [[t] for n, t in T.items() if len(t.shape) == 2 and n not in _READ_IN_PARTS]
     for L in info.cfg.layers:
         b = f"blk.{L.index}."
-        for n in ("attn_q", "attn_k", "attn_v", "attn_output", "inp_gate", "proj", "ffn_gate_inp"):
-            if b + n + ".weight" in T:
-                groups.append([T[b + n + ".weight"]])
-        groups.append([T[b + n + ".weight"] for n in ("ffn_gate", "ffn_up", "ffn_down") if b + n + ".weight" in T])
         groups.append([T[b + n + ".weight"] for n in ("ffn_gate_up_exps", "ffn_down_exps") if b + n + ".weight" in T])
-    if "per_layer_model_proj.weight" in T:
-        groups.append([T["per_layer_model_proj.weight"]])
     return [g for g in groups if g]
+
+
+def _in_use(group: list[TensorFacts]) -> int:
+    """float64 bytes of a group, plus the float32 temporaries of reading its largest tensor (a matrix is read
+    :data:`reference.weights.READ_ELEMENTS` at a time; an expert stack whole)."""
+    big = max(group, key=lambda t: t.elements)
+    temp = 8 * (big.elements if len(big.shape) > 2 else min(big.elements, READ_ELEMENTS))
+    return sum(_f64(t) for t in group) + temp
 
 
 def _kv_bytes(cfg: ModelConfig, context: int, elem: int, window_bound: bool, batch: int = 1) -> int:
@@ -317,10 +324,8 @@ def _reference_terms(info: ModelInfo, tokens: int, context: int, forwards: int, 
                      ) -> tuple[dict[str, int], int]:
     cfg, T = info.cfg, info.tensors
     h, V = cfg.hidden_size, cfg.vocab_size
-    working = max((sum(_f64(t) for t in g) + 4 * max(t.elements for t in g) for g in _layer_groups(info)),
-                  default=0)
-    rows_read = {"token_embd.weight", "per_layer_token_embd.weight"}
-    cacheable = sum(_f64(t) for n, t in T.items() if n not in rows_read or n == _head_name(cfg))
+    working = max((_in_use(g) for g in _layer_groups(info)), default=0)
+    cacheable = sum(_f64(t) for n, t in T.items() if n != "per_layer_token_embd.weight")
     head = T[_head_name(cfg)]
     block = max(b - a for a, b in block_bounds(head.shape[0], head.shape[1]))
     ple = cfg.ple_dim * cfg.n_layer
@@ -329,7 +334,7 @@ def _reference_terms(info: ModelInfo, tokens: int, context: int, forwards: int, 
         "runtime": RUNTIME_BYTES["reference"],
         "weight cache": min(cache_bytes, cacheable) if forwards > 1 else 0,
         "weights in use": working,
-        "LM head block": 12 * block * h,
+        "LM head block": 16 * block * h,  # float64, and gguf's two float32 arrays while it is read
         "logits": 3 * 8 * tokens * V,  # the blocks' products, their concatenation, the softcap
         "KV cache": _kv_bytes(cfg, context, 8, window_bound=False),
         "activations": 8 * tokens * (6 * h + 3 * ple + 3 * heads * context),
@@ -347,9 +352,12 @@ def _fast_terms(info: ModelInfo, tokens: int, context: int, dtype: str, weights:
         keep_packed = weights == "packed" and info.form == "gguf" and len(t.shape) == 2 and t.dtype not in _UNPACKED
         if keep_packed:
             packed += t.nbytes
-        else:
-            dense += t.elements * (4 if len(t.shape) == 1 else elem)
-        biggest = max(biggest, t.nbytes + t.elements * (4 + (0 if keep_packed or elem == 4 else elem)))
+            continue
+        dense += t.elements * (4 if len(t.shape) == 1 else elem)
+        # While a tensor is converted (fast.weights.FastWeights): a copy of its GGUF bytes, and its float32
+        # form when the target is another dtype (or when a float array is copied before it is cast).
+        copied = t.nbytes if info.form == "gguf" and t.dtype != "F32" else 0
+        biggest = max(biggest, copied + (4 * t.elements if elem != 4 or copied == 0 else 0))
     terms = {
         "runtime": RUNTIME_BYTES["fast"],
         "weights": dense,
@@ -486,16 +494,17 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
         * reference ``weight cache``: ``min(cache_bytes, float64 bytes of every tensor read whole)``
           when the weights are read more than once (a single forward caches nothing: see
           :class:`reference.weights.Weights`); ``weights in use``: the largest set of tensors the
-          forward holds at once, in float64 (the FFN's three matrices; the MoE expert stacks), plus
-          the float32 that ``gguf.quants`` returns for the largest of them; ``LM head block``: one
-          block of vocabulary rows (:func:`reference.weights.block_bounds`) in float32 and float64;
+          forward holds at once, in float64 (one matrix; a MoE layer's two expert stacks), plus the
+          float32 temporaries of reading it; ``LM head block``: one block of vocabulary rows
+          (:func:`reference.weights.block_bounds`) in float64 and gguf's two float32 arrays;
           ``logits``: ``[T, V]`` float64 three times; ``KV cache``: float64 K and V of every
           KV-owning layer for the whole context (the reference masks, it does not evict);
           ``activations``: the hidden stream, the PLE inputs and one layer's attention scores.
         * fast ``weights``: every tensor in the compute dtype (1-D tensors float32); ``packed weights``:
           with ``--weights packed`` the GGUF bytes of quantized matrices (mapped from the file:
-          RAM, not address space); ``loading (largest tensor)``: the largest tensor's stored bytes
-          plus its float32 dequantization while it is converted; ``KV cache``: float32, sliding
+          RAM, not address space); ``loading (largest tensor)``: what converting one tensor holds
+          beside the weights already made (a copy of its GGUF bytes; its float32 form when the
+          compute dtype is another, or a float32 copy of a float tensor); ``KV cache``: float32, sliding
           layers at most their window, shared layers none (:mod:`fast.kvcache`); ``logits``:
           float32 on the device and the float64 copy returned.
         * transformers ``weights``: every parameter in fp32 (the oracle's dtype); ``loading``: as

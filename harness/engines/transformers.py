@@ -88,12 +88,13 @@ def _load_gemma4_layers(path: Path, text_config: Gemma4TextConfig, layers: int):
     fields = text_config.to_dict()
     fields.update(num_hidden_layers=layers, layer_types=types[:layers], num_kv_shared_layers=cfg.n_kv_shared)
     fields.pop("model_type", None)
+    if fields.get("per_layer_config"):  # per-layer overrides (a full layer's head_dim): the kept layers' only
+        fields["per_layer_config"] = {k: v for k, v in fields["per_layer_config"].items() if int(k) < layers}
     config = Gemma4TextConfig(**fields)
     config._attn_implementation = "eager"
     model = Gemma4ForCausalLM(config).to(torch.float32)
     state = {gguf_to_hf(name): torch.from_numpy(np.array(W.raw(name), dtype=np.float32)) for name in W
              if name != "rope_freqs.weight"}
-    state = {k: v.reshape(()) if k.endswith("layer_scalar") and v.numel() == 1 else v for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if "rotary" not in k and not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:

@@ -70,9 +70,15 @@ def _vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def file_type(qtype: str) -> int:
-    """``general.file_type`` of a file whose matrices are ``qtype`` (llama.cpp ``LLAMA_FTYPE_*``)."""
-    return _FILE_TYPES[qtype]
+def add_keys(w: gguf.GGUFWriter, spec: Spec, qtype: str) -> None:
+    """Write every key of a synthetic file: :func:`gguf_metadata`, ``general.file_type`` of ``qtype``
+    (llama.cpp ``LLAMA_FTYPE_*``), ``general.quantization_version`` and :func:`add_tokenizer_keys`."""
+    for key, (val, vtype, sub) in gguf_metadata(spec).items():
+        if key == "general.file_type":
+            val = _FILE_TYPES[qtype]
+        w.add_key_value(key, val, VT[vtype], sub_type=VT[sub] if sub else None)
+    w.add_key_value("general.quantization_version", gguf.GGML_QUANT_VERSION, VT.UINT32)
+    add_tokenizer_keys(w, spec.config["vocab_size"])
 
 
 def add_tokenizer_keys(w: gguf.GGUFWriter, vocab_size: int) -> None:
@@ -195,12 +201,7 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
 
     w = gguf.GGUFWriter(str(tmp), "gemma4")
     try:
-        for key, (val, vtype, sub) in gguf_metadata(spec).items():
-            if key == "general.file_type":
-                val = file_type(qtype)
-            w.add_key_value(key, val, VT[vtype], sub_type=VT[sub] if sub else None)
-        w.add_key_value("general.quantization_version", gguf.GGML_QUANT_VERSION, VT.UINT32)
-        add_tokenizer_keys(w, spec.config["vocab_size"])
+        add_keys(w, spec, qtype)
 
         expected: dict[str, tuple[str, np.ndarray]] = {}
         for name, arr in tensors.items():

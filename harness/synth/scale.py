@@ -21,17 +21,16 @@ from __future__ import annotations
 import os
 import types
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import gguf
 import numpy as np
-from gguf import GGUFValueType as VT
 
 from fast.shapes import RandomWeights, load_shape, load_shape_spec
 from reference.config import ModelConfig
 from reference.errors import InputError
 
-from .gguf import add_tokenizer_keys, file_type, gguf_metadata, gguf_tensor_type
+from .gguf import add_keys, gguf_tensor_type
 from .weights import rope_freqs, tensor_shapes
 
 #: ``--format`` -> the GGML type of the matrices (1-D tensors are F32; a row that does not fill a
@@ -42,8 +41,12 @@ FORMATS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "f16": "F16"}
 BLOCK_ELEMENTS = 1 << 24
 
 
-def shape_raw_config(shape: str, layers: int | None = None) -> tuple[dict, ModelConfig]:
+def shape_raw_config(shape: str, layers: int | None = None, overrides: Mapping[str, Any] | None = None
+                     ) -> tuple[dict, ModelConfig]:
     """The shape's ``[config]`` table (HF field names) and its config, cut to ``layers`` layers.
+
+    ``overrides``: ``[config]`` fields to replace first (:func:`fast.shapes.load_shape`), e.g. a small
+    ``hidden_size`` for a test.
 
     The table is rewritten for the cut (``num_hidden_layers``, ``layer_types``,
     ``num_kv_shared_layers`` from :func:`fast.shapes.truncate_layers`), so the metadata written from it
@@ -53,8 +56,8 @@ def shape_raw_config(shape: str, layers: int | None = None) -> tuple[dict, Model
         InputError: unknown shape, bad ``layers``; a cut whose metadata would derive other layers.
     """
     spec = load_shape_spec(shape)
-    cfg = load_shape(shape, layers=layers)
-    raw = dict(spec.config)
+    cfg = load_shape(shape, layers=layers, overrides=overrides)
+    raw = {**spec.config, **(overrides or {})}
     raw.setdefault("model_type", "gemma4_text")
     if layers is not None and layers != len(raw["layer_types"]):
         raw.update(num_hidden_layers=cfg.n_layer, num_kv_shared_layers=cfg.n_kv_shared,
@@ -71,7 +74,8 @@ def _draw(rw: RandomWeights, name: str, rng: np.random.Generator, n: int) -> np.
 
 
 def write_scale_gguf(shape: str, path: str | os.PathLike, *, layers: int | None = None, fmt: str = "q8_0",
-                     seed: int = 0, progress: Callable[[str], None] | None = None) -> Path:
+                     seed: int = 0, overrides: Mapping[str, Any] | None = None,
+                     progress: Callable[[str], None] | None = None) -> Path:
     """Write a real-size ``gemma4`` GGUF with random weights, one block of rows at a time.
 
     Args:
@@ -80,6 +84,7 @@ def write_scale_gguf(shape: str, path: str | os.PathLike, *, layers: int | None 
         layers: keep the first N layers (:func:`fast.shapes.truncate_layers`); None = all.
         fmt: ``q8_0`` | ``q4_0`` | ``f16`` (:data:`FORMATS`).
         seed: random seed (>= 0).
+        overrides: ``[config]`` fields to replace (:func:`fast.shapes.load_shape`); None for the real shape.
         progress: called with a line per tensor group (e.g. ``print``), or None.
 
     Returns:
@@ -91,7 +96,7 @@ def write_scale_gguf(shape: str, path: str | os.PathLike, *, layers: int | None 
     if fmt not in FORMATS:
         raise InputError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     qtype = FORMATS[fmt]
-    raw, cfg = shape_raw_config(shape, layers)
+    raw, cfg = shape_raw_config(shape, layers, overrides)
     rw = RandomWeights(cfg, seed)
     spec = types.SimpleNamespace(config=raw, name=f"{Path(str(shape)).stem}-random", path=Path(str(shape)))
     shapes = {"rope_freqs.weight": (raw["global_head_dim"] // 2,), **tensor_shapes(spec)}
@@ -118,12 +123,7 @@ def _write(tmp: Path, raw: dict, spec, shapes: dict[str, tuple[int, ...]], rw: R
            progress: Callable[[str], None] | None) -> None:
     w = gguf.GGUFWriter(str(tmp), "gemma4")
     try:
-        for key, (val, vtype, sub) in gguf_metadata(spec).items():
-            if key == "general.file_type":
-                val = file_type(qtype)
-            w.add_key_value(key, val, VT[vtype], sub_type=VT[sub] if sub else None)
-        w.add_key_value("general.quantization_version", gguf.GGML_QUANT_VERSION, VT.UINT32)
-        add_tokenizer_keys(w, raw["vocab_size"])
+        add_keys(w, spec, qtype)
         types_: dict[str, str] = {}
         for name, shape in shapes.items():
             types_[name] = gguf_tensor_type(name, shape, qtype)
