@@ -8,7 +8,6 @@ from pathlib import Path
 
 from reference.errors import InputError
 
-from .. import synth
 from ..core.cases import MODELS_DIR
 from ..engines import ENGINES
 
@@ -97,6 +96,8 @@ def resolve_model(model: str, engine: str) -> Path:
     if p.exists() and p.suffix != ".toml":
         return p
     if p.suffix == ".toml" or (MODELS_DIR / f"{model}.toml").is_file():
+        from .. import synth  # heavy (transformers, torch): imported only when a case is to be built
+
         built = synth.ensure_built(p if p.suffix == ".toml" else MODELS_DIR / f"{model}.toml")
         return built.hf_dir if engine == "transformers" else built.gguf["F32"]
     raise InputError(f"{model}: no such file or folder, and not a built-in case "

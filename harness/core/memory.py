@@ -257,11 +257,11 @@ class MemoryPlan:
     def line(self) -> str:
         """One line: the need (its two largest terms), what is available, what to try."""
         top = sorted(self.breakdown.items(), key=lambda kv: -kv[1])[:2]
-        terms = ", ".join(f"{k} {v / GB:.1f}" for k, v in top)
+        terms = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in top)
         avail = "unknown" if self.available_bytes is None else f"{self.available_bytes / GB:.1f} GB"
         what = self.engine + "".join(f" {v}" for k, v in self.options.items() if k in ("dtype", "weights") and v)
         text = (f"{self.model}: not enough memory for the {what} engine: it needs about {self.need_bytes / GB:.1f} GB "
-                f"({terms} GB), {avail} available ({self.available_from})")
+                f"({terms}), {avail} available ({self.available_from})")
         if self.advice:
             text += "; try " + " or ".join(self.advice)
         elif self.engine == "reference" and self.options.get("cache_bytes"):
@@ -362,7 +362,7 @@ def _fast_terms(info: ModelInfo, tokens: int, context: int, dtype: str, weights:
         "runtime": RUNTIME_BYTES["fast"],
         "weights": dense,
         "packed weights": packed,
-        "loading (largest tensor)": biggest,
+        "largest tensor in conversion": biggest,
         "KV cache": _kv_bytes(cfg, context, 4, window_bound=True, batch=batch),
         "logits": (4 + 8) * tokens * batch * cfg.vocab_size,  # float32 on the device, float64 for the caller
         "activations": 4 * tokens * batch * (8 * cfg.hidden_size + 3 * cfg.ple_dim * cfg.n_layer),
@@ -378,7 +378,7 @@ def _transformers_terms(info: ModelInfo, tokens: int, context: int) -> tuple[dic
     terms = {
         "runtime": RUNTIME_BYTES["transformers"],
         "weights": 4 * params,
-        "loading (largest tensor)": biggest,
+        "largest tensor in conversion": biggest,
         "KV cache": _kv_bytes(cfg, context, 4, window_bound=True),
         "logits": 2 * 4 * tokens * cfg.vocab_size,
         "activations": 4 * tokens * (8 * cfg.hidden_size + 3 * heads * context + 3 * cfg.ple_dim * cfg.n_layer),
@@ -502,14 +502,14 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
           ``activations``: the hidden stream, the PLE inputs and one layer's attention scores.
         * fast ``weights``: every tensor in the compute dtype (1-D tensors float32); ``packed weights``:
           with ``--weights packed`` the GGUF bytes of quantized matrices (mapped from the file:
-          RAM, not address space); ``loading (largest tensor)``: what converting one tensor holds
+          RAM, not address space); ``largest tensor in conversion``: what converting one tensor holds
           beside the weights already made (a copy of its GGUF bytes; its float32 form when the
           compute dtype is another, or a float32 copy of a float tensor); ``KV cache``: float32, sliding
           layers at most their window, shared layers none (:mod:`fast.kvcache`); ``logits``:
           float32 on the device and the float64 copy returned.
-        * transformers ``weights``: every parameter in fp32 (the oracle's dtype); ``loading``: as
-          fast; ``KV cache``: fp32, sliding layers at most their window; ``activations``: eager
-          attention's ``[H, T, S]`` scores among them.
+        * transformers ``weights``: every parameter in fp32 (the oracle's dtype); ``largest tensor in
+          conversion``: its stored bytes and fp32 form; ``KV cache``: fp32, sliding layers at most
+          their window; ``activations``: eager attention's ``[H, T, S]`` scores among them.
         * llamacpp ``model file (mapped)``: the GGUF, which llama.cpp maps whole; ``KV cache``:
           F32 (the harness's llama.cpp setting) for every KV-owning layer; ``compute buffer``:
           one micro-batch of at most 512 tokens through the widest layer and the head.
