@@ -51,8 +51,6 @@ BLOCK_ROWS, BLOCK_BYTES = 4096, 64 << 20
 #: Elements a matrix is dequantized in at a time, into its float64 array (bounds the float32 temporaries).
 READ_ELEMENTS = 1 << 21
 
-_Lazy = LazyTensor  # the name the multimodal loaders import
-
 
 def _read_float64(lazy: LazyTensor) -> np.ndarray:
     """The whole tensor as float64; a matrix is dequantized :data:`READ_ELEMENTS` at a time straight into

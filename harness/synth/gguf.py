@@ -70,10 +70,11 @@ def _vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def add_keys(w: gguf.GGUFWriter, spec: Spec, qtype: str) -> None:
-    """Write every key of a synthetic file: :func:`gguf_metadata`, ``general.file_type`` of ``qtype``
-    (llama.cpp ``LLAMA_FTYPE_*``), ``general.quantization_version`` and :func:`add_tokenizer_keys`."""
-    for key, (val, vtype, sub) in gguf_metadata(spec).items():
+def add_keys(w: gguf.GGUFWriter, spec: Spec, qtype: str,
+             metadata: Mapping[str, tuple[Any, str, str | None]] | None = None) -> None:
+    """Write every key of a synthetic file: ``metadata`` (default :func:`gguf_metadata`), ``general.file_type``
+    of ``qtype`` (llama.cpp ``LLAMA_FTYPE_*``), ``general.quantization_version`` and :func:`add_tokenizer_keys`."""
+    for key, (val, vtype, sub) in (gguf_metadata(spec) if metadata is None else metadata).items():
         if key == "general.file_type":
             val = _FILE_TYPES[qtype]
         w.add_key_value(key, val, VT[vtype], sub_type=VT[sub] if sub else None)
@@ -157,8 +158,12 @@ def gguf_metadata(spec: Spec) -> dict[str, tuple[Any, str, str | None]]:
     return md
 
 
-def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.PathLike[str], qtype: str = "F32") -> Path:
+def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.PathLike[str], qtype: str = "F32",
+               arch: str = "gemma4", metadata: Mapping[str, tuple[Any, str, str | None]] | None = None) -> Path:
     """Write a ``gemma4`` GGUF file with llama.cpp's tensor names and keys.
+
+    ``arch`` and ``metadata`` (in the form of :func:`gguf_metadata`) let the drafter writer
+    (:mod:`harness.synth.drafter`) write a ``gemma4-assistant`` file through the same code.
 
     Keys: see :func:`gguf_metadata`, plus ``general.architecture = "gemma4"``,
     ``general.file_type``, ``general.quantization_version`` and a minimal
@@ -199,9 +204,9 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
         tensors.pop("output.weight", None)
     _vocab(spec.config["vocab_size"])  # a vocabulary too small raises before the file is opened
 
-    w = gguf.GGUFWriter(str(tmp), "gemma4")
+    w = gguf.GGUFWriter(str(tmp), arch)
     try:
-        add_keys(w, spec, qtype)
+        add_keys(w, spec, qtype, metadata)
 
         expected: dict[str, tuple[str, np.ndarray]] = {}
         for name, arr in tensors.items():
