@@ -71,25 +71,31 @@ def _vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
 
 
 def add_keys(w: gguf.GGUFWriter, spec: Spec, qtype: str,
-             metadata: Mapping[str, tuple[Any, str, str | None]] | None = None) -> None:
+             metadata: Mapping[str, tuple[Any, str, str | None]] | None = None,
+             special_tokens: Mapping[int, str] | None = None) -> None:
     """Write every key of a synthetic file: ``metadata`` (default :func:`gguf_metadata`), ``general.file_type``
-    of ``qtype`` (llama.cpp ``LLAMA_FTYPE_*``), ``general.quantization_version`` and :func:`add_tokenizer_keys`."""
+    of ``qtype`` (llama.cpp ``LLAMA_FTYPE_*``), ``general.quantization_version`` and :func:`add_tokenizer_keys`
+    (with ``special_tokens``)."""
     for key, (val, vtype, sub) in (gguf_metadata(spec) if metadata is None else metadata).items():
         if key == "general.file_type":
             val = _FILE_TYPES[qtype]
         w.add_key_value(key, val, VT[vtype], sub_type=VT[sub] if sub else None)
     w.add_key_value("general.quantization_version", gguf.GGML_QUANT_VERSION, VT.UINT32)
-    add_tokenizer_keys(w, spec.config["vocab_size"])
+    add_tokenizer_keys(w, spec.config["vocab_size"], special_tokens)
 
 
-def add_tokenizer_keys(w: gguf.GGUFWriter, vocab_size: int) -> None:
+def add_tokenizer_keys(w: gguf.GGUFWriter, vocab_size: int, special_tokens: Mapping[int, str] | None = None) -> None:
     """Write the synthetic SentencePiece-style vocabulary's keys (``tokenizer.ggml.model = "llama"``:
     specials, byte tokens, fillers ``▁t<id>`` up to ``vocab_size``; scores, types, special ids, BOS on).
+
+    ``special_tokens``: id -> token string written at that id as a CONTROL token (:func:`write_gguf`).
 
     Raises:
         ValueError: ``vocab_size`` < 260.
     """
     tokens, scores, ttypes = _vocab(vocab_size)
+    for tid, text in (special_tokens or {}).items():
+        tokens[tid], ttypes[tid] = text, int(gguf.TokenType.CONTROL)
     w.add_key_value("tokenizer.ggml.model", "llama", VT.STRING)
     w.add_key_value("tokenizer.ggml.tokens", tokens, VT.ARRAY, sub_type=VT.STRING)
     w.add_key_value("tokenizer.ggml.scores", scores, VT.ARRAY, sub_type=VT.FLOAT32)
@@ -159,7 +165,8 @@ def gguf_metadata(spec: Spec) -> dict[str, tuple[Any, str, str | None]]:
 
 
 def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.PathLike[str], qtype: str = "F32",
-               arch: str = "gemma4", metadata: Mapping[str, tuple[Any, str, str | None]] | None = None) -> Path:
+               arch: str = "gemma4", metadata: Mapping[str, tuple[Any, str, str | None]] | None = None,
+               special_tokens: Mapping[int, str] | None = None) -> Path:
     """Write a ``gemma4`` GGUF file with llama.cpp's tensor names and keys.
 
     ``arch`` and ``metadata`` (in the form of :func:`gguf_metadata`) let the drafter writer
@@ -184,6 +191,8 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
         weights: canonical name -> float32 array, as from :func:`make_weights`.
         path: output file.
         qtype: one of :data:`QTYPES`.
+        special_tokens: id -> token string written at that id as a CONTROL token (a multimodal case's
+            ``<|image|>`` ... strings, which the reference and llama.cpp's mtmd look up by string).
 
     Returns:
         ``Path(path)``.
@@ -206,7 +215,7 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
 
     w = gguf.GGUFWriter(str(tmp), arch)
     try:
-        add_keys(w, spec, qtype, metadata)
+        add_keys(w, spec, qtype, metadata, special_tokens)
 
         expected: dict[str, tuple[str, np.ndarray]] = {}
         for name, arr in tensors.items():
