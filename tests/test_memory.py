@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+from clitools import assert_one_line_error
 
 from harness import synth
 from harness.core import memory
 from harness.core.cases import builtin_specs
 from harness.core.paths import REPO_ROOT
+from harness.engines import make_engine
 from harness.synth.scale import write_scale_gguf
+from reference.errors import InputError
 from reference.weights import load_model
 
 #: E2B with a real vocabulary under one tiny layer (``[config]`` overrides): 18 MB at Q8_0, while the logits
@@ -110,30 +115,36 @@ def test_guarded_turns_allocation_failures_into_one_line():
         Engine().run(RuntimeError("something else"))
 
 
-def _run_limited(args: list[str], headroom_mb: int) -> subprocess.CompletedProcess:
-    """``g4h ARGS`` in a child whose address space is limited to what it has after its imports + headroom."""
+def _run_limited(args: list[str], headroom_mb: int, limit: str = "AS") -> subprocess.CompletedProcess:
+    """``g4h ARGS`` in a child whose address space (``limit="AS"``: ``RLIMIT_AS``, what ``ulimit -v`` sets) or
+    private data (``"DATA"``: ``RLIMIT_DATA``, ``ulimit -d``; the stack is not part of it) is limited to what it
+    has after its imports + headroom."""
     code = textwrap.dedent(f"""
         import resource, sys
         import numpy, gguf, reference, harness.engines.reference, harness.cli.logits
         from harness.cli import main
-        vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:")][0]
+        a = numpy.ones((256, 256))
+        (a @ a).sum()  # OpenBLAS starts its threads and buffers now: under the limit their failure is a crash
+        field = {{"AS": "VmSize:", "DATA": "VmData:"}}[{limit!r}]
+        vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field)][0]
         limit = vm + {headroom_mb} * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_{limit}, (limit, limit))
         sys.exit(main({args!r}))
     """)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
                           timeout=300)
 
 
-def _logits_limited(model, tmp_path, headroom_mb: int):
+def _logits_limited(model, tmp_path, headroom_mb: int, limit: str = "AS"):
     ids = tmp_path / "ids.json"
     ids.write_text(str(PROMPT))
     out = tmp_path / "out.npy"
     proc = _run_limited(["logits", "--model", str(model), "--engine", "reference", "--prompt-ids", str(ids),
-                         "--out", str(out)], headroom_mb)
+                         "--out", str(out)], headroom_mb, limit)
     return proc, out
 
 
+@pytest.mark.slow
 def test_a_low_address_space_limit_stops_with_one_line(wide_vocab_gguf, tmp_path):
     proc, out = _logits_limited(wide_vocab_gguf, tmp_path, headroom_mb=256)
     assert proc.returncode == 2, proc.stderr
@@ -143,11 +154,94 @@ def test_a_low_address_space_limit_stops_with_one_line(wide_vocab_gguf, tmp_path
     assert not out.exists()
 
 
+@pytest.mark.slow
+def test_an_allocation_that_fails_anyway_stops_with_one_line(wide_vocab_gguf, tmp_path):
+    """A limit the plan does not read (``RLIMIT_DATA``): the plan fits, the allocation fails inside the engine
+    (numpy's MemoryError), and that too ends in one line and exit 2, with no traceback and no output.
+
+    (Under a tight ``RLIMIT_AS`` instead, the main thread's stack cannot grow either, and the process may die of
+    SIGSEGV wherever it stands: no handler can turn that into a line, so the plan, which reads ``RLIMIT_AS``, is
+    what must stop it first.)"""
+    proc, out = _logits_limited(wide_vocab_gguf, tmp_path, headroom_mb=256, limit="DATA")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "out of memory in the reference engine" in lines[0] and "Unable to allocate" in lines[0], lines[0]
+    assert "the estimate was" in lines[0] and "; try " in lines[0], lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.slow
 def test_the_same_run_fits_with_room(wide_vocab_gguf, tmp_path):
     proc, out = _logits_limited(wide_vocab_gguf, tmp_path, headroom_mb=2048)
     assert proc.returncode == 0, proc.stderr
     logits = np.load(out)
     assert np.isfinite(logits).all() and logits.std() > 0.1  # the scale fixture's logits are spread out
+
+
+def _engines_of(built):
+    """(engine, model path, options) of every engine that plans its memory, on a built case."""
+    gguf_q8 = built.gguf["Q8_0"]
+    return [("reference", gguf_q8, {}), ("reference", built.hf_dir, {"cache_gb": 0}),
+            ("fast", gguf_q8, {"device": "cpu", "weights": "dequantized"}),
+            ("fast", gguf_q8, {"device": "cpu", "weights": "packed", "dtype": "bfloat16"}),
+            ("transformers", built.hf_dir, {})]
+
+
+def test_the_test_hook_decides_whether_each_engine_loads(monkeypatch):
+    """``G4H_MEMORY_AVAILABLE_GB`` (a test hook) stands for the machine's memory: none at all stops every
+    engine before it loads, with one line naming the need, what is available and what to try; plenty lets
+    the same engines load."""
+    built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b"))
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "0")
+    for name, path, opts in _engines_of(built):
+        with pytest.raises(memory.NotEnoughMemory) as e:
+            make_engine(name, path, **opts)
+        line = str(e.value)
+        assert "\n" not in line and f"not enough memory for the {name}" in line, line
+        assert re.search(r"it needs about \d+\.\d GB \(", line), line
+        assert re.search(r"\d+\.\d GB available \(G4H_MEMORY_AVAILABLE_GB\)", line), line
+        assert "; try " in line or "; no " in line, line
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "1000")
+    for name, path, opts in _engines_of(built):
+        eng = make_engine(name, path, **opts)
+        assert eng.memory_plan.fits and eng.memory_plan.available_from == memory.AVAILABLE_ENV
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "lots")
+    with pytest.raises(InputError, match="G4H_MEMORY_AVAILABLE_GB"):
+        memory.available_memory()
+
+
+def test_a_loaded_engine_does_not_count_its_weights_twice(monkeypatch):
+    """After loading, the fast engine plans each call with its built weights as held: a machine that had room
+    for the weights and a forward still has room for the forward."""
+    built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b"))
+    eng = make_engine("fast", built.gguf["F32"], device="cpu", weights="dequantized")
+    weights = eng.memory_plan.breakdown["weights"]
+    first = eng.memory_plan
+    # What is left once the weights are built: the plan's need less the weights and the runtime, and a little.
+    left = first.need_bytes - weights - first.already_bytes + 10**5
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(left / memory.GB))
+    eng.logits([2, 5, 7])
+    assert eng.memory_plan.fits and eng.memory_plan.already_bytes >= weights
+
+
+@pytest.mark.slow
+def test_ulimit_v_stops_the_fast_engine_with_one_line(wide_vocab_gguf, tmp_path):
+    """``ulimit -v`` in the shell that starts ``g4h``: the fast engine's plan reads the limit (RLIMIT_AS) and
+    stops with one line before it builds its weights."""
+    probe = subprocess.run([sys.executable, "-c", "import torch, harness.cli, harness.cli.logits, harness.engines.fast;"
+                            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmSize:')][0])"],
+                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=300, check=True)
+    limit_kb = int(probe.stdout.strip()) + 150 * 1024  # what the imports take, and 150 MB
+    ids = tmp_path / "ids.json"
+    ids.write_text(str(PROMPT))
+    out = tmp_path / "out.npy"
+    cmd = (f"ulimit -v {limit_kb} && exec {shlex.quote(sys.executable)} -m harness.cli logits --model "
+           f"{shlex.quote(str(wide_vocab_gguf))} --engine fast --device cpu --prompt-ids {ids} --out {out}")
+    proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    line = assert_one_line_error(proc, str(wide_vocab_gguf))
+    assert "not enough memory for the fast float32" in line and "(RLIMIT_AS)" in line, line
+    assert not out.exists()
 
 
 def test_peak_memory_sees_an_allocation():

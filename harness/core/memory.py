@@ -13,6 +13,10 @@
   by a background thread (benchmarks and the scale measurements).
 
 Units: bytes; ``GB`` = 10^9 bytes in every message.
+
+Test hook: ``G4H_MEMORY_AVAILABLE_GB`` (:data:`AVAILABLE_ENV`), when set, replaces what
+:func:`available_memory` measures (CPU and CUDA alike), so a test can make a plan fail or pass on any
+machine. It is meant for tests; a user who sets it gets plans against the figure given.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ GB = 10**9
 RUNTIME_BYTES = {"reference": int(0.1 * GB), "fast": int(0.3 * GB), "transformers": int(0.5 * GB),
                  "llamacpp": int(0.3 * GB)}
 
+#: Address space one more torch intra-op (OpenMP) thread takes: its 8 MiB stack, the 64 MiB malloc arena glibc
+#: reserves for it, OpenMP's own. Measured: ``VmSize`` grows by 96 MiB at torch's first parallel op with one
+#: thread beside the main one (torch 2.13 CPU, glibc 2.36). Counted only against ``RLIMIT_AS``: an address-space
+#: limit that leaves no room for it makes libgomp end the process ("Thread creation failed"), which no
+#: ``except`` can catch.
+THREAD_ADDRESS_BYTES = 100 * 2**20
+
 #: Bytes per element of the fast engine's compute dtypes.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -47,6 +58,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 _UNPACKED = ("F32", "F16", "BF16", "F64")
 
 ENGINES = ("reference", "fast", "transformers", "llamacpp")
+
+#: Test hook: GB (10^9 bytes) that :func:`available_memory` reports instead of measuring.
+AVAILABLE_ENV = "G4H_MEMORY_AVAILABLE_GB"
 
 
 class NotEnoughMemory(InputError):
@@ -194,10 +208,25 @@ def available_memory(device: str = "cpu", own_process: bool = True) -> tuple[int
     left (the limit minus this process's ``VmSize``; for an engine in a fresh worker process,
     ``own_process=False``, the whole limit). CUDA: free device memory (``torch.cuda.mem_get_info``).
 
+    With ``$G4H_MEMORY_AVAILABLE_GB`` set (:data:`AVAILABLE_ENV`, a test hook) that figure is returned
+    instead of any measurement.
+
     Returns:
         ``(bytes or None when nothing can be read, "MemAvailable" | "cgroup limit" | "RLIMIT_AS" |
-        "free CUDA memory")``.
+        "free CUDA memory" | "G4H_MEMORY_AVAILABLE_GB")``.
+
+    Raises:
+        InputError: ``$G4H_MEMORY_AVAILABLE_GB`` is not a number >= 0.
     """
+    forced = os.environ.get(AVAILABLE_ENV)
+    if forced is not None:
+        try:
+            gb = float(forced)
+        except ValueError:
+            gb = -1.0
+        if not gb >= 0:
+            raise InputError(f"${AVAILABLE_ENV} = {forced!r}: expected a number of GB >= 0")
+        return int(gb * GB), AVAILABLE_ENV
     if device.startswith("cuda"):
         import torch  # heavy: only for a CUDA plan
 
@@ -264,8 +293,11 @@ class MemoryPlan:
                 f"({terms}), {avail} available ({self.available_from})")
         if self.advice:
             text += "; try " + " or ".join(self.advice)
-        elif self.engine == "reference" and self.options.get("cache_bytes"):
-            text += "; try a smaller --ref-cache-gb"
+        else:
+            knobs = {"reference": "--ref-cache-gb or --layers", "fast": "--weights, --dtype or --layers",
+                     "transformers": "--layers"}.get(self.engine)
+            text += (f"; no {knobs} setting fits either: free memory or use a machine with more" if knobs else
+                     "; try a smaller model file (a lower-bit quantization), or free memory")
         return text
 
     def as_dict(self) -> dict[str, Any]:
@@ -414,7 +446,8 @@ def _terms(engine: str, info: ModelInfo, o: dict[str, Any]) -> tuple[dict[str, i
 
 def _options(engine: str, info: ModelInfo, options: Mapping[str, Any]) -> dict[str, Any]:
     o = {"tokens": 16, "new_tokens": 0, "batch": 1, "dtype": "float32", "weights": "dequantized",
-         "cache_bytes": DEFAULT_CACHE_BYTES, "device": "cpu", "forwards": None}
+         "cache_bytes": DEFAULT_CACHE_BYTES, "device": "cpu", "forwards": None, "held": 0,
+         "fresh": False}
     unknown = set(options) - set(o)
     if unknown:
         raise TypeError(f"plan(): unknown option {sorted(unknown)[0]!r}")
@@ -430,12 +463,29 @@ def _options(engine: str, info: ModelInfo, options: Mapping[str, Any]) -> dict[s
     return o
 
 
+def _threads_to_start(started: bool) -> int:
+    """torch intra-op threads still to start: ``$OMP_NUM_THREADS`` or the CPUs this process may use, less the
+    main thread; none once the engine has run torch ops (``started``: it holds built weights)."""
+    if started:
+        return 0
+    try:
+        want = int(os.environ.get("OMP_NUM_THREADS") or 0) or len(os.sched_getaffinity(0))
+    except ValueError:
+        want = os.cpu_count() or 1
+    return max(0, want - 1)
+
+
 def _need(engine: str, info: ModelInfo, o: dict[str, Any]) -> tuple[int, dict[str, int], int]:
     """``(need, breakdown, already)``: ``already`` is the part of the need this process holds or has mapped
     before the engine allocates anything: the runtime of an engine that runs in this process (it is
-    running), and, against ``RLIMIT_AS``, the packed weights mapped from the file."""
+    running), against ``RLIMIT_AS`` the packed weights mapped from the file, and what the engine says it
+    holds already (option ``held``: weights built, a cache filled)."""
     terms, mapped = _terms(engine, info, o)
-    already = (terms["runtime"] if engine != "llamacpp" else 0) + (mapped if o["source"] == "RLIMIT_AS" else 0)
+    if o["source"] == "RLIMIT_AS" and engine in ("fast", "transformers"):
+        terms["threads (address space)"] = THREAD_ADDRESS_BYTES * _threads_to_start(o["held"] > 0)
+    in_process = engine != "llamacpp" and not o["fresh"]
+    already = (terms["runtime"] if in_process else 0) + (mapped if o["source"] == "RLIMIT_AS" else 0)
+    already = min(sum(terms.values()), already + int(o["held"]))
     return sum(terms.values()), terms, already
 
 
@@ -452,9 +502,10 @@ def _advice(engine: str, info: ModelInfo, o: dict[str, Any], avail: int, source:
         return _fits(need, already, avail)
 
     if engine == "fast" and info.form == "gguf" and o["weights"] == "dequantized" and any(
-            len(t.shape) == 2 and t.dtype not in _UNPACKED for t in info.tensors.values()):
+            len(t.shape) == 2 and t.dtype not in _UNPACKED for t in info.tensors.values()) \
+            and fits_with(weights="packed"):
         out.append("--weights packed")
-    if engine == "fast" and o["dtype"] == "float32":
+    if engine == "fast" and o["dtype"] == "float32" and fits_with(dtype="bfloat16"):
         out.append("--dtype bfloat16")
     if engine == "reference" and o["forwards"] > 1 and o["cache_bytes"] > 0:
         for gb in (1.0, 0.5, 0.25, 0.0):
@@ -485,7 +536,11 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
             ``dtype`` (fast: ``float32``/``bfloat16``/``float16``), ``weights`` (fast:
             ``dequantized``/``packed``), ``cache_bytes`` (reference: ``--ref-cache-gb`` in bytes),
             ``forwards`` (reference: forward passes over the weights; default ``1 + new_tokens``),
-            ``device`` (``cpu`` or ``cuda[:N]``).
+            ``device`` (``cpu`` or ``cuda[:N]``), ``held`` (bytes of the need the engine holds already:
+            a loaded engine that plans its next call passes its built weights or filled cache, which
+            are then no longer counted as still to allocate), ``fresh`` (True: the engine will run in a
+            new process, as ``g4h inspect`` plans it: its runtime is still to allocate, and against
+            ``RLIMIT_AS`` the whole limit is its own).
 
     Returns:
         A :class:`MemoryPlan`. Where each term comes from (``breakdown`` keys):
@@ -510,6 +565,8 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
         * transformers ``weights``: every parameter in fp32 (the oracle's dtype); ``largest tensor in
           conversion``: its stored bytes and fp32 form; ``KV cache``: fp32, sliding layers at most
           their window; ``activations``: eager attention's ``[H, T, S]`` scores among them.
+        * fast and transformers against ``RLIMIT_AS`` only: ``threads (address space)``, the torch threads
+          still to start (:data:`THREAD_ADDRESS_BYTES` each).
         * llamacpp ``model file (mapped)``: the GGUF, which llama.cpp maps whole; ``KV cache``:
           F32 (the harness's llama.cpp setting) for every KV-owning layer; ``compute buffer``:
           one micro-batch of at most 512 tokens through the widest layer and the head.
@@ -522,7 +579,7 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
     """
     o = _options(engine, info, options)
     avail, source = available_memory(o["device"] if engine in ("fast", "transformers") else "cpu",
-                                     own_process=engine != "llamacpp")
+                                     own_process=engine != "llamacpp" and not o["fresh"])
     o["source"] = source
     need, terms, already = _need(engine, info, o)
     fits = _fits(need, already, avail)
@@ -568,7 +625,8 @@ def failure_line(engine: Any, exc: BaseException) -> str:
         return (f"out of memory in the {getattr(engine, 'engine', 'engine')} engine ({what}); try --weights packed, "
                 "a smaller --ref-cache-gb, --layers N or --dtype bfloat16")
     avail = "unknown" if p.available_bytes is None else f"{p.available_bytes / GB:.1f} GB"
-    advice = p.advice or ["--layers N"]
+    advice = p.advice or {"reference": ["a smaller --ref-cache-gb", "--layers N"],
+                          "fast": ["--weights packed", "--dtype bfloat16", "--layers N"]}.get(p.engine, ["--layers N"])
     return (f"{p.model}: out of memory in the {p.engine} engine ({what}): the estimate was "
             f"{p.need_bytes / GB:.1f} GB, {avail} available ({p.available_from}); try " + " or ".join(advice))
 

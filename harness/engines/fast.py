@@ -82,8 +82,10 @@ class FastEngine:
             raise InputError(f"--dtype {dtype!r}: expected float32, bfloat16 or float16")
         self._info = memory.ModelInfo.from_loaded(getattr(W, "source", cfg.source), cfg, W)
         self._device_name = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._held = 0
         self._plan(1, 0, 1, dtype, weights)
         self.model = FastModel(cfg, W, device, dtype, keep_quantized=weights == "packed")
+        self._held = self.memory_plan.breakdown["weights"]  # built now: later plans do not count them again
         self.cfg = cfg
         self.batched = batched
         self.dtype = dtype
@@ -95,7 +97,7 @@ class FastEngine:
         """Plan the weights and one step of ``batch`` x ``tokens`` (+ ``new_tokens``); stop when it cannot fit."""
         self.memory_plan = memory.require("fast", self._info, tokens=tokens, new_tokens=new_tokens, batch=batch,
                                           dtype=dtype or self.dtype, weights=weights or self.weights,
-                                          device=self._device_name)
+                                          device=self._device_name, held=self._held)
 
     @memory.guarded
     def logits(self, ids: Sequence[int], trace: TraceFn | None = None, chunk: int | None = None) -> np.ndarray:

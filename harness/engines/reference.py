@@ -71,7 +71,8 @@ class ReferenceEngine:
         """Plan a forward of ``tokens`` plus ``new_tokens`` decode steps; stop with one line when it cannot fit."""
         info = memory.ModelInfo.from_loaded(self.weights.source, self.cfg, self.weights)
         self.memory_plan = memory.require("reference", info, tokens=tokens, new_tokens=new_tokens,
-                                          cache_bytes=self.weights.cache_bytes)
+                                          cache_bytes=self.weights.cache_bytes,
+                                          held=getattr(self.weights, "cached_bytes", 0))  # cached: allocated
 
     @memory.guarded
     def logits(self, ids: Sequence[int], trace: TraceFn | None = None) -> np.ndarray:
