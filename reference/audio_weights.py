@@ -24,19 +24,18 @@ Sources: llama.cpp ``conversion/gemma.py`` (``Gemma4VisionAudioModel``),
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 
 from .audio import AudioConfig
 from .errors import ConfigError, ModelFileError
 from .gguf_check import check_gguf
-from .weights import Weights, _gguf_tensors, _Lazy
+from .lazy_tensors import LazyTensor, safetensors_folder
+from .weights import Weights, _gguf_tensors, read_hf_config
 
 HF_AUDIO_PREFIX = "model.audio_tower."
 CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
@@ -177,16 +176,14 @@ class AudioWeights(Weights):
         KeyError: unknown name.
         ModelFileError: NaN anywhere, or +-inf outside a clip bound (named).
     """
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._cache:
-            lazy = self._lazy[name]
-            arr = np.asarray(lazy.read(), dtype=np.float64).reshape(lazy.shape)
-            bad = np.isnan(arr) if name.rsplit(".", 1)[-1] in CLIP_BOUNDS else ~np.isfinite(arr)
-            if np.any(bad):
-                raise ModelFileError(f"{self.source}: tensor {name} contains NaN or Inf")
-            arr.setflags(write=False)
-            self._cache[name] = arr
-        return self._cache[name]
+    def _check_before(self, name, lazy, stored, first_row=0) -> None:
+        """Nothing before reading: the values are checked (clip bounds may be ±inf)."""
+
+    def _check_after(self, name, lazy, arr, first_row=0) -> None:
+        """NaN anywhere, or ±inf outside a clip bound."""
+        bad = np.isnan(arr) if name.rsplit(".", 1)[-1] in CLIP_BOUNDS else ~np.isfinite(arr)
+        if np.any(bad):
+            raise ModelFileError(f"{self.source}: tensor {name} contains NaN or Inf")
 
 
 def softplus_f32(x: np.ndarray) -> np.ndarray:
@@ -230,51 +227,25 @@ def load_audio_hf(path: str | os.PathLike) -> tuple[AudioConfig, AudioWeights]:
         ConfigError: no ``audio_config`` or bad fields (named).
     """
     path = Path(path)
-    cfg_path = path / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ModelFileError(f"{cfg_path}: missing (an HF model folder needs config.json)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{cfg_path}: expected a JSON object")
-    cfg = AudioConfig.from_hf(raw, str(cfg_path))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelFileError(f"{path}: no *.safetensors files")
-    tensors: dict[str, _Lazy] = {}
-    for f in files:
+    cfg = AudioConfig.from_hf(read_hf_config(path), str(path / "config.json"))
+    tensors: dict[str, LazyTensor] = {}
+    for key, t in safetensors_folder(path).items():
         try:
-            handle = safe_open(str(f), framework="numpy")
-            keys = list(handle.keys())
-        except Exception as e:
-            raise ModelFileError(f"{f}: cannot read safetensors ({str(e)[:120]})") from None
-        for key in keys:
-            try:
-                canon = hf_to_gguf_audio(key)
-            except ModelFileError:
-                raise ModelFileError(f"{f}: unknown audio tensor {key}") from None
-            if canon is None or (not cfg.use_clipped_linears and canon.rsplit(".", 1)[-1] in CLIP_BOUNDS):
-                continue  # transformers creates no bound buffers without use_clipped_linears
-            if canon in tensors:
-                raise ModelFileError(f"{f}: tensor {key} maps to {canon}, which another tensor already provides")
-            shape = tuple(handle.get_slice(key).get_shape())
-
-            def read(handle=handle, key=key, f=f):
-                try:
-                    return handle.get_tensor(key)
-                except TypeError:  # bfloat16 has no numpy dtype: go through torch
-                    with safe_open(str(f), framework="pt") as h:
-                        return h.get_tensor(key).float().numpy()
-
-            if canon.endswith("per_dim_scale.weight"):
-                read = _softplus_after(read)
-            if canon.endswith("conv_dw.weight") and len(shape) == 3 and shape[1] == 1:
-                shape = (shape[0], shape[2])
-            if len(shape) == 0:
-                shape = (1,)
-            tensors[canon] = _Lazy(shape=shape, dtype=str(handle.get_slice(key).get_dtype()), read=read)
+            canon = hf_to_gguf_audio(key)
+        except ModelFileError:
+            raise ModelFileError(f"{t.source}: unknown audio tensor {key}") from None
+        if canon is None or (not cfg.use_clipped_linears and canon.rsplit(".", 1)[-1] in CLIP_BOUNDS):
+            continue  # transformers creates no bound buffers without use_clipped_linears
+        if canon in tensors:
+            raise ModelFileError(f"{t.source}: tensor {key} maps to {canon}, which another tensor already provides")
+        shape, read = t.shape, t.read
+        if canon.endswith("per_dim_scale.weight"):
+            read = _softplus_after(read)
+        if canon.endswith("conv_dw.weight") and len(shape) == 3 and shape[1] == 1:
+            shape = (shape[0], shape[2])
+        if len(shape) == 0:
+            shape = (1,)
+        tensors[canon] = LazyTensor(shape=shape, dtype=t.dtype, read=read, source=t.source, key=key)
     weights = AudioWeights(str(path), tensors)
     _validate(cfg, weights)
     return cfg, weights

@@ -502,6 +502,37 @@ def attach_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray | None) -> ModelC
     return out
 
 
+def cut_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The first ``n`` layers of a model file as a model of its own (``--layers N`` on a GGUF or HF folder).
+
+    Every kept layer stays exactly as the file has it (type, head_dim, KV heads, FFN width, RoPE,
+    KV donor), so the file's tensors fit it. The KV-shared tail keeps what of it lies among the
+    first ``n`` layers: ``max(0, n - (n_layer - n_kv_shared))`` layers. A shared layer reads the last
+    non-shared layer of its type before the tail, which is kept too, so the layout stays valid
+    (transformers' rule, :func:`kv_donors`). Unlike ``fast.shapes.truncate_layers`` (which makes
+    layers for a shape with no file) the last kept layer is not made full: that would change its
+    tensors' shapes.
+
+    Args:
+        cfg: the file's config.
+        n: layers to keep, ``1 <= n <= cfg.n_layer``.
+
+    Returns:
+        A new config (``cfg`` itself when ``n == cfg.n_layer``); ``source`` gets `` (first N layers)``.
+
+    Raises:
+        ConfigError: ``n`` is not an integer in ``[1, n_layer]`` (one line naming the file).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cfg.n_layer:
+        raise ConfigError(f"{cfg.source}: --layers {n!r}: expected an integer in [1, {cfg.n_layer}] "
+                          f"(the model has {cfg.n_layer} layers)")
+    if n == cfg.n_layer:
+        return cfg
+    n_shared = max(0, n - (cfg.n_layer - cfg.n_kv_shared))
+    return _replace(cfg, n_layer=n, n_kv_shared=n_shared, layers=cfg.layers[:n],
+                    source=f"{cfg.source} (first {n} layers)")
+
+
 def _replace(obj, **kw):
     return dataclasses.replace(obj, **kw)
 

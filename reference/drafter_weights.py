@@ -28,13 +28,13 @@ import os
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 
 from .drafter import DrafterConfig, drafter_config_from_gguf, drafter_config_from_hf, drafter_expected_tensors
 from .errors import ConfigError, ModelFileError
 from .gguf_check import check_gguf
+from .lazy_tensors import LazyTensor, safetensors_folder
 from .names import gguf_to_hf, hf_to_gguf
-from .weights import Weights, _gguf_tensors, _Lazy
+from .weights import Weights, _gguf_tensors
 
 DRAFTER_HF_TO_GGUF = {
     "pre_projection.weight": "nextn.pre_projection.weight",
@@ -111,30 +111,11 @@ def load_drafter_hf(path: str | os.PathLike) -> tuple[DrafterConfig, Weights]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object")
     d = drafter_config_from_hf(raw, str(cfg_path))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelFileError(f"{path}: no *.safetensors files")
-    tensors: dict[str, _Lazy] = {}
-    for f in files:
-        try:
-            handle = safe_open(str(f), framework="numpy")
-            keys = list(handle.keys())
-        except Exception as e:
-            raise ModelFileError(f"{f}: cannot read safetensors ({str(e)[:120]})") from None
-        for key in keys:
-            canon = drafter_hf_to_gguf(key)
-            if canon is None:
-                continue
-            shape = tuple(handle.get_slice(key).get_shape())
-
-            def read(handle=handle, key=key, f=f):
-                try:
-                    return handle.get_tensor(key)
-                except TypeError:  # bfloat16 has no numpy dtype: go through torch
-                    with safe_open(str(f), framework="pt") as h:  # needs torch installed (safetensors' pt path)
-                        return h.get_tensor(key).float().numpy()
-
-            tensors[canon] = _Lazy(shape=shape, dtype=str(handle.get_slice(key).get_dtype()), read=read)
+    tensors: dict[str, LazyTensor] = {}
+    for key, t in safetensors_folder(path).items():  # mapped; each tensor read when asked for (BF16 widened)
+        canon = drafter_hf_to_gguf(key)
+        if canon is not None:
+            tensors[canon] = t
     weights = Weights(str(path), tensors)
     _validate(d, weights)
     return d, weights

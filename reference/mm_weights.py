@@ -16,19 +16,18 @@ Sources: llama.cpp ``gguf-py/gguf/tensor_mapping.py`` (the ``# gemma4`` entries)
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 
 from .config import ModelConfig
-from .errors import ConfigError, ModelFileError
+from .errors import ModelFileError
 from .gguf_check import check_gguf
+from .lazy_tensors import LazyTensor, safetensors_folder
 from .vision import CLIP_BOUND_SUFFIXES, VisionConfig
-from .weights import Weights, _gguf_tensors, _Lazy
+from .weights import Weights, _gguf_tensors, read_hf_config
 
 # HF tensor name -> canonical (mmproj GGUF) name, outside the encoder layers.
 GLOBAL_HF_TO_GGUF = {
@@ -139,23 +138,21 @@ class VisionWeights(Weights):
         KeyError: unknown name.
         ModelFileError: NaN anywhere, or Inf in a tensor other than a clip scalar (named).
     """
-    def __init__(self, source: str, tensors: dict[str, _Lazy], config: VisionConfig):
+    def __init__(self, source: str, tensors: dict[str, LazyTensor], config: VisionConfig):
         super().__init__(source, tensors)
         self.config = config
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._cache:
-            lazy = self._lazy[name]
-            arr = np.asarray(lazy.read(), dtype=np.float64).reshape(lazy.shape)
-            bound = name.rsplit(".", 1)[-1] in CLIP_BOUND_SUFFIXES
-            if np.isnan(arr).any() or (not bound and not np.all(np.isfinite(arr))):
-                raise ModelFileError(f"{self.source}: tensor {name} contains NaN or Inf")
-            arr.setflags(write=False)
-            self._cache[name] = arr
-        return self._cache[name]
+    def _check_before(self, name, lazy, stored, first_row=0) -> None:
+        """Nothing before reading: the values are checked (clip scalars may be ±inf)."""
+
+    def _check_after(self, name, lazy, arr, first_row=0) -> None:
+        """NaN anywhere, or Inf outside a clip scalar."""
+        bound = name.rsplit(".", 1)[-1] in CLIP_BOUND_SUFFIXES
+        if np.isnan(arr).any() or (not bound and not np.all(np.isfinite(arr))):
+            raise ModelFileError(f"{self.source}: tensor {name} contains NaN or Inf")
 
 
-def _validate(cfg: VisionConfig, tensors: dict[str, _Lazy], source: str, all_bounds: bool) -> None:
+def _validate(cfg: VisionConfig, tensors: dict[str, LazyTensor], source: str, all_bounds: bool) -> None:
     expected = expected_vision_tensors(cfg)
     for name, shape in expected.items():
         if name not in tensors:
@@ -194,53 +191,32 @@ def load_vision_hf(path: str | os.PathLike) -> tuple[VisionConfig, VisionWeights
         ConfigError: no vision_config, bad fields (named).
     """
     path = Path(path)
-    cfg_path = path / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ModelFileError(f"{cfg_path}: missing (an HF model folder needs config.json)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{cfg_path}: expected a JSON object")
-    cfg = VisionConfig.from_hf(raw, str(cfg_path))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelFileError(f"{path}: no *.safetensors files")
+    cfg = VisionConfig.from_hf(read_hf_config(path), str(path / "config.json"))
     p = cfg.patch_size
-    tensors: dict[str, _Lazy] = {}
-    for f in files:
+    tensors: dict[str, LazyTensor] = {}
+    for key, t in safetensors_folder(path).items():
         try:
-            handle = safe_open(str(f), framework="numpy")
-            keys = list(handle.keys())
-        except Exception as e:
-            raise ModelFileError(f"{f}: cannot read safetensors ({str(e)[:120]})") from None
-        for key in keys:
-            try:
-                canon = hf_to_canonical(key)
-            except KeyError:
-                raise ModelFileError(f"{f}: vision tensor {key} is not known to the Gemma 4 vision reference") from None
-            if canon is None:
-                continue
-            if canon in tensors:
-                raise ModelFileError(f"{f}: tensor {key} maps to {canon}, which another tensor already provides")
-            shape = tuple(handle.get_slice(key).get_shape())
-            if canon == "v.patch_embd.weight" and len(shape) == 2 and shape[1] == 3 * p * p:
-                shape = (shape[0], 3, p, p)
-            elif shape == ():
-                shape = (1,)
+            canon = hf_to_canonical(key)
+        except KeyError:
+            raise ModelFileError(f"{t.source}: vision tensor {key} is not known to the Gemma 4 vision reference"
+                                 ) from None
+        if canon is None:
+            continue
+        if canon in tensors:
+            raise ModelFileError(f"{t.source}: tensor {key} maps to {canon}, which another tensor already provides")
+        shape = t.shape
+        if canon == "v.patch_embd.weight" and len(shape) == 2 and shape[1] == 3 * p * p:
+            shape = (shape[0], 3, p, p)
+        elif shape == ():
+            shape = (1,)
 
-            def read(handle=handle, key=key, f=f, canon=canon):
-                try:
-                    arr = handle.get_tensor(key)
-                except TypeError:  # bfloat16 has no numpy dtype: go through torch
-                    with safe_open(str(f), framework="pt") as h:
-                        arr = h.get_tensor(key).float().numpy()
-                if canon == "v.patch_embd.weight":
-                    arr = _patch_kernel_from_linear(arr, p)
-                return np.asarray(arr).reshape(-1) if arr.ndim == 0 else arr
+        def read(t=t, canon=canon):
+            arr = t.read()
+            if canon == "v.patch_embd.weight":
+                arr = _patch_kernel_from_linear(arr, p)
+            return np.asarray(arr).reshape(-1) if arr.ndim == 0 else arr
 
-            tensors[canon] = _Lazy(shape=shape, dtype=str(handle.get_slice(key).get_dtype()), read=read)
+        tensors[canon] = LazyTensor(shape=shape, dtype=t.dtype, read=read, source=t.source, key=key)
     _validate(cfg, tensors, str(path), all_bounds=True)
     return cfg, VisionWeights(str(path), tensors, cfg)
 

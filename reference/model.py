@@ -172,7 +172,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
 
 
 def gelu_ffn(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """Gated GELU MLP, ``down(gelu(gate x) * up x)``. [T, h] -> [T, h]. Source: transformers ``Gemma4TextMLP``."""
+    """Gated GELU MLP, ``down(gelu(gate x) * up x)``. [T, h] -> [T, h]. Source: transformers ``Gemma4TextMLP``.
+
+    :func:`ffn_block` computes exactly these operations, reading each matrix only when its product runs.
+    """
     return linear(gelu_tanh(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
@@ -258,9 +261,10 @@ class KVCache:
 def embed(cfg: ModelConfig, W, ids: np.ndarray) -> np.ndarray:
     """Scaled token embeddings: ``E[ids] * sqrt(h)``. [T] -> [T, h].
 
+    ``W.rows`` reads only the rows of ``ids`` (:meth:`reference.weights.Weights.rows`).
     Source: transformers ``Gemma4TextScaledWordEmbedding``.
     """
-    return W["token_embd.weight"][ids] * math.sqrt(cfg.hidden_size)
+    return W.rows("token_embd.weight", ids) * math.sqrt(cfg.hidden_size)
 
 
 def ple_token(cfg: ModelConfig, W, ids: np.ndarray) -> np.ndarray:
@@ -269,7 +273,7 @@ def ple_token(cfg: ModelConfig, W, ids: np.ndarray) -> np.ndarray:
     Source: transformers ``Gemma4TextModel.get_per_layer_inputs``.
     """
     T, L, P = ids.shape[0], cfg.n_layer, cfg.ple_dim
-    return W["per_layer_token_embd.weight"][ids].reshape(T, L, P) * math.sqrt(P)
+    return W.rows("per_layer_token_embd.weight", ids).reshape(T, L, P) * math.sqrt(P)
 
 
 def ple_context(cfg: ModelConfig, W, x_scaled: np.ndarray) -> np.ndarray:
@@ -333,14 +337,16 @@ def moe_block(cfg: ModelConfig, layer: LayerSpec, W, attn_out: np.ndarray) -> np
 
 
 def ffn_block(cfg: ModelConfig, layer: LayerSpec, W, attn_out: np.ndarray, trace: TraceFn = no_trace) -> np.ndarray:
-    """Dense FFN, plus on MoE layers the :func:`moe_block` beside it; before ``post_ffw_norm``.
+    """Dense FFN (:func:`gelu_ffn`), plus on MoE layers the :func:`moe_block` beside it; before ``post_ffw_norm``.
 
     [T, h] -> [T, h]. Source: transformers ``Gemma4TextDecoderLayer.forward``;
     llama.cpp ``gemma4.cpp`` (``ffn_mlp``, ``ffn_moe``).
     """
     b, il, eps = f"blk.{layer.index}.", layer.index, cfg.rms_eps
     x = rms_norm(attn_out, W[b + "ffn_norm.weight"], eps)
-    mlp = gelu_ffn(x, W[b + "ffn_gate.weight"], W[b + "ffn_up.weight"], W[b + "ffn_down.weight"])
+    # gelu_ffn's operations in its order, each matrix read when its product runs: a streamed layer holds one
+    gate = gelu_tanh(linear(x, W[b + "ffn_gate.weight"]))
+    mlp = linear(gate * linear(x, W[b + "ffn_up.weight"]), W[b + "ffn_down.weight"])
     if not layer.has_moe:
         return mlp
     mlp = rms_norm(mlp, W[b + "post_ffw_norm_1.weight"], eps)
@@ -400,10 +406,12 @@ def decoder_layer(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, position
 def lm_head(cfg: ModelConfig, W, x: np.ndarray) -> np.ndarray:
     """Logits: ``x @ head.T`` (the tied ``token_embd`` or ``output``), then the final softcap when set.
 
+    The head is read a block of vocabulary rows at a time (``W.row_blocks``, see
+    :meth:`reference.weights.Weights.row_blocks`), so the table is never dequantized whole.
     [T, h] -> [T, V]. Source: transformers ``Gemma4ForCausalLM.forward``.
     """
-    head = W["token_embd.weight"] if cfg.tie_word_embeddings else W["output.weight"]
-    logits = linear(x, head)
+    name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+    logits = np.concatenate([linear(x, block) for block in W.row_blocks(name)], axis=1)  # [T, V]
     if cfg.final_logit_softcap is not None:
         logits = softcap(logits, cfg.final_logit_softcap)
     return logits

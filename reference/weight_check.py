@@ -108,14 +108,18 @@ def _scan(source: str, name: str, flat: np.ndarray, shape, offset: int, max_abs:
         raise _fail_value(source, name, shape, offset + start + j, float(c64[j]), None if rope else max_abs)
 
 
-def check_values(source: str, name: str, arr: np.ndarray, max_abs: float = MAX_ABS_FP32) -> None:
+def check_values(source: str, name: str, arr: np.ndarray, max_abs: float = MAX_ABS_FP32, *,
+                 shape: tuple[int, ...] | None = None, first_row: int = 0) -> None:
     """Check a float array for NaN, Inf and ``|w| > max_abs`` (``rope_freqs``: finite and > 0).
 
     Args:
         source: the file, for messages.
         name: the tensor's canonical name.
-        arr: any float array (a dequantized tensor, an F32/F16/BF16 one), any shape.
+        arr: any float array (a dequantized tensor, an F32/F16/BF16 one), any shape; or rows
+            ``first_row ..`` of the tensor of ``shape``.
         max_abs: the limit (:data:`MAX_ABS_FP32` or :data:`MAX_ABS_FP16`).
+        shape: the whole tensor's shape when ``arr`` holds some of its rows (None: ``arr.shape``).
+        first_row: the tensor row ``arr`` starts at (messages give indices in the whole tensor).
 
     Raises:
         ModelFileError: one line naming the tensor, the first bad element's index
@@ -124,7 +128,13 @@ def check_values(source: str, name: str, arr: np.ndarray, max_abs: float = MAX_A
     Cost: two reductions (min, max) per chunk of 4M elements; no full-size temporary.
     """
     arr = np.asarray(arr)
-    _scan(source, name, arr.reshape(-1), arr.shape, 0, max_abs)
+    shape = arr.shape if shape is None else tuple(shape)
+    _scan(source, name, arr.reshape(-1), shape, first_row * _row_elems(shape), max_abs)
+
+
+def _row_elems(shape: tuple[int, ...]) -> int:
+    """Elements per row (first dimension) of a tensor of ``shape``."""
+    return int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
 
 
 def _f16(bits: np.ndarray) -> np.ndarray:
@@ -135,21 +145,24 @@ def _bf16(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def _check_half(source: str, name: str, bits: np.ndarray, shape, bf16: bool, max_abs: float) -> None:
-    """fp16/bf16 stored as uint16 bits: non-finite iff the exponent bits are all ones."""
+def _check_half(source: str, name: str, bits: np.ndarray, shape, bf16: bool, max_abs: float, offset: int = 0) -> None:
+    """fp16/bf16 stored as uint16 bits (``offset`` elements into the tensor): non-finite iff the exponent bits
+    are all ones."""
     exp_mask, to_float = (0x7F80, _bf16) if bf16 else (0x7C00, _f16)
     for start in range(0, bits.size, _CHUNK):
         c = bits[start:start + _CHUNK]
         bad = (c & exp_mask) == exp_mask
         if bad.any():
             j = int(np.argmax(bad))
-            raise _fail_value(source, name, shape, start + j, float(to_float(c[j:j + 1].copy())[0]), max_abs)
+            raise _fail_value(source, name, shape, offset + start + j, float(to_float(c[j:j + 1].copy())[0]),
+                              max_abs)
         if name == ROPE_FREQS or bf16 or max_abs < MAX_ABS_FP16:  # values needed: sign or magnitude
-            _scan(source, name, to_float(c.copy()), shape, start, max_abs)
+            _scan(source, name, to_float(c.copy()), shape, offset + start, max_abs)
 
 
-def _check_scales(source: str, name: str, raw: np.ndarray, type_name: str, max_abs: float) -> bool:
-    """Check a quantized tensor through its fp16 scale fields, read in place.
+def _check_scales(source: str, name: str, raw: np.ndarray, type_name: str, max_abs: float, first_block: int = 0
+                  ) -> bool:
+    """Check a quantized tensor (from its block ``first_block``) through its fp16 scale fields, read in place.
 
     Returns False when the type's magnitude bound is not a simple product and
     ``max_abs`` is low enough to matter: the caller then dequantizes.
@@ -168,7 +181,8 @@ def _check_scales(source: str, name: str, raw: np.ndarray, type_name: str, max_a
             if bad.any():
                 b = int(np.argmax(bad))
                 v = float(_f16(bits[b:b + 1].copy())[0])
-                raise ModelFileError(f"{source}: tensor {name}: block {start + b} ({type_name}) has a scale field "
+                raise ModelFileError(f"{source}: tensor {name}: block {first_block + start + b} ({type_name}) has a "
+                                     "scale field "
                                      f"of {'NaN' if np.isnan(v) else 'Inf'} (byte {off} of the block)")
             if factor is None:
                 unbounded = True
@@ -176,23 +190,26 @@ def _check_scales(source: str, name: str, raw: np.ndarray, type_name: str, max_a
                 worst += np.abs(_f16(bits.copy()).astype(np.float64)) * factor
         if worst.size and worst.max() > max_abs:
             b = int(np.argmax(worst))
-            raise ModelFileError(f"{source}: tensor {name}: block {start + b} ({type_name}) has scales that allow "
+            raise ModelFileError(f"{source}: tensor {name}: block {first_block + start + b} ({type_name}) has scales "
+                                 "that allow "
                                  f"|w| up to {worst[b]:.6g}, more than {max_abs:.6g}, the limit for this dtype")
     return not unbounded or max_abs >= MAX_ABS_FP16 * 4096
 
 
 def check_stored(source: str, name: str, type_name: str, stored: np.ndarray, shape: tuple[int, ...],
-                 max_abs: float = MAX_ABS_FP32) -> None:
-    """Check one GGUF tensor in its stored form (no full dequantization when the type allows).
+                 max_abs: float = MAX_ABS_FP32, *, first_row: int = 0) -> None:
+    """Check one GGUF tensor, or some of its rows, in its stored form (no full dequantization when the type allows).
 
     Args:
         source: the file, for messages.
         name: the tensor name.
         type_name: GGML type name (``F32``, ``Q8_0``, ...).
         stored: the tensor's data as mapped (``GGUFFile.view``: typed for F32/F16,
-            uint8 rows otherwise).
-        shape: numpy-order logical shape.
+            uint8 rows otherwise), or the rows ``first_row ..`` of it.
+        shape: numpy-order logical shape of the whole tensor.
         max_abs: the limit (see the module docstring).
+        first_row: the tensor row ``stored`` starts at (messages give the element or block of the
+            whole tensor).
 
     Raises:
         ModelFileError: a NaN/Inf value or scale field, or a magnitude above the
@@ -202,18 +219,21 @@ def check_stored(source: str, name: str, type_name: str, stored: np.ndarray, sha
     types with fp16 scale fields read only those fields (2-4 bytes per block);
     other types are dequantized in chunks of 4M elements.
     """
-    stored = np.asarray(stored)
+    stored = np.ascontiguousarray(stored)
+    offset = first_row * _row_elems(tuple(shape))  # elements of the tensor before ``stored``
     if type_name in ("F32", "F64"):
-        return _scan(source, name, stored.reshape(-1), shape, 0, max_abs)
+        return _scan(source, name, stored.reshape(-1), shape, offset, max_abs)
     if type_name in ("F16", "BF16"):
-        return _check_half(source, name, stored.reshape(-1).view("<u2"), shape, type_name == "BF16", max_abs)
+        return _check_half(source, name, stored.reshape(-1).view("<u2"), shape, type_name == "BF16", max_abs, offset)
     if type_name in _SCALE_FIELDS and name != ROPE_FREQS:
-        if _check_scales(source, name, stored.view(np.uint8), type_name, max_abs):
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
+        if _check_scales(source, name, stored.view(np.uint8), type_name, max_abs, offset // block):
             return
-    _check_by_dequantizing(source, name, type_name, stored, shape, max_abs)
+    _check_by_dequantizing(source, name, type_name, stored, shape, max_abs, offset)
 
 
-def _check_by_dequantizing(source: str, name: str, type_name: str, stored: np.ndarray, shape, max_abs) -> None:
+def _check_by_dequantizing(source: str, name: str, type_name: str, stored: np.ndarray, shape, max_abs,
+                           offset: int = 0) -> None:
     qtype = gguf.GGMLQuantizationType[type_name]
     rows = stored.reshape(-1, stored.shape[-1]) if stored.ndim else stored.reshape(1, -1)
     row_elems = shape[-1] if shape else 1
@@ -223,7 +243,7 @@ def _check_by_dequantizing(source: str, name: str, type_name: str, stored: np.nd
             vals = gguf.quants.dequantize(rows[r:r + step], qtype)
         except NotImplementedError:
             return  # the engine that reads it reports the unsupported type
-        _scan(source, name, vals.reshape(-1), shape, r * row_elems, max_abs)
+        _scan(source, name, vals.reshape(-1), shape, offset + r * row_elems, max_abs)
 
 
 def check_weights(W, max_abs: float = MAX_ABS_FP32) -> None:

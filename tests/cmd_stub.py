@@ -57,6 +57,15 @@ class Perturbed:
     def __contains__(self, name: object) -> bool:
         return name in self.base
 
+    def __iter__(self):
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getattr__(self, attr: str):  # the rest of the streaming Weights (source, shape, rows, row_blocks ...)
+        return getattr(self.base, attr)
+
 
 def main() -> int:
     p = argparse.ArgumentParser()

@@ -256,67 +256,11 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> d
 
 def write_big_e2b(path: str | os.PathLike, n_layer: int | None = None) -> Path:
     """Write a Gemma 4 E2B-shaped Q8_0 GGUF (``cases/shapes/e2b.toml``: 262144-token vocabulary, PLE, 35 layers,
-    4.9 GB) with random Q8_0 blocks (fp16 scales in [1e-3, 1e-2], random int8 codes), F32 norms and the
-    vocabulary keys; ``n_layer`` keeps the first layers only. Streams the data: memory stays ~100 MB."""
-    import tomllib
-    import types
+    4.9 GB) with random weights through :func:`harness.synth.scale.write_scale_gguf`; ``n_layer`` keeps the
+    first layers only. Streams the data: memory stays ~100 MB."""
+    from harness.synth.scale import write_scale_gguf
 
-    import gguf
-    from harness import synth
-
-    cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "cases" / "shapes" / "e2b.toml").read_text())
-    cfg = cfg["config"]
-    if n_layer:
-        cfg = dict(cfg, num_hidden_layers=n_layer, layer_types=cfg["layer_types"][:n_layer],
-                   num_kv_shared_layers=max(0, cfg["num_kv_shared_layers"] - (cfg["num_hidden_layers"] - n_layer)))
-    rng = np.random.default_rng(0)
-    blocks = np.empty((1 << 21, 34), dtype=np.uint8)
-    blocks[:, :2] = rng.uniform(1e-3, 1e-2, len(blocks)).astype("<f2").view(np.uint8).reshape(-1, 2)
-    blocks[:, 2:] = rng.integers(0, 256, (len(blocks), 32), dtype=np.uint8)
-    template = blocks.reshape(-1)
-    spec = types.SimpleNamespace(config=cfg, name="e2b-big", path=Path(str(path)))  # what synth reads of a Spec
-    w = gguf.GGUFWriter(str(path), "gemma4")
-    for key, (val, vt, sub) in synth.gguf_metadata(spec).items():
-        w.add_key_value(key, val, gguf.GGUFValueType[vt], sub_type=gguf.GGUFValueType[sub] if sub else None)
-    vocab = cfg["vocab_size"]
-    w.add_key_value("tokenizer.ggml.model", "gemma4", gguf.GGUFValueType.STRING)
-    w.add_key_value("tokenizer.ggml.tokens", [f"\u2581t{i}" for i in range(vocab)], gguf.GGUFValueType.ARRAY,
-                    sub_type=gguf.GGUFValueType.STRING)
-    w.add_key_value("tokenizer.ggml.scores", [0.0] * vocab, gguf.GGUFValueType.ARRAY,
-                    sub_type=gguf.GGUFValueType.FLOAT32)
-    w.add_key_value("tokenizer.ggml.token_type", [1] * vocab, gguf.GGUFValueType.ARRAY,
-                    sub_type=gguf.GGUFValueType.INT32)
-    shapes = {"rope_freqs.weight": (cfg["global_head_dim"] // 2,), **synth.tensor_shapes(spec)}
-    datas = {}
-    for name, shape in shapes.items():
-        if len(shape) == 1:
-            arr = synth.rope_freqs(cfg) if name == "rope_freqs.weight" else rng.uniform(0.5, 1.5, shape)
-            datas[name] = np.asarray(arr, dtype=np.float32)
-            w.add_tensor_info(name, shape, np.float32, datas[name].nbytes)
-        else:
-            row_bytes = shape[-1] // 32 * 34
-            nbytes = int(np.prod(shape[:-1])) * row_bytes
-            datas[name] = nbytes
-            w.add_tensor_info(name, (*shape[:-1], row_bytes), np.uint8, nbytes,
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    fout = w.fout[0]  # the data, streamed: each tensor padded to the alignment (as GGUFWriter pads)
-
-    def pad() -> None:
-        fout.write(b"\0" * (-fout.tell() % w.data_alignment))
-
-    pad()
-    for name, d in datas.items():
-        if isinstance(d, np.ndarray):
-            fout.write(d.tobytes())
-        else:
-            for o in range(0, d, len(template)):
-                fout.write(template[:min(len(template), d - o)].tobytes())
-        pad()
-    w.close()
-    return Path(path)
+    return write_scale_gguf("e2b", path, layers=n_layer, fmt="q8_0")
 
 
 def measure_big(path: str | os.PathLike) -> dict:

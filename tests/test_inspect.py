@@ -27,7 +27,10 @@ from conftest import write_tiny_gguf
 from gguf_mutate import read_layout
 from safetensors import safe_open
 
+from harness.core import memory
+from harness.core.cases import builtin_specs
 from harness.engines.inspect import (
+    ESTIMATE_TOKENS,
     FAST_DTYPES,
     FAST_TYPES,
     FAST_WEIGHT_MODES,
@@ -44,7 +47,7 @@ from reference.config import config_from_hf
 from reference.errors import InputError, ModelFileError
 from reference.weights import load_model
 
-CASES = sorted((REPO_ROOT / "cases" / "models").glob("*.toml"))
+CASES = builtin_specs()  # the target cases (a drafter spec, *-assistant.toml, builds only beside its target)
 VT = gguf.GGUFValueType
 T = gguf.GGMLQuantizationType
 LLAMACPP = os.environ.get("G4H_SKIP_LLAMACPP", "") in ("", "0")
@@ -145,6 +148,28 @@ def test_copied_constants_match_their_sources():
 # --------------------------------------------------------------------------- built-in cases
 
 
+def _check_memory_column(info, reader: gguf.GGUFReader) -> None:
+    """Every row that runs carries the plan of its own setting; the fast rows' weight terms match the file as
+    ``gguf``'s reader lists it: 4 bytes per element in float32, the stored bytes of quantized matrices packed."""
+    elements = sum(int(t.n_elements) for t in reader.tensors)
+    packed = sum(int(t.n_bytes) for t in reader.tensors
+                 if len(t.shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16"))
+    for r in info.engines:
+        if not r.can_run:
+            assert r.memory is None, r
+            continue
+        m = r.memory
+        assert m["engine"] == r.engine and m["need_bytes"] == sum(m["breakdown"].values()) > 0, r
+        assert m["fits"] and not m["advice"]  # a tiny case fits any machine that runs the tests
+        assert m["options"]["tokens"] == m["options"]["new_tokens"] == ESTIMATE_TOKENS
+        if r.engine == "fast":
+            assert (m["options"]["dtype"], m["options"]["weights"]) == (r.dtype, r.weights)
+    fp32 = row(info, "fast", "float32", "dequantized").memory["breakdown"]
+    assert fp32["weights"] == 4 * elements and fp32["packed weights"] == 0
+    assert row(info, "fast", "float32", "packed").memory["breakdown"]["packed weights"] == packed
+    assert row(info, "reference").memory["breakdown"]["weight cache"] > 0  # 16 generated tokens: read again
+
+
 def _reader_types(reader: gguf.GGUFReader) -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {}
     for t in reader.tensors:
@@ -187,7 +212,7 @@ def test_built_in_case(spec):
         llama = row(info, "llamacpp")
         if LLAMACPP:  # the one layout here whose donors llama.cpp cannot serve (see test_llamacpp_rows_...)
             assert llama.can_run == (case.spec.name != "edge-keqv-shared-donor"), llama
-        assert all(r.memory is None for r in info.engines)  # the memory plan is not wired yet
+        _check_memory_column(info, reader)
         assert json.loads(json.dumps(info.as_dict())) == info.as_dict()
     info = inspect_model(case.hf_dir)
     assert info.format == "hf" and info.architecture == "gemma4_text"
@@ -200,6 +225,22 @@ def test_built_in_case(spec):
     assert row(info, "transformers").can_run and row(info, "reference").can_run
     assert {(r.dtype, r.weights) for r in info.engines if r.engine == "fast"} == {(d, None) for d in FAST_DTYPES}
     assert not row(info, "llamacpp").can_run and "GGUF" in row(info, "llamacpp").reason
+
+
+def test_memory_column_says_when_a_setting_does_not_fit(monkeypatch):
+    """With the memory test hook at 50 MB, no engine setting fits the e2b case (each needs its runtime at least):
+    every runnable row says so, with that figure as what is available, and the file's own verdict is unchanged."""
+    path = ensure_built(next(p for p in CASES if p.stem == "e2b")).gguf["Q8_0"]
+    before = inspect_model(path).exit_code
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "0.05")
+    proc = run_cli("inspect", str(path), "--json")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == doc["exit_code"] == before, proc.stderr
+    runnable = [r for r in doc["engines"] if r["can_run"]]
+    assert runnable and all(not r["memory"]["fits"] and r["memory"]["available_bytes"] == 50_000_000
+                            and r["memory"]["available_from"] == memory.AVAILABLE_ENV for r in runnable), runnable
+    text = run_cli("inspect", str(path))
+    assert text.stdout.count("does not fit") == len(runnable), text.stdout
 
 
 @pytest.mark.slow
@@ -458,10 +499,12 @@ def test_compact_names():
 
 
 def _cli_json(path: Path, code: int) -> dict:
-    proc = run_cli("inspect", str(path), "--json")
-    assert proc.returncode == code, proc.stderr
-    doc = json.loads(proc.stdout)
-    assert doc == json.loads(json.dumps(inspect_model(path).as_dict()))
+    with pytest.MonkeyPatch.context() as mp:  # the memory column against a fixed figure: both runs see the same
+        mp.setenv(memory.AVAILABLE_ENV, "8")
+        proc = run_cli("inspect", str(path), "--json")
+        assert proc.returncode == code, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc == json.loads(json.dumps(inspect_model(path).as_dict()))
     assert doc["schema"] == "g4h-inspect" and doc["schema_version"] == SCHEMA_VERSION
     assert doc["exit_code"] == code and proc.stderr == ""
     return doc
@@ -492,9 +535,13 @@ def test_cli_exit_codes(tmp_path, e2b):
         assert text.returncode == code and f"(exit {code})" in text.stdout and text.stderr == ""
 
 
+#: Objects whose keys are names, not fields (documented as "name -> value", with the names listed).
+NAME_MAPS = {"engines[].memory.breakdown"}
+
+
 def _paths(value: Any, prefix: str = "") -> set[str]:
     out: set[str] = set()
-    if isinstance(value, dict):
+    if isinstance(value, dict) and prefix not in NAME_MAPS:
         for k, v in value.items():
             p = f"{prefix}.{k}" if prefix else k
             out |= {p} | _paths(v, p)

@@ -26,6 +26,7 @@ from reference.errors import InputError
 from ..core.gates import SPEED_RATIO_MARGIN
 from ..core.io import staged_run_dir
 from ..engines.base import EngineUnavailable
+from ..engines.reference import cache_bytes
 from .models import ModelSource, make_bench_engines
 from .report import compare_baseline, read_baseline, results, write_baseline, write_report
 from .run import ENGINE_NAMES, BenchPlan, machine_info, measure_read_bandwidth, ratios, run_plan
@@ -44,6 +45,7 @@ class BenchOptions:
     model: str | None = None
     shape: str | None = None
     layers: int | None = None
+    ref_cache_gb: float | None = None
     engines: list[str] = field(default_factory=lambda: list(ENGINE_NAMES))
     device: str = "cpu"
     dtypes: list[str] = field(default_factory=lambda: ["float32"])
@@ -105,7 +107,7 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
     if o.threads:
         torch.set_num_threads(o.threads)
     threads = torch.get_num_threads()
-    src = ModelSource(o.model, o.shape, o.device, o.layers)
+    src = ModelSource(o.model, o.shape, o.device, o.layers, cache_bytes(o.ref_cache_gb))
     longest = max(o.plan.depths) + max(o.plan.pp, o.plan.tg)
     if longest > src.cfg.context_length:
         raise InputError(f"--depth {max(o.plan.depths)} + {max(o.plan.pp, o.plan.tg)} tokens exceed the model's "

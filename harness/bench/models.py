@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from fast import shapes
 from reference import load_model
 from reference.errors import InputError
+from reference.weights import DEFAULT_CACHE_BYTES
 
 from .. import synth
 from ..core.cases import MODELS_DIR
@@ -39,10 +40,12 @@ class ModelSource:
         cfg, W: our config and weights (W is lazy; for a shape, random on the device).
     """
 
-    def __init__(self, model: str | None, shape: str | None, device: str, layers: int | None = None):
+    def __init__(self, model: str | None, shape: str | None, device: str, layers: int | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.gguf: Path | None = None
         self.hf_dir: Path | None = None
         self.shape = shape
+        self.layers = None
         if shape:
             self.cfg = shapes.load_shape(shape, layers=layers)
             self.W = shapes.RandomWeights(self.cfg)
@@ -65,7 +68,8 @@ class ModelSource:
             self.hf_dir = p
         else:
             self.gguf = p
-        self.cfg, self.W = load_model(self.gguf or self.hf_dir)
+        self.layers = layers
+        self.cfg, self.W = load_model(self.gguf or self.hf_dir, layers=layers, cache_bytes=cache_bytes)
         self.name = p.stem
         self.path = str(p)
         self.size_bytes = (self.gguf.stat().st_size if self.gguf else
@@ -94,7 +98,7 @@ def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], devic
         if src.hf_dir is None and not (src.gguf is not None and src.cfg.arch == "gemma3"):
             raise EngineUnavailable("transformers needs an HF folder for Gemma 4 (it cannot read a Gemma 4 GGUF); "
                                     "pass a case spec (cases/bench/*.toml) or an HF folder")
-        eng = TransformersEngine(src.hf_dir or src.gguf, src.cfg)
+        eng = TransformersEngine(src.hf_dir or src.gguf, src.cfg, layers=src.layers)
         if device != "cpu":
             eng.model = eng.model.to(device)
         return [eng.cast(dt) for dt in dtypes if dt != "float16"]
@@ -105,5 +109,7 @@ def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], devic
     if name == "llamacpp":
         if src.gguf is None:
             raise EngineUnavailable("llamacpp needs a GGUF file")
+        if src.layers is not None:
+            raise EngineUnavailable("llamacpp runs the file as it is: --layers cannot cut it")
         return [LlamaCppBench(src.gguf, src.cfg, threads=threads)]
     raise EngineUnavailable(f"unknown engine {name!r} (available: {', '.join(ENGINE_NAMES)})")

@@ -29,6 +29,7 @@ def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference"
     p.add_argument("--weights", choices=("packed", "dequantized"), default=None,
                    help="fast engine, GGUF input: keep quantized matrices packed and dequantize on the fly, or "
                         "dequantize them once at load (default dequantized)")
+    add_scale_args(p)
     add_server_args(p)
 
 
@@ -40,12 +41,24 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="openai:URL engine: seconds allowed per request (default 120)")
 
 
+def add_scale_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
+    """``--ref-cache-gb`` and ``--layers``: how much of a real-size model an engine holds."""
+    p.add_argument("--ref-cache-gb", dest="ref_cache_gb", type=float, default=None, metavar="GB",
+                   help="reference engine: GB of dequantized float64 weights kept between forwards (default 2; "
+                        "0 streams every weight each time)")
+    if layers:
+        p.add_argument("--layers", type=int, default=None, metavar="N",
+                       help="keep only the first N layers of the model (reference, fast, transformers), with a "
+                            "valid KV-sharing layout")
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine keywords from :func:`add_model_args`' options (None = the engine's default)."""
     return {"device": getattr(args, "device", None), "dtype": getattr(args, "dtype_engine", None),
             "batched": getattr(args, "batched", None), "weights": getattr(args, "weights", None),
             "server_model": getattr(args, "server_model", None),
-            "server_timeout": getattr(args, "server_timeout", None)}
+            "server_timeout": getattr(args, "server_timeout", None),
+            "cache_gb": getattr(args, "ref_cache_gb", None), "layers": getattr(args, "layers", None)}
 
 
 def check_out_file(path: str) -> None:

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     plan = BenchPlan(engines=engines, dtypes=dtypes, batches=_int_list(args.batch, "batch"), pp=args.pp, tg=args.tg,
                      depths=_int_list(args.depth, "depth"), reps=args.reps, warmup=args.warmup)
-    opts = BenchOptions(model=args.model, shape=args.shape, layers=args.layers, engines=engines, device=args.device,
+    opts = BenchOptions(model=args.model, shape=args.shape, layers=args.layers, ref_cache_gb=args.ref_cache_gb,
+                        engines=engines, device=args.device,
                         dtypes=dtypes, plan=plan, threads=args.threads, out=args.out, baseline=args.baseline,
                         write_baseline=args.write_baseline,
                         draft_model=None if args.draft_model is None else resolve_draft_model(args.draft_model),
@@ -67,7 +68,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--shape", default=None,
                    help="shape-only model with real dimensions (e2b, e4b, 26b-a4b, 31b or a cases/shapes/*.toml); "
                         "random weights made on the device, fast engine only")
-    b.add_argument("--layers", type=int, default=None, help="with --shape: keep only the first N layers")
+    b.add_argument("--layers", type=int, default=None,
+                   help="keep only the first N layers (--shape, or a model file for fast, reference and transformers)")
+    b.add_argument("--ref-cache-gb", dest="ref_cache_gb", type=float, default=None, metavar="GB",
+                   help="reference engine: GB of dequantized float64 weights kept between forwards (default 2)")
     b.add_argument("--engines", default="fast,transformers,llamacpp,reference",
                    help="comma-separated: fast, transformers, llamacpp, reference")
     b.add_argument("--device", default="cpu", help="cpu | cuda[:N] (fast and transformers)")

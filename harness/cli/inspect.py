@@ -18,8 +18,8 @@ from reference.errors import InputError
 
 from ..engines.inspect import Inspection, inspect_model, unreadable_dict
 
-NOT_WIRED = "estimate: see memory plan (not wired)"
-"""What the memory column says while :func:`harness.engines.inspect._memory_estimates` returns None."""
+NO_ESTIMATE = "no memory estimate (the reference's loader refuses the file)"
+"""What the memory column says of a row that can run but has no estimate."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,7 +120,7 @@ def render(info: Inspection) -> str:
     rows_e = []
     for r in info.engines:
         if r.can_run:
-            detail = NOT_WIRED if r.memory is None else _memory_text(r.memory)
+            detail = NO_ESTIMATE if r.memory is None else _memory_text(r.memory)
             detail += "".join(f"; {n}" for n in r.notes)
         else:
             detail = r.reason
@@ -140,8 +140,10 @@ def _id(v: int | None) -> str:
 
 
 def _memory_text(mem: dict[str, Any]) -> str:
+    """``needs 3.1 GB of 20.5 GB`` and, when it does not fit, ``(does not fit: try --weights packed or ...)``."""
     need, avail = mem.get("need_bytes"), mem.get("available_bytes")
     text = f"needs {_gb(need)}" + (f" of {_gb(avail)}" if avail is not None else "")
     if mem.get("fits") is False:
-        text += " (does not fit" + (f": {mem['advice']}" if mem.get("advice") else "") + ")"
+        advice = mem.get("advice") or []
+        text += " (does not fit" + (": try " + " or ".join(advice) if advice else "") + ")"
     return text

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from reference.errors import InputError
+
 from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
 from ..engines import split_engines
@@ -11,7 +13,7 @@ from ..parity import run as run_parity
 from ..parity.checks.pair import GREEDY_NEW_TOKENS
 from ..parity.checks.server import ServerOptions
 from ..parity.report import junit_xml, short_table
-from ._args import add_server_args, check_out_dir, check_out_file, engine_options
+from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write the results as JUnit XML (one test case per check), for a CI system")
     p.add_argument("--regression-factor", type=float, default=10.0,
                    help="a figure this many times worse than the baseline is a regression (default 10)")
+    add_scale_args(p)
 
 
 def _print_baseline(data: dict, written: str | None) -> None:
@@ -71,6 +74,8 @@ def _print_baseline(data: dict, written: str | None) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the job, print the verdict table; return the exit status."""
     check_out_dir(args.out)
+    if args.layers is not None and not args.model:
+        raise InputError("--layers N goes with --model (the built-in cases are small already)")
     if args.junit_xml:
         check_out_file(args.junit_xml)
     against = [n for text in args.against for n in split_engines(text)] if args.against else None

@@ -1,12 +1,17 @@
-"""``g4h synth``: build synthetic cases (HF folder + GGUFs) and print their paths."""
+"""``g4h synth``: build synthetic cases (HF folder + GGUFs) and print their paths; or, with ``--shape``,
+write a real-size GGUF with random weights (:mod:`harness.synth.scale`)."""
 
 from __future__ import annotations
 
 import argparse
 import time
 
+from reference.errors import InputError
+
 from ..core.cases import builtin_specs, load_prompts, resolve_spec
 from ..synth import ensure_built, logit_stats
+from ..synth.scale import FORMATS, write_scale_gguf
+from ._args import check_out_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,10 +20,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default=None,
                    help="cache root (default: $G4H_CACHE/synth or <repo>/.g4h-cache/synth)")
     p.add_argument("--stats", action="store_true", help="also print logit magnitude / margin statistics")
+    p.add_argument("--shape", default=None,
+                   help="instead: write a real-size GGUF with random weights of this shape (e2b, e4b, 26b-a4b, "
+                        "31b or a cases/shapes/*.toml), a tensor at a time, to --out")
+    p.add_argument("--layers", type=int, default=None, help="with --shape: keep only the first N layers")
+    p.add_argument("--format", default="q8_0", choices=sorted(FORMATS), help="with --shape: type of the matrices")
+    p.add_argument("--seed", type=int, default=0, help="with --shape: random seed")
+    p.add_argument("--out", default=None, help="with --shape: the .gguf to write")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build each case and print where it is; exit 0 (2 on a bad spec, from the caller)."""
+    """Build each case and print where it is (or write the ``--shape`` file); exit 0 (2 on bad input, from the
+    caller)."""
+    if args.shape is not None:
+        if not args.out or args.specs:
+            raise InputError("g4h synth --shape: give --out FILE.gguf (and no case specs)")
+        check_out_file(args.out)
+        t0 = time.perf_counter()
+        path = write_scale_gguf(args.shape, args.out, layers=args.layers, fmt=args.format, seed=args.seed)
+        print(f"{path}: {args.shape} {args.format}, {path.stat().st_size / 1e9:.2f} GB "
+              f"({time.perf_counter() - t0:.0f}s)")
+        return 0
+    if args.layers is not None or args.out is not None:
+        raise InputError("g4h synth: --layers and --out go with --shape")
     paths = [resolve_spec(s) for s in args.specs] or builtin_specs()
     prompts = [r["prompt_ids"] for r in load_prompts()] if args.stats else []
     for p in paths:

@@ -41,7 +41,8 @@ def _case_name(model: str) -> str:
 
 def trace_command(model: str | None, engine: str, prompt_ids_file: str, out: str, dump_dir: str | None = None,
                   device: str | None = None, dtype: str | None = None, case: str | None = None,
-                  llama_dump: str | None = None, sum_scope: str = "all", weights: str | None = None) -> Path:
+                  llama_dump: str | None = None, sum_scope: str = "all", weights: str | None = None,
+                  cache_gb: float | None = None, layers: int | None = None) -> Path:
     """``g4h trace``: run ``engine`` on the prompt with a :class:`TraceWriter` and write the trace; or, with
     ``llama_dump``, convert that dump (:func:`import_llama_dump`) instead of running an engine.
 
@@ -60,7 +61,8 @@ def trace_command(model: str | None, engine: str, prompt_ids_file: str, out: str
         return write_trace(out, tr.header, tr.records, tr.tensors if dump_dir else None, dump_dir)
     if model is None:
         raise InputError("g4h trace: --model is required (or --llama-dump to import a llama.cpp dump)")
-    eng = make_engine(engine, resolve_model(model, engine), device=device, dtype=dtype, weights=weights)
+    eng = make_engine(engine, resolve_model(model, engine), device=device, dtype=dtype, weights=weights,
+                      cache_gb=cache_gb, layers=layers)
     if hasattr(eng, "trace_file"):  # an engine that writes its own trace file (cmd:, docs/engine-protocol.md)
         with tempfile.TemporaryDirectory(prefix="g4h-trace-") as tmp:
             dump = Path(tmp) / "tensors" if dump_dir else None
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     path = trace_command(args.model, args.engine, args.prompt_ids, args.out, dump_dir=args.dump_tensors,
                          device=args.device, dtype=args.dtype_engine, case=args.case, llama_dump=args.llama_dump,
-                         sum_scope=args.sum_scope, weights=args.weights)
+                         sum_scope=args.sum_scope, weights=args.weights, cache_gb=args.ref_cache_gb,
+                         layers=args.layers)
     print(f"{path}: trace written", file=sys.stderr)
     return 0

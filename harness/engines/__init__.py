@@ -66,7 +66,9 @@ ENGINE_SCHEMES: dict[str, EngineEntry] = {
 
 #: Keyword options each engine takes from the command line (others are not passed to it).
 ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "fast": ("device", "dtype", "batched", "weights"),
+    "reference": ("cache_gb", "layers"),
+    "fast": ("device", "dtype", "batched", "weights", "layers"),
+    "transformers": ("layers",),
     "openai": ("server_model", "server_timeout", "check_greedy"),
 }
 
@@ -146,17 +148,24 @@ def make_engine(name: str, path: str | Path, **options: Any) -> Engine:
 
     Args:
         name: a plain engine name (:data:`ENGINES`) or ``<scheme>:<argument>`` (:data:`ENGINE_SCHEMES`).
-        options: engine-specific keywords (``device``, ``dtype``, ``batched``, ``weights`` for ``fast``;
-            ``server_model``, ``server_timeout``, ``check_greedy`` for ``openai``); None values and options the
-            engine does not take are dropped.
+        options: engine-specific keywords (:data:`ENGINE_OPTIONS`: ``device``, ``dtype``, ``batched``,
+            ``weights`` for ``fast``; ``cache_gb`` for the reference; ``layers`` for reference, fast and
+            transformers; ``server_model``, ``server_timeout``, ``check_greedy`` for ``openai``); None values and
+            options the engine does not take are dropped, except ``layers``, which an engine that cannot cut a
+            model refuses.
 
     Raises:
         EngineUnavailable: unknown engine name or engine not installed (one line, says how to install).
         InputError: bad model file; a ``cmd:`` engine that fails its handshake; a server that is down or answers
-            wrongly (:class:`harness.engines.openai.ServerError`).
+            wrongly (:class:`harness.engines.openai.ServerError`); ``layers`` for an engine that cannot cut a model.
+        NotEnoughMemory: the model does not fit in the memory available (one line, with what to try).
     """
     entry, arg = _entry(name)
+    kind = engine_kind(name)
+    allowed = ENGINE_OPTIONS.get(kind, ())
+    if options.get("layers") is not None and "layers" not in allowed:
+        raise InputError(f"--layers {options['layers']}: the {name} engine runs the file as it is and cannot keep "
+                         "only the first layers (use reference, fast or transformers)")
     cls = getattr(importlib.import_module(entry.module), entry.cls)
-    allowed = ENGINE_OPTIONS.get(engine_kind(name), ())
     kw = {k: v for k, v in options.items() if v is not None and k in allowed}
     return cls(path, **kw) if arg is None else cls(arg, path, **kw)

@@ -27,6 +27,7 @@ from reference.drafter_weights import load_drafter
 from reference.errors import InputError
 from reference.weights import load_model
 
+from ..core import memory
 from .base import DTYPE_BYTES, TraceFn, bench_ids
 
 WEIGHT_MODES = ("packed", "dequantized")
@@ -43,18 +44,26 @@ class FastEngine:
         batched: ``generate`` serves all prompts through one continuous batch (else one at a time).
         weights: ``packed`` keeps GGUF quantized matrices packed on the device and dequantizes them
             on the fly; ``dequantized`` decodes them once at load (:data:`WEIGHT_MODES`).
+        layers: ``--layers N``: only the first N layers (:func:`reference.config.cut_layers`).
+
+    The weights are planned before they are built (:func:`harness.core.memory.require`); a plan that
+    does not fit, or an allocation that fails anyway, stops with one line
+    (:class:`harness.core.memory.NotEnoughMemory`).
 
     Raises:
-        InputError: bad model file, device, dtype or weight mode.
+        InputError: bad model file, device, dtype, weight mode or ``layers``.
+        NotEnoughMemory: the model cannot run in the memory available (one line).
     """
 
     engine = "fast"
     max_batch = None
     kv_elem = 4.0
+    memory_plan: memory.MemoryPlan | None = None
 
+    @memory.guarded
     def __init__(self, path: str | Path, device: str | None = None, dtype: str = "float32", batched: bool = False,
-                 weights: str = "dequantized"):
-        cfg, W = load_model(path)
+                 weights: str = "dequantized", layers: int | None = None):
+        cfg, W = load_model(path, layers=layers, cache_bytes=0)
         self._init(cfg, W, device, dtype, batched, weights)
 
     @classmethod
@@ -69,23 +78,41 @@ class FastEngine:
     def _init(self, cfg, W, device, dtype, batched, weights) -> None:
         if weights not in WEIGHT_MODES:
             raise InputError(f"--weights {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
+        if dtype not in memory.DTYPE_BYTES:
+            raise InputError(f"--dtype {dtype!r}: expected float32, bfloat16 or float16")
+        self._info = memory.ModelInfo.from_loaded(getattr(W, "source", cfg.source), cfg, W)
+        self._device_name = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._held = 0
+        self._plan(1, 0, 1, dtype, weights)
         self.model = FastModel(cfg, W, device, dtype, keep_quantized=weights == "packed")
+        self._held = self.memory_plan.breakdown["weights"]  # built now: later plans do not count them again
         self.cfg = cfg
         self.batched = batched
         self.dtype = dtype
         self.weights = weights
         self.name = f"fast-{self.model.device.type}-{dtype}" + ("-batched" if batched else "")
 
+    def _plan(self, tokens: int, new_tokens: int, batch: int, dtype: str | None = None,
+              weights: str | None = None) -> None:
+        """Plan the weights and one step of ``batch`` x ``tokens`` (+ ``new_tokens``); stop when it cannot fit."""
+        self.memory_plan = memory.require("fast", self._info, tokens=tokens, new_tokens=new_tokens, batch=batch,
+                                          dtype=dtype or self.dtype, weights=weights or self.weights,
+                                          device=self._device_name, held=self._held)
+
+    @memory.guarded
     def logits(self, ids: Sequence[int], trace: TraceFn | None = None, chunk: int | None = None) -> np.ndarray:
         """float32 logits as float64 ``[T, V]`` (one-shot prefill, or in chunks of ``chunk``)."""
+        self._plan(len(ids), 0, 1)
         return self.model.logits(ids, chunk=chunk, trace=trace).double().cpu().numpy()
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy continuations; one continuous batch when ``batched``."""
         return [r.tokens for r in self.generate_full(prompts, max_new_tokens)]
 
+    @memory.guarded
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int):
         """Like :meth:`generate` but returns :class:`fast.engine.Result` (tokens and top-5 logprobs)."""
+        self._plan(max((len(p) for p in prompts), default=1), max_new_tokens, len(prompts) if self.batched else 1)
         return generate(self.model, prompts, max_new_tokens, batched=self.batched)
 
     # ------------------------------------------------------------------ speculative decoding

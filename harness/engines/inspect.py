@@ -46,8 +46,8 @@ reference, which refuses it). Otherwise each engine's own limits apply: the fast
 :data:`FAST_TYPES` only (:data:`fast.quants.SUPPORTED`); transformers reads HF folders and Gemma 3 GGUFs,
 not Gemma 4 GGUFs; llama.cpp needs a GGUF, llama-cpp-python installed, a ``tokenizer.ggml.model`` key and type ids its
 ggml knows (:data:`LLAMACPP_TYPE_IDS`), and its KV donor rule must give each shared layer a cache of
-the right shape (:func:`llamacpp_donors`). The memory column is filled by :func:`_memory_estimates`, the
-integration point of the memory plan (``harness.core.memory``, not wired yet: every estimate is None).
+the right shape (:func:`llamacpp_donors`). The memory column of each row that can run is its memory plan
+(:func:`_memory_estimates`, :func:`harness.core.memory.plan`).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ from reference.errors import InputError, ModelFileError
 from reference.gguf_check import check_gguf
 from reference.names import hf_to_gguf
 
+from ..core import memory
 from .llamacpp import INSTALL_MSG, LLAMA_CPP_PYTHON_VERSION
 
 SCHEMA_VERSION = 1
@@ -164,7 +165,8 @@ class EngineRow:
         can_run: the engine can load this file here.
         reason: why not, one line (None when it can).
         notes: known differences it will show against the reference, one line each.
-        memory: the memory plan's estimate (None until ``harness.core.memory`` is wired in).
+        memory: the memory plan's estimate (:meth:`harness.core.memory.MemoryPlan.as_dict`; None when the
+            row cannot run or the file is unusable).
     """
 
     engine: str
@@ -249,15 +251,39 @@ def inspect_model(path: str | os.PathLike) -> Inspection:
     return info
 
 
-def _memory_estimates(info: Inspection, rows: list[EngineRow]) -> list[dict[str, Any] | None]:
-    """INTEGRATION POINT for the memory plan (``harness.core.memory``, written on another branch): not wired.
+#: The use each memory estimate is made for: a prompt of this many tokens and as many generated ones (the
+#: reference then reads its weights more than once, so its weight cache counts), one sequence, on the CPU.
+ESTIMATE_TOKENS = 16
 
-    Meant to return, per row, ``harness.core.memory.plan(row.engine, <model facts>, dtype=row.dtype,
-    weights=row.weights)`` as a dict (``need_bytes``, ``available_bytes``, ``fits``, ``advice``,
-    ``breakdown``). Until that module is merged it returns None for every row, which ``g4h inspect``
-    prints as "estimate: see memory plan (not wired)".
+
+def _memory_estimates(info: Inspection, rows: list[EngineRow]) -> list[dict[str, Any] | None]:
+    """Per row, the memory plan of that engine setting (:func:`harness.core.memory.plan`, as a dict:
+    ``need_bytes``, ``breakdown``, ``available_bytes``, ``fits``, ``advice`` ...), or None for a row that
+    cannot run.
+
+    Each estimate is for :data:`ESTIMATE_TOKENS` prompt tokens and as many generated, on the CPU, with the
+    engine's defaults otherwise (the reference's ``--ref-cache-gb`` 2; fast: the row's dtype and weight
+    mode), as a new process (``fresh``: the engine's runtime counts as still to allocate) against what
+    this machine has now. The model's facts come from the reference's loader with no
+    tensor read (:func:`harness.core.memory.model_info`), the same facts the engines plan with; an
+    unusable file, or one that loader refuses, gets no estimate.
     """
-    return [None for _ in rows]
+    if info.verdict == "unusable" or not any(r.can_run for r in rows):
+        return [None for _ in rows]
+    try:
+        facts = memory.model_info(info.path)
+    except InputError:  # what the header checks let through but the loader refuses: no estimate
+        return [None for _ in rows]
+    out: list[dict[str, Any] | None] = []
+    for r in rows:
+        if not r.can_run:
+            out.append(None)
+            continue
+        options: dict[str, Any] = {"tokens": ESTIMATE_TOKENS, "new_tokens": ESTIMATE_TOKENS, "fresh": True}
+        if r.engine == "fast":
+            options.update(dtype=r.dtype, weights=r.weights or "dequantized")
+        out.append(memory.plan(r.engine, facts, **options).as_dict())
+    return out
 
 
 # --------------------------------------------------------------------------- GGUF

@@ -9,20 +9,43 @@ from typing import Sequence
 import numpy as np
 
 from reference import model as ref_model
+from reference.errors import InputError
 from reference.model import check_generation
-from reference.weights import load_model
+from reference.weights import DEFAULT_CACHE_BYTES, load_model
 
+from ..core import memory
 from .base import Generated, TraceFn, bench_ids
+
+
+def cache_bytes(cache_gb: float | None) -> int:
+    """``--ref-cache-gb`` in bytes (None: :data:`reference.weights.DEFAULT_CACHE_BYTES`).
+
+    Raises:
+        InputError: negative or not a number.
+    """
+    if cache_gb is None:
+        return DEFAULT_CACHE_BYTES
+    if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) or not cache_gb >= 0:
+        raise InputError(f"--ref-cache-gb {cache_gb!r}: expected a number of GB >= 0")
+    return int(cache_gb * memory.GB)
 
 
 class ReferenceEngine:
     """The float64 NumPy reference (:mod:`reference.model`), one sequence at a time.
 
+    The weights stream (:class:`reference.weights.Weights`): a tensor is dequantized when a layer
+    reads it and released after, and at most ``cache_gb`` of them stay cached between forwards. Each
+    forward is planned first (:func:`harness.core.memory.require`); a plan that does not fit, or an
+    allocation that fails anyway, stops with one line (:class:`harness.core.memory.NotEnoughMemory`).
+
     Args:
         path: ``.gguf`` file or HF folder.
+        cache_gb: ``--ref-cache-gb``: GB of float64 weights kept between forwards (default 2).
+        layers: ``--layers N``: only the first N layers (:func:`reference.config.cut_layers`).
 
     Raises:
-        InputError: from the loader (bad file, key or tensor).
+        InputError: from the loader (bad file, key or tensor); a bad ``cache_gb`` or ``layers``.
+        NotEnoughMemory: the model cannot run in the memory available (one line).
     """
 
     name = "reference"
@@ -30,9 +53,12 @@ class ReferenceEngine:
     dtype = "float64"
     max_batch = 1
     kv_elem = 8.0
+    memory_plan: memory.MemoryPlan | None = None
 
-    def __init__(self, path: str | Path):
-        self.cfg, self.weights = load_model(path)
+    @memory.guarded
+    def __init__(self, path: str | Path, cache_gb: float | None = None, layers: int | None = None):
+        self.cfg, self.weights = load_model(path, layers=layers, cache_bytes=cache_bytes(cache_gb))
+        self._plan(1, 0)
 
     @classmethod
     def from_model(cls, cfg, weights) -> "ReferenceEngine":
@@ -41,10 +67,20 @@ class ReferenceEngine:
         eng.cfg, eng.weights = cfg, weights
         return eng
 
+    def _plan(self, tokens: int, new_tokens: int) -> None:
+        """Plan a forward of ``tokens`` plus ``new_tokens`` decode steps; stop with one line when it cannot fit."""
+        info = memory.ModelInfo.from_loaded(self.weights.source, self.cfg, self.weights)
+        self.memory_plan = memory.require("reference", info, tokens=tokens, new_tokens=new_tokens,
+                                          cache_bytes=self.weights.cache_bytes,
+                                          held=getattr(self.weights, "cached_bytes", 0))  # cached: allocated
+
+    @memory.guarded
     def logits(self, ids: Sequence[int], trace: TraceFn | None = None) -> np.ndarray:
         """float64 ``[T, V]``; see :func:`reference.model.forward`."""
+        self._plan(len(ids), 0)
         return ref_model.forward(self.cfg, self.weights, ids, trace=trace)
 
+    @memory.guarded
     def logits_cached(self, ids: Sequence[int], prefill: int) -> np.ndarray:
         """Logits from a prefill of ``ids[:prefill]`` then one-token decode steps. float64 ``[T, V]``."""
         cache = ref_model.KVCache(self.cfg)
@@ -53,6 +89,7 @@ class ReferenceEngine:
             parts.append(ref_model.forward(self.cfg, self.weights, [tok], cache))
         return np.concatenate(parts, axis=0)
 
+    @memory.guarded
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy, one prompt at a time, with the KV cache.
 
@@ -60,8 +97,10 @@ class ReferenceEngine:
             PromptError: see :func:`reference.model.check_generation` (checked before any prompt runs).
         """
         check_generation(self.cfg, prompts, max_new_tokens)
+        self._plan(max((len(p) for p in prompts), default=1), max_new_tokens)
         return [ref_model.greedy_generate(self.cfg, self.weights, p, max_new_tokens) for p in prompts]
 
+    @memory.guarded
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generated]:
         """Greedy with the top-5 log-probabilities of every step.
 
@@ -69,6 +108,7 @@ class ReferenceEngine:
             PromptError: see :func:`reference.model.check_generation` (checked before any prompt runs).
         """
         check_generation(self.cfg, prompts, max_new_tokens)
+        self._plan(max((len(p) for p in prompts), default=1), max_new_tokens)
         out = []
         for p in prompts:
             cache = ref_model.KVCache(self.cfg)
@@ -108,9 +148,8 @@ class ReferenceEngine:
         return time.perf_counter() - t
 
     def warm(self) -> None:
-        """Dequantize every weight up front (for a benchmark: loading is not decoding)."""
-        for name in self.weights:
-            self.weights[name]
+        """Fill the weight cache up to its budget (for a benchmark: loading is not decoding)."""
+        self.weights.fill_cache()
 
     def close(self) -> None:
         """Drop the weights."""

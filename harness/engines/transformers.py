@@ -18,11 +18,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import transformers
-from transformers import AutoConfig, Gemma3ForCausalLM, Gemma4Config, Gemma4ForCausalLM
+from transformers import AutoConfig, Gemma3ForCausalLM, Gemma4Config, Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from reference.errors import ModelFileError, PromptError
+from reference.errors import InputError, ModelFileError, PromptError
+from reference.names import gguf_to_hf
+from reference.weights import load_model
 
+from ..core import memory
 from .base import DTYPE_BYTES, EngineUnavailable, Generated, TraceFn, bench_ids
 
 
@@ -63,11 +66,54 @@ def load_gemma3_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     return model, info
 
 
-def _load_gemma4(path: Path):
+def _load_gemma4_layers(path: Path, text_config: Gemma4TextConfig, layers: int):
+    """``Gemma4ForCausalLM`` (fp32, eager) of the first ``layers`` layers of an HF folder (``--layers N``).
+
+    The config keeps the first N ``layer_types`` and the part of the KV-shared tail among them
+    (:func:`reference.config.cut_layers`); the weights come through the reference's loader, cut the
+    same way (the PLE table's first ``N * ple_dim`` columns), tensor by tensor into the module.
+
+    Raises:
+        InputError: layer N-1 is a sliding layer (transformers makes the last layer full attention,
+            which would give it other weights' shapes) or ``layers`` is out of range.
+        ModelFileError: a weight the module expects that the file does not give.
+    """
+    cfg, W = load_model(path, layers=layers, cache_bytes=0)
+    types = list(text_config.layer_types)
+    if types[layers - 1] != "full_attention":
+        fulls = [i + 1 for i, t in enumerate(types) if t == "full_attention"]
+        raise InputError(f"{path}: --layers {layers}: layer {layers - 1} is a sliding layer, and transformers makes "
+                         f"the last layer full attention; for the transformers engine use one of "
+                         f"{', '.join(map(str, fulls[:6]))}{' ...' if len(fulls) > 6 else ''}")
+    fields = text_config.to_dict()
+    fields.update(num_hidden_layers=layers, layer_types=types[:layers], num_kv_shared_layers=cfg.n_kv_shared)
+    fields.pop("model_type", None)
+    if fields.get("per_layer_config"):  # per-layer overrides (a full layer's head_dim): the kept layers' only
+        fields["per_layer_config"] = {k: v for k, v in fields["per_layer_config"].items() if int(k) < layers}
+    config = Gemma4TextConfig(**fields)
+    config._attn_implementation = "eager"
+    model = Gemma4ForCausalLM(config).to(torch.float32)
+    state = {gguf_to_hf(name): torch.from_numpy(np.array(W.raw(name), dtype=np.float32)) for name in W
+             if name != "rope_freqs.weight"}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "rotary" not in k and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelFileError(f"{path}: --layers {layers}: transformers found no weight for "
+                             f"{(missing or unexpected)[0]} ({len(missing)} missing, {len(unexpected)} unexpected)")
+    model.tie_weights()
+    return model
+
+
+def _load_gemma4(path: Path, layers: int | None = None):
     """``Gemma4ForCausalLM`` (fp32, eager) from an HF folder; the text decoder of a multimodal one."""
     transformers.logging.set_verbosity_error()
     raw = json.loads((path / "config.json").read_text())
     kwargs = {}
+    if layers is not None:
+        text = Gemma4Config.from_pretrained(path).text_config if raw.get("model_type") == "gemma4" else \
+            Gemma4TextConfig.from_pretrained(path)
+        if layers != text.num_hidden_layers:
+            return _load_gemma4_layers(path, text, layers)
     if raw.get("model_type") == "gemma4":
         kwargs["config"] = Gemma4Config.from_pretrained(path).text_config
         kwargs["key_mapping"] = {r"^model\.language_model\.": "model."}
@@ -92,23 +138,35 @@ class TransformersEngine:
         path: HF model folder (Gemma 4), or a Gemma 3 ``.gguf`` (transformers' GGUF loader; it cannot
             read a Gemma 4 GGUF).
         cfg: our config of the same model (optional; the benchmark's bytes-per-token count needs it).
+        layers: ``--layers N``: only the first N layers (HF folders; see :func:`_load_gemma4_layers`).
+
+    The model is planned before it is loaded (:func:`harness.core.memory.require`); a plan that does
+    not fit, or an allocation that fails anyway, stops with one line.
 
     Raises:
         EngineUnavailable: transformers/torch missing, or a Gemma 4 GGUF.
         ModelFileError: weights missing from the checkpoint.
+        InputError: ``layers`` out of range or ending on a sliding layer; ``layers`` with a GGUF.
+        NotEnoughMemory: the model cannot run in the memory available (one line).
     """
 
     name = "transformers"
     engine = "transformers"
     max_batch = None
     kv_elem = 4.0
+    memory_plan: memory.MemoryPlan | None = None
 
-    def __init__(self, path: str | Path, cfg=None):
+    @memory.guarded
+    def __init__(self, path: str | Path, cfg=None, layers: int | None = None):
         path = Path(path)
         self.cfg = cfg
         self.dtype = "float32"
         if path.is_dir():
-            self.model = _load_gemma4(path).eval()
+            rcfg, W = load_model(path, layers=layers, cache_bytes=0)
+            self.memory_plan = memory.require("transformers", memory.ModelInfo.from_loaded(path, rcfg, W))
+            self.model = _load_gemma4(path, layers).eval()
+        elif layers is not None:
+            raise InputError(f"{path}: --layers: the transformers engine cuts HF folders only")
         elif cfg is None or getattr(cfg, "arch", None) == "gemma3":
             try:
                 self.model = load_gemma3_gguf(path)[0]
@@ -217,6 +275,7 @@ class TransformersEngine:
                               f"than the context ({context})")
         return [int(i) for i in ids]
 
+    @memory.guarded
     def logits(self, ids: Sequence[int], trace: TraceFn | None = None) -> np.ndarray:
         """float32 logits as float64 ``[T, V]`` from one full forward (no cache).
 
@@ -240,6 +299,7 @@ class TransformersEngine:
         """Greedy, one prompt at a time (see :meth:`generate_full`)."""
         return [g.tokens for g in self.generate_full(prompts, max_new_tokens)]
 
+    @memory.guarded
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generated]:
         """Greedy with transformers' own KV cache: prefill, then one token per forward.
 

@@ -64,6 +64,8 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
                server: ServerOptions | None = None) -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
 
+    ``options``: engine options for the user's models (``cache_gb``, ``layers``).
+
     Raises:
         InputError: a ``case_filter`` name that is not a built-in case.
     """
@@ -154,7 +156,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             cannot run and was not opted out fails the run.
         slow: also run the slow checks (transformers' GGUF tokenizer conversion).
         engine_options: keywords for the engines of ``against`` (each takes its own: ``server_model``,
-            ``server_timeout`` for ``openai:URL``).
+            ``server_timeout`` for ``openai:URL``; ``cache_gb`` (``--ref-cache-gb``) and ``layers`` (``--layers``),
+            which the reference takes too).
         server: options of the server checks of an ``openai:URL`` engine (:class:`ServerOptions`). With ``models``
             the prompt set may also hold ``{"text"}`` lines (:func:`harness.parity.checks.server.load_user_prompts`).
 

@@ -137,11 +137,14 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     itself (cached vs uncached). Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; prompts
     are restricted to the model's vocabulary. A GGUF inside a built synthetic case is judged with its case's
     ``[gates]`` table. ``engine_options`` go to every engine built (each takes its own); ``server`` holds the
-    options of the server checks (``openai:URL``)."""
+    options of the server checks (``openai:URL``). ``engine_options`` also hold
+    ``cache_gb`` (the reference's ``--ref-cache-gb``) and ``layers`` (``--layers N``, every engine; one that cannot
+    cut a model fails its ``.runs`` figure saying so)."""
+    o = engine_options or {}
     res = CaseResult(case=Path(path).name, kind="user", model=str(path))
     gates = resolve(spec_gates(path), str(path))
     progress(f"[{res.case}] loading with the reference")
-    ref = ReferenceEngine(path)
+    ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
     res.info["config"] = ref.cfg.summary()
     usable = [p for p in with_prompt_ids(prompts, path) if max(p["prompt_ids"]) < ref.cfg.vocab_size]
     names = list(against) if against else default_against(path)

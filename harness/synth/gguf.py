@@ -70,6 +70,44 @@ def _vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
+def add_keys(w: gguf.GGUFWriter, spec: Spec, qtype: str,
+             metadata: Mapping[str, tuple[Any, str, str | None]] | None = None,
+             special_tokens: Mapping[int, str] | None = None) -> None:
+    """Write every key of a synthetic file: ``metadata`` (default :func:`gguf_metadata`), ``general.file_type``
+    of ``qtype`` (llama.cpp ``LLAMA_FTYPE_*``), ``general.quantization_version`` and :func:`add_tokenizer_keys`
+    (with ``special_tokens``)."""
+    for key, (val, vtype, sub) in (gguf_metadata(spec) if metadata is None else metadata).items():
+        if key == "general.file_type":
+            val = _FILE_TYPES[qtype]
+        w.add_key_value(key, val, VT[vtype], sub_type=VT[sub] if sub else None)
+    w.add_key_value("general.quantization_version", gguf.GGML_QUANT_VERSION, VT.UINT32)
+    add_tokenizer_keys(w, spec.config["vocab_size"], special_tokens)
+
+
+def add_tokenizer_keys(w: gguf.GGUFWriter, vocab_size: int, special_tokens: Mapping[int, str] | None = None) -> None:
+    """Write the synthetic SentencePiece-style vocabulary's keys (``tokenizer.ggml.model = "llama"``:
+    specials, byte tokens, fillers ``▁t<id>`` up to ``vocab_size``; scores, types, special ids, BOS on).
+
+    ``special_tokens``: id -> token string written at that id as a CONTROL token (:func:`write_gguf`).
+
+    Raises:
+        ValueError: ``vocab_size`` < 260.
+    """
+    tokens, scores, ttypes = _vocab(vocab_size)
+    for tid, text in (special_tokens or {}).items():
+        tokens[tid], ttypes[tid] = text, int(gguf.TokenType.CONTROL)
+    w.add_key_value("tokenizer.ggml.model", "llama", VT.STRING)
+    w.add_key_value("tokenizer.ggml.tokens", tokens, VT.ARRAY, sub_type=VT.STRING)
+    w.add_key_value("tokenizer.ggml.scores", scores, VT.ARRAY, sub_type=VT.FLOAT32)
+    w.add_key_value("tokenizer.ggml.token_type", ttypes, VT.ARRAY, sub_type=VT.INT32)
+    w.add_key_value("tokenizer.ggml.bos_token_id", BOS_ID, VT.UINT32)
+    w.add_key_value("tokenizer.ggml.eos_token_id", EOS_ID, VT.UINT32)
+    w.add_key_value("tokenizer.ggml.unknown_token_id", UNK_ID, VT.UINT32)
+    w.add_key_value("tokenizer.ggml.padding_token_id", PAD_ID, VT.UINT32)
+    w.add_key_value("tokenizer.ggml.add_bos_token", True, VT.BOOL)
+    w.add_key_value("tokenizer.ggml.add_eos_token", False, VT.BOOL)
+
+
 def gguf_metadata(spec: Spec) -> dict[str, tuple[Any, str, str | None]]:
     """The model keys :func:`write_gguf` writes (tokenizer keys excluded).
 
@@ -173,27 +211,11 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
     tensors.update(weights)
     if spec.config.get("tie_word_embeddings", True):
         tensors.pop("output.weight", None)
-    tokens, scores, ttypes = _vocab(spec.config["vocab_size"])
-    for tid, text in (special_tokens or {}).items():
-        tokens[tid], ttypes[tid] = text, int(gguf.TokenType.CONTROL)
+    _vocab(spec.config["vocab_size"])  # a vocabulary too small raises before the file is opened
 
     w = gguf.GGUFWriter(str(tmp), arch)
     try:
-        for key, (val, vtype, sub) in (gguf_metadata(spec) if metadata is None else metadata).items():
-            if key == "general.file_type":
-                val = _FILE_TYPES[qtype]
-            w.add_key_value(key, val, VT[vtype], sub_type=VT[sub] if sub else None)
-        w.add_key_value("general.quantization_version", gguf.GGML_QUANT_VERSION, VT.UINT32)
-        w.add_key_value("tokenizer.ggml.model", "llama", VT.STRING)
-        w.add_key_value("tokenizer.ggml.tokens", tokens, VT.ARRAY, sub_type=VT.STRING)
-        w.add_key_value("tokenizer.ggml.scores", scores, VT.ARRAY, sub_type=VT.FLOAT32)
-        w.add_key_value("tokenizer.ggml.token_type", ttypes, VT.ARRAY, sub_type=VT.INT32)
-        w.add_key_value("tokenizer.ggml.bos_token_id", BOS_ID, VT.UINT32)
-        w.add_key_value("tokenizer.ggml.eos_token_id", EOS_ID, VT.UINT32)
-        w.add_key_value("tokenizer.ggml.unknown_token_id", UNK_ID, VT.UINT32)
-        w.add_key_value("tokenizer.ggml.padding_token_id", PAD_ID, VT.UINT32)
-        w.add_key_value("tokenizer.ggml.add_bos_token", True, VT.BOOL)
-        w.add_key_value("tokenizer.ggml.add_eos_token", False, VT.BOOL)
+        add_keys(w, spec, qtype, metadata, special_tokens)
 
         expected: dict[str, tuple[str, np.ndarray]] = {}
         for name, arr in tensors.items():

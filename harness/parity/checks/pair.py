@@ -149,6 +149,7 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
         extra: options of the kind's :data:`EXTRA_CHECKS` (a server's :class:`.server.ServerOptions`); its
             ``max_new_tokens``, when it has one, sets the length of the greedy streams (default
             :data:`GREEDY_NEW_TOKENS`).
+            ``layers`` (``--layers N``): an engine that cannot cut a model fails its ``.runs``.
 
     Returns:
         Figures for the gates ``reference~<kind>.*``; never raises for a failing engine (that is a
