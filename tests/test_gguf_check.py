@@ -153,6 +153,45 @@ def test_bad_weight_is_named_by_both_engines(tiny_gguf, tmp_path, value, what, e
             FastModel(cfg, W, "cpu", "float32")
 
 
+# --------------------------------------------------------------------------- an unreadable entry is still named
+
+
+def test_huge_name_length_names_the_entry_by_its_bytes(tiny_gguf, tmp_path):
+    """A damaged name length: the entry is named by the printable bytes after it, as the file spells them."""
+    t = next(t for t in read_layout(tiny_gguf).tensors if t.name == "blk.1.ffn_up.weight")
+    msg = _error(_patched(tiny_gguf, tmp_path / "n.gguf", t.start, "<Q", 2**40), ModelFileError)
+    assert "tensor 'blk.1.ffn_up.weight' (#" in msg and f"name length {2**40}" in msg
+    k = read_layout(tiny_gguf).keys["gemma4.rope.freq_base"]
+    msg = _error(_patched(tiny_gguf, tmp_path / "k.gguf", k.start, "<Q", 2**63), ModelFileError)
+    assert "key 'gemma4.rope.freq_base' (#" in msg and f"name length {2**63}" in msg
+
+
+def test_a_value_too_short_names_its_key(tiny_gguf, tmp_path):
+    """A string value's length cut short: the next 'name' is no name, and the key before is named as the fault."""
+    k = read_layout(tiny_gguf).keys["general.architecture"]
+    msg = _error(_patched(tiny_gguf, tmp_path / "v.gguf", k.lengths[1], "<Q", 3), ModelFileError)
+    assert msg.split(": ", 1)[1].startswith("key general.architecture (#0) is followed at byte ")
+    assert "its value (type, count or length), or the key entry #1 after it, is damaged" in msg
+
+
+def test_a_name_that_is_not_utf8_is_shown(tiny_gguf, tmp_path):
+    t = next(t for t in read_layout(tiny_gguf).tensors if t.name == "output_norm.weight")
+    msg = _error(_patched(tiny_gguf, tmp_path / "u.gguf", t.start + 8 + 3, "<B", 0xE5), ModelFileError)
+    assert "tensor 'out\\xe5ut_norm.weight' (#" in msg and "not valid UTF-8" in msg
+
+
+def test_truncation_at_a_name_names_the_last_complete_entry(tiny_gguf, tmp_path):
+    keys = list(read_layout(tiny_gguf).keys.values())
+    k = keys[5]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:k.start + 4])
+    msg = _error(cut, ModelFileError)
+    assert f"inside the length of key #5; the last complete entry is key {keys[4].name} (#4)" in msg
+    cut.write_bytes(tiny_gguf.read_bytes()[:k.start + 12])
+    msg = _error(cut, ModelFileError)
+    assert f"key '{k.name[:4]}' (#5, after key {keys[4].name}): the file ends inside its name" in msg
+
+
 # --------------------------------------------------------------------------- stored-form checks against gguf-py
 
 
