@@ -221,8 +221,9 @@ def _tell_watchdog(line: str) -> None:
             _watchdog = None
 
 
-def temp_dir(prefix: str) -> Path:
-    """A fresh temporary folder (under ``tempfile.gettempdir()``) that is removed when this process ends.
+def temp_dir(prefix: str, dir: str | os.PathLike | None = None) -> Path:
+    """A fresh temporary folder (in ``dir``, default ``tempfile.gettempdir()``) that is removed when this
+    process ends.
 
     Removed by :func:`remove_temp_dir`, or else, however this process ends (SIGKILL included), by a
     watchdog process: it holds the read end of a pipe from this process, sees it close when this process
@@ -231,20 +232,25 @@ def temp_dir(prefix: str) -> Path:
 
     Args:
         prefix: the folder name's prefix, e.g. ``g4h-llamacpp-``.
+        dir: the folder to make it in.
 
     Returns:
         the folder's path.
     """
-    path = tempfile.mkdtemp(prefix=prefix)
+    path = tempfile.mkdtemp(prefix=prefix, dir=dir)
     with _lock:
         _held.add(path)
         _tell_watchdog(f"+{path}")
     return Path(path)
 
 
-def remove_temp_dir(path: str | os.PathLike) -> None:
-    """Remove a folder made by :func:`temp_dir` (and what is in it) and tell the watchdog it is gone."""
-    shutil.rmtree(path, ignore_errors=True)
+def remove_temp_dir(path: str | os.PathLike, keep: bool = False) -> None:
+    """Remove a folder made by :func:`temp_dir` (and what is in it) and tell the watchdog it is gone.
+
+    ``keep``: only tell the watchdog (the folder was renamed into place and is no longer temporary).
+    """
+    if not keep:
+        shutil.rmtree(path, ignore_errors=True)
     with _lock:
         if str(path) in _held:
             _held.discard(str(path))
