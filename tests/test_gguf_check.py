@@ -136,7 +136,8 @@ def test_bool_other_than_0_or_1_is_refused(tiny_gguf, tmp_path):
     assert "gemma4.attention.sliding_window_pattern" in msg and "expected 0 or 1" in msg
 
 
-@pytest.mark.parametrize("value,what", [(float("nan"), "is NaN"), (float("-inf"), "is -Inf"), (1e35, "is 1e+35: |w| > 1e+30")])
+@pytest.mark.parametrize("value,what", [(float("nan"), "is NaN"), (float("-inf"), "is -Inf"),
+                                        (1e35, "is 1e+35: |w| > 1e+30"), (3e38, "is 3e+38: |w| > 1e+30")])
 @pytest.mark.parametrize("engine", ["reference", "fast"])
 def test_bad_weight_is_named_by_both_engines(tiny_gguf, tmp_path, value, what, engine):
     t = next(t for t in read_layout(tiny_gguf).tensors if t.name == "blk.1.attn_k.weight")

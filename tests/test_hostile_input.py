@@ -95,6 +95,16 @@ def test_out_is_checked_before_any_work(tiny_gguf, tmp_path):
     assert_one_line_error(run_cli("parity", "--model", str(tiny_gguf), "--out", str(blocker)), "--out")
 
 
+@pytest.mark.slow
+def test_out_of_bench_and_selftest_is_checked_before_any_work(tmp_path):
+    """The other commands whose --out is a folder of run directories: an existing file is refused up front."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_one_line_error(run_cli("bench", "--model", "e2b", "--engines", "reference", "--out", str(blocker)), "--out")
+    assert_one_line_error(run_cli("selftest", "--out", str(blocker)), "--out")
+    assert blocker.read_text() == "x"
+
+
 def test_unknown_case_and_engine(tiny_gguf, tmp_path):
     runs = tmp_path / "runs"
     assert_one_line_error(run_cli("parity", "--case", "nosuchcase", "--out", str(runs)), "nosuchcase")
@@ -110,3 +120,54 @@ def test_bench_sizes_are_bounded(tmp_path, flag, value):
     proc = run_cli("bench", "--model", "e2b", "--engines", "reference", flag, value, "--out", str(tmp_path),
                    timeout=120)
     assert_one_line_error(proc, flag.lstrip("-"), value)
+
+
+# --------------------------------------------------------------------------- damaged GGUFs, end to end
+
+
+def _damaged(tiny: Path, out: Path, damage: str) -> Path:
+    """The tiny GGUF with one of the report's damages (field offsets from ``gguf.GGUFReader`` on the clean file)."""
+    import struct
+
+    from gguf_mutate import read_layout
+
+    lay = read_layout(tiny)
+    keys, tensors = lay.keys, {t.name: t for t in lay.tensors}
+    where = {
+        "huge array count": (keys["gemma4.attention.sliding_window_pattern"].count_off, "<Q", 2**62),
+        "misaligned offset": (tensors["output_norm.weight"].offset_off, "<Q",
+                              tensors["output_norm.weight"].rel_offset + 4),
+        "offset into another tensor": (tensors["output_norm.weight"].offset_off, "<Q",
+                                       tensors["token_embd.weight"].rel_offset),
+        "type of another block size": (tensors["blk.0.ffn_up.weight"].type_off, "<I", 1),  # F32 -> F16
+        "softcap inf": (keys["gemma4.final_logit_softcapping"].value_off, "<f", float("inf")),
+        "freq_base -1": (keys["gemma4.rope.freq_base"].value_off, "<f", -1.0),
+        "block_count 2**32-1": (keys["gemma4.block_count"].value_off, "<I", 2**32 - 1),
+        "NaN weight": (tensors["blk.1.attn_k.weight"].data_start + 4 * 17, "<f", float("nan")),
+        "3e38 weight": (tensors["blk.1.attn_k.weight"].data_start + 4 * 17, "<f", 3e38),
+    }
+    off, fmt, value = where[damage]
+    buf = bytearray(tiny.read_bytes())
+    struct.pack_into(fmt, buf, off, value)
+    out.write_bytes(bytes(buf))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage,engine,named", [
+    ("huge array count", "reference", "gemma4.attention.sliding_window_pattern"),  # was: a hang
+    ("misaligned offset", "fast", "output_norm.weight"),  # was: exit 0 with wrong logits
+    ("offset into another tensor", "reference", "output_norm.weight"),
+    ("type of another block size", "fast", "blk.0.ffn_up.weight"),
+    ("softcap inf", "fast", "gemma4.final_logit_softcapping"),  # was: exit 0 with NaN
+    ("freq_base -1", "reference", "gemma4.rope.freq_base"),
+    ("NaN weight", "fast", "blk.1.attn_k.weight"),
+    ("3e38 weight", "fast", "blk.1.attn_k.weight"),
+    ("block_count 2**32-1", "reference", "gemma4.block_count"),  # was: a MemoryError traceback
+])
+def test_damaged_gguf_is_one_line_and_exit_2(tiny_gguf, tmp_path, damage, engine, named):
+    """Each damaged file of the report, through ``g4h logits`` with the engine it fooled: exit 2, one line."""
+    bad = _damaged(tiny_gguf, tmp_path / "bad.gguf", damage)
+    p = _prompt(tmp_path, [2, 5, 7])
+    line = assert_one_line_error(_logits(bad, p, tmp_path / "o.npy", "--engine", engine, "--device", "cpu"), named)
+    assert "bad.gguf" in line and not (tmp_path / "o.npy").exists()
