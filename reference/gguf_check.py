@@ -18,8 +18,9 @@ header field, key or tensor, and what was expected):
   count is;
 * each key/value: name length within the bytes left, ASCII, 1 to 65535 bytes,
   not a duplicate (an entry whose length field is damaged is named by the
-  printable bytes that follow it, or else the entry before it is named); a known value type; BOOL values 0 or 1 (the spec calls
-  anything else invalid); an array's element type known and not an
+  printable bytes that follow it; a length field that holds text, or no name
+  after it, names the entry before); a known value type; BOOL values 0 or 1
+  (the spec calls anything else invalid); an array's element type known and not an
   array, and its count within the bytes left *before* anything is allocated;
 * the types of the keys this harness reads (``general.alignment``, the
   ``tokenizer.ggml`` ids and tables, every ``gemma4.*`` / ``gemma3.*`` key
@@ -258,6 +259,14 @@ def _peek_name(cur: _Cursor, start: int) -> str:
     return raw[:n].decode("ascii")
 
 
+def _printable_suffix(raw: bytes) -> str:
+    """The printable ASCII bytes at the end of ``raw``."""
+    n = len(raw)
+    while n and 0x20 <= raw[n - 1] < 0x7F:
+        n -= 1
+    return raw[n:].decode("ascii")
+
+
 def _read_name(cur: _Cursor, kind: str, i: int, prev: str) -> str:
     """The name of key or tensor entry ``i`` (``prev``: ``key X``, ``tensor X`` or ``the header``), its length
     bounded by the bytes left; every error names an entry.
@@ -279,11 +288,16 @@ def _read_name(cur: _Cursor, kind: str, i: int, prev: str) -> str:
             raise cur.fail(f"{_entry(kind, i, seen, prev)}: the file ends inside its name, at byte {cur.size} "
                            f"(name length {n} at byte {start}; truncated?)", at_end=True)
         part = "its n_dims or dims" if prev.startswith("tensor ") else "its value (type, count or length)"
-        if seen or prev == "the header":
+        # A length below 2**48 has two zero high bytes; printable ones mean the reader is inside a name's text,
+        # misplaced by the entry before, and what follows is no name of its own.
+        text = _printable_suffix(bytes(cur.buf[start:start + 8]))
+        if len(text) < 2 and (seen or prev == "the header"):
             raise cur.fail(f"{_entry(kind, i, seen, prev)}: name length {n} at byte {start} exceeds the {left} "
                            f"bytes left (this length, or {part} in the entry before, is damaged)")
-        raise cur.fail(f"{last} is followed at byte {start} by a {kind} name length of {n}, more than "
-                       f"the {left} bytes left, and no name: {part}, or the {kind} entry #{i} after it, is damaged")
+        found = f"text {text + seen!r}" if len(text) >= 2 else f"a {kind} name length of {n}, more than the {left} " \
+                                                                 "bytes left, and no name"
+        raise cur.fail(f"{last} is followed at byte {start} by {found}: {part}, or the {kind} entry #{i} after it, "
+                       "is damaged")
     cur.pos = start + 8 + n
     raw = bytes(cur.buf[start + 8:cur.pos])
     try:

@@ -175,6 +175,16 @@ def test_a_value_too_short_names_its_key(tiny_gguf, tmp_path):
     assert "its value (type, count or length), or the key entry #1 after it, is damaged" in msg
 
 
+def test_a_misread_value_names_its_key_not_the_text_after_it(tiny_gguf, tmp_path):
+    """BOOL items read as UINT32: the reader lands inside the next key's name, whose text is no entry's name."""
+    lay = read_layout(tiny_gguf)
+    k = lay.keys["gemma4.attention.sliding_window_pattern"]
+    after = list(lay.keys)[list(lay.keys).index(k.name) + 1]
+    msg = _error(_patched(tiny_gguf, tmp_path / "t.gguf", k.count_off - 4, "<I", 4), ModelFileError)
+    assert msg.split(": ", 1)[1].startswith(f"key {k.name} (#")
+    assert f"by text {after!r}: its value (type, count or length)" in msg
+
+
 def test_a_name_that_is_not_utf8_is_shown(tiny_gguf, tmp_path):
     t = next(t for t in read_layout(tiny_gguf).tensors if t.name == "output_norm.weight")
     msg = _error(_patched(tiny_gguf, tmp_path / "u.gguf", t.start + 8 + 3, "<B", 0xE5), ModelFileError)
