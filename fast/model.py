@@ -315,10 +315,11 @@ class FastModel:
         self.inv_freq = {L.index: torch.tensor(rope_inv_freq(L), dtype=torch.float64) for L in cfg.layers}
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def new_cache(self, max_seqs: int, max_tokens: int, page_size: int = 16) -> PagedKVCache:
-        """A paged KV cache for up to ``max_seqs`` sequences of up to ``max_tokens`` tokens each."""
+    def new_cache(self, max_seqs: int, max_tokens: int, page_size: int = 16, ring_extra: int = 0) -> PagedKVCache:
+        """A paged KV cache for up to ``max_seqs`` sequences of up to ``max_tokens`` tokens each; sliding rings keep
+        ``ring_extra`` tokens beyond the window (for speculative rollback, :mod:`fast.kvcache`)."""
         return PagedKVCache(self.cfg, max_seqs=max_seqs, max_tokens=max_tokens, page_size=page_size,
-                            device=self.device, dtype=torch.float32)
+                            device=self.device, dtype=torch.float32, ring_extra=ring_extra)
 
     def rope_tables(self, layer: LayerSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (:func:`rope_angles`) for ``positions`` of one layer, float32 ``[N, n_rot/2]``, from a
@@ -336,7 +337,8 @@ class FastModel:
     # ------------------------------------------------------------------ the step
 
     def step(self, cache: PagedKVCache, seqs: Sequence[SeqStep], all_logits: bool = False,
-             trace: TraceFn | None = None) -> torch.Tensor:
+             trace: TraceFn | None = None, rows: Sequence[int] | None = None,
+             return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the new tokens of several sequences through the model, appending to their caches.
 
         Args:
@@ -344,9 +346,14 @@ class FastModel:
             seqs: one entry per sequence in the batch (any mix of prefill chunks and decode tokens).
             all_logits: logits of every new token, else only of each sequence's last one.
             trace: callback ``(point, layer, array)``; only for a single-sequence step.
+            rows: the rows of the step's ``[N, ...]`` activations to take logits of (overrides ``all_logits``;
+                speculative verification takes every row of a drafted sequence, the last of a prefill chunk).
+            return_hidden: also return the post-final-norm hidden state (``result_norm``) of those rows, which a
+                drafter reads.
 
         Returns:
-            float32 logits ``[N, V]`` (all_logits) or ``[len(seqs), V]``.
+            float32 logits ``[N, V]`` (all_logits), ``[len(rows), V]`` or ``[len(seqs), V]``; with
+            ``return_hidden``, ``(logits, hidden [., h])``.
 
         Raises:
             ValueError: a trace asked for on a batch of several sequences.
@@ -374,13 +381,15 @@ class FastModel:
             tr("inp_per_layer", -1, ple)
         for layer in cfg.layers:
             x = self.decoder_layer(layer, x, batch, None if ple is None else ple[:, layer.index], tr)
-        if not all_logits:
+        if rows is not None:
+            x = x[torch.as_tensor(list(rows), dtype=torch.long, device=dev)]
+        elif not all_logits:
             x = x[torch.as_tensor(batch.offsets[1:] - 1, device=dev)]
         x = rms_norm(x, self.w["output_norm.weight"], cfg.rms_eps)
         tr("result_norm", -1, x)
         logits = self.lm_head(x)
         tr("result_output", -1, logits)
-        return logits
+        return (logits, x) if return_hidden else logits
 
     def placeholders_to_pad(self, batch: StepBatch, ids: torch.Tensor) -> torch.Tensor:
         """Each sequence's placeholders become the pad id (:func:`fast.multimodal.llm_input_ids`). [N] -> [N]."""

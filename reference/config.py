@@ -453,7 +453,9 @@ def config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, .
             rope_freq_factors=None,
             rope_scale=1.0 if sl else scale,
         ))
-    own = [L for L in layers if L.has_kv]  # Gemma4TextConfig: only full layers use K as V, and then all of them
+    # Gemma4TextConfig: only full layers use K as V, and then all of them. A layer without attn_k has no K to
+    # use as V: a target's missing attn_k is the loader's missing-tensor error; an MTP drafter has neither.
+    own = [L for L in layers if L.has_kv and f"blk.{L.index}.attn_k.weight" in tensors]
     no_v = [L for L in own if not L.has_v_proj and (L.is_sliding or any(F.has_v_proj for F in own if not F.is_sliding))]
     if no_v:
         raise ConfigError(f"{source}: missing tensor blk.{no_v[0].index}.attn_v.weight (only full-attention layers may "
@@ -604,6 +606,9 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
                 raise ConfigError(f"{source}: per_layer_config key {k!r}: expected a layer index") from None
             if not 0 <= idx < n_layer:
                 raise ConfigError(f"{source}: per_layer_config key {k!r}: layer out of range")
+            if not isinstance(v, Mapping):
+                raise ConfigError(f"{source}: per_layer_config[{k!r}]: expected an object of layer fields, "
+                                  f"got {type(v).__name__}")
             overrides[idx] = dict(v)
     else:
         glob = {"head_dim": get("global_head_dim", 512)}

@@ -182,11 +182,32 @@ def pytest_addoption(parser):
                      help="run the throughput benchmarks (tests marked 'bench'); they write reports/<ts>-bench/")
 
 
+def _cuda_present() -> bool:
+    import torch  # lazy: only when a collected test needs CUDA
+
+    return torch.cuda.is_available()
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without ``--bench`` the benchmarks are deselected (not skipped: they were not asked for)."""
-    if config.getoption("--bench"):
-        return
-    bench = [item for item in items if "bench" in item.keywords]
-    if bench:
-        config.hook.pytest_deselected(items=bench)
-        items[:] = [item for item in items if "bench" not in item.keywords]
+    """Deselect (not skip) what was not asked for or cannot apply here, and say so in the summary.
+
+    * benchmarks (marker ``bench``) without ``--bench``;
+    * tests of a CUDA device (marker ``cuda``) on a machine without one: the CPU-side tests of the same
+      code still run; the device figures come from ``g4h device-check`` on a GPU machine.
+    """
+    drop = []
+    if not config.getoption("--bench"):
+        drop += [item for item in items if "bench" in item.keywords]
+    cuda = [item for item in items if "cuda" in item.keywords and item not in drop]
+    if cuda and not _cuda_present():
+        drop += cuda
+        config._g4h_no_cuda = len(cuda)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item not in drop]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = getattr(config, "_g4h_no_cuda", 0)
+    if n:
+        terminalreporter.write_line(f"{n} CUDA test(s) deselected: no CUDA device here (they run on a GPU machine)")

@@ -264,7 +264,7 @@ def write_big_e2b(path: str | os.PathLike, n_layer: int | None = None) -> Path:
     import gguf
     from harness import synth
 
-    cfg = tomllib.loads((Path(synth.__file__).resolve().parent.parent / "cases" / "shapes" / "e2b.toml").read_text())
+    cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "cases" / "shapes" / "e2b.toml").read_text())
     cfg = cfg["config"]
     if n_layer:
         cfg = dict(cfg, num_hidden_layers=n_layer, layer_types=cfg["layer_types"][:n_layer],
@@ -274,8 +274,9 @@ def write_big_e2b(path: str | os.PathLike, n_layer: int | None = None) -> Path:
     blocks[:, :2] = rng.uniform(1e-3, 1e-2, len(blocks)).astype("<f2").view(np.uint8).reshape(-1, 2)
     blocks[:, 2:] = rng.integers(0, 256, (len(blocks), 32), dtype=np.uint8)
     template = blocks.reshape(-1)
+    spec = types.SimpleNamespace(config=cfg, name="e2b-big", path=Path(str(path)))  # what synth reads of a Spec
     w = gguf.GGUFWriter(str(path), "gemma4")
-    for key, (val, vt, sub) in synth.gguf_metadata(types.SimpleNamespace(config=cfg, name="e2b-big", path=Path(str(path)))).items():
+    for key, (val, vt, sub) in synth.gguf_metadata(spec).items():
         w.add_key_value(key, val, gguf.GGUFValueType[vt], sub_type=gguf.GGUFValueType[sub] if sub else None)
     vocab = cfg["vocab_size"]
     w.add_key_value("tokenizer.ggml.model", "gemma4", gguf.GGUFValueType.STRING)
@@ -285,7 +286,7 @@ def write_big_e2b(path: str | os.PathLike, n_layer: int | None = None) -> Path:
                     sub_type=gguf.GGUFValueType.FLOAT32)
     w.add_key_value("tokenizer.ggml.token_type", [1] * vocab, gguf.GGUFValueType.ARRAY,
                     sub_type=gguf.GGUFValueType.INT32)
-    shapes = {"rope_freqs.weight": (cfg["global_head_dim"] // 2,), **synth.tensor_shapes(cfg)}
+    shapes = {"rope_freqs.weight": (cfg["global_head_dim"] // 2,), **synth.tensor_shapes(spec)}
     datas = {}
     for name, shape in shapes.items():
         if len(shape) == 1:

@@ -16,7 +16,7 @@ import hypothesis
 import hypothesis.strategies
 import pytest
 
-from reference import chat
+from reference import chat, chat_parse
 from reference.errors import InputError
 
 WEATHER = {"type": "function", "function": {
@@ -131,10 +131,10 @@ def test_format_value_rules():
     assert chat.format_value({"b": 1, "A": "x"}) == '{<|"|>A<|"|>:<|"|>x<|"|>,<|"|>b<|"|>:1}'
     assert chat.format_value({"b": 1, "A": "x"}, escape_keys=False) == '{A:<|"|>x<|"|>,b:1}'
     assert chat.format_value([True, False, None, 1.5, -3]) == "[true,false,None,1.5,-3]"
-    assert chat.parse_value('{A:<|"|>x, y<|"|>,b:[1,2.5,true,None]}') == {"A": "x, y", "b": [1, 2.5, True, None]}
+    assert chat_parse.parse_value('{A:<|"|>x, y<|"|>,b:[1,2.5,true,None]}') == {"A": "x, y", "b": [1, 2.5, True, None]}
     for bad in ("{a:1", "[1,2", '<|"|>open', "{a 1}", "1 2]"):
         with pytest.raises(InputError):
-            chat.parse_value(bad)
+            chat_parse.parse_value(bad)
 
 
 def test_bad_messages():
@@ -146,23 +146,23 @@ def test_bad_messages():
 
 
 def test_parse_model_output():
-    out = chat.parse_model_output(
+    out = chat_parse.parse_model_output(
         "<|channel>thought\nThe user wants weather.\n<channel|>Let me check."
         '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'
         "<|tool_call>call:noop{}<tool_call|><|tool_response>")
     assert out == {"thinking": "The user wants weather.", "content": "Let me check.",
                    "tool_calls": [call("get_weather", {"city": "Paris", "days": 2}), call("noop", {})],
                    "stop": "<|tool_response>"}
-    final = chat.parse_model_output(" The answer is 4. <turn|>\n<|turn>user\n")
+    final = chat_parse.parse_model_output(" The answer is 4. <turn|>\n<|turn>user\n")
     assert final == {"thinking": None, "content": "The answer is 4.", "tool_calls": [], "stop": "<turn|>"}
-    assert chat.parse_model_output("partial")["stop"] is None
-    assert chat.parse_model_output("x<eos>")["stop"] == "<eos>"
-    raw = chat.parse_model_output("<|tool_call>call:f{not parseable}<tool_call|>")
+    assert chat_parse.parse_model_output("partial")["stop"] is None
+    assert chat_parse.parse_model_output("x<eos>")["stop"] == "<eos>"
+    raw = chat_parse.parse_model_output("<|tool_call>call:f{not parseable}<tool_call|>")
     assert raw["tool_calls"] == [call("f", "not parseable")]
     for bad, msg in (("<|channel>thought\nno end", "without <channel|>"), ("<|tool_call>call:f{", "without"),
                      ("<|tool_call>nocall<tool_call|>", "expected call:NAME")):
         with pytest.raises(InputError, match=msg):
-            chat.parse_model_output(bad)
+            chat_parse.parse_model_output(bad)
 
 
 # --------------------------------------------------------------------------- round trips
@@ -188,8 +188,8 @@ def test_render_parse_round_trip(msgs):
     for thinking in (False, True):
         text = chat.render(msgs, [WEATHER, NOOP], enable_thinking=thinking, preserve_thinking=True,
                            add_generation_prompt=True)
-        back = chat.parse_conversation(text)
-        assert back["messages"] == chat.normalize_messages(msgs)
+        back = chat_parse.parse_conversation(text)
+        assert back["messages"] == chat_parse.normalize_messages(msgs)
         assert back["enable_thinking"] is thinking
         assert [t["name"] for t in back["tools"]] == ["get_weather", "noop"]
         ends_waiting = bool(msgs[-1].get("tool_calls"))
@@ -243,11 +243,11 @@ def test_round_trip_hypothesis():
     @hypothesis.given(_conversations())
     def run(msgs):
         text = chat.render(msgs, preserve_thinking=True, add_generation_prompt=True)
-        back = chat.parse_conversation(text)
-        assert back["messages"] == chat.normalize_messages(msgs), text
+        back = chat_parse.parse_conversation(text)
+        assert back["messages"] == chat_parse.normalize_messages(msgs), text
         for m in msgs:  # every thinking block and tool call is in the parsed result
             if m.get("tool_calls"):
-                assert any(b.get("tool_calls") == chat.normalize_messages([m])[0]["tool_calls"]
+                assert any(b.get("tool_calls") == chat_parse.normalize_messages([m])[0]["tool_calls"]
                            for b in back["messages"])
 
     run()
@@ -258,7 +258,7 @@ def test_model_output_round_trip():
            "tool_calls": [call("search", {"q": "gemma 4", "n": 3})]}
     text = chat.render([msg], bos=False, preserve_thinking=True)
     body = text[len("<|turn>model\n"):]
-    out = chat.parse_model_output(body)
+    out = chat_parse.parse_model_output(body)
     assert out["thinking"] == "think\nmore" and out["tool_calls"] == [call("search", {"q": "gemma 4", "n": 3})]
     assert out["stop"] == "<|tool_response>"
 

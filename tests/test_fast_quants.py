@@ -454,7 +454,7 @@ def test_linear_default_chunk_bounds_decoded_elements(monkeypatch):
     assert max(sizes) <= 4 * 256 and sum(sizes) == 19 * 256
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to measure device memory")
+@pytest.mark.cuda
 def test_linear_cuda_peak_memory_stays_below_a_full_fp32_copy():
     rows, bpr = 4096, 16  # 4096 x 4096 Q4_K: 9.4 MB raw, 64 MB as fp32
     qt = _qt("Q4_K", rows=rows, blocks_per_row=bpr, device="cuda")

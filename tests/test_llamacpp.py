@@ -34,8 +34,8 @@ PROMPTS = load_prompts()
 LONGEST = max(PROMPTS, key=lambda p: len(p["prompt_ids"]))["prompt_ids"]
 THREADS = 2
 
-#: Cases llama.cpp runs and agrees on (no KV-shared layers; softcap key present). The KV-shared cases
-#: abort in llama.cpp (its donor rule: see test_kv_donor_layout_abort_is_engine_crashed).
+#: A case llama.cpp runs and agrees on (softcap key present). KV-shared cases run too (e2b) unless a shared
+#: layer's donor under llama.cpp's rule is of the other layer type: see test_kv_donor_layout_abort_is_engine_crashed.
 PASSING = "31b"
 #: A KV-shared layout whose last two non-shared layers are not [sliding, full]: llama.cpp asserts.
 ABORTS = "edge-keqv-shared-donor"
@@ -296,7 +296,8 @@ def test_tokenizer_crash_is_reported_and_the_run_goes_on(aborting_vocab, small_v
     from clitools import assert_one_line_error, run_cli
 
     from harness.tokenizer.checks import Ctx, run_check
-    from harness.tokenizer.engines import compare_engines, make_tok_engine
+    from harness.tokenizer.corpus import compare_engines
+    from harness.tokenizer.engines import make_tok_engine
 
     def crashing(ctx) -> dict:
         compare_engines(make_tok_engine("ours", small_vocab), make_tok_engine("llamacpp", aborting_vocab), ["ab"])

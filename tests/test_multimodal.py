@@ -29,7 +29,8 @@ from fast.mm_weights import EncoderWeights
 from fast.model import FastModel, SeqStep
 from fast.multimodal import chunk_end
 from harness.core.gates import DEFAULT_GATES
-from harness.core.metrics import cosine, kld_stats, rel_l2
+from harness.core.kld import kld_stats
+from harness.core.metrics import cosine, rel_l2
 from harness.synth.mm_audio import TINY_IDS
 from harness.synth.mm_model import build_tiny_mm_hf
 from reference import audio_features as AF

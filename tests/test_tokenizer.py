@@ -75,7 +75,7 @@ def hf4(built):
 
 @pytest.fixture(scope="module")
 def corpus():
-    from harness.tokenizer.engines import load_corpus
+    from harness.tokenizer.corpus import load_corpus
 
     return load_corpus()
 
@@ -306,7 +306,8 @@ def test_gemma3_gguf_vs_sentencepiece_on_corpus(gemma3_gguf, sp, corpus):
 
 
 def test_gemma3_spm_metadata_engine(sp, corpus):
-    from harness.tokenizer.engines import cached_tok_engine, compare_engines
+    from harness.tokenizer.corpus import compare_engines
+    from harness.tokenizer.engines import cached_tok_engine
 
     ours = cached_tok_engine("ours", str(REAL_SPM), True, None)
     assert ours.tok.model == "llama" and ours.tok.add_space_prefix is False
@@ -328,7 +329,7 @@ def test_gemma3_llama_parse_special_modes(gemma3_gguf):
 
 
 def test_corpus_format(corpus, tmp_path):
-    from harness.tokenizer.engines import load_corpus, unescape
+    from harness.tokenizer.corpus import load_corpus, unescape
 
     assert unescape(r"a\nb\tc\\n\u00e9\U0001F600\d") == "a\nb\tc\\né😀\\d"
     names = {c.source.split(":")[0] for c in corpus}
@@ -430,7 +431,7 @@ def test_cli_tokenize_and_tokcheck(built, g4, tmp_path):
     proc = run_cli("tokenize", "--tokenizer", str(built.gguf), "--engine", "ours", "--text-file", str(corpus),
                    "--out", str(out), "--escapes", "--special", "parse")
     assert proc.returncode == 0, proc.stderr
-    from harness.tokenizer.engines import load_corpus
+    from harness.tokenizer.corpus import load_corpus
 
     rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
     want = [c.text for c in load_corpus(corpus)]

@@ -5,11 +5,12 @@ The job (:func:`bench`), read top-down:
 1. check the options and read the baseline (bad input stops here, before any work);
 2. find the model (:class:`.models.ModelSource`) and measure the machine's read bandwidth;
 3. build each engine that can run (:func:`.models.make_bench_engines`; one that cannot is listed as
-   skipped with a one-line reason);
+   skipped with a one-line reason); with ``--draft-model``, the fast engine with that drafter beside it
+   (:mod:`.speculative`);
 4. time every (test, depth, batch) on every engine, interleaved (:func:`.run.run_plan`);
 5. same-run ratios, the baseline verdict, and the report (:mod:`.report`).
 
-Modules: :mod:`.run` (measurement, bytes per token, ratios), :mod:`.models`, :mod:`.report`.
+Modules: :mod:`.run` (measurement, bytes per token, ratios), :mod:`.models`, :mod:`.speculative`, :mod:`.report`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..engines.base import EngineUnavailable
 from .models import ModelSource, make_bench_engines
 from .report import compare_baseline, read_baseline, results, write_baseline, write_report
 from .run import ENGINE_NAMES, BenchPlan, machine_info, measure_read_bandwidth, ratios, run_plan
+from .speculative import SpecBench, speculative_summary
 
 __all__ = ["BenchOptions", "bench"]
 
@@ -50,6 +52,9 @@ class BenchOptions:
     out: str | None = None
     baseline: str | None = None
     write_baseline: str | None = None
+    draft_model: str | None = None
+    draft_tokens: int = 4
+    draft_label: str | None = None
 
 
 def check_options(o: BenchOptions) -> None:
@@ -80,6 +85,11 @@ def check_options(o: BenchOptions) -> None:
         raise InputError(f"{o.write_baseline}: a baseline is there already; remove it or choose another path")
     if o.device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {o.device}: torch sees no CUDA device")
+    if o.draft_model is not None and ("fast" not in o.engines or not o.plan.tg):
+        raise InputError("--draft-model: speculative decoding is timed against the fast engine's tg test "
+                         "(needs --engines with fast and --tg > 0)")
+    if o.draft_tokens < 1:
+        raise InputError(f"--draft-tokens {o.draft_tokens}: expected >= 1")
 
 
 def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, Any], int, Path]:
@@ -110,10 +120,19 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
         except (EngineUnavailable, InputError) as e:
             skipped[name] = str(e).splitlines()[0]
             progress(f"{name}: skipped: {skipped[name]}")
-    rows = run_plan(benches, o.plan, progress)
+    spec = []
+    if o.draft_model is not None:
+        fast = next((b for b in benches if b.engine == "fast"), None)
+        if fast is not None:
+            label = o.draft_label or (Path(o.draft_model).name if Path(o.draft_model).exists() else o.draft_model)
+            spec = [SpecBench(fast, o.draft_model, o.draft_tokens, label)]
+            progress(f"speculative decoding: drafter {label}, K = {o.draft_tokens}, beside fast-{fast.dtype}")
+    rows = run_plan(benches + spec, o.plan, progress)
     for be in benches:
         be.close()
     data = results(rows, o.plan, machine_info(o.device), src.info(), bandwidth, ratios(rows))
+    if spec:
+        data["speculative"] = speculative_summary(spec, rows)
     data["skipped"] = skipped  # before the report is written: report.md lists them
     status = 0
     if baseline is not None:

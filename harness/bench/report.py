@@ -179,6 +179,19 @@ def render_markdown(data: Mapping[str, Any], plots: list[str]) -> str:
               "tokens/s; roofline: that as a share of the read bandwidth.", ""]
     if data["ratios"]:
         lines += ["## Ratios (same run)", "", ratio_frame(data).to_markdown(index=False), ""]
+    if data.get("speculative"):
+        sp = data["speculative"]
+        lines += ["## Speculative decoding (same run)", "",
+                  f"Drafter `{sp.get('draft_model')}`, K = {sp.get('draft_tokens')} drafts per round; `fast-spec` "
+                  "rows time the same tg test with the drafter (drafting included); output is the plain greedy "
+                  "output (`g4h parity` checks it).", ""]
+        for r in sp["runs"]:
+            acc = "n/a" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f} %"
+            speed = "not run" if r["speedup"] is None else (f"{r['spec_tok_s']:.1f} vs {r['plain_tok_s']:.1f} t/s, "
+                                                            f"**{r['speedup']:.2f}x**")
+            lines += [f"- {r['test']} @ d{r['depth']} b{r['batch']} ({r['dtype']}): acceptance {acc}, "
+                      f"{r['tokens_per_forward']:.2f} tokens per target forward; {speed}"]
+        lines += [""]
     for p in plots:
         lines += [f"![{p}]({p})", ""]
     return "\n".join(lines)
@@ -266,6 +279,12 @@ def summary_lines(data: Mapping[str, Any]) -> list[str]:
         out.append(f"{r['engine'] + '-' + r['dtype']:<22} {r['label']:<14} b{r['batch']:<3} {tps}{share}")
     for k, v in data["ratios"].items():
         out.append(f"ratio {k}: {v:.2f}x")
+    for r in (data.get("speculative") or {}).get("runs", []):
+        acc = "n/a" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f} %"
+        gain = "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        out.append(f"speculative {data['speculative']['draft_model']} K={data['speculative']['draft_tokens']} "
+                   f"{r['test']} d{r['depth']} b{r['batch']}: acceptance {acc}, {r['tokens_per_forward']:.2f} tokens "
+                   f"per target forward, speed-up {gain}")
     if not math.isnan(data.get("read_bandwidth_gbs") or math.nan):
         out.append(f"read bandwidth: {data['read_bandwidth_gbs']:.1f} GB/s")
     return out

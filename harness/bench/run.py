@@ -322,11 +322,13 @@ def run_plan(benches: Sequence[Benchable], plan: BenchPlan,
             for batch in plan.batches:
                 live = []
                 for k, be in enumerate(benches):
+                    if test not in getattr(be, "tests", ("pp", "tg")):  # speculative decoding: tg only
+                        continue
                     row = rows[(k, test, depth, batch)] = BenchRow(be.engine, be.dtype, test, n, depth, batch)
                     if be.max_batch is not None and batch > be.max_batch:
                         row.error = f"{be.engine} runs one sequence at a time (batch {be.max_batch} only)"
                         continue
-                    if test == "tg":
+                    if test == "tg" and getattr(be, "roofline", True):
                         row.bytes_per_token = bytes_per_token(be.cfg, be.elem_bytes, batch, depth, n, be.kv_elem)
                     live.append((k, be, row))
                 if progress:
@@ -352,7 +354,8 @@ def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float
     For every (test, depth, batch), every ``fast-<dtype>`` row over the other
     engines' rows: ``transformers`` of the same dtype, ``llamacpp-<file type>`` and
     ``reference-float64``;
-    and ``fast`` batch B over ``fast`` batch 1 (the batching gain).
+    and ``fast`` batch B over ``fast`` batch 1 (the batching gain); with a drafter, ``fast-spec-<dtype>`` over
+    ``fast-<dtype>`` (the speed-up of speculative decoding).
     """
     ok = [r for r in rows if r.tok_per_s]
     by_key: dict[tuple[str, int], list[BenchRow]] = {}
@@ -362,7 +365,10 @@ def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float
     for (label, batch), group in sorted(by_key.items()):
         for num in (r for r in group if r.engine == numerator):
             for den in group:
-                if den.engine != numerator and (den.engine != "transformers" or den.dtype == num.dtype):
+                if den.engine == f"{numerator}-spec":
+                    if den.dtype == num.dtype:
+                        out[f"{label} b{batch} {den.engine_label}/{num.engine_label}"] = den.mean / num.mean
+                elif den.engine != numerator and (den.engine != "transformers" or den.dtype == num.dtype):
                     out[f"{label} b{batch} {num.engine_label}/{den.engine_label}"] = num.mean / den.mean
     solo = {(r.label, r.engine_label): r for r in ok if r.batch == 1 and r.engine == numerator}
     for r in ok:

@@ -44,6 +44,8 @@ COMMANDS: dict[str, Command] = {
     "tokcheck": Command("harness.cli.tokcheck", "texts whose token ids differ between two tokenizer engines"),
     "synth": Command("harness.cli.synth", "build synthetic cases (HF safetensors + GGUFs) and print their paths"),
     "device-check": Command("harness.cli.device_check", "the fast path on CUDA against the reference, to JSON"),
+    "inspect": Command("harness.cli.inspect", "what a GGUF file or HF folder holds, its problems, and which engines "
+                       "can run it"),
 }
 """Sub-command name -> :class:`Command`."""
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from reference.errors import InputError
 
 from .. import synth
-from ..core.cases import MODELS_DIR
+from ..core.cases import DRAFTER_SUFFIX, MODELS_DIR, builtin_drafter_specs, builtin_specs
 from ..engines import ENGINES
+from ..synth.drafter import ensure_drafter_built
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -20,7 +21,8 @@ def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference"
     p.add_argument("--model", required=model_required, default=None,
                    help=".gguf file, HF model folder, or a case: a built-in name (e2b, 26b-a4b ...) or a spec .toml "
                         "(built and cached on first use)")
-    p.add_argument("--engine", default=default_engine, help=" | ".join(ENGINES))
+    p.add_argument("--engine", default=default_engine,
+                   help=" | ".join([*ENGINES, "cmd:'COMMAND ...' (docs/engine-protocol.md)"]))
     p.add_argument("--device", default=None, help="fast engine: cpu | cuda[:N] (default: cuda when present)")
     p.add_argument("--dtype", dest="dtype_engine", choices=DTYPES, default=None,
                    help="fast engine: compute dtype (default float32)")
@@ -83,8 +85,37 @@ def resolve_model(model: str, engine: str) -> Path:
     p = Path(model)
     if p.exists() and p.suffix != ".toml":
         return p
+    if p.stem.endswith(DRAFTER_SUFFIX):
+        raise InputError(f"{model}: a drafter (MTP assistant) spec; give it as --draft-model beside its target")
     if p.suffix == ".toml" or (MODELS_DIR / f"{model}.toml").is_file():
         built = synth.ensure_built(p if p.suffix == ".toml" else MODELS_DIR / f"{model}.toml")
         return built.hf_dir if engine == "transformers" else built.gguf["F32"]
     raise InputError(f"{model}: no such file or folder, and not a built-in case "
-                     f"(known: {', '.join(s.stem for s in sorted(MODELS_DIR.glob('*.toml')))})")
+                     f"(known: {', '.join(s.stem for s in builtin_specs())})")
+
+
+SPECIAL_DRAFTERS = ("oracle", "random")
+"""``--draft-model`` names of the drafters that exercise the verifier (besides ``partial:J``)."""
+
+
+def resolve_draft_model(draft: str) -> str:
+    """``--draft-model`` as what :meth:`harness.engines.fast.FastEngine.proposer` takes.
+
+    ``oracle``, ``random`` and ``partial:J`` pass as they are; an existing file or folder too; a drafter case (a
+    built-in name such as ``e2b-assistant``, or a drafter spec ``.toml``) is built and cached, then given as its
+    HF folder (which keeps the centroid head; its GGUF has none).
+
+    Raises:
+        InputError: neither a special name, an existing path, nor a drafter case.
+    """
+    if draft in SPECIAL_DRAFTERS or draft.startswith("partial:"):
+        return draft
+    p = Path(draft)
+    if p.exists() and p.suffix != ".toml":
+        return str(p)
+    spec = p if p.suffix == ".toml" else MODELS_DIR / f"{draft}.toml"
+    if spec.is_file():
+        return str(ensure_drafter_built(spec).hf_dir)
+    known = ", ".join(s.stem for s in builtin_drafter_specs())
+    raise InputError(f"--draft-model {draft}: no such file or folder, not a drafter case ({known}), "
+                     "and not oracle, random or partial:J")

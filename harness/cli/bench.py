@@ -5,7 +5,7 @@
 
     g4h bench --model PATH --engines fast,transformers,llamacpp,reference [--device cpu] \\
         [--dtype float32,bfloat16] [--batch 1,2,4,8] [--pp 512] [--tg 128] [--depth 0,4096] [--reps 5] \\
-        [--threads N] [--out DIR] [--baseline FILE] [--write-baseline FILE]
+        [--threads N] [--out DIR] [--baseline FILE] [--write-baseline FILE] [--draft-model PATH [--draft-tokens K]]
     g4h bench --shape e2b --engines fast --device cuda --dtype bfloat16    # real dims, random weights, no file
 
 Exit status: 0, or 1 when ``--baseline`` finds a ratio regression, or 2 on bad input.
@@ -22,7 +22,7 @@ from ..bench import BenchOptions, bench
 from ..bench.report import summary_lines
 from ..bench.run import BenchPlan
 from ..core.gates import SPEED_RATIO_MARGIN
-from ._args import check_out_dir
+from ._args import check_out_dir, resolve_draft_model
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -44,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
                      depths=_int_list(args.depth, "depth"), reps=args.reps, warmup=args.warmup)
     opts = BenchOptions(model=args.model, shape=args.shape, layers=args.layers, engines=engines, device=args.device,
                         dtypes=dtypes, plan=plan, threads=args.threads, out=args.out, baseline=args.baseline,
-                        write_baseline=args.write_baseline)
+                        write_baseline=args.write_baseline,
+                        draft_model=None if args.draft_model is None else resolve_draft_model(args.draft_model),
+                        draft_tokens=args.draft_tokens, draft_label=args.draft_model)
     data, status, run_dir = bench(opts, lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     for line in summary_lines(data):
         print(line)
@@ -80,3 +82,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--out", default=None, help="base folder for the run directory (default reports/)")
     b.add_argument("--baseline", default=None, help="earlier bench results.json or baseline: fail on a ratio drop")
     b.add_argument("--write-baseline", default=None, help="write this run's ratios as a new baseline file")
+    b.add_argument("--draft-model", default=None,
+                   help="also time tg with speculative decoding on the fast engine: a Gemma 4 assistant (HF folder, "
+                        "gemma4-assistant GGUF, or a drafter case such as e2b-assistant), or oracle (the upper bound), "
+                        "random, partial:J")
+    b.add_argument("--draft-tokens", type=int, default=4, help="with --draft-model: drafts per round (K)")

@@ -8,16 +8,9 @@ import json
 from reference.errors import InputError
 
 from ..core.io import write_text_atomic
-from ..tokenizer.build import tokenizer_kind
-from ..tokenizer.engines import (
-    DEFAULT_ENGINE,
-    ENGINE_NAMES,
-    compare_engines,
-    format_diff,
-    load_corpus,
-    make_tok_engine,
-    special_mode,
-)
+from ..tokenizer.corpus import compare_engines, format_diff, load_corpus
+from ..tokenizer.engines import DEFAULT_ENGINE, ENGINE_NAMES, make_tok_engine, special_mode
+from ..tokenizer.files import tokenizer_kind
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 from reference.errors import InputError
 
 from ..core.io import write_text_atomic
-from ..tokenizer.engines import ENGINE_NAMES, make_tok_engine, special_mode, unescape
+from ..tokenizer.corpus import unescape
+from ..tokenizer.engines import ENGINE_NAMES, make_tok_engine, special_mode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from reference.errors import InputError
 
 from ..core.cases import read_prompt_ids
 from ..engines import make_engine
-from ..traces.format import TraceWriter, write_trace
+from ..traces.format import TraceWriter, load_dump, read_trace, write_trace
 from ..traces.llama_dump import import_llama_dump
 from ._args import add_model_args, check_out_file, resolve_model
 
@@ -58,6 +59,18 @@ def trace_command(model: str | None, engine: str, prompt_ids_file: str, out: str
     if model is None:
         raise InputError("g4h trace: --model is required (or --llama-dump to import a llama.cpp dump)")
     eng = make_engine(engine, resolve_model(model, engine), device=device, dtype=dtype, weights=weights)
+    if hasattr(eng, "trace_file"):  # an engine that writes its own trace file (cmd:, docs/engine-protocol.md)
+        with tempfile.TemporaryDirectory(prefix="g4h-trace-") as tmp:
+            dump = Path(tmp) / "tensors" if dump_dir else None
+            tr = read_trace(eng.trace_file(ids, Path(tmp) / "trace.jsonl", dump))
+            eng.close()
+            if tr.prompt_ids != ids:
+                raise InputError(f"{eng.name}: its trace holds another prompt ({len(tr.prompt_ids)} ids, "
+                                 f"expected {len(ids)})")
+            tensors = load_dump(tr) if dump_dir is not None and tr.header.get("tensors") else None
+            if dump_dir is not None and tensors is None:
+                raise InputError(f"{eng.name}: --dump-tensors: the engine wrote no tensors with its trace")
+            return write_trace(out, tr.header, tr.records, tensors, dump_dir if tensors is not None else None)
     act_dtype = "float64" if engine == "reference" else "float32"
     dev = getattr(getattr(eng, "model", None), "device", None)
     writer = TraceWriter(getattr(eng, "name", engine), ids, case=case or _case_name(model), model=str(model),

@@ -2,7 +2,8 @@
 
 ``cases/`` is data, not code:
 
-* ``cases/models/*.toml``: tiny synthetic model specs (:func:`builtin_specs`; built by :mod:`harness.synth`);
+* ``cases/models/*.toml``: tiny synthetic model specs (:func:`builtin_specs`; built by :mod:`harness.synth`), and
+  beside some a drafter spec ``<name>-assistant.toml`` (:func:`builtin_drafter_specs`);
 * ``cases/prompts/*.jsonl``: prompt sets, one ``{"id", "prompt_ids", "note"}`` object a line
   (:func:`load_prompts`, the one prompt-set reader);
 * ``cases/shapes/*.toml``: real-size text configs with their sources (shape-only models);
@@ -32,9 +33,27 @@ PROMPTS = CASES_DIR / "prompts" / "synthetic.jsonl"
 """The default prompt set (lengths around and at multiples of the sliding window 16)."""
 
 
+DRAFTER_SUFFIX = "-assistant"
+"""A spec named ``<target>-assistant.toml`` is the MTP drafter of ``<target>.toml`` (:mod:`harness.synth.drafter`),
+not a case of its own."""
+
+
 def builtin_specs() -> list[Path]:
-    """The spec files shipped in ``cases/models/``, sorted by path (absolute paths; may be empty)."""
-    return sorted(MODELS_DIR.glob("*.toml"))
+    """The target spec files shipped in ``cases/models/``, sorted by path (absolute paths; may be empty);
+    drafter specs (``*-assistant.toml``) are not cases of their own (:func:`builtin_drafter_specs`)."""
+    return sorted(p for p in MODELS_DIR.glob("*.toml") if not p.stem.endswith(DRAFTER_SUFFIX))
+
+
+def builtin_drafter_specs() -> list[Path]:
+    """The drafter specs shipped in ``cases/models/`` (``<target>-assistant.toml``), sorted by path."""
+    return sorted(p for p in MODELS_DIR.glob("*.toml") if p.stem.endswith(DRAFTER_SUFFIX))
+
+
+def drafter_spec_for(spec_path: str | os.PathLike) -> Path | None:
+    """The drafter spec beside a target spec (``<stem>-assistant.toml``), or None when it has none."""
+    p = Path(spec_path)
+    cand = p.with_name(f"{p.stem}{DRAFTER_SUFFIX}.toml")
+    return cand if cand.is_file() else None
 
 
 def builtin_names() -> list[str]:

@@ -145,7 +145,112 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "a tokenizer parity check (ours vs HF tokenizers / sentencepiece / round trips) must find 0 differing texts"),
     Gate("gemma3_real.continuation", 1.0, "ge",
          "the real Gemma 3 270M GGUF must greedily continue each known prompt with the expected text"),
+    Gate("drafter.reference~transformers.max_abs", 1e-4, "le",
+         "float64 reference drafter vs transformers' patched Gemma4AssistantForCausalLM (fp32 eager) on the same "
+         "token, h_prev and store K/V, logits and h_next over 4 draft steps: fp32 rounding gives ~3e-6; a wrong "
+         "store layer, position or head moves them by > 1e-1"),
+    Gate("drafter.store_kv.reference~transformers.max_abs", 1e-4, "le",
+         "the K/V transformers' target hands its drafter (shared_kv_states) and its hidden_states[-1] vs the "
+         "reference's bound store layers and result_norm: the same fp32-vs-float64 rounding as "
+         "reference~transformers; another layer's K/V differs by O(1)"),
+    Gate("drafter.gguf_f32~safetensors.max_abs", 0.0, "le",
+         "the same float32 drafter weights through the GGUF and safetensors loaders (full head on both sides) must "
+         "give bit-identical float64 drafts"),
+    Gate("drafter.fast~reference.max_abs", 1e-4, "le",
+         "fast fp32 drafter over the fast target's cache vs the float64 reference over its own: fp32 rounding of "
+         "target and drafter (~1e-5 here); a wrong store layer or missing input moves logits by > 1e-1"),
+    Gate("drafter.llamacpp.runs", 1.0, "ge",
+         "llama.cpp must load the gemma4-assistant GGUF beside its target (ctx_other) and draft; an abort is "
+         "that engine failing the case"),
+    Gate("drafter.llamacpp~reference.same_drafts", 1.0, "ge",
+         "llama.cpp's drafter must propose the reference drafter's tokens (full head on both sides, fp16 GELU "
+         "table emulated): a drafter reading the wrong KV group proposes others"),
+    Gate("drafter.llamacpp~reference.max_abs", 2e-2, "le",
+         "llama.cpp F32 drafter logits and h_next vs the reference with llama.cpp's fp16 GELU table: fp32 rounding "
+         "through target and drafter (measured up to 8e-3), the bound of llamacpp~reference.max_abs_logit"),
+    Gate("speculative.llamacpp.lossless", 1.0, "ge",
+         "speculative greedy decoding inside llama.cpp (its drafter, verify, llama_memory_seq_rm rollback) must "
+         "return llama.cpp's own plain greedy tokens"),
+    Gate("speculative.lossless.same_tokens", 1.0, "ge",
+         "speculative greedy must return plain greedy token for token, whatever the drafter proposes (a flip at a "
+         "verify-vs-decode near-tie is named in the detail)"),
+    Gate("speculative.verify~decode.max_abs_logit", 1e-4, "le",
+         "the logits a token is chosen from, verify forward over k+1 rows vs one-token decode: same fp32 math in "
+         "other matrix shapes, only summation-order rounding (as batched vs solo)"),
+    Gate("speculative.oracle.acceptance", 1.0, "ge",
+         "a drafter that proposes the target's own greedy tokens must have every draft accepted; less means the "
+         "verifier rejects right drafts (a rollback or verify fault, or near-ties)"),
+    Gate("speculative.random.acceptance", 0.05, "le",
+         "uniform random drafts match the target's argmax with probability about 1/V (0.2 % at V = 512); more "
+         "means the verifier accepts wrong drafts"),
+    Gate("speculative.partial.acceptance_error", 0.0, "le",
+         "a drafter right for exactly 2 tokens of every round must have exactly min(2, drafted) accepted in "
+         "every round: the accepted prefix ends at the first wrong draft"),
+    Gate("speculative.model.drafted", 1.0, "ge",
+         "the case's assistant must actually have proposed drafts (a drafter that never runs still gives "
+         "lossless output)"),
 ]}
+
+
+# --------------------------------------------------------------------------- the reference against any engine
+
+_RUNS = ("the engine must load the model and answer; an engine that cannot run (not installed, cannot read this "
+         "model form, crashed, broke the protocol) fails the case: a check that did not run is not a pass")
+
+
+def _pair_gates(pair: str, engine: str, bf16: bool = False, **own: tuple[float, str]) -> list[Gate]:
+    """The gates of ``pair``, the reference against one engine on a user's model (``g4h parity --model M --against
+    NAME``, :mod:`harness.parity.checks.pair`): ``runs``, then each metric with the bound of ``engine~oracle``
+    (``engine_bf16~oracle`` for a 16-bit engine), unless ``own`` gives the metric a ``(limit, reason)`` of its own
+    (``layer_rel_l2`` has no ``engine~oracle`` bound, so every pair gives one). ``engine`` says what the engine is."""
+    base = "engine_bf16~oracle" if bf16 else "engine~oracle"
+    gates = [Gate(f"{pair}.runs", 1.0, "ge", _RUNS)]
+    for metric in ("max_abs_logit", "mean_kld", "same_top1_decisive", "greedy", "max_abs_logprob", "layer_rel_l2"):
+        g = DEFAULT_GATES.get(f"{base}.{metric}")
+        if metric in own:
+            limit, why = own[metric]
+            gates.append(Gate(f"{pair}.{metric}", limit, g.op if g else "le", f"{engine}: {why}"))
+        else:
+            gates.append(Gate(f"{pair}.{metric}", g.limit, g.op, f"{engine}: as {g.name}: {g.reason}", g.informational))
+    return gates
+
+
+_FP32_LAYER = (5e-3, "per trace point of an fp32 engine: llama.cpp against the reference with its GELU table "
+                     "emulated measured up to 4.6e-4 (31b ffn_out@11), fast fp32 near 1e-6; a formula fault moves a "
+                     "point by 1e-2 or more")
+
+PAIR_GATES: list[Gate] = [
+    *_pair_gates("reference~reference", "a second float64 reference on the same file",
+                 **{m: (0.0, "the same float64 code on the same weights and ids must give bit-identical results")
+                    for m in ("max_abs_logit", "mean_kld", "max_abs_logprob", "layer_rel_l2")}),
+    *_pair_gates("reference~fast", "the torch fast path in fp32",
+                 max_abs_logit=(1e-3, "as fast~reference: fp32 rounding (~1e-5 on the small cases, 3e-4 on the real "
+                                      "Gemma 3 270M) with room for kernels that sum in another order"),
+                 max_abs_logprob=(1e-3, "the same rounding as its logits (reference~fast.max_abs_logit)"),
+                 layer_rel_l2=(1e-3, "fp32 vs float64 per trace point stays near 1e-6 (g4h diff's default DIFF_TOL); "
+                                     "a formula fault moves a point by 1e-2 or more")),
+    # reference~transformers.max_abs_logit, .layer_rel_l2 and .runs are above (the built-in cases use them too)
+    Gate("reference~transformers.mean_kld", 1e-5, "le",
+         "HF transformers fp32 eager: fp32 vs float64 leaves KLD near 1e-12 (bound as engine~oracle.mean_kld); a "
+         "formula fault gives > 1e-3"),
+    Gate("reference~transformers.same_top1_decisive", 1.0, "ge",
+         "HF transformers fp32 eager: as engine~oracle.same_top1_decisive (near-ties reported, not failed)"),
+    Gate("reference~transformers.greedy", 1.0, "ge",
+         "HF transformers fp32 eager: as engine~oracle.greedy (vLLM's rule)"),
+    Gate("reference~transformers.max_abs_logprob", 1e-4, "le",
+         "HF transformers fp32 eager: the same rounding as its logits (reference~transformers.max_abs_logit)"),
+    *_pair_gates("reference~llamacpp", "llama.cpp through llama-cpp-python (F32 KV cache, flash attention off), "
+                 "against the reference with its fp16 GELU table emulated", layer_rel_l2=_FP32_LAYER),
+    *_pair_gates("reference~cmd", "an engine behind the subprocess protocol computing in 32 or 64 bits (its hello's "
+                 "dtype), against the reference with the approximations it declares emulated",
+                 layer_rel_l2=_FP32_LAYER),
+    *_pair_gates("reference~cmd_bf16", "an engine behind the subprocess protocol computing in 16 bits", bf16=True,
+                 layer_rel_l2=(5e-2, "per trace point of a 16-bit engine: bf16 rounding (unit roundoff 3.9e-3) "
+                                     "through a few operations; a formula fault moves a point by 1e-1 or more")),
+]
+"""The gates of every ``reference~<engine kind>`` pair (one line per engine kind; a new kind adds its line)."""
+
+DEFAULT_GATES.update({g.name: g for g in PAIR_GATES})
 
 
 def resolve(overrides: Mapping[str, Any] | None, where: str) -> dict[str, Gate]:

@@ -7,7 +7,8 @@ This module holds what every such worker shares:
 * :func:`worker_env`: the worker's environment (this checkout first on ``PYTHONPATH``; no debugger
   attached on an abort);
 * :func:`start_worker` / :func:`run_worker`: start one with ``PR_SET_PDEATHSIG`` on Linux, so it is
-  killed when the parent dies (no orphan under PID 1);
+  killed when the parent dies (no orphan under PID 1); :func:`start_child` does the same for any program
+  (a ``cmd:`` engine);
 * :func:`temp_dir` / :func:`remove_temp_dir`: a worker's temporary folder, removed even when the parent
   is killed with SIGKILL (a watchdog process holds the other end of a pipe from the parent: when the
   parent dies, however it dies, the pipe closes and the watchdog removes the folders still registered);
@@ -138,6 +139,20 @@ def _popen_kwargs() -> dict[str, Any]:
     if sys.platform.startswith("linux"):
         kw["preexec_fn"] = functools.partial(_die_with_parent, os.getpid())
     return kw
+
+
+def start_child(argv: Sequence[str], **popen: Any) -> subprocess.Popen:
+    """Start the program ``argv`` as a child that dies with this process (``PR_SET_PDEATHSIG`` on Linux).
+
+    Unlike :func:`start_worker` it keeps this process's environment and working folder unless ``popen``
+    says otherwise (a user's engine runs where the user ran ``g4h``).
+
+    Raises:
+        OSError: the program cannot be started (not found, not executable).
+    """
+    if sys.platform.startswith("linux"):
+        popen.setdefault("preexec_fn", _die_with_parent)
+    return subprocess.Popen(list(argv), **popen)
 
 
 def start_worker(module: str, args: Sequence[str] = (), **popen: Any) -> subprocess.Popen:

@@ -9,8 +9,21 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from fast.engine import generate
+from fast.drafter import FastDrafter
+from fast.engine import Request, generate
 from fast.model import FastModel, SeqStep
+from fast.speculative import (
+                              ModelProposer,
+                              OracleProposer,
+                              PartialProposer,
+                              Proposer,
+                              RandomProposer,
+                              SpecEngine,
+                              SpecResult,
+                              plain_continuations,
+)
+from reference.drafter import bind
+from reference.drafter_weights import load_drafter
 from reference.errors import InputError
 from reference.weights import load_model
 
@@ -74,6 +87,46 @@ class FastEngine:
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int):
         """Like :meth:`generate` but returns :class:`fast.engine.Result` (tokens and top-5 logprobs)."""
         return generate(self.model, prompts, max_new_tokens, batched=self.batched)
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def proposer(self, draft: str, requests: Sequence[Request]) -> Proposer:
+        """The drafter named by ``--draft-model``: ``oracle`` (the target's own greedy tokens, from a plain run of
+        ``requests``), ``random``, ``partial:J`` (right for J tokens of every round, then wrong), or the path of a
+        Gemma 4 assistant (HF folder or ``gemma4-assistant`` GGUF), bound to this engine's model.
+
+        Raises:
+            InputError: a bad ``partial:J``; a drafter file that cannot be read or does not fit the target (one line).
+        """
+        if draft == "oracle":
+            return OracleProposer(plain_continuations(self.model, requests))
+        if draft == "random":
+            return RandomProposer(self.cfg.vocab_size)
+        if draft.startswith("partial:"):
+            try:
+                j = int(draft.split(":", 1)[1])
+            except ValueError:
+                j = -1
+            if j < 0:
+                raise InputError(f"--draft-model {draft!r}: expected partial:J with J >= 0 correct tokens per round")
+            return PartialProposer(plain_continuations(self.model, requests), j, self.cfg.vocab_size)
+        d, DW = load_drafter(draft)
+        return ModelProposer(FastDrafter(bind(d, self.cfg), DW, self.model), Path(draft).name)
+
+    def generate_speculative(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft: str,
+                             k: int = 4) -> list[SpecResult]:
+        """Speculative greedy continuations (:class:`fast.speculative.SpecEngine`; one continuous batch when
+        ``batched``): the same tokens as :meth:`generate_full`, plus each request's ``stats``.
+
+        Raises:
+            InputError: see :meth:`proposer`; ``k`` < 1.
+        """
+        reqs = [Request(str(i), list(p), max_new_tokens) for i, p in enumerate(prompts)]
+        proposer = self.proposer(draft, reqs)
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        eng = SpecEngine(self.model, proposer, k, max_batch=8 if self.batched else 1, max_tokens=longest)
+        res = eng.run(reqs)
+        return [res[r.id] for r in reqs]
 
     # ------------------------------------------------------------------ bench (harness.engines.base.Benchable)
 

@@ -4,15 +4,16 @@
 
 1. read the prompt set and, when asked, the baseline (bad input stops here, before any work);
 2. plan the cases: the built-in synthetic ones (``cases/models/*.toml``), the real Gemma 3 270M GGUF and
-   the tokenizer checks; or the user's ``--model`` files against ``--against``;
+   the tokenizer checks; or the user's ``--model`` files against each engine of ``--against`` (default:
+   every engine that can read the model, :func:`harness.parity.cases.default_against`);
 3. run each case (:mod:`.cases`): its checks (:mod:`.checks`) measure figures, the case gates them;
    bad input or a crashing engine becomes that case's one-line error and the run goes on;
 4. the verdict and exit status; the baseline comparison;
 5. the report (:mod:`.report`), written into a run directory that appears whole or not at all
    (:func:`harness.core.io.staged_run_dir`); the baseline file when asked.
 
-Exit status: 0 all gates pass, 1 a gate failed, 2 bad input (a model that could not be read); the
-other cases still run.
+Exit status: 0 all gates pass, 1 a gate failed or a gating check could not run, 2 bad input (a model that
+could not be read, an engine that broke the subprocess protocol); the other cases and pairs still run.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from reference.errors import InputError
 
 from ..core.cases import PROMPTS, builtin_specs, load_prompts
 from ..core.io import staged_run_dir
-from ..engines import ENGINES
+from ..engines import check_engine_name
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
@@ -39,7 +40,7 @@ __all__ = ["RESULTS_VERSION", "run"]
 Plan = list[tuple[Callable[[], CaseResult], str, str, str]]
 
 
-SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer")
+SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative")
 """What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
 
 
@@ -55,7 +56,7 @@ def check_skip(skip: tuple[str, ...]) -> None:
         raise InputError(f"--skip {bad[0]!r}: expected one of {', '.join(known)}")
 
 
-def plan_cases(models: list[str] | None, against: str, real: bool, case_filter: list[str] | None,
+def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
                prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
                slow: bool = False) -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
@@ -64,7 +65,8 @@ def plan_cases(models: list[str] | None, against: str, real: bool, case_filter: 
         InputError: a ``case_filter`` name that is not a built-in case.
     """
     if models:
-        return [(lambda m=m: user_case(m, against, prompts, progress), Path(m).name, "user", m) for m in models]
+        return [(lambda m=m: user_case(m, against, prompts, progress, skip), Path(m).name, "user", m)
+                for m in models]
     names = [s.stem for s in builtin_specs()]
     bad = [c for c in case_filter or () if c not in names]
     if bad:
@@ -86,33 +88,38 @@ def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] =
     n_checks = sum(len(r.checks) for r in results)
     where = f"{len(results)} cases, {n_checks} checks" + (f"; opted out: {', '.join(opted_out)}" if opted_out else "")
     if status == 2:
-        bad = [r.case for r in results if r.error_kind == "input"]
-        return f"BAD INPUT: {', '.join(bad)} could not be read ({where})"
+        bad = [f"{r.case} could not be read" for r in results if r.error_kind == "input"]
+        bad += [f"{r.case}/{c['gate'].rsplit('.', 1)[0]}: {c.get('got')}" for r in results for c in r.checks
+                if c.get("bad_input")]
+        return f"BAD INPUT: {'; '.join(bad)} ({where})"
     if status == 0:
         return f"PASS: every gate passed ({where})"
     failed = [(r.case, c["gate"]) for r in results for c in r.checks if not c["pass"] and not c.get("informational")]
     not_run = [f"{r.case}/{c['gate']}" for r in results for c in r.checks if not c["pass"]
-               and not c.get("informational") and str(c.get("got", "")).replace("_", " ").startswith("not run")]
+               and not c.get("informational") and (c["gate"].endswith(".runs")
+                                                   or str(c.get("got", "")).replace("_", " ").startswith("not run"))]
     crashed = [r.case for r in results if r.error_kind == "engine"]
     parts = []
     if failed:
         gates = sorted({g for _, g in failed})
         parts.append(f"{len(failed)} gating check(s) failed ({', '.join(gates[:4])}{', ...' if len(gates) > 4 else ''})")
     if not_run:
-        parts.append(f"{len(not_run)} of them could not run here")
+        more = ", ..." if len(not_run) > 4 else ""
+        parts.append(f"{len(not_run)} of them did not run ({', '.join(not_run[:4])}{more})")
     if crashed:
         parts.append(f"engine crashed in {', '.join(crashed)}")
     return f"FAIL: {'; '.join(parts) or 'a figure regressed against the baseline'} ({where})"
 
 
 def exit_status(results: list[CaseResult]) -> int:
-    """2 when a case had bad input, else 1 when a gate failed or a case could not run, else 0."""
-    if any(r.error_kind == "input" for r in results):
+    """2 when a case had bad input (or an engine broke the subprocess protocol: a check marked ``bad_input``), else
+    1 when a gate failed or a case could not run, else 0."""
+    if any(r.error_kind == "input" or any(c.get("bad_input") for c in r.checks) for r in results):
         return 2
     return 1 if any(not r.passed for r in results) else 0
 
 
-def run(models: list[str] | None = None, against: str = "transformers", out: str | None = None,
+def run(models: list[str] | None = None, against: str | list[str] | None = None, out: str | None = None,
         real: bool = True, case_filter: list[str] | None = None, quiet: bool = False,
         baseline: str | None = None, write_baseline: str | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
@@ -121,7 +128,9 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
 
     Args:
         models: user model paths; None = the built-in synthetic cases (plus the real Gemma 3 GGUF).
-        against: the oracle engine for user models.
+        against: the engines a user's model is compared with, a name or a list (``fast``, ``transformers``,
+            ``llamacpp``, ``cmd:...``, any :data:`harness.engines.ENGINE_SCHEMES` name); None: every engine that
+            can read the model.
         out: parent folder for the run directory (default ``<repo>/reports``).
         real: include the real Gemma 3 270M GGUF and the tokenizer checks (built-in run only).
         case_filter: only built-in cases whose name is listed.
@@ -148,8 +157,13 @@ def run(models: list[str] | None = None, against: str = "transformers", out: str
 
     skip = tuple(skip)
     check_skip(skip)
-    if models and against not in ENGINES:
-        raise InputError(f"--against {against!r}: unknown engine (available: {', '.join(ENGINES)})")
+    if isinstance(against, str):
+        against = [against]
+    for name in against or ():
+        try:
+            check_engine_name(name)
+        except InputError as e:
+            raise InputError(f"--against: {e}") from None
     prompt_set = load_prompts(prompts)
     base = load_baseline(baseline) if baseline else None
     plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow)

@@ -25,7 +25,8 @@ import numpy as np
 from reference.errors import InputError
 
 from ..core.gates import NEAR_TIE_MARGIN, resolve
-from ..core.metrics import greedy_agreement, kld_stats
+from ..core.kld import kld_stats
+from ..core.metrics import greedy_agreement
 from .result import CaseResult, Figure, fig
 
 PRECISIONS = {"fp32": "engine~oracle", "bf16": "engine_bf16~oracle"}

@@ -24,7 +24,7 @@ import torch
 from fast.model import FastModel
 from reference import forward, load_model
 
-from ..core import metrics
+from ..core import kld, metrics
 from ..core.cases import load_prompts
 from ..core.io import write_text_atomic
 from .checks.fast import batched_vs_solo
@@ -46,7 +46,7 @@ def check_file(path: str, prompts, device: str) -> dict:
         ours = np.concatenate([fm.logits(p["prompt_ids"]).double().cpu().numpy() for p in prompts])
         if fm.device.type == "cuda":
             torch.cuda.synchronize()
-        k = metrics.kld_stats(ours, base)
+        k = kld.kld_stats(ours, base)
         name = f"{dtype}{'-quantized-on-the-fly' if keep else ''}"
         out["runs"][name] = {"max_abs_logit": metrics.max_abs_err(ours, base), "same_top1_pct": k.same_top_p_pct,
                              "mean_kld": k.mean_kld, "max_kld": k.maximum_kld, "load_s": round(load_s, 3),

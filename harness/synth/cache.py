@@ -141,15 +141,24 @@ def ensure_built(spec_or_path: Spec | str | os.PathLike[str], cache_dir: str | o
         RuntimeError: a writer's self-check failed.
     """
     spec = spec_or_path if isinstance(spec_or_path, Spec) else load_spec(spec_or_path)
-    root = _cache_root(cache_dir)
-    final = root / case_key(spec)
+    final = build_atomically(_cache_root(cache_dir), case_key(spec), lambda tmp: build_case(spec, tmp))
+    return _built_case(spec, final)
+
+
+def build_atomically(root: Path, key: str, build) -> Path:
+    """``root/key``, built by ``build(tmp_dir)`` on a miss into a ``.tmp-*`` sibling and renamed into place.
+
+    A directory counts as built when its ``manifest.json`` exists (``build`` writes it last). When two builders
+    race, the loser discards its copy and uses the winner's.
+    """
+    final = root / key
     if (final / "manifest.json").is_file():
-        return _built_case(spec, final)
+        return final
     root.mkdir(parents=True, exist_ok=True)
     _clean_stale_tmp(root, final.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
-        build_case(spec, tmp)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -162,7 +171,7 @@ def ensure_built(spec_or_path: Spec | str | os.PathLike[str], cache_dir: str | o
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return _built_case(spec, final)
+    return final
 
 
 def _clean_stale_tmp(root: Path, key: str, max_age_s: float = 3600.0) -> None:

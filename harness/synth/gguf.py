@@ -126,8 +126,12 @@ def gguf_metadata(spec: Spec) -> dict[str, tuple[Any, str, str | None]]:
     return md
 
 
-def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.PathLike[str], qtype: str = "F32") -> Path:
+def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.PathLike[str], qtype: str = "F32",
+               arch: str = "gemma4", metadata: Mapping[str, tuple[Any, str, str | None]] | None = None) -> Path:
     """Write a ``gemma4`` GGUF file with llama.cpp's tensor names and keys.
+
+    ``arch`` and ``metadata`` (in the form of :func:`gguf_metadata`) let the drafter writer
+    (:mod:`harness.synth.drafter`) write a ``gemma4-assistant`` file through the same code.
 
     Keys: see :func:`gguf_metadata`, plus ``general.architecture = "gemma4"``,
     ``general.file_type``, ``general.quantization_version`` and a minimal
@@ -168,9 +172,9 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
         tensors.pop("output.weight", None)
     tokens, scores, ttypes = _vocab(spec.config["vocab_size"])
 
-    w = gguf.GGUFWriter(str(tmp), "gemma4")
+    w = gguf.GGUFWriter(str(tmp), arch)
     try:
-        for key, (val, vtype, sub) in gguf_metadata(spec).items():
+        for key, (val, vtype, sub) in (gguf_metadata(spec) if metadata is None else metadata).items():
             if key == "general.file_type":
                 val = _FILE_TYPES[qtype]
             w.add_key_value(key, val, VT[vtype], sub_type=VT[sub] if sub else None)

@@ -34,7 +34,8 @@ from reference.tokenizer import NORMAL, SPACE, read_gguf_metadata
 
 from ..core.realdata import gemma3_270m_gguf
 from .build import build_gemma4_test_tokenizer, gemma3_tokenizer_files
-from .engines import CorpusText, cached_tok_engine, compare_engines, default_corpus_dir, is_engine_crash, load_corpus
+from .corpus import CorpusText, compare_engines, default_corpus_dir, load_corpus
+from .engines import cached_tok_engine, is_engine_crash
 
 REPORT_VERSION = 2
 _TYPE_NAMES = {1: "normal", 2: "unknown", 3: "control", 4: "user-defined", 5: "unused", 6: "byte"}

@@ -21,7 +21,7 @@ from fast.engine import Engine, Request
 from fast.model import FastModel, SeqStep
 from reference import model as ref_model
 
-from ...core import metrics
+from ...core import kld, metrics
 from ...traces import ConcatRecorder, TraceRecorder, layer_errors
 from ..result import Figure, fig
 
@@ -48,11 +48,11 @@ def fast_vs_reference(fm: FastModel, cfg, W, prompts: Sequence[dict[str, Any]]) 
     return rows
 
 
-def kld_over(rows: list[dict[str, Any]]) -> metrics.KLDStats:
+def kld_over(rows: list[dict[str, Any]]) -> kld.KLDStats:
     """llama-perplexity KLD statistics over every position of every prompt (reference = base)."""
     ours = np.concatenate([r["_fast"] for r in rows])
     base = np.concatenate([r["_ref"] for r in rows])
-    return metrics.kld_stats(ours, base)
+    return kld.kld_stats(ours, base)
 
 
 def kld_values(rows: list[dict[str, Any]]) -> np.ndarray:

@@ -19,7 +19,8 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from reference.tokenizer import tokenizer_from_gguf
 
 from ...core.gates import NEAR_TIE_MARGIN
-from ...core.metrics import kld_histogram, kld_per_position, kld_stats, rel_l2
+from ...core.kld import kld_stats
+from ...core.metrics import kld_histogram, kld_per_position, rel_l2
 from ...core.realdata import gemma3_270m_gguf
 from ...core.workers import EngineCrashed
 from ...engines.llamacpp import LlamaCppEngine
@@ -172,7 +173,7 @@ def check_gemma3_real(path: str | os.PathLike | None = None, *, threads: int | N
     ``f32_control``, where only fp32 rounding and the fp16 GELU table remain.
 
     Returns:
-        ``model``, ``n_positions``, ``kld`` (:class:`harness.core.metrics.KLDStats` as a dict), ``max_abs_logit``,
+        ``model``, ``n_positions``, ``kld`` (:class:`harness.core.kld.KLDStats` as a dict), ``max_abs_logit``,
         ``per_text`` (n_tokens, max_abs_logit, mean_kld, same_top1, tokenizer_match), ``continuations``
         (per prompt: expected, llama.cpp text, pass), ``seconds``; or ``error`` when llama.cpp crashes;
         with ``f32_control``, also ``f32_control`` (the same keys, on the F32 copy).
