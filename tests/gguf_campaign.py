@@ -54,10 +54,14 @@ EXTRA_ADDRESS_SPACE = 4 << 30
 OK = ("identical", "error")
 
 
+SLOW_S = 3.0  # a file that takes longer than this is counted as slow (the issue's first bound), even if it ends
+
+
 @dataclass
 class Outcome:
     kind: str
     detail: str
+    seconds: float = 0.0
 
 
 def logits_of(path: str | os.PathLike, engine: str) -> np.ndarray:
@@ -107,6 +111,13 @@ def _child(conn, path: str, engine: str) -> None:
 
 def run_isolated(path: str | os.PathLike, engine: str, clean: np.ndarray, timeout: float = TIMEOUT_S) -> Outcome:
     """Run one file in a forked child and classify the result against the clean logits."""
+    t0 = time.perf_counter()
+    out = _run_isolated(path, engine, clean, timeout)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _run_isolated(path: str | os.PathLike, engine: str, clean: np.ndarray, timeout: float) -> Outcome:
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
     p = ctx.Process(target=_child, args=(send, str(path), engine), daemon=True)
@@ -153,6 +164,7 @@ def write_bases(out_dir: str | os.PathLike, names: tuple[str, ...] | None = None
     ``harness.synth.write_gguf`` from ``cases/models/*.toml`` (no transformers needed).
     """
     from conftest import write_tiny_gguf
+
     from harness import synth
     from harness.core.cases import MODELS_DIR
 
@@ -216,14 +228,17 @@ def names_field(message: str) -> bool:
 # --------------------------------------------------------------------------- campaign
 
 
-def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> dict:
-    """Run ``n`` mutated files (kinds and bases in turn, details from ``seed``) through ``engine``."""
+def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path, timeout: float = TIMEOUT_S) -> dict:
+    """Run ``n`` mutated files (kinds and bases in turn, details from ``seed``) through ``engine``, each bounded
+    to ``timeout`` seconds; files slower than :data:`SLOW_S` are counted (and the slowest kept)."""
     rng = random.Random(seed)
     kinds = sorted(gguf_mutate.KINDS)
     counts: Counter = Counter()
     by_kind: dict[str, Counter] = {k: Counter() for k in kinds}
     examples: dict[str, list] = {}
     named = named_near = named_field = n_errors = 0
+    slow = 0
+    slowest = (0.0, "")
     t0 = time.time()
     for i in range(n):
         kind = kinds[i % len(kinds)]
@@ -231,7 +246,9 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> d
         data, detail = gguf_mutate.mutate(base.data, base.layout, kind, rng)
         path = work / f"{base.name}.mut.gguf"
         path.write_bytes(data)
-        out = run_isolated(path, engine, base.clean[engine])
+        out = run_isolated(path, engine, base.clean[engine], timeout)
+        slow += out.seconds > SLOW_S
+        slowest = max(slowest, (out.seconds, f"{base.name} {kind}: {out.kind}"))
         counts[out.kind] += 1
         by_kind[kind][out.kind] += 1
         if out.kind == "error":
@@ -243,6 +260,8 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> d
             examples.setdefault(out.kind, []).append(f"{base.name} {kind}: {detail} => {out.detail}")
     return {
         "engine": engine, "files": n, "seed": seed, "seconds": round(time.time() - t0, 1),
+        "timeout_s": timeout, f"over_{SLOW_S:g}_s": slow,
+        "slowest": f"{slowest[0]:.2f} s ({slowest[1]})",
         "outcomes": dict(counts), "by_kind": {k: dict(v) for k, v in by_kind.items()},
         "errors_naming_key_or_tensor": f"{named}/{n_errors}",
         "errors_naming_key_or_tensor_or_the_one_before": f"{named_near}/{n_errors}",
@@ -258,10 +277,11 @@ def write_big_e2b(path: str | os.PathLike, n_layer: int | None = None) -> Path:
     """Write a Gemma 4 E2B-shaped Q8_0 GGUF (``cases/shapes/e2b.toml``: 262144-token vocabulary, PLE, 35 layers,
     4.9 GB) with random Q8_0 blocks (fp16 scales in [1e-3, 1e-2], random int8 codes), F32 norms and the
     vocabulary keys; ``n_layer`` keeps the first layers only. Streams the data: memory stays ~100 MB."""
-    import tomllib
     import types
 
     import gguf
+    import tomllib
+
     from harness import synth
 
     cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "cases" / "shapes" / "e2b.toml").read_text())
@@ -354,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", type=int, default=3000, help="files through the reference")
     ap.add_argument("--fast", type=int, default=300, help="files through the fast engine (CPU fp32)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per file before it counts as a hang")
     ap.add_argument("--work", default="/tmp/gguf-campaign")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--big", default=None, help="instead: write (if absent) and time a real-size E2B Q8_0 GGUF here")
@@ -372,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for engine, n in (("reference", args.reference), ("fast", args.fast)):
         if n:
-            r = campaign(bases, engine, n, args.seed, work)
+            r = campaign(bases, engine, n, args.seed, work, args.timeout)
             results.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "examples"}, indent=1), flush=True)
     if args.out:

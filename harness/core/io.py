@@ -22,6 +22,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -136,31 +137,39 @@ def staged_run_dir(name: str, out: str | os.PathLike | None = None) -> Iterator[
 
 
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <fcntl.h>, <linux/fs.h>
+_FALLBACK_RENAME_LOCK = threading.Lock()
+
+
+def _renameat2() -> Any:
+    """libc's ``renameat2`` (Linux, glibc >= 2.28), or None."""
+    return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform.startswith("linux") else None
 
 
 def _rename_no_replace(src: Path, dst: Path) -> None:
     """Rename a directory to a name that must not exist (``renameat2(RENAME_NOREPLACE)`` on Linux).
 
     A plain ``rename`` onto an existing *empty* directory replaces it, so two runs that checked the same
-    free name at once could both "succeed". Where ``renameat2`` is missing, a plain rename.
+    free name at once could both "succeed" (two threads of one process got the same run directory in about
+    one try in five). Where ``renameat2`` or its flag is missing: a check and a plain rename, under one lock
+    (threads of this process never share a name; other processes on such a system still could).
 
     Raises:
         FileExistsError: ``dst`` exists.
         OSError: any other failure.
     """
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform.startswith("linux") else None
-    if fn is None:
-        os.rename(src, dst)
-        return
-    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
-        return
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL):  # an old kernel or a file system without the flag
+    fn = _renameat2()
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.ENOSYS, errno.EINVAL):  # not: an old kernel or a file system without the flag
+            raise OSError(err, os.strerror(err), str(dst))
+    with _FALLBACK_RENAME_LOCK:
         if os.path.lexists(dst):
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
         os.rename(src, dst)
-        return
-    raise OSError(err, os.strerror(err), str(dst))
 
 
 def _fsync_dir(path: Path) -> None:
