@@ -121,3 +121,34 @@ print(sorted(p.name.split("-")[1] for p in mine.parent.iterdir()), flush=True)
     out, _ = parent.communicate(timeout=60)
     assert out.strip() == "['parent']"
     assert list(tmp_path.iterdir()) == []
+
+
+CMD_PARENT = """
+import shlex, sys, time
+from harness.engines.cmd import CmdEngine
+eng = CmdEngine(shlex.join([sys.executable, {stub!r}, "--linger"]), {model!r})
+eng.logits([2, 3, 4])  # the engine has written into its scratch folder
+print(eng.workdir, eng.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_killed_parent_leaves_no_cmd_engine_and_no_scratch_folder(tmp_path):
+    """A ``cmd:`` engine (tests/cmd_stub.py, told to outlive a closed stdin) and its scratch folder, after a
+    SIGKILL of the harness process that started it."""
+    from conftest import write_tiny_gguf
+
+    model = write_tiny_gguf(tmp_path / "tiny.gguf")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    stub = str(Path(__file__).resolve().parent / "cmd_stub.py")
+    parent = start_parent(CMD_PARENT.format(stub=stub, model=str(model)), tmp)
+    folder, engine = parent.stdout.readline().split()
+    folder, engine = Path(folder), int(engine)
+    assert folder.parent == tmp and any(folder.iterdir()) and not process_gone(engine)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    assert wait_until(lambda: process_gone(engine)), "the cmd: engine outlived its parent"
+    assert wait_until(lambda: not folder.exists()), "the engine's scratch folder is still there"
+    assert list(tmp.iterdir()) == []

@@ -9,9 +9,10 @@ This module holds what every such worker shares:
 * :func:`start_worker` / :func:`run_worker`: start one with ``PR_SET_PDEATHSIG`` on Linux, so it is
   killed when the parent dies (no orphan under PID 1); :func:`start_child` does the same for any program
   (a ``cmd:`` engine);
-* :func:`temp_dir` / :func:`remove_temp_dir`: a worker's temporary folder, removed even when the parent
-  is killed with SIGKILL (a watchdog process holds the other end of a pipe from the parent: when the
-  parent dies, however it dies, the pipe closes and the watchdog removes the folders still registered);
+* :func:`temp_dir` / :func:`remove_temp_dir` (or :func:`temp_folder`, a ``with`` block): a worker's
+  temporary folder, removed even when the parent is killed with SIGKILL (a watchdog process holds the
+  other end of a pipe from the parent: when the parent dies, however it dies, the pipe closes and the
+  watchdog removes the folders still registered);
 * :class:`EngineCrashed` and :func:`crash_error`: a dead worker becomes one line,
   ``engine crashed: <what it last said>``, never a traceback.
 """
@@ -19,6 +20,7 @@ This module holds what every such worker shares:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import os
@@ -31,7 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Sequence
+from typing import Any, BinaryIO, Iterator, Sequence
 
 from .paths import REPO_ROOT
 
@@ -114,8 +116,6 @@ def crash_error(stderr: str, rc: int, model_name: str) -> EngineCrashed:
     return EngineCrashed(f"engine crashed: {line} ({_describe_rc(rc)})")
 
 
-
-
 _PR_SET_PDEATHSIG = 1
 
 
@@ -151,7 +151,7 @@ def start_child(argv: Sequence[str], **popen: Any) -> subprocess.Popen:
         OSError: the program cannot be started (not found, not executable).
     """
     if sys.platform.startswith("linux"):
-        popen.setdefault("preexec_fn", _die_with_parent)
+        popen.setdefault("preexec_fn", functools.partial(_die_with_parent, os.getpid()))
     return subprocess.Popen(list(argv), **popen)
 
 
@@ -270,6 +270,25 @@ def remove_temp_dir(path: str | os.PathLike, keep: bool = False) -> None:
         if str(path) in _held:
             _held.discard(str(path))
             _tell_watchdog(f"-{path}")
+
+
+@contextlib.contextmanager
+def temp_folder(prefix: str, dir: str | os.PathLike | None = None) -> Iterator[Path]:
+    """:func:`temp_dir` as a ``with`` block: the folder is removed when the block ends, and by the watchdog
+    when this process is killed inside it (where ``tempfile.TemporaryDirectory`` would leave it behind).
+
+    Args:
+        prefix: the folder name's prefix, e.g. ``g4h-pair-``.
+        dir: the folder to make it in (default ``tempfile.gettempdir()``).
+
+    Yields:
+        the folder's path.
+    """
+    path = temp_dir(prefix, dir)
+    try:
+        yield path
+    finally:
+        remove_temp_dir(path)
 
 
 @atexit.register
