@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from clitools import assert_one_line_error, run_cli
-
 from conftest import TINY
 
 
@@ -171,3 +170,26 @@ def test_damaged_gguf_is_one_line_and_exit_2(tiny_gguf, tmp_path, damage, engine
     p = _prompt(tmp_path, [2, 5, 7])
     line = assert_one_line_error(_logits(bad, p, tmp_path / "o.npy", "--engine", engine, "--device", "cpu"), named)
     assert "bad.gguf" in line and not (tmp_path / "o.npy").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value,says", [(float("nan"), "is NaN"), (3e38, "3e+38")], ids=["nan", "3e38"])
+def test_transformers_engine_checks_its_weights(tmp_path, value, says):
+    """The oracle too: a NaN weight in an HF folder gave 1536/1536 NaN logits and exit 0; now one line naming
+    the parameter (as transformers names it) and the element."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from harness import synth
+    from harness.core.cases import MODELS_DIR
+
+    hf = shutil.copytree(synth.ensure_built(MODELS_DIR / "e2b.toml").hf_dir, tmp_path / "hf")
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "o.npy"
+    line = assert_one_line_error(run_cli("logits", "--model", str(hf), "--engine", "transformers", "--prompt-ids",
+                                         str(_prompt(tmp_path, [2, 5, 7])), "--out", str(out)),
+                                 "model.layers.1.mlp.up_proj.weight")
+    assert "[3, 5]" in line and says in line and not out.exists()

@@ -22,6 +22,7 @@ from transformers import AutoConfig, Gemma3ForCausalLM, Gemma4Config, Gemma4ForC
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from reference.errors import ModelFileError, PromptError
+from reference.weight_check import check_values
 
 from .base import DTYPE_BYTES, EngineUnavailable, Generated, TraceFn, bench_ids
 
@@ -81,6 +82,24 @@ def _load_gemma4(path: Path):
     return model
 
 
+def check_parameters(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Every loaded parameter finite and within :data:`reference.weight_check.MAX_ABS_FP32`, as the other
+    engines check theirs (transformers itself would compute NaN logits and exit 0).
+
+    Args:
+        model: the loaded module (fp32 parameters, on the CPU).
+        path: the checkpoint, for the message.
+
+    Raises:
+        ModelFileError: one line naming the parameter as transformers names it (``model.layers.1.mlp.up_proj
+            .weight``), the first bad element's index and its value.
+
+    Cost: two reductions per 4M-element chunk of each parameter, no copy (a view of the fp32 storage).
+    """
+    for name, p in model.named_parameters():
+        check_values(str(path), name, p.detach().cpu().numpy())
+
+
 class TransformersEngine:
     """HF transformers, fp32, eager attention: the oracle (and, cast to bf16, a benchmark engine).
 
@@ -95,7 +114,8 @@ class TransformersEngine:
 
     Raises:
         EngineUnavailable: transformers/torch missing, or a Gemma 4 GGUF.
-        ModelFileError: weights missing from the checkpoint.
+        ModelFileError: weights missing from the checkpoint, or a weight that is NaN, Inf or beyond 1e30
+            (:func:`check_parameters`).
     """
 
     name = "transformers"
@@ -119,6 +139,7 @@ class TransformersEngine:
             raise EngineUnavailable(f"{path}: the transformers engine needs an HF model folder (it cannot read "
                                     "a Gemma 4 GGUF); pass a case spec (cases/bench/*.toml) or an HF folder")
         self.config = self.model.config
+        check_parameters(self.model, path)
 
     def cast(self, dtype: str) -> "TransformersEngine":
         """This engine in ``dtype`` (``float32`` / ``bfloat16``): itself when already so, else a deep copy
