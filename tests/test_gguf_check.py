@@ -111,6 +111,8 @@ def test_type_swapped_to_another_block_size_names_the_tensor(tiny_gguf, tmp_path
     ("gemma4.block_count", "<I", 1, "tensor blk.1."),
     ("gemma4.attention.head_count", "<I", 0, "expected a positive integer"),
     ("gemma4.context_length", "<I", 4294967295, "expected at most"),
+    ("gemma4.attention.sliding_window", "<I", 0, "expected a positive integer"),
+    ("gemma4.attention.head_count_kv", "<I", 3, "is not a multiple of"),
 ])
 def test_nonsensical_number_names_the_key(tiny_gguf, tmp_path, key, fmt, value, match):
     k = read_layout(tiny_gguf).keys[key]

@@ -193,3 +193,21 @@ def test_transformers_engine_checks_its_weights(tmp_path, value, says):
                                          str(_prompt(tmp_path, [2, 5, 7])), "--out", str(out)),
                                  "model.layers.1.mlp.up_proj.weight")
     assert "[3, 5]" in line and says in line and not out.exists()
+
+
+@pytest.mark.slow
+def test_transformers_engine_generation_beyond_the_context(tmp_path):
+    """Generation included: prompt + --max-new-tokens past the context is refused before any step (transformers
+    would run past its positions)."""
+    from harness import synth
+    from harness.core.cases import MODELS_DIR
+
+    built = synth.ensure_built(MODELS_DIR / "e2b.toml")
+    context = json.loads((built.hf_dir / "config.json").read_text())["max_position_embeddings"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt_ids": [2, 3, 4]}) + "\n")
+    out = tmp_path / "o.jsonl"
+    proc = run_cli("generate", "--model", str(built.hf_dir), "--engine", "transformers", "--prompts", str(prompts),
+                   "--max-new-tokens", str(context), "--out", str(out), timeout=120)
+    assert_one_line_error(proc, str(context))
+    assert not out.exists()
