@@ -174,13 +174,20 @@ def cli_logits(path: str | os.PathLike, engine: str, work: Path, timeout: float)
 
 def run_cli(path: str | os.PathLike, engine: str, clean: np.ndarray, work: Path, timeout: float) -> Outcome:
     """Run one file through the ``g4h logits`` command and classify its exit status, stderr and ``.npy``
-    as :func:`run_isolated` does (``clean``: the command's own logits of the clean file)."""
-    t0 = time.perf_counter()
+    as :func:`run_isolated` does (``clean``: the command's own logits of the clean file).
+
+    ``Outcome.seconds`` is the command's CPU time (user + system), not its wall time: on a shared machine a
+    process that waits for a core is not a hang. ``timeout`` bounds the wall time."""
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    c0 = cpu()
     try:
         proc = cli_logits(path, engine, work, timeout)
     except subprocess.TimeoutExpired:
-        return Outcome("hang", f"still running after {timeout:g} s", time.perf_counter() - t0)
-    seconds = time.perf_counter() - t0
+        return Outcome("hang", f"still running after {timeout:g} s (wall)", cpu() - c0)
+    seconds = cpu() - c0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     if "Traceback" in proc.stderr:
         return Outcome("traceback", proc.stderr.strip().splitlines()[-1][:300], seconds)
@@ -279,7 +286,8 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path, time
     to ``timeout`` seconds; files slower than :data:`SLOW_S` are counted (and the slowest kept).
 
     ``via_cli``: through the ``g4h logits`` command (a fresh process each, so Python's start-up is inside the
-    bound) instead of a forked child; the clean logits are then the command's own."""
+    bound) instead of a forked child; the clean logits are then the command's own, and the seconds counted
+    are CPU seconds (:func:`run_cli`)."""
     clean_cli = {}
     if via_cli:
         for base in bases:
