@@ -12,10 +12,15 @@ header field, key or tensor, and what was expected):
 
 * header: magic ``GGUF``; version 2 or 3; ``tensor_count`` and ``kv_count``
   no larger than the bytes left can hold (a key/value needs at least 13 bytes,
-  a tensor info at least 24);
+  a tensor info at least 24). Past a count too large, the entries are still
+  read (every read is bounded): when they read well up to the end of the file,
+  the file is truncated and the entry where it ends is named; otherwise the
+  count is;
 * each key/value: name length within the bytes left, ASCII, 1 to 65535 bytes,
-  not a duplicate; a known value type; BOOL values 0 or 1 (the spec calls
-  anything else invalid); an array's element type known and not an
+  not a duplicate (an entry whose length field is damaged is named by the
+  printable bytes that follow it; a length field that holds text, or no name
+  after it, names the entry before); a known value type; BOOL values 0 or 1
+  (the spec calls anything else invalid); an array's element type known and not an
   array, and its count within the bytes left *before* anything is allocated;
 * the types of the keys this harness reads (``general.alignment``, the
   ``tokenizer.ggml`` ids and tables, every ``gemma4.*`` / ``gemma3.*`` key
@@ -58,7 +63,7 @@ import gguf
 import numpy as np
 
 from .config import one_edit_apart
-from .errors import ConfigError, ModelFileError
+from .errors import ConfigError, InputError, ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
@@ -67,6 +72,9 @@ MAX_DIMS = 4  # ggml GGML_MAX_DIMS
 MAX_ARRAY_ITEMS = 1 << 30  # llama.cpp GGUF_MAX_ARRAY_ELEMENTS
 MAX_KEY_BYTES = 65535  # GGUF spec: a key is ASCII, at most 2**16 - 1 bytes
 MAX_NAME_BYTES = 64  # ggml GGML_MAX_NAME: a tensor name is shorter (llama.cpp refuses longer ones)
+#: A length or array size up to this that runs past the end of the file reads as a truncation (a larger one, as
+#: a damaged field): used to tell a truncated file from a wrong count in the header.
+PLAUSIBLE_BYTES = 1 << 24
 MIN_KV_BYTES = 8 + 4 + 1  # name length, value type, smallest value
 MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 
@@ -190,8 +198,11 @@ class _Cursor:
     def __init__(self, buf, path: str):
         self.buf, self.path, self.size, self.pos = buf, path, len(buf), 0
 
-    def fail(self, what: str) -> ModelFileError:
-        return ModelFileError(f"{self.path}: {what}")
+    def fail(self, what: str, at_end: bool = False) -> ModelFileError:
+        """The error ``<path>: <what>``; ``at_end``: the read ran into the end of the file (a truncation looks so)."""
+        err = ModelFileError(f"{self.path}: {what}")
+        err.at_end = at_end
+        return err
 
     def left(self) -> int:
         return self.size - self.pos
@@ -199,7 +210,7 @@ class _Cursor:
     def take(self, n: int, what: str) -> int:
         if n > self.left():
             raise self.fail(f"{what} at byte {self.pos}: needs {n} bytes, the file ends {self.left()} bytes later "
-                            "(truncated?)")
+                            "(truncated?)", at_end=True)
         start = self.pos
         self.pos += n
         return start
@@ -208,20 +219,92 @@ class _Cursor:
         fmt = _STRUCT[vtype]
         return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt), what))[0]
 
-    def string(self, what: str, strict: bool) -> str:
+    def string(self, what: str) -> str:
+        """A length-prefixed string value (invalid UTF-8 replaced: values are data, not names)."""
         n = self.scalar(U64, f"{what}: length")
         if n > self.left():
-            raise self.fail(f"{what}: length {n} at byte {self.pos - 8} exceeds the {self.left()} bytes left")
+            raise self.fail(f"{what}: length {n} at byte {self.pos - 8} exceeds the {self.left()} bytes left",
+                            at_end=n <= PLAUSIBLE_BYTES)
         start = self.take(n, what)
-        raw = self.buf[start:start + n]
-        try:
-            return raw.decode("utf-8", errors="strict" if strict else "replace")
-        except UnicodeDecodeError:
-            raise self.fail(f"{what} at byte {start}: name is not valid UTF-8 ({raw[:40]!r})") from None
+        return self.buf[start:start + n].decode("utf-8", errors="replace")
 
 
 def _vt_name(vtype: int) -> str:
     return VALUE_TYPE_NAMES[vtype] if 0 <= vtype < len(VALUE_TYPE_NAMES) else str(vtype)
+
+
+def _entry(kind: str, i: int, name: str | bytes | None, prev: str) -> str:
+    """``key 'gemma4.x' (#5, after key general.name)``, or ``key #5 (after ...)`` when no name bytes are readable.
+
+    A name that is not UTF-8 is shown as its bytes, ``tensor 'out\\xe5ut_norm.weight' (#1, ...)``.
+    """
+    if not name:
+        return f"{kind} #{i} (after {prev})"
+    shown = repr(name[:80])[1:] if isinstance(name, bytes) else repr(name[:80])
+    return f"{kind} {shown} (#{i}, after {prev})"
+
+
+def _name_fault(name: str, ascii_only: bool) -> str:
+    """What is wrong with a key or tensor name: ``length 0``, ``70 bytes``, ``the character '\\x01' at 32``."""
+    bad = next((c for c in name if not c.isprintable() or (ascii_only and not c.isascii())), None)
+    if bad is not None:
+        return f"the character {bad!r} at {name.index(bad)}"
+    return f"{len(name.encode())} bytes"
+
+
+def _peek_name(cur: _Cursor, start: int) -> str:
+    """The printable ASCII bytes at ``start`` (at most 80): what a name whose length field is damaged reads as."""
+    raw = bytes(cur.buf[start:min(start + 80, cur.size)])
+    n = next((j for j, b in enumerate(raw) if not 0x20 <= b < 0x7F), len(raw))
+    return raw[:n].decode("ascii")
+
+
+def _printable_suffix(raw: bytes) -> str:
+    """The printable ASCII bytes at the end of ``raw``."""
+    n = len(raw)
+    while n and 0x20 <= raw[n - 1] < 0x7F:
+        n -= 1
+    return raw[n:].decode("ascii")
+
+
+def _read_name(cur: _Cursor, kind: str, i: int, prev: str) -> str:
+    """The name of key or tensor entry ``i`` (``prev``: ``key X``, ``tensor X`` or ``the header``), its length
+    bounded by the bytes left; every error names an entry.
+
+    A length field too long for the file: when printable bytes follow it, the entry is named by them (the
+    name as the file spells it) and its length is at fault; when none do, the reader is not at a name at
+    all, so the entry before (its value, or its n_dims or dims) is named as the likely fault.
+    """
+    start = cur.pos
+    last = f"{prev} (#{i - 1})" if i else prev  # entry i - 1 is of the same kind
+    if cur.left() < 8:
+        raise cur.fail(f"the file ends at byte {cur.size}, inside the length of {kind} #{i}; the last complete "
+                       f"entry is {last} (truncated?)", at_end=True)
+    (n,) = struct.unpack_from("<Q", cur.buf, start)
+    left = cur.left() - 8
+    if n > left:
+        seen = _peek_name(cur, start + 8)
+        if n <= MAX_KEY_BYTES and len(seen) == left:
+            raise cur.fail(f"{_entry(kind, i, seen, prev)}: the file ends inside its name, at byte {cur.size} "
+                           f"(name length {n} at byte {start}; truncated?)", at_end=True)
+        part = "its n_dims or dims" if prev.startswith("tensor ") else "its value (type, count or length)"
+        # A length below 2**48 has two zero high bytes; printable ones mean the reader is inside a name's text,
+        # misplaced by the entry before, and what follows is no name of its own.
+        text = _printable_suffix(bytes(cur.buf[start:start + 8]))
+        if len(text) < 2 and (seen or prev == "the header"):
+            raise cur.fail(f"{_entry(kind, i, seen, prev)}: name length {n} at byte {start} exceeds the {left} "
+                           f"bytes left (this length, or {part} in the entry before, is damaged)")
+        found = f"text {text + seen!r}" if len(text) >= 2 else f"a {kind} name length of {n}, more than the {left} " \
+                                                                 "bytes left, and no name"
+        raise cur.fail(f"{last} is followed at byte {start} by {found}: {part}, or the {kind} entry #{i} after it, "
+                       "is damaged")
+    cur.pos = start + 8 + n
+    raw = bytes(cur.buf[start + 8:cur.pos])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise cur.fail(f"{_entry(kind, i, raw, prev)}: name is not valid "
+                       f"UTF-8 (at byte {start + 8})") from None
 
 
 def _read_value(cur: _Cursor, key: str, vtype: int, check_element=lambda etype: None):
@@ -238,7 +321,7 @@ def _read_value(cur: _Cursor, key: str, vtype: int, check_element=lambda etype: 
             value = bool(value)
         return value, None
     if vtype == STRING:
-        return cur.string(f"{what}: string value", strict=False), None
+        return cur.string(f"{what}: string value"), None
     if vtype != ARRAY:
         raise ConfigError(f"{cur.path}: {what}: value type {vtype} is unknown (expected 0-12)")
     etype = cur.scalar(U32, f"{what}: array element type")
@@ -253,7 +336,7 @@ def _read_value(cur: _Cursor, key: str, vtype: int, check_element=lambda etype: 
     item = 8 if etype == STRING else struct.calcsize(_STRUCT[etype])  # a string needs at least its length
     if count > MAX_ARRAY_ITEMS or count * item > cur.left():
         raise cur.fail(f"{what}: array of {count} {_vt_name(etype)} items needs at least {count * item} bytes, "
-                       f"only {cur.left()} are left")
+                       f"only {cur.left()} are left", at_end=count * item <= PLAUSIBLE_BYTES)
     if etype != STRING:
         start = cur.take(count * item, what)
         if etype == BOOL:
@@ -266,18 +349,23 @@ def _read_value(cur: _Cursor, key: str, vtype: int, check_element=lambda etype: 
     buf, pos, size, unpack, append = cur.buf, cur.pos, cur.size, struct.unpack_from, out.append
     for i in range(count):  # a 262k vocabulary: kept inline, no per-item method calls
         if pos + 8 > size:
-            raise cur.fail(f"{what}: item {i} of {count} at byte {pos}: the file ends (truncated?)")
+            raise cur.fail(f"{what}: item {i} of {count} at byte {pos}: the file ends (truncated?)", at_end=True)
         (n,) = unpack("<Q", buf, pos)
         if n > size - pos - 8:
             raise cur.fail(f"{what}: item {i} of {count}: string length {n} at byte {pos} exceeds the "
-                           f"{size - pos - 8} bytes left")
+                           f"{size - pos - 8} bytes left", at_end=n <= PLAUSIBLE_BYTES)
         append(buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
         pos += 8 + n
     cur.pos = pos
     return out, etype
 
 
-def _read_header(cur: _Cursor) -> tuple[int, int, int]:
+def _read_header(cur: _Cursor) -> tuple[int, int, int, str | None]:
+    """(version, tensor_count, kv_count, what is wrong with the counts or None).
+
+    Counts the bytes after the header cannot hold are not raised here: the caller reads on, to tell a
+    truncated file (which then names the entry where it ends) from a damaged count.
+    """
     path = cur.path
     if cur.size < 4 or cur.buf[:4] != GGUF_MAGIC:
         raise ModelFileError(f"{path}: not a GGUF file (magic {bytes(cur.buf[:4])!r}, expected b'GGUF')")
@@ -288,17 +376,18 @@ def _read_header(cur: _Cursor) -> tuple[int, int, int]:
                              "(a big-endian file reads as a huge version)")
     n_tensors = cur.scalar(U64, "header field tensor_count")
     n_kv = cur.scalar(U64, "header field kv_count")
-    left, hint = cur.left(), "(the count is wrong, or the file is truncated)"
+    left = cur.left()
+    problem = None
     if n_kv > left // MIN_KV_BYTES:
-        raise ModelFileError(f"{path}: header field kv_count = {n_kv}: {left} bytes follow the header, room for at "
-                             f"most {left // MIN_KV_BYTES} keys {hint}")
-    if n_tensors > left // MIN_TENSOR_INFO_BYTES:
-        raise ModelFileError(f"{path}: header field tensor_count = {n_tensors}: {left} bytes follow the header, "
-                             f"room for at most {left // MIN_TENSOR_INFO_BYTES} tensor infos {hint}")
-    if n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES > left:
-        raise ModelFileError(f"{path}: header fields kv_count = {n_kv} and tensor_count = {n_tensors} need more "
-                             f"than the {left} bytes that follow the header {hint}")
-    return version, n_tensors, n_kv
+        problem = (f"header field kv_count = {n_kv}: {left} bytes follow the header, room for at most "
+                   f"{left // MIN_KV_BYTES} keys")
+    elif n_tensors > left // MIN_TENSOR_INFO_BYTES:
+        problem = (f"header field tensor_count = {n_tensors}: {left} bytes follow the header, room for at most "
+                   f"{left // MIN_TENSOR_INFO_BYTES} tensor infos")
+    elif n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES > left:
+        problem = (f"header fields kv_count = {n_kv} and tensor_count = {n_tensors} need more than the {left} "
+                   "bytes that follow the header")
+    return version, n_tensors, n_kv, problem
 
 
 def _read_kv(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
@@ -306,10 +395,10 @@ def _read_kv(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[i
     types: dict[str, tuple[int, int | None]] = {}
     prev = "the header"
     for i in range(n_kv):  # messages locate a broken entry by the last good key before it
-        key = cur.string(f"key #{i} (after {prev}: its value, or this entry, is damaged)", strict=True)
+        key = _read_name(cur, "key", i, prev)
         if not key or len(key) > MAX_KEY_BYTES or not key.isascii() or not key.isprintable():
-            raise ConfigError(f"{cur.path}: key #{i} (after {prev}) is named {key[:80]!r}: expected 1 to "
-                              f"{MAX_KEY_BYTES} printable ASCII characters")
+            raise ConfigError(f"{cur.path}: {_entry('key', i, key, prev)}: name has {_name_fault(key, True)}, "
+                              f"expected 1 to {MAX_KEY_BYTES} printable ASCII characters")
         if key in meta:
             raise ConfigError(f"{cur.path}: key {key} appears twice")
         vtype = cur.scalar(U32, f"key {key}: value type")
@@ -359,11 +448,11 @@ def _read_tensor_infos(cur: _Cursor, n_tensors: int, last_key: str | None, align
     names: set[str] = set()
     prev = f"key {last_key}" if last_key else "the header"
     for i in range(n_tensors):
-        name = cur.string(f"tensor #{i} (after {prev}: its n_dims or dims, or this entry, is damaged)", strict=True)
+        name = _read_name(cur, "tensor", i, prev)
         where = f"tensor {name} (#{i}, after {prev})"
         if not 0 < len(name.encode()) < MAX_NAME_BYTES or not name.isprintable():
-            raise ModelFileError(f"{cur.path}: tensor #{i} (after {prev}) is named {name[:80]!r}: expected 1 to "
-                                 f"{MAX_NAME_BYTES - 1} printable characters")
+            raise ModelFileError(f"{cur.path}: {_entry('tensor', i, name, prev)}: name has {_name_fault(name, False)}, "
+                                 f"expected 1 to {MAX_NAME_BYTES - 1} printable characters")
         if name in names:
             raise ModelFileError(f"{cur.path}: tensor {name} appears twice in the tensor table")
         names.add(name)
@@ -386,9 +475,9 @@ def _read_tensor_infos(cur: _Cursor, n_tensors: int, last_key: str | None, align
                                  f"elements, but ne[0] = {row}")
         offset = cur.scalar(U64, f"{where}: offset")
         if offset % alignment or offset >= cur.size:  # checked here, so a damaged n_dims or dims is caught at
-            what = "past the end of the file" if offset >= cur.size else "not a multiple of general.alignment"
-            raise ModelFileError(f"{cur.path}: tensor {name}: offset {offset} is {what} "  # this entry
-                                 f"{cur.size if offset >= cur.size else alignment}")
+            what = (f"past the end of the file ({cur.size} bytes; truncated?)" if offset >= cur.size
+                    else f"not a multiple of general.alignment {alignment}")
+            raise ModelFileError(f"{cur.path}: tensor {name}: offset {offset} is {what}")  # this entry
         infos.append((name, dims, int(ggml_type), offset))
         prev = f"tensor {name}"
     return infos
@@ -480,15 +569,26 @@ def check_gguf(path: str | os.PathLike) -> GGUFFile:
     except OSError as e:
         raise ModelFileError(f"{path_s}: cannot read: {e.strerror or e}") from None
     cur = _Cursor(buf, path_s)
-    version, n_tensors, n_kv = _read_header(cur)
-    meta, types = _read_kv(cur, n_kv)
-    _check_key_types(path_s, types, meta)
-    alignment = _alignment(path_s, meta)
-    infos = _read_tensor_infos(cur, n_tensors, next(reversed(meta), None), alignment)
+    version, n_tensors, n_kv, count_problem = _read_header(cur)
+    try:  # every read is bounded by the bytes left, so reading on past a count too large for the file is safe
+        meta, types = _read_kv(cur, n_kv)
+        _check_key_types(path_s, types, meta)
+        alignment = _alignment(path_s, meta)
+        infos = _read_tensor_infos(cur, n_tensors, next(reversed(meta), None), alignment)
+    except InputError as e:
+        if count_problem is None:
+            raise
+        if getattr(e, "at_end", False):  # the entries read well up to the end of the file: a truncation
+            raise ModelFileError(f"{str(e)} ({count_problem})") from None
+        raise ModelFileError(f"{path_s}: {count_problem} (the count is wrong, or the file is truncated)") from None
+    if count_problem is not None:  # unreachable: the counts need more bytes than the entries could have read
+        raise ModelFileError(f"{path_s}: {count_problem}")
     data_offset = -(-cur.pos // alignment) * alignment
     if infos:
-        _check_zero(path_s, buf, cur.pos, min(data_offset, cur.size), "before the data section",
-                    f"is header field tensor_count = {n_tensors} right?")
+        last = infos[-1][0]
+        _check_zero(path_s, buf, cur.pos, min(data_offset, cur.size),
+                    f"before the data section, after the last tensor entry (tensor {last})",
+                    f"is header field tensor_count = {n_tensors} right, and the n_dims or dims of tensor {last}?")
     tensors = _layout(path_s, buf, infos, data_offset, alignment, cur.size)
     for key, value in meta.items():  # arrays stay views until the header is known good
         if isinstance(value, np.ndarray):

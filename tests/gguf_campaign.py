@@ -11,6 +11,11 @@ with ``reference.load_model`` and computes the logits of a short prompt with
 the reference (``forward``) or the fast engine (``FastModel(..., "cpu",
 "float32").logits``), under ``RLIMIT_AS`` (its address space + 4 GiB) and a
 wall-clock bound (5 s), with stdout, stderr and Python warnings captured.
+With ``--cli``, each file goes instead through the ``g4h logits`` command in a
+fresh process (exit status, stderr lines and the ``.npy`` classified the same
+way; slower, for a sample)::
+
+    python tests/gguf_campaign.py --cli --reference 190 --fast 38 --timeout 20
 
 Outcomes (only the first two are acceptable):
 
@@ -33,6 +38,7 @@ import os
 import random
 import re
 import resource
+import subprocess
 import sys
 import time
 import traceback
@@ -48,16 +54,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gguf_mutate  # noqa: E402
 
+REPO = Path(__file__).resolve().parent.parent
 PROMPT = [2, 5, 7, 11, 13]
 TIMEOUT_S = 5.0
 EXTRA_ADDRESS_SPACE = 4 << 30
 OK = ("identical", "error")
 
 
+SLOW_S = 3.0  # a file that takes longer than this is counted as slow (the issue's first bound), even if it ends
+
+
 @dataclass
 class Outcome:
     kind: str
     detail: str
+    seconds: float = 0.0
 
 
 def logits_of(path: str | os.PathLike, engine: str) -> np.ndarray:
@@ -107,6 +118,13 @@ def _child(conn, path: str, engine: str) -> None:
 
 def run_isolated(path: str | os.PathLike, engine: str, clean: np.ndarray, timeout: float = TIMEOUT_S) -> Outcome:
     """Run one file in a forked child and classify the result against the clean logits."""
+    t0 = time.perf_counter()
+    out = _run_isolated(path, engine, clean, timeout)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _run_isolated(path: str | os.PathLike, engine: str, clean: np.ndarray, timeout: float) -> Outcome:
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
     p = ctx.Process(target=_child, args=(send, str(path), engine), daemon=True)
@@ -142,6 +160,51 @@ def run_isolated(path: str | os.PathLike, engine: str, clean: np.ndarray, timeou
     return Outcome("noise", noise.strip()[:200]) if noise else Outcome("identical", "")
 
 
+def cli_logits(path: str | os.PathLike, engine: str, work: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``g4h logits`` of :data:`PROMPT` on ``path`` in a fresh process (float64 ``.npy`` in ``work/cli.npy``)."""
+    prompt, out = work / "cli-prompt.json", work / "cli.npy"
+    prompt.write_text(json.dumps(PROMPT))
+    out.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "harness.cli", "logits", "--model", str(path), "--engine", engine,
+                           *(["--device", "cpu"] if engine == "fast" else []), "--prompt-ids", str(prompt),
+                           "--out", str(out), "--out-dtype", "float64"],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def run_cli(path: str | os.PathLike, engine: str, clean: np.ndarray, work: Path, timeout: float) -> Outcome:
+    """Run one file through the ``g4h logits`` command and classify its exit status, stderr and ``.npy``
+    as :func:`run_isolated` does (``clean``: the command's own logits of the clean file).
+
+    ``Outcome.seconds`` is the command's CPU time (user + system), not its wall time: on a shared machine a
+    process that waits for a core is not a hang. ``timeout`` bounds the wall time."""
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    c0 = cpu()
+    try:
+        proc = cli_logits(path, engine, work, timeout)
+    except subprocess.TimeoutExpired:
+        return Outcome("hang", f"still running after {timeout:g} s (wall)", cpu() - c0)
+    seconds = cpu() - c0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    if "Traceback" in proc.stderr:
+        return Outcome("traceback", proc.stderr.strip().splitlines()[-1][:300], seconds)
+    if proc.returncode == 2:
+        if len(lines) != 1 or Path(path).name not in lines[0]:
+            return Outcome("bad_message", " | ".join(lines)[:300], seconds)
+        return Outcome("error", lines[0].removeprefix("g4h: error: "), seconds)
+    if proc.returncode != 0:
+        return Outcome("crash", f"exit {proc.returncode}: {' | '.join(lines)[:300]}", seconds)
+    value = np.load(work / "cli.npy")
+    if not np.all(np.isfinite(value)):
+        return Outcome("nonfinite", f"{int(np.sum(~np.isfinite(value)))} non-finite logits", seconds)
+    if value.shape != clean.shape or not np.array_equal(value, clean):
+        return Outcome("different", f"shape {value.shape}", seconds)
+    return Outcome("identical", "", seconds)
+
+
 # --------------------------------------------------------------------------- base files
 
 
@@ -153,6 +216,7 @@ def write_bases(out_dir: str | os.PathLike, names: tuple[str, ...] | None = None
     ``harness.synth.write_gguf`` from ``cases/models/*.toml`` (no transformers needed).
     """
     from conftest import write_tiny_gguf
+
     from harness import synth
     from harness.core.cases import MODELS_DIR
 
@@ -216,14 +280,29 @@ def names_field(message: str) -> bool:
 # --------------------------------------------------------------------------- campaign
 
 
-def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> dict:
-    """Run ``n`` mutated files (kinds and bases in turn, details from ``seed``) through ``engine``."""
+def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path, timeout: float = TIMEOUT_S,
+             via_cli: bool = False) -> dict:
+    """Run ``n`` mutated files (kinds and bases in turn, details from ``seed``) through ``engine``, each bounded
+    to ``timeout`` seconds; files slower than :data:`SLOW_S` are counted (and the slowest kept).
+
+    ``via_cli``: through the ``g4h logits`` command (a fresh process each, so Python's start-up is inside the
+    bound) instead of a forked child; the clean logits are then the command's own, and the seconds counted
+    are CPU seconds (:func:`run_cli`)."""
+    clean_cli = {}
+    if via_cli:
+        for base in bases:
+            proc = cli_logits(base.path, engine, work, 120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"g4h logits on the clean {base.name}: {proc.stderr.strip()}")
+            clean_cli[base.name] = np.load(work / "cli.npy")
     rng = random.Random(seed)
     kinds = sorted(gguf_mutate.KINDS)
     counts: Counter = Counter()
     by_kind: dict[str, Counter] = {k: Counter() for k in kinds}
     examples: dict[str, list] = {}
     named = named_near = named_field = n_errors = 0
+    slow = 0
+    slowest = (0.0, "")
     t0 = time.time()
     for i in range(n):
         kind = kinds[i % len(kinds)]
@@ -231,7 +310,10 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> d
         data, detail = gguf_mutate.mutate(base.data, base.layout, kind, rng)
         path = work / f"{base.name}.mut.gguf"
         path.write_bytes(data)
-        out = run_isolated(path, engine, base.clean[engine])
+        out = (run_cli(path, engine, clean_cli[base.name], work, timeout) if via_cli
+               else run_isolated(path, engine, base.clean[engine], timeout))
+        slow += out.seconds > SLOW_S
+        slowest = max(slowest, (out.seconds, f"{base.name} {kind}: {out.kind}"))
         counts[out.kind] += 1
         by_kind[kind][out.kind] += 1
         if out.kind == "error":
@@ -242,7 +324,10 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> d
         if out.kind not in OK or len(examples.get(out.kind, [])) < 3:
             examples.setdefault(out.kind, []).append(f"{base.name} {kind}: {detail} => {out.detail}")
     return {
-        "engine": engine, "files": n, "seed": seed, "seconds": round(time.time() - t0, 1),
+        "engine": engine, "via": "g4h logits" if via_cli else "forked child", "files": n, "seed": seed,
+        "seconds": round(time.time() - t0, 1),
+        "timeout_s": timeout, f"over_{SLOW_S:g}_s": slow,
+        "slowest": f"{slowest[0]:.2f} s ({slowest[1]})",
         "outcomes": dict(counts), "by_kind": {k: dict(v) for k, v in by_kind.items()},
         "errors_naming_key_or_tensor": f"{named}/{n_errors}",
         "errors_naming_key_or_tensor_or_the_one_before": f"{named_near}/{n_errors}",
@@ -298,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", type=int, default=3000, help="files through the reference")
     ap.add_argument("--fast", type=int, default=300, help="files through the fast engine (CPU fp32)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per file before it counts as a hang")
     ap.add_argument("--work", default="/tmp/gguf-campaign")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--cli", action="store_true", help="run each file through the g4h logits command")
     ap.add_argument("--big", default=None, help="instead: write (if absent) and time a real-size E2B Q8_0 GGUF here")
     ap.add_argument("--big-layers", type=int, default=None, help="with --big: keep the first N layers")
     args = ap.parse_args(argv)
@@ -316,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for engine, n in (("reference", args.reference), ("fast", args.fast)):
         if n:
-            r = campaign(bases, engine, n, args.seed, work)
+            r = campaign(bases, engine, n, args.seed, work, args.timeout, via_cli=args.cli)
             results.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "examples"}, indent=1), flush=True)
     if args.out:

@@ -111,6 +111,8 @@ def test_type_swapped_to_another_block_size_names_the_tensor(tiny_gguf, tmp_path
     ("gemma4.block_count", "<I", 1, "tensor blk.1."),
     ("gemma4.attention.head_count", "<I", 0, "expected a positive integer"),
     ("gemma4.context_length", "<I", 4294967295, "expected at most"),
+    ("gemma4.attention.sliding_window", "<I", 0, "expected a positive integer"),
+    ("gemma4.attention.head_count_kv", "<I", 3, "is not a multiple of"),
 ])
 def test_nonsensical_number_names_the_key(tiny_gguf, tmp_path, key, fmt, value, match):
     k = read_layout(tiny_gguf).keys[key]
@@ -136,7 +138,8 @@ def test_bool_other_than_0_or_1_is_refused(tiny_gguf, tmp_path):
     assert "gemma4.attention.sliding_window_pattern" in msg and "expected 0 or 1" in msg
 
 
-@pytest.mark.parametrize("value,what", [(float("nan"), "is NaN"), (float("-inf"), "is -Inf"), (1e35, "is 1e+35: |w| > 1e+30")])
+@pytest.mark.parametrize("value,what", [(float("nan"), "is NaN"), (float("-inf"), "is -Inf"),
+                                        (1e35, "is 1e+35: |w| > 1e+30"), (3e38, "is 3e+38: |w| > 1e+30")])
 @pytest.mark.parametrize("engine", ["reference", "fast"])
 def test_bad_weight_is_named_by_both_engines(tiny_gguf, tmp_path, value, what, engine):
     t = next(t for t in read_layout(tiny_gguf).tensors if t.name == "blk.1.attn_k.weight")
@@ -151,6 +154,55 @@ def test_bad_weight_is_named_by_both_engines(tiny_gguf, tmp_path, value, what, e
             from fast.model import FastModel
 
             FastModel(cfg, W, "cpu", "float32")
+
+
+# --------------------------------------------------------------------------- an unreadable entry is still named
+
+
+def test_huge_name_length_names_the_entry_by_its_bytes(tiny_gguf, tmp_path):
+    """A damaged name length: the entry is named by the printable bytes after it, as the file spells them."""
+    t = next(t for t in read_layout(tiny_gguf).tensors if t.name == "blk.1.ffn_up.weight")
+    msg = _error(_patched(tiny_gguf, tmp_path / "n.gguf", t.start, "<Q", 2**40), ModelFileError)
+    assert "tensor 'blk.1.ffn_up.weight' (#" in msg and f"name length {2**40}" in msg
+    k = read_layout(tiny_gguf).keys["gemma4.rope.freq_base"]
+    msg = _error(_patched(tiny_gguf, tmp_path / "k.gguf", k.start, "<Q", 2**63), ModelFileError)
+    assert "key 'gemma4.rope.freq_base' (#" in msg and f"name length {2**63}" in msg
+
+
+def test_a_value_too_short_names_its_key(tiny_gguf, tmp_path):
+    """A string value's length cut short: the next 'name' is no name, and the key before is named as the fault."""
+    k = read_layout(tiny_gguf).keys["general.architecture"]
+    msg = _error(_patched(tiny_gguf, tmp_path / "v.gguf", k.lengths[1], "<Q", 3), ModelFileError)
+    assert msg.split(": ", 1)[1].startswith("key general.architecture (#0) is followed at byte ")
+    assert "its value (type, count or length), or the key entry #1 after it, is damaged" in msg
+
+
+def test_a_misread_value_names_its_key_not_the_text_after_it(tiny_gguf, tmp_path):
+    """BOOL items read as UINT32: the reader lands inside the next key's name, whose text is no entry's name."""
+    lay = read_layout(tiny_gguf)
+    k = lay.keys["gemma4.attention.sliding_window_pattern"]
+    after = list(lay.keys)[list(lay.keys).index(k.name) + 1]
+    msg = _error(_patched(tiny_gguf, tmp_path / "t.gguf", k.count_off - 4, "<I", 4), ModelFileError)
+    assert msg.split(": ", 1)[1].startswith(f"key {k.name} (#")
+    assert f"by text {after!r}: its value (type, count or length)" in msg
+
+
+def test_a_name_that_is_not_utf8_is_shown(tiny_gguf, tmp_path):
+    t = next(t for t in read_layout(tiny_gguf).tensors if t.name == "output_norm.weight")
+    msg = _error(_patched(tiny_gguf, tmp_path / "u.gguf", t.start + 8 + 3, "<B", 0xE5), ModelFileError)
+    assert "tensor 'out\\xe5ut_norm.weight' (#" in msg and "not valid UTF-8" in msg
+
+
+def test_truncation_at_a_name_names_the_last_complete_entry(tiny_gguf, tmp_path):
+    keys = list(read_layout(tiny_gguf).keys.values())
+    k = keys[5]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:k.start + 4])
+    msg = _error(cut, ModelFileError)
+    assert f"inside the length of key #5; the last complete entry is key {keys[4].name} (#4)" in msg
+    cut.write_bytes(tiny_gguf.read_bytes()[:k.start + 12])
+    msg = _error(cut, ModelFileError)
+    assert f"key '{k.name[:4]}' (#5, after key {keys[4].name}): the file ends inside its name" in msg
 
 
 # --------------------------------------------------------------------------- stored-form checks against gguf-py

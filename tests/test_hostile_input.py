@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from clitools import assert_one_line_error, run_cli
-
 from conftest import TINY
 
 
@@ -95,6 +94,16 @@ def test_out_is_checked_before_any_work(tiny_gguf, tmp_path):
     assert_one_line_error(run_cli("parity", "--model", str(tiny_gguf), "--out", str(blocker)), "--out")
 
 
+@pytest.mark.slow
+def test_out_of_bench_and_selftest_is_checked_before_any_work(tmp_path):
+    """The other commands whose --out is a folder of run directories: an existing file is refused up front."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_one_line_error(run_cli("bench", "--model", "e2b", "--engines", "reference", "--out", str(blocker)), "--out")
+    assert_one_line_error(run_cli("selftest", "--out", str(blocker)), "--out")
+    assert blocker.read_text() == "x"
+
+
 def test_unknown_case_and_engine(tiny_gguf, tmp_path):
     runs = tmp_path / "runs"
     assert_one_line_error(run_cli("parity", "--case", "nosuchcase", "--out", str(runs)), "nosuchcase")
@@ -110,3 +119,95 @@ def test_bench_sizes_are_bounded(tmp_path, flag, value):
     proc = run_cli("bench", "--model", "e2b", "--engines", "reference", flag, value, "--out", str(tmp_path),
                    timeout=120)
     assert_one_line_error(proc, flag.lstrip("-"), value)
+
+
+# --------------------------------------------------------------------------- damaged GGUFs, end to end
+
+
+def _damaged(tiny: Path, out: Path, damage: str) -> Path:
+    """The tiny GGUF with one of the report's damages (field offsets from ``gguf.GGUFReader`` on the clean file)."""
+    import struct
+
+    from gguf_mutate import read_layout
+
+    lay = read_layout(tiny)
+    keys, tensors = lay.keys, {t.name: t for t in lay.tensors}
+    where = {
+        "huge array count": (keys["gemma4.attention.sliding_window_pattern"].count_off, "<Q", 2**62),
+        "misaligned offset": (tensors["output_norm.weight"].offset_off, "<Q",
+                              tensors["output_norm.weight"].rel_offset + 4),
+        "offset into another tensor": (tensors["output_norm.weight"].offset_off, "<Q",
+                                       tensors["token_embd.weight"].rel_offset),
+        "type of another block size": (tensors["blk.0.ffn_up.weight"].type_off, "<I", 1),  # F32 -> F16
+        "softcap inf": (keys["gemma4.final_logit_softcapping"].value_off, "<f", float("inf")),
+        "freq_base -1": (keys["gemma4.rope.freq_base"].value_off, "<f", -1.0),
+        "block_count 2**32-1": (keys["gemma4.block_count"].value_off, "<I", 2**32 - 1),
+        "NaN weight": (tensors["blk.1.attn_k.weight"].data_start + 4 * 17, "<f", float("nan")),
+        "3e38 weight": (tensors["blk.1.attn_k.weight"].data_start + 4 * 17, "<f", 3e38),
+    }
+    off, fmt, value = where[damage]
+    buf = bytearray(tiny.read_bytes())
+    struct.pack_into(fmt, buf, off, value)
+    out.write_bytes(bytes(buf))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage,engine,named", [
+    ("huge array count", "reference", "gemma4.attention.sliding_window_pattern"),  # was: a hang
+    ("misaligned offset", "fast", "output_norm.weight"),  # was: exit 0 with wrong logits
+    ("offset into another tensor", "reference", "output_norm.weight"),
+    ("type of another block size", "fast", "blk.0.ffn_up.weight"),
+    ("softcap inf", "fast", "gemma4.final_logit_softcapping"),  # was: exit 0 with NaN
+    ("freq_base -1", "reference", "gemma4.rope.freq_base"),
+    ("NaN weight", "fast", "blk.1.attn_k.weight"),
+    ("3e38 weight", "fast", "blk.1.attn_k.weight"),
+    ("block_count 2**32-1", "reference", "gemma4.block_count"),  # was: a MemoryError traceback
+])
+def test_damaged_gguf_is_one_line_and_exit_2(tiny_gguf, tmp_path, damage, engine, named):
+    """Each damaged file of the report, through ``g4h logits`` with the engine it fooled: exit 2, one line."""
+    bad = _damaged(tiny_gguf, tmp_path / "bad.gguf", damage)
+    p = _prompt(tmp_path, [2, 5, 7])
+    line = assert_one_line_error(_logits(bad, p, tmp_path / "o.npy", "--engine", engine, "--device", "cpu"), named)
+    assert "bad.gguf" in line and not (tmp_path / "o.npy").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value,says", [(float("nan"), "is NaN"), (3e38, "3e+38")], ids=["nan", "3e38"])
+def test_transformers_engine_checks_its_weights(tmp_path, value, says):
+    """The oracle too: a NaN weight in an HF folder gave 1536/1536 NaN logits and exit 0; now one line naming
+    the parameter (as transformers names it) and the element."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from harness import synth
+    from harness.core.cases import MODELS_DIR
+
+    hf = shutil.copytree(synth.ensure_built(MODELS_DIR / "e2b.toml").hf_dir, tmp_path / "hf")
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "o.npy"
+    line = assert_one_line_error(run_cli("logits", "--model", str(hf), "--engine", "transformers", "--prompt-ids",
+                                         str(_prompt(tmp_path, [2, 5, 7])), "--out", str(out)),
+                                 "model.layers.1.mlp.up_proj.weight")
+    assert "[3, 5]" in line and says in line and not out.exists()
+
+
+@pytest.mark.slow
+def test_transformers_engine_generation_beyond_the_context(tmp_path):
+    """Generation included: prompt + --max-new-tokens past the context is refused before any step (transformers
+    would run past its positions)."""
+    from harness import synth
+    from harness.core.cases import MODELS_DIR
+
+    built = synth.ensure_built(MODELS_DIR / "e2b.toml")
+    context = json.loads((built.hf_dir / "config.json").read_text())["max_position_embeddings"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt_ids": [2, 3, 4]}) + "\n")
+    out = tmp_path / "o.jsonl"
+    proc = run_cli("generate", "--model", str(built.hf_dir), "--engine", "transformers", "--prompts", str(prompts),
+                   "--max-new-tokens", str(context), "--out", str(out), timeout=120)
+    assert_one_line_error(proc, str(context))
+    assert not out.exists()

@@ -316,3 +316,53 @@ def test_tokenizer_crash_is_reported_and_the_run_goes_on(aborting_vocab, small_v
                                          "--against-tokenizer", str(aborting_vocab), "--corpus", str(corpus)),
                                  "engine crashed")
     assert line.startswith("g4h: error: engine crashed: ") and "std::out_of_range" in line
+
+
+#: A parent that keeps llama.cpp busy: the tokenizer worker up, and one model worker after another.
+_BUSY_PARENT = r"""
+import sys
+from harness.engines.llamacpp import LlamaCppEngine
+from harness.tokenizer.engines import make_tok_engine
+tok = make_tok_engine("llamacpp", sys.argv[2])
+print(tok.worker_pid, flush=True)
+eng = LlamaCppEngine(sys.argv[1], n_ctx=1024, threads=1)
+ids = [2] + [5, 7, 11] * 300
+while True:
+    eng.logits(ids, trace=lambda point, layer, array: None)
+"""
+
+
+@pytest.mark.parametrize("delay", [pytest.param(0.0, marks=pytest.mark.slow), 0.5,
+                                   pytest.param(1.5, marks=pytest.mark.slow)])
+def test_killed_parent_leaves_no_llamacpp_worker_and_no_temp_dir(passing, small_vocab, tmp_path, delay):
+    """kill -9 of the harness while a llama.cpp worker runs: the worker (and the tokenizer worker) die, and the
+    worker's folder of results goes too. ``delay``: seconds after the first model worker appears (in its start,
+    its load, its decode, or the next worker's)."""
+    import signal
+    import subprocess
+    import time
+
+    from test_workers import children_of, process_gone, wait_until
+
+    from harness.core.workers import worker_env
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", _BUSY_PARENT, str(passing.gguf["F32"]), str(small_vocab)],
+                              stdout=subprocess.PIPE, text=True, env=dict(worker_env(), TMPDIR=str(tmp)))
+    seen = {int(parent.stdout.readline())}
+
+    def model_workers() -> set[int]:
+        return {p for p, cmd in children_of(parent.pid).items() if "llamacpp.worker" in cmd}
+
+    assert wait_until(lambda: bool(model_workers()), 60), "no llama.cpp worker started"
+    deadline = time.monotonic() + delay
+    while time.monotonic() < deadline:
+        seen |= model_workers()
+        time.sleep(0.01)
+    seen |= model_workers()
+    assert any(p.name.startswith("g4h-llamacpp-") for p in tmp.iterdir())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    assert wait_until(lambda: all(process_gone(p) for p in seen)), "a worker outlived its parent"
+    assert wait_until(lambda: not any(tmp.iterdir())), f"left behind: {sorted(p.name for p in tmp.iterdir())}"

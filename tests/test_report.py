@@ -16,8 +16,8 @@ from harness.core import io as report
 from harness.core.io import (
     dumps_json,
     markdown_table,
-    staged_run_dir,
     run_timestamp,
+    staged_run_dir,
     write_json_atomic,
     write_text_atomic,
 )
@@ -98,22 +98,45 @@ def test_real_clock_back_to_back(tmp_path):
     assert a != b and a.is_dir() and b.is_dir()
 
 
-def test_concurrent_runs_get_distinct_dirs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["renameat2", "fallback"])
+def test_concurrent_runs_get_distinct_dirs(tmp_path, monkeypatch, native):
+    """Eight threads that finish their runs at once, in the same second, 20 times: 8 distinct directories
+    each time (a plain rename onto the other thread's fresh empty directory replaced it, ~1 try in 5)."""
     monkeypatch.setattr(report, "run_timestamp", lambda now=None: "20250101-000000")
-    got: list[Path] = []
-    lock = threading.Lock()
+    if not native:
+        monkeypatch.setattr(report, "_renameat2", lambda: None)
+    for round_ in range(20):
+        base = tmp_path / str(round_)
+        got: list[Path] = []
+        lock = threading.Lock()
+        start = threading.Barrier(8)
 
-    def work():
-        d = new_run_dir("parity", out=tmp_path)
-        with lock:
-            got.append(d)
+        def work():
+            start.wait()
+            d = new_run_dir("parity", out=base)
+            with lock:
+                got.append(d)
 
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(got) == 8 and len(set(got)) == 8
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 8 and len(set(got)) == 8
+        assert sorted(p.name for p in base.iterdir()) == sorted(d.name for d in got)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["renameat2", "fallback"])
+def test_rename_never_replaces_an_empty_directory(tmp_path, monkeypatch, native):
+    if not native:
+        monkeypatch.setattr(report, "_renameat2", lambda: None)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "results.json").write_text("{}")
+    dst.mkdir()
+    with pytest.raises(FileExistsError):
+        report._rename_no_replace(src, dst)
+    assert (src / "results.json").is_file() and dst.is_dir() and not any(dst.iterdir())
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", "../x", "-lead", "sp ace", ".hidden"])

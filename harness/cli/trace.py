@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 from reference.errors import InputError
 
 from ..core.cases import read_prompt_ids
+from ..core.workers import temp_folder
 from ..engines import make_engine
 from ..traces.format import TraceWriter, load_dump, read_trace, write_trace
 from ..traces.llama_dump import import_llama_dump
@@ -64,7 +64,7 @@ def trace_command(model: str | None, engine: str, prompt_ids_file: str, out: str
     eng = make_engine(engine, resolve_model(model, engine), device=device, dtype=dtype, weights=weights,
                       cache_gb=cache_gb, layers=layers)
     if hasattr(eng, "trace_file"):  # an engine that writes its own trace file (cmd:, docs/engine-protocol.md)
-        with tempfile.TemporaryDirectory(prefix="g4h-trace-") as tmp:
+        with temp_folder("g4h-trace-") as tmp:
             dump = Path(tmp) / "tensors" if dump_dir else None
             tr = read_trace(eng.trace_file(ids, Path(tmp) / "trace.jsonl", dump))
             eng.close()

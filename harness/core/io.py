@@ -11,14 +11,18 @@ never leaves a truncated one.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import enum
+import errno
 import json
 import math
 import os
 import re
 import shutil
+import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,6 +33,7 @@ import numpy as np
 from reference.errors import InputError
 
 from .paths import REPO_ROOT
+from .workers import remove_temp_dir, temp_dir
 
 DEFAULT_REPORTS_DIR = REPO_ROOT / "reports"
 """Where runs go when no ``out`` is given."""
@@ -87,8 +92,9 @@ def staged_run_dir(name: str, out: str | os.PathLike | None = None) -> Iterator[
 
     Inside the ``with`` block, write into ``staged.path`` (``<base>/.tmp-<ts>-<name>-pid<pid>-<random>/``);
     on normal exit it is renamed to ``<base>/<UTC timestamp>-<name>[-N]/`` (``staged.final``), a name that
-    did not exist before. On an exception the temporary directory is removed. A run killed mid-way leaves
-    only its hidden temporary directory, which the next run in the same base removes.
+    did not exist before. On an exception the temporary directory is removed; when the process is killed
+    (SIGKILL included), the watchdog of :func:`harness.core.workers.temp_dir` removes it, and should that
+    fail too, the next run in the same base does.
 
     Args:
         name: short run name such as ``parity``; letters, digits, ``.``, ``_`` and ``-`` only, starting
@@ -110,14 +116,14 @@ def staged_run_dir(name: str, out: str | os.PathLike | None = None) -> Iterator[
     base.mkdir(parents=True, exist_ok=True)
     _clean_stale(base)
     stem = f"{run_timestamp()}-{name}"
-    staged = StagedRunDir(Path(tempfile.mkdtemp(prefix=f".tmp-{stem}-pid{os.getpid()}-", dir=base)))
+    staged = StagedRunDir(temp_dir(f".tmp-{stem}-pid{os.getpid()}-", base))
     try:
         yield staged
         n, candidate = 1, base / stem
         while True:
             if not candidate.exists():
                 try:
-                    os.rename(staged.path, candidate)
+                    _rename_no_replace(staged.path, candidate)
                     break
                 except OSError:  # another process took the name between the check and the rename
                     if not candidate.exists():
@@ -127,8 +133,43 @@ def staged_run_dir(name: str, out: str | os.PathLike | None = None) -> Iterator[
         _fsync_dir(base)
         staged.final = candidate
     finally:
-        if staged.final is None:
-            shutil.rmtree(staged.path, ignore_errors=True)
+        remove_temp_dir(staged.path, keep=staged.final is not None)
+
+
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <fcntl.h>, <linux/fs.h>
+_FALLBACK_RENAME_LOCK = threading.Lock()
+
+
+def _renameat2() -> Any:
+    """libc's ``renameat2`` (Linux, glibc >= 2.28), or None."""
+    return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform.startswith("linux") else None
+
+
+def _rename_no_replace(src: Path, dst: Path) -> None:
+    """Rename a directory to a name that must not exist (``renameat2(RENAME_NOREPLACE)`` on Linux).
+
+    A plain ``rename`` onto an existing *empty* directory replaces it, so two runs that checked the same
+    free name at once could both "succeed" (two threads of one process got the same run directory in about
+    one try in five). Where ``renameat2`` or its flag is missing: a check and a plain rename, under one lock
+    (threads of this process never share a name; other processes on such a system still could).
+
+    Raises:
+        FileExistsError: ``dst`` exists.
+        OSError: any other failure.
+    """
+    fn = _renameat2()
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.ENOSYS, errno.EINVAL):  # not: an old kernel or a file system without the flag
+            raise OSError(err, os.strerror(err), str(dst))
+    with _FALLBACK_RENAME_LOCK:
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+        os.rename(src, dst)
 
 
 def _fsync_dir(path: Path) -> None:

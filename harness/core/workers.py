@@ -9,19 +9,31 @@ This module holds what every such worker shares:
 * :func:`start_worker` / :func:`run_worker`: start one with ``PR_SET_PDEATHSIG`` on Linux, so it is
   killed when the parent dies (no orphan under PID 1); :func:`start_child` does the same for any program
   (a ``cmd:`` engine);
+* :func:`temp_dir` / :func:`remove_temp_dir` (or :func:`temp_folder`, a ``with`` block): a worker's
+  temporary folder, removed even when the parent is killed with SIGKILL (a watchdog process holds the
+  other end of a pipe from the parent: when the parent dies, however it dies, the pipe closes and the
+  watchdog removes the folders still registered);
 * :class:`EngineCrashed` and :func:`crash_error`: a dead worker becomes one line,
   ``engine crashed: <what it last said>``, never a traceback.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
+import functools
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
-from typing import Any, Sequence
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator, Sequence
 
 from .paths import REPO_ROOT
 
@@ -104,24 +116,28 @@ def crash_error(stderr: str, rc: int, model_name: str) -> EngineCrashed:
     return EngineCrashed(f"engine crashed: {line} ({_describe_rc(rc)})")
 
 
-
-
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """``preexec_fn``: ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
+def _die_with_parent(parent: int) -> None:  # pragma: no cover - runs in the child between fork and exec
+    """``preexec_fn``: ask the kernel to SIGKILL this process when its parent dies (Linux only).
+
+    A parent that died between the fork and the ``prctl`` sends no signal: the child then finds itself
+    adopted (its parent id is no longer ``parent``) and exits at once.
+    """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _popen_kwargs() -> dict[str, Any]:
     kw: dict[str, Any] = {"env": worker_env(), "cwd": str(REPO_ROOT)}
     if sys.platform.startswith("linux"):
-        kw["preexec_fn"] = _die_with_parent
+        kw["preexec_fn"] = functools.partial(_die_with_parent, os.getpid())
     return kw
 
 
@@ -135,7 +151,7 @@ def start_child(argv: Sequence[str], **popen: Any) -> subprocess.Popen:
         OSError: the program cannot be started (not found, not executable).
     """
     if sys.platform.startswith("linux"):
-        popen.setdefault("preexec_fn", _die_with_parent)
+        popen.setdefault("preexec_fn", functools.partial(_die_with_parent, os.getpid()))
     return subprocess.Popen(list(argv), **popen)
 
 
@@ -162,3 +178,155 @@ def run_worker(module: str, args: Sequence[str] = (), *, input: str | None = Non
     """
     return subprocess.run([sys.executable, "-m", module, *args], input=input, capture_output=True, text=True,
                           timeout=timeout, **_popen_kwargs())
+
+
+# --------------------------------------------------------------------------- temporary folders
+
+#: Seconds the watchdog keeps trying to remove a folder that a dying worker may still be writing into.
+REMOVE_RETRY_S = 5.0
+
+_lock = threading.Lock()
+_watchdog: subprocess.Popen | None = None
+_held: set[str] = set()
+
+
+def _forget_after_fork() -> None:  # pragma: no cover - runs in a forked child
+    """A forked child holds none of its parent's folders, and starts its own watchdog when it needs one.
+
+    Its copy of the parent's pipe is closed, so the parent's watchdog still sees the parent's death.
+    """
+    global _lock, _watchdog
+    _lock = threading.Lock()
+    if _watchdog is not None and _watchdog.stdin is not None:
+        try:
+            _watchdog.stdin.close()  # empty: every write is flushed under the lock
+        except OSError:
+            pass
+    _watchdog = None
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _start_watchdog() -> subprocess.Popen:
+    """``python -m harness.core.workers`` in its own session (a Ctrl-C or a kill of the harness's process
+    group does not reach it), reading folder registrations on its stdin."""
+    return subprocess.Popen([sys.executable, "-m", "harness.core.workers"], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=worker_env(), cwd=str(REPO_ROOT))
+
+
+def _tell_watchdog(line: str) -> None:
+    """Send ``+PATH`` or ``-PATH`` to this process's watchdog, starting it (again) when needed."""
+    global _watchdog
+    for _ in range(2):
+        if _watchdog is None or _watchdog.poll() is not None:
+            _watchdog = _start_watchdog()
+            assert _watchdog.stdin is not None
+            for held in _held:  # a restarted watchdog learns every folder still held
+                _watchdog.stdin.write(f"+{held}\n".encode())
+        assert _watchdog.stdin is not None
+        try:
+            _watchdog.stdin.write(f"{line}\n".encode())
+            _watchdog.stdin.flush()
+            return
+        except (BrokenPipeError, OSError):
+            _watchdog = None
+
+
+def temp_dir(prefix: str, dir: str | os.PathLike | None = None) -> Path:
+    """A fresh temporary folder (in ``dir``, default ``tempfile.gettempdir()``) that is removed when this
+    process ends.
+
+    Removed by :func:`remove_temp_dir`, or else, however this process ends (SIGKILL included), by a
+    watchdog process: it holds the read end of a pipe from this process, sees it close when this process
+    dies, and removes every folder still registered (retrying for :data:`REMOVE_RETRY_S` while a dying
+    worker may still write into one).
+
+    Args:
+        prefix: the folder name's prefix, e.g. ``g4h-llamacpp-``.
+        dir: the folder to make it in.
+
+    Returns:
+        the folder's path.
+    """
+    path = tempfile.mkdtemp(prefix=prefix, dir=dir)
+    with _lock:
+        _held.add(path)
+        _tell_watchdog(f"+{path}")
+    return Path(path)
+
+
+def remove_temp_dir(path: str | os.PathLike, keep: bool = False) -> None:
+    """Remove a folder made by :func:`temp_dir` (and what is in it) and tell the watchdog it is gone.
+
+    ``keep``: only tell the watchdog (the folder was renamed into place and is no longer temporary).
+    """
+    if not keep:
+        shutil.rmtree(path, ignore_errors=True)
+    with _lock:
+        if str(path) in _held:
+            _held.discard(str(path))
+            _tell_watchdog(f"-{path}")
+
+
+@contextlib.contextmanager
+def temp_folder(prefix: str, dir: str | os.PathLike | None = None) -> Iterator[Path]:
+    """:func:`temp_dir` as a ``with`` block: the folder is removed when the block ends, and by the watchdog
+    when this process is killed inside it (where ``tempfile.TemporaryDirectory`` would leave it behind).
+
+    Args:
+        prefix: the folder name's prefix, e.g. ``g4h-pair-``.
+        dir: the folder to make it in (default ``tempfile.gettempdir()``).
+
+    Yields:
+        the folder's path.
+    """
+    path = temp_dir(prefix, dir)
+    try:
+        yield path
+    finally:
+        remove_temp_dir(path)
+
+
+@atexit.register
+def _stop_watchdog() -> None:
+    """At a normal exit: close the pipe, so the watchdog removes what is left and exits; wait for it."""
+    if _watchdog is not None:
+        try:
+            if _watchdog.stdin is not None:
+                _watchdog.stdin.close()
+            _watchdog.wait(REMOVE_RETRY_S + 1)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+def _remove(path: str, retry_s: float = REMOVE_RETRY_S) -> None:
+    """Remove ``path``, retrying while something (a worker being killed) may still create files in it."""
+    deadline = time.monotonic() + retry_s
+    while os.path.lexists(path):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+
+
+def watch(stream: BinaryIO) -> None:
+    """The watchdog's loop: ``+PATH`` / ``-PATH`` lines register and release folders; at end of input (the
+    parent closed the pipe, or died) every folder still registered is removed."""
+    held: set[str] = set()
+    for raw in stream:
+        line = raw.decode("utf-8", "surrogateescape").rstrip("\n")
+        if line[:1] == "+":
+            held.add(line[1:])
+        elif line[:1] == "-":
+            held.discard(line[1:])
+    for path in held:
+        _remove(path)
+
+
+if __name__ == "__main__":  # the watchdog process of temp_dir()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch(sys.stdin.buffer)

@@ -28,6 +28,7 @@ import transformers
 from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
 from ..core.hf_assistant import kv_sharing_patch
+from .transformers import check_parameters
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -52,6 +53,8 @@ class HFAssistantOracle:
         with kv_sharing_patch():
             self.drafter = Gemma4AssistantForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32,
                                                                       attn_implementation="eager").eval()
+        check_parameters(self.target, target_dir)  # NaN, Inf, |w| > 1e30: one line, as every engine
+        check_parameters(self.drafter, drafter_dir)
 
     def after_prefill(self, prompt: Sequence[int]) -> tuple[int, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
         """The HF target after reading ``prompt``: its greedy next token, ``hidden_states[-1]`` at the last position

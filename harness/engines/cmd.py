@@ -29,9 +29,7 @@ import math
 import os
 import selectors
 import shlex
-import shutil
 import subprocess
-import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -41,7 +39,7 @@ import numpy as np
 
 from reference.errors import InputError
 
-from ..core.workers import crash_line, start_child
+from ..core.workers import crash_line, remove_temp_dir, start_child, temp_dir
 from .base import EngineUnavailable, Generated, TraceFn
 
 PROTOCOL_VERSION = 1
@@ -118,7 +116,7 @@ def _stop(proc: subprocess.Popen, workdir: str, grace: float) -> None:
                 f.close()
         except OSError:
             pass
-    shutil.rmtree(workdir, ignore_errors=True)
+    remove_temp_dir(workdir)
 
 
 class CmdEngine:
@@ -155,14 +153,14 @@ class CmdEngine:
         self._next_id = 0
         self._failed: str | None = None
         self._buf = bytearray()
-        self.workdir = tempfile.mkdtemp(prefix="g4h-cmd-")
+        self.workdir = str(temp_dir("g4h-cmd-"))  # removed by a watchdog if the harness is killed
         self._log = open(os.path.join(self.workdir, "stderr.log"), "w+b")
         try:
             self.proc = start_child(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                     bufsize=0)
         except OSError as e:
             self._log.close()
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            remove_temp_dir(self.workdir)
             raise CmdError(f"{self.label}: cannot start the command ({e.strerror or e})") from None
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.workdir, EXIT_GRACE)
         os.set_blocking(self.proc.stdin.fileno(), False)

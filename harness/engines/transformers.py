@@ -23,6 +23,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from reference.errors import InputError, ModelFileError, PromptError
 from reference.names import gguf_to_hf
+from reference.weight_check import check_values
 from reference.weights import load_model
 
 from ..core import memory
@@ -127,6 +128,24 @@ def _load_gemma4(path: Path, layers: int | None = None):
     return model
 
 
+def check_parameters(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Every loaded parameter finite and within :data:`reference.weight_check.MAX_ABS_FP32`, as the other
+    engines check theirs (transformers itself would compute NaN logits and exit 0).
+
+    Args:
+        model: the loaded module (fp32 parameters, on the CPU).
+        path: the checkpoint, for the message.
+
+    Raises:
+        ModelFileError: one line naming the parameter as transformers names it (``model.layers.1.mlp.up_proj
+            .weight``), the first bad element's index and its value.
+
+    Cost: two reductions per 4M-element chunk of each parameter, no copy (a view of the fp32 storage).
+    """
+    for name, p in model.named_parameters():
+        check_values(str(path), name, p.detach().cpu().numpy())
+
+
 class TransformersEngine:
     """HF transformers, fp32, eager attention: the oracle (and, cast to bf16, a benchmark engine).
 
@@ -145,7 +164,8 @@ class TransformersEngine:
 
     Raises:
         EngineUnavailable: transformers/torch missing, or a Gemma 4 GGUF.
-        ModelFileError: weights missing from the checkpoint.
+        ModelFileError: weights missing from the checkpoint, or a weight that is NaN, Inf or beyond 1e30
+            (:func:`check_parameters`).
         InputError: ``layers`` out of range or ending on a sliding layer; ``layers`` with a GGUF.
         NotEnoughMemory: the model cannot run in the memory available (one line).
     """
@@ -177,6 +197,7 @@ class TransformersEngine:
             raise EngineUnavailable(f"{path}: the transformers engine needs an HF model folder (it cannot read "
                                     "a Gemma 4 GGUF); pass a case spec (cases/bench/*.toml) or an HF folder")
         self.config = self.model.config
+        check_parameters(self.model, path)
 
     def cast(self, dtype: str) -> "TransformersEngine":
         """This engine in ``dtype`` (``float32`` / ``bfloat16``): itself when already so, else a deep copy

@@ -31,9 +31,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -44,7 +42,7 @@ from gguf import LlamaFileType
 from reference.errors import PromptError
 from reference.gguf_check import check_gguf
 
-from ...core.workers import EngineCrashed, crash_error, crash_line, run_worker
+from ...core.workers import EngineCrashed, crash_error, crash_line, remove_temp_dir, run_worker, temp_dir
 from ..base import EngineUnavailable, Generated, TraceFn, bench_ids
 
 INSTALL_MSG = ("llama.cpp engine not installed: pip install 'gemma4-harness[llamacpp]' "
@@ -119,8 +117,9 @@ class LlamaCppEngine:
     def run_jobs(self, jobs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Path]:
         """Run ``jobs`` in one worker process. Returns (job results, folder of their files).
 
-        The folder is a fresh temporary directory; the caller reads the ``.npy`` files it names
-        (see :mod:`harness.engines.llamacpp.worker`) and removes it.
+        The folder is a fresh temporary directory (:func:`harness.core.workers.temp_dir`: removed even when
+        this process is killed); the caller reads the ``.npy`` files it names (see
+        :mod:`harness.engines.llamacpp.worker`) and removes it (``_rmtree``).
 
         Raises:
             EngineCrashed: the worker exited non-zero, died of a signal, timed out, or could not load
@@ -137,7 +136,7 @@ class LlamaCppEngine:
             elif j["op"] == "bench":
                 need = max(need, j["batch"] * (j["n"] if j["test"] == "pp" else 1),
                            j["batch"] * min(j["depth"], BENCH_CHUNK))
-        out_dir = Path(tempfile.mkdtemp(prefix="g4h-llamacpp-"))
+        out_dir = temp_dir("g4h-llamacpp-")
         req = {"model": str(self.path), "n_ctx": self.n_ctx, "threads": self.threads,
                "n_batch": need, "n_ubatch": min(self.n_ubatch, need) if self.n_ubatch else need,
                "swa_full": self.swa_full, "extra_bufts": self.extra_bufts, "out_dir": str(out_dir), "jobs": jobs,
@@ -263,7 +262,7 @@ def _order_trace(points: list[tuple[str, int, np.ndarray]]) -> list[tuple[str, i
 
 
 def _rmtree(p: Path) -> None:
-    shutil.rmtree(p, ignore_errors=True)
+    remove_temp_dir(p)
 
 
 # --------------------------------------------------------------------------- bench

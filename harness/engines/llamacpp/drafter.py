@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from ...core.workers import EngineCrashed, crash_error, run_worker
+from ...core.workers import EngineCrashed, crash_error, run_worker, temp_dir
 from . import _import_llama_cpp, _rmtree
 
 
 def _run(target: Path, drafter: Path, jobs: list[dict[str, Any]], n_ctx: int, threads: int | None,
          timeout: float) -> tuple[list[dict[str, Any]], Path]:
     _import_llama_cpp()
-    out_dir = Path(tempfile.mkdtemp(prefix="g4h-llamacpp-mtp-"))
+    out_dir = temp_dir("g4h-llamacpp-mtp-")  # removed by a watchdog if the harness is killed
     req = {"target": str(target), "drafter": str(drafter), "n_ctx": n_ctx, "threads": threads,
            "out_dir": str(out_dir), "jobs": jobs}
     try:

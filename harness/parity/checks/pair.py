@@ -25,7 +25,6 @@ invariance, for instance).
 from __future__ import annotations
 
 import contextlib
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -34,6 +33,7 @@ import numpy as np
 from reference.errors import InputError
 
 from ...core.gates import DEFAULT_GATES
+from ...core.workers import temp_folder
 from ...engines import EngineCrashed, EngineUnavailable, engine_kind, make_engine
 from ...engines.llamacpp.numerics import llamacpp_numerics
 from ...engines.reference import ReferenceEngine
@@ -227,7 +227,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
     logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
     file_trace = hasattr(eng, "trace_file")
     batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}
-    with tempfile.TemporaryDirectory(prefix="g4h-pair-") as tmp:
+    with temp_folder("g4h-pair-") as tmp:
         for p in prompts if _can(eng, "logits") else ():
             base, base_trace = runs.logits(approx, p)
             ours_trace = None
