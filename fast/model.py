@@ -167,11 +167,11 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
               window: int | None, scale: float, q_block: torch.Tensor | None = None,
               k_block: torch.Tensor | None = None) -> torch.Tensor:
-    """GQA under :func:`attention_mask` through ``scaled_dot_product_attention``, in bounded memory.
+    """GQA under :func:`attention_mask`, in bounded memory.
 
     Queries go in blocks of :data:`ATTENTION_BLOCK`, each reading only the keys it can see (a sliding
     layer: its window; with image blocks, up to the end of its queries' blocks), so a long prompt never
-    builds the ``[H, T, S]`` score matrix.
+    builds the ``[H, T, S]`` score matrix. Each block is :func:`attend_block`.
     [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], window, scale, [T], [S] -> [T, H*D].
     Source: reference ``attention``; transformers ``eager_attention_forward``.
     """
@@ -187,15 +187,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         reach = k_pos <= last
         if window is not None:
             reach &= k_pos > qp.min() - window
-        kk, vv = k[reach].transpose(0, 1), v[reach].transpose(0, 1)  # [Hkv, S', D]
-        if group > 1:
-            kk = kk.repeat_interleave(group, dim=0)
-            vv = vv.repeat_interleave(group, dim=0)
         allowed = attention_mask(qp, k_pos[reach], window, qb, None if qb is None else k_block[reach])
-        out = F.scaled_dot_product_attention(q[lo:lo + ATTENTION_BLOCK].transpose(0, 1), kk, vv, attn_mask=allowed,
-                                             scale=scale)  # [H, t, D]
-        outs.append(out.transpose(0, 1))
+        outs.append(attend_block(q[lo:lo + ATTENTION_BLOCK], k[reach], v[reach], allowed, scale, group))
     return torch.cat(outs, 0).reshape(T, H * D)
+
+
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                 group: int) -> torch.Tensor:
+    """``softmax(q k^T * scale, masked by allowed) v`` for one query block, each KV head serving its
+    ``group`` query heads without a copy of K or V.
+
+    The query heads of one KV head are stacked into one matrix product (``[Hkv, group*t, D] @ [Hkv, D, S]``);
+    the softmax runs in float32 for 16-bit inputs. Written out rather than through
+    ``scaled_dot_product_attention``: on the CPU, with a boolean mask, torch takes its math path, which
+    repeats K/V per query head and adds a pass over the scores for rows with no visible key (none exist
+    here: every query sees itself), and was 1.2-6x slower at these head sizes (profile in the issue-16 note).
+    [t, H, D], [S, Hkv, D], [S, Hkv, D], bool [t, S], scale, group -> [t, H, D].
+    Source: transformers ``eager_attention_forward`` (same formula).
+    """
+    t, H, D = q.shape
+    S, Hkv, _ = k.shape
+    qg = q.reshape(t, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * t, D)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)).view(Hkv, group, t, S)  # [Hkv, group, t, S]
+    if scores.dtype in (torch.bfloat16, torch.float16):
+        scores = scores.float()
+    scores = (scores * scale).masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, group * t, S)
+    out = torch.matmul(p, v.transpose(0, 1))  # [Hkv, group*t, D]
+    return out.view(Hkv, group, t, D).permute(2, 0, 1, 3).reshape(t, H, D)
 
 
 def gelu_ffn(x: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
