@@ -192,8 +192,9 @@ class FastWeights:
 
     GGUF tensors are dequantized with :mod:`fast.quants` on the device from the
     mapped bytes (bit-exact with ``gguf.quants``); safetensors go through numpy.
-    With ``keep_quantized`` (CUDA), 2-D quantized weights stay packed and are
-    dequantized block by block inside each matmul. Norms, scales and
+    With ``keep_quantized``, 2-D quantized weights stay packed and are
+    dequantized on the fly inside each matmul (on the CPU, as views of the
+    memory-mapped file, through :mod:`fast.quant_kernels`). Norms, scales and
     ``rope_freqs`` are kept in float32.
 
     Raises:
@@ -217,10 +218,12 @@ class FastWeights:
 
                 if qtype not in quants.SUPPORTED:
                     raise InputError(f"{W.source}: tensor {name}: type {qtype} is not supported by fast dequantization")
-                raw = torch.from_numpy(np.array(stored).view(np.uint8)).to(device)  # own copy of the mapped bytes
                 if keep_quantized and len(W.shape(name)) == 2 and qtype not in ("F16", "BF16"):
-                    self.t[name] = quants.QuantizedTensor(raw, qtype, W.shape(name))
+                    # CPU: a view of the mapped file, no copy; elsewhere: one copy on the device
+                    self.t[name] = quants.QuantizedTensor.from_numpy(stored, qtype, W.shape(name), device,
+                                                                     copy=device.type != "cpu")
                     continue
+                raw = torch.from_numpy(np.array(stored).view(np.uint8)).to(device)  # own copy of the mapped bytes
                 self.t[name] = quants.dequantize(raw, qtype, W.shape(name), dtype=torch.float32).to(target)
             else:
                 arr = np.array(W.raw(name), dtype=np.float32)  # own copy: the source may be a read-only map
