@@ -35,6 +35,7 @@ values.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import subprocess
@@ -45,7 +46,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import cpu_kernels
 
-__all__ = ["MAX_ROWS", "TYPES", "SOURCE", "FLAGS", "status", "isa", "linear", "take_rows", "dequantize_rows"]
+__all__ = ["MAX_ROWS", "TYPES", "SOURCE", "FLAGS", "status", "isa", "disabled", "linear", "take_rows",
+           "dequantize_rows"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_quant.c"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
@@ -63,6 +65,7 @@ TYPES: dict[str, int] = {name: int(GGMLQuantizationType[name])
 _lib = None
 _state = "unloaded"  # unloaded | ready | unavailable
 _why = ""
+_off = 0  # > 0 inside disabled()
 
 
 def bind(path: Path | str) -> ctypes.CDLL:
@@ -94,7 +97,7 @@ def _load():
 
 
 def _get():
-    if _state == "unavailable":
+    if _state == "unavailable" or _off:
         return None
     return _lib if _state == "ready" else _load()
 
@@ -104,6 +107,18 @@ def status() -> tuple[bool, str]:
     if _state == "unloaded":
         _load()
     return _state == "ready", _why
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within the ``with`` block the kernels are not used (every function here returns None and the callers take
+    their torch path): for benchmarks against that path, and tests. Not thread-safe."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
 
 
 def isa() -> int | None:

@@ -276,3 +276,20 @@ def test_from_gguf_without_copy_is_a_view_of_the_mapped_file(tmp_path):
     assert copied.raw.data_ptr() != t.data.ctypes.data and torch.equal(copied.raw, qt.raw)
     with pytest.raises(ValueError, match="C-contiguous"):
         QuantizedTensor.from_numpy(np.asarray(t.data)[:, ::2], "Q8_0", (64, 128), copy=False)
+
+
+# --------------------------------------------------------------------------- benchmark (pytest --bench)
+
+
+@pytest.mark.bench
+@needs_kernel
+def test_bench_packed_kernels_gbs():
+    """GB/s of the packed kernels at M = 1 and 8 on E2B's matrices, beside the torch path and a read probe.
+
+    Prints the table of ``python -m fast.quant_bench`` (figures, no asserts on them).
+    """
+    from fast import quant_bench
+
+    rows = quant_bench.run(["Q8_0", "Q4_K"], list(quant_bench.SHAPES), [1, 8])
+    print(f"\nread probe {rows[0]['probe']:.1f} GB/s, threads {torch.get_num_threads()}\n{quant_bench.table(rows)}")
+    assert all(r["packed"] > 0 for r in rows)
