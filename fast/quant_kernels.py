@@ -61,6 +61,7 @@ MAX_ROWS = 16
 TYPES: dict[str, int] = {name: int(GGMLQuantizationType[name])
                          for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
 """GGUF type name -> GGML type number, for the types the kernels decode."""
+_SIZES = {name: (num, *GGML_QUANT_SIZES[GGMLQuantizationType(num)]) for name, num in TYPES.items()}
 
 _lib = None
 _state = "unloaded"  # unloaded | ready | unavailable
@@ -130,10 +131,10 @@ def isa() -> int | None:
 def _layout(raw: torch.Tensor, qtype: str, row_len: int) -> tuple[int, int] | None:
     """``(GGML type number, bytes per row)`` when ``raw`` is a contiguous CPU ``[rows, bytes_per_row]`` block
     of a kernel type with rows of ``row_len`` elements, else None."""
-    num = TYPES.get(qtype)
-    if num is None or raw.device.type != "cpu" or raw.dtype != torch.uint8 or raw.dim() != 2:
+    sizes = _SIZES.get(qtype)
+    if sizes is None or raw.device.type != "cpu" or raw.dtype != torch.uint8 or raw.dim() != 2:
         return None
-    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(num)]
+    num, bs, ts = sizes
     if row_len <= 0 or row_len % bs or raw.shape[1] != row_len // bs * ts or not raw.is_contiguous():
         return None
     return num, raw.shape[1]

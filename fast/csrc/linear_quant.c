@@ -464,7 +464,9 @@ int g4h_qlinear(int type, const uint8_t *w, long row_bytes, long N, long K, cons
     long run = 65536 / (tile * row_bytes);
     if (run < 1) run = 1;
     int err = 0;
-    if (nthreads < 1) nthreads = 1;
+    /* Small products run on one thread: waking the others costs more than it saves (several microseconds on
+     * an idle machine, a scheduler slice on a busy one). Work ~ weights x (M + 3): dequantization + M fmas. */
+    if (nthreads < 1 || (double)N * K * (M + 3) < (double)(1 << 20)) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
     {
         float *wbuf = alloc64((size_t)R * kc * sizeof(float));
