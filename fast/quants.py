@@ -459,12 +459,9 @@ class QuantizedTensor:
         """From a NumPy array holding the bytes (any dtype: its memory is reinterpreted as bytes).
 
         Args:
-            copy: True (default): the bytes are copied once into a writable array, then
-                moved to ``device``. False: on the CPU, ``raw`` is a view of ``data``'s own
-                memory, no copy, and keeps ``data`` (for a ``gguf.GGUFReader`` tensor, the
-                memory-mapped file) alive; nothing here ever writes to ``raw``, so a read-only
-                map is fine (writing to it yourself would fault). Needs a C-contiguous array;
-                with another ``device`` the bytes are copied there (once).
+            copy: True: copied once into a writable array, then moved to ``device``. False: on
+                the CPU, ``raw`` is a view of ``data`` (e.g. a GGUFReader memory map, kept alive);
+                nothing here writes to ``raw``, so a read-only map is fine. Needs C-contiguous bytes.
 
         Raises: as the constructor; ValueError for ``copy=False`` on an array that is not C-contiguous.
         """
@@ -528,11 +525,7 @@ class QuantizedTensor:
         Memory: the full output plus :func:`dequantize`'s bounded working buffers.
         Raises: TypeError for a non-floating ``dtype``.
         """
-        if dtype == torch.float32 and self.device.type == "cpu":  # the packed CPU kernel when it applies
-            out = quant_kernels.dequantize_rows(self.raw, self.qtype.name, self.row_len, 0, self.n_rows)
-            if out is not None:
-                return out.reshape(self.shape)
-        return dequantize(self.raw, self.qtype, self.shape, dtype)
+        return self.dequantize_rows(0, self.n_rows, dtype).reshape(self.shape)
 
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``start:stop`` of the tensor flattened to ``[n_rows, row_len]``: ``[stop - start, row_len]``, ``dtype``.
@@ -634,10 +627,9 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, chunk_rows: int | None = None) 
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n_in)
-    if x2.device.type == "cpu" and x2.dtype == torch.float32 and 1 <= x2.shape[0] <= quant_kernels.MAX_ROWS:
-        y = quant_kernels.linear(x2, qt.raw, qt.qtype.name, n_in)
-        if y is not None:
-            return y.reshape(*lead, n_out)
+    y = quant_kernels.linear(x2, qt.raw, qt.qtype.name, n_in)  # None unless CPU, float32, 1..MAX_ROWS rows
+    if y is not None:
+        return y.reshape(*lead, n_out)
     if chunk_rows >= n_out:
         return (x2 @ qt.dequantize_rows(0, n_out, x.dtype).T).reshape(*lead, n_out)
     out = torch.empty(x2.shape[0], n_out, dtype=x.dtype, device=x.device)
