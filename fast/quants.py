@@ -534,10 +534,11 @@ class QuantizedTensor:
         """
         if not (0 <= start <= stop <= self.n_rows):
             raise IndexError(f"rows {start}:{stop} out of range for {self.n_rows} rows of {self!r}")
-        if dtype == torch.float32 and self.device.type == "cpu":  # the packed CPU kernel when it applies
+        # the packed CPU kernel when it applies (float32; other dtypes cast it when the chunk is small)
+        if self.device.type == "cpu" and (dtype == torch.float32 or (stop - start) * self.row_len <= _CHUNK_ELEMS):
             out = quant_kernels.dequantize_rows(self.raw, self.qtype.name, self.row_len, start, stop)
             if out is not None:
-                return out
+                return out.to(_out_dtype(dtype))
         return dequantize(self.raw[start:stop], self.qtype, (stop - start, self.row_len), dtype)
 
     def take_rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from fast import cpu_kernels
 from fast import quant_kernels as qk
-from fast.quants import QuantizedTensor, linear
+from fast.quants import QuantizedTensor, dequantize, linear
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TYPES = list(qk.TYPES)
@@ -120,6 +120,8 @@ def test_take_rows_other_dtypes_cast_the_exact_values(name):
     qt = _qt(name, 8, 256)
     ids = torch.tensor([1, 7])
     assert torch.equal(qt.take_rows(ids, dtype=torch.bfloat16), qt.take_rows(ids).to(torch.bfloat16))
+    for dtype in (torch.bfloat16, torch.float64):  # kernel then cast == the torch decoders' cast
+        assert torch.equal(qt.dequantize_rows(2, 6, dtype), dequantize(qt.raw[2:6], name, (4, 256), dtype))
     with pytest.raises(TypeError, match="floating"):
         qt.take_rows(ids, dtype=torch.int32)
     with pytest.raises(IndexError):
