@@ -12,8 +12,8 @@ roofline.
 
 How: the source is compiled with the system C compiler (``$CC``, else ``cc``)
 with ``-O3 -march=native -fopenmp`` into ``$G4H_CACHE/kernels/<hash>/`` (default
-``<repo>/.g4h-cache/kernels``; the hash covers the source, flags, compiler
-version, CPU model and CPU feature flags, so a cache shared between machines
+``<repo>/.g4h-cache/kernels``; the hash covers the source and the headers beside
+it, flags, compiler version, CPU model and CPU feature flags, so a cache shared between machines
 never hands one CPU a binary built for another's instruction set) and loaded
 with :mod:`ctypes`. :func:`build` also compiles the packed-weight kernels of
 :mod:`fast.quant_kernels`. Its OpenMP calls resolve
@@ -91,7 +91,9 @@ def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = 
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cc}: {e}") from None
-    key = hashlib.sha256("\n".join([source.read_text(), " ".join(flags + libs), version, _cpu_model()]).encode()).hexdigest()
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may #include
+    key = hashlib.sha256("\n".join([source.read_text(), *headers, " ".join(flags + libs), version,
+                                     _cpu_model()]).encode()).hexdigest()
     out = _cache_dir() / key[:16] / f"lib{source.stem}.so"
     if out.is_file() and not force:
         return out

@@ -17,13 +17,17 @@ Which: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (:data:`TYPES`); the
 others (Q2_K, Q3_K, float types) take the torch path.
 
 How: built by :func:`fast.cpu_kernels.build` with the system C compiler
-(``-O3 -march=native -ffp-contract=off -fopenmp``; the cache is keyed by the
-source, flags, compiler and the CPU's feature flags). Why not a kernel library:
+(``-O3 -march=native -ffp-contract=off -pthread``; the cache is keyed by the
+source and its headers, flags, compiler and the CPU's feature flags). Why not a kernel library:
 the maintained ones that read GGUF blocks (ggml itself, llamafile's tinyBLAS)
 quantize the activations to 8 bits for their dot products, which this project
 may not do, and none promises a fixed summation order across batch sizes; the
-float path here is one small C file. Threads: OpenMP, ``torch.get_num_threads()``
-of them (the OpenMP runtime is the ``libgomp`` torch has loaded).
+float path here is one small C file. Threads: ``torch.get_num_threads()`` of
+them, from the small pool in ``fast/csrc/workpool.h`` rather than OpenMP: the
+caller never waits for a worker the OS has not scheduled yet, which on a busy
+2-core machine made OpenMP calls several times slower on 2 threads than on 1
+(the header gives the figures). Products below about a million weight-ops
+stay on the calling thread.
 
 When it is not used (the functions return None and the caller falls back):
 no compiler or a failed build, ``G4H_CPU_KERNEL=0`` in the environment, a
@@ -50,7 +54,7 @@ __all__ = ["MAX_ROWS", "TYPES", "SOURCE", "FLAGS", "status", "isa", "disabled", 
            "dequantize_rows"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_quant.c"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC"]
 """Compiler flags. ``-ffp-contract=off``: the dequantization's multiplies and adds must round one at a
 time as gguf-py's do; the dot product's fused multiply-adds are explicit in the source."""
 LIBS = ["-lm"]

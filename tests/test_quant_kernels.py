@@ -172,6 +172,52 @@ def test_rows_are_bit_identical_across_batch_sizes_neighbours_and_threads(name):
 
 
 @needs_kernel
+def test_concurrent_callers_and_a_forked_child_get_the_same_bits():
+    """Two Python threads at once (one job holds the pool, the other runs on its own thread) and a child
+    forked after the pool has started (it has no workers and must not wait for any) agree bit for bit."""
+    import threading
+
+    qt = _qt("Q8_0", 1024, 1024, seed=8)  # big enough to use the threads
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(8))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = qk.linear(x, qt.raw, "Q8_0", 1024)
+        got: list[torch.Tensor] = []
+
+        def call():
+            for _ in range(20):
+                got.append(qk.linear(x, qt.raw, "Q8_0", 1024))
+
+        workers = [threading.Thread(target=call) for _ in range(2)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        assert len(got) == 40 and all(torch.equal(g, want) for g in got)
+        if not hasattr(os, "fork"):
+            return
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: compute, report equality, leave without running pytest's teardown
+            ok = torch.equal(qk.linear(x, qt.raw, "Q8_0", 1024), want)
+            os.write(w, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(w)
+        import select
+
+        ready = select.select([r], [], [], 120)[0]  # a hang in the child fails the test instead of blocking it
+        answer = os.read(r, 1) if ready else b"timeout"
+        os.close(r)
+        if not ready:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        assert answer == b"1"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(name=st.sampled_from(TYPES), rows=st.integers(1, 40), blocks=st.integers(1, 5), m=st.integers(1, 16),
        seed=st.integers(0, 2**16))

@@ -4,7 +4,7 @@
  * table in fast/quants.py), x: [M, K] float32 row-major, y: [M, N] float32 row-major. Types (GGML numbers):
  * Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14).
  *
- * How: decode is bound by reading W. Threads take runs of tiles of W's rows (~64 KB each) in turn; for each tile
+ * How: decode is bound by reading W. Threads claim runs of tiles of W's rows (~64 KB each) in turn; for each tile
  * it walks K in chunks, dequantizes R rows' chunk (R = 4 at M = 1, else 1-2) into a small float buffer that
  * stays in L1, and runs an M x R register-blocked multiply-add over it for every row of x. So every packed
  * byte is read from memory once per call whatever M is, and each weight is dequantized once per call.
@@ -27,13 +27,16 @@
  * ISA paths (chosen at compile time; the build uses -march=native and the cache is keyed by the CPU's flags):
  * AVX-512 (F, BW, VL), AVX2 + FMA + F16C, or plain C (fmaf). All three give the same bits.
  * -DG4H_QK_GENERIC forces plain C, -DG4H_QK_NO512 skips AVX-512 (the tests compare the paths).
- * Threads: OpenMP, nthreads from the caller (torch.get_num_threads()).
+ * Threads: workpool.h (the caller and up to nthreads - 1 workers claim runs of ~64 KB of packed bytes;
+ * nthreads from the caller, torch.get_num_threads()); which thread computes an output never changes it.
  * Sources of the formats: ggml-common.h (block_q4_0 ... block_q6_K), gguf-py's gguf/quants.py.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "workpool.h"
 
 #if !defined(G4H_QK_GENERIC) && !defined(G4H_QK_NO512) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
@@ -440,9 +443,68 @@ static inline void prefetch_range(const uint8_t *p, long n) {
 }
 #define MAX_M 64
 
-static void *alloc64(size_t n) {
-    void *p = NULL;
-    return posix_memalign(&p, 64, n ? n : 64) == 0 ? p : NULL;
+/* Per-thread scratch that grows on demand and lives as long as the thread (NULL when out of memory). */
+static _Thread_local void *tl_buf[2];
+static _Thread_local size_t tl_cap[2];
+
+static void *scratch(int i, size_t n) {
+    if (tl_cap[i] < n) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, n) != 0) return NULL;
+        free(tl_buf[i]);
+        tl_buf[i] = p;
+        tl_cap[i] = n;
+    }
+    return tl_buf[i];
+}
+
+typedef struct {
+    const qtype_t *t;
+    const uint8_t *w;
+    const float *x;
+    float *y;
+    long row_bytes, N, K, M, kc, tile, ntiles, run;
+    int R;
+    _Atomic int err;
+} qlinear_job;
+
+/* Tiles [run * job->run, ...) of one product: see the header comment for the order of operations. */
+static void qlinear_run(void *p, long run, int tid) {
+    qlinear_job *j = p;
+    (void)tid;
+    const qtype_t *t = j->t;
+    const long bs = t->bs, ts = t->ts, M = j->M, K = j->K, N = j->N, kc = j->kc, row_bytes = j->row_bytes;
+    float *wbuf = scratch(0, (size_t)j->R * kc * sizeof(float));
+    V *acc = scratch(1, (size_t)j->tile * M * sizeof(V));
+    if (!wbuf || !acc) {
+        atomic_store(&j->err, -3);
+        return;
+    }
+    const long t1 = (run + 1) * j->run < j->ntiles ? (run + 1) * j->run : j->ntiles;
+    for (long ti = run * j->run; ti < t1; ti++) {
+        const long n0 = ti * j->tile, nr = N - n0 < j->tile ? N - n0 : j->tile;
+        for (long i = 0; i < nr * M; i++) acc[i] = v_zero();
+        for (long k0 = 0; k0 < K; k0 += kc) {
+            const long kn = K - k0 < kc ? K - k0 : kc;
+            const uint8_t *wb = j->w + n0 * row_bytes + k0 / bs * ts;
+            for (long r = 0; r < nr;) {
+                const int rr = nr - r >= j->R ? j->R : 1;
+                for (int q = 0; q < rr; q++) {
+                    const uint8_t *src = wb + (r + q) * row_bytes;
+                    prefetch_range(src + PREFETCH_AHEAD, kn / bs * ts);
+                    t->deq(src, kn / bs, wbuf + q * kc);
+                }
+                for (long m0 = 0; m0 < M; m0 += MBMAX) {
+                    const long mb = M - m0 < MBMAX ? M - m0 : MBMAX;
+                    micro_fn f = rr == 4 ? micro_1_4 : rr == 2 ? MICRO_R2[mb] : MICRO_R1[mb];
+                    f(wbuf, kc, j->x + m0 * K + k0, K, kn / 16, acc + r * M + m0, M);
+                }
+                r += rr;
+            }
+        }
+        for (long r = 0; r < nr; r++)
+            for (long m = 0; m < M; m++) j->y[m * N + n0 + r] = v_hsum(acc[r * M + m]);
+    }
 }
 
 /* y[M, N] = x[M, K] @ dequant(w).T. Returns 0; -1 unknown type; -2 bad shape; -3 out of memory. */
@@ -452,89 +514,65 @@ int g4h_qlinear(int type, const uint8_t *w, long row_bytes, long N, long K, cons
     if (!t) return -1;
     if (M < 1 || M > MAX_M || N < 0 || K <= 0 || K % t->bs || row_bytes != K / t->bs * t->ts) return -2;
     if (N == 0) return 0;
-    const int R = rows_at_once(M);
-    const long bs = t->bs, ts = t->ts;
-    long kc = (4096 / (M > R ? M : R)) / bs * bs; /* x chunk and weight buffer stay <= 16 KB each */
-    if (kc < bs) kc = bs;
-    if (kc > K) kc = K;
-    const long tile = M * K * 4 <= 32768 ? R : TILE_ROWS;
-    const long ntiles = (N + tile - 1) / tile;
-    /* Tiles are handed out in runs of about 64 KB of packed bytes, first come first served: a thread the OS
-     * preempts holds up at most one run (static halves would stall the call until it runs again). */
-    long run = 65536 / (tile * row_bytes);
-    if (run < 1) run = 1;
-    int err = 0;
-    /* Small products run on one thread: waking the others costs more than it saves (several microseconds on
-     * an idle machine, a scheduler slice on a busy one). Work ~ weights x (M + 3): dequantization + M fmas. */
-    if (nthreads < 1 || (double)N * K * (M + 3) < (double)(1 << 20)) nthreads = 1;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float *wbuf = alloc64((size_t)R * kc * sizeof(float));
-        V *acc = alloc64((size_t)tile * M * sizeof(V));
-#pragma omp for schedule(dynamic, run)
-        for (long ti = 0; ti < ntiles; ti++) {
-            if (!wbuf || !acc) {
-#pragma omp atomic write
-                err = -3;
-                continue;
-            }
-            const long n0 = ti * tile, nr = N - n0 < tile ? N - n0 : tile;
-            for (long i = 0; i < nr * M; i++) acc[i] = v_zero();
-            for (long k0 = 0; k0 < K; k0 += kc) {
-                const long kn = K - k0 < kc ? K - k0 : kc;
-                const uint8_t *wb = w + n0 * row_bytes + k0 / bs * ts;
-                for (long r = 0; r < nr;) {
-                    const int rr = nr - r >= R ? R : 1;
-                    for (int q = 0; q < rr; q++) {
-                        const uint8_t *src = wb + (r + q) * row_bytes;
-                        prefetch_range(src + PREFETCH_AHEAD, kn / bs * ts);
-                        t->deq(src, kn / bs, wbuf + q * kc);
-                    }
-                    for (long m0 = 0; m0 < M; m0 += MBMAX) {
-                        const long mb = M - m0 < MBMAX ? M - m0 : MBMAX;
-                        micro_fn f = rr == 4 ? micro_1_4 : rr == 2 ? MICRO_R2[mb] : MICRO_R1[mb];
-                        f(wbuf, kc, x + m0 * K + k0, K, kn / 16, acc + r * M + m0, M);
-                    }
-                    r += rr;
-                }
-            }
-            for (long r = 0; r < nr; r++)
-                for (long m = 0; m < M; m++) y[m * N + n0 + r] = v_hsum(acc[r * M + m]);
-        }
-        free(wbuf);
-        free(acc);
+    qlinear_job j = {.t = t, .w = w, .x = x, .y = y, .row_bytes = row_bytes, .N = N, .K = K, .M = M};
+    j.R = rows_at_once(M);
+    j.kc = (4096 / (M > j.R ? M : j.R)) / t->bs * t->bs; /* x chunk and weight buffer stay <= 16 KB each */
+    if (j.kc < t->bs) j.kc = t->bs;
+    if (j.kc > K) j.kc = K;
+    j.tile = M * K * 4 <= 32768 ? j.R : TILE_ROWS;
+    j.ntiles = (N + j.tile - 1) / j.tile;
+    j.run = 65536 / (j.tile * row_bytes); /* tiles per run: about 64 KB of packed bytes */
+    if (j.run < 1) j.run = 1;
+    atomic_init(&j.err, 0);
+    /* Small products run on one thread: waking another costs more than it saves. Work ~ weights x (M + 3). */
+    if ((double)N * K * (M + 3) < (double)(1 << 20)) nthreads = 1;
+    wp_run(qlinear_run, &j, (j.ntiles + j.run - 1) / j.run, nthreads);
+    return atomic_load(&j.err);
+}
+
+typedef struct {
+    const qtype_t *t;
+    const uint8_t *w;
+    const int64_t *ids; /* NULL: rows r0 + i */
+    float *out;
+    long row_bytes, K, r0, n, per_run;
+} rows_job;
+
+static void rows_run(void *p, long run, int tid) {
+    rows_job *j = p;
+    (void)tid;
+    const long i1 = (run + 1) * j->per_run < j->n ? (run + 1) * j->per_run : j->n;
+    for (long i = run * j->per_run; i < i1; i++) {
+        const uint8_t *src = j->w + (j->ids ? j->ids[i] : j->r0 + i) * j->row_bytes;
+        if (i + 1 < i1) prefetch_range(j->w + (j->ids ? j->ids[i + 1] : j->r0 + i + 1) * j->row_bytes, j->row_bytes);
+        j->t->deq(src, j->K / j->t->bs, j->out + i * j->K);
     }
-    return err;
+}
+
+static int rows(int type, const uint8_t *w, long row_bytes, long K, const int64_t *ids, long r0, long n, float *out,
+                int nthreads) {
+    const qtype_t *t = find_type(type);
+    if (!t) return -1;
+    if (n < 0 || K <= 0 || K % t->bs || row_bytes != K / t->bs * t->ts) return -2;
+    rows_job j = {.t = t, .w = w, .ids = ids, .out = out, .row_bytes = row_bytes, .K = K, .r0 = r0, .n = n};
+    j.per_run = 65536 / (K * 4); /* about 64 KB of output a run */
+    if (j.per_run < 1) j.per_run = 1;
+    if (n * K < (1L << 16)) nthreads = 1;
+    wp_run(rows_run, &j, (n + j.per_run - 1) / j.per_run, nthreads);
+    return 0;
 }
 
 /* out[i, :] = dequant(w[ids[i], :]) for i < n (ids already checked to lie in [0, N)). Returns 0, -1, -2. */
 int g4h_qtake_rows(int type, const uint8_t *w, long row_bytes, long K, const int64_t *ids, long n, float *out,
                    int nthreads) {
-    const qtype_t *t = find_type(type);
-    if (!t) return -1;
-    if (n < 0 || K <= 0 || K % t->bs || row_bytes != K / t->bs * t->ts) return -2;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (n * K >= (1L << 16))
-    for (long i = 0; i < n; i++) {
-        if (i + 1 < n) prefetch_range(w + ids[i + 1] * row_bytes, row_bytes);
-        t->deq(w + ids[i] * row_bytes, K / t->bs, out + i * K);
-    }
-    return 0;
+    return rows(type, w, row_bytes, K, ids, 0, n, out, nthreads);
 }
 
 /* out[i - r0, :] = dequant(w[i, :]) for r0 <= i < r1: contiguous rows, for the large-M fallback. Returns 0, -1, -2. */
 int g4h_qdequant_rows(int type, const uint8_t *w, long row_bytes, long K, long r0, long r1, float *out,
                       int nthreads) {
-    const qtype_t *t = find_type(type);
-    if (!t) return -1;
-    if (r0 < 0 || r1 < r0 || K <= 0 || K % t->bs || row_bytes != K / t->bs * t->ts) return -2;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if ((r1 - r0) * K >= (1L << 16))
-    for (long i = r0; i < r1; i++) {
-        prefetch_range(w + i * row_bytes + PREFETCH_AHEAD, row_bytes);
-        t->deq(w + i * row_bytes, K / t->bs, out + (i - r0) * K);
-    }
-    return 0;
+    if (r0 < 0 || r1 < r0) return -2;
+    return rows(type, w, row_bytes, K, NULL, r0, r1 - r0, out, nthreads);
 }
 
 /* Which vector path this build took: 512 (AVX-512), 256 (AVX2), 0 (plain C). */
