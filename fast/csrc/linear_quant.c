@@ -443,19 +443,40 @@ static inline void prefetch_range(const uint8_t *p, long n) {
 }
 #define MAX_M 64
 
-/* Per-thread scratch that grows on demand and lives as long as the thread (NULL when out of memory). */
-static _Thread_local void *tl_buf[2];
-static _Thread_local size_t tl_cap[2];
+/* Per-thread scratch that grows on demand and is freed when the thread ends (NULL when out of memory). */
+typedef struct { void *buf[2]; size_t cap[2]; } scratch_t;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_ok;
+
+static void scratch_free(void *p) {
+    scratch_t *s = p;
+    free(s->buf[0]);
+    free(s->buf[1]);
+    free(s);
+}
+
+static void scratch_init(void) { scratch_ok = pthread_key_create(&scratch_key, scratch_free) == 0; }
 
 static void *scratch(int i, size_t n) {
-    if (tl_cap[i] < n) {
+    pthread_once(&scratch_once, scratch_init);
+    if (!scratch_ok) return NULL;
+    scratch_t *s = pthread_getspecific(scratch_key);
+    if (!s) {
+        if (!(s = calloc(1, sizeof *s))) return NULL;
+        if (pthread_setspecific(scratch_key, s) != 0) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (s->cap[i] < n) {
         void *p = NULL;
         if (posix_memalign(&p, 64, n) != 0) return NULL;
-        free(tl_buf[i]);
-        tl_buf[i] = p;
-        tl_cap[i] = n;
+        free(s->buf[i]);
+        s->buf[i] = p;
+        s->cap[i] = n;
     }
-    return tl_buf[i];
+    return s->buf[i];
 }
 
 typedef struct {
