@@ -18,16 +18,16 @@ others (Q2_K, Q3_K, float types) take the torch path.
 
 How: built by :func:`fast.cpu_kernels.build` with the system C compiler
 (``-O3 -march=native -ffp-contract=off -pthread``; the cache is keyed by the
-source and its headers, flags, compiler and the CPU's feature flags). Why not a kernel library:
-the maintained ones that read GGUF blocks (ggml itself, llamafile's tinyBLAS)
-quantize the activations to 8 bits for their dot products, which this project
-may not do, and none promises a fixed summation order across batch sizes; the
-float path here is one small C file. Threads: ``torch.get_num_threads()`` of
-them, from the small pool in ``fast/csrc/workpool.h`` rather than OpenMP: the
-caller never waits for a worker the OS has not scheduled yet, which on a busy
-2-core machine made OpenMP calls several times slower on 2 threads than on 1
-(the header gives the figures). Products below about a million weight-ops
-stay on the calling thread.
+source and its headers, the flags, the compiler and the CPU's feature flags).
+Why not a kernel library: the maintained ones that read GGUF blocks (ggml
+itself, llamafile's tinyBLAS) quantize the activations to 8 bits for their dot
+products, which this project may not do, and none promises a fixed summation
+order across batch sizes; the float path here is one C file and one header.
+Threads: ``torch.get_num_threads()`` of them, from the small pool in
+``fast/csrc/workpool.h`` rather than OpenMP: the caller never waits for a worker
+the OS has not scheduled yet, which on a busy 2-core machine made OpenMP calls
+several times slower on 2 threads than on 1 (the header gives the figures).
+Products below about a million weight-ops stay on the calling thread.
 
 When it is not used (the functions return None and the caller falls back):
 no compiler or a failed build, ``G4H_CPU_KERNEL=0`` in the environment, a
