@@ -115,6 +115,23 @@ def test_take_rows_and_dequantize_rows_are_gguf_exact(name):
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", TYPES)
+def test_gathers_on_fully_random_bytes_match_gguf(name):
+    """Every fp16 scale pattern (subnormal, huge, Inf, NaN): NaN where gguf has NaN, the same bits elsewhere.
+
+    (NaN payloads are not compared: F16C quiets signalling NaNs, NumPy keeps them; see fast/quants.py.)
+    """
+    bs, ts = GGML_QUANT_SIZES[T[name]]
+    raw = np.random.default_rng(11).integers(0, 256, size=(64, 4 * ts), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):  # Inf * 0 scales: gguf-py warns, the NaN is the value
+        ref = _gguf_rows(raw, name)
+    got = qk.dequantize_rows(torch.from_numpy(raw), name, 4 * bs, 0, 64)
+    assert torch.equal(got.isnan(), ref.isnan())
+    keep = ~ref.isnan()
+    _assert_bit_equal(got[keep], ref[keep])
+
+
+@needs_kernel
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
 def test_take_rows_other_dtypes_cast_the_exact_values(name):
     qt = _qt(name, 8, 256)

@@ -13,7 +13,8 @@
  * Numerics (no activation quantization: x stays float32):
  * - Dequantization gives gguf.quants' value for every weight, bit for bit: the fp16 fields widened to float32
  *   (F16C, or an exact software conversion), then the same float32 operations in the same order, each
- *   rounded once (this file is compiled with -ffp-contract=off, so no multiply-add is fused there):
+ *   rounded once (compiled with -ffp-contract=off, so the compiler fuses nothing; the only explicit fusions
+ *   are where the product is exact, so the value is the same: EXACT below):
  *   Q8_0 d*q; Q4_0 d*(q-8); Q5_0 d*(q-16); Q4_1/Q5_1 (d*q)+m; Q4_K/Q5_K (d*sc)*q-(dmin*m); Q6_K (d*sc)*(q-32).
  *   The 4- and 5-bit types look their values up in a 16- or 32-entry table built with exactly those
  *   operations for each scale (a permute), the others convert the integer and multiply.
@@ -232,7 +233,16 @@ static inline float v_hsum(V v) {
 }
 #endif
 
-/* ------------------------------------------------------------------ dequantization of whole blocks */
+/* ------------------------------------------------------------------ dequantization of whole blocks
+ *
+ * EXACT: where gguf-py multiplies and then adds (Q4_1, Q5_1: d*q + m; Q4_K, Q5_K: (d*sc)*q - dmin*m), the
+ * product is exact in float32, so one fused multiply-add rounds exactly once at the same place as the two
+ * separate operations and gives the same value: d is an fp16 (11 significant bits), sc and m are 6-bit
+ * integers, so d*sc and dmin*m have at most 17 significant bits (exact, and no float32 overflow or underflow
+ * from fp16 inputs), and times q (at most 5 bits) at most 22 bits, under float32's 24; d*q for Q4_1/Q5_1
+ * has at most 16. Inf and NaN scales give Inf and NaN the same way (NaN payloads aside, as everywhere).
+ * The tables therefore take one fma where gguf-py's order would take two instructions.
+ */
 
 static const float IOTA[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const float IOTA16[16] = {16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
@@ -267,7 +277,7 @@ static void deq_q4_0(const uint8_t *b, long nb, float *out) {
 static void deq_q4_1(const uint8_t *b, long nb, float *out) {
     const V io = v_load(IOTA);
     for (long i = 0; i < nb; i++, b += 20, out += 32) {
-        V t = v_add(v_mul(v_set1(f16_to_f32(b)), io), v_set1(f16_to_f32(b + 2)));
+        V t = v_fma(v_set1(f16_to_f32(b)), io, v_set1(f16_to_f32(b + 2))); /* d*q exact: see EXACT above */
         VI q = vi_u8(b + 4);
         v_store(out, v_lut16(t, q));
         v_store(out + 16, v_lut16(t, vi_srl(q, 4)));
@@ -292,7 +302,7 @@ static void deq_q5_1(const uint8_t *b, long nb, float *out) {
     const V lo = v_load(IOTA), hi = v_load(IOTA16);
     for (long i = 0; i < nb; i++, b += 24, out += 32) {
         V d = v_set1(f16_to_f32(b)), m = v_set1(f16_to_f32(b + 2));
-        V t0 = v_add(v_mul(d, lo), m), t1 = v_add(v_mul(d, hi), m);
+        V t0 = v_fma(d, lo, m), t1 = v_fma(d, hi, m); /* d*q exact: see EXACT above */
         uint32_t qh = le32(b + 4);
         VI q = vi_u8(b + 8);
         v_store(out, v_lut16x2(t0, t1, q, qh & 0xffffu));
@@ -327,8 +337,8 @@ static void deq_q4_k(const uint8_t *b, long nb, float *out) {
         scale8_u8(mn, f16_to_f32(b + 2), ml);
         for (int p = 0; p < 4; p++) {
             const uint8_t *qs = b + 16 + 32 * p;
-            V t0 = v_sub(v_mul(v_set1(dl[2 * p]), io), v_set1(ml[2 * p]));
-            V t1 = v_sub(v_mul(v_set1(dl[2 * p + 1]), io), v_set1(ml[2 * p + 1]));
+            V t0 = v_fma(v_set1(dl[2 * p]), io, v_set1(-ml[2 * p])); /* (d*sc)*q exact: see EXACT above */
+            V t1 = v_fma(v_set1(dl[2 * p + 1]), io, v_set1(-ml[2 * p + 1]));
             VI qa = vi_u8(qs), qb = vi_u8(qs + 16);
             float *o = out + 64 * p;
             v_store(o, v_lut16(t0, qa));
@@ -354,8 +364,8 @@ static void deq_q5_k(const uint8_t *b, long nb, float *out) {
             VI qa = vi_u8(qs), qb = vi_u8(qs + 16);
             for (int h = 0; h < 2; h++) {
                 int s = 2 * p + h;
-                V d = v_set1(dl[s]), m = v_set1(ml[s]);
-                V t0 = v_sub(v_mul(d, lo), m), t1 = v_sub(v_mul(d, hi), m);
+                V d = v_set1(dl[s]), m = v_set1(-ml[s]);
+                V t0 = v_fma(d, lo, m), t1 = v_fma(d, hi, m); /* (d*sc)*q exact: see EXACT above */
                 float *o = out + 32 * s;
                 v_store(o, v_lut16x2(t0, t1, h ? vi_srl(qa, 4) : qa, bits16(qh, s)));
                 v_store(o + 16, v_lut16x2(t0, t1, h ? vi_srl(qb, 4) : qb, bits16(qh + 16, s)));
