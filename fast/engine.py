@@ -6,20 +6,27 @@ prompt, one token for a request that is decoding. Requests arrive at any step
 (``Request.arrival``) and take a free cache slot; they retire as soon as they
 have their tokens, freeing the slot mid-batch for the next arrival. The solo
 path is the same loop with one slot.
+
+A request may carry soft tokens (:class:`reference.multimodal.Injection`: image and audio rows
+and ``mm_token_type_ids``); each prefill chunk takes its own rows and types, and a chunk never
+ends inside an image block (:func:`fast.multimodal.chunk_end`, where the reason is given).
+Decode steps are text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
 
 from reference.errors import PromptError
-from reference.model import check_prompt
+from reference.model import check_generation, check_prompt
+from reference.multimodal import Injection, check_injection, pad_id
 
 from .model import FastModel, SeqStep
+from .multimodal import chunk_end
 
 
 @dataclass
@@ -32,6 +39,7 @@ class Request:
         max_new_tokens: tokens to generate.
         arrival: scheduler step at which the request arrives (0 = at once).
         stop: ids that end the request early (kept in the output).
+        mm: the prompt's soft tokens and types, or None for a text-only prompt.
     """
 
     id: str
@@ -39,6 +47,7 @@ class Request:
     max_new_tokens: int
     arrival: int = 0
     stop: tuple[int, ...] = ()
+    mm: Injection | None = None
 
 
 @dataclass
@@ -96,7 +105,11 @@ class Engine:
         cfg = self.model.cfg
         pending = sorted(requests, key=lambda r: r.arrival)
         for r in pending:
-            check_prompt(cfg, r.prompt)
+            ids = np.asarray(r.prompt, dtype=np.int64).reshape(-1)
+            if r.mm is not None:
+                check_injection(cfg, r.mm, ids.shape[0])
+                ids = np.where(r.mm.placeholder, pad_id(cfg), ids)
+            check_prompt(cfg, ids)
             if len(r.prompt) + r.max_new_tokens > self.max_tokens:
                 raise PromptError(f"request {r.id}: {len(r.prompt)} + {r.max_new_tokens} tokens exceed "
                                   f"max_tokens {self.max_tokens}")
@@ -116,8 +129,10 @@ class Engine:
                 seqs = []
                 for a in active:
                     if a.done_prompt < len(a.prompt):
-                        chunk = a.prompt[a.done_prompt:a.done_prompt + self.prefill_chunk]
-                        seqs.append(SeqStep(a.slot, torch.from_numpy(chunk), a.done_prompt))
+                        lo, mm = a.done_prompt, a.req.mm
+                        hi = chunk_end(cfg, mm, lo, self.prefill_chunk, len(a.prompt))
+                        seqs.append(SeqStep(a.slot, torch.from_numpy(a.prompt[lo:hi]), lo,
+                                            None if mm is None else mm.part(lo, hi)))
                     else:
                         seqs.append(SeqStep(a.slot, torch.tensor([a.result.tokens[-1]]), a.cached))
                 self.batch_sizes.append(len(seqs))
@@ -152,9 +167,18 @@ class Engine:
 
 
 def generate(model: FastModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, batched: bool = True,
-             max_batch: int = 8, prefill_chunk: int = 64) -> list[Result]:
-    """Greedy continuations of ``prompts`` (all arriving at step 0), batched or solo, in input order."""
-    reqs = [Request(str(i), p, max_new_tokens) for i, p in enumerate(prompts)]
+             max_batch: int = 8, prefill_chunk: int = 64,
+             mm: Sequence[Injection | None] | None = None) -> list[Result]:
+    """Greedy continuations of ``prompts`` (all arriving at step 0), batched or solo, in input order;
+    ``mm``: each prompt's soft tokens and types (None entries: text only).
+
+    Raises:
+        PromptError: see :func:`reference.model.check_generation` (checked before the KV cache is sized, so
+            nothing huge is allocated).
+    """
+    check_generation(model.cfg, prompts, max_new_tokens)
+    mm = list(mm) if mm is not None else [None] * len(prompts)
+    reqs = [Request(str(i), p, max_new_tokens, mm=m) for i, (p, m) in enumerate(zip(prompts, mm))]
     longest = max(len(p) for p in prompts) + max_new_tokens
     eng = Engine(model, max_batch=max_batch if batched else 1, prefill_chunk=prefill_chunk, max_tokens=longest)
     res = eng.run(reqs)

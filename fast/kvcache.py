@@ -3,8 +3,13 @@
 * Each KV-owning layer gets storage shaped for its own ``head_dim`` and KV head count.
 * A full-attention layer stores keys/values in fixed-size pages drawn from a pool;
   each sequence owns a page table (vLLM's PagedAttention layout, gathered per step).
-* A sliding layer stores exactly ``sliding_window`` tokens per sequence in a ring
-  (position p lives at slot p % window), so it never holds more than its window.
+* A sliding layer stores ``sliding_window + extra`` tokens per sequence in a ring
+  (position p lives at slot p % (window + extra)): exactly its window by default, and ``extra`` more for
+  speculative decoding, so that rolling back up to ``extra + 1`` rejected tokens finds the window before
+  them still there (llama.cpp keeps ``n_swa + n_ubatch`` cells for the same reason).
+* Rollback (:meth:`PagedKVCache.truncate`) forgets a sequence's last positions: a page table gives back
+  its pages beyond the new length, a ring only moves its length back (it refuses a rollback beyond
+  ``extra + 1`` tokens, whose window it no longer holds).
 * A KV-shared layer allocates nothing: its entry *is* its donor's storage object.
 * A k_eq_v layer (V is the K projection) stores one tensor, the normed V; the
   cached K is rebuilt as ``rope(V * k_norm.weight)`` when attended.
@@ -48,6 +53,38 @@ class PagedStore:
         self.tables[slot] = []
         self.length[slot] = 0
 
+    def read(self, slot: int, end: int, derive_k: DeriveK):
+        """Keys/values of positions ``[0, end)`` without storing anything. -> ([S,Hkv,D] x2, [S]).
+
+        Raises:
+            ValueError: ``end`` beyond what the slot holds.
+        """
+        if not 0 <= end <= self.length[slot]:
+            raise ValueError(f"slot {slot}: read up to {end}, cache holds {self.length[slot]}")
+        pages = torch.tensor(self.tables[slot], device=self.v.device, dtype=torch.long)
+        pos = torch.arange(end, device=self.v.device)
+        v = self.v[pages].flatten(0, 1)[:end]
+        k = self.k[pages].flatten(0, 1)[:end] if self.k is not None else derive_k(v, pos)
+        return k, v, pos
+
+    def check_truncate(self, slot: int, length: int) -> None:
+        """Raise ValueError when :meth:`truncate` to ``length`` is impossible (beyond what the slot holds)."""
+        if not 0 <= length <= self.length[slot]:
+            raise ValueError(f"slot {slot}: truncate to {length}, cache holds {self.length[slot]}")
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget positions ``>= length``; pages no longer needed go back to the pool.
+
+        Raises:
+            ValueError: ``length`` beyond what the slot holds.
+        """
+        self.check_truncate(slot, length)
+        keep = math.ceil(length / self.page_size)
+        table = self.tables[slot]
+        self.free_pages.extend(reversed(table[keep:]))
+        del table[keep:]
+        self.length[slot] = length
+
     def attend_and_append(self, slot: int, start: int, k_new, v_new, derive_k: DeriveK):
         """Keys/values of positions ``[0, start + T)``; stores the T new ones. -> ([S,Hkv,D] x2, [S])."""
         if start != self.length[slot]:
@@ -77,11 +114,14 @@ class PagedStore:
 
 
 class RingStore:
-    """Sliding-window storage for one layer: ``[max_seqs, W, Hkv, D]``; position p at slot p % W."""
+    """Sliding-window storage for one layer: ``[max_seqs, W + extra, Hkv, D]``; position p at slot p % (W + extra)."""
 
-    def __init__(self, window: int, n_kv: int, head_dim: int, store_k: bool, max_seqs: int, device, dtype):
+    def __init__(self, window: int, n_kv: int, head_dim: int, store_k: bool, max_seqs: int, device, dtype,
+                 extra: int = 0):
         self.window = window
-        shape = (max_seqs, window, n_kv, head_dim)
+        self.extra = extra
+        self.capacity = window + extra
+        shape = (max_seqs, self.capacity, n_kv, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype) if store_k else None
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = [0] * max_seqs
@@ -95,28 +135,64 @@ class RingStore:
         self.length[slot] = 0
 
     def held(self, slot: int) -> int:
-        """Tokens the ring holds for ``slot`` (never more than the window)."""
-        return min(self.length[slot], self.window)
+        """Tokens the ring holds for ``slot`` (never more than its capacity, window + extra)."""
+        return min(self.length[slot], self.capacity)
+
+    def _oldest(self, slot: int) -> int:
+        return max(0, self.length[slot] - self.capacity)
+
+    def read(self, slot: int, end: int, derive_k: DeriveK):
+        """Keys/values of positions ``[max(0, end-W+1), end)`` (what a query at ``end`` sees) without storing.
+
+        -> ([S,Hkv,D] x2, [S]). Raises ValueError: ``end`` beyond the held positions, or part of its window
+        already overwritten.
+        """
+        lo = max(0, end - self.window + 1)
+        if end > self.length[slot] or lo < self._oldest(slot):
+            raise ValueError(f"slot {slot}: window of position {end} is not held (ring holds "
+                             f"[{self._oldest(slot)}, {self.length[slot]}))")
+        pos = torch.arange(lo, end, device=self.v.device)
+        idx = pos % self.capacity
+        v = self.v[slot, idx]
+        k = self.k[slot, idx] if self.k is not None else derive_k(v, pos)
+        return k, v, pos
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget positions ``>= length`` (speculative rollback).
+
+        Raises:
+            ValueError: ``length`` beyond what the slot holds, or so far back that the window of position
+                ``length`` was overwritten (a rollback of more than ``extra + 1`` tokens).
+        """
+        self.check_truncate(slot, length)
+        self.length[slot] = length
+
+    def check_truncate(self, slot: int, length: int) -> None:
+        """Raise ValueError when :meth:`truncate` to ``length`` is impossible (see there)."""
+        lo = max(0, length - self.window + 1)
+        if not 0 <= length <= self.length[slot] or lo < self._oldest(slot):
+            raise ValueError(f"slot {slot}: cannot roll back from {self.length[slot]} to {length} tokens: the ring "
+                             f"keeps {self.extra} beyond its window of {self.window}")
 
     def attend_and_append(self, slot: int, start: int, k_new, v_new, derive_k: DeriveK):
-        """Keys of positions ``[max(0, start-W+1), start + T)``; stores the last W. -> ([S,Hkv,D] x2, [S])."""
+        """Keys of positions ``[max(0, start-W+1), start + T)``; stores the last W + extra. -> ([S,Hkv,D] x2, [S])."""
         if start != self.length[slot]:
             raise ValueError(f"slot {slot}: step starts at {start}, cache holds {self.length[slot]}")
-        W, T, dev = self.window, k_new.shape[0], self.v.device
+        W, C, T, dev = self.window, self.capacity, k_new.shape[0], self.v.device
         lo = max(0, start - W + 1)
         pos_old = torch.arange(lo, start, device=dev)
         if start > lo:
-            idx = pos_old % W
+            idx = pos_old % C
             v_old = self.v[slot, idx]
             k_old = self.k[slot, idx] if self.k is not None else derive_k(v_old, pos_old)
             k_all, v_all = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
         else:
             k_all, v_all = k_new, v_new
-        keep = min(T, W)
+        keep = min(T, C)
         pos_keep = torch.arange(start + T - keep, start + T, device=dev)
         if self.k is not None:
-            self.k[slot, pos_keep % W] = k_new[T - keep:]
-        self.v[slot, pos_keep % W] = v_new[T - keep:]
+            self.k[slot, pos_keep % C] = k_new[T - keep:]
+        self.v[slot, pos_keep % C] = v_new[T - keep:]
         self.length[slot] = start + T
         return k_all, v_all, torch.arange(lo, start + T, device=dev)
 
@@ -129,12 +205,15 @@ class PagedKVCache:
         max_seqs: concurrent sequences (slots).
         max_tokens: longest sequence; sizes the page pool of full layers.
         page_size: tokens per page.
+        ring_extra: slots a sliding layer's ring keeps beyond its window (speculative decoding: the most
+            tokens a round may roll back, minus one, or more).
 
     Raises:
         PromptError: a step that needs more pages than the pool has.
     """
 
-    def __init__(self, cfg: ModelConfig, max_seqs: int, max_tokens: int, page_size: int, device, dtype):
+    def __init__(self, cfg: ModelConfig, max_seqs: int, max_tokens: int, page_size: int, device, dtype,
+                 ring_extra: int = 0):
         self.cfg = cfg
         self.max_seqs = max_seqs
         self.stores: dict[int, PagedStore | RingStore] = {}
@@ -145,7 +224,7 @@ class PagedKVCache:
             store_k = L.has_v_proj or not cfg.has_v_norm
             if L.is_sliding:
                 self.stores[L.index] = RingStore(cfg.sliding_window, L.n_kv_head, L.head_dim, store_k, max_seqs,
-                                                 device, dtype)
+                                                 device, dtype, extra=ring_extra)
             else:
                 n_pages = max_seqs * math.ceil(max_tokens / page_size)
                 self.stores[L.index] = PagedStore(n_pages, page_size, L.n_kv_head, L.head_dim, store_k, max_seqs,
@@ -172,6 +251,28 @@ class PagedKVCache:
     def attend_and_append(self, il: int, slot: int, start: int, k_new, v_new, derive_k: DeriveK = None):
         """See :meth:`PagedStore.attend_and_append` / :meth:`RingStore.attend_and_append`."""
         return self.stores[il].attend_and_append(slot, start, k_new, v_new, derive_k)
+
+    def read(self, il: int, slot: int, end: int, derive_k: DeriveK = None):
+        """What a query at position ``end`` of ``slot`` sees in layer ``il``'s storage, read only (a drafter's
+        view of its target). See :meth:`PagedStore.read` / :meth:`RingStore.read`."""
+        return self.stores[il].read(slot, end, derive_k)
+
+    def length(self, slot: int) -> int:
+        """Tokens cached for ``slot``."""
+        return next(st.length[slot] for il, st in self.stores.items() if self.cfg.layers[il].has_kv)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll ``slot`` back to its first ``length`` tokens in every layer (speculative decoding's rejection).
+
+        Raises:
+            ValueError: see :meth:`PagedStore.truncate` / :meth:`RingStore.truncate` (checked for every layer
+                before any changes).
+        """
+        own = [st for il, st in self.stores.items() if self.cfg.layers[il].has_kv]
+        for st in own:
+            st.check_truncate(slot, length)
+        for st in own:
+            st.truncate(slot, length)
 
     def allocated_bytes(self) -> dict[int, int]:
         """Bytes each layer allocated itself (0 for a layer that aliases its donor)."""

@@ -1,40 +1,42 @@
 """The Gemma 4 (and Gemma 3) text decoder in torch: the same forward as ``reference/``, fast.
 
-Same config object and the same loader as the reference
-(:func:`reference.weights.load_model`), so a difference between the twins is a
-difference in the math. Functions carry the reference's names (``rms_norm``,
-``apply_rope``, ``attention``, ``gelu_ffn``, ``moe_route`` ...).
+Same config object and the same loader as the reference (:func:`reference.weights.load_model`), so a
+difference between the twins is a difference in the math. It reads like :mod:`reference.model`: the
+same operations under the same names and signatures (``rms_norm``, ``rope_angles``, ``apply_rope``,
+``attention``, ``gelu_ffn``, ``moe_route``, ``expert_ffn``, ``moe_experts`` ...), and the same blocks as
+methods of :class:`FastModel` (``embed``, ``ple_token``, ``ple_context``, ``per_layer_inputs``,
+``attention_block``, ``ffn_block``, ``moe_block``, ``ple_block``, ``layer_scale``, ``decoder_layer``,
+``lm_head``). The self-test's mutants override one of these each.
 
-Speed comes from batching every new token of every sequence into one matrix
-(``[N, h]``: a ragged batch, as in vLLM), from ``scaled_dot_product_attention``
-and from a paged KV cache (:mod:`fast.kvcache`), not from clever code. The
-device (``cpu``/``cuda``) and dtype (float32, bfloat16, float16) are the
-caller's and applies to the weights; activations, the KV cache, norms, softmax
-and RoPE stay float32 (llama.cpp's layout for 16-bit weights).
+Speed comes from batching every new token of every sequence into one matrix (``[N, h]``: a ragged
+batch, as in vLLM), from ``scaled_dot_product_attention`` and from a paged KV cache
+(:mod:`fast.kvcache`), not from clever code. The device (``cpu``/``cuda``) and dtype (float32,
+bfloat16, float16) are the caller's and apply to the weights; activations, the KV cache, norms,
+softmax and RoPE stay float32 (llama.cpp's layout for 16-bit weights).
 
-Shapes: N = new tokens in the step (all sequences), T = a sequence's new tokens,
-S = its keys, h = hidden, H/Hkv = query/KV heads, D = head_dim, L = layers,
-P = PLE width, V = vocab.
+Shapes: N = new tokens in the step (all sequences), T = a sequence's new tokens, S = its keys,
+h = hidden, H/Hkv = query/KV heads, D = head_dim, L = layers, P = PLE width, V = vocab.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from reference.config import LayerSpec, ModelConfig
-from reference.errors import InputError, PromptError
-from reference.model import check_prompt, rope_inv_freq
+from reference.errors import InputError
+from reference.model import TraceFn, check_prompt, rope_inv_freq
+from reference.multimodal import Injection, check_injection, pad_id
 
 from . import cpu_kernels
 from .kvcache import PagedKVCache
-
-TraceFn = Callable[[str, int, np.ndarray], None]
+from .multimodal import chunk_end, llm_input_ids, merge_embeddings, vision_blocks
+from .weights import FastWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,7 +62,12 @@ def resolve_device(name: str | None) -> torch.device:
     """
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise InputError(f"device {name!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device {name!r}: expected cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"device {name!r}: CUDA is not available here (torch {torch.__version__})")
     return dev
@@ -78,16 +85,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
-    """NeoX RoPE on the first n_rot dims. [N, H, D], [N, 1, n_rot/2] x2 -> [N, H, D].
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (``gelu_pytorch_tanh``). [...] -> [...]. Source: Hendrycks & Gimpel 2016."""
+    return F.gelu(x, approximate="tanh")
 
-    Source: transformers ``apply_rotary_pos_emb``; equals :func:`reference.model.apply_rope`.
-    """
-    half = n_rot // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:n_rot]
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., n_rot:]], dim=-1)
-    return out.to(x.dtype)
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)``. [...] -> [...]. Source: transformers ``Gemma4ForCausalLM.forward``."""
+    return torch.tanh(x / cap) * cap
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
@@ -117,9 +122,85 @@ def embed_rows(w, ids: torch.Tensor) -> torch.Tensor:
     return w.take_rows(ids, dtype=torch.float32)
 
 
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``pos * inv_freq``, formed in float64 and rounded once to float32.
+
+    [T], [n_rot/2] -> ([T, n_rot/2], [T, n_rot/2]). The reference computes them exactly; transformers
+    in float32. Source: transformers ``Gemma4RotaryEmbedding.forward``.
+    """
+    ang = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    return torch.cos(ang).float(), torch.sin(ang).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """NeoX RoPE on the first n_rot dims, in float32. [N, H, D], [N, n_rot/2] x2 -> [N, H, D].
+
+    Source: transformers ``apply_rotary_pos_emb``; equals :func:`reference.model.apply_rope`.
+    """
+    half = n_rot // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:n_rot]
+    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, xf[..., n_rot:]], dim=-1)
+    return out.to(x.dtype)
+
+
+ATTENTION_BLOCK = 512
+"""Queries per block in :func:`attention` (the mask and scores of a block are ``[H, block, keys in reach]``)."""
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
+                   q_block: torch.Tensor | None = None, k_block: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys each query sees: ``(pos_j <= pos_i or same block) and pos_i - pos_j < window``.
+
+    [T], [S], window, [T], [S] -> bool [T, S]. Source: reference ``attention_mask``.
+    """
+    dist = q_pos[:, None] - k_pos[None, :]
+    allowed = dist >= 0
+    if q_block is not None:
+        allowed |= (q_block[:, None] == k_block[None, :]) & (q_block[:, None] >= 0)
+    if window is not None:
+        allowed &= dist < window
+    return allowed
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              window: int | None, scale: float, q_block: torch.Tensor | None = None,
+              k_block: torch.Tensor | None = None) -> torch.Tensor:
+    """GQA under :func:`attention_mask` through ``scaled_dot_product_attention``, in bounded memory.
+
+    Queries go in blocks of :data:`ATTENTION_BLOCK`, each reading only the keys it can see (a sliding
+    layer: its window; with image blocks, up to the end of its queries' blocks), so a long prompt never
+    builds the ``[H, T, S]`` score matrix.
+    [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], window, scale, [T], [S] -> [T, H*D].
+    Source: reference ``attention``; transformers ``eager_attention_forward``.
+    """
+    T, H, D = q.shape
+    group = H // k.shape[1]
+    outs = []
+    for lo in range(0, T, ATTENTION_BLOCK):
+        qp = q_pos[lo:lo + ATTENTION_BLOCK]
+        qb = None if q_block is None else q_block[lo:lo + ATTENTION_BLOCK]
+        last = qp.max()
+        if qb is not None and bool((qb >= 0).any()):
+            last = torch.maximum(last, k_pos[torch.isin(k_block, qb[qb >= 0])].max())  # later keys of the blocks
+        reach = k_pos <= last
+        if window is not None:
+            reach &= k_pos > qp.min() - window
+        kk, vv = k[reach].transpose(0, 1), v[reach].transpose(0, 1)  # [Hkv, S', D]
+        if group > 1:
+            kk = kk.repeat_interleave(group, dim=0)
+            vv = vv.repeat_interleave(group, dim=0)
+        allowed = attention_mask(qp, k_pos[reach], window, qb, None if qb is None else k_block[reach])
+        out = F.scaled_dot_product_attention(q[lo:lo + ATTENTION_BLOCK].transpose(0, 1), kk, vv, attn_mask=allowed,
+                                             scale=scale)  # [H, t, D]
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs, 0).reshape(T, H * D)
+
+
 def gelu_ffn(x: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
     """``down(gelu_tanh(gate x) * up x)``. [N, h] -> [N, h]. Source: transformers ``Gemma4TextMLP``."""
-    return linear(F.gelu(linear(x, w_gate), approximate="tanh") * linear(x, w_up), w_down)
+    return linear(gelu_tanh(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
 def moe_route(x: torch.Tensor, w_router, router_scale: torch.Tensor, per_expert_scale: torch.Tensor, k: int,
@@ -133,21 +214,28 @@ def moe_route(x: torch.Tensor, w_router, router_scale: torch.Tensor, per_expert_
     return idx, top * per_expert_scale[idx]
 
 
-def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, idx: torch.Tensor,
-                weights: torch.Tensor, rows: int = 16,
-                act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Weighted sum of the chosen experts. [N, h], [E, 2F, h], [E, h, F], [N, K] x2 -> [N, h].
+def expert_ffn(x: torch.Tensor, w_gate_up, w_down) -> torch.Tensor:
+    """One expert's gated-GELU MLP: ``down(gelu(g) * u)`` with ``[g; u] = gate_up x`` (gate first).
 
-    ``act`` is the gate activation, GELU-tanh when None (the mutation self-test passes another).
+    [N, h], [2F, h], [h, F] -> [N, h] (the reference twin takes one token, ``[h]``).
+    Source: transformers ``Gemma4TextExperts``.
+    """
+    Fdim = w_down.shape[1]
+    gu = linear(x, w_gate_up)
+    return linear(gelu_tanh(gu[:, :Fdim]) * gu[:, Fdim:], w_down)
+
+
+def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, idx: torch.Tensor,
+                weights: torch.Tensor, rows: int = 16) -> torch.Tensor:
+    """Weighted sum of the chosen experts (:func:`expert_ffn`). [N, h], [E, 2F, h], [E, h, F], [N, K] x2 -> [N, h].
 
     Each expert runs on its tokens in blocks of exactly ``rows`` rows (the last
     one padded with zeros), so every matmul has the same shape whatever number
     of *other* tokens chose the expert: a token's result is then independent of
-    its neighbours in the batch (DESIGN.md: neighbour isolation), with any GEMM
+    its neighbours in the batch (``docs/design.md``: neighbour isolation), with any GEMM
     kernel. Source: transformers ``Gemma4TextExperts`` (gate first in gate_up).
     """
     out = torch.zeros_like(x, dtype=torch.float32)
-    Fdim = w_down.shape[2]
     for e in torch.unique(idx).tolist():
         tok, slot = torch.nonzero(idx == e, as_tuple=True)
         for c in range(0, tok.numel(), rows):
@@ -155,104 +243,54 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
             n = t.numel()
             xe = x.new_zeros((rows, x.shape[1]))
             xe[:n] = x[t]
-            gu = linear(xe, w_gate_up[e])
-            g = F.gelu(gu[:, :Fdim], approximate="tanh") if act is None else act(gu[:, :Fdim])
-            y = linear(g * gu[:, Fdim:], w_down[e])[:n]
+            y = expert_ffn(xe, w_gate_up[e], w_down[e])[:n]
             out.index_add_(0, t, y.float() * weights[t, sl, None])
     return out.to(x.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-              window: int | None, scale: float) -> torch.Tensor:
-    """Causal (optionally sliding-window) GQA through ``scaled_dot_product_attention``.
-
-    [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S] -> [T, H*D]. Query i sees key j
-    iff ``0 <= pos_i - pos_j (< window)``. Source: transformers ``eager_attention_forward``.
-    """
-    T, H, D = q.shape
-    dist = q_pos[:, None] - k_pos[None, :]
-    allowed = dist >= 0
-    if window is not None:
-        allowed &= dist < window
-    group = H // k.shape[1]
-    kk = k.transpose(0, 1)  # [Hkv, S, D]
-    vv = v.transpose(0, 1)
-    if group > 1:
-        kk = kk.repeat_interleave(group, dim=0)
-        vv = vv.repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=allowed, scale=scale)  # [H, T, D]
-    return out.transpose(0, 1).reshape(T, H * D)
-
-
-# --------------------------------------------------------------------------- weights
-
-
-class FastWeights:
-    """Canonical weights as torch tensors on one device and dtype.
-
-    GGUF tensors are dequantized with :mod:`fast.quants` on the device from the
-    mapped bytes (bit-exact with ``gguf.quants``); safetensors go through numpy.
-    With ``keep_quantized``, 2-D quantized weights stay packed and are
-    dequantized on the fly inside each matmul (on the CPU, as views of the
-    memory-mapped file, through :mod:`fast.quant_kernels`). Norms, scales and
-    ``rope_freqs`` are kept in float32.
-
-    Raises:
-        InputError: a quant type fast dequantization does not support.
-    """
-
-    FLOAT32_ALWAYS = ("norm", "scale", "rope_freqs", "ffn_gate_inp.scale", "ffn_down_exps.scale")
-
-    def __init__(self, cfg: ModelConfig, W, device: torch.device, dtype: torch.dtype, keep_quantized: bool = False):
-        self.t: dict[str, object] = {}
-        for name in W:
-            keep32 = any(s in name for s in self.FLOAT32_ALWAYS) or len(W.shape(name)) == 1
-            target = torch.float32 if keep32 else dtype
-            if hasattr(W, "torch_tensor"):  # made on the device, no file (fast.shapes.RandomWeights)
-                self.t[name] = W.torch_tensor(name, device, target)
-                continue
-            stored = W.stored(name) if hasattr(W, "stored") else None
-            qtype = W.raw_dtype(name) if hasattr(W, "raw_dtype") else "F32"
-            if stored is not None and qtype != "F32":
-                from . import quants
-
-                if qtype not in quants.SUPPORTED:
-                    raise InputError(f"{W.source}: tensor {name}: type {qtype} is not supported by fast dequantization")
-                if keep_quantized and len(W.shape(name)) == 2 and qtype not in ("F16", "BF16"):
-                    # CPU: a view of the mapped file, no copy; elsewhere: one copy on the device
-                    self.t[name] = quants.QuantizedTensor.from_numpy(stored, qtype, W.shape(name), device,
-                                                                     copy=device.type != "cpu")
-                    continue
-                raw = torch.from_numpy(np.array(stored).view(np.uint8)).to(device)  # own copy of the mapped bytes
-                self.t[name] = quants.dequantize(raw, qtype, W.shape(name), dtype=torch.float32).to(target)
-            else:
-                arr = np.array(W.raw(name), dtype=np.float32)  # own copy: the source may be a read-only map
-                self.t[name] = torch.from_numpy(arr).to(device=device, dtype=target)
-
-    def __getitem__(self, name: str):
-        return self.t[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.t
-
-    def nbytes(self) -> int:
-        """Bytes the weights occupy on the device."""
-        total = 0
-        for v in self.t.values():
-            total += v.numel() * v.element_size() if isinstance(v, torch.Tensor) else int(v.nbytes)
-        return total
-
-
-# --------------------------------------------------------------------------- model
+# --------------------------------------------------------------------------- the model
 
 
 @dataclass
 class SeqStep:
-    """One sequence's part of a batched step: cache slot, token ids and first position."""
+    """One sequence's part of a batched step: cache slot, token ids, first position, and the soft tokens
+    and types of these T tokens (:meth:`reference.multimodal.Injection.part`; None: text only)."""
 
     slot: int
     ids: torch.Tensor  # [T] int64
     start: int  # position of ids[0]
+    mm: Injection | None = None
+
+
+@dataclass
+class StepBatch:
+    """The bookkeeping of one batched step, shared by every layer.
+
+    Attributes:
+        seqs: the sequences of the step.
+        positions: [N] position of every new token.
+        offsets: [len(seqs) + 1] where each sequence's rows start in the ``[N, ...]`` activations.
+        cache: the paged KV cache.
+        views: per KV-owning layer, per sequence, the ``(k, v, k_pos)`` it attended (a shared layer
+            reads its donor's entry: no copy into the cache).
+        blocks: per sequence, the bidirectional block ids ``[T]`` of its new tokens
+            (:func:`fast.multimodal.vision_blocks`; sliding layers only), or None.
+    """
+
+    seqs: Sequence[SeqStep]
+    positions: torch.Tensor
+    offsets: np.ndarray
+    cache: PagedKVCache
+    views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    blocks: list[torch.Tensor | None] = field(default_factory=list)
+
+    def rows(self, i: int) -> slice:
+        """The rows of sequence ``i`` in the step's activations."""
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+
+def _no_trace(point: str, layer: int, t: torch.Tensor) -> None:
+    """The default trace of a step: nothing is converted or recorded."""
 
 
 class FastModel:
@@ -276,33 +314,31 @@ class FastModel:
         self.w = FastWeights(cfg, W, self.device, self.dtype, keep_quantized)
         self.inv_freq = {L.index: torch.tensor(rope_inv_freq(L), dtype=torch.float64) for L in cfg.layers}
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.embed_scale = math.sqrt(cfg.hidden_size)
 
-    def new_cache(self, max_seqs: int, max_tokens: int, page_size: int = 16) -> PagedKVCache:
-        """A paged KV cache for up to ``max_seqs`` sequences of up to ``max_tokens`` tokens each."""
+    def new_cache(self, max_seqs: int, max_tokens: int, page_size: int = 16, ring_extra: int = 0) -> PagedKVCache:
+        """A paged KV cache for up to ``max_seqs`` sequences of up to ``max_tokens`` tokens each; sliding rings keep
+        ``ring_extra`` tokens beyond the window (for speculative rollback, :mod:`fast.kvcache`)."""
         return PagedKVCache(self.cfg, max_seqs=max_seqs, max_tokens=max_tokens, page_size=page_size,
-                            device=self.device, dtype=torch.float32)
+                            device=self.device, dtype=torch.float32, ring_extra=ring_extra)
 
     def rope_tables(self, layer: LayerSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for ``positions`` of one layer, float32 ``[N, 1, n_rot/2]``.
-
-        Angles are formed in float64 and rounded once (the reference computes
-        them exactly; transformers in float32).
-        """
+        """cos/sin (:func:`rope_angles`) for ``positions`` of one layer, float32 ``[N, n_rot/2]``, from a
+        per-layer table grown on demand."""
         need = int(positions.max().item()) + 1 if positions.numel() else 0
         cached = self._rope_cache.get(layer.index)
         if cached is None or cached[0].shape[0] < need:
             n = max(need, 256, 2 * (cached[0].shape[0] if cached else 0))
-            ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[layer.index][None, :]
-            cached = (torch.cos(ang).float().to(self.device), torch.sin(ang).float().to(self.device))
+            cos, sin = rope_angles(torch.arange(n), self.inv_freq[layer.index])
+            cached = (cos.to(self.device), sin.to(self.device))
             self._rope_cache[layer.index] = cached
         cos, sin = cached
-        return cos[positions][:, None, :], sin[positions][:, None, :]
+        return cos[positions], sin[positions]
 
     # ------------------------------------------------------------------ the step
 
     def step(self, cache: PagedKVCache, seqs: Sequence[SeqStep], all_logits: bool = False,
-             trace: TraceFn | None = None) -> torch.Tensor:
+             trace: TraceFn | None = None, rows: Sequence[int] | None = None,
+             return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the new tokens of several sequences through the model, appending to their caches.
 
         Args:
@@ -310,128 +346,169 @@ class FastModel:
             seqs: one entry per sequence in the batch (any mix of prefill chunks and decode tokens).
             all_logits: logits of every new token, else only of each sequence's last one.
             trace: callback ``(point, layer, array)``; only for a single-sequence step.
+            rows: the rows of the step's ``[N, ...]`` activations to take logits of (overrides ``all_logits``;
+                speculative verification takes every row of a drafted sequence, the last of a prefill chunk).
+            return_hidden: also return the post-final-norm hidden state (``result_norm``) of those rows, which a
+                drafter reads.
 
         Returns:
-            float32 logits ``[N, V]`` (all_logits) or ``[len(seqs), V]``.
+            float32 logits ``[N, V]`` (all_logits), ``[len(rows), V]`` or ``[len(seqs), V]``; with
+            ``return_hidden``, ``(logits, hidden [., h])``.
+
+        Raises:
+            ValueError: a trace asked for on a batch of several sequences.
+            PromptError: a sequence's injection does not fit its tokens (see reference ``check_injection``).
         """
-        cfg, w, dev = self.cfg, self.w, self.device
+        cfg, dev = self.cfg, self.device
         if trace is not None and len(seqs) != 1:
             raise ValueError("tracing is for single-sequence steps")
+        tr = _no_trace if trace is None else (lambda p, il, t: trace(p, il, t.detach().double().cpu().numpy()))
         ids = torch.cat([s.ids for s in seqs]).to(dev)
         lens = [int(s.ids.numel()) for s in seqs]
         positions = torch.cat([torch.arange(s.start, s.start + n, dtype=torch.long) for s, n in zip(seqs, lens)]).to(dev)
-        offsets = np.cumsum([0] + lens)
-
-        def tr(point, layer, t):
-            if trace is not None:
-                trace(point, layer, t.detach().double().cpu().numpy())
-
-        x = embed_rows(w["token_embd.weight"], ids) * self.embed_scale  # [N, h] float32
+        batch = StepBatch(seqs, positions, np.cumsum([0] + lens), cache)
+        mm = any(s.mm is not None for s in seqs)
+        if mm:
+            ids = self.placeholders_to_pad(batch, ids)
+        x = self.embed(ids)  # [N, h] float32
+        if mm:
+            x = self.merge(batch, x)
+        batch.blocks = [None if s.mm is None else self._blocks(s.mm) for s in seqs]
         tr("inp_scaled", -1, x)
         ple = None
         if cfg.ple_dim:
             ple = self.per_layer_inputs(ids, x)  # [N, L, P]
             tr("inp_per_layer", -1, ple)
-        views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for layer in cfg.layers:
-            x = self.decoder_layer(layer, x, positions, seqs, offsets, cache, views,
-                                   None if ple is None else ple[:, layer.index], tr if trace else None)
-        if not all_logits:
-            x = x[torch.as_tensor(offsets[1:] - 1, device=dev)]
-        x = rms_norm(x, w["output_norm.weight"], cfg.rms_eps)
+            x = self.decoder_layer(layer, x, batch, None if ple is None else ple[:, layer.index], tr)
+        if rows is not None:
+            x = x[torch.as_tensor(list(rows), dtype=torch.long, device=dev)]
+        elif not all_logits:
+            x = x[torch.as_tensor(batch.offsets[1:] - 1, device=dev)]
+        x = rms_norm(x, self.w["output_norm.weight"], cfg.rms_eps)
         tr("result_norm", -1, x)
-        head = w["token_embd.weight"] if cfg.tie_word_embeddings else w["output.weight"]
-        logits = linear(x, head).float()
-        if cfg.final_logit_softcap is not None:
-            c = cfg.final_logit_softcap
-            logits = torch.tanh(logits / c) * c
+        logits = self.lm_head(x)
         tr("result_output", -1, logits)
-        return logits
+        return (logits, x) if return_hidden else logits
+
+    def placeholders_to_pad(self, batch: StepBatch, ids: torch.Tensor) -> torch.Tensor:
+        """Each sequence's placeholders become the pad id (:func:`fast.multimodal.llm_input_ids`). [N] -> [N]."""
+        parts = []
+        for i, s in enumerate(batch.seqs):
+            part = ids[batch.rows(i)]
+            if s.mm is not None:
+                check_injection(self.cfg, s.mm, part.shape[0])
+                ph = torch.as_tensor(np.asarray(s.mm.placeholder), device=ids.device)
+                part = llm_input_ids(part, ph, pad_id(self.cfg))
+            parts.append(part)
+        return torch.cat(parts)
+
+    def merge(self, batch: StepBatch, x: torch.Tensor) -> torch.Tensor:
+        """Each sequence's soft tokens replace its placeholder rows (:func:`fast.multimodal.merge_embeddings`).
+
+        [N, h] -> [N, h]. Source: reference ``forward`` (the merge).
+        """
+        parts = []
+        for i, s in enumerate(batch.seqs):
+            part = x[batch.rows(i)]
+            if s.mm is not None:
+                ph = torch.as_tensor(np.asarray(s.mm.placeholder), device=x.device)
+                part = merge_embeddings(part, ph, torch.as_tensor(s.mm.embeds))
+            parts.append(part)
+        return torch.cat(parts)
+
+    def _blocks(self, inj: Injection) -> torch.Tensor | None:
+        b = vision_blocks(self.cfg, inj)
+        return None if b is None else b.to(self.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Scaled token embeddings ``E[ids] * sqrt(h)``, float32. [N] -> [N, h]. Source: reference ``embed``."""
+        return embed_rows(self.w["token_embd.weight"], ids) * math.sqrt(self.cfg.hidden_size)
+
+    def ple_token(self, ids: torch.Tensor) -> torch.Tensor:
+        """PLE token part ``E_ple[ids] * sqrt(P)``. [N] -> [N, L, P]. Source: reference ``ple_token``."""
+        N, L, P = ids.shape[0], self.cfg.n_layer, self.cfg.ple_dim
+        return embed_rows(self.w["per_layer_token_embd.weight"], ids).reshape(N, L, P) * math.sqrt(P)
+
+    def ple_context(self, x: torch.Tensor) -> torch.Tensor:
+        """PLE context part ``rmsnorm(x @ W_proj.T / sqrt(h))``. [N, h] -> [N, L, P]. Source: reference ``ple_context``."""
+        cfg = self.cfg
+        N, L, P = x.shape[0], cfg.n_layer, cfg.ple_dim
+        ctx = linear(x, self.w["per_layer_model_proj.weight"]).float() * cfg.hidden_size**-0.5
+        return rms_norm(ctx.reshape(N, L, P), self.w["per_layer_proj_norm.weight"], cfg.rms_eps)
 
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """PLE for every layer. [N], [N, h] -> [N, L, P]. Source: reference ``per_layer_inputs``."""
-        cfg, w = self.cfg, self.w
-        N, L, P = ids.shape[0], cfg.n_layer, cfg.ple_dim
-        tok = embed_rows(w["per_layer_token_embd.weight"], ids).reshape(N, L, P) * math.sqrt(P)
-        ctx = linear(x, w["per_layer_model_proj.weight"]).float() * cfg.hidden_size**-0.5
-        ctx = rms_norm(ctx.reshape(N, L, P), w["per_layer_proj_norm.weight"], cfg.rms_eps)
-        return (ctx + tok) * 2.0**-0.5
+        """PLE for every layer, ``(context + token) / sqrt(2)``. [N], [N, h] -> [N, L, P].
 
-    def decoder_layer(self, layer: LayerSpec, x, positions, seqs, offsets, cache, views, ple, tr) -> torch.Tensor:
+        Source: reference ``per_layer_inputs``.
+        """
+        return (self.ple_context(x) + self.ple_token(ids)) * 2.0**-0.5
+
+    def decoder_layer(self, layer: LayerSpec, x: torch.Tensor, batch: StepBatch, ple: torch.Tensor | None,
+                      tr=_no_trace) -> torch.Tensor:
         """One layer over the ragged batch. [N, h] -> [N, h]. Source: reference ``decoder_layer``."""
-        cfg, w, eps, il = self.cfg, self.w, self.cfg.rms_eps, layer.index
+        w, eps, il = self.w, self.cfg.rms_eps, layer.index
         b = f"blk.{il}."
-        attn = self.attention_block(layer, rms_norm(x, w[b + "attn_norm.weight"], eps), positions, seqs, offsets,
-                                    cache, views)
+        attn = self.attention_block(layer, rms_norm(x, w[b + "attn_norm.weight"], eps), batch)
         a = x + rms_norm(attn, w[b + "post_attention_norm.weight"], eps)
-        if tr:
-            tr("attn_out", il, a)
-        xn = rms_norm(a, w[b + "ffn_norm.weight"], eps)
-        f = gelu_ffn(xn, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"])
-        if layer.has_moe:
-            f = rms_norm(f, w[b + "post_ffw_norm_1.weight"], eps)
-            idx, wgt = moe_route(a, w[b + "ffn_gate_inp.weight"], w[b + "ffn_gate_inp.scale"],
-                                 w[b + "ffn_down_exps.scale"], cfg.n_expert_used, eps)
-            xe = rms_norm(a, w[b + "pre_ffw_norm_2.weight"], eps)
-            moe = rms_norm(moe_experts(xe, w[b + "ffn_gate_up_exps.weight"], w[b + "ffn_down_exps.weight"], idx, wgt),
-                           w[b + "post_ffw_norm_2.weight"], eps)
-            if tr:
-                tr("ffn_mlp", il, f)
-                tr("ffn_moe", il, moe)
-            f = f + moe
-        if tr:
-            tr("ffn_out", il, f)
+        tr("attn_out", il, a)
+        f = self.ffn_block(layer, a, tr)
+        tr("ffn_out", il, f)
         y = a + rms_norm(f, w[b + "post_ffw_norm.weight"], eps)
         if ple is not None:
-            g = F.gelu(linear(y, w[b + "inp_gate.weight"]), approximate="tanh") * ple
-            p = rms_norm(linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], eps)
-            if tr:
-                tr("per_layer_embd_out", il, p)
+            p = self.ple_block(layer, y, ple)
+            tr("per_layer_embd_out", il, p)
             y = y + p
-        if cfg.has_layer_scalar and b + "layer_output_scale.weight" in w:
-            y = y * w[b + "layer_output_scale.weight"].to(y.dtype)
-        if tr:
-            tr("l_out", il, y)
+        y = self.layer_scale(layer, y)
+        tr("l_out", il, y)
         return y
 
-    def attention_block(self, layer: LayerSpec, x, positions, seqs, offsets, cache: PagedKVCache, views):
+    def attention_block(self, layer: LayerSpec, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """q/k/v for the whole batch, then per-sequence cached attention. [N, h] -> [N, h].
 
-        A KV-owning layer writes its new K/V into the cache and records, per
-        sequence, the keys it attended (``views``) so that a shared layer reads
-        exactly its donor's K/V without any copy into the cache.
-        Source: reference ``attention_block``.
+        A KV-owning layer writes its new K/V into the cache and records, per sequence, the keys it
+        attended (``batch.views``) so that a shared layer reads exactly its donor's K/V without any copy
+        into the cache. Source: reference ``attention_block``.
         """
-        cfg, w, eps = self.cfg, self.w, self.cfg.rms_eps
+        w, eps = self.w, self.cfg.rms_eps
         b = f"blk.{layer.index}."
         N = x.shape[0]
         H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
-        cos, sin = self.rope_tables(layer, positions)
+        cos, sin = self.rope_tables(layer, batch.positions)
         q = linear(x, w[b + "attn_q.weight"]).view(N, H, D)
         q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin, layer.n_rot)
-        window = cfg.sliding_window if layer.is_sliding else None
-        outs = []
         if layer.has_kv:
             k_raw = linear(x, w[b + "attn_k.weight"]).view(N, Hkv, D)
             v = linear(x, w[b + "attn_v.weight"]).view(N, Hkv, D) if layer.has_v_proj else k_raw
-            if cfg.has_v_norm:
+            if self.cfg.has_v_norm:
                 v = rms_norm(v, None, eps)
             k = apply_rope(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin, layer.n_rot)
             per_seq = []
-            for i, s in enumerate(seqs):
-                lo, hi = offsets[i], offsets[i + 1]
-                k_all, v_all, k_pos = cache.attend_and_append(layer.index, s.slot, s.start, k[lo:hi], v[lo:hi],
-                                                              derive_k=self._derive_k(layer))
-                per_seq.append((k_all, v_all, k_pos))
-                outs.append(attention(q[lo:hi], k_all, v_all, positions[lo:hi], k_pos, window, cfg.attn_scale))
-            views[layer.index] = per_seq
-        else:
-            donor = views[layer.kv_donor]
-            for i, s in enumerate(seqs):
-                lo, hi = offsets[i], offsets[i + 1]
-                k_all, v_all, k_pos = donor[i]
-                outs.append(attention(q[lo:hi], k_all, v_all, positions[lo:hi], k_pos, window, cfg.attn_scale))
+            for i, s in enumerate(batch.seqs):
+                rows = batch.rows(i)
+                per_seq.append(batch.cache.attend_and_append(layer.index, s.slot, s.start, k[rows], v[rows],
+                                                             derive_k=self._derive_k(layer)))
+            batch.views[layer.index] = per_seq
+        outs = []
+        for i, (k_all, v_all, k_pos) in enumerate(batch.views[layer.kv_donor]):
+            rows = batch.rows(i)
+            args = (layer, q[rows], k_all, v_all, batch.positions[rows], k_pos)
+            q_block = batch.blocks[i] if layer.is_sliding and batch.blocks else None
+            outs.append(self.attend(*args) if q_block is None else self.attend(*args, q_block))
         return linear(torch.cat(outs, 0), w[b + "attn_output.weight"])
+
+    def attend(self, layer: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+               k_pos: torch.Tensor, q_block: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`attention` with the layer's window (sliding layers) and the model's scale. [T, H, D] -> [T, H*D].
+
+        ``q_block``: the new tokens' bidirectional block ids (sliding layers with vision attention); the
+        cached keys before them are never in those blocks (a block is prefilled in one step), so they get -1.
+        """
+        window = self.cfg.sliding_window if layer.is_sliding else None
+        k_block = None
+        if q_block is not None:
+            k_block = torch.cat([q_block.new_full((k.shape[0] - q.shape[0],), -1), q_block])
+        return attention(q, k, v, q_pos, k_pos, window, self.cfg.attn_scale, q_block, k_block)
 
     def _derive_k(self, layer: LayerSpec):
         """For a k_eq_v layer the cache keeps only V = rmsnorm(raw); K = rope(V * k_norm weight) is
@@ -446,22 +523,96 @@ class FastModel:
 
         return derive
 
+    def ffn_block(self, layer: LayerSpec, a: torch.Tensor, tr=_no_trace) -> torch.Tensor:
+        """Dense FFN, plus on MoE layers :meth:`moe_block` beside it; before ``post_ffw_norm``. [N, h] -> [N, h].
+
+        Source: reference ``ffn_block``.
+        """
+        w, eps, il = self.w, self.cfg.rms_eps, layer.index
+        b = f"blk.{il}."
+        xn = rms_norm(a, w[b + "ffn_norm.weight"], eps)
+        f = gelu_ffn(xn, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"])
+        if not layer.has_moe:
+            return f
+        f = rms_norm(f, w[b + "post_ffw_norm_1.weight"], eps)
+        moe = self.moe_block(layer, a)
+        tr("ffn_mlp", il, f)
+        tr("ffn_moe", il, moe)
+        return f + moe
+
+    def moe_block(self, layer: LayerSpec, a: torch.Tensor) -> torch.Tensor:
+        """Route the residual ``a``, run the experts on its ``pre_ffw_norm_2`` norm, then ``post_ffw_norm_2``.
+
+        [N, h] -> [N, h]. Source: reference ``moe_block``.
+        """
+        w, eps = self.w, self.cfg.rms_eps
+        b = f"blk.{layer.index}."
+        idx, wgt = self.moe_route(layer, a)
+        xe = rms_norm(a, w[b + "pre_ffw_norm_2.weight"], eps)
+        return rms_norm(self.moe_experts(layer, xe, idx, wgt), w[b + "post_ffw_norm_2.weight"], eps)
+
+    def moe_route(self, layer: LayerSpec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`moe_route` with the layer's router weights. [N, h] -> ([N, K], [N, K])."""
+        w, b = self.w, f"blk.{layer.index}."
+        return moe_route(x, w[b + "ffn_gate_inp.weight"], w[b + "ffn_gate_inp.scale"], w[b + "ffn_down_exps.scale"],
+                         self.cfg.n_expert_used, self.cfg.rms_eps)
+
+    def moe_experts(self, layer: LayerSpec, x: torch.Tensor, idx: torch.Tensor, wgt: torch.Tensor) -> torch.Tensor:
+        """:func:`moe_experts` with the layer's expert weights. [N, h] -> [N, h]."""
+        w, b = self.w, f"blk.{layer.index}."
+        return moe_experts(x, w[b + "ffn_gate_up_exps.weight"], w[b + "ffn_down_exps.weight"], idx, wgt)
+
+    def ple_block(self, layer: LayerSpec, y: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
+        """``post_norm(proj(gelu(gate y) * ple))``. [N, h], [N, P] -> [N, h]. Source: reference ``ple_block``."""
+        w, b = self.w, f"blk.{layer.index}."
+        g = gelu_tanh(linear(y, w[b + "inp_gate.weight"])) * ple
+        return rms_norm(linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], self.cfg.rms_eps)
+
+    def layer_scale(self, layer: LayerSpec, y: torch.Tensor) -> torch.Tensor:
+        """``y * layer_output_scale`` (absent: 1). [N, h] -> [N, h]. Source: reference ``layer_scale``."""
+        name = f"blk.{layer.index}.layer_output_scale.weight"
+        if self.cfg.has_layer_scalar and name in self.w:
+            return y * self.w[name].to(y.dtype)
+        return y
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``x @ head.T`` in float32, then the final softcap when set. [N, h] -> [N, V].
+
+        Source: reference ``lm_head``.
+        """
+        cfg = self.cfg
+        head = self.w["token_embd.weight"] if cfg.tie_word_embeddings else self.w["output.weight"]
+        logits = linear(x, head).float()
+        if cfg.final_logit_softcap is not None:
+            logits = softcap(logits, cfg.final_logit_softcap)
+        return logits
+
     # ------------------------------------------------------------------ conveniences
 
-    def logits(self, ids: Sequence[int], chunk: int | None = None, trace: TraceFn | None = None) -> torch.Tensor:
+    def logits(self, ids: Sequence[int], chunk: int | None = None, trace: TraceFn | None = None,
+               mm: Injection | None = None) -> torch.Tensor:
         """Logits of every position of one sequence (prefill in chunks of ``chunk``; None = one shot).
 
-        Returns: float32 ``[T, V]``. Raises: PromptError (see reference ``check_prompt``).
+        ``mm``: the prompt's soft tokens and types (:class:`reference.multimodal.Injection`); a chunk
+        never ends inside an image block (:func:`fast.multimodal.chunk_end`).
+        Returns: float32 ``[T, V]``. Raises: PromptError (see reference ``check_prompt`` and
+        ``check_injection``).
         """
-        ids_np = check_prompt(self.cfg, ids)
+        ids_np = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if mm is not None:
+            check_injection(self.cfg, mm, ids_np.shape[0])
+        check_prompt(self.cfg, ids_np if mm is None else np.where(mm.placeholder, pad_id(self.cfg), ids_np))
         T = ids_np.shape[0]
         cache = self.new_cache(1, T)
         slot = cache.alloc()
         chunk = chunk or T
         out = []
         with torch.inference_mode():
-            for start in range(0, T, chunk):
-                part = torch.from_numpy(ids_np[start:start + chunk])
-                out.append(self.step(cache, [SeqStep(slot, part, start)], all_logits=True,
-                                     trace=trace if chunk >= T else None))
+            start = 0
+            while start < T:
+                end = chunk_end(self.cfg, mm, start, chunk, T)
+                part = torch.from_numpy(ids_np[start:end])
+                out.append(self.step(cache, [SeqStep(slot, part, start, None if mm is None else mm.part(start, end))],
+                                     all_logits=True, trace=trace if end - start >= T else None))
+                start = end
         return torch.cat(out, 0)

@@ -79,13 +79,13 @@ def bind(path: Path | str) -> ctypes.CDLL:
     Raises: OSError when the file cannot be loaded; AttributeError when a symbol is missing.
     """
     lib = ctypes.CDLL(str(path))
-    P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.g4h_qlinear.argtypes = [I, P, L, L, L, P, L, P, I]
-    lib.g4h_qtake_rows.argtypes = [I, P, L, L, P, L, P, I]
-    lib.g4h_qdequant_rows.argtypes = [I, P, L, L, L, L, P, I]
+    P, L, N = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.g4h_qlinear.argtypes = [N, P, L, L, L, P, L, P, N]
+    lib.g4h_qtake_rows.argtypes = [N, P, L, L, P, L, P, N]
+    lib.g4h_qdequant_rows.argtypes = [N, P, L, L, L, L, P, N]
     lib.g4h_qk_isa.argtypes = []
     for fn in (lib.g4h_qlinear, lib.g4h_qtake_rows, lib.g4h_qdequant_rows, lib.g4h_qk_isa):
-        fn.restype = I
+        fn.restype = N
     return lib
 
 
@@ -152,7 +152,7 @@ def _check(rc: int, what: str) -> None:
 
 
 def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> torch.Tensor | None:
-    """``x @ dequant(W).T`` for ``W`` the packed ``[N, row_len]`` matrix in ``raw``; None when the kernel does not apply.
+    """``x @ dequant(W).T`` for ``W`` the packed ``[N, row_len]`` matrix in ``raw``; None when the kernel cannot.
 
     Args:
         x: float32 ``[M, row_len]`` on the CPU, ``1 <= M <= MAX_ROWS`` (made contiguous if it is not).

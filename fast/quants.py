@@ -81,7 +81,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from reference.errors import ModelFileError
@@ -556,7 +555,8 @@ class QuantizedTensor:
         if flat.numel() and (int(flat.min()) < -self.n_rows or int(flat.max()) >= self.n_rows):
             raise IndexError(f"row id out of range for {self.n_rows} rows of {self!r}")
         flat = flat % max(self.n_rows, 1)
-        out = quant_kernels.take_rows(self.raw, self.qtype.name, self.row_len, flat) if self.device.type == "cpu" else None
+        on_cpu = self.device.type == "cpu"
+        out = quant_kernels.take_rows(self.raw, self.qtype.name, self.row_len, flat) if on_cpu else None
         if out is not None:  # the packed CPU kernel: float32, bit-identical with the decoders here
             return out.to(_out_dtype(dtype)).reshape(*ids.shape, self.row_len)
         rows = self.raw.index_select(0, flat)

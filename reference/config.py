@@ -6,7 +6,7 @@ The per-layer tables are derived once, here, in the style of llama.cpp's
 reads them from :class:`LayerSpec` instead of re-deriving them.
 
 Where the two sources disagree, transformers' Gemma 4 code is the tie-breaker
-(DESIGN.md). In particular:
+(``docs/design.md``). In particular:
 
 * the KV donor of a shared layer is the *last non-shared layer of the same
   type* (``Gemma4TextConfig.kv_sharing_modes``);
@@ -35,6 +35,12 @@ import numpy as np
 from .errors import ConfigError
 
 SUPPORTED_ARCHS = ("gemma4", "gemma3")
+
+# Upper bounds of GGUF counts: llama.cpp llama-hparams.h LLAMA_MAX_LAYERS and LLAMA_MAX_EXPERTS; the
+# context bound is a sanity limit (64 x the 262144 tokens of Gemma 4's longest), past which a value is corruption.
+MAX_BLOCK_COUNT = 512
+MAX_EXPERTS = 1024
+MAX_CONTEXT_LENGTH = 1 << 24
 
 # llama.cpp convert_hf_to_gguf.py Gemma4Model.generate_extra_tensors: factor for unrotated pairs.
 UNROTATED_FREQ_FACTOR = 1e30
@@ -112,6 +118,11 @@ class ModelConfig:
         tie_word_embeddings: output head is ``token_embd`` (no ``output.weight``).
         bos_token_id, eos_token_id, pad_token_id: special ids when known.
         layers: one :class:`LayerSpec` per layer.
+        use_bidirectional_attention: ``"vision"``: on sliding layers an image or video soft token also
+            sees the later tokens of its own image when ``mm_token_type_ids`` are given
+            (:func:`reference.multimodal.block_ids`); None: causal everywhere. HF
+            ``Gemma4TextConfig.use_bidirectional_attention``; a GGUF has no key for it (llama.cpp's mtmd
+            decides by the hidden size), so a GGUF config holds None.
     """
 
     arch: str
@@ -137,6 +148,7 @@ class ModelConfig:
     eos_token_id: int | None
     pad_token_id: int | None
     layers: tuple[LayerSpec, ...]
+    use_bidirectional_attention: str | None = None
 
     def layer_types(self) -> list[str]:
         """HF-style ``layer_types`` list."""
@@ -230,6 +242,20 @@ def _positive_int(value: Any, key: str, allow_zero: bool = False) -> int:
     return value
 
 
+def _positive_f32(value: Any, key: str) -> float:
+    """A positive, finite number, rounded through float32 (see module docstring); stays positive and finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not 0 < value <= np.finfo(np.float32).max or _f32(value) == 0:
+        raise ConfigError(f"{key} = {value!r}: expected a positive finite number")
+    return _f32(value)
+
+
+def _at_most(value: int, limit: int, key: str, why: str) -> int:
+    if value > limit:
+        raise ConfigError(f"{key} = {value}: expected at most {limit} ({why})")
+    return value
+
+
 def _per_layer(value: Any, n_layer: int, key: str, allow_zero: bool = False) -> list[int]:
     """A scalar broadcast to every layer, or a per-layer array of length n_layer."""
     if isinstance(value, (list, tuple, np.ndarray)):
@@ -239,17 +265,25 @@ def _per_layer(value: Any, n_layer: int, key: str, allow_zero: bool = False) -> 
     return [_positive_int(value, key, allow_zero)] * n_layer
 
 
-def _check_layers(layers: list[LayerSpec], hidden_size: int, where: str) -> None:
+def _gguf_key_names(arch: str) -> dict[str, str]:
+    """The GGUF keys behind the per-layer facts :func:`_check_layers` checks, as message suffixes."""
+    return {"head_count": f" ({arch}.attention.head_count)", "head_count_kv": f" ({arch}.attention.head_count_kv)",
+            "n_rot": f" ({arch}.rope.dimension_count)", "n_rot_swa": f" ({arch}.rope.dimension_count_swa)"}
+
+
+def _check_layers(layers: list[LayerSpec], hidden_size: int, where: str, names: Mapping[str, str] | None = None
+                  ) -> None:
+    names = names or {"head_count": "", "head_count_kv": "", "n_rot": "", "n_rot_swa": ""}
     for layer in layers:
         if layer.n_head % layer.n_kv_head:
             raise ConfigError(
-                f"{where}: layer {layer.index}: head_count {layer.n_head} is not a multiple of "
-                f"head_count_kv {layer.n_kv_head}"
+                f"{where}: layer {layer.index}: head_count {layer.n_head}{names['head_count']} is not a multiple of "
+                f"head_count_kv {layer.n_kv_head}{names['head_count_kv']}"
             )
         if layer.n_rot % 2 or layer.n_rot > layer.head_dim or layer.n_rot <= 0:
             raise ConfigError(
-                f"{where}: layer {layer.index}: rope dimension count {layer.n_rot} must be even and "
-                f"<= head_dim {layer.head_dim}"
+                f"{where}: layer {layer.index}: rope dimension count {layer.n_rot}"
+                f"{names['n_rot_swa' if layer.is_sliding else 'n_rot']} must be even and <= head_dim {layer.head_dim}"
             )
         if layer.rope_freq_factors is not None and layer.rope_freq_factors.shape != (layer.n_rot // 2,):
             raise ConfigError(
@@ -304,16 +338,21 @@ def config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, .
     def opt(key: str, default: Any = None) -> Any:
         return meta.get(f"{a}.{key}", default)
 
-    n_layer = _positive_int(req("block_count"), f"{a}.block_count")
-    hidden = _positive_int(req("embedding_length"), f"{a}.embedding_length")
-    n_head = _per_layer(req("attention.head_count"), n_layer, f"{a}.attention.head_count")
-    n_kv = _per_layer(opt("attention.head_count_kv", n_head), n_layer, f"{a}.attention.head_count_kv")
-    n_ff = _per_layer(req("feed_forward_length"), n_layer, f"{a}.feed_forward_length")
+    n_layer = _at_most(_positive_int(req("block_count"), f"{source}: {a}.block_count"), MAX_BLOCK_COUNT,
+                       f"{source}: {a}.block_count", "llama.cpp LLAMA_MAX_LAYERS")
+    for name in tensors:  # a tensor of a layer beyond block_count: the count or the tensor is wrong
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) >= n_layer:
+            raise ConfigError(f"{source}: tensor {name} belongs to layer {parts[1]}, but {a}.block_count = {n_layer}")
+    hidden = _positive_int(req("embedding_length"), f"{source}: {a}.embedding_length")
+    n_head = _per_layer(req("attention.head_count"), n_layer, f"{source}: {a}.attention.head_count")
+    n_kv = _per_layer(opt("attention.head_count_kv", n_head), n_layer, f"{source}: {a}.attention.head_count_kv")
+    n_ff = _per_layer(req("feed_forward_length"), n_layer, f"{source}: {a}.feed_forward_length")
     eps = req("attention.layer_norm_rms_epsilon")
-    if not isinstance(eps, (float, int)) or not 0 < eps < 1:
+    if not isinstance(eps, (float, int)) or not 0 < eps < 1 or _f32(eps) == 0:
         raise ConfigError(f"{source}: {a}.attention.layer_norm_rms_epsilon = {eps!r}: expected 0 < eps < 1")
 
-    head_dim = _positive_int(opt("attention.key_length", hidden // n_head[0]), f"{a}.attention.key_length")
+    head_dim = _positive_int(opt("attention.key_length", hidden // n_head[0]), f"{source}: {a}.attention.key_length")
     v_len = opt("attention.value_length", head_dim)
     if v_len != head_dim:
         raise ConfigError(f"{source}: {a}.attention.value_length = {v_len} differs from key_length {head_dim}")
@@ -339,17 +378,17 @@ def config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, .
             raise ConfigError(f"{source}: {pattern_key}: expected {n_layer} booleans, got {pattern!r:.80}")
         is_sliding = [bool(p) for p in pattern]
     else:
-        n = _positive_int(pattern, pattern_key)
+        n = _positive_int(pattern, f"{source}: {pattern_key}")
         # llama_hparams::set_swa_pattern: layer il is SWA iff il % n < n - 1.
         is_sliding = [(il % n) < (n - 1) for il in range(n_layer)]
 
     window = 0
     if any(is_sliding):
-        window = _positive_int(req("attention.sliding_window"), f"{a}.attention.sliding_window")
+        window = _positive_int(req("attention.sliding_window"), f"{source}: {a}.attention.sliding_window")
 
     head_dim_swa = head_dim
     if a == "gemma4" and any(is_sliding):
-        head_dim_swa = _positive_int(req("attention.key_length_swa"), f"{a}.attention.key_length_swa")
+        head_dim_swa = _positive_int(req("attention.key_length_swa"), f"{source}: {a}.attention.key_length_swa")
         v_swa = opt("attention.value_length_swa", head_dim_swa)
         if v_swa != head_dim_swa:
             raise ConfigError(
@@ -357,42 +396,44 @@ def config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, .
             )
 
     # RoPE.
-    base = _f32(opt("rope.freq_base", 10000.0))
+    base = _positive_f32(opt("rope.freq_base", 10000.0), f"{source}: {a}.rope.freq_base")
     if a == "gemma3":
         base_swa = 10000.0  # llama.cpp gemma3: rope_freq_base_train_swa = 10000
     else:
-        base_swa = _f32(opt("rope.freq_base_swa", base))
-    n_rot = _positive_int(opt("rope.dimension_count", head_dim), f"{a}.rope.dimension_count")
-    n_rot_swa = _positive_int(opt("rope.dimension_count_swa", min(n_rot, head_dim_swa)), f"{a}.rope.dimension_count_swa")
+        base_swa = _positive_f32(opt("rope.freq_base_swa", base), f"{source}: {a}.rope.freq_base_swa")
+    n_rot = _positive_int(opt("rope.dimension_count", head_dim), f"{source}: {a}.rope.dimension_count")
+    n_rot_swa = _positive_int(opt("rope.dimension_count_swa", min(n_rot, head_dim_swa)),
+                              f"{source}: {a}.rope.dimension_count_swa")
     scale = 1.0
     scaling_type = opt("rope.scaling.type")
     if scaling_type not in (None, "none"):
         if scaling_type != "linear":
             raise ConfigError(f"{source}: {a}.rope.scaling.type = {scaling_type!r}: only 'linear' is supported")
-        factor = opt("rope.scaling.factor")
-        if not isinstance(factor, (int, float)) or factor <= 0:
-            raise ConfigError(f"{source}: {a}.rope.scaling.factor = {factor!r}: expected a positive number")
+        factor = _positive_f32(opt("rope.scaling.factor"), f"{source}: {a}.rope.scaling.factor")
         scale = _f32(1.0 / factor)
     # Sharing, PLE, MoE.
-    n_shared = _positive_int(opt("attention.shared_kv_layers", 0), f"{a}.attention.shared_kv_layers", allow_zero=True)
+    n_shared = _positive_int(opt("attention.shared_kv_layers", 0), f"{source}: {a}.attention.shared_kv_layers",
+                             allow_zero=True)
     donors = kv_donors(is_sliding, n_shared, f"{source}: {a}.attention.shared_kv_layers")
-    ple_dim = _positive_int(opt("embedding_length_per_layer_input", 0), f"{a}.embedding_length_per_layer_input",
-                            allow_zero=True)
+    ple_dim = _positive_int(opt("embedding_length_per_layer_input", 0),
+                            f"{source}: {a}.embedding_length_per_layer_input", allow_zero=True)
     ple_vocab = tensors["per_layer_token_embd.weight"][0] if ple_dim and "per_layer_token_embd.weight" in tensors else 0
+    if bool(ple_dim) != ("per_layer_token_embd.weight" in tensors):
+        raise ConfigError(f"{source}: {a}.embedding_length_per_layer_input = {ple_dim} but tensor "
+                          f"per_layer_token_embd.weight is {'missing' if ple_dim else 'present'}")
     has_moe = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(n_layer)]
     n_expert = n_used = n_ff_exp = 0
     if any(has_moe):
-        n_expert = _positive_int(req("expert_count"), f"{a}.expert_count")
-        n_used = _positive_int(req("expert_used_count"), f"{a}.expert_used_count")
-        n_ff_exp = _positive_int(req("expert_feed_forward_length"), f"{a}.expert_feed_forward_length")
+        n_expert = _at_most(_positive_int(req("expert_count"), f"{source}: {a}.expert_count"), MAX_EXPERTS,
+                            f"{source}: {a}.expert_count", "llama.cpp LLAMA_MAX_EXPERTS")
+        n_used = _positive_int(req("expert_used_count"), f"{source}: {a}.expert_used_count")
+        n_ff_exp = _positive_int(req("expert_feed_forward_length"), f"{source}: {a}.expert_feed_forward_length")
         if n_used > n_expert:
             raise ConfigError(f"{source}: {a}.expert_used_count = {n_used} exceeds expert_count {n_expert}")
 
     softcap = opt("final_logit_softcapping")
     if softcap is not None:
-        if not isinstance(softcap, (int, float)) or softcap <= 0:
-            raise ConfigError(f"{source}: {a}.final_logit_softcapping = {softcap!r}: expected a positive number")
-        softcap = _f32(softcap)
+        softcap = _positive_f32(softcap, f"{source}: {a}.final_logit_softcapping")
     if a == "gemma3" and opt("attn_logit_softcapping") is not None:
         raise ConfigError(f"{source}: {a}.attn_logit_softcapping is set; Gemma 3 has no attention softcap")
 
@@ -412,10 +453,19 @@ def config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, .
             rope_freq_factors=None,
             rope_scale=1.0 if sl else scale,
         ))
+    # Gemma4TextConfig: only full layers use K as V, and then all of them. A layer without attn_k has no K to
+    # use as V: a target's missing attn_k is the loader's missing-tensor error; an MTP drafter has neither.
+    own = [L for L in layers if L.has_kv and f"blk.{L.index}.attn_k.weight" in tensors]
+    no_v = [L for L in own if not L.has_v_proj and (L.is_sliding or any(F.has_v_proj for F in own if not F.is_sliding))]
+    if no_v:
+        raise ConfigError(f"{source}: missing tensor blk.{no_v[0].index}.attn_v.weight (only full-attention layers may "
+                          "use K as V, and then every one of them)")
     attn_scale = 1.0 if a == "gemma4" else 1.0 / math.sqrt(head_dim)
     cfg = ModelConfig(
         arch=a, source=source, vocab_size=vocab, hidden_size=hidden, n_layer=n_layer, rms_eps=_f32(eps),
-        sliding_window=window, context_length=_positive_int(opt("context_length", 131072), f"{a}.context_length"),
+        sliding_window=window, context_length=_at_most(
+            _positive_int(opt("context_length", 131072), f"{source}: {a}.context_length"), MAX_CONTEXT_LENGTH,
+            f"{source}: {a}.context_length", "64 x Gemma 4's longest context"),
         final_logit_softcap=softcap, attn_scale=attn_scale, ple_dim=ple_dim, vocab_size_per_layer=ple_vocab,
         n_kv_shared=n_shared, n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
         has_v_norm=a == "gemma4", has_layer_scalar=a == "gemma4",
@@ -424,7 +474,7 @@ def config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, .
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         layers=tuple(layers),
     )
-    _check_layers(list(cfg.layers), hidden, source)
+    _check_layers(list(cfg.layers), hidden, source, _gguf_key_names(a))
     return cfg
 
 
@@ -448,7 +498,7 @@ def attach_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray | None) -> ModelC
             layer = _replace(layer, rope_freq_factors=np.asarray(rope_freqs, dtype=np.float32).copy())
         layers.append(layer)
     out = _replace(cfg, layers=tuple(layers))
-    _check_layers(list(out.layers), out.hidden_size, out.source)
+    _check_layers(list(out.layers), out.hidden_size, out.source, _gguf_key_names(out.arch))
     return out
 
 
@@ -493,9 +543,9 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
         :class:`ModelConfig` (arch ``gemma4``).
 
     Raises:
-        ConfigError: wrong model_type, unsupported options (bidirectional attention,
-            attention bias, another activation), bad or contradictory values. The
-            message names the field.
+        ConfigError: wrong model_type, unsupported options (``use_bidirectional_attention``
+            other than ``"vision"``, attention bias, another activation), bad or contradictory
+            values. The message names the field.
     """
     c = _hf_text_config(raw, source)
 
@@ -516,9 +566,10 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
     head_dim = _positive_int(get("head_dim", 256), "head_dim")
     n_ff = _positive_int(req("intermediate_size"), "intermediate_size")
     eps = get("rms_norm_eps", 1e-6)
-    if get("use_bidirectional_attention") is not None:
-        raise ConfigError(f"{source}: use_bidirectional_attention = {c['use_bidirectional_attention']!r}: "
-                          "only causal text attention is supported")
+    bidir = get("use_bidirectional_attention")
+    if bidir not in (None, "vision"):
+        raise ConfigError(f"{source}: use_bidirectional_attention = {bidir!r}: expected null or 'vision' "
+                          "(bidirectional attention over all tokens is not supported)")
     if get("attention_bias", False):
         raise ConfigError(f"{source}: attention_bias = true is not supported (Gemma 4 has no attention bias)")
     act = get("hidden_activation", "gelu_pytorch_tanh")
@@ -555,6 +606,9 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
                 raise ConfigError(f"{source}: per_layer_config key {k!r}: expected a layer index") from None
             if not 0 <= idx < n_layer:
                 raise ConfigError(f"{source}: per_layer_config key {k!r}: layer out of range")
+            if not isinstance(v, Mapping):
+                raise ConfigError(f"{source}: per_layer_config[{k!r}]: expected an object of layer fields, "
+                                  f"got {type(v).__name__}")
             overrides[idx] = dict(v)
     else:
         glob = {"head_dim": get("global_head_dim", 512)}
@@ -627,7 +681,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
         n_kv_shared=n_shared, n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
         has_v_norm=True, has_layer_scalar=True, tie_word_embeddings=bool(get("tie_word_embeddings", True)),
         bos_token_id=c.get("bos_token_id"), eos_token_id=eos, pad_token_id=c.get("pad_token_id"),
-        layers=tuple(layers),
+        layers=tuple(layers), use_bidirectional_attention=bidir,
     )
 
 
@@ -691,3 +745,42 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def optional_tensors(cfg: ModelConfig) -> set[str]:
     """Tensors that may be absent with a defined meaning (layer_output_scale -> 1)."""
     return {f"blk.{i}.layer_output_scale.weight" for i in range(cfg.n_layer)}
+
+
+def one_edit_apart(a: str, b: str) -> bool:
+    """True when ``b`` is ``a`` with one character replaced, inserted or deleted (a flipped bit, a typo)."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[i + (len(a) >= len(b)):] == b[i + (len(b) >= len(a)):]
+
+
+def unread_tensors(cfg: ModelConfig, names) -> list[str]:
+    """Tensors the text decoder would silently ignore although they belong to it.
+
+    A ``blk.N.*`` tensor that the config does not read, except those llama.cpp
+    also accepts and ignores (``attn_k``, ``attn_k_norm``, ``attn_v`` of a
+    KV-shared layer); any other name one character from a decoder tensor
+    (``rope_freqt.weight``, ``clk.1.attn_v.weight``). Either means a damaged or misspelt name, or a config
+    that does not match the file: an ignored ``layer_output_scale`` or
+    ``attn_v`` (V = K) or ``rope_freqs`` changes the model without an error.
+    Other top-level tensors (vision/audio towers) are not the decoder's.
+
+    Args:
+        cfg: the config.
+        names: the tensor names of the file (canonical).
+
+    Returns:
+        the offending names, sorted.
+
+    Source: llama.cpp ``llama_model_loader::done_getting_tensors`` refuses any
+    tensor it did not create; ``gemma4.cpp`` ``load_arch_tensors`` (kv_flags).
+    """
+    # Names whose absence means something (no V projection, scale 1, no freq factors) count as read too.
+    read = set(expected_tensors(cfg)) | optional_tensors(cfg) | {"rope_freqs.weight"}
+    read |= {f"blk.{i}.attn_v.weight" for i in range(cfg.n_layer)}
+    for L in cfg.layers:
+        if not L.has_kv:
+            read |= {f"blk.{L.index}.{t}.weight" for t in ("attn_k", "attn_k_norm", "attn_v")}
+    return sorted(n for n in names if n not in read and (
+        n.startswith("blk.") or any(one_edit_apart(n, t) for t in read)))

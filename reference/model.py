@@ -14,8 +14,9 @@ E = experts, K = experts per token, F = FFN width.
 Trace points (llama.cpp graph-callback names): ``inp_scaled``, ``inp_per_layer``
 (layer -1); per layer ``attn_out``, ``ffn_out`` (MoE layers also ``ffn_mlp``,
 ``ffn_moe``), ``per_layer_embd_out``, ``l_out``; ``result_norm``,
-``result_output`` (layer -1). A trace callback gets ``(point, layer, array)``
-with ``array`` of shape ``[T, ...]`` for the new tokens.
+``result_output`` (layer -1). A trace callback (:data:`TraceFn`) gets ``(point, layer, array)``
+with ``array`` of shape ``[T, ...]`` for the new tokens; the calls are unconditional, and the default
+callback (:func:`no_trace`) records nothing.
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ import numpy as np
 
 from .config import LayerSpec, ModelConfig
 from .errors import PromptError
+from .multimodal import Injection, check_injection, llm_input_ids, merge_embeddings, pad_id, vision_blocks
 
 TraceFn = Callable[[str, int, np.ndarray], None]
+"""A trace callback: ``(point, layer, array [T, ...])``; every engine of the harness takes one."""
+
+
+def no_trace(point: str, layer: int, array: np.ndarray) -> None:
+    """The default :data:`TraceFn`: records nothing (trace calls are unconditional, llama.cpp ``cb()`` style)."""
 
 
 # --------------------------------------------------------------------------- operations
@@ -46,7 +53,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU, tanh approximation (``gelu_pytorch_tanh``). [...] -> [...]. Source: Hendrycks & Gimpel 2016."""
+    """GELU, tanh approximation (``gelu_pytorch_tanh``). [...] -> [...]. Source: Hendrycks & Gimpel 2016.
+
+    The one op of this specification an emulation may replace: every caller looks the name up in this
+    module at call time, so :func:`harness.engines.llamacpp.numerics.llamacpp_numerics` can swap in
+    llama.cpp's fp16 GELU table while it compares against llama.cpp.
+    """
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
@@ -82,39 +94,80 @@ def rope_inv_freq(layer: LayerSpec) -> np.ndarray:
     return inv
 
 
-def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, n_rot: int) -> np.ndarray:
+def rope_angles(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the rotation angles ``pos * inv_freq``. [T], [n_rot/2] -> ([T, n_rot/2], [T, n_rot/2]).
+
+    Source: transformers ``Gemma4RotaryEmbedding.forward``.
+    """
+    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, n_rot/2]
+    return np.cos(ang), np.sin(ang)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
     """NeoX-style rotary embedding on the first ``n_rot`` dims; dim j pairs with j + n_rot/2.
 
-    [T, H, D], [T], [n_rot/2] -> [T, H, D]. Source: transformers ``apply_rotary_pos_emb``
+    [T, H, D], [T, n_rot/2], [T, n_rot/2] -> [T, H, D]. Source: transformers ``apply_rotary_pos_emb``
     (``rotate_half``), llama.cpp ``LLAMA_ROPE_TYPE_NEOX``.
     """
     half = n_rot // 2
-    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, n_rot/2]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]  # [T, 1, n_rot/2]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, n_rot/2]
     x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
+
+
+ATTENTION_BLOCK = 256
+"""Queries per block in :func:`attention`: the score matrix of a block is ``[H, block, keys in reach]``."""
+
+
+def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None,
+                   q_block: np.ndarray | None = None, k_block: np.ndarray | None = None) -> np.ndarray:
+    """Which keys each query sees: ``(pos_j <= pos_i or same block) and pos_i - pos_j < window``.
+
+    Without blocks: causal, and with a window ``pos_i - pos_j < window``. With blocks (bidirectional
+    vision attention on a sliding layer): a query in block b >= 0 also sees every later key of block
+    b, however far ahead; the window bounds only the past. [T], [S], window, [T], [S] -> bool [T, S].
+    Source: transformers ``sliding_window_mask_function`` and ``create_masks_for_vision_model``
+    (``AND(sliding_window_overlay, OR(causal, blockwise_overlay))``); llama.cpp ``LLAMA_SWA_TYPE_STANDARD``.
+    """
+    dist = q_pos[:, None] - k_pos[None, :]
+    allowed = dist >= 0
+    if q_block is not None:
+        allowed |= (q_block[:, None] == k_block[None, :]) & (q_block[:, None] >= 0)
+    if window is not None:
+        allowed &= dist < window
+    return allowed
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-              window: int | None, scale: float) -> np.ndarray:
-    """Causal grouped-query attention, optionally limited to a sliding window.
+              window: int | None, scale: float, q_block: np.ndarray | None = None,
+              k_block: np.ndarray | None = None) -> np.ndarray:
+    """Grouped-query attention under :func:`attention_mask`: causal, optionally a sliding window and blocks.
 
-    Query i sees key j iff ``0 <= pos_i - pos_j`` and, with a window,
-    ``pos_i - pos_j < window``. [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S]
-    -> [T, H*D]. Source: transformers ``eager_attention_forward`` and
-    ``sliding_window_mask_function``; llama.cpp ``LLAMA_SWA_TYPE_STANDARD``.
+    ``softmax(q k^T * scale + mask) v`` per head. Queries go in blocks of :data:`ATTENTION_BLOCK`, and
+    each block reads only the keys it can see: from its first query's window start (a sliding layer)
+    to its last query, or to the end of the furthest image block one of its queries is in. Memory is
+    bounded by the block times (window + block + longest image), not by T x S.
+    [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], window, scale, [T], [S] -> [T, H*D].
+    Source: transformers ``eager_attention_forward``.
     """
     T, H, D = q.shape
     group = H // k.shape[1]
-    kh = np.repeat(k, group, axis=1)  # [S, H, D]
-    vh = np.repeat(v, group, axis=1)  # [S, H, D]
-    scores = np.einsum("thd,shd->hts", q, kh) * scale  # [H, T, S]
-    dist = q_pos[:, None] - k_pos[None, :]  # [T, S]
-    allowed = dist >= 0
-    if window is not None:
-        allowed &= dist < window
-    scores = np.where(allowed[None], scores, -np.inf)
-    out = np.einsum("hts,shd->thd", softmax(scores), vh)  # [T, H, D]
+    out = np.empty((T, H, D))
+    for lo in range(0, T, ATTENTION_BLOCK):
+        qp = q_pos[lo:lo + ATTENTION_BLOCK]
+        qb = None if q_block is None else q_block[lo:lo + ATTENTION_BLOCK]
+        last = qp.max()
+        if qb is not None and (qb >= 0).any():
+            last = max(last, k_pos[np.isin(k_block, qb[qb >= 0])].max())  # later keys of the queries' blocks
+        reach = k_pos <= last
+        if window is not None:
+            reach &= k_pos > qp.min() - window
+        kh = np.repeat(k[reach], group, axis=1)  # [S', H, D]
+        vh = np.repeat(v[reach], group, axis=1)  # [S', H, D]
+        scores = np.einsum("thd,shd->hts", q[lo:lo + ATTENTION_BLOCK], kh) * scale  # [H, t, S']
+        kb = None if qb is None else k_block[reach]
+        scores = np.where(attention_mask(qp, k_pos[reach], window, qb, kb)[None], scores, -np.inf)
+        out[lo:lo + ATTENTION_BLOCK] = np.einsum("hts,shd->thd", softmax(scores), vh)
     return out.reshape(T, H * D)
 
 
@@ -141,20 +194,26 @@ def moe_route(x: np.ndarray, w_router: np.ndarray, router_scale: np.ndarray, per
     return idx, top * per_expert_scale[idx]
 
 
+def expert_ffn(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    """One expert's gated-GELU MLP on one token: ``down(gelu(g) * u)`` with ``[g; u] = gate_up x`` (gate first).
+
+    [h], [2F, h], [h, F] -> [h]. Source: transformers ``Gemma4TextExperts``.
+    """
+    F = w_down.shape[1]
+    gu = w_gate_up @ x  # [2F]
+    return w_down @ (gelu_tanh(gu[:F]) * gu[F:])
+
+
 def moe_experts(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, idx: np.ndarray,
                 weights: np.ndarray) -> np.ndarray:
-    """Weighted sum of the chosen experts' gated-GELU MLPs.
+    """Weighted sum of the chosen experts' MLPs (:func:`expert_ffn`), token by token.
 
-    Expert e: ``down_e(gelu(g) * u)`` with ``[g; u] = gate_up_e x`` (gate first).
-    [T, h], [E, 2F, h], [E, h, F], [T, K], [T, K] -> [T, h]. Source: transformers
-    ``Gemma4TextExperts``.
+    [T, h], [E, 2F, h], [E, h, F], [T, K], [T, K] -> [T, h]. Source: transformers ``Gemma4TextExperts``.
     """
     out = np.zeros_like(x)
-    F = w_down.shape[2]
     for t in range(x.shape[0]):
         for e, wgt in zip(idx[t], weights[t]):
-            gu = w_gate_up[e] @ x[t]  # [2F]
-            out[t] += wgt * (w_down[e] @ (gelu_tanh(gu[:F]) * gu[F:]))
+            out[t] += wgt * expert_ffn(x[t], w_gate_up[e], w_down[e])
     return out
 
 
@@ -168,6 +227,8 @@ class KVCache:
     ``pos``: [S] positions. Shared layers own nothing and read their donor's
     entry. The reference keeps the full history and applies the sliding window
     as a mask (the plain form of the rule); ring buffers belong to ``fast/``.
+    ``open_block``: the last call ended inside a bidirectional image block (the
+    next call may not continue it: see :func:`forward`).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -175,6 +236,7 @@ class KVCache:
         self.v: dict[int, np.ndarray] = {}
         self.pos = np.zeros(0, dtype=np.int64)
         self.n_layer = cfg.n_layer
+        self.open_block = False
 
     @property
     def n_past(self) -> int:
@@ -193,51 +255,85 @@ class KVCache:
 # --------------------------------------------------------------------------- blocks
 
 
-def per_layer_inputs(cfg: ModelConfig, W, ids: np.ndarray, x_scaled: np.ndarray) -> np.ndarray:
-    """Per-layer embeddings (PLE) for every layer.
+def embed(cfg: ModelConfig, W, ids: np.ndarray) -> np.ndarray:
+    """Scaled token embeddings: ``E[ids] * sqrt(h)``. [T] -> [T, h].
 
-    token part ``E_ple[ids] * sqrt(P)``; context part
-    ``rmsnorm(x_scaled @ W_proj.T / sqrt(h))``; result ``(context + token) / sqrt(2)``.
-    [T], [T, h] -> [T, L, P]. Source: transformers ``Gemma4TextModel.get_per_layer_inputs``
-    and ``project_per_layer_inputs``.
+    Source: transformers ``Gemma4TextScaledWordEmbedding``.
+    """
+    return W["token_embd.weight"][ids] * math.sqrt(cfg.hidden_size)
+
+
+def ple_token(cfg: ModelConfig, W, ids: np.ndarray) -> np.ndarray:
+    """PLE token part: ``E_ple[ids] * sqrt(P)``. [T] -> [T, L, P].
+
+    Source: transformers ``Gemma4TextModel.get_per_layer_inputs``.
     """
     T, L, P = ids.shape[0], cfg.n_layer, cfg.ple_dim
-    tok = W["per_layer_token_embd.weight"][ids].reshape(T, L, P) * math.sqrt(P)
+    return W["per_layer_token_embd.weight"][ids].reshape(T, L, P) * math.sqrt(P)
+
+
+def ple_context(cfg: ModelConfig, W, x_scaled: np.ndarray) -> np.ndarray:
+    """PLE context part: ``rmsnorm(x_scaled @ W_proj.T / sqrt(h))`` per layer. [T, h] -> [T, L, P].
+
+    Source: transformers ``Gemma4TextModel.project_per_layer_inputs``.
+    """
+    T, L, P = x_scaled.shape[0], cfg.n_layer, cfg.ple_dim
     ctx = linear(x_scaled, W["per_layer_model_proj.weight"]) * cfg.hidden_size**-0.5
-    ctx = rms_norm(ctx.reshape(T, L, P), W["per_layer_proj_norm.weight"], cfg.rms_eps)
-    return (ctx + tok) * 2.0**-0.5
+    return rms_norm(ctx.reshape(T, L, P), W["per_layer_proj_norm.weight"], cfg.rms_eps)
+
+
+def per_layer_inputs(cfg: ModelConfig, W, ids: np.ndarray, x_scaled: np.ndarray) -> np.ndarray:
+    """Per-layer embeddings (PLE) for every layer: ``(context + token) / sqrt(2)``. [T], [T, h] -> [T, L, P].
+
+    Source: transformers ``Gemma4TextModel.project_per_layer_inputs``.
+    """
+    return (ple_context(cfg, W, x_scaled) + ple_token(cfg, W, ids)) * 2.0**-0.5
 
 
 def attention_block(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, positions: np.ndarray,
-                    k_pos: np.ndarray, cache: KVCache) -> np.ndarray:
+                    k_pos: np.ndarray, cache: KVCache, blocks: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Self-attention of one layer, from the normed stream to the o-projection.
 
     q/k get per-head RMSNorm with weight then RoPE; v gets RMSNorm without weight
     (Gemma 4). A k_eq_v layer uses the K projection as V; a shared layer reads its
     donor's cached K/V. ``positions``: [T] of the new tokens; ``k_pos``: [S] of
-    every cached key after this step. [T, h] -> [T, h]. Source: transformers ``Gemma4TextAttention``.
+    every cached key after this step; ``blocks``: ``(q_block [T], k_block [S])`` on a sliding layer
+    with bidirectional vision attention, else None. [T, h] -> [T, h].
+    Source: transformers ``Gemma4TextAttention``.
     """
     b = f"blk.{layer.index}."
     T = x.shape[0]
     H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
-    inv_freq = rope_inv_freq(layer)
+    cos, sin = rope_angles(positions, rope_inv_freq(layer))
     q = linear(x, W[b + "attn_q.weight"]).reshape(T, H, D)
-    q = apply_rope(rms_norm(q, W[b + "attn_q_norm.weight"], cfg.rms_eps), positions, inv_freq, layer.n_rot)
+    q = apply_rope(rms_norm(q, W[b + "attn_q_norm.weight"], cfg.rms_eps), cos, sin, layer.n_rot)
     if layer.has_kv:
         k_raw = linear(x, W[b + "attn_k.weight"]).reshape(T, Hkv, D)
         v = linear(x, W[b + "attn_v.weight"]).reshape(T, Hkv, D) if layer.has_v_proj else k_raw
-        k = apply_rope(rms_norm(k_raw, W[b + "attn_k_norm.weight"], cfg.rms_eps), positions, inv_freq, layer.n_rot)
+        k = apply_rope(rms_norm(k_raw, W[b + "attn_k_norm.weight"], cfg.rms_eps), cos, sin, layer.n_rot)
         if cfg.has_v_norm:
             v = rms_norm(v, None, cfg.rms_eps)
         cache.append(layer.index, k, v)
     k_all, v_all = cache.k[layer.kv_donor], cache.v[layer.kv_donor]
     window = cfg.sliding_window if layer.is_sliding else None
-    out = attention(q, k_all, v_all, positions, k_pos, window, cfg.attn_scale)
+    out = attention(q, k_all, v_all, positions, k_pos, window, cfg.attn_scale, *(blocks or (None, None)))
     return linear(out, W[b + "attn_output.weight"])
 
 
-def ffn_block(cfg: ModelConfig, layer: LayerSpec, W, attn_out: np.ndarray, trace: TraceFn | None) -> np.ndarray:
-    """Dense FFN, plus on MoE layers the router and experts beside it; before ``post_ffw_norm``.
+def moe_block(cfg: ModelConfig, layer: LayerSpec, W, attn_out: np.ndarray) -> np.ndarray:
+    """The MoE branch: route the residual ``attn_out``, run the experts on its ``pre_ffw_norm_2`` norm,
+    then ``post_ffw_norm_2``. [T, h] -> [T, h]. Source: transformers ``Gemma4TextDecoderLayer.forward``.
+    """
+    b, eps = f"blk.{layer.index}.", cfg.rms_eps
+    idx, wgt = moe_route(attn_out, W[b + "ffn_gate_inp.weight"], W[b + "ffn_gate_inp.scale"],
+                         W[b + "ffn_down_exps.scale"], cfg.n_expert_used, eps)
+    xe = rms_norm(attn_out, W[b + "pre_ffw_norm_2.weight"], eps)
+    moe = moe_experts(xe, W[b + "ffn_gate_up_exps.weight"], W[b + "ffn_down_exps.weight"], idx, wgt)
+    return rms_norm(moe, W[b + "post_ffw_norm_2.weight"], eps)
+
+
+def ffn_block(cfg: ModelConfig, layer: LayerSpec, W, attn_out: np.ndarray, trace: TraceFn = no_trace) -> np.ndarray:
+    """Dense FFN, plus on MoE layers the :func:`moe_block` beside it; before ``post_ffw_norm``.
 
     [T, h] -> [T, h]. Source: transformers ``Gemma4TextDecoderLayer.forward``;
     llama.cpp ``gemma4.cpp`` (``ffn_mlp``, ``ffn_moe``).
@@ -248,14 +344,9 @@ def ffn_block(cfg: ModelConfig, layer: LayerSpec, W, attn_out: np.ndarray, trace
     if not layer.has_moe:
         return mlp
     mlp = rms_norm(mlp, W[b + "post_ffw_norm_1.weight"], eps)
-    idx, wgt = moe_route(attn_out, W[b + "ffn_gate_inp.weight"], W[b + "ffn_gate_inp.scale"],
-                         W[b + "ffn_down_exps.scale"], cfg.n_expert_used, eps)
-    xe = rms_norm(attn_out, W[b + "pre_ffw_norm_2.weight"], eps)
-    moe = moe_experts(xe, W[b + "ffn_gate_up_exps.weight"], W[b + "ffn_down_exps.weight"], idx, wgt)
-    moe = rms_norm(moe, W[b + "post_ffw_norm_2.weight"], eps)
-    if trace:
-        trace("ffn_mlp", il, mlp)
-        trace("ffn_moe", il, moe)
+    moe = moe_block(cfg, layer, W, attn_out)
+    trace("ffn_mlp", il, mlp)
+    trace("ffn_moe", il, moe)
     return mlp + moe
 
 
@@ -269,34 +360,53 @@ def ple_block(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, ple: np.ndar
     return rms_norm(linear(g, W[b + "proj.weight"]), W[b + "post_norm.weight"], cfg.rms_eps)
 
 
+def layer_scale(cfg: ModelConfig, layer: LayerSpec, W, y: np.ndarray) -> np.ndarray:
+    """The layer scalar multiplies the whole stream: ``y * layer_output_scale`` (absent: 1). [T, h] -> [T, h].
+
+    Source: transformers ``Gemma4TextDecoderLayer.forward`` (``layer_scalar``).
+    """
+    name = f"blk.{layer.index}.layer_output_scale.weight"
+    if cfg.has_layer_scalar and name in W:
+        return y * W[name][0]
+    return y
+
+
 def decoder_layer(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, positions: np.ndarray,
-                  k_pos: np.ndarray, cache: KVCache, ple: np.ndarray | None, trace: TraceFn | None) -> np.ndarray:
+                  k_pos: np.ndarray, cache: KVCache, ple: np.ndarray | None, trace: TraceFn = no_trace,
+                  blocks: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """One decoder layer. [T, h] -> [T, h].
 
     ``a = x + post_attn_norm(attn(attn_norm(x)))``; ``y = a + post_ffw_norm(ffn(a))``;
-    ``y += post_norm(PLE branch)``; ``y *= layer_output_scale`` (the whole stream).
-    Source: transformers ``Gemma4TextDecoderLayer.forward``.
+    ``y += post_norm(PLE branch)``; ``y *= layer_output_scale`` (the whole stream). ``blocks``: see
+    :func:`attention_block`. Source: transformers ``Gemma4TextDecoderLayer.forward``.
     """
     b, il, eps = f"blk.{layer.index}.", layer.index, cfg.rms_eps
-    attn = attention_block(cfg, layer, W, rms_norm(x, W[b + "attn_norm.weight"], eps), positions, k_pos,
-                           cache)
+    attn = attention_block(cfg, layer, W, rms_norm(x, W[b + "attn_norm.weight"], eps), positions, k_pos, cache,
+                           blocks)
     a = x + rms_norm(attn, W[b + "post_attention_norm.weight"], eps)
-    if trace:
-        trace("attn_out", il, a)
+    trace("attn_out", il, a)
     f = ffn_block(cfg, layer, W, a, trace)
-    if trace:
-        trace("ffn_out", il, f)
+    trace("ffn_out", il, f)
     y = a + rms_norm(f, W[b + "post_ffw_norm.weight"], eps)
     if ple is not None:
         p = ple_block(cfg, layer, W, y, ple)
-        if trace:
-            trace("per_layer_embd_out", il, p)
+        trace("per_layer_embd_out", il, p)
         y = y + p
-    if cfg.has_layer_scalar and b + "layer_output_scale.weight" in W:
-        y = y * W[b + "layer_output_scale.weight"][0]
-    if trace:
-        trace("l_out", il, y)
+    y = layer_scale(cfg, layer, W, y)
+    trace("l_out", il, y)
     return y
+
+
+def lm_head(cfg: ModelConfig, W, x: np.ndarray) -> np.ndarray:
+    """Logits: ``x @ head.T`` (the tied ``token_embd`` or ``output``), then the final softcap when set.
+
+    [T, h] -> [T, V]. Source: transformers ``Gemma4ForCausalLM.forward``.
+    """
+    head = W["token_embd.weight"] if cfg.tie_word_embeddings else W["output.weight"]
+    logits = linear(x, head)
+    if cfg.final_logit_softcap is not None:
+        logits = softcap(logits, cfg.final_logit_softcap)
+    return logits
 
 
 # --------------------------------------------------------------------------- model
@@ -306,9 +416,17 @@ def check_prompt(cfg: ModelConfig, ids: Sequence[int], n_past: int = 0) -> np.nd
     """Validate token ids; return them as int64 [T].
 
     Raises:
-        PromptError: empty, an id outside ``[0, vocab)`` (or the PLE table), or
-            ``n_past + T`` beyond the context length.
+        PromptError: empty, not a flat list of integers, an id outside ``[0, vocab)`` (or the PLE table),
+            or ``n_past + T`` beyond the context length.
     """
+    ids = list(ids) if not isinstance(ids, np.ndarray) else ids
+    if not isinstance(ids, np.ndarray):
+        bad_type = next((i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))), None)
+        if bad_type is not None:
+            raise PromptError(f"token id {bad_type!r:.40}: expected an integer")
+        huge = next((i for i in ids if not -2**63 <= int(i) < 2**63), None)
+        if huge is not None:
+            raise PromptError(f"token id {huge} is outside the vocabulary [0, {cfg.vocab_size})")
     arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     if arr.size == 0:
         raise PromptError("prompt is empty")
@@ -321,8 +439,23 @@ def check_prompt(cfg: ModelConfig, ids: Sequence[int], n_past: int = 0) -> np.nd
     return arr
 
 
+def check_generation(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Every prompt valid (:func:`reference.model.check_prompt`) and prompt + ``max_new_tokens`` within the context.
+
+    Raises:
+        PromptError: the first prompt that is not, named by its index; ``max_new_tokens`` < 1.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens {max_new_tokens!r}: expected an integer >= 1")
+    for i, p in enumerate(prompts):
+        check_prompt(cfg, p)
+        if len(p) + max_new_tokens > cfg.context_length:
+            raise PromptError(f"prompt {i}: {len(p)} tokens + {max_new_tokens} new exceed the context "
+                              f"({cfg.context_length})")
+
+
 def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = None,
-            trace: TraceFn | None = None) -> np.ndarray:
+            trace: TraceFn | None = None, mm: Injection | None = None) -> np.ndarray:
     """Logits for every new position; appends to ``cache`` when given.
 
     Args:
@@ -331,41 +464,53 @@ def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = Non
         ids: token ids of the new tokens, length T.
         cache: KV cache holding earlier tokens (positions continue from it), or
             None for a stand-alone forward.
-        trace: optional callback ``(point, layer, array)``.
+        trace: callback ``(point, layer, array)`` (:data:`TraceFn`); None records nothing.
+        mm: soft tokens to inject at placeholder positions, and ``mm_token_type_ids``
+            (:class:`reference.multimodal.Injection`); None for a text-only prompt. Placeholders read
+            the pad row of both tables; ``inp_scaled`` is the merged input.
 
     Returns:
         float64 ``[T, V]`` logits (after the final softcap when the model has one).
 
     Raises:
-        PromptError: see :func:`check_prompt`.
+        PromptError: see :func:`check_prompt` and :func:`reference.multimodal.check_injection`; a
+            placeholder count other than the number of rows; an image block continued from the
+            previous call (a bidirectional block must be in one call: its first token attends to its
+            last).
 
-    Source: transformers ``Gemma4ForCausalLM.forward``.
+    Source: transformers ``Gemma4ForCausalLM.forward``, ``Gemma4Model.forward`` (the merge).
     """
+    trace = trace or no_trace
     cache = cache if cache is not None else KVCache(cfg)
+    if mm is not None:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        check_injection(cfg, mm, ids.shape[0])
+        if cache.open_block and mm.placeholder[:1].any():
+            raise PromptError(f"tokens {cache.n_past}.. continue an image block of the previous call: "
+                              "a bidirectional image block must be prefilled in one call")
+        ids = llm_input_ids(ids, mm.placeholder, pad_id(cfg))
     ids = check_prompt(cfg, ids, cache.n_past)
     positions = cache.n_past + np.arange(ids.shape[0], dtype=np.int64)
     k_pos = np.concatenate([cache.pos, positions])  # [S]
-    x = W["token_embd.weight"][ids] * math.sqrt(cfg.hidden_size)  # [T, h]
-    if trace:
-        trace("inp_scaled", -1, x)
+    x = embed(cfg, W, ids)  # [T, h]
+    if mm is not None:
+        x = merge_embeddings(x, mm.placeholder, mm.embeds)
+    trace("inp_scaled", -1, x)
     ple = None
     if cfg.ple_dim:
         ple = per_layer_inputs(cfg, W, ids, x)  # [T, L, P]
-        if trace:
-            trace("inp_per_layer", -1, ple)
+        trace("inp_per_layer", -1, ple)
+    q_block = vision_blocks(cfg, mm)  # [T] or None
+    blocks = None if q_block is None else (q_block, np.concatenate([np.full(cache.n_past, -1), q_block]))
     for layer in cfg.layers:
         x = decoder_layer(cfg, layer, W, x, positions, k_pos, cache,
-                          None if ple is None else ple[:, layer.index], trace)
+                          None if ple is None else ple[:, layer.index], trace, blocks if layer.is_sliding else None)
     cache.pos = k_pos
+    cache.open_block = q_block is not None and bool(q_block[-1] >= 0)
     x = rms_norm(x, W["output_norm.weight"], cfg.rms_eps)
-    if trace:
-        trace("result_norm", -1, x)
-    head = W["token_embd.weight"] if cfg.tie_word_embeddings else W["output.weight"]
-    logits = linear(x, head)
-    if cfg.final_logit_softcap is not None:
-        logits = softcap(logits, cfg.final_logit_softcap)
-    if trace:
-        trace("result_output", -1, logits)
+    trace("result_norm", -1, x)
+    logits = lm_head(cfg, W, x)
+    trace("result_output", -1, logits)
     return logits
 
 

@@ -84,16 +84,12 @@ tokens; other ``tokenizer.ggml.model`` values (``gpt2``, ``t5``, ...).
 from __future__ import annotations
 
 import heapq
-import mmap
 import os
 import re
-import struct
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
-from .errors import ConfigError, ModelFileError
+from .errors import ConfigError
+from .gguf_check import check_gguf
 
 SPACE = "\u2581"  # ▁
 
@@ -199,7 +195,7 @@ class GGUFTokenizer:
 
     Args:
         metadata: GGUF key -> value (as :func:`read_gguf_metadata` or
-            :func:`reference.weights.gguf_metadata` return them).
+            :func:`reference.gguf_check.check_gguf` returns them).
         source: file name, for messages.
 
     Raises:
@@ -517,85 +513,13 @@ class GGUFTokenizer:
         return self._by_text.get(text)
 
 
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
 def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The key/values of a little-endian GGUF (v2/v3), read directly; tensors are not touched.
-
-    Same values as :func:`reference.weights.gguf_metadata` (arrays as lists) but
-    in well under a second for a 262k-token vocabulary, where ``gguf.GGUFReader``
-    takes seconds building one memmap view per string.
+    """The key/values of a GGUF file (arrays as lists), through the one validating reader.
 
     Raises:
-        ModelFileError: not a GGUF file, big-endian or unknown version, truncated
-            key/value section, unknown value type.
-
-    Source: GGUF specification (ggml ``docs/gguf.md``), gguf-py ``GGUFValueType``.
+        ModelFileError: see :func:`reference.gguf_check.check_gguf` (the file, key or tensor at fault is named).
     """
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as e:
-        raise ModelFileError(f"{path}: cannot read: {e}") from None
-    try:
-        if buf[:4] != b"GGUF":
-            raise ModelFileError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
-        version = struct.unpack_from("<I", buf, 4)[0]
-        if version not in (2, 3):
-            raise ModelFileError(f"{path}: GGUF version {version} (or big-endian): expected little-endian 2 or 3")
-        n_kv = struct.unpack_from("<Q", buf, 16)[0]
-        pos = 24
-
-        def string(p: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from("<Q", buf, p)
-            if p + 8 + n > len(buf):
-                raise struct.error("string past end of file")
-            return buf[p + 8:p + 8 + n].decode("utf-8", errors="replace"), p + 8 + n
-
-        def value(vtype: int, p: int) -> tuple[Any, int]:
-            if vtype == _STRING:
-                return string(p)
-            if vtype in _SCALAR:
-                fmt = _SCALAR[vtype]
-                return struct.unpack_from(fmt, buf, p)[0], p + struct.calcsize(fmt)
-            if vtype == _ARRAY:
-                etype, count = struct.unpack_from("<IQ", buf, p)
-                p += 12
-                if etype in _SCALAR:
-                    dt = np.dtype(_SCALAR[etype].replace("?", "b1"))
-                    arr = np.frombuffer(buf, dtype=dt, count=count, offset=p)
-                    return arr.tolist(), p + count * dt.itemsize
-                if etype == _STRING:  # vocabularies: 10^5..10^6 strings, read without per-item calls
-                    out: list[str] = []
-                    append, unpack, size = out.append, struct.unpack_from, len(buf)
-                    for _ in range(count):
-                        (n,) = unpack("<Q", buf, p)
-                        end = p + 8 + n
-                        if end > size:
-                            raise struct.error("string past end of file")
-                        append(buf[p + 8:end].decode("utf-8", errors="replace"))
-                        p = end
-                    return out, p
-                items = []
-                for _ in range(count):
-                    item, p = value(etype, p)
-                    items.append(item)
-                return items, p
-            raise ModelFileError(f"{path}: metadata value type {vtype} is unknown")
-
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (vtype,) = struct.unpack_from("<I", buf, pos)
-            meta[key], pos = value(vtype, pos + 4)
-        return meta
-    except (struct.error, ValueError) as e:
-        raise ModelFileError(f"{path}: truncated or corrupt GGUF metadata ({e})") from None
-    finally:
-        buf.close()
+    return check_gguf(path).metadata
 
 
 def tokenizer_from_gguf(path: str | os.PathLike) -> GGUFTokenizer:

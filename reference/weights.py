@@ -1,7 +1,9 @@
 """One loader for every engine: GGUF or HF safetensors -> (config, canonical weights).
 
 Both formats map onto the canonical GGUF tensor names of :mod:`reference.names`.
-Tensors are read lazily: a GGUF stays memory-mapped by ``gguf.GGUFReader`` and a
+A GGUF is checked and parsed once by :func:`reference.gguf_check.check_gguf`
+(header, keys, tensor table and data layout, before any tensor is trusted).
+Tensors are read lazily: the GGUF stays memory-mapped and a
 tensor is dequantized (once, into a new float64 array) only when first asked
 for, so the mapped file is never copied twice. Safetensors are opened with
 ``safetensors.safe_open`` and read tensor by tensor.
@@ -18,15 +20,25 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
+import gguf
 import numpy as np
+from safetensors import safe_open
 
-from .config import ModelConfig, attach_rope_freqs, config_from_gguf, config_from_hf, expected_tensors, optional_tensors
+from .config import (
+    ModelConfig,
+    attach_rope_freqs,
+    config_from_gguf,
+    config_from_hf,
+    expected_tensors,
+    optional_tensors,
+    unread_tensors,
+)
 from .errors import ConfigError, ModelFileError
+from .gguf_check import GGUFFile, check_gguf
 from .names import hf_to_gguf
-
-GGUF_MAGIC = b"GGUF"
+from .weight_check import check_stored, check_values
 
 
 @dataclass
@@ -45,7 +57,8 @@ class Weights(Mapping):
 
     Raises (on access):
         KeyError: unknown name.
-        ModelFileError: the tensor holds NaN or Inf (named).
+        ModelFileError: the tensor holds NaN, Inf or |w| > 1e30 (named; see
+            :mod:`reference.weight_check`).
     """
 
     def __init__(self, source: str, tensors: dict[str, _Lazy]):
@@ -56,9 +69,11 @@ class Weights(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._cache:
             lazy = self._lazy[name]
+            if lazy.stored is not None:  # GGUF: checked as stored (scale fields), before dequantizing
+                check_stored(self.source, name, lazy.dtype, lazy.stored, lazy.shape)
             arr = np.asarray(lazy.read(), dtype=np.float64).reshape(lazy.shape)
-            if not np.all(np.isfinite(arr)):
-                raise ModelFileError(f"{self.source}: tensor {name} contains NaN or Inf")
+            if lazy.stored is None:
+                check_values(self.source, name, arr)  # NaN, Inf, |w| > 1e30 (rope_freqs: > 0)
             arr.setflags(write=False)
             self._cache[name] = arr
         return self._cache[name]
@@ -95,67 +110,19 @@ class Weights(Mapping):
 # --------------------------------------------------------------------------- GGUF
 
 
-def _read_gguf(path: Path):
-    import gguf
-
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelFileError(f"{path}: cannot read: {e.strerror}") from None
-    if magic != GGUF_MAGIC:
-        raise ModelFileError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    try:
-        return gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on truncation
-        raise ModelFileError(f"{path}: truncated or corrupt GGUF ({type(e).__name__}: {str(e)[:120]})") from None
-
-
-def gguf_metadata(reader) -> dict[str, Any]:
-    """GGUF key/values as Python values (strings, numbers, lists).
-
-    Args:
-        reader: an open ``gguf.GGUFReader``.
-
-    Returns:
-        dict key -> value; arrays become lists.
-    """
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # pragma: no cover - an unreadable field is reported where it is needed
-            meta[key] = None
-    return meta
-
-
-def _gguf_tensors(reader, path: Path) -> dict[str, _Lazy]:
-    import gguf
-
+def _gguf_tensors(gf: GGUFFile) -> dict[str, _Lazy]:
     out: dict[str, _Lazy] = {}
-    for t in reader.tensors:
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        qtype = t.tensor_type
-        name = getattr(qtype, "name", str(qtype))
-        expected_bytes = None
-        try:
-            bs, ts = gguf.GGML_QUANT_SIZES[qtype]
-            expected_bytes = int(np.prod(shape)) // bs * ts
-        except KeyError:
-            raise ModelFileError(f"{path}: tensor {t.name} has unknown GGML type {qtype}") from None
-        if int(t.n_bytes) != expected_bytes or t.data.nbytes != expected_bytes:
-            raise ModelFileError(f"{path}: tensor {t.name} is truncated ({t.data.nbytes} of {expected_bytes} bytes)")
+    for t in gf.tensors.values():  # sizes, offsets and types already checked by check_gguf
+        data = gf.view(t.name)
 
-        def read(t=t, qtype=qtype, shape=shape, tname=name):
+        def read(data=data, t=t):
             try:
-                return gguf.quants.dequantize(t.data, qtype)
+                return gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.ggml_type))
             except NotImplementedError:
-                raise ModelFileError(f"{path}: tensor {t.name}: type {tname} cannot be dequantized by gguf.quants") \
-                    from None
+                raise ModelFileError(f"{gf.path}: tensor {t.name}: type {t.type_name} cannot be dequantized by "
+                                     "gguf.quants") from None
 
-        out[t.name] = _Lazy(shape=shape, dtype=name, read=read, stored=t.data)
+        out[t.name] = _Lazy(shape=t.shape, dtype=t.type_name, read=read, stored=data)
     return out
 
 
@@ -174,15 +141,15 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:
         ConfigError: bad or missing metadata (the key is named).
     """
     path = Path(path)
-    reader = _read_gguf(path)
-    meta = gguf_metadata(reader)
-    tensors = _gguf_tensors(reader, path)
+    gf = check_gguf(path)  # structure checked before any tensor is trusted (reference.gguf_check)
+    meta = gf.metadata
+    tensors = _gguf_tensors(gf)
     cfg = config_from_gguf(meta, {k: v.shape for k, v in tensors.items()}, str(path))
     weights = Weights(str(path), tensors)
     weights.metadata = meta  # type: ignore[attr-defined]
-    weights.reader = reader  # type: ignore[attr-defined]  # keeps the mmap alive
-    if "rope_freqs.weight" in tensors:
-        cfg = attach_rope_freqs(cfg, np.asarray(weights.raw("rope_freqs.weight"), dtype=np.float32))
+    weights.gguf = gf  # type: ignore[attr-defined]  # keeps the map alive
+    if "rope_freqs.weight" in tensors:  # through __getitem__: checked finite and > 0 (exact: float32 values)
+        cfg = attach_rope_freqs(cfg, np.asarray(weights["rope_freqs.weight"], dtype=np.float32))
     _validate(cfg, weights)
     return cfg, weights
 
@@ -208,8 +175,6 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:
             missing/mis-shaped tensor.
         ConfigError: bad config fields (named).
     """
-    from safetensors import safe_open
-
     path = Path(path)
     cfg_path = path / "config.json"
     try:
@@ -243,9 +208,7 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:
                 try:
                     return handle.get_tensor(key)
                 except TypeError:  # bfloat16 has no numpy dtype: go through torch
-                    from safetensors import safe_open as so
-
-                    with so(str(f), framework="pt") as h:
+                    with safe_open(str(f), framework="pt") as h:  # needs torch installed (safetensors' pt path)
                         return h.get_tensor(key).float().numpy()
 
             dtype = str(handle.get_slice(key).get_dtype())
@@ -269,6 +232,9 @@ def _validate(cfg: ModelConfig, weights: Weights) -> None:
         got = weights.shape(name)
         if tuple(got) != tuple(shape):
             raise ModelFileError(f"{weights.source}: tensor {name} has shape {list(got)}, expected {list(shape)}")
+    for name in unread_tensors(cfg, weights)[:1]:
+        raise ModelFileError(f"{weights.source}: tensor {name} is not one this {cfg.arch} config reads "
+                             "(a misspelt or damaged name, or keys that do not match the tensors)")
 
 
 def load_model(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:

@@ -8,6 +8,9 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import pytest
 
+#: The real llama.cpp servers (llama-server, llama-cpp-python) and the GGUFs they serve, as fixtures.
+pytest_plugins = ("servers",)
+
 # --------------------------------------------------------------------------- tiny gemma4 GGUF
 
 # A 2-layer gemma4 text decoder: layer 0 sliding (head_dim 8), layer 1 full
@@ -152,6 +155,25 @@ def tiny_gguf(tmp_path) -> Path:
     return write_tiny_gguf(tmp_path / "tiny.gguf")
 
 
+# --------------------------------------------------------------------------- the gemma4-type test tokenizer
+
+
+@pytest.fixture(scope="session")
+def built():
+    """The gemma4-type test tokenizer (GGUF + tokenizer.json), built once into the cache."""
+    from harness.tokenizer.build import build_gemma4_test_tokenizer
+
+    return build_gemma4_test_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def g4(built):
+    """Ours on the gemma4-type GGUF."""
+    from harness.tokenizer.engines import cached_tok_engine
+
+    return cached_tok_engine("ours", str(built.gguf), True, None).tok
+
+
 # --------------------------------------------------------------------------- pytest --bench
 
 
@@ -160,10 +182,32 @@ def pytest_addoption(parser):
                      help="run the throughput benchmarks (tests marked 'bench'); they write reports/<ts>-bench/")
 
 
+def _cuda_present() -> bool:
+    import torch  # lazy: only when a collected test needs CUDA
+
+    return torch.cuda.is_available()
+
+
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--bench"):
-        return
-    skip = pytest.mark.skip(reason="benchmark: run with pytest --bench")
-    for item in items:
-        if "bench" in item.keywords:
-            item.add_marker(skip)
+    """Deselect (not skip) what was not asked for or cannot apply here, and say so in the summary.
+
+    * benchmarks (marker ``bench``) without ``--bench``;
+    * tests of a CUDA device (marker ``cuda``) on a machine without one: the CPU-side tests of the same
+      code still run; the device figures come from ``g4h device-check`` on a GPU machine.
+    """
+    drop = []
+    if not config.getoption("--bench"):
+        drop += [item for item in items if "bench" in item.keywords]
+    cuda = [item for item in items if "cuda" in item.keywords and item not in drop]
+    if cuda and not _cuda_present():
+        drop += cuda
+        config._g4h_no_cuda = len(cuda)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item not in drop]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = getattr(config, "_g4h_no_cuda", 0)
+    if n:
+        terminalreporter.write_line(f"{n} CUDA test(s) deselected: no CUDA device here (they run on a GPU machine)")

@@ -1,4 +1,4 @@
-"""The CLI contract for bad input (DESIGN.md, "Errors").
+"""The CLI contract for bad input (``docs/design.md``, "Reports and errors").
 
 ``g4h logits --model PATH --engine reference --prompt-ids FILE.json --out FILE.npy``
 on bad input must print exactly one non-empty line on stderr that names the
@@ -10,9 +10,6 @@ repository root, as a user would run it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np

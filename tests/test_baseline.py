@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import baseline as bl
+from harness.parity import baseline as bl
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,16 +130,17 @@ def test_cli_bad_baseline_is_one_line_exit_2(tmp_path):
 @pytest.mark.slow
 def test_parity_is_deterministic_and_baseline_round_trips(tmp_path, monkeypatch):
     import harness.parity as parity
+    from harness.core.cases import load_prompts
 
-    full = parity.load_prompts()
-    short = [p for p in full if p["id"] in ("len5", "len17-window+1")]
+    short = [p for p in load_prompts() if p["id"] in ("len5", "len17-window+1")]
     assert len(short) == 2
-    monkeypatch.setattr(parity, "load_prompts", lambda path=parity.PROMPTS: copy.deepcopy(short))
+    prompts = tmp_path / "short.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in short))
     d1, s1 = parity.run(case_filter=["e2b"], real=False, out=str(tmp_path / "a"), quiet=True,
-                        write_baseline=str(tmp_path / "base.json"))
+                        write_baseline=str(tmp_path / "base.json"), prompts=prompts)
     assert s1 == 0
     d2, s2 = parity.run(case_filter=["e2b"], real=False, out=str(tmp_path / "b"), quiet=True,
-                        baseline=str(tmp_path / "base.json"))
+                        baseline=str(tmp_path / "base.json"), prompts=prompts)
     f1 = json.loads((Path(d1["run_dir"]) / "results.json").read_text())
     f2 = json.loads((Path(d2["run_dir"]) / "results.json").read_text())
     assert f1["created_utc"] and f1["cases"][0]["seconds"] > 0  # the volatile fields exist ...

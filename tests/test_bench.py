@@ -14,21 +14,21 @@ import os
 
 import pytest
 
-from harness import synth
+from harness.core.paths import REPO_ROOT
 
-BENCH_SPEC = synth.REPO_ROOT / "cases" / "bench" / "e4b-1024.toml"
+BENCH_SPEC = REPO_ROOT / "cases" / "bench" / "e4b-1024.toml"
 
 
 def _bench(model: str, engines: str) -> dict:
-    from harness import bench_cli
+    from harness.cli import bench as bench_cli
     from harness.cli import build_parser
-    from harness.report import DEFAULT_REPORTS_DIR
+    from harness.core.io import DEFAULT_REPORTS_DIR
 
     argv = ["bench", "--model", model, "--engines", engines, "--dtype", "float32,bfloat16",
             "--batch", os.environ.get("G4H_BENCH_BATCH", "1,2,4,8"), "--pp", os.environ.get("G4H_BENCH_PP", "64"),
             "--tg", os.environ.get("G4H_BENCH_TG", "32"), "--reps", os.environ.get("G4H_BENCH_REPS", "3")]
     before = set(DEFAULT_REPORTS_DIR.glob("*-bench*")) if DEFAULT_REPORTS_DIR.exists() else set()
-    assert bench_cli.cmd_bench(build_parser().parse_args(argv)) == 0
+    assert bench_cli.run(build_parser("bench").parse_args(argv)) == 0
     (run,) = set(DEFAULT_REPORTS_DIR.glob("*-bench*")) - before
     print((run / "report.md").read_text())
     return json.loads((run / "results.json").read_text())
@@ -45,7 +45,7 @@ def test_bench_model_cpu():
 @pytest.mark.slow
 def test_bench_gemma3_270m_gguf_cpu():
     """The real Gemma 3 270M Q4_K_M GGUF: the same engines (transformers through its GGUF loader)."""
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     data = _bench(str(gemma3_270m_gguf()), "fast,transformers,llamacpp,reference")
     assert any(r["mean_tok_s"] for r in data["rows"] if r["engine"] == "fast")

@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 from clitools import assert_one_line_error, run_cli
 
-from harness import bench as B
+from harness.bench import run as B
+from harness.engines.base import bench_ids
 from harness import synth
-from harness.bench_report import compare_baseline, read_baseline
+from harness.core.cases import MODELS_DIR
+from harness.bench.report import compare_baseline, read_baseline
 from reference import load_model
 from reference.errors import InputError
 
-CASE = synth.REPO_ROOT / "cases" / "models" / "e4b.toml"
+CASE = MODELS_DIR / "e4b.toml"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -169,11 +171,15 @@ def test_bad_model_and_baseline_one_line(tmp_path):
 
 def test_missing_engine_is_skipped_with_install_hint(monkeypatch, tmp_path):
     """An engine that is not installed is listed as skipped with how to install it; the others still run."""
-    import harness.llamacpp as lc
-    from harness import bench_cli
+    import harness.engines.llamacpp as lc
+    from harness.cli import bench as bench_cli
+    from harness.engines.base import EngineUnavailable
 
-    monkeypatch.setattr(lc, "llama_cpp_available", lambda: False)
-    rc = bench_cli.cmd_bench(bench_cli_args(tmp_path, engines="llamacpp,fast"))
+    def missing():
+        raise EngineUnavailable(lc.INSTALL_MSG)
+
+    monkeypatch.setattr(lc, "_import_llama_cpp", missing)
+    rc = bench_cli.run(bench_cli_args(tmp_path, engines="llamacpp,fast"))
     assert rc == 0
     data = json.loads((_run_dir(tmp_path) / "results.json").read_text())
     assert "pip install" in data["skipped"]["llamacpp"]
@@ -187,7 +193,7 @@ def bench_cli_args(out: Path, **kw):
 
     argv = ["bench", "--model", str(CASE), "--engines", kw.get("engines", "fast"), "--pp", "0", "--tg", "1",
             "--reps", "1", "--warmup", "0", "--out", str(out)]
-    return build_parser().parse_args(argv)
+    return build_parser("bench").parse_args(argv)
 
 
 def test_bandwidth_probe_is_positive_and_rejects_tiny_buffers():
@@ -197,8 +203,8 @@ def test_bandwidth_probe_is_positive_and_rejects_tiny_buffers():
 
 
 def test_bench_ids_are_fixed_and_in_range():
-    a = B.bench_ids(100, 50, 3)
-    assert a == B.bench_ids(100, 50, 3) and all(4 <= t < 100 for t in a)
+    a = bench_ids(100, 50, 3)
+    assert a == bench_ids(100, 50, 3) and all(4 <= t < 100 for t in a)
     assert np.unique(a).size > 10
 
 

@@ -12,14 +12,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import hypothesis
+import hypothesis.strategies
 import pytest
 
-from reference import chat
+from reference import chat, chat_parse
 from reference.errors import InputError
-
-REAL_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gemma3-tokenizer"
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -133,10 +131,10 @@ def test_format_value_rules():
     assert chat.format_value({"b": 1, "A": "x"}) == '{<|"|>A<|"|>:<|"|>x<|"|>,<|"|>b<|"|>:1}'
     assert chat.format_value({"b": 1, "A": "x"}, escape_keys=False) == '{A:<|"|>x<|"|>,b:1}'
     assert chat.format_value([True, False, None, 1.5, -3]) == "[true,false,None,1.5,-3]"
-    assert chat.parse_value('{A:<|"|>x, y<|"|>,b:[1,2.5,true,None]}') == {"A": "x, y", "b": [1, 2.5, True, None]}
+    assert chat_parse.parse_value('{A:<|"|>x, y<|"|>,b:[1,2.5,true,None]}') == {"A": "x, y", "b": [1, 2.5, True, None]}
     for bad in ("{a:1", "[1,2", '<|"|>open', "{a 1}", "1 2]"):
         with pytest.raises(InputError):
-            chat.parse_value(bad)
+            chat_parse.parse_value(bad)
 
 
 def test_bad_messages():
@@ -148,23 +146,23 @@ def test_bad_messages():
 
 
 def test_parse_model_output():
-    out = chat.parse_model_output(
+    out = chat_parse.parse_model_output(
         "<|channel>thought\nThe user wants weather.\n<channel|>Let me check."
         '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'
         "<|tool_call>call:noop{}<tool_call|><|tool_response>")
     assert out == {"thinking": "The user wants weather.", "content": "Let me check.",
                    "tool_calls": [call("get_weather", {"city": "Paris", "days": 2}), call("noop", {})],
                    "stop": "<|tool_response>"}
-    final = chat.parse_model_output(" The answer is 4. <turn|>\n<|turn>user\n")
+    final = chat_parse.parse_model_output(" The answer is 4. <turn|>\n<|turn>user\n")
     assert final == {"thinking": None, "content": "The answer is 4.", "tool_calls": [], "stop": "<turn|>"}
-    assert chat.parse_model_output("partial")["stop"] is None
-    assert chat.parse_model_output("x<eos>")["stop"] == "<eos>"
-    raw = chat.parse_model_output("<|tool_call>call:f{not parseable}<tool_call|>")
+    assert chat_parse.parse_model_output("partial")["stop"] is None
+    assert chat_parse.parse_model_output("x<eos>")["stop"] == "<eos>"
+    raw = chat_parse.parse_model_output("<|tool_call>call:f{not parseable}<tool_call|>")
     assert raw["tool_calls"] == [call("f", "not parseable")]
     for bad, msg in (("<|channel>thought\nno end", "without <channel|>"), ("<|tool_call>call:f{", "without"),
                      ("<|tool_call>nocall<tool_call|>", "expected call:NAME")):
         with pytest.raises(InputError, match=msg):
-            chat.parse_model_output(bad)
+            chat_parse.parse_model_output(bad)
 
 
 # --------------------------------------------------------------------------- round trips
@@ -190,8 +188,8 @@ def test_render_parse_round_trip(msgs):
     for thinking in (False, True):
         text = chat.render(msgs, [WEATHER, NOOP], enable_thinking=thinking, preserve_thinking=True,
                            add_generation_prompt=True)
-        back = chat.parse_conversation(text)
-        assert back["messages"] == chat.normalize_messages(msgs)
+        back = chat_parse.parse_conversation(text)
+        assert back["messages"] == chat_parse.normalize_messages(msgs)
         assert back["enable_thinking"] is thinking
         assert [t["name"] for t in back["tools"]] == ["get_weather", "noop"]
         ends_waiting = bool(msgs[-1].get("tool_calls"))
@@ -199,7 +197,7 @@ def test_render_parse_round_trip(msgs):
 
 
 def _conversations():
-    st = pytest.importorskip("hypothesis.strategies")
+    st = hypothesis.strategies
     safe = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="<"), max_size=12)
     key = st.text(alphabet="abcXYZ_", min_size=1, max_size=5)
     scalar = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
@@ -239,18 +237,17 @@ def _conversations():
 
 
 def test_round_trip_hypothesis():
-    hypothesis = pytest.importorskip("hypothesis")
 
     @hypothesis.settings(max_examples=150, deadline=None, derandomize=True, database=None,
                          suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(_conversations())
     def run(msgs):
         text = chat.render(msgs, preserve_thinking=True, add_generation_prompt=True)
-        back = chat.parse_conversation(text)
-        assert back["messages"] == chat.normalize_messages(msgs), text
+        back = chat_parse.parse_conversation(text)
+        assert back["messages"] == chat_parse.normalize_messages(msgs), text
         for m in msgs:  # every thinking block and tool call is in the parsed result
             if m.get("tool_calls"):
-                assert any(b.get("tool_calls") == chat.normalize_messages([m])[0]["tool_calls"]
+                assert any(b.get("tool_calls") == chat_parse.normalize_messages([m])[0]["tool_calls"]
                            for b in back["messages"])
 
     run()
@@ -261,28 +258,12 @@ def test_model_output_round_trip():
            "tool_calls": [call("search", {"q": "gemma 4", "n": 3})]}
     text = chat.render([msg], bos=False, preserve_thinking=True)
     body = text[len("<|turn>model\n"):]
-    out = chat.parse_model_output(body)
+    out = chat_parse.parse_model_output(body)
     assert out["thinking"] == "think\nmore" and out["tool_calls"] == [call("search", {"q": "gemma 4", "n": 3})]
     assert out["stop"] == "<|tool_response>"
 
 
 # --------------------------------------------------------------------------- ids and the Jinja template
-
-
-@pytest.fixture(scope="module")
-def built():
-    if not (REAL_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"real Gemma 3 tokenizer.json not found in {REAL_DIR}")
-    from harness.tokbuild import build_gemma4_test_tokenizer
-
-    return build_gemma4_test_tokenizer(source_dir=REAL_DIR)
-
-
-@pytest.fixture(scope="module")
-def g4(built):
-    from harness.tokengines import cached_tok_engine
-
-    return cached_tok_engine("ours", str(built.gguf), True, None).tok
 
 
 def test_render_ids_bos_once(g4):
@@ -317,7 +298,6 @@ JINJA_CASES = [
 
 
 def test_gguf_chat_template_matches_ours(built):
-    pytest.importorskip("jinja2")
     template = chat.chat_template_from_gguf(built.gguf)
     assert template is not None
     assert chat.compare_with_template(template, JINJA_CASES) == []
@@ -327,8 +307,6 @@ def test_gguf_chat_template_matches_ours(built):
 
 
 def test_gguf_chat_template_hypothesis(built):
-    hypothesis = pytest.importorskip("hypothesis")
-    pytest.importorskip("jinja2")
     template = chat.chat_template_from_gguf(built.gguf)
 
     @hypothesis.settings(max_examples=40, deadline=None, derandomize=True, database=None,
@@ -342,7 +320,6 @@ def test_gguf_chat_template_hypothesis(built):
 
 
 def test_template_errors_are_one_line():
-    pytest.importorskip("jinja2")
     with pytest.raises(InputError, match="chat template failed") as err:
         chat.render_with_template("{{ raise_exception('nope') }}", [{"role": "user", "content": "x"}])
     assert "\n" not in str(err.value)

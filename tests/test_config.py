@@ -58,6 +58,14 @@ def test_hf_global_fields_and_saved_per_layer_config_agree():
     assert (sl.head_dim, sl.n_kv_head, sl.has_v_proj, sl.rope_freq_factors) == (16, 2, True, None)
 
 
+@pytest.mark.parametrize("value", [5, "x", [1, 2], None])
+def test_per_layer_config_entry_not_an_object_is_one_line(value):
+    with pytest.raises(ConfigError) as e:
+        config_from_hf(_hf_base(per_layer_config={"0": value}), "cfg.json")
+    msg = str(e.value)
+    assert "\n" not in msg and "cfg.json" in msg and "per_layer_config['0']" in msg
+
+
 def test_hf_global_kv_heads_ignored_without_k_eq_v():
     # transformers applies num_global_key_value_heads only when attention_k_eq_v is set
     c = config_from_hf(_hf_base(global_head_dim=32, num_global_key_value_heads=1), "x")

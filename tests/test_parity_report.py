@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.parity_report import render_markdown, summarize
+from harness.parity.report import render_markdown, summarize
 
 
 def _check(measured, ok, info=False, reason=""):
@@ -36,8 +36,8 @@ import re  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from harness.metrics import kld_histogram  # noqa: E402
-from harness.parity_report import (kld_hists, merge_kld_hists, pair_slug, per_layer_frame,  # noqa: E402
+from harness.core.metrics import kld_histogram  # noqa: E402
+from harness.parity.report import (kld_hists, merge_kld_hists, pair_slug, per_layer_frame,  # noqa: E402
                                    write_parity_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -167,7 +167,7 @@ def test_kld_histogram_fixed_grid_and_merge():
 
 def test_fast_checks_carry_per_layer_and_kld_data(tiny_gguf):
     from fast.model import FastModel
-    from harness.fastcheck import chunked_vs_oneshot, fast_vs_reference, kld_values, max_per_point
+    from harness.parity.checks.fast import chunked_vs_oneshot, fast_vs_reference, kld_values, max_per_point
     from reference import load_model
 
     cfg, w = load_model(tiny_gguf)
@@ -189,9 +189,9 @@ def test_fast_checks_carry_per_layer_and_kld_data(tiny_gguf):
 
 
 def test_gemma3_fast_comparison_carries_kld_hist(tiny_gguf):
-    """The real-Gemma-3 fast~reference rows (harness.gemma3_check) carry a per-position KLD histogram;
+    """The real-Gemma-3 fast~reference rows (harness.parity.checks.gemma3_real) carry a per-position KLD histogram;
     run here on the tiny model with a stand-in tokenizer."""
-    from harness.gemma3_check import PROMPTS, _compare_fast
+    from harness.parity.checks.gemma3_real import PROMPTS, _compare_fast
     from reference import load_model
     from reference.model import forward
 
@@ -211,15 +211,35 @@ def test_gemma3_fast_comparison_carries_kld_hist(tiny_gguf):
 
 
 def test_run_gemma3_passes_the_kld_hist_to_its_check(monkeypatch):
-    import harness.gemma3_check as g3
-    from harness.parity import run_gemma3
+    import harness.parity.cases as cases
 
     hist = kld_histogram([1e-9, 2e-9, 0.0])
     fake = {"prompts": [], "transformers": {"available": False, "reason": "test"},
             "fast": {"prompts": [{"name": "p", "n_tokens": 3, "max_abs_logit_diff": 1e-5, "top1_agreement": 1.0,
                                   "kld_hist": hist}]}}
-    monkeypatch.setattr(g3, "run_gemma3_real", lambda: fake)
-    res = run_gemma3(lambda msg: None)
+    monkeypatch.setattr(cases, "run_gemma3_real", lambda: fake)
+    res = cases.gemma3_case(lambda msg: None)
     (chk,) = [c for c in res.checks if c["gate"] == "fast~reference.max_abs_logit"]
     assert chk["kld_hist"] == hist
     assert list(kld_hists({"cases": [res.__dict__]})) == [("fast~reference", "gemma3-270m-real")]
+
+
+def test_junit_xml_one_testcase_per_check_failures_named():
+    import xml.etree.ElementTree as ET
+
+    from harness.parity.report import junit_xml
+
+    failing = dict(_check(0.0, False), got="not_run", why="llamacpp: not installed")
+    data = {"status": 1, "created_utc": "x", "cases": [
+        {"case": "t", "kind": "tokenizer", "model": "m", "error": None, "info": {}, "seconds": 1.5,
+         "checks": [failing, _check(0.0, False, info=True, reason="documented difference"), _check(1.0, True)]},
+        {"case": "u", "kind": "user", "model": "m", "error": "x.gguf: truncated", "error_kind": "input",
+         "info": {}, "checks": []}]}
+    root = ET.fromstring(junit_xml(data).split("\n", 1)[1])
+    assert root.get("tests") == "4" and root.get("failures") == "1" and root.get("errors") == "1"
+    (fail,) = [tc for tc in root.iter("testcase") if tc.find("failure") is not None]
+    assert fail.get("classname") == "t" and fail.get("name") == "tokenizer.check[p]"
+    msg = fail.find("failure").get("message")
+    assert "tokenizer.check = 0" in msg and ">= 1" in msg and "llamacpp: not installed" in msg
+    (err,) = [tc for tc in root.iter("testcase") if tc.find("error") is not None]
+    assert err.find("error").get("message") == "x.gguf: truncated"

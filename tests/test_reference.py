@@ -10,19 +10,22 @@ import numpy as np
 import pytest
 
 from harness import synth
-from harness.engines import ReferenceEngine, TransformersEngine
-from harness.gates import DEFAULT_GATES
-from harness.parity import TraceRecorder, layer_errors, load_prompts
+from harness.core.cases import MODELS_DIR
+from harness.engines.reference import ReferenceEngine
+from harness.engines.transformers import TransformersEngine
+from harness.core.gates import DEFAULT_GATES
+from harness.core.cases import builtin_specs, load_prompts
+from harness.traces import TraceRecorder, layer_errors
 from reference import KVCache, forward, load_model
 
-SPECS = [p.stem for p in synth.builtin_specs()]
+SPECS = [p.stem for p in builtin_specs()]
 PROMPTS = load_prompts()
 LONGEST = max(PROMPTS, key=lambda p: len(p["prompt_ids"]))["prompt_ids"]
 
 
 @pytest.fixture(scope="module", params=SPECS)
 def built(request):
-    return synth.ensure_built(synth.REPO_ROOT / "cases" / "models" / f"{request.param}.toml")
+    return synth.ensure_built(MODELS_DIR / f"{request.param}.toml")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def engines(built):
 
 
 def test_prompt_set_covers_the_window():
-    window = {synth.load_spec(p).config["sliding_window"] for p in synth.builtin_specs()}
+    window = {synth.load_spec(p).config["sliding_window"] for p in builtin_specs()}
     assert len(window) == 1
     w = window.pop()
     lengths = {len(p["prompt_ids"]) for p in PROMPTS}
@@ -122,7 +125,7 @@ def test_trace_points_follow_llama_cpp_names(built):
 def test_multimodal_checkpoint_loads_its_text_part(tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    built = synth.ensure_built(synth.REPO_ROOT / "cases" / "models" / "e2b.toml")
+    built = synth.ensure_built(MODELS_DIR / "e2b.toml")
     text = json.loads((built.hf_dir / "config.json").read_text())
     mm = tmp_path / "mm"
     mm.mkdir()
@@ -146,7 +149,7 @@ def test_hf_folder_with_a_missing_weight_is_bad_input(tmp_path):
 
     from reference.errors import ModelFileError
 
-    built = synth.ensure_built(synth.REPO_ROOT / "cases" / "models" / "e2b.toml")
+    built = synth.ensure_built(MODELS_DIR / "e2b.toml")
     d = tmp_path / "m"
     shutil.copytree(built.hf_dir, d)
     f = next(d.glob("*.safetensors"))

@@ -1,4 +1,4 @@
-"""harness.report: run directories are never reused, writes are atomic, JSON takes numpy values."""
+"""harness.core.io: run directories are never reused, writes are atomic, JSON takes numpy values."""
 
 from __future__ import annotations
 
@@ -12,17 +12,47 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import report
-from harness.report import (
+from harness.core import io as report
+from harness.core.io import (
     dumps_json,
     markdown_table,
-    new_run_dir,
+    staged_run_dir,
     run_timestamp,
     write_json_atomic,
     write_text_atomic,
 )
 
 RUN_RE = re.compile(r"^\d{8}-\d{6}-parity(-\d+)?$")
+
+
+def new_run_dir(name, out):
+    """A run directory made the way every run makes one (staged, then renamed into place)."""
+    with staged_run_dir(name, out) as rd:
+        pass
+    return rd.final
+
+
+def test_staged_run_dir_appears_whole_or_not_at_all(tmp_path):
+    with staged_run_dir("parity", tmp_path) as rd:
+        (rd.path / "results.json").write_text("{}")
+        assert rd.path.name.startswith(".tmp-") and rd.final is None
+        assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]  # nothing visible yet
+    assert RUN_RE.match(rd.final.name) and (rd.final / "results.json").is_file() and not rd.path.exists()
+    with pytest.raises(RuntimeError):
+        with staged_run_dir("parity", tmp_path) as failed:
+            (failed.path / "results.json").write_text("{}")
+            raise RuntimeError("killed")
+    assert not failed.path.exists() and failed.final is None
+    assert [p.name for p in tmp_path.iterdir()] == [rd.final.name]
+
+
+def test_stale_temp_dir_of_a_dead_run_is_removed(tmp_path):
+    dead = tmp_path / ".tmp-20250101-000000-parity-pid999999-abc"
+    dead.mkdir()
+    alive = tmp_path / f".tmp-20250101-000000-parity-pid{os.getpid()}-abc"
+    alive.mkdir()
+    new_run_dir("parity", tmp_path)
+    assert not dead.exists() and alive.exists()
 
 
 # --------------------------------------------------------------------------- run directories

@@ -7,17 +7,17 @@ import json
 import time
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
+import torch
+import transformers
 
-gguf = pytest.importorskip("gguf")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from harness import synth
+from harness.core.cases import builtin_specs, load_prompts
+from reference.names import gguf_to_hf, hf_to_gguf
 
-from harness import synth  # noqa: E402
-from reference.names import gguf_to_hf, hf_to_gguf  # noqa: E402
-
-BUILTIN = {p.stem: p for p in synth.builtin_specs()}
+BUILTIN = {p.stem: p for p in builtin_specs()}
 REQUIRED = ("e2b", "e4b", "31b", "26b-a4b")
 
 MINIMAL_SPEC = '''\
@@ -94,21 +94,22 @@ def test_builtin_specs_present_and_valid():
 
 
 def test_required_specs_exercise_their_features():
-    s = {n: synth.load_spec(BUILTIN[n]).config for n in REQUIRED}
+    specs = {n: synth.load_spec(BUILTIN[n]) for n in REQUIRED}
+    s = {n: spec.config for n, spec in specs.items()}
+    layers = {n: synth.text_config(spec).layers for n, spec in specs.items()}
     for n in REQUIRED:
         assert s[n]["final_logit_softcapping"] == 30.0
-    e2b = synth.layer_plans(s["e2b"])
-    shared = [lp for lp in e2b if lp.kv_shared]
-    assert {lp.layer_type for lp in shared} == {"sliding_attention", "full_attention"}
+    shared = [L for L in layers["e2b"] if not L.has_kv]
+    assert {L.type_name for L in shared} == {"sliding_attention", "full_attention"}
     assert s["e2b"]["hidden_size_per_layer_input"] == 16 and s["e2b"]["use_double_wide_mlp"]
     assert s["e2b"]["tie_word_embeddings"] and s["e2b"]["num_key_value_heads"] == 1
     assert s["e4b"]["tie_word_embeddings"] is False and s["e4b"]["num_key_value_heads"] == 2
-    assert any(lp.kv_shared for lp in synth.layer_plans(s["e4b"]))
-    p31 = synth.layer_plans(s["31b"])
-    assert s["31b"]["hidden_size_per_layer_input"] == 0 and not any(lp.kv_shared for lp in p31)
-    assert [lp.n_kv_heads for lp in p31 if lp.layer_type == "full_attention"] == [1, 1]
-    assert {lp.n_kv_heads for lp in p31 if lp.layer_type == "sliding_attention"} == {2}
-    assert not any(lp.has_v_proj for lp in p31 if lp.layer_type == "full_attention")
+    assert any(not L.has_kv for L in layers["e4b"])
+    p31 = layers["31b"]
+    assert s["31b"]["hidden_size_per_layer_input"] == 0 and all(L.has_kv for L in p31)
+    assert [L.n_kv_head for L in p31 if not L.is_sliding] == [1, 1]
+    assert {L.n_kv_head for L in p31 if L.is_sliding} == {2}
+    assert not any(L.has_v_proj for L in p31 if not L.is_sliding)
     moe = s["26b-a4b"]
     assert moe["enable_moe_block"] and (moe["num_experts"], moe["top_k_experts"], moe["moe_intermediate_size"]) == (8, 2, 32)
 
@@ -235,7 +236,7 @@ def test_rope_freqs_encode_proportional_rope():
     # same rotated set as transformers' proportional inv_freq (non-zero entries)
     cfg = transformers.Gemma4TextConfig(**spec.config)
     rot = transformers.Gemma4ForCausalLM(cfg).model.rotary_emb
-    inv = getattr(rot, "full_attention_inv_freq")
+    inv = rot.full_attention_inv_freq
     assert int((inv != 0).sum()) == int((f == 1.0).sum())
 
 
@@ -417,7 +418,7 @@ def test_gguf_metadata_moe_and_keqv(built):
 
 @pytest.mark.parametrize("name", sorted(BUILTIN))
 def test_logits_reach_realistic_magnitudes(built, name):
-    prompts = [r["prompt_ids"] for r in synth.load_prompts()]
+    prompts = [r["prompt_ids"] for r in load_prompts()]
     s = synth.logit_stats(built[name].hf_dir, prompts)
     assert s["finite"] == 1.0
     assert 10.0 <= s["max_abs_logit"] <= 30.0, s
@@ -457,7 +458,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(synth, "write_gguf", boom)
+    monkeypatch.setattr(synth.cache, "write_gguf", boom)
     with pytest.raises(RuntimeError, match="interrupted"):
         synth.ensure_built(spec_path, cache_dir=root)
     assert list(root.iterdir()) == []
@@ -486,7 +487,7 @@ def test_lost_race_uses_winner(tmp_path, monkeypatch):
         (final / "winner").write_text("1")
         return real_build(spec, out_dir)  # ... while we are still building
 
-    monkeypatch.setattr(synth, "build_case", build_while_another_process_wins)
+    monkeypatch.setattr(synth.cache, "build_case", build_while_another_process_wins)
     case = synth.ensure_built(spec_path, cache_dir=root)
     assert case.root == final and (final / "winner").is_file()
     assert sorted(p.name for p in root.iterdir()) == [final.name]  # our copy was discarded
@@ -496,7 +497,7 @@ def test_lost_race_uses_winner(tmp_path, monkeypatch):
 
 
 def test_prompt_file_matches_generator():
-    recs = synth.load_prompts()
+    recs = load_prompts()
     assert recs == synth.make_prompts()
     lengths = [len(r["prompt_ids"]) for r in recs]
     assert lengths == [1, 5, 15, 16, 17, 32, 48, 83]
@@ -509,11 +510,13 @@ def test_prompt_file_matches_generator():
 
 
 def test_cli_builds_and_prints(tmp_path, capsys):
+    from harness.cli import main
+
     spec_path = _write(tmp_path, MINIMAL_SPEC, "tiny.toml")
-    rc = synth.main(["--out", str(tmp_path / "c"), str(spec_path)])
+    rc = main(["synth", "--cache", str(tmp_path / "c"), str(spec_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "tiny:" in out and "Q4_0:" in out
     bad = _write(tmp_path, MINIMAL_SPEC.replace("seed = 7\n", ""), "bad.toml")
-    rc = synth.main(["--out", str(tmp_path / "c"), str(bad)])
+    rc = main(["synth", "--cache", str(tmp_path / "c"), str(bad)])
     err = capsys.readouterr().err
     assert rc == 2 and "bad.toml: seed: missing" in err

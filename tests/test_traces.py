@@ -1,4 +1,4 @@
-"""Trace files (harness/traces.py, docs/trace-format.md): write/read, diff, llama.cpp dump import, bad input.
+"""Trace files (harness/traces/, docs/trace-format.md): write/read, diff, llama.cpp dump import, bad input.
 
 Engine traces come from the tiny 2-layer GGUF of conftest (reference engine,
 milliseconds); the CLI runs in a subprocess as a user would run it.
@@ -9,16 +9,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from harness import traces
+from harness.traces import compare as tc
+from harness.traces import format as tf
+from harness.traces import llama_dump as td
+from reference.errors import InputError
 from clitools import assert_one_line_error, run_cli
-from harness.traces import DivergenceRule, TraceWriter
+from harness.traces.compare import DivergenceRule
+from harness.traces.format import TraceWriter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [2, 5, 7, 11, 13, 17, 19, 23, 29, 30]  # 10 tokens: > 6 rows, so eval-callback text elides rows
@@ -37,7 +39,7 @@ def perturbed(w: TraceWriter, point: str, layer: int, factor: float, engine: str
     """A copy of ``w`` whose (point, layer) tensor is scaled by ``factor`` (a fault localised there)."""
     out = TraceWriter(engine, w.prompt_ids, case=w.case, dtype="float32", keep_tensors=True)
     for r in w.records:
-        t = w.tensors[traces.tensor_name(r["point"], r["layer"])]
+        t = w.tensors[tf.tensor_name(r["point"], r["layer"])]
         out(r["point"], r["layer"], t * factor if (r["point"], r["layer"]) == (point, layer) else t)
     return out
 
@@ -47,7 +49,7 @@ def perturbed(w: TraceWriter, point: str, layer: int, factor: float, engine: str
 
 def test_checksums_values():
     a = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.0
-    c = traces.checksums(a)
+    c = tf.checksums(a)
     assert c["sum"] == pytest.approx(float(a.sum()))
     assert c["mean"] == pytest.approx(float(a.mean()))
     assert c["l2"] == pytest.approx(float(np.linalg.norm(a)))
@@ -63,7 +65,7 @@ def test_write_read_roundtrip_with_dump(tiny_gguf, tmp_path):
     assert list(head)[:2] == ["format", "version"] and head["format"] == "g4h-trace" and head["version"] == 1
     assert head["prompt_ids"] == PROMPT and head["n_records"] == len(w.records)
     assert head["tensors"] == os.path.join("..", "dumps", "ref.safetensors")
-    tr = traces.read_trace(path)
+    tr = tf.read_trace(path)
     keys = [(r["point"], r["layer"]) for r in tr.records]
     assert keys[:2] == [("inp_scaled", -1), ("attn_out", 0)]
     assert ("result_output", -1) in keys
@@ -75,7 +77,7 @@ def test_write_read_roundtrip_with_dump(tiny_gguf, tmp_path):
     ex = tr.by_key()[("extra_point", 7)]["checksums"]["first"]
     assert math.isnan(ex[0]) and ex[1] == math.inf and ex[2] == -math.inf
     np.testing.assert_array_equal(tr.tensor("l_out", 1), w.tensors["l_out.1"])
-    res = traces.compare(tr, w.trace())
+    res = tc.compare(tr, w.trace())
     assert res.first is None and {r.basis for r in res.rows} == {"tensors"}
 
 
@@ -84,11 +86,11 @@ def test_diff_names_first_divergence_in_canonical_order(tiny_gguf):
     bad = perturbed(w, "attn_out", 1, 1.01)
     # also break the output: the first divergence in trace order is still attn_out@1
     bad.tensors["result_output.-1"] = bad.tensors["result_output.-1"] + 1.0
-    bad.records = [r if r["point"] != "result_output" else {**r, "checksums": traces.checksums(
+    bad.records = [r if r["point"] != "result_output" else {**r, "checksums": tf.checksums(
         bad.tensors["result_output.-1"])} for r in bad.records]
     bad.records.reverse()  # file order must not matter
     for use_tensors in (True, False):
-        res = traces.compare(bad.trace(), w.trace(), DivergenceRule(tol=1e-3), use_tensors=use_tensors)
+        res = tc.compare(bad.trace(), w.trace(), DivergenceRule(tol=1e-3), use_tensors=use_tensors)
         assert res.first is not None and res.first.where == "attn_out@1"
         assert res.first.basis == ("tensors" if use_tensors else "checksums")
         if use_tensors:
@@ -97,7 +99,7 @@ def test_diff_names_first_divergence_in_canonical_order(tiny_gguf):
         assert [g["layer"] for g in growth] == ["input", 0, 1, "output"]
         assert growth[1]["diverged"] == 0 and growth[2]["diverged"] == 1  # only attn_out@1 was altered
     # cosine rule: a pure scale keeps cosine 1; the rel-L2 rule sees it, the cosine rule alone does not
-    res = traces.compare(perturbed(w, "attn_out", 1, 1.01).trace(), w.trace(),
+    res = tc.compare(perturbed(w, "attn_out", 1, 1.01).trace(), w.trace(),
                          DivergenceRule(tol=None, min_cosine=0.99999))
     assert res.first is None
 
@@ -117,7 +119,7 @@ def test_checksum_bounds_are_lower_bounds():
         else:
             a = b.copy()
             a[rng.integers(0, shape[0]), rng.integers(0, shape[1])] += rng.standard_normal()
-        bounds = traces.checksum_error(traces.checksums(a), traces.checksums(b), a.size)
+        bounds = tc.checksum_error(tf.checksums(a), tf.checksums(b), a.size)
         L = max(np.linalg.norm(a), np.linalg.norm(b))
         M = max(np.abs(a).max(), np.abs(b).max())
         true_l2, true_max = np.linalg.norm(a - b) / L, np.abs(a - b).max() / M
@@ -131,15 +133,15 @@ def test_shape_mismatch_and_missing_points(tiny_gguf):
     w = reference_trace(tiny_gguf)
     other = TraceWriter("other", PROMPT, keep_tensors=True)
     for r in w.records:
-        t = w.tensors[traces.tensor_name(r["point"], r["layer"])]
+        t = w.tensors[tf.tensor_name(r["point"], r["layer"])]
         if r["point"] == "result_output":
             t = t[-1:]  # an engine that kept only the last position's logits
         if r["point"] != "result_norm":
             other(r["point"], r["layer"], t)
-    res = traces.compare(other.trace(), w.trace())
+    res = tc.compare(other.trace(), w.trace())
     assert res.first.where == "result_output@-1" and res.first.basis == "shape"
     assert res.only_b == ["result_norm@-1"]
-    res = traces.compare(other.trace(), w.trace(), skip=["result_output"])
+    res = tc.compare(other.trace(), w.trace(), skip=["result_output"])
     assert res.first is None and res.skipped == ["result_output@-1"]
 
 
@@ -147,17 +149,17 @@ def test_shape_mismatch_and_missing_points(tiny_gguf):
 
 
 def test_ne_layout_and_names():
-    assert traces.ne_to_shape([64, 48, 1, 1], "l_out", "x") == [48, 64]
-    assert traces.ne_to_shape([16, 10, 48, 1], "inp_per_layer", "x") == [48, 10, 16]
-    assert traces.ne_to_shape([512, 1, 1, 1], "result_output", "x") == [1, 512]
-    with pytest.raises(traces.InputError, match="more than 2 dimensions"):
-        traces.ne_to_shape([4, 5, 6, 1], "l_out", "x")
-    assert traces.parse_llama_name("l_out-12") == ("l_out", 12)
-    assert traces.parse_llama_name("result_output") == ("result_output", -1)
-    assert traces.parse_llama_name("inp_scaled") == ("inp_scaled", -1)
+    assert td.ne_to_shape([64, 48, 1, 1], "l_out", "x") == [48, 64]
+    assert td.ne_to_shape([16, 10, 48, 1], "inp_per_layer", "x") == [48, 10, 16]
+    assert td.ne_to_shape([512, 1, 1, 1], "result_output", "x") == [1, 512]
+    with pytest.raises(InputError, match="more than 2 dimensions"):
+        td.ne_to_shape([4, 5, 6, 1], "l_out", "x")
+    assert td.parse_llama_name("l_out-12") == ("l_out", 12)
+    assert td.parse_llama_name("result_output") == ("result_output", -1)
+    assert td.parse_llama_name("inp_scaled") == ("inp_scaled", -1)
     for other in ("Qcur-0", "attn_norm-3", "l_out", "result_output-2", "l_out-0 (reshaped)"):
-        assert traces.parse_llama_name(other) is None
-    assert traces.llama_name("attn_out", 3) == "attn_out-3" and traces.llama_name("result_norm", -1) == "result_norm"
+        assert td.parse_llama_name(other) is None
+    assert td.llama_name("attn_out", 3) == "attn_out-3" and td.llama_name("result_norm", -1) == "result_norm"
 
 
 def test_text_dump_three_d_layout_lines_up():
@@ -165,9 +167,9 @@ def test_text_dump_three_d_layout_lines_up():
     rng = np.random.default_rng(1)
     for shape in ([9, 3, 4], [2, 10, 5], [3, 2, 2]):
         arr = rng.standard_normal(shape)
-        text = traces.render_eval_callback_text([("inp_per_layer", -1, arr)])
+        text = td.render_eval_callback_text([("inp_per_layer", -1, arr)])
         assert f"= {{{shape[2]}, {shape[1]}, {shape[0]}, 1}}" in text.splitlines()[0]
-        recs, skipped = traces.parse_eval_callback_text(text, "mem")
+        recs, skipped = td.parse_eval_callback_text(text, "mem")
         assert skipped == 0 and recs[0]["shape"] == shape
         flat = arr.astype(np.float32).ravel()
         first = recs[0]["checksums"]["first"]
@@ -194,69 +196,69 @@ def test_text_dump_old_eval_callback_layout():
         ind + "  [      0.1000,       0.2000,       0.3000, ...,       0.6000,       0.7000,       0.8000],",
         ind + " ],", ind + "]", ind + "sum = 4.200000",
     ])
-    recs, skipped = traces.parse_eval_callback_text(text, "old.txt", sum_scope="printed")
+    recs, skipped = td.parse_eval_callback_text(text, "old.txt", sum_scope="printed")
     assert skipped == 1 and len(recs) == 1
     r = recs[0]
     assert (r["point"], r["layer"], r["shape"]) == ("l_out", 0, [2, 8])
     assert r["checksums"]["first"] == [1.0, 2.0, 3.0]
     assert r["checksums"]["sum"] is None  # printed-values sum of a truncated tensor is not the tensor's sum
-    recs, _ = traces.parse_eval_callback_text(text, "old.txt", sum_scope="all")
+    recs, _ = td.parse_eval_callback_text(text, "old.txt", sum_scope="all")
     assert recs[0]["checksums"]["sum"] == 0.0
 
 
 def test_text_dump_errors(tmp_path):
     arr = np.ones((2, 3))
-    text = traces.render_eval_callback_text([("l_out", 0, arr), ("l_out", 0, arr)])
-    with pytest.raises(traces.InputError, match="appears twice"):
-        traces.parse_eval_callback_text(text, "dup.txt")
-    broken = traces.render_eval_callback_text([("l_out", 0, arr)]).replace("1.0000,", "", 1)
-    with pytest.raises(traces.InputError, match="expected 6 printed values"):
-        traces.parse_eval_callback_text(broken, "broken.txt")
-    with pytest.raises(traces.InputError, match="no eval-callback tensor"):
-        traces.parse_eval_callback_text("just a log line\n", "empty.txt")
+    text = td.render_eval_callback_text([("l_out", 0, arr), ("l_out", 0, arr)])
+    with pytest.raises(InputError, match="appears twice"):
+        td.parse_eval_callback_text(text, "dup.txt")
+    broken = td.render_eval_callback_text([("l_out", 0, arr)]).replace("1.0000,", "", 1)
+    with pytest.raises(InputError, match="expected 6 printed values"):
+        td.parse_eval_callback_text(broken, "broken.txt")
+    with pytest.raises(InputError, match="no eval-callback tensor"):
+        td.parse_eval_callback_text("just a log line\n", "empty.txt")
 
 
 def test_import_text_dump_of_reference_lines_up_and_finds_a_fault(tiny_gguf, tmp_path):
     w = reference_trace(tiny_gguf)
     ref = w.trace()
-    items = [(r["point"], r["layer"], w.tensors[traces.tensor_name(r["point"], r["layer"])]) for r in w.records]
+    items = [(r["point"], r["layer"], w.tensors[tf.tensor_name(r["point"], r["layer"])]) for r in w.records]
     noise = [("Qcur", 0, np.ones((10, 4)))]  # a tensor that is not a trace point: skipped
-    (tmp_path / "good.txt").write_text("llama.cpp log line\n" + traces.render_eval_callback_text(noise + items))
-    imp = traces.import_llama_dump(tmp_path / "good.txt", PROMPT, case="tiny")
+    (tmp_path / "good.txt").write_text("llama.cpp log line\n" + td.render_eval_callback_text(noise + items))
+    imp = td.import_llama_dump(tmp_path / "good.txt", PROMPT, case="tiny")
     assert imp.header["skipped_tensors"] == 1 and imp.header["engine"] == "llama.cpp"
     assert [(r["point"], r["layer"]) for r in imp.records] == [(r["point"], r["layer"]) for r in w.records]
-    res = traces.compare(imp, ref, DivergenceRule(tol=1e-4), use_tensors=False)
-    assert res.first is None, traces.render_diff(res, imp, ref)
+    res = tc.compare(imp, ref, DivergenceRule(tol=1e-4), use_tensors=False)
+    assert res.first is None, tc.render_diff(res, imp, ref)
     # a 2 % fault at l_out@0 (token 0 included) is named from the text alone
     bad_items = [(p, l, t * 1.02 if (p, l) == ("l_out", 0) else t) for p, l, t in items]
-    (tmp_path / "bad.txt").write_text(traces.render_eval_callback_text(bad_items))
-    imp = traces.import_llama_dump(tmp_path / "bad.txt", PROMPT)
-    res = traces.compare(imp, ref, DivergenceRule(tol=1e-3), use_tensors=False)
+    (tmp_path / "bad.txt").write_text(td.render_eval_callback_text(bad_items))
+    imp = td.import_llama_dump(tmp_path / "bad.txt", PROMPT)
+    res = tc.compare(imp, ref, DivergenceRule(tol=1e-3), use_tensors=False)
     assert res.first is not None and res.first.where == "l_out@0"
     # written and read back as a trace file, it still lines up
-    out = traces.write_trace(tmp_path / "imp.jsonl", imp.header, imp.records)
-    back = traces.read_trace(out)
-    assert back.records[0]["abs_precision"] == traces.TEXT_ABS_PRECISION
-    assert traces.compare(back, ref, DivergenceRule(tol=1e-3)).first.where == "l_out@0"
+    out = tf.write_trace(tmp_path / "imp.jsonl", imp.header, imp.records)
+    back = tf.read_trace(out)
+    assert back.records[0]["abs_precision"] == td.TEXT_ABS_PRECISION
+    assert tc.compare(back, ref, DivergenceRule(tol=1e-3)).first.where == "l_out@0"
 
 
 def test_import_jsonl_dump_with_data_gives_full_comparison(tiny_gguf, tmp_path):
     w = reference_trace(tiny_gguf)
     lines = [json.dumps({"format": "llama.cpp-eval-jsonl", "version": 1, "prompt_ids": PROMPT})]
     for r in w.records:
-        t = w.tensors[traces.tensor_name(r["point"], r["layer"])].astype(np.float32)
+        t = w.tensors[tf.tensor_name(r["point"], r["layer"])].astype(np.float32)
         ne = list(reversed(t.shape)) + [1] * (4 - t.ndim)
         if r["point"] == "attn_out":  # stats only, as a callback could compute them
-            lines.append(json.dumps({"name": traces.llama_name(r["point"], r["layer"]), "type": "f32", "ne": ne,
+            lines.append(json.dumps({"name": td.llama_name(r["point"], r["layer"]), "type": "f32", "ne": ne,
                                      "sum": float(t.sum(dtype=np.float64)), "sumsq": float(np.sum(t.astype(np.float64) ** 2)),
                                      "absmax": float(np.abs(t).max()), "first": t.ravel()[:8].tolist()}))
         else:
-            lines.append(json.dumps({"name": traces.llama_name(r["point"], r["layer"]), "type": "f32", "ne": ne,
+            lines.append(json.dumps({"name": td.llama_name(r["point"], r["layer"]), "type": "f32", "ne": ne,
                                      "data": t.ravel().tolist()}))
     (tmp_path / "dump.jsonl").write_text("\n".join(lines) + "\n")
-    imp = traces.import_llama_dump(tmp_path / "dump.jsonl")  # prompt ids from the dump's header
+    imp = td.import_llama_dump(tmp_path / "dump.jsonl")  # prompt ids from the dump's header
     assert imp.prompt_ids == PROMPT and imp.tensors is not None and "attn_out.0" not in imp.tensors
-    res = traces.compare(imp, w.trace(), DivergenceRule(tol=1e-6))
+    res = tc.compare(imp, w.trace(), DivergenceRule(tol=1e-6))
     assert res.first is None
     by = {r.where: r for r in res.rows}
     assert by["l_out@1"].basis == "tensors" and by["l_out@1"].rel_l2 < 1e-6
@@ -291,8 +293,8 @@ def test_cli_trace_and_diff(tiny_gguf, prompt_file, tmp_path):
     assert "FIRST DIVERGENCE: attn_out@1" in proc.stdout
     assert json.loads((tmp_path / "d.json").read_text())["first_divergence"] == "attn_out@1"
     # import a llama.cpp text dump through the CLI and diff it
-    items = [(r["point"], r["layer"], w.tensors[traces.tensor_name(r["point"], r["layer"])]) for r in w.records]
-    (tmp_path / "llama.txt").write_text(traces.render_eval_callback_text(items))
+    items = [(r["point"], r["layer"], w.tensors[tf.tensor_name(r["point"], r["layer"])]) for r in w.records]
+    (tmp_path / "llama.txt").write_text(td.render_eval_callback_text(items))
     proc = run_cli("trace", "--llama-dump", str(tmp_path / "llama.txt"), "--prompt-ids", str(prompt_file),
                    "--out", str(tmp_path / "llama.jsonl"))
     assert proc.returncode == 0, proc.stderr

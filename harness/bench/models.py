@@ -1,0 +1,109 @@
+"""Where ``g4h bench`` finds its model, and which engines it times on it.
+
+``--model`` takes a GGUF file, an HF folder, or a case spec (``cases/bench/*.toml``,
+``cases/models/*.toml``: built and cached on first use, giving both a GGUF and an HF folder);
+``--shape`` a real-size config with random weights made on the device. Which engine reads which form:
+
+- ``fast``, ``reference``: either form, through :func:`reference.weights.load_model`;
+- ``transformers``: an HF folder (Gemma 4), or a Gemma 3 GGUF through transformers' GGUF loader;
+- ``llamacpp``: a GGUF (an optional extra: ``pip install 'gemma4-harness[llamacpp]'``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from fast import shapes
+from reference import load_model
+from reference.errors import InputError
+
+from .. import synth
+from ..core.cases import MODELS_DIR
+from ..engines.base import Benchable, EngineUnavailable
+from ..engines.fast import FastEngine
+from ..engines.llamacpp import LlamaCppBench
+from ..engines.reference import ReferenceEngine
+from ..engines.transformers import TransformersEngine
+from .run import ENGINE_NAMES, param_count
+
+
+class ModelSource:
+    """Where each engine finds the model named by ``--model`` or ``--shape``.
+
+    Attributes:
+        name: short model name for the report.
+        gguf: a GGUF file or None.
+        hf_dir: a Gemma 4 HF folder or None.
+        shape: a shape-only model name or None.
+        cfg, W: our config and weights (W is lazy; for a shape, random on the device).
+    """
+
+    def __init__(self, model: str | None, shape: str | None, device: str, layers: int | None = None):
+        self.gguf: Path | None = None
+        self.hf_dir: Path | None = None
+        self.shape = shape
+        if shape:
+            self.cfg = shapes.load_shape(shape, layers=layers)
+            self.W = shapes.RandomWeights(self.cfg)
+            self.name = f"{Path(shape).stem} (shape only)"
+            self.path = str(shape)
+            self.size_bytes = None
+            return
+        if model is None:
+            raise InputError("g4h bench: give --model PATH or --shape NAME")
+        p = Path(model)
+        if not p.exists() and (MODELS_DIR / f"{model}.toml").is_file():
+            p = MODELS_DIR / f"{model}.toml"  # a built-in case name
+        if not p.exists():
+            raise InputError(f"{p}: no such file or folder")
+        if p.suffix == ".toml":
+            built = synth.ensure_built(p)
+            qt = "F32" if "F32" in built.gguf else sorted(built.gguf)[0]
+            self.gguf, self.hf_dir = built.gguf[qt], built.hf_dir
+        elif p.is_dir():
+            self.hf_dir = p
+        else:
+            self.gguf = p
+        self.cfg, self.W = load_model(self.gguf or self.hf_dir)
+        self.name = p.stem
+        self.path = str(p)
+        self.size_bytes = (self.gguf.stat().st_size if self.gguf else
+                           sum(f.stat().st_size for f in self.hf_dir.glob("*.safetensors")))
+
+    def info(self) -> dict[str, Any]:
+        """Model facts for ``results.json``."""
+        return {"name": self.name, "path": self.path, "arch": self.cfg.arch, "params": param_count(self.cfg),
+                "size_bytes": self.size_bytes, "gguf": str(self.gguf) if self.gguf else None,
+                "hf_dir": str(self.hf_dir) if self.hf_dir else None, "n_layer": self.cfg.n_layer,
+                "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size}
+
+
+def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], device: str,
+                       threads: int | None) -> list[Benchable]:
+    """The engines of ``name`` to time (one per dtype where the engine takes a dtype).
+
+    Raises:
+        EngineUnavailable: not installed, or cannot read this model form (one line).
+    """
+    if src.shape and name != "fast":
+        raise EngineUnavailable(f"{name}: a shape-only model has no file; only the fast engine runs it")
+    if name == "fast":
+        return [FastEngine.from_model(src.cfg, src.W, device, dt) for dt in dtypes]
+    if name == "transformers":
+        if src.hf_dir is None and not (src.gguf is not None and src.cfg.arch == "gemma3"):
+            raise EngineUnavailable("transformers needs an HF folder for Gemma 4 (it cannot read a Gemma 4 GGUF); "
+                                    "pass a case spec (cases/bench/*.toml) or an HF folder")
+        eng = TransformersEngine(src.hf_dir or src.gguf, src.cfg)
+        if device != "cpu":
+            eng.model = eng.model.to(device)
+        return [eng.cast(dt) for dt in dtypes if dt != "float16"]
+    if name == "reference":
+        eng = ReferenceEngine.from_model(src.cfg, src.W)
+        eng.warm()
+        return [eng]
+    if name == "llamacpp":
+        if src.gguf is None:
+            raise EngineUnavailable("llamacpp needs a GGUF file")
+        return [LlamaCppBench(src.gguf, src.cfg, threads=threads)]
+    raise EngineUnavailable(f"unknown engine {name!r} (available: {', '.join(ENGINE_NAMES)})")

@@ -1,0 +1,100 @@
+"""``g4h``: the command line. One module per sub-command, behind a registry.
+
+:data:`COMMANDS` maps each sub-command to its module and a one-line summary (pip's
+``commands_dict``): ``g4h --help`` lists them without importing any, and ``g4h <command>`` imports
+only that command's module. A command module has ``add_arguments(parser)`` and
+``run(args) -> exit status``.
+
+Exit status of every command: 0 success (for ``parity``, every gate passed); 1 a gate failed or a
+check could not run (``parity``), texts differ (``tokcheck``), a trace diverges (``diff``); 2 bad
+input (one line on stderr, ``g4h: error: ...``, naming the file, key, tensor or token id and what
+was expected), an engine whose worker process crashed, or memory exhausted; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from typing import NamedTuple
+
+from reference.errors import InputError
+
+from ..core.workers import EngineCrashed
+
+
+class Command(NamedTuple):
+    """One sub-command: its module (``add_arguments``, ``run``) and its summary."""
+
+    module: str
+    summary: str
+
+
+COMMANDS: dict[str, Command] = {
+    "logits": Command("harness.cli.logits", "logits of every position of a prompt, [T, vocab], to .npy"),
+    "generate": Command("harness.cli.generate", "greedy continuations of a JSONL prompt set"),
+    "trace": Command("harness.cli.trace", "checksum trace of one prompt (JSONL), optionally with a tensor dump"),
+    "diff": Command("harness.cli.diff", "compare two traces and name the first diverging point"),
+    "parity": Command("harness.cli.parity", "compare engines on the case library and apply the gates"),
+    "selftest": Command("harness.cli.selftest", "inject known faults into a copy of the fast path; check they are caught"),
+    "bench": Command("harness.cli.bench", "throughput (pp/tg tokens/s, batch and depth sweep, roofline share)"),
+    "compare": Command("harness.cli.compare", "compare logits (.npy) or greedy outputs (.jsonl) an engine wrote"),
+    "tokenize": Command("harness.cli.tokenize", "token ids of each line of a text file, to JSONL"),
+    "tokcheck": Command("harness.cli.tokcheck", "texts whose token ids differ between two tokenizer engines"),
+    "synth": Command("harness.cli.synth", "build synthetic cases (HF safetensors + GGUFs) and print their paths"),
+    "device-check": Command("harness.cli.device_check", "the fast path on CUDA against the reference, to JSON"),
+    "inspect": Command("harness.cli.inspect", "what a GGUF file or HF folder holds, its problems, and which engines "
+                       "can run it"),
+}
+"""Sub-command name -> :class:`Command`."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``g4h``: every sub-command listed; only ``command``'s module imported for its options."""
+    p = argparse.ArgumentParser(prog="g4h", description="Gemma 4 correctness and performance harness")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        sp = sub.add_parser(name, help=cmd.summary, description=cmd.summary)
+        if name == command:
+            module = importlib.import_module(cmd.module)
+            module.add_arguments(sp)
+            sp.set_defaults(func=module.run)
+    return p
+
+
+def _quiet_libraries() -> None:
+    """Silence transformers' per-load progress bars and advisory logs (our own progress lines remain)."""
+    if "transformers" in sys.modules or importlib.util.find_spec("transformers") is not None:
+        import transformers  # optional heavy dependency: only configured, never needed here
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.logging.set_verbosity_error()
+
+
+def _error(msg: str) -> int:
+    print(f"g4h: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``g4h``; returns the exit status (also when called from Python)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    try:
+        _quiet_libraries()
+        return args.func(args)
+    except InputError as e:
+        return _error(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except EngineCrashed as e:  # an engine's worker process died: one line, like bad input
+        return _error(str(e).splitlines()[0] if str(e) else "engine crashed")
+    except MemoryError:
+        return _error("out of memory (try --weights packed, a smaller --ref-cache-gb, --layers N, or bfloat16)")
+    except KeyboardInterrupt:
+        print("g4h: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

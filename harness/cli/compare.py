@@ -1,0 +1,84 @@
+"""``g4h compare``: compare logits (``.npy``) or greedy continuations (``.jsonl``) an engine already wrote.
+
+::
+
+    g4h compare OURS.npy ORACLE.npy [--precision fp32|bf16]
+    g4h compare OURS.jsonl ORACLE.jsonl [--top-n 5]
+    g4h compare OURS.npy --against reference --model M --prompt-ids P.json
+    g4h compare OURS.jsonl --against reference --model M --prompts P.jsonl
+
+Exit 0 when every gate passes, 1 when one fails, 2 on bad input (:mod:`harness.parity.compare`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from reference.errors import InputError
+
+from ..core.cases import load_prompts, read_prompt_ids
+from ..core.io import write_json_atomic
+from ..engines import make_engine
+from ..parity.compare import PRECISIONS, generation_figures, judge, load_generations, load_logits, logit_figures
+from ..parity.report import short_table
+from ._args import add_model_args, engine_options, resolve_model
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``g4h compare``."""
+    p.add_argument("ours", help="the engine's output: logits .npy [T, V], or generate .jsonl")
+    p.add_argument("oracle", nargs="?", default=None, help="the oracle's output of the same kind (or use --against)")
+    p.add_argument("--against", default=None, help="compute the oracle side with this engine (needs --model)")
+    add_model_args(p, model_required=False)
+    p.add_argument("--prompt-ids", default=None, help="with --against and logits: the prompt's JSON list of ids")
+    p.add_argument("--prompts", default=None, help="with --against and generations: the prompt set (JSONL)")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
+                   help="which gates judge the engine: fp32 (engine~oracle) or bf16 (engine_bf16~oracle)")
+    p.add_argument("--top-n", type=int, default=5, help="vLLM's rule: each side's token in the other's top-N")
+    p.add_argument("--json", default=None, help="also write the result as JSON here")
+
+
+def _oracle_side(args: argparse.Namespace, kind: str, n_new: int | None):
+    if args.oracle is not None:
+        return load_logits(args.oracle) if kind == "logits" else load_generations(args.oracle)
+    if not args.against or not args.model:
+        raise InputError("g4h compare: give the oracle's file, or --against ENGINE with --model")
+    engine = make_engine(args.against, resolve_model(args.model, args.against), **engine_options(args))
+    if kind == "logits":
+        if not args.prompt_ids:
+            raise InputError("g4h compare: --against on logits needs --prompt-ids")
+        return engine.logits(read_prompt_ids(args.prompt_ids))
+    if not args.prompts:
+        raise InputError("g4h compare: --against on generations needs --prompts")
+    prompts = load_prompts(Path(args.prompts))
+    gens = engine.generate_full([p["prompt_ids"] for p in prompts], n_new)
+    return {str(p["id"]): {"tokens": g.tokens, "top": [[i for i, _ in s] for s in g.top5],
+                           "logprobs": [dict(s) for s in g.top5]} for p, g in zip(prompts, gens)}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compare and print the verdict; exit 0 / 1 (2 on bad input, from the caller)."""
+    if args.top_n < 1:
+        raise InputError(f"--top-n {args.top_n}: expected >= 1")
+    kind = "logits" if Path(args.ours).suffix == ".npy" else "generations"
+    pair = PRECISIONS[args.precision]
+    if kind == "logits":
+        ours = load_logits(args.ours)
+        figures = logit_figures(ours, _oracle_side(args, kind, None), pair)
+    else:
+        ours = load_generations(args.ours)
+        n_new = max(len(v["tokens"]) for v in ours.values())
+        figures = generation_figures(ours, _oracle_side(args, kind, n_new), pair, args.top_n)
+    res = judge(figures, Path(args.ours).name, str(args.oracle or f"{args.against}:{args.model}"))
+    status = 0 if res.passed else 1
+    data = {"kind": "compare", "status": status, "cases": [res.__dict__]}
+    print(short_table(data))
+    if args.json:
+        write_json_atomic(args.json, data)
+    fault = next((c.get("first_fault") for c in res.checks if c.get("first_fault")), None)
+    print(("PASS: every gate passed" if status == 0 else "FAIL: " + ", ".join(
+        c["gate"] for c in res.checks if not c["pass"] and not c.get("informational"))
+        + (f"; first fault: {fault}" if fault else "")) + f" ({kind}, {args.precision})", file=sys.stdout)
+    return status

@@ -1,0 +1,34 @@
+"""``g4h logits``: the logits of every position of one prompt, ``[T, vocab]``, to a ``.npy`` file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from ..core.cases import read_prompt_ids
+from ..core.io import save_npy_atomic
+from ..engines import make_engine
+from ._args import add_model_args, check_out_file, engine_options, resolve_model
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``g4h logits``."""
+    add_model_args(p)
+    p.add_argument("--prompt-ids", required=True, help="JSON list of token ids")
+    p.add_argument("--out", required=True, help="output .npy")
+    p.add_argument("--out-dtype", dest="dtype", choices=["float32", "float64"], default=None,
+                   help="dtype of the .npy (default float64 for the reference, else float32)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the logits; exit 0 (2 on bad input, from the caller)."""
+    check_out_file(args.out)
+    ids = read_prompt_ids(args.prompt_ids)
+    engine = make_engine(args.engine, resolve_model(args.model, args.engine), **engine_options(args))
+    logits = engine.logits(ids)
+    dtype = args.dtype or ("float64" if args.engine == "reference" else "float32")
+    save_npy_atomic(args.out, np.asarray(logits, dtype=dtype))
+    print(f"{args.out}: logits {list(logits.shape)} {dtype}", file=sys.stderr)
+    return 0

@@ -1,0 +1,71 @@
+"""``g4h parity``: compare engines on the case library and apply the gates (:mod:`harness.parity`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..core.io import write_text_atomic
+from ..engines import split_engines
+from ..parity import run as run_parity
+from ..parity.report import junit_xml, short_table
+from ._args import check_out_dir, check_out_file
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``g4h parity``."""
+    p.add_argument("--model", action="append", default=None,
+                   help="a user model (.gguf or HF folder); repeatable. Default: the built-in cases")
+    p.add_argument("--against", action="append", default=None, metavar="ENGINE[,ENGINE...]",
+                   help="engines the reference is compared with on --model (repeatable, or a comma list): reference, "
+                        "fast, transformers, llamacpp, cmd:'COMMAND ...' (docs/engine-protocol.md). Default: every "
+                        "engine that can read the model (a GGUF: fast, llamacpp; an HF folder: fast, transformers)")
+    p.add_argument("--out", default=None, help="parent folder of the run directory (default reports/)")
+    p.add_argument("--case", action="append", default=None, help="only this built-in case (repeatable)")
+    p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
+    p.add_argument("--skip", action="append", default=[], metavar="CHECK",
+                   help="opt a check out (repeatable): llamacpp, gemma3-real, tokenizer, speculative (the drafter "
+                        "and speculative-decoding checks), or a tokenizer check's name. A check that cannot run here "
+                        "and was not opted out fails the run")
+    p.add_argument("--slow", action="store_true",
+                   help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--baseline", default=None,
+                   help="earlier results.json (or --write-baseline file): exit 1 on a regression against it")
+    p.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this file")
+    p.add_argument("--junit-xml", default=None, metavar="FILE",
+                   help="also write the results as JUnit XML (one test case per check), for a CI system")
+    p.add_argument("--regression-factor", type=float, default=10.0,
+                   help="a figure this many times worse than the baseline is a regression (default 10)")
+
+
+def _print_baseline(data: dict, written: str | None) -> None:
+    """Terminal lines for ``--baseline`` (regressions, one per line) and ``--write-baseline``."""
+    b = data.get("baseline")
+    if b:
+        regs = b["regressions"]
+        print(f"\nbaseline {b['file']}: {b['compared']} checks compared, {len(regs)} regression(s)")
+        for r in regs:
+            extra = f" ({r['ratio']:.3g}x worse)" if "ratio" in r else ""
+            print(f"  REGRESSION {r['case']} {r['gate']} {r.get('prompt') or ''}: {r['rule']}{extra}: "
+                  f"baseline {r.get('baseline')} -> now {r.get('now')}")
+    if written:
+        print(f"baseline written: {written}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job, print the verdict table; return the exit status."""
+    check_out_dir(args.out)
+    if args.junit_xml:
+        check_out_file(args.junit_xml)
+    against = [n for text in args.against for n in split_engines(text)] if args.against else None
+    data, status = run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
+                              case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
+                              write_baseline=args.write_baseline, regression_factor=args.regression_factor,
+                              skip=tuple(args.skip), slow=args.slow)
+    print(short_table(data))
+    if args.junit_xml:
+        write_text_atomic(args.junit_xml, junit_xml(data))
+    _print_baseline(data, args.write_baseline)
+    print(f"\nreport: {data['run_dir']}/report.md")
+    print(f"{data['verdict']} (exit {status})")
+    return status

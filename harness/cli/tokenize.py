@@ -1,0 +1,53 @@
+"""``g4h tokenize``: token ids of each line of a text file, to JSONL, by any tokenizer engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from reference.errors import InputError
+
+from ..core.io import write_text_atomic
+from ..tokenizer.corpus import unescape
+from ..tokenizer.engines import ENGINE_NAMES, make_tok_engine, special_mode
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``g4h tokenize``."""
+    p.add_argument("--tokenizer", required=True, help=".gguf, tokenizer.json or tokenizer.model")
+    p.add_argument("--engine", default="ours", help=" | ".join(ENGINE_NAMES))
+    p.add_argument("--text-file", required=True, help="UTF-8 text, one text per line")
+    p.add_argument("--out", required=True, help='output JSONL: {"text", "ids"} per line')
+    p.add_argument("--escapes", action="store_true", help="decode \\n \\t \\uXXXX ... in the lines (corpus format)")
+    p.add_argument("--no-bos", action="store_true", help="no BOS in front")
+    p.add_argument("--special", choices=["auto", "parse", "text"], default="auto",
+                   help="special-token markers in text: parse them, keep them as text, or auto (engine default)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``g4h tokenize``: each line of ``--text-file`` -> ``{"text": ..., "ids": [...]}`` in ``--out`` (JSONL).
+
+    Lines are split at LF only; ``--escapes`` decodes the corpus escapes
+    (``cases/tokenizer/README.md``). Exit 0, or 2 on bad input.
+    """
+    try:
+        raw = Path(args.text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{args.text_file}: cannot read text file ({getattr(e, 'strerror', None) or e})") from None
+    lines = raw.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if args.escapes:
+        lines = [unescape(x) for x in lines]
+    engine = make_tok_engine(args.engine, args.tokenizer, add_bos=not args.no_bos,
+                             parse_special=special_mode(args.special, args.engine))
+    out = [json.dumps({"text": t, "ids": ids}, ensure_ascii=False)
+           for t, ids in zip(lines, engine.encode_many(lines))]
+    try:
+        write_text_atomic(args.out, "\n".join(out) + ("\n" if out else ""))
+    except OSError as e:
+        raise InputError(f"{args.out}: cannot write output ({e.strerror or e})") from None
+    print(f"{args.out}: {len(out)} texts tokenized by {engine.describe()}", file=sys.stderr)
+    return 0

@@ -1,0 +1,90 @@
+"""``g4h trace``: a checksum trace of one prompt (JSONL), optionally with a tensor dump; or a llama.cpp
+eval-callback dump converted into one (format: ``docs/trace-format.md``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from reference.errors import InputError
+
+from ..core.cases import read_prompt_ids
+from ..engines import make_engine
+from ..traces.format import TraceWriter, load_dump, read_trace, write_trace
+from ..traces.llama_dump import import_llama_dump
+from ._args import add_model_args, check_out_file, resolve_model
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``g4h trace``."""
+    add_model_args(p, model_required=False)
+    p.add_argument("--prompt-ids", required=True, help="JSON list of token ids")
+    p.add_argument("--out", required=True, help="output trace .jsonl")
+    p.add_argument("--dump-tensors", default=None, metavar="DIR",
+                   help="also write every traced tensor to DIR/<trace name>.safetensors (names point.layer)")
+    p.add_argument("--case", default=None, help="case name for the trace header (default: from the model path)")
+    p.add_argument("--llama-dump", default=None, metavar="FILE",
+                   help="convert a llama.cpp eval-callback dump (text or JSONL) instead of running an engine")
+    p.add_argument("--sum-scope", choices=["all", "printed"], default="all",
+                   help="eval-callback text: its sum covers all elements (current llama.cpp) or only the printed "
+                        "ones (eval-callback.cpp before common/debug.cpp)")
+
+
+def _case_name(model: str) -> str:
+    p = Path(model)
+    return p.parent.name if p.name == "hf" else p.stem if p.suffix == ".gguf" else p.name
+
+
+def trace_command(model: str | None, engine: str, prompt_ids_file: str, out: str, dump_dir: str | None = None,
+                  device: str | None = None, dtype: str | None = None, case: str | None = None,
+                  llama_dump: str | None = None, sum_scope: str = "all", weights: str | None = None) -> Path:
+    """``g4h trace``: run ``engine`` on the prompt with a :class:`TraceWriter` and write the trace; or, with
+    ``llama_dump``, convert that dump (:func:`import_llama_dump`) instead of running an engine.
+
+    Returns:
+        the trace path.
+
+    Raises:
+        InputError: bad model, engine, prompt file or dump; an output that cannot be written.
+    """
+    check_out_file(out)
+    ids = read_prompt_ids(prompt_ids_file)
+    if llama_dump is not None:
+        tr = import_llama_dump(llama_dump, ids, case=case, model=model, sum_scope=sum_scope)
+        if dump_dir is not None and not tr.tensors:
+            raise InputError(f"{llama_dump}: --dump-tensors needs full tensor data (a JSONL dump with \"data\")")
+        return write_trace(out, tr.header, tr.records, tr.tensors if dump_dir else None, dump_dir)
+    if model is None:
+        raise InputError("g4h trace: --model is required (or --llama-dump to import a llama.cpp dump)")
+    eng = make_engine(engine, resolve_model(model, engine), device=device, dtype=dtype, weights=weights)
+    if hasattr(eng, "trace_file"):  # an engine that writes its own trace file (cmd:, docs/engine-protocol.md)
+        with tempfile.TemporaryDirectory(prefix="g4h-trace-") as tmp:
+            dump = Path(tmp) / "tensors" if dump_dir else None
+            tr = read_trace(eng.trace_file(ids, Path(tmp) / "trace.jsonl", dump))
+            eng.close()
+            if tr.prompt_ids != ids:
+                raise InputError(f"{eng.name}: its trace holds another prompt ({len(tr.prompt_ids)} ids, "
+                                 f"expected {len(ids)})")
+            tensors = load_dump(tr) if dump_dir is not None and tr.header.get("tensors") else None
+            if dump_dir is not None and tensors is None:
+                raise InputError(f"{eng.name}: --dump-tensors: the engine wrote no tensors with its trace")
+            return write_trace(out, tr.header, tr.records, tensors, dump_dir if tensors is not None else None)
+    act_dtype = "float64" if engine == "reference" else "float32"
+    dev = getattr(getattr(eng, "model", None), "device", None)
+    writer = TraceWriter(getattr(eng, "name", engine), ids, case=case or _case_name(model), model=str(model),
+                         dtype=act_dtype, device=None if dev is None else str(dev),
+                         keep_tensors=dump_dir is not None,
+                         extra={"weights_dtype": dtype} if dtype else None)
+    eng.logits(ids, trace=writer)
+    return writer.write(out, dump_dir)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the trace; exit 0 (2 on bad input, from the caller)."""
+    path = trace_command(args.model, args.engine, args.prompt_ids, args.out, dump_dir=args.dump_tensors,
+                         device=args.device, dtype=args.dtype_engine, case=args.case, llama_dump=args.llama_dump,
+                         sum_scope=args.sum_scope, weights=args.weights)
+    print(f"{path}: trace written", file=sys.stderr)
+    return 0

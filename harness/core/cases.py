@@ -1,0 +1,142 @@
+"""The case library (``cases/``): built-in model specs, prompt sets, and the prompt-file readers.
+
+``cases/`` is data, not code:
+
+* ``cases/models/*.toml``: tiny synthetic model specs (:func:`builtin_specs`; built by :mod:`harness.synth`), and
+  beside some a drafter spec ``<name>-assistant.toml`` (:func:`builtin_drafter_specs`);
+* ``cases/prompts/*.jsonl``: prompt sets, one ``{"id", "prompt_ids", "note"}`` object a line
+  (:func:`load_prompts`, the one prompt-set reader);
+* ``cases/shapes/*.toml``: real-size text configs with their sources (shape-only models);
+* ``cases/bench/*.toml``: benchmark model specs;
+* ``cases/tokenizer/``: tokenizer corpora and the Gemma 4 chat template;
+* ``cases/data/``: real data the project carries (the Gemma 3 tokenizer model, with its terms).
+
+A *case name* is the stem of a built-in spec (``e2b`` for ``cases/models/e2b.toml``);
+:func:`resolve_spec` turns a name or a path into the spec file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from reference.errors import InputError, PromptError
+
+from .paths import CASES_DIR
+
+MODELS_DIR = CASES_DIR / "models"
+"""Built-in synthetic model specs."""
+
+PROMPTS = CASES_DIR / "prompts" / "synthetic.jsonl"
+"""The default prompt set (lengths around and at multiples of the sliding window 16)."""
+
+
+DRAFTER_SUFFIX = "-assistant"
+"""A spec named ``<target>-assistant.toml`` is the MTP drafter of ``<target>.toml`` (:mod:`harness.synth.drafter`),
+not a case of its own."""
+
+
+def builtin_specs() -> list[Path]:
+    """The target spec files shipped in ``cases/models/``, sorted by path (absolute paths; may be empty);
+    drafter specs (``*-assistant.toml``) are not cases of their own (:func:`builtin_drafter_specs`)."""
+    return sorted(p for p in MODELS_DIR.glob("*.toml") if not p.stem.endswith(DRAFTER_SUFFIX))
+
+
+def builtin_drafter_specs() -> list[Path]:
+    """The drafter specs shipped in ``cases/models/`` (``<target>-assistant.toml``), sorted by path."""
+    return sorted(p for p in MODELS_DIR.glob("*.toml") if p.stem.endswith(DRAFTER_SUFFIX))
+
+
+def drafter_spec_for(spec_path: str | os.PathLike) -> Path | None:
+    """The drafter spec beside a target spec (``<stem>-assistant.toml``), or None when it has none."""
+    p = Path(spec_path)
+    cand = p.with_name(f"{p.stem}{DRAFTER_SUFFIX}.toml")
+    return cand if cand.is_file() else None
+
+
+def builtin_names() -> list[str]:
+    """Names of the built-in cases (spec stems), sorted."""
+    return [p.stem for p in builtin_specs()]
+
+
+def resolve_spec(name_or_path: str | os.PathLike) -> Path:
+    """A built-in case name (``e2b``) or a ``.toml`` path -> the spec file.
+
+    Raises:
+        InputError: neither a built-in name nor an existing ``.toml`` file (the built-in names are listed).
+    """
+    p = Path(name_or_path)
+    if p.suffix == ".toml":
+        if not p.is_file():
+            raise InputError(f"{p}: no such spec file")
+        return p
+    cand = MODELS_DIR / f"{name_or_path}.toml"
+    if cand.is_file():
+        return cand
+    raise InputError(f"unknown case {str(name_or_path)!r}: expected one of {', '.join(builtin_names())} "
+                     "or a .toml spec file")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise PromptError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def load_prompts(path: str | os.PathLike = PROMPTS) -> list[dict[str, Any]]:
+    """Read a prompt set: JSONL lines ``{"id": ..., "prompt_ids": [int, ...], "note": ...}``.
+
+    ``id`` defaults to the line number; blank lines are skipped.
+
+    Returns:
+        ``[{"id", "prompt_ids", "note"}, ...]`` in file order.
+
+    Raises:
+        PromptError: unreadable or non-UTF-8 file, a line that is not such an object, an id that is not
+            a list of integers, a duplicate id, or no prompt (the file and line are named).
+    """
+    path = Path(path)
+    out, seen = [], set()
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise PromptError(f"{path}:{n}: not valid JSON") from None
+        ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
+        if not isinstance(ids, list) or not ids or not all(_is_id(i) for i in ids):
+            raise PromptError(f"{path}:{n}: expected {{\"id\": ..., \"prompt_ids\": [int, ...]}}")
+        pid = obj.get("id", n)
+        if pid in seen:
+            raise PromptError(f"{path}:{n}: duplicate id {pid!r}")
+        seen.add(pid)
+        out.append({"id": pid, "prompt_ids": ids, "note": obj.get("note", "")})
+    if not out:
+        raise PromptError(f"{path}: no prompts")
+    return out
+
+
+def read_prompt_ids(path: str | os.PathLike) -> list[int]:
+    """Read ``FILE.json``: a non-empty JSON list of integer token ids (their range is checked by the engine, against its vocabulary).
+
+    Raises:
+        PromptError: unreadable, not UTF-8, not JSON, or not such a list (the file is named).
+    """
+    path = Path(path)
+    try:
+        ids = json.loads(_read_text(path))
+    except json.JSONDecodeError:
+        raise PromptError(f"{path}: not valid JSON (expected a JSON list of token ids)") from None
+    if not isinstance(ids, list) or not ids or not all(_is_id(i) for i in ids):
+        raise PromptError(f"{path}: expected a non-empty JSON list of integer token ids")
+    return ids

@@ -1,0 +1,396 @@
+"""The gate table: every tolerance the harness applies, in one place, each with its reason.
+
+A gate compares one measured figure with a limit. Gates are keyed by the pair
+they judge; a case may override a limit in its TOML ``[gates]`` table, and must
+give a reason there (see :func:`resolve`).
+
+Source of the defaults: ``docs/design.md`` ("Gates") and the issue that introduced
+each pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from reference.errors import InputError
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One limit on one metric.
+
+    Attributes:
+        name: ``<pair>.<metric>``, e.g. ``reference~transformers.max_abs_logit``.
+        limit: the bound.
+        op: ``le`` (measured <= limit passes) or ``ge`` (measured >= limit).
+        reason: why this bound, in one sentence.
+        informational: measured and reported but not gating (a case's override, with its reason).
+    """
+
+    name: str
+    limit: float
+    op: str
+    reason: str
+    informational: bool = False
+
+    def check(self, measured: float) -> bool:
+        """True when ``measured`` is within the gate. NaN never passes."""
+        if measured != measured:  # NaN
+            return False
+        return measured <= self.limit if self.op == "le" else measured >= self.limit
+
+
+DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
+    Gate("reference~transformers.max_abs_logit", 1e-4, "le",
+         "float64 reference vs fp32 eager: fp32 rounding over a tiny model's depth stays ~1e-5; a formula "
+         "fault moves logits by > 1e-2"),
+    Gate("reference~transformers.runs", 1.0, "ge",
+         "the transformers oracle must load the model and run; an oracle that cannot run fails the case"),
+    Gate("reference~transformers.layer_rel_l2", 1e-4, "le",
+         "per trace point ||ref - hf|| / ||hf||; fp32 rounding gives ~1e-6, so 1e-4 leaves room without hiding "
+         "a per-layer fault"),
+    Gate("reference.cached~uncached.max_abs_logit", 1e-10, "le",
+         "same float64 arithmetic in a different order (prefill + one-token decode vs one forward): only "
+         "summation-order rounding, ~1e-14"),
+    Gate("reference.gguf_f32~safetensors.max_abs_logit", 0.0, "le",
+         "the same float32 weights through two loaders must give bit-identical float64 logits"),
+    Gate("reference.gguf_quant~gguf_quants.max_abs_weight", 0.0, "le",
+         "our loader must dequantize exactly as gguf.quants.dequantize does"),
+    Gate("fast~reference.max_abs_logit", 1e-3, "le",
+         "torch fp32 vs float64: fp32 rounding (~1e-5 here) with 100x room for kernels that sum in another order"),
+    Gate("fast~reference.layer_cosine", 0.99999, "ge",
+         "per trace point cosine of fp32 vs float64; a formula fault drops it below 0.999"),
+    Gate("fast_bf16~reference.mean_kld", 1e-3, "le",
+         "bf16 weights and activations: llama-perplexity mean KLD of ~1e-4 is typical for 16-bit formats"),
+    Gate("fast_bf16~reference.same_top1", 0.99, "ge",
+         "bf16 may flip near-ties only; the synthetic cases keep median top-1 margins near 1"),
+    Gate("fast.batched~solo.same_tokens", 1.0, "ge",
+         "continuous batching must not change any greedy token (fp32)"),
+    Gate("fast.batched~solo.max_abs_logit", 1e-4, "le",
+         "same fp32 math, different matrix shapes: only summation-order rounding"),
+    Gate("fast.neighbour_isolation.max_abs_logit", 0.0, "le",
+         "same shapes, different neighbours: a row's arithmetic must not depend on other rows (bit-identical)"),
+    Gate("fast.chunked~oneshot.max_abs_logit", 1e-4, "le",
+         "chunked prefill (chunks <, =, > window) and token-by-token decode vs one forward, fp32"),
+    Gate("reference~transformers.mm_soft_token_max_abs", 1e-4, "le",
+         "projected soft tokens (embed_vision / embed_audio outputs, magnitudes ~3-4) of the float64 encoders vs "
+         "transformers' fp32 eager: rounding through the layers, the pooler and the projection measured "
+         "3e-6..1.9e-5 (images, 1-30 s clips); a formula fault moves them by > 1"),
+    Gate("reference~transformers.mm_encoder_layer_rel_l2", 1e-4, "le",
+         "||ref - hf|| / ||hf|| at every vision / audio encoder trace point, fp32 eager: measured 1e-7..5e-6; "
+         "a seeded fault moves the worst point past 1e-2"),
+    Gate("reference~transformers.mm_merged_max_abs_logit", 1e-4, "le",
+         "the merge alone: transformers' own soft tokens injected into our decoder (placeholders, the PLE pad "
+         "row, the bidirectional mask) against transformers' logits, held to the text gate (1.5e-5 measured); "
+         "merge and mask faults move logits by 3.7 (window + 1) to 16 (soft tokens scaled by sqrt(h))"),
+    Gate("reference~transformers.mm_max_abs_logit", 1e-4, "le",
+         "end to end through transformers' fp32 vision and audio towers, reported beside the gated parts: their "
+         "soft-token rounding (up to 1.5e-5 absolute, inside mm_soft_token_max_abs) reaches the logits amplified "
+         "5-10x, 7e-5..1.2e-4 measured on the tiny multimodal model; the encoders and the merge are gated "
+         "separately, so this figure only informs", informational=True),
+    Gate("reference~hf_processor.max_abs_pixel", 2.0**-25, "le",
+         "our float64 pixels rounded once to float32 vs Gemma4ImageProcessorPil's float32: both take uint8 * "
+         "(1/255) in float64 of the same PIL-resized image, so at most half a float32 ulp at 1.0"),
+    Gate("reference~hf_processor.max_abs_mel", 1e-5, "le",
+         "log-mel features vs Gemma4AudioFeatureExtractor, which frames, windows and transforms in float32: "
+         "1e-6 (1 s) to 5e-6 (30 s) measured on noise clips, 1.6e-5 on noise + tone; a pure tone sits at 3e-4 "
+         "in near-empty bins (HF's own float32 noise, shown by emulating its float32 steps)"),
+    Gate("mm.bidirectional.full_layer_change", 0.0, "le",
+         "relative change of the first image token's output on a full layer when only the last soft token "
+         "changes: a full layer is causal, the masked weight is exactly 0, so the output is bit-identical"),
+    Gate("mm.bidirectional.sliding_layer_change", 1e-3, "ge",
+         "the same change on the first sliding layer, the last soft token 7.5 windows later: 2.2e-2 measured on "
+         "the tiny multimodal model; an engine that ignores the vision mask (vLLM #40106) or drops it for an "
+         "image longer than the window (vLLM PR #47217) gives exactly 0"),
+    Gate("llamacpp~reference.mean_kld", 1e-5, "le",
+         "llama.cpp on CPU (F32 weights and KV cache, flash attention off) vs the float64 reference with "
+         "llama.cpp's fp16 GELU table emulated (harness.engines.llamacpp.numerics.llamacpp_numerics): fp32 rounding leaves "
+         "KLD 1e-8..5e-7; a formula or layout fault gives > 1e-3. Figures vs the exact GELU are reported beside"),
+    Gate("llamacpp~reference.same_top1", 1.0, "ge",
+         "llama.cpp F32 must pick the (fp16-GELU-table) reference's argmax at every position; without the "
+         "table emulated, a near-tie (margin 0.003 on 26b-a4b) flips, which the report shows beside"),
+    Gate("llamacpp~reference.max_abs_logit", 2e-2, "le",
+         "fp32 rounding through the layers, measured up to 1.6e-2 on the small cases with llama.cpp's fp16 "
+         "GELU table emulated in the reference (up to 2.7e-2 without); a formula fault moves logits by > 1e-1"),
+    Gate("llamacpp~reference.runs", 1.0, "ge",
+         "llama.cpp must load our GGUF and run it; an abort inside llama.cpp is that engine failing the case"),
+    Gate("engine~oracle.max_abs_logit", 2e-2, "le",
+         "an fp32 engine against the oracle's logits (g4h compare, server and cmd engines): fp32 rounding through the "
+         "layers plus approximations such as llama.cpp's fp16 GELU table reach 1.6e-2 on the small cases; a formula "
+         "fault moves logits by > 1e-1"),
+    Gate("engine~oracle.mean_kld", 1e-5, "le",
+         "an fp32 engine: llama-perplexity mean KLD of 1e-8..5e-7 from rounding; a formula or layout fault gives > 1e-3"),
+    Gate("engine~oracle.same_top1_decisive", 1.0, "ge",
+         "every position whose oracle top-1 margin is at least the near-tie margin must keep its argmax; flips at "
+         "near-ties are reported beside, not failed (two correct engines may order a near-tie differently)"),
+    Gate("engine~oracle.greedy", 1.0, "ge",
+         "every greedy stream agrees by vLLM's rule (check_logprobs_close): identical, or at the first mismatch "
+         "each token is in the other side's top-N; a divergence where the oracle's margin is a near-tie passes"),
+    Gate("engine~oracle.max_abs_logprob", 2e-2, "le",
+         "an fp32 engine's log-probs of the shared top-N tokens on the agreed prefix: the same rounding as its logits"),
+    Gate("engine_bf16~oracle.max_abs_logit", 1.0, "le",
+         "reported for a 16-bit engine, not gated: bf16 moves logits by 1e-2..1 on the small cases; the KLD and "
+         "top-1 gates judge it", informational=True),
+    Gate("engine_bf16~oracle.mean_kld", 1e-3, "le",
+         "a 16-bit engine: mean KLD of ~1e-4 is typical for 16-bit formats (as fast_bf16~reference)"),
+    Gate("engine_bf16~oracle.same_top1_decisive", 0.99, "ge",
+         "a 16-bit engine may flip a few decisive positions on narrow models; more is a fault"),
+    Gate("engine_bf16~oracle.greedy", 1.0, "ge",
+         "every greedy stream agrees by vLLM's rule (check_logprobs_close), as for fp32"),
+    Gate("engine_bf16~oracle.max_abs_logprob", 1.0, "le",
+         "reported for a 16-bit engine, not gated (as its logits)", informational=True),
+    Gate("tokenizer.check", 1.0, "ge",
+         "a tokenizer parity check (ours vs HF tokenizers / sentencepiece / round trips) must find 0 differing texts"),
+    Gate("gemma3_real.continuation", 1.0, "ge",
+         "the real Gemma 3 270M GGUF must greedily continue each known prompt with the expected text"),
+    Gate("drafter.reference~transformers.max_abs", 1e-4, "le",
+         "float64 reference drafter vs transformers' patched Gemma4AssistantForCausalLM (fp32 eager) on the same "
+         "token, h_prev and store K/V, logits and h_next over 4 draft steps: fp32 rounding gives ~3e-6; a wrong "
+         "store layer, position or head moves them by > 1e-1"),
+    Gate("drafter.store_kv.reference~transformers.max_abs", 1e-4, "le",
+         "the K/V transformers' target hands its drafter (shared_kv_states) and its hidden_states[-1] vs the "
+         "reference's bound store layers and result_norm: the same fp32-vs-float64 rounding as "
+         "reference~transformers; another layer's K/V differs by O(1)"),
+    Gate("drafter.gguf_f32~safetensors.max_abs", 0.0, "le",
+         "the same float32 drafter weights through the GGUF and safetensors loaders (full head on both sides) must "
+         "give bit-identical float64 drafts"),
+    Gate("drafter.fast~reference.max_abs", 1e-4, "le",
+         "fast fp32 drafter over the fast target's cache vs the float64 reference over its own: fp32 rounding of "
+         "target and drafter (~1e-5 here); a wrong store layer or missing input moves logits by > 1e-1"),
+    Gate("drafter.llamacpp.runs", 1.0, "ge",
+         "llama.cpp must load the gemma4-assistant GGUF beside its target (ctx_other) and draft; an abort is "
+         "that engine failing the case"),
+    Gate("drafter.llamacpp~reference.same_drafts", 1.0, "ge",
+         "llama.cpp's drafter must propose the reference drafter's tokens (full head on both sides, fp16 GELU "
+         "table emulated): a drafter reading the wrong KV group proposes others"),
+    Gate("drafter.llamacpp~reference.max_abs", 2e-2, "le",
+         "llama.cpp F32 drafter logits and h_next vs the reference with llama.cpp's fp16 GELU table: fp32 rounding "
+         "through target and drafter (measured up to 8e-3), the bound of llamacpp~reference.max_abs_logit"),
+    Gate("speculative.llamacpp.lossless", 1.0, "ge",
+         "speculative greedy decoding inside llama.cpp (its drafter, verify, llama_memory_seq_rm rollback) must "
+         "return llama.cpp's own plain greedy tokens"),
+    Gate("speculative.lossless.same_tokens", 1.0, "ge",
+         "speculative greedy must return plain greedy token for token, whatever the drafter proposes (a flip at a "
+         "verify-vs-decode near-tie is named in the detail)"),
+    Gate("speculative.verify~decode.max_abs_logit", 1e-4, "le",
+         "the logits a token is chosen from, verify forward over k+1 rows vs one-token decode: same fp32 math in "
+         "other matrix shapes, only summation-order rounding (as batched vs solo)"),
+    Gate("speculative.oracle.acceptance", 1.0, "ge",
+         "a drafter that proposes the target's own greedy tokens must have every draft accepted; less means the "
+         "verifier rejects right drafts (a rollback or verify fault, or near-ties)"),
+    Gate("speculative.random.acceptance", 0.05, "le",
+         "uniform random drafts match the target's argmax with probability about 1/V (0.2 % at V = 512); more "
+         "means the verifier accepts wrong drafts"),
+    Gate("speculative.partial.acceptance_error", 0.0, "le",
+         "a drafter right for exactly 2 tokens of every round must have exactly min(2, drafted) accepted in "
+         "every round: the accepted prefix ends at the first wrong draft"),
+    Gate("speculative.model.drafted", 1.0, "ge",
+         "the case's assistant must actually have proposed drafts (a drafter that never runs still gives "
+         "lossless output)"),
+]}
+
+
+# --------------------------------------------------------------------------- the reference against any engine
+
+_RUNS = ("the engine must load the model and answer; an engine that cannot run (not installed, cannot read this "
+         "model form, crashed, broke the protocol) fails the case: a check that did not run is not a pass")
+
+
+def _pair_gates(pair: str, engine: str, bf16: bool = False, **own: tuple[float, str]) -> list[Gate]:
+    """The gates of ``pair``, the reference against one engine on a user's model (``g4h parity --model M --against
+    NAME``, :mod:`harness.parity.checks.pair`): ``runs``, then each metric with the bound of ``engine~oracle``
+    (``engine_bf16~oracle`` for a 16-bit engine), unless ``own`` gives the metric a ``(limit, reason)`` of its own
+    (``layer_rel_l2`` has no ``engine~oracle`` bound, so every pair gives one). ``engine`` says what the engine is."""
+    base = "engine_bf16~oracle" if bf16 else "engine~oracle"
+    gates = [Gate(f"{pair}.runs", 1.0, "ge", _RUNS)]
+    for metric in ("max_abs_logit", "mean_kld", "same_top1_decisive", "greedy", "max_abs_logprob", "layer_rel_l2"):
+        g = DEFAULT_GATES.get(f"{base}.{metric}")
+        if metric in own:
+            limit, why = own[metric]
+            gates.append(Gate(f"{pair}.{metric}", limit, g.op if g else "le", f"{engine}: {why}"))
+        else:
+            gates.append(Gate(f"{pair}.{metric}", g.limit, g.op, f"{engine}: as {g.name}: {g.reason}", g.informational))
+    return gates
+
+
+_FP32_LAYER = (5e-3, "per trace point of an fp32 engine: llama.cpp against the reference with its GELU table "
+                     "emulated measured up to 4.6e-4 (31b ffn_out@11), fast fp32 near 1e-6; a formula fault moves a "
+                     "point by 1e-2 or more")
+
+PAIR_GATES: list[Gate] = [
+    *_pair_gates("reference~reference", "a second float64 reference on the same file",
+                 **{m: (0.0, "the same float64 code on the same weights and ids must give bit-identical results")
+                    for m in ("max_abs_logit", "mean_kld", "max_abs_logprob", "layer_rel_l2")}),
+    *_pair_gates("reference~fast", "the torch fast path in fp32",
+                 max_abs_logit=(1e-3, "as fast~reference: fp32 rounding (~1e-5 on the small cases, 3e-4 on the real "
+                                      "Gemma 3 270M) with room for kernels that sum in another order"),
+                 max_abs_logprob=(1e-3, "the same rounding as its logits (reference~fast.max_abs_logit)"),
+                 layer_rel_l2=(1e-3, "fp32 vs float64 per trace point stays near 1e-6 (g4h diff's default DIFF_TOL); "
+                                     "a formula fault moves a point by 1e-2 or more")),
+    # reference~transformers.max_abs_logit, .layer_rel_l2 and .runs are above (the built-in cases use them too)
+    Gate("reference~transformers.mean_kld", 1e-5, "le",
+         "HF transformers fp32 eager: fp32 vs float64 leaves KLD near 1e-12 (bound as engine~oracle.mean_kld); a "
+         "formula fault gives > 1e-3"),
+    Gate("reference~transformers.same_top1_decisive", 1.0, "ge",
+         "HF transformers fp32 eager: as engine~oracle.same_top1_decisive (near-ties reported, not failed)"),
+    Gate("reference~transformers.greedy", 1.0, "ge",
+         "HF transformers fp32 eager: as engine~oracle.greedy (vLLM's rule)"),
+    Gate("reference~transformers.max_abs_logprob", 1e-4, "le",
+         "HF transformers fp32 eager: the same rounding as its logits (reference~transformers.max_abs_logit)"),
+    *_pair_gates("reference~llamacpp", "llama.cpp through llama-cpp-python (F32 KV cache, flash attention off), "
+                 "against the reference with its fp16 GELU table emulated", layer_rel_l2=_FP32_LAYER),
+    *_pair_gates("reference~cmd", "an engine behind the subprocess protocol computing in 32 or 64 bits (its hello's "
+                 "dtype), against the reference with the approximations it declares emulated",
+                 layer_rel_l2=_FP32_LAYER),
+    *_pair_gates("reference~cmd_bf16", "an engine behind the subprocess protocol computing in 16 bits", bf16=True,
+                 layer_rel_l2=(5e-2, "per trace point of a 16-bit engine: bf16 rounding (unit roundoff 3.9e-3) "
+                                     "through a few operations; a formula fault moves a point by 1e-1 or more")),
+]
+"""The gates of every ``reference~<engine kind>`` pair (one line per engine kind; a new kind adds its line)."""
+
+DEFAULT_GATES.update({g.name: g for g in PAIR_GATES})
+
+
+def resolve(overrides: Mapping[str, Any] | None, where: str) -> dict[str, Gate]:
+    """The default gates with a case's overrides applied.
+
+    Args:
+        overrides: the case's ``[gates]`` table: ``name -> {limit = x, reason = "..."}`` to tighten or
+            loosen a bound, or ``name -> {informational = true, reason = "..."}`` to report a figure
+            without gating on it.
+        where: the case file, for messages.
+
+    Returns:
+        name -> :class:`Gate`.
+
+    Raises:
+        InputError: an unknown gate name, or an override without a reason, or with neither a limit
+            nor ``informational = true``.
+    """
+    gates = dict(DEFAULT_GATES)
+    for name, ov in (overrides or {}).items():
+        if name not in gates:
+            raise InputError(f"{where}: [gates] {name}: unknown gate (known: {', '.join(sorted(gates))})")
+        ok = isinstance(ov, Mapping) and str(ov.get("reason", "")).strip() and (
+            "limit" in ov or ov.get("informational") is True)
+        if not ok:
+            raise InputError(f"{where}: [gates] {name}: expected {{limit = <number>, reason = \"...\"}} "
+                             "or {informational = true, reason = \"...\"}")
+        gates[name] = replace(gates[name], limit=float(ov.get("limit", gates[name].limit)), reason=str(ov["reason"]),
+                              informational=bool(ov.get("informational", False)))
+    return gates
+
+
+SPEED_RATIO_MARGIN = 0.25
+"""``g4h bench --baseline``: a same-run speed ratio (fast/transformers, fast/llamacpp, batch B/batch 1)
+fails when it drops below ``(1 - SPEED_RATIO_MARGIN)`` times its baseline value.
+
+Why 25 %: on the shared 2-core CI VM, ratios of two engines measured in the same run moved by up to
+about ±15 % between quiet runs (memory bandwidth itself varied 2-3x from minute to minute, which a
+ratio cancels only in part, because two engines are never measured at the same instant). 25 % sits
+above that noise and still catches a kernel falling back to a slow path (typically 2x or more)."""
+
+
+DIFF_TOL = 1e-3
+"""``g4h diff``'s default bound on the relative error of a trace point (rel L2 with tensor dumps on
+both sides, else the checksum lower bound of :func:`harness.traces.compare.checksum_error`).
+
+Why 1e-3: fp32 rounding against the float64 reference stays near 1e-6 per point on the built-in
+cases (the same margin as ``fast~reference.max_abs_logit``); a formula fault moves a point by 1e-2
+or more. A bf16 or quantized engine needs a wider ``--tol``, chosen by whoever runs the diff."""
+
+
+NEAR_TIE_MARGIN = 2 * DEFAULT_GATES["llamacpp~reference.max_abs_logit"].limit
+"""A reference top-1 margin below this is a near-tie: two engines each inside the max-|Δlogit| gate of
+llama.cpp against the reference (2e-2) may legitimately order the two best tokens differently there, so a
+flip at such a position is reported as a near-tie, not a fault."""
+
+
+MEL_F32_EMULATION_MAX_ABS = 2e-6
+"""Our log-mel pipeline run in Gemma4AudioFeatureExtractor's float32 steps vs the extractor, max |diff|:
+the same formula, so only float32 rounding of the log (values of order 10, ulp ~1e-6) remains."""
+
+RESAMPLE_MAX_ABS = 2e-3
+"""Band-limited resampling (44.1 -> 16 kHz) of a 1 kHz sine of amplitude 0.5 vs the exact sine, away from
+the clip edges: the Kaiser (beta 5) filter's pass-band ripple, 5.7e-4 measured."""
+
+BLOCKED_ATTENTION_MAX_ABS = 1e-12
+"""One attention computed two ways in float64 (a full masked matrix, or query blocks reading only the keys
+in their reach): the same sums in another order, so rounding at 1e-16 relative on values of order 1."""
+
+
+# --------------------------------------------------------------------------- op-level bounds
+
+
+@dataclass(frozen=True)
+class OpBound:
+    """The bound of one op of the twins (``reference.model.X`` against ``fast.model.X``) in one dtype.
+
+    Attributes:
+        op: the function name, the same in both twins; ``module.name`` outside the model modules
+            (``vision.patch_embed``: ``reference.vision`` against ``fast.vision``).
+        dtype: the fast twin's weight/input dtype (``float32`` or ``bfloat16``; ``int64`` for integer ops).
+        max_nmse: the bound on ``sum((fast - ref)^2) / sum(ref^2)`` (llama.cpp test-backend-ops' NMSE).
+        reason: why this bound, in one sentence.
+    """
+
+    op: str
+    dtype: str
+    max_nmse: float
+    reason: str
+
+
+_FP32 = ("float32 rounding (unit roundoff 6e-8, NMSE ~1e-15 per op) with room for sums over a few hundred "
+         "terms and BLAS summation order; a formula fault gives NMSE >= 1e-4")
+_BF16 = ("bfloat16 weights and inputs (unit roundoff 3.9e-3, NMSE ~1e-5 per rounded operand) with room for a "
+         "few roundings in a row; a formula fault gives NMSE >= 1e-2")
+
+OP_BOUNDS: dict[tuple[str, str], OpBound] = {(b.op, b.dtype): b for b in [
+    OpBound("rms_norm", "float32", 1e-12, _FP32),
+    OpBound("rms_norm", "bfloat16", 1e-4, _BF16),
+    OpBound("gelu_tanh", "float32", 1e-12, _FP32),
+    OpBound("gelu_tanh", "bfloat16", 1e-4, _BF16),
+    OpBound("softcap", "float32", 1e-12, _FP32),
+    OpBound("linear", "float32", 1e-12, _FP32),
+    OpBound("linear", "bfloat16", 1e-4, _BF16),
+    OpBound("rope_angles", "float32", 1e-12, "angles formed in float64 and rounded once to float32"),
+    OpBound("apply_rope", "float32", 1e-12, _FP32),
+    OpBound("attention", "float32", 1e-10, _FP32 + " (softmax over S keys, then S-term sums)"),
+    OpBound("attention_mask", "float32", 0.0, "a boolean mask: the twins must see exactly the same keys"),
+    OpBound("gelu_ffn", "float32", 1e-10, _FP32 + " (three matmuls)"),
+    OpBound("gelu_ffn", "bfloat16", 1e-3, _BF16 + " (three matmuls, the hidden activation rounded again)"),
+    OpBound("moe_route", "float32", 1e-10, "the same experts must be chosen (a swap is a fault); the weights "
+            "are softmax outputs in float32"),
+    OpBound("expert_ffn", "float32", 1e-10, _FP32 + " (two matmuls)"),
+    OpBound("moe_experts", "float32", 1e-10, _FP32 + " (two matmuls per expert, weighted sums)"),
+    # the multimodal merge (reference/multimodal.py <-> fast/multimodal.py)
+    OpBound("multimodal.llm_input_ids", "int64", 0.0, "token ids: the twins must read the same table rows"),
+    OpBound("multimodal.block_ids", "int64", 0.0, "block numbers: the twins must open the same blocks"),
+    OpBound("multimodal.merge_embeddings", "float32", 1e-12, "a copy of rows: only the float32 rounding of the "
+            "float64 inputs (NMSE ~1e-16); a row out of order or scaled gives NMSE >= 1e-2"),
+    # the vision tower (reference/vision.py <-> fast/vision.py)
+    OpBound("vision.clipped_linear", "float32", 1e-12, _FP32),
+    OpBound("vision.clipped_linear", "bfloat16", 1e-4, _BF16),
+    OpBound("vision.patch_embed", "float32", 1e-12, _FP32 + " (a 3p^2-term sum per output)"),
+    OpBound("vision.patch_embed", "bfloat16", 1e-4, _BF16),
+    OpBound("vision.position_embed", "float32", 1e-12, _FP32),
+    OpBound("vision.rope_2d", "float32", 1e-12, "angles formed in float64 and rounded once to float32, then "
+            "one rotation in float32"),
+    OpBound("vision.vision_attention", "float32", 1e-10, _FP32 + " (softmax over N keys, then N-term sums)"),
+    OpBound("vision.pool", "float32", 1e-12, _FP32 + " (k^2-term means, times sqrt(H))"),
+    OpBound("vision.embed_vision", "float32", 1e-12, _FP32),
+    OpBound("vision.embed_vision", "bfloat16", 1e-4, _BF16),
+    # the audio tower (reference/audio.py <-> fast/audio.py)
+    OpBound("audio.clippable_linear", "float32", 1e-12, _FP32),
+    OpBound("audio.clippable_linear", "bfloat16", 1e-4, _BF16),
+    OpBound("audio.conv2d_stride2", "float32", 1e-12, _FP32 + " (9 * C_in-term sums)"),
+    OpBound("audio.layer_norm", "float32", 1e-12, _FP32),
+    OpBound("audio.glu", "float32", 1e-12, _FP32),
+    OpBound("audio.causal_depthwise_conv", "float32", 1e-12, _FP32),
+    OpBound("audio.rel_pos_table", "float32", 1e-12, "sines formed in float64 and rounded once to float32"),
+    OpBound("audio.relative_bias", "float32", 1e-12, _FP32 + " (D-term dot products, then a gather)"),
+    OpBound("audio.attention_mask", "float32", 0.0, "a boolean mask: the twins must see exactly the same frames"),
+]}
+"""Every op-level bound of the twin test table (``tests/test_ops.py``), keyed by ``(op, dtype)``."""

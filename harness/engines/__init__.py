@@ -1,0 +1,154 @@
+"""Engines: everything that can run Gemma 4, behind one small protocol (:mod:`.base`).
+
+The registry :data:`ENGINES` names each engine's module and class; :func:`make_engine` imports the
+module only when that engine is asked for (pip's ``commands_dict`` pattern), so asking for the
+reference never imports torch, and nothing imports llama-cpp-python in the harness's own process.
+
+=============  ========================================================================
+name           engine
+=============  ========================================================================
+reference      float64 NumPy, the specification (:mod:`.reference`)
+transformers   HF transformers fp32 eager, the oracle (:mod:`.transformers`)
+fast           the torch twin, any device and dtype (:mod:`.fast`)
+llamacpp       llama.cpp through llama-cpp-python, in a worker subprocess (:mod:`.llamacpp`)
+cmd:COMMAND    any program that speaks the subprocess protocol (:mod:`.cmd`, ``docs/engine-protocol.md``)
+=============  ========================================================================
+
+An engine name is a plain name (:data:`ENGINES`) or ``<scheme>:<argument>`` (:data:`ENGINE_SCHEMES`): the
+scheme picks the class, the argument says which program or server (``cmd:'python my_engine.py --threads 4'``).
+:func:`engine_kind` gives the part that names gates and report rows (``cmd``); :func:`split_engines` reads a
+comma list of names (``fast,llamacpp,cmd:'./eng --a,b'``: commas inside quotes stay).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from reference.errors import InputError
+
+from .base import Engine, EngineCrashed, EngineUnavailable, Generated, TraceFn
+
+__all__ = ["ENGINES", "ENGINE_SCHEMES", "Engine", "EngineCrashed", "EngineUnavailable", "Generated", "TraceFn",
+           "check_engine_name", "engine_class", "engine_kind", "make_engine", "split_engines"]
+
+
+class EngineEntry(NamedTuple):
+    """One row of the registry: where the engine lives, and what it is in one line."""
+
+    module: str
+    cls: str
+    summary: str
+
+
+ENGINES: dict[str, EngineEntry] = {
+    "reference": EngineEntry("harness.engines.reference", "ReferenceEngine", "float64 NumPy reference"),
+    "transformers": EngineEntry("harness.engines.transformers", "TransformersEngine",
+                                "HF transformers fp32 eager (HF folders; Gemma 3 GGUFs)"),
+    "fast": EngineEntry("harness.engines.fast", "FastEngine", "torch fast path (--device, --dtype, --weights)"),
+    "llamacpp": EngineEntry("harness.engines.llamacpp", "LlamaCppEngine",
+                            "llama.cpp via llama-cpp-python, in a worker subprocess (GGUF only)"),
+}
+"""Engine name -> :class:`EngineEntry`."""
+
+ENGINE_SCHEMES: dict[str, EngineEntry] = {
+    "cmd": EngineEntry("harness.engines.cmd", "CmdEngine",
+                       "any program speaking the subprocess protocol (docs/engine-protocol.md): cmd:'COMMAND ...'"),
+}
+"""Scheme -> :class:`EngineEntry` for engine names ``<scheme>:<argument>``. The class is built as
+``cls(argument, model_path, **options)``."""
+
+#: Keyword options each engine takes from the command line (others are not passed to it).
+ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "fast": ("device", "dtype", "batched", "weights"),
+}
+
+
+def engine_kind(name: str) -> str:
+    """The kind of engine ``name`` names: the name itself, or its scheme (``cmd:'./eng'`` -> ``cmd``).
+    Gate pairs and report rows are named by kind (``reference~cmd``)."""
+    scheme, sep, _ = name.partition(":")
+    return scheme if sep and scheme in ENGINE_SCHEMES else name
+
+
+def _entry(name: str) -> tuple[EngineEntry, str | None]:
+    """The registry row of ``name`` and, for a scheme name, its argument.
+
+    Raises:
+        EngineUnavailable: unknown name or scheme, or a scheme name with an empty argument.
+    """
+    if name in ENGINES:
+        return ENGINES[name], None
+    scheme, sep, arg = name.partition(":")
+    if sep and scheme in ENGINE_SCHEMES:
+        if not arg.strip():
+            raise EngineUnavailable(f"engine {name!r}: nothing after {scheme}: "
+                                    f"(expected {ENGINE_SCHEMES[scheme].summary.rsplit(': ', 1)[-1]})")
+        return ENGINE_SCHEMES[scheme], arg
+    known = ", ".join([*ENGINES, *(f"{s}:..." for s in ENGINE_SCHEMES)])
+    raise EngineUnavailable(f"unknown engine {name!r} (available: {known})")
+
+
+def check_engine_name(name: str) -> None:
+    """Refuse an unknown engine name before any work starts (imports nothing).
+
+    Raises:
+        EngineUnavailable: unknown name or scheme, or a scheme name with an empty argument.
+    """
+    _entry(name)
+
+
+def split_engines(text: str) -> list[str]:
+    """The engine names of a comma list, in order. Commas inside single or double quotes do not split
+    (``cmd:'./eng --ids 1,2',fast`` is two names); surrounding blanks are dropped, empty items refused.
+
+    Raises:
+        InputError: an empty item, or an unclosed quote.
+    """
+    names, cur, quote = [], [], None
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == ",":
+            names.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    if quote:
+        raise InputError(f"engine list {text!r}: unclosed {quote} quote")
+    names.append("".join(cur).strip())
+    if any(not n for n in names):
+        raise InputError(f"engine list {text!r}: an empty name (expected NAME[,NAME...])")
+    return names
+
+
+def engine_class(name: str) -> type:
+    """The class of engine ``name`` (a plain name or ``<scheme>:<argument>``), imported on first use.
+
+    Raises:
+        EngineUnavailable: unknown name.
+    """
+    entry, _ = _entry(name)
+    return getattr(importlib.import_module(entry.module), entry.cls)
+
+
+def make_engine(name: str, path: str | Path, **options: Any) -> Engine:
+    """Build engine ``name`` for the model at ``path``.
+
+    Args:
+        name: a plain engine name (:data:`ENGINES`) or ``<scheme>:<argument>`` (:data:`ENGINE_SCHEMES`).
+        options: engine-specific keywords (``device``, ``dtype``, ``batched``, ``weights`` for ``fast``);
+            None values and options the engine does not take are dropped.
+
+    Raises:
+        EngineUnavailable: unknown engine name or engine not installed (one line, says how to install).
+        InputError: bad model file; a ``cmd:`` engine that fails its handshake.
+    """
+    entry, arg = _entry(name)
+    cls = getattr(importlib.import_module(entry.module), entry.cls)
+    allowed = ENGINE_OPTIONS.get(engine_kind(name), ())
+    kw = {k: v for k, v in options.items() if v is not None and k in allowed}
+    return cls(path, **kw) if arg is None else cls(arg, path, **kw)

@@ -1,0 +1,179 @@
+"""The ``fast`` engine: the torch twin of the reference (:mod:`fast`), on any device and dtype."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from fast.drafter import FastDrafter
+from fast.engine import Request, generate
+from fast.model import FastModel, SeqStep
+from fast.speculative import (
+                              ModelProposer,
+                              OracleProposer,
+                              PartialProposer,
+                              Proposer,
+                              RandomProposer,
+                              SpecEngine,
+                              SpecResult,
+                              plain_continuations,
+)
+from reference.drafter import bind
+from reference.drafter_weights import load_drafter
+from reference.errors import InputError
+from reference.weights import load_model
+
+from .base import DTYPE_BYTES, TraceFn, bench_ids
+
+WEIGHT_MODES = ("packed", "dequantized")
+"""``--weights``: GGUF quantized matrices kept packed (dequantized on the fly), or dequantized at load."""
+
+
+class FastEngine:
+    """The torch fast path (:mod:`fast`), on a chosen device and dtype.
+
+    Args:
+        path: ``.gguf`` file or HF folder (same loader as the reference).
+        device: ``cpu`` / ``cuda`` / None (cuda when present).
+        dtype: ``float32`` / ``bfloat16`` / ``float16``.
+        batched: ``generate`` serves all prompts through one continuous batch (else one at a time).
+        weights: ``packed`` keeps GGUF quantized matrices packed on the device and dequantizes them
+            on the fly; ``dequantized`` decodes them once at load (:data:`WEIGHT_MODES`).
+
+    Raises:
+        InputError: bad model file, device, dtype or weight mode.
+    """
+
+    engine = "fast"
+    max_batch = None
+    kv_elem = 4.0
+
+    def __init__(self, path: str | Path, device: str | None = None, dtype: str = "float32", batched: bool = False,
+                 weights: str = "dequantized"):
+        cfg, W = load_model(path)
+        self._init(cfg, W, device, dtype, batched, weights)
+
+    @classmethod
+    def from_model(cls, cfg, W, device: str | None = None, dtype: str = "float32", batched: bool = False,
+                   weights: str = "dequantized") -> "FastEngine":
+        """An engine over an already loaded ``(cfg, W)``: a file's (:func:`reference.weights.load_model`)
+        or a shape-only model's random weights (:class:`fast.shapes.RandomWeights`)."""
+        eng = cls.__new__(cls)
+        eng._init(cfg, W, device, dtype, batched, weights)
+        return eng
+
+    def _init(self, cfg, W, device, dtype, batched, weights) -> None:
+        if weights not in WEIGHT_MODES:
+            raise InputError(f"--weights {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
+        self.model = FastModel(cfg, W, device, dtype, keep_quantized=weights == "packed")
+        self.cfg = cfg
+        self.batched = batched
+        self.dtype = dtype
+        self.weights = weights
+        self.name = f"fast-{self.model.device.type}-{dtype}" + ("-batched" if batched else "")
+
+    def logits(self, ids: Sequence[int], trace: TraceFn | None = None, chunk: int | None = None) -> np.ndarray:
+        """float32 logits as float64 ``[T, V]`` (one-shot prefill, or in chunks of ``chunk``)."""
+        return self.model.logits(ids, chunk=chunk, trace=trace).double().cpu().numpy()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations; one continuous batch when ``batched``."""
+        return [r.tokens for r in self.generate_full(prompts, max_new_tokens)]
+
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int):
+        """Like :meth:`generate` but returns :class:`fast.engine.Result` (tokens and top-5 logprobs)."""
+        return generate(self.model, prompts, max_new_tokens, batched=self.batched)
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def proposer(self, draft: str, requests: Sequence[Request]) -> Proposer:
+        """The drafter named by ``--draft-model``: ``oracle`` (the target's own greedy tokens, from a plain run of
+        ``requests``), ``random``, ``partial:J`` (right for J tokens of every round, then wrong), or the path of a
+        Gemma 4 assistant (HF folder or ``gemma4-assistant`` GGUF), bound to this engine's model.
+
+        Raises:
+            InputError: a bad ``partial:J``; a drafter file that cannot be read or does not fit the target (one line).
+        """
+        if draft == "oracle":
+            return OracleProposer(plain_continuations(self.model, requests))
+        if draft == "random":
+            return RandomProposer(self.cfg.vocab_size)
+        if draft.startswith("partial:"):
+            try:
+                j = int(draft.split(":", 1)[1])
+            except ValueError:
+                j = -1
+            if j < 0:
+                raise InputError(f"--draft-model {draft!r}: expected partial:J with J >= 0 correct tokens per round")
+            return PartialProposer(plain_continuations(self.model, requests), j, self.cfg.vocab_size)
+        d, DW = load_drafter(draft)
+        return ModelProposer(FastDrafter(bind(d, self.cfg), DW, self.model), Path(draft).name)
+
+    def generate_speculative(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft: str,
+                             k: int = 4) -> list[SpecResult]:
+        """Speculative greedy continuations (:class:`fast.speculative.SpecEngine`; one continuous batch when
+        ``batched``): the same tokens as :meth:`generate_full`, plus each request's ``stats``.
+
+        Raises:
+            InputError: see :meth:`proposer`; ``k`` < 1.
+        """
+        reqs = [Request(str(i), list(p), max_new_tokens) for i, p in enumerate(prompts)]
+        proposer = self.proposer(draft, reqs)
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        eng = SpecEngine(self.model, proposer, k, max_batch=8 if self.batched else 1, max_tokens=longest)
+        res = eng.run(reqs)
+        return [res[r.id] for r in reqs]
+
+    # ------------------------------------------------------------------ bench (harness.engines.base.Benchable)
+
+    def elem_bytes(self, name: str) -> float:
+        """Bytes per element of ``name`` as held: the dtype's size, or a packed tensor's bytes per element."""
+        t = self.model.w[name] if name in self.model.w else None
+        if t is None:
+            return float(DTYPE_BYTES[self.dtype])
+        if isinstance(t, torch.Tensor):
+            return float(t.element_size())
+        return float(t.nbytes) / float(np.prod(t.shape))
+
+    def _sync(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _prepare(self, depth: int, batch: int, extra: int):
+        cache = self.model.new_cache(batch, depth + extra + 1)
+        slots = [cache.alloc() for _ in range(batch)]
+        ctx = bench_ids(self.cfg.vocab_size, depth, 1) if depth else []
+        chunk = 512
+        with torch.inference_mode():
+            for s0 in range(0, depth, chunk):
+                part = torch.tensor(ctx[s0:s0 + chunk])
+                self.model.step(cache, [SeqStep(s, part, s0) for s in slots])
+        self._sync()
+        return cache, slots
+
+    def bench_time(self, test: str, n: int, depth: int, batch: int) -> float:
+        """One ``pp``/``tg`` repetition over the paged KV cache (see :class:`harness.engines.base.Benchable`)."""
+        cache, slots = self._prepare(depth, batch, n)
+        with torch.inference_mode():
+            if test == "pp":
+                seqs = [SeqStep(s, torch.tensor(bench_ids(self.cfg.vocab_size, n, 100 + i)), depth)
+                        for i, s in enumerate(slots)]
+                t = time.perf_counter()
+                self.model.step(cache, seqs)
+                self._sync()
+                return time.perf_counter() - t
+            toks = torch.tensor(bench_ids(self.cfg.vocab_size, batch, 7))
+            t = time.perf_counter()
+            for k in range(n):
+                logits = self.model.step(cache, [SeqStep(s, toks[i:i + 1], depth + k) for i, s in enumerate(slots)])
+                toks = logits.argmax(-1).cpu()
+            self._sync()
+            return time.perf_counter() - t
+
+    def close(self) -> None:
+        """Drop the model."""
+        self.model = None

@@ -1,0 +1,637 @@
+"""The ``openai`` engine: a model behind an HTTP completion server (llama-server, llama-cpp-python, vLLM).
+
+Given ``openai:http://HOST:PORT/v1``, :class:`OpenAIEngine` finds out which server answers (its
+*dialect*, :func:`detect_dialect`), takes the model name from ``/v1/models`` (or an override), and runs
+greedy continuations with the top-N log-probabilities of every step, returning token ids. What each
+dialect accepts and answers is in ``docs/server-dialects.md`` (observed on llama-server and
+llama-cpp-python 0.3.36; vLLM written to its documented API, not run here). In short:
+
+* ``llama-server``: ``POST /completion`` with the prompt as token ids, ``n_probs``, ``return_tokens``,
+  ``ignore_eos``. It reports a step's log-probs only once the generated text ends in complete UTF-8
+  (its ``validate_utf8``): the other steps get an empty ``top5`` entry, placed by replaying that rule
+  over the token pieces (:meth:`OpenAIEngine._place_llama_server`). ``/tokenize``, ``/detokenize``,
+  ``/apply-template``; no prompt log-probs.
+* ``llama-cpp-python``: ``POST /v1/completions`` takes text prompts only (a token id list is a 500), and
+  names tokens by their text. Prompts go as the server's own detokenization of the ids, checked to
+  tokenize back to the same ids; generated texts are mapped back to ids through its tokenizer and
+  checked. Stops at EOS. Prompt log-probs through ``echo``.
+* ``vllm``: ``POST /v1/completions`` with token ids, ``return_tokens_as_token_ids`` (tokens named
+  ``token_id:N``), ``ignore_eos``; prompt log-probs through ``prompt_logprobs``; ``/tokenize``, ``/detokenize``.
+
+Only the standard library is used. Every failure is a :class:`ServerError`, one line naming the URL:
+server down (connection refused), no answer within the timeout, an HTTP error status (with the server's
+own message), a body that is not JSON, a JSON answer of an unexpected shape, and a greedy step whose
+token is not the top-1 of the server's own log-probs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from http.client import HTTPException
+from typing import Any, Iterator, Sequence
+
+from reference.errors import InputError
+
+from .base import Generated
+
+DIALECTS = ("llama-server", "llama-cpp-python", "vllm")
+
+
+class ServerError(InputError):
+    """A completion server that is down, slow, failing, or answering something unexpected (one line, with the URL)."""
+
+
+class ServerGenerated(Generated):
+    """One greedy continuation from a server.
+
+    Attributes (besides :class:`harness.engines.Generated`'s ``tokens`` and ``top5``; ``top5[i]`` holds the
+    top-``top_n`` ``(id, logprob)`` pairs of step ``i``, best first, or ``[]`` where the server reported none):
+        logprobs: per step, the log-probability of the generated token (NaN where the server reported none).
+        missing: the steps the server reported no log-probs for (llama-server: text not yet complete UTF-8).
+        text: the generated text as the server returned it.
+        finish_reason: ``"length"`` (``max_new_tokens`` reached) or ``"stop"`` (EOS or a stop string).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logprobs: list[float] = []
+        self.missing: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+
+
+def parse_url(spec: str) -> tuple[str, str]:
+    """``openai:http://h:p/v1`` (or ``http://h:p/v1``, ``http://h:p``) -> (``http://h:p/v1``, ``http://h:p``).
+
+    Raises:
+        ServerError: not an http(s) URL.
+    """
+    url = (spec[len("openai:"):] if spec.startswith("openai:") else spec).rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ServerError(f"{spec}: expected openai:http://HOST:PORT/v1")
+    root = url[:-3] if url.endswith("/v1") else url
+    return root + "/v1", root
+
+
+class Http:
+    """JSON over HTTP with one-line errors. ``timeout``: seconds for connecting and for each read."""
+
+    def __init__(self, timeout: float = 120.0) -> None:
+        self.timeout = float(timeout)
+        self._direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never via a proxy
+
+    def _open(self, url: str, body: Any = None):
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json"})
+        loopback = urllib.parse.urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
+        try:
+            return (self._direct.open if loopback else urllib.request.urlopen)(req, timeout=self.timeout)
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{url}: HTTP {e.code}: {_error_message(e)}") from None
+        except urllib.error.URLError as e:
+            raise _transport_error(url, e.reason, self.timeout) from None
+        except (HTTPException, OSError) as e:  # socket.timeout and ConnectionError are OSErrors
+            raise _transport_error(url, e, self.timeout) from None
+
+    def call(self, url: str, body: Any = None) -> Any:
+        """GET (``body`` None) or POST ``body`` as JSON; returns the decoded JSON answer.
+
+        Raises:
+            ServerError: connection refused, timeout, HTTP error status, a body that is not JSON.
+        """
+        r = self._open(url, body)
+        try:
+            with r:
+                raw = r.read()
+        except (HTTPException, OSError) as e:
+            raise _transport_error(url, e, self.timeout) from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ServerError(f"{url}: answer is not JSON: {_snippet(raw)}") from None
+
+    def stream(self, url: str, body: Any) -> Iterator[Any]:
+        """POST ``body`` and yield the JSON of every server-sent event (``data: ...``) until ``[DONE]`` or EOF.
+
+        Raises:
+            ServerError: as :meth:`call`; an event that is not JSON.
+        """
+        with self._open(url, body) as r:
+            while True:
+                try:
+                    line = r.readline()
+                except (HTTPException, OSError) as e:
+                    raise _transport_error(url, e, self.timeout) from None
+                if not line:
+                    return
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, ": ping" comments, "event:" lines
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                try:
+                    yield json.loads(data)
+                except ValueError:
+                    raise ServerError(f"{url}: stream event is not JSON: {_snippet(data)}") from None
+
+
+def _snippet(raw: bytes, n: int = 80) -> str:
+    text = " ".join(raw.decode("utf-8", "replace").split())
+    return repr(text[:n] + ("..." if len(text) > n else "")) if text else "empty body"
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    """The server's own message from an error body (``{"error": {"message"}}``, ``{"detail"}``, ``{"message"}``)."""
+    try:
+        raw = e.read()
+    except OSError:
+        raw = b""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return _snippet(raw) if raw else str(e.reason or "no message")
+    msg: Any = body
+    if isinstance(body, dict):
+        err = body.get("error")
+        msg = (err.get("message") if isinstance(err, dict) else err) or body.get("detail") or body.get("message") or body
+    text = msg if isinstance(msg, str) else json.dumps(msg)
+    return " ".join(text.split())[:300]
+
+
+def _transport_error(url: str, reason: Any, timeout: float) -> ServerError:
+    if isinstance(reason, ConnectionRefusedError):
+        return ServerError(f"{url}: server down (connection refused)")
+    if isinstance(reason, (socket.timeout, TimeoutError)) or "timed out" in str(reason):
+        return ServerError(f"{url}: no answer within {timeout:g} s (timeout)")
+    return ServerError(f"{url}: connection failed ({type(reason).__name__}: {reason})")
+
+
+def _shape(url: str, what: str, got: Any) -> ServerError:
+    return ServerError(f"{url}: unexpected answer: expected {what}, got {_snippet(json.dumps(got).encode())}")
+
+
+def detect_dialect(http: Http, base: str, root: str) -> str:
+    """Which server answers at ``root``: ``llama-server``, ``llama-cpp-python`` or ``vllm``.
+
+    llama-server answers ``GET /props`` with ``default_generation_settings``; llama-cpp-python and vLLM are
+    FastAPI apps whose ``GET /openapi.json`` lists ``/extras/tokenize`` (llama-cpp-python) or ``/tokenize``
+    and ``/version`` (vLLM); ``/v1/models``' ``owned_by`` (``llamacpp``, ``me``, ``vllm``) is the last resort.
+
+    Raises:
+        ServerError: the server is down or slow, or none of these answers says which server it is.
+    """
+    for path in ("/props", "/openapi.json"):
+        try:
+            ans = http.call(root + path)
+        except ServerError as e:
+            if "HTTP " not in str(e):
+                raise  # down, timeout, not JSON: no point in asking further
+            continue
+        if not isinstance(ans, dict):
+            continue
+        if "default_generation_settings" in ans:
+            return "llama-server"
+        paths = set(ans.get("paths") or {})
+        if "/extras/tokenize" in paths:
+            return "llama-cpp-python"
+        if {"/tokenize", "/version"} <= paths:
+            return "vllm"
+    models = http.call(base + "/models")
+    data = models.get("data") if isinstance(models, dict) else None
+    owners = {m.get("owned_by") for m in data or [] if isinstance(m, dict)}
+    for owner, dialect in (("llamacpp", "llama-server"), ("vllm", "vllm"), ("me", "llama-cpp-python")):
+        if owner in owners:
+            return dialect
+    raise ServerError(f"{root}: cannot tell which server this is (no llama-server /props, no FastAPI /openapi.json "
+                      f"with llama-cpp-python or vLLM routes, /v1/models owned_by {sorted(map(str, owners))})")
+
+
+def utf8_cut(text: bytes) -> bool:
+    """True when ``text`` ends inside a multi-byte UTF-8 character, by llama-server's own test (``validate_utf8``
+    in ``tools/server/server-common.cpp``: a lead byte among the last 4 with fewer bytes after it than it needs)."""
+    n = len(text)
+    for i in range(1, min(4, n) + 1):
+        c = text[n - i]
+        if ((c & 0xE0) == 0xC0 and i < 2) or ((c & 0xF0) == 0xE0 and i < 3) or ((c & 0xF8) == 0xF0 and i < 4):
+            return True
+    return False
+
+
+class OpenAIEngine:
+    """A model served over HTTP, driven greedily, token ids in and out.
+
+    Args:
+        url: ``openai:http://HOST:PORT/v1`` (``openai:`` and ``/v1`` optional).
+        model: the model name to send (default: the first entry of ``GET /v1/models``).
+        timeout: seconds allowed for connecting and for each read of one request.
+        concurrency: requests in flight at once in :meth:`generate_full` (llama-server's ``--parallel``).
+        dialect: skip detection and assume this one (one of :data:`DIALECTS`).
+
+    Raises:
+        ServerError: the server is down, slow, answers an error or an unexpected shape, or is no known dialect.
+    """
+
+    name = "openai"
+
+    def __init__(self, url: str, model: str | None = None, timeout: float = 120.0, concurrency: int = 4,
+                 dialect: str | None = None) -> None:
+        self.base, self.root = parse_url(url)
+        self.http = Http(timeout)
+        self.concurrency = max(1, int(concurrency))
+        if dialect is not None and dialect not in DIALECTS:
+            raise ServerError(f"{self.root}: unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
+        self.dialect = dialect or detect_dialect(self.http, self.base, self.root)
+        self._models = self.http.call(self.base + "/models")
+        self.model = model or self._model_name()
+        self._pieces: dict[int, bytes] = {}  # llama-server: token id -> its text's bytes
+        self._text_id: dict[str, int | None] = {}  # llama-cpp-python: token text -> id
+        self._id_text: dict[int, str] = {}
+        self._bos: list[int] | None = None  # the ids an empty text tokenizes to with specials (BOS)
+
+    def _model_name(self) -> str:
+        data = self._models.get("data") if isinstance(self._models, dict) else None
+        if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
+            raise _shape(self.base + "/models", '{"data": [{"id": str, ...}, ...]}', self._models)
+        return data[0]["id"]
+
+    # ------------------------------------------------------------------ tokens and templates
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """The server's token ids of ``text`` (special-token text parsed); ``add_special`` adds BOS as the model does.
+
+        llama-cpp-python's ``/extras/tokenize`` always adds BOS: without ``add_special`` that BOS is dropped.
+        """
+        if self.dialect == "llama-server":
+            url, body = self.root + "/tokenize", {"content": text, "add_special": add_special, "parse_special": True}
+        elif self.dialect == "vllm":
+            url, body = self.root + "/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": add_special}
+        else:
+            url, body = self.root + "/extras/tokenize", {"input": text}
+        ids = _int_list(url, self.http.call(url, body), "tokens")
+        if self.dialect == "llama-cpp-python" and not add_special:
+            if self._bos is None:
+                self._bos = _int_list(url, self.http.call(url, {"input": ""}), "tokens")
+            ids = ids[len(self._bos):] if self._bos and ids[:len(self._bos)] == self._bos else ids
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The server's text of ``ids``."""
+        ids = [int(t) for t in ids]
+        url, body, key = {"llama-server": (self.root + "/detokenize", {"tokens": ids}, "content"),
+                          "vllm": (self.root + "/detokenize", {"model": self.model, "tokens": ids}, "prompt"),
+                          "llama-cpp-python": (self.root + "/extras/detokenize", {"tokens": ids}, "text")}[self.dialect]
+        ans = self.http.call(url, body)
+        if not isinstance(ans, dict) or not isinstance(ans.get(key), str):
+            raise _shape(url, f'{{"{key}": str}}', ans)
+        return ans[key]
+
+    def apply_template(self, messages: Sequence[dict[str, str]]) -> str:
+        """The server's chat template applied to ``messages`` (``[{"role", "content"}, ...]``), generation prompt added.
+
+        Raises:
+            ServerError: the dialect offers no such endpoint (only llama-server's ``/apply-template`` does).
+        """
+        if self.dialect != "llama-server":
+            raise ServerError(f"{self.root}: {self.dialect} offers no endpoint that returns the templated text")
+        url = self.root + "/apply-template"
+        ans = self.http.call(url, {"messages": list(messages)})
+        if not isinstance(ans, dict) or not isinstance(ans.get("prompt"), str):
+            raise _shape(url, '{"prompt": str}', ans)
+        return ans["prompt"]
+
+    # ------------------------------------------------------------------ generation
+
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_n: int = 5,
+                      stream: bool = False) -> list[ServerGenerated]:
+        """Greedy continuations (temperature 0) with the top-``top_n`` ``(id, logprob)`` of every step.
+
+        Up to ``concurrency`` requests are in flight at once; results come back in the prompts' order.
+        llama-server and vLLM generate exactly ``max_new_tokens`` (EOS ignored); llama-cpp-python stops at EOS
+        (``finish_reason == "stop"``, fewer tokens). ``stream``: read the answer as server-sent events.
+
+        Raises:
+            ServerError: a request failed or answered an unexpected shape; a prompt cannot be sent as the dialect
+                needs (llama-cpp-python: ids that do not survive its text round trip); a step's token is not the
+                top-1 of the server's own log-probs (a greedy server never does that); llama-server streamed
+                without steps whose token ids it does not send.
+        """
+        if max_new_tokens <= 0 or not prompts:
+            return [ServerGenerated() for _ in prompts]
+        one = {"llama-server": self._gen_llama_server, "llama-cpp-python": self._gen_lcp,
+               "vllm": self._gen_vllm}[self.dialect]
+        args = [([int(t) for t in p], int(max_new_tokens), int(top_n), bool(stream)) for p in prompts]
+        with cf.ThreadPoolExecutor(min(self.concurrency, len(args))) as ex:
+            out = list(ex.map(lambda a: one(*a), args))
+        for k, g in enumerate(out):
+            _check_greedy(self.base, k, g)
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy token ids only (the engine protocol of :mod:`harness.engines`)."""
+        return [g.tokens for g in self.generate_full(prompts, max_new_tokens)]
+
+    def _gen_llama_server(self, ids: list[int], n: int, top_n: int, stream: bool) -> ServerGenerated:
+        url = self.root + "/completion"
+        body = {"prompt": ids, "n_predict": n, "n_probs": top_n, "temperature": 0, "return_tokens": True,
+                "ignore_eos": True, "cache_prompt": False, "stream": stream}  # no reuse: numbers independent of history
+        g = ServerGenerated()
+        if stream:
+            placed: dict[int, dict] = {}
+            for part in self.http.stream(url, body):
+                if not isinstance(part, dict):
+                    raise _shape(url, "a JSON object per event", part)
+                g.text += part.get("content") or ""
+                for step in part.get("completion_probabilities") or []:
+                    placed[int(part.get("tokens_predicted", 0)) - 1] = step
+                if part.get("stop"):
+                    g.finish_reason = "stop" if part.get("stop_type") in ("eos", "word") else "length"
+                    n = int(part.get("tokens_predicted", n))
+            gaps = [i for i in range(n) if i not in placed]
+            if gaps:
+                raise ServerError(f"{url}: the stream left out steps {gaps[:8]} (llama-server sends a step only once "
+                                  f"the text is complete UTF-8) and with them their token ids; use stream=False")
+            steps: list[dict | None] = [placed[i] for i in range(n)]
+            g.tokens = [_entry_id(url, s) for s in steps]
+        else:
+            ans = self.http.call(url, body)
+            tokens = ans.get("tokens") if isinstance(ans, dict) else None
+            entries = ans.get("completion_probabilities", []) if isinstance(ans, dict) else None  # absent when none
+            if not isinstance(tokens, list) or not isinstance(entries, list) or len(tokens) != ans.get("tokens_predicted"):
+                raise _shape(url, '{"tokens": [...] (return_tokens was sent), "tokens_predicted", '
+                                  '"completion_probabilities": [...]}', ans)
+            g.tokens = [int(t) for t in tokens]
+            g.text = ans.get("content") or ""
+            g.finish_reason = "stop" if ans.get("stop_type") in ("eos", "word") else "length"
+            steps = self._place_llama_server(url, g.tokens, entries)
+        for i, step in enumerate(steps):
+            if step is None:
+                g.missing.append(i)
+                g.logprobs.append(math.nan)
+                g.top5.append([])
+                continue
+            try:
+                g.logprobs.append(float(step["logprob"]))
+                g.top5.append([(int(c["id"]), float(c["logprob"])) for c in step["top_logprobs"]])
+            except (KeyError, TypeError, ValueError):
+                raise _shape(url, 'completion_probabilities [{"id", "logprob", "top_logprobs": [{"id", "logprob"}]}]',
+                             step) from None
+        return g
+
+    def _place_llama_server(self, url: str, tokens: list[int], entries: list[Any]) -> list[dict | None]:
+        """llama-server's log-prob entries placed at their steps (None where it reported nothing).
+
+        It appends an entry only when the generated text so far ends in complete UTF-8 (:func:`utf8_cut`);
+        replaying that rule over the tokens' texts (their bytes, from the entries' candidates, or from the
+        whole vocabulary once: :meth:`_learn_pieces`) says which steps the entries belong to.
+
+        Raises:
+            ServerError: the entries do not fit the tokens under that rule.
+        """
+        ids = [_entry_id(url, e) for e in entries]
+        if ids == tokens:
+            return list(entries)
+        for e in entries:
+            for c in e.get("top_logprobs") or []:
+                if isinstance(c, dict) and isinstance(c.get("bytes"), list):
+                    self._pieces.setdefault(int(c["id"]), bytes(c["bytes"]))
+        if any(t not in self._pieces for t in tokens):
+            self._learn_pieces()
+        out: list[dict | None] = []
+        text, k = b"", 0
+        for t in tokens:
+            if t not in self._pieces:
+                raise ServerError(f"{url}: token {t} has no text in the vocabulary llama-server reported")
+            text += self._pieces[t]
+            if not utf8_cut(text) and k < len(entries):
+                if ids[k] != t:
+                    break
+                out.append(entries[k])
+                k += 1
+            else:
+                out.append(None)
+        if k != len(entries) or len(out) != len(tokens):
+            raise ServerError(f"{url}: {len(entries)} log-prob entries (ids {ids[:6]}) do not fit the {len(tokens)} "
+                              f"tokens {tokens[:6]} under llama-server's complete-UTF-8 rule")
+        return out
+
+    def _learn_pieces(self) -> None:
+        """The bytes of every token's text, from one request: one forced greedy step (``logit_bias``) whose
+        ``top_logprobs`` list the whole vocabulary (``n_probs`` = ``n_vocab`` from ``/v1/models``)."""
+        url = self.root + "/completion"
+        try:
+            n_vocab = int(self._models["data"][0]["meta"]["n_vocab"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise _shape(self.base + "/models", 'data[0].meta.n_vocab', self._models) from None
+        a = self.tokenize("a", add_special=False)[-1]  # any token whose text is complete UTF-8
+        ans = self.http.call(url, {"prompt": [a], "n_predict": 1, "n_probs": n_vocab, "temperature": 0,
+                                   "logit_bias": [[a, 1000.0]], "return_tokens": True})
+        try:
+            for c in ans["completion_probabilities"][0]["top_logprobs"]:
+                self._pieces[int(c["id"])] = bytes(c["bytes"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise _shape(url, "one step with n_vocab top_logprobs carrying bytes", ans) from None
+
+    def _gen_vllm(self, ids: list[int], n: int, top_n: int, stream: bool) -> ServerGenerated:
+        url = self.base + "/completions"
+        body = {"model": self.model, "prompt": ids, "max_tokens": n, "temperature": 0, "logprobs": top_n,
+                "ignore_eos": True, "return_tokens_as_token_ids": True, "stream": stream}
+        g = ServerGenerated()
+        for part in (self.http.stream(url, body) if stream else [self.http.call(url, body)]):
+            choice = _first_choice(url, part)
+            g.text += choice.get("text") or ""
+            g.finish_reason = choice.get("finish_reason") or g.finish_reason
+            lp = choice.get("logprobs")
+            if not lp and (stream or not choice.get("text")):
+                continue  # a stream's closing event; an empty completion
+            try:
+                for tok, tlp, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+                    g.tokens.append(_token_id(tok))
+                    g.logprobs.append(float(tlp))
+                    pairs = sorted(((_token_id(k), float(v)) for k, v in top.items()), key=lambda kv: (-kv[1], kv[0]))
+                    g.top5.append(pairs[:top_n])
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise _shape(url, 'logprobs {"tokens": ["token_id:N"], "token_logprobs", "top_logprobs": '
+                                  '[{"token_id:N": logprob}]}', lp) from None
+        return g
+
+    def _lcp_text(self, ids: list[int]) -> str:
+        """The text llama-cpp-python must be sent for prompt ``ids`` (it takes no id prompts), checked to tokenize back.
+
+        Raises:
+            ServerError: the ids do not survive the round trip ids -> text -> ids on this server.
+        """
+        if self._bos is None:
+            self._bos = self.tokenize("", add_special=True)
+        bos = self._bos
+        body = ids[len(bos):] if bos and ids[:len(bos)] == bos else ids
+        try:
+            text = self.detokenize(body)
+        except ServerError as e:
+            raise ServerError(f"{self.base}/completions: llama-cpp-python takes text prompts only, and cannot turn the "
+                              f"prompt {ids[:8]} into text ({e})") from None
+        back = self.tokenize(text, add_special=True)  # what the server evaluates: it adds BOS to a text prompt
+        if back != ids:
+            raise ServerError(f"{self.base}/completions: llama-cpp-python takes text prompts only, and the prompt "
+                              f"{ids[:8]} comes back as {back[:8]} after its text round trip")
+        return text
+
+    def _gen_lcp(self, ids: list[int], n: int, top_n: int, stream: bool) -> ServerGenerated:
+        url = self.base + "/completions"
+        body = {"model": self.model, "prompt": self._lcp_text(ids), "max_tokens": n, "temperature": 0,
+                "logprobs": top_n, "repeat_penalty": 1.0, "stream": stream}
+        g = ServerGenerated()
+        texts: list[str] = []
+        tops: list[dict] = []
+        for part in (self.http.stream(url, body) if stream else [self.http.call(url, body)]):
+            choice = _first_choice(url, part)
+            g.text += choice.get("text") or ""
+            g.finish_reason = choice.get("finish_reason") or g.finish_reason
+            lp = choice.get("logprobs")
+            if not lp and (stream or not choice.get("text")):
+                continue  # a stream's closing event; an empty completion (EOS first)
+            try:
+                texts += [str(t) for t in lp["tokens"]]
+                g.logprobs += [float(x) for x in lp["token_logprobs"]]
+                tops += [{str(k): float(v) for k, v in d.items()} for d in lp["top_logprobs"]]
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise _shape(url, 'logprobs {"tokens": [str], "token_logprobs", "top_logprobs": [{str: logprob}]}',
+                             lp) from None
+        # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix): keep the first n.
+        texts, tops, g.logprobs = texts[:n], tops[:n], g.logprobs[:n]
+        g.tokens = self._lcp_ids(url, texts)
+        for k, d in enumerate(tops):
+            pairs = [(g.tokens[k] if piece == texts[k] else self._lcp_id(piece), v)
+                     for piece, v in sorted(d.items(), key=lambda kv: -kv[1])]
+            g.top5.append([(i, v) for i, v in pairs if i is not None][:top_n])
+        return g
+
+    def _lcp_ids(self, url: str, texts: list[str]) -> list[int]:
+        """Token ids of generated tokens that llama-cpp-python names by text: its tokenization of the whole text when
+        that gives one token per named text (each checked by detokenizing it), else one lookup per text.
+
+        Raises:
+            ServerError: a text that is no single token of this model.
+        """
+        if texts:
+            ids = self.tokenize("".join(texts), add_special=False)
+            if len(ids) == len(texts) and all(self._lcp_piece(i) == t for i, t in zip(ids, texts)):
+                return ids
+        out = []
+        for k, piece in enumerate(texts):
+            tid = self._lcp_id(piece)
+            if tid is None:
+                raise ServerError(f"{url}: llama-cpp-python names step {k}'s token only by the text {piece!r}, which "
+                                  f"is no single token of this model")
+            out.append(tid)
+        return out
+
+    def _lcp_piece(self, tid: int) -> str:
+        if tid not in self._id_text:
+            self._id_text[tid] = self.detokenize([tid])
+        return self._id_text[tid]
+
+    def _lcp_id(self, piece: str) -> int | None:
+        """The one token id whose text is ``piece`` (the server's tokenizer, checked back), else None."""
+        if piece not in self._text_id:
+            ids = self.tokenize(piece, add_special=False) if piece else []
+            self._text_id[piece] = ids[0] if len(ids) == 1 and self._lcp_piece(ids[0]) == piece else None
+        return self._text_id[piece]
+
+    # ------------------------------------------------------------------ prompt log-probs
+
+    def prompt_logprobs(self, ids: Sequence[int], top_n: int = 5) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """Per prompt position, the log-probability of the given token after the ones before it, and the top-N.
+
+        Returns:
+            One entry per token of ``ids``: None for position 0 (nothing precedes it) and, on llama-cpp-python,
+            for the first token after BOS (its echo nulls the first listed token); else
+            ``(logprob of ids[i], [(id, logprob), ...] best first)``.
+
+        Raises:
+            ServerError: the dialect has no prompt log-probs (llama-server), or the answer has another shape.
+        """
+        ids = [int(t) for t in ids]
+        url = self.base + "/completions"
+        if self.dialect == "llama-server":
+            raise ServerError(f"{self.root}: llama-server returns no prompt log-probabilities (/v1/completions "
+                              "ignores echo; /completion reports generated tokens only)")
+        if self.dialect == "vllm":
+            ans = self.http.call(url, {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                       "prompt_logprobs": top_n})
+            plp = _first_choice(url, ans).get("prompt_logprobs")
+            if not isinstance(plp, list) or len(plp) != len(ids):
+                raise _shape(url, f"choices[0].prompt_logprobs, a list of {len(ids)} entries", plp)
+            out: list[tuple[float, list[tuple[int, float]]] | None] = [None]
+            for tid, d in zip(ids[1:], plp[1:]):
+                try:
+                    top = sorted((int(k), float(v["logprob"]), int(v["rank"])) for k, v in d.items())
+                    best = [(k, lp) for k, lp, r in sorted(top, key=lambda x: x[2]) if r <= top_n]
+                    out.append((float(d[str(tid)]["logprob"]), best))
+                except (KeyError, TypeError, ValueError, AttributeError):
+                    raise _shape(url, '{"<id>": {"logprob", "rank", "decoded_token"}}', d) from None
+            return out
+        ans = self.http.call(url, {"model": self.model, "prompt": self._lcp_text(ids), "max_tokens": 1,
+                                   "temperature": 0, "logprobs": top_n, "echo": True, "repeat_penalty": 1.0})
+        lp = _first_choice(url, ans).get("logprobs") or {}
+        try:
+            token_lp, tops = lp["token_logprobs"], lp["top_logprobs"]
+        except (KeyError, TypeError):
+            raise _shape(url, 'logprobs {"token_logprobs", "top_logprobs"}', lp) from None
+        # The echo lists the prompt without a leading BOS (its first entry null), then the one generated token.
+        skip = len(ids) - (len(token_lp) - 1)
+        if skip not in (0, 1):
+            raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and 1 generated", f"{len(token_lp)} entries")
+        out = [None] * (skip + 1)
+        for k in range(skip + 1, len(ids)):
+            d = tops[k - skip] or {}
+            pairs = [(ids[k] if p == lp["tokens"][k - skip] else self._lcp_id(p), v)
+                     for p, v in sorted(d.items(), key=lambda kv: -kv[1])]
+            out.append((float(token_lp[k - skip]), [(i, float(v)) for i, v in pairs if i is not None][:top_n]))
+        return out
+
+
+def _entry_id(url: str, entry: Any) -> int:
+    try:
+        return int(entry["id"])
+    except (KeyError, TypeError, ValueError):
+        raise _shape(url, 'completion_probabilities [{"id", "logprob", "top_logprobs"}]', entry) from None
+
+
+def _int_list(url: str, ans: Any, key: str) -> list[int]:
+    vals = ans.get(key) if isinstance(ans, dict) else None
+    if not isinstance(vals, list) or not all(isinstance(v, int) for v in vals):
+        raise _shape(url, f'{{"{key}": [int, ...]}}', ans)
+    return vals
+
+
+def _first_choice(url: str, ans: Any) -> dict:
+    choices = ans.get("choices") if isinstance(ans, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise _shape(url, '{"choices": [{...}]}', ans)
+    return choices[0]
+
+
+def _token_id(tok: str) -> int:
+    """vLLM's ``token_id:123`` (``return_tokens_as_token_ids``) -> 123."""
+    if not isinstance(tok, str) or not tok.startswith("token_id:"):
+        raise ValueError(tok)
+    return int(tok[len("token_id:"):])
+
+
+def _check_greedy(url: str, k: int, g: ServerGenerated) -> None:
+    """Each generated token is the top-1 of its step's log-probs, or ties with it: what greedy means."""
+    for i, (tok, top) in enumerate(zip(g.tokens, g.top5)):
+        if not top or tok == top[0][0]:
+            continue
+        mine = next((lp for tid, lp in top if tid == tok), None)
+        if mine is None or mine != top[0][1]:
+            raise ServerError(f"{url}: prompt {k}, step {i}: generated token {tok} is not the top-1 of the server's "
+                              f"own log-probs ({top[0][0]} at {top[0][1]:.6g}); greedy (temperature 0) was asked")

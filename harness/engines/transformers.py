@@ -1,0 +1,294 @@
+"""The ``transformers`` engine: HF transformers in fp32 with eager attention, the oracle.
+
+Gemma 4 loads from an HF folder (``Gemma4ForCausalLM``; a multimodal checkpoint's text decoder).
+transformers cannot read a Gemma 4 GGUF, but it can read a Gemma 3 one: a Gemma 3 ``.gguf`` loads
+through transformers' own GGUF loader (:func:`load_gemma3_gguf`), which the real-model checks and
+the benchmark use.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoConfig, Gemma3ForCausalLM, Gemma4Config, Gemma4ForCausalLM
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from reference.errors import ModelFileError, PromptError
+
+from .base import DTYPE_BYTES, EngineUnavailable, Generated, TraceFn, bench_ids
+
+
+def load_gemma3_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
+    """``Gemma3ForCausalLM`` (fp32, eager) from a GGUF through transformers' own GGUF loader.
+
+    Returns:
+        ``(model, info)`` where info has timings and what the loader did.
+
+    Raises:
+        whatever transformers raises (the caller records it as one line).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = str(path)
+    t0 = time.perf_counter()
+    cfg_dict = dict(load_gguf_checkpoint(path, return_tensors=False)["config"])
+    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    config._attn_implementation = "eager"
+    t1 = time.perf_counter()
+    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
+    state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"state dict mismatch: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
+    t2 = time.perf_counter()
+    info = {
+        "route": "transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint + Gemma3ForCausalLM (fp32, eager); "
+                 "from_pretrained(gguf_file=...) needs the accelerate package",
+        "config_s": round(t1 - t0, 3),
+        "weights_s": round(t2 - t1, 3),
+        "norm_unshift": "Gemma2TensorProcessor: *norm.weight - 1 (Gemma3RMSNorm multiplies by 1 + w)",
+        "layer_types": list(config.layer_types),
+        "rope_parameters": {k: dict(v) for k, v in (config.rope_parameters or {}).items()},
+        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+    }
+    return model, info
+
+
+def _load_gemma4(path: Path):
+    """``Gemma4ForCausalLM`` (fp32, eager) from an HF folder; the text decoder of a multimodal one."""
+    transformers.logging.set_verbosity_error()
+    raw = json.loads((path / "config.json").read_text())
+    kwargs = {}
+    if raw.get("model_type") == "gemma4":
+        kwargs["config"] = Gemma4Config.from_pretrained(path).text_config
+        kwargs["key_mapping"] = {r"^model\.language_model\.": "model."}
+    elif raw.get("model_type") != "gemma4_text":
+        raise EngineUnavailable(f"{path}/config.json: model_type {raw.get('model_type')!r} is not Gemma 4")
+    model, info = Gemma4ForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32, output_loading_info=True, **kwargs)
+    missing = [k for k in info.get("missing_keys", []) if "rotary" not in k]
+    if missing:
+        raise ModelFileError(f"{path}: transformers found no weight for {missing[0]} ({len(missing)} missing)")
+    return model
+
+
+class TransformersEngine:
+    """HF transformers, fp32, eager attention: the oracle (and, cast to bf16, a benchmark engine).
+
+    A multimodal checkpoint (``model_type`` ``gemma4``) loads its text decoder with a key mapping
+    ``model.language_model.`` -> ``model.``; any weight left unloaded is an error (transformers would
+    otherwise leave it random).
+
+    Args:
+        path: HF model folder (Gemma 4), or a Gemma 3 ``.gguf`` (transformers' GGUF loader; it cannot
+            read a Gemma 4 GGUF).
+        cfg: our config of the same model (optional; the benchmark's bytes-per-token count needs it).
+
+    Raises:
+        EngineUnavailable: transformers/torch missing, or a Gemma 4 GGUF.
+        ModelFileError: weights missing from the checkpoint.
+    """
+
+    name = "transformers"
+    engine = "transformers"
+    max_batch = None
+    kv_elem = 4.0
+
+    def __init__(self, path: str | Path, cfg=None):
+        path = Path(path)
+        self.cfg = cfg
+        self.dtype = "float32"
+        if path.is_dir():
+            self.model = _load_gemma4(path).eval()
+        elif cfg is None or getattr(cfg, "arch", None) == "gemma3":
+            try:
+                self.model = load_gemma3_gguf(path)[0]
+            except Exception as e:  # transformers refuses the architecture (a Gemma 4 GGUF) or the file
+                raise EngineUnavailable(f"{path}: the transformers engine needs an HF model folder for Gemma 4 "
+                                        f"(its GGUF loader: {str(e).splitlines()[0][:120] if str(e) else e})") from None
+        else:
+            raise EngineUnavailable(f"{path}: the transformers engine needs an HF model folder (it cannot read "
+                                    "a Gemma 4 GGUF); pass a case spec (cases/bench/*.toml) or an HF folder")
+        self.config = self.model.config
+
+    def cast(self, dtype: str) -> "TransformersEngine":
+        """This engine in ``dtype`` (``float32`` / ``bfloat16``): itself when already so, else a deep copy
+        (``Module.to`` casts in place, so two dtypes never share one module)."""
+        target = getattr(torch, dtype)
+        if all(p.dtype == target for p in self.model.parameters()):
+            return self
+        other = copy.copy(self)
+        other.model = copy.deepcopy(self.model).to(target).eval()
+        other.dtype = dtype
+        return other
+
+    def _hooks(self, trace: TraceFn):
+        """Register forward hooks that report our trace points; returns (handles, finish)."""
+        m = self.model.model
+        records: dict[tuple[str, int], np.ndarray] = {}
+        ple_inputs: dict[int, np.ndarray] = {}
+        layer_in: dict[int, torch.Tensor] = {}
+        ffn_parts: dict[int, dict[str, np.ndarray]] = {}
+        handles = []
+
+        def np_(t):
+            return t.detach()[0].double().numpy()
+
+        handles.append(m.embed_tokens.register_forward_hook(
+            lambda mod, a, out: records.__setitem__(("inp_scaled", -1), np_(out))))
+        handles.append(m.norm.register_forward_hook(
+            lambda mod, a, out: records.__setitem__(("result_norm", -1), np_(out))))
+        for i, layer in enumerate(m.layers):
+            has_ple = bool(getattr(layer, "hidden_size_per_layer_input", 0))  # Gemma 4 E2B/E4B layers only
+
+            def pre(mod, args, kwargs, i=i, has_ple=has_ple):
+                layer_in[i] = args[0]
+                ple = (args[1] if len(args) > 1 else kwargs.get("per_layer_input")) if has_ple else None
+                if ple is not None:
+                    ple_inputs[i] = np_(ple)
+
+            handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(layer.post_attention_layernorm.register_forward_hook(
+                lambda mod, a, out, i=i: records.__setitem__(("attn_out", i), np_(layer_in[i] + out))))
+            if getattr(layer, "enable_moe_block", False):
+                handles.append(layer.post_feedforward_layernorm_1.register_forward_hook(
+                    lambda mod, a, out, i=i: ffn_parts.setdefault(i, {}).__setitem__("ffn_mlp", np_(out))))
+                handles.append(layer.post_feedforward_layernorm_2.register_forward_hook(
+                    lambda mod, a, out, i=i: ffn_parts.setdefault(i, {}).__setitem__("ffn_moe", np_(out))))
+                handles.append(layer.post_feedforward_layernorm.register_forward_hook(
+                    lambda mod, a, out, i=i: records.__setitem__(("ffn_out", i), np_(a[0]))))
+            else:
+                handles.append(layer.mlp.register_forward_hook(
+                    lambda mod, a, out, i=i: records.__setitem__(("ffn_out", i), np_(out))))
+            if getattr(layer, "hidden_size_per_layer_input", 0):
+                handles.append(layer.post_per_layer_input_norm.register_forward_hook(
+                    lambda mod, a, out, i=i: records.__setitem__(("per_layer_embd_out", i), np_(out))))
+            handles.append(layer.register_forward_hook(
+                lambda mod, a, out, i=i: records.__setitem__(("l_out", i), np_(out[0] if isinstance(out, tuple)
+                                                                               else out))))
+
+        def finish(logits: np.ndarray):
+            trace("inp_scaled", -1, records[("inp_scaled", -1)])
+            if ple_inputs:
+                trace("inp_per_layer", -1, np.stack([ple_inputs[i] for i in sorted(ple_inputs)], axis=1))
+            for i in range(len(m.layers)):
+                trace("attn_out", i, records[("attn_out", i)])
+                for k in ("ffn_mlp", "ffn_moe"):
+                    if k in ffn_parts.get(i, {}):
+                        trace(k, i, ffn_parts[i][k])
+                trace("ffn_out", i, records[("ffn_out", i)])
+                if ("per_layer_embd_out", i) in records:
+                    trace("per_layer_embd_out", i, records[("per_layer_embd_out", i)])
+                trace("l_out", i, records[("l_out", i)])
+            trace("result_norm", -1, records[("result_norm", -1)])
+            trace("result_output", -1, logits)
+
+        return handles, finish
+
+    def check_prompt(self, ids: Sequence[int], new_tokens: int = 0) -> list[int]:
+        """The prompt as a list of ids, checked against the model's vocabulary and context (the same rules as
+        :func:`reference.model.check_prompt`; transformers itself would index out of range or run past its
+        positions silently).
+
+        Raises:
+            PromptError: empty, not integers, an id outside ``[0, vocab_size)``, or prompt plus ``new_tokens``
+                longer than ``max_position_embeddings``.
+        """
+        ids = list(ids)
+        if not ids:
+            raise PromptError("prompt is empty")
+        vocab = int(self.config.vocab_size)
+        bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                    or not 0 <= int(i) < vocab), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad!r:.40} is outside the vocabulary [0, {vocab})")
+        context = int(getattr(self.config, "max_position_embeddings", 0) or 0)
+        if context and len(ids) + new_tokens > context:
+            raise PromptError(f"prompt of {len(ids)} tokens{f' + {new_tokens} new' if new_tokens else ''} is longer "
+                              f"than the context ({context})")
+        return [int(i) for i in ids]
+
+    def logits(self, ids: Sequence[int], trace: TraceFn | None = None) -> np.ndarray:
+        """float32 logits as float64 ``[T, V]`` from one full forward (no cache).
+
+        Raises:
+            PromptError: see :meth:`check_prompt`.
+        """
+        ids = self.check_prompt(ids)
+        handles, finish = self._hooks(trace) if trace else ([], None)
+        try:
+            with torch.no_grad():
+                out = self.model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        logits = out.logits[0].double().numpy()
+        if finish:
+            finish(logits)
+        return logits
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy, one prompt at a time (see :meth:`generate_full`)."""
+        return [g.tokens for g in self.generate_full(prompts, max_new_tokens)]
+
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generated]:
+        """Greedy with transformers' own KV cache: prefill, then one token per forward.
+
+        Raises:
+            PromptError: see :meth:`check_prompt` (every prompt is checked before any runs).
+        """
+        prompts = [self.check_prompt(p, max(int(max_new_tokens) - 1, 0)) for p in prompts]
+        out = []
+        for p in prompts:
+            g = Generated()
+            with torch.no_grad():
+                o = self.model(torch.tensor([list(p)]), use_cache=True)
+                for _ in range(max_new_tokens):
+                    g.add(o.logits[0, -1].double().numpy())
+                    o = self.model(torch.tensor([[g.tokens[-1]]]), past_key_values=o.past_key_values, use_cache=True)
+            out.append(g)
+        return out
+
+    # ------------------------------------------------------------------ bench (harness.engines.base.Benchable)
+
+    def elem_bytes(self, name: str) -> float:
+        """Bytes per element of every weight in this engine's dtype."""
+        return float(DTYPE_BYTES[self.dtype])
+
+    def _context(self, depth: int, batch: int):
+        if not depth:
+            return None
+        ids = torch.tensor([bench_ids(self.cfg.vocab_size, depth, 1)] * batch)
+        with torch.inference_mode():
+            return self.model(ids, use_cache=True, logits_to_keep=1).past_key_values
+
+    def bench_time(self, test: str, n: int, depth: int, batch: int) -> float:
+        """One ``pp``/``tg`` repetition with transformers' own ``DynamicCache`` (see
+        :class:`harness.engines.base.Benchable`)."""
+        past = self._context(depth, batch)
+        with torch.inference_mode():
+            if test == "pp":
+                ids = torch.tensor([bench_ids(self.cfg.vocab_size, n, 100 + i) for i in range(batch)])
+                t = time.perf_counter()
+                self.model(ids, past_key_values=past, use_cache=True, logits_to_keep=1)
+                return time.perf_counter() - t
+            tok = torch.tensor(bench_ids(self.cfg.vocab_size, batch, 7)).view(batch, 1)
+            t = time.perf_counter()
+            for _ in range(n):
+                o = self.model(tok, past_key_values=past, use_cache=True)
+                past = o.past_key_values
+                tok = o.logits[:, -1].argmax(-1).view(batch, 1)
+            return time.perf_counter() - t
+
+    def close(self) -> None:
+        """Drop the model."""
+        self.model = None

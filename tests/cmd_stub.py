@@ -1,0 +1,136 @@
+"""A subprocess-protocol engine for the tests (``docs/engine-protocol.md``): the float64 reference behind the
+protocol, with every fault the harness must name on request.
+
+    python tests/cmd_stub.py [--fault KIND [--fault-op OP]] [--perturb-layer L] [--dtype D] [--approx A] [--no-tensors]
+                              [--linger]
+
+It answers ``hello``, ``logits`` (float32 ``.npy``), ``generate``, ``trace`` (a ``g4h-trace`` file, with the
+tensors unless ``--no-tensors``) and ``tokenize`` (one id per byte, a stand-in). ``--perturb-layer L`` adds
+noise to ``blk.L.ffn_down.weight`` (the first trace point to move is that layer's ``ffn_out``). Faults
+(:data:`FAULTS`), applied to the first ``--fault-op`` request (default ``logits``):
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, wherever the test runs from
+from harness.engines.reference import ReferenceEngine  # noqa: E402
+from harness.traces.format import TraceWriter  # noqa: E402
+
+FAULTS = {
+    "malformed": "answer a line that is not JSON",
+    "die": "exit with status 3 after a line on stderr",
+    "hang": "never answer",
+    "shape": "logits with one row too few",
+    "dtype": "logits as int32",
+    "wrong-id": "answer with another request's id",
+    "error": "answer ok: false with a message",
+    "not-greedy": "generate: each token is the second most probable",
+    "short": "generate: one token too few",
+    "refuse": "hello: ok false (cannot read the model)",
+    "version": "hello: protocol 2",
+    "no-ops": "hello: answers neither logits nor generate",
+}
+__doc__ += "\n".join(f"    {k}: {v}" for k, v in FAULTS.items()) + "\n"
+
+
+class Perturbed:
+    """The reference's weights with Gaussian noise (0.05 x the tensor's RMS) added to one tensor."""
+
+    def __init__(self, base, name: str) -> None:
+        self.base, self.name = base, name
+        w = np.asarray(base[name], dtype=np.float64)
+        rms = float(np.sqrt(np.mean(w * w)))
+        self.noisy = w + np.random.default_rng(1).normal(0.0, 0.05 * rms, w.shape)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.noisy if name == self.name else self.base[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.base
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--fault", choices=sorted(FAULTS), default=None)
+    p.add_argument("--fault-op", default="logits")
+    p.add_argument("--perturb-layer", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--approx", action="append", default=[], help="declare this approximation in hello")
+    p.add_argument("--no-tensors", action="store_true")
+    p.add_argument("--linger", action="store_true", help="do not exit when stdin closes (sleep an hour)")
+    a = p.parse_args()
+    proto = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    os.dup2(2, 1)
+    ref = None
+
+    def reply(req, **fields):
+        proto.write(json.dumps({"id": req["id"], "ok": True, **fields}) + "\n")
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req["op"]
+        fault = a.fault if op == a.fault_op or (a.fault in ("refuse", "version", "no-ops") and op == "hello") else None
+        if fault == "malformed":
+            proto.write("this is not a JSON reply\n")
+            continue
+        if fault == "die":
+            print("stub: fatal: simulated crash in " + op, file=sys.stderr, flush=True)
+            return 3
+        if fault == "hang":
+            time.sleep(3600)
+        if fault == "wrong-id":
+            req = dict(req, id=req["id"] + 7)
+        if fault == "error":
+            proto.write(json.dumps({"id": req["id"], "ok": False, "error": "stub: simulated failure"}) + "\n")
+            continue
+        if op == "hello":
+            if fault == "refuse":
+                proto.write(json.dumps({"id": req["id"], "ok": False, "error": "stub: cannot read this model"}) + "\n")
+                continue
+            ref = ReferenceEngine(req["model"])
+            if a.perturb_layer is not None:
+                ref.weights = Perturbed(ref.weights, f"blk.{a.perturb_layer}.ffn_down.weight")
+            reply(req, protocol=2 if fault == "version" else 1, engine="cmd-stub (reference)",
+                  ops=["tokenize"] if fault == "no-ops" else ["logits", "generate", "trace", "tokenize"],
+                  vocab_size=ref.cfg.vocab_size, dtype=a.dtype, approximations=a.approx)
+        elif op == "logits":
+            z = ref.logits(req["ids"]).astype(np.float32)
+            if fault == "shape":
+                z = z[:-1]
+            if fault == "dtype":
+                z = z.astype(np.int32)
+            np.save(req["out"], z)
+            reply(req, logits=req["out"])
+        elif op == "generate":
+            results = []
+            for g in ref.generate_full(req["prompts"], req["max_new_tokens"]):
+                toks = [s[1][0] for s in g.top5] if fault == "not-greedy" else g.tokens
+                steps = [[[i, lp] for i, lp in s[:req["top_n"]]] for s in g.top5]
+                if fault == "short":
+                    toks, steps = toks[:-1], steps[:-1]
+                results.append({"tokens": toks, "top_logprobs": steps})
+            reply(req, results=results)
+        elif op == "trace":
+            dump = None if a.no_tensors else req.get("dump_dir")
+            w = TraceWriter("cmd-stub", req["ids"], dtype="float64", keep_tensors=dump is not None)
+            ref.logits(req["ids"], trace=w)
+            w.write(req["out"], dump)
+            reply(req, trace=req["out"])
+        elif op == "tokenize":
+            reply(req, ids=[2] * bool(req.get("add_special", True)) + list(req["text"].encode("utf-8")))
+    if a.linger:
+        time.sleep(3600)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""Run damaged GGUFs through an engine, each in its own process with a time and memory bound.
+
+Used by ``tests/test_gguf_fuzz.py`` and, as a script, for a campaign of
+thousands of files::
+
+    python tests/gguf_campaign.py --reference 3000 --fast 300 --out /tmp/campaign.json
+
+Each file is run in a forked child (the parent has numpy, gguf and the
+engines imported, so a child starts in milliseconds): the child loads the file
+with ``reference.load_model`` and computes the logits of a short prompt with
+the reference (``forward``) or the fast engine (``FastModel(..., "cpu",
+"float32").logits``), under ``RLIMIT_AS`` (its address space + 4 GiB) and a
+wall-clock bound (5 s), with stdout, stderr and Python warnings captured.
+
+Outcomes (only the first two are acceptable):
+
+* ``identical``: logits bit-identical to the clean file's;
+* ``error``: an ``InputError`` whose message is one non-empty line naming the file;
+* ``bad_message``: an ``InputError`` with a multi-line or anonymous message;
+* ``noise``: a correct outcome, but something was printed or warned first;
+* ``different`` / ``nonfinite``: exit 0 with other, or NaN/Inf, logits;
+* ``traceback``: any other exception (MemoryError included);
+* ``hang``: still running after the bound; ``crash``: the child died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import multiprocessing
+import os
+import random
+import re
+import resource
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gguf_mutate  # noqa: E402
+
+PROMPT = [2, 5, 7, 11, 13]
+TIMEOUT_S = 5.0
+EXTRA_ADDRESS_SPACE = 4 << 30
+OK = ("identical", "error")
+
+
+@dataclass
+class Outcome:
+    kind: str
+    detail: str
+
+
+def logits_of(path: str | os.PathLike, engine: str) -> np.ndarray:
+    """Load ``path`` and return the engine's logits of :data:`PROMPT` (float64 ``[T, vocab]``)."""
+    from reference import forward, load_model
+
+    cfg, W = load_model(path)
+    if engine == "reference":
+        return np.asarray(forward(cfg, W, PROMPT), dtype=np.float64)
+    from fast.model import FastModel
+
+    return FastModel(cfg, W, "cpu", "float32").logits(PROMPT).double().numpy()
+
+
+def _vm_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _child(conn, path: str, engine: str) -> None:
+    if sys.platform.startswith("linux"):
+        limit = _vm_bytes() + EXTRA_ADDRESS_SPACE
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if engine == "fast":
+        import torch
+
+        torch.set_num_threads(1)
+    out = io.StringIO()
+    from reference.errors import InputError
+
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(out):
+        warnings.simplefilter("always")
+        try:
+            result = ("logits", logits_of(path, engine))
+        except InputError as e:
+            result = ("input_error", str(e))
+        except BaseException as e:  # noqa: BLE001 - everything else is the finding
+            result = ("traceback", f"{type(e).__name__}: {e}"[:300] + " @ "
+                      + traceback.extract_tb(e.__traceback__)[-1].filename.split("/")[-1])
+    noise = out.getvalue() + "".join(f"warning: {w.message}\n" for w in caught)
+    conn.send((result, noise))
+    conn.close()
+
+
+def run_isolated(path: str | os.PathLike, engine: str, clean: np.ndarray, timeout: float = TIMEOUT_S) -> Outcome:
+    """Run one file in a forked child and classify the result against the clean logits."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_child, args=(send, str(path), engine), daemon=True)
+    p.start()
+    send.close()
+    got = None
+    if recv.poll(timeout):
+        try:
+            got = recv.recv()
+        except EOFError:
+            got = None
+    p.join(1.0)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        if got is None:
+            return Outcome("hang", f"still running after {timeout:g} s")
+    recv.close()
+    if got is None:
+        return Outcome("crash", f"child exit code {p.exitcode}")
+    (what, value), noise = got
+    if what == "traceback":
+        return Outcome("traceback", value)
+    if what == "input_error":
+        if not value.strip() or "\n" in value or Path(path).name not in value:
+            return Outcome("bad_message", value)
+        return Outcome("noise", f"{noise.strip()[:200]} | {value}") if noise else Outcome("error", value)
+    if not np.all(np.isfinite(value)):
+        return Outcome("nonfinite", f"{int(np.sum(~np.isfinite(value)))} non-finite logits")
+    if value.shape != clean.shape or not np.array_equal(value, clean):
+        diff = float(np.max(np.abs(value - clean))) if value.shape == clean.shape else float("nan")
+        return Outcome("different", f"shape {value.shape}, max |diff| {diff:.3g}")
+    return Outcome("noise", noise.strip()[:200]) if noise else Outcome("identical", "")
+
+
+# --------------------------------------------------------------------------- base files
+
+
+def write_bases(out_dir: str | os.PathLike, names: tuple[str, ...] | None = None) -> dict[str, Path]:
+    """Write the clean base files: the tiny F32 model and synthetic E2B / 26B-A4B / 31B cases in other types.
+
+    ``tiny-F32`` (tests/conftest.py), ``e2b-Q8_0`` (PLE, KV sharing, a 512-token
+    vocabulary), ``26b-a4b-Q4_0`` (MoE) and ``31b-BF16`` (k_eq_v), written by
+    ``harness.synth.write_gguf`` from ``cases/models/*.toml`` (no transformers needed).
+    """
+    from conftest import write_tiny_gguf
+    from harness import synth
+    from harness.core.cases import MODELS_DIR
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    all_names = ("tiny-F32", "e2b-Q8_0", "26b-a4b-Q4_0", "31b-BF16")
+    paths = {}
+    for name in names or all_names:
+        path = out_dir / f"{name}.gguf"
+        if name == "tiny-F32":
+            write_tiny_gguf(path)
+        else:
+            case, qtype = name.rsplit("-", 1)
+            spec = synth.load_spec(MODELS_DIR / f"{case}.toml")
+            synth.write_gguf(spec, synth.make_weights(spec), path, qtype)
+        paths[name] = path
+    return paths
+
+
+@dataclass
+class Base:
+    name: str
+    path: Path
+    data: bytes
+    layout: gguf_mutate.Layout
+    clean: dict[str, np.ndarray]
+
+
+def load_base(name: str, path: Path, engines: tuple[str, ...] = ("reference",)) -> Base:
+    """Read a clean base file, locate its fields and compute its clean logits per engine."""
+    return Base(name, path, path.read_bytes(), gguf_mutate.read_layout(path),
+                {e: logits_of(path, e) for e in engines})
+
+
+# --------------------------------------------------------------------------- naming
+
+
+_HEADER_FIELDS = re.compile(r"\b(magic|header fields? \w+|not a GGUF file)")
+_DOTTED = re.compile(r"\b(general|tokenizer|gemma4|gemma3)\.[\w.]+")
+_NAMED = re.compile(r"\b(key|tensor) [^\s#(]")  # "tensor blk.0.attn_q.weight", not "tensor #3 (after ...)"
+
+
+_NEIGHBOUR = re.compile(r"after (key|tensor) [^\s)]+")
+
+
+def names_key_or_tensor(message: str, strict: bool = True) -> bool:
+    """True when the message names a key or tensor as the file spells it (a damaged name included).
+
+    ``strict``: the entry at fault itself; otherwise naming the last good entry
+    before an unreadable one ("key #5 (after key general.name)") counts too.
+    """
+    text = _NEIGHBOUR.sub("", message) if strict else message
+    return bool(_DOTTED.search(text) or _NAMED.search(text))
+
+
+def names_field(message: str) -> bool:
+    """Names a key, a tensor (or the entry before it) or a header field (magic, version, tensor_count, kv_count)."""
+    return names_key_or_tensor(message, strict=False) or bool(_HEADER_FIELDS.search(message))
+
+
+# --------------------------------------------------------------------------- campaign
+
+
+def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path) -> dict:
+    """Run ``n`` mutated files (kinds and bases in turn, details from ``seed``) through ``engine``."""
+    rng = random.Random(seed)
+    kinds = sorted(gguf_mutate.KINDS)
+    counts: Counter = Counter()
+    by_kind: dict[str, Counter] = {k: Counter() for k in kinds}
+    examples: dict[str, list] = {}
+    named = named_near = named_field = n_errors = 0
+    t0 = time.time()
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        base = bases[(i // len(kinds)) % len(bases)]
+        data, detail = gguf_mutate.mutate(base.data, base.layout, kind, rng)
+        path = work / f"{base.name}.mut.gguf"
+        path.write_bytes(data)
+        out = run_isolated(path, engine, base.clean[engine])
+        counts[out.kind] += 1
+        by_kind[kind][out.kind] += 1
+        if out.kind == "error":
+            n_errors += 1
+            named += names_key_or_tensor(out.detail)
+            named_near += names_key_or_tensor(out.detail, strict=False)
+            named_field += names_field(out.detail)
+        if out.kind not in OK or len(examples.get(out.kind, [])) < 3:
+            examples.setdefault(out.kind, []).append(f"{base.name} {kind}: {detail} => {out.detail}")
+    return {
+        "engine": engine, "files": n, "seed": seed, "seconds": round(time.time() - t0, 1),
+        "outcomes": dict(counts), "by_kind": {k: dict(v) for k, v in by_kind.items()},
+        "errors_naming_key_or_tensor": f"{named}/{n_errors}",
+        "errors_naming_key_or_tensor_or_the_one_before": f"{named_near}/{n_errors}",
+        "errors_naming_key_tensor_or_header_field": f"{named_field}/{n_errors}",
+        "examples": {k: v[:20] for k, v in examples.items()},
+    }
+
+
+# --------------------------------------------------------------------------- a real-size file
+
+
+def write_big_e2b(path: str | os.PathLike, n_layer: int | None = None) -> Path:
+    """Write a Gemma 4 E2B-shaped Q8_0 GGUF (``cases/shapes/e2b.toml``: 262144-token vocabulary, PLE, 35 layers,
+    4.9 GB) with random Q8_0 blocks (fp16 scales in [1e-3, 1e-2], random int8 codes), F32 norms and the
+    vocabulary keys; ``n_layer`` keeps the first layers only. Streams the data: memory stays ~100 MB."""
+    import tomllib
+    import types
+
+    import gguf
+    from harness import synth
+
+    cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "cases" / "shapes" / "e2b.toml").read_text())
+    cfg = cfg["config"]
+    if n_layer:
+        cfg = dict(cfg, num_hidden_layers=n_layer, layer_types=cfg["layer_types"][:n_layer],
+                   num_kv_shared_layers=max(0, cfg["num_kv_shared_layers"] - (cfg["num_hidden_layers"] - n_layer)))
+    rng = np.random.default_rng(0)
+    blocks = np.empty((1 << 21, 34), dtype=np.uint8)
+    blocks[:, :2] = rng.uniform(1e-3, 1e-2, len(blocks)).astype("<f2").view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = rng.integers(0, 256, (len(blocks), 32), dtype=np.uint8)
+    template = blocks.reshape(-1)
+    spec = types.SimpleNamespace(config=cfg, name="e2b-big", path=Path(str(path)))  # what synth reads of a Spec
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    for key, (val, vt, sub) in synth.gguf_metadata(spec).items():
+        w.add_key_value(key, val, gguf.GGUFValueType[vt], sub_type=gguf.GGUFValueType[sub] if sub else None)
+    vocab = cfg["vocab_size"]
+    w.add_key_value("tokenizer.ggml.model", "gemma4", gguf.GGUFValueType.STRING)
+    w.add_key_value("tokenizer.ggml.tokens", [f"\u2581t{i}" for i in range(vocab)], gguf.GGUFValueType.ARRAY,
+                    sub_type=gguf.GGUFValueType.STRING)
+    w.add_key_value("tokenizer.ggml.scores", [0.0] * vocab, gguf.GGUFValueType.ARRAY,
+                    sub_type=gguf.GGUFValueType.FLOAT32)
+    w.add_key_value("tokenizer.ggml.token_type", [1] * vocab, gguf.GGUFValueType.ARRAY,
+                    sub_type=gguf.GGUFValueType.INT32)
+    shapes = {"rope_freqs.weight": (cfg["global_head_dim"] // 2,), **synth.tensor_shapes(spec)}
+    datas = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            arr = synth.rope_freqs(cfg) if name == "rope_freqs.weight" else rng.uniform(0.5, 1.5, shape)
+            datas[name] = np.asarray(arr, dtype=np.float32)
+            w.add_tensor_info(name, shape, np.float32, datas[name].nbytes)
+        else:
+            row_bytes = shape[-1] // 32 * 34
+            nbytes = int(np.prod(shape[:-1])) * row_bytes
+            datas[name] = nbytes
+            w.add_tensor_info(name, (*shape[:-1], row_bytes), np.uint8, nbytes,
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    fout = w.fout[0]  # the data, streamed: each tensor padded to the alignment (as GGUFWriter pads)
+
+    def pad() -> None:
+        fout.write(b"\0" * (-fout.tell() % w.data_alignment))
+
+    pad()
+    for name, d in datas.items():
+        if isinstance(d, np.ndarray):
+            fout.write(d.tobytes())
+        else:
+            for o in range(0, d, len(template)):
+                fout.write(template[:min(len(template), d - o)].tobytes())
+        pad()
+    w.close()
+    return Path(path)
+
+
+def measure_big(path: str | os.PathLike) -> dict:
+    """Seconds for: gguf.GGUFReader, check_gguf, load_model, check_weights (fp32 and fp16 limits) on ``path``,
+    and the resident memory after them (private, and of the mapped file)."""
+    import gguf
+
+    from reference import load_model
+    from reference.gguf_check import check_gguf
+    from reference.weight_check import MAX_ABS_FP16, check_weights
+
+    out = {"bytes": os.path.getsize(path)}
+    steps = (("gguf.GGUFReader", lambda: gguf.GGUFReader(str(path))), ("check_gguf", lambda: check_gguf(path)),
+             ("load_model", lambda: load_model(path)))
+    for name, fn in steps:
+        t = time.perf_counter()
+        res = fn()
+        out[f"{name}_s"] = round(time.perf_counter() - t, 3)
+    out["tensors"] = len(res[1])
+    cfg, W = res
+    for label, limit in (("check_weights_fp32_s", None), ("check_weights_fp16_s", MAX_ABS_FP16)):
+        t = time.perf_counter()
+        check_weights(W) if limit is None else check_weights(W, limit)
+        out[label] = round(time.perf_counter() - t, 3)
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    for field in ("RssAnon", "RssFile"):  # private memory vs pages of the mapped file (page cache, reclaimable)
+        out[f"{field}_mb"] = int(status.get(field, "0 kB").split()[0]) // 1024
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reference", type=int, default=3000, help="files through the reference")
+    ap.add_argument("--fast", type=int, default=300, help="files through the fast engine (CPU fp32)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default="/tmp/gguf-campaign")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--big", default=None, help="instead: write (if absent) and time a real-size E2B Q8_0 GGUF here")
+    ap.add_argument("--big-layers", type=int, default=None, help="with --big: keep the first N layers")
+    args = ap.parse_args(argv)
+    if args.big:
+        if not Path(args.big).exists():
+            t = time.perf_counter()
+            write_big_e2b(args.big, args.big_layers)
+            print(f"wrote {args.big} in {time.perf_counter() - t:.0f} s", flush=True)
+        print(json.dumps(measure_big(args.big)), flush=True)
+        return 0
+    work = Path(args.work)
+    engines = ("reference",) + (("fast",) if args.fast else ())
+    bases = [load_base(name, path, engines) for name, path in write_bases(work / "bases").items()]
+    results = []
+    for engine, n in (("reference", args.reference), ("fast", args.fast)):
+        if n:
+            r = campaign(bases, engine, n, args.seed, work)
+            results.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "examples"}, indent=1), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    bad = sum(v for r in results for k, v in r["outcomes"].items() if k not in OK)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
