@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow", action="store_true",
                    help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--weights", choices=("packed", "dequantized"), default=None,
+                   help="the fast engine's GGUF weights: kept packed (the packed kernels on the CPU) or dequantized "
+                        "at load (default: packed for a quantized GGUF; built-in cases also check fast packed on "
+                        "every quantized file unless dequantized)")
     p.add_argument("--baseline", default=None,
                    help="earlier results.json (or --write-baseline file): exit 1 on a regression against it")
     p.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this file")
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     data, status = run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
-                              skip=tuple(args.skip), slow=args.slow)
+                              skip=tuple(args.skip), slow=args.slow, weights=args.weights)
     print(short_table(data))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))

