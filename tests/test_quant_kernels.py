@@ -405,3 +405,54 @@ def test_packed_fast_model_on_the_real_gemma3_gguf():
 
     first, second = serve([2, 9259, 11, 1550, 19, 6, 4827]), serve([2, 4521, 7, 88, 2301, 5, 310])
     assert len(first) == 6 and all(np.array_equal(a, b) for a, b in zip(first, second))
+
+
+# --------------------------------------------------------------------------- the fast engine's weight mode
+
+
+def _e2b_gguf(qtype: str) -> str:
+    from harness import synth
+    from harness.core.cases import MODELS_DIR
+
+    return str(synth.ensure_built(MODELS_DIR / "e2b.toml").gguf[qtype])
+
+
+@needs_kernel
+def test_fast_engine_keeps_a_quantized_gguf_packed_by_default():
+    """``--weights`` absent: packed (views of the mapped file) for a quantized GGUF, dequantized for an F32 one;
+    ``dequantized`` decodes every matrix at load; anything else is refused in one line."""
+    from harness.core.gates import resolve
+    from harness.engines.fast import FastEngine
+    from reference.errors import InputError
+
+    q8 = FastEngine(_e2b_gguf("Q8_0"), device="cpu")
+    assert q8.weights == "packed"
+    emb = q8.model.w["token_embd.weight"]
+    assert isinstance(emb, QuantizedTensor) and emb.qtype.name == "Q8_0"
+    assert q8.elem_bytes("token_embd.weight") == 34 / 32  # bench's bytes per token count the packed bytes
+    dense = FastEngine(_e2b_gguf("Q8_0"), device="cpu", weights="dequantized")
+    assert dense.weights == "dequantized"
+    assert all(isinstance(t, torch.Tensor) for t in dense.model.w.t.values())
+    ids = [2, 17, 301, 5, 99, 410]
+    gate = resolve({}, "e2b")["fast~reference.max_abs_logit"]  # packed vs dequantized: summation order only
+    assert gate.check(float(np.max(np.abs(q8.logits(ids) - dense.logits(ids)))))
+    assert FastEngine(_e2b_gguf("F32"), device="cpu").weights == "dequantized"
+    with pytest.raises(InputError, match="--weights"):
+        FastEngine(_e2b_gguf("Q8_0"), device="cpu", weights="int8")
+
+
+@needs_kernel
+def test_parity_fast_packed_check_on_a_built_in_case():
+    """The parity figure fast packed vs reference on the same quantized file: inside the fast~reference gate,
+    and no figure for an F16 file (nothing in it is kept packed)."""
+    from harness.core.gates import resolve
+    from harness.engines.reference import ReferenceEngine
+    from harness.parity.checks.fast import fast_packed_checks
+
+    prompt = {"id": "short", "prompt_ids": [2, 17, 301, 5, 99, 410, 7]}
+    files = {q: _e2b_gguf(q) for q in ("Q8_0", "F16")}
+    ref = {q: ReferenceEngine(p).logits(prompt["prompt_ids"]) for q, p in files.items()}
+    figs = fast_packed_checks(files, prompt, ref)
+    assert [(f.gate, f.prompt) for f in figs] == [("fast~reference.max_abs_logit", "short@Q8_0-packed")]
+    assert figs[0].detail["packed_types"] == ["Q8_0"] and figs[0].detail["same_top1"] == 1.0
+    assert resolve({}, "e2b")["fast~reference.max_abs_logit"].check(figs[0].measured)
