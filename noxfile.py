@@ -9,7 +9,7 @@ never pulls a multi-GB CUDA build; on a GPU machine install your own torch
 into your environment and use ``pip install -e .[test]`` directly instead.
 Arguments after ``--`` go to ``g4h parity`` / ``pytest`` unchanged.
 
-``tests`` also installs llama-cpp-python 0.3.36 from the user cache
+``parity`` and ``tests`` also install llama-cpp-python 0.3.36 from the user cache
 (``~/.cache/gemma4-harness/llama.cpp-0.3.36-<key>/``, or under ``$XDG_CACHE_HOME``),
 building it and ``llama-server`` there first when absent (one CMake build of the
 llama.cpp the sdist vendors, ~6-9 minutes on 2 cores; ``python -m
@@ -42,8 +42,11 @@ def _install(session: nox.Session) -> None:
 
 @nox.session
 def parity(session: nox.Session) -> None:
-    """Parity run: float64 reference vs transformers fp32 eager on every case and prompt set, plus real Gemma 3 270M."""
+    """The main job, ``g4h parity``: every engine against the float64 reference (transformers fp32 eager, fast,
+    llama.cpp, the drafters) on every built-in case and prompt set, the real Gemma 3 270M GGUF, the tokenizer and
+    multimodal checks. llama.cpp is built once into the user cache, as for the tests."""
     _install(session)
+    _install_llamacpp(session)
     session.run("g4h", "parity", *session.posargs)
 
 

@@ -219,3 +219,14 @@ def test_shape_only_model_runs_on_cpu_when_truncated(tmp_path):
     assert {r["engine"] for r in data["rows"]} == {"fast"}
     assert "only the fast engine" in data["skipped"]["transformers"]
     assert all(r["mean_tok_s"] > 0 for r in data["rows"])
+
+
+def test_prefill_only_run_writes_its_report(tmp_path):
+    """``--tg 0``: no decode row, so no roofline plot; the report is still written, with the batch plot."""
+    proc = run_cli("bench", "--model", str(CASE), "--engines", "fast", "--batch", "1", "--pp", "5", "--tg", "0",
+                   "--reps", "1", "--warmup", "0", "--dtype", "float32", "--out", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    run = _run_dir(tmp_path)
+    report = (run / "report.md").read_text()
+    assert "](tps_vs_batch.png)" in report and "roofline.png" not in report
+    assert not (run / "roofline.png").exists()

@@ -141,7 +141,7 @@ def _plot(run_dir: Path, data: Mapping[str, Any]) -> list[str]:
         ax.set_title(f"Decode roofline share (read bandwidth {data['read_bandwidth_gbs']:.1f} GB/s, same run)")
         fig.tight_layout()
         written.append(_save(fig, run_dir, "roofline.png"))
-        return written
+    return written
 
 
 def _save(fig, run_dir: Path, name: str) -> str:

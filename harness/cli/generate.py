@@ -1,6 +1,7 @@
-"""``g4h generate``: greedy continuations of a JSONL prompt set, with top-5 log-probabilities.
+"""``g4h generate``: greedy continuations of a JSONL prompt set (or of one ``--prompt-ids`` prompt, which may carry
+images and audio: :mod:`._mm`), with top-5 log-probabilities.
 
-With ``--draft-model`` (fast engine) the continuations come from speculative decoding
+With ``--draft-model`` (fast engine, text prompts) the continuations come from speculative decoding
 (:class:`fast.speculative.SpecEngine`): the same tokens, and each line also carries
 ``"speculative": {"drafted", "accepted", "acceptance_rate", "target_forwards", "tokens_per_forward"}``.
 """
@@ -14,16 +15,20 @@ from pathlib import Path
 
 from reference.errors import InputError, PromptError
 
-from ..core.cases import load_prompts
+from ..core.cases import load_prompts, read_prompt_ids
 from ..core.io import write_text_atomic
 from ..engines import make_engine
 from ._args import add_model_args, check_out_file, engine_options, resolve_draft_model, resolve_model
+from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h generate``."""
     add_model_args(p, default_engine="fast")
-    p.add_argument("--prompts", required=True, help='JSONL: {"id": ..., "prompt_ids": [...]} per line')
+    p.add_argument("--prompts", default=None, help='JSONL: {"id": ..., "prompt_ids": [...]} per line')
+    p.add_argument("--prompt-ids", default=None, metavar="FILE.json",
+                   help="one prompt, a JSON list of token ids (instead of --prompts; needed with --image/--audio); "
+                        'its output line has id "prompt"')
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--batched", action="store_true", default=None, help="fast engine: one continuous batch")
     p.add_argument("--out", required=True, help='output JSONL: {"id", "tokens", "top5"} per line')
@@ -32,32 +37,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or a drafter case such as e2b-assistant), or oracle | random | partial:J; the output is the "
                         "same, plus per-request statistics")
     p.add_argument("--draft-tokens", type=int, default=4, help="with --draft-model: drafts per round (K)")
+    add_mm_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Write the continuations; exit 0 (2 on bad input, from the caller)."""
     check_out_file(args.out)
-    prompts = [(p["id"], p["prompt_ids"]) for p in load_prompts(Path(args.prompts))]
+    if (args.prompts is None) == (args.prompt_ids is None):
+        raise InputError("g4h generate: give --prompts FILE.jsonl or --prompt-ids FILE.json (one of them)")
     if args.max_new_tokens < 1:
         raise PromptError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
     if args.draft_model is not None and args.engine != "fast":
         raise InputError(f"--draft-model: speculative decoding runs on the fast engine, not {args.engine!r}")
     if args.draft_tokens < 1:
         raise InputError(f"--draft-tokens {args.draft_tokens}: expected >= 1")
-    engine = make_engine(args.engine, resolve_model(args.model, args.engine), **engine_options(args))
-    ids = [p for _, p in prompts]
-    if args.draft_model is None:
-        gens = engine.generate_full(ids, args.max_new_tokens)
-        extra = [{} for _ in gens]
+    extra: list[dict] = []
+    if mm_requested(args):
+        if args.prompt_ids is None:
+            raise InputError("g4h generate: --image / --audio / --mmproj go with one --prompt-ids prompt")
+        if args.draft_model is not None:
+            raise InputError("--draft-model: speculative decoding takes text prompts, not --image / --audio")
+        _, prompt, engine = open_mm_prompt(args, read_prompt_ids(args.prompt_ids))
+        prompts, gens = [("prompt", prompt.ids)], [engine.generate_full(prompt, args.max_new_tokens)]
     else:
-        gens = engine.generate_speculative(ids, args.max_new_tokens, resolve_draft_model(args.draft_model),
-                                           args.draft_tokens)
-        extra = [{"speculative": g.stats.as_dict(len(g.tokens))} for g in gens]
-        drafted, accepted = sum(g.stats.drafted for g in gens), sum(g.stats.accepted for g in gens)
-        forwards = sum(g.stats.target_forwards for g in gens)
-        print(f"speculative ({args.draft_model}, K={args.draft_tokens}): {accepted} of {drafted} drafts accepted"
-              f"{f' ({100 * accepted / drafted:.1f} %)' if drafted else ''}, "
-              f"{sum(len(g.tokens) for g in gens) / max(forwards, 1):.2f} tokens per target forward", file=sys.stderr)
+        prompts = ([(p["id"], p["prompt_ids"]) for p in load_prompts(Path(args.prompts))] if args.prompts else
+                   [("prompt", read_prompt_ids(args.prompt_ids))])
+        engine = make_engine(args.engine, resolve_model(args.model, args.engine), **engine_options(args))
+        ids = [p for _, p in prompts]
+        if args.draft_model is None:
+            gens = engine.generate_full(ids, args.max_new_tokens)
+        else:
+            gens = engine.generate_speculative(ids, args.max_new_tokens, resolve_draft_model(args.draft_model),
+                                               args.draft_tokens)
+            extra = [{"speculative": g.stats.as_dict(len(g.tokens))} for g in gens]
+            drafted, accepted = sum(g.stats.drafted for g in gens), sum(g.stats.accepted for g in gens)
+            forwards = sum(g.stats.target_forwards for g in gens)
+            print(f"speculative ({args.draft_model}, K={args.draft_tokens}): {accepted} of {drafted} drafts accepted"
+                  f"{f' ({100 * accepted / drafted:.1f} %)' if drafted else ''}, "
+                  f"{sum(len(g.tokens) for g in gens) / max(forwards, 1):.2f} tokens per target forward",
+                  file=sys.stderr)
+    extra = extra or [{} for _ in gens]
     lines = [json.dumps({"id": pid, "tokens": g.tokens, "top5": [[[i, lp] for i, lp in step] for step in g.top5], **x})
              for (pid, _), g, x in zip(prompts, gens, extra)]
     try:

@@ -24,8 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
     p.add_argument("--skip", action="append", default=[], metavar="CHECK",
                    help="opt a check out (repeatable): llamacpp, gemma3-real, tokenizer, speculative (the drafter "
-                        "and speculative-decoding checks), or a tokenizer check's name. A check that cannot run here "
-                        "and was not opted out fails the run")
+                        "and speculative-decoding checks), multimodal, or a tokenizer check's name. A check that cannot "
+                        "run here and was not opted out fails the run")
     p.add_argument("--slow", action="store_true",
                    help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

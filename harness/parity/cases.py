@@ -7,7 +7,10 @@
 * :func:`user_case`: a user's model (``--model``): the reference against each engine of ``--against``
   (default: every engine that can read it) and against itself;
 * :func:`gemma3_case`: the real Gemma 3 270M GGUF;
-* :func:`tokenizer_case`: the tokenizer checks.
+* :func:`tokenizer_case`: the tokenizer checks;
+* :func:`multimodal_case`: a built-in multimodal spec (``cases/models/multimodal/*.toml``) on the multimodal
+  prompt set: preprocessing, encoders, merge and decoder against transformers (fp32 and float64), the two file
+  forms, the fast path, the vision mask, llama.cpp's mtmd (:mod:`.checks.multimodal`).
 """
 
 from __future__ import annotations
@@ -21,17 +24,24 @@ from fast.model import FastModel
 from fast.speculative import ModelProposer
 from reference.drafter import bind
 from reference.drafter_weights import load_drafter
+from reference.mm_model import load_multimodal
 
 from .. import synth
 from ..core.cases import drafter_spec_for
 from ..core.gates import resolve
+from ..core.mm_prompts import MM_PROMPTS, load_mm_prompts
 from ..engines import engine_kind, make_engine
+from ..engines.mm import ReferenceMM
 from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
+from ..synth.mm_case import ensure_mm_built, load_mm_spec
 from .checks.drafter import drafter_checks, llamacpp_drafter_checks
 from .checks.fast import fast_checks, fast_packed_checks
 from .checks.gemma3_real import gemma3_figures, run_gemma3_real
 from .checks.llamacpp import llamacpp_checks
+from .checks.multimodal import fast_figures as mm_fast_figures
+from .checks.multimodal import llamacpp_figures as mm_llamacpp_figures
+from .checks.multimodal import mask_figures, mmproj_figures, oracle_figures, preprocessing_figures, usable
 from .checks.pair import ReferenceRuns, pair_checks
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
 from .checks.speculative import speculative_checks
@@ -167,4 +177,48 @@ def tokenizer_case(progress: Progress, skip: tuple[str, ...] = (), slow: bool = 
     gates = resolve(None, "tokenizer")
     progress("[tokenizer] parity checks on the corpora")
     res.apply(tokenizer_figures(res.info, skip=skip, slow=slow), gates)
+    return res
+
+
+#: Text-only prompts mixed among the multimodal ones in the continuous-batch check (one longer than two windows).
+MM_TEXT_PROMPTS = ({"id": "text-20", "prompt_ids": [2] + list(range(40, 59))},
+                   {"id": "text-5", "prompt_ids": [2, 60, 61, 62, 63]})
+
+
+def multimodal_case(spec_path: Path, progress: Progress, skip: tuple[str, ...] = (),
+                    prompts_path: str | Path = MM_PROMPTS) -> CaseResult:
+    """All checks of one built-in multimodal spec, on every prompt of the multimodal set its towers can take."""
+    ms = load_mm_spec(spec_path)
+    res = CaseResult(case=ms.name, kind="multimodal", model=str(spec_path), description=ms.spec.description)
+    gates = resolve(ms.spec.gates, str(spec_path))
+    prompts_all = load_mm_prompts(prompts_path)
+    progress(f"[{ms.name}] building / loading the HF folder, the text GGUF and the mmproj")
+    built = ensure_mm_built(ms)
+    res.model = str(built.hf_dir)
+    hf_mm, gguf_mm = load_multimodal(built.hf_dir), load_multimodal(built.gguf, built.mmproj)
+    prompts = usable(hf_mm, prompts_all)
+    res.info["config"] = hf_mm.cfg.summary()
+    res.info["prompts"] = [p["id"] for p in prompts]
+    res.info["prompts_not_taken"] = [p["id"] for p in prompts_all if p not in prompts]
+    progress(f"[{ms.name}] preprocessing vs Gemma4ImageProcessorPil / Gemma4AudioFeatureExtractor")
+    res.apply(preprocessing_figures(hf_mm, built.hf_dir, prompts), gates)
+    res.apply(oracle_figures(hf_mm, built.hf_dir, prompts, progress, ms.name), gates)
+    progress(f"[{ms.name}] text GGUF + mmproj vs HF folder")
+    res.apply(mmproj_figures(hf_mm, gguf_mm, prompts), gates)
+    res.apply(mm_fast_figures(hf_mm, prompts, MM_TEXT_PROMPTS, progress, ms.name), gates)
+    progress(f"[{ms.name}] the vision mask: the last image soft token perturbed")
+    hf32 = importlib.import_module("harness.engines.mm_transformers").TransformersMM(built.hf_dir)
+    res.apply(mask_figures(hf_mm, prompts, {"reference": ReferenceMM(hf_mm), "transformers": hf32}), gates)
+    kinds = [k for k, tower in (("vision", hf_mm.vision), ("audio", hf_mm.audio)) if tower is not None]
+    if "llamacpp" in skip:
+        res.apply([fig(f"llamacpp~reference.mm_{k}_runs", 0.0, "mtmd", got="opted out",
+                       informational_reason="opted out with --skip llamacpp") for k in kinds], gates)
+    elif importlib.util.find_spec("llama_cpp") is None:
+        res.apply([fig(f"llamacpp~reference.mm_{k}_runs", 0.0, "mtmd",
+                       got=f"not run: {LLAMACPP_MISSING}; or opt out: g4h parity --skip llamacpp") for k in kinds],
+                  gates)
+    else:
+        figs, info = mm_llamacpp_figures(hf_mm, built, prompts, progress, ms.name)
+        res.apply(figs, gates)
+        res.info.update(info)
     return res

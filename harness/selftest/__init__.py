@@ -17,6 +17,12 @@ fast~reference gates (per trace point cosine >= 0.99999, max |Δlogit| <= 1e-3 a
 * every mutant listed as *equivalent* stays within the gates (the claim that it
   cannot change the model's output is checked, not just stated).
 
+The multimodal mutants (:data:`.mutants.MM_MUTANTS`) run the same way on the built-in
+multimodal cases (``cases/models/multimodal/``), on the multimodal prompts of
+:data:`MM_SELFTEST_PROMPTS`: the fast path's encoders, merge and decoder traced
+(encoder points ``v<i>.`` / ``a<j>.`` first) against the reference's, with the
+unmutated fast path as their control.
+
 Exit status 0 only when all three hold; 1 otherwise; 2 on bad input (an unknown
 case or prompt id). The report goes to ``reports/<ts>-selftest/`` (``report.md``
 with the mutant table, ``results.json``).
@@ -24,9 +30,10 @@ with the mutant table, ``results.json``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -34,17 +41,25 @@ from fast.model import FastModel
 from reference import model as ref_model
 from reference.config import ModelConfig
 from reference.errors import InputError
+from reference.mm_model import MultimodalModel, MultimodalPrompt, load_multimodal, prepare_prompt
 from reference.weights import load_model
 
 from .. import synth
 from ..core.cases import builtin_specs, load_prompts
 from ..core.gates import DEFAULT_GATES, resolve
 from ..core.io import markdown_table, staged_run_dir, write_json_atomic, write_text_atomic
+from ..core.mm_prompts import load_mm_prompts, prompt_media, resolve_ids
+from ..engines.mm import ReferenceMM
+from ..engines.mm_fast import FastMM
+from ..synth.mm_case import builtin_mm_specs, ensure_mm_built, load_mm_spec
 from ..traces.compare import DivergenceRule, compare
 from ..traces.format import Trace, TraceWriter
-from .mutants import EQUIVALENT, MUTANTS
+from .mutants import EQUIVALENT, MM_MUTANTS, MUTANTS, MMMutant
 
 RESULTS_VERSION = 1
+
+MM_SELFTEST_PROMPTS = ("image-audio", "two-images")
+"""Prompts of ``cases/prompts/multimodal.jsonl`` the multimodal mutants run on (an image and a clip; two images)."""
 
 
 # --------------------------------------------------------------------------- running
@@ -81,6 +96,69 @@ def _run_one(tr: Trace, ref: Trace, rule: DivergenceRule) -> dict[str, Any]:
             "n_diverged": sum(r.diverged for r in res.rows), "n_points": len(res.rows),
             "min_cosine": min(cos) if cos else None,
             "max_abs_logit": None if out_row is None else out_row.max_abs}
+
+
+def trace_mm(engine: Any, prompt: MultimodalPrompt, case: str, name: str, dtype: str) -> Trace:
+    """Trace one prepared multimodal prompt through a multimodal engine (:mod:`harness.engines.mm`), keeping the
+    tensors."""
+    w = TraceWriter(name, prompt.ids, case=case, dtype=dtype, keep_tensors=True)
+    engine.logits(prompt, trace=w)
+    return w.trace()
+
+
+def _prepare(mm: MultimodalModel, p: dict[str, Any]) -> MultimodalPrompt:
+    images, clips = prompt_media(p)
+    return prepare_prompt(mm, resolve_ids(p["prompt_ids"], mm.tok), images, clips)
+
+
+@contextlib.contextmanager
+def _patched(m: MMMutant) -> Iterator[None]:
+    """While inside, the mutant's module function is in place (restored on exit, also on an error)."""
+    if m.patch is None:
+        yield
+        return
+    module, name, fn = m.patch
+    saved = getattr(module, name)
+    setattr(module, name, fn)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def run_mm_case(spec_path, rule: DivergenceRule, mut_runs: dict[str, list[dict[str, Any]]],
+                progress) -> dict[str, Any]:
+    """The multimodal mutants on one multimodal case; returns the control's row, appends the mutants' runs."""
+    ms = load_mm_spec(spec_path)
+    mm = load_multimodal(ensure_mm_built(ms).hf_dir)
+    prompts = [p for p in load_mm_prompts() if p["id"] in MM_SELFTEST_PROMPTS]
+    prompts = [p for p in prompts if (mm.vision or not p["images"]) and (mm.audio or not p["audio"])]
+    progress(f"[{ms.name}] reference traces on {len(prompts)} multimodal prompts")
+    prepared = {p["id"]: _prepare(mm, p) for p in prompts}
+    refs = {pid: trace_mm(ReferenceMM(mm), pr, ms.name, "reference", "float64") for pid, pr in prepared.items()}
+    ctl = {"case": ms.name, "runs": []}
+    control = FastMM(mm, "cpu", "float32")
+    for pid, pr in prepared.items():
+        r = _run_one(trace_mm(control, pr, ms.name, "fast", "float32"), refs[pid], rule)
+        ctl["runs"].append({"prompt": pid, **r})
+    ctl["pass"] = not any(r["detected"] for r in ctl["runs"])
+    progress(f"[{ms.name}] control {'ok' if ctl['pass'] else 'FAILED'}; multimodal mutants")
+    for m in MM_MUTANTS:
+        for p in prompts:
+            pr = prepared[p["id"]]
+            if not m.applies(mm, pr):
+                continue
+            exp = "{}@{}".format(*m.expected(mm, pr))
+            with _patched(m):
+                eng = FastMM(mm, "cpu", "float32", model=None if m.model is None else m.model(mm.cfg, mm.W, "cpu",
+                                                                                            "float32"))
+                if m.weights is not None:
+                    m.weights(eng)
+                tr = trace_mm(eng, _prepare(mm, p), ms.name, f"fast-mutant-{m.name}", "float32")
+            r = _run_one(tr, refs[p["id"]], rule)
+            mut_runs[m.name].append({"case": ms.name, "prompt": p["id"], "tokens": len(pr.ids), "expected": exp,
+                                     "ok": r["detected"] and r["first"] == exp, **r})
+    return ctl
 
 
 def select_prompts(prompts: list[dict[str, Any]], ids: Sequence[str] | None, cfg: ModelConfig) -> list[dict[str, Any]]:
@@ -127,13 +205,17 @@ def run_selftest(cases: Sequence[str] | None = None, prompt_ids: Sequence[str] |
     t0 = time.perf_counter()
     specs = builtin_specs()
     if cases:
-        known = {s.stem: s for s in specs}
+        known = [s.stem for s in specs + builtin_mm_specs()]
         bad = [c for c in cases if c not in known]
         if bad:
             raise InputError(f"selftest: unknown case {bad[0]!r} (known: {', '.join(known)})")
-        specs = [known[c] for c in cases]
+    mm_specs = builtin_mm_specs()
+    if cases:
+        known_text, known_mm = {s.stem: s for s in specs}, {s.stem: s for s in mm_specs}
+        specs = [known_text[c] for c in cases if c in known_text]  # in the order asked for
+        mm_specs = [known_mm[c] for c in cases if c in known_mm]
     prompts = load_prompts()
-    mut_runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in MUTANTS + EQUIVALENT}
+    mut_runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in MUTANTS + EQUIVALENT + MM_MUTANTS}
     controls = []
     rules = {}
     for spec_path in specs:
@@ -166,8 +248,12 @@ def run_selftest(cases: Sequence[str] | None = None, prompt_ids: Sequence[str] |
                         fm.logits(p["prompt_ids"]).numpy() - control.logits(p["prompt_ids"]).numpy())))
                 mut_runs[m.name].append({"case": spec.name, "prompt": p["id"], "tokens": len(p["prompt_ids"]),
                                          "expected": exp, "ok": ok, **r})
+    for spec_path in mm_specs:
+        rule = fast_reference_rule(resolve(load_mm_spec(spec_path).spec.gates, str(spec_path)))
+        rules[spec_path.stem] = rule.describe()
+        controls.append(run_mm_case(spec_path, rule, mut_runs, progress))
     mutants, excluded = [], []
-    for m in MUTANTS + EQUIVALENT:
+    for m in (MUTANTS if specs else ()) + (MM_MUTANTS if mm_specs else ()) + (EQUIVALENT if specs else ()):
         runs = mut_runs[m.name]
         row = {"name": m.name, "fault": m.fault, "exercised_by": m.exercised_by,
                "cases": sorted({r["case"] for r in runs}), "runs": runs,
@@ -176,7 +262,7 @@ def run_selftest(cases: Sequence[str] | None = None, prompt_ids: Sequence[str] |
                "pass": bool(runs) and all(r["ok"] for r in runs)}
         if not runs:
             row["note"] = "no selected case exercises this fault"
-        if m.equivalent:
+        if getattr(m, "equivalent", None):
             row["why_equivalent"] = m.equivalent
             row["any_detected"] = any(r["detected"] for r in runs)
             row["max_abs_logit"] = max((r["max_abs_logit"] or 0.0 for r in runs), default=None)
@@ -191,7 +277,7 @@ def run_selftest(cases: Sequence[str] | None = None, prompt_ids: Sequence[str] |
     data = {"version": RESULTS_VERSION, "kind": "selftest",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "seconds": time.perf_counter() - t0, "status": status, "rules": rules,
-            "cases": [s.stem for s in specs], "prompt_filter": list(prompt_ids) if prompt_ids else None,
+            "cases": [s.stem for s in specs + mm_specs], "prompt_filter": list(prompt_ids) if prompt_ids else None,
             "controls": controls, "mutants": mutants, "excluded": excluded}
     if write:
         with staged_run_dir("selftest", out) as run_dir:

@@ -2,6 +2,10 @@
 of :class:`fast.model.FastModel`'s block functions (or by changing the config, the weights or the RoPE
 table it is built with). ``fast/`` itself is never modified.
 
+:data:`MM_MUTANTS` are the multimodal ones: a :class:`fast.model.FastModel` method, or ONE module function of the
+encoders (:mod:`fast.vision`, :mod:`fast.audio`; the mel front end, :mod:`reference.audio_features`, which the fast
+path shares) replaced while the mutant runs and restored after, or the encoder weights.
+
 :data:`MUTANTS` are real faults: each must be detected, first at :attr:`Mutant.expected`.
 :data:`EQUIVALENT` are mathematically equivalent changes: each must stay within the gates (the claim
 is checked, not just stated).
@@ -18,8 +22,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fast import audio as FA
+from fast import vision as FV
 from fast.model import FastModel, StepBatch, attention, embed_rows, linear, rms_norm
+from fast.multimodal import merge_embeddings
+from reference import audio_features as AF
 from reference.config import LayerSpec, ModelConfig
+
+_rope_2d = FV.rope_2d  # bound at import: a mutant swaps the module's name while it runs
+_magnitude_spectrum = AF.magnitude_spectrum
 
 
 def _fast(cls: type[FastModel] = FastModel) -> Callable[[ModelConfig, Any], FastModel]:
@@ -36,11 +47,13 @@ def _with_cfg(**changes) -> Callable[[ModelConfig, Any], FastModel]:
 
 
 class AttnScale(FastModel):
-    """``attend``: q.k scaled by 1/sqrt(head_dim) instead of Gemma 4's 1.0."""
+    """``attend``: q.k scaled by 1/sqrt(head_dim) instead of Gemma 4's 1.0 (the bidirectional image blocks kept, as
+    :meth:`fast.model.FastModel.attend` passes them)."""
 
-    def attend(self, layer, q, k, v, q_pos, k_pos):
+    def attend(self, layer, q, k, v, q_pos, k_pos, q_block=None):
         window = self.cfg.sliding_window if layer.is_sliding else None
-        return attention(q, k, v, q_pos, k_pos, window, 1.0 / math.sqrt(layer.head_dim))
+        k_block = None if q_block is None else torch.cat([q_block.new_full((k.shape[0] - q.shape[0],), -1), q_block])
+        return attention(q, k, v, q_pos, k_pos, window, 1.0 / math.sqrt(layer.head_dim), q_block, k_block)
 
 
 class ExpertsSwiGLU(FastModel):
@@ -270,3 +283,160 @@ EQUIVALENT: tuple[Mutant, ...] = (
            "to eps (a unit-RMS vector keeps RMS 1), so the scores and the top-k choice are unchanged."),
 )
 """Mathematically equivalent mutants: excluded from detection, each with the reason (and checked)."""
+
+
+# --------------------------------------------------------------------------- multimodal: one overridden function each
+
+
+class SqrtHInjected(FastModel):
+    """``merge``: the soft tokens multiplied by sqrt(h), as text rows are (transformers and llama.cpp inject them
+    unscaled)."""
+
+    def merge(self, batch, x):
+        parts = []
+        for i, s in enumerate(batch.seqs):
+            part = x[batch.rows(i)]
+            if s.mm is not None:
+                ph = torch.as_tensor(np.asarray(s.mm.placeholder), device=x.device)
+                part = merge_embeddings(part, ph, torch.as_tensor(s.mm.embeds) * math.sqrt(self.cfg.hidden_size))
+            parts.append(part)
+        return torch.cat(parts)
+
+
+class PlePlaceholderId(FastModel):
+    """``placeholders_to_pad``: placeholders keep their own id, so the PLE token part reads the image/audio token's
+    row instead of the pad row (Crane PR #23)."""
+
+    def placeholders_to_pad(self, batch, ids):
+        return ids
+
+
+class CausalImageBlock(FastModel):
+    """``_blocks``: no bidirectional block: image tokens attend causally on sliding layers too (vLLM #40106)."""
+
+    def _blocks(self, inj):
+        return None
+
+
+class BidirectionalFullLayers(FastModel):
+    """``attend``: full layers get the image blocks too (bidirectional everywhere; ``decoder_layer`` only hands it
+    the step's bookkeeping, as :class:`LayerScalarBranch` does)."""
+
+    def decoder_layer(self, layer: LayerSpec, x, batch: StepBatch, ple, tr=None):
+        self._batch = batch
+        return super().decoder_layer(layer, x, batch, ple, *(() if tr is None else (tr,)))
+
+    def attend(self, layer, q, k, v, q_pos, k_pos, q_block=None):
+        blocks = getattr(self, "_batch", None) and self._batch.blocks
+        if q_block is None and not layer.is_sliding and blocks and len(blocks) == 1 and blocks[0] is not None:
+            q_block = blocks[0]
+        return super().attend(layer, q, k, v, q_pos, k_pos, q_block)
+
+
+def rope_2d_xy_swapped(x, positions, theta):
+    """:func:`fast.vision.rope_2d` with the x and y coordinates swapped (the first half rotated by the row)."""
+    return _rope_2d(x, positions[:, [1, 0]], theta)
+
+
+def pool_cells_column_major(positions, k):
+    """:func:`fast.vision.pool_cells` numbering the cells column by column instead of row by row."""
+    pos = positions.clamp(min=0)
+    cells_per_col = (int(pos[:, 1].max()) + 1) // k
+    return pos[:, 1] // k + cells_per_col * (pos[:, 0] // k)
+
+
+def power_spectrum(frames, cfg):
+    """:func:`reference.audio_features.magnitude_spectrum` squared: the power spectrum instead of the magnitude."""
+    return _magnitude_spectrum(frames, cfg) ** 2
+
+
+def softcap_dropped(x, cap):
+    """:func:`fast.model.softcap` as the audio attention calls it, doing nothing: the logit softcap 50 dropped."""
+    return x
+
+
+def clip_bounds_ignored(cfg, W, name):
+    """:func:`fast.vision.clip_bounds` answering "no bounds": every ClippableLinear runs unclamped."""
+    return None
+
+
+def _per_dim_scale_raw(fm) -> None:
+    """The audio weights' ``per_dim_scale`` put back to the raw parameter (``softplus^-1`` of the stored value): an
+    engine that reads the HF parameter and forgets the softplus."""
+    for name, t in list(fm.aw.t.items()):
+        if name.endswith("per_dim_scale.weight"):
+            fm.aw.t[name] = torch.log(torch.expm1(t.double())).float()
+
+
+@dataclass(frozen=True)
+class MMMutant:
+    """One multimodal fault class, run on a multimodal case's prompt (encoder points ``v<i>.`` / ``a<j>.`` first).
+
+    Attributes:
+        name, fault, exercised_by: as :class:`Mutant`.
+        applies: (model, prompt) -> whether the case and prompt exercise the fault.
+        expected: (model, prompt) -> the (point, layer) where it must first show.
+        model: the :class:`fast.model.FastModel` subclass with the overridden method (None: the unmutated one).
+        patch: ``(module, name, function)``: a module function replaced while the mutant runs (the encoders are
+            module functions; the mel front end is the reference's, which the fast path uses too), or None.
+        weights: a change to the built engine's encoder weights, or None.
+    """
+
+    name: str
+    fault: str
+    exercised_by: str
+    applies: Callable[[Any, Any], bool]
+    expected: Callable[[Any, Any], tuple[str, int]]
+    model: type[FastModel] | None = None
+    patch: tuple[Any, str, Callable[..., Any]] | None = None
+    weights: Callable[[Any], None] | None = None
+
+
+def _has(kind: str) -> Callable[[Any, Any], bool]:
+    return lambda mm, pr: any(it.kind == kind for it in pr.items)
+
+
+def _bidir(mm, pr) -> bool:
+    return mm.cfg.use_bidirectional_attention == "vision" and pr.use_types and _has("image")(mm, pr)
+
+
+def _first(kind: str, point: str, layer: int = -1) -> Callable[[Any, Any], tuple[str, int]]:
+    """The point of the first item of ``kind`` (prompt order)."""
+    return lambda mm, pr: (f"{'v' if kind == 'image' else 'a'}0.{point}", layer)
+
+
+def _layer_of(sliding: bool) -> Callable[[Any, Any], tuple[str, int]]:
+    return lambda mm, pr: ("attn_out", next(L.index for L in mm.cfg.layers if L.is_sliding == sliding))
+
+
+MM_MUTANTS: tuple[MMMutant, ...] = (
+    MMMutant("mm_sqrt_h_injected", "image and audio soft tokens multiplied by sqrt(hidden) when merged",
+             "every multimodal case", lambda mm, pr: bool(pr.items), lambda mm, pr: ("inp_scaled", -1),
+             model=SqrtHInjected),
+    MMMutant("mm_ple_placeholder_id", "the PLE token part at placeholders reads the placeholder id's row, not the "
+             "pad id's", "PLE cases (mm-llamacpp)", lambda mm, pr: bool(pr.items) and bool(mm.cfg.ple_dim),
+             lambda mm, pr: ("inp_per_layer", -1), model=PlePlaceholderId),
+    MMMutant("mm_causal_image_block", "image tokens attend causally on sliding layers (no bidirectional block)",
+             "use_bidirectional_attention = vision (mm-llamacpp)", _bidir, _layer_of(True), model=CausalImageBlock),
+    MMMutant("mm_bidirectional_full_layers", "the image block is bidirectional on full layers too",
+             "use_bidirectional_attention = vision (mm-llamacpp)", _bidir, _layer_of(False),
+             model=BidirectionalFullLayers),
+    MMMutant("mm_rope_xy_swapped", "vision 2-D RoPE: x and y swapped (first half rotated by the row)",
+             "every case with a vision tower", _has("image"), _first("image", "Qcur_pos", 0),
+             patch=(FV, "rope_2d", rope_2d_xy_swapped)),
+    MMMutant("mm_pool_column_major", "vision pooler numbers its cells column by column", "every case with a vision "
+             "tower", _has("image"), _first("image", "pooled"), patch=(FV, "pool_cells", pool_cells_column_major)),
+    MMMutant("mm_power_spectrum", "audio front end: power spectrum |X|^2 instead of the magnitude |X|",
+             "every case with an audio tower", _has("audio"), _first("audio", "inp_raw"),
+             patch=(AF, "magnitude_spectrum", power_spectrum)),
+    MMMutant("mm_audio_softcap_dropped", "audio attention logits not soft-capped (cap 50)",
+             "every case with an audio tower", _has("audio"), _first("audio", "attn_out", 0),
+             patch=(FA, "softcap", softcap_dropped)),
+    MMMutant("mm_per_dim_scale_no_softplus", "audio query scale uses per_dim_scale itself, not softplus(per_dim_scale)",
+             "every case with an audio tower", _has("audio"), _first("audio", "attn_out", 0),
+             weights=_per_dim_scale_raw),
+    MMMutant("mm_clip_bounds_ignored", "vision ClippableLinear bounds ignored", "vision towers with clipped linears "
+             "(mm-llamacpp)", lambda mm, pr: _has("image")(mm, pr) and mm.vision[0].use_clipped_linears,
+             _first("image", "Qcur_pos", 0), patch=(FV, "clip_bounds", clip_bounds_ignored)),
+)
+"""The multimodal mutants (each must be detected, first at ``expected``)."""

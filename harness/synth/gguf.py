@@ -127,7 +127,8 @@ def gguf_metadata(spec: Spec) -> dict[str, tuple[Any, str, str | None]]:
 
 
 def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.PathLike[str], qtype: str = "F32",
-               arch: str = "gemma4", metadata: Mapping[str, tuple[Any, str, str | None]] | None = None) -> Path:
+               arch: str = "gemma4", metadata: Mapping[str, tuple[Any, str, str | None]] | None = None,
+               special_tokens: Mapping[int, str] | None = None) -> Path:
     """Write a ``gemma4`` GGUF file with llama.cpp's tensor names and keys.
 
     ``arch`` and ``metadata`` (in the form of :func:`gguf_metadata`) let the drafter writer
@@ -152,6 +153,8 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
         weights: canonical name -> float32 array, as from :func:`make_weights`.
         path: output file.
         qtype: one of :data:`QTYPES`.
+        special_tokens: id -> token string written at that id as a CONTROL token (a multimodal case's
+            ``<|image|>`` ... strings, which the reference and llama.cpp's mtmd look up by string).
 
     Returns:
         ``Path(path)``.
@@ -171,6 +174,8 @@ def write_gguf(spec: Spec, weights: Mapping[str, np.ndarray], path: str | os.Pat
     if spec.config.get("tie_word_embeddings", True):
         tensors.pop("output.weight", None)
     tokens, scores, ttypes = _vocab(spec.config["vocab_size"])
+    for tid, text in (special_tokens or {}).items():
+        tokens[tid], ttypes[tid] = text, int(gguf.TokenType.CONTROL)
 
     w = gguf.GGUFWriter(str(tmp), arch)
     try:

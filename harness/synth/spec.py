@@ -143,6 +143,8 @@ class Spec:
             :func:`harness.core.gates.resolve`); checked when the parity job runs.
         qtypes: the GGUF variants to write (``qtypes = [...]`` in the file; default all of
             :data:`QTYPES`; a large benchmark model may write only ``F32``).
+        extra: the further top-level tables a caller allowed (``load_spec(..., extra=...)``: the
+            multimodal specs' ``[vision]``, ``[audio]`` ...), as read.
     """
 
     name: str
@@ -154,17 +156,19 @@ class Spec:
     sha256: str
     gates: dict[str, Any] = field(default_factory=dict)
     qtypes: tuple[str, ...] = QTYPES
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _spec_fail(path: Path, key: str, what: str) -> SpecError:
     return SpecError(f"{path}: {key}: {what}")
 
 
-def load_spec(path: str | os.PathLike[str]) -> Spec:
+def load_spec(path: str | os.PathLike[str], extra: tuple[str, ...] = ()) -> Spec:
     """Read and validate one TOML model spec.
 
     Args:
         path: a ``.toml`` file in the format of the module docstring.
+        extra: further top-level keys this caller reads itself (kept in :attr:`Spec.extra`, unchecked here).
 
     Returns:
         The :class:`Spec`; ``config`` holds only keys the file states, ``init``
@@ -194,9 +198,9 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
             raise _spec_fail(p, key, "missing")
         if not isinstance(doc[key], typ) or isinstance(doc[key], bool):
             raise _spec_fail(p, key, f"expected {typ.__name__}, got {type(doc[key]).__name__}")
-    extra = sorted(set(doc) - {"description", "seed", "config", "init", "gates", "qtypes"})
-    if extra:
-        raise _spec_fail(p, extra[0], "unknown top-level key")
+    unknown_keys = sorted(set(doc) - {"description", "seed", "config", "init", "gates", "qtypes", *extra})
+    if unknown_keys:
+        raise _spec_fail(p, unknown_keys[0], "unknown top-level key")
     if doc["seed"] < 0:
         raise _spec_fail(p, "seed", "must be >= 0")
     gates = doc.get("gates", {})
@@ -241,6 +245,7 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
         sha256=hashlib.sha256(raw).hexdigest(),
         gates=gates,
         qtypes=tuple(q for q in QTYPES if q in qtypes),
+        extra={k: doc[k] for k in extra if k in doc},
     )
 
 

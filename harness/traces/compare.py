@@ -220,7 +220,7 @@ class DiffResult:
             worst = max(rs, key=lambda r: (r.err if not math.isnan(r.err) else math.inf))
             lout = next((r for r in rs if r.point == "l_out"), None)
             cos = [r.cosine for r in rs if r.cosine is not None]
-            out.append({"layer": {0: "input", 2: "output"}.get(sec, layer), "points": len(rs),
+            out.append({"layer": {-1: "encoders", 0: "input", 2: "output"}.get(sec, layer), "points": len(rs),
                         "worst_point": worst.point, "worst_err": worst.err,
                         "l_out_err": None if lout is None else lout.err,
                         "min_cosine": min(cos) if cos else None,

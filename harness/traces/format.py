@@ -129,14 +129,24 @@ def tensor_name(point: str, layer: int) -> str:
     return f"{point}.{int(layer)}"
 
 
+def is_encoder_point(point: str) -> bool:
+    """An encoder trace point of a multimodal prompt: ``v<i>.<name>`` (image i) or ``a<j>.<name>`` (audio clip j),
+    :func:`reference.mm_model.item_prefix`."""
+    head, dot, _ = point.partition(".")
+    return bool(dot) and len(head) > 1 and head[0] in "va" and head[1:].isdigit()
+
+
 def canonical_key(point: str, layer: int) -> tuple[int, int, int]:
-    """Sort key of the canonical trace order: inputs, then layers 0.. (points in :data:`LAYER_POINTS`
-    order), then outputs. Unknown point names sort after the known ones of their layer (Python's sort is
-    stable, so among themselves they keep file order).
+    """Sort key of the canonical trace order: the encoders' points (multimodal prompts; :func:`is_encoder_point`),
+    then inputs, then layers 0.. (points in :data:`LAYER_POINTS` order), then outputs. Encoder points all share one
+    key, so they keep the order the engine reported them in (the encoders' computation order, item by item), as
+    unknown point names keep theirs among themselves (Python's sort is stable).
 
     Returns:
-        ``(section, layer, rank)`` with section 0 = input, 1 = layer, 2 = output.
+        ``(section, layer, rank)`` with section -1 = encoders, 0 = input, 1 = layer, 2 = output.
     """
+    if is_encoder_point(point):
+        return -1, 0, 0
     if layer < 0:
         if point in OUTPUT_POINTS or point.startswith("result"):
             sec, order = 2, OUTPUT_POINTS

@@ -1,9 +1,10 @@
 """llama.cpp's deliberate numerical approximations, emulated in the reference so that they do not mask
 or mimic a real difference.
 
-Today one: the CPU backend's GELU reads an fp16 lookup table (:func:`gelu_fp16_table`);
+The text decoder's one: the CPU backend's GELU reads an fp16 lookup table (:func:`gelu_fp16_table`);
 :func:`llamacpp_numerics` swaps it into :func:`reference.model.gelu_tanh`, the one op of the
-specification an emulation may replace (its docstring says so).
+specification an emulation may replace (its docstring says so). The encoders' (mtmd):
+:func:`llamacpp_mm_numerics`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ from typing import Iterator
 
 import numpy as np
 
+import reference.audio as ra
 import reference.model as rm
+import reference.vision as rv
 
 _exact_gelu = rm.gelu_tanh  # bound at import: llamacpp_numerics swaps the module's name
+_exact_patch_embed = rv.patch_embed
+_exact_conv2d = ra.conv2d_stride2
 
 
 def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
@@ -55,3 +60,37 @@ def llamacpp_numerics() -> Iterator[None]:
         yield
     finally:
         rm.gelu_tanh = original
+
+
+def fp16(x: np.ndarray) -> np.ndarray:
+    """Values rounded to fp16 and back to float64. [...] -> [...]."""
+    return np.asarray(x, dtype=np.float64).astype(np.float16).astype(np.float64)
+
+
+def patch_embed_im2col_f16(x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
+    """:func:`reference.vision.patch_embed` as llama.cpp computes it: ``ggml_conv_2d`` gathers the input patches
+    with ``ggml_im2col`` into F16 (for any kernel type but BF16), and the F32 kernel is converted to F16 for the
+    F16 x F16 dot products. [N, p*p*3], [H, 3, p, p] -> [N, H]."""
+    return _exact_patch_embed(fp16(x), fp16(kernel))
+
+
+def conv2d_im2col_f16(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """:func:`reference.audio.conv2d_stride2` as llama.cpp's ``ggml_conv_2d`` computes it (input and kernel in F16).
+    [C_in, T, F], [C_out, C_in, 3, 3] -> [C_out, T/2, F/2]."""
+    return _exact_conv2d(fp16(x), fp16(w))
+
+
+@contextlib.contextmanager
+def llamacpp_mm_numerics() -> Iterator[None]:
+    """While inside, the reference's encoders take llama.cpp's deliberate approximations (measured on
+    ``mm-llamacpp``, image prompt, mmproj with ``clip.use_gelu``): the patch embedding's and the audio subsampling
+    convolutions' F16 im2col (:func:`patch_embed_im2col_f16`, :func:`conv2d_im2col_f16`; the first vision point
+    ``inp`` moves from rel. L2 3.2e-4 to 6.6e-8 once emulated) and the fp16 GELU table in the vision MLP
+    (:func:`gelu_fp16_table`). Flash attention, which holds K and V in F16 on the CPU, is turned off in the worker
+    instead. Swaps the module names and restores them on exit (not thread-safe)."""
+    saved = (rv.gelu_tanh, rv.patch_embed, ra.conv2d_stride2)
+    rv.gelu_tanh, rv.patch_embed, ra.conv2d_stride2 = gelu_fp16_table, patch_embed_im2col_f16, conv2d_im2col_f16
+    try:
+        yield
+    finally:
+        rv.gelu_tanh, rv.patch_embed, ra.conv2d_stride2 = saved

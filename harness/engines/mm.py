@@ -1,0 +1,113 @@
+"""Engines for multimodal prompts: the reference, the fast path and transformers, over one prepared prompt.
+
+A prompt is prepared once (:func:`reference.mm_model.prepare_prompt`: the media preprocessed by our image
+processor and mel front end, the placeholders expanded); every engine then takes the same pixels and
+features, so the figures of one stage are not blurred by another (the preprocessing is compared with
+transformers' processors on its own: :mod:`harness.parity.checks.multimodal`). Each engine has
+
+* ``soft_tokens(prompt, trace=None)`` -> the projected soft tokens of every item, in prompt order (encoder
+  trace points prefixed ``v<i>.`` / ``a<j>.``, :func:`reference.mm_model.item_prefix`);
+* ``logits(prompt, trace=None, embeds=None)`` -> ``[T, V]`` over the expanded prompt; ``embeds`` injects the
+  given soft tokens (``[n, h]``, prompt order) instead of the engine's own (the merge checked alone);
+* ``generate_full(prompt, max_new_tokens)`` -> :class:`harness.engines.base.Generated`-like greedy tokens
+  with top-5 log-probabilities (``mm_token_type_ids`` on the prefill only, as transformers' ``generate``).
+
+Engines: ``reference`` (float64, here), ``fast`` (torch; ``device``, ``dtype``: :mod:`.mm_fast`),
+``transformers`` (``Gemma4ForConditionalGeneration``, eager; an HF folder only; float32, the oracle, or
+float64: :mod:`.mm_transformers`). :func:`make_mm_engine` imports the torch ones only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Sequence
+
+import numpy as np
+
+from reference import model as RM
+from reference.errors import PromptError
+from reference.mm_model import (
+    MultimodalModel,
+    MultimodalPrompt,
+    encode_item,
+    item_prefix,
+    load_multimodal,
+    prefixed,
+)
+from reference.model import TraceFn
+
+from .base import EngineUnavailable, Generated
+
+MM_ENGINES = ("reference", "fast", "transformers")
+"""The engines that take images and audio."""
+
+
+def check_rows(prompt: MultimodalPrompt, rows: Sequence[np.ndarray]) -> None:
+    """Each item's rows must number its soft tokens.
+
+    Raises:
+        PromptError: one line naming the item and both counts.
+    """
+    for it, r in zip(prompt.items, rows):
+        if r.shape[0] != it.n_soft:
+            raise PromptError(f"{it.source}: the encoder gave {r.shape[0]} soft tokens for {it.n_soft} placeholders")
+
+
+class ReferenceMM:
+    """The float64 reference: :mod:`reference.vision`, :mod:`reference.audio`, :func:`reference.model.forward`."""
+
+    name = "reference"
+
+    def __init__(self, mm: MultimodalModel):
+        self.mm = mm
+
+    def soft_tokens(self, prompt: MultimodalPrompt, trace: TraceFn | None = None) -> list[np.ndarray]:
+        """float64 ``[n_soft, h]`` per item."""
+        rows = [encode_item(self.mm, it, prefixed(trace, item_prefix(prompt.items, i)))
+                for i, it in enumerate(prompt.items)]
+        check_rows(prompt, rows)
+        return rows
+
+    def _injection(self, prompt, trace, embeds):
+        rows = self.soft_tokens(prompt, trace) if embeds is None else [np.asarray(embeds, dtype=np.float64)]
+        return prompt.injection(np.concatenate(rows) if rows else np.zeros((0, self.mm.cfg.hidden_size)))
+
+    def logits(self, prompt: MultimodalPrompt, trace: TraceFn | None = None, embeds=None) -> np.ndarray:
+        """float64 ``[T, V]``."""
+        return RM.forward(self.mm.cfg, self.mm.W, prompt.ids, trace=trace, mm=self._injection(prompt, trace, embeds))
+
+    def generate_full(self, prompt: MultimodalPrompt, max_new_tokens: int) -> Generated:
+        """Greedy with the KV cache: the prompt (with its soft tokens) in one forward, then one token per step."""
+        RM.check_generation(self.mm.cfg, [[0] * len(prompt.ids)], max_new_tokens)
+        cache = RM.KVCache(self.mm.cfg)
+        logits = RM.forward(self.mm.cfg, self.mm.W, prompt.ids, cache, mm=self._injection(prompt, None, None))[-1]
+        g = Generated()
+        for _ in range(max_new_tokens):
+            g.add(logits)
+            logits = RM.forward(self.mm.cfg, self.mm.W, [g.tokens[-1]], cache)[-1]
+        return g
+
+
+def make_mm_engine(name: str, mm: MultimodalModel, device: str | None = None, dtype: str | None = None):
+    """Build multimodal engine ``name`` over a loaded model.
+
+    Raises:
+        EngineUnavailable: an unknown engine, or transformers on a GGUF model.
+    """
+    if name == "reference":
+        return ReferenceMM(mm)
+    if name == "fast":
+        return importlib.import_module("harness.engines.mm_fast").FastMM(mm, device, dtype or "float32")
+    if name == "transformers":
+        if mm.mmproj is not None or not os.path.isdir(mm.source):
+            raise EngineUnavailable(f"{mm.source}: the transformers engine needs the HF folder (it cannot read a "
+                                    "Gemma 4 GGUF or an mmproj)")
+        return importlib.import_module("harness.engines.mm_transformers").TransformersMM(mm.source, dtype or "float32")
+    raise EngineUnavailable(f"engine {name!r} does not take images or audio (multimodal engines: "
+                            f"{', '.join(MM_ENGINES)})")
+
+
+def open_mm(path: str | os.PathLike, mmproj: str | os.PathLike | None = None) -> MultimodalModel:
+    """:func:`reference.mm_model.load_multimodal` (here so that the CLI needs one import)."""
+    return load_multimodal(path, mmproj)
