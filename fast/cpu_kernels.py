@@ -12,8 +12,11 @@ roofline.
 
 How: the source is compiled with the system C compiler (``$CC``, else ``cc``)
 with ``-O3 -march=native -fopenmp`` into ``$G4H_CACHE/kernels/<hash>/`` (default
-``<repo>/.g4h-cache/kernels``; the hash covers the source, flags, compiler
-version and CPU model) and loaded with :mod:`ctypes`. Its OpenMP calls resolve
+``<repo>/.g4h-cache/kernels``; the hash covers the source and the headers beside
+it, flags, compiler version, CPU model and CPU feature flags, so a cache shared between machines
+never hands one CPU a binary built for another's instruction set) and loaded
+with :mod:`ctypes`. :func:`build` also compiles the packed-weight kernels of
+:mod:`fast.quant_kernels`. Its OpenMP calls resolve
 to the ``libgomp`` torch has already loaded, so the two share one thread pool.
 
 When it is not used: no compiler, a failed build, ``G4H_CPU_KERNEL=0`` in the
@@ -54,24 +57,33 @@ def _cache_dir() -> Path:
 
 
 def _cpu_model() -> str:
+    """The CPU's model name and feature flags (what ``-march=native`` compiles for), from /proc/cpuinfo."""
+    found: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+            key = line.split(":", 1)[0].strip()
+            if key in ("model name", "flags", "Features", "CPU part") and key not in found:
+                found[key] = line
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return "\n".join(found.values()) or platform.processor() or platform.machine()
 
 
-def build(force: bool = False) -> Path:
-    """Compile the kernel (or find it in the cache) and return the shared library's path.
+def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = None,
+          libs: list[str] | None = None) -> Path:
+    """Compile a kernel source (or find it in the cache) and return the shared library's path.
 
     Args:
         force: rebuild even when a cached library exists.
+        source: the C file (default ``csrc/linear_f32.c``).
+        flags: compiler flags (default :data:`FLAGS`).
+        libs: libraries to link, after the source (e.g. ``["-lm"]``).
 
     Raises:
         RuntimeError: no C compiler, or it failed (the message holds its last line of output).
     """
+    flags = FLAGS if flags is None else list(flags)
+    libs = [] if libs is None else list(libs)
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
@@ -79,18 +91,20 @@ def build(force: bool = False) -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cc}: {e}") from None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_model()]).encode()).hexdigest()
-    out = _cache_dir() / key[:16] / "liblinear_f32.so"
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may #include
+    key = hashlib.sha256("\n".join([source.read_text(), *headers, " ".join(flags + libs), version,
+                                     _cpu_model()]).encode()).hexdigest()
+    out = _cache_dir() / key[:16] / f"lib{source.stem}.so"
     if out.is_file() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {last}")
+            raise RuntimeError(f"{cc} failed on {source.name}: {last}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

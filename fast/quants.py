@@ -50,6 +50,12 @@ Public API:
 * :func:`linear` -- ``x @ W.T`` with ``W`` a :class:`QuantizedTensor`,
   dequantizing ``W`` one block of rows at a time.
 
+On the CPU, :class:`QuantizedTensor`'s row decoding and :func:`linear` for 1 to
+16 float32 rows go through the C kernels of :mod:`fast.quant_kernels` (same
+values, bit for bit; for :func:`linear` a fixed float32 summation order) when
+they are built and the type is one they decode; otherwise through the torch
+decoders here.
+
 Memory: :func:`dequantize` allocates its output (``numel * dtype size``) and
 decodes at most ``_CHUNK_ELEMS`` (2**24) elements at a time: float32 results
 are written straight into the output; the working buffers are a few uint8
@@ -70,14 +76,16 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
-
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from reference.errors import ModelFileError
+
+from . import quant_kernels
 
 __all__ = [
     "SUPPORTED",
@@ -446,23 +454,38 @@ class QuantizedTensor:
 
     @classmethod
     def from_numpy(cls, data: np.ndarray, qtype: GGMLQuantizationType | str | int, shape: Sequence[int],
-                   device: torch.device | str | None = None) -> "QuantizedTensor":
-        """From a NumPy array holding the bytes (any dtype: its memory is reinterpreted as bytes; copied once).
+                   device: torch.device | str | None = None, copy: bool = True) -> "QuantizedTensor":
+        """From a NumPy array holding the bytes (any dtype: its memory is reinterpreted as bytes).
 
-        Raises: as the constructor.
+        Args:
+            copy: True: copied once into a writable array, then moved to ``device``. False: on
+                the CPU, ``raw`` is a view of ``data`` (e.g. a GGUFReader memory map, kept alive);
+                nothing here writes to ``raw``, so a read-only map is fine. Needs C-contiguous bytes.
+
+        Raises: as the constructor; ValueError for ``copy=False`` on an array that is not C-contiguous.
         """
-        arr = np.array(data, copy=True, order="C")  # a writable copy (GGUFReader memmaps are read-only)
-        t = torch.from_numpy(arr.reshape(-1).view(np.uint8))
+        if copy:
+            arr = np.array(data, copy=True, order="C")  # a writable copy (GGUFReader memmaps are read-only)
+        else:
+            arr = np.asarray(data)
+            if not arr.flags.c_contiguous:
+                raise ValueError(f"QuantizedTensor.from_numpy(copy=False) needs C-contiguous bytes, got strides "
+                                 f"{arr.strides} for shape {arr.shape}")
+        with warnings.catch_warnings():  # torch warns that a read-only array makes a read-only tensor: intended
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(arr.reshape(-1).view(np.uint8))
         return cls(t.to(device) if device is not None else t, qtype, shape)
 
     @classmethod
-    def from_gguf(cls, tensor, device: torch.device | str | None = None) -> "QuantizedTensor":
+    def from_gguf(cls, tensor, device: torch.device | str | None = None, copy: bool = True) -> "QuantizedTensor":
         """From a ``gguf.GGUFReader`` tensor (``ReaderTensor``): its bytes, type and reversed (numpy-order) shape.
+
+        ``copy=False`` keeps a view of the reader's memory map on the CPU (see :meth:`from_numpy`).
 
         Raises: as the constructor.
         """
         shape = tuple(int(s) for s in reversed(tensor.shape.tolist()))
-        return cls.from_numpy(tensor.data, tensor.tensor_type, shape, device)
+        return cls.from_numpy(tensor.data, tensor.tensor_type, shape, device, copy=copy)
 
     def to(self, device: torch.device | str) -> "QuantizedTensor":
         """The same tensor with its bytes on ``device`` (self when already there)."""
@@ -501,7 +524,7 @@ class QuantizedTensor:
         Memory: the full output plus :func:`dequantize`'s bounded working buffers.
         Raises: TypeError for a non-floating ``dtype``.
         """
-        return dequantize(self.raw, self.qtype, self.shape, dtype)
+        return self.dequantize_rows(0, self.n_rows, dtype).reshape(self.shape)
 
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``start:stop`` of the tensor flattened to ``[n_rows, row_len]``: ``[stop - start, row_len]``, ``dtype``.
@@ -510,6 +533,11 @@ class QuantizedTensor:
         """
         if not (0 <= start <= stop <= self.n_rows):
             raise IndexError(f"rows {start}:{stop} out of range for {self.n_rows} rows of {self!r}")
+        # the packed CPU kernel when it applies (float32; other dtypes cast it when the chunk is small)
+        if self.device.type == "cpu" and (dtype == torch.float32 or (stop - start) * self.row_len <= _CHUNK_ELEMS):
+            out = quant_kernels.dequantize_rows(self.raw, self.qtype.name, self.row_len, start, stop)
+            if out is not None:
+                return out.to(_out_dtype(dtype))
         return dequantize(self.raw[start:stop], self.qtype, (stop - start, self.row_len), dtype)
 
     def take_rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -526,7 +554,12 @@ class QuantizedTensor:
         flat = ids.reshape(-1).to(device=self.device, dtype=torch.long)
         if flat.numel() and (int(flat.min()) < -self.n_rows or int(flat.max()) >= self.n_rows):
             raise IndexError(f"row id out of range for {self.n_rows} rows of {self!r}")
-        rows = self.raw.index_select(0, flat % max(self.n_rows, 1))
+        flat = flat % max(self.n_rows, 1)
+        on_cpu = self.device.type == "cpu"
+        out = quant_kernels.take_rows(self.raw, self.qtype.name, self.row_len, flat) if on_cpu else None
+        if out is not None:  # the packed CPU kernel: float32, bit-identical with the decoders here
+            return out.to(_out_dtype(dtype)).reshape(*ids.shape, self.row_len)
+        rows = self.raw.index_select(0, flat)
         out = dequantize(rows, self.qtype, (flat.numel(), self.row_len), dtype)
         return out.reshape(*ids.shape, self.row_len)
 
@@ -567,7 +600,11 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, chunk_rows: int | None = None) 
         ``[..., out]`` in ``x.dtype``. Each chunk ``W[r0:r1]`` is dequantized in
         float32 (bit-exact), cast to ``x.dtype``, and multiplied:
         ``y[..., r0:r1] = x @ W[r0:r1].T``. The result equals
-        ``x @ dequantize(W).T`` up to matmul summation order.
+        ``x @ dequantize(W).T`` up to matmul summation order. On the CPU, 1 to
+        :data:`fast.quant_kernels.MAX_ROWS` float32 rows of a type the packed kernels
+        decode go through :func:`fast.quant_kernels.linear` instead (no chunk is
+        materialised; one fixed summation order, so each row's result is the same bit
+        for bit whatever the other rows are).
 
     Memory: never more than one chunk of ``W`` dequantized at a time
     (``chunk_rows * in`` elements in ``x.dtype``, plus the float32 working
@@ -591,6 +628,9 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, chunk_rows: int | None = None) 
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n_in)
+    y = quant_kernels.linear(x2, qt.raw, qt.qtype.name, n_in)  # None unless CPU, float32, 1..MAX_ROWS rows
+    if y is not None:
+        return y.reshape(*lead, n_out)
     if chunk_rows >= n_out:
         return (x2 @ qt.dequantize_rows(0, n_out, x.dtype).T).reshape(*lead, n_out)
     out = torch.empty(x2.shape[0], n_out, dtype=x.dtype, device=x.device)

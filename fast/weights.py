@@ -5,7 +5,8 @@ Three sources, one class (:class:`FastWeights`):
 
 * a GGUF: each tensor's stored bytes are decoded in torch on the device, bit-exact with
   ``gguf.quants.dequantize``; with ``keep_quantized``, 2-D quantized matrices stay packed
-  (:class:`fast.quants.QuantizedTensor`) and are dequantized block by block inside each matmul;
+  (:class:`fast.quants.QuantizedTensor`) and are dequantized on the fly inside each matmul and gather
+  (on the CPU as views of the memory-mapped file, through the packed kernels of :mod:`fast.quant_kernels`);
 * HF safetensors: read through numpy;
 * a shape-only model (:class:`fast.shapes.RandomWeights`): random tensors made on the device, no file.
 
@@ -61,9 +62,11 @@ class FastWeights:
         qtype = W.raw_dtype(name)
         if qtype not in quants.SUPPORTED:
             raise InputError(f"{W.source}: tensor {name}: type {qtype} is not supported by fast dequantization")
-        raw = torch.from_numpy(np.array(W.stored(name)).view(np.uint8)).to(device)  # own copy of the mapped bytes
         if keep_quantized and len(W.shape(name)) == 2 and qtype not in ("F16", "BF16"):
-            return quants.QuantizedTensor(raw, qtype, W.shape(name))
+            # CPU: a view of the memory-mapped file, no copy; elsewhere: one copy on the device
+            return quants.QuantizedTensor.from_numpy(W.stored(name), qtype, W.shape(name), device,
+                                                     copy=device.type != "cpu")
+        raw = torch.from_numpy(np.array(W.stored(name)).view(np.uint8)).to(device)  # own copy of the mapped bytes
         return quants.dequantize(raw, qtype, W.shape(name), dtype=torch.float32).to(target)
 
     def __getitem__(self, name: str):

@@ -31,9 +31,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import fast.quants as fq
+from fast import quant_kernels
 from fast.quants import SUPPORTED, QuantizedTensor, dequantize, linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+# More rows of x than the packed CPU kernels take, so linear() takes its chunked dequantize-then-matmul path.
+MANY_ROWS = quant_kernels.MAX_ROWS + 4
 
 # Types gguf-py can quantize (F32 is a no-op there; tested with the byte cases).
 QUANTIZABLE = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -433,7 +437,7 @@ def test_linear_is_chunked_and_never_decodes_the_whole_matrix():
 
     qt.dequantize_rows = spy  # linear() goes through the instance attribute
     qt.dequantize = lambda *a, **k: pytest.fail("linear must not dequantize the whole matrix")
-    x = torch.randn(4, 512)
+    x = torch.randn(MANY_ROWS, 512)
     y = linear(x, qt, chunk_rows=8)
     assert calls == [(r, min(50, r + 8)) for r in range(0, 50, 8)]
     assert max(b - a for a, b in calls) <= 8
@@ -450,7 +454,7 @@ def test_linear_default_chunk_bounds_decoded_elements(monkeypatch):
     sizes: list[int] = []
     orig = qt.dequantize_rows
     qt.dequantize_rows = lambda a, b, dtype=torch.float32: (sizes.append((b - a) * qt.row_len), orig(a, b, dtype))[1]
-    linear(torch.randn(3, 256), qt)
+    linear(torch.randn(MANY_ROWS, 256), qt)
     assert max(sizes) <= 4 * 256 and sum(sizes) == 19 * 256
 
 

@@ -49,6 +49,7 @@ class BenchOptions:
     engines: list[str] = field(default_factory=lambda: list(ENGINE_NAMES))
     device: str = "cpu"
     dtypes: list[str] = field(default_factory=lambda: ["float32"])
+    weights: str | None = None
     plan: BenchPlan = field(default_factory=lambda: BenchPlan(engines=list(ENGINE_NAMES)))
     threads: int | None = None
     out: str | None = None
@@ -118,7 +119,7 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
     skipped: dict[str, str] = {}
     for name in o.engines:
         try:
-            benches += make_bench_engines(name, src, o.dtypes, o.device, threads)
+            benches += make_bench_engines(name, src, o.dtypes, o.device, threads, o.weights)
         except (EngineUnavailable, InputError) as e:
             skipped[name] = str(e).splitlines()[0]
             progress(f"{name}: skipped: {skipped[name]}")
@@ -136,6 +137,9 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
     if spec:
         data["speculative"] = speculative_summary(spec, rows)
     data["skipped"] = skipped  # before the report is written: report.md lists them
+    modes = sorted({b.weights for b in benches if b.engine == "fast"})
+    if modes:
+        data["fast_weights"] = modes[0]  # packed | dequantized (harness.engines.fast.WEIGHT_MODES)
     status = 0
     if baseline is not None:
         status = 0 if compare_baseline(data, baseline, o.baseline, SPEED_RATIO_MARGIN)["pass"] else 1

@@ -84,8 +84,11 @@ class ModelSource:
 
 
 def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], device: str,
-                       threads: int | None) -> list[Benchable]:
+                       threads: int | None, weights: str | None = None) -> list[Benchable]:
     """The engines of ``name`` to time (one per dtype where the engine takes a dtype).
+
+    ``weights``: the fast engine's weight mode (``packed``/``dequantized``; None: packed for a quantized GGUF,
+    :func:`harness.engines.fast.default_weight_mode`).
 
     Raises:
         EngineUnavailable: not installed, or cannot read this model form (one line).
@@ -93,7 +96,7 @@ def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], devic
     if src.shape and name != "fast":
         raise EngineUnavailable(f"{name}: a shape-only model has no file; only the fast engine runs it")
     if name == "fast":
-        return [FastEngine.from_model(src.cfg, src.W, device, dt) for dt in dtypes]
+        return [FastEngine.from_model(src.cfg, src.W, device, dt, weights=weights) for dt in dtypes]
     if name == "transformers":
         if src.hf_dir is None and not (src.gguf is not None and src.cfg.arch == "gemma3"):
             raise EngineUnavailable("transformers needs an HF folder for Gemma 4 (it cannot read a Gemma 4 GGUF); "

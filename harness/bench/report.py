@@ -165,7 +165,8 @@ def render_markdown(data: Mapping[str, Any], plots: list[str]) -> str:
     lines += [f"- machine: {mach.get('cpu')} ({mach.get('cores')} cores), torch {mach.get('torch')}, "
               f"{mach.get('threads')} threads, device `{mach.get('device')}`" + (f" ({mach['gpu']})" if mach.get("gpu") else ""),
               f"- model: `{model.get('path', model.get('name'))}`, {_fmt_params(model.get('params'))} parameters, "
-              f"{_fmt_size(model.get('size_bytes'))}",
+              f"{_fmt_size(model.get('size_bytes'))}"
+              + (f"; fast weights **{data['fast_weights']}**" if data.get("fast_weights") else ""),
               f"- read bandwidth (same run, 1 GiB streamed sum): **{data['read_bandwidth_gbs']:.1f} GB/s**"
               if data.get("read_bandwidth_gbs") else "- read bandwidth: not measured",
               f"- {data['plan']['reps']} timed repetitions after {data['plan']['warmup']} warm-up; t/s is mean ± std; "
@@ -285,6 +286,8 @@ def summary_lines(data: Mapping[str, Any]) -> list[str]:
         out.append(f"speculative {data['speculative']['draft_model']} K={data['speculative']['draft_tokens']} "
                    f"{r['test']} d{r['depth']} b{r['batch']}: acceptance {acc}, {r['tokens_per_forward']:.2f} tokens "
                    f"per target forward, speed-up {gain}")
+    if data.get("fast_weights"):
+        out.append(f"fast weights: {data['fast_weights']}")
     if not math.isnan(data.get("read_bandwidth_gbs") or math.nan):
         out.append(f"read bandwidth: {data['read_bandwidth_gbs']:.1f} GB/s")
     return out

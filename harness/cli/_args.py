@@ -27,8 +27,9 @@ def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference"
     p.add_argument("--dtype", dest="dtype_engine", choices=DTYPES, default=None,
                    help="fast engine: compute dtype (default float32)")
     p.add_argument("--weights", choices=("packed", "dequantized"), default=None,
-                   help="fast engine, GGUF input: keep quantized matrices packed and dequantize on the fly, or "
-                        "dequantize them once at load (default dequantized)")
+                   help="fast engine, GGUF input: keep quantized matrices packed and dequantize on the fly (on the "
+                        "CPU: views of the mapped file through the packed kernels), or dequantize them once at load "
+                        "(default: packed for a quantized GGUF)")
     add_scale_args(p)
     add_server_args(p)
 

@@ -4,7 +4,8 @@
 ::
 
     g4h bench --model PATH --engines fast,transformers,llamacpp,reference [--device cpu] \\
-        [--dtype float32,bfloat16] [--batch 1,2,4,8] [--pp 512] [--tg 128] [--depth 0,4096] [--reps 5] \\
+        [--dtype float32,bfloat16] [--weights packed|dequantized] [--batch 1,2,4,8] [--pp 512] [--tg 128] \\
+        [--depth 0,4096] [--reps 5] \\
         [--threads N] [--out DIR] [--baseline FILE] [--write-baseline FILE] [--draft-model PATH [--draft-tokens K]]
     g4h bench --shape e2b --engines fast --device cuda --dtype bfloat16    # real dims, random weights, no file
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                      depths=_int_list(args.depth, "depth"), reps=args.reps, warmup=args.warmup)
     opts = BenchOptions(model=args.model, shape=args.shape, layers=args.layers, ref_cache_gb=args.ref_cache_gb,
                         engines=engines, device=args.device,
-                        dtypes=dtypes, plan=plan, threads=args.threads, out=args.out, baseline=args.baseline,
+                        dtypes=dtypes, weights=args.weights, plan=plan, threads=args.threads, out=args.out, baseline=args.baseline,
                         write_baseline=args.write_baseline,
                         draft_model=None if args.draft_model is None else resolve_draft_model(args.draft_model),
                         draft_tokens=args.draft_tokens, draft_label=args.draft_model)
@@ -76,6 +77,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="comma-separated: fast, transformers, llamacpp, reference")
     b.add_argument("--device", default="cpu", help="cpu | cuda[:N] (fast and transformers)")
     b.add_argument("--dtype", default="float32", help="comma-separated compute dtypes for fast and transformers")
+    b.add_argument("--weights", choices=("packed", "dequantized"), default=None,
+                   help="fast engine, GGUF input: keep quantized matrices packed (the packed kernels on the CPU) or "
+                        "dequantize them at load (default: packed for a quantized GGUF)")
     b.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,2,4,8")
     b.add_argument("--pp", type=int, default=512, help="prompt tokens per sequence for ppN (0: skip)")
     b.add_argument("--tg", type=int, default=128, help="generated tokens per sequence for tgN (0: skip)")

@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow", action="store_true",
                    help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--weights", choices=("packed", "dequantized"), default=None,
+                   help="the fast engine's GGUF weights: kept packed (the packed kernels on the CPU) or dequantized "
+                        "at load (default: packed for a quantized GGUF; built-in cases also check fast packed on "
+                        "every quantized file unless dequantized)")
     p.add_argument("--baseline", default=None,
                    help="earlier results.json (or --write-baseline file): exit 1 on a regression against it")
     p.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this file")
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
                               skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
-                              engine_options=engine_options(args),
+                              engine_options=engine_options(args), weights=args.weights,
                               server=ServerOptions(max_new_tokens=args.max_new_tokens,
                                                    batch_requests=args.batch_requests, concurrency=args.concurrency))
     print(short_table(data))

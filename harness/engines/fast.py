@@ -33,6 +33,25 @@ from .base import DTYPE_BYTES, TraceFn, bench_ids
 WEIGHT_MODES = ("packed", "dequantized")
 """``--weights``: GGUF quantized matrices kept packed (dequantized on the fly), or dequantized at load."""
 
+DENSE_TYPES = ("F32", "F16", "BF16")
+"""GGUF tensor types that are not block-quantized: nothing to keep packed."""
+
+
+def default_weight_mode(W) -> str:
+    """The weight mode when ``--weights`` is not given: ``packed`` for a GGUF that holds block-quantized
+    matrices (Q8_0, Q4_K ...), ``dequantized`` for anything else (F32/F16/BF16 GGUFs, HF safetensors,
+    a shape-only model's random weights), where there is nothing to keep packed.
+
+    Args:
+        W: the loader's weights (:class:`reference.weights.Weights`) or :class:`fast.shapes.RandomWeights`.
+    """
+    if hasattr(W, "torch_tensor") or not hasattr(W, "stored"):
+        return "dequantized"
+    for name in W:
+        if len(W.shape(name)) == 2 and W.raw_dtype(name) not in DENSE_TYPES and W.stored(name) is not None:
+            return "packed"
+    return "dequantized"
+
 
 class FastEngine:
     """The torch fast path (:mod:`fast`), on a chosen device and dtype.
@@ -43,7 +62,9 @@ class FastEngine:
         dtype: ``float32`` / ``bfloat16`` / ``float16``.
         batched: ``generate`` serves all prompts through one continuous batch (else one at a time).
         weights: ``packed`` keeps GGUF quantized matrices packed on the device and dequantizes them
-            on the fly; ``dequantized`` decodes them once at load (:data:`WEIGHT_MODES`).
+            on the fly (on the CPU: views of the memory-mapped file, multiplied and gathered by the packed
+            kernels of :mod:`fast.quant_kernels`); ``dequantized`` decodes them once at load
+            (:data:`WEIGHT_MODES`); None: :func:`default_weight_mode` (packed for a quantized GGUF).
         layers: ``--layers N``: only the first N layers (:func:`reference.config.cut_layers`).
 
     The weights are planned before they are built (:func:`harness.core.memory.require`); a plan that
@@ -62,13 +83,13 @@ class FastEngine:
 
     @memory.guarded
     def __init__(self, path: str | Path, device: str | None = None, dtype: str = "float32", batched: bool = False,
-                 weights: str = "dequantized", layers: int | None = None):
+                 weights: str | None = None, layers: int | None = None):
         cfg, W = load_model(path, layers=layers, cache_bytes=0)
         self._init(cfg, W, device, dtype, batched, weights)
 
     @classmethod
     def from_model(cls, cfg, W, device: str | None = None, dtype: str = "float32", batched: bool = False,
-                   weights: str = "dequantized") -> "FastEngine":
+                   weights: str | None = None) -> "FastEngine":
         """An engine over an already loaded ``(cfg, W)``: a file's (:func:`reference.weights.load_model`)
         or a shape-only model's random weights (:class:`fast.shapes.RandomWeights`)."""
         eng = cls.__new__(cls)
@@ -76,6 +97,8 @@ class FastEngine:
         return eng
 
     def _init(self, cfg, W, device, dtype, batched, weights) -> None:
+        if weights is None:
+            weights = default_weight_mode(W)
         if weights not in WEIGHT_MODES:
             raise InputError(f"--weights {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
         if dtype not in memory.DTYPE_BYTES:

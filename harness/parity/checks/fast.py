@@ -19,7 +19,9 @@ import torch
 
 from fast.engine import Engine, Request
 from fast.model import FastModel, SeqStep
+from fast.quants import QuantizedTensor
 from reference import model as ref_model
+from reference.weights import load_model
 
 from ...core import kld, metrics
 from ...traces import ConcatRecorder, TraceRecorder, layer_errors
@@ -195,4 +197,36 @@ def fast_checks(cfg, W, prompts: Sequence[dict[str, Any]], info: dict[str, Any],
     for variant, v in chunked_vs_oneshot(fm32, longest["prompt_ids"], per_point=chunk_points).items():
         out.append(fig("fast.chunked~oneshot.max_abs_logit", v, longest["id"], variant=variant,
                        **({"per_point": chunk_points[variant]} if variant in chunk_points else {})))
+    return out
+
+
+def fast_packed_checks(quantized: dict[str, str], prompt: dict[str, Any],
+                       ref_logits: dict[str, np.ndarray]) -> list[Figure]:
+    """fast fp32 on the CPU with its weights packed (views of each quantized GGUF, read by the packed kernels of
+    :mod:`fast.quant_kernels`) against the reference on the same file, on ``prompt``.
+
+    Args:
+        quantized: file type -> GGUF path (the case's quantized files).
+        prompt: one prompt record (the case's longest).
+        ref_logits: file type -> the reference's float64 logits ``[T, V]`` of ``prompt`` on that file
+            (from :func:`harness.parity.checks.reference.quantized_loaders`).
+
+    Figures: ``fast~reference.max_abs_logit`` per file type that has packed matrices (F16/BF16 files have
+    none: their matrices are dequantized at load), item ``<prompt>@<type>-packed``, gated by the same
+    fast~reference gate as the F32 file (the weights are the same exact values on both sides).
+    """
+    out = []
+    for qname, path in sorted(quantized.items()):
+        if qname not in ref_logits:
+            continue
+        cfg, W = load_model(path)
+        fm = FastModel(cfg, W, "cpu", "float32", keep_quantized=True)
+        packed = sorted({t.qtype.name for t in fm.w.t.values() if isinstance(t, QuantizedTensor)})
+        if not packed:
+            continue
+        got = fm.logits(prompt["prompt_ids"]).double().numpy()
+        ref = ref_logits[qname]
+        out.append(fig("fast~reference.max_abs_logit", metrics.max_abs_err(got, ref), f"{prompt['id']}@{qname}-packed",
+                       tokens=len(prompt["prompt_ids"]), weights="packed", qtype=qname, packed_types=packed,
+                       same_top1=metrics.top1_agreement(got, ref)))
     return out

@@ -46,7 +46,7 @@ EXTRA_TOKENS = 2  # generated beyond the expected text's own token count
 
 
 def run_gemma3_real(out: MutableMapping[str, Any] | None = None, *, path: str | None = None,
-                    compare_transformers: bool = True) -> MutableMapping[str, Any]:
+                    compare_transformers: bool = True, packed: bool = True) -> MutableMapping[str, Any]:
     """Run the reference on the real Gemma 3 270M GGUF; optionally compare with transformers.
 
     Args:
@@ -54,6 +54,8 @@ def run_gemma3_real(out: MutableMapping[str, Any] | None = None, *, path: str | 
             run goes, so a caller keeps the finished parts if a later step raises.
         path: GGUF to use instead of the cached package file.
         compare_transformers: also run transformers' GGUF path when it works.
+        packed: fast keeps the quantized tensors packed (the packed CPU kernels, views of the mapped file);
+            False: dequantized at load.
 
     Returns:
         ``out`` with keys ``version``, ``model`` (path, config summary, tensor
@@ -120,7 +122,7 @@ def run_gemma3_real(out: MutableMapping[str, Any] | None = None, *, path: str | 
         sequences.append(seq)
         ref_runs.append((logits, trace))
     res["pass"] = all(p["pass"] for p in prompts)
-    res["fast"] = _compare_fast(cfg, W, sequences, ref_runs, tok)
+    res["fast"] = _compare_fast(cfg, W, sequences, ref_runs, tok, packed)
 
     if not compare_transformers:
         res["transformers"] = {"available": False, "reason": "not requested"}
@@ -157,14 +159,16 @@ def run_gemma3_real(out: MutableMapping[str, Any] | None = None, *, path: str | 
     return res
 
 
-def _compare_fast(cfg, W, sequences, ref_runs, tok) -> dict[str, Any]:
-    """fast fp32 (CPU; the real Q8_0/Q5_0/Q4_K/Q6_K tensors dequantized in torch) vs the reference
+def _compare_fast(cfg, W, sequences, ref_runs, tok, packed: bool = True) -> dict[str, Any]:
+    """fast fp32 (CPU; the real Q8_0/Q5_0/Q4_K/Q6_K tensors kept packed and read by the packed kernels, or
+    dequantized at load when not ``packed``) vs the reference
     on each prompt + generated sequence (max |Δlogit|, same top-1, per-position KLD counted on
     :func:`harness.core.metrics.kld_histogram`'s fixed log bins), and its own greedy continuation of the
     first prompt."""
     t = time.perf_counter()
-    fm = FastModel(cfg, W, "cpu", "float32")
-    out: dict[str, Any] = {"load_s": round(time.perf_counter() - t, 3), "prompts": []}
+    fm = FastModel(cfg, W, "cpu", "float32", keep_quantized=packed)
+    out: dict[str, Any] = {"load_s": round(time.perf_counter() - t, 3),
+                           "weights": "packed" if packed else "dequantized", "prompts": []}
     for (name, _, _), seq, (ref_logits, _) in zip(PROMPTS, sequences, ref_runs):
         f = fm.logits(seq).double().numpy()
         out["prompts"].append({"name": name, "n_tokens": len(seq),

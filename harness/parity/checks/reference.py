@@ -74,11 +74,12 @@ def self_consistency(ref_gguf: ReferenceEngine, ref_hf: ReferenceEngine,
 
 
 def quantized_loaders(f32: ReferenceEngine, quantized: dict[str, str], long_prompt: Sequence[int],
-                      info: dict[str, Any]) -> list[Figure]:
+                      info: dict[str, Any], logits_out: dict[str, np.ndarray] | None = None) -> list[Figure]:
     """Every quantized GGUF loads each tensor exactly as ``gguf.quants.dequantize(quantize(w))`` of the F32 one.
 
     Figures: ``reference.gguf_quant~gguf_quants.max_abs_weight`` per file type (must be 0). The logit
-    drift of each file type on ``long_prompt`` goes to ``info["quant_logit_drift"]`` (a fact, not gated).
+    drift of each file type on ``long_prompt`` goes to ``info["quant_logit_drift"]`` (a fact, not gated); the
+    reference's logits of each file type on it to ``logits_out[qtype]`` when given (float64 ``[T, V]``).
     """
     out = []
     base_logits = f32.logits(long_prompt)
@@ -92,5 +93,8 @@ def quantized_loaders(f32: ReferenceEngine, quantized: dict[str, str], long_prom
             want = w32 if stored == "F32" else gguf.quants.dequantize(gguf.quants.quantize(w32, qtype), qtype)
             worst = max(worst, float(np.max(np.abs(q.weights[name] - np.asarray(want, dtype=np.float64)))))
         out.append(fig("reference.gguf_quant~gguf_quants.max_abs_weight", worst, None, qtype=qname))
-        info.setdefault("quant_logit_drift", {})[qname] = float(np.max(np.abs(q.logits(long_prompt) - base_logits)))
+        q_logits = q.logits(long_prompt)
+        if logits_out is not None:
+            logits_out[qname] = q_logits
+        info.setdefault("quant_logit_drift", {})[qname] = float(np.max(np.abs(q_logits - base_logits)))
     return out

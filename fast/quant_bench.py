@@ -1,0 +1,141 @@
+"""Micro-benchmark of the packed CPU kernels: GB/s of packed weights read, against the torch path and a read probe.
+
+Run: ``python -m fast.quant_bench`` (defaults: Q8_0 and Q4_K, E2B's FFN matrices
+6144 x 1536 and 1536 x 6144 and its 262144 x 1536 LM head, ``M`` = 1 and 8,
+torch's thread count). ``pytest --bench -m bench -s -k quant_kernels`` runs the
+same and prints the table.
+
+What it measures, in one run:
+
+* ``probe``: the machine's streamed read bandwidth, the same way ``g4h bench``
+  measures its roofline (a float32 sum and a matrix-vector product over 1 GiB,
+  best pass of each after a warm-up; the faster of the two);
+* ``packed``: :func:`fast.quants.linear` with the C kernel, over a pool of copies of
+  the matrix at least ``pool_gib`` large and cycled through, so that the bytes come
+  from DRAM and not from the last-level cache (this machine reports 480 MiB of L3);
+* ``torch``: the same call with the kernels off (:func:`fast.quant_kernels.disabled`):
+  torch dequantizes chunks of rows, then ``F.linear``, the path before the kernels.
+
+GB/s = packed bytes of the matrix / seconds per call (1e9 bytes). ``share`` = GB/s / probe.
+``per CPU-s`` divides by the process's CPU time instead of the wall clock: with one
+thread, what a core delivers while it runs, a figure a busy shared machine distorts
+less (with more threads it counts their waiting too). Figures go to stdout, never into asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import quant_kernels
+from .quants import QuantizedTensor, linear
+
+SHAPES = {"ffn_up": (6144, 1536), "ffn_down": (1536, 6144), "head": (262144, 1536)}
+"""E2B-like ``[N, K]`` matrices: FFN gate/up, FFN down, the LM head (tied token embedding)."""
+
+
+def read_probe(nbytes: int = 1 << 30, reps: int = 3) -> float:
+    """Streamed read bandwidth in GB/s: float32 sum and matrix-vector product over ``nbytes``, best pass of each."""
+    cols = 1 << 14
+    buf = torch.ones(nbytes // 4 // cols * cols, dtype=torch.float32)
+    ones = torch.ones(cols, dtype=torch.float32)
+    best = math.inf
+    for fn in (lambda: buf.sum(), lambda: torch.mv(buf.view(-1, cols), ones)):
+        for i in range(reps + 1):
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+            if i:
+                best = min(best, dt)
+    return buf.numel() * 4 / best / 1e9
+
+
+def packed_pool(qtype: str, n: int, k: int, pool_bytes: int, seed: int = 0) -> list[QuantizedTensor]:
+    """Copies of one random packed ``[n, k]`` matrix (finite fp16 scales), enough to fill ``pool_bytes``."""
+    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+    scale = np.full((n, k // bs, 1), 0.01, dtype=np.float16).view(np.uint8)
+    offsets = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2)}.get(qtype, (0,))
+    for off in offsets:
+        raw[:, :, off:off + 2] = scale
+    raw = raw.reshape(n, -1)
+    count = max(1, -(-pool_bytes // raw.nbytes))
+    return [QuantizedTensor(torch.from_numpy(raw.copy()), qtype, (n, k)) for _ in range(count)]
+
+
+def time_calls(pool: list[QuantizedTensor], x: torch.Tensor, min_seconds: float,
+               max_calls: int) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) per ``linear(x, W)`` call, cycling through ``pool`` after a warm-up call."""
+    linear(x, pool[-1])
+    calls, t0, c0 = 0, time.perf_counter(), time.process_time()
+    while calls < max_calls and (calls < len(pool) or time.perf_counter() - t0 < min_seconds):
+        linear(x, pool[calls % len(pool)])
+        calls += 1
+    return (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
+
+
+def run(types: list[str], shapes: list[str], rows: list[int], pool_gib: float = 1.0, torch_path: bool = True,
+        min_seconds: float = 1.0) -> list[dict]:
+    """Measure every (type, shape, M); returns one dict a row (see the module docstring for the fields)."""
+    probe = read_probe()
+    out = []
+    for qtype in types:
+        for shape in shapes:
+            n, k = SHAPES[shape]
+            pool = packed_pool(qtype, n, k, int(pool_gib * (1 << 30)))
+            nbytes = pool[0].nbytes
+            for m in rows:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                row = {"type": qtype, "shape": f"{shape} {n}x{k}", "M": m, "MB": nbytes / 1e6, "probe": probe}
+                wall, cpu = time_calls(pool, x, min_seconds, 10_000)
+                row["packed"], row["packed_cpu"] = nbytes / wall / 1e9, nbytes / cpu / 1e9
+                if torch_path:
+                    with quant_kernels.disabled():
+                        row["torch"] = nbytes / time_calls(pool, x, min_seconds / 2, 3)[0] / 1e9
+                out.append(row)
+            del pool
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table of :func:`run`'s rows."""
+    lines = ["| type | matrix | M | MB | packed GB/s | share of probe | per CPU-s | torch path GB/s | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r.get("torch")
+        old, gain = ("", "") if t is None else (f"{t:.2f}", f"{r['packed'] / t:.1f}x")
+        lines.append(f"| {r['type']} | {r['shape']} | {r['M']} | {r['MB']:.1f} | {r['packed']:.2f} | "
+                     f"{r['packed'] / r['probe']:.0%} | {r['packed_cpu']:.2f} | {old} | {gain} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: prints the machine, the probe and the table. Returns 0."""
+    ap = argparse.ArgumentParser(prog="python -m fast.quant_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="Q8_0,Q4_K", help="comma-separated GGUF types (default Q8_0,Q4_K)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--rows", default="1,8", help="values of M (default 1,8)")
+    ap.add_argument("--pool-gib", type=float, default=1.0, help="bytes cycled through per case, GiB (default 1)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch dequantize-then-F.linear path")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    ok, why = quant_kernels.status()
+    print(f"packed kernels: {'ISA ' + str(quant_kernels.isa()) if ok else 'not available: ' + why}; "
+          f"threads {torch.get_num_threads()}")
+    rows = run(a.types.split(","), a.shapes.split(","), [int(m) for m in a.rows.split(",")], a.pool_gib,
+               not a.no_torch)
+    print(f"read probe: {rows[0]['probe']:.1f} GB/s" if rows else "nothing measured")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

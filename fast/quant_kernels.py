@@ -1,0 +1,214 @@
+"""CPU kernels for GGUF-packed weights (``fast/csrc/linear_quant.c``), compiled on first use.
+
+Why: a decode step on the CPU is bound by reading the weights. Kept packed, a
+Q8_0 matrix is 1.06 bytes a weight instead of 4, a Q4_K one 0.56; but the
+fallback (dequantize a chunk with torch, then ``F.linear``) writes and re-reads
+the float32 chunk and runs the torch decoders, several times slower than the
+read itself. The C kernel reads each packed byte once per call, dequantizes in
+registers and a small L1 buffer, and keeps the multiply-adds of all ``M`` rows of
+``x`` in fp32 registers. ``x`` stays float32 (no activation quantization, unlike
+llama.cpp's q8 dot products), so the result is the float32 product of ``x`` and
+the exact dequantized weights, summed in one fixed order (the C file's header
+gives it). A row's result is bit-identical whatever the batch size and whatever
+its neighbours hold, and whichever vector path (AVX-512, AVX2, plain C) the
+compiler took.
+
+Which: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (:data:`TYPES`); the
+others (Q2_K, Q3_K, float types) take the torch path.
+
+How: built by :func:`fast.cpu_kernels.build` with the system C compiler
+(``-O3 -march=native -ffp-contract=off -pthread``; the cache is keyed by the
+source and its headers, the flags, the compiler and the CPU's feature flags).
+Why not a kernel library: the maintained ones that read GGUF blocks (ggml
+itself, llamafile's tinyBLAS) quantize the activations to 8 bits for their dot
+products, which this project may not do, and none promises a fixed summation
+order across batch sizes; the float path here is one C file and one header.
+Threads: ``torch.get_num_threads()`` of them, from the small pool in
+``fast/csrc/workpool.h`` rather than OpenMP: the caller never waits for a worker
+the OS has not scheduled yet, which on a busy 2-core machine made OpenMP calls
+several times slower on 2 threads than on 1 (the header gives the figures).
+Products below about a million weight-ops stay on the calling thread.
+
+When it is not used (the functions return None and the caller falls back):
+no compiler or a failed build, ``G4H_CPU_KERNEL=0`` in the environment, a
+tensor not on the CPU, ``x`` not float32, more than :data:`MAX_ROWS` rows, a type
+not in :data:`TYPES`, or raw bytes that are not one contiguous ``[rows,
+bytes_per_row]`` block. The choice depends on shapes and types only, never on
+values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import cpu_kernels
+
+__all__ = ["MAX_ROWS", "TYPES", "SOURCE", "FLAGS", "status", "isa", "disabled", "linear", "take_rows",
+           "dequantize_rows"]
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_quant.c"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC"]
+"""Compiler flags. ``-ffp-contract=off``: the dequantization's multiplies and adds must round one at a
+time as gguf-py's do; the dot product's fused multiply-adds are explicit in the source."""
+LIBS = ["-lm"]
+
+MAX_ROWS = 16
+"""Largest ``M`` :func:`linear` takes (decode and small batches); above it the caller dequantizes and uses a GEMM."""
+
+TYPES: dict[str, int] = {name: int(GGMLQuantizationType[name])
+                         for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+"""GGUF type name -> GGML type number, for the types the kernels decode."""
+_SIZES = {name: (num, *GGML_QUANT_SIZES[GGMLQuantizationType(num)]) for name, num in TYPES.items()}
+
+_lib = None
+_state = "unloaded"  # unloaded | ready | unavailable
+_why = ""
+_off = 0  # > 0 inside disabled()
+
+
+def bind(path: Path | str) -> ctypes.CDLL:
+    """Load a built ``linear_quant`` library and declare its functions' C signatures (also used by the tests).
+
+    Raises: OSError when the file cannot be loaded; AttributeError when a symbol is missing.
+    """
+    lib = ctypes.CDLL(str(path))
+    P, L, N = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.g4h_qlinear.argtypes = [N, P, L, L, L, P, L, P, N]
+    lib.g4h_qtake_rows.argtypes = [N, P, L, L, P, L, P, N]
+    lib.g4h_qdequant_rows.argtypes = [N, P, L, L, L, L, P, N]
+    lib.g4h_qk_isa.argtypes = []
+    for fn in (lib.g4h_qlinear, lib.g4h_qtake_rows, lib.g4h_qdequant_rows, lib.g4h_qk_isa):
+        fn.restype = N
+    return lib
+
+
+def _load():
+    global _lib, _state, _why
+    if os.environ.get("G4H_CPU_KERNEL", "1") == "0":
+        _state, _why = "unavailable", "disabled by G4H_CPU_KERNEL=0"
+        return None
+    try:
+        _lib, _state = bind(cpu_kernels.build(source=SOURCE, flags=FLAGS, libs=LIBS)), "ready"
+    except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError) as e:
+        _state, _why = "unavailable", str(e).splitlines()[0] if str(e) else type(e).__name__
+    return _lib
+
+
+def _get():
+    if _state == "unavailable" or _off:
+        return None
+    return _lib if _state == "ready" else _load()
+
+
+def status() -> tuple[bool, str]:
+    """``(available, reason)``: whether the packed kernels are in use here, and why not when they are not."""
+    if _state == "unloaded":
+        _load()
+    return _state == "ready", _why
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within the ``with`` block the kernels are not used (every function here returns None and the callers take
+    their torch path): for benchmarks against that path, and tests. Not thread-safe."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
+
+
+def isa() -> int | None:
+    """The vector path the build took: 512 (AVX-512), 256 (AVX2 + FMA), 0 (plain C); None when not built."""
+    lib = _get()
+    return None if lib is None else int(lib.g4h_qk_isa())
+
+
+def _layout(raw: torch.Tensor, qtype: str, row_len: int) -> tuple[int, int] | None:
+    """``(GGML type number, bytes per row)`` when ``raw`` is a contiguous CPU ``[rows, bytes_per_row]`` block
+    of a kernel type with rows of ``row_len`` elements, else None."""
+    sizes = _SIZES.get(qtype)
+    if sizes is None or raw.device.type != "cpu" or raw.dtype != torch.uint8 or raw.dim() != 2:
+        return None
+    num, bs, ts = sizes
+    if row_len <= 0 or row_len % bs or raw.shape[1] != row_len // bs * ts or not raw.is_contiguous():
+        return None
+    return num, raw.shape[1]
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == -3:
+        raise MemoryError(f"{what}: the packed kernel could not allocate its buffers")
+    if rc != 0:
+        raise RuntimeError(f"{what}: packed kernel returned {rc} after the Python side accepted the arguments")
+
+
+def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> torch.Tensor | None:
+    """``x @ dequant(W).T`` for ``W`` the packed ``[N, row_len]`` matrix in ``raw``; None when the kernel cannot.
+
+    Args:
+        x: float32 ``[M, row_len]`` on the CPU, ``1 <= M <= MAX_ROWS`` (made contiguous if it is not).
+        raw: uint8 ``[N, bytes_per_row]``, contiguous, on the CPU (a :class:`fast.quants.QuantizedTensor`'s bytes).
+        qtype: GGUF type name (``"Q8_0"``).
+        row_len: elements per row of ``W`` (``K``).
+
+    Returns:
+        float32 ``[M, N]`` (a new tensor), or None.
+    """
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS
+            or x.shape[1] != row_len or torch.is_grad_enabled() and x.requires_grad):
+        return None
+    lay = _layout(raw, qtype, row_len)
+    lib = _get() if lay is not None else None
+    if lib is None:
+        return None
+    x = x.contiguous()
+    m, n = x.shape[0], raw.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _check(lib.g4h_qlinear(lay[0], raw.data_ptr(), lay[1], n, row_len, x.data_ptr(), m, y.data_ptr(),
+                           torch.get_num_threads()), f"{qtype} linear [{m}, {row_len}] x [{n}, {row_len}]")
+    return y
+
+
+def take_rows(raw: torch.Tensor, qtype: str, row_len: int, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows ``ids`` of the packed ``[N, row_len]`` matrix in ``raw``, dequantized: float32 ``[len(ids), row_len]``.
+
+    Bit-identical with ``gguf.quants.dequantize`` of those rows. None when the kernel does not apply.
+
+    Args:
+        raw: as in :func:`linear`.
+        ids: int64 ``[n]`` on the CPU, every id in ``[0, N)`` (the caller checks; out-of-range ids are not caught here).
+    """
+    lay = _layout(raw, qtype, row_len)
+    lib = _get() if lay is not None else None
+    if lib is None or ids.device.type != "cpu" or ids.dim() != 1:
+        return None
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), row_len, dtype=torch.float32)
+    _check(lib.g4h_qtake_rows(lay[0], raw.data_ptr(), lay[1], row_len, ids.data_ptr(), ids.numel(), out.data_ptr(),
+                              torch.get_num_threads()), f"{qtype} take_rows")
+    return out
+
+
+def dequantize_rows(raw: torch.Tensor, qtype: str, row_len: int, start: int, stop: int) -> torch.Tensor | None:
+    """Rows ``start:stop`` of the packed matrix in ``raw``, dequantized: float32 ``[stop - start, row_len]``.
+
+    Bit-identical with ``gguf.quants.dequantize``. None when the kernel does not apply. The caller
+    checks ``0 <= start <= stop <= N``.
+    """
+    lay = _layout(raw, qtype, row_len)
+    lib = _get() if lay is not None else None
+    if lib is None:
+        return None
+    out = torch.empty(stop - start, row_len, dtype=torch.float32)
+    _check(lib.g4h_qdequant_rows(lay[0], raw.data_ptr(), lay[1], row_len, start, stop, out.data_ptr(),
+                                 torch.get_num_threads()), f"{qtype} dequantize_rows")
+    return out
