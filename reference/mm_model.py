@@ -30,7 +30,6 @@ llama.cpp's clip callback names where it has them) prefixed by the item: ``v0.Qc
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ from .image_processing import ImageInput, ImageProcessorConfig, check_budget, lo
 from .mm_weights import check_matches_text, load_mmproj, load_vision_hf
 from .multimodal import MM_TYPE_AUDIO, MM_TYPE_IMAGE, MM_TYPE_TEXT, Injection, MultimodalTokenIds
 from .vision import VisionConfig, check_patches, encode_image
-from .weights import load_model
+from .weights import load_model, read_hf_config
 
 TraceFn = Callable[[str, int, np.ndarray], None]
 
@@ -92,18 +91,6 @@ class MultimodalModel:
     mel: MelConfig
     source: str
     mmproj: str | None = None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelFileError(f"{path}: missing (an HF model folder needs config.json)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return raw
 
 
 def token_ids_from_vocab(tokens: Sequence[str] | None, vocab_size: int, source: str) -> MultimodalTokenIds:
@@ -151,7 +138,7 @@ def load_multimodal(model: str | os.PathLike, mmproj: str | os.PathLike | None =
 
 
 def _load_hf(p: Path) -> MultimodalModel:
-    raw = _read_json(p / "config.json")
+    raw = read_hf_config(p)
     cfg, W = load_model(p)
     vision = load_vision_hf(p) if isinstance(raw.get("vision_config"), dict) else None
     audio = load_audio_hf(p) if isinstance(raw.get("audio_config"), dict) else None

@@ -80,6 +80,7 @@ from reference.config import (
 from reference.errors import InputError, ModelFileError
 from reference.gguf_check import check_gguf
 from reference.names import hf_to_gguf
+from reference.weights import read_hf_config
 
 from ..core import memory
 from .llamacpp import INSTALL_MSG, LLAMA_CPP_PYTHON_VERSION
@@ -523,15 +524,8 @@ def _list_gguf(path: Path) -> tuple[int, dict[str, Any], list[_Tensor]]:
 
 
 def _inspect_hf(path: Path) -> tuple[Inspection, ModelConfig | None]:
+    raw = read_hf_config(path)
     cfg_path = path / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ModelFileError(f"{cfg_path}: missing (an HF model folder needs config.json)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{cfg_path}: not valid JSON ({_line(e)})") from None
-    if not isinstance(raw, dict):
-        raise ModelFileError(f"{cfg_path}: expected a JSON object")
     problems: list[Problem] = []
     files = sorted(path.glob("*.safetensors"))
     info = Inspection(path=str(path), format="hf", file_bytes=sum(f.stat().st_size for f in files))
