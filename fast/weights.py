@@ -63,9 +63,12 @@ class FastWeights:
         if qtype not in quants.SUPPORTED:
             raise InputError(f"{W.source}: tensor {name}: type {qtype} is not supported by fast dequantization")
         if keep_quantized and len(W.shape(name)) == 2 and qtype not in ("F16", "BF16"):
-            # CPU: a view of the memory-mapped file, no copy; elsewhere: one copy on the device
-            return quants.QuantizedTensor.from_numpy(W.stored(name), qtype, W.shape(name), device,
-                                                     copy=device.type != "cpu")
+            # CPU: a view of the memory-mapped file, no copy, where its bytes are contiguous (a table cut by
+            # --layers, such as the PLE table's first columns, is not: one packed copy); elsewhere: one copy
+            # on the device
+            stored = W.stored(name)
+            view = device.type == "cpu" and np.asarray(stored).flags.c_contiguous
+            return quants.QuantizedTensor.from_numpy(stored, qtype, W.shape(name), device, copy=not view)
         raw = torch.from_numpy(np.array(W.stored(name)).view(np.uint8)).to(device)  # own copy of the mapped bytes
         return quants.dequantize(raw, qtype, W.shape(name), dtype=torch.float32).to(target)
 

@@ -485,3 +485,22 @@ def test_linear_errors():
         linear(torch.ones(2, 32, dtype=torch.int64), qt)
     with pytest.raises(ValueError, match="2-D"):
         linear(torch.randn(2, 32), QuantizedTensor(qt.raw, "Q8_0", (2, 2, 32)))
+
+
+def test_packed_weights_from_a_column_cut_are_copied_not_refused():
+    """A table cut by ``--layers`` (the PLE table's first columns) is a strided view of the mapped bytes:
+    FastWeights keeps it packed by copying it once, with the same values as gguf's dequantization."""
+    from types import SimpleNamespace
+
+    from fast.weights import FastWeights
+
+    rng = np.random.default_rng(3)
+    full = gguf.quants.quantize(rng.standard_normal((8, 96)).astype(np.float32), T.Q8_0)  # [8, 3 blocks * 34]
+    cut = full[:, :2 * 34]  # the first 64 columns: two blocks of each row, not C-contiguous
+    assert not cut.flags.c_contiguous
+    W = SimpleNamespace(raw_dtype=lambda name: "Q8_0", shape=lambda name: (8, 64), stored=lambda name: cut,
+                        source="cut.gguf")
+    qt = FastWeights._from_gguf(W, "per_layer_token_embd.weight", torch.device("cpu"), torch.float32, True)
+    assert isinstance(qt, QuantizedTensor)
+    want = gguf.quants.dequantize(np.ascontiguousarray(cut), T.Q8_0)
+    assert np.array_equal(qt.dequantize().numpy(), want)
