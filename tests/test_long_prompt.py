@@ -58,13 +58,13 @@ def test_fast_attention_calls_see_a_block_of_queries_and_only_reachable_keys(mon
     q, k, v = (torch.from_numpy(a).float() for a in _qkv(T)[:3])
     pos = torch.arange(T)
     calls: list[tuple[int, int]] = []
-    sdpa = fm.F.scaled_dot_product_attention
+    block = fm.attend_block
 
-    def spy(query, key, value, **kw):
-        calls.append((query.shape[-2], key.shape[-2]))
-        return sdpa(query, key, value, **kw)
+    def spy(query, key, value, allowed, scale, group):
+        calls.append((query.shape[0], key.shape[0]))
+        return block(query, key, value, allowed, scale, group)
 
-    monkeypatch.setattr(fm.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(fm, "attend_block", spy)
     fm.attention(q, k, v, pos, pos, window, 1.0)
     assert len(calls) == -(-T // fm.ATTENTION_BLOCK)
     assert max(t for t, _ in calls) <= fm.ATTENTION_BLOCK

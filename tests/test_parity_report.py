@@ -217,7 +217,7 @@ def test_run_gemma3_passes_the_kld_hist_to_its_check(monkeypatch):
     fake = {"prompts": [], "transformers": {"available": False, "reason": "test"},
             "fast": {"prompts": [{"name": "p", "n_tokens": 3, "max_abs_logit_diff": 1e-5, "top1_agreement": 1.0,
                                   "kld_hist": hist}]}}
-    monkeypatch.setattr(cases, "run_gemma3_real", lambda: fake)
+    monkeypatch.setattr(cases, "run_gemma3_real", lambda packed=True: fake)
     res = cases.gemma3_case(lambda msg: None)
     (chk,) = [c for c in res.checks if c["gate"] == "fast~reference.max_abs_logit"]
     assert chk["kld_hist"] == hist

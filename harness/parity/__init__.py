@@ -93,10 +93,21 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
     return plan
 
 
+def opted_out_by_user(check: dict[str, Any], opted_out: tuple[str, ...]) -> bool:
+    """Whether an ``opted_out`` check was left out by the user's ``--skip`` (else: a check a default run leaves
+    out, such as a ``--slow`` one)."""
+    return any(name in (check.get("prompt"), check.get("gate")) or name in str(check.get("reason", ""))
+               for name in opted_out)
+
+
 def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] = ()) -> str:
     """The run's one-line verdict: PASS / FAIL (which gates, and which checks could not run) / BAD INPUT."""
     n_checks = sum(len(r.checks) for r in results)
     where = f"{len(results)} cases, {n_checks} checks" + (f"; opted out: {', '.join(opted_out)}" if opted_out else "")
+    opt_in = sorted({f"{r.case}/{c.get('prompt') or c['gate']}" for r in results for c in r.checks
+                     if c.get("got") == "opted_out" and not opted_out_by_user(c, opted_out)})
+    if opt_in:  # checks a default run leaves out (e.g. --slow ones): named, never silent
+        where += f"; not run unless asked: {', '.join(opt_in[:4])}{', ...' if len(opt_in) > 4 else ''} (see report)"
     if status == 2:
         bad = [f"{r.case} could not be read" for r in results if r.error_kind == "input"]
         bad += [f"{r.case}/{c['gate'].rsplit('.', 1)[0]}: {c.get('got')}" for r in results for c in r.checks
