@@ -69,6 +69,7 @@ from ..core.mm_prompts import MM_MODELS_DIR
 from ..core.paths import cache_root
 from .gguf import write_gguf
 from .mm_audio import audio_mmproj_metadata, randomise_audio_tower
+from .mm_model import load_text_weights
 from .mm_vision import randomise_vision_tower
 from .spec import Spec, SpecError, load_spec
 from .weights import make_weights
@@ -161,23 +162,6 @@ def load_mm_spec(path: str | os.PathLike[str]) -> MMSpec:
 # --------------------------------------------------------------------------- the HF folder
 
 
-def _load_text(model, weights: Mapping[str, np.ndarray]) -> None:
-    """Copy the canonical text weights into ``model.language_model``; every language-model tensor must be covered."""
-    state = model.state_dict()
-    prefix = "model.language_model."
-    expected = {gguf_to_hf(k, prefix=prefix): v for k, v in weights.items()}
-    lm_keys = {k for k in state if k.startswith(prefix)}
-    if set(expected) != lm_keys:
-        raise RuntimeError(f"text weights do not match the language model: missing "
-                           f"{sorted(lm_keys - set(expected))[:3]}, unexpected {sorted(set(expected) - lm_keys)[:3]}")
-    new = {}
-    for k, arr in expected.items():
-        if tuple(state[k].shape) != arr.shape:
-            raise RuntimeError(f"{k}: shape {arr.shape}, the model expects {tuple(state[k].shape)}")
-        new[k] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
-    model.load_state_dict(new, strict=False)
-
-
 def write_mm_hf(ms: MMSpec, weights: Mapping[str, np.ndarray], out_dir: str | os.PathLike[str]) -> Path:
     """Write the HF folder (module docstring); reload it and check the text weights round-trip bit-exactly.
 
@@ -192,7 +176,7 @@ def write_mm_hf(ms: MMSpec, weights: Mapping[str, np.ndarray], out_dir: str | os
     with torch.random.fork_rng(devices=[]):  # transformers' random init must not move the caller's RNG
         torch.manual_seed(spec.seed)
         model = Gemma4ForConditionalGeneration(cfg).eval()
-        _load_text(model, weights)
+        load_text_weights(model, weights)
         if vcfg is not None:
             randomise_vision_tower(model, spec.seed, bool(vcfg.use_clipped_linears))
         if acfg is not None:

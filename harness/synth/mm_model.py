@@ -105,7 +105,7 @@ def build_tiny_mm_hf(out_dir: str | os.PathLike, *, seed: int = 0, text: Mapping
     with torch.random.fork_rng(devices=[]):  # transformers' random init must not move the caller's RNG
         torch.manual_seed(seed)
         model = Gemma4ForConditionalGeneration(cfg).eval()
-        _load_text(model, make_weights(spec))
+        load_text_weights(model, make_weights(spec))
         randomise_vision_tower(model, seed, clipped_vision)
         randomise_audio_tower(model, seed)
     out = Path(out_dir)
@@ -119,7 +119,7 @@ def build_tiny_mm_hf(out_dir: str | os.PathLike, *, seed: int = 0, text: Mapping
     return out
 
 
-def _load_text(model, weights: Mapping[str, np.ndarray]) -> None:
+def load_text_weights(model, weights: Mapping[str, np.ndarray]) -> None:
     """Copy the canonical text weights into ``model.language_model`` (names through
     :func:`reference.names.gguf_to_hf`); every language-model tensor must be covered."""
     state = model.state_dict()
