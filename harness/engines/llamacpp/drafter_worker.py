@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .worker import RESULT_VERSION, DecodeError, LoadError, _Log
+from .worker import DecodeError, LoadError, _Log, finish
 
 EXT_SYMBOLS = {
     "llama_set_embeddings_nextn": "_Z26llama_set_embeddings_nextnP13llama_contextbb",
@@ -240,12 +240,7 @@ def main() -> int:
         sys.stderr.write(f"\nG4H-WORKER-ERROR[{'load' if isinstance(e, LoadError) else 'decode'}]: {e}\n")
         sys.stderr.flush()
         return 3
-    tmp = out_dir / "result.json.tmp"
-    tmp.write_text(json.dumps({"version": RESULT_VERSION, "jobs": results}))
-    os.replace(tmp, out_dir / "result.json")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip llama.cpp's teardown, as the main worker
+    finish(out_dir, results)
 
 
 if __name__ == "__main__":

@@ -434,14 +434,21 @@ def main() -> int:
         sys.stderr.write(f"\nG4H-WORKER-ERROR[{kind}]: {e}\n")
         sys.stderr.flush()
         return 3
+    finish(out_dir, results)
+
+
+def finish(out_dir: Path, results: list) -> None:
+    """Write ``result.json`` (atomically, :data:`RESULT_VERSION`) and end the process with exit 0, skipping
+    llama.cpp's teardown: the result is written, and a destructor that asserts must not turn it into a crash.
+    Shared by every worker of this package. Never returns."""
     tmp = out_dir / "result.json.tmp"
     tmp.write_text(json.dumps({"version": RESULT_VERSION, "jobs": results}))
     os.replace(tmp, out_dir / "result.json")
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip llama.cpp's teardown: the result is written, and a destructor that asserts must not turn it into a crash.
     os._exit(0)
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
