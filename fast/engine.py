@@ -52,12 +52,12 @@ class Request:
 
 @dataclass
 class Result:
-    """Output of one request: greedy tokens, top-5 ``(id, logprob)`` per step, and optionally
+    """Output of one request: greedy tokens, the top-N ``(id, logprob)`` per step (``top``), and optionally
     the float32 logits ``[V]`` each token was chosen from; ``steps`` = scheduler steps it was active."""
 
     id: str
     tokens: list[int] = field(default_factory=list)
-    top5: list[list[tuple[int, float]]] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
 
@@ -84,11 +84,13 @@ class Engine:
         prefill_chunk: prompt tokens per request per step.
         max_tokens: longest sequence (prompt + new tokens); sizes the page pool.
         keep_logits: store each step's logits in the results (for comparisons).
+        top_n: ``(id, logprob)`` pairs kept per step (best first).
     """
 
     def __init__(self, model: FastModel, max_batch: int = 8, prefill_chunk: int = 64, max_tokens: int = 4096,
-                 keep_logits: bool = False, page_size: int = 16):
+                 keep_logits: bool = False, page_size: int = 16, top_n: int = 5):
         self.model = model
+        self.top_n = int(top_n)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.max_tokens = max_tokens
@@ -158,19 +160,19 @@ class Engine:
 
     def _emit(self, a: _Active, row: torch.Tensor) -> None:
         logp = torch.log_softmax(row.float(), dim=-1)
-        top = torch.topk(logp, 5)
+        top = torch.topk(logp, min(self.top_n, logp.numel()))
         tok = int(torch.argmax(row).item())
         a.result.tokens.append(tok)
-        a.result.top5.append([(int(i), float(v)) for i, v in zip(top.indices.tolist(), top.values.tolist())])
+        a.result.top.append([(int(i), float(v)) for i, v in zip(top.indices.tolist(), top.values.tolist())])
         if self.keep_logits:
             a.result.logits.append(row.float().cpu().numpy().copy())
 
 
 def generate(model: FastModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, batched: bool = True,
              max_batch: int = 8, prefill_chunk: int = 64,
-             mm: Sequence[Injection | None] | None = None) -> list[Result]:
+             mm: Sequence[Injection | None] | None = None, top_n: int = 5) -> list[Result]:
     """Greedy continuations of ``prompts`` (all arriving at step 0), batched or solo, in input order;
-    ``mm``: each prompt's soft tokens and types (None entries: text only).
+    ``mm``: each prompt's soft tokens and types (None entries: text only); ``top_n`` log-probs kept per step.
 
     Raises:
         PromptError: see :func:`reference.model.check_generation` (checked before the KV cache is sized, so
@@ -180,6 +182,7 @@ def generate(model: FastModel, prompts: Sequence[Sequence[int]], max_new_tokens:
     mm = list(mm) if mm is not None else [None] * len(prompts)
     reqs = [Request(str(i), p, max_new_tokens, mm=m) for i, (p, m) in enumerate(zip(prompts, mm))]
     longest = max(len(p) for p in prompts) + max_new_tokens
-    eng = Engine(model, max_batch=max_batch if batched else 1, prefill_chunk=prefill_chunk, max_tokens=longest)
+    eng = Engine(model, max_batch=max_batch if batched else 1, prefill_chunk=prefill_chunk, max_tokens=longest,
+                 top_n=top_n)
     res = eng.run(reqs)
     return [res[r.id] for r in reqs]

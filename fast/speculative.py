@@ -226,19 +226,19 @@ class SpecEngine:
         proposer: where drafts come from.
         k: the most drafts per request and round (>= 1).
         max_batch, prefill_chunk, max_tokens, keep_logits, page_size: as :class:`fast.engine.Engine`.
-        top5: record each token's top-5 log-probabilities (a benchmark leaves them out, as the plain ``tg`` does).
+        keep_top: record each token's top-5 log-probabilities (a benchmark leaves them out, as the plain ``tg`` does).
 
     Raises:
         InputError: ``k`` < 1.
     """
 
     def __init__(self, model: FastModel, proposer: Proposer, k: int, max_batch: int = 8, prefill_chunk: int = 64,
-                 max_tokens: int = 4096, keep_logits: bool = False, page_size: int = 16, top5: bool = True):
+                 max_tokens: int = 4096, keep_logits: bool = False, page_size: int = 16, keep_top: bool = True):
         if k < 1:
             raise InputError(f"--draft-tokens {k}: expected >= 1")
         self.model, self.proposer, self.k = model, proposer, k
         self.max_batch, self.prefill_chunk, self.max_tokens = max_batch, prefill_chunk, max_tokens
-        self.keep_logits, self.page_size, self.top5 = keep_logits, page_size, top5
+        self.keep_logits, self.page_size, self.keep_top = keep_logits, page_size, keep_top
         self.batch_sizes: list[int] = []
 
     def run(self, requests: Sequence[Request]) -> dict[str, SpecResult]:
@@ -345,9 +345,9 @@ class SpecEngine:
         for row in rows:
             tok = int(torch.argmax(row).item())
             res.tokens.append(tok)
-            if self.top5:
+            if self.keep_top:
                 top = torch.topk(torch.log_softmax(row.float(), dim=-1), 5)
-                res.top5.append([(int(i), float(v)) for i, v in zip(top.indices.tolist(), top.values.tolist())])
+                res.top.append([(int(i), float(v)) for i, v in zip(top.indices.tolist(), top.values.tolist())])
             if self.keep_logits:
                 res.logits.append(row.float().cpu().numpy().copy())
             now = time.perf_counter()

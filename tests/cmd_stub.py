@@ -34,6 +34,8 @@ FAULTS = {
     "wrong-id": "answer with another request's id",
     "error": "answer ok: false with a message",
     "not-greedy": "generate: each token is the second most probable",
+    "rank6": "generate: the first token is the reference's sixth most probable (listed first, at the top-1's "
+             "log-prob): vLLM's rule passes it with N >= 6 only",
     "short": "generate: one token too few",
     "refuse": "hello: ok false (cannot read the model)",
     "version": "hello: protocol 2",
@@ -121,9 +123,13 @@ def main() -> int:
             reply(req, logits=req["out"])
         elif op == "generate":
             results = []
-            for g in ref.generate_full(req["prompts"], req["max_new_tokens"]):
-                toks = [s[1][0] for s in g.top5] if fault == "not-greedy" else g.tokens
-                steps = [[[i, lp] for i, lp in s[:req["top_n"]]] for s in g.top5]
+            for g in ref.generate_full(req["prompts"], req["max_new_tokens"], top_n=max(6, req["top_n"])):
+                toks = [s[1][0] for s in g.top] if fault == "not-greedy" else g.tokens
+                if fault == "rank6":
+                    s0 = g.top[0]
+                    g.top[0] = [(s0[5][0], s0[0][1])] + s0[:5] + s0[6:]
+                    toks = [s0[5][0]] + toks[1:]
+                steps = [[[i, lp] for i, lp in s[:req["top_n"]]] for s in g.top]
                 if fault == "short":
                     toks, steps = toks[:-1], steps[:-1]
                 results.append({"tokens": toks, "top_logprobs": steps})

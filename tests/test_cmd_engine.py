@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from harness.engines import EngineUnavailable, engine_kind, make_engine, split_e
 from harness.engines.cmd import CmdEngine, CmdError, command_argv
 from harness.engines.reference import ReferenceEngine
 from harness.parity import run as run_parity
+from harness.parity.checks.server import ServerOptions
 from harness.traces.format import read_trace
 from reference.errors import InputError
 
@@ -84,7 +86,7 @@ def test_stub_answers_match_the_reference(tiny_gguf, tmp_path):
         gens = eng.generate_full([IDS, IDS[:3]], 4)
         want = ref.generate_full([IDS, IDS[:3]], 4)
         assert [g.tokens for g in gens] == [g.tokens for g in want]
-        assert gens[0].top5[0][0][0] == want[0].top5[0][0][0]
+        assert gens[0].top[0][0][0] == want[0].top[0][0][0]
         assert eng.tokenize("ab") == [2, 97, 98]
         tr = read_trace(eng.trace_file(IDS, tmp_path / "t.jsonl", tmp_path / "dump"))
         assert tr.prompt_ids == IDS and tr.has_tensors()
@@ -231,6 +233,50 @@ def test_parity_sixteen_bit_engine_gets_the_bf16_gates(tiny_gguf, prompts_file, 
                               prompts=prompts_file, quiet=True)
     assert status == 0, data["verdict"]
     assert {c["gate"].split(".")[0] for c in _checks(data, "reference~cmd")} == {"reference~cmd_bf16"}
+
+
+def test_two_engines_of_one_kind_get_their_own_pairs(tiny_gguf, prompts_file, tmp_path):
+    """Two cmd: engines in one --against list: the second is the pair reference~cmd#2, judged by the reference~cmd
+    gates; the intact one passes, the perturbed one fails at its layer and the verdict names its pair."""
+    data, status = run_parity(models=[str(tiny_gguf)], against=[stub(), stub("--perturb-layer", "1")],
+                              out=str(tmp_path), prompts=prompts_file, quiet=True)
+    assert status == 1
+    first = [c for c in _checks(data, "reference~cmd.")]
+    second = _checks(data, "reference~cmd#2.")
+    assert first and all(c["pass"] for c in first)
+    assert {c["gate"].split(".", 1)[1] for c in second} == {c["gate"].split(".", 1)[1] for c in first}
+    layer = _checks(data, "reference~cmd#2.layer_rel_l2")
+    assert layer and all(c["first_divergence"] == "ffn_out@1" and not c["pass"] for c in layer), layer
+    assert all(c["limit"] == DEFAULT_GATES["reference~cmd.layer_rel_l2"].limit for c in layer)
+    assert "reference~cmd#2.layer_rel_l2" in data["verdict"] and "reference~cmd." not in data["verdict"]
+
+
+def test_parity_top_n_sets_vllm_n(tiny_gguf, prompts_file, tmp_path):
+    """``--top-n``: an engine whose first token is the oracle's sixth most probable fails vLLM's rule with N = 5
+    (naming the request, step 0 and both tokens) and passes it with N = 6 (each stream parted "within the top-N");
+    the engine is asked for N log-probs and the greedy figure records N."""
+    name = stub("--fault", "rank6", "--fault-op", "generate")
+    data, status = run_parity(models=[str(tiny_gguf)], against=[name], out=str(tmp_path), prompts=prompts_file,
+                              quiet=True)
+    (greedy,) = _checks(data, "reference~cmd.greedy")
+    assert status == 1 and not greedy["pass"] and greedy["top_n"] == 5
+    assert re.fullmatch(r"request \S+ step 0: ours \d+, oracle \d+", greedy["first_fault"]), greedy["first_fault"]
+    data, status = run_parity(models=[str(tiny_gguf)], against=[name], out=str(tmp_path), prompts=prompts_file,
+                              quiet=True, server=ServerOptions(top_n=6))
+    (greedy,) = _checks(data, "reference~cmd.greedy")
+    assert status == 0, data["verdict"]
+    assert greedy["pass"] and greedy["top_n"] == 6 and greedy["by_top_n"] == greedy["streams"] > 0, greedy
+    assert data["cases"][0]["info"]["top_n"] == 6
+
+
+def test_generate_full_keeps_the_top_n(tiny_gguf):
+    """Every in-process engine keeps ``top_n`` pairs per step, best first; the first five are the default run's."""
+    for eng in (ReferenceEngine(tiny_gguf), make_engine("fast", tiny_gguf)):
+        five, = eng.generate_full([IDS], 3)
+        nine, = eng.generate_full([IDS], 3, top_n=9)
+        assert nine.tokens == five.tokens and all(len(s) == 9 for s in nine.top)
+        assert [[i for i, _ in s[:5]] for s in nine.top] == [[i for i, _ in s] for s in five.top]
+        assert all(all(a[1] >= b[1] for a, b in zip(s, s[1:])) for s in nine.top)
 
 
 @pytest.mark.slow

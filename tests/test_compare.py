@@ -48,7 +48,7 @@ def test_generations_fault_names_request_step_and_tokens(tiny_gguf, tmp_path):
     assert same.returncode == 0, same.stdout + same.stderr
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     step = 2
-    swapped = next(t for t in range(32) if t not in [i for i, _ in rows[1]["top5"][step]])
+    swapped = next(t for t in range(32) if t not in [i for i, _ in rows[1]["top_logprobs"][step]])
     rows[1]["tokens"][step] = swapped  # a token outside the oracle's top-5: a real fault
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))

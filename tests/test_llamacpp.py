@@ -97,8 +97,8 @@ def test_generate_solo_batched_and_reference_agree(passing):
     solo = eng.generate_full(prompts, 6)
     batched = eng.generate(prompts, 6, batched=True)
     assert [g.tokens for g in solo] == batched
-    assert all(len(g.top5) == 6 and len(g.top5[0]) == 5 for g in solo)
-    assert all(g.top5[0][0][0] == g.tokens[0] for g in solo)
+    assert all(len(g.top) == 6 and len(g.top[0]) == 5 for g in solo)
+    assert all(g.top[0][0][0] == g.tokens[0] for g in solo)
     assert [g.tokens for g in solo] == ReferenceEngine(passing.gguf["F32"]).generate(prompts, 6)
 
 

@@ -46,7 +46,7 @@ def test_llama_server_dialect_and_model(llama_server, synth_gguf):
 
 def _steps(g):
     """(step, top ids, top logprobs) of every step the server reported."""
-    return [(i, [t for t, _ in s], [lp for _, lp in s]) for i, s in enumerate(g.top5) if s]
+    return [(i, [t for t, _ in s], [lp for _, lp in s]) for i, s in enumerate(g.top) if s]
 
 
 @pytest.mark.slow
@@ -60,13 +60,13 @@ def test_llama_server_greedy_matches_the_llamacpp_worker(llama_server, synth_ggu
     want = LlamaCppEngine(synth_gguf, n_ctx=256, threads=2).generate_full(prompts, N_NEW)
     reported = 0
     for g, w in zip(got, want):
-        assert g.tokens == w.tokens and g.finish_reason == "length" and len(g.top5) == N_NEW
+        assert g.tokens == w.tokens and g.finish_reason == "length" and len(g.top) == N_NEW
         for i, ids, lps in _steps(g):
-            assert ids == [t for t, _ in w.top5[i]], i
-            assert max(abs(a - b) for a, (_, b) in zip(lps, w.top5[i])) <= LOGPROB_FP32_ORDER_TOL
+            assert ids == [t for t, _ in w.top[i]], i
+            assert max(abs(a - b) for a, (_, b) in zip(lps, w.top[i])) <= LOGPROB_FP32_ORDER_TOL
             assert g.logprobs[i] == lps[0]
             reported += 1
-        assert sorted(g.missing) == [i for i, s in enumerate(g.top5) if not s]
+        assert sorted(g.missing) == [i for i, s in enumerate(g.top) if not s]
     assert 0 < reported < len(prompts) * N_NEW  # byte tokens: llama-server skips steps whose text is cut UTF-8
 
 
@@ -87,7 +87,7 @@ def test_llama_server_stream(llama_server, llama_server_gemma3):
     eng = OpenAIEngine(llama_server_gemma3.url)
     ids = eng.tokenize("The capital of France is")
     a, b = eng.generate_full([ids], 6), eng.generate_full([ids], 6, stream=True)
-    assert a[0].tokens == b[0].tokens and a[0].top5 == b[0].top5 and a[0].text == b[0].text
+    assert a[0].tokens == b[0].tokens and a[0].top == b[0].top and a[0].text == b[0].text
     assert not a[0].missing
     synth = OpenAIEngine(llama_server.url)
     (g,) = synth.generate_full([max(_prompts(), key=len)], 16)
@@ -105,7 +105,7 @@ def test_llama_server_batched_equals_alone(llama_server):
     together = OpenAIEngine(llama_server.url, concurrency=16).generate_full(prompts, N_NEW)
     assert [g.tokens for g in alone] == [g.tokens for g in together]
     assert [g.missing for g in alone] == [g.missing for g in together]
-    worst = max(abs(a - b) for x, y in zip(alone, together) for sa, sb in zip(x.top5, y.top5)
+    worst = max(abs(a - b) for x, y in zip(alone, together) for sa, sb in zip(x.top, y.top)
                 for (_, a), (_, b) in zip(sa, sb))
     assert worst <= LOGPROB_FP32_ORDER_TOL
 
@@ -149,8 +149,8 @@ def test_llama_cpp_python_server(llama_cpp_python_server_gemma3, llama_server_ge
         assert lcp.detokenize(g.tokens) == g.text  # the ids mapped back from its texts say what it generated
         assert len(g.tokens) == N_NEW or g.finish_reason == "stop"
         # Its kernels differ (repacked Q4_K weights, no switch to turn that off): vLLM's rule, not equality.
-        verdict = greedy_agreement(g.tokens, r.tokens, [[i for i, _ in s] for s in g.top5],
-                                   [[i for i, _ in s] for s in r.top5])
+        verdict = greedy_agreement(g.tokens, r.tokens, [[i for i, _ in s] for s in g.top],
+                                   [[i for i, _ in s] for s in r.top])
         assert verdict.agree, verdict.reason
     plp = lcp.prompt_logprobs(prompts[0])
     # nothing precedes BOS, and its echo nulls the first listed token (OpenAI's legacy convention)
@@ -215,7 +215,7 @@ def test_perturbed_logprobs_come_through_and_are_caught(llama_server_gemma3):
     with Stub("perturb", upstream=llama_server_gemma3.url) as stub:
         lying = OpenAIEngine(stub.url).generate_full(prompts, N_NEW)
     assert [g.tokens for g in lying] == [g.tokens for g in honest]
-    shifts = [b - a for x, y in zip(honest, lying) for sa, sb in zip(x.top5, y.top5) for (_, a), (_, b) in zip(sa, sb)]
+    shifts = [b - a for x, y in zip(honest, lying) for sa, sb in zip(x.top, y.top) for (_, a), (_, b) in zip(sa, sb)]
     assert len(shifts) == 5 * N_NEW and all(d == pytest.approx(0.1, abs=1e-9) for d in shifts)
     assert min(shifts) > LOGPROB_FP32_ORDER_TOL
 

@@ -175,3 +175,55 @@ def test_example_engine_perturbed_fails_at_the_prompt_and_position(built, tmp_pa
     report = (Path(data["run_dir"]) / "report.md").read_text()
     assert "len17-window+1: worst at position 5" in report
     assert "prompt `len17-window+1`: reference~cmd.max_abs_logit" in report and "point: logits@position 5" in report
+
+
+# --------------------------------------------------------------------------- --oracle fast
+
+
+def test_oracle_fast_is_refused_where_it_cannot_apply(tiny_gguf, tmp_path, capsys):
+    """--oracle fast goes with --model, and not with --against reference (that pair is reference~fast)."""
+    out = tmp_path / "runs"
+    assert g4h(["parity", "--oracle", "fast", "--case", "e2b", "--out", str(out)]) == 2
+    assert g4h(["parity", "--model", str(tiny_gguf), "--oracle", "fast", "--against", "reference",
+                "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["g4h: error: --oracle fast goes with --model (the built-in cases compare every engine with the "
+                   "reference)",
+                   "g4h: error: --against reference with --oracle fast: that pair is reference~fast; run --against "
+                   "fast with the default oracle"], err
+    assert not out.exists()
+
+
+def test_oracle_fast_pairs_are_gated_like_the_reference_ones(tiny_gguf, tmp_path):
+    """With --oracle fast the pairs are fast~<kind>, every metric gated with the bound of reference~<kind>; a
+    second fast engine is bit-identical to the oracle (fast~fast, the bounds of reference~reference); the
+    reference's float64 self-check is left out and the case says so."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{n}", "prompt_ids": [2] + [(7 * k + n) % 31 + 1 for k in
+                                                                               range(n)]}) + "\n" for n in (4, 9)))
+    stub = shlex.join([sys.executable, str(REPO_ROOT / "tests" / "cmd_stub.py")])
+    data, status = run_parity(models=[str(tiny_gguf)], against=["fast", f"cmd:{stub}"], out=str(tmp_path),
+                              prompts=prompts, quiet=True, oracle="fast")
+    assert status == 0, data["verdict"]
+    assert_pair_passes(data, "fast~fast")
+    assert_pair_passes(data, "fast~cmd")
+    assert all(c["measured"] == 0.0 for c in checks(data, "fast~fast")
+               if c["gate"].rsplit(".", 1)[1] in ("max_abs_logit", "mean_kld", "max_abs_logprob", "layer_rel_l2"))
+    for metric in METRICS:
+        assert DEFAULT_GATES[f"fast~cmd.{metric}"].limit == DEFAULT_GATES[f"reference~cmd.{metric}"].limit
+    info = data["cases"][0]["info"]
+    assert info["oracle"]["name"] == "fast" and "reference.cached~uncached" in info["oracle"]["left_out"]
+    assert not checks(data, "reference.cached~uncached") and not checks(data, "reference~fast")
+
+
+@pytest.mark.slow
+def test_oracle_fast_on_a_gguf_against_llamacpp(built, tmp_path):
+    """The default with --oracle fast on a GGUF is llama.cpp alone; its pair passes with llama.cpp's fp16 GELU
+    table emulated in fast (harness.engines.llamacpp.numerics.gelu_fp16_table_fast)."""
+    require_llama_cpp()
+    data, status = run_parity(models=[str(built.gguf["F32"])], out=str(tmp_path), quiet=True, oracle="fast")
+    assert status == 0, data["verdict"]
+    assert data["cases"][0]["info"]["against"] == ["llamacpp"]
+    assert_pair_passes(data, "fast~llamacpp")
+    logit = checks(data, "fast~llamacpp.max_abs_logit")
+    assert all(c["vs_exact_reference"] >= c["measured"] for c in logit), logit  # the emulation removes a difference

@@ -165,7 +165,7 @@ def test_logits_and_trace_refused_generate_works(llama_server, synth_gguf, tmp_p
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in lines] == [p["id"] for p in some]
     assert [x["tokens"] for x in lines] == [g.tokens for g in direct]
-    assert [[[c[0] for c in s] for s in x["top5"]] for x in lines] == [[[i for i, _ in s] for s in g.top5]
+    assert [[[c[0] for c in s] for s in x["top_logprobs"]] for x in lines] == [[[i for i, _ in s] for s in g.top]
                                                                        for g in direct]
 
 

@@ -159,7 +159,7 @@ def test_generate_with_a_drafter_writes_the_same_output(tmp_path):
     for name in ("model", "oracle"):
         for a, b in zip(outs["plain"], outs[name]):
             assert a["tokens"] == b["tokens"]
-            assert [[t for t, _ in s] for s in a["top5"]] == [[t for t, _ in s] for s in b["top5"]]
+            assert [[t for t, _ in s] for s in a["top_logprobs"]] == [[t for t, _ in s] for s in b["top_logprobs"]]
             st = b["speculative"]
             assert st["drafted"] > 0 and st["target_forwards"] >= 1
     assert all(line["speculative"]["acceptance_rate"] == 1.0 for line in outs["oracle"])

@@ -60,7 +60,7 @@ class SpecBench:
         reqs = [Request(str(i), ctx + [first[i]], n + 1) for i in range(batch)]
         proposer = self.fast.proposer(self.draft, reqs)  # the oracle's plain run happens here, untimed
         eng = SpecEngine(self.fast.model, proposer, self.k, max_batch=batch, prefill_chunk=max(64, depth + 1),
-                         max_tokens=depth + n + 2, top5=False)
+                         max_tokens=depth + n + 2, keep_top=False)
         res = eng.run(reqs)
         self.fast._sync()
         t0 = min(r.t_first for r in res.values())

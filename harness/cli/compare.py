@@ -54,8 +54,8 @@ def _oracle_side(args: argparse.Namespace, kind: str, n_new: int | None):
         raise InputError("g4h compare: --against on generations needs --prompts")
     prompts = load_prompts(Path(args.prompts))
     gens = engine.generate_full([p["prompt_ids"] for p in prompts], n_new)
-    return {str(p["id"]): {"tokens": g.tokens, "top": [[i for i, _ in s] for s in g.top5],
-                           "logprobs": [dict(s) for s in g.top5]} for p, g in zip(prompts, gens)}
+    return {str(p["id"]): {"tokens": g.tokens, "top": [[i for i, _ in s] for s in g.top],
+                           "logprobs": [dict(s) for s in g.top]} for p, g in zip(prompts, gens)}
 
 
 def run(args: argparse.Namespace) -> int:

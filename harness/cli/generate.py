@@ -18,6 +18,7 @@ from reference.errors import InputError, PromptError
 from ..core.cases import load_prompts, read_prompt_ids
 from ..core.io import write_text_atomic
 from ..engines import make_engine
+from ..engines.base import TOP_N
 from ._args import add_model_args, check_out_file, engine_options, resolve_draft_model, resolve_model
 from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
@@ -31,7 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         'its output line has id "prompt"')
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--batched", action="store_true", default=None, help="fast engine: one continuous batch")
-    p.add_argument("--out", required=True, help='output JSONL: {"id", "tokens", "top5"} per line')
+    p.add_argument("--top-n", type=int, default=TOP_N, metavar="N",
+                   help=f"(id, logprob) pairs kept per step, best first (default {TOP_N}; text prompts without "
+                        "--draft-model)")
+    p.add_argument("--out", required=True, help='output JSONL: {"id", "tokens", "top_logprobs"} per line')
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding (fast engine): a Gemma 4 assistant (HF folder, gemma4-assistant GGUF, "
                         "or a drafter case such as e2b-assistant), or oracle | random | partial:J; the output is the "
@@ -51,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--draft-model: speculative decoding runs on the fast engine, not {args.engine!r}")
     if args.draft_tokens < 1:
         raise InputError(f"--draft-tokens {args.draft_tokens}: expected >= 1")
+    if args.top_n < 1:
+        raise InputError(f"--top-n {args.top_n}: expected >= 1")
+    if args.top_n != TOP_N and (args.draft_model is not None or mm_requested(args)):
+        raise InputError(f"--top-n {args.top_n}: speculative and multimodal generation keep the top {TOP_N}")
     extra: list[dict] = []
     if mm_requested(args):
         if args.prompt_ids is None:
@@ -65,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         engine = make_engine(args.engine, resolve_model(args.model, args.engine), **engine_options(args))
         ids = [p for _, p in prompts]
         if args.draft_model is None:
-            gens = engine.generate_full(ids, args.max_new_tokens)
+            gens = engine.generate_full(ids, args.max_new_tokens, top_n=args.top_n)
         else:
             gens = engine.generate_speculative(ids, args.max_new_tokens, resolve_draft_model(args.draft_model),
                                                args.draft_tokens)
@@ -77,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{sum(len(g.tokens) for g in gens) / max(forwards, 1):.2f} tokens per target forward",
                   file=sys.stderr)
     extra = extra or [{} for _ in gens]
-    lines = [json.dumps({"id": pid, "tokens": g.tokens, "top5": [[[i, lp] for i, lp in step] for step in g.top5], **x})
-             for (pid, _), g, x in zip(prompts, gens, extra)]
+    lines = [json.dumps({"id": pid, "tokens": g.tokens, "top_logprobs": [[[i, lp] for i, lp in step] for step in g.top],
+                         **x}) for (pid, _), g, x in zip(prompts, gens, extra)]
     try:
         write_text_atomic(args.out, "\n".join(lines) + "\n")
     except OSError as e:

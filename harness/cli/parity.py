@@ -9,8 +9,9 @@ from reference.errors import InputError
 from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
 from ..engines import split_engines
+from ..engines.base import TOP_N
 from ..parity import run as run_parity
-from ..parity.checks.pair import GREEDY_NEW_TOKENS
+from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
 from ..parity.report import junit_xml, short_table
 from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
@@ -25,6 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fast, transformers, llamacpp, cmd:'COMMAND ...' (docs/engine-protocol.md), openai:URL (a "
                         "server: docs/server-dialects.md). Default: every engine that can read the model (a GGUF: "
                         "fast, llamacpp; an HF folder: fast, transformers)")
+    p.add_argument("--oracle", choices=ORACLES, default="reference",
+                   help="with --model: the oracle side of every pair: reference (float64, the default) or fast (the "
+                        "torch engine in fp32, on CUDA when present: much faster on a big model; pairs fast~ENGINE, "
+                        "the same bounds; the reference's cached-vs-uncached check is left out)")
+    p.add_argument("--top-n", type=int, default=TOP_N, metavar="N",
+                   help=f"with --model: vLLM's N: log-probs asked per step of every greedy stream; a divergent "
+                        f"token passes when each side's token is in the other's top-N (default {TOP_N})")
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help='with --model: the prompt set, {"prompt_ids": [...]} or {"text": "..."} per line, optional '
                         '"id" (default: cases/prompts/synthetic.jsonl, restricted to the model\'s vocabulary)')
@@ -87,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
                               skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
-                              engine_options=engine_options(args), weights=args.weights,
-                              server=ServerOptions(max_new_tokens=args.max_new_tokens,
+                              engine_options=engine_options(args), weights=args.weights, oracle=args.oracle,
+                              server=ServerOptions(max_new_tokens=args.max_new_tokens, top_n=args.top_n,
                                                    batch_requests=args.batch_requests, concurrency=args.concurrency))
     print(short_table(data))
     if args.junit_xml:

@@ -37,20 +37,30 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of a dense weight in each compute dtype."""
 
 
-class Generated:
-    """One greedy continuation: ``tokens`` and, per step, the top-5 ``(id, logprob)`` pairs."""
+TOP_N = 5
+"""Log-probs kept per step of a greedy stream unless asked otherwise (``--top-n``): vLLM's greedy-agreement rule
+compares each side's token with the other's top-N, and its own tests use 5."""
 
-    def __init__(self) -> None:
+
+class Generated:
+    """One greedy continuation: ``tokens`` and, per step, the top-``top_n`` ``(id, logprob)`` pairs (``top``).
+
+    Args:
+        top_n: how many ``(id, logprob)`` pairs each step keeps, best first (default :data:`TOP_N`).
+    """
+
+    def __init__(self, top_n: int = TOP_N) -> None:
+        self.top_n = int(top_n)
         self.tokens: list[int] = []
-        self.top5: list[list[tuple[int, float]]] = []
+        self.top: list[list[tuple[int, float]]] = []
 
     def add(self, logits: np.ndarray) -> None:
         """Take the greedy token from one step's logits ``[V]`` (ties -> lowest id)."""
         z = np.asarray(logits, dtype=np.float64)
         logp = z - (z.max() + np.log(np.sum(np.exp(z - z.max()))))
-        top = np.argsort(-logp, kind="stable")[:5]
+        top = np.argsort(-logp, kind="stable")[:self.top_n]
         self.tokens.append(int(np.argmax(z)))
-        self.top5.append([(int(i), float(logp[i])) for i in top])
+        self.top.append([(int(i), float(logp[i])) for i in top])
 
 
 class EngineUnavailable(InputError):
@@ -68,8 +78,9 @@ class Engine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy continuation of each prompt, ``max_new_tokens`` ids each."""
 
-    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generated]:
-        """Greedy continuations with the top-5 log-probabilities of every step."""
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      top_n: int = TOP_N) -> list[Generated]:
+        """Greedy continuations with the top-``top_n`` log-probabilities of every step."""
 
 
 class Benchable(Protocol):

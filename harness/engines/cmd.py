@@ -40,7 +40,7 @@ import numpy as np
 from reference.errors import InputError
 
 from ..core.workers import crash_line, remove_temp_dir, start_child, temp_dir
-from .base import EngineUnavailable, Generated, TraceFn
+from .base import TOP_N, EngineUnavailable, Generated, TraceFn
 
 PROTOCOL_VERSION = 1
 """The protocol version this module speaks (``hello``'s ``protocol``)."""
@@ -365,7 +365,8 @@ class CmdEngine:
         self.vocab_size = vocab
         return np.asarray(z, dtype=np.float64)
 
-    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_n: int = 5) -> list[Generated]:
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      top_n: int = TOP_N) -> list[Generated]:
         """Greedy continuations with the top-``top_n`` ``(id, logprob)`` of every step, through ``generate``.
 
         Raises:
@@ -408,7 +409,7 @@ class CmdEngine:
                 self._fail(where, f"results[{k}] step {i}: token {tok} is not the most probable of its own top "
                                   f"log-probs {step[:3]} (not greedy)")
         g = Generated()
-        g.tokens, g.top5 = tokens, steps
+        g.tokens, g.top = tokens, steps
         return g
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:

@@ -28,7 +28,7 @@ from reference.errors import InputError
 from reference.weights import load_model
 
 from ..core import memory
-from .base import DTYPE_BYTES, TraceFn, bench_ids
+from .base import DTYPE_BYTES, TOP_N, TraceFn, bench_ids
 
 WEIGHT_MODES = ("packed", "dequantized")
 """``--weights``: GGUF quantized matrices kept packed (dequantized on the fly), or dequantized at load."""
@@ -133,10 +133,10 @@ class FastEngine:
         return [r.tokens for r in self.generate_full(prompts, max_new_tokens)]
 
     @memory.guarded
-    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int):
-        """Like :meth:`generate` but returns :class:`fast.engine.Result` (tokens and top-5 logprobs)."""
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_n: int = TOP_N):
+        """Like :meth:`generate` but returns :class:`fast.engine.Result` (tokens and the top-``top_n`` logprobs)."""
         self._plan(max((len(p) for p in prompts), default=1), max_new_tokens, len(prompts) if self.batched else 1)
-        return generate(self.model, prompts, max_new_tokens, batched=self.batched)
+        return generate(self.model, prompts, max_new_tokens, batched=self.batched, top_n=top_n)
 
     # ------------------------------------------------------------------ speculative decoding
 

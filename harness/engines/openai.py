@@ -8,7 +8,7 @@ llama-cpp-python 0.3.36; vLLM written to its documented API, not run here). In s
 
 * ``llama-server``: ``POST /completion`` with the prompt as token ids, ``n_probs``, ``return_tokens``,
   ``ignore_eos``. It reports a step's log-probs only once the generated text ends in complete UTF-8
-  (its ``validate_utf8``): the other steps get an empty ``top5`` entry, placed by replaying that rule
+  (its ``validate_utf8``): the other steps get an empty ``top`` entry, placed by replaying that rule
   over the token pieces (:meth:`OpenAIEngine._place_llama_server`). ``/tokenize``, ``/detokenize``,
   ``/apply-template``; no prompt log-probs.
 * ``llama-cpp-python``: ``POST /v1/completions`` takes text prompts only (a token id list is a 500), and
@@ -39,7 +39,7 @@ from typing import Any, Iterator, Sequence
 
 from reference.errors import InputError
 
-from .base import EngineUnavailable, Generated
+from .base import TOP_N, EngineUnavailable, Generated
 
 DIALECTS = ("llama-server", "llama-cpp-python", "vllm")
 
@@ -55,7 +55,7 @@ class ServerError(InputError):
 class ServerGenerated(Generated):
     """One greedy continuation from a server.
 
-    Attributes (besides :class:`harness.engines.Generated`'s ``tokens`` and ``top5``; ``top5[i]`` holds the
+    Attributes (besides :class:`harness.engines.Generated`'s ``tokens`` and ``top``; ``top[i]`` holds the
     top-``top_n`` ``(id, logprob)`` pairs of step ``i``, best first, or ``[]`` where the server reported none):
         logprobs: per step, the log-probability of the generated token (NaN where the server reported none).
         missing: the steps the server reported no log-probs for (llama-server: text not yet complete UTF-8).
@@ -377,7 +377,7 @@ class OpenAIEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_n: int = 5,
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_n: int = TOP_N,
                       stream: bool = False) -> list[ServerGenerated]:
         """Greedy continuations (temperature 0) with the top-``top_n`` ``(id, logprob)`` of every step.
 
@@ -410,7 +410,7 @@ class OpenAIEngine:
                 _check_greedy(self.base, k, g)
         return out
 
-    def complete(self, ids: Sequence[int], max_new_tokens: int, top_n: int = 5, *, stream: bool = False,
+    def complete(self, ids: Sequence[int], max_new_tokens: int, top_n: int = TOP_N, *, stream: bool = False,
                  stop: Sequence[str] | None = None, ignore_eos: bool = True, gaps: bool = False) -> ServerGenerated:
         """One greedy request (temperature 0), as the dialect takes it; no check of the answer against itself.
 
@@ -478,11 +478,11 @@ class OpenAIEngine:
             if step is None:
                 g.missing.append(i)
                 g.logprobs.append(math.nan)
-                g.top5.append([])
+                g.top.append([])
                 continue
             try:
                 g.logprobs.append(float(step["logprob"]))
-                g.top5.append([(int(c["id"]), float(c["logprob"])) for c in step["top_logprobs"]])
+                g.top.append([(int(c["id"]), float(c["logprob"])) for c in step["top_logprobs"]])
             except (KeyError, TypeError, ValueError):
                 raise _shape(url, 'completion_probabilities [{"id", "logprob", "top_logprobs": [{"id", "logprob"}]}]',
                              step) from None
@@ -560,7 +560,7 @@ class OpenAIEngine:
                     g.tokens.append(_token_id(tok))
                     g.logprobs.append(float(tlp))
                     pairs = sorted(((_token_id(k), float(v)) for k, v in top.items()), key=lambda kv: (-kv[1], kv[0]))
-                    g.top5.append(pairs[:top_n])
+                    g.top.append(pairs[:top_n])
             except (KeyError, TypeError, ValueError, AttributeError):
                 raise _shape(url, 'logprobs {"tokens": ["token_id:N"], "token_logprobs", "top_logprobs": '
                                   '[{"token_id:N": logprob}]}', lp) from None
@@ -615,7 +615,7 @@ class OpenAIEngine:
         for k, d in enumerate(tops):
             pairs = [(g.tokens[k] if piece == texts[k] else self._lcp_id(piece), v)
                      for piece, v in sorted(d.items(), key=lambda kv: -kv[1])]
-            g.top5.append([(i, v) for i, v in pairs if i is not None][:top_n])
+            g.top.append([(i, v) for i, v in pairs if i is not None][:top_n])
         return g
 
     def _lcp_ids(self, url: str, texts: list[str]) -> list[int]:
@@ -652,7 +652,8 @@ class OpenAIEngine:
 
     # ------------------------------------------------------------------ prompt log-probs
 
-    def prompt_logprobs(self, ids: Sequence[int], top_n: int = 5) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    def prompt_logprobs(self, ids: Sequence[int],
+                        top_n: int = TOP_N) -> list[tuple[float, list[tuple[int, float]]] | None]:
         """Per prompt position, the log-probability of the given token after the ones before it, and the top-N.
 
         Returns:
@@ -734,7 +735,7 @@ def _token_id(tok: str) -> int:
 
 def _check_greedy(url: str, k: int, g: ServerGenerated) -> None:
     """Each generated token is the top-1 of its step's log-probs, or ties with it: what greedy means."""
-    for i, (tok, top) in enumerate(zip(g.tokens, g.top5)):
+    for i, (tok, top) in enumerate(zip(g.tokens, g.top)):
         if not top or tok == top[0][0]:
             continue
         mine = next((lp for tid, lp in top if tid == tok), None)

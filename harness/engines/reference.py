@@ -14,7 +14,7 @@ from reference.model import check_generation
 from reference.weights import DEFAULT_CACHE_BYTES, load_model
 
 from ..core import memory
-from .base import Generated, TraceFn, bench_ids
+from .base import TOP_N, Generated, TraceFn, bench_ids
 
 
 def cache_bytes(cache_gb: float | None) -> int:
@@ -101,8 +101,9 @@ class ReferenceEngine:
         return [ref_model.greedy_generate(self.cfg, self.weights, p, max_new_tokens) for p in prompts]
 
     @memory.guarded
-    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generated]:
-        """Greedy with the top-5 log-probabilities of every step.
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      top_n: int = TOP_N) -> list[Generated]:
+        """Greedy with the top-``top_n`` log-probabilities of every step.
 
         Raises:
             PromptError: see :func:`reference.model.check_generation` (checked before any prompt runs).
@@ -113,7 +114,7 @@ class ReferenceEngine:
         for p in prompts:
             cache = ref_model.KVCache(self.cfg)
             logits = ref_model.forward(self.cfg, self.weights, p, cache)[-1]
-            g = Generated()
+            g = Generated(top_n)
             for _ in range(max_new_tokens):
                 g.add(logits)
                 logits = ref_model.forward(self.cfg, self.weights, [g.tokens[-1]], cache)[-1]

@@ -27,7 +27,7 @@ from reference.weight_check import check_values
 from reference.weights import load_model
 
 from ..core import memory
-from .base import DTYPE_BYTES, EngineUnavailable, Generated, TraceFn, bench_ids
+from .base import DTYPE_BYTES, TOP_N, EngineUnavailable, Generated, TraceFn, bench_ids
 
 
 def load_gemma3_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
@@ -321,8 +321,10 @@ class TransformersEngine:
         return [g.tokens for g in self.generate_full(prompts, max_new_tokens)]
 
     @memory.guarded
-    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generated]:
-        """Greedy with transformers' own KV cache: prefill, then one token per forward.
+    def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      top_n: int = TOP_N) -> list[Generated]:
+        """Greedy with transformers' own KV cache: prefill, then one token per forward; the top-``top_n``
+        log-probabilities of every step.
 
         Raises:
             PromptError: see :meth:`check_prompt` (every prompt is checked before any runs).
@@ -330,7 +332,7 @@ class TransformersEngine:
         prompts = [self.check_prompt(p, max(int(max_new_tokens) - 1, 0)) for p in prompts]
         out = []
         for p in prompts:
-            g = Generated()
+            g = Generated(top_n)
             with torch.no_grad():
                 o = self.model(torch.tensor([list(p)]), use_cache=True)
                 for _ in range(max_new_tokens):

@@ -33,6 +33,7 @@ from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
 from .cases import gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
+from .checks.pair import ORACLES
 from .checks.server import SERVER_CHECKS, ServerOptions, load_user_prompts
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
@@ -58,20 +59,39 @@ def check_skip(skip: tuple[str, ...]) -> None:
         raise InputError(f"--skip {bad[0]!r}: expected one of {', '.join(known)}")
 
 
+def check_oracle(oracle: str, models: list[str] | None, against: list[str] | None) -> None:
+    """Refuse an oracle that cannot be used.
+
+    Raises:
+        InputError: not one of :data:`harness.parity.checks.pair.ORACLES`; not ``reference`` without ``--model``
+            (the built-in cases hold their own pairs); ``--against reference`` with ``--oracle fast`` (that pair is
+            ``reference~fast``: the default oracle with ``--against fast``).
+    """
+    if oracle not in ORACLES:
+        raise InputError(f"--oracle {oracle!r}: expected one of {', '.join(ORACLES)}")
+    if oracle != "reference" and not models:
+        raise InputError(f"--oracle {oracle} goes with --model (the built-in cases compare every engine with the "
+                         "reference)")
+    if oracle != "reference" and "reference" in (against or ()):
+        raise InputError(f"--against reference with --oracle {oracle}: that pair is reference~{oracle}; run "
+                         f"--against {oracle} with the default oracle")
+
+
 def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
                prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
                slow: bool = False, engine_options: dict[str, Any] | None = None,
-               server: ServerOptions | None = None, weights: str | None = None) -> Plan:
+               server: ServerOptions | None = None, weights: str | None = None, oracle: str = "reference") -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
 
-    ``options``: engine options for the user's models (``cache_gb``, ``layers``).
+    ``options``: engine options for the user's models (``cache_gb``, ``layers``); ``oracle``: what the user's
+    models are compared with (:data:`harness.parity.checks.pair.ORACLES`).
 
     Raises:
         InputError: a ``case_filter`` name that is not a built-in case.
     """
     if models:
-        return [(lambda m=m: user_case(m, against, prompts, progress, skip, engine_options, server), Path(m).name,
-                 "user", m)
+        return [(lambda m=m: user_case(m, against, prompts, progress, skip, engine_options, server, oracle),
+                 Path(m).name, "user", m)
                 for m in models]
     names = [s.stem for s in builtin_specs()]
     mm_names = [s.stem for s in builtin_mm_specs()]
@@ -145,7 +165,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         baseline: str | None = None, write_baseline: str | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
-        server: ServerOptions | None = None, weights: str | None = None) -> tuple[dict[str, Any], int]:
+        server: ServerOptions | None = None, weights: str | None = None,
+        oracle: str = "reference") -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -174,12 +195,15 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         weights: the fast engine's GGUF weight mode (``packed``/``dequantized``; None: packed for a quantized
             GGUF, :func:`harness.engines.fast.default_weight_mode`). Built-in cases check fast packed on every
             quantized GGUF (:func:`harness.parity.checks.fast.fast_packed_checks`) unless ``dequantized``.
+        oracle: with ``models``, the oracle side of every pair: ``reference`` (float64) or ``fast`` (fp32, much
+            faster on a big model; pairs ``fast~<kind>``, :data:`harness.parity.checks.pair.ORACLES`).
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
 
     Raises:
-        InputError: the prompt set or the baseline is unreadable (checked before anything runs).
+        InputError: the prompt set or the baseline is unreadable, ``oracle`` is unknown or given without
+            ``models``, or ``against`` names ``reference`` with the fast oracle (checked before anything runs).
     """
     def progress(msg: str) -> None:
         if not quiet:
@@ -189,6 +213,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     check_skip(skip)
     if isinstance(against, str):
         against = [against]
+    check_oracle(oracle, models, against)
     for name in against or ():
         try:
             check_engine_name(name)
@@ -204,7 +229,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     if weights is not None:
         engine_options["weights"] = weights
     plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow, engine_options, server,
-                      weights)
+                      weights, oracle)
     t0 = time.perf_counter()
     results = [guard(*case) for case in plan]
     status = exit_status(results)

@@ -127,20 +127,27 @@ def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: 
             res.apply(llamacpp_drafter_checks(ensure_drafter_built(dspec), prompts, progress, name), gates)
 
 
-def default_against(path: str | Path) -> list[str]:
-    """The engines a user's model is compared with when ``--against`` is not given: what can read it. A GGUF:
-    ``fast`` and ``llamacpp`` (a missing llama.cpp fails the case unless ``--skip llamacpp``); an HF folder:
-    ``fast`` and ``transformers`` (llama.cpp reads only GGUF)."""
-    return ["fast", "transformers"] if Path(path).is_dir() else ["fast", "llamacpp"]
+def default_against(path: str | Path, oracle: str = "reference") -> list[str]:
+    """The engines a user's model is compared with when ``--against`` is not given: what can read it, the oracle
+    aside. A GGUF: ``fast`` and ``llamacpp`` (a missing llama.cpp fails the case unless ``--skip llamacpp``); an HF
+    folder: ``fast`` and ``transformers`` (llama.cpp reads only GGUF)."""
+    names = ["fast", "transformers"] if Path(path).is_dir() else ["fast", "llamacpp"]
+    return [n for n in names if n != oracle]
 
 
 def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[str, Any]], progress: Progress,
               skip: tuple[str, ...] = (), engine_options: dict[str, Any] | None = None,
-              server: ServerOptions | None = None) -> CaseResult:
-    """The reference against each engine of ``against`` (default :func:`default_against`) on a user-supplied
+              server: ServerOptions | None = None, oracle: str = "reference") -> CaseResult:
+    """The oracle against each engine of ``against`` (default :func:`default_against`) on a user-supplied
     model, one pair after another (:func:`harness.parity.checks.pair.pair_checks`: an engine that cannot run
-    is a failing ``reference~<kind>.runs`` figure and the next pair still runs), then the reference against
-    itself (cached vs uncached). Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; prompts
+    is a failing ``reference~<kind>.runs`` figure and the next pair still runs; a second engine of one kind is the
+    pair ``reference~<kind>#2``), then the reference against itself (cached vs uncached). ``oracle`` ``fast``
+    (:data:`harness.parity.checks.pair.ORACLES`): the fast engine in fp32 (with ``engine_options``' device and
+    weight mode) stands in for the reference, the pairs are ``fast~<kind>``, and the reference's own
+    cached-vs-uncached check is left out (it would run the float64 forwards ``--oracle fast`` is there to avoid;
+    ``info["oracle"]`` says so).
+
+    Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; prompts
     are restricted to the model's vocabulary. A GGUF inside a built synthetic case is judged with its case's
     ``[gates]`` table. ``engine_options`` go to every engine built (each takes its own); ``server`` holds the
     options of the server checks (``openai:URL``). ``engine_options`` also hold
@@ -153,15 +160,30 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
     res.info["config"] = ref.cfg.summary()
     usable = [p for p in with_prompt_ids(prompts, path) if max(p["prompt_ids"]) < ref.cfg.vocab_size]
-    names = list(against) if against else default_against(path)
+    names = list(against) if against else default_against(path, oracle)
     res.info["against"] = names
-    runs = ReferenceRuns(ref)
-    for name in names:
-        opted = engine_kind(name) if engine_kind(name) in skip else None
-        res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted,
-                              options=engine_options, extra=server), gates)
-    for p in usable:
-        res.apply(cached_vs_uncached(ref, p, runs.logits((), p)[0]), gates)
+    res.info["top_n"] = (server or ServerOptions()).top_n
+    oracle_engine = None
+    if oracle == "fast":
+        progress(f"[{res.case}] loading the oracle: fast in fp32")
+        oracle_engine = make_engine("fast", path, **{**o, "dtype": "float32", "batched": False})
+        res.info["oracle"] = {"name": "fast", "engine": oracle_engine.name, "weights": oracle_engine.weights,
+                              "left_out": "reference.cached~uncached (float64 forwards)"}
+    runs = ReferenceRuns(ref, oracle_engine)
+    seen: dict[str, int] = {}
+    try:
+        for name in names:
+            kind = engine_kind(name)
+            seen[kind] = seen.get(kind, 0) + 1
+            opted = kind if kind in skip else None
+            res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted,
+                                  options=engine_options, extra=server, number=seen[kind]), gates)
+    finally:
+        if oracle_engine is not None:
+            oracle_engine.close()
+    if oracle_engine is None:
+        for p in usable:
+            res.apply(cached_vs_uncached(ref, p, runs.logits((), p)[0]), gates)
     return res
 
 

@@ -5,7 +5,8 @@ Two kinds of file, compared against an oracle's:
 * logits, ``.npy`` ``[T, V]`` (what ``g4h logits`` writes): max |Δlogit|, the llama-perplexity KLD set,
   same top-1 at every decisive position (near-ties, where the oracle's top-1 margin is below
   :data:`harness.core.gates.NEAR_TIE_MARGIN`, are reported, not failed);
-* greedy continuations, ``.jsonl`` (what ``g4h generate`` writes: ``{"id", "tokens", "top5"}`` a line):
+* greedy continuations, ``.jsonl`` (what ``g4h generate`` writes: ``{"id", "tokens", "top_logprobs"}`` a line;
+  ``top5``, the key's earlier name, is read too):
   vLLM's greedy rule per stream, each divergence classified as a near-tie or a real fault, and the
   largest |Δ log-prob| over the shared top-N tokens on the agreed prefix.
 
@@ -49,7 +50,8 @@ def load_logits(path: str | Path) -> np.ndarray:
 
 
 def load_generations(path: str | Path) -> dict[str, dict[str, Any]]:
-    """A ``g4h generate`` output: ``{"id", "tokens", "top5"}`` per line -> ``{id: {"tokens", "top": [[ids]...],
+    """A ``g4h generate`` output: ``{"id", "tokens", "top_logprobs"}`` per line (or ``top5``, its earlier name)
+    -> ``{id: {"tokens", "top": [[ids]...],
     "logprobs": [{id: logprob}...]}}``.
 
     Raises:
@@ -66,12 +68,13 @@ def load_generations(path: str | Path) -> dict[str, dict[str, Any]]:
         try:
             obj = json.loads(line)
             toks = [int(t) for t in obj["tokens"]]
-            steps = [[(int(i), float(lp)) for i, lp in step] for step in obj["top5"]]
+            key = "top_logprobs" if "top_logprobs" in obj else "top5"
+            steps = [[(int(i), float(lp)) for i, lp in step] for step in obj[key]]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise InputError(f"{path}:{n}: expected {{\"id\", \"tokens\": [int], \"top5\": [[[id, logprob], ...]]}}") \
-                from None
+            raise InputError(f"{path}:{n}: expected {{\"id\", \"tokens\": [int], "
+                             f"\"top_logprobs\": [[[id, logprob], ...]]}}") from None
         if len(steps) != len(toks):
-            raise InputError(f"{path}:{n}: {len(toks)} tokens but {len(steps)} top5 steps")
+            raise InputError(f"{path}:{n}: {len(toks)} tokens but {len(steps)} top_logprobs steps")
         key = str(obj.get("id", n))
         if key in out:
             raise InputError(f"{path}:{n}: duplicate id {key!r}")
@@ -166,7 +169,7 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
     first = faults[0] if faults else None
     where = (f"request {first['request']} step {first['step']}: ours {first['ours']}, oracle {first['oracle']}"
              if first else None)
-    return [fig(f"{pair}.greedy", len(ok) / len(rows), None, streams=len(rows),
+    return [fig(f"{pair}.greedy", len(ok) / len(rows), None, streams=len(rows), top_n=top_n,
                 identical=sum(r["kind"] == "identical" for r in rows),
                 by_top_n=sum(r["kind"] == "top-n" for r in rows), near_ties=sum(r["kind"] == "near-tie" for r in rows),
                 **({"first_fault": where, "first_divergence": where, "why": f"{where} ({first['reason']})"}

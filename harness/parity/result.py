@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from reference.errors import InputError
 
-from ..core.gates import Gate
+from ..core.gates import Gate, gate_for
 from ..core.workers import EngineCrashed
 
 RESULTS_VERSION = 1
@@ -73,13 +73,18 @@ class CaseResult:
         A figure whose ``detail`` holds ``informational_reason`` is reported against its gate but does not
         count (a finding, or a check the user opted out of), with that reason.
 
+        A numbered figure (``reference~openai#2.greedy``: the second engine of a kind) is judged by the gate of
+        its name without the number (:func:`harness.core.gates.gate_for`).
+
         Raises:
             KeyError: a figure names a gate the table does not have (a harness bug).
         """
         for f in figures:
             detail = dict(f.detail)
             reason = detail.pop("informational_reason", None)
-            gate = gates[f.gate] if reason is None else replace(gates[f.gate], informational=True, reason=reason)
+            gate = gate_for(gates, f.gate)
+            if reason is not None:
+                gate = replace(gate, informational=True, reason=reason)
             self.add(gate, f.measured, f.prompt, **detail)
 
     @property

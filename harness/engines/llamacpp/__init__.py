@@ -43,7 +43,7 @@ from reference.errors import PromptError
 from reference.gguf_check import check_gguf
 
 from ...core.workers import EngineCrashed, crash_error, crash_line, remove_temp_dir, run_worker, temp_dir
-from ..base import EngineUnavailable, Generated, TraceFn, bench_ids
+from ..base import TOP_N, EngineUnavailable, Generated, TraceFn, bench_ids
 
 INSTALL_MSG = ("llama.cpp engine not installed: pip install 'gemma4-harness[llamacpp]' "
                "(builds llama-cpp-python from source, ~5 min)")
@@ -204,8 +204,9 @@ class LlamaCppEngine:
         return logits
 
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                      batched: bool | None = None) -> list[Generated]:
-        """Greedy continuations with the top-5 ``(id, logprob)`` of every step (:class:`harness.engines.base.Generated`).
+                      batched: bool | None = None, top_n: int = TOP_N) -> list[Generated]:
+        """Greedy continuations with the top-``top_n`` ``(id, logprob)`` of every step
+        (:class:`harness.engines.base.Generated`).
 
         ``batched`` (default: the engine's setting): one context, one ``seq_id`` per prompt, one
         ``llama_decode`` per step for all sequences; else each prompt alone in a cleared context.
@@ -214,16 +215,16 @@ class LlamaCppEngine:
         for p in prompts:
             self._check_len(len(p) + max(int(max_new_tokens) - 1, 0))
         if not prompts or max_new_tokens <= 0:
-            return [Generated() for _ in prompts]
+            return [Generated(top_n) for _ in prompts]
         job = {"op": "generate", "prompts": [[int(t) for t in p] for p in prompts],
-               "max_new_tokens": int(max_new_tokens), "batched": batched}
+               "max_new_tokens": int(max_new_tokens), "batched": batched, "top_n": int(top_n)}
         (r,), out_dir = self.run_jobs([job])
         _rmtree(out_dir)
         out = []
         for item in r["results"]:
-            g = Generated()
+            g = Generated(top_n)
             g.tokens = [int(t) for t in item["tokens"]]
-            g.top5 = [[(int(i), float(lp)) for i, lp in step] for step in item["top5"]]
+            g.top = [[(int(i), float(lp)) for i, lp in step] for step in item["top"]]
             out.append(g)
         return out
 

@@ -13,12 +13,15 @@ import contextlib
 from typing import Iterator
 
 import numpy as np
+import torch
 
+import fast.model as fm
 import reference.audio as ra
 import reference.model as rm
 import reference.vision as rv
 
 _exact_gelu = rm.gelu_tanh  # bound at import: llamacpp_numerics swaps the module's name
+_exact_gelu_fast = fm.gelu_tanh
 _exact_patch_embed = rv.patch_embed
 _exact_conv2d = ra.conv2d_stride2
 
@@ -42,9 +45,25 @@ def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
     return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table))
 
 
+def gelu_fp16_table_fast(x: torch.Tensor) -> torch.Tensor:
+    """:func:`gelu_fp16_table` for the fast twin (``g4h parity --oracle fast``): the same fp16 rounding of the
+    input and of the result around :func:`fast.model.gelu_tanh` computed in float32, and the same clamps.
+
+    Args:
+        x: float tensor, any shape and device.
+
+    Returns:
+        A tensor of ``x``'s shape and dtype.
+    """
+    h = x.to(torch.float16).to(torch.float32)
+    table = _exact_gelu_fast(h).to(torch.float16).to(x.dtype)
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, table))
+
+
 @contextlib.contextmanager
 def llamacpp_numerics() -> Iterator[None]:
-    """While inside, the reference computes its GELUs with :func:`gelu_fp16_table`.
+    """While inside, the reference computes its GELUs with :func:`gelu_fp16_table` (and the fast twin, when it
+    is the oracle, with :func:`gelu_fp16_table_fast`).
 
     llama.cpp's fp16 GELU table is a deliberate, documented approximation, and on the small
     synthetic cases it moves logits by up to ~3e-2 and can flip a near-tied top-1 (measured: e2b
@@ -54,12 +73,12 @@ def llamacpp_numerics() -> Iterator[None]:
     reference module looks ``gelu_tanh`` up at call time; this swaps that one name and restores it
     on exit (not thread-safe: the harness runs its checks one at a time).
     """
-    original = rm.gelu_tanh
-    rm.gelu_tanh = gelu_fp16_table
+    original, original_fast = rm.gelu_tanh, fm.gelu_tanh
+    rm.gelu_tanh, fm.gelu_tanh = gelu_fp16_table, gelu_fp16_table_fast
     try:
         yield
     finally:
-        rm.gelu_tanh = original
+        rm.gelu_tanh, fm.gelu_tanh = original, original_fast
 
 
 def fp16(x: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ Result (``result.json``)::
     {"version": 1, "jobs": [
         {"op": "logits", "logits": "<file.npy>", "shape": [T, V],
          "trace": [["l_out", 3, "<file.npy>"], ...]},
-        {"op": "generate", "results": [{"tokens": [...], "top5": [[[id, logprob], ...], ...]}, ...]},
+        {"op": "generate", "results": [{"tokens": [...], "top": [[[id, logprob], ...top_n], ...]}, ...]},
         {"op": "tokenize", "ids": [...]},
         {"op": "info", "n_vocab": V, "n_layer": L, "n_ctx": ..., "system_info": "..."}]}
 
@@ -334,13 +334,14 @@ class Runner:
             self._check_ids(p)
             if not p:
                 raise PromptIssue("prompt is empty")
+        top_n = int(job.get("top_n", 5))
         if job.get("batched") and len(prompts) > 1:
-            results = self._generate_batched(prompts, n_new)
+            results = self._generate_batched(prompts, n_new, top_n)
         else:
-            results = [self._generate_batched([p], n_new)[0] for p in prompts]
+            results = [self._generate_batched([p], n_new, top_n)[0] for p in prompts]
         return {"op": "generate", "results": results}
 
-    def _generate_batched(self, prompts: list[list[int]], n_new: int) -> list[dict[str, Any]]:
+    def _generate_batched(self, prompts: list[list[int]], n_new: int, top_n: int = 5) -> list[dict[str, Any]]:
         """Greedy: all prompts prefilled in one batch (seq_id = prompt index), then one batch per step."""
         ctx = self.context(len(prompts))
         entries = []
@@ -350,14 +351,14 @@ class Runner:
                 entries.append((t, pos, s, pos == len(p) - 1))
             last_index.append(len(entries) - 1)
         self._decode(ctx, entries)
-        out = [{"tokens": [], "top5": []} for _ in prompts]
+        out = [{"tokens": [], "top": []} for _ in prompts]
         rows = [self._row(ctx, i) for i in last_index]
         for step in range(n_new):
             nxt = []
             for s, z in enumerate(rows):
-                tok, top = _greedy(z)
+                tok, top = _greedy(z, top_n)
                 out[s]["tokens"].append(tok)
-                out[s]["top5"].append(top)
+                out[s]["top"].append(top)
                 nxt.append((tok, len(prompts[s]) + step, s, True))
             if step == n_new - 1:
                 break
@@ -386,12 +387,12 @@ class Runner:
                 "llama_cpp_python": getattr(L, "__version__", "?")}
 
 
-def _greedy(z: np.ndarray) -> tuple[int, list[list[float]]]:
-    """Greedy token (ties -> lowest id) and top-5 ``[id, logprob]`` of one logit row (float64 math)."""
+def _greedy(z: np.ndarray, top_n: int = 5) -> tuple[int, list[list[float]]]:
+    """Greedy token (ties -> lowest id) and top-``top_n`` ``[id, logprob]`` of one logit row (float64 math)."""
     z = z.astype(np.float64)
     m = z.max()
     logp = z - (m + np.log(np.sum(np.exp(z - m))))
-    top = np.argsort(-logp, kind="stable")[:5]
+    top = np.argsort(-logp, kind="stable")[:top_n]
     return int(np.argmax(z)), [[int(i), float(logp[i])] for i in top]
 
 

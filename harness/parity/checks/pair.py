@@ -3,6 +3,8 @@
 Any engine can be the other side: ``fast``, ``transformers``, ``llamacpp``, ``cmd:...`` and every scheme of
 :data:`harness.engines.ENGINE_SCHEMES`. The pair is named ``reference~<kind>`` (:func:`pair_name`; a 16-bit
 engine gets ``reference~<kind>_bf16``) and its gates are ``<pair>.<metric>`` in :mod:`harness.core.gates`.
+With ``--oracle fast`` the fast engine in fp32 stands in for the reference (:data:`ORACLES`, for speed on a big
+model): the pairs are ``fast~<kind>``, judged by the same bounds (:func:`harness.core.gates.oracle_pair_gates`).
 What is measured depends on what the engine answers:
 
 * ``<pair>.runs``: 1 when the engine loaded the model and answered; 0 with the reason when it could not run
@@ -35,6 +37,7 @@ from reference.errors import InputError
 from ...core.gates import DEFAULT_GATES
 from ...core.workers import temp_folder
 from ...engines import EngineCrashed, EngineUnavailable, engine_kind, make_engine
+from ...engines.base import TOP_N
 from ...engines.llamacpp.numerics import llamacpp_numerics
 from ...engines.reference import ReferenceEngine
 from ...traces.compare import DivergenceRule, compare
@@ -70,22 +73,34 @@ engine, run after the common ones (their gates must exist); ``extra`` is :func:`
 the module of those checks (:mod:`.server` registers ``openai``)."""
 
 
-def pair_name(kind: str, dtype: str | None = None) -> str:
-    """``reference~<kind>``, with ``_bf16`` for an engine that computes in 16 bits."""
-    return f"reference~{kind}" + ("_bf16" if dtype in SIXTEEN_BIT else "")
+ORACLES = ("reference", "fast")
+"""What ``g4h parity --oracle`` may name: the float64 reference (the default), or the fast engine in fp32 (much
+faster on a big model; itself held to the reference by the ``reference~fast`` gates)."""
+
+
+def pair_name(kind: str, dtype: str | None = None, oracle: str = "reference") -> str:
+    """``<oracle>~<kind>`` (``reference~llamacpp``), with ``_bf16`` for an engine that computes in 16 bits."""
+    return f"{oracle}~{kind}" + ("_bf16" if dtype in SIXTEEN_BIT else "")
 
 
 class ReferenceRuns:
-    """The reference's outputs on one model, computed once per approximation set and shared by every pair.
+    """The oracle's outputs on one model, computed once per approximation set and shared by every pair.
 
     Args:
-        ref: the reference engine of the model.
+        ref: the reference engine of the model (its config and stored weight types are read from it).
+        oracle: the engine whose outputs are the oracle side: None for ``ref`` itself, or a fast engine in fp32
+            (``--oracle fast``); it makes the approximations of :data:`NUMERICS` too (the fast twin's GELU).
+
+    Attributes:
+        name: the oracle's name in pair names (``reference`` or ``fast``).
     """
 
-    def __init__(self, ref: ReferenceEngine) -> None:
+    def __init__(self, ref: ReferenceEngine, oracle: Any = None) -> None:
         self.ref = ref
+        self.oracle = ref if oracle is None else oracle
+        self.name = "reference" if oracle is None else "fast"
         self._logits: dict[tuple[tuple[str, ...], str], tuple[np.ndarray, Trace]] = {}
-        self._gens: dict[tuple[tuple[str, ...], int], dict[str, dict[str, Any]]] = {}
+        self._gens: dict[tuple[tuple[str, ...], int, int], dict[str, dict[str, Any]]] = {}
 
     def numerics(self, approx: Sequence[str]) -> ContextManager:
         """The reference under every approximation in ``approx`` that it can make (:data:`NUMERICS`), nested."""
@@ -105,30 +120,37 @@ class ReferenceRuns:
         return sorted({raw(n) for n in w if len(w.shape(n)) >= 2} - {"F32", "float32", "float64"})
 
     def logits(self, approx: tuple[str, ...], prompt: dict[str, Any]) -> tuple[np.ndarray, Trace]:
-        """float64 logits ``[T, V]`` and the trace (tensors kept) of one prompt, under ``approx``."""
+        """The oracle's logits ``[T, V]`` as float64 and the trace (tensors kept) of one prompt, under ``approx``."""
         key = (approx, str(prompt["id"]))
         if key not in self._logits:
-            w = TraceWriter("reference", prompt["prompt_ids"], dtype="float64", keep_tensors=True)
+            w = TraceWriter(self.name, prompt["prompt_ids"], dtype="float64" if self.name == "reference" else "float32",
+                            keep_tensors=True)
             with self.numerics(approx):
-                z = self.ref.logits(prompt["prompt_ids"], trace=w)
+                z = self.oracle.logits(prompt["prompt_ids"], trace=w)
             self._logits[key] = (z, w.trace())
         return self._logits[key]
 
-    def generations(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int) -> dict[str, dict]:
-        """Greedy streams of ``n`` tokens with top-5 log-probs, as :func:`harness.parity.compare.load_generations`
-        returns them, under ``approx``."""
-        key = (approx, n)
+    def raw_logits(self, approx: tuple[str, ...], ids: Sequence[int]) -> np.ndarray:
+        """The oracle's logits ``[T, V]`` (float64) of ``ids``, not kept, under ``approx``."""
+        with self.numerics(approx):
+            return np.asarray(self.oracle.logits(list(ids)), dtype=np.float64)
+
+    def generations(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
+                    top_n: int = TOP_N) -> dict[str, dict]:
+        """The oracle's greedy streams of ``n`` tokens with the top-``top_n`` log-probs of every step, as
+        :func:`harness.parity.compare.load_generations` returns them, under ``approx``."""
+        key = (approx, n, top_n)
         if key not in self._gens:
             with self.numerics(approx):
-                gens = self.ref.generate_full([p["prompt_ids"] for p in prompts], n)
+                gens = self.oracle.generate_full([p["prompt_ids"] for p in prompts], n, top_n=top_n)
             self._gens[key] = as_streams(prompts, gens)
         return self._gens[key]
 
 
 def as_streams(prompts: Sequence[dict[str, Any]], gens: Sequence[Any]) -> dict[str, dict[str, Any]]:
-    """Generated objects (``tokens``, ``top5``) keyed by prompt id, in the form the greedy rule reads."""
-    return {str(p["id"]): {"tokens": list(g.tokens), "top": [[i for i, _ in s] for s in g.top5],
-                           "logprobs": [dict(s) for s in g.top5]} for p, g in zip(prompts, gens)}
+    """Generated objects (``tokens``, ``top``) keyed by prompt id, in the form the greedy rule reads."""
+    return {str(p["id"]): {"tokens": list(g.tokens), "top": [[i for i, _ in s] for s in g.top],
+                           "logprobs": [dict(s) for s in g.top]} for p, g in zip(prompts, gens)}
 
 
 def _runs(pair: str, ok: bool, **detail: Any) -> Figure:
@@ -137,7 +159,7 @@ def _runs(pair: str, ok: bool, **detail: Any) -> Figure:
 
 def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Sequence[dict[str, Any]],
                 progress: Progress, case: str, opted_out: str | None = None, options: dict[str, Any] | None = None,
-                extra: Any = None) -> list[Figure]:
+                extra: Any = None, number: int = 1) -> list[Figure]:
     """The reference against engine ``name`` on the model at ``path`` (see the module docstring).
 
     Args:
@@ -148,18 +170,36 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
         options: keywords for :func:`harness.engines.make_engine` (each engine takes its own).
         extra: options of the kind's :data:`EXTRA_CHECKS` (a server's :class:`.server.ServerOptions`); its
             ``max_new_tokens``, when it has one, sets the length of the greedy streams (default
-            :data:`GREEDY_NEW_TOKENS`).
+            :data:`GREEDY_NEW_TOKENS`), and its ``top_n`` vLLM's N (log-probs per step; default
+            :data:`harness.engines.base.TOP_N`).
             ``layers`` (``--layers N``): an engine that cannot cut a model fails its ``.runs``.
+        number: this engine's place among the engines of its kind in the run: from 2 on, its pair and its own
+            checks' gates carry the number (``reference~openai#2.greedy``, ``server#2.stop.eos``), judged by the
+            unnumbered gates (:func:`harness.core.gates.gate_for`).
 
     Returns:
-        Figures for the gates ``reference~<kind>.*``; never raises for a failing engine (that is a
-        ``.runs`` figure of 0).
+        Figures for the gates ``<oracle>~<kind>.*`` (``runs.name``: ``reference~<kind>``, or ``fast~<kind>``
+        with ``--oracle fast``); never raises for a failing engine (that is a ``.runs`` figure of 0).
     """
     kind = engine_kind(name)
-    pair = pair_name(kind)
+    figures = _pair_checks(runs, name, kind, path, prompts, progress, case, opted_out, options, extra)
+    return figures if number == 1 else [_numbered(f, number) for f in figures]
+
+
+def _numbered(f: Figure, number: int) -> Figure:
+    """``f`` under its gate's numbered name: ``#N`` after the pair (``reference~cmd#2.runs``) or after the first
+    part of an engine's own check (``server#2.stop.eos``)."""
+    head, _, rest = f.gate.partition(".")
+    return Figure(f"{head}#{number}.{rest}", f.measured, f.prompt, dict(f.detail, engine_number=number))
+
+
+def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, prompts: Sequence[dict[str, Any]],
+                 progress: Progress, case: str, opted_out: str | None, options: dict[str, Any] | None,
+                 extra: Any) -> list[Figure]:
+    pair = pair_name(kind, oracle=runs.name)
     if opted_out:
         return [_runs(pair, False, got="opted out", informational_reason=f"opted out with --skip {opted_out}")]
-    progress(f"[{case}] reference vs {name}")
+    progress(f"[{case}] {runs.name} vs {name}")
     try:
         eng = make_engine(name, path, **(options or {}))
     except EngineUnavailable as e:
@@ -169,11 +209,11 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
         return [_runs(pair, False, got=str(e))]
     except InputError as e:  # a cmd: engine that broke the protocol at its handshake
         return [_runs(pair, False, got=str(e), bad_input=True)]
-    pair = pair_name(kind, getattr(eng, "dtype", None) if kind != "fast" else None)
+    pair = pair_name(kind, getattr(eng, "dtype", None) if kind != "fast" else None, runs.name)
     out: list[Figure] = []
     try:
         out += _measure(runs, eng, kind, pair, prompts, progress, case,
-                        int(getattr(extra, "max_new_tokens", GREEDY_NEW_TOKENS)))
+                        int(getattr(extra, "max_new_tokens", GREEDY_NEW_TOKENS)), int(getattr(extra, "top_n", TOP_N)))
         if kind in EXTRA_CHECKS:
             out += EXTRA_CHECKS[kind](eng, runs, prompts, pair, progress, extra)
     except EngineUnavailable as e:
@@ -208,9 +248,9 @@ def _can(eng: Any, op: str) -> bool:
 
 
 def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
-             progress: Progress, case: str, new_tokens: int = GREEDY_NEW_TOKENS) -> list[Figure]:
+             progress: Progress, case: str, new_tokens: int = GREEDY_NEW_TOKENS, top_n: int = TOP_N) -> list[Figure]:
     declared = _approximations(eng, kind)
-    out = _measure_figures(runs, eng, kind, pair, prompts, progress, case, _emulated(declared), new_tokens)
+    out = _measure_figures(runs, eng, kind, pair, prompts, progress, case, _emulated(declared), new_tokens, top_n)
     types = runs.unemulated_types() if "quantized_activations" in declared else []
     if types:
         why = QUANTIZED_ACTIVATIONS.format(engine=kind, types="/".join(types))
@@ -221,7 +261,7 @@ def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Seque
 
 def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
                      progress: Progress, case: str, approx: tuple[str, ...],
-                     new_tokens: int = GREEDY_NEW_TOKENS) -> list[Figure]:
+                     new_tokens: int = GREEDY_NEW_TOKENS, top_n: int = TOP_N) -> list[Figure]:
     out: list[Figure] = []
     layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit
     logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
@@ -248,11 +288,11 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
             context = runs.ref.cfg.context_length
             gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
             if gen_prompts:
-                progress(f"[{case}] reference vs {kind}: greedy streams of {new_tokens} tokens")
-                base_g = runs.generations(approx, gen_prompts, new_tokens)
+                progress(f"[{case}] {runs.name} vs {kind}: greedy streams of {new_tokens} tokens, top-{top_n}")
+                base_g = runs.generations(approx, gen_prompts, new_tokens, top_n)
                 ours_g = as_streams(gen_prompts, eng.generate_full([p["prompt_ids"] for p in gen_prompts],
-                                                                   new_tokens))
-                out += generation_figures(ours_g, base_g, pair,
+                                                                   new_tokens, top_n=top_n))
+                out += generation_figures(ours_g, base_g, pair, top_n,
                                           logprob_limit=DEFAULT_GATES[f"{pair}.max_abs_logprob"].limit)
     return out
 
@@ -294,11 +334,11 @@ def _logit_figures(runs: ReferenceRuns, ours: np.ndarray, base: np.ndarray, appr
     against the exact reference beside."""
     figs = logit_figures(ours, base, pair, p["id"])
     pos, tok = figs[0].detail["max_abs_logit_at"]
-    figs[0].detail["why"] = (f"worst at position {pos} (token {tok}): {ours[pos, tok]:.6g} vs reference "
+    figs[0].detail["why"] = (f"worst at position {pos} (token {tok}): {ours[pos, tok]:.6g} vs {runs.name} "
                              f"{base[pos, tok]:.6g}")
     beyond = np.nonzero(~(np.max(np.abs(ours - base), axis=1) <= limit))[0]
     figs[0].detail["first_divergence"] = f"logits@position {int(beyond[0])}" if beyond.size else None
-    if approx:
+    if approx:  # ``vs_exact_reference``: the oracle (reference or fast) without the emulation
         exact, _ = runs.logits((), p)
         for f, e in zip(figs, logit_figures(ours, exact, pair, p["id"])):
             f.detail["vs_exact_reference"] = e.measured

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ from ...core.cases import PROMPTS
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN
 from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
+from ...engines.base import TOP_N
 from ...engines.openai import OpenAIEngine, ServerGenerated
 from ...tokenizer.files import load_tokenizer_metadata
 from ..compare import generation_figures
@@ -60,9 +62,6 @@ from .pair import EXTRA_CHECKS, NUMERICS, QUANTIZED_ACTIVATIONS, ReferenceRuns
 
 __all__ = ["SERVER_CHECKS", "ServerOptions", "load_user_prompts", "report_lines", "server_checks", "spec_gates",
            "with_prompt_ids"]
-
-TOP_N = 5
-"""Log-probabilities asked per step, and vLLM's N (the reference's streams carry their top 5)."""
 
 SERVER_CHECKS = ("server-batch", "server-stream", "server-stop", "server-template")
 """Server checks a user may opt out of with ``--skip`` (the greedy and log-prob figures always run)."""
@@ -102,6 +101,8 @@ class ServerOptions:
         stagger_s: seconds between the starts of two batch requests; None: the median time of one request sent
             alone over ``concurrency``.
         skip: checks opted out (:data:`SERVER_CHECKS`) [``--skip``].
+        top_n: vLLM's N: log-probabilities asked per step of every engine and kept by the oracle; a divergent
+            token passes the greedy rule when each side's token is in the other's top-N [``--top-n``].
     """
 
     max_new_tokens: int = 8
@@ -109,6 +110,7 @@ class ServerOptions:
     concurrency: int = 8
     stagger_s: float | None = None
     skip: tuple[str, ...] = field(default_factory=tuple)
+    top_n: int = TOP_N
 
     def check(self) -> None:
         """Refuse values that cannot work.
@@ -117,7 +119,7 @@ class ServerOptions:
             InputError: a count that is not positive (the option is named).
         """
         for flag, v in (("--max-new-tokens", self.max_new_tokens), ("--batch-requests", self.batch_requests),
-                        ("--concurrency", self.concurrency)):
+                        ("--concurrency", self.concurrency), ("--top-n", self.top_n)):
             if int(v) < 1:
                 raise InputError(f"{flag} {v}: expected >= 1")
 
@@ -204,10 +206,11 @@ class OracleStream:
 
 
 def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
-                   eos_ids: set[int]) -> dict[str, OracleStream]:
-    """The reference's streams of ``n`` tokens (shared with the pair check, :meth:`ReferenceRuns.generations`) and,
-    from one forward over each prompt, the prompt positions whose greedy next token is EOS; under ``approx``."""
-    gens = runs.generations(approx, prompts, n)
+                   eos_ids: set[int], top_n: int = TOP_N) -> dict[str, OracleStream]:
+    """The oracle's streams of ``n`` tokens with their top-``top_n`` log-probs (shared with the pair check,
+    :meth:`ReferenceRuns.generations`) and, from one forward over each prompt, the prompt positions whose greedy
+    next token is EOS; under ``approx``."""
+    gens = runs.generations(approx, prompts, n, top_n)
     out = {}
     for p in prompts:
         g = gens[str(p["id"])]
@@ -216,14 +219,13 @@ def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequen
         ids = list(p["prompt_ids"])
         sites, plp = [], [None]
         if len(ids) > 1:
-            with runs.numerics(approx):
-                lp = log_softmax(np.asarray(runs.ref.logits(ids[:-1]), dtype=np.float64))
+            lp = log_softmax(runs.raw_logits(approx, ids[:-1]))
             for j in np.nonzero(np.isin(np.argmax(lp, axis=1), list(eos_ids)))[0] if eos_ids else ():
                 srt = np.sort(lp[j])
                 sites.append((int(j), float(srt[-1] - srt[-2])))
             for i in range(1, len(ids)):
                 row = lp[i - 1]
-                best = np.argsort(-row, kind="stable")[:TOP_N]
+                best = np.argsort(-row, kind="stable")[:top_n]
                 plp.append((float(row[ids[i]]), {int(k): float(row[k]) for k in best}))
         out[str(p["id"])] = OracleStream(list(g["tokens"]), top, margin, list(g["logprobs"]), sites, plp)
     return out
@@ -357,13 +359,13 @@ def batch_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, li
     rids = [order[i % len(order)] for i in range(opts.batch_requests)]
     stagger = opts.stagger_s if opts.stagger_s is not None else \
         float(np.median([alone_s[r] for r in order])) / opts.concurrency
-    together, timing = _run_staggered(eng, [prompts[r] for r in rids], opts.max_new_tokens, TOP_N,
+    together, timing = _run_staggered(eng, [prompts[r] for r in rids], opts.max_new_tokens, opts.top_n,
                                       opts.concurrency, stagger)
     keys = [f"{r}#{i}" for i, r in enumerate(rids)]
-    ours = {k: _as_gen(g.tokens, g.top5) for k, g in zip(keys, together)}
-    theirs = {k: _as_gen(alone[r].tokens, alone[r].top5) for k, r in zip(keys, rids)}
-    figs = generation_figures(ours, theirs, "server.batched~alone", TOP_N)
-    bit = sum(g.tokens == alone[r].tokens and g.top5 == alone[r].top5 for g, r in zip(together, rids))
+    ours = {k: _as_gen(g.tokens, g.top) for k, g in zip(keys, together)}
+    theirs = {k: _as_gen(alone[r].tokens, alone[r].top) for k, r in zip(keys, rids)}
+    figs = generation_figures(ours, theirs, "server.batched~alone", opts.top_n)
+    bit = sum(g.tokens == alone[r].tokens and g.top == alone[r].top for g, r in zip(together, rids))
     figs[0].detail.update(requests=len(rids), concurrency=opts.concurrency, stagger_s=round(stagger, 4),
                           bit_identical=bit, **timing)
     return figs
@@ -378,7 +380,7 @@ def stream_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, l
     rows = []
     worst = 0.0
     for rid in order:
-        s = eng.complete(prompts[rid], opts.max_new_tokens, TOP_N, stream=True, gaps=True)
+        s = eng.complete(prompts[rid], opts.max_new_tokens, opts.top_n, stream=True, gaps=True)
         a = alone[rid]
         bad = None
         if len(s.tokens) != len(a.tokens):
@@ -390,7 +392,7 @@ def stream_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, l
             elif s.text != a.text and "\ufffd" not in a.text:
                 j = _first_difference([ord(c) for c in s.text], [ord(c) for c in a.text])
                 bad = f"texts differ at character {j if j is not None else min(len(s.text), len(a.text))}"
-        for sa, sb in zip(s.top5, a.top5):
+        for sa, sb in zip(s.top, a.top):
             db = dict(sb)
             worst = max([worst] + [abs(v - db[t]) for t, v in sa if t in db])
         rows.append({"request": rid, "ok": bad is None, "steps_named": sum(t != -1 for t in s.tokens),
@@ -441,7 +443,7 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
                  prompts: dict[str, list[int]], alone: dict[str, ServerGenerated], oracle: dict[str, OracleStream],
                  opts: ServerOptions) -> list[Figure]:
     """``server.stop.max_tokens``, ``server.stop.string`` and ``server.stop.eos`` (see the module docstring)."""
-    n, top_n = opts.max_new_tokens, TOP_N
+    n, top_n = opts.max_new_tokens, opts.top_n
     eos_first = {rid: next((k for k, t in enumerate(o.tokens) if t in eos_ids), None) for rid, o in oracle.items()}
     stops_at_eos = eng.dialect == "llama-cpp-python"  # it has no ignore_eos
     # max_tokens: every alone answer, and 1 and 3 tokens of the first prompt.
@@ -518,10 +520,10 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
 
 
 def prompt_logprob_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, list[int]],
-                           oracle: dict[str, OracleStream], limit: float) -> list[Figure]:
+                           oracle: dict[str, OracleStream], limit: float, top_n: int = TOP_N) -> list[Figure]:
     """``server.prompt_logprobs``: the log-probs the server reports for each prompt's own tokens (vLLM
     ``prompt_logprobs``, llama-cpp-python ``echo``; :meth:`OpenAIEngine.prompt_logprobs`) against the reference's:
-    max |Δ| over the prompt token's log-prob and the shared top-5 at every position both report, the worst place
+    max |Δ| over the prompt token's log-prob and the shared top-``top_n`` at every position both report, the worst place
     and the first beyond ``limit`` (the gate's) named. A dialect that offers none (llama-server) gives an
     informational figure saying so."""
     gate = "server.prompt_logprobs"
@@ -531,7 +533,7 @@ def prompt_logprob_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dic
         return [fig(gate, float("nan"), None, got=f"not offered: {why}", informational_reason=why)]
     worst, worst_at, first, positions = 0.0, None, None, 0
     for rid in order:
-        theirs = eng.prompt_logprobs(prompts[rid], TOP_N)
+        theirs = eng.prompt_logprobs(prompts[rid], top_n)
         for i, (t, o) in enumerate(zip(theirs, oracle[rid].prompt_lp)):
             if t is None or o is None:
                 continue
@@ -589,12 +591,12 @@ def template_figures(eng: OpenAIEngine, tok: GGUFTokenizer) -> list[Figure]:
 # --------------------------------------------------------------------------- the checks, together
 
 
-def _alone(eng: OpenAIEngine, ids: list[int], n: int) -> tuple[ServerGenerated, float]:
+def _alone(eng: OpenAIEngine, ids: list[int], n: int, top_n: int = TOP_N) -> tuple[ServerGenerated, float]:
     """The answer to ``ids`` sent alone: the pair check's (:attr:`OpenAIEngine.answers`), else a new request."""
-    key = (tuple(ids), n, TOP_N)
+    key = (tuple(ids), n, top_n)
     if key not in eng.answers:
         t0 = time.monotonic()
-        eng.answers[key] = (eng.complete(ids, n, TOP_N), time.monotonic() - t0)
+        eng.answers[key] = (eng.complete(ids, n, top_n), time.monotonic() - t0)
     return eng.answers[key]
 
 
@@ -631,12 +633,12 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
         raise PromptError(f"{path}: no prompt leaves room for {n} new tokens in the context of {context}")
     order = [str(p["id"]) for p in fit]
     usable = {str(p["id"]): [int(t) for t in p["prompt_ids"]] for p in fit}
-    answers = {rid: _alone(eng, usable[rid], n) for rid in order}
+    answers = {rid: _alone(eng, usable[rid], n, opts.top_n) for rid in order}
     alone = {rid: a[0] for rid, a in answers.items()}
     alone_s = {rid: a[1] for rid, a in answers.items()}
     eos_ids = _eos_ids(tok, path)
     approx = tuple(a for a in getattr(eng, "approximations", ()) if a in NUMERICS)
-    o_streams = oracle_streams(runs, approx, fit, n, eos_ids)
+    o_streams = oracle_streams(runs, approx, fit, n, eos_ids, opts.top_n)
 
     if "server-batch" in opts.skip:
         out.append(_opted_out("server.batched~alone.greedy", "server-batch"))
@@ -654,9 +656,9 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
     else:
         progress(f"{pair}: stop: max_tokens, a stop string, EOS")
         out += stop_figures(eng, tok, eos_ids, order, usable, alone, o_streams, opts)
-    progress(f"{pair}: prompt log-probs, server vs reference")
+    progress(f"{pair}: prompt log-probs, server vs {runs.name}")
     out += _quantized(prompt_logprob_figures(eng, order, usable, o_streams,
-                                             DEFAULT_GATES["server.prompt_logprobs"].limit), eng, runs)
+                                             DEFAULT_GATES["server.prompt_logprobs"].limit, opts.top_n), eng, runs)
     if "server-template" in opts.skip:
         out.append(_opted_out("server.chat_template", "server-template"))
     elif eng.dialect == "llama-cpp-python":
@@ -695,19 +697,26 @@ def report_lines(case: dict[str, Any]) -> list[str]:
     dialect and model; the requests that part from the reference; the batch-invariance run per request. Empty for
     other cases."""
     by_gate = {c["gate"]: c for c in case.get("checks", [])}
-    runs = by_gate.get("reference~openai.runs")
-    if not runs:
-        return []
+    lines: list[str] = []
+    for gate in by_gate:
+        m = re.fullmatch(r"(\w+)~openai(#\d+)?\.runs", gate)
+        if m:
+            lines += _server_lines(by_gate, f"{m[1]}~openai{m[2] or ''}", m[1], f"server{m[2] or ''}")
+    return lines
+
+
+def _server_lines(by_gate: dict[str, dict[str, Any]], pair: str, oracle: str, server: str) -> list[str]:
+    runs = by_gate[f"{pair}.runs"]
     lines = [f"Server: `{runs.get('engine', runs.get('got', ''))}`.", ""]
-    g = by_gate.get("reference~openai.greedy")
+    g = by_gate.get(f"{pair}.greedy")
     if g and g.get("streams_detail"):
         parted = [r for r in g["streams_detail"] if r["kind"] != "identical"]
-        lines += [f"Greedy against the reference: {g['identical']} of {g['streams']} requests identical, "
-                  f"{g['by_top_n']} part within the top-{TOP_N}, {g['near_ties']} at a near-tie, "
+        lines += [f"Greedy against the {oracle}: {g['identical']} of {g['streams']} requests identical, "
+                  f"{g['by_top_n']} part within the top-{g.get('top_n', TOP_N)}, {g['near_ties']} at a near-tie, "
                   f"{g['streams'] - int(round(g['measured'] * g['streams']))} faults.", ""]
         if parted:
             lines += [_md_table(parted, ["request", "kind", "step", "ours", "oracle", "reason"]), ""]
-    b = by_gate.get("server.batched~alone.greedy")
+    b = by_gate.get(f"{server}.batched~alone.greedy")
     if b and b.get("streams_detail"):
         faults = b["requests"] - int(round(b["measured"] * b["streams"]))
         lines += [f"Batch invariance: {b['requests']} requests started {b['stagger_s']:g} s apart, at most "
