@@ -21,11 +21,11 @@ from reference.weights import DEFAULT_CACHE_BYTES
 
 from .. import synth
 from ..core.cases import MODELS_DIR
+from ..engines import engine_class
 from ..engines.base import Benchable, EngineUnavailable
 from ..engines.fast import FastEngine
 from ..engines.llamacpp import LlamaCppBench
 from ..engines.reference import ReferenceEngine
-from ..engines.transformers import TransformersEngine
 from .run import ENGINE_NAMES, param_count
 
 
@@ -101,7 +101,7 @@ def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], devic
         if src.hf_dir is None and not (src.gguf is not None and src.cfg.arch == "gemma3"):
             raise EngineUnavailable("transformers needs an HF folder for Gemma 4 (it cannot read a Gemma 4 GGUF); "
                                     "pass a case spec (cases/bench/*.toml) or an HF folder")
-        eng = TransformersEngine(src.hf_dir or src.gguf, src.cfg, layers=src.layers)
+        eng = engine_class("transformers")(src.hf_dir or src.gguf, src.cfg, layers=src.layers)  # imported when asked
         if device != "cpu":
             eng.model = eng.model.to(device)
         return [eng.cast(dt) for dt in dtypes if dt != "float16"]

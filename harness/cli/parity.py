@@ -10,7 +10,7 @@ from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
 from ..engines import split_engines
 from ..engines.base import TOP_N
-from ..parity import run as run_parity
+from ..parity.job import run as run_parity
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
 from ..parity.report import junit_xml, short_table

@@ -9,9 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import torch
 from safetensors import safe_open
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from reference.names import gguf_to_hf
 
@@ -19,6 +17,8 @@ from .spec import Spec, text_config
 
 
 def _hf_config(spec: Spec):
+    from transformers import Gemma4TextConfig  # heavy: imported only when a case is built
+
     return Gemma4TextConfig(**copy.deepcopy(spec.config))
 
 
@@ -49,6 +49,9 @@ def write_hf(spec: Spec, weights: Mapping[str, np.ndarray], out_dir: str | os.Pa
         RuntimeError: the weight names do not match the model's state dict
             exactly, a tensor has the wrong shape, or the round trip differs.
     """
+    import torch  # heavy: imported only when a case is built
+    from transformers import Gemma4ForCausalLM
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = _hf_config(spec)
@@ -123,6 +126,9 @@ def logit_stats(hf_dir: str | os.PathLike[str], prompts: Iterable[Sequence[int]]
         ``max_abs_hidden`` (last hidden state), ``n_positions`` and ``finite``
         (1.0 if every logit is finite).
     """
+    import torch  # heavy: imported only when asked
+    from transformers import Gemma4ForCausalLM
+
     model = Gemma4ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     margins, max_abs, max_h, finite = [], 0.0, 0.0, True
     with torch.no_grad():

