@@ -26,7 +26,7 @@ from harness.core.workers import worker_env
 _CHILD = r"""
 import sys, time
 import harness.core.io as io
-import harness.parity as parity
+import harness.parity.job as parity
 import harness.parity.report as report
 from harness.cli import main
 

@@ -4,4 +4,5 @@ import sys
 
 from . import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned worker (g4h parity --jobs) imports this module again
+    sys.exit(main())

@@ -10,9 +10,9 @@ from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
 from ..engines import split_engines
 from ..engines.base import TOP_N
-from ..parity.job import run as run_parity
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
+from ..parity.job import run as run_parity
 from ..parity.report import junit_xml, short_table
 from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
 
@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow", action="store_true",
                    help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run N cases at once, each in a process of its own with its share of the CPUs (default 1); "
+                        "the results are the same, in the same order")
     p.add_argument("--weights", choices=("packed", "dequantized"), default=None,
                    help="the fast engine's GGUF weights: kept packed (the packed kernels on the CPU) or dequantized "
                         "at load (default: packed for a quantized GGUF; built-in cases also check fast packed on "
@@ -96,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
                               skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
                               engine_options=engine_options(args), weights=args.weights, oracle=args.oracle,
+                              jobs=args.jobs,
                               server=ServerOptions(max_new_tokens=args.max_new_tokens, top_n=args.top_n,
                                                    batch_requests=args.batch_requests, concurrency=args.concurrency))
     print(short_table(data))

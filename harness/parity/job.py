@@ -18,10 +18,17 @@ could not be read, an engine that broke the subprocess protocol); the other case
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+import torch
 
 from reference.errors import InputError
 
@@ -75,6 +82,73 @@ def check_oracle(oracle: str, models: list[str] | None, against: list[str] | Non
     if oracle != "reference" and "reference" in (against or ()):
         raise InputError(f"--against reference with --oracle {oracle}: that pair is reference~{oracle}; run "
                          f"--against {oracle} with the default oracle")
+
+
+class Progress:
+    """Progress lines on stderr (``g4h parity: <msg>``) unless ``quiet``; a plain object, so that a worker process
+    of ``--jobs`` gets its own (:func:`run_cases`)."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+
+    def __call__(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"g4h parity: {msg}", file=sys.stderr, flush=True)
+
+
+def run_cases(plan: Plan, plan_args: dict[str, Any], jobs: int = 1) -> list[CaseResult]:
+    """Run every planned case (:func:`harness.parity.result.guard`), ``jobs`` at a time; results in plan order.
+
+    With ``jobs`` > 1 each case runs in a worker process (spawned: a fresh interpreter, no forked torch or BLAS
+    threads) that plans the same cases from ``plan_args`` (:func:`plan_cases`' keywords) and runs its one; the
+    CPU threads are shared out (:func:`_threads_per_job`). A worker that dies (killed for memory, say) breaks the
+    pool: the cases it had not finished run again here, one at a time, so every case still gets its result or its
+    one-line error.
+    """
+    if jobs <= 1 or len(plan) <= 1:
+        return [guard(*case) for case in plan]
+    threads = _threads_per_job(jobs)
+    results: list[CaseResult | None] = [None] * len(plan)
+    with _thread_env(threads), ProcessPoolExecutor(min(jobs, len(plan)), mp_context=get_context("spawn"),
+                                                   initializer=_init_worker, initargs=(threads,)) as pool:
+        futures = [pool.submit(_run_planned, plan_args, i) for i in range(len(plan))]
+        for i, f in enumerate(futures):
+            try:
+                results[i] = f.result()
+            except BrokenProcessPool:
+                results[i] = None
+    return [r if r is not None else guard(*plan[i]) for i, r in enumerate(results)]
+
+
+def _threads_per_job(jobs: int) -> int:
+    """CPU threads for each of ``jobs`` workers: the CPUs this process may use, shared out (at least 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // jobs)
+
+
+@contextlib.contextmanager
+def _thread_env(threads: int) -> Iterator[None]:
+    """While inside, ``OMP_NUM_THREADS`` and the BLAS thread variables say ``threads``, so that spawned workers
+    start their OpenMP and BLAS pools at that size; restored on exit."""
+    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    saved = {n: os.environ.get(n) for n in names}
+    os.environ.update({n: str(threads) for n in names})
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _run_planned(plan_args: dict[str, Any], index: int) -> CaseResult:
+    """In a worker: plan the cases again from ``plan_args`` and run case ``index``."""
+    return guard(*plan_cases(**plan_args)[index])
 
 
 def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
@@ -166,7 +240,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
         server: ServerOptions | None = None, weights: str | None = None,
-        oracle: str = "reference") -> tuple[dict[str, Any], int]:
+        oracle: str = "reference", jobs: int = 1) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -197,6 +271,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             quantized GGUF (:func:`harness.parity.checks.fast.fast_packed_checks`) unless ``dequantized``.
         oracle: with ``models``, the oracle side of every pair: ``reference`` (float64) or ``fast`` (fp32, much
             faster on a big model; pairs ``fast~<kind>``, :data:`harness.parity.checks.pair.ORACLES`).
+        jobs: cases run at once, each in a process of its own (:func:`run_cases`); the results are the same as
+            one at a time, in the same order.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -205,10 +281,9 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         InputError: the prompt set or the baseline is unreadable, ``oracle`` is unknown or given without
             ``models``, or ``against`` names ``reference`` with the fast oracle (checked before anything runs).
     """
-    def progress(msg: str) -> None:
-        if not quiet:
-            print(f"g4h parity: {msg}", file=sys.stderr, flush=True)
-
+    progress = Progress(quiet)
+    if int(jobs) < 1:
+        raise InputError(f"--jobs {jobs}: expected >= 1")
     skip = tuple(skip)
     check_skip(skip)
     if isinstance(against, str):
@@ -228,10 +303,12 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     base = load_baseline(baseline) if baseline else None
     if weights is not None:
         engine_options["weights"] = weights
-    plan = plan_cases(models, against, real, case_filter, prompt_set, progress, skip, slow, engine_options, server,
-                      weights, oracle)
+    plan_args = dict(models=models, against=against, real=real, case_filter=case_filter, prompts=prompt_set,
+                     progress=progress, skip=skip, slow=slow, engine_options=engine_options, server=server,
+                     weights=weights, oracle=oracle)
+    plan = plan_cases(**plan_args)  # bad input (an unknown --case) stops here, before any work
     t0 = time.perf_counter()
-    results = [guard(*case) for case in plan]
+    results = run_cases(plan, plan_args, int(jobs))
     status = exit_status(results)
     data = {"version": RESULTS_VERSION, "kind": "parity",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -1,0 +1,33 @@
+"""``g4h parity --jobs N``: cases in worker processes give the same results, in the same order, as one at a time.
+
+Three tiny user models (tests/conftest.py's tiny GGUF with three weight seeds), each against the fast engine and
+the reference itself; a model that cannot be read stays its own one-line error in its place.
+"""
+
+from __future__ import annotations
+
+import json
+
+from harness.parity import run as run_parity
+
+
+def _figures(data: dict) -> list:
+    return [(c["case"], c.get("error"), [(k["gate"], k.get("prompt"), k["measured"]) for k in c["checks"]])
+            for c in data["cases"]]
+
+
+def test_jobs_give_the_same_results_in_the_same_order(make_tiny_gguf, tmp_path):
+    models = [str(make_tiny_gguf(f"m{seed}.gguf", seed=seed)) for seed in (0, 1, 2)]
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF not really")
+    models.insert(1, str(broken))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "prompt_ids": [2, 7, 9, 4, 30, 11]}) + "\n")
+    kw = dict(models=models, against=["fast", "reference"], prompts=prompts, quiet=True)
+    one, s1 = run_parity(out=str(tmp_path / "one"), **kw)
+    two, s2 = run_parity(out=str(tmp_path / "two"), jobs=2, **kw)
+    assert s1 == s2 == 2  # the unreadable model is bad input (exit 2); the others still ran
+    assert [c["case"] for c in two["cases"]] == ["m0.gguf", "broken.gguf", "m1.gguf", "m2.gguf"]
+    assert _figures(one) == _figures(two)
+    assert two["cases"][1]["error"] and all(c["checks"] for i, c in enumerate(two["cases"]) if i != 1)
+    assert one["verdict"] == two["verdict"]
