@@ -211,7 +211,9 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: tor
     scores = torch.matmul(qg, k.permute(1, 2, 0)).view(Hkv, group, t, S)  # [Hkv, group, t, S]
     if scores.dtype in (torch.bfloat16, torch.float16):
         scores = scores.float()
-    scores = (scores * scale).masked_fill(~allowed, float("-inf"))
+    if scale != 1.0:  # Gemma 4 attends with scale 1: no pass over the scores then
+        scores.mul_(scale)
+    scores.masked_fill_(~allowed, float("-inf"))  # in place: the scores are this function's own tensor
     p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, group * t, S)
     out = torch.matmul(p, v.transpose(0, 1))  # [Hkv, group*t, D]
     return out.view(Hkv, group, t, D).permute(2, 0, 1, 3).reshape(t, H, D)
@@ -370,6 +372,9 @@ class FastModel:
             return_hidden: also return the post-final-norm hidden state (``result_norm``) of those rows, which a
                 drafter reads.
 
+        Without a trace, only the rows asked for (``rows``, or each sequence's last one) go through the KV-shared
+        tail of the model (:meth:`_keep_rows`): the others are dead there.
+
         Returns:
             float32 logits ``[N, V]`` (all_logits), ``[len(rows), V]`` or ``[len(seqs), V]``; with
             ``return_hidden``, ``(logits, hidden [., h])``.
@@ -398,17 +403,58 @@ class FastModel:
         if cfg.ple_dim:
             ple = self.per_layer_inputs(ids, x)  # [N, L, P]
             tr("inp_per_layer", -1, ple)
+        want = None if all_logits and rows is None else \
+            np.asarray(list(rows) if rows is not None else batch.offsets[1:] - 1, dtype=np.int64)
+        keep = None if want is None or trace is not None else np.unique(want)
+        tail = self._tail_start()
         for layer in cfg.layers:
+            if layer.index == tail and keep is not None and keep.shape[0] < x.shape[0]:
+                x, ple, batch = self._keep_rows(batch, keep, x, ple)
+                want = np.searchsorted(keep, want)
             x = self.decoder_layer(layer, x, batch, None if ple is None else ple[:, layer.index], tr)
-        if rows is not None:
-            x = x[torch.as_tensor(list(rows), dtype=torch.long, device=dev)]
-        elif not all_logits:
-            x = x[torch.as_tensor(batch.offsets[1:] - 1, device=dev)]
+        if want is not None and not np.array_equal(want, np.arange(x.shape[0])):
+            x = x[torch.as_tensor(want, device=dev)]
         x = rms_norm(x, self.w["output_norm.weight"], cfg.rms_eps)
         tr("result_norm", -1, x)
         logits = self.lm_head(x)
         tr("result_output", -1, logits)
         return (logits, x) if return_hidden else logits
+
+    def _tail_start(self) -> int | None:
+        """First layer of the KV-shared tail (every layer from it on reads a donor's K/V and writes no cache), or
+        None when the model has no such tail."""
+        layers = self.cfg.layers
+        i = len(layers)
+        while i > 0 and not layers[i - 1].has_kv:
+            i -= 1
+        return layers[i].index if i < len(layers) else None
+
+    def _keep_rows(self, batch: StepBatch, keep: np.ndarray, x: torch.Tensor, ple: torch.Tensor | None):
+        """The step narrowed to the rows ``keep`` (sorted, unique) before the KV-shared tail.
+
+        A tail layer writes no K/V, so a row whose logits and hidden state nobody asked for is dead from
+        there on: only the kept rows go through the tail, as queries against the donors' K/V (``batch.views``,
+        all of the step's keys). Sequences with no kept row drop out. Each kept row computes the same
+        formula as before; only the GEMM shapes change (fewer rows), so its values may move by summation-order
+        rounding, the same as batched vs solo. Source: transformers ``Gemma4TextModel`` (the
+        ``logits_to_keep`` slice before ``first_kv_shared_layer_idx``).
+        [N, h], [N, L, P] -> [n, h], [n, L, P] with n = len(keep).
+        """
+        idx = torch.as_tensor(keep, device=x.device)
+        seqs, counts, views, blocks = [], [0], {il: [] for il in batch.views}, []
+        for i, s in enumerate(batch.seqs):
+            lo, hi = int(batch.offsets[i]), int(batch.offsets[i + 1])
+            mine = keep[(keep >= lo) & (keep < hi)]
+            if mine.shape[0] == 0:
+                continue
+            seqs.append(s)
+            counts.append(mine.shape[0])
+            for il, per_seq in batch.views.items():
+                views[il].append(per_seq[i])
+            b = batch.blocks[i] if batch.blocks else None
+            blocks.append(None if b is None else b[torch.as_tensor(mine - lo, device=b.device)])
+        kept = StepBatch(seqs, batch.positions[idx], np.cumsum(counts), batch.cache, views, blocks)
+        return x[idx], None if ple is None else ple[idx], kept
 
     def placeholders_to_pad(self, batch: StepBatch, ids: torch.Tensor) -> torch.Tensor:
         """Each sequence's placeholders become the pad id (:func:`fast.multimodal.llm_input_ids`). [N] -> [N]."""
