@@ -81,7 +81,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight
+        y.mul_(weight)  # y is this function's own tensor: no second [..., n] buffer
     return y.to(x.dtype)
 
 
@@ -135,13 +135,39 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
     """NeoX RoPE on the first n_rot dims, in float32. [N, H, D], [N, n_rot/2] x2 -> [N, H, D].
 
+    ``[x1 c - x2 s, x2 c + x1 s, rest]``, computed as :func:`rope_rotate` with the tables of
+    :func:`rope_full_tables` (the same roundings, bit for bit).
     Source: transformers ``apply_rotary_pos_emb``; equals :func:`reference.model.apply_rope`.
     """
+    return rope_rotate(x, *rope_full_tables(cos, sin, n_rot, x.shape[-1]), n_rot)
+
+
+def rope_full_tables(cos: torch.Tensor, sin: torch.Tensor, n_rot: int,
+                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The half-width cos/sin of :func:`rope_angles` as full-width factors for :func:`rope_rotate`:
+    ``[c, c, 1...]`` and ``[-s, s, 0...]`` (the ones and zeros over the ``head_dim - n_rot`` unrotated dims).
+
+    Built once per step and rotary table, shared by every layer that uses it (:meth:`FastModel.attention_block`).
+    [N, n_rot/2] x2 -> [N, 1, head_dim] x2, float32.
+    """
+    rest = head_dim - n_rot
+    c = torch.cat([cos, cos, cos.new_ones(cos.shape[0], rest)], -1)
+    s = torch.cat([-sin, sin, sin.new_zeros(sin.shape[0], rest)], -1)
+    return c[:, None, :], s[:, None, :]
+
+
+def rope_rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """NeoX RoPE as ``x * cos_full + rotate_half(x) * sin_full`` (tables from :func:`rope_full_tables`), in float32.
+
+    Four passes instead of seven; each output element is rounded exactly as in ``x1 c - x2 s`` /
+    ``x2 c + x1 s`` (``a + b (-s)`` is ``a - b s`` bit for bit), and an unrotated dim is ``x * 1 + x * 0 = x``.
+    [N, H, D], [N, 1, D] x2 -> [N, H, D]. Source: transformers ``apply_rotary_pos_emb`` (``rotate_half``).
+    """
     half = n_rot // 2
-    c, s = cos[:, None, :], sin[:, None, :]
     xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:n_rot]
-    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, xf[..., n_rot:]], dim=-1)
+    rot = torch.cat([xf[..., half:n_rot], xf[..., :half], xf[..., n_rot:]], dim=-1)  # [x2, x1, rest]
+    out = xf * cos_full
+    out.add_(rot.mul_(sin_full))
     return out.to(x.dtype)
 
 
@@ -166,12 +192,16 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
               window: int | None, scale: float, q_block: torch.Tensor | None = None,
-              k_block: torch.Tensor | None = None) -> torch.Tensor:
+              k_block: torch.Tensor | None = None, masks: dict | None = None) -> torch.Tensor:
     """GQA under :func:`attention_mask`, in bounded memory.
 
     Queries go in blocks of :data:`ATTENTION_BLOCK`, each reading only the keys it can see (a sliding
     layer: its window; with image blocks, up to the end of its queries' blocks), so a long prompt never
-    builds the ``[H, T, S]`` score matrix. Each block is :func:`attend_block`.
+    builds the ``[H, T, S]`` score matrix. Each block is :func:`attend_block`. The keys in reach are a
+    slice of K/V (no copy) when they are consecutive, as the caches hand them.
+    ``masks``: a dict shared by the layers of one step and sequence (:attr:`StepBatch.masks`); a block's key range
+    and mask are then built by the first layer and reused by every later one whose window, query positions and
+    key positions are the same (compared, never assumed). Without image blocks only.
     [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], window, scale, [T], [S] -> [T, H*D].
     Source: reference ``attention``; transformers ``eager_attention_forward``.
     """
@@ -181,15 +211,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     for lo in range(0, T, ATTENTION_BLOCK):
         qp = q_pos[lo:lo + ATTENTION_BLOCK]
         qb = None if q_block is None else q_block[lo:lo + ATTENTION_BLOCK]
-        last = qp.max()
-        if qb is not None and bool((qb >= 0).any()):
-            last = torch.maximum(last, k_pos[torch.isin(k_block, qb[qb >= 0])].max())  # later keys of the blocks
-        reach = k_pos <= last
-        if window is not None:
-            reach &= k_pos > qp.min() - window
-        allowed = attention_mask(qp, k_pos[reach], window, qb, None if qb is None else k_block[reach])
+        memo = masks.get((window, lo)) if masks is not None and qb is None else None
+        if memo is not None and torch.equal(memo[0], qp) and torch.equal(memo[1], k_pos):
+            reach, allowed = memo[2], memo[3]
+        else:
+            reach = _reach(qp, k_pos, window, qb, k_block)
+            allowed = attention_mask(qp, k_pos[reach], window, qb, None if qb is None else k_block[reach])
+            if masks is not None and qb is None:
+                masks[(window, lo)] = (qp, k_pos, reach, allowed)
         outs.append(attend_block(q[lo:lo + ATTENTION_BLOCK], k[reach], v[reach], allowed, scale, group))
-    return torch.cat(outs, 0).reshape(T, H * D)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 0)).reshape(T, H * D)
+
+
+def _reach(qp: torch.Tensor, k_pos: torch.Tensor, window: int | None, qb: torch.Tensor | None,
+           k_block: torch.Tensor | None) -> torch.Tensor | slice:
+    """The keys a block of queries can see: up to its last query (or the end of its image blocks), and within
+    the window of its first one. A slice when they are consecutive (then K/V are read in place), else a bool
+    mask. [t], [S], window, [t], [S] -> slice or bool [S]."""
+    last = qp.max()
+    if qb is not None and bool((qb >= 0).any()):
+        last = torch.maximum(last, k_pos[torch.isin(k_block, qb[qb >= 0])].max())  # later keys of the blocks
+    reach = k_pos <= last
+    if window is not None:
+        reach &= k_pos > qp.min() - window
+    idx = torch.nonzero(reach).flatten()
+    if idx.numel():
+        first, end = int(idx[0]), int(idx[-1]) + 1
+        if end - first == idx.numel():
+            return slice(first, end)
+    return reach
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
@@ -220,8 +270,11 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: tor
 
 
 def gelu_ffn(x: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
-    """``down(gelu_tanh(gate x) * up x)``. [N, h] -> [N, h]. Source: transformers ``Gemma4TextMLP``."""
-    return linear(gelu_tanh(linear(x, w_gate)) * linear(x, w_up), w_down)
+    """``down(gelu_tanh(gate x) * up x)``. [N, h] -> [N, h]. Source: transformers ``Gemma4TextMLP``.
+
+    The product goes into the GELU's own output (no third ``[N, F]`` buffer).
+    """
+    return linear(gelu_tanh(linear(x, w_gate)).mul_(linear(x, w_up)), w_down)
 
 
 def moe_route(x: torch.Tensor, w_router, router_scale: torch.Tensor, per_expert_scale: torch.Tensor, k: int,
@@ -296,6 +349,10 @@ class StepBatch:
             reads its donor's entry: no copy into the cache).
         blocks: per sequence, the bidirectional block ids ``[T]`` of its new tokens
             (:func:`fast.multimodal.vision_blocks`; sliding layers only), or None.
+        rope: the step's full-width rotary factors (:func:`rope_full_tables`) per rotary table, built by the
+            first layer that uses the table.
+        masks: per sequence, the attention masks of its query blocks (the ``masks`` of :func:`attention`),
+            shared by the layers of the step.
     """
 
     seqs: Sequence[SeqStep]
@@ -304,6 +361,8 @@ class StepBatch:
     cache: PagedKVCache
     views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     blocks: list[torch.Tensor | None] = field(default_factory=list)
+    rope: dict = field(default_factory=dict)
+    masks: dict[int, dict] = field(default_factory=dict)
 
     def rows(self, i: int) -> slice:
         """The rows of sequence ``i`` in the step's activations."""
@@ -333,7 +392,11 @@ class FastModel:
         self.device = resolve_device(device) if not isinstance(device, torch.device) else device
         self.dtype = resolve_dtype(dtype)
         self.w = FastWeights(cfg, W, self.device, self.dtype, keep_quantized)
-        self.inv_freq = {L.index: torch.tensor(rope_inv_freq(L), dtype=torch.float64) for L in cfg.layers}
+        tables: dict[bytes, torch.Tensor] = {}  # layers with the same frequencies share one tensor (step_rope)
+        self.inv_freq = {}
+        for L in cfg.layers:
+            inv = np.asarray(rope_inv_freq(L), dtype=np.float64)
+            self.inv_freq[L.index] = tables.setdefault(inv.tobytes(), torch.tensor(inv, dtype=torch.float64))
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def new_cache(self, max_seqs: int, max_tokens: int, page_size: int = 16, ring_extra: int = 0) -> PagedKVCache:
@@ -539,15 +602,15 @@ class FastModel:
         b = f"blk.{layer.index}."
         N = x.shape[0]
         H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
-        cos, sin = self.rope_tables(layer, batch.positions)
+        cos, sin = self.step_rope(layer, batch)
         q = linear(x, w[b + "attn_q.weight"]).view(N, H, D)
-        q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin, layer.n_rot)
+        q = rope_rotate(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin, layer.n_rot)
         if layer.has_kv:
             k_raw = linear(x, w[b + "attn_k.weight"]).view(N, Hkv, D)
             v = linear(x, w[b + "attn_v.weight"]).view(N, Hkv, D) if layer.has_v_proj else k_raw
             if self.cfg.has_v_norm:
                 v = rms_norm(v, None, eps)
-            k = apply_rope(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin, layer.n_rot)
+            k = rope_rotate(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin, layer.n_rot)
             per_seq = []
             for i, s in enumerate(batch.seqs):
                 rows = batch.rows(i)
@@ -559,21 +622,33 @@ class FastModel:
             rows = batch.rows(i)
             args = (layer, q[rows], k_all, v_all, batch.positions[rows], k_pos)
             q_block = batch.blocks[i] if layer.is_sliding and batch.blocks else None
-            outs.append(self.attend(*args) if q_block is None else self.attend(*args, q_block))
-        return linear(torch.cat(outs, 0), w[b + "attn_output.weight"])
+            masks = batch.masks.setdefault(i, {})
+            outs.append(self.attend(*args, masks=masks) if q_block is None else
+                        self.attend(*args, q_block, masks=masks))
+        return linear(outs[0] if len(outs) == 1 else torch.cat(outs, 0), w[b + "attn_output.weight"])
+
+    def step_rope(self, layer: LayerSpec, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-width rotary factors (:func:`rope_full_tables`) of ``layer`` at the step's positions,
+        ``[N, 1, head_dim]`` x2, built once per step for the layers that share a rotary table (the same inverse
+        frequencies object, :attr:`inv_freq`, and head size)."""
+        key = (id(self.inv_freq[layer.index]), layer.n_rot, layer.head_dim)
+        if key not in batch.rope:
+            batch.rope[key] = rope_full_tables(*self.rope_tables(layer, batch.positions), layer.n_rot, layer.head_dim)
+        return batch.rope[key]
 
     def attend(self, layer: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-               k_pos: torch.Tensor, q_block: torch.Tensor | None = None) -> torch.Tensor:
+               k_pos: torch.Tensor, q_block: torch.Tensor | None = None, masks: dict | None = None) -> torch.Tensor:
         """:func:`attention` with the layer's window (sliding layers) and the model's scale. [T, H, D] -> [T, H*D].
 
         ``q_block``: the new tokens' bidirectional block ids (sliding layers with vision attention); the
         cached keys before them are never in those blocks (a block is prefilled in one step), so they get -1.
+        ``masks``: the sequence's masks of this step, shared by its layers (see :func:`attention`).
         """
         window = self.cfg.sliding_window if layer.is_sliding else None
         k_block = None
         if q_block is not None:
             k_block = torch.cat([q_block.new_full((k.shape[0] - q.shape[0],), -1), q_block])
-        return attention(q, k, v, q_pos, k_pos, window, self.cfg.attn_scale, q_block, k_block)
+        return attention(q, k, v, q_pos, k_pos, window, self.cfg.attn_scale, q_block, k_block, masks)
 
     def _derive_k(self, layer: LayerSpec):
         """For a k_eq_v layer the cache keeps only V = rmsnorm(raw); K = rope(V * k_norm weight) is
@@ -630,7 +705,7 @@ class FastModel:
     def ple_block(self, layer: LayerSpec, y: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
         """``post_norm(proj(gelu(gate y) * ple))``. [N, h], [N, P] -> [N, h]. Source: reference ``ple_block``."""
         w, b = self.w, f"blk.{layer.index}."
-        g = gelu_tanh(linear(y, w[b + "inp_gate.weight"])) * ple
+        g = gelu_tanh(linear(y, w[b + "inp_gate.weight"])).mul_(ple)
         return rms_norm(linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], self.cfg.rms_eps)
 
     def layer_scale(self, layer: LayerSpec, y: torch.Tensor) -> torch.Tensor:
