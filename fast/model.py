@@ -12,8 +12,9 @@ Speed comes from batching every new token of every sequence into one matrix (``[
 batch, as in vLLM), from a paged KV cache (:mod:`fast.kvcache`), and from doing each thing once per step:
 rotary factors and attention masks are built once and shared by the layers, and only the rows whose
 logits are asked for go through the KV-shared tail (:meth:`FastModel._keep_rows`); not from clever code.
-The device (``cpu``/``cuda``) and dtype (float32, bfloat16, float16) are the caller's and apply to the weights; activations, the KV cache, norms,
-softmax and RoPE stay float32 (llama.cpp's layout for 16-bit weights).
+The device (``cpu``/``cuda``) and dtype (float32, bfloat16, float16) are the caller's and apply to the
+weights; activations, the KV cache, norms, softmax and RoPE stay float32 (llama.cpp's layout for 16-bit
+weights).
 
 Shapes: N = new tokens in the step (all sequences), T = a sequence's new tokens, S = its keys,
 h = hidden, H/Hkv = query/KV heads, D = head_dim, L = layers, P = PLE width, V = vocab.
