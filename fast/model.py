@@ -9,10 +9,12 @@ methods of :class:`FastModel` (``embed``, ``ple_token``, ``ple_context``, ``per_
 ``lm_head``). The self-test's mutants override one of these each.
 
 Speed comes from batching every new token of every sequence into one matrix (``[N, h]``: a ragged
-batch, as in vLLM), from ``scaled_dot_product_attention`` and from a paged KV cache
-(:mod:`fast.kvcache`), not from clever code. The device (``cpu``/``cuda``) and dtype (float32,
-bfloat16, float16) are the caller's and apply to the weights; activations, the KV cache, norms,
-softmax and RoPE stay float32 (llama.cpp's layout for 16-bit weights).
+batch, as in vLLM), from a paged KV cache (:mod:`fast.kvcache`), and from doing each thing once per step:
+rotary factors and attention masks are built once and shared by the layers, and only the rows whose
+logits are asked for go through the KV-shared tail (:meth:`FastModel._keep_rows`); not from clever code.
+The device (``cpu``/``cuda``) and dtype (float32, bfloat16, float16) are the caller's and apply to the
+weights; activations, the KV cache, norms, softmax and RoPE stay float32 (llama.cpp's layout for 16-bit
+weights).
 
 Shapes: N = new tokens in the step (all sequences), T = a sequence's new tokens, S = its keys,
 h = hidden, H/Hkv = query/KV heads, D = head_dim, L = layers, P = PLE width, V = vocab.
@@ -81,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight
+        y.mul_(weight)  # y is this function's own tensor: no second [..., n] buffer
     return y.to(x.dtype)
 
 
@@ -135,13 +137,39 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
     """NeoX RoPE on the first n_rot dims, in float32. [N, H, D], [N, n_rot/2] x2 -> [N, H, D].
 
+    ``[x1 c - x2 s, x2 c + x1 s, rest]``, computed as :func:`rope_rotate` with the tables of
+    :func:`rope_full_tables` (the same roundings, bit for bit).
     Source: transformers ``apply_rotary_pos_emb``; equals :func:`reference.model.apply_rope`.
     """
+    return rope_rotate(x, *rope_full_tables(cos, sin, n_rot, x.shape[-1]), n_rot)
+
+
+def rope_full_tables(cos: torch.Tensor, sin: torch.Tensor, n_rot: int,
+                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The half-width cos/sin of :func:`rope_angles` as full-width factors for :func:`rope_rotate`:
+    ``[c, c, 1...]`` and ``[-s, s, 0...]`` (the ones and zeros over the ``head_dim - n_rot`` unrotated dims).
+
+    Built once per step and rotary table, shared by every layer that uses it (:meth:`FastModel.attention_block`).
+    [N, n_rot/2] x2 -> [N, 1, head_dim] x2, float32.
+    """
+    rest = head_dim - n_rot
+    c = torch.cat([cos, cos, cos.new_ones(cos.shape[0], rest)], -1)
+    s = torch.cat([-sin, sin, sin.new_zeros(sin.shape[0], rest)], -1)
+    return c[:, None, :], s[:, None, :]
+
+
+def rope_rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """NeoX RoPE as ``x * cos_full + rotate_half(x) * sin_full`` (tables from :func:`rope_full_tables`), in float32.
+
+    Four passes instead of seven; each output element is rounded exactly as in ``x1 c - x2 s`` /
+    ``x2 c + x1 s`` (``a + b (-s)`` is ``a - b s`` bit for bit), and an unrotated dim is ``x * 1 + x * 0 = x``.
+    [N, H, D], [N, 1, D] x2 -> [N, H, D]. Source: transformers ``apply_rotary_pos_emb`` (``rotate_half``).
+    """
     half = n_rot // 2
-    c, s = cos[:, None, :], sin[:, None, :]
     xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:n_rot]
-    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, xf[..., n_rot:]], dim=-1)
+    rot = torch.cat([xf[..., half:n_rot], xf[..., :half], xf[..., n_rot:]], dim=-1)  # [x2, x1, rest]
+    out = xf * cos_full
+    out.add_(rot.mul_(sin_full))
     return out.to(x.dtype)
 
 
@@ -166,12 +194,16 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
               window: int | None, scale: float, q_block: torch.Tensor | None = None,
-              k_block: torch.Tensor | None = None) -> torch.Tensor:
+              k_block: torch.Tensor | None = None, masks: dict | None = None) -> torch.Tensor:
     """GQA under :func:`attention_mask`, in bounded memory.
 
     Queries go in blocks of :data:`ATTENTION_BLOCK`, each reading only the keys it can see (a sliding
     layer: its window; with image blocks, up to the end of its queries' blocks), so a long prompt never
-    builds the ``[H, T, S]`` score matrix. Each block is :func:`attend_block`.
+    builds the ``[H, T, S]`` score matrix. Each block is :func:`attend_block`. The keys in reach are a
+    slice of K/V (no copy) when they are consecutive, as the caches hand them.
+    ``masks``: a dict shared by the layers of one step and sequence (:attr:`StepBatch.masks`); a block's key range
+    and mask are then built by the first layer and reused by every later one whose window, query positions and
+    key positions are the same (compared, never assumed). Without image blocks only.
     [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], window, scale, [T], [S] -> [T, H*D].
     Source: reference ``attention``; transformers ``eager_attention_forward``.
     """
@@ -181,15 +213,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     for lo in range(0, T, ATTENTION_BLOCK):
         qp = q_pos[lo:lo + ATTENTION_BLOCK]
         qb = None if q_block is None else q_block[lo:lo + ATTENTION_BLOCK]
-        last = qp.max()
-        if qb is not None and bool((qb >= 0).any()):
-            last = torch.maximum(last, k_pos[torch.isin(k_block, qb[qb >= 0])].max())  # later keys of the blocks
-        reach = k_pos <= last
-        if window is not None:
-            reach &= k_pos > qp.min() - window
-        allowed = attention_mask(qp, k_pos[reach], window, qb, None if qb is None else k_block[reach])
+        memo = masks.get((window, lo)) if masks is not None and qb is None else None
+        if memo is not None and torch.equal(memo[0], qp) and torch.equal(memo[1], k_pos):
+            reach, allowed = memo[2], memo[3]
+        else:
+            reach = _reach(qp, k_pos, window, qb, k_block)
+            allowed = attention_mask(qp, k_pos[reach], window, qb, None if qb is None else k_block[reach])
+            if masks is not None and qb is None:
+                masks[(window, lo)] = (qp, k_pos, reach, allowed)
         outs.append(attend_block(q[lo:lo + ATTENTION_BLOCK], k[reach], v[reach], allowed, scale, group))
-    return torch.cat(outs, 0).reshape(T, H * D)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 0)).reshape(T, H * D)
+
+
+def _reach(qp: torch.Tensor, k_pos: torch.Tensor, window: int | None, qb: torch.Tensor | None,
+           k_block: torch.Tensor | None) -> torch.Tensor | slice:
+    """The keys a block of queries can see: up to its last query (or the end of its image blocks), and within
+    the window of its first one. A slice when they are consecutive (then K/V are read in place), else a bool
+    mask. [t], [S], window, [t], [S] -> slice or bool [S]."""
+    last = qp.max()
+    if qb is not None and bool((qb >= 0).any()):
+        last = torch.maximum(last, k_pos[torch.isin(k_block, qb[qb >= 0])].max())  # later keys of the blocks
+    reach = k_pos <= last
+    if window is not None:
+        reach &= k_pos > qp.min() - window
+    idx = torch.nonzero(reach).flatten()
+    if idx.numel():
+        first, end = int(idx[0]), int(idx[-1]) + 1
+        if end - first == idx.numel():
+            return slice(first, end)
+    return reach
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
@@ -211,15 +263,20 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: tor
     scores = torch.matmul(qg, k.permute(1, 2, 0)).view(Hkv, group, t, S)  # [Hkv, group, t, S]
     if scores.dtype in (torch.bfloat16, torch.float16):
         scores = scores.float()
-    scores = (scores * scale).masked_fill(~allowed, float("-inf"))
+    if scale != 1.0:  # Gemma 4 attends with scale 1: no pass over the scores then
+        scores.mul_(scale)
+    scores.masked_fill_(~allowed, float("-inf"))  # in place: the scores are this function's own tensor
     p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, group * t, S)
     out = torch.matmul(p, v.transpose(0, 1))  # [Hkv, group*t, D]
     return out.view(Hkv, group, t, D).permute(2, 0, 1, 3).reshape(t, H, D)
 
 
 def gelu_ffn(x: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
-    """``down(gelu_tanh(gate x) * up x)``. [N, h] -> [N, h]. Source: transformers ``Gemma4TextMLP``."""
-    return linear(gelu_tanh(linear(x, w_gate)) * linear(x, w_up), w_down)
+    """``down(gelu_tanh(gate x) * up x)``. [N, h] -> [N, h]. Source: transformers ``Gemma4TextMLP``.
+
+    The product goes into the GELU's own output (no third ``[N, F]`` buffer).
+    """
+    return linear(gelu_tanh(linear(x, w_gate)).mul_(linear(x, w_up)), w_down)
 
 
 def moe_route(x: torch.Tensor, w_router, router_scale: torch.Tensor, per_expert_scale: torch.Tensor, k: int,
@@ -294,6 +351,10 @@ class StepBatch:
             reads its donor's entry: no copy into the cache).
         blocks: per sequence, the bidirectional block ids ``[T]`` of its new tokens
             (:func:`fast.multimodal.vision_blocks`; sliding layers only), or None.
+        rope: the step's full-width rotary factors (:func:`rope_full_tables`) per rotary table, built by the
+            first layer that uses the table.
+        masks: per sequence, the attention masks of its query blocks (the ``masks`` of :func:`attention`),
+            shared by the layers of the step.
     """
 
     seqs: Sequence[SeqStep]
@@ -302,6 +363,8 @@ class StepBatch:
     cache: PagedKVCache
     views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     blocks: list[torch.Tensor | None] = field(default_factory=list)
+    rope: dict = field(default_factory=dict)
+    masks: dict[int, dict] = field(default_factory=dict)
 
     def rows(self, i: int) -> slice:
         """The rows of sequence ``i`` in the step's activations."""
@@ -331,7 +394,11 @@ class FastModel:
         self.device = resolve_device(device) if not isinstance(device, torch.device) else device
         self.dtype = resolve_dtype(dtype)
         self.w = FastWeights(cfg, W, self.device, self.dtype, keep_quantized)
-        self.inv_freq = {L.index: torch.tensor(rope_inv_freq(L), dtype=torch.float64) for L in cfg.layers}
+        tables: dict[bytes, torch.Tensor] = {}  # layers with the same frequencies share one tensor (step_rope)
+        self.inv_freq = {}
+        for L in cfg.layers:
+            inv = np.asarray(rope_inv_freq(L), dtype=np.float64)
+            self.inv_freq[L.index] = tables.setdefault(inv.tobytes(), torch.tensor(inv, dtype=torch.float64))
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def new_cache(self, max_seqs: int, max_tokens: int, page_size: int = 16, ring_extra: int = 0) -> PagedKVCache:
@@ -370,6 +437,9 @@ class FastModel:
             return_hidden: also return the post-final-norm hidden state (``result_norm``) of those rows, which a
                 drafter reads.
 
+        Without a trace, only the rows asked for (``rows``, or each sequence's last one) go through the KV-shared
+        tail of the model (:meth:`_keep_rows`): the others are dead there.
+
         Returns:
             float32 logits ``[N, V]`` (all_logits), ``[len(rows), V]`` or ``[len(seqs), V]``; with
             ``return_hidden``, ``(logits, hidden [., h])``.
@@ -398,17 +468,58 @@ class FastModel:
         if cfg.ple_dim:
             ple = self.per_layer_inputs(ids, x)  # [N, L, P]
             tr("inp_per_layer", -1, ple)
+        want = None if all_logits and rows is None else \
+            np.asarray(list(rows) if rows is not None else batch.offsets[1:] - 1, dtype=np.int64)
+        keep = None if want is None or trace is not None else np.unique(want)
+        tail = self._tail_start()
         for layer in cfg.layers:
+            if layer.index == tail and keep is not None and keep.shape[0] < x.shape[0]:
+                x, ple, batch = self._keep_rows(batch, keep, x, ple)
+                want = np.searchsorted(keep, want)
             x = self.decoder_layer(layer, x, batch, None if ple is None else ple[:, layer.index], tr)
-        if rows is not None:
-            x = x[torch.as_tensor(list(rows), dtype=torch.long, device=dev)]
-        elif not all_logits:
-            x = x[torch.as_tensor(batch.offsets[1:] - 1, device=dev)]
+        if want is not None and not np.array_equal(want, np.arange(x.shape[0])):
+            x = x[torch.as_tensor(want, device=dev)]
         x = rms_norm(x, self.w["output_norm.weight"], cfg.rms_eps)
         tr("result_norm", -1, x)
         logits = self.lm_head(x)
         tr("result_output", -1, logits)
         return (logits, x) if return_hidden else logits
+
+    def _tail_start(self) -> int | None:
+        """First layer of the KV-shared tail (every layer from it on reads a donor's K/V and writes no cache), or
+        None when the model has no such tail."""
+        layers = self.cfg.layers
+        i = len(layers)
+        while i > 0 and not layers[i - 1].has_kv:
+            i -= 1
+        return layers[i].index if i < len(layers) else None
+
+    def _keep_rows(self, batch: StepBatch, keep: np.ndarray, x: torch.Tensor, ple: torch.Tensor | None):
+        """The step narrowed to the rows ``keep`` (sorted, unique) before the KV-shared tail.
+
+        A tail layer writes no K/V, so a row whose logits and hidden state nobody asked for is dead from
+        there on: only the kept rows go through the tail, as queries against the donors' K/V (``batch.views``,
+        all of the step's keys). Sequences with no kept row drop out. Each kept row computes the same
+        formula as before; only the GEMM shapes change (fewer rows), so its values may move by summation-order
+        rounding, the same as batched vs solo. Source: transformers ``Gemma4TextModel`` (the
+        ``logits_to_keep`` slice before ``first_kv_shared_layer_idx``).
+        [N, h], [N, L, P] -> [n, h], [n, L, P] with n = len(keep).
+        """
+        idx = torch.as_tensor(keep, device=x.device)
+        seqs, counts, views, blocks = [], [0], {il: [] for il in batch.views}, []
+        for i, s in enumerate(batch.seqs):
+            lo, hi = int(batch.offsets[i]), int(batch.offsets[i + 1])
+            mine = keep[(keep >= lo) & (keep < hi)]
+            if mine.shape[0] == 0:
+                continue
+            seqs.append(s)
+            counts.append(mine.shape[0])
+            for il, per_seq in batch.views.items():
+                views[il].append(per_seq[i])
+            b = batch.blocks[i] if batch.blocks else None
+            blocks.append(None if b is None else b[torch.as_tensor(mine - lo, device=b.device)])
+        kept = StepBatch(seqs, batch.positions[idx], np.cumsum(counts), batch.cache, views, blocks)
+        return x[idx], None if ple is None else ple[idx], kept
 
     def placeholders_to_pad(self, batch: StepBatch, ids: torch.Tensor) -> torch.Tensor:
         """Each sequence's placeholders become the pad id (:func:`fast.multimodal.llm_input_ids`). [N] -> [N]."""
@@ -493,15 +604,15 @@ class FastModel:
         b = f"blk.{layer.index}."
         N = x.shape[0]
         H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
-        cos, sin = self.rope_tables(layer, batch.positions)
+        cos, sin = self.step_rope(layer, batch)
         q = linear(x, w[b + "attn_q.weight"]).view(N, H, D)
-        q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin, layer.n_rot)
+        q = rope_rotate(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin, layer.n_rot)
         if layer.has_kv:
             k_raw = linear(x, w[b + "attn_k.weight"]).view(N, Hkv, D)
             v = linear(x, w[b + "attn_v.weight"]).view(N, Hkv, D) if layer.has_v_proj else k_raw
             if self.cfg.has_v_norm:
                 v = rms_norm(v, None, eps)
-            k = apply_rope(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin, layer.n_rot)
+            k = rope_rotate(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin, layer.n_rot)
             per_seq = []
             for i, s in enumerate(batch.seqs):
                 rows = batch.rows(i)
@@ -513,21 +624,33 @@ class FastModel:
             rows = batch.rows(i)
             args = (layer, q[rows], k_all, v_all, batch.positions[rows], k_pos)
             q_block = batch.blocks[i] if layer.is_sliding and batch.blocks else None
-            outs.append(self.attend(*args) if q_block is None else self.attend(*args, q_block))
-        return linear(torch.cat(outs, 0), w[b + "attn_output.weight"])
+            masks = batch.masks.setdefault(i, {})
+            outs.append(self.attend(*args, masks=masks) if q_block is None else
+                        self.attend(*args, q_block, masks=masks))
+        return linear(outs[0] if len(outs) == 1 else torch.cat(outs, 0), w[b + "attn_output.weight"])
+
+    def step_rope(self, layer: LayerSpec, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-width rotary factors (:func:`rope_full_tables`) of ``layer`` at the step's positions,
+        ``[N, 1, head_dim]`` x2, built once per step for the layers that share a rotary table (the same inverse
+        frequencies object, :attr:`inv_freq`, and head size)."""
+        key = (id(self.inv_freq[layer.index]), layer.n_rot, layer.head_dim)
+        if key not in batch.rope:
+            batch.rope[key] = rope_full_tables(*self.rope_tables(layer, batch.positions), layer.n_rot, layer.head_dim)
+        return batch.rope[key]
 
     def attend(self, layer: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-               k_pos: torch.Tensor, q_block: torch.Tensor | None = None) -> torch.Tensor:
+               k_pos: torch.Tensor, q_block: torch.Tensor | None = None, masks: dict | None = None) -> torch.Tensor:
         """:func:`attention` with the layer's window (sliding layers) and the model's scale. [T, H, D] -> [T, H*D].
 
         ``q_block``: the new tokens' bidirectional block ids (sliding layers with vision attention); the
         cached keys before them are never in those blocks (a block is prefilled in one step), so they get -1.
+        ``masks``: the sequence's masks of this step, shared by its layers (see :func:`attention`).
         """
         window = self.cfg.sliding_window if layer.is_sliding else None
         k_block = None
         if q_block is not None:
             k_block = torch.cat([q_block.new_full((k.shape[0] - q.shape[0],), -1), q_block])
-        return attention(q, k, v, q_pos, k_pos, window, self.cfg.attn_scale, q_block, k_block)
+        return attention(q, k, v, q_pos, k_pos, window, self.cfg.attn_scale, q_block, k_block, masks)
 
     def _derive_k(self, layer: LayerSpec):
         """For a k_eq_v layer the cache keeps only V = rmsnorm(raw); K = rope(V * k_norm weight) is
@@ -584,7 +707,7 @@ class FastModel:
     def ple_block(self, layer: LayerSpec, y: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
         """``post_norm(proj(gelu(gate y) * ple))``. [N, h], [N, P] -> [N, h]. Source: reference ``ple_block``."""
         w, b = self.w, f"blk.{layer.index}."
-        g = gelu_tanh(linear(y, w[b + "inp_gate.weight"])) * ple
+        g = gelu_tanh(linear(y, w[b + "inp_gate.weight"])).mul_(ple)
         return rms_norm(linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], self.cfg.rms_eps)
 
     def layer_scale(self, layer: LayerSpec, y: torch.Tensor) -> torch.Tensor:

@@ -122,3 +122,42 @@ def test_retired_slot_is_reused_and_cache_is_bounded():
     assert sorted(out) == [str(i) for i in range(5)] and max(eng.batch_sizes) == 2
     with pytest.raises(Exception, match="max_tokens"):
         Engine(fm, max_tokens=8).run([Request("x", [2] * 7, 5)])
+
+
+def test_only_the_rows_asked_for_go_through_the_kv_shared_tail(monkeypatch):
+    """Without a trace, a step narrows to the rows it returns before the KV-shared tail (``_keep_rows``): two
+    sequences, rows asked out of order and twice; the tail layers see only those rows, the logits keep the order
+    asked for and equal the all-rows step's within the batched~solo gate (same math, other GEMM shapes)."""
+    from fast.model import SeqStep
+
+    spec = synth.load_spec(MODELS_DIR / "e2b.toml")
+    cfg, w = load_model(synth.ensure_built(spec.path).gguf["F32"])
+    tail = [L.index for L in cfg.layers if not L.has_kv]
+    assert tail and tail == list(range(tail[0], cfg.n_layer))
+    fm = FastModel(cfg, w, "cpu", "float32")
+    gate = resolve(spec.gates, spec.name)["fast.batched~solo.max_abs_logit"]
+    a, b = list(range(4, 4 + 40)), list(range(50, 50 + 25))
+
+    def run(**kw):
+        cache = fm.new_cache(2, 80)
+        s0, s1 = cache.alloc(), cache.alloc()
+        with torch.inference_mode():
+            return fm.step(cache, [SeqStep(s0, torch.tensor(a), 0), SeqStep(s1, torch.tensor(b), 0)], **kw)
+
+    full = run(all_logits=True)
+    seen: dict[int, int] = {}
+    layer_fn = FastModel.decoder_layer
+
+    def spy(self, layer, x, batch, ple, tr):
+        seen[layer.index] = x.shape[0]
+        return layer_fn(self, layer, x, batch, ple, tr)
+
+    monkeypatch.setattr(FastModel, "decoder_layer", spy)
+    rows = [50, 3, 39, 3]
+    part = run(rows=rows)
+    assert all(seen[il] == len(a) + len(b) for il in range(tail[0]))
+    assert all(seen[il] == 3 for il in tail)  # rows 3, 39, 50
+    assert gate.check(float((part - full[rows]).abs().max()))
+    last = run()
+    assert seen[tail[0]] == 2
+    assert gate.check(float((last - full[[len(a) - 1, len(a) + len(b) - 1]]).abs().max()))

@@ -50,10 +50,10 @@ class AttnScale(FastModel):
     """``attend``: q.k scaled by 1/sqrt(head_dim) instead of Gemma 4's 1.0 (the bidirectional image blocks kept, as
     :meth:`fast.model.FastModel.attend` passes them)."""
 
-    def attend(self, layer, q, k, v, q_pos, k_pos, q_block=None):
+    def attend(self, layer, q, k, v, q_pos, k_pos, q_block=None, masks=None):
         window = self.cfg.sliding_window if layer.is_sliding else None
         k_block = None if q_block is None else torch.cat([q_block.new_full((k.shape[0] - q.shape[0],), -1), q_block])
-        return attention(q, k, v, q_pos, k_pos, window, 1.0 / math.sqrt(layer.head_dim), q_block, k_block)
+        return attention(q, k, v, q_pos, k_pos, window, 1.0 / math.sqrt(layer.head_dim), q_block, k_block, masks)
 
 
 class ExpertsSwiGLU(FastModel):
@@ -326,11 +326,11 @@ class BidirectionalFullLayers(FastModel):
         self._batch = batch
         return super().decoder_layer(layer, x, batch, ple, *(() if tr is None else (tr,)))
 
-    def attend(self, layer, q, k, v, q_pos, k_pos, q_block=None):
+    def attend(self, layer, q, k, v, q_pos, k_pos, q_block=None, masks=None):
         blocks = getattr(self, "_batch", None) and self._batch.blocks
         if q_block is None and not layer.is_sliding and blocks and len(blocks) == 1 and blocks[0] is not None:
             q_block = blocks[0]
-        return super().attend(layer, q, k, v, q_pos, k_pos, q_block)
+        return super().attend(layer, q, k, v, q_pos, k_pos, q_block, masks)
 
 
 def rope_2d_xy_swapped(x, positions, theta):
