@@ -57,13 +57,24 @@ def _install_llamacpp(session: nox.Session) -> None:
     session.install(wheel)
 
 
+def _test_workers() -> int:
+    """pytest-xdist workers for ``tests``: ``$G4H_TEST_JOBS``, else one per CPU this process may use, at most one
+    per 6 GB of memory (the heaviest test file peaks near 5.7 GB)."""
+    if os.environ.get("G4H_TEST_JOBS"):
+        return max(1, int(os.environ["G4H_TEST_JOBS"]))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 if hasattr(os, "sysconf") else 6.0
+    return max(1, min(cpus, int(mem_gb // 6)))
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The pytest suite (default: everything, slow tests included), llama.cpp and its servers included; posargs go
-    to pytest."""
+    """The pytest suite (default: everything, slow tests included), llama.cpp and its servers included, on
+    :func:`_test_workers` workers (pytest-xdist, one test file per worker at a time); posargs go to pytest (``-n 0``
+    runs it in one process)."""
     _install(session)
     _install_llamacpp(session)
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", *session.posargs)
 
 
 @nox.session
