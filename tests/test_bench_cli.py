@@ -70,6 +70,9 @@ def test_bench_writes_results_report_and_plots(bench_run):
     report = (run / "report.md").read_text()
     assert "| model" in report and "| t/s" in report and "roofline" in report
     assert report.count("\n| e4b ") == len(data["rows"])
+    load = data["machine"]["load_avg"]  # the other processes' load, at the start and the end of the run
+    assert all(len(load[k]) == 3 and min(load[k]) >= 0 for k in ("start", "end"))
+    assert f"load average {load['start'][0]:g} at the start" in report
     for png in ("tps_vs_batch.png", "roofline.png"):
         assert (run / png).read_bytes()[:8] == PNG_MAGIC
         assert f"]({png})" in report

@@ -29,7 +29,7 @@ from ..engines.base import EngineUnavailable
 from ..engines.reference import cache_bytes
 from .models import ModelSource, make_bench_engines
 from .report import compare_baseline, read_baseline, results, write_baseline, write_report
-from .run import ENGINE_NAMES, BenchPlan, machine_info, measure_read_bandwidth, ratios, run_plan
+from .run import ENGINE_NAMES, BenchPlan, load_average, machine_info, measure_read_bandwidth, ratios, run_plan
 from .speculative import SpecBench, speculative_summary
 
 __all__ = ["BenchOptions", "bench"]
@@ -108,6 +108,7 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
     if o.threads:
         torch.set_num_threads(o.threads)
     threads = torch.get_num_threads()
+    load_start = load_average()
     src = ModelSource(o.model, o.shape, o.device, o.layers, cache_bytes(o.ref_cache_gb))
     longest = max(o.plan.depths) + max(o.plan.pp, o.plan.tg)
     if longest > src.cfg.context_length:
@@ -133,7 +134,8 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
     rows = run_plan(benches + spec, o.plan, progress)
     for be in benches:
         be.close()
-    data = results(rows, o.plan, machine_info(o.device), src.info(), bandwidth, ratios(rows))
+    machine = {**machine_info(o.device), "load_avg": {"start": load_start, "end": load_average()}}
+    data = results(rows, o.plan, machine, src.info(), bandwidth, ratios(rows))
     if spec:
         data["speculative"] = speculative_summary(spec, rows)
     data["skipped"] = skipped  # before the report is written: report.md lists them

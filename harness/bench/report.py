@@ -153,6 +153,13 @@ def _save(fig, run_dir: Path, name: str) -> str:
     return name
 
 
+def _load_text(load: Mapping[str, Any] | None) -> str:
+    """``; load average 1.2 at the start, 3.4 at the end`` (1-minute figures), or nothing when not recorded."""
+    if not load or not load.get("start") or not load.get("end"):
+        return ""
+    return f"; load average {load['start'][0]:g} at the start, {load['end'][0]:g} at the end (other processes)"
+
+
 def render_markdown(data: Mapping[str, Any], plots: list[str]) -> str:
     """The report text: machine and roofline, the llama-bench-style table, ratios (and baseline), plots."""
     mach = data["machine"]
@@ -163,7 +170,8 @@ def render_markdown(data: Mapping[str, Any], plots: list[str]) -> str:
         lines += [f"**Speed baseline: {'PASS' if ok else 'FAIL'}** against `{data['baseline']['path']}` "
                   f"(margin {100 * data['baseline']['margin']:.0f} %)", ""]
     lines += [f"- machine: {mach.get('cpu')} ({mach.get('cores')} cores), torch {mach.get('torch')}, "
-              f"{mach.get('threads')} threads, device `{mach.get('device')}`" + (f" ({mach['gpu']})" if mach.get("gpu") else ""),
+              f"{mach.get('threads')} threads, device `{mach.get('device')}`"
+              + (f" ({mach['gpu']})" if mach.get("gpu") else "") + _load_text(mach.get("load_avg")),
               f"- model: `{model.get('path', model.get('name'))}`, {_fmt_params(model.get('params'))} parameters, "
               f"{_fmt_size(model.get('size_bytes'))}"
               + (f"; fast weights **{data['fast_weights']}**" if data.get("fast_weights") else ""),

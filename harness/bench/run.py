@@ -184,6 +184,17 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     return info
 
 
+def load_average() -> list[float] | None:
+    """The system's 1-, 5- and 15-minute load averages (runnable processes), or None where the OS has none.
+
+    Recorded at the start and end of a bench run (``machine.load_avg``): on a shared CPU the other processes'
+    load moves every timing, and a same-run ratio only partly cancels it."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 # --------------------------------------------------------------------------- bytes per token
 
 
