@@ -123,6 +123,7 @@ def test_ratios_pair_same_run_rows():
                  "tg8 b4/b1 fast-float32": 3.0}
 
 
+@pytest.mark.slow
 def test_baseline_round_trip_and_regression(bench_run, tmp_path):
     _, run = bench_run
     data = json.loads((run / "results.json").read_text())
@@ -211,6 +212,7 @@ def test_bench_ids_are_fixed_and_in_range():
     assert np.unique(a).size > 10
 
 
+@pytest.mark.slow
 def test_shape_only_model_runs_on_cpu_when_truncated(tmp_path):
     """``--shape`` builds real-dimension layers with random weights on the device; no file is read."""
     proc = run_cli("bench", "--shape", "e2b", "--layers", "2", "--engines", "fast,transformers", "--pp", "4",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from clitools import assert_one_line_error, run_cli
 
 
@@ -22,6 +23,7 @@ def _reference_logits(tiny_gguf, tmp_path):
     return out
 
 
+@pytest.mark.slow
 def test_intact_logits_pass_and_perturbed_fail(tiny_gguf, tmp_path):
     ref = _reference_logits(tiny_gguf, tmp_path)
     same = run_cli("compare", str(ref), "--against", "reference", "--model", str(tiny_gguf),
@@ -37,6 +39,7 @@ def test_intact_logits_pass_and_perturbed_fail(tiny_gguf, tmp_path):
     assert "engine~oracle.max_abs_logit" in proc.stdout.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_generations_fault_names_request_step_and_tokens(tiny_gguf, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": [2, 3 + i, 9]}) + "\n" for i in range(3)))
@@ -58,6 +61,7 @@ def test_generations_fault_names_request_step_and_tokens(tiny_gguf, tmp_path):
     assert f"request {rows[1]['id']} step {step}" in last and f"ours {swapped}" in last, last
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_one_line(tiny_gguf, tmp_path):
     ref = _reference_logits(tiny_gguf, tmp_path)
     other = tmp_path / "other.npy"

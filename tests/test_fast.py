@@ -58,6 +58,7 @@ def test_bf16_gate_is_enforced_somewhere():
                for p in builtin_specs())
 
 
+@pytest.mark.slow
 def test_batched_equals_solo_and_neighbours_are_isolated(case):
     spec, cfg, w, fm = case
     gates = resolve(spec.gates, spec.name)
@@ -69,6 +70,7 @@ def test_batched_equals_solo_and_neighbours_are_isolated(case):
     assert gates["fast.neighbour_isolation.max_abs_logit"].check(r["isolation_max_abs"])
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_prefix_decode_equal_one_shot(case):
     spec, cfg, w, fm = case
     gate = resolve(spec.gates, spec.name)["fast.chunked~oneshot.max_abs_logit"]

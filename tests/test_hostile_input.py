@@ -85,6 +85,7 @@ def test_max_new_tokens_beyond_the_context(tiny_gguf, tmp_path):
         assert_one_line_error(proc, str(TINY["context"]))
 
 
+@pytest.mark.slow
 def test_out_is_checked_before_any_work(tiny_gguf, tmp_path):
     p = _prompt(tmp_path, [2, 3])
     assert_one_line_error(_logits(tiny_gguf, p, tmp_path), "--out")  # a folder
@@ -104,6 +105,7 @@ def test_out_of_bench_and_selftest_is_checked_before_any_work(tmp_path):
     assert blocker.read_text() == "x"
 
 
+@pytest.mark.slow
 def test_unknown_case_and_engine(tiny_gguf, tmp_path):
     runs = tmp_path / "runs"
     assert_one_line_error(run_cli("parity", "--case", "nosuchcase", "--out", str(runs)), "nosuchcase")

@@ -127,6 +127,7 @@ def test_kv_donor_layout_abort_is_engine_crashed():
     assert rows[0]["error_kind"] == "engine"
 
 
+@pytest.mark.slow
 def test_chunked_prefill_through_the_ring_buffer(passing):
     """n_ubatch below the sliding window: the prompt goes through several decodes (swa_full off)."""
     one = LlamaCppEngine(passing.gguf["F32"], threads=THREADS).logits(LONGEST)

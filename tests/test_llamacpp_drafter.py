@@ -19,6 +19,7 @@ from harness.synth.drafter import ensure_drafter_built  # noqa: E402
 PROMPTS = [p for p in load_prompts() if p["id"] in ("len5", "len17-window+1", "len48-3xwindow")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["e2b", "26b-a4b"])
 def test_llamacpp_drafts_what_the_reference_drafts_and_its_speculation_is_lossless(name):
     figs = llamacpp_drafter_checks(ensure_drafter_built(MODELS_DIR / f"{name}-assistant.toml"), PROMPTS,

@@ -206,6 +206,7 @@ def test_bad_answers_are_one_line(mode, expected):
     assert expected in _one_line(ei.value, stub.url + "/completion")
 
 
+@pytest.mark.slow
 def test_perturbed_logprobs_come_through_and_are_caught(llama_server_gemma3):
     """The client reports what the server says: a 0.1 shift of every log-prob arrives intact, and is beyond the
     fp32 band an honest llama.cpp server stays in."""
@@ -220,6 +221,7 @@ def test_perturbed_logprobs_come_through_and_are_caught(llama_server_gemma3):
     assert min(shifts) > LOGPROB_FP32_ORDER_TOL
 
 
+@pytest.mark.slow
 def test_swapped_token_is_caught(llama_server_gemma3):
     prompt = OpenAIEngine(llama_server_gemma3.url).tokenize("The capital of France is")
     with Stub("swap", upstream=llama_server_gemma3.url) as stub:
