@@ -89,16 +89,17 @@ class ReferenceRuns:
     Args:
         ref: the reference engine of the model (its config and stored weight types are read from it).
         oracle: the engine whose outputs are the oracle side: None for ``ref`` itself, or a fast engine in fp32
-            (``--oracle fast``); it makes the approximations of :data:`NUMERICS` too (the fast twin's GELU).
+            (``--oracle fast``); it makes the approximations of :data:`NUMERICS` too (the fast twin's GELU). Its
+            ``engine`` attribute names the pairs.
 
     Attributes:
-        name: the oracle's name in pair names (``reference`` or ``fast``).
+        name: the oracle's name in pair names (``reference``, or the oracle engine's ``engine``: ``fast``).
     """
 
     def __init__(self, ref: ReferenceEngine, oracle: Any = None) -> None:
         self.ref = ref
         self.oracle = ref if oracle is None else oracle
-        self.name = "reference" if oracle is None else "fast"
+        self.name = "reference" if oracle is None else oracle.engine
         self._logits: dict[tuple[tuple[str, ...], str], tuple[np.ndarray, Trace]] = {}
         self._gens: dict[tuple[tuple[str, ...], int, int], dict[str, dict[str, Any]]] = {}
 
