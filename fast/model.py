@@ -117,11 +117,15 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     return w.linear(x).to(x.dtype)
 
 
-def embed_rows(w, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of an embedding table (dense or kept quantized), float32. [N] -> [N, n]."""
+def embed_rows(w, ids: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table (dense or kept quantized), float32. [N] -> [N, n].
+
+    ``check=False`` skips a packed table's range check of ``ids`` (a read back to the host, which a CUDA graph
+    may not hold): for callers whose ids are already known to be in range (:mod:`fast.static_decode`).
+    """
     if isinstance(w, torch.Tensor):
         return w[ids].float()
-    return w.take_rows(ids, dtype=torch.float32)
+    return w.take_rows(ids, dtype=torch.float32, check=check)
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,6 +328,35 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     return out.to(x.dtype)
 
 
+def moe_experts_static(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, idx: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+    """:func:`fast.model.moe_experts` with shapes fixed by ``N``, ``K`` and ``E`` alone (no host reads).
+
+    With ``2 N K < E`` (decode and small batches), each of the ``N K`` (token, expert) pairs gathers its
+    expert's matrices (``w[idx]``: a copy, so the chosen experts are read twice) and they run as one batched
+    product; else every expert runs on every token (all ``E`` experts read once) and the weights, 0 for
+    experts not chosen, combine them. Dense expert tensors only (:class:`fast.weights.FastWeights`
+    dequantizes 3-D stacks at load).
+    [N, h], [E, 2F, h], [E, h, F], int64 [N, K], float32 [N, K] -> [N, h] in ``x.dtype``.
+    Source: transformers ``Gemma4TextExperts`` (gate first in gate_up); :func:`fast.model.expert_ffn`.
+    """
+    N, K = idx.shape
+    E, F2, h = w_gate_up.shape
+    Fdim = F2 // 2
+    if 2 * N * K < E:
+        flat = idx.reshape(-1)
+        xs = x.repeat_interleave(K, dim=0).to(w_gate_up.dtype)[:, :, None]  # [N*K, h, 1]
+        gu = torch.bmm(w_gate_up[flat], xs)[:, :, 0].to(x.dtype)  # [N*K, 2F]
+        act = (gelu_tanh(gu[:, :Fdim]) * gu[:, Fdim:]).to(w_down.dtype)[:, :, None]
+        y = torch.bmm(w_down[flat], act)[:, :, 0].float().view(N, K, h)
+        return (y * weights[:, :, None]).sum(1).to(x.dtype)
+    mix = torch.zeros(N, E, dtype=torch.float32, device=x.device).scatter_(1, idx, weights.float())  # [N, E]
+    out = torch.zeros(N, h, dtype=torch.float32, device=x.device)
+    for e in range(E):
+        out.add_(expert_ffn(x, w_gate_up[e], w_down[e]).float() * mix[:, e:e + 1])
+    return out.to(x.dtype)
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -400,6 +433,7 @@ class FastModel:
             inv = np.asarray(rope_inv_freq(L), dtype=np.float64)
             self.inv_freq[L.index] = tables.setdefault(inv.tobytes(), torch.tensor(inv, dtype=torch.float64))
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.static_shapes = False  # True inside a static-shape forward (fast.static_decode): MoE without host reads
 
     def new_cache(self, max_seqs: int, max_tokens: int, page_size: int = 16, ring_extra: int = 0) -> PagedKVCache:
         """A paged KV cache for up to ``max_seqs`` sequences of up to ``max_tokens`` tokens each; sliding rings keep
@@ -551,14 +585,16 @@ class FastModel:
         b = vision_blocks(self.cfg, inj)
         return None if b is None else b.to(self.device)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Scaled token embeddings ``E[ids] * sqrt(h)``, float32. [N] -> [N, h]. Source: reference ``embed``."""
-        return embed_rows(self.w["token_embd.weight"], ids) * math.sqrt(self.cfg.hidden_size)
+    def embed(self, ids: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """Scaled token embeddings ``E[ids] * sqrt(h)``, float32. [N] -> [N, h]. Source: reference ``embed``.
 
-    def ple_token(self, ids: torch.Tensor) -> torch.Tensor:
+        ``check``: see :func:`embed_rows`."""
+        return embed_rows(self.w["token_embd.weight"], ids, check) * math.sqrt(self.cfg.hidden_size)
+
+    def ple_token(self, ids: torch.Tensor, check: bool = True) -> torch.Tensor:
         """PLE token part ``E_ple[ids] * sqrt(P)``. [N] -> [N, L, P]. Source: reference ``ple_token``."""
         N, L, P = ids.shape[0], self.cfg.n_layer, self.cfg.ple_dim
-        return embed_rows(self.w["per_layer_token_embd.weight"], ids).reshape(N, L, P) * math.sqrt(P)
+        return embed_rows(self.w["per_layer_token_embd.weight"], ids, check).reshape(N, L, P) * math.sqrt(P)
 
     def ple_context(self, x: torch.Tensor) -> torch.Tensor:
         """PLE context part ``rmsnorm(x @ W_proj.T / sqrt(h))``. [N, h] -> [N, L, P]. Source: reference ``ple_context``."""
@@ -567,19 +603,24 @@ class FastModel:
         ctx = linear(x, self.w["per_layer_model_proj.weight"]).float() * cfg.hidden_size**-0.5
         return rms_norm(ctx.reshape(N, L, P), self.w["per_layer_proj_norm.weight"], cfg.rms_eps)
 
-    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor, check: bool = True) -> torch.Tensor:
         """PLE for every layer, ``(context + token) / sqrt(2)``. [N], [N, h] -> [N, L, P].
 
-        Source: reference ``per_layer_inputs``.
+        ``check``: see :func:`embed_rows`. Source: reference ``per_layer_inputs``.
         """
-        return (self.ple_context(x) + self.ple_token(ids)) * 2.0**-0.5
+        return (self.ple_context(x) + self.ple_token(ids, check)) * 2.0**-0.5
 
-    def decoder_layer(self, layer: LayerSpec, x: torch.Tensor, batch: StepBatch, ple: torch.Tensor | None,
-                      tr=_no_trace) -> torch.Tensor:
-        """One layer over the ragged batch. [N, h] -> [N, h]. Source: reference ``decoder_layer``."""
+    def decoder_layer(self, layer: LayerSpec, x: torch.Tensor, batch, ple: torch.Tensor | None,
+                      tr=_no_trace, attention_block=None) -> torch.Tensor:
+        """One layer over the ragged batch. [N, h] -> [N, h]. Source: reference ``decoder_layer``.
+
+        ``attention_block``: ``(layer, normed x, batch) -> [N, h]`` in place of :meth:`attention_block` (the
+        static-shape decoder's cache, :mod:`fast.static_decode`); ``batch`` is whatever it reads.
+        """
         w, eps, il = self.w, self.cfg.rms_eps, layer.index
         b = f"blk.{il}."
-        attn = self.attention_block(layer, rms_norm(x, w[b + "attn_norm.weight"], eps), batch)
+        attend = self.attention_block if attention_block is None else attention_block
+        attn = attend(layer, rms_norm(x, w[b + "attn_norm.weight"], eps), batch)
         a = x + rms_norm(attn, w[b + "post_attention_norm.weight"], eps)
         tr("attn_out", il, a)
         f = self.ffn_block(layer, a, tr)
@@ -700,9 +741,11 @@ class FastModel:
                          self.cfg.n_expert_used, self.cfg.rms_eps)
 
     def moe_experts(self, layer: LayerSpec, x: torch.Tensor, idx: torch.Tensor, wgt: torch.Tensor) -> torch.Tensor:
-        """:func:`moe_experts` with the layer's expert weights. [N, h] -> [N, h]."""
+        """:func:`moe_experts` with the layer's expert weights (:func:`moe_experts_static` while
+        :attr:`static_shapes` is set). [N, h] -> [N, h]."""
         w, b = self.w, f"blk.{layer.index}."
-        return moe_experts(x, w[b + "ffn_gate_up_exps.weight"], w[b + "ffn_down_exps.weight"], idx, wgt)
+        run = moe_experts_static if self.static_shapes else moe_experts
+        return run(x, w[b + "ffn_gate_up_exps.weight"], w[b + "ffn_down_exps.weight"], idx, wgt)
 
     def ple_block(self, layer: LayerSpec, y: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
         """``post_norm(proj(gelu(gate y) * ple))``. [N, h], [N, P] -> [N, h]. Source: reference ``ple_block``."""

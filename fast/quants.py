@@ -540,21 +540,24 @@ class QuantizedTensor:
                 return out.to(_out_dtype(dtype))
         return dequantize(self.raw[start:stop], self.qtype, (stop - start, self.row_len), dtype)
 
-    def take_rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def take_rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32, check: bool = True) -> torch.Tensor:
         """Embedding lookup: rows ``ids`` of the ``[n_rows, row_len]`` view, decoded: ``[*ids.shape, row_len]``.
 
         Only the selected rows are dequantized (a token embedding of 262,144 rows
-        costs ``len(ids)`` rows, not the table).
+        costs ``len(ids)`` rows, not the table). ``check=False`` skips the range check, which reads ``ids``
+        back to the host (a CUDA graph cannot hold that read); the caller then promises ids in
+        ``[0, n_rows)``.
 
-        Raises: IndexError for an id outside ``[-n_rows, n_rows)``; TypeError for a
+        Raises: IndexError for an id outside ``[-n_rows, n_rows)`` (with ``check``); TypeError for a
         non-integer ``ids`` or a non-floating ``dtype``.
         """
         if ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         flat = ids.reshape(-1).to(device=self.device, dtype=torch.long)
-        if flat.numel() and (int(flat.min()) < -self.n_rows or int(flat.max()) >= self.n_rows):
-            raise IndexError(f"row id out of range for {self.n_rows} rows of {self!r}")
-        flat = flat % max(self.n_rows, 1)
+        if check:
+            if flat.numel() and (int(flat.min()) < -self.n_rows or int(flat.max()) >= self.n_rows):
+                raise IndexError(f"row id out of range for {self.n_rows} rows of {self!r}")
+            flat = flat % max(self.n_rows, 1)
         on_cpu = self.device.type == "cpu"
         out = quant_kernels.take_rows(self.raw, self.qtype.name, self.row_len, flat) if on_cpu else None
         if out is not None:  # the packed CPU kernel: float32, bit-identical with the decoders here

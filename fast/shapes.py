@@ -48,6 +48,8 @@ import torch
 from reference.config import ModelConfig, config_from_hf, expected_tensors, kv_donors
 from reference.errors import InputError
 
+from .quants import QuantizedTensor, block_layout
+
 #: Folder of the shipped shape files.
 SHAPES_DIR = Path(__file__).resolve().parents[1] / "cases" / "shapes"
 
@@ -264,6 +266,50 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 BLOCK_ELEMENTS = 1 << 24
 
 
+PACKED_TYPES = ("Q8_0", "Q4_K")
+"""GGUF types :class:`RandomWeights` can draw packed (``g4h bench --shape S --quant TYPE``)."""
+
+
+def random_packed(qtype: str, shape: tuple[int, ...], device: str | torch.device, std: float,
+                  gen: torch.Generator) -> QuantizedTensor:
+    """A ``[rows, cols]`` matrix of random GGUF blocks of ``qtype``, made on ``device``, whose decoded values have
+    mean about 0 and standard deviation about ``std``.
+
+    Every byte is uniform random except the fp16 block scales, which are set so that the values come out at
+    ``std``: Q8_0 (``d * q``, q uniform int8, std 73.9): ``d = std / 73.9``; Q4_K (``d * sc * q - dmin * m``,
+    6-bit sc and m uniform in 0..63, q uniform in 0..15): ``dmin = 7.5 d`` centres the values and
+    ``d = std / 258`` scales them (``sc * q - 7.5 m`` has variance 1333.5 * 77.5 - 236.25**2 + 7.5**2 * 341.25,
+    std 258). Decoded values
+    are exact gguf values like any file's (:mod:`fast.quants`). Layouts: the GGML block formats (Q8_0: fp16 d then
+    32 int8; Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of 4-bit quants).
+
+    Args:
+        qtype: one of :data:`PACKED_TYPES`.
+        shape: ``(rows, cols)``, cols a multiple of the type's block size.
+        device: where the bytes are made (no host copy on a GPU).
+        std: target standard deviation of the decoded values (> 0).
+        gen: a generator on ``device``.
+
+    Raises:
+        ValueError: an unknown type or a shape the blocks do not fit.
+    """
+    if qtype not in PACKED_TYPES:
+        raise ValueError(f"random_packed: {qtype!r}: expected one of {', '.join(PACKED_TYPES)}")
+    bs, ts = block_layout(qtype)
+    rows, cols = shape
+    if cols % bs:
+        raise ValueError(f"random_packed: {cols} columns do not fill {qtype} blocks of {bs}")
+    raw = torch.randint(0, 256, (rows, cols // bs, ts), dtype=torch.uint8, device=device, generator=gen)
+    if qtype == "Q8_0":
+        scales = [std / 73.9]
+    else:
+        scales = [std / 258.3, 7.5 * std / 258.3]
+    for i, value in enumerate(scales):
+        f16 = torch.tensor([value], dtype=torch.float16).view(torch.uint8).to(device)  # 2 bytes, little-endian
+        raw[:, :, 2 * i:2 * i + 2] = f16
+    return QuantizedTensor(raw.reshape(rows, -1), qtype, shape)
+
+
 class RandomWeights:
     """Every tensor of ``expected_tensors(cfg)``, drawn on the device on request.
 
@@ -295,21 +341,29 @@ class RandomWeights:
     * every other 1-D tensor (RMSNorm weights, router scale, per-expert scale):
       uniform ``[0.5, 1.5]``.
 
+    With ``qtype`` (one of :data:`PACKED_TYPES`), every 2-D matrix is drawn as packed GGUF blocks of that type
+    instead (:meth:`torch_packed`, :func:`random_packed`, same std), as a quantized GGUF stores it: the fast
+    engine keeps them packed (``--weights packed``) or decodes them at load.
+
     Args:
         cfg: the config (e.g. :func:`load_shape`).
         seed: integer seed, >= 0.
+        qtype: None (float matrices) or a GGUF type of :data:`PACKED_TYPES`.
 
     Raises:
-        InputError: a negative or non-integer seed.
+        InputError: a negative or non-integer seed, or a type not in :data:`PACKED_TYPES`.
         KeyError: (``shape``, ``torch_tensor``) a name the model does not have.
     """
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, seed: int = 0, qtype: str | None = None):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise InputError(f"random weights: seed {seed!r}: expected an integer >= 0")
+        if qtype is not None and qtype not in PACKED_TYPES:
+            raise InputError(f"random weights: --quant {qtype!r}: expected one of {', '.join(PACKED_TYPES)}")
         self.cfg = cfg
         self.seed = seed
-        self.source = f"random weights (seed {seed}) for {cfg.source}"
+        self.qtype = qtype
+        self.source = f"random weights (seed {seed}{', ' + qtype if qtype else ''}) for {cfg.source}"
         self._shapes = expected_tensors(cfg)
 
     def __iter__(self) -> Iterator[str]:
@@ -324,6 +378,25 @@ class RandomWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         """numpy-order shape of ``name`` (linear ``[out, in]``, experts ``[E, out, in]``). Raises KeyError."""
         return self._shapes[name]
+
+    def is_packed(self, name: str) -> bool:
+        """True when ``name`` is drawn as packed GGUF blocks (:attr:`qtype` set, a 2-D matrix whose rows fill
+        whole blocks), as a quantized GGUF stores its matrices. Raises KeyError for an unknown name."""
+        shape = self._shapes[name]
+        return self.qtype is not None and len(shape) == 2 and shape[-1] % block_layout(self.qtype)[0] == 0
+
+    def raw_dtype(self, name: str) -> str:
+        """The GGUF type ``name`` is drawn in: :attr:`qtype` for a packed matrix, else ``F32`` (a loader's term)."""
+        return self.qtype if self.is_packed(name) else "F32"
+
+    def torch_packed(self, name: str, device: str | torch.device) -> QuantizedTensor:
+        """Make matrix ``name`` as random packed blocks of :attr:`qtype` on ``device`` (:func:`random_packed`, with
+        the std of :meth:`init`). Raises KeyError for an unknown name, ValueError when it is not packed."""
+        if not self.is_packed(name):
+            raise ValueError(f"random weights: {name} is not drawn packed")
+        gen = torch.Generator(device=torch.device(device))
+        gen.manual_seed(self.tensor_seed(name))
+        return random_packed(self.qtype, self._shapes[name], device, self.init(name)[2], gen)
 
     def tensor_seed(self, name: str) -> int:
         """The 63-bit generator seed of tensor ``name`` (from ``seed`` and the name)."""

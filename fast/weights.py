@@ -49,7 +49,10 @@ class FastWeights:
         for name in W:
             keep32 = any(s in name for s in self.FLOAT32_ALWAYS) or len(W.shape(name)) == 1
             target = torch.float32 if keep32 else dtype
-            if hasattr(W, "torch_tensor"):  # made on the device, no file (fast.shapes.RandomWeights)
+            if hasattr(W, "torch_tensor") and W.is_packed(name):  # random packed blocks (RandomWeights qtype)
+                qt = W.torch_packed(name, device)
+                self.t[name] = qt if keep_quantized else qt.dequantize(torch.float32).to(target)
+            elif hasattr(W, "torch_tensor"):  # made on the device, no file (fast.shapes.RandomWeights)
                 self.t[name] = W.torch_tensor(name, device, target)
             elif W.stored(name) is not None and W.raw_dtype(name) != "F32":
                 self.t[name] = self._from_gguf(W, name, device, target, keep_quantized)

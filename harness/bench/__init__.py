@@ -44,6 +44,8 @@ class BenchOptions:
 
     model: str | None = None
     shape: str | None = None
+    quant: str | None = None
+    vocab_size: int | None = None  # shape-only: a smaller vocabulary (g4h device-bench --smoke)
     layers: int | None = None
     ref_cache_gb: float | None = None
     engines: list[str] = field(default_factory=lambda: list(ENGINE_NAMES))
@@ -109,7 +111,7 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
         torch.set_num_threads(o.threads)
     threads = torch.get_num_threads()
     load_start = load_average()
-    src = ModelSource(o.model, o.shape, o.device, o.layers, cache_bytes(o.ref_cache_gb))
+    src = ModelSource(o.model, o.shape, o.device, o.layers, cache_bytes(o.ref_cache_gb), o.quant, o.vocab_size)
     longest = max(o.plan.depths) + max(o.plan.pp, o.plan.tg)
     if longest > src.cfg.context_length:
         raise InputError(f"--depth {max(o.plan.depths)} + {max(o.plan.pp, o.plan.tg)} tokens exceed the model's "

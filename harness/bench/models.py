@@ -4,7 +4,8 @@
 ``cases/models/*.toml``: built and cached on first use, giving both a GGUF and an HF folder);
 ``--shape`` a real-size config with random weights made on the device. Which engine reads which form:
 
-- ``fast``, ``reference``: either form, through :func:`reference.weights.load_model`;
+- ``fast``, ``fast-graph`` (the same engine, tg through :mod:`fast.static_decode`), ``reference``: either form,
+  through :func:`reference.weights.load_model`;
 - ``transformers``: an HF folder (Gemma 4), or a Gemma 3 GGUF through transformers' GGUF loader;
 - ``llamacpp``: a GGUF (an optional extra: ``pip install 'gemma4-harness[llamacpp]'``).
 """
@@ -36,25 +37,28 @@ class ModelSource:
         name: short model name for the report.
         gguf: a GGUF file or None.
         hf_dir: a Gemma 4 HF folder or None.
-        shape: a shape-only model name or None.
+        shape: a shape-only model name or None (``quant``: its matrices drawn as packed GGUF blocks of that type;
+            ``vocab_size``: a smaller vocabulary, for smoke runs).
         cfg, W: our config and weights (W is lazy; for a shape, random on the device).
     """
 
     def __init__(self, model: str | None, shape: str | None, device: str, layers: int | None = None,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES):
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, quant: str | None = None, vocab_size: int | None = None):
         self.gguf: Path | None = None
         self.hf_dir: Path | None = None
         self.shape = shape
         self.layers = None
         if shape:
-            self.cfg = shapes.load_shape(shape, layers=layers)
-            self.W = shapes.RandomWeights(self.cfg)
-            self.name = f"{Path(shape).stem} (shape only)"
+            self.cfg = shapes.load_shape(shape, layers=layers, vocab_size=vocab_size)
+            self.W = shapes.RandomWeights(self.cfg, qtype=quant)
+            self.name = f"{Path(shape).stem} (shape only{', ' + quant if quant else ''})"
             self.path = str(shape)
             self.size_bytes = None
             return
         if model is None:
             raise InputError("g4h bench: give --model PATH or --shape NAME")
+        if quant is not None:
+            raise InputError("--quant draws a shape-only model's matrices packed: it needs --shape, not --model")
         p = Path(model)
         if not p.exists() and (MODELS_DIR / f"{model}.toml").is_file():
             p = MODELS_DIR / f"{model}.toml"  # a built-in case name
@@ -93,10 +97,11 @@ def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], devic
     Raises:
         EngineUnavailable: not installed, or cannot read this model form (one line).
     """
-    if src.shape and name != "fast":
+    if src.shape and name not in ("fast", "fast-graph"):
         raise EngineUnavailable(f"{name}: a shape-only model has no file; only the fast engine runs it")
-    if name == "fast":
-        return [FastEngine.from_model(src.cfg, src.W, device, dt, weights=weights) for dt in dtypes]
+    if name in ("fast", "fast-graph"):
+        return [FastEngine.from_model(src.cfg, src.W, device, dt, weights=weights, static=name == "fast-graph")
+                for dt in dtypes]
     if name == "transformers":
         if src.hf_dir is None and not (src.gguf is not None and src.cfg.arch == "gemma3"):
             raise EngineUnavailable("transformers needs an HF folder for Gemma 4 (it cannot read a Gemma 4 GGUF); "

@@ -42,9 +42,14 @@ def results(rows, plan, machine: Mapping[str, Any], model: Mapping[str, Any], ba
             ratios: Mapping[str, float]) -> dict[str, Any]:
     """Assemble the JSON-able results of one run (see the module docstring for the layout)."""
 
+    out = [r.as_dict(bandwidth) for r in rows]
+    spec = machine.get("hbm_spec_gbs")
+    for r in out:  # a GPU's datasheet bandwidth beside the measured one (harness.bench.run.HBM_SPEC_GBS)
+        if spec:
+            r["spec_share"] = None if r["read_gbs"] is None else r["read_gbs"] / spec
     return {"version": 1, "kind": "bench", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": dict(machine), "model": dict(model), "plan": dataclasses.asdict(plan),
-            "read_bandwidth_gbs": bandwidth, "rows": [r.as_dict(bandwidth) for r in rows], "ratios": dict(ratios)}
+            "read_bandwidth_gbs": bandwidth, "rows": out, "ratios": dict(ratios)}
 
 
 def _fmt_size(n: float | None) -> str:
@@ -81,6 +86,8 @@ def table_frame(data: Mapping[str, Any]):
             "GB/s": f"{r['read_gbs']:.1f}" if r.get("read_gbs") is not None else "",
             "roofline": f"{100 * r['roofline_share']:.0f} %" if r.get("roofline_share") is not None else "",
         })
+        if "spec_share" in r:  # a GPU in harness.bench.run.HBM_SPEC_GBS
+            recs[-1]["of datasheet"] = f"{100 * r['spec_share']:.0f} %" if r["spec_share"] is not None else ""
     return pd.DataFrame.from_records(recs)
 
 

@@ -51,7 +51,9 @@ from ..engines.base import Benchable
 RESULT_VERSION = 1
 """Version of the bench ``results.json`` layout."""
 
-ENGINE_NAMES = ("fast", "transformers", "llamacpp", "reference")
+ENGINE_NAMES = ("fast", "fast-graph", "transformers", "llamacpp", "reference")
+"""``--engines`` names. ``fast-graph``: the fast engine's tg through :class:`fast.static_decode.StaticDecoder`
+(static shapes; one CUDA graph a step on a GPU, the same static step run eagerly on the CPU)."""
 
 
 # --------------------------------------------------------------------------- results
@@ -181,7 +183,29 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
             "python": platform.python_version(), "device": device}
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        spec = hbm_spec_gbs(info["gpu"])
+        if spec is not None:
+            info["hbm_spec_gbs"] = spec
     return info
+
+
+HBM_SPEC_GBS = (("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+                ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0), ("L40S", 864.0),
+                ("RTX 4090", 1008.0))
+"""Datasheet memory bandwidth in GB/s of common GPUs, by a substring of ``torch.cuda.get_device_name`` (first
+match wins, so the specific names come first). Source: NVIDIA's product datasheets (H200 SXM 4.8 TB/s; H100 SXM
+3.35, PCIe 2.0, NVL 3.9; A100 80GB SXM 2.039, PCIe 1.935, 40GB 1.555; L40S 864 GB/s; GeForce RTX 4090 1,008 GB/s).
+The roofline share of a row is taken against the *measured* read bandwidth; the datasheet figure is reported
+beside it (``machine.hbm_spec_gbs``, ``spec_share`` in the report), the figure published numbers such as vLLM's
+are quoted against."""
+
+
+def hbm_spec_gbs(gpu_name: str) -> float | None:
+    """The datasheet bandwidth of ``gpu_name`` (:data:`HBM_SPEC_GBS`), or None for a GPU not in the table."""
+    for key, gbs in HBM_SPEC_GBS:
+        if key in gpu_name:
+            return gbs
+    return None
 
 
 def load_average() -> list[float] | None:
@@ -366,7 +390,8 @@ def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float
     engines' rows: ``transformers`` of the same dtype, ``llamacpp-<file type>`` and
     ``reference-float64``;
     and ``fast`` batch B over ``fast`` batch 1 (the batching gain); with a drafter, ``fast-spec-<dtype>`` over
-    ``fast-<dtype>`` (the speed-up of speculative decoding).
+    ``fast-<dtype>`` (the speed-up of speculative decoding); ``fast-graph-<dtype>`` over ``fast-<dtype>`` (static
+    shapes and CUDA graphs against the paged step), and ``fast-graph`` batch B over its batch 1.
     """
     ok = [r for r in rows if r.tok_per_s]
     by_key: dict[tuple[str, int], list[BenchRow]] = {}
@@ -376,14 +401,15 @@ def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float
     for (label, batch), group in sorted(by_key.items()):
         for num in (r for r in group if r.engine == numerator):
             for den in group:
-                if den.engine == f"{numerator}-spec":
+                if den.engine in (f"{numerator}-spec", f"{numerator}-graph"):
                     if den.dtype == num.dtype:
                         out[f"{label} b{batch} {den.engine_label}/{num.engine_label}"] = den.mean / num.mean
                 elif den.engine != numerator and (den.engine != "transformers" or den.dtype == num.dtype):
                     out[f"{label} b{batch} {num.engine_label}/{den.engine_label}"] = num.mean / den.mean
-    solo = {(r.label, r.engine_label): r for r in ok if r.batch == 1 and r.engine == numerator}
+    batched = (numerator, f"{numerator}-graph")
+    solo = {(r.label, r.engine_label): r for r in ok if r.batch == 1 and r.engine in batched}
     for r in ok:
         base = solo.get((r.label, r.engine_label))
-        if r.engine == numerator and r.batch > 1 and base is not None:
+        if r.engine in batched and r.batch > 1 and base is not None:
             out[f"{r.label} b{r.batch}/b1 {r.engine_label}"] = r.mean / base.mean
     return out

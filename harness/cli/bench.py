@@ -8,6 +8,7 @@
         [--depth 0,4096] [--reps 5] \\
         [--threads N] [--out DIR] [--baseline FILE] [--write-baseline FILE] [--draft-model PATH [--draft-tokens K]]
     g4h bench --shape e2b --engines fast --device cuda --dtype bfloat16    # real dims, random weights, no file
+    g4h bench --shape e4b --quant Q4_K --engines fast,fast-graph --device cuda --batch 1,8,64    # packed blocks
 
 Exit status: 0, or 1 when ``--baseline`` finds a ratio regression, or 2 on bad input.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fast.shapes import PACKED_TYPES
 from reference.errors import InputError
 
 from ..bench import BenchOptions, bench
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     plan = BenchPlan(engines=engines, dtypes=dtypes, batches=_int_list(args.batch, "batch"), pp=args.pp, tg=args.tg,
                      depths=_int_list(args.depth, "depth"), reps=args.reps, warmup=args.warmup)
-    opts = BenchOptions(model=args.model, shape=args.shape, layers=args.layers, ref_cache_gb=args.ref_cache_gb,
+    opts = BenchOptions(model=args.model, shape=args.shape, quant=args.quant, layers=args.layers,
+                        ref_cache_gb=args.ref_cache_gb,
                         engines=engines, device=args.device,
                         dtypes=dtypes, weights=args.weights, plan=plan, threads=args.threads, out=args.out, baseline=args.baseline,
                         write_baseline=args.write_baseline,
@@ -69,6 +72,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--shape", default=None,
                    help="shape-only model with real dimensions (e2b, e4b, 26b-a4b, 31b or a cases/shapes/*.toml); "
                         "random weights made on the device, fast engine only")
+    b.add_argument("--quant", default=None, choices=PACKED_TYPES,
+                   help="with --shape: draw every matrix as random packed GGUF blocks of this type (kept packed by "
+                        "default; --weights dequantized decodes them at load)")
     b.add_argument("--layers", type=int, default=None,
                    help="keep only the first N layers (--shape, or a model file for fast, reference and transformers)")
     b.add_argument("--ref-cache-gb", dest="ref_cache_gb", type=float, default=None, metavar="GB",

@@ -73,6 +73,11 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "same fp32 math, different matrix shapes: only summation-order rounding"),
     Gate("fast.neighbour_isolation.max_abs_logit", 0.0, "le",
          "same shapes, different neighbours: a row's arithmetic must not depend on other rows (bit-identical)"),
+    Gate("fast.static~paged.same_tokens", 1.0, "ge",
+         "the static-shape decoder (dense cache, CUDA graphs on a GPU) must give the paged engine's greedy tokens"),
+    Gate("fast.static~paged.max_abs_logit", 1e-4, "le",
+         "same fp32 formulas; attention sums over every cache slot (masked ones weigh exactly 0) and MoE batches "
+         "its products otherwise: only summation-order rounding (9.8e-6..2.4e-5 measured on the built-in cases)"),
     Gate("fast.chunked~oneshot.max_abs_logit", 1e-4, "le",
          "chunked prefill (chunks <, =, > window) and token-by-token decode vs one forward, fp32"),
     Gate("reference~transformers.mm_soft_token_max_abs", 1e-4, "le",

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from gguf import GGML_QUANT_SIZES
+
 from reference.config import ModelConfig, cut_layers, expected_tensors
 from reference.errors import InputError
 from reference.weights import DEFAULT_CACHE_BYTES, READ_ELEMENTS, block_bounds, load_model
@@ -56,6 +58,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 #: GGML types the fast engine keeps packed with ``--weights packed`` (plain float types are not packed).
 _UNPACKED = ("F32", "F16", "BF16", "F64")
+_BLOCK_TYPES = {t.name: GGML_QUANT_SIZES[t] for t in GGML_QUANT_SIZES}
+"""GGUF type name -> (elements, bytes) per block (gguf-py's table)."""
 
 ENGINES = ("reference", "fast", "transformers", "llamacpp")
 
@@ -114,6 +118,9 @@ class ModelInfo:
             dtype = W.raw_dtype(name) if hasattr(W, "raw_dtype") else "F32"
             if stored is not None:
                 nbytes = int(stored.nbytes)
+            elif dtype in _BLOCK_TYPES:  # random packed blocks of a shape-only model (fast.shapes.RandomWeights)
+                bs, ts = _BLOCK_TYPES[dtype]
+                nbytes = math.prod(shape) // bs * ts
             else:
                 nbytes = math.prod(shape) * {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(dtype, 4)
             tensors[name] = TensorFacts(shape, dtype, nbytes)

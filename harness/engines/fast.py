@@ -22,6 +22,7 @@ from fast.speculative import (
                               SpecResult,
                               plain_continuations,
 )
+from fast.static_decode import StaticDecoder
 from reference.drafter import bind
 from reference.drafter_weights import load_drafter
 from reference.errors import InputError
@@ -40,12 +41,14 @@ DENSE_TYPES = ("F32", "F16", "BF16")
 def default_weight_mode(W) -> str:
     """The weight mode when ``--weights`` is not given: ``packed`` for a GGUF that holds block-quantized
     matrices (Q8_0, Q4_K ...), ``dequantized`` for anything else (F32/F16/BF16 GGUFs, HF safetensors,
-    a shape-only model's random weights), where there is nothing to keep packed.
+    a shape-only model's float random weights), where there is nothing to keep packed.
 
     Args:
         W: the loader's weights (:class:`reference.weights.Weights`) or :class:`fast.shapes.RandomWeights`.
     """
-    if hasattr(W, "torch_tensor") or not hasattr(W, "stored"):
+    if hasattr(W, "torch_tensor"):  # a shape-only model: packed when drawn as GGUF blocks (--quant)
+        return "packed" if getattr(W, "qtype", None) else "dequantized"
+    if not hasattr(W, "stored"):
         return "dequantized"
     for name in W:
         if len(W.shape(name)) == 2 and W.raw_dtype(name) not in DENSE_TYPES and W.stored(name) is not None:
@@ -77,6 +80,8 @@ class FastEngine:
     """
 
     engine = "fast"
+    static = False  # True: the bench engine fast-graph (from_model(static=True))
+    _decoder = None  # fast-graph: ((batch, max_len), StaticDecoder) kept between repetitions
     max_batch = None
     kv_elem = 4.0
     memory_plan: memory.MemoryPlan | None = None
@@ -89,11 +94,16 @@ class FastEngine:
 
     @classmethod
     def from_model(cls, cfg, W, device: str | None = None, dtype: str = "float32", batched: bool = False,
-                   weights: str | None = None) -> "FastEngine":
+                   weights: str | None = None, static: bool = False) -> "FastEngine":
         """An engine over an already loaded ``(cfg, W)``: a file's (:func:`reference.weights.load_model`)
-        or a shape-only model's random weights (:class:`fast.shapes.RandomWeights`)."""
+        or a shape-only model's random weights (:class:`fast.shapes.RandomWeights`).
+
+        ``static``: the bench engine ``fast-graph``: its ``tg`` runs through
+        :class:`fast.static_decode.StaticDecoder` (one CUDA graph a step on a GPU); it times ``tg`` only."""
         eng = cls.__new__(cls)
         eng._init(cfg, W, device, dtype, batched, weights)
+        if static:
+            eng.engine, eng.tests, eng.static = "fast-graph", ("tg",), True
         return eng
 
     def _init(self, cfg, W, device, dtype, batched, weights) -> None:
@@ -205,8 +215,35 @@ class FastEngine:
         self._sync()
         return cache, slots
 
+    def _static_time(self, n: int, depth: int, batch: int) -> float:
+        """One ``tg`` repetition of ``fast-graph``: the context (``depth`` tokens a row) prefilled untimed, then
+        ``n`` steps, each row's argmax fed back on the device (no host read between steps). The decoder, and on
+        CUDA its captured graph, is kept for the next repetition of the same shape (the warm-up captures it)."""
+        key = (batch, depth + n + 1)
+        if self._decoder is None or self._decoder[0] != key:
+            self._decoder = None  # free the old cache before the new one is made
+            self._plan(depth + n, n, batch)
+            self._decoder = (key, StaticDecoder(self.model, batch, depth + n + 1))
+        dec = self._decoder[1]
+        with torch.no_grad():
+            if depth:
+                logits = dec.prefill([bench_ids(self.cfg.vocab_size, depth, 1)] * batch)
+            else:
+                dec.reset()
+            toks = torch.tensor(bench_ids(self.cfg.vocab_size, batch, 7), device=self.model.device)
+            self._sync()
+            t = time.perf_counter()
+            for _ in range(n):
+                logits = dec.decode(toks)
+                toks = logits.argmax(-1)
+            self._sync()
+            return time.perf_counter() - t
+
     def bench_time(self, test: str, n: int, depth: int, batch: int) -> float:
-        """One ``pp``/``tg`` repetition over the paged KV cache (see :class:`harness.engines.base.Benchable`)."""
+        """One ``pp``/``tg`` repetition over the paged KV cache (see :class:`harness.engines.base.Benchable`);
+        ``fast-graph``'s ``tg`` over the static decoder (:meth:`_static_time`)."""
+        if self.static and test == "tg":
+            return self._static_time(n, depth, batch)
         cache, slots = self._prepare(depth, batch, n)
         with torch.inference_mode():
             if test == "pp":
@@ -225,5 +262,6 @@ class FastEngine:
             return time.perf_counter() - t
 
     def close(self) -> None:
-        """Drop the model."""
+        """Drop the model (and a ``fast-graph`` decoder's cache and graph)."""
         self.model = None
+        self._decoder = None

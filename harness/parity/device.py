@@ -6,7 +6,7 @@ For each GGUF: the reference (float64, CPU) on the prompt set, then the fast
 path on CUDA in float32 (weights dequantized on the device), bfloat16, and with
 quantized matrices kept packed and dequantized on the fly; max |Δlogit|,
 same-top-1 and the llama-perplexity KLD set for each; batched vs solo greedy on
-the device. Needs only numpy, torch, gguf and safetensors (no transformers), so
+the device; the static-shape decoder (one CUDA graph a step) against the paged engine. Needs only numpy, torch, gguf and safetensors (no transformers), so
 it runs on a bare GPU image. Writes one JSON file atomically.
 """
 
@@ -27,7 +27,7 @@ from reference import forward, load_model
 from ..core import kld, metrics
 from ..core.cases import load_prompts
 from ..core.io import write_text_atomic
-from .checks.fast import batched_vs_solo
+from .checks.fast import batched_vs_solo, static_vs_paged
 
 
 def check_file(path: str, prompts, device: str) -> dict:
@@ -56,6 +56,7 @@ def check_file(path: str, prompts, device: str) -> dict:
             bs = batched_vs_solo(fm)
             out["runs"][name]["batched_vs_solo"] = {k2: bs[k2] for k2 in ("same_tokens", "max_abs_logit",
                                                                          "isolation_max_abs")}
+            out["runs"][name]["static_vs_paged"] = static_vs_paged(fm)  # CUDA graphs on a GPU
     return out
 
 

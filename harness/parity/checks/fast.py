@@ -8,6 +8,8 @@
   neighbours' contents -> a request's logits bit-identical).
 * :func:`chunked_vs_oneshot`: prefill in chunks smaller than, equal to and larger
   than the window, and token-by-token decode, against one forward.
+* :func:`static_vs_paged`: the static-shape decoder (:mod:`fast.static_decode`, the CUDA-graph path)
+  against the paged engine, all requests of :func:`batch_scenario` decoding together.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from fast.engine import Engine, Request
 from fast.model import FastModel, SeqStep
 from fast.quants import QuantizedTensor
+from fast.static_decode import StaticDecoder
 from reference import model as ref_model
 from reference.weights import load_model
 
@@ -113,6 +116,33 @@ def batched_vs_solo(fm: FastModel, prefill_chunk: int | None = None, seed: int =
                           "new": r.max_new_tokens} for r in reqs]}
 
 
+def static_vs_paged(fm: FastModel, seed: int = 0) -> dict[str, Any]:
+    """The requests of :func:`batch_scenario` (arrivals ignored) decoded together by
+    :class:`fast.static_decode.StaticDecoder` (one row each; CUDA graphs when ``fm`` is on CUDA) against the
+    paged engine serving them one at a time: same greedy tokens, max |Δlogit| over every step of every request.
+
+    Returns: ``{"same_tokens": 1.0 | 0.0, "max_abs_logit": float, "rows": int, "steps": int, "graphs": bool}``.
+    """
+    cfg = fm.cfg
+    reqs = batch_scenario(cfg.sliding_window or 16, cfg.vocab_size, seed)
+    solo = Engine(fm, max_batch=1, prefill_chunk=10**6, keep_logits=True).run(reqs)
+    steps = max(r.max_new_tokens for r in reqs)
+    dec = StaticDecoder(fm, len(reqs), max(len(r.prompt) for r in reqs) + steps)
+    logits = dec.prefill([r.prompt for r in reqs])
+    toks, rows = [], []
+    for i in range(steps):
+        rows.append(logits.float().cpu().numpy().copy())
+        toks.append(logits.argmax(-1))
+        if i + 1 < steps:
+            logits = dec.decode(toks[-1])
+    got = torch.stack(toks, 1).cpu().tolist()
+    same = all(got[i][:r.max_new_tokens] == solo[r.id].tokens for i, r in enumerate(reqs))
+    diff = max(float(np.max(np.abs(rows[k][i] - solo[r.id].logits[k])))
+               for i, r in enumerate(reqs) for k in range(r.max_new_tokens))
+    return {"same_tokens": 1.0 if same else 0.0, "max_abs_logit": diff, "rows": len(reqs), "steps": steps,
+            "graphs": dec.graphs}
+
+
 def _chunked_traced(fm: FastModel, ids: Sequence[int], chunk: int) -> tuple[np.ndarray, TraceRecorder]:
     """Logits of a prefill in chunks of ``chunk`` and its trace (every chunk's step traced, joined)."""
     cache = fm.new_cache(1, len(ids))
@@ -168,7 +198,7 @@ def fast_checks(cfg, W, prompts: Sequence[dict[str, Any]], info: dict[str, Any],
 
     Figures: ``fast~reference.max_abs_logit`` and ``.layer_cosine`` per prompt;
     ``fast_bf16~reference.mean_kld`` and ``.same_top1`` over all positions; ``fast.batched~solo.*`` and
-    ``fast.neighbour_isolation.max_abs_logit``; ``fast.chunked~oneshot.max_abs_logit`` per variant on the
+    ``fast.neighbour_isolation.max_abs_logit``; ``fast.static~paged.*``; ``fast.chunked~oneshot.max_abs_logit`` per variant on the
     longest prompt. The bf16 KLD set goes to ``info["bf16_kld"]``.
     """
     out = []
@@ -192,6 +222,9 @@ def fast_checks(cfg, W, prompts: Sequence[dict[str, Any]], info: dict[str, Any],
     out.append(fig("fast.batched~solo.max_abs_logit", bs["max_abs_logit"], None,
                    retired_mid_batch=bs["retired_mid_batch"], max_batch=bs["max_batch_seen"]))
     out.append(fig("fast.neighbour_isolation.max_abs_logit", bs["isolation_max_abs"]))
+    sp = static_vs_paged(fm32)
+    out.append(fig("fast.static~paged.same_tokens", sp["same_tokens"], None, rows=sp["rows"], steps=sp["steps"]))
+    out.append(fig("fast.static~paged.max_abs_logit", sp["max_abs_logit"], None, rows=sp["rows"], steps=sp["steps"]))
     longest = max(prompts, key=lambda p: len(p["prompt_ids"]))
     chunk_points: dict[str, list[list[Any]]] = {}
     for variant, v in chunked_vs_oneshot(fm32, longest["prompt_ids"], per_point=chunk_points).items():
