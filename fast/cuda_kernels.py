@@ -13,7 +13,8 @@ fields widened to float32; Q8_0 ``d * q``; Q4_K ``(d * sc) * q - (dmin * m)``, e
 multiply and subtract rounded on its own: the kernels are compiled with
 ``enable_fp_fusion=False`` so the compiler does not contract them into an FMA). ``x``
 (float32, bfloat16 or float16) is widened to float32 (exact), the products are summed in
-float32, and the result is cast once to ``x.dtype``. Block layouts: the GGML block
+float32 into a float32 ``[M, N]`` buffer, and torch casts it once to ``x.dtype`` (round to
+nearest even; an extra ``M * N * 4`` bytes for 16-bit ``x``). Block layouts: the GGML block
 formats (``block_q8_0``: fp16 ``d``, 32 int8 ``qs``, 34 bytes; ``block_q4_K``: fp16
 ``d``, fp16 ``dmin``, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles, 144 bytes
 for 256 weights; the table in :mod:`fast.quants`); the reference for the values is
@@ -192,7 +193,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, row_bytes, stride_xm, stride_ym, Q
         # float32 operands, IEEE products and sums: no TF32 (Triton's default input precision for float32)
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee", out_dtype=tl.float32)
     out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])  # y is float32
 
 
 def _build() -> None:
@@ -292,14 +293,16 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> torc
         return None
     x = x.contiguous()
     m, n = x.shape[0], raw.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # float32 out; the cast to a 16-bit x.dtype is torch's (round to nearest even): the interpreter's own
+    # float32 -> bfloat16 conversion truncates, so an in-kernel cast would differ between it and the GPU
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if n == 0:
-        return y
+        return y.to(x.dtype)
     grid = (_cdiv(m, BLOCK_M) * _cdiv(n, BLOCK_N),)
     _linear_kernel[grid](x, raw, y, m, n, raw.shape[1], x.stride(0), y.stride(0), QTYPE=TYPES[qtype], K=row_len,
                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K[qtype], num_warps=NUM_WARPS,
                          enable_fp_fusion=False)
-    return y
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def _cdiv(a: int, b: int) -> int:
