@@ -113,6 +113,28 @@ def test_a_real_row_length(name):
         assert y.dtype == dtype and bool(((y.double() - exact).abs() <= _bound(xd, w, exact, dtype)).all())
 
 
+@pytest.mark.slow
+def test_rows_of_the_real_gemma3_gguf():
+    """40 rows of the real Gemma 3 270M's Q8_0 token embedding (K = 640) and of a Q4_K attention output (K = 1024),
+    against the float64 product with ``gguf.quants.dequantize``'s values."""
+    import gguf
+
+    from harness.core.realdata import gemma3_270m_gguf
+
+    reader = gguf.GGUFReader(str(gemma3_270m_gguf()))
+    tensors = {t.name: t for t in reader.tensors}
+    for name, tname in (("Q8_0", "token_embd.weight"), ("Q4_K", "blk.0.attn_output.weight")):
+        t = tensors[tname]
+        assert t.tensor_type.name == name
+        raw = np.array(np.asarray(t.data)[:40], copy=True, order="C")  # a writable copy of the mapped rows
+        k = int(t.shape[0])
+        w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, t.tensor_type)))
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+        y = ck.linear(x, torch.from_numpy(raw), name, k)
+        exact = x.double() @ w.double().T
+        assert y.shape == (5, 40) and bool(((y.double() - exact).abs() <= _bound(x, w, exact, torch.float32)).all())
+
+
 @pytest.mark.parametrize("name,k", [("Q8_0", 256), ("Q4_K", 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_are_bit_identical_across_batch_sizes_and_neighbours(name, k, dtype):
