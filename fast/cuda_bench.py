@@ -126,14 +126,15 @@ def table(rows: list[dict]) -> str:
     lines = ["| type | matrix | M | MB | fused GB/s | share of probe | dequant GB/s | fused/dequant | max abs diff |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['type']} | {r['shape']} | {r['M']} | {r['MB']:.1f} | {r['fused']:.1f} | "
-                     f"{r['fused'] / r['probe']:.0%} | {r['dequant']:.1f} | {r['ratio']:.2f}x | "
+        lines.append(f"| {r['type']} | {r['shape']} | {r['M']} | {r['MB']:.4g} | {r['fused']:.4g} | "
+                     f"{r['fused'] / r['probe']:.0%} | {r['dequant']:.4g} | {r['ratio']:.3g}x | "
                      f"{r['max_abs_diff']:.3g} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point: prints the device, the probe and the table. Returns 0."""
+    """CLI entry point: prints the device, the probe and the table. Returns 0, or 2 (after saying why) when the
+    fused kernels are not available (no CUDA device, no triton, ``--device cpu`` without ``TRITON_INTERPRET=1``)."""
     ap = argparse.ArgumentParser(prog="python -m fast.cuda_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cuda (default), or cpu with TRITON_INTERPRET=1 (smoke test only)")
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if a.device == "cuda" and torch.cuda.is_available() else a.device
     print(f"device: {name}; fused kernels: {'available' if ok else 'not available: ' + why}"
           f"{' (' + why + ')' if ok and why else ''}")
+    if not ok:
+        return 2
     shapes = a.shapes.split(",") if a.shapes else list(SMOKE_SHAPES if a.smoke else SHAPES)
     rows = run(a.types.split(","), shapes, [int(m) for m in a.rows.split(",")], a.device, getattr(torch, a.dtype),
                a.pool_gib, smoke=a.smoke)

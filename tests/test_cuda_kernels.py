@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -38,6 +40,7 @@ from fast import cuda_kernels as ck
 from fast.quants import QuantizedTensor, linear
 
 SCALE_OFFSETS = {"Q8_0": (0,), "Q4_K": (0, 2)}  # byte offsets of the fp16 fields in a block (GGML block_* structs)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 U_OUT = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # unit roundoff of the output
 
 
@@ -181,6 +184,69 @@ def test_empty_weight_gives_an_empty_result():
     qt = QuantizedTensor(torch.zeros(0, 34, dtype=torch.uint8), "Q8_0", (0, 32))
     y = ck.linear(torch.randn(3, 32), qt.raw, "Q8_0", 32)
     assert y is not None and y.shape == (3, 0)
+
+
+# The compiled kernels on a real GPU, in a child process without TRITON_INTERPRET (this process's kernels are the
+# interpreter's: Triton fixes the mode when a kernel is defined). Argument: the device; the CPU test below runs the
+# same script through the interpreter, so the script itself is checked on every machine.
+GPU_SCRIPT = """
+import sys
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from fast import cuda_kernels as ck
+from fast.quants import QuantizedTensor, linear
+
+dev = sys.argv[1]
+torch.backends.cuda.matmul.allow_tf32 = True  # must not matter: the kernel's dot is IEEE float32 whatever torch says
+ok, why = ck.status()
+assert ok, why
+n, k = (300, 2560) if dev == "cuda" else (70, 512)  # the interpreter is slow: a smaller matrix
+for name in ("Q8_0", "Q4_K"):
+    bs, ts = GGML_QUANT_SIZES[T[name]]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+    for off in {"Q8_0": (0,), "Q4_K": (0, 2)}[name]:
+        raw[:, :, off:off + 2] = (rng.standard_normal((n, k // bs, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    qt = QuantizedTensor(torch.from_numpy(raw.reshape(n, -1)), name, (n, k)).to(dev)
+    w = qt.dequantize().double()
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(1)).to(dev)
+    for dtype, u_out in ((torch.float32, 0.0), (torch.bfloat16, 2.0 ** -8)):
+        xd = x.to(dtype)
+        full = ck.linear(xd, qt.raw, name, k)
+        exact = xd.double() @ w.T
+        b32 = (k * 2.0 ** -24 / (1 - k * 2.0 ** -24) + k * 2.0 ** -52) * (xd.double().abs() @ w.abs().T)
+        assert bool(((full.double() - exact).abs() <= b32 + u_out * (exact.abs() + b32)).all()), (name, dtype)
+        for m in (1, 3, 8, 17):
+            assert torch.equal(ck.linear(xd[:m], qt.raw, name, k), full[:m]), (name, dtype, m)
+        assert torch.equal(ck.linear(xd[40:41], qt.raw, name, k), full[40:41]), (name, dtype)
+        if dev == "cuda":  # fast.quants.linear takes the fused kernel on CUDA
+            assert torch.equal(linear(xd[:5], qt), full[:5]), (name, dtype)
+print("ok")
+"""
+
+
+def _gpu_script(device: str, interpret: bool) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "G4H_CUDA_KERNEL")}
+    env["PYTHONPATH"] = REPO
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    out = subprocess.run([sys.executable, "-c", GPU_SCRIPT, device], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.slow
+def test_the_gpu_script_passes_in_the_interpreter():
+    assert _gpu_script("cpu", interpret=True) == "ok"
+
+
+@pytest.mark.cuda
+def test_the_compiled_kernels_on_the_gpu():
+    """Rounding bound, batch invariance (M = 1, 3, 8, 17, 64; another row tile) and the routing of
+    :func:`fast.quants.linear`, with the kernels compiled for the GPU (not interpreted), TF32 allowed in torch."""
+    assert _gpu_script("cuda", interpret=False) == "ok"
 
 
 def test_the_bench_smoke_mode_runs_on_the_cpu():
