@@ -55,6 +55,8 @@ On the CPU, :class:`QuantizedTensor`'s row decoding and :func:`linear` for 1 to
 values, bit for bit; for :func:`linear` a fixed float32 summation order) when
 they are built and the type is one they decode; otherwise through the torch
 decoders here.
+On CUDA, :func:`linear` for 1 to 64 rows of a Q8_0 or Q4_K weight goes through
+the fused Triton kernel of :mod:`fast.cuda_kernels` when triton imports.
 
 Memory: :func:`dequantize` allocates its output (``numel * dtype size``) and
 decodes at most ``_CHUNK_ELEMS`` (2**24) elements at a time: float32 results
@@ -85,7 +87,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from reference.errors import ModelFileError
 
-from . import quant_kernels
+from . import cuda_kernels, quant_kernels
 
 __all__ = [
     "SUPPORTED",
@@ -607,7 +609,10 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, chunk_rows: int | None = None) 
         :data:`fast.quant_kernels.MAX_ROWS` float32 rows of a type the packed kernels
         decode go through :func:`fast.quant_kernels.linear` instead (no chunk is
         materialised; one fixed summation order, so each row's result is the same bit
-        for bit whatever the other rows are).
+        for bit whatever the other rows are). On CUDA, 1 to
+        :data:`fast.cuda_kernels.MAX_ROWS` rows of a Q8_0 / Q4_K weight go through the
+        fused Triton kernel :func:`fast.cuda_kernels.linear` (float32 sums of ``x`` times
+        the exact weights, cast to ``x.dtype``; batch-invariant in the same sense).
 
     Memory: never more than one chunk of ``W`` dequantized at a time
     (``chunk_rows * in`` elements in ``x.dtype``, plus the float32 working
@@ -632,6 +637,8 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, chunk_rows: int | None = None) 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n_in)
     y = quant_kernels.linear(x2, qt.raw, qt.qtype.name, n_in)  # None unless CPU, float32, 1..MAX_ROWS rows
+    if y is None and x2.device.type == "cuda":  # the fused Triton kernel: None unless 1..MAX_ROWS rows, Q8_0/Q4_K
+        y = cuda_kernels.linear(x2, qt.raw, qt.qtype.name, n_in)
     if y is not None:
         return y.reshape(*lead, n_out)
     if chunk_rows >= n_out:
