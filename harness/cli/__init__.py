@@ -45,6 +45,8 @@ COMMANDS: dict[str, Command] = {
     "tokcheck": Command("harness.cli.tokcheck", "texts whose token ids differ between two tokenizer engines"),
     "synth": Command("harness.cli.synth", "build synthetic cases (HF safetensors + GGUFs) and print their paths"),
     "device-check": Command("harness.cli.device_check", "the fast path on CUDA against the reference, to JSON"),
+    "device-bench": Command("harness.cli.device_bench",
+                            "issue 16's GPU figures in one run: graphs, fused kernels, roofline (--smoke: on the CPU)"),
     "inspect": Command("harness.cli.inspect", "what a GGUF file or HF folder holds, its problems, and which engines "
                        "can run it"),
 }
