@@ -28,6 +28,7 @@ depends only on shapes, never on values, so neighbour isolation holds.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -48,6 +49,37 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-
 _lib = None
 _state = "unloaded"  # unloaded | ready | unavailable
 _why = ""
+_kernel_threads = 0  # > 0 inside small_step_threads()
+
+
+def threads() -> int:
+    """Threads the CPU kernels (here and :mod:`fast.quant_kernels`) run on: ``torch.get_num_threads()``, or the
+    count saved by :func:`small_step_threads` while torch's own ops run on one thread."""
+    return _kernel_threads or torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def small_step_threads():
+    """For a decode-sized step on the CPU: torch's own ops on one thread, the C kernels on all of torch's threads.
+
+    Why: in a decode step every torch op is small (a few rows), and an OpenMP region on 2 threads costs more than
+    it saves on a busy 2-core machine (the barrier waits for a thread the OS has not scheduled; figures in
+    ``fast/csrc/workpool.h``); the weight reads, where the time goes, stay on every thread through the kernels.
+    Measured on Gemma 3 270M Q4_K_M at 2 threads (the issue-16 note). Results are the same bits either way:
+    torch's CPU reductions do not depend on the thread count at these sizes, and the kernels' order is fixed.
+    Not thread-safe (one model steps at a time in a process)."""
+    global _kernel_threads
+    n = torch.get_num_threads()
+    if n <= 1 or _kernel_threads:
+        yield
+        return
+    _kernel_threads = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _kernel_threads = 0
 
 
 def _cache_dir() -> Path:
@@ -159,5 +191,5 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not w.is_contiguous():
         return None
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
+    fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1], threads())
     return y

@@ -91,6 +91,10 @@ class PagedStore:
             raise ValueError(f"slot {slot}: step starts at {start}, cache holds {self.length[slot]}")
         T, P = k_new.shape[0], self.page_size
         table = self.tables[slot]
+        if self.k is not None and T <= P:
+            view = self._append_then_view(slot, start, k_new, v_new)
+            if view is not None:
+                return view
         if start:
             pages = torch.tensor(table, device=self.v.device)
             v_old = self.v[pages].flatten(0, 1)[:start]
@@ -111,6 +115,28 @@ class PagedStore:
         self.v[page, pos % P] = v_new
         self.length[slot] = start + T
         return k_all, v_all, torch.arange(start + T, device=v_all.device)
+
+
+    def _append_then_view(self, slot: int, start: int, k_new, v_new):
+        """Decode's path: store the new K/V first, then hand back positions ``[0, start + T)`` as views of the pool
+        (no copy) when the slot's pages are consecutive and ascending, as a lone or first sequence's are.
+        None (nothing stored) when they are not. Same values as the gather-and-concatenate path."""
+        T, P = k_new.shape[0], self.page_size
+        table = self.tables[slot]
+        need = math.ceil((start + T) / P)
+        first = table[0] if table else (self.free_pages[-1] if self.free_pages else -1)
+        grown = table + self.free_pages[-1:-1 - (need - len(table)):-1] if need > len(table) else table
+        if first < 0 or len(grown) < need or grown != list(range(first, first + need)):
+            return None
+        while len(table) < need:
+            table.append(self.free_pages.pop())
+        pos = torch.arange(start, start + T, device=self.v.device)
+        self.k[first + pos // P, pos % P] = k_new
+        self.v[first + pos // P, pos % P] = v_new
+        self.length[slot] = start + T
+        end = start + T
+        return (self.k[first:first + need].flatten(0, 1)[:end], self.v[first:first + need].flatten(0, 1)[:end],
+                torch.arange(end, device=self.v.device))
 
 
 class RingStore:
@@ -174,11 +200,33 @@ class RingStore:
             raise ValueError(f"slot {slot}: cannot roll back from {self.length[slot]} to {length} tokens: the ring "
                              f"keeps {self.extra} beyond its window of {self.window}")
 
+    def _append_then_view(self, slot: int, start: int, k_new, v_new):
+        """Decode's path (one new token): store it first (its slot held position ``start - C``, which no query at
+        ``start`` sees), then hand back the held positions in order: a view of the ring until it wraps, after
+        that its two halves joined (one copy). Attention then takes the window as a slice of these, the same keys
+        in the same order as the gathering path gives. [1, Hkv, D] x2 -> ([S,Hkv,D] x2, [S]), S = min(start + 1, C).
+        """
+        C, dev = self.capacity, self.v.device
+        self.k[slot, start % C] = k_new[0]
+        self.v[slot, start % C] = v_new[0]
+        self.length[slot] = start + 1
+        if start + 1 <= C:
+            return self.k[slot, :start + 1], self.v[slot, :start + 1], torch.arange(start + 1, device=dev)
+        s = (start + 1) % C  # the oldest held position's slot
+        k, v = self.k[slot], self.v[slot]
+        if s:
+            k, v = torch.cat([k[s:], k[:s]]), torch.cat([v[s:], v[:s]])
+        return k, v, torch.arange(start + 1 - C, start + 1, device=dev)
+
     def attend_and_append(self, slot: int, start: int, k_new, v_new, derive_k: DeriveK):
-        """Keys of positions ``[max(0, start-W+1), start + T)``; stores the last W + extra. -> ([S,Hkv,D] x2, [S])."""
+        """Keys of positions ``[max(0, start-W+1), start + T)``; stores the last W + extra. -> ([S,Hkv,D] x2, [S]).
+
+        One new token with K stored: :meth:`_append_then_view` (the held slots as views, no copy)."""
         if start != self.length[slot]:
             raise ValueError(f"slot {slot}: step starts at {start}, cache holds {self.length[slot]}")
         W, C, T, dev = self.window, self.capacity, k_new.shape[0], self.v.device
+        if T == 1 and self.k is not None:
+            return self._append_then_view(slot, start, k_new, v_new)
         lo = max(0, start - W + 1)
         pos_old = torch.arange(lo, start, device=dev)
         if start > lo:

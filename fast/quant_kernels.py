@@ -23,7 +23,7 @@ Why not a kernel library: the maintained ones that read GGUF blocks (ggml
 itself, llamafile's tinyBLAS) quantize the activations to 8 bits for their dot
 products, which this project may not do, and none promises a fixed summation
 order across batch sizes; the float path here is one C file and one header.
-Threads: ``torch.get_num_threads()`` of them, from the small pool in
+Threads: ``torch.get_num_threads()`` of them (:func:`fast.cpu_kernels.threads`), from the small pool in
 ``fast/csrc/workpool.h`` rather than OpenMP: the caller never waits for a worker
 the OS has not scheduled yet, which on a busy 2-core machine made OpenMP calls
 several times slower on 2 threads than on 1 (the header gives the figures).
@@ -174,7 +174,7 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> torc
     m, n = x.shape[0], raw.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     _check(lib.g4h_qlinear(lay[0], raw.data_ptr(), lay[1], n, row_len, x.data_ptr(), m, y.data_ptr(),
-                           torch.get_num_threads()), f"{qtype} linear [{m}, {row_len}] x [{n}, {row_len}]")
+                           cpu_kernels.threads()), f"{qtype} linear [{m}, {row_len}] x [{n}, {row_len}]")
     return y
 
 
@@ -194,7 +194,7 @@ def take_rows(raw: torch.Tensor, qtype: str, row_len: int, ids: torch.Tensor) ->
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), row_len, dtype=torch.float32)
     _check(lib.g4h_qtake_rows(lay[0], raw.data_ptr(), lay[1], row_len, ids.data_ptr(), ids.numel(), out.data_ptr(),
-                              torch.get_num_threads()), f"{qtype} take_rows")
+                              cpu_kernels.threads()), f"{qtype} take_rows")
     return out
 
 
@@ -210,5 +210,5 @@ def dequantize_rows(raw: torch.Tensor, qtype: str, row_len: int, start: int, sto
         return None
     out = torch.empty(stop - start, row_len, dtype=torch.float32)
     _check(lib.g4h_qdequant_rows(lay[0], raw.data_ptr(), lay[1], row_len, start, stop, out.data_ptr(),
-                                 torch.get_num_threads()), f"{qtype} dequantize_rows")
+                                 cpu_kernels.threads()), f"{qtype} dequantize_rows")
     return out

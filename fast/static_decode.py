@@ -38,6 +38,7 @@ heads, D = head_dim, V = vocab.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import numpy as np
@@ -46,6 +47,7 @@ import torch
 from reference.config import LayerSpec
 from reference.errors import InputError
 
+from . import cpu_kernels
 from .model import FastModel, linear, rms_norm, rope_angles, rope_full_tables, rope_rotate
 
 
@@ -262,7 +264,8 @@ class StaticDecoder:
             self._check_ids(ids.numpy(), "decode ids")
         if max(self.lengths) >= self.max_len:
             raise InputError(f"static decoder: a row reached max_len {self.max_len}")
-        with torch.no_grad():
+        small = self.model.device.type == "cpu" and self.batch <= cpu_kernels.MAX_ROWS
+        with torch.no_grad(), cpu_kernels.small_step_threads() if small else contextlib.nullcontext():
             self._ids.copy_(ids)
             if not self.graphs:
                 self._out = self._forward(self._ids[:, None], self._pos, slice(None))

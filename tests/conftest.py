@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -10,6 +11,20 @@ import pytest
 
 #: The real llama.cpp servers (llama-server, llama-cpp-python) and the GGUFs they serve, as fixtures.
 pytest_plugins = ("servers",)
+
+
+def _cuda_present() -> bool:
+    import torch  # lazy: only when a collected test needs CUDA
+
+    return torch.cuda.is_available()
+
+
+# Triton's interpreter (tests/test_cuda_kernels.py runs the fused kernels' source on the CPU) must be on before
+# triton is first imported in the process: triton defines its own library functions (tl.max's combine, ...) as
+# interpreted or compiled at import, and torch/transformers import it early. On a machine with a GPU the compiled
+# kernels are what the `cuda` tests check, and the variable stays as the user set it.
+if "TRITON_INTERPRET" not in os.environ and not _cuda_present():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 # --------------------------------------------------------------------------- tiny gemma4 GGUF
 
@@ -180,12 +195,6 @@ def g4(built):
 def pytest_addoption(parser):
     parser.addoption("--bench", action="store_true", default=False,
                      help="run the throughput benchmarks (tests marked 'bench'); they write reports/<ts>-bench/")
-
-
-def _cuda_present() -> bool:
-    import torch  # lazy: only when a collected test needs CUDA
-
-    return torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):

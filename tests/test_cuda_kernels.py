@@ -3,8 +3,10 @@
 ``TRITON_INTERPRET=1`` runs the very kernel source the GPU compiles, with NumPy. Triton reads the variable when a
 kernel is defined (``triton.jit``), not at import nor at launch, and :mod:`fast.cuda_kernels` defines its kernels
 once per process at the first call; so a module-scoped autouse fixture sets it before any test here calls the kernels
-(and restores the environment after the file). Under pytest-xdist (``--dist loadfile``) a file runs in one worker and
-no other test file calls these kernels on the CPU.
+(and restores the environment after the file). Triton's own library functions are defined when triton is first
+imported, which torch and transformers do early in a test process: ``tests/conftest.py`` therefore sets the variable
+at start-up on a machine without CUDA. On a GPU machine run this file in its own process with
+``TRITON_INTERPRET=1``.
 
 What must hold (for Q8_0 and Q4_K, ``x`` float32 and bfloat16, ``M`` = 1, 3, 16, 64, ``N`` not a multiple of the
 tile):

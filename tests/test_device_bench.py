@@ -45,6 +45,13 @@ def test_no_cuda_is_one_line_and_exit_2(tmp_path):
     assert_one_line_error(proc, "--device cuda")
 
 
+@pytest.mark.parametrize("args,name", [(["--steps", "decode,bogus"], "--steps"), (["--shapes", "e4b,99b"], "99b")])
+def test_bad_steps_or_shapes_are_one_line(tmp_path, args, name):
+    proc = run_cli("device-bench", "--smoke", "--device", "cpu", "--out", str(tmp_path), *args)
+    assert_one_line_error(proc, name)
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
 def test_the_full_plan_is_issue_16s():
     """The GPU run measures what issue 16 asks: E4B, 31B and 26B-A4B shapes at batch 1, 8 and 64, all layers."""
     assert set(FULL.shapes) == {"e4b", "31b", "26b-a4b"} and FULL.batches == (1, 8, 64)

@@ -426,3 +426,20 @@ def test_blocked_attention_equals_the_whole_score_matrix(window, image):
     scores = np.where(rm.attention_mask(pos, pos, window, *blocks)[None], scores, -np.inf)
     whole = np.einsum("hts,shd->thd", rm.softmax(scores), v).reshape(T, H * D)
     assert np.max(np.abs(rm.attention(q, k, v, pos, pos, window, 1.0, *blocks) - whole)) <= 1e-12
+
+
+def test_fused_rms_norm_gives_the_written_out_formulas_bits():
+    """fast's rms_norm calls torch's fused F.rms_norm; on the CPU it must give the bits of
+    ``x * rsqrt(mean(x**2) + eps) * w`` written out in float32 (what fast computed before, and the same
+    formula as the reference), with and without a weight, for decode and prefill row counts."""
+    from fast.model import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 640), (3, 256), (16, 2560), (37, 4, 128)]:
+        x = torch.randn(shape, generator=g) * 3
+        w = torch.rand(shape[-1], generator=g) + 0.5
+        for weight in (w, None):
+            ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            if weight is not None:
+                ref = ref * weight
+            assert torch.equal(rms_norm(x, weight, 1e-6), ref), (shape, weight is None)

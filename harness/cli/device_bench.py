@@ -2,8 +2,9 @@
 
 ::
 
-    g4h device-bench [--device cuda] [--out DIR]       # on a GPU machine: about 6 minutes on an H200
+    g4h device-bench [--device cuda] [--out DIR]       # on a GPU machine (an estimate: 5-8 minutes)
     g4h device-bench --smoke --device cpu              # every step at toy sizes, to rehearse on the CPU
+    g4h device-bench --steps decode --shapes 31b       # one step, one shape (a short device lease)
 
 Exit status: 0 when every step ran, 1 when a step failed (its error is in summary.json and report.md), 2 on bad
 input.
@@ -61,7 +62,7 @@ from ..core.io import staged_run_dir, write_text_atomic
 from ..parity.checks.fast import static_vs_paged
 from ._args import check_out_dir
 
-__all__ = ["DevicePlan", "device_bench", "FULL", "SMOKE", "add_arguments", "run"]
+__all__ = ["DevicePlan", "device_bench", "FULL", "SMOKE", "STEPS", "add_arguments", "run"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ class DevicePlan:
 
 FULL = DevicePlan(shapes=("e4b", "31b", "26b-a4b"), layers=None, vocab=None, batches=(1, 8, 64), tg=64, reps=3,
                   warmup=1, packed_batches=(1, 8), check_layers=4, check_vocab=None, kernel_smoke=False)
-"""Issue 16's figures on a GPU: about 6 minutes on an H200 (weights drawn on the device; nothing read from disk)."""
+"""Issue 16's figures on a GPU (weights drawn on the device; nothing read from disk). Not yet timed on one: an
+estimate of 5-8 minutes on an H200, so a lease of one 10-minute call may need ``--steps``/``--shapes`` in two."""
 
 SMOKE = DevicePlan(shapes=("e4b", "31b", "26b-a4b"), layers=1, vocab=512, batches=(1, 2), tg=2, reps=1, warmup=1,
                    packed_batches=(1,), check_layers=2, check_vocab=512, kernel_smoke=True)
@@ -202,14 +204,20 @@ def headline(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+STEPS = ("static~paged", "kernels", "decode", "packed decode")
+"""The steps, in the order they run (``--steps`` picks some)."""
+
+
 def device_bench(out: str | None, device: str = "cuda", plan: DevicePlan = FULL,
-                 progress: Callable[[str], None] = lambda m: None) -> tuple[dict[str, Any], str]:
+                 progress: Callable[[str], None] = lambda m: None,
+                 steps: tuple[str, ...] = STEPS) -> tuple[dict[str, Any], str]:
     """Run every step (module docstring) on ``device``; write ``summary.json`` and ``report.md`` atomically.
 
     Args:
         out: base folder (default ``reports/``).
         device: ``cuda[:N]``, or ``cpu`` for the rehearsal (with :data:`SMOKE`).
-        plan: :data:`FULL` or :data:`SMOKE`.
+        plan: :data:`FULL` or :data:`SMOKE` (``dataclasses.replace`` it to measure fewer shapes).
+        steps: which of :data:`STEPS` to run (a device lease too short for all of them can take two calls).
 
     Returns:
         (the record, the run directory).
@@ -226,13 +234,14 @@ def device_bench(out: str | None, device: str = "cuda", plan: DevicePlan = FULL,
                               else None}
     with staged_run_dir("device-bench", out) as run:
         base = str(run.path)
-        _step(record, "static~paged", lambda: _check(plan, device), progress)
-        _free(device)
-        _step(record, "kernels", lambda: _kernels(device, plan), progress)
-        _free(device)
-        _step(record, "decode", lambda: {s: _bench(base, device, s, plan, ["fast", "fast-graph"], plan.batches)
-                                         for s in plan.shapes}, progress)
-        _step(record, "packed decode", lambda: _packed(base, device, plan), progress)
+        run_step = {"static~paged": lambda: _check(plan, device), "kernels": lambda: _kernels(device, plan),
+                    "decode": lambda: {s: _bench(base, device, s, plan, ["fast", "fast-graph"], plan.batches)
+                                       for s in plan.shapes},
+                    "packed decode": lambda: _packed(base, device, plan)}
+        for name in STEPS:
+            if name in steps:
+                _step(record, name, run_step[name], progress)
+                _free(device)
         record["headline"] = headline(record)
         write_text_atomic(run.path / "summary.json", json.dumps(record, indent=1, sort_keys=True, default=str))
         write_text_atomic(run.path / "report.md", "# g4h device-bench\n\n" + f"device {device} ({record['gpu']}), "
@@ -245,13 +254,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", help="cuda[:N] (cpu with --smoke for a rehearsal)")
     p.add_argument("--smoke", action="store_true", help="every step at toy sizes (1 layer, vocabulary 512, tg 2)")
     p.add_argument("--out", default=None, help="base folder for the run directory (default reports/)")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of: {', '.join(STEPS)} (default all)")
+    p.add_argument("--shapes", default=None, help="comma-separated shapes for the decode step (default e4b,31b,26b-a4b)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the steps; print the headline figures and the report's path; 1 when a step failed."""
     check_out_dir(args.out)
-    record, run_dir = device_bench(args.out, args.device, SMOKE if args.smoke else FULL,
-                                   lambda msg: print(f"[device-bench] {msg}", file=sys.stderr, flush=True))
+    if not args.device.startswith("cuda"):
+        # the CPU rehearsal runs the Triton kernels through the interpreter, which must be on before triton's
+        # first import (transformers imports it); the kernels step sets it again for a caller of device_bench
+        os.environ["TRITON_INTERPRET"] = "1"
+    steps = tuple(x.strip() for x in args.steps.split(",") if x.strip())
+    bad = [x for x in steps if x not in STEPS]
+    if bad or not steps:
+        raise InputError(f"--steps {args.steps!r}: expected some of {', '.join(STEPS)}")
+    plan = SMOKE if args.smoke else FULL
+    if args.shapes:
+        names = tuple(x.strip() for x in args.shapes.split(",") if x.strip())
+        for name in names:
+            shapes.shape_path(name)  # InputError for an unknown shape, before anything runs
+        plan = dataclasses.replace(plan, shapes=names)
+    record, run_dir = device_bench(args.out, args.device, plan,
+                                   lambda msg: print(f"[device-bench] {msg}", file=sys.stderr, flush=True), steps)
     for line in record["headline"]:
         print(line)
     print(f"report: {run_dir}/report.md")
