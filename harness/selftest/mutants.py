@@ -88,25 +88,26 @@ class RouterRMSNormed(FastModel):
 class PleTokenUnscaled(FastModel):
     """``ple_token``: the PLE token part not scaled by sqrt(P)."""
 
-    def ple_token(self, ids):
+    def ple_token(self, ids, check=True):
         N, L, P = ids.shape[0], self.cfg.n_layer, self.cfg.ple_dim
-        return embed_rows(self.w["per_layer_token_embd.weight"], ids).reshape(N, L, P)
+        return embed_rows(self.w["per_layer_token_embd.weight"], ids, check).reshape(N, L, P)
 
 
 class PleNoInvSqrt2(FastModel):
     """``per_layer_inputs``: (context + token) not scaled by 1/sqrt(2) (equivalent: see :data:`EQUIVALENT`)."""
 
-    def per_layer_inputs(self, ids, x):
-        return self.ple_context(x) + self.ple_token(ids)
+    def per_layer_inputs(self, ids, x, check=True):
+        return self.ple_context(x) + self.ple_token(ids, check)
 
 
 class LayerScalarBranch(FastModel):
     """``layer_scale``: the scalar applied to the layer's residual branch only, ``x + s (y - x)``, instead of
     the whole stream ``s y`` (``decoder_layer`` only hands it the layer's input)."""
 
-    def decoder_layer(self, layer: LayerSpec, x, batch: StepBatch, ple, tr=None):
+    def decoder_layer(self, layer: LayerSpec, x, batch: StepBatch, ple, tr=None, attention_block=None):
         self._layer_input = x
-        return super().decoder_layer(layer, x, batch, ple, *(() if tr is None else (tr,)))
+        return super().decoder_layer(layer, x, batch, ple, *(() if tr is None else (tr,)),
+                                     attention_block=attention_block)
 
     def layer_scale(self, layer, y):
         name = f"blk.{layer.index}.layer_output_scale.weight"
@@ -322,9 +323,10 @@ class BidirectionalFullLayers(FastModel):
     """``attend``: full layers get the image blocks too (bidirectional everywhere; ``decoder_layer`` only hands it
     the step's bookkeeping, as :class:`LayerScalarBranch` does)."""
 
-    def decoder_layer(self, layer: LayerSpec, x, batch: StepBatch, ple, tr=None):
+    def decoder_layer(self, layer: LayerSpec, x, batch: StepBatch, ple, tr=None, attention_block=None):
         self._batch = batch
-        return super().decoder_layer(layer, x, batch, ple, *(() if tr is None else (tr,)))
+        return super().decoder_layer(layer, x, batch, ple, *(() if tr is None else (tr,)),
+                                     attention_block=attention_block)
 
     def attend(self, layer, q, k, v, q_pos, k_pos, q_block=None, masks=None):
         blocks = getattr(self, "_batch", None) and self._batch.blocks
