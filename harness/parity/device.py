@@ -56,7 +56,7 @@ def check_file(path: str, prompts, device: str) -> dict:
             bs = batched_vs_solo(fm)
             out["runs"][name]["batched_vs_solo"] = {k2: bs[k2] for k2 in ("same_tokens", "max_abs_logit",
                                                                          "isolation_max_abs")}
-            out["runs"][name]["static_vs_paged"] = static_vs_paged(fm)  # CUDA graphs on a GPU
+            out["runs"][name]["static_vs_paged"] = static_vs_paged(fm, solo=bs["_solo"])  # CUDA graphs on a GPU
     return out
 
 

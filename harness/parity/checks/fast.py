@@ -113,19 +113,24 @@ def batched_vs_solo(fm: FastModel, prefill_chunk: int | None = None, seed: int =
     return {"same_tokens": 1.0 if same else 0.0, "max_abs_logit": diff, "isolation_max_abs": iso,
             "max_batch_seen": max(bat_eng.batch_sizes), "retired_mid_batch": retired_mid,
             "requests": [{"id": r.id, "prompt_len": len(r.prompt), "arrival": r.arrival,
-                          "new": r.max_new_tokens} for r in reqs]}
+                          "new": r.max_new_tokens} for r in reqs],
+            "_solo": solo}  # the solo results, for static_vs_paged (not a figure)
 
 
-def static_vs_paged(fm: FastModel, seed: int = 0) -> dict[str, Any]:
+def static_vs_paged(fm: FastModel, seed: int = 0, solo: dict | None = None) -> dict[str, Any]:
     """The requests of :func:`batch_scenario` (arrivals ignored) decoded together by
     :class:`fast.static_decode.StaticDecoder` (one row each; CUDA graphs when ``fm`` is on CUDA) against the
     paged engine serving them one at a time: same greedy tokens, max |Δlogit| over every step of every request.
+
+    ``solo``: the paged engine's results for the same ``seed`` when already at hand (:func:`batched_vs_solo`'s
+    ``_solo``), else computed here.
 
     Returns: ``{"same_tokens": 1.0 | 0.0, "max_abs_logit": float, "rows": int, "steps": int, "graphs": bool}``.
     """
     cfg = fm.cfg
     reqs = batch_scenario(cfg.sliding_window or 16, cfg.vocab_size, seed)
-    solo = Engine(fm, max_batch=1, prefill_chunk=10**6, keep_logits=True).run(reqs)
+    if solo is None:
+        solo = Engine(fm, max_batch=1, prefill_chunk=10**6, keep_logits=True).run(reqs)
     steps = max(r.max_new_tokens for r in reqs)
     dec = StaticDecoder(fm, len(reqs), max(len(r.prompt) for r in reqs) + steps)
     logits = dec.prefill([r.prompt for r in reqs])
@@ -222,7 +227,7 @@ def fast_checks(cfg, W, prompts: Sequence[dict[str, Any]], info: dict[str, Any],
     out.append(fig("fast.batched~solo.max_abs_logit", bs["max_abs_logit"], None,
                    retired_mid_batch=bs["retired_mid_batch"], max_batch=bs["max_batch_seen"]))
     out.append(fig("fast.neighbour_isolation.max_abs_logit", bs["isolation_max_abs"]))
-    sp = static_vs_paged(fm32)
+    sp = static_vs_paged(fm32, solo=bs["_solo"])
     out.append(fig("fast.static~paged.same_tokens", sp["same_tokens"], None, rows=sp["rows"], steps=sp["steps"]))
     out.append(fig("fast.static~paged.max_abs_logit", sp["max_abs_logit"], None, rows=sp["rows"], steps=sp["steps"]))
     longest = max(prompts, key=lambda p: len(p["prompt_ids"]))
