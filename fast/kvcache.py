@@ -91,7 +91,7 @@ class PagedStore:
             raise ValueError(f"slot {slot}: step starts at {start}, cache holds {self.length[slot]}")
         T, P = k_new.shape[0], self.page_size
         table = self.tables[slot]
-        if self.k is not None and T <= P:
+        if self.k is not None:
             view = self._append_then_view(slot, start, k_new, v_new)
             if view is not None:
                 return view
@@ -118,17 +118,18 @@ class PagedStore:
 
 
     def _append_then_view(self, slot: int, start: int, k_new, v_new):
-        """Decode's path: store the new K/V first, then hand back positions ``[0, start + T)`` as views of the pool
-        (no copy) when the slot's pages are consecutive and ascending, as a lone or first sequence's are.
+        """Store the new K/V first, then hand back positions ``[0, start + T)`` as views of the pool (no gather,
+        no concatenation) when the slot's pages are consecutive and ascending, as a lone or first sequence's are.
         None (nothing stored) when they are not. Same values as the gather-and-concatenate path."""
         T, P = k_new.shape[0], self.page_size
         table = self.tables[slot]
         need = math.ceil((start + T) / P)
-        first = table[0] if table else (self.free_pages[-1] if self.free_pages else -1)
-        grown = table + self.free_pages[-1:-1 - (need - len(table)):-1] if need > len(table) else table
-        if first < 0 or len(grown) < need or grown != list(range(first, first + need)):
+        extra = max(0, need - len(table))
+        pages = table + self.free_pages[::-1][:extra]  # pop() hands out the end of the free list first
+        if len(pages) < need or pages != list(range(pages[0], pages[0] + need)):
             return None
-        while len(table) < need:
+        first = pages[0]
+        for _ in range(extra):
             table.append(self.free_pages.pop())
         pos = torch.arange(start, start + T, device=self.v.device)
         self.k[first + pos // P, pos % P] = k_new

@@ -648,19 +648,8 @@ class FastModel:
         attended (``batch.views``) so that a shared layer reads exactly its donor's K/V without any copy
         into the cache. Source: reference ``attention_block``.
         """
-        w, eps = self.w, self.cfg.rms_eps
-        b = f"blk.{layer.index}."
-        N = x.shape[0]
-        H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
-        cos, sin = self.step_rope(layer, batch)
-        q = linear(x, w[b + "attn_q.weight"]).view(N, H, D)
-        q = rope_rotate(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin, layer.n_rot)
+        q, k, v = self.project_qkv(layer, x, *self.step_rope(layer, batch))
         if layer.has_kv:
-            k_raw = linear(x, w[b + "attn_k.weight"]).view(N, Hkv, D)
-            v = linear(x, w[b + "attn_v.weight"]).view(N, Hkv, D) if layer.has_v_proj else k_raw
-            if self.cfg.has_v_norm:
-                v = rms_norm(v, None, eps)
-            k = rope_rotate(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin, layer.n_rot)
             per_seq = []
             for i, s in enumerate(batch.seqs):
                 rows = batch.rows(i)
@@ -675,7 +664,28 @@ class FastModel:
             masks = batch.masks.setdefault(i, {})
             outs.append(self.attend(*args, masks=masks) if q_block is None else
                         self.attend(*args, q_block, masks=masks))
-        return linear(outs[0] if len(outs) == 1 else torch.cat(outs, 0), w[b + "attn_output.weight"])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        return linear(out, self.w[f"blk.{layer.index}.attn_output.weight"])
+
+    def project_qkv(self, layer: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The new tokens' normed, rotated Q, and on a KV-owning layer their K and V (V normed where the model norms
+        it; ``k_eq_v``: V is the K projection). [N, h], [N, 1, D] x2 -> ([N, H, D], [N, Hkv, D] | None,
+        [N, Hkv, D] | None). Shared by the paged step and :mod:`fast.static_decode`.
+        Source: reference ``attention_block`` (projections, q/k norms, RoPE)."""
+        w, eps = self.w, self.cfg.rms_eps
+        b = f"blk.{layer.index}."
+        N = x.shape[0]
+        H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
+        q = linear(x, w[b + "attn_q.weight"]).view(N, H, D)
+        q = rope_rotate(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin, layer.n_rot)
+        if not layer.has_kv:
+            return q, None, None
+        k_raw = linear(x, w[b + "attn_k.weight"]).view(N, Hkv, D)
+        v = linear(x, w[b + "attn_v.weight"]).view(N, Hkv, D) if layer.has_v_proj else k_raw
+        if self.cfg.has_v_norm:
+            v = rms_norm(v, None, eps)
+        k = rope_rotate(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin, layer.n_rot)
+        return q, k, v
 
     def step_rope(self, layer: LayerSpec, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The full-width rotary factors (:func:`rope_full_tables`) of ``layer`` at the step's positions,

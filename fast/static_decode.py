@@ -48,7 +48,7 @@ from reference.config import LayerSpec
 from reference.errors import InputError
 
 from . import cpu_kernels
-from .model import FastModel, linear, rms_norm, rope_angles, rope_full_tables, rope_rotate
+from .model import FastModel, linear, rms_norm, rope_angles, rope_full_tables
 
 
 class StaticCache:
@@ -168,9 +168,8 @@ class StaticDecoder:
     def _attention_block(self, layer: LayerSpec, x: torch.Tensor, st: _Rows) -> torch.Tensor:
         """Q/K/V, write the new K/V into the static cache, attend over the row's slots. [b*T, h] -> [b*T, h].
 
-        Source: :meth:`fast.model.FastModel.attention_block` (same projections, norms and RoPE)."""
-        m, w, eps = self.model, self.model.w, self.cfg.rms_eps
-        b = f"blk.{layer.index}."
+        Source: :meth:`fast.model.FastModel.attention_block` (the same :meth:`~fast.model.FastModel.project_qkv`)."""
+        m = self.model
         nb, T = st.q_pos.shape
         N = nb * T
         H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
@@ -178,15 +177,8 @@ class StaticDecoder:
         if key not in st.rope:
             c, s = self._rope[key]
             st.rope[key] = (c[st.q_pos.reshape(-1)], s[st.q_pos.reshape(-1)])  # [N, 1, D]
-        cos, sin = st.rope[key]
-        q = linear(x, w[b + "attn_q.weight"]).view(N, H, D)
-        q = rope_rotate(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin, layer.n_rot)
+        q, k, v = m.project_qkv(layer, x, *st.rope[key])
         if layer.has_kv:
-            k_raw = linear(x, w[b + "attn_k.weight"]).view(N, Hkv, D)
-            v = linear(x, w[b + "attn_v.weight"]).view(N, Hkv, D) if layer.has_v_proj else k_raw
-            if self.cfg.has_v_norm:
-                v = rms_norm(v, None, eps)
-            k = rope_rotate(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin, layer.n_rot)
             rows = torch.arange(nb, device=x.device)[:, None]
             kc, vc = self.cache.k[layer.index][st.rows], self.cache.v[layer.index][st.rows]
             kc[rows, st.q_pos] = k.view(nb, T, Hkv, D).to(kc.dtype)
@@ -195,7 +187,7 @@ class StaticDecoder:
         window = self.cfg.sliding_window if layer.is_sliding else None
         out = static_attention(q.view(nb, T, H, D), self.cache.k[donor][st.rows], self.cache.v[donor][st.rows],
                                st.q_pos, window, self.cfg.attn_scale)
-        return linear(out.reshape(N, H * D), w[b + "attn_output.weight"])
+        return linear(out.reshape(N, H * D), m.w[f"blk.{layer.index}.attn_output.weight"])
 
     def _forward(self, ids: torch.Tensor, start: torch.Tensor, rows: slice) -> torch.Tensor:
         """``T`` new tokens of ``b`` cache rows from positions ``start``; float32 logits of each row's last token.

@@ -37,6 +37,7 @@ It lives in the CLI layer because it composes two siblings below it: :mod:`harne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -147,13 +148,9 @@ def _packed(out: str, device: str, plan: DevicePlan) -> dict[str, Any]:
     res = {}
     for qtype in ("Q8_0", "Q4_K"):
         for mode in ("fused", "dequantize-then-multiply"):
-            if mode == "fused":
+            with contextlib.nullcontext() if mode == "fused" else cuda_kernels.disabled():
                 res[f"{qtype} {mode}"] = _bench(out, device, "e4b", plan, ["fast-graph"], plan.packed_batches,
                                                 quant=qtype, dtype="float32")
-            else:
-                with cuda_kernels.disabled():
-                    res[f"{qtype} {mode}"] = _bench(out, device, "e4b", plan, ["fast-graph"], plan.packed_batches,
-                                                    quant=qtype, dtype="float32")
     return res
 
 
@@ -255,7 +252,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--smoke", action="store_true", help="every step at toy sizes (1 layer, vocabulary 512, tg 2)")
     p.add_argument("--out", default=None, help="base folder for the run directory (default reports/)")
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of: {', '.join(STEPS)} (default all)")
-    p.add_argument("--shapes", default=None, help="comma-separated shapes for the decode step (default e4b,31b,26b-a4b)")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated shapes for the decode step (default e4b,31b,26b-a4b)")
 
 
 def run(args: argparse.Namespace) -> int:
