@@ -13,7 +13,7 @@ Test modules import the fixtures they use::
     from servers import llama_server, llama_cpp_python_server, synth_gguf, gemma3_gguf  # noqa: F401
 
 One fixture per (server, model) pair, module scoped, so a module starts each server once. Settings that make runs comparable (see
-docs/server-dialects.md): CPU only (``--n-gpu-layers 0``), 2 threads, F32 KV cache, flash attention off,
+docs/server-dialects.md): CPU only (``--n-gpu-layers 0``), :data:`THREADS` threads, F32 KV cache, flash attention off,
 plain CPU kernels (``--no-repack``), ``--parallel 4`` with one unified KV buffer (``--kv-unified``) so that
 requests really share batches, no warm-up run, the prompt cache on (the server's default).
 llama-cpp-python's server has no switch for the repacked kernels: on quantized files its numbers differ.
@@ -40,9 +40,11 @@ from typing import Iterator, Sequence
 
 import pytest
 
+from harness.engines.llamacpp.worker import default_threads
+
 #: Environment variables a server child keeps (everything else is dropped; see the module docstring).
 KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "SYSTEMROOT")
-THREADS = 2
+THREADS = default_threads()  # $OMP_NUM_THREADS (nox gives each pytest-xdist worker its share) or every CPU
 #: Total context of llama-server; with --kv-unified all 4 slots share it.
 CTX = 4096
 PARALLEL = 4

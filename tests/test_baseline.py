@@ -136,11 +136,12 @@ def test_parity_is_deterministic_and_baseline_round_trips(tmp_path, monkeypatch)
     assert len(short) == 2
     prompts = tmp_path / "short.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in short))
-    d1, s1 = parity.run(case_filter=["e2b"], real=False, out=str(tmp_path / "a"), quiet=True,
-                        write_baseline=str(tmp_path / "base.json"), prompts=prompts)
+    cases = ["e2b", "edge-no-softcap"]  # two at once, then one at a time: the figures may not depend on --jobs
+    d1, s1 = parity.run(case_filter=cases, real=False, out=str(tmp_path / "a"), quiet=True,
+                        write_baseline=str(tmp_path / "base.json"), prompts=prompts, jobs=2)
     assert s1 == 0
-    d2, s2 = parity.run(case_filter=["e2b"], real=False, out=str(tmp_path / "b"), quiet=True,
-                        baseline=str(tmp_path / "base.json"), prompts=prompts)
+    d2, s2 = parity.run(case_filter=cases, real=False, out=str(tmp_path / "b"), quiet=True,
+                        baseline=str(tmp_path / "base.json"), prompts=prompts, jobs=1)
     f1 = json.loads((Path(d1["run_dir"]) / "results.json").read_text())
     f2 = json.loads((Path(d2["run_dir"]) / "results.json").read_text())
     assert f1["created_utc"] and f1["cases"][0]["seconds"] > 0  # the volatile fields exist ...

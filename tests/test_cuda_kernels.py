@@ -125,15 +125,15 @@ def test_rows_of_the_real_gemma3_gguf():
     import gguf
 
     from harness.core.realdata import gemma3_270m_gguf
+    from reference.gguf_check import check_gguf
 
-    reader = gguf.GGUFReader(str(gemma3_270m_gguf()))
-    tensors = {t.name: t for t in reader.tensors}
+    gf = check_gguf(gemma3_270m_gguf())  # the checked parser: tests/test_gguf_check.py holds it equal to GGUFReader
     for name, tname in (("Q8_0", "token_embd.weight"), ("Q4_K", "blk.0.attn_output.weight")):
-        t = tensors[tname]
-        assert t.tensor_type.name == name
-        raw = np.array(np.asarray(t.data)[:40], copy=True, order="C")  # a writable copy of the mapped rows
-        k = int(t.shape[0])
-        w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, t.tensor_type)))
+        t = gf.tensors[tname]
+        assert t.type_name == name
+        raw = np.array(gf.view(tname)[:40], copy=True, order="C")  # a writable copy of the mapped rows
+        k = int(t.dims[0])
+        w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, T(t.ggml_type))))
         x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
         y = ck.linear(x, torch.from_numpy(raw), name, k)
         exact = x.double() @ w.double().T

@@ -132,14 +132,7 @@ def test_tokenizer_bpe_rules_on_a_toy_vocab():
     assert tk.decode([2, 9, 10 + 0xC3, 10 + 0xA9, 1]) == " aé"
 
 
-@pytest.mark.slow
-def test_metadata_reader_matches_gguf_reader(gguf_path):
-    import gguf
-
-    from reference.tokenizer import read_gguf_metadata
-
-    r = gguf.GGUFReader(str(gguf_path))
-    assert read_gguf_metadata(gguf_path) == {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+# read_gguf_metadata against gguf.GGUFReader on this file: tests/test_gguf_check.py (one reader open, both parsers)
 
 
 # --------------------------------------------------------------------------- the model
@@ -172,3 +165,18 @@ def test_matches_transformers_gguf(real_run):
     assert cmp["min_top1_agreement"] == 1.0
     assert DEFAULT_GATES["reference~transformers.max_abs_logit"].check(cmp["max_abs_logit_diff"]), cmp
     assert DEFAULT_GATES["reference~transformers.layer_rel_l2"].check(cmp["max_layer_rel_l2"]), cmp
+
+
+def test_transformers_reads_one_gguf_with_one_reader(tiny_gguf, make_tiny_gguf):
+    """``load_gemma3_gguf`` opens the GGUF once for transformers' two reads (a 262k vocabulary takes 9-12 s to
+    open): inside ``_one_reader`` the same path gives the same reader, another path its own, and gguf's class
+    is itself again after."""
+    import gguf
+
+    from harness.engines.transformers import _one_reader
+
+    original, other = gguf.GGUFReader, make_tiny_gguf("other.gguf", seed=1)
+    with _one_reader(str(tiny_gguf)):
+        a, b, c = gguf.GGUFReader(str(tiny_gguf)), gguf.GGUFReader(tiny_gguf), gguf.GGUFReader(str(other))
+        assert a is b and c is not a and isinstance(a, original) and isinstance(c, original)
+    assert gguf.GGUFReader is original

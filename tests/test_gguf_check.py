@@ -66,11 +66,14 @@ def test_parse_matches_gguf_reader(synth_files):
 @pytest.mark.slow
 def test_parse_matches_gguf_reader_on_real_gemma3():
     from harness.core.realdata import gemma3_270m_gguf
+    from reference.tokenizer import read_gguf_metadata
 
     path = gemma3_270m_gguf()
     r, gf = gguf.GGUFReader(str(path)), check_gguf(path)
     assert gf.metadata == gguf_metadata(r)
     assert all(np.array_equal(gf.view(t.name), t.data) for t in r.tensors)
+    # the tokenizer's own light metadata reader, against the same reader (one 9-12 s GGUFReader open for both)
+    assert read_gguf_metadata(path) == {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
     _, W = load_model(path)
     check_weights(W)
     check_weights(W, MAX_ABS_FP16)  # its largest |w| (a norm weight) is 1657

@@ -367,3 +367,17 @@ def test_killed_parent_leaves_no_llamacpp_worker_and_no_temp_dir(passing, small_
     parent.wait()
     assert wait_until(lambda: all(process_gone(p) for p in seen)), "a worker outlived its parent"
     assert wait_until(lambda: not any(tmp.iterdir())), f"left behind: {sorted(p.name for p in tmp.iterdir())}"
+
+
+def test_worker_threads_follow_omp_num_threads(monkeypatch):
+    """llama.cpp's workers run on ``$OMP_NUM_THREADS`` threads when it is set (a parity or pytest-xdist worker's
+    share of the CPUs), else on every CPU this process may use."""
+    import os
+
+    from harness.engines.llamacpp.worker import default_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() == 3
+    for unset in ("", "x", "0"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert default_threads() == len(os.sched_getaffinity(0))

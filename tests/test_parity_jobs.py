@@ -31,3 +31,22 @@ def test_jobs_give_the_same_results_in_the_same_order(make_tiny_gguf, tmp_path):
     assert _figures(one) == _figures(two)
     assert two["cases"][1]["error"] and all(c["checks"] for i, c in enumerate(two["cases"]) if i != 1)
     assert one["verdict"] == two["verdict"]
+
+
+def test_longest_first_starts_the_longest_and_the_unknown_first():
+    from harness.parity.job import longest_first
+
+    plan = [(None, name, "synthetic", name) for name in ("a", "b", "new", "c")]
+    assert longest_first(plan, {"a": 5.0, "b": 40.0, "c": 12.5}) == [2, 1, 3, 0]
+    assert longest_first(plan, {}) == [0, 1, 2, 3]  # no history: plan order
+
+
+def test_default_jobs_for_the_library_and_for_user_models():
+    import os
+
+    from harness.parity.job import default_jobs
+
+    cpus = len(os.sched_getaffinity(0))
+    assert 1 <= default_jobs(11, builtin=True) <= min(cpus, 11)  # never more workers than CPUs or cases
+    assert default_jobs(1, builtin=True) == 1
+    assert default_jobs(11, builtin=False) == 1  # a user's model may be big: one at a time, on every thread

@@ -155,6 +155,18 @@ def test_bench_times_fast_graph_beside_fast(tmp_path):
     assert all(np.isfinite(v) and v > 0 for v in data["ratios"].values())
 
 
+def test_fast_and_fast_graph_share_one_built_model():
+    """The bench's fast and fast-graph of one dtype hold one built model (one copy of a 31B model on the device,
+    and both read the same bytes); another dtype gets its own."""
+    from harness.bench.models import ModelSource, make_bench_engines
+
+    src = ModelSource(None, "e2b", "cpu", 1, 0, None, 512)
+    fast = make_bench_engines("fast", src, ["float32", "bfloat16"], "cpu", None)
+    graph = make_bench_engines("fast-graph", src, ["float32"], "cpu", None, built=fast)
+    assert graph[0].model is fast[0].model and fast[1].model is not fast[0].model
+    assert graph[0].engine == "fast-graph" and graph[0].memory_plan.breakdown == fast[0].memory_plan.breakdown
+
+
 def test_quant_needs_a_shape(tmp_path):
     with pytest.raises(InputError, match="--quant .* needs --shape"):
         bench(BenchOptions(model=str(MODELS_DIR / "e2b.toml"), quant="Q8_0", engines=["fast"],

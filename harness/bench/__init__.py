@@ -122,7 +122,7 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
     skipped: dict[str, str] = {}
     for name in o.engines:
         try:
-            benches += make_bench_engines(name, src, o.dtypes, o.device, threads, o.weights)
+            benches += make_bench_engines(name, src, o.dtypes, o.device, threads, o.weights, built=benches)
         except (EngineUnavailable, InputError) as e:
             skipped[name] = str(e).splitlines()[0]
             progress(f"{name}: skipped: {skipped[name]}")

@@ -88,11 +88,14 @@ class ModelSource:
 
 
 def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], device: str,
-                       threads: int | None, weights: str | None = None) -> list[Benchable]:
+                       threads: int | None, weights: str | None = None,
+                       built: Sequence[Benchable] = ()) -> list[Benchable]:
     """The engines of ``name`` to time (one per dtype where the engine takes a dtype).
 
     ``weights``: the fast engine's weight mode (``packed``/``dequantized``; None: packed for a quantized GGUF,
-    :func:`harness.engines.fast.default_weight_mode`).
+    :func:`harness.engines.fast.default_weight_mode`). ``built``: engines made already; ``fast`` and
+    ``fast-graph`` of one dtype share one built model (:meth:`harness.engines.fast.FastEngine.from_model`'s
+    ``share``).
 
     Raises:
         EngineUnavailable: not installed, or cannot read this model form (one line).
@@ -100,7 +103,9 @@ def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], devic
     if src.shape and name not in ("fast", "fast-graph"):
         raise EngineUnavailable(f"{name}: a shape-only model has no file; only the fast engine runs it")
     if name in ("fast", "fast-graph"):
-        return [FastEngine.from_model(src.cfg, src.W, device, dt, weights=weights, static=name == "fast-graph")
+        twins = {b.dtype: b for b in built if isinstance(b, FastEngine)}
+        return [FastEngine.from_model(src.cfg, src.W, device, dt, weights=weights, static=name == "fast-graph",
+                                      share=twins.get(dt))
                 for dt in dtypes]
     if name == "transformers":
         if src.hf_dir is None and not (src.gguf is not None and src.cfg.arch == "gemma3"):

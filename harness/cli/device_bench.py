@@ -75,7 +75,9 @@ class DevicePlan:
         layers: keep the first N layers (None: all); vocab: a smaller vocabulary (None: the model's).
         batches: decode batch sizes; tg: tokens generated per repetition; reps, warmup: timed and untimed repetitions.
         packed_batches: batch sizes of the packed-decode step.
-        check_layers, check_vocab: the size of the static~paged check's model.
+        check_layers, check_vocab, check_window: the size of the static~paged check's model (``check_window``: its
+            sliding window, None: the shape's 512; its longest requests span three windows, so the window sets
+            their length).
         kernel_smoke: the kernel step at toy sizes (:func:`fast.cuda_bench.run` ``smoke``).
     """
 
@@ -89,16 +91,18 @@ class DevicePlan:
     packed_batches: tuple[int, ...]
     check_layers: int
     check_vocab: int | None
+    check_window: int | None
     kernel_smoke: bool
 
 
 FULL = DevicePlan(shapes=("e4b", "31b", "26b-a4b"), layers=None, vocab=None, batches=(1, 8, 64), tg=64, reps=3,
-                  warmup=1, packed_batches=(1, 8), check_layers=4, check_vocab=None, kernel_smoke=False)
+                  warmup=1, packed_batches=(1, 8), check_layers=4, check_vocab=None, check_window=None,
+                  kernel_smoke=False)
 """Issue 16's figures on a GPU (weights drawn on the device; nothing read from disk). Not yet timed on one: an
 estimate of 5-8 minutes on an H200, so a lease of one 10-minute call may need ``--steps``/``--shapes`` in two."""
 
 SMOKE = DevicePlan(shapes=("e4b", "31b", "26b-a4b"), layers=1, vocab=512, batches=(1, 2), tg=2, reps=1, warmup=1,
-                   packed_batches=(1,), check_layers=2, check_vocab=512, kernel_smoke=True)
+                   packed_batches=(1,), check_layers=2, check_vocab=512, check_window=32, kernel_smoke=True)
 """Every step at toy sizes: the CPU rehearsal of :data:`FULL` (``--smoke``)."""
 
 
@@ -121,7 +125,8 @@ def _step(record: dict[str, Any], name: str, fn: Callable[[], Any], progress: Ca
 
 
 def _check(plan: DevicePlan, device: str) -> dict[str, Any]:
-    cfg = shapes.load_shape("e4b", layers=plan.check_layers, vocab_size=plan.check_vocab)
+    cfg = shapes.load_shape("e4b", layers=plan.check_layers, vocab_size=plan.check_vocab,
+                            overrides={"sliding_window": plan.check_window} if plan.check_window else None)
     fm = FastModel(cfg, shapes.RandomWeights(cfg, seed=0), device, "float32")
     r = static_vs_paged(fm)
     gates = resolve({}, "device-bench")

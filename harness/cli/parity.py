@@ -55,9 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow", action="store_true",
                    help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="run N cases at once, each in a process of its own with its share of the CPUs (default 1); "
-                        "the results are the same, in the same order")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="run N cases at once. Built-in cases: each in a process of its own on one CPU thread, so "
+                        "the figures are the same whatever N (default: one per CPU, at most one per 6 GB of "
+                        "memory). --model: N > 1 runs each model in a process of its own with its share of the "
+                        "CPUs (default 1: here, on every thread). The results come in the same order")
     p.add_argument("--weights", choices=("packed", "dequantized"), default=None,
                    help="the fast engine's GGUF weights: kept packed (the packed kernels on the CPU) or dequantized "
                         "at load (default: packed for a quantized GGUF; built-in cases also check fast packed on "

@@ -94,19 +94,22 @@ class FastEngine:
 
     @classmethod
     def from_model(cls, cfg, W, device: str | None = None, dtype: str = "float32", batched: bool = False,
-                   weights: str | None = None, static: bool = False) -> "FastEngine":
+                   weights: str | None = None, static: bool = False, share: "FastEngine | None" = None) -> "FastEngine":
         """An engine over an already loaded ``(cfg, W)``: a file's (:func:`reference.weights.load_model`)
         or a shape-only model's random weights (:class:`fast.shapes.RandomWeights`).
 
         ``static``: the bench engine ``fast-graph``: its ``tg`` runs through
-        :class:`fast.static_decode.StaticDecoder` (one CUDA graph a step on a GPU); it times ``tg`` only."""
+        :class:`fast.static_decode.StaticDecoder` (one CUDA graph a step on a GPU); it times ``tg`` only.
+        ``share``: an engine over the same ``(cfg, W)`` whose built weights this one uses too (the bench's ``fast``
+        beside ``fast-graph``: one copy of a 31B model on the device, not two, and both read the same bytes);
+        its device, dtype and weight mode must be this engine's."""
         eng = cls.__new__(cls)
-        eng._init(cfg, W, device, dtype, batched, weights)
+        eng._init(cfg, W, device, dtype, batched, weights, share)
         if static:
             eng.engine, eng.tests, eng.static = "fast-graph", ("tg",), True
         return eng
 
-    def _init(self, cfg, W, device, dtype, batched, weights) -> None:
+    def _init(self, cfg, W, device, dtype, batched, weights, share: "FastEngine | None" = None) -> None:
         if weights is None:
             weights = default_weight_mode(W)
         if weights not in WEIGHT_MODES:
@@ -116,8 +119,14 @@ class FastEngine:
         self._info = memory.ModelInfo.from_loaded(getattr(W, "source", cfg.source), cfg, W)
         self._device_name = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._held = 0
+        if share is not None:
+            if (share.dtype, share.weights, share._device_name) != (dtype, weights, self._device_name):
+                raise ValueError(f"share: an engine of {share.dtype}/{share.weights}/{share._device_name}, expected "
+                                 f"{dtype}/{weights}/{self._device_name}")
+            self._held = share._held
         self._plan(1, 0, 1, dtype, weights)
-        self.model = FastModel(cfg, W, device, dtype, keep_quantized=weights == "packed")
+        self.model = share.model if share is not None else FastModel(cfg, W, device, dtype,
+                                                                     keep_quantized=weights == "packed")
         self._held = self.memory_plan.breakdown["weights"]  # built now: later plans do not count them again
         self.cfg = cfg
         self.batched = batched

@@ -8,17 +8,20 @@ the benchmark use.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
+import gguf
 import numpy as np
 import torch
 import transformers
 from transformers import AutoConfig, Gemma3ForCausalLM, Gemma4Config, Gemma4ForCausalLM, Gemma4TextConfig
+from transformers.initialization import no_init_weights
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from reference.errors import InputError, ModelFileError, PromptError
@@ -33,6 +36,11 @@ from .base import DTYPE_BYTES, TOP_N, EngineUnavailable, Generated, TraceFn, ben
 def load_gemma3_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     """``Gemma3ForCausalLM`` (fp32, eager) from a GGUF through transformers' own GGUF loader.
 
+    transformers reads the file twice (the config, then the tensors for the built module); both reads get one
+    ``gguf.GGUFReader`` of the file (:func:`_one_reader`: opening a 262k-token vocabulary takes 9-12 s), and the
+    module is built without its random initialisation (``transformers.initialization.no_init_weights``), since
+    every weight is loaded from the file after (a weight the file lacks is an error here, not a random value).
+
     Returns:
         ``(model, info)`` where info has timings and what the loader did.
 
@@ -42,12 +50,14 @@ def load_gemma3_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = str(path)
     t0 = time.perf_counter()
-    cfg_dict = dict(load_gguf_checkpoint(path, return_tensors=False)["config"])
-    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    config._attn_implementation = "eager"
-    t1 = time.perf_counter()
-    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
-    state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    with _one_reader(path):
+        cfg_dict = dict(load_gguf_checkpoint(path, return_tensors=False)["config"])
+        config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+        config._attn_implementation = "eager"
+        t1 = time.perf_counter()
+        with no_init_weights():
+            model = Gemma3ForCausalLM(config).to(torch.float32).eval()
+        state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(state, strict=False)
     model.tie_weights()
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
@@ -65,6 +75,28 @@ def load_gemma3_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
         "query_pre_attn_scalar": config.query_pre_attn_scalar,
     }
     return model, info
+
+
+@contextlib.contextmanager
+def _one_reader(path: str) -> Iterator[None]:
+    """While inside, ``gguf.GGUFReader(path)`` returns one reader of ``path``, opened on first use (transformers'
+    ``load_gguf_checkpoint`` imports the class from ``gguf`` on each call); any other path opens as usual. The
+    reader only reads (a read-only memory map), so sharing it changes nothing that is read."""
+    original = gguf.GGUFReader
+    opened: dict[str, Any] = {}
+
+    def reader(p, *args, **kwargs):
+        if str(p) != path or args or kwargs:
+            return original(p, *args, **kwargs)
+        if path not in opened:
+            opened[path] = original(path)
+        return opened[path]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def _load_gemma4_layers(path: Path, text_config: Gemma4TextConfig, layers: int):

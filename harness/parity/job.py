@@ -19,6 +19,7 @@ could not be read, an engine that broke the subprocess protocol); the other case
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -33,7 +34,8 @@ import torch
 from reference.errors import InputError
 
 from ..core.cases import PROMPTS, builtin_specs, load_prompts
-from ..core.io import staged_run_dir
+from ..core.io import staged_run_dir, write_json_atomic
+from ..core.paths import cache_root
 from ..engines import check_engine_name
 from ..synth.mm_case import builtin_mm_specs
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
@@ -96,28 +98,81 @@ class Progress:
             print(f"g4h parity: {msg}", file=sys.stderr, flush=True)
 
 
-def run_cases(plan: Plan, plan_args: dict[str, Any], jobs: int = 1) -> list[CaseResult]:
+#: CPU threads of each built-in case: one, whatever ``--jobs`` and the machine, so that a case's figures do not
+#: depend on either (an fp32 product's rounding depends on how torch splits it over threads: measured, the
+#: transformers and fast figures of a 2-thread run differ from a 1-thread run's in their last digits). One
+#: thread also wastes least on these small models: on 2 cores, the whole library one case at a time on 2 threads
+#: took 200 s (314 CPU-seconds), two cases at a time on one thread each 139 s (233 CPU-seconds).
+CASE_THREADS = 1
+
+#: Memory a built-in case may take at its peak (the real Gemma 3 270M case: about 5.2 GB), for :func:`default_jobs`.
+CASE_PEAK_BYTES = 6 * 10**9
+
+
+def default_jobs(n_cases: int, builtin: bool) -> int:
+    """``--jobs`` when not given: for the built-in library, one case per CPU this process may use, at most one per
+    :data:`CASE_PEAK_BYTES` of memory and one per case; for the user's models (which may be big, and use every
+    thread), 1."""
+    if not builtin:
+        return 1
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else CASE_PEAK_BYTES
+    return max(1, min(len(os.sched_getaffinity(0)), n_cases, mem // CASE_PEAK_BYTES))
+
+
+def run_cases(plan: Plan, plan_args: dict[str, Any], jobs: int = 1, threads: int | None = None,
+              order: list[int] | None = None) -> list[CaseResult]:
     """Run every planned case (:func:`harness.parity.result.guard`), ``jobs`` at a time; results in plan order.
 
-    With ``jobs`` > 1 each case runs in a worker process (spawned: a fresh interpreter, no forked torch or BLAS
-    threads) that plans the same cases from ``plan_args`` (:func:`plan_cases`' keywords) and runs its one; the
-    CPU threads are shared out (:func:`_threads_per_job`). A worker that dies (killed for memory, say) breaks the
-    pool: the cases it had not finished run again here, one at a time, so every case still gets its result or its
-    one-line error.
+    With ``threads`` None and ``jobs`` 1, the cases run here, one after another, on every thread. Otherwise each
+    case runs in a worker process (spawned: a fresh interpreter, no forked torch or BLAS threads) that plans the
+    same cases from ``plan_args`` (:func:`plan_cases`' keywords) and runs its one, on ``threads`` CPU threads
+    (None: the CPUs shared out, :func:`_threads_per_job`). ``order``: plan indices in the order the cases are
+    started (default: plan order); the results keep plan order. A worker that dies (killed for memory, say)
+    breaks the pool: the cases it had not finished run again here, one at a time, so every case still gets its
+    result or its one-line error.
     """
-    if jobs <= 1 or len(plan) <= 1:
+    if threads is None and (jobs <= 1 or len(plan) <= 1):
         return [guard(*case) for case in plan]
-    threads = _threads_per_job(jobs)
+    threads = threads or _threads_per_job(jobs)
     results: list[CaseResult | None] = [None] * len(plan)
     with _thread_env(threads), ProcessPoolExecutor(min(jobs, len(plan)), mp_context=get_context("spawn"),
                                                    initializer=_init_worker, initargs=(threads,)) as pool:
-        futures = [pool.submit(_run_planned, plan_args, i) for i in range(len(plan))]
-        for i, f in enumerate(futures):
+        futures = {i: pool.submit(_run_planned, plan_args, i) for i in (order or range(len(plan)))}
+        for i, f in futures.items():
             try:
                 results[i] = f.result()
             except BrokenProcessPool:
                 results[i] = None
     return [r if r is not None else guard(*plan[i]) for i, r in enumerate(results)]
+
+
+def longest_first(plan: Plan, seconds: dict[str, float]) -> list[int]:
+    """Plan indices, the cases that took longest in ``seconds`` (case name -> seconds of an earlier run) first,
+    cases it does not hold before them all (in plan order): with the longest started first, ``--jobs`` workers
+    finish together. Only the order cases start in changes, never what they compute."""
+    return sorted(range(len(plan)), key=lambda i: (plan[i][1] in seconds, -seconds.get(plan[i][1], 0.0)))
+
+
+def _seconds_file() -> Path:
+    """Where each built-in case's seconds of the last run on this machine are kept (for :func:`longest_first`)."""
+    return cache_root() / "parity-case-seconds.json"
+
+
+def _read_seconds() -> dict[str, float]:
+    """The kept seconds per case; an unreadable or missing file is no history (only the start order depends on
+    it)."""
+    try:
+        data = json.loads(_seconds_file().read_text())
+        return {str(k): float(v) for k, v in data.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _keep_seconds(results: list[CaseResult]) -> None:
+    """Add this run's seconds per case to the kept ones (atomically; a failure to write only loses the hint)."""
+    kept = {**_read_seconds(), **{r.case: round(float(r.seconds), 2) for r in results if r.seconds}}
+    with contextlib.suppress(OSError):
+        write_json_atomic(_seconds_file(), kept)
 
 
 def _threads_per_job(jobs: int) -> int:
@@ -240,7 +295,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
         server: ServerOptions | None = None, weights: str | None = None,
-        oracle: str = "reference", jobs: int = 1) -> tuple[dict[str, Any], int]:
+        oracle: str = "reference", jobs: int | None = None) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -271,8 +326,11 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             quantized GGUF (:func:`harness.parity.checks.fast.fast_packed_checks`) unless ``dequantized``.
         oracle: with ``models``, the oracle side of every pair: ``reference`` (float64) or ``fast`` (fp32, much
             faster on a big model; pairs ``fast~<kind>``, :data:`harness.parity.checks.pair.ORACLES`).
-        jobs: cases run at once, each in a process of its own (:func:`run_cases`); the results are the same as
-            one at a time, in the same order.
+        jobs: cases run at once (None: :func:`default_jobs`). The built-in cases each run in a process of their
+            own on :data:`CASE_THREADS` threads, the longest of the last run first (:func:`longest_first`), so
+            their figures are the same whatever ``jobs``; the user's models run here on every thread with ``jobs``
+            1, else each in a process of its own with its share of the CPUs (:func:`run_cases`). The results
+            come in plan order.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -282,7 +340,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             ``models``, or ``against`` names ``reference`` with the fast oracle (checked before anything runs).
     """
     progress = Progress(quiet)
-    if int(jobs) < 1:
+    if jobs is not None and int(jobs) < 1:
         raise InputError(f"--jobs {jobs}: expected >= 1")
     skip = tuple(skip)
     check_skip(skip)
@@ -308,7 +366,13 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
                      weights=weights, oracle=oracle)
     plan = plan_cases(**plan_args)  # bad input (an unknown --case) stops here, before any work
     t0 = time.perf_counter()
-    results = run_cases(plan, plan_args, int(jobs))
+    builtin = not models
+    jobs = default_jobs(len(plan), builtin) if jobs is None else int(jobs)
+    if builtin:
+        results = run_cases(plan, plan_args, jobs, threads=CASE_THREADS, order=longest_first(plan, _read_seconds()))
+        _keep_seconds(results)
+    else:
+        results = run_cases(plan, plan_args, jobs)
     status = exit_status(results)
     data = {"version": RESULTS_VERSION, "kind": "parity",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -80,7 +80,7 @@ class LlamaCppEngine:
     Args:
         path: a ``.gguf`` file.
         n_ctx: context length per sequence (a longer prompt is a :class:`PromptError`).
-        threads: CPU threads for llama.cpp (default: all cores).
+        threads: CPU threads for llama.cpp (default: :func:`.worker.default_threads`, `$OMP_NUM_THREADS` or every CPU).
         n_ubatch: physical batch size; default one ubatch for the whole prompt. A smaller value splits
             the prompt into several ``llama_decode`` ubatches (chunked prefill through the ring buffer).
         swa_full: give sliding-window layers a full-size cache (default False: the real ring buffer).

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .worker import DecodeError, LoadError, _Log, finish
+from .worker import DecodeError, LoadError, _Log, default_threads, finish
 
 EXT_SYMBOLS = {
     "llama_set_embeddings_nextn": "_Z26llama_set_embeddings_nextnP13llama_contextbb",
@@ -99,7 +98,7 @@ class Drafting:
         cp = L.llama_context_default_params()
         cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
         cp.n_seq_max = 1
-        cp.n_threads = cp.n_threads_batch = int(self.req.get("threads") or os.cpu_count() or 1)
+        cp.n_threads = cp.n_threads_batch = int(self.req.get("threads") or default_threads())
         cp.type_k = cp.type_v = L.GGML_TYPE_F32
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cp.swa_full = False

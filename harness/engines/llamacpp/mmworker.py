@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .worker import GGMLTensor, tensor_to_numpy
+from .worker import GGMLTensor, default_threads, tensor_to_numpy
 
 RESULT_VERSION = 1
 
@@ -94,7 +94,7 @@ class MtmdRunner:
         cp = mtmd_cpp.mtmd_context_params_default()
         cp.use_gpu = False
         cp.print_timings = False
-        cp.n_threads = int(req.get("threads") or os.cpu_count() or 1)
+        cp.n_threads = int(req.get("threads") or default_threads())
         cp.warmup = False
         cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # flash attention holds K/V in F16
         cp.image_min_tokens = int(req.get("image_min_tokens", 0))

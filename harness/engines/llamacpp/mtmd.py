@@ -49,7 +49,7 @@ def mtmd_soft_tokens(model: str | os.PathLike, mmproj: str | os.PathLike, items:
         model: the text GGUF (mtmd needs its model for the projector width).
         mmproj: the mmproj GGUF.
         items: ``("image", uint8 [H, W, 3])`` or ``("audio", float [N] at 16 kHz)``.
-        threads: CPU threads (default: all).
+        threads: CPU threads (default: :func:`.worker.default_threads`, `$OMP_NUM_THREADS` or every CPU).
         image_min_tokens, image_max_tokens: llama.cpp's image token budget (``mtmd_context_params``).
         timeout: seconds the worker may run.
 

@@ -76,6 +76,17 @@ GGML_MAX_OP_PARAMS = 64
 GGML_MAX_NAME = 64
 
 
+def default_threads() -> int:
+    """CPU threads when a request names none: ``$OMP_NUM_THREADS`` when it is a positive integer (the share of
+    the CPUs a parity worker or a pytest-xdist worker was given: the thread pools of torch and OpenBLAS take the
+    same), else the CPUs this process may use. More threads than CPUs would make llama.cpp's spinning threads
+    wait on each other."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 class GGMLTensor(ctypes.Structure):
     """``struct ggml_tensor`` (ggml.h of the llama.cpp that llama-cpp-python 0.3.36 bundles)."""
 
@@ -198,7 +209,7 @@ class Runner:
         cp.n_batch = int(req.get("n_batch") or n_ctx)
         cp.n_ubatch = int(req.get("n_ubatch") or cp.n_batch)
         cp.n_seq_max = n_seq
-        threads = int(req.get("threads") or os.cpu_count() or 1)
+        threads = int(req.get("threads") or default_threads())
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.type_k = L.GGML_TYPE_F32
