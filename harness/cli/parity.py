@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="run N cases at once. Built-in cases: each in a process of its own on one CPU thread, so "
-                        "the figures are the same whatever N (default: one per CPU, at most one per 6 GB of "
+                        "the figures are the same whatever N (default: one per CPU, at most one per 7 GB of "
                         "memory). --model: N > 1 runs each model in a process of its own with its share of the "
                         "CPUs (default 1: here, on every thread). The results come in the same order")
     p.add_argument("--weights", choices=("packed", "dequantized"), default=None,
