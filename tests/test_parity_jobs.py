@@ -50,3 +50,11 @@ def test_default_jobs_for_the_library_and_for_user_models():
     assert 1 <= default_jobs(11, builtin=True) <= min(cpus, 11)  # never more workers than CPUs or cases
     assert default_jobs(1, builtin=True) == 1
     assert default_jobs(11, builtin=False) == 1  # a user's model may be big: one at a time, on every thread
+
+
+def test_an_empty_plan_runs_nothing():
+    """Filters that leave no case (``--case mm-varied --skip multimodal --no-real``) give no results, not a pool of
+    zero workers."""
+    from harness.parity.job import run_cases
+
+    assert run_cases([], {}, 1, threads=1) == [] and run_cases([], {}, 2) == []

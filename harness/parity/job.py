@@ -132,7 +132,7 @@ def run_cases(plan: Plan, plan_args: dict[str, Any], jobs: int = 1, threads: int
     breaks the pool: the cases it had not finished run again here, one at a time, so every case still gets its
     result or its one-line error.
     """
-    if threads is None and (jobs <= 1 or len(plan) <= 1):
+    if not plan or (threads is None and (jobs <= 1 or len(plan) <= 1)):
         return [guard(*case) for case in plan]
     threads = threads or _threads_per_job(jobs)
     results: list[CaseResult | None] = [None] * len(plan)
