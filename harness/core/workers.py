@@ -38,11 +38,29 @@ from typing import Any, BinaryIO, Iterator, Sequence
 from .paths import REPO_ROOT
 
 
-class EngineCrashed(RuntimeError):
+class EngineFailure(RuntimeError):
+    """The engine under test is wrong: it crashed, broke its protocol, or returned unusable output.
+
+    The opposite of :class:`reference.errors.InputError` (the user's input cannot be used, exit 2): an engine
+    failure is the engine's fault, exit 1, headed "ENGINE FAILED". ``str(err)`` is one line.
+    """
+
+
+class EngineCrashed(EngineFailure):
     """The engine's process died (abort, signal, non-zero exit) or could not load the model.
 
     ``str(err)`` is one line, ``engine crashed: <what the engine last said>``.
     """
+
+
+class EngineProtocolError(EngineFailure):
+    """The engine answered, but not as its protocol says (a malformed reply, a token it cannot name, a missing
+    field, an HTTP error on a request it should serve). ``str(err)`` is one line naming the request."""
+
+
+class EngineOutputError(EngineFailure):
+    """The engine returned non-finite numbers (NaN or Inf logits, or a non-finite activation at a trace point).
+    ``str(err)`` is one line naming the first layer and point where they appeared."""
 
 
 _SRC_PATH = re.compile(r"(?:[A-Za-z]:)?[^\s:()]*[/\\]([^/\\\s:()]+\.(?:c|cc|cpp|h|hpp|cu)):")
