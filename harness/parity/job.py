@@ -408,8 +408,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             check_engine_name(name)
         except InputError as e:
             raise InputError(f"--against: {e}") from None
-    # the gates judge a server's token that is not its own top-1 (a fault naming the request and step), so the
-    # engine does not raise on one
+    # the pair judges a server's token that is not its own top-1 (an engine failure naming the request and the
+    # step, after the greedy figures are measured), so the engine does not raise on one
     engine_options = {**(engine_options or {}), "check_greedy": False}
     server = ServerOptions(**{**(server or ServerOptions()).__dict__, "skip": skip})
     server.check()
@@ -424,7 +424,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         quick_note = f"quick: {len(prompt_set)} of {n_all} prompts" + (
             f", greedy streams of {server.max_new_tokens} tokens" if models else "")
         if not models:
-            left = [c for c in QUICK_LEAVES_OUT if c not in skip and not (c == "multimodal" and case_filter)]
+            would_run = {"gemma3-real": real, "tokenizer": real, "multimodal": not case_filter}
+            left = [c for c in QUICK_LEAVES_OUT if c not in skip and would_run.get(c, True)]
             skip = skip + tuple(left)
             quick_note += f", without {', '.join(left)}" if left else ""
     base = load_baseline(baseline) if baseline else None
