@@ -298,3 +298,29 @@ def test_text_prompts_without_ids_against_a_failing_server(llama_server, synth_g
     runs = next(c for c in data["cases"][0]["checks"] if c["gate"] == "reference~openai.runs")
     assert runs["request"] == 1
     assert_engine_failure(rc, printed, report, synth_gguf.name, "reference~openai", "1", runs["step"])
+
+
+@pytest.mark.parametrize("line, why", [
+    ('{"id": null, "text": "a"}', '"id": expected a non-empty string or an integer, got null'),
+    ('{"id": 1.5, "prompt_ids": [2]}', '"id": expected a non-empty string or an integer, got 1.5'),
+    ('{"id": ["a"], "prompt_ids": [2]}', '"id": expected a non-empty string or an integer, got ["a"]'),
+    ('{"id": true, "prompt_ids": [2]}', '"id": expected a non-empty string or an integer, got true'),
+])
+def test_a_prompt_id_of_another_type_is_bad_input(tmp_path, line, why):
+    """Ids name requests in reports and key results: a string or an integer, one line naming the file and line
+    otherwise (an unhashable id used to crash the reader); ``1`` and ``"1"`` are one id."""
+    from harness.core.cases import load_prompts
+    from harness.parity.checks.server import load_user_prompts
+    from reference.errors import PromptError
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt_ids": [2, 5]}\n' + line + "\n")
+    for reader in (load_user_prompts, load_prompts):
+        if reader is load_prompts and '"text"' in line:
+            continue
+        with pytest.raises(PromptError) as ei:
+            reader(f)
+        assert str(ei.value) == f"{f}:2: {why}"
+    f.write_text('{"prompt_ids": [2, 5]}\n{"id": "1", "prompt_ids": [2, 6]}\n')  # line 1's id is 1
+    with pytest.raises(PromptError, match=r":2: duplicate id '1'"):
+        load_user_prompts(f)
