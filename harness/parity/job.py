@@ -12,8 +12,10 @@
 5. the report (:mod:`.report`), written into a run directory that appears whole or not at all
    (:func:`harness.core.io.staged_run_dir`); the baseline file when asked.
 
-Exit status: 0 all gates pass, 1 a gate failed or a gating check could not run, 2 bad input (a model that
-could not be read, an engine that broke the subprocess protocol); the other cases and pairs still run.
+Exit status: 0 all gates pass; 1 a gate failed, a gating check could not run, or an engine failed (crashed,
+broke its protocol, answered a request wrongly: the verdict is headed "ENGINE FAILED" and names the request and
+the step); 2 bad input (a model that could not be read, a server that is down, an engine command that cannot be
+started); the other cases and pairs still run.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from ..synth.mm_case import builtin_mm_specs
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
-from .cases import gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
+from .cases import case_names, gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
 from .checks.pair import ORACLES
 from .checks.server import SERVER_CHECKS, ServerOptions, load_user_prompts
 from .report import write_parity_report
@@ -50,6 +52,30 @@ from .result import RESULTS_VERSION, CaseResult, guard
 __all__ = ["RESULTS_VERSION", "run"]
 
 Plan = list[tuple[Callable[[], CaseResult], str, str, str]]
+
+
+QUICK_PROMPTS = 3
+"""``--quick``: this many prompts, the shortest of the prompt set."""
+
+QUICK_NEW_TOKENS = 4
+"""``--quick``: tokens of each greedy stream (unless ``--max-new-tokens`` says otherwise)."""
+
+QUICK_SERVER_REQUESTS = 4
+"""``--quick``: requests (and at most as many in flight) of a server's batch-invariance check (unless
+``--batch-requests`` / ``--concurrency`` say otherwise)."""
+
+QUICK_LEAVES_OUT = ("gemma3-real", "tokenizer", "multimodal")
+"""``--quick`` on the built-in library: the cases that do not read the prompt set are left out (named in the
+verdict); ``--case`` may still name a multimodal case."""
+
+
+def quick_prompts(prompts: list[dict[str, Any]], n: int = QUICK_PROMPTS) -> list[dict[str, Any]]:
+    """The ``n`` shortest prompts (ids, or characters for a text prompt), in file order; ties keep file order."""
+    def size(p: dict[str, Any]) -> int:
+        return len(p["prompt_ids"]) if "prompt_ids" in p else len(str(p.get("text", "")))
+
+    keep = sorted(range(len(prompts)), key=lambda i: (size(prompts[i]), i))[:n]
+    return [prompts[i] for i in sorted(keep)]
 
 
 SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative", "multimodal", *SERVER_CHECKS)
@@ -220,9 +246,9 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
         InputError: a ``case_filter`` name that is not a built-in case.
     """
     if models:
-        return [(lambda m=m: user_case(m, against, prompts, progress, skip, engine_options, server, oracle),
-                 Path(m).name, "user", m)
-                for m in models]
+        return [(lambda m=m, n=n: user_case(m, against, prompts, progress, skip, engine_options, server, oracle, n),
+                 n, "user", m)
+                for m, n in zip(models, case_names(models))]
     names = [s.stem for s in builtin_specs()]
     mm_names = [s.stem for s in builtin_mm_specs()]
     bad = [c for c in case_filter or () if c not in names + mm_names]
@@ -250,41 +276,66 @@ def opted_out_by_user(check: dict[str, Any], opted_out: tuple[str, ...]) -> bool
                for name in opted_out)
 
 
-def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] = ()) -> str:
-    """The run's one-line verdict: PASS / FAIL (which gates, and which checks could not run) / BAD INPUT."""
+def engine_failures(results: list[CaseResult]) -> list[str]:
+    """One line per engine failure: ``case/pair at request R step S: <the engine's line>`` for a pair whose engine
+    failed (a ``.runs`` check marked ``engine_failure``), ``case: <line>`` for a case that stopped in an engine."""
+    out = [f"{r.case}: {r.error}" for r in results if r.error_kind == "engine"]
+    for r in results:
+        for c in r.checks:
+            if c.get("engine_failure") and not c.get("informational"):
+                where = c.get("first_divergence")
+                out.append(f"{r.case}/{c['gate'].rsplit('.', 1)[0]}{' at ' + where if where else ''}: {c.get('got')}")
+    return out
+
+
+def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] = (), note: str = "") -> str:
+    """The run's one-line verdict: PASS / ENGINE FAILED (the first engine failure, where and why, then the rest) /
+    FAIL (which gates, and which checks could not run) / BAD INPUT. ``note``: said after the counts (``--quick``)."""
     n_checks = sum(len(r.checks) for r in results)
-    where = f"{len(results)} cases, {n_checks} checks" + (f"; opted out: {', '.join(opted_out)}" if opted_out else "")
+    where = f"{len(results)} cases, {n_checks} checks" + (f"; {note}" if note else "") + \
+        (f"; opted out: {', '.join(opted_out)}" if opted_out else "")
     opt_in = sorted({f"{r.case}/{c.get('prompt') or c['gate']}" for r in results for c in r.checks
                      if c.get("got") == "opted_out" and not opted_out_by_user(c, opted_out)})
+    unmeasured = sorted({f"{r.case}/{c['gate']}" for r in results for c in r.checks if c.get("not_measured")})
+    if unmeasured:  # a gate that measured nothing is no pass: named
+        where += (f"; not measured: {', '.join(unmeasured[:3])}{', ...' if len(unmeasured) > 3 else ''} "
+                  "(see report)")
     if opt_in:  # checks a default run leaves out (e.g. --slow ones): named, never silent
         where += f"; not run unless asked: {', '.join(opt_in[:4])}{', ...' if len(opt_in) > 4 else ''} (see report)"
     if status == 2:
         bad = [f"{r.case} could not be read" for r in results if r.error_kind == "input"]
         bad += [f"{r.case}/{c['gate'].rsplit('.', 1)[0]}: {c.get('got')}" for r in results for c in r.checks
                 if c.get("bad_input")]
-        return f"BAD INPUT: {'; '.join(bad)} ({where})"
+        engines = engine_failures(results)
+        also = f"; also ENGINE FAILED: {engines[0]}" + (f" (+{len(engines) - 1} more)" if len(engines) > 1 else "") \
+            if engines else ""
+        return f"BAD INPUT: {'; '.join(bad)}{also} ({where})"
     if status == 0:
         return f"PASS: every gate passed ({where})"
-    failed = [(r.case, c["gate"]) for r in results for c in r.checks if not c["pass"] and not c.get("informational")]
+    failed = [(r.case, c["gate"]) for r in results for c in r.checks
+              if not c["pass"] and not c.get("informational") and not c.get("engine_failure")]
     not_run = [f"{r.case}/{c['gate']}" for r in results for c in r.checks if not c["pass"]
-               and not c.get("informational") and (c["gate"].endswith(".runs")
-                                                   or str(c.get("got", "")).replace("_", " ").startswith("not run"))]
-    crashed = [r.case for r in results if r.error_kind == "engine"]
+               and not c.get("informational") and not c.get("engine_failure")
+               and (c["gate"].endswith(".runs") or str(c.get("got", "")).replace("_", " ").startswith("not run"))]
+    engines = engine_failures(results)
     parts = []
     if failed:
         gates = sorted({g for _, g in failed})
-        parts.append(f"{len(failed)} gating check(s) failed ({', '.join(gates[:4])}{', ...' if len(gates) > 4 else ''})")
+        more = ", ..." if len(gates) > 4 else ""
+        parts.append(f"{len(failed)} gating check(s) failed ({', '.join(gates[:4])}{more})")
     if not_run:
         more = ", ..." if len(not_run) > 4 else ""
         parts.append(f"{len(not_run)} of them did not run ({', '.join(not_run[:4])}{more})")
-    if crashed:
-        parts.append(f"engine crashed in {', '.join(crashed)}")
+    if engines:
+        more = f"; {len(engines) - 1} more engine failure(s)" if len(engines) > 1 else ""
+        also = f"; also {'; '.join(parts)}" if parts else ""
+        return f"ENGINE FAILED: {engines[0]}{more}{also} ({where})"
     return f"FAIL: {'; '.join(parts) or 'a figure regressed against the baseline'} ({where})"
 
 
 def exit_status(results: list[CaseResult]) -> int:
-    """2 when a case had bad input (or an engine broke the subprocess protocol: a check marked ``bad_input``), else
-    1 when a gate failed or a case could not run, else 0."""
+    """2 when a case had bad input (or an engine could not be used as given: a check marked ``bad_input``), else
+    1 when a gate failed, a case could not run or an engine failed, else 0."""
     if any(r.error_kind == "input" or any(c.get("bad_input") for c in r.checks) for r in results):
         return 2
     return 1 if any(not r.passed for r in results) else 0
@@ -296,7 +347,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
         server: ServerOptions | None = None, weights: str | None = None,
-        oracle: str = "reference", jobs: int | None = None) -> tuple[dict[str, Any], int]:
+        oracle: str = "reference", jobs: int | None = None, quick: bool = False) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -332,13 +383,20 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             their figures are the same whatever ``jobs``; the user's models run here on every thread with ``jobs``
             1, else each in a process of its own with its share of the CPUs (:func:`run_cases`). The results
             come in plan order.
+        quick: for iterating on an engine: the :data:`QUICK_PROMPTS` shortest prompts of the set
+            (:func:`quick_prompts`); the built-in library without the cases that do not read it
+            (:data:`QUICK_LEAVES_OUT`, unless named with ``case_filter``). The greedy-stream length and the server's
+            batch size are ``server``'s (``g4h parity --quick`` makes them :data:`QUICK_NEW_TOKENS` and
+            :data:`QUICK_SERVER_REQUESTS`). The verdict says ``quick``; a quick run cannot be compared with, or
+            written as, a baseline.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
 
     Raises:
         InputError: the prompt set or the baseline is unreadable, ``oracle`` is unknown or given without
-            ``models``, or ``against`` names ``reference`` with the fast oracle (checked before anything runs).
+            ``models``, ``against`` names ``reference`` with the fast oracle, or ``quick`` comes with a baseline
+            (checked before anything runs).
     """
     progress = Progress(quiet)
     if jobs is not None and int(jobs) < 1:
@@ -353,12 +411,26 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             check_engine_name(name)
         except InputError as e:
             raise InputError(f"--against: {e}") from None
-    # the gates judge a server's token that is not its own top-1 (a fault naming the request and step), so the
-    # engine does not raise on one
+    # the pair judges a server's token that is not its own top-1 (an engine failure naming the request and the
+    # step, after the greedy figures are measured), so the engine does not raise on one
     engine_options = {**(engine_options or {}), "check_greedy": False}
     server = ServerOptions(**{**(server or ServerOptions()).__dict__, "skip": skip})
     server.check()
+    if quick and (baseline or write_baseline):
+        raise InputError("--quick runs a few short prompts: it cannot be compared with a baseline or written as one "
+                         "(leave out --quick, or --baseline / --write-baseline)")
     prompt_set = load_user_prompts(prompts) if models else load_prompts(prompts)
+    quick_note, user_skip = "", skip
+    if quick:
+        n_all = len(prompt_set)
+        prompt_set = quick_prompts(prompt_set)
+        quick_note = f"quick: {len(prompt_set)} of {n_all} prompts" + (
+            f", greedy streams of {server.max_new_tokens} tokens" if models else "")
+        if not models:
+            would_run = {"gemma3-real": real, "tokenizer": real, "multimodal": not case_filter}
+            left = [c for c in QUICK_LEAVES_OUT if c not in skip and would_run.get(c, True)]
+            skip = skip + tuple(left)
+            quick_note += f", without {', '.join(left)}" if left else ""
     base = load_baseline(baseline) if baseline else None
     if weights is not None:
         engine_options["weights"] = weights
@@ -382,7 +454,9 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         data["baseline"] = compare_to_baseline(data, base, str(baseline), regression_factor)
         if data["baseline"]["regressions"] and status == 0:
             status = data["status"] = 1
-    data["verdict"] = verdict(results, status, skip)
+    if quick:
+        data["quick"] = quick_note
+    data["verdict"] = verdict(results, status, user_skip, quick_note)
     with staged_run_dir("parity", out) as run_dir:
         write_parity_report(run_dir.path, data)
     if write_baseline:
