@@ -127,7 +127,11 @@ def main() -> int:
         pass
     finally:
         stop_session()
-        shutil.rmtree(req["temp_dir"], ignore_errors=True)
+        for _ in range(3):  # a process killed a moment ago may still have had a file open
+            shutil.rmtree(req["temp_dir"], ignore_errors=True)
+            if not os.path.exists(req["temp_dir"]):
+                break
+            time.sleep(0.5)
     return 0 if "address" in answer else 1
 
 

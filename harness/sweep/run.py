@@ -17,6 +17,7 @@ missing. When every engine of a file is done, their logits are compared (:func:`
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -541,7 +542,8 @@ def run_sweep(models: Sequence[str] | None, opts: SweepOptions, out: str | Path 
             sweep.submit_all(alive, tracker)
             progress.start(len(sweep.tasks), before)
             try:
-                sweep.wait(tracker)
+                with contextlib.redirect_stdout(sys.stderr):  # Ray prints a dead worker's notice on stdout
+                    sweep.wait(tracker)
             except KeyboardInterrupt:
                 interrupted = True
                 for t in list(sweep.tasks.values()):

@@ -16,9 +16,10 @@
 Positions scored: in each prompt of ``T`` tokens, positions ``0 .. T-2`` (each has a next token, so perplexity and
 Δp are defined, as in llama-perplexity); a one-token prompt counts only in the greedy figures.
 
-A failure of the engine is a row, never an exception: ``status`` is ``not_run`` (the engine cannot run here or
-cannot read this file), ``crashed`` (its worker died or broke its protocol), ``oom`` (its memory plan or an
-allocation failed) or ``error`` (anything else, with the exception named).
+A failure of the engine is a row, never an exception: ``status`` is ``not_run`` (the engine cannot run here, cannot
+read this file, or refuses a prompt), ``crashed`` (its worker died, it broke its protocol once started, or it
+answered non-finite logits), ``oom`` (its memory plan or an allocation failed) or ``error`` (anything else, with
+the exception named).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from reference.errors import InputError
+from reference.errors import InputError, PromptError
 
 from ..core.gates import SWEEP_DIVERGENCE_REL_L2
 from ..core.kld import kld_stats
@@ -276,8 +277,10 @@ def engine_run(path: str, engine: str, prompts: Sequence[dict[str, Any]], base: 
         row.update(status="oom", reason=_line(e))
     except EngineFailure as e:
         row.update(status="crashed", reason=_line(e))
-    except InputError as e:
+    except PromptError as e:  # a prompt this engine refuses (its context): it did not run
         row.update(status="not_run", reason=_line(e))
+    except InputError as e:  # before the engine answered: it cannot read the file; after: it broke its protocol
+        row.update(status="not_run" if eng is None else "crashed", reason=_line(e))
     except Exception as e:  # an allocation failure is a row; anything else is a row naming the exception
         if is_out_of_memory(e):
             row.update(status="oom", reason=f"out of memory: {_line(e)}")
@@ -313,7 +316,8 @@ def round_activations_q8(x: Any) -> Any:
 
     Source: ggml ``ggml-quants.c``, ``quantize_row_q8_K_ref`` (blocks of 256 along ``K``: the element of largest
     magnitude ``m`` maps to -127, ``iscale = -127 / m``, ``q = min(127, round(iscale * x))``, the value ``q / iscale``)
-    and ``quantize_row_q8_0_ref`` (blocks of 32: ``d = max|x| / 127`` stored as fp16, ``q = round(x / d)``). Rows whose
+    and ``quantize_row_q8_0_ref`` (blocks of 32: ``d = max|x| / 127``, ``q = round(x / d)``, the value ``q`` times ``d``
+    rounded to fp16, as stored). Rows whose
     length is a multiple of 256 take the first (the coarser: its scale spans 8x more values), other multiples of 32
     the second, the rest are left as they are. Rounding is half to even (ggml's ``nearest_int``).
     """
@@ -330,9 +334,9 @@ def round_activations_q8(x: Any) -> Any:
         q = torch.clamp(torch.round(iscale * b), max=127.0)
         y = torch.where(m != 0, q * torch.where(iscale != 0, 1.0 / iscale, iscale), torch.zeros_like(b))
     else:
-        d = (b.abs().amax(dim=-1, keepdim=True) / 127.0).to(torch.float16).to(torch.float32)
-        q = torch.round(torch.where(d != 0, b / d, torch.zeros_like(b)))
-        y = q * d
+        d = b.abs().amax(dim=-1, keepdim=True) / 127.0
+        q = torch.round(torch.where(d != 0, b / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(b)))
+        y = q * d.to(torch.float16).to(torch.float32)
     return y.reshape(x.shape).to(x.dtype)
 
 
