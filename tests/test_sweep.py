@@ -154,6 +154,15 @@ def test_resume_runs_only_what_is_missing(sweep, prompt_file, two_nodes):
     new = _lines(run_dir)[len(keep):]
     assert status == 0 and {x["key"] for x in new if x["kind"] == "row"} == lost
     assert len(again["rows"]) == len(data["rows"])
+    # killed between a file's rows and their comparison: that file's rows run again, and the comparison is made
+    lines = _lines(run_dir)
+    gone = next(x for x in lines if x["kind"] == "agreement" and x["label"] == "Q6_K")
+    (run_dir / ROWS).write_text("".join(json.dumps(x) + "\n" for x in lines if x["key"] != gone["key"]))
+    again, status = run_sweep(None, _opts(two_nodes, prompt_file), resume=run_dir)
+    new = _lines(run_dir)[len(lines) - 1:]
+    assert status == 0 and sorted((x["label"], x["engine"]) for x in new if x["kind"] == "row") == [
+        ("Q6_K", "fast"), ("Q6_K", "llamacpp")]
+    assert [x["key"] for x in new if x["kind"] == "agreement"] == [gone["key"]]
 
 
 def test_dead_tasks_are_rows_and_the_sweep_goes_on(files, prompt_file, two_nodes, tmp_path):

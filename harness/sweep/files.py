@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from reference.errors import InputError, ModelFileError
+from reference.errors import InputError
 
 from ..core import memory
 from ..engines.inspect import UNUSABLE, Inspection, inspect_model
@@ -74,16 +74,13 @@ class SweepFile:
     facts: Any = field(default=None, repr=False, compare=False)
 
     @property
-    def unusable(self) -> Problem | None:
+    def unusable(self) -> dict[str, str] | None:
         """The first unusable problem, or None."""
         return next((p for p in self.problems if p["severity"] == UNUSABLE), None)
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (``results.json`` ``files``), without the loader facts."""
         return {k: v for k, v in self.__dict__.items() if k != "facts"}
-
-
-Problem = dict
 
 
 @dataclass
@@ -188,12 +185,9 @@ def describe(path: Path) -> SweepFile | None:
     """The :class:`SweepFile` of one model, or None for an mmproj (not a decoder).
 
     Raises:
-        InputError: the file cannot be read at all (not a GGUF, a header cut short): one line naming it.
+        ModelFileError: the file cannot be read at all (not a GGUF, a header cut short): one line naming it.
     """
-    try:
-        info = inspect_model(path)
-    except ModelFileError:
-        raise
+    info = inspect_model(path)
     if info.architecture == "clip":
         return None
     problems = [{"severity": p.severity, "code": p.code, "where": p.where, "message": p.message} for p in info.problems]

@@ -191,7 +191,7 @@ def _verdict(status: int, interrupted: bool) -> str:
 
 def write_outputs(rd: Any, groups: Sequence[Group], bad: Sequence[SweepFile], gprompts: dict[str, list],
                   rows: Sequence[dict[str, Any]], agreements: Sequence[dict[str, Any]],
-                  sens: dict[str, dict[str, Any]], opts: Any, nodes: Sequence[Any], wall: float,
+                  sens: dict[str, dict[str, Any]], opts: Any, nodes: Sequence[Any], timing: dict[str, float],
                   skipped: Sequence[str], interrupted: bool) -> dict[str, Any]:
     """Write ``results.json``, ``sweep.csv``, ``report.md`` and the plots into the run directory ``rd``
     (:class:`harness.sweep.store.RunDir`); returns the results."""
@@ -207,7 +207,8 @@ def write_outputs(rd: Any, groups: Sequence[Group], bad: Sequence[SweepFile], gp
     failed = [r for r in rows if judge.failed(r) or r["status"] == "bad_input"]
     data = {
         "schema": "g4h-sweep", "schema_version": SCHEMA_VERSION, "verdict": _verdict(status, interrupted),
-        "exit_status": status, "run_dir": str(rd.path), "wall_s": round(wall, 1),
+        "exit_status": status, "run_dir": str(rd.path), "wall_s": timing.get("wall_s"),
+        "timing": dict(timing),
         "options": {k: getattr(opts, k) for k in ("against", "prompts", "base", "new_tokens", "top_n",
                                                   "cpus_per_task", "engine_options", "task_timeout", "address",
                                                   "local_nodes")},
@@ -238,7 +239,8 @@ def _markdown(data: dict[str, Any], groups: Sequence[Group], bad: Sequence[Sweep
     lines = [f"# g4h sweep: {data['verdict']} (exit {data['exit_status']})", "",
              f"{s['rows']} rows ({s['ok']} ran, {s['failed']} failed, {s['declared_not_run']} out of an engine's "
              f"declared reach), {s['agreements']} cross-engine comparisons ({s['disagreements']} disagree); "
-             f"{len(nodes)} Ray node(s), {data['wall_s']} s wall.", ""]
+             f"{len(nodes)} Ray node(s), {data['wall_s']} s wall ({data['timing'].get('cluster_s')} s to have the "
+             f"cluster, {data['timing'].get('tasks_s')} s of tasks).", ""]
     used = sorted({r["node"] for r in rows if r.get("node")})
     lines += [f"Nodes: {', '.join(f'{n.short} ({n.host}, {n.cpus:g} CPUs)' for n in nodes)}; rows ran on "
               f"{', '.join(used) or 'none'}.", ""]

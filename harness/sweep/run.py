@@ -251,12 +251,25 @@ class _Sweep:
                         tracker, skey, g.base.path, gp, self.base_refs[g.name], threads)
                     self.tasks[skey] = t
             for f in g.files:
+                redo = self._lost_logits(g, f)
                 for e in self.opts.against:
-                    self._submit_row(g, f, e, threads, most_mem, tracker)
+                    self._submit_row(g, f, e, threads, most_mem, tracker, redo)
 
-    def _submit_row(self, g: Group, f: SweepFile, engine: str, threads: int, most_mem: float, tracker: Any) -> None:
+    def _lost_logits(self, g: Group, f: SweepFile) -> set[str]:
+        """Rows of ``f`` to run again: every engine ran (an earlier run) but the file's cross-engine figures are
+        missing and some engine's logits were not kept (the command was killed between the rows and the comparison):
+        the rows without kept logits."""
+        keys = [self.row_key(g, f, e) for e in self.opts.against]
+        ok = [k for k in keys if k in self.records and self.records[k]["status"] == "ok"]
+        pairs = [key_of("agreement", a, b) for i, a in enumerate(ok) for b in ok[i + 1:]]
+        if len(ok) < 2 or all(p in self.records for p in pairs):
+            return set()
+        return {k for k in ok if not self.rd.pending_file(k).is_file()}
+
+    def _submit_row(self, g: Group, f: SweepFile, engine: str, threads: int, most_mem: float, tracker: Any,
+                    redo: set[str] = frozenset()) -> None:
         key = self.row_key(g, f, engine)
-        if self.done(key):
+        if self.done(key) and key not in redo:
             return
         pre = _pre_row(f, engine, g)
         if pre is not None:
@@ -528,6 +541,7 @@ def run_sweep(models: Sequence[str] | None, opts: SweepOptions, out: str | Path 
     sweep = _Sweep(rd, opts, groups, bad, gp, progress)
     interrupted = False
     alive: list[cluster.Node] = []
+    timing: dict[str, float] = {}
     with (local if local is not None else contextlib.nullcontext()):
         address = local.address if local is not None else opts.address
         if local is not None:
@@ -536,11 +550,13 @@ def run_sweep(models: Sequence[str] | None, opts: SweepOptions, out: str | Path 
         try:
             alive = cluster.nodes()
             _check_nodes(cluster.probe(alive), alive)
+            timing["cluster_s"] = round(time.perf_counter() - t0, 1)
             progress.nodes(alive)
             tracker = _Tracker.remote()
             before = sum(1 for r in sweep.records.values() if r["kind"] == "row")
             sweep.submit_all(alive, tracker)
             progress.start(len(sweep.tasks), before)
+            t1 = time.perf_counter()
             try:
                 with contextlib.redirect_stdout(sys.stderr):  # Ray prints a dead worker's notice on stdout
                     sweep.wait(tracker)
@@ -550,12 +566,13 @@ def run_sweep(models: Sequence[str] | None, opts: SweepOptions, out: str | Path 
                     ray.cancel(t.ref, force=True)
                 for key in list(sweep.logits_refs):
                     sweep._keep(key)
+            timing["tasks_s"] = round(time.perf_counter() - t1, 1)
         finally:
             progress.stop()
             cluster.disconnect()
-    wall = time.perf_counter() - t0
+    timing["wall_s"] = round(time.perf_counter() - t0, 1)
     rows, agreements, sens = sweep.current()
-    data = write_outputs(rd, groups, bad, gp, rows, agreements, sens, opts, alive, wall, skipped, interrupted)
+    data = write_outputs(rd, groups, bad, gp, rows, agreements, sens, opts, alive, timing, skipped, interrupted)
     if interrupted:
         raise KeyboardInterrupt
     return data, data["exit_status"]
