@@ -6,18 +6,22 @@ The Ray side (two nodes, dead tasks, resuming, the local cluster's life) is in `
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
 import pytest
 import sweep_models as models
+from rich.console import Console
 
 from harness.core.gates import DEFAULT_GATES, SWEEP_DIVERGENCE_REL_L2
 from harness.engines.llamacpp import tools
 from harness.sweep import files, judge, prompts, tasks
+from harness.sweep.progress import Progress
 from reference.errors import InputError
 
 if os.environ.get("G4H_SKIP_LLAMACPP") == "1":
@@ -248,3 +252,28 @@ def test_g4h_quantize_and_sweep_bad_input_are_one_line(tmp_path, case_a):
     plan.mkdir()
     p = g4h("sweep", "--resume", str(plan))
     assert p.returncode == 2 and "not a sweep run directory" in p.stderr
+
+
+def test_progress_lines_in_a_log_and_a_panel_on_a_terminal():
+    log = io.StringIO()
+    p = Progress(stream=log)
+    node = SimpleNamespace(node_id="ab" * 28, short="abababab", address="10.0.0.2", host="box", cpus=4.0,
+                           memory=8e9, object_store=1e9)
+    p.nodes([node])
+    p.start(3, 1)
+    p.row({"kind": "row", "label": "Q4_K_M", "engine": "fast", "status": "ok", "mean_kld": 0.42,
+           "same_top_p_pct": 66.0, "node": "abababab", "seconds": 3.2})
+    p.row({"kind": "row", "label": "Q2_K", "engine": "llamacpp", "status": "timeout", "reason": "ran past 60 s"})
+    p.stop()
+    text = log.getvalue()
+    assert "node abababab (box, 10.0.0.2): 4 CPUs" in text and "1 row(s) already" in text
+    assert "[1] Q4_K_M fast: ok: mean KLD 0.42, same top 66 % on abababab" in text
+    assert "[2] Q2_K llamacpp: timeout: ran past 60 s" in text and (p.done, p.failed) == (2, 1)
+    p.tick([("row", "Q8_0", "llamacpp", "ab" * 28, True), ("row", "Q6_K", "fast", None, False)])
+    term = io.StringIO()
+    Console(file=term, width=120).print(p._panel())
+    assert "running 1, queued 1" in term.getvalue() and "Q8_0/llamacpp" in term.getvalue()
+    quiet = io.StringIO()
+    q = Progress(quiet=True, stream=quiet)
+    q.say("nothing")
+    assert quiet.getvalue() == ""

@@ -551,9 +551,11 @@ SWEEP_GATES: dict[str, Gate] = {g.name: g for g in [
          "products (llama.cpp: quantized_activations, to block_q8_0 for the legacy types and block_q8_K for K- and "
          "i-quants, to F16/BF16 for 16-bit weights): their mean KLD over the group's 8-bit yardstick, the fast engine "
          "with every product's input rounded the coarser way (blocks of 256: harness.sweep.tasks.sensitivity_run), "
-         "which over-states what llama.cpp does. Measured on e4b-wide (yardstick 6.2e-3): 0.45 (Q8_0), 0.84 "
-         "(Q4_K_M), 0.71 (Q2_K); 2 leaves room for a file whose weights sit far from the base's; a fault in one "
-         "engine moves the pair by the file's damage, 10 to 1000 times the yardstick on a K-quant"),
+         "as llama.cpp does for K- and i-quants and more coarsely than for the legacy types. Measured: e4b-wide "
+         "(yardstick 5.6e-3) 0.50 (Q8_0), 0.47 (Q4_0: block_q8_0 there), 0.77..1.0 (Q6_K..Q2_K); E2B's dimensions "
+         "cut to 4 layers (5.6e-4) 0.45 (Q8_0), 0.93 (Q4_K_M), 0.92 (Q2_K); 2 leaves room for the statistics of a "
+         "short prompt set and for a file whose weights sit far from the base's; a fault in one engine moves the pair "
+         "by the file's own damage, 10 to 1000 times the yardstick on a K-quant"),
 ]}
 """The cross-engine gates of ``g4h sweep``: two engines on the same file (:mod:`harness.sweep.judge`)."""
 DEFAULT_GATES.update(SWEEP_GATES)

@@ -72,14 +72,16 @@ def plot_kld(rows: Sequence[dict[str, Any]], path: Path, title: str) -> str | No
     if not ok:
         return None
     fig, (ax_k, ax_p) = _figure(12, 4.8, 2)
-    for engine in dict.fromkeys(r["engine"] for r in ok):
+    for j, engine in enumerate(dict.fromkeys(r["engine"] for r in ok)):
         mine = sorted((r for r in ok if r["engine"] == engine), key=lambda r: r["bpw"])
         x = [r["bpw"] for r in mine]
         k = [max(r["mean_kld"], 1e-16) for r in mine]
         ax_k.errorbar(x, k, yerr=[r.get("mean_kld_unc") or 0 for r in mine], marker="o", capsize=3, label=engine)
         ax_p.plot(x, [r["same_top_p_pct"] for r in mine], marker="o", label=engine)
-        for r, kv in zip(mine, k):
-            ax_k.annotate(r["label"], (r["bpw"], kv), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for i, (r, kv) in enumerate(zip(mine, k)):  # labels once (the first engine), alternating sides
+            if j == 0 or not any(o["label"] == r["label"] for o in ok if o["engine"] != engine):
+                ax_k.annotate(r["label"], (r["bpw"], kv), fontsize=7, xytext=(4, 6 if i % 2 else -10),
+                              textcoords="offset points")
     ax_k.set_yscale("log")
     ax_k.set_xlabel("bits per weight")
     ax_k.set_ylabel("mean KLD vs the float64 base (nats)")
