@@ -62,13 +62,17 @@ def test_files_are_found_by_folder_glob_and_name_once(case_a, quants, tmp_path):
 
 def test_groups_follow_the_model_and_the_base_is_the_highest_precision(case_a, case_b, quants):
     paths = [quants["Q4_K_M"], case_a.gguf["BF16"], quants["Q8_0"], case_b.gguf["Q4_0"], case_a.gguf["F32"],
-             case_b.gguf["BF16"]]
+             case_b.gguf["BF16"], case_a.hf_dir]
     described = [files.describe(p) for p in paths]
     groups, bad = files.group_files(described)
     assert not bad and len(groups) == 2
+    by_file = {f.path: g for g in groups for f in g.files}
+    a = by_file[str(case_a.gguf["F32"])]  # the HF folder is the same model: one group, F32 both (the path decides)
+    assert by_file[str(case_a.hf_dir)] is a and a.base.label in ("F32", "hf (F32)")
+    assert [f.label for f in a.files][2:] == ["BF16", "Q8_0", "Q4_K_M"]  # precision order
+    hf = next(f for f in a.files if f.path == str(case_a.hf_dir))
+    assert hf.engines["llamacpp"] == {"can_run": False, "reason": "llama.cpp needs a GGUF file"}
     by_base = {g.base.path: g for g in groups}
-    a = by_base[str(case_a.gguf["F32"])]
-    assert [f.label for f in a.files] == ["F32", "BF16", "Q8_0", "Q4_K_M"]  # precision order
     assert by_base[str(case_b.gguf["BF16"])].base.file_type == "BF16"  # the best of that group
     assert a.base.bpw == pytest.approx(32.0) and quants["Q4_K_M"].stat().st_size < case_a.gguf["F32"].stat().st_size
     # --base picks another file of its group; one outside the sweep, or unusable, is bad input

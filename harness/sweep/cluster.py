@@ -146,29 +146,18 @@ class LocalCluster:
             self._tmp = None
 
 
-def _token_available() -> bool:
-    """Whether this process has a Ray authentication token to send (``$RAY_AUTH_TOKEN``, the file
-    ``$RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``, which ``ray start --head`` writes)."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return True
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
-    return os.path.isfile(path)
-
-
 def connect(address: str) -> None:
     """Attach this process to the cluster at ``address`` (quietly: no driver log lines).
 
-    Authentication: Ray 2.60's ``ray start --head`` turns token authentication on and keeps the token in
-    ``~/.ray/auth_token``, while a driver sends none unless ``RAY_AUTH_MODE=token``. So when ``RAY_AUTH_MODE`` is
-    not set and a token is at hand (:func:`_token_available`), it is set to ``token`` (a cluster without
-    authentication accepts a driver that sends one); a cluster elsewhere needs its token here, as Ray documents.
+    Authentication: Ray 2.60's ``ray start --head`` turns token authentication on (the token in
+    ``~/.ray/auth_token``), and a driver given an explicit address sends the token only with ``RAY_AUTH_MODE=token``
+    (Ray's own rule, ``ray._private.worker.init``: an explicit address never enables it by itself, so a token is not
+    sent to a server nobody vouched for). The sweep keeps that rule; a refusal says what to set.
 
     Raises:
         ClusterError: no cluster answers there, or it refused the connection (a token it expects, another Ray
             version): one line naming the address.
     """
-    if "RAY_AUTH_MODE" not in os.environ and _token_available():
-        os.environ["RAY_AUTH_MODE"] = "token"
     try:
         ray.init(address=address, log_to_driver=False, logging_level="ERROR", namespace="g4h-sweep",
                  configure_logging=True)

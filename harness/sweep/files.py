@@ -174,8 +174,11 @@ def _engine_table(info: Inspection) -> dict[str, dict[str, Any]]:
 
 
 def _signature(facts: memory.ModelInfo) -> str:
+    """The group key: architecture, sizes, and every learned tensor's name and shape (``rope_freqs.weight``, the
+    proportional-RoPE table a GGUF carries and an HF folder derives from its config, is left out, so a GGUF and
+    the HF folder it came from are one model)."""
     cfg = facts.cfg
-    shapes = sorted((name, list(t.shape)) for name, t in facts.tensors.items())
+    shapes = sorted((name, list(t.shape)) for name, t in facts.tensors.items() if name != "rope_freqs.weight")
     blob = json.dumps({"arch": cfg.arch, "vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "layers": cfg.n_layer,
                        "tensors": shapes}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -207,6 +210,7 @@ def describe(path: Path) -> SweepFile | None:
         sf.facts = facts
         sf.signature = _signature(facts)
         sf.vocab, sf.context, sf.n_layer = facts.cfg.vocab_size, facts.cfg.context_length, facts.cfg.n_layer
+        sf.architecture = facts.cfg.arch
     return sf
 
 

@@ -266,6 +266,9 @@ def engine_run(path: str, engine: str, prompts: Sequence[dict[str, Any]], base: 
     eng = None
     try:
         eng = make_engine(engine, path, **(options or {}))
+        dtype = getattr(eng, "dtype", None)  # what it computes in, as it says (fast --dtype, a cmd: engine's hello)
+        row.update(dtype=dtype if isinstance(dtype, str) else None,
+                   approximations=list(getattr(eng, "approximations", None) or ()))
         traced = next(p for p in prompts if str(p["id"]) == base["trace_prompt"])
         logits, layers, greedy = _capture(eng, engine_kind(engine), prompts, traced, new_tokens, top_n)
         row.update(measure(logits, layers, greedy, base, prompts, top_n))
