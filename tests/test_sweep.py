@@ -24,11 +24,14 @@ if os.environ.get("G4H_SKIP_LLAMACPP") == "1":
 pytest.importorskip("ray", reason="g4h sweep needs Ray: pip install 'gemma4-harness[sweep]' (a test extra)")
 
 import sweep_models as models  # noqa: E402
+from ray import exceptions as rex  # noqa: E402
 
 from harness.core.paths import REPO_ROOT  # noqa: E402
 from harness.sweep import cluster  # noqa: E402
-from harness.sweep.run import SweepOptions, run_sweep  # noqa: E402
-from harness.sweep.store import ROWS  # noqa: E402
+from harness.sweep.files import describe, group_files  # noqa: E402
+from harness.sweep.progress import Progress  # noqa: E402
+from harness.sweep.run import SweepOptions, _Sweep, dead_row, run_sweep  # noqa: E402
+from harness.sweep.store import ROWS, RunDir  # noqa: E402
 
 STUB = f"cmd:{sys.executable} {REPO_ROOT / 'tests' / 'cmd_stub.py'}"
 
@@ -216,17 +219,16 @@ def _ray_processes_of(tmp_dir_prefix: str) -> list[int]:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find Ray's processes")
 def test_the_local_cluster_lives_and_dies_with_the_command(files, prompt_file, tmp_path):
     before = set(Path("/tmp").glob("g4h-ray-*"))
-    cmd = [sys.executable, "-m", "harness.cli", "sweep", str(files["a"].gguf["F32"]),
-           str(files["quants"]["Q4_0"]), "--against", "fast", "--prompts", str(prompt_file), "--max-new-tokens", "2",
-           "--out", str(tmp_path), "--cpus", "1"]
+    cmd = [sys.executable, "-m", "harness.cli", "sweep", str(files["quants"]["Q4_0"]), "--prompts", str(prompt_file),
+           "--max-new-tokens", "2", "--out", str(tmp_path), "--cpus", "1", "--against"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    p = subprocess.run(cmd + ["fast"], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "local Ray cluster: 1 node(s)" in p.stderr and "PASS (exit 0)" in p.stdout
     made = set(Path("/tmp").glob("g4h-ray-*")) - before
     assert not made  # its temporary folder went with it
     # killed outright mid-run: the keeper still stops every Ray process it started
-    proc = subprocess.Popen(cmd[:4] + cmd[5:] + ["--against", f"{STUB} --fault hang"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd + [f"{STUB} --fault hang"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 300
@@ -249,3 +251,27 @@ def test_the_local_cluster_lives_and_dies_with_the_command(files, prompt_file, t
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_dead_task_reasons_name_what_killed_it():
+    assert dead_row(rex.TaskCancelledError(), True, 30.0) == (
+        "timeout", "ran past --task-timeout 30 s: cancelled (its worker killed)")
+    status, reason = dead_row(rex.OutOfMemoryError("Task was killed due to the node running low on memory."),
+                              False, None)
+    assert status == "oom" and "Ray's memory monitor" in reason and "running low on memory" in reason
+    status, reason = dead_row(rex.WorkerCrashedError(), False, None)
+    assert status == "crashed" and "Ray worker running it died" in reason
+    status, reason = dead_row(rex.NodeDiedError("node 1 died"), False, None)
+    assert status == "crashed" and "its node died" in reason
+
+
+def test_a_task_no_node_can_hold_is_a_row_at_once(files, prompt_file, tmp_path):
+    f = describe(files["quants"]["Q4_0"])
+    (g,), _ = group_files([f])
+    rd = RunDir(tmp_path)
+    sw = _Sweep(rd, _opts(None, prompt_file), [g], [], {g.name: [{"id": "p", "prompt_ids": [2, 5, 6, 7]}]},
+                Progress(quiet=True))
+    sw._submit_row(g, f, "llamacpp", threads=1, most_mem=1e6, tracker=None)  # a node of 1 MB: nothing fits
+    (rec,) = rd.records().values()
+    assert rec["status"] == "oom" and "llamacpp's memory plan" in rec["reason"] and "largest: 0.00 GB" in rec["reason"]
+    assert not sw.tasks  # nothing was submitted to wait forever
