@@ -144,6 +144,14 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--resume RUN_DIR continues a sweep with its own models: name no models and no --quantize")
     if args.max_new_tokens < 0 or args.top_n < 1 or args.cpus_per_task < 1:
         raise InputError("--max-new-tokens must be >= 0, --top-n and --cpus-per-task >= 1")
+    if args.task_timeout < 0 or (args.object_store_gb is not None and not args.object_store_gb > 0) or \
+            (args.cpus is not None and args.cpus < 1) or args.local_nodes < 1:
+        raise InputError("--task-timeout must be >= 0 (0: none), --object-store-gb > 0, --cpus and --local-nodes "
+                         ">= 1")
+    address = args.address or os.environ.get("RAY_ADDRESS") or None
+    if address and (args.local_nodes != 1 or args.cpus or args.object_store_gb):
+        raise InputError("--local-nodes, --cpus and --object-store-gb shape a local cluster: not with --address or "
+                         f"RAY_ADDRESS ({address}: an existing cluster has its own)")
     models = list(args.models)
     if args.quantize:
         where = Path(args.quant_dir) if args.quant_dir else Path(args.out or DEFAULT_REPORTS_DIR) / "quants"
@@ -155,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
              if v is not None}
     opts = SweepOptions(against=against, prompts=args.prompts, base=args.base, new_tokens=args.max_new_tokens,
                         top_n=args.top_n, cpus_per_task=args.cpus_per_task, engine_options=eopts,
-                        task_timeout=args.task_timeout or None, address=args.address or os.environ.get("RAY_ADDRESS"),
+                        task_timeout=args.task_timeout or None, address=address,
                         local_nodes=args.local_nodes, cpus=args.cpus, object_store_gb=args.object_store_gb,
                         retry_failed=args.retry_failed, quiet=args.quiet)
     data, status = run_sweep(models, opts, out=args.out, resume=args.resume)
