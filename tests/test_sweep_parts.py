@@ -220,6 +220,10 @@ def test_quantize_every_family_and_an_imatrix_type(case_a, tmp_path):
     words = "the quick brown fox jumps over the lazy dog while seven wizards hex jolly boxers".split()
     text.write_text(" ".join(words[i % len(words)] for i in range(2500)))
     t = tools.ensure_tools()
+    # beside llama-server, against its libraries (the same vendored tree and cache), made once and then reused
+    assert t.quantize.parent == t.build.server.parent and t.imatrix.is_file()
+    assert tools.ensure_tools().stamp["built_at"] == t.stamp["built_at"]
+    assert t.stamp["flags"] == [f for f in t.build.stamp["flags"] if not f.startswith("-DCMAKE_INSTALL_RPATH=")]
     im = tools.make_imatrix(src, text, tmp_path / "imatrix.gguf", ctx=128, chunks=4, tools=t)
     out = tools.quantize(src, tmp_path / "iq2.gguf", "iq2_xxs", imatrix=im, tools=t)
     reader = gguf.GGUFReader(out)
