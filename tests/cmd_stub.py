@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,8 @@ FAULTS = {
     "refuse": "hello: ok false (cannot read the model)",
     "version": "hello: protocol 2",
     "no-ops": "hello: answers neither logits nor generate",
+    "kill-parent": "SIGKILL the process that started it (the harness, or the Ray worker of a g4h sweep task), as the "
+                   "kernel's out-of-memory killer would",
 }
 __doc__ += "\n".join(f"    {k}: {v}" for k, v in FAULTS.items()) + "\n"
 
@@ -131,6 +134,9 @@ def main() -> int:
             print("stub: fatal: simulated crash in " + op, file=sys.stderr, flush=True)
             return 3
         if fault == "hang":
+            time.sleep(3600)
+        if fault == "kill-parent":
+            os.kill(os.getppid(), signal.SIGKILL)
             time.sleep(3600)
         if fault == "wrong-id":
             req = dict(req, id=req["id"] + 7)

@@ -51,6 +51,10 @@ COMMANDS: dict[str, Command] = {
     "device-check": Command("harness.cli.device_check", "the fast path on CUDA against the reference, to JSON"),
     "device-bench": Command("harness.cli.device_bench",
                             "issue 16's GPU figures in one run: graphs, fused kernels, roofline (--smoke: on the CPU)"),
+    "sweep": Command("harness.cli.sweep", "every quantization of a model on every engine against one float64 base, "
+                     "on Ray: KLD, greedy and first-divergence per file, a report and plots"),
+    "quantize": Command("harness.cli.quantize", "make GGUF quantizations with llama.cpp's llama-quantize (built into "
+                        "the user cache), K-quants and importance-matrix types included"),
     "inspect": Command("harness.cli.inspect", "what a GGUF file or HF folder holds, its problems, and which engines "
                        "can run it"),
 }

@@ -523,3 +523,39 @@ OP_BOUNDS: dict[tuple[str, str], OpBound] = {(b.op, b.dtype): b for b in [
     OpBound("audio.attention_mask", "float32", 0.0, "a boolean mask: the twins must see exactly the same frames"),
 ]}
 """Every op-level bound of the twin test table (``tests/test_ops.py``), keyed by ``(op, dtype)``."""
+
+
+
+SWEEP_DIVERGENCE_REL_L2 = 0.1
+"""``g4h sweep``: a file's first-divergence layer is the first layer whose residual stream (``l_out``) on the trace
+prompt is farther than this from the float64 reference's on the group's base file (relative L2).
+
+Why 0.1: rounding a layer's weights to 4 bits alone moves its output by about 7 % (Q4_0 on Gaussian weights: a step
+of max|w|/8 over a block of 32, max|w| ~ 2.0 sigma, gives an error of step/sqrt(12) ~ 0.074 sigma; the K-quants'
+scales and minima do better), so a state more than 10 % off has taken more damage than one layer of 4-bit rounding
+gives: the layer where a file's error stops being rounding-sized. Measured on e4b-wide: Q8_0 never passes it (0.8 %
+at layer 0 to 2 % at the last), Q4_K_M at layer 0 (10.6 %), Q2_K at layer 0 (39 %)."""
+
+
+SWEEP_GATES: dict[str, Gate] = {g.name: g for g in [
+    Gate("sweep~engines.mean_kld", 1e-5, "le",
+         "two engines on the same file, neither rounding its activations (or a file of F32 matrices only): each "
+         "computes the file's own weights in fp32, so only fp32 rounding separates them (as engine~oracle.mean_kld: "
+         "1e-8..5e-7 measured; llama.cpp and fast on e4b-wide F32: 9.2e-7 with llama.cpp's fp16 GELU table in it); a "
+         "dequantization or formula fault in one of them moves the pair by the file's damage, 1e-3 or more"),
+    Gate("sweep~engines_bf16.mean_kld", 1e-3, "le",
+         "two engines on the same file, one computing in 16 bits (a cmd: engine's hello dtype): as "
+         "engine_bf16~oracle.mean_kld"),
+    Gate("sweep~engines_q8.mean_kld_ratio", 2.0, "le",
+         "two engines on a file with quantized or 16-bit matrices, one of which rounds the activations of those "
+         "products (llama.cpp: quantized_activations, to block_q8_0 for the legacy types and block_q8_K for K- and "
+         "i-quants, to F16/BF16 for 16-bit weights): their mean KLD over the group's 8-bit yardstick, the fast engine "
+         "with every product's input rounded the coarser way (blocks of 256: harness.sweep.tasks.sensitivity_run), "
+         "as llama.cpp does for K- and i-quants and more coarsely than for the legacy types. Measured: e4b-wide "
+         "(yardstick 5.6e-3) 0.50 (Q8_0), 0.47 (Q4_0: block_q8_0 there), 0.77..1.0 (Q6_K..Q2_K); E2B's dimensions "
+         "cut to 4 layers (5.6e-4) 0.45 (Q8_0), 0.93 (Q4_K_M), 0.92 (Q2_K); 2 leaves room for the statistics of a "
+         "short prompt set and for a file whose weights sit far from the base's; a fault in one engine moves the pair "
+         "by the file's own damage, 10 to 1000 times the yardstick on a K-quant"),
+]}
+"""The cross-engine gates of ``g4h sweep``: two engines on the same file (:mod:`harness.sweep.judge`)."""
+DEFAULT_GATES.update(SWEEP_GATES)
