@@ -112,13 +112,14 @@ class Trial:
 
 @dataclass
 class Explanation:
-    """What :func:`search` found (``status``: ``explained``, ``unexplained`` or ``nothing_to_explain``)."""
+    """What :func:`search` found (``status``: ``explained``, ``unexplained``, ``nothing_to_explain``, or ``not_run``
+    when the comparison without variants could not be made)."""
 
     status: str
     baseline: Trial
     explained_by: list[Trial] = field(default_factory=list)
     candidates: list[Trial] = field(default_factory=list)
-    sources: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # variant -> its first source (the rule's own)
     first_point: str | None = None
     singles: int = 0
     pairs: int = 0
@@ -138,13 +139,16 @@ class Explanation:
         """The one line a user acts on."""
         if self.status == "nothing_to_explain":
             return "nothing to explain: the engine agrees with the reference on these prompts"
+        if self.status == "not_run":
+            return f"not explained: the comparison itself failed ({self.baseline.error})"
         if self.status == "explained":
             best = self.explained_by[0]
             name = " + ".join(best.variants)
-            srcs = "; ".join(self.sources[v] for v in best.variants if v in self.sources)
+            srcs = "; ".join(f"{v}: {self.sources[v]}" if len(best.variants) > 1 else self.sources[v]
+                             for v in best.variants if v in self.sources)
             more = [" + ".join(t.variants) for t in self.explained_by[1:]]
             also = f"; also consistent: {', '.join(more)}" if more else ""
-            return f"explained by {name}: {self._fig(best)} (sources: {srcs}){also}"
+            return f"explained by {name}: {self._fig(best)} ({srcs}; docs/spec-variants.md){also}"
         closest = ", ".join(f"{' + '.join(t.variants)} ({self._fig(t)})" for t in self.candidates[:3])
         left = f"; {len(self.not_tried)} not tried within the {self.budget_s:g} s budget" if self.not_tried else ""
         return ("no known variant explains it" + (f"; closest: {closest}" if closest else "")
@@ -197,7 +201,9 @@ def search(measure: Callable[[tuple[Variant, ...]], Trial], variants: Iterable[V
     t0 = time.perf_counter()
     base = baseline or measure((), full=True)
     out = Explanation("nothing_to_explain", base, budget_s=budget_s)
-    if base.passed:
+    if base.error is not None:
+        out.status = "not_run"
+    if base.passed or base.error is not None:
         out.seconds = time.perf_counter() - t0
         return out
     applicable = []
@@ -251,7 +257,7 @@ def search(measure: Callable[[tuple[Variant, ...]], Trial], variants: Iterable[V
         out.candidates = sorted(singles.values(), key=_progress)
     out.status = "explained" if out.explained_by else "unexplained"
     names = {n for t in [*out.explained_by, *out.candidates[:3]] for n in t.variants}
-    out.sources = {n: v.sources_line() for v, _ in applicable for n in names if v.name == n}
+    out.sources = {v.name: v.sources[0].short() for v, _ in applicable if v.name in names}
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -392,3 +398,4 @@ def explain_text(ref: Any, observed: Sequence[Observed], pair: str, gates: Mappi
     subject = TextSubject(ref, observed, pair, gates, numerics, top_n, layer_tol)
     return search(subject.measure, family("text") if variants is None else variants, subject.subject,
                   budget_seconds(budget_s))
+

@@ -26,8 +26,8 @@ from .drafter import DRAFTER_VARIANTS
 from .mm import MM_VARIANTS
 from .text import TEXT_VARIANTS
 
-__all__ = ["ENV", "FAMILIES", "KINDS", "Patch", "Source", "VARIANTS", "Variant", "activate_from_env", "active", "conflict",
-           "family", "markdown", "parse_spec", "spec_context", "under"]
+__all__ = ["ENV", "FAMILIES", "KINDS", "Patch", "Source", "VARIANTS", "Variant", "activate_from_env", "active",
+           "conflict", "family", "markdown", "parse_spec", "spec_context", "under"]
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (*TEXT_VARIANTS, *MM_VARIANTS, *DRAFTER_VARIANTS)}
 """Every variant by name, in catalogue order (within a family: the disagreements between published
@@ -59,7 +59,8 @@ def parse_spec(text: str | Sequence[str] | None, what: str = "--spec") -> tuple[
         v = VARIANTS[n]
         clash = next((o for o in out if conflict(o, v)), None)
         if clash is not None:
-            raise InputError(f"{what} {n!r}: {'given twice' if clash.name == n else f'another form of the rule of {clash.name!r}'}")
+            why = "given twice" if clash.name == n else f"another form of the rule of {clash.name!r}"
+            raise InputError(f"{what} {n!r}: {why}")
         out.append(v)
     return tuple(out)
 
@@ -132,9 +133,11 @@ def markdown() -> str:
         lines.append("")
     for fam in FAMILIES:
         for v in family(fam):
+            doc = _cell((v.override.__doc__ or "").strip()) if v.override else ""
             lines += [f"### {v.name}", "", f"{v.kind}, {v.family}: {v.description}.", "",
-                      f"- the reference: {v.reference}", f"- followed by: {', '.join(v.followed_by) or 'none (a fault)'}",
-                      f"- override: {_override_name(v)}: {_cell((v.override.__doc__ or '').strip()) if v.override else ''}",
+                      f"- the reference: {v.reference}",
+                      f"- followed by: {', '.join(v.followed_by) or 'none (a fault)'}",
+                      f"- override: {_override_name(v)}: {doc}",
                       f"- combines with any variant outside its rule (`{v.group}`)", "- sources:"]
             lines += [f"  - {s.project} `{s.where}`: {_cell(s.says)}" for s in v.sources]
             lines.append("")

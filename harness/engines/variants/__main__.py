@@ -1,4 +1,5 @@
-"""``python -m harness.engines.variants``: print ``docs/spec-variants.md`` (:func:`harness.engines.variants.markdown`)."""
+"""``python -m harness.engines.variants``: print ``docs/spec-variants.md``
+(:func:`harness.engines.variants.markdown`)."""
 
 import sys
 

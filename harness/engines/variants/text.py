@@ -272,7 +272,8 @@ S_DONOR_JAX = Source(JAX, "gemma/gm/nn/gemma4/_config.py create_kv_cache_sharing
 S_HEAD_JAX = Source(JAX, "gemma/gm/nn/gemma4/_transformer.py Transformer.__call__; _modules.py Embedder.decode",
                     "logits = x @ input_embedding_table.T: always the embedding, no separate head")
 S_HEAD_HF = Source(HF, f"{HF_MODEL} Gemma4ForCausalLM", "lm_head, tied to embed_tokens only with tie_word_embeddings")
-S_HEAD_LC = Source(LC, f"{LC_MODEL} llama_model_gemma4::load_arch_tensors", "output.weight when present, else token_embd")
+S_HEAD_LC = Source(LC, f"{LC_MODEL} llama_model_gemma4::load_arch_tensors",
+                   "output.weight when present, else token_embd")
 S_CAP_LC = Source(LC, "src/llama-hparams.h llama_hparams; src/models/gemma4.cpp load_arch_hparams",
                   "f_final_logit_softcapping = 30.0f, the key read as optional")
 S_CAP_HF = Source(HF, f"{HF_MODEL} Gemma4ForCausalLM.forward", "softcap only when final_logit_softcapping is set")
@@ -404,8 +405,9 @@ TEXT_VARIANTS: tuple[Variant, ...] = (
     Variant("experts_swiglu", "text", "fault", "the experts gate with SiLU (SwiGLU) instead of GELU-tanh",
             "GELU-tanh", S_EXPERTS, (), "experts_act", _moe_point, (Patch(rm, "expert_ffn", experts_swiglu),), (),
             experts_swiglu),
-    Variant("ple_token_unscaled", "text", "fault", "the PLE token part is not scaled by sqrt(P)", "E_ple[ids] * sqrt(P)",
-            S_PLE, (), "ple_scale", lambda c: ("inp_per_layer", -1) if c.ple_dim else "the model has no PLE",
+    Variant("ple_token_unscaled", "text", "fault", "the PLE token part is not scaled by sqrt(P)",
+            "E_ple[ids] * sqrt(P)", S_PLE, (), "ple_scale",
+            lambda c: ("inp_per_layer", -1) if c.ple_dim else "the model has no PLE",
             (Patch(rm, "ple_token", ple_token_unscaled),), (Patch(FastModel, "ple_token", _fast_ple_token_unscaled),),
             ple_token_unscaled),
     Variant("layer_scalar_branch", "text", "fault",
