@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from reference.errors import InputError
 
@@ -12,6 +13,7 @@ from ..engines import split_engines
 from ..engines.base import TOP_N
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
+from ..parity.explain import BUDGET_ENV, budget_seconds
 from ..parity.job import run as run_parity
 from ..parity.report import junit_xml, short_table
 from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
@@ -69,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this file")
     p.add_argument("--junit-xml", default=None, metavar="FILE",
                    help="also write the results as JUnit XML (one test case per check), for a CI system")
+    p.add_argument("--explain-budget", type=float, default=None, metavar="SECONDS",
+                   help="with --model: seconds spent naming the spec variant that explains each failing pair "
+                        "(docs/spec-variants.md; default 60, 0: off)")
     p.add_argument("--regression-factor", type=float, default=10.0,
                    help="a figure this many times worse than the baseline is a regression (default 10)")
     add_scale_args(p)
@@ -96,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     if args.junit_xml:
         check_out_file(args.junit_xml)
     against = [n for text in args.against for n in split_engines(text)] if args.against else None
+    if args.explain_budget is not None:  # read by the explanation hook, in this process and in the case workers
+        os.environ[BUDGET_ENV] = str(budget_seconds(args.explain_budget))
     data, status = run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
