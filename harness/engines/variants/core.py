@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from reference.config import ModelConfig
+
+FAST = "fast.model"
+FAST_MODEL = "fast.model:FastModel"
+"""The fast twin's module and class, as :class:`Patch` targets (imported when applied)."""
 
 ENV = "G4H_SPEC"
 """Environment variable naming the variants a process runs the reference under (``--spec``): set by
@@ -57,11 +62,21 @@ class Source:
 @dataclass(frozen=True)
 class Patch:
     """One module attribute replaced while a variant is active: ``setattr(target, name, wrap(getattr(target,
-    name)))`` on entry, the original put back on exit. ``target`` is a module or a class (``FastModel``)."""
+    name)))`` on entry, the original put back on exit. ``target`` is a module or a class, or its import path as a
+    string (``"fast.model:FastModel"``), resolved when the patch is applied: the fast twin's patches import torch
+    only when the fast twin runs under a variant (a ``cmd:`` engine or the reference alone never pays for it)."""
 
     target: Any
     name: str
     wrap: Callable[[Any], Any]
+
+    def resolve(self) -> Any:
+        """The target object (a string imported: ``module`` or ``module:attribute``)."""
+        if not isinstance(self.target, str):
+            return self.target
+        module, _, attr = self.target.partition(":")
+        obj = importlib.import_module(module)
+        return getattr(obj, attr) if attr else obj
 
 
 @dataclass(frozen=True)
@@ -119,29 +134,25 @@ class Variant:
 
 
 def config_patch(transform: Callable[[ModelConfig], ModelConfig]) -> tuple[Patch, ...]:
-    """The patches that run the reference and the fast twin under ``cfg -> transform(cfg)``: a wrapper of
+    """The patch that runs the reference under ``cfg -> transform(cfg)``: a wrapper of
     :func:`reference.model.forward` (every forward of the reference engine, the multimodal reference and
-    :func:`reference.model.greedy_generate` goes through it) and of ``FastModel.__init__``."""
-    import reference.model as rm
-
+    :func:`reference.model.greedy_generate` goes through it)."""
     def forward(orig):
         def run(cfg, *a, **kw):
             return orig(transform(cfg), *a, **kw)
         return run
 
-    return (Patch(rm, "forward", forward),)
+    return (Patch("reference.model", "forward", forward),)
 
 
 def fast_config_patch(transform: Callable[[ModelConfig], ModelConfig]) -> tuple[Patch, ...]:
     """The fast twin built from ``transform(cfg)`` (``FastModel.__init__`` wrapped)."""
-    from fast.model import FastModel
-
     def init(orig):
         def build(self, cfg, *a, **kw):
             return orig(self, transform(cfg), *a, **kw)
         return build
 
-    return (Patch(FastModel, "__init__", init),)
+    return (Patch(FAST_MODEL, "__init__", init),)
 
 
 def config_variant(transform: Callable[[ModelConfig], ModelConfig], **fields: Any) -> Variant:
@@ -163,10 +174,11 @@ def applied(patches: Sequence[Patch]) -> Iterator[None]:
     saved: list[tuple[Any, str, Any]] = []
     try:
         for p in patches:
-            own = vars(p.target) if isinstance(p.target, type) else None
-            original = own.get(p.name, missing) if own is not None else getattr(p.target, p.name)
-            saved.append((p.target, p.name, original))
-            setattr(p.target, p.name, p.wrap(getattr(p.target, p.name)))
+            target = p.resolve()
+            own = vars(target) if isinstance(target, type) else None
+            original = own.get(p.name, missing) if own is not None else getattr(target, p.name)
+            saved.append((target, p.name, original))
+            setattr(target, p.name, p.wrap(getattr(target, p.name)))
         yield
     finally:
         for target, name, original in reversed(saved):

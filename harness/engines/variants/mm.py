@@ -9,13 +9,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 import reference.model as rm
-from fast.model import FastModel
 from reference.multimodal import pad_id as _pad_id
 
-from .core import Patch, Source, Variant
+from .core import FAST_MODEL, Patch, Source, Variant
 
 HF_MM = "models/gemma4/modeling_gemma4.py Gemma4Model.forward"
 SELFTEST = "harness/selftest/mutants.py"
@@ -41,6 +39,8 @@ def ple_row_zero(orig):
 def _fast_ple_row_zero(orig):
     """``FastModel.placeholders_to_pad`` setting each sequence's placeholders to 0 (the twin of
     :func:`ple_row_zero`)."""
+    import torch  # the fast twin's tensors: only when it runs under the variant
+
     def placeholders_to_pad(self, batch, ids):
         parts = []
         for i, s in enumerate(batch.seqs):
@@ -127,7 +127,7 @@ MM_VARIANTS: tuple[Variant, ...] = (
             (S_PLE_LC, S_PLE_JAX, S_PLE_HF), ("llama.cpp", "gemma 4.0.1 (JAX)"), "mm_ple_row",
             lambda c: ("inp_per_layer", -1) if c.ple_dim and _pad_id(c) != 0 else
             ("the model has no PLE" if not c.ple_dim else "pad_token_id is 0: every rule reads row 0"),
-            (Patch(rm, "pad_id", ple_row_zero),), (Patch(FastModel, "placeholders_to_pad", _fast_ple_row_zero),),
+            (Patch(rm, "pad_id", ple_row_zero),), (Patch(FAST_MODEL, "placeholders_to_pad", _fast_ple_row_zero),),
             ple_row_zero),
     Variant("mm_ple_placeholder_row", "multimodal", "fault",
             "the PLE token part at placeholders reads the placeholder id's own row", "the pad_token_id row",
@@ -135,7 +135,7 @@ MM_VARIANTS: tuple[Variant, ...] = (
                                         "the self-test's mm_ple_placeholder_id mutant")), (), "mm_ple_row",
             lambda c: ("inp_per_layer", -1) if c.ple_dim else "the model has no PLE",
             (Patch(rm, "llm_input_ids", ple_placeholder_row),),
-            (Patch(FastModel, "placeholders_to_pad", _fast_ple_placeholder_row),), ple_placeholder_row),
+            (Patch(FAST_MODEL, "placeholders_to_pad", _fast_ple_placeholder_row),), ple_placeholder_row),
     Variant("mm_soft_tokens_scaled", "multimodal", "fault", "soft tokens multiplied by sqrt(hidden) when merged",
             "soft tokens merged as the projector gives them",
             (Source("llama.cpp", "src/models/gemma4.cpp llama_model_gemma4::graph::graph",
@@ -150,7 +150,7 @@ MM_VARIANTS: tuple[Variant, ...] = (
             ("llama.cpp at text widths 1536 and 2560 (tools/mtmd/mtmd.cpp)",), "mm_mask",
             lambda c: _first_layer(c, True) if _bidir(c) else "the model attends causally already",
             (Patch(rm, "vision_blocks", image_block_causal),),
-            (Patch(FastModel, "_blocks", _fast_image_block_causal),), image_block_causal),
+            (Patch(FAST_MODEL, "_blocks", _fast_image_block_causal),), image_block_causal),
     Variant("mm_bidirectional_full_layers", "multimodal", "fault",
             "the image blocks are bidirectional on full layers too", "full layers stay causal", S_MASK, (), "mm_mask",
             lambda c: _first_layer(c, False) if _bidir(c) else "the model has no bidirectional image blocks",

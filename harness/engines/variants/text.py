@@ -16,13 +16,10 @@ import math
 
 import numpy as np
 
-import fast.model as fm
 import reference.model as rm
-from fast.model import FastModel
 from reference.config import ModelConfig
 
-from ..llamacpp.numerics import gelu_fp16_table, gelu_fp16_table_fast
-from .core import Patch, Source, Variant, config_variant, replace_layers
+from .core import FAST, FAST_MODEL, Patch, Source, Variant, config_variant, replace_layers
 
 HF = "transformers 5.23"
 LC = "llama.cpp"
@@ -163,6 +160,20 @@ def rope_freqs_ignored(cfg: ModelConfig) -> ModelConfig:
 # --------------------------------------------------------------------------- function overrides
 
 
+def gelu_table(orig):
+    """:func:`reference.model.gelu_tanh` replaced by llama.cpp's fp16 table
+    (:func:`harness.engines.llamacpp.numerics.gelu_fp16_table`)."""
+    from ..llamacpp.numerics import gelu_fp16_table  # that module imports torch: only when the variant runs
+
+    return gelu_fp16_table
+
+
+def _fast_gelu_table(orig):
+    from ..llamacpp.numerics import gelu_fp16_table_fast  # torch: only when the fast twin runs under the variant
+
+    return gelu_fp16_table_fast
+
+
 def attn_scale_head_dim(orig):
     """:func:`reference.model.attention` with q.k scaled by ``1/sqrt(head_dim)`` (the scale argument ignored)."""
     def attention(q, k, v, q_pos, k_pos, window, scale, *a, **kw):
@@ -205,8 +216,10 @@ def router_dense_input(orig):
 def _fast_route_on(norm: str):
     """``FastModel.moe_route`` fed ``rms_norm(x, norm)``."""
     def wrap(orig):
+        from fast.model import rms_norm  # the fast twin (torch): only when it runs under the variant
+
         def moe_route(self, layer, x):
-            return orig(self, layer, fm.rms_norm(x, self.w[f"blk.{layer.index}.{norm}"], self.cfg.rms_eps))
+            return orig(self, layer, rms_norm(x, self.w[f"blk.{layer.index}.{norm}"], self.cfg.rms_eps))
         return moe_route
     return wrap
 
@@ -326,13 +339,13 @@ TEXT_VARIANTS: tuple[Variant, ...] = (
             "the MoE router reads the experts' pre-normed input rms_norm(a) * pre_ffw_norm_2 (then its own RMSNorm)",
             REF_ROUTER, (S_ROUTER_JAX, S_ROUTER_HF, S_ROUTER_LC), (f"{JAX} (JAX)",), "router_input",
             _moe_point, (Patch(rm, "moe_block", router_expert_input),),
-            (Patch(FastModel, "moe_route", _fast_route_on("pre_ffw_norm_2.weight")),), router_expert_input),
+            (Patch(FAST_MODEL, "moe_route", _fast_route_on("pre_ffw_norm_2.weight")),), router_expert_input),
     Variant("router_dense_input", "text", "fault",
             "the MoE router reads the dense MLP's pre-normed input rms_norm(a) * ffn_norm", REF_ROUTER,
             (S_ROUTER_HF, S_ROUTER_LC, Source(OURS, f"{SELFTEST} RouterPrenormed",
                                               "the self-test's router_prenormed mutant")), (), "router_input",
             _moe_point, (Patch(rm, "moe_block", router_dense_input),),
-            (Patch(FastModel, "moe_route", _fast_route_on("ffn_norm.weight")),), router_dense_input),
+            (Patch(FAST_MODEL, "moe_route", _fast_route_on("ffn_norm.weight")),), router_dense_input),
     config_variant(kv_donor_position, name="kv_donor_position", family="text", kind="disagreement",
                    description="a KV-shared layer reads layer n_kv-1 (full) or n_kv-2 (sliding), by position",
                    reference="the last non-shared layer of the same type (transformers)",
@@ -358,12 +371,11 @@ TEXT_VARIANTS: tuple[Variant, ...] = (
     Variant("gelu_fp16_table", "text", "approximation",
             "every GELU is read from an fp16 table (input and result rounded to fp16)", "GELU-tanh in float64",
             (S_GELU_LC, S_GELU_HF), (f"{LC} (CPU backend)",), "gelu", _ffn_point,
-            (Patch(rm, "gelu_tanh", lambda orig: gelu_fp16_table),),
-            (Patch(fm, "gelu_tanh", lambda orig: gelu_fp16_table_fast),), gelu_fp16_table),
+            (Patch(rm, "gelu_tanh", gelu_table),), (Patch(FAST, "gelu_tanh", _fast_gelu_table),), gelu_table),
     Variant("attn_scale_head_dim", "text", "fault", "attention scores scaled by 1/sqrt(head_dim), as in Gemma 3",
             "scale 1.0", S_SCALE, (), "attn_scale",
             lambda c: ("attn_out", 0) if c.attn_scale == 1.0 else "the model already scales by 1/sqrt(head_dim)",
-            (Patch(rm, "attention", attn_scale_head_dim),), (Patch(fm, "attention", attn_scale_head_dim),),
+            (Patch(rm, "attention", attn_scale_head_dim),), (Patch(FAST, "attention", attn_scale_head_dim),),
             attn_scale_head_dim),
     config_variant(v_norm_missing, name="v_norm_missing", family="text", kind="fault",
                    description="no weightless RMSNorm on V", reference="V RMS-normalised without weight",
@@ -408,7 +420,7 @@ TEXT_VARIANTS: tuple[Variant, ...] = (
     Variant("ple_token_unscaled", "text", "fault", "the PLE token part is not scaled by sqrt(P)",
             "E_ple[ids] * sqrt(P)", S_PLE, (), "ple_scale",
             lambda c: ("inp_per_layer", -1) if c.ple_dim else "the model has no PLE",
-            (Patch(rm, "ple_token", ple_token_unscaled),), (Patch(FastModel, "ple_token", _fast_ple_token_unscaled),),
+            (Patch(rm, "ple_token", ple_token_unscaled),), (Patch(FAST_MODEL, "ple_token", _fast_ple_token_unscaled),),
             ple_token_unscaled),
     Variant("layer_scalar_branch", "text", "fault",
             "the layer scalar scales the layer's branch only, x + s (y - x), instead of the whole stream s y",
