@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clitools import run_cli
 from variant_lab import build
 
 import reference.drafter as rd
+from harness.cli import main as g4h_main
 from harness.core.cases import MODELS_DIR, PROMPTS, load_prompts
 from harness.engines.reference import ReferenceEngine
 from harness.engines.variants import VARIANTS, family, under
@@ -41,6 +41,22 @@ SINGLES = {"lab-dense": [v.name for v in family("text") if v.name not in
 PAIRS = {"lab-dense": [("window_inclusive", "head_tied"), ("kv_donor_position", "ple_token_unscaled"),
                        ("rope_freqs_ignored", "softcap_dropped")],
          "lab-moe": [("router_expert_input", "softcap_default_30")]}
+
+
+@dataclasses.dataclass
+class Ran:
+    returncode: int
+    stdout: str
+
+
+@pytest.fixture
+def g4h(capsys):
+    """``g4h ARGS`` in this process (the CLI's own code path, without a new interpreter's imports per call)."""
+    def run(*args: str) -> Ran:
+        capsys.readouterr()
+        rc = g4h_main(list(args))
+        return Ran(rc, capsys.readouterr().out)
+    return run
 
 
 def _cmd(*spec: str) -> str:
@@ -131,65 +147,65 @@ def test_the_report_says_it_in_its_first_section(runs):
     assert head.count("\n- **") == len(engines) - 1
 
 
-def test_g4h_explain_names_the_variant_and_exits_1(lab, prompts_file, tmp_path):
+def test_g4h_explain_names_the_variant_and_exits_1(g4h, lab, prompts_file, tmp_path):
     out = tmp_path / "e.json"
-    proc = run_cli("explain", "--model", str(lab["lab-moe"]), "--engine", _cmd("router_expert_input"),
+    proc = g4h("explain", "--model", str(lab["lab-moe"]), "--engine", _cmd("router_expert_input"),
                    "--prompts", str(prompts_file), "--json", str(out))
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 1, proc.stdout
     assert proc.stdout.strip().splitlines()[-1].startswith("explained by router_expert_input: max |Δlogit| ")
     e = json.loads(out.read_text())
     assert e["first_point"] == "ffn_moe@0"
     assert e["candidates"][0]["variants"] == ["router_expert_input"]
     assert set(e["not_applicable"]) >= {"head_tied", "kv_donor_position", "ple_token_unscaled"}
-    proc = run_cli("explain", "--model", str(lab["lab-moe"]), "--engine", _cmd(), "--prompts", str(prompts_file))
+    proc = g4h("explain", "--model", str(lab["lab-moe"]), "--engine", _cmd(), "--prompts", str(prompts_file))
     assert proc.returncode == 0 and "nothing to explain" in proc.stdout
 
 
-def test_g4h_explain_tol_explains_a_difference_inside_the_gates(lab, prompts_file):
+def test_g4h_explain_tol_explains_a_difference_inside_the_gates(g4h, lab, prompts_file):
     """llama.cpp's fp16 GELU table stays inside the default gates on lab-moe: nothing to explain there, and with
     --tol it is named."""
     eng = _cmd("gelu_fp16_table")
-    proc = run_cli("explain", "--model", str(lab["lab-moe"]), "--engine", eng, "--prompts", str(prompts_file))
+    proc = g4h("explain", "--model", str(lab["lab-moe"]), "--engine", eng, "--prompts", str(prompts_file))
     assert proc.returncode == 0, proc.stdout
-    proc = run_cli("explain", "--model", str(lab["lab-moe"]), "--engine", eng, "--prompts", str(prompts_file),
+    proc = g4h("explain", "--model", str(lab["lab-moe"]), "--engine", eng, "--prompts", str(prompts_file),
                    "--tol", "1e-4")
     assert proc.returncode == 1 and "explained by gelu_fp16_table" in proc.stdout, proc.stdout
 
 
-def test_an_unknown_fault_is_explained_by_no_variant(lab, prompts_file):
+def test_an_unknown_fault_is_explained_by_no_variant(g4h, lab, prompts_file):
     """Noise on one weight (cmd_stub --perturb-layer) is no known rule: the closest candidates are listed."""
-    proc = run_cli("explain", "--model", str(lab["lab-dense"]), "--engine",
+    proc = g4h("explain", "--model", str(lab["lab-dense"]), "--engine",
                    f"cmd:{sys.executable} {STUB} --perturb-layer 2", "--prompts", str(prompts_file))
     assert proc.returncode == 1
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("no known variant explains it; closest: ") and "pairs tried" in last, last
 
 
-def test_g4h_compare_and_diff_name_the_variant(lab, tmp_path):
+def test_g4h_compare_and_diff_name_the_variant(g4h, lab, tmp_path):
     model = lab["lab-dense"]
     (tmp_path / "p.json").write_text(json.dumps([2, 100, 200, 300, 17, 45, 99, 301, 302, 5, 6]))
     eng = _cmd("window_inclusive")
-    assert run_cli("logits", "--model", str(model), "--engine", eng, "--prompt-ids", str(tmp_path / "p.json"),
+    assert g4h("logits", "--model", str(model), "--engine", eng, "--prompt-ids", str(tmp_path / "p.json"),
                    "--out", str(tmp_path / "z.npy")).returncode == 0
-    proc = run_cli("compare", str(tmp_path / "z.npy"), "--against", "reference", "--model", str(model),
+    proc = g4h("compare", str(tmp_path / "z.npy"), "--against", "reference", "--model", str(model),
                    "--prompt-ids", str(tmp_path / "p.json"))
     assert proc.returncode == 1
     assert "against the reference: explained by window_inclusive: max |Δlogit|" in proc.stdout
     for side, engine in (("a", _cmd("kv_donor_position")), ("b", "reference")):
-        assert run_cli("trace", "--model", str(model), "--engine", engine, "--prompt-ids", str(tmp_path / "p.json"),
+        assert g4h("trace", "--model", str(model), "--engine", engine, "--prompt-ids", str(tmp_path / "p.json"),
                        "--out", str(tmp_path / f"{side}.jsonl"), "--dump-tensors",
                        str(tmp_path / f"{side}-t")).returncode == 0
-    proc = run_cli("diff", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--model", str(model))
+    proc = g4h("diff", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--model", str(model))
     assert proc.returncode == 1
     assert "against the reference: explained by kv_donor_position: worst rel. L2" in proc.stdout
 
 
-def test_greedy_streams_alone_are_explained(lab, prompts_file, tmp_path):
+def test_greedy_streams_alone_are_explained(g4h, lab, prompts_file, tmp_path):
     """A server gives no logits: the streams and their top-5 log-probs are enough (g4h compare on generations)."""
     gen = tmp_path / "g.jsonl"
-    assert run_cli("generate", "--model", str(lab["lab-dense"]), "--engine", _cmd("head_tied"), "--prompts",
+    assert g4h("generate", "--model", str(lab["lab-dense"]), "--engine", _cmd("head_tied"), "--prompts",
                    str(prompts_file), "--max-new-tokens", "4", "--out", str(gen)).returncode == 0
-    proc = run_cli("compare", str(gen), "--against", "reference", "--model", str(lab["lab-dense"]), "--prompts",
+    proc = g4h("compare", str(gen), "--against", "reference", "--model", str(lab["lab-dense"]), "--prompts",
                    str(prompts_file))
     assert proc.returncode == 1
     assert "explained by head_tied: max |Δlogprob|" in proc.stdout, proc.stdout
