@@ -19,19 +19,25 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from reference.errors import InputError
 
 from ..core.cases import PROMPTS, load_prompts, read_prompt_ids
 from ..core.gates import DEFAULT_GATES
 from ..core.io import write_json_atomic
 from ..engines import engine_kind, make_engine
+from ..engines.mm import ReferenceMM
 from ..engines.reference import ReferenceEngine
 from ..engines.variants import family, parse_spec
 from ..parity.checks.explain_pair import observe
 from ..parity.checks.pair import KIND_APPROXIMATIONS, NUMERICS, pair_name
 from ..parity.checks.server import load_user_prompts, with_prompt_ids
-from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, TextSubject, budget_seconds, search
+from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, Observed, TextSubject, budget_seconds, search
+from ..parity.explain_mm import MMReference, explain_mm
+from ..traces.format import TraceWriter
 from ._args import add_model_args, check_out_file, engine_options, resolve_model
+from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="judge with this max |Δlogit| and per-point relative L2 instead of the pair's gates (to "
                         "explain a difference inside them, such as llama.cpp's fp16 GELU table)")
     p.add_argument("--json", default=None, help="also write the explanation as JSON here")
+    add_mm_args(p)
 
 
 def _prompts(args: argparse.Namespace, path: Path, vocab: int) -> list[dict]:
@@ -82,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_out_file(args.json)
     budget = budget_seconds(args.explain_budget)
+    if mm_requested(args):
+        return _run_mm(args, budget)
     candidates = parse_spec(args.variants, "--variants") if args.variants else family("text")
     path = resolve_model(args.model, args.engine)
     ref = ReferenceEngine(path, cache_gb=args.ref_cache_gb, layers=args.layers)
@@ -124,6 +133,31 @@ def run(args: argparse.Namespace) -> int:
                                       "prompts": len(prompts), "failing_prompts": [o.prompt_id for o in failing],
                                       "seconds": {"engine": t_engine, "baseline": t_base, "explain": expl.seconds},
                                       **expl.as_dict()})
+    return 0 if expl.status == "nothing_to_explain" else 1
+
+
+def _run_mm(args: argparse.Namespace, budget: float) -> int:
+    """With ``--image`` / ``--audio``: the engine's logits and trace on the expanded prompt against the reference
+    decoder with the reference's soft tokens (:func:`harness.parity.explain_mm.explain_mm`)."""
+    if not args.prompt_ids:
+        raise InputError("g4h explain: --image / --audio need --prompt-ids (the prompt with one placeholder each)")
+    mm, prompt, engine = open_mm_prompt(args, read_prompt_ids(args.prompt_ids))
+    t0 = time.perf_counter()
+    w = TraceWriter(args.engine, prompt.ids, keep_tensors=True)
+    observed = [Observed(Path(args.prompt_ids).stem, list(prompt.ids),
+                         np.asarray(engine.logits(prompt, trace=w), dtype=np.float64), w.trace())]
+    t_engine = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    ref = MMReference.from_prompts(mm, [prompt], [ReferenceMM(mm).soft_tokens(prompt)])
+    t_base = time.perf_counter() - t1
+    pair = pair_name(engine_kind(args.engine))
+    pair = pair if f"{pair}.max_abs_logit" in DEFAULT_GATES else "engine~oracle"
+    variants = parse_spec(args.variants, "--variants") if args.variants else None
+    expl = explain_mm(ref, observed, pair, _gates(pair, args.tol), budget, variants)
+    _print(expl, args, pair, 1, int(expl.status != "nothing_to_explain"), t_engine, t_base)
+    if args.json:
+        write_json_atomic(args.json, {"kind": "explain", "model": str(args.model), "engine": args.engine,
+                                      "pair": pair, **expl.as_dict()})
     return 0 if expl.status == "nothing_to_explain" else 1
 
 
