@@ -298,3 +298,29 @@ def test_drafter_variants_are_explained_by_exactly_themselves():
         e = explain_drafter(d, DW, target, TW, engine([v]))
         assert [t.variants for t in e.explained_by] == [(v.name,)], (v.name, e.line())
         assert e.baseline.figures["max_abs_logit"] > 2e-2
+
+
+@pytest.mark.slow
+def test_g4h_explain_takes_images(g4h, tmp_path):
+    """``g4h explain --image``: the fast engine on the built multimodal case agrees with the reference (its soft
+    tokens and the decoder with the reference's): nothing to explain, exit 0; the merge's variants are the ones
+    considered (``not_applicable`` names them where they cannot act)."""
+    from harness.core.mm_prompts import make_image, write_png
+
+    write_png(tmp_path / "i.png", make_image(72, 120, 1))
+    (tmp_path / "p.json").write_text("[2, 10, 500, 11]")
+    proc = g4h("explain", "--model", "mm-llamacpp", "--engine", "fast", "--image", str(tmp_path / "i.png"),
+               "--prompt-ids", str(tmp_path / "p.json"), "--json", str(tmp_path / "e.json"))
+    assert proc.returncode == 0 and "nothing to explain" in proc.stdout, proc.stdout
+    assert json.loads((tmp_path / "e.json").read_text())["status"] == "nothing_to_explain"
+
+
+def test_real_llamacpp_is_explained_by_its_default_softcap(g4h, prompts_file):
+    """A real engine: llama.cpp on a model that states no final softcap (the built-in edge-no-softcap case) applies
+    its default of 30 (src/llama-hparams.h); g4h explain names that disagreement."""
+    import llama_cpp  # noqa: F401  (missing: nox -s tests installs it from the build cache)
+
+    proc = g4h("explain", "--model", "edge-no-softcap", "--engine", "llamacpp", "--prompts", str(prompts_file))
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines()[-1].startswith("explained by softcap_default_30: max |Δlogit| "), \
+        proc.stdout

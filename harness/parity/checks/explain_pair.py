@@ -23,7 +23,16 @@ from ...engines.base import TOP_N
 from ...traces.format import TraceWriter
 from ..explain import MAX_PROMPTS, Observed, budget_seconds, explain_text, judge_figures
 from ..result import Figure
-from .pair import GREEDY_NEW_TOKENS, ON_MEASURED, _approximations, _can, _emulated, _read_engine_trace, as_streams
+from .pair import (
+    GREEDY_NEW_TOKENS,
+    ON_MEASURED,
+    _approximations,
+    _can,
+    _emulated,
+    _logits_many,
+    _read_engine_trace,
+    as_streams,
+)
 
 
 def _gating_failure(f: Figure) -> bool:
@@ -48,11 +57,15 @@ def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: 
     """The engine's answers on ``prompts``: logits and its trace (a file for ``cmd:``, the callback in-process) where
     it answers them, else greedy streams of ``new_tokens`` tokens."""
     out = []
+    batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}  # llama.cpp: one worker for all
     with temp_folder("g4h-explain-") as tmp:
         for p in prompts:
             ids = list(p["prompt_ids"])
             o = Observed(str(p["id"]), ids)
-            if _can(eng, "logits"):
+            if str(p["id"]) in batch:
+                o.logits, o.trace = batch[str(p["id"])]
+                o.logits = np.asarray(o.logits, dtype=np.float64)
+            elif _can(eng, "logits"):
                 if _can(eng, "trace") and hasattr(eng, "trace_file"):
                     o.trace = _read_engine_trace(eng, p, Path(tmp))
                     if o.trace.records:  # the tensor dump into memory before the scratch folder goes
