@@ -24,6 +24,7 @@ from reference.errors import InputError
 
 from ..core.memory import failure_line, is_out_of_memory
 from ..core.workers import EngineCrashed
+from ..engines.variants import spec_context
 
 
 class Command(NamedTuple):
@@ -91,13 +92,9 @@ def _quiet_libraries() -> None:
 
 
 def _spec(text: str | None) -> contextlib.AbstractContextManager:
-    """``--spec``: the variants applied for the whole command (:func:`harness.engines.variants.spec_context`); the
-    catalogue (and torch behind its fast forms) is imported only when the option is given."""
-    if not text:
-        return contextlib.nullcontext()
-    from ..engines.variants import spec_context  # lazy: torch, only with --spec
-
-    return spec_context(text)
+    """``--spec``: the variants applied for the whole command (:func:`harness.engines.variants.spec_context`; the
+    fast forms import torch only when applied)."""
+    return spec_context(text) if text else contextlib.nullcontext()
 
 
 def _error(msg: str) -> int:

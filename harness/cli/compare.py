@@ -21,7 +21,9 @@ from reference.errors import InputError
 from ..core.cases import load_prompts, read_prompt_ids
 from ..core.io import write_json_atomic
 from ..engines import make_engine
+from ..engines.reference import ReferenceEngine
 from ..parity.compare import PRECISIONS, generation_figures, judge, load_generations, load_logits, logit_figures
+from ..parity.explain import MAX_PROMPTS, Observed, budget_seconds, explain_text
 from ..parity.report import short_table
 from ._args import add_model_args, engine_options, resolve_model
 
@@ -98,9 +100,6 @@ def run(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace, kind: str, pair: str, ours):
     """The explanation of a failing comparison (:mod:`harness.parity.explain`), against the reference of
     ``--model`` on ``--prompt-ids`` / ``--prompts``; None when those are not given or the budget is 0."""
-    from ..engines.reference import ReferenceEngine  # the variants and torch: only on a failure
-    from ..parity.explain import MAX_PROMPTS, Observed, budget_seconds, explain_text
-
     budget = budget_seconds(args.explain_budget)
     if not args.model or budget <= 0 or not (args.prompt_ids if kind == "logits" else args.prompts):
         return None

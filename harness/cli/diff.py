@@ -10,8 +10,11 @@ from reference.errors import InputError
 
 from ..core.gates import DIFF_TOL, Gate
 from ..core.io import write_json_atomic
+from ..engines.reference import ReferenceEngine
+from ..parity.explain import Observed, budget_seconds, explain_text
 from ..traces.compare import DivergenceRule, compare, render_diff
 from ..traces.format import read_trace
+from ._args import resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,10 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def explain_trace(a, model: str, tol: float, budget: float | None):
     """The spec variant under which the reference traces A's prompt as A does (:mod:`harness.parity.explain`), or
     None when the budget is 0."""
-    from ..engines.reference import ReferenceEngine  # the variants and torch: only on a divergence with --model
-    from ..parity.explain import Observed, budget_seconds, explain_text
-    from ._args import resolve_model  # the case library, to build a named case
-
     budget_s = budget_seconds(budget)
     if budget_s <= 0:
         return None

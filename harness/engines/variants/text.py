@@ -12,6 +12,7 @@ Source files, read offline: transformers ``models/gemma4/modeling_gemma4.py`` an
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import numpy as np
@@ -29,6 +30,8 @@ HF_MODEL = "models/gemma4/modeling_gemma4.py"
 LC_MODEL = "src/models/gemma4.cpp"
 JAX_MODULES = "gemma/gm/nn/gemma4/_modules.py"
 SELFTEST = "harness/selftest/mutants.py"
+NUMERICS = "harness.engines.llamacpp.numerics"
+"""llama.cpp's approximations (imported when the GELU-table variant runs: the module imports torch)."""
 
 # --------------------------------------------------------------------------- where a variant first shows
 
@@ -163,15 +166,11 @@ def rope_freqs_ignored(cfg: ModelConfig) -> ModelConfig:
 def gelu_table(orig):
     """:func:`reference.model.gelu_tanh` replaced by llama.cpp's fp16 table
     (:func:`harness.engines.llamacpp.numerics.gelu_fp16_table`)."""
-    from ..llamacpp.numerics import gelu_fp16_table  # that module imports torch: only when the variant runs
-
-    return gelu_fp16_table
+    return importlib.import_module(NUMERICS).gelu_fp16_table  # that module imports torch: only when it runs
 
 
 def _fast_gelu_table(orig):
-    from ..llamacpp.numerics import gelu_fp16_table_fast  # torch: only when the fast twin runs under the variant
-
-    return gelu_fp16_table_fast
+    return importlib.import_module(NUMERICS).gelu_fp16_table_fast
 
 
 def attn_scale_head_dim(orig):
@@ -216,7 +215,7 @@ def router_dense_input(orig):
 def _fast_route_on(norm: str):
     """``FastModel.moe_route`` fed ``rms_norm(x, norm)``."""
     def wrap(orig):
-        from fast.model import rms_norm  # the fast twin (torch): only when it runs under the variant
+        rms_norm = importlib.import_module(FAST).rms_norm  # the fast twin (torch): only when it runs under it
 
         def moe_route(self, layer, x):
             return orig(self, layer, rms_norm(x, self.w[f"blk.{layer.index}.{norm}"], self.cfg.rms_eps))
