@@ -47,6 +47,11 @@ BUDGET_ENV = "G4H_EXPLAIN_BUDGET"
 PAIR_SEEDS = 4
 """Singles carried into the pair search (the ones that got furthest)."""
 
+REFINE_RATIO = 1e-4
+"""A single variant that explains a divergence but leaves a residual above this fraction of the unexplained one
+(far above rounding: the engine is one variant off, then within the gates but still off) is tried in pairs, and a
+pair that cuts the residual tenfold is the answer (llama.cpp's fp16 GELU table beside a formula fault, say)."""
+
 MAX_PROMPTS = 3
 """Failing prompts an explanation must hold on (the shortest ones: cheapest first)."""
 
@@ -178,11 +183,13 @@ def _order(candidates: Sequence[tuple[Variant, tuple[str, int]]], first: tuple[s
 
 
 def _progress(t: Trial) -> tuple:
-    """Sort key: the trials that got furthest first (no trace point diverges, or the latest first divergence), then
-    the smallest headline residual; trials whose reference could not run last."""
+    """Sort key: the trials that got furthest first (more prompts passed, shortest first; then on the prompt that
+    failed, no trace point diverging or the latest first divergence), then the smallest headline residual; trials
+    whose reference could not run last."""
     h = t.headline()
+    passed = len(t.prompts) - (1 if t.failing else 0)
     depth = (1,) if t.first_key is None else (0, *t.first_key)
-    return (t.error is not None, tuple(-x for x in depth), h[1] if h else float("inf"))
+    return (t.error is not None, -passed, tuple(-x for x in depth), h[1] if h else float("inf"))
 
 
 def search(measure: Callable[[tuple[Variant, ...]], Trial], variants: Iterable[Variant], subject: Any,
@@ -228,8 +235,12 @@ def search(measure: Callable[[tuple[Variant, ...]], Trial], variants: Iterable[V
         singles[v.name] = measure((v,))
         out.singles += 1
     out.explained_by = [t for t in singles.values() if t.passed]
+    by_name = {v.name: v for v, _ in applicable}
+    if out.explained_by:
+        refined = _refine(measure, out, by_name, over)
+        if refined is not None:
+            out.explained_by.insert(0, refined)
     if not out.explained_by:
-        by_name = {v.name: v for v, _ in applicable}
         seeds = sorted((t for t in singles.values() if t.error is None), key=_progress)[:PAIR_SEEDS]
         tried: set[frozenset[str]] = set()
         pairs: list[Trial] = []
@@ -260,6 +271,28 @@ def search(measure: Callable[[tuple[Variant, ...]], Trial], variants: Iterable[V
     out.sources = {v.name: v.sources[0].short() for v, _ in applicable if v.name in names}
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _refine(measure, out: Explanation, by_name: dict[str, Variant], over: Callable[[], bool]) -> Trial | None:
+    """The pair of the best explaining single and another variant that cuts its residual tenfold, when the single
+    leaves more than :data:`REFINE_RATIO` of the unexplained residual (see there); None otherwise."""
+    best = min(out.explained_by, key=lambda t: t.headline()[1] if t.headline() else float("inf"))
+    h, b = best.headline(), out.baseline.headline()
+    if h is None or b is None or not h[1] > REFINE_RATIO * out.baseline.figures.get(h[0], b[1]):
+        return None
+    a = by_name[best.variants[0]]
+    for v in by_name.values():
+        if conflict(a, v):
+            continue
+        if over():
+            out.not_tried.append(f"{a.name} + {v.name}")
+            continue
+        t = measure((a, v))
+        out.pairs += 1
+        ht = t.headline()
+        if t.passed and ht is not None and ht[1] <= h[1] / 10:
+            return t
+    return None
 
 
 def _parse_point(where: str | None) -> tuple[str, int] | None:
