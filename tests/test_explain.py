@@ -24,6 +24,7 @@ from harness.cli import main as g4h_main
 from harness.core.cases import MODELS_DIR, PROMPTS, load_prompts
 from harness.engines.reference import ReferenceEngine
 from harness.engines.variants import VARIANTS, family, under
+from harness.parity.checks.server import ServerOptions
 from harness.parity.explain import Observed, Trial, search
 from harness.parity.explain_mm import DraftObserved, MMReference, explain_drafter, explain_mm
 from harness.parity.job import run as run_parity
@@ -86,7 +87,8 @@ def runs(lab, prompts_file, tmp_path_factory) -> dict[str, tuple[dict, int, list
     for name, path in lab.items():
         engines = [(), *[(v,) for v in SINGLES[name]], *PAIRS[name]]
         data, status = run_parity(models=[str(path)], against=[_cmd(*e) for e in engines], quiet=True,
-                                  out=str(tmp_path_factory.mktemp("reports")), prompts=prompts_file)
+                                  out=str(tmp_path_factory.mktemp("reports")), prompts=prompts_file,
+                                  server=ServerOptions(max_new_tokens=2))  # short greedy streams: CI time
         out[name] = (data, status, engines)
     return out
 
