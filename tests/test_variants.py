@@ -174,3 +174,11 @@ def test_multimodal_and_drafter_variants_apply_only_where_they_can(lab):
     assert VARIANTS["mm_ple_row_zero"].where(vision) == ("inp_per_layer", -1)
     assert VARIANTS["mm_bidirectional_full_layers"].where(vision) == ("attn_out", 1)
     assert VARIANTS["kv_donor_position"].why_not(ReferenceEngine(lab["lab-moe"]).cfg) == "no KV-shared layer"
+
+
+def test_the_fast_engine_refuses_a_variant_it_has_no_form_of(lab, tmp_path):
+    ids = tmp_path / "p.json"
+    ids.write_text(str(IDS))
+    proc = run_cli("logits", "--model", str(lab["lab-moe"]), "--engine", "fast", "--spec", "experts_swiglu",
+                   "--prompt-ids", str(ids), "--out", str(tmp_path / "z.npy"))
+    assert_one_line_error(proc, "--spec experts_swiglu: the fast engine has no form")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from reference.config import ModelConfig
+from reference.errors import InputError
 
 FAST = "fast.model"
 FAST_MODEL = "fast.model:FastModel"
@@ -190,11 +191,15 @@ def applied(patches: Sequence[Patch]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def under(variants: Sequence[Variant], fast: bool = True, env: bool = False) -> Iterator[None]:
-    """While inside, the reference (and with ``fast``, the fast twin where a variant has a fast form) computes
-    under ``variants``. ``env``: also name them in :data:`ENV` for worker processes (``--spec``)."""
+    """While inside, the reference (and with ``fast``, the fast twin) computes under ``variants``. With ``fast``, a
+    variant without a fast form makes the fast twin refuse to build (one line, :class:`InputError`) rather than run
+    the unmodified rule. ``env``: also name them in :data:`ENV` for worker processes (``--spec``)."""
     patches = [p for v in variants for p in v.reference_patches]
     if fast:
         patches += [p for v in variants for p in v.fast_patches]
+        missing = [v.name for v in variants if not v.fast_patches]
+        if missing:
+            patches.append(Patch(FAST_MODEL, "__init__", _refuse(missing)))
     saved_env = os.environ.get(ENV)
     if env:
         os.environ[ENV] = ",".join(v.name for v in variants)
@@ -207,6 +212,18 @@ def under(variants: Sequence[Variant], fast: bool = True, env: bool = False) -> 
                 os.environ.pop(ENV, None)
             else:
                 os.environ[ENV] = saved_env
+
+
+def _refuse(names: Sequence[str]) -> Callable[[Any], Any]:
+    """``FastModel.__init__`` refusing to build: the fast twin has no form of these variants, and running it
+    unmodified beside a reference under them would compare two different rules without saying so."""
+    def wrap(orig):
+        def init(self, *a, **kw):
+            raise InputError(f"--spec {','.join(names)}: the fast engine has no form of "
+                             f"{'this variant' if len(names) == 1 else 'these variants'} (docs/spec-variants.md: "
+                             "reference only); use the reference")
+        return init
+    return wrap
 
 
 def conflict(a: Variant, b: Variant) -> bool:
