@@ -182,3 +182,14 @@ def test_the_fast_engine_refuses_a_variant_it_has_no_form_of(lab, tmp_path):
     proc = run_cli("logits", "--model", str(lab["lab-moe"]), "--engine", "fast", "--spec", "experts_swiglu",
                    "--prompt-ids", str(ids), "--out", str(tmp_path / "z.npy"))
     assert_one_line_error(proc, "--spec experts_swiglu: the fast engine has no form")
+
+
+def test_explain_and_spec_bad_input_is_one_line(lab, tmp_path):
+    m = ["--model", str(lab["lab-moe"])]
+    for args, names in ((["explain", *m, "--explain-budget", "-1"], ("--explain-budget",)),
+                        (["explain", *m, "--variants", "router"], ("--variants 'router'",)),
+                        (["explain", *m, "--tol", "0"], ("--tol",)),
+                        (["parity", *m, "--spec", "head_tied,head_tied"], ("given twice",)),
+                        (["diff", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--spec", "x"],
+                         ("--spec 'x'",))):
+        assert_one_line_error(run_cli(*args), *names)

@@ -74,8 +74,6 @@ def _gates(pair: str, tol: float | None) -> dict:
     gates = dict(DEFAULT_GATES)
     if tol is None:
         return gates
-    if not tol > 0:
-        raise InputError(f"--tol {tol}: expected a positive number")
     why = f"--tol {tol:g} (g4h explain)"
     for metric in ("max_abs_logit", "layer_rel_l2", "max_abs_logprob"):
         name = f"{pair}.{metric}"
@@ -88,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     """Explain; print the answer; exit 0 (nothing to explain) or 1 (the engine diverges)."""
     if args.json:
         check_out_file(args.json)
+    if args.tol is not None and not args.tol > 0:
+        raise InputError(f"--tol {args.tol}: expected a positive number")
     budget = budget_seconds(args.explain_budget)
     if mm_requested(args):
         return _run_mm(args, budget)

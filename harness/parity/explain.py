@@ -202,7 +202,8 @@ def search(measure: Callable[[tuple[Variant, ...]], Trial], variants: Iterable[V
         variants: the candidates (a family of the catalogue); those that cannot change anything on ``subject``
             (its config) are left out and listed.
         subject: what :meth:`Variant.first_point` is asked about (a model config, a drafter config).
-        budget_s: seconds allowed after the baseline (the baseline always runs).
+        budget_s: seconds allowed, the baseline's included (the baseline always runs; what the budget leaves untried
+            is listed in :attr:`Explanation.not_tried`).
         baseline: the trial without variants, when already measured.
     """
     t0 = time.perf_counter()
