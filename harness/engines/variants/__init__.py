@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from typing import Iterable, Sequence
 
@@ -104,7 +105,10 @@ def _override_name(v: Variant) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """One Markdown table cell or line: whitespace collapsed, Sphinx roles dropped (``:func:`x``` -> ```x```),
+    pipes escaped, reST double backquotes as single."""
+    text = re.sub(r":\w+:`", "`", " ".join(text.split())).replace("``", "`")
+    return text.replace("|", "\\|")
 
 
 def markdown() -> str:
