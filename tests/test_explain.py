@@ -22,6 +22,7 @@ from variant_lab import build
 import reference.drafter as rd
 from harness.cli import main as g4h_main
 from harness.core.cases import MODELS_DIR, PROMPTS, load_prompts
+from harness.core.gates import DEFAULT_GATES
 from harness.engines.reference import ReferenceEngine
 from harness.engines.variants import VARIANTS, family, under
 from harness.parity.checks.server import ServerOptions
@@ -328,3 +329,20 @@ def test_real_llamacpp_is_explained_by_its_default_softcap(g4h, prompts_file):
     assert proc.returncode == 1
     assert proc.stdout.strip().splitlines()[-1].startswith("explained by softcap_default_30: max |Δlogit| "), \
         proc.stdout
+
+
+def test_the_fast_twin_follows_the_multimodal_variants_it_has_a_form_of(lab):
+    from fast.model import FastModel
+
+    mm = _mm_model(lab)
+    bound = DEFAULT_GATES["reference~fast.max_abs_logit"].limit
+    plain = {ids: mm.logits(ids) for ids in mm.injections}
+    for v in family("multimodal"):
+        if not v.has_fast:
+            continue
+        with under([v]):
+            fm = FastModel(mm.cfg, mm.W, "cpu", "float32")
+            for ids, inj in mm.injections.items():
+                want = mm.logits(ids)
+                assert np.max(np.abs(np.asarray(fm.logits(list(ids), mm=inj).double()) - want)) <= bound, v.name
+                assert np.max(np.abs(want - plain[ids])) > bound, v.name  # the variant changed something
