@@ -14,6 +14,7 @@ from ..engines.base import TOP_N
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
 from ..parity.explain import BUDGET_ENV, budget_seconds
+from ..parity.explain_report import explanation_lines
 from ..parity.job import run as run_parity
 from ..parity.report import junit_xml, short_table
 from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
@@ -112,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
                               server=ServerOptions(max_new_tokens=args.max_new_tokens, top_n=args.top_n,
                                                    batch_requests=args.batch_requests, concurrency=args.concurrency))
     print(short_table(data))
+    for line in explanation_lines(data):  # why a failing pair diverges: the report's first section, here too
+        print(line.replace("**", ""))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))
     _print_baseline(data, args.write_baseline)
