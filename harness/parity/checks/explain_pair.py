@@ -105,8 +105,13 @@ def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Seq
                                        f"again ({str(e).splitlines()[0] if str(e) else type(e).__name__})"}
         return
     approx = _emulated(_approximations(eng, kind))
-    expl = explain_text(runs.ref, observed, pair, DEFAULT_GATES, numerics=lambda: runs.numerics(approx),
-                        budget_s=budget, top_n=TOP_N)
+    try:
+        expl = explain_text(runs.ref, observed, pair, DEFAULT_GATES, numerics=lambda: runs.numerics(approx),
+                            budget_s=budget, top_n=TOP_N)
+    except Exception as e:  # the explanation is a hint beside the pair's figures: it never takes them down
+        first.detail["explanation"] = {"status": "not_run", "line": f"not explained: {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0] if str(e) else ''}"}
+        return
     first.detail["explanation"] = expl.as_dict()
     progress(f"[{case}] {pair}: {expl.line()} ({expl.seconds:.1f} s)")
 
