@@ -85,15 +85,15 @@ def run(args: argparse.Namespace) -> int:
     print(short_table(data))
     if args.json:
         write_json_atomic(args.json, data)
-    fault = next((c.get("first_fault") for c in res.checks if c.get("first_fault")), None)
-    print(("PASS: every gate passed" if status == 0 else "FAIL: " + ", ".join(
-        c["gate"] for c in res.checks if not c["pass"] and not c.get("informational"))
-        + (f"; first fault: {fault}" if fault else "")) + f" ({kind}, {args.precision})", file=sys.stdout)
-    if status and expl is not None:
+    if status and expl is not None:  # the explanation, then the verdict as the last line
         print(f"against the reference: {expl.line()}", file=sys.stdout)
     elif status:
         need = "--prompt-ids" if kind == "logits" else "--prompts"
         print(f"(give --model and {need} to name the spec variant that explains it; or g4h explain)", file=sys.stdout)
+    fault = next((c.get("first_fault") for c in res.checks if c.get("first_fault")), None)
+    print(("PASS: every gate passed" if status == 0 else "FAIL: " + ", ".join(
+        c["gate"] for c in res.checks if not c["pass"] and not c.get("informational"))
+        + (f"; first fault: {fault}" if fault else "")) + f" ({kind}, {args.precision})", file=sys.stdout)
     return status
 
 
