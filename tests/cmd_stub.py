@@ -3,12 +3,15 @@ protocol, with every fault the harness must name on request.
 
     python tests/cmd_stub.py [--fault KIND [--fault-op OP] [--fault-after N]] [--perturb-layer L] [--perturb X]
                               [--dtype D] [--approx A] [--no-tensors] [--linger]
+                              [--spec VARIANT[,VARIANT]]
 
 It answers ``hello``, ``logits`` (float32 ``.npy``), ``generate``, ``trace`` (a ``g4h-trace`` file, with the
 tensors unless ``--no-tensors``) and ``tokenize`` (one id per byte, a stand-in). ``--perturb-layer L`` adds
 noise to ``blk.L.ffn_down.weight`` (the first trace point to move is that layer's ``ffn_out``). ``--perturb X``
 adds ``X`` to the logits of every odd token id (``logits``) and to every log-prob ``generate`` reports (an engine
-whose numbers are off by ``X``). Faults (:data:`FAULTS`), applied to the first ``--fault-op`` request (default
+whose numbers are off by ``X``). ``--spec`` runs the reference under spec variants
+(:mod:`harness.engines.variants`): an engine that follows another implementation's rule, or makes a known fault, in
+every answer (logits, generate, trace). Faults (:data:`FAULTS`), applied to the first ``--fault-op`` request (default
 ``logits``; ``any``: every request but ``hello``) after ``--fault-after N`` of them were answered (default 0; ``die``
 with ``--fault-op any --fault-after N``: an engine that crashes after N requests):
 """
@@ -27,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, wherever the test runs from
 from harness.engines.reference import ReferenceEngine  # noqa: E402
+from harness.engines.variants import parse_spec, under  # noqa: E402
 from harness.traces.format import TraceWriter  # noqa: E402
 
 FAULTS = {
@@ -109,7 +113,14 @@ def main() -> int:
     p.add_argument("--approx", action="append", default=[], help="declare this approximation in hello")
     p.add_argument("--no-tensors", action="store_true")
     p.add_argument("--linger", action="store_true", help="do not exit when stdin closes (sleep an hour)")
+    p.add_argument("--spec", default=None, help="run the reference under these spec variants (comma list)")
     a = p.parse_args()
+    with under(parse_spec(a.spec), fast=False):
+        return serve(a)
+
+
+def serve(a: argparse.Namespace) -> int:
+    """Answer the requests on stdin until it closes (see the module docstring)."""
     proto = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
     os.dup2(2, 1)
     ref = None

@@ -18,6 +18,7 @@ or memory exhausted; 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -27,6 +28,7 @@ from reference.errors import InputError
 
 from ..core.memory import failure_line, is_out_of_memory
 from ..core.workers import EngineFailure
+from ..engines.variants import spec_context
 
 
 class Command(NamedTuple):
@@ -45,6 +47,8 @@ COMMANDS: dict[str, Command] = {
     "selftest": Command("harness.cli.selftest", "inject known faults into a copy of the fast path; check they are caught"),
     "bench": Command("harness.cli.bench", "throughput (pp/tg tokens/s, batch and depth sweep, roofline share)"),
     "compare": Command("harness.cli.compare", "compare logits (.npy) or greedy outputs (.jsonl) an engine wrote"),
+    "explain": Command("harness.cli.explain", "name the spec variant (docs/spec-variants.md) that explains where an "
+                       "engine diverges"),
     "tokenize": Command("harness.cli.tokenize", "token ids of each line of a text file, to JSONL"),
     "tokcheck": Command("harness.cli.tokcheck", "texts whose token ids differ between two tokenizer engines"),
     "synth": Command("harness.cli.synth", "build synthetic cases (HF safetensors + GGUFs) and print their paths"),
@@ -70,6 +74,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:
             module = importlib.import_module(cmd.module)
             module.add_arguments(sp)
+            sp.add_argument("--spec", default=None, metavar="VARIANT[,VARIANT]",
+                            help="run the reference (and the fast engine, where the variant has a fast form) under "
+                                 "these spec variants: another implementation's rule or a known fault "
+                                 "(docs/spec-variants.md)")
             sp.set_defaults(func=module.run)
     return p
 
@@ -91,6 +99,12 @@ def _quiet_libraries() -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def _spec(text: str | None) -> contextlib.AbstractContextManager:
+    """``--spec``: the variants applied for the whole command (:func:`harness.engines.variants.spec_context`; the
+    fast forms import torch only when applied)."""
+    return spec_context(text) if text else contextlib.nullcontext()
+
+
 def _error(msg: str) -> int:
     print(f"g4h: error: {msg}", file=sys.stderr)
     return 2
@@ -103,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     try:
         _quiet_libraries()
-        return args.func(args)
+        with _spec(getattr(args, "spec", None)):
+            return args.func(args)
     except InputError as e:
         return _error(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except EngineFailure as e:  # the engine under test is wrong (crashed, broke its protocol): one line, exit 1

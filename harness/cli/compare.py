@@ -21,7 +21,9 @@ from reference.errors import InputError
 from ..core.cases import load_prompts, read_prompt_ids
 from ..core.io import write_json_atomic
 from ..engines import make_engine
+from ..engines.reference import ReferenceEngine
 from ..parity.compare import PRECISIONS, generation_figures, judge, load_generations, load_logits, logit_figures
+from ..parity.explain import MAX_PROMPTS, Observed, budget_seconds, explain_text
 from ..parity.report import short_table
 from ._args import add_model_args, engine_options, resolve_model
 
@@ -38,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which gates judge the engine: fp32 (engine~oracle) or bf16 (engine_bf16~oracle)")
     p.add_argument("--top-n", type=int, default=5, help="vLLM's rule: each side's token in the other's top-N")
     p.add_argument("--json", default=None, help="also write the result as JSON here")
+    p.add_argument("--explain-budget", type=float, default=None, metavar="SECONDS",
+                   help="on a failure, with --model and --prompt-ids (logits) or --prompts (generations): seconds "
+                        "spent naming the spec variant that explains it (docs/spec-variants.md; default 60, 0: off)")
 
 
 def _oracle_side(args: argparse.Namespace, kind: str, n_new: int | None):
@@ -74,11 +79,36 @@ def run(args: argparse.Namespace) -> int:
     res = judge(figures, Path(args.ours).name, str(args.oracle or f"{args.against}:{args.model}"))
     status = 0 if res.passed else 1
     data = {"kind": "compare", "status": status, "cases": [res.__dict__]}
+    expl = _explain(args, kind, pair, ours) if status else None
+    if expl is not None:
+        data["explanation"] = expl.as_dict()
     print(short_table(data))
     if args.json:
         write_json_atomic(args.json, data)
+    if status and expl is not None:  # the explanation, then the verdict as the last line
+        print(f"against the reference: {expl.line()}", file=sys.stdout)
+    elif status:
+        need = "--prompt-ids" if kind == "logits" else "--prompts"
+        print(f"(give --model and {need} to name the spec variant that explains it; or g4h explain)", file=sys.stdout)
     fault = next((c.get("first_fault") for c in res.checks if c.get("first_fault")), None)
     print(("PASS: every gate passed" if status == 0 else "FAIL: " + ", ".join(
         c["gate"] for c in res.checks if not c["pass"] and not c.get("informational"))
         + (f"; first fault: {fault}" if fault else "")) + f" ({kind}, {args.precision})", file=sys.stdout)
     return status
+
+
+def _explain(args: argparse.Namespace, kind: str, pair: str, ours):
+    """The explanation of a failing comparison (:mod:`harness.parity.explain`), against the reference of
+    ``--model`` on ``--prompt-ids`` / ``--prompts``; None when those are not given or the budget is 0."""
+    budget = budget_seconds(args.explain_budget)
+    if not args.model or budget <= 0 or not (args.prompt_ids if kind == "logits" else args.prompts):
+        return None
+    ref = ReferenceEngine(resolve_model(args.model, "reference"), cache_gb=args.ref_cache_gb, layers=args.layers)
+    if kind == "logits":
+        ids = read_prompt_ids(args.prompt_ids)
+        observed = [Observed(Path(args.prompt_ids).stem, list(ids), logits=ours)]
+    else:
+        prompts = {str(p["id"]): list(p["prompt_ids"]) for p in load_prompts(Path(args.prompts))}
+        observed = sorted((Observed(rid, prompts[rid], stream=s) for rid, s in ours.items() if rid in prompts),
+                          key=lambda o: len(o.ids))[:MAX_PROMPTS]
+    return explain_text(ref, observed, pair, budget_s=budget, top_n=args.top_n)

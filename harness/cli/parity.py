@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from reference.errors import InputError
 
@@ -13,6 +14,8 @@ from ..engines.base import TOP_N
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
 from ..parity.job import QUICK_LEAVES_OUT, QUICK_NEW_TOKENS, QUICK_PROMPTS, QUICK_SERVER_REQUESTS
+from ..parity.explain import BUDGET_ENV, budget_seconds
+from ..parity.explain_report import explanation_lines
 from ..parity.job import run as run_parity
 from ..parity.report import junit_xml, short_table
 from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
@@ -78,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this file")
     p.add_argument("--junit-xml", default=None, metavar="FILE",
                    help="also write the results as JUnit XML (one test case per check), for a CI system")
+    p.add_argument("--explain-budget", type=float, default=None, metavar="SECONDS",
+                   help="with --model: seconds spent naming the spec variant that explains each failing pair "
+                        "(docs/spec-variants.md; default 60, 0: off)")
     p.add_argument("--regression-factor", type=float, default=10.0,
                    help="a figure this many times worse than the baseline is a regression (default 10)")
     add_scale_args(p)
@@ -110,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     def pick(given, full, fast):
         return given if given is not None else (fast if quick else full)
 
+    if args.explain_budget is not None:  # read by the explanation hook, in this process and in the case workers
+        os.environ[BUDGET_ENV] = str(budget_seconds(args.explain_budget))
     data, status = run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
@@ -122,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
                                   batch_requests=pick(args.batch_requests, 16, QUICK_SERVER_REQUESTS),
                                   concurrency=pick(args.concurrency, 8, QUICK_SERVER_REQUESTS)))
     print(short_table(data))
+    for line in explanation_lines(data):  # why a failing pair diverges: the report's first section, here too
+        print(line.replace("**", ""))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))
     _print_baseline(data, args.write_baseline)

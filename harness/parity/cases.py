@@ -38,6 +38,7 @@ from ..engines.mm import ReferenceMM
 from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
+from .checks import explain_pair  # noqa: F401 (registers the explanation of a failing pair: pair.ON_MEASURED)
 from .checks.drafter import drafter_checks, llamacpp_drafter_checks
 from .checks.fast import fast_checks, fast_packed_checks
 from .checks.gemma3_real import gemma3_figures, run_gemma3_real

@@ -39,6 +39,7 @@ from ..core.cases import PROMPTS, builtin_specs, load_prompts
 from ..core.io import staged_run_dir, write_json_atomic
 from ..core.paths import cache_root
 from ..engines import check_engine_name
+from ..engines.variants import activate_from_env, active
 from ..synth.mm_case import builtin_mm_specs
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
@@ -226,6 +227,7 @@ def _thread_env(threads: int) -> Iterator[None]:
 
 def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
+    activate_from_env()  # the parent's --spec: the reference under the same variants
 
 
 def _run_planned(plan_args: dict[str, Any], index: int) -> CaseResult:
@@ -449,7 +451,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     status = exit_status(results)
     data = {"version": RESULTS_VERSION, "kind": "parity",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "seconds": time.perf_counter() - t0, "status": status, "cases": [r.__dict__ for r in results]}
+            "seconds": time.perf_counter() - t0, "status": status, "cases": [r.__dict__ for r in results],
+            **({"spec": list(active())} if active() else {})}
     if base is not None:
         data["baseline"] = compare_to_baseline(data, base, str(baseline), regression_factor)
         if data["baseline"]["regressions"] and status == 0:

@@ -38,6 +38,7 @@ from ..core.io import dataframe_markdown, write_bytes_atomic, write_json_atomic,
 from ..core.metrics import KLD_HIST_FLOOR_LOG10
 from .baseline import baseline_section
 from .checks.server import report_lines as server_report_lines
+from .explain_report import explanation_lines
 
 LAYER_POINT = "l_out"
 """The trace point whose per-layer error the plots show (each layer's output)."""
@@ -399,6 +400,7 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
         status[1] += f" or a figure regressed against the baseline ({len(data['baseline']['regressions'])})"
     head = data.get("verdict") or f"{status[data['status']]} ({len(data['cases'])} cases)"
     lines = ["# Parity report", "", f"**{head}** (created {data['created_utc']})", ""]
+    lines += explanation_lines(data)  # why a failing pair diverges (spec variants), one line each
     lines += [_table(summarize(data), ["case", "gate", "worst", "limit", "result", "note"], right=["worst"]), ""]
     lines += baseline_section(data)  # empty without --baseline
     failing = [c for c in data["cases"]

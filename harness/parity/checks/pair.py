@@ -76,6 +76,11 @@ EXTRA_CHECKS: dict[str, Callable[..., list[Figure]]] = {}
 engine, run after the common ones (their gates must exist); ``extra`` is :func:`pair_checks`' ``extra``. Filled by
 the module of those checks (:mod:`.server` registers ``openai``)."""
 
+ON_MEASURED: list[Callable[..., None]] = []
+"""Called once a pair's figures are measured, with the engine still open: ``fn(runs, eng, kind, pair, prompts,
+figures, progress, case)`` may add detail to ``figures`` (:mod:`.explain_pair` names the spec variant that explains a
+failing pair). Filled by the module of the hook."""
+
 
 ORACLES = ("reference", "fast")
 """What ``g4h parity --oracle`` may name: the float64 reference (the default), or the fast engine in fp32 (much
@@ -235,6 +240,8 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
     try:
         _measure(runs, eng, kind, pair, prompts, progress, case,
                  int(getattr(extra, "max_new_tokens", GREEDY_NEW_TOKENS)), int(getattr(extra, "top_n", TOP_N)), out)
+        for hook in ON_MEASURED:
+            hook(runs, eng, kind, pair, prompts, out, progress, case)
         if kind in EXTRA_CHECKS:
             out += EXTRA_CHECKS[kind](eng, runs, prompts, pair, progress, extra)
     except EngineUnavailable as e:

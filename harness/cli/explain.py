@@ -1,0 +1,179 @@
+"""``g4h explain --model M --engine E``: compare an engine with the reference and, where it diverges, name the spec
+variant (``docs/spec-variants.md``) that makes the reference agree with it (:mod:`harness.parity.explain`).
+
+::
+
+    g4h explain --model m.gguf --engine "cmd:./my-engine" [--prompts P.jsonl | --prompt-ids P.json]
+                [--explain-budget S] [--variants a,b,...] [--tol X] [--json OUT]
+
+Exit 0 when the engine agrees with the reference on every prompt (nothing to explain), 1 when it diverges (explained
+or not: the engine still computes something else than the reference), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from reference.errors import InputError
+
+from ..core.cases import PROMPTS, load_prompts, read_prompt_ids
+from ..core.gates import DEFAULT_GATES
+from ..core.io import write_json_atomic
+from ..engines import engine_kind, make_engine
+from ..engines.mm import ReferenceMM
+from ..engines.reference import ReferenceEngine
+from ..engines.variants import family, parse_spec
+from ..parity.checks.explain_pair import observe
+from ..parity.checks.pair import KIND_APPROXIMATIONS, NUMERICS, pair_name
+from ..parity.checks.server import load_user_prompts, with_prompt_ids
+from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, Observed, TextSubject, budget_seconds, search
+from ..parity.explain_mm import MMReference, explain_mm
+from ..traces.format import TraceWriter
+from ._args import add_model_args, check_out_file, engine_options, resolve_model
+from ._mm import add_mm_args, mm_requested, open_mm_prompt
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``g4h explain``."""
+    add_model_args(p, default_engine="fast")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help='prompts, {"prompt_ids": [...]} or {"text": "..."} a line (default: '
+                        "cases/prompts/synthetic.jsonl within the model's vocabulary)")
+    p.add_argument("--prompt-ids", default=None, metavar="FILE.json", help="one prompt: a JSON list of token ids")
+    p.add_argument("--explain-budget", type=float, default=None, metavar="SECONDS",
+                   help="seconds the search may take after the baseline (default 60)")
+    p.add_argument("--variants", default=None, metavar="NAME[,NAME...]",
+                   help="try only these variants (default: every text variant of docs/spec-variants.md)")
+    p.add_argument("--tol", type=float, default=None, metavar="X",
+                   help="judge with this max |Δlogit| and per-point relative L2 instead of the pair's gates (to "
+                        "explain a difference inside them, such as llama.cpp's fp16 GELU table)")
+    p.add_argument("--json", default=None, help="also write the explanation as JSON here")
+    add_mm_args(p)
+
+
+def _prompts(args: argparse.Namespace, path: Path, vocab: int) -> list[dict]:
+    if args.prompt_ids and args.prompts:
+        raise InputError("g4h explain: give --prompts or --prompt-ids, not both")
+    if args.prompt_ids:
+        return [{"id": Path(args.prompt_ids).stem, "prompt_ids": read_prompt_ids(args.prompt_ids)}]
+    prompts = with_prompt_ids(load_user_prompts(args.prompts), path) if args.prompts else load_prompts(PROMPTS)
+    usable = [p for p in prompts if max(p["prompt_ids"]) < vocab]
+    if not usable:
+        raise InputError(f"{args.prompts or PROMPTS}: no prompt within the model's vocabulary of {vocab}")
+    return usable
+
+
+def _gates(pair: str, tol: float | None) -> dict:
+    gates = dict(DEFAULT_GATES)
+    if tol is None:
+        return gates
+    why = f"--tol {tol:g} (g4h explain)"
+    for metric in ("max_abs_logit", "layer_rel_l2", "max_abs_logprob"):
+        name = f"{pair}.{metric}"
+        if name in gates:
+            gates[name] = dataclasses.replace(gates[name], limit=tol, reason=why, informational=False)
+    return gates
+
+
+def run(args: argparse.Namespace) -> int:
+    """Explain; print the answer; exit 0 (nothing to explain) or 1 (the engine diverges)."""
+    if args.json:
+        check_out_file(args.json)
+    if args.tol is not None and not args.tol > 0:
+        raise InputError(f"--tol {args.tol}: expected a positive number")
+    budget = budget_seconds(args.explain_budget)
+    if mm_requested(args):
+        return _run_mm(args, budget)
+    candidates = parse_spec(args.variants, "--variants") if args.variants else family("text")
+    path = resolve_model(args.model, args.engine)
+    ref = ReferenceEngine(path, cache_gb=args.ref_cache_gb, layers=args.layers)
+    prompts = _prompts(args, Path(path), ref.cfg.vocab_size)
+    kind = engine_kind(args.engine)
+    t0 = time.perf_counter()
+    eng = make_engine(args.engine, path, **engine_options(args))
+    try:
+        pair = pair_name(kind, getattr(eng, "dtype", None) if kind != "fast" else None)
+        if f"{pair}.max_abs_logit" not in DEFAULT_GATES:
+            pair = "engine~oracle"
+        observed = observe(eng, kind, prompts)
+    finally:
+        close = getattr(eng, "close", None)
+        if close is not None:
+            close()
+    t_engine = time.perf_counter() - t0
+    approx = tuple(a for a in (getattr(eng, "approximations", None) or KIND_APPROXIMATIONS.get(kind, ()))
+                   if a in NUMERICS)
+
+    def numerics() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for a in approx:
+            stack.enter_context(NUMERICS[a]())
+        return stack
+
+    gates = _gates(pair, args.tol)
+    t1 = time.perf_counter()
+    per_prompt = {o.prompt_id: TextSubject(ref, [o], pair, gates, numerics).measure(()) for o in observed}
+    failing = sorted((o for o in observed if not per_prompt[o.prompt_id].passed), key=lambda o: len(o.ids))
+    t_base = time.perf_counter() - t1
+    if failing:
+        subject = TextSubject(ref, failing[:MAX_PROMPTS], pair, gates, numerics)
+        expl = search(subject.measure, candidates, ref.cfg, budget)
+    else:
+        expl = Explanation("nothing_to_explain", next(iter(per_prompt.values())), budget_s=budget)
+    _print(expl, args, pair, len(prompts), len(failing), t_engine, t_base)
+    if args.json:
+        write_json_atomic(args.json, {"kind": "explain", "model": str(path), "engine": args.engine, "pair": pair,
+                                      "prompts": len(prompts), "failing_prompts": [o.prompt_id for o in failing],
+                                      "seconds": {"engine": t_engine, "baseline": t_base, "explain": expl.seconds},
+                                      **expl.as_dict()})
+    return 0 if expl.status == "nothing_to_explain" else 1
+
+
+def _run_mm(args: argparse.Namespace, budget: float) -> int:
+    """With ``--image`` / ``--audio``: the engine's logits and trace on the expanded prompt against the reference
+    decoder with the reference's soft tokens (:func:`harness.parity.explain_mm.explain_mm`)."""
+    if not args.prompt_ids:
+        raise InputError("g4h explain: --image / --audio need --prompt-ids (the prompt with one placeholder each)")
+    mm, prompt, engine = open_mm_prompt(args, read_prompt_ids(args.prompt_ids))
+    t0 = time.perf_counter()
+    w = TraceWriter(args.engine, prompt.ids, keep_tensors=True)
+    observed = [Observed(Path(args.prompt_ids).stem, list(prompt.ids),
+                         np.asarray(engine.logits(prompt, trace=w), dtype=np.float64), w.trace())]
+    t_engine = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    ref = MMReference.from_prompts(mm, [prompt], [ReferenceMM(mm).soft_tokens(prompt)])
+    t_base = time.perf_counter() - t1
+    pair = pair_name(engine_kind(args.engine))
+    pair = pair if f"{pair}.max_abs_logit" in DEFAULT_GATES else "engine~oracle"
+    variants = parse_spec(args.variants, "--variants") if args.variants else None
+    expl = explain_mm(ref, observed, pair, _gates(pair, args.tol), budget, variants)
+    _print(expl, args, pair, 1, int(expl.status != "nothing_to_explain"), t_engine, t_base)
+    if args.json:
+        write_json_atomic(args.json, {"kind": "explain", "model": str(args.model), "engine": args.engine,
+                                      "pair": pair, **expl.as_dict()})
+    return 0 if expl.status == "nothing_to_explain" else 1
+
+
+def _print(expl, args, pair: str, n_prompts: int, n_failing: int, t_engine: float, t_base: float) -> None:
+    out = sys.stdout
+    print(f"g4h explain: {args.engine} on {args.model} ({pair}): {n_failing} of {n_prompts} prompts diverge", file=out)
+    if expl.status != "nothing_to_explain":
+        print(f"  first diverging point: {expl.first_point or 'none traced'}", file=out)
+        shown = [*expl.explained_by, *[t for t in expl.candidates if not t.passed]][:8]
+        for t in shown:
+            h = t.headline()
+            fig = f"{LABELS[h[0]]} {h[1]:.3g}" if h else ""
+            print(f"  {'EXPLAINS' if t.passed else 'no      '} {' + '.join(t.variants):45s} {fig:28s} "
+                  f"first divergence {t.first_divergence or 'none'}" + (f" ({t.error})" if t.error else ""), file=out)
+        if expl.not_applicable:
+            print(f"  not applicable to this model: {', '.join(sorted(expl.not_applicable))}", file=out)
+    print(f"  time: engine {t_engine:.2f} s, the reference on every prompt {t_base:.2f} s, explaining "
+          f"{expl.seconds:.2f} s ({expl.singles} variants, {expl.pairs} pairs tried)", file=out)
+    print(expl.line(), file=out)

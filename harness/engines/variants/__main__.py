@@ -1,0 +1,8 @@
+"""``python -m harness.engines.variants``: print ``docs/spec-variants.md``
+(:func:`harness.engines.variants.markdown`)."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,119 @@
+"""The parity job's explanation of a failing pair (``g4h parity --model M --against E``): once the pair's figures are
+measured and one fails its gate, the engine is asked again for its answers on the (at most
+:data:`harness.parity.explain.MAX_PROMPTS`) shortest failing prompts: logits and a trace where it gives them, greedy
+streams otherwise (a server). :func:`harness.parity.explain.explain_text` re-runs the float64 reference under the
+spec variants (:mod:`harness.engines.variants`) within the budget (``--explain-budget``), and the result goes into the
+first failing figure's ``explanation`` (``results.json``; the report's first section quotes its line).
+
+Registered in :data:`harness.parity.checks.pair.ON_MEASURED` on import (:mod:`harness.parity.cases` imports it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from reference.errors import InputError
+
+from ...core.gates import DEFAULT_GATES
+from ...core.workers import EngineCrashed, temp_folder
+from ...engines.base import TOP_N
+from ...traces.format import TraceWriter
+from ..explain import MAX_PROMPTS, Observed, budget_seconds, explain_text, judge_figures
+from ..result import Figure
+from .pair import (
+    GREEDY_NEW_TOKENS,
+    ON_MEASURED,
+    _approximations,
+    _can,
+    _emulated,
+    _logits_many,
+    _read_engine_trace,
+    as_streams,
+)
+
+
+def _gating_failure(f: Figure) -> bool:
+    """Whether ``f`` fails its default gate and counts (not made informational by the pair, as a quantized file's
+    figures of an engine with ``quantized_activations`` are)."""
+    return "informational_reason" not in f.detail and bool(judge_figures([f], DEFAULT_GATES))
+
+
+def failing_prompts(figures: Sequence[Figure], prompts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The prompts of the figures that fail their default gate, shortest first, at most
+    :data:`~harness.parity.explain.MAX_PROMPTS`; every prompt when only a figure over all of them fails (greedy)."""
+    failing = [f for f in figures if _gating_failure(f)]
+    if not failing:
+        return []
+    ids = {str(f.prompt) for f in failing if f.prompt is not None}
+    chosen = [p for p in prompts if str(p["id"]) in ids] or list(prompts)
+    return sorted(chosen, key=lambda p: len(p["prompt_ids"]))[:MAX_PROMPTS]
+
+
+def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: int = GREEDY_NEW_TOKENS,
+            top_n: int = TOP_N) -> list[Observed]:
+    """The engine's answers on ``prompts``: logits and its trace (a file for ``cmd:``, the callback in-process) where
+    it answers them, else greedy streams of ``new_tokens`` tokens."""
+    out = []
+    batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}  # llama.cpp: one worker for all
+    with temp_folder("g4h-explain-") as tmp:
+        for p in prompts:
+            ids = list(p["prompt_ids"])
+            o = Observed(str(p["id"]), ids)
+            if str(p["id"]) in batch:
+                o.logits, o.trace = batch[str(p["id"])]
+                o.logits = np.asarray(o.logits, dtype=np.float64)
+            elif _can(eng, "logits"):
+                if _can(eng, "trace") and hasattr(eng, "trace_file"):
+                    o.trace = _read_engine_trace(eng, p, Path(tmp))
+                    if o.trace.records:  # the tensor dump into memory before the scratch folder goes
+                        o.trace.tensor(o.trace.records[0]["point"], int(o.trace.records[0]["layer"]))
+                    o.logits = eng.logits(ids)
+                elif _can(eng, "trace"):
+                    w = TraceWriter(kind, ids, keep_tensors=True)
+                    o.logits = eng.logits(ids, trace=w)
+                    o.trace = w.trace()
+                else:
+                    o.logits = eng.logits(ids)
+                o.logits = np.asarray(o.logits, dtype=np.float64)
+            elif _can(eng, "generate"):
+                g = eng.generate_full([ids], new_tokens, top_n=top_n)
+                o.stream = as_streams([p], g)[str(p["id"])]
+            out.append(o)
+    return out
+
+
+def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
+                         figures: list[Figure], progress, case: str) -> None:
+    """When one of ``figures`` fails: the explanation (module docstring) into the first failing figure's detail.
+
+    An engine that fails while asked again (it crashed, broke the protocol) leaves ``explanation`` saying so;
+    the pair's own figures already say what went wrong.
+    """
+    budget = budget_seconds()
+    chosen = failing_prompts(figures, prompts)
+    if budget <= 0 or not chosen:
+        return
+    first = next(f for f in figures if _gating_failure(f))
+    progress(f"[{case}] {pair} failed: trying the spec variants on {len(chosen)} prompt(s) (budget {budget:g} s)")
+    try:
+        observed = observe(eng, kind, chosen)
+    except (EngineCrashed, InputError) as e:
+        first.detail["explanation"] = {"status": "not_run", "line": f"not explained: the engine failed when asked "
+                                       f"again ({str(e).splitlines()[0] if str(e) else type(e).__name__})"}
+        return
+    approx = _emulated(_approximations(eng, kind))
+    try:
+        expl = explain_text(runs.ref, observed, pair, DEFAULT_GATES, numerics=lambda: runs.numerics(approx),
+                            budget_s=budget, top_n=TOP_N)
+    except Exception as e:  # the explanation is a hint beside the pair's figures: it never takes them down
+        first.detail["explanation"] = {"status": "not_run", "line": f"not explained: {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0] if str(e) else ''}"}
+        return
+    first.detail["explanation"] = expl.as_dict()
+    progress(f"[{case}] {pair}: {expl.line()} ({expl.seconds:.1f} s)")
+
+
+ON_MEASURED.append(explain_failing_pair)

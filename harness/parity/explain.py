@@ -1,0 +1,435 @@
+"""Explaining a divergence: re-run the reference under the known spec variants and name the one that makes a failing
+engine agree (``docs/design.md``, "Explaining a divergence"; the catalogue is :mod:`harness.engines.variants`).
+
+A *subject* is what the engine under test answered, kept: logits, trace files or greedy streams of a few prompts
+(:class:`TextSubject`; the multimodal merge and the MTP drafter have their own in :mod:`.explain_mm`). Its
+``measure(variants)`` computes the reference under those variants on the same prompts and judges the engine's answers
+with the failing pair's own gates: a :class:`Trial`. :func:`search` then tries
+
+1. the variants that apply to the model (:meth:`~harness.engines.variants.Variant.why_not`), those whose first trace
+   point is the engine's first diverging point (same point, nearest layer) first, then the rest: the scope. Each
+   trial runs the shortest prompt first and stops at the first prompt the engine still fails, so a variant that
+   does not explain costs one short forward (cheapest first);
+2. when no single variant explains it, pairs: each of the :data:`PAIR_SEEDS` singles that got furthest (the first
+   divergence moved latest, then the smallest residual) with every variant it can be combined with (another rule),
+   those in scope of the point where the engine now first diverges first;
+
+all within a time budget (``--explain-budget``, :data:`DEFAULT_BUDGET_S`; what the budget left untried is listed).
+The answer (:class:`Explanation`) is "explained by V: max |Δlogit| A -> B (sources ...)", or "no known variant
+explains it" with the best candidates and their figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from reference.errors import InputError
+
+from ..core.gates import DEFAULT_GATES, Gate, gate_for
+from ..engines.variants import Variant, conflict, family, under
+from ..traces.compare import DivergenceRule, compare
+from ..traces.format import Trace, TraceWriter, canonical_key
+from .compare import generation_figures, logit_figures
+from .result import Figure
+
+DEFAULT_BUDGET_S = 60.0
+"""Seconds explaining one failing pair may take by default (``--explain-budget``; 0 turns explaining off)."""
+
+BUDGET_ENV = "G4H_EXPLAIN_BUDGET"
+"""Environment variable holding ``g4h parity --explain-budget`` for the parity job's worker processes."""
+
+PAIR_SEEDS = 4
+"""Singles carried into the pair search (the ones that got furthest)."""
+
+REFINE_RATIO = 1e-4
+"""A single variant that explains a divergence but leaves a residual above this fraction of the unexplained one
+(far above rounding: the engine is one variant off, then within the gates but still off) is tried in pairs, and a
+pair that cuts the residual tenfold is the answer (llama.cpp's fp16 GELU table beside a formula fault, say)."""
+
+MAX_PROMPTS = 3
+"""Failing prompts an explanation must hold on (the shortest ones: cheapest first)."""
+
+METRICS = ("max_abs_logit", "max_abs_logprob", "layer_rel_l2")
+"""The headline figure of a trial, the first the subject measures: max |Δlogit|, else max |Δ log-prob| (greedy
+streams), else the worst relative L2 over the trace points."""
+
+LABELS = {"max_abs_logit": "max |Δlogit|", "max_abs_logprob": "max |Δlogprob|", "layer_rel_l2": "worst rel. L2"}
+
+
+def budget_seconds(value: float | None = None) -> float:
+    """The explaining budget: ``value``, else :data:`BUDGET_ENV`, else :data:`DEFAULT_BUDGET_S`.
+
+    Raises:
+        InputError: a negative or non-numeric budget.
+    """
+    raw = value if value is not None else os.environ.get(BUDGET_ENV, DEFAULT_BUDGET_S)
+    try:
+        out = float(raw)
+    except (TypeError, ValueError):
+        raise InputError(f"--explain-budget {raw!r}: expected a number of seconds >= 0") from None
+    if not out >= 0:
+        raise InputError(f"--explain-budget {raw!r}: expected a number of seconds >= 0")
+    return out
+
+
+@dataclass
+class Trial:
+    """The engine judged against the reference under ``variants`` (names; empty: the reference as it is).
+
+    Attributes:
+        passed: every gating figure passed on every prompt tried.
+        figures: the headline figure (:data:`METRICS`) -> its largest value over the prompts tried.
+        first_divergence: the engine's first diverging trace point against this reference (``attn_out@3``), or
+            ``logits@position N`` without a trace, or None where nothing diverges.
+        first_key: :func:`harness.traces.format.canonical_key` of the first diverging point (ordering), or None.
+        failing: the gates that failed.
+        prompts: the prompts evaluated (a failing trial stops at the first prompt that fails).
+        seconds: what the trial took.
+        error: why the reference could not run under these variants (one line), or None.
+    """
+
+    variants: tuple[str, ...]
+    passed: bool = False
+    figures: dict[str, float] = field(default_factory=dict)
+    first_divergence: str | None = None
+    first_key: tuple[int, int, int] | None = None
+    failing: list[str] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+
+    def headline(self) -> tuple[str, float] | None:
+        """``(metric, value)`` of the first of :data:`METRICS` measured."""
+        m = next((m for m in METRICS if m in self.figures), None)
+        return None if m is None else (m, self.figures[m])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"variants": list(self.variants), "passed": self.passed, "figures": self.figures,
+                "first_divergence": self.first_divergence, "failing": self.failing, "prompts": self.prompts,
+                "seconds": round(self.seconds, 4), **({"error": self.error} if self.error else {})}
+
+
+@dataclass
+class Explanation:
+    """What :func:`search` found (``status``: ``explained``, ``unexplained``, ``nothing_to_explain``, or ``not_run``
+    when the comparison without variants could not be made)."""
+
+    status: str
+    baseline: Trial
+    explained_by: list[Trial] = field(default_factory=list)
+    candidates: list[Trial] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)  # variant -> its first source (the rule's own)
+    first_point: str | None = None
+    singles: int = 0
+    pairs: int = 0
+    not_applicable: dict[str, str] = field(default_factory=dict)
+    not_tried: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    budget_s: float = DEFAULT_BUDGET_S
+
+    def _fig(self, t: Trial) -> str:
+        h, b = t.headline(), self.baseline.headline()
+        if h is None or b is None:
+            return f"first divergence {self.baseline.first_divergence} -> {t.first_divergence or 'none'}"
+        base = self.baseline.figures.get(h[0], b[1])
+        return f"{LABELS[h[0]]} {base:.3g} -> {h[1]:.3g}"
+
+    def line(self) -> str:
+        """The one line a user acts on."""
+        if self.status == "nothing_to_explain":
+            return "nothing to explain: the engine agrees with the reference on these prompts"
+        if self.status == "not_run":
+            return f"not explained: the comparison itself failed ({self.baseline.error})"
+        if self.status == "explained":
+            best = self.explained_by[0]
+            name = " + ".join(best.variants)
+            srcs = "; ".join(f"{v}: {self.sources[v]}" if len(best.variants) > 1 else self.sources[v]
+                             for v in best.variants if v in self.sources)
+            more = [" + ".join(t.variants) for t in self.explained_by[1:]]
+            also = f"; also consistent: {', '.join(more)}" if more else ""
+            return f"explained by {name}: {self._fig(best)} ({srcs}; docs/spec-variants.md){also}"
+        closest = ", ".join(f"{' + '.join(t.variants)} ({self._fig(t)})" for t in self.candidates[:3])
+        left = f"; {len(self.not_tried)} not tried within the {self.budget_s:g} s budget" if self.not_tried else ""
+        return ("no known variant explains it" + (f"; closest: {closest}" if closest else "")
+                + f" ({self.singles} variants, {self.pairs} pairs tried{left})")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "line": self.line(), "baseline": self.baseline.as_dict(),
+                "explained_by": [t.as_dict() for t in self.explained_by],
+                "candidates": [t.as_dict() for t in self.candidates[:5]], "first_point": self.first_point,
+                "singles_tried": self.singles, "pairs_tried": self.pairs, "not_applicable": self.not_applicable,
+                "not_tried": self.not_tried, "seconds": round(self.seconds, 3), "budget_s": self.budget_s}
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def _order(candidates: Sequence[tuple[Variant, tuple[str, int]]], first: tuple[str, int] | None
+           ) -> list[tuple[Variant, bool]]:
+    """Candidates in trial order with whether each is in scope: same point as ``first`` (nearest layer first,
+    a variant predicted after the divergence last among them), then the rest in catalogue order."""
+    if first is None:
+        return [(v, True) for v, _ in candidates]
+    scoped = [(v, w) for v, w in candidates if w[0] == first[0]]
+    scoped.sort(key=lambda vw: (vw[1][1] > first[1], abs(vw[1][1] - first[1])))
+    names = {v.name for v, _ in scoped}
+    return [(v, True) for v, _ in scoped] + [(v, False) for v, _ in candidates if v.name not in names]
+
+
+def _progress(t: Trial) -> tuple:
+    """Sort key: the trials that got furthest first (more prompts passed, shortest first; then on the prompt that
+    failed, no trace point diverging or the latest first divergence), then the smallest headline residual; trials
+    whose reference could not run last."""
+    h = t.headline()
+    passed = len(t.prompts) - (1 if t.failing else 0)
+    depth = (1,) if t.first_key is None else (0, *t.first_key)
+    return (t.error is not None, -passed, tuple(-x for x in depth), h[1] if h else float("inf"))
+
+
+def search(measure: Callable[[tuple[Variant, ...]], Trial], variants: Iterable[Variant], subject: Any,
+           budget_s: float = DEFAULT_BUDGET_S, baseline: Trial | None = None) -> Explanation:
+    """Find the variant (or pair of variants) under which the reference agrees with the engine (module docstring).
+
+    Args:
+        measure: the subject's ``measure``: ``(variants, full=False) -> Trial`` (``full``: every prompt, not only up
+            to the first that fails; asked for the baseline).
+        variants: the candidates (a family of the catalogue); those that cannot change anything on ``subject``
+            (its config) are left out and listed.
+        subject: what :meth:`Variant.first_point` is asked about (a model config, a drafter config).
+        budget_s: seconds allowed, the baseline's included (the baseline always runs; what the budget leaves untried
+            is listed in :attr:`Explanation.not_tried`).
+        baseline: the trial without variants, when already measured.
+    """
+    t0 = time.perf_counter()
+    base = baseline or measure((), full=True)
+    out = Explanation("nothing_to_explain", base, budget_s=budget_s)
+    if base.error is not None:
+        out.status = "not_run"
+    if base.passed or base.error is not None:
+        out.seconds = time.perf_counter() - t0
+        return out
+    applicable = []
+    for v in variants:
+        why = v.why_not(subject)
+        if why is None:
+            applicable.append((v, v.where(subject)))
+        else:
+            out.not_applicable[v.name] = why
+    first = _parse_point(base.first_divergence)
+    out.first_point = base.first_divergence
+    ordered = _order(applicable, first)
+    singles: dict[str, Trial] = {}
+
+    def over() -> bool:
+        return time.perf_counter() - t0 > budget_s
+
+    for v, _ in ordered:
+        if over():
+            out.not_tried.append(v.name)
+            continue
+        singles[v.name] = measure((v,))
+        out.singles += 1
+    out.explained_by = [t for t in singles.values() if t.passed]
+    by_name = {v.name: v for v, _ in applicable}
+    if out.explained_by:
+        refined = _refine(measure, out, by_name, over)
+        if refined is not None:
+            out.explained_by.insert(0, refined)
+    if not out.explained_by:
+        seeds = sorted((t for t in singles.values() if t.error is None), key=_progress)[:PAIR_SEEDS]
+        tried: set[frozenset[str]] = set()
+        pairs: list[Trial] = []
+        for s in seeds:
+            a = by_name[s.variants[0]]
+            partners = _order([(v, w) for v, w in applicable if not conflict(a, v)], _parse_point(s.first_divergence))
+            for b, _ in partners:
+                key = frozenset((a.name, b.name))
+                if key in tried:
+                    continue
+                if over():
+                    out.not_tried.append(f"{a.name} + {b.name}")
+                    continue
+                tried.add(key)
+                t = measure((a, b))
+                out.pairs += 1
+                pairs.append(t)
+                if t.passed:
+                    break
+            if any(t.passed for t in pairs):
+                break
+        out.explained_by = [t for t in pairs if t.passed]
+        out.candidates = sorted([*singles.values(), *pairs], key=_progress)
+    else:
+        out.candidates = sorted(singles.values(), key=_progress)
+    out.status = "explained" if out.explained_by else "unexplained"
+    names = {n for t in [*out.explained_by, *out.candidates[:3]] for n in t.variants}
+    out.sources = {v.name: v.sources[0].short() for v, _ in applicable if v.name in names}
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _refine(measure, out: Explanation, by_name: dict[str, Variant], over: Callable[[], bool]) -> Trial | None:
+    """The pair of the best explaining single and another variant that cuts its residual tenfold, when the single
+    leaves more than :data:`REFINE_RATIO` of the unexplained residual (see there); None otherwise."""
+    best = min(out.explained_by, key=lambda t: t.headline()[1] if t.headline() else float("inf"))
+    h, b = best.headline(), out.baseline.headline()
+    if h is None or b is None or not h[1] > REFINE_RATIO * out.baseline.figures.get(h[0], b[1]):
+        return None
+    a = by_name[best.variants[0]]
+    for v in by_name.values():
+        if conflict(a, v):
+            continue
+        if over():
+            out.not_tried.append(f"{a.name} + {v.name}")
+            continue
+        t = measure((a, v))
+        out.pairs += 1
+        ht = t.headline()
+        if t.passed and ht is not None and ht[1] <= h[1] / 10:
+            return t
+    return None
+
+
+def _parse_point(where: str | None) -> tuple[str, int] | None:
+    """``attn_out@3`` -> ``("attn_out", 3)``; ``result_output`` -> ``("result_output", -1)``; a logits position or
+    None -> None (no scope)."""
+    if not where or where.startswith("logits"):
+        return None
+    point, _, layer = where.partition("@")
+    try:
+        return point, int(layer) if layer else -1
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------- the text decoder
+
+
+@dataclass
+class Observed:
+    """What the engine answered on one prompt: logits ``[T, V]``, a trace, and/or a greedy stream (``tokens``,
+    ``top``, ``logprobs`` as :func:`harness.parity.compare.load_generations` gives it), any of them None."""
+
+    prompt_id: str
+    ids: list[int]
+    logits: np.ndarray | None = None
+    trace: Trace | None = None
+    stream: dict[str, Any] | None = None
+
+
+def judge_figures(figures: Sequence[Figure], gates: Mapping[str, Gate]) -> list[str]:
+    """The gates (by name) that ``figures`` fail; informational gates and figures without a gate do not count."""
+    bad = []
+    for f in figures:
+        try:
+            g = gate_for(gates, f.gate)
+        except KeyError:
+            continue
+        if not g.informational and not g.check(f.measured):
+            bad.append(f.gate)
+    return bad
+
+
+class TextSubject:
+    """The engine's answers on a few prompts of a text model, judged as the pair ``pair`` judges them.
+
+    Args:
+        ref: the reference engine of the model (:class:`harness.engines.reference.ReferenceEngine`).
+        observed: the engine's answers, shortest prompt first (:class:`Observed`).
+        pair: the gate prefix (``reference~cmd``, ``engine~oracle`` ...).
+        gates: the gate table (a case's, or :data:`harness.core.gates.DEFAULT_GATES`).
+        numerics: the context under which the reference makes the approximations the engine declared (a
+            ``ReferenceRuns.numerics`` result maker), or None.
+        top_n: vLLM's N for greedy streams.
+        layer_tol: the trace divergence tolerance (default: the pair's ``layer_rel_l2`` limit).
+    """
+
+    family = "text"
+
+    def __init__(self, ref: Any, observed: Sequence[Observed], pair: str, gates: Mapping[str, Gate] = DEFAULT_GATES,
+                 numerics: Callable[[], Any] | None = None, top_n: int = 5, layer_tol: float | None = None) -> None:
+        self.ref, self.pair, self.gates, self.top_n = ref, pair, gates, top_n
+        self.observed = sorted(observed, key=lambda o: len(o.ids))
+        self.numerics = numerics
+        lim = gates.get(f"{pair}.layer_rel_l2")
+        self.layer_tol = layer_tol if layer_tol is not None else (lim.limit if lim is not None else 1e-3)
+        self.subject = ref.cfg
+
+    def _context(self, variants: Sequence[Variant]):
+        stack = contextlib.ExitStack()
+        if self.numerics is not None:
+            stack.enter_context(self.numerics())
+        stack.enter_context(under(variants, fast=False))
+        return stack
+
+    def _one(self, o: Observed, t: Trial) -> list[Figure]:
+        figs: list[Figure] = []
+        if o.logits is not None or o.trace is not None:
+            w = TraceWriter("reference", o.ids, dtype="float64", keep_tensors=True) if o.trace is not None else None
+            z = np.asarray(self.ref.logits(o.ids, trace=w), dtype=np.float64)
+            if o.logits is not None:
+                figs += logit_figures(o.logits, z, self.pair, o.prompt_id)
+                beyond = np.nonzero(~(np.max(np.abs(o.logits - z), axis=1) <= self._limit("max_abs_logit")))[0]
+                if beyond.size and t.first_divergence is None:
+                    t.first_divergence = f"logits@position {int(beyond[0])}"
+            if o.trace is not None:
+                res = compare(o.trace, w.trace(), DivergenceRule(tol=self.layer_tol))
+                errs = [r.err for r in res.rows if r.err == r.err]
+                figs.append(Figure(f"{self.pair}.layer_rel_l2", max(errs) if errs else float("nan"), o.prompt_id))
+                if res.first is not None and t.first_key is None:
+                    t.first_divergence = res.first.where
+                    t.first_key = canonical_key(res.first.point, res.first.layer)
+        if o.stream is not None:
+            g = self.ref.generate_full([o.ids], len(o.stream["tokens"]), top_n=self.top_n)[0]
+            base = {o.prompt_id: {"tokens": list(g.tokens), "top": [[i for i, _ in s] for s in g.top],
+                                  "logprobs": [dict(s) for s in g.top]}}
+            lim = self.gates.get(f"{self.pair}.max_abs_logprob")
+            figs += generation_figures({o.prompt_id: o.stream}, base, self.pair, self.top_n,
+                                       logprob_limit=None if lim is None else lim.limit)
+        return figs
+
+    def _limit(self, metric: str) -> float:
+        g = self.gates.get(f"{self.pair}.{metric}")
+        return g.limit if g is not None else float("inf")
+
+    def measure(self, variants: tuple[Variant, ...], full: bool = False) -> Trial:
+        """The engine against the reference under ``variants``, prompt by prompt, shortest first, stopping at the
+        first prompt whose figures fail unless ``full`` (see the module docstring)."""
+        t = Trial(tuple(v.name for v in variants))
+        t0 = time.perf_counter()
+        try:
+            with self._context(variants):
+                for o in self.observed:
+                    figs = self._one(o, t)
+                    t.prompts.append(o.prompt_id)
+                    for f in figs:
+                        m = f.gate.rsplit(".", 1)[-1]
+                        if m in METRICS and f.measured == f.measured:
+                            t.figures[m] = max(t.figures.get(m, 0.0), float(f.measured))
+                    t.failing += [g for g in judge_figures(figs, self.gates) if g not in t.failing]
+                    if t.failing and not full:
+                        break
+        except InputError as e:  # the variant cannot run on this model (one line)
+            t.error = str(e).splitlines()[0]
+            t.failing = ["(reference could not run)"]
+        t.passed = not t.failing
+        if t.passed:
+            t.first_divergence, t.first_key = None, None
+        t.seconds = time.perf_counter() - t0
+        return t
+
+
+def explain_text(ref: Any, observed: Sequence[Observed], pair: str, gates: Mapping[str, Gate] = DEFAULT_GATES,
+                 numerics: Callable[[], Any] | None = None, budget_s: float | None = None, top_n: int = 5,
+                 layer_tol: float | None = None, variants: Sequence[Variant] | None = None) -> Explanation:
+    """:func:`search` over the text variants (or ``variants``) for the engine's answers ``observed``."""
+    subject = TextSubject(ref, observed, pair, gates, numerics, top_n, layer_tol)
+    return search(subject.measure, family("text") if variants is None else variants, subject.subject,
+                  budget_seconds(budget_s))
+
