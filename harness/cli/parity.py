@@ -12,6 +12,7 @@ from ..engines import split_engines
 from ..engines.base import TOP_N
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
+from ..parity.drift import drift_rows
 from ..parity.job import run as run_parity
 from ..parity.report import junit_xml, short_table
 from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
@@ -70,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this file")
     p.add_argument("--junit-xml", default=None, metavar="FILE",
                    help="also write the results as JUnit XML (one test case per check), for a CI system")
+    p.add_argument("--oracle-drift", default=None, metavar="PINNED_RESULTS",
+                   help="results.json of a run with another oracle version (the pinned transformers): report every "
+                        "figure that moved between it and this run, with its first diverging point (nox -s "
+                        "oracle-latest); the exit status stays the gates'")
     p.add_argument("--regression-factor", type=float, default=10.0,
                    help="a figure this many times worse than the baseline is a regression (default 10)")
     add_scale_args(p)
@@ -87,6 +92,24 @@ def _print_baseline(data: dict, written: str | None) -> None:
                   f"baseline {r.get('baseline')} -> now {r.get('now')}")
     if written:
         print(f"baseline written: {written}")
+
+
+def _print_drift(data: dict) -> None:
+    """Terminal lines for ``--oracle-drift``: the versions and one line per moved figure."""
+    d = data.get("oracle_drift")
+    if not d:
+        return
+    print(f"\noracle drift, transformers {d['pinned']} -> {d['newest']}: {d['compared']} figures compared, "
+          f"{len(d['moved'])} moved")
+    for r in drift_rows(d):
+        print(f"  {r['case']} {r['gate']} {r['prompt']}: {r['pinned']} -> {r['newest']} ({r['change']}, "
+              f"{r['verdict']}); first diverging point {r['first diverging point']}"
+              + ("" if r["oracle"] == "yes" else "  [not an oracle pair]"))
+    for r in d["only_newest"]:
+        print(f"  only with the newest oracle: {r['case']} {r['gate']} {r.get('prompt') or ''} = {r.get('newest')}"
+              + (f" ({r['got']})" if r.get("got") else ""))
+    for r in d["only_pinned"]:
+        print(f"  only with the pinned oracle: {r['case']} {r['gate']} {r.get('prompt') or ''} = {r.get('pinned')}")
 
 
 def execute(args: argparse.Namespace) -> tuple[dict, int]:
@@ -107,7 +130,7 @@ def execute(args: argparse.Namespace) -> tuple[dict, int]:
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
                               skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
                               engine_options=engine_options(args), weights=args.weights, oracle=args.oracle,
-                              jobs=args.jobs,
+                              jobs=args.jobs, oracle_drift=args.oracle_drift,
                               server=ServerOptions(max_new_tokens=args.max_new_tokens, top_n=args.top_n,
                                                    batch_requests=args.batch_requests, concurrency=args.concurrency))
     if args.junit_xml:
@@ -120,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     data, status = execute(args)
     print(short_table(data))
     _print_baseline(data, args.write_baseline)
+    _print_drift(data)
     print(f"\nreport: {data['run_dir']}/report.md")
     print(f"{data['verdict']} (exit {status})")
     return status

@@ -19,6 +19,7 @@ could not be read, an engine that broke the subprocess protocol); the other case
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -44,6 +45,7 @@ from .baseline import write_baseline as _write_baseline
 from .cases import gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
 from .checks.pair import ORACLES
 from .checks.server import SERVER_CHECKS, ServerOptions, load_user_prompts
+from .drift import oracle_drift as compute_drift
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
 
@@ -54,6 +56,21 @@ Plan = list[tuple[Callable[[], CaseResult], str, str, str]]
 
 SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative", "multimodal", *SERVER_CHECKS)
 """What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
+
+
+VERSIONED = ("numpy", "torch", "transformers", "tokenizers", "gguf", "safetensors", "llama-cpp-python")
+"""Packages whose versions a run records (``results["versions"]``): what made its figures."""
+
+
+def package_versions() -> dict[str, str]:
+    """Python's and :data:`VERSIONED`'s versions (``"not installed"`` for one that is not)."""
+    out = {"python": sys.version.split()[0]}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
 
 
 def check_skip(skip: tuple[str, ...]) -> None:
@@ -274,7 +291,8 @@ def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] =
     parts = []
     if failed:
         gates = sorted({g for _, g in failed})
-        parts.append(f"{len(failed)} gating check(s) failed ({', '.join(gates[:4])}{', ...' if len(gates) > 4 else ''})")
+        more = ", ..." if len(gates) > 4 else ""
+        parts.append(f"{len(failed)} gating check(s) failed ({', '.join(gates[:4])}{more})")
     if not_run:
         more = ", ..." if len(not_run) > 4 else ""
         parts.append(f"{len(not_run)} of them did not run ({', '.join(not_run[:4])}{more})")
@@ -297,7 +315,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
         server: ServerOptions | None = None, weights: str | None = None,
-        oracle: str = "reference", jobs: int | None = None) -> tuple[dict[str, Any], int]:
+        oracle: str = "reference", jobs: int | None = None,
+        oracle_drift: str | None = None) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -333,6 +352,9 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             their figures are the same whatever ``jobs``; the user's models run here on every thread with ``jobs``
             1, else each in a process of its own with its share of the CPUs (:func:`run_cases`). The results
             come in plan order.
+        oracle_drift: the ``results.json`` of a run with another oracle version (the pinned one): the figures
+            that moved between it and this run are reported (:func:`harness.parity.drift.oracle_drift`,
+            ``results["oracle_drift"]``, the report's "Oracle drift" section); the exit status stays the gates'.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -361,6 +383,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     server.check()
     prompt_set = load_user_prompts(prompts) if models else load_prompts(prompts)
     base = load_baseline(baseline) if baseline else None
+    drift_base = load_baseline(oracle_drift) if oracle_drift else None
     if weights is not None:
         engine_options["weights"] = weights
     plan_args = dict(models=models, against=against, real=real, case_filter=case_filter, prompts=prompt_set,
@@ -378,11 +401,14 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     status = exit_status(results)
     data = {"version": RESULTS_VERSION, "kind": "parity",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "seconds": time.perf_counter() - t0, "status": status, "cases": [r.__dict__ for r in results]}
+            "seconds": time.perf_counter() - t0, "status": status, "versions": package_versions(),
+            "cases": [r.__dict__ for r in results]}
     if base is not None:
         data["baseline"] = compare_to_baseline(data, base, str(baseline), regression_factor)
         if data["baseline"]["regressions"] and status == 0:
             status = data["status"] = 1
+    if drift_base is not None:
+        data["oracle_drift"] = compute_drift(drift_base, data, str(oracle_drift))
     data["verdict"] = verdict(results, status, skip)
     with staged_run_dir("parity", out) as run_dir:
         write_parity_report(run_dir.path, data)
