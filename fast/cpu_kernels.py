@@ -67,7 +67,7 @@ def small_step_threads():
     Why: in a decode step every torch op is small (a few rows), and an OpenMP region on 2 threads costs more than
     it saves on a busy 2-core machine (the barrier waits for a thread the OS has not scheduled; figures in
     ``fast/csrc/workpool.h``); the weight reads, where the time goes, stay on every thread through the kernels.
-    Measured on Gemma 3 270M Q4_K_M at 2 threads (the issue-16 note). Results are the same bits either way:
+    Measured on Gemma 3 270M Q4_K_M at 2 threads (``g4h bench`` with and without it). Results are the same bits:
     torch's CPU reductions do not depend on the thread count at these sizes, and the kernels' order is fixed.
     Not thread-safe (one model steps at a time in a process)."""
     global _kernel_threads

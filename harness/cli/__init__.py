@@ -46,7 +46,7 @@ COMMANDS: dict[str, Command] = {
     "synth": Command("harness.cli.synth", "build synthetic cases (HF safetensors + GGUFs) and print their paths"),
     "device-check": Command("harness.cli.device_check", "the fast path on CUDA against the reference, to JSON"),
     "device-bench": Command("harness.cli.device_bench",
-                            "issue 16's GPU figures in one run: graphs, fused kernels, roofline (--smoke: on the CPU)"),
+                            "the GPU speed figures in one run: graphs, fused kernels, roofline (--smoke: on the CPU)"),
     "inspect": Command("harness.cli.inspect", "what a GGUF file or HF folder holds, its problems, and which engines "
                        "can run it"),
 }

@@ -4,8 +4,7 @@ A gate compares one measured figure with a limit. Gates are keyed by the pair
 they judge; a case may override a limit in its TOML ``[gates]`` table, and must
 give a reason there (see :func:`resolve`).
 
-Source of the defaults: ``docs/design.md`` ("Gates") and the issue that introduced
-each pair.
+Source of the defaults: ``docs/design.md`` ("Gates"); each gate's reason says where its figure comes from.
 """
 
 from __future__ import annotations
