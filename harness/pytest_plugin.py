@@ -30,6 +30,8 @@ with ``--g4h-model``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import shlex
 from dataclasses import dataclass, field
@@ -195,9 +197,6 @@ def run_parity(argv: list[str]) -> ParityRun:
     Raises:
         G4HBadInput: an option or an input it refuses before running (exit 2 of ``g4h parity``), one line.
     """
-    import contextlib
-    import io
-
     from harness.cli import _quiet_libraries, build_parser  # lazy: torch and numpy only when a run is asked for
     from harness.cli.parity import execute  # lazy (as above)
     from harness.core.workers import EngineCrashed  # lazy (as above)
