@@ -127,15 +127,17 @@ def test_drift_lists_moved_figures_with_their_first_diverging_point():
         check("fast~reference.max_abs_logit", 2e-5),
         check("drafter.store_kv.reference~transformers.max_abs", float("nan"), prompt=None, got="not run",
               informational=True),
-        check("reference~transformers.runs", 1.0, prompt=None)])
+        check("reference~transformers.runs", 1.0, prompt=None),
+        check("drafter.reference~transformers.runs", 1.0, prompt=None, construction="patched")])
     newest = results("5.24.0", [
         check("reference~transformers.max_abs_logit", 3e-5),
         check("reference~transformers.layer_rel_l2", 9e-7, per_point=moved),
         check("fast~reference.max_abs_logit", 2.5e-5),
         check("drafter.store_kv.reference~transformers.max_abs", 5e-6, prompt=None),
-        check("drafter.reference~transformers.runs", 1.0, prompt=None)])
+        check("drafter.reference~transformers.runs", 1.0, prompt=None, construction="native"),
+        check("speculative.model.drafted", 1000.0, prompt=None)])
     d = oracle_drift(pinned, newest, "pinned/results.json")
-    assert (d["pinned"], d["newest"], d["compared"]) == ("5.23.0", "5.24.0", 4)
+    assert (d["pinned"], d["newest"], d["compared"]) == ("5.23.0", "5.24.0", 5)
     rows = {r["gate"]: r for r in d["moved"]}
     assert set(rows) == {"reference~transformers.layer_rel_l2", "fast~reference.max_abs_logit",
                          "drafter.store_kv.reference~transformers.max_abs"}
@@ -145,11 +147,14 @@ def test_drift_lists_moved_figures_with_their_first_diverging_point():
     assert not rows["fast~reference.max_abs_logit"]["oracle"]  # moved outside the oracle: said, not hidden
     store = rows["drafter.store_kv.reference~transformers.max_abs"]
     assert store["pinned"] != store["pinned"] and store["newest"] == 5e-6 and "not run -> None" in store["got"]
-    assert [r["gate"] for r in d["only_newest"]] == ["drafter.reference~transformers.runs"]
+    assert [r["gate"] for r in d["only_newest"]] == ["speculative.model.drafted"]
     assert [r["gate"] for r in d["only_pinned"]] == ["reference~transformers.runs"]
+    assert d["assistant_construction"] == [{"case": "e2b", "gate": "drafter.reference~transformers.runs",
+                                            "pinned": "patched", "newest": "native"}]
     text = "\n".join(drift_section({"oracle_drift": d}))
     assert "transformers 5.23.0" in text and "5.24.0" in text and "**3 moved**" in text and "attn_out@1" in text
-    assert "1 of them outside the oracle's pairs" in text
+    assert "1 of them outside the oracle's pairs" in text and "The MTP assistant: patched -> native" in text
+    assert "speculative.model.drafted: 1 check, 1e+03, 1 within the gate" in text
     assert first_moved_point({"per_point": PROFILE}, {"per_point": list(PROFILE)}) is None
 
 

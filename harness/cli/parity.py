@@ -12,7 +12,7 @@ from ..engines import split_engines
 from ..engines.base import TOP_N
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
-from ..parity.drift import drift_rows
+from ..parity.drift import drift_rows, only_summary
 from ..parity.job import run as run_parity
 from ..parity.report import junit_xml, short_table
 from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
@@ -105,11 +105,12 @@ def _print_drift(data: dict) -> None:
         print(f"  {r['case']} {r['gate']} {r['prompt']}: {r['pinned']} -> {r['newest']} ({r['change']}, "
               f"{r['verdict']}); first diverging point {r['first diverging point']}"
               + ("" if r["oracle"] == "yes" else "  [not an oracle pair]"))
-    for r in d["only_newest"]:
-        print(f"  only with the newest oracle: {r['case']} {r['gate']} {r.get('prompt') or ''} = {r.get('newest')}"
-              + (f" ({r['got']})" if r.get("got") else ""))
-    for r in d["only_pinned"]:
-        print(f"  only with the pinned oracle: {r['case']} {r['gate']} {r.get('prompt') or ''} = {r.get('pinned')}")
+    for side in ("newest", "pinned"):
+        for line in only_summary(d[f"only_{side}"], side):
+            print(f"  only with the {side} oracle: {line}")
+    ways = sorted({(c["pinned"], c["newest"]) for c in d.get("assistant_construction", [])})
+    for before, after in ways:
+        print(f"  the MTP assistant: {before} -> {after} construction")
 
 
 def execute(args: argparse.Namespace) -> tuple[dict, int]:

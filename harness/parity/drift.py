@@ -102,10 +102,11 @@ def oracle_drift(pinned: Mapping[str, Any], newest: Mapping[str, Any], source: s
         "only_pinned": [...], "only_newest": [...], "case_errors": [...]}``; a row holds ``case``, ``gate``,
         ``prompt``, the detail keys, ``pinned``, ``newest``, ``rel_change``, ``pinned_pass``, ``newest_pass``,
         ``first_diverging_point``, ``oracle`` (whether the gate involves transformers) and, where a check was
-        not measured on one side, its ``got``.
+        not measured on one side, its ``got``; ``assistant_construction`` lists the cases whose MTP assistant
+        transformers built another way (``patched`` -> ``native``, :mod:`harness.core.hf_assistant`).
     """
     base = {c["case"]: c for c in pinned.get("cases", [])}
-    moved, only_p, only_n, errors = [], [], [], []
+    moved, only_p, only_n, errors, constructions = [], [], [], [], []
     compared = 0
     for nc in newest.get("cases", []):
         name = nc["case"]
@@ -124,6 +125,9 @@ def oracle_drift(pinned: Mapping[str, Any], newest: Mapping[str, Any], source: s
                                **({"got": n["got"]} if isinstance(n.get("got"), str) else {})})
                 continue
             compared += 1
+            if b.get("construction") != n.get("construction") and "construction" in n:
+                constructions.append({"case": name, "gate": n.get("gate"), "pinned": b.get("construction"),
+                                      "newest": n.get("construction")})
             if _same(b.get("measured"), n.get("measured")) and b.get("got") == n.get("got"):
                 continue
             p, q = _num(b.get("measured")), _num(n.get("measured"))
@@ -137,9 +141,11 @@ def oracle_drift(pinned: Mapping[str, Any], newest: Mapping[str, Any], source: s
         for k, b in bk.items():
             if k not in nk:
                 only_p.append({"case": name, "gate": b.get("gate"), "prompt": b.get("prompt"),
-                               "pinned": b.get("measured"), "pinned_pass": b.get("pass")})
+                               "pinned": b.get("measured"), "pinned_pass": b.get("pass"),
+                               **({"got": b["got"]} if isinstance(b.get("got"), str) else {})})
     return {"file": str(source), "pinned": _versions(pinned), "newest": _versions(newest), "compared": compared,
-            "moved": moved, "only_pinned": only_p, "only_newest": only_n, "case_errors": errors}
+            "moved": moved, "only_pinned": only_p, "only_newest": only_n, "case_errors": errors,
+            "assistant_construction": constructions}
 
 
 def _fmt(v: Any) -> str:
@@ -155,6 +161,25 @@ def drift_rows(drift: Mapping[str, Any]) -> list[dict[str, str]]:
              "verdict": f"{'PASS' if r['pinned_pass'] else 'FAIL'} -> {'PASS' if r['newest_pass'] else 'FAIL'}",
              "first diverging point": r["first_diverging_point"], "oracle": "yes" if r["oracle"] else "NO"}
             for r in drift["moved"]]
+
+
+def only_summary(rows: list[Mapping[str, Any]], side: str) -> list[str]:
+    """Checks one run has and the other lacks, one phrase per (case, gate): how many, the range of the figures,
+    the verdicts and the reason a check gave (``side``: ``newest`` or ``pinned``)."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["case"], r["gate"]), []).append(r)
+    out = []
+    for (case, gate), rs in groups.items():
+        vals = sorted(_num(r.get(side)) for r in rs)
+        finite = [v for v in vals if math.isfinite(v)]
+        fig = (f"{finite[0]:.3g}" if finite[0] == finite[-1] else f"{finite[0]:.3g}..{finite[-1]:.3g}") if finite \
+            else _fmt(rs[0].get(side))
+        passed = sum(bool(r.get(f"{side}_pass")) for r in rs)
+        got = next((r["got"] for r in rs if r.get("got")), None)
+        out.append(f"{case} {gate}: {len(rs)} check{'s' if len(rs) != 1 else ''}, {fig}, {passed} within the gate"
+                   + (f" ({got})" if got else ""))
+    return out
 
 
 def drift_section(data: Mapping[str, Any]) -> list[str]:
@@ -173,11 +198,11 @@ def drift_section(data: Mapping[str, Any]) -> list[str]:
                                      right=["pinned", "newest", "change"]), ""]
     for key, title in (("only_newest", "Only with the newest oracle"), ("only_pinned", "Only with the pinned oracle")):
         if d[key]:
-            lines.append(f"{title}: " + "; ".join(
-                f"{r['case']} {r['gate']}{' ' + str(r['prompt']) if r.get('prompt') else ''} "
-                f"= {_fmt(r.get('newest', r.get('pinned')))}{' (' + r['got'] + ')' if r.get('got') else ''}"
-                for r in d[key]) + ".")
-            lines.append("")
+            lines += [f"{title}: " + "; ".join(only_summary(d[key], key.split("_")[1])) + ".", ""]
     for e in d["case_errors"]:
         lines += [f"Case {e['case']}: {e['pinned']} -> {e['newest']}.", ""]
+    ways = sorted({(c["pinned"], c["newest"]) for c in d.get("assistant_construction", [])})
+    for before, after in ways:
+        cases = [c["case"] for c in d["assistant_construction"] if (c["pinned"], c["newest"]) == (before, after)]
+        lines += [f"The MTP assistant: {before} -> {after} construction ({', '.join(cases)}).", ""]
     return lines
