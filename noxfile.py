@@ -4,6 +4,8 @@
     nox -s tests           # the whole pytest suite, slow tests included
     nox -s tests -- -m "not slow"   # the quick subset
 
+    nox -s oracle-latest   # parity with the pinned oracle, then with the newest transformers: the drift
+
 Both sessions install the CPU build of torch pinned to 2.13.0 first, so pip
 never pulls a multi-GB CUDA build; on a GPU machine install your own torch
 into your environment and use ``pip install -e .[test]`` directly instead.
@@ -19,7 +21,9 @@ when it is missing; ``G4H_SKIP_LLAMACPP=1`` is the one opt-out.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import nox
 
@@ -30,8 +34,17 @@ nox.options.sessions = ["tests"]
 # The CPU build of torch 2.13.0 lies on this project's CI machines; elsewhere set G4H_TORCH
 # to the requirement to install (e.g. a CPU wheel), or pip takes the default CUDA build.
 TORCH_PIN = os.environ.get("G4H_TORCH", "torch==2.13.0")
-# The oracle's version is part of what a parity run means: pin the one the gates were set with.
+# The oracle's version is part of what a parity run means: pin the one the gates were set with. The newest
+# release must work too: `nox -s oracle-latest` runs it and reports the drift; pyproject's range (>=5.23,<5.25)
+# says which releases have been run that way.
 ORACLE_PIN = "transformers==5.23.0"
+
+#: The test files that compare with (or build through) transformers: what `oracle-latest` runs against the
+#: newest release.
+ORACLE_TESTS = ("tests/test_reference.py", "tests/test_drafter.py", "tests/test_oracle_versions.py",
+                "tests/test_multimodal.py", "tests/test_mm_harness.py", "tests/test_vision_reference.py",
+                "tests/test_audio_reference.py", "tests/test_synth.py", "tests/test_gemma3_real.py",
+                "tests/test_cut_layers.py")
 
 
 def _install(session: nox.Session) -> None:
@@ -95,3 +108,35 @@ def llamacpp(session: nox.Session) -> None:
     _install_llamacpp(session)
     session.run("pytest", "tests/test_llamacpp.py", *session.posargs)
     session.run("g4h", "parity", "--no-real")
+
+
+def _results(folder: Path) -> Path:
+    """The results.json of the newest run directory under ``folder``."""
+    runs = sorted(folder.glob("*-parity/results.json"))
+    if not runs:
+        raise RuntimeError(f"no parity run under {folder}")
+    return runs[-1]
+
+
+@nox.session(name="oracle-latest")
+def oracle_latest(session: nox.Session) -> None:
+    """The newest transformers on the registry as the oracle. ``g4h parity`` with the pinned oracle
+    (``reports/oracle-latest/pinned/``), then transformers upgraded to the newest release and ``g4h parity
+    --oracle-drift`` (``reports/oracle-latest/newest/``: its report's "Oracle drift" section lists every figure
+    that moved, with its first diverging point), then the oracle tests (:data:`ORACLE_TESTS`) against it. Both
+    runs read the same cached checkpoints. Posargs go to both parity runs (``-- --case e2b --no-real``). Fails when
+    the newest oracle's parity run or its tests fail; the pinned run's verdict is printed, not required."""
+    _install(session)
+    _install_llamacpp(session)
+    base = Path("reports") / "oracle-latest"
+    session.run("g4h", "parity", "--out", str(base / "pinned"), *session.posargs, success_codes=[0, 1, 2])
+    pinned = _results(base / "pinned")
+    session.install("--upgrade", "transformers")  # the newest release, whatever pyproject's range says
+    session.run("python", "-c", "import transformers; print('oracle-latest: newest transformers', "
+                "transformers.__version__)")
+    session.run("g4h", "parity", "--out", str(base / "newest"), "--oracle-drift", str(pinned), *session.posargs,
+                success_codes=[0, 1, 2])
+    newest = _results(base / "newest")
+    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", *ORACLE_TESTS)
+    if json.loads(newest.read_text())["status"] != 0:
+        session.error(f"g4h parity with the newest transformers did not pass: {newest.parent / 'report.md'}")

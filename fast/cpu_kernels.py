@@ -11,9 +11,9 @@ the kernel probe in ``tests/test_cpu_kernels.py``): at ``M = 8`` it reads
 roofline.
 
 How: the source is compiled with the system C compiler (``$CC``, else ``cc``)
-with ``-O3 -march=native -fopenmp`` into ``$G4H_CACHE/kernels/<hash>/`` (default
-``<repo>/.g4h-cache/kernels``; the hash covers the source and the headers beside
-it, flags, compiler version, CPU model and CPU feature flags, so a cache shared between machines
+with ``-O3 -march=native -fopenmp`` into ``<cache>/kernels/<hash>/`` (``<cache>``:
+:func:`fast.paths.cache_root`, ``$G4H_CACHE`` or the user cache directory; the hash covers the source and
+the headers beside it, flags, compiler version, CPU model and CPU feature flags, so a cache shared between machines
 never hands one CPU a binary built for another's instruction set) and loaded
 with :mod:`ctypes`. :func:`build` also compiles the packed-weight kernels of
 :mod:`fast.quant_kernels`. Its OpenMP calls resolve
@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from .paths import cache_root
+
 MAX_ROWS = 16
 """Largest ``M`` sent to the kernel; above it a BLAS GEMM is compute-efficient and wins."""
 
@@ -65,7 +67,7 @@ def small_step_threads():
     Why: in a decode step every torch op is small (a few rows), and an OpenMP region on 2 threads costs more than
     it saves on a busy 2-core machine (the barrier waits for a thread the OS has not scheduled; figures in
     ``fast/csrc/workpool.h``); the weight reads, where the time goes, stay on every thread through the kernels.
-    Measured on Gemma 3 270M Q4_K_M at 2 threads (the issue-16 note). Results are the same bits either way:
+    Measured on Gemma 3 270M Q4_K_M at 2 threads (``g4h bench`` with and without it). Results are the same bits:
     torch's CPU reductions do not depend on the thread count at these sizes, and the kernels' order is fixed.
     Not thread-safe (one model steps at a time in a process)."""
     global _kernel_threads
@@ -83,9 +85,7 @@ def small_step_threads():
 
 
 def _cache_dir() -> Path:
-    env = os.environ.get("G4H_CACHE")
-    root = Path(env) if env else Path(__file__).resolve().parent.parent / ".g4h-cache"
-    return root / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_model() -> str:

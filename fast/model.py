@@ -258,7 +258,7 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: tor
     the softmax runs in float32 for 16-bit inputs. Written out rather than through
     ``scaled_dot_product_attention``: on the CPU, with a boolean mask, torch takes its math path, which
     repeats K/V per query head and adds a pass over the scores for rows with no visible key (none exist
-    here: every query sees itself), and was 1.2-6x slower at these head sizes (profile in the issue-16 note).
+    here: every query sees itself), and was 1.2-6x slower at these head sizes (measured with ``g4h bench``).
     [t, H, D], [S, Hkv, D], [S, Hkv, D], bool [t, S], scale, group -> [t, H, D].
     Source: transformers ``eager_attention_forward`` (same formula).
     """

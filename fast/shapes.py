@@ -48,10 +48,11 @@ import torch
 from reference.config import ModelConfig, config_from_hf, expected_tensors, kv_donors
 from reference.errors import InputError
 
+from .paths import CASES_DIR
 from .quants import QuantizedTensor, block_layout
 
-#: Folder of the shipped shape files.
-SHAPES_DIR = Path(__file__).resolve().parents[1] / "cases" / "shapes"
+#: Folder of the shipped shape files (``cases/shapes``: the clone's, or the installed package's own copy).
+SHAPES_DIR = CASES_DIR / "shapes"
 
 _TOP_KEYS = ("description", "source", "config")
 

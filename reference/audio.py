@@ -4,8 +4,12 @@ One small function per operation; :func:`encode_audio` is their composition.
 Formulas follow transformers 5.23 ``models/gemma4/modeling_gemma4.py``
 (``Gemma4AudioModel``, ``Gemma4AudioLayer``, ``Gemma4AudioAttention``,
 ``Gemma4MultimodalEmbedder``; the tie-breaker); llama.cpp
-``tools/mtmd/models/gemma4a.cpp`` for the GGUF conventions. Facts:
-``MULTIMODAL_MTP_FACTS.md`` §2.2-2.4, §5.2.
+``tools/mtmd/models/gemma4a.cpp`` for the GGUF conventions. The defaults are ``Gemma4AudioConfig``'s
+(``configuration_gemma4.py``); the steps below follow ``Gemma4AudioSubSampleConvProjection``,
+``Gemma4AudioRelPositionalEncoding``, ``Gemma4AudioAttention`` (chunked local attention with its relative bias
+and logit cap), ``Gemma4AudioLightConv1d`` and ``Gemma4AudioLayer``; llama.cpp hard-codes what transformers
+reads from the config there (chunk 12, past context 12, softcap 50, residual 0.5: ``gemma4a.cpp``,
+``clip.cpp``'s ``PROJECTOR_TYPE_GEMMA4A`` branch).
 
 The encoder, for log-mel features [T, M] and their frame mask:
 

@@ -1,8 +1,8 @@
 """The Gemma 4 audio front end in float64 NumPy: WAV in, log-mel features and frame mask out.
 
 Follows transformers 5.23 ``Gemma4AudioFeatureExtractor`` (``feature_extraction_gemma4.py``,
-``audio_utils.mel_filter_bank`` / ``window_function``); facts in
-``MULTIMODAL_MTP_FACTS.md`` §2.1. With the default settings:
+``audio_utils.mel_filter_bank`` / ``window_function``; its ``_extract_spectrogram`` and ``__call__`` for the
+framing, the frame mask and the 30 s truncation). With the default settings:
 
 * 16 kHz mono; 20 ms frames (320 samples) every 10 ms (160 samples);
 * "semicausal" framing: 160 zeros are put in front, frames of 321 samples are cut

@@ -22,7 +22,8 @@ Sources: transformers ``Gemma4Processor.replace_image_token`` /
 ``Gemma4Model.forward`` (llm_input_ids, masked_scatter, token types),
 ``get_block_sequence_ids_for_mask`` and ``create_masks_for_vision_model``; llama.cpp
 ``tools/mtmd/mtmd.cpp`` and ``src/models/gemma4.cpp`` (PLE row 0 for embedding batches, no
-``sqrt(n_embd)`` on them). Facts: ``MULTIMODAL_MTP_FACTS.md`` §3.
+``sqrt(n_embd)`` on them); ``tools/mtmd/mtmd.cpp`` for which checkpoints decode images non-causally. Where the
+two disagree: ``docs/design.md``, "Multimodal input".
 """
 
 from __future__ import annotations

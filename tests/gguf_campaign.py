@@ -61,7 +61,7 @@ EXTRA_ADDRESS_SPACE = 4 << 30
 OK = ("identical", "error")
 
 
-SLOW_S = 3.0  # a file that takes longer than this is counted as slow (the first bound), even if it ends
+SLOW_S = 3.0  # a file that takes longer than this is counted as slow (the campaign's first bound), even if it ends
 
 
 @dataclass

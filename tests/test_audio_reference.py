@@ -38,7 +38,7 @@ from reference.errors import ConfigError, InputError, ModelFileError, PromptErro
 # --------------------------------------------------------------------------- tolerances
 # The gates and bounds of harness/core/gates.py, which give the reasons.
 
-#: Mel features vs ``Gemma4AudioFeatureExtractor``, max |diff|. The issue's figure. HF frames,
+#: Mel features vs ``Gemma4AudioFeatureExtractor``, max |diff|. HF frames,
 #: windows and FFTs in float32; after ``log(x + 1e-3)`` that rounding gives 1e-6 (1 s) to 5e-6
 #: (30 s) on these noise clips. It sits at HF's own float32 noise: a 30 s noise + tone clip measured
 #: 1.6e-5, and a pure tone 3e-4 (near-empty mel bins; see test_pure_tone_gap_is_hf_float32).
@@ -46,10 +46,10 @@ MEL_MAX_ABS = G["reference~hf_processor.max_abs_mel"].limit
 #: Our pipeline run in HF's float32 steps vs HF, max |diff|: the formula is HF's to float32 rounding
 #: of the log (values of order 10, ulp ~1e-6).
 MEL_F32_EMULATION_MAX_ABS = gates.MEL_F32_EMULATION_MAX_ABS
-#: Projected audio embeddings (``embed_audio`` output) vs HF fp32 eager, max |diff|. The issue's
-#: figure; measured <= 1.9e-5 (1 s, 7 s, 30 s clips; attention logits up to ~50, in the softcap region).
+#: Projected audio embeddings (``embed_audio`` output) vs HF fp32 eager, max |diff|;
+#: measured <= 1.9e-5 (1 s, 7 s, 30 s clips; attention logits up to ~50, in the softcap region).
 EMBED_MAX_ABS = G["reference~transformers.mm_soft_token_max_abs"].limit
-#: Relative L2 at every encoder trace point vs HF fp32 eager. The issue's figure; measured <= 2.5e-6.
+#: Relative L2 at every encoder trace point vs HF fp32 eager; measured <= 2.5e-6.
 TRACE_REL_L2 = G["reference~transformers.mm_encoder_layer_rel_l2"].limit
 #: Full-attention-with-mask vs blocked (chunked) attention, both float64: the same sums in another order.
 FORMS_MAX_ABS = gates.BLOCKED_ATTENTION_MAX_ABS

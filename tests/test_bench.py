@@ -22,14 +22,15 @@ BENCH_SPEC = REPO_ROOT / "cases" / "bench" / "e4b-1024.toml"
 def _bench(model: str, engines: str) -> dict:
     from harness.cli import bench as bench_cli
     from harness.cli import build_parser
-    from harness.core.io import DEFAULT_REPORTS_DIR
+    from harness.core.paths import default_reports_dir
 
     argv = ["bench", "--model", model, "--engines", engines, "--dtype", "float32,bfloat16",
             "--batch", os.environ.get("G4H_BENCH_BATCH", "1,2,4,8"), "--pp", os.environ.get("G4H_BENCH_PP", "64"),
             "--tg", os.environ.get("G4H_BENCH_TG", "32"), "--reps", os.environ.get("G4H_BENCH_REPS", "3")]
-    before = set(DEFAULT_REPORTS_DIR.glob("*-bench*")) if DEFAULT_REPORTS_DIR.exists() else set()
+    reports = default_reports_dir()
+    before = set(reports.glob("*-bench*")) if reports.exists() else set()
     assert bench_cli.run(build_parser("bench").parse_args(argv)) == 0
-    (run,) = set(DEFAULT_REPORTS_DIR.glob("*-bench*")) - before
+    (run,) = set(reports.glob("*-bench*")) - before
     print((run / "report.md").read_text())
     return json.loads((run / "results.json").read_text())
 

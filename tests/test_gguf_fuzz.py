@@ -81,7 +81,7 @@ def test_damaged_gguf_fast_engine(bases, kind, base, rnd):
     _check(bases, base, kind, rnd, engine="fast")
 
 
-#: The issue's target for the messages of a refused file: this share names the key or tensor at fault itself
+#: The target for the messages of a refused file: this share names the key or tensor at fault itself
 #: (as the file spells it; "after key X" of an unreadable entry does not count). Only the 24-byte header
 #: (magic, version, counts) has neither.
 NAMED_SHARE = 0.90

@@ -1,7 +1,7 @@
 """``g4h inspect``: facts from the metadata and tensor table, the named problems, engine rows, JSON and exit codes.
 
 Expected facts are read from the files with an independent reader (``gguf.GGUFReader``, ``safetensors``) or
-from the spec they were built from, never from ``harness.engines.inspect`` itself. Each named problem has a
+from the spec they were built from, never from ``harness.inspect`` itself. Each named problem has a
 small file made for it (from ``write_tiny_gguf`` or a built-in case, rewritten through ``gguf``'s writer;
 an unknown type id is patched into the header at the offset ``gguf_mutate.read_layout`` finds), and where
 an engine row says an engine can or cannot run a file, the engine is run to show it.
@@ -29,7 +29,8 @@ from safetensors import safe_open
 
 from harness.core import memory
 from harness.core.cases import builtin_specs
-from harness.engines.inspect import (
+from harness.engines.llamacpp import INSTALL_MSG
+from harness.inspect import (
     ESTIMATE_TOKENS,
     FAST_DTYPES,
     FAST_TYPES,
@@ -41,7 +42,6 @@ from harness.engines.inspect import (
     inspect_model,
     llamacpp_donors,
 )
-from harness.engines.llamacpp import INSTALL_MSG
 from harness.synth import ensure_built, text_config
 from reference.config import config_from_hf
 from reference.errors import InputError, ModelFileError

@@ -268,7 +268,8 @@ def test_multimodal_parity_case_passes_every_gate(record_property):
               "mm.bidirectional.sliding_layer_change", "llamacpp~reference.mm_vision_cosine",
               "llamacpp~reference.mm_audio_cosine"):
         assert g in gates, g
-    n_pre = sum(c["gate"].startswith("reference~hf_processor") and c["prompt"].startswith("pre/") for c in res.checks)
+    n_pre = sum(c["gate"].startswith("reference~hf_processor") and str(c["prompt"]).startswith("pre/")
+                for c in res.checks)
     assert n_pre >= 10  # at least 5 images and 5 clips besides the prompts' own
     assert not failed, failed
     assert res.passed

@@ -23,7 +23,7 @@
  *   A_l (l = 0..15) start at +0.0; for g = 0, 1, ..., K/16 - 1 in order, A_l = fma(w[n, 16g + l], x[m, 16g + l], A_l)
  *   (one rounding: a fused multiply-add); then the lanes are summed as a fixed tree:
  *   B_i = A_i + A_{i+8} (i < 8), C_i = B_i + B_{i+4} (i < 4), D_i = C_i + C_{i+2} (i < 2), y[m, n] = D_0 + D_1.
- *   Rows of a batch are therefore bit-identical to the same rows alone (neighbour isolation, DESIGN.md).
+ *   Rows of a batch are therefore bit-identical to the same rows alone (neighbour isolation, docs/design.md).
  *
  * ISA paths (chosen at compile time; the build uses -march=native and the cache is keyed by the CPU's flags):
  * AVX-512 (F, BW, VL), AVX2 + FMA + F16C, or plain C (fmaf). All three give the same bits.

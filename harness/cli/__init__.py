@@ -44,7 +44,8 @@ COMMANDS: dict[str, Command] = {
     "trace": Command("harness.cli.trace", "checksum trace of one prompt (JSONL), optionally with a tensor dump"),
     "diff": Command("harness.cli.diff", "compare two traces and name the first diverging point"),
     "parity": Command("harness.cli.parity", "compare engines on the case library and apply the gates"),
-    "selftest": Command("harness.cli.selftest", "inject known faults into a copy of the fast path; check they are caught"),
+    "selftest": Command("harness.cli.selftest",
+                        "inject known faults into a copy of the fast path; check they are caught"),
     "bench": Command("harness.cli.bench", "throughput (pp/tg tokens/s, batch and depth sweep, roofline share)"),
     "compare": Command("harness.cli.compare", "compare logits (.npy) or greedy outputs (.jsonl) an engine wrote"),
     "explain": Command("harness.cli.explain", "name the spec variant (docs/spec-variants.md) that explains where an "
@@ -54,7 +55,7 @@ COMMANDS: dict[str, Command] = {
     "synth": Command("harness.cli.synth", "build synthetic cases (HF safetensors + GGUFs) and print their paths"),
     "device-check": Command("harness.cli.device_check", "the fast path on CUDA against the reference, to JSON"),
     "device-bench": Command("harness.cli.device_bench",
-                            "issue 16's GPU figures in one run: graphs, fused kernels, roofline (--smoke: on the CPU)"),
+                            "the GPU speed figures in one run: graphs, fused kernels, roofline (--smoke: on the CPU)"),
     "sweep": Command("harness.cli.sweep", "every quantization of a model on every engine against one float64 base, "
                      "on Ray: KLD, greedy and first-divergence per file, a report and plots"),
     "quantize": Command("harness.cli.quantize", "make GGUF quantizations with llama.cpp's llama-quantize (built into "
@@ -85,18 +86,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _quiet_libraries() -> None:
     """Silence transformers' per-load progress bars and advisory logs (our own progress lines remain).
 
-    transformers is configured when it is imported already; otherwise its environment switches are
-    set (``TRANSFORMERS_VERBOSITY``, ``HF_HUB_DISABLE_PROGRESS_BARS``, read when it is imported), so a
-    command that never needs it does not pay its import (about 0.25 GB of memory with torch).
+    Its environment switches are set (``TRANSFORMERS_VERBOSITY``, ``HF_HUB_DISABLE_PROGRESS_BARS``, read when it
+    is imported), for this process and for the worker processes it spawns (the parity job's cases), so a command
+    that never needs it does not pay its import (about 0.25 GB of memory with torch); when it is imported
+    already, it is configured too.
     """
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if "transformers" in sys.modules:
         import transformers  # already imported: only configured
 
         transformers.utils.logging.disable_progress_bar()
         transformers.logging.set_verbosity_error()
-    else:
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _spec(text: str | None) -> contextlib.AbstractContextManager:

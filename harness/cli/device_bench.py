@@ -1,4 +1,4 @@
-"""``g4h device-bench``: issue 16's accelerator figures in one prepared run, and the same run in miniature on the CPU.
+"""``g4h device-bench``: the accelerator speed figures in one prepared run, and the same run in miniature on the CPU.
 
 ::
 
@@ -27,7 +27,7 @@ next one runs:
    fused kernel and with it disabled (``G4H_CUDA_KERNEL=0`` semantics, :func:`fast.cuda_kernels.disabled`). On the
    CPU both runs take the CPU's packed kernels (:mod:`fast.quant_kernels`): there it is a rehearsal only.
 
-Output: ``<out>/<UTC>-device-bench/summary.json`` and ``report.md`` (the headline figures against issue 16's
+Output: ``<out>/<UTC>-device-bench/summary.json`` and ``report.md`` (the headline figures beside their
 targets), with each ``g4h bench`` run's own folder beneath. Nothing here asserts a timing.
 
 It lives in the CLI layer because it composes two siblings below it: :mod:`harness.bench` and the parity check
@@ -98,7 +98,7 @@ class DevicePlan:
 FULL = DevicePlan(shapes=("e4b", "31b", "26b-a4b"), layers=None, vocab=None, batches=(1, 8, 64), tg=64, reps=3,
                   warmup=1, packed_batches=(1, 8), check_layers=4, check_vocab=None, check_window=None,
                   kernel_smoke=False)
-"""Issue 16's figures on a GPU (weights drawn on the device; nothing read from disk). Not yet timed on one: an
+"""The speed figures on a GPU (weights drawn on the device; nothing read from disk). Not yet timed on one: an
 estimate of 5-8 minutes on an H200, so a lease of one 10-minute call may need ``--steps``/``--shapes`` in two."""
 
 SMOKE = DevicePlan(shapes=("e4b", "31b", "26b-a4b"), layers=1, vocab=512, batches=(1, 2), tg=2, reps=1, warmup=1,
@@ -170,7 +170,7 @@ def _kernels(device: str, plan: DevicePlan) -> list[dict[str, Any]]:
 
 
 def headline(record: dict[str, Any]) -> list[str]:
-    """The report's lines: each figure issue 16 names, beside its target, from a :func:`device_bench` record."""
+    """The report's lines: each headline figure beside its target, from a :func:`device_bench` record."""
     lines = []
     chk = record.get("static~paged", {}).get("figures")
     if chk:

@@ -1,6 +1,6 @@
 """``g4h inspect PATH [--json]``: what a GGUF file or HF folder holds, what is wrong with it, which engines run it.
 
-Reads the metadata and tensor table only (:func:`harness.engines.inspect.inspect_model`). Prints the
+Reads the metadata and tensor table only (:func:`harness.inspect.inspect_model`). Prints the
 architecture and size label, the per-layer table, tensor types with counts and bytes, tokenizer facts,
 one row per engine setting and the problems found; ``--json`` prints the document of
 ``docs/inspect-json.md`` instead. Exit status: 0 usable, 1 usable with warnings, 2 unusable or
@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from reference.errors import InputError
 
-from ..engines.inspect import Inspection, inspect_model, unreadable_dict
+from ..inspect import Inspection, inspect_model, unreadable_dict
 
 NO_ESTIMATE = "no memory estimate (the reference's loader refuses the file)"
 """What the memory column says of a row that can run but has no estimate."""

@@ -16,6 +16,7 @@ from ..parity.checks.server import ServerOptions
 from ..parity.job import QUICK_LEAVES_OUT, QUICK_NEW_TOKENS, QUICK_PROMPTS, QUICK_SERVER_REQUESTS
 from ..parity.explain import BUDGET_ENV, budget_seconds
 from ..parity.explain_report import explanation_lines
+from ..parity.drift import drift_rows, only_summary
 from ..parity.job import run as run_parity
 from ..parity.report import junit_xml, short_table
 from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
@@ -65,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(server-batch, server-stream, server-stop, server-template). A check that cannot run here and "
                         "was not opted out fails the run")
     p.add_argument("--slow", action="store_true",
-                   help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per file)")
+                   help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per "
+                        "file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="run N cases at once. Built-in cases: each in a process of its own on one CPU thread, so "
@@ -84,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--explain-budget", type=float, default=None, metavar="SECONDS",
                    help="with --model: seconds spent naming the spec variant that explains each failing pair "
                         "(docs/spec-variants.md; default 60, 0: off)")
+    p.add_argument("--oracle-drift", default=None, metavar="PINNED_RESULTS",
+                   help="results.json of a run with another oracle version (the pinned transformers): report every "
+                        "figure that moved between it and this run, with its first diverging point (nox -s "
+                        "oracle-latest); the exit status stays the gates'")
     p.add_argument("--regression-factor", type=float, default=10.0,
                    help="a figure this many times worse than the baseline is a regression (default 10)")
     add_scale_args(p)
@@ -103,8 +109,32 @@ def _print_baseline(data: dict, written: str | None) -> None:
         print(f"baseline written: {written}")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the job, print the verdict table; return the exit status."""
+def _print_drift(data: dict) -> None:
+    """Terminal lines for ``--oracle-drift``: the versions and one line per moved figure."""
+    d = data.get("oracle_drift")
+    if not d:
+        return
+    print(f"\noracle drift, transformers {d['pinned']} -> {d['newest']}: {d['compared']} figures compared, "
+          f"{len(d['moved'])} moved")
+    for r in drift_rows(d):
+        print(f"  {r['case']} {r['gate']} {r['prompt']}: {r['pinned']} -> {r['newest']} ({r['change']}, "
+              f"{r['verdict']}); first diverging point {r['first diverging point']}"
+              + ("" if r["oracle"] == "yes" else "  [not an oracle pair]"))
+    for side in ("newest", "pinned"):
+        for line in only_summary(d[f"only_{side}"], side):
+            print(f"  only with the {side} oracle: {line}")
+    ways = sorted({(c["pinned"], c["newest"]) for c in d.get("assistant_construction", [])})
+    for before, after in ways:
+        print(f"  the MTP assistant: {before} -> {after} construction")
+
+
+def execute(args: argparse.Namespace) -> tuple[dict, int]:
+    """Run the job as ``g4h parity ARGS`` asks (the report written, ``--junit-xml`` too), print nothing; return
+    ``(results, exit status)``. The pytest plugin (:mod:`harness.pytest_plugin`) runs the job through here.
+
+    Raises:
+        InputError: bad input found before any case ran (one line).
+    """
     check_out_dir(args.out)
     if args.layers is not None and not args.model:
         raise InputError("--layers N goes with --model (the built-in cases are small already)")
@@ -123,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
                               skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
                               engine_options=engine_options(args), weights=args.weights, oracle=args.oracle,
-                              jobs=args.jobs, quick=quick,
+                              jobs=args.jobs, quick=quick, oracle_drift=args.oracle_drift,
                               server=ServerOptions(
                                   max_new_tokens=pick(args.max_new_tokens, GREEDY_NEW_TOKENS, QUICK_NEW_TOKENS),
                                   top_n=args.top_n,
@@ -134,7 +164,15 @@ def run(args: argparse.Namespace) -> int:
         print(line.replace("**", ""))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))
+    return data, status
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job, print the verdict table; return the exit status."""
+    data, status = execute(args)
+    print(short_table(data))
     _print_baseline(data, args.write_baseline)
+    _print_drift(data)
     print(f"\nreport: {data['run_dir']}/report.md")
     print(f"{data['verdict']} (exit {status})")
     return status

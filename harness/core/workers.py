@@ -129,9 +129,11 @@ def _describe_rc(rc: int) -> str:
 
 
 def worker_env() -> dict[str, str]:
-    """The environment of a llama.cpp worker process: this one's, plus the repo root first on ``PYTHONPATH``
-    (so ``python -m harness.<worker>`` imports this checkout) and ``GGML_NO_BACKTRACE=1`` (an abort prints
-    its assert line and never attaches a debugger)."""
+    """The environment of a llama.cpp worker process: this one's, plus the import root first on ``PYTHONPATH``
+    (:data:`harness.core.paths.REPO_ROOT`, so ``python -m harness.<worker>`` imports this checkout or install)
+    and ``GGML_NO_BACKTRACE=1`` (an abort prints its assert line and never attaches a debugger). Workers run
+    in the import root as their folder (``python -m`` puts its folder first on ``sys.path``: the user's folder
+    could shadow ``harness``) and write nothing there: every file they write has an absolute path."""
     env = dict(os.environ)
     env["GGML_NO_BACKTRACE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])

@@ -1,7 +1,9 @@
-"""The oracle for MTP drafters: transformers' ``Gemma4AssistantForCausalLM`` beside its ``Gemma4ForCausalLM``, fp32 eager.
+"""The oracle for MTP drafters: transformers' ``Gemma4AssistantForCausalLM`` beside its ``Gemma4ForCausalLM``.
 
-transformers 5.23 cannot construct the assistant without the guarded patch of :mod:`harness.core.hf_assistant`
-(every use here runs inside it, and fails with one line if a later transformers changes the patched property).
+fp32 eager. transformers 5.23 cannot construct the assistant by itself, 5.24 can: every use here runs inside
+:func:`harness.core.hf_assistant.assistant_construction`, which patches ``kv_sharing_modes`` only where transformers
+needs it (found by trying) and raises :class:`~harness.core.hf_assistant.AssistantUnavailable` in one line where
+even the patch does not help.
 
 Two ways to drive it:
 
@@ -13,8 +15,10 @@ Two ways to drive it:
   what it hands a drafter (``shared_kv_states``, ``hidden_states[-1]``), to check that the reference binds the
   same store layers; :meth:`HFAssistantOracle.speculative_generate` is transformers' own assisted greedy
   generation. Beyond the sliding window transformers' drafter also sees rejected drafts' K/V on sliding layers
-  (``MULTIMODAL_MTP_FACTS.md`` §0.2), which changes its acceptance, never its output: acceptance is not
-  compared with it.
+  (transformers ``generation/candidate_generator.py``, ``SinglePositionMultiTokenCandidateGenerator.
+  get_candidates``: it slices the target's K/V with ``[:, :, :current_length]``, which leaves a sliding store
+  layer's ring of window - 1 + k + 1 entries whole), which changes its acceptance, never its output: acceptance
+  is not compared with it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 import transformers
 from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
-from ..core.hf_assistant import kv_sharing_patch
+from ..core.hf_assistant import assistant_construction
 from .transformers import check_parameters
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -40,8 +44,11 @@ class HFAssistantOracle:
         target_dir: HF folder of the target (``Gemma4ForCausalLM``).
         drafter_dir: HF folder of the assistant (``Gemma4AssistantForCausalLM``).
 
+    Attributes:
+        construction: ``"native"`` (transformers constructs the assistant by itself) or ``"patched"``.
+
     Raises:
-        AssistantPatchError: transformers' ``kv_sharing_modes`` is not the one the patch was written against.
+        AssistantUnavailable: this transformers cannot construct the assistant, even patched (one line).
     """
 
     name = "transformers-assistant"
@@ -50,7 +57,8 @@ class HFAssistantOracle:
         transformers.logging.set_verbosity_error()
         self.target = Gemma4ForCausalLM.from_pretrained(target_dir, dtype=torch.float32,
                                                         attn_implementation="eager").eval()
-        with kv_sharing_patch():
+        with assistant_construction() as how:
+            self.construction = how
             self.drafter = Gemma4AssistantForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32,
                                                                       attn_implementation="eager").eval()
         check_parameters(self.target, target_dir)  # NaN, Inf, |w| > 1e30: one line, as every engine
@@ -84,7 +92,7 @@ class HFAssistantOracle:
         emb = self.target.get_input_embeddings()
         tok, h = int(token), torch.tensor(np.asarray(h_prev), dtype=torch.float32).view(1, 1, -1)
         tokens, logits, hs = [], [], []
-        with torch.no_grad(), kv_sharing_patch():
+        with torch.no_grad(), assistant_construction():
             for _ in range(n):
                 x = torch.cat([emb(torch.tensor([[tok]])), h], dim=-1)
                 out = self.drafter(inputs_embeds=x, position_ids=torch.tensor([[position]]), shared_kv_states=shared,
@@ -99,7 +107,7 @@ class HFAssistantOracle:
         """transformers' own assisted greedy generation with the assistant drafting ``k`` tokens per round."""
         self.drafter.generation_config.num_assistant_tokens = k
         self.drafter.generation_config.num_assistant_tokens_schedule = "constant"
-        with torch.no_grad(), kv_sharing_patch():
+        with torch.no_grad(), assistant_construction():
             out = self.target.generate(torch.tensor([list(prompt)]), assistant_model=self.drafter, do_sample=False,
                                        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
         return out[0, len(prompt):].tolist()

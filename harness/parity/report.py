@@ -39,6 +39,7 @@ from ..core.metrics import KLD_HIST_FLOOR_LOG10
 from .baseline import baseline_section
 from .checks.server import report_lines as server_report_lines
 from .explain_report import explanation_lines
+from .drift import drift_section
 
 LAYER_POINT = "l_out"
 """The trace point whose per-layer error the plots show (each layer's output)."""
@@ -399,10 +400,14 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
     if data.get("baseline", {}).get("regressions"):
         status[1] += f" or a figure regressed against the baseline ({len(data['baseline']['regressions'])})"
     head = data.get("verdict") or f"{status[data['status']]} ({len(data['cases'])} cases)"
-    lines = ["# Parity report", "", f"**{head}** (created {data['created_utc']})", ""]
+    versions = data.get("versions") or {}
+    made = ", ".join(f"{k} {versions[k]}" for k in ("transformers", "torch", "llama-cpp-python") if k in versions)
+    lines = ["# Parity report", "", f"**{head}** (created {data['created_utc']}" + (f"; {made}" if made else "") + ")",
+             ""]
     lines += explanation_lines(data)  # why a failing pair diverges (spec variants), one line each
     lines += [_table(summarize(data), ["case", "gate", "worst", "limit", "result", "note"], right=["worst"]), ""]
     lines += baseline_section(data)  # empty without --baseline
+    lines += drift_section(data)  # empty without --oracle-drift
     failing = [c for c in data["cases"]
                if c["error"] or not all(k["pass"] or k.get("informational") for k in c["checks"])]
     if failing:

@@ -2,7 +2,7 @@
 
 * :func:`find_models` turns what the user named (files, folders, glob patterns) into model paths: a folder
   holding ``config.json`` is one HF model; any other folder gives its ``*.gguf`` files (not recursive).
-* :func:`describe` reads one model's header (:func:`harness.engines.inspect.inspect_model`, no tensor data) into a
+* :func:`describe` reads one model's header (:func:`harness.inspect.inspect_model`, no tensor data) into a
   :class:`SweepFile`: its file type, bits per weight, ``g4h inspect``'s problems, which engines can run it and why
   not, and its *signature*: the architecture and every tensor's name and shape as the loader sees them
   (:func:`harness.core.memory.model_info`).
@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 from reference.errors import InputError
 
 from ..core import memory
-from ..engines.inspect import UNUSABLE, Inspection, inspect_model
+from ..inspect import UNUSABLE, Inspection, inspect_model
 from ..engines.llamacpp import INSTALL_MSG
 
 GLOB_CHARS = set("*?[")

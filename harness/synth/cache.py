@@ -122,8 +122,8 @@ def ensure_built(spec_or_path: Spec | str | os.PathLike[str], cache_dir: str | o
 
     The case lives in ``<root>/<name>-<sha12>/`` (:func:`case_key`) where
     ``<root>`` is ``cache_dir`` if given, else ``$G4H_CACHE/synth`` if that
-    variable is set, else ``<repo>/.g4h-cache/synth``. A case directory counts as
-    built when its ``manifest.json`` exists. A miss builds into a fresh
+    variable is set, else ``~/.cache/gemma4-harness/synth`` (:func:`harness.core.paths.cache_root`).
+    A case directory counts as built when its ``manifest.json`` exists. A miss builds into a fresh
     ``.tmp-*`` directory beside it and renames that into place in one step, so an
     interrupted or concurrent build never leaves a partial case under the final
     name; when two builders race, the loser discards its copy and uses the

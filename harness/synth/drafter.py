@@ -19,7 +19,7 @@ The drafter's text config inherits from its target every field that must agree w
 every tensor as :func:`harness.synth.make_weights` does (its own seeded generator per name, parameters that
 transformers initialises to 1 randomised, bf16-representable values); ``masked_embd_ordering`` is a seeded
 permutation (transformers initialises it to zeros). :func:`write_drafter_hf` writes through transformers' own
-``Gemma4AssistantForCausalLM``, under the guarded patch of :mod:`harness.core.hf_assistant`;
+``Gemma4AssistantForCausalLM`` (patched only where transformers cannot construct it: :mod:`harness.core.hf_assistant`);
 :func:`write_drafter_gguf` writes a ``gemma4-assistant`` GGUF as llama.cpp's converter would (the
 ``gemma4-assistant.*`` keys of ``Gemma4AssistantModel``, ``embedding_length_out`` = the target's hidden size,
 ``nextn_predict_layers``; no ``masked_embedding.*`` tensors). :func:`ensure_drafter_built` caches both.
@@ -32,18 +32,18 @@ import hashlib
 import json
 import os
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
-import tomllib
 
 from reference.drafter import DrafterConfig, drafter_config_from_hf, drafter_expected_tensors
 from reference.drafter_weights import gguf_to_drafter_hf
 from reference.errors import ConfigError
 
-from ..core.hf_assistant import kv_sharing_patch
+from ..core.hf_assistant import assistant_construction
 from .cache import BuiltCase, _cache_root, _versions, build_atomically, ensure_built
 from .gguf import gguf_metadata, write_gguf
 from .spec import CONFIG_KEYS, INIT_DEFAULTS, Spec, SpecError, load_spec
@@ -187,7 +187,7 @@ def make_drafter_weights(spec: DrafterSpec) -> dict[str, np.ndarray]:
 
 
 def write_drafter_hf(spec: DrafterSpec, weights: Mapping[str, np.ndarray], out_dir: str | os.PathLike[str]) -> Path:
-    """Write the HF assistant through transformers' own ``Gemma4AssistantForCausalLM`` (patched construction).
+    """Write the HF assistant through transformers' own ``Gemma4AssistantForCausalLM``.
 
     Loads ``weights`` into the model (the tied ``lm_head`` takes ``token_embd``), checks every state-dict entry
     holds them, ``save_pretrained`` (float32 safetensors), reloads with ``from_pretrained`` and checks the
@@ -195,7 +195,7 @@ def write_drafter_hf(spec: DrafterSpec, weights: Mapping[str, np.ndarray], out_d
 
     Raises:
         RuntimeError: the names or shapes do not match the model's state dict, or the round trip differs.
-        AssistantPatchError: transformers' ``kv_sharing_modes`` changed (:mod:`harness.core.hf_assistant`).
+        AssistantUnavailable: this transformers cannot construct the assistant (:mod:`harness.core.hf_assistant`).
     """
     import torch  # optional heavy dependency: only the HF writer needs it
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig  # heavy, optional
@@ -204,7 +204,7 @@ def write_drafter_hf(spec: DrafterSpec, weights: Mapping[str, np.ndarray], out_d
     out.mkdir(parents=True, exist_ok=True)
     expected = {gguf_to_drafter_hf(k): v for k, v in weights.items()}
     expected["lm_head.weight"] = weights["token_embd.weight"]
-    with kv_sharing_patch():
+    with assistant_construction():
         cfg = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**copy.deepcopy(spec.config)),
                                     tie_word_embeddings=True, **spec.assistant)
         with torch.random.fork_rng(devices=[]):

@@ -45,8 +45,8 @@ from .weights import make_weights
 
 _S, _F = "sliding_attention", "full_attention"
 
-#: The text decoder (``Gemma4TextConfig`` fields), after ``tiny_mm.py`` of ``MULTIMODAL_MTP_FACTS.md`` §3.4
-#: with layer 0 made full.
+#: The text decoder (``Gemma4TextConfig`` fields): a six-layer decoder with every text feature the multimodal
+#: merge touches (PLE, KV sharing, ``use_bidirectional_attention = "vision"``, softcap), layer 0 full.
 TINY_MM_TEXT: dict[str, Any] = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,

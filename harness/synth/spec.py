@@ -59,11 +59,10 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from reference.config import ModelConfig, config_from_hf
 from reference.errors import InputError

@@ -34,8 +34,8 @@ transformers' own GGUF conversion adds them), all ``normalized: false``.
 
 Both files are written deterministically (same bytes for the same source)
 under ``<cache>/tok/gemma4-test-<hash>/`` where ``<cache>`` is
-:func:`harness.core.realdata.cache_root` (``<repo>/.g4h-cache`` unless
-``$G4H_CACHE``); the hash covers the source file, the template and
+:func:`harness.core.paths.cache_root` (``$G4H_CACHE``, else the user cache
+directory ``~/.cache/gemma4-harness``); the hash covers the source file, the template and
 :data:`BUILDER_VERSION`. Writes go through a temporary name and ``os.replace``.
 
 The other tokenizer files are read into GGUF-style metadata by :mod:`harness.tokenizer.files`.
@@ -134,8 +134,8 @@ def derive_tokenizer_json(spm_path: str | os.PathLike, out: str | os.PathLike) -
         InputError: transformers, sentencepiece or protobuf is not installed.
     """
     try:  # optional heavy dependencies: only this derivation needs them
-        import sentencepiece  # optional (test) dependency
-        from tokenizers import AddedToken, processors  # optional (test) dependency
+        import sentencepiece  # lazy: only to derive tokenizer.json
+        from tokenizers import AddedToken, processors  # lazy: only to derive tokenizer.json
 
         cst = importlib.import_module("transformers.convert_slow_tokenizer")
         importlib.import_module("google.protobuf")

@@ -57,7 +57,7 @@ def unescape(line: str) -> str:
 
 
 def default_corpus_dir() -> Path:
-    """``<repo>/cases/tokenizer``."""
+    """``cases/tokenizer`` (:data:`harness.core.paths.CASES_DIR`: the clone's, or the installed package's copy)."""
     return CASES_DIR / "tokenizer"
 
 

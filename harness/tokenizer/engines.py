@@ -134,7 +134,7 @@ def _ours_tokenizer(key: tuple[str, int, int]):
 
 @functools.lru_cache(maxsize=8)
 def _hf_tokenizer(key: tuple[str, int, int]):
-    from tokenizers import Tokenizer  # HF tokenizers: an optional (test) dependency, only for the hf engine
+    from tokenizers import Tokenizer  # HF tokenizers: imported only for the hf engine (lazy: heavy)
 
     return Tokenizer.from_file(key[0])
 
@@ -168,7 +168,7 @@ class HFEngine(TokEngine):
 
     def __init__(self, path: Path, add_bos: bool = True, parse_special: bool | None = None):
         try:
-            import tokenizers  # noqa: F401 - optional (test) dependency, only whether it is installed
+            import tokenizers  # noqa: F401 - only whether it is installed (lazy)
         except ImportError:
             raise TokEngineUnavailable("hf: not installed: pip install tokenizers") from None
         super().__init__(path, add_bos, parse_special)
@@ -218,7 +218,7 @@ class SpmEngine(TokEngine):
 
     def __init__(self, path: Path, add_bos: bool = True, parse_special: bool | None = None):
         try:
-            import sentencepiece as spm  # optional (test) dependency, only for the spm engine
+            import sentencepiece as spm  # imported only for the spm engine (lazy)
         except ImportError:
             raise TokEngineUnavailable("spm: not installed: pip install sentencepiece") from None
         super().__init__(path, add_bos, parse_special)

@@ -219,7 +219,7 @@ def metadata_from_sentencepiece(path: str | os.PathLike) -> dict[str, Any]:
             not installed.
     """
     try:
-        import sentencepiece as spm  # optional (test) dependency: only to read a tokenizer.model
+        import sentencepiece as spm  # lazy: only to read a tokenizer.model
     except ImportError:
         raise InputError("sentencepiece is not installed: pip install sentencepiece") from None
     try:

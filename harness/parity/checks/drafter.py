@@ -1,12 +1,16 @@
-"""Checks of an MTP drafter's forward: the reference against patched transformers, the loaders, the fast twin.
+"""Checks of an MTP drafter's forward: the reference against transformers, the loaders, the fast twin.
 
 Every comparison runs a draft round as speculative decoding does after a prefill: the target reads a prompt
 (shorter and longer than the sliding window), picks its next token, and the drafter drafts ``N_DRAFT`` tokens
 from it at that position. Figures (none gated here; :mod:`harness.parity.result` gates them):
 
+* ``drafter.reference~transformers.runs``: transformers constructs and runs its ``Gemma4AssistantForCausalLM``
+  (patched only where it cannot by itself: :mod:`harness.core.hf_assistant`; the row's ``construction`` says
+  which); when it cannot, this row fails with the reason and the two figures below are not measured, while the
+  other drafter figures still are;
 * ``drafter.reference~transformers.max_abs``: the reference drafter against transformers'
-  ``Gemma4AssistantForCausalLM`` (fp32, patched construction) fed the same token, ``h_prev`` and store-layer
-  K/V: max |Δ| over the logits and ``h_next`` of every step;
+  ``Gemma4AssistantForCausalLM`` (fp32) fed the same token, ``h_prev`` and store-layer K/V: max |Δ| over the
+  logits and ``h_next`` of every step;
 * ``drafter.store_kv.reference~transformers.max_abs``: the K/V transformers' target hands its drafter
   (``shared_kv_states``) against the K/V of the target layers the reference binds the drafter to, and its
   ``h_prev`` against the reference's ``result_norm``: the two agree on which layers a drafter reads;
@@ -39,18 +43,21 @@ from ...engines.assistant import FULL, SLIDING, HFAssistantOracle
 from ...engines.llamacpp.drafter import llamacpp_drafts, llamacpp_speculative
 from ...engines.llamacpp.numerics import llamacpp_numerics
 from ..result import Figure, fig
+from .oracle import oracle_rows, transformers_version
 
 N_DRAFT = 4
 """Draft steps per compared round."""
 
-NO_STORE_IN_HF = ("transformers 5.23 marks no 'store' layer in a target without KV-shared layers (kv_sharing_modes "
-                  "is all None when num_kv_shared_layers = 0), so its target returns no shared_kv_states and its own "
-                  "assisted generation raises KeyError; the drafter itself is still compared on the reference's K/V")
+NO_STORE_IN_HF = ("this transformers marks no 'store' layer in a target without KV-shared layers (5.23's "
+                  "Gemma4TextConfig.kv_sharing_modes is all None when num_kv_shared_layers = 0; 5.24 marks the last "
+                  "layer of each type 'store'), so its target returns no shared_kv_states and its own assisted "
+                  "generation raises KeyError; the drafter itself is still compared on the reference's K/V")
 """Why the store-layer comparison cannot run against transformers for a target without KV sharing (26B-A4B- and
-31B-like): a limit of transformers 5.23, found here."""
+31B-like) where transformers hands a drafter no K/V: a limit of transformers 5.23, found here, lifted in 5.24."""
 
 
-def store_kv(d: ref_drafter.DrafterConfig, cache, position: int, window: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def store_kv(d: ref_drafter.DrafterConfig, cache, position: int,
+             window: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The keys a drafter at ``position`` sees, by layer type: the bound store layers' K/V before ``position``,
     the last ``window - 1`` of them on sliding layers. ``{type: (K, V)}``, each ``[S, Hkv, D]``."""
     out = {}
@@ -149,6 +156,29 @@ def fast_vs_reference(d, DW, tcfg, TW, fm: FastModel, prompts: Sequence[dict[str
     return out
 
 
+def oracle_checks(built, d, DW, tcfg, TW, prompts: Sequence[dict[str, Any]]) -> list[Figure]:
+    """``drafter.reference~transformers.runs`` and, when transformers can run the assistant, the figures of
+    :func:`reference_vs_transformers`. A problem of the oracle (it cannot construct the assistant, or fails on
+    the way) is that row's failure with its one line: it never stops the other drafter checks."""
+    built_oracle: list[HFAssistantOracle] = []
+
+    def measure() -> list[Figure]:
+        built_oracle.append(HFAssistantOracle(built.target.hf_dir, built.hf_dir))
+        return reference_vs_transformers(d, DW, tcfg, TW, built_oracle[0], prompts)
+
+    out = oracle_rows("drafter.reference~transformers.runs", measure)
+    if built_oracle:
+        out[0].detail["construction"] = built_oracle[0].construction
+    return out
+
+
+def drafter_not_built(dspec_name: str, error: Exception) -> list[Figure]:
+    """The row of a drafter that could not be written because transformers cannot construct the assistant
+    (:class:`harness.core.hf_assistant.AssistantUnavailable`): the drafter checks do not run, and say why."""
+    return [fig("drafter.reference~transformers.runs", 0.0, None, transformers=transformers_version(),
+                got=f"not run: the drafter {dspec_name} could not be written: {error}")]
+
+
 def drafter_checks(built, prompts: Sequence[dict[str, Any]], info: dict[str, Any], progress, name: str) -> list[Figure]:
     """Every drafter-forward figure of one built drafter (:class:`harness.synth.drafter.BuiltDrafter`)."""
     tcfg, TW = load_model(built.target.gguf["F32"])
@@ -156,9 +186,8 @@ def drafter_checks(built, prompts: Sequence[dict[str, Any]], info: dict[str, Any
     d_gguf, DW_gguf = load_drafter(built.gguf["F32"])
     d_hf, d_gguf = ref_drafter.bind(d_hf, tcfg), ref_drafter.bind(d_gguf, tcfg)
     info["drafter"] = d_hf.summary()
-    progress(f"[{name}] drafter: reference vs patched transformers, GGUF vs safetensors, fast vs reference")
-    out = reference_vs_transformers(d_hf, DW_hf, tcfg, TW, HFAssistantOracle(built.target.hf_dir, built.hf_dir),
-                                    prompts)
+    progress(f"[{name}] drafter: reference vs transformers, GGUF vs safetensors, fast vs reference")
+    out = oracle_checks(built, d_hf, DW_hf, tcfg, TW, prompts)
     figs, facts = gguf_vs_hf(d_hf, DW_hf, d_gguf, DW_gguf, tcfg, TW, prompts)
     info["drafter"].update(facts)
     out += figs
