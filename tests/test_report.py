@@ -70,8 +70,10 @@ def test_run_dir_creates_missing_base(tmp_path):
     assert d.is_dir() and d.parent == (tmp_path / "a" / "b").resolve()
 
 
-def test_default_base_is_repo_reports():
-    assert report.DEFAULT_REPORTS_DIR == Path(__file__).resolve().parent.parent / "reports"
+def test_default_base_is_reports_under_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    d = new_run_dir("x", None)
+    assert d.parent == (tmp_path / "reports").resolve()
 
 
 def test_same_name_same_second_never_reused(tmp_path, monkeypatch):

@@ -9,11 +9,11 @@ from pathlib import Path
 from reference.errors import InputError
 
 from ..core.cases import PROMPTS
-from ..core.io import DEFAULT_REPORTS_DIR
+from ..core.paths import default_reports_dir
 from ..engines import split_engines
 from ..engines.base import TOP_N
-from ..inspect import inspect_model
 from ..engines.llamacpp import tools as llama_tools
+from ..inspect import inspect_model
 from ..sweep.files import find_models
 from ._args import DTYPES, check_out_dir
 
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                          f"RAY_ADDRESS ({address}: an existing cluster has its own)")
     models = list(args.models)
     if args.quantize:
-        where = Path(args.quant_dir) if args.quant_dir else Path(args.out or DEFAULT_REPORTS_DIR) / "quants"
+        where = Path(args.quant_dir) if args.quant_dir else Path(args.out or default_reports_dir()) / "quants"
         types = [t for t in args.quantize.split(",") if t.strip()]
         models += make_quants(models, types, where, args.imatrix, args.imatrix_text,
                               say=(lambda m: None) if args.quiet else (lambda m: print(f"g4h sweep: {m}")))

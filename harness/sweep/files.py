@@ -27,8 +27,8 @@ from typing import Any, Iterable, Sequence
 from reference.errors import InputError
 
 from ..core import memory
-from ..inspect import UNUSABLE, Inspection, inspect_model
 from ..engines.llamacpp import INSTALL_MSG
+from ..inspect import UNUSABLE, Inspection, inspect_model
 
 GLOB_CHARS = set("*?[")
 

@@ -29,8 +29,8 @@ from ray import exceptions as rex
 from reference.errors import InputError
 
 from ..core.cases import PROMPTS
-from ..core.io import DEFAULT_REPORTS_DIR
 from ..core.memory import GB, plan
+from ..core.paths import default_reports_dir
 from ..engines import check_engine_name, engine_kind
 from ..engines.base import TOP_N
 from . import cluster, judge, tasks
@@ -530,7 +530,7 @@ def run_sweep(models: Sequence[str] | None, opts: SweepOptions, out: str | Path 
         rd = None
     groups, bad, gp, skipped = plan_sweep(models, opts, progress.say)
     if rd is None:
-        rd = RunDir(new_run_dir(out or DEFAULT_REPORTS_DIR))
+        rd = RunDir(new_run_dir(out or default_reports_dir()))
         rd.write_plan({"models": [str(m) for m in models],
                        "options": {k: getattr(opts, k) for k in SweepOptions.PLANNED}})
     progress.say(f"run directory {rd.path}")
