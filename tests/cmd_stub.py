@@ -1,13 +1,16 @@
 """A subprocess-protocol engine for the tests (``docs/engine-protocol.md``): the float64 reference behind the
 protocol, with every fault the harness must name on request.
 
-    python tests/cmd_stub.py [--fault KIND [--fault-op OP]] [--perturb-layer L] [--dtype D] [--approx A] [--no-tensors]
-                              [--linger]
+    python tests/cmd_stub.py [--fault KIND [--fault-op OP] [--fault-after N]] [--perturb-layer L] [--perturb X]
+                              [--dtype D] [--approx A] [--no-tensors] [--linger]
 
 It answers ``hello``, ``logits`` (float32 ``.npy``), ``generate``, ``trace`` (a ``g4h-trace`` file, with the
 tensors unless ``--no-tensors``) and ``tokenize`` (one id per byte, a stand-in). ``--perturb-layer L`` adds
-noise to ``blk.L.ffn_down.weight`` (the first trace point to move is that layer's ``ffn_out``). Faults
-(:data:`FAULTS`), applied to the first ``--fault-op`` request (default ``logits``):
+noise to ``blk.L.ffn_down.weight`` (the first trace point to move is that layer's ``ffn_out``). ``--perturb X``
+adds ``X`` to the logits of every odd token id (``logits``) and to every log-prob ``generate`` reports (an engine
+whose numbers are off by ``X``). Faults (:data:`FAULTS`), applied to the first ``--fault-op`` request (default
+``logits``; ``any``: every request but ``hello``) after ``--fault-after N`` of them were answered (default 0; ``die``
+with ``--fault-op any --fault-after N``: an engine that crashes after N requests):
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ FAULTS = {
     "rank6": "generate: the first token is the reference's sixth most probable (listed first, at the top-1's "
              "log-prob): vLLM's rule passes it with N >= 6 only",
     "short": "generate: one token too few",
+    "sample": "generate: each token sampled (temperature 1, fixed seed) from the reference's distribution, the "
+              "reported top log-probs the reference's at that context (not greedy)",
+    "drop": "generate: the token at step 2 (and its log-probs) left out of each stream (one token too few)",
     "refuse": "hello: ok false (cannot read the model)",
     "version": "hello: protocol 2",
     "no-ops": "hello: answers neither logits nor generate",
@@ -69,10 +75,32 @@ class Perturbed:
         return getattr(self.base, attr)
 
 
+def sampled(ref, prompt, n: int, top_n: int, temperature: float = 1.0, seed: int = 7):
+    """A stream of ``n`` tokens each drawn from the reference's softmax (at ``temperature``, a fixed seed), with the
+    reference's top-``top_n`` ``(id, logprob)`` at each step's context: what a sampling engine reports."""
+    from harness.engines.base import Generated
+
+    rng = np.random.default_rng(seed)
+    ids, g = list(prompt), Generated()
+    g.tokens, g.top = [], []
+    for _ in range(n):
+        z = ref.logits(ids)[-1]
+        lp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        best = np.argsort(-lp, kind="stable")[:top_n]
+        p = np.exp(lp / temperature)
+        tok = int(rng.choice(len(p), p=p / p.sum()))
+        g.tokens.append(tok)
+        g.top.append([(int(i), float(lp[i])) for i in best])
+        ids.append(tok)
+    return g
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--fault", choices=sorted(FAULTS), default=None)
     p.add_argument("--fault-op", default="logits")
+    p.add_argument("--fault-after", type=int, default=0)
+    p.add_argument("--perturb", type=float, default=0.0)
     p.add_argument("--perturb-layer", type=int, default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--approx", action="append", default=[], help="declare this approximation in hello")
@@ -86,10 +114,16 @@ def main() -> int:
     def reply(req, **fields):
         proto.write(json.dumps({"id": req["id"], "ok": True, **fields}) + "\n")
 
+    seen = 0  # requests of --fault-op answered so far
     for line in sys.stdin:
         req = json.loads(line)
         op = req["op"]
-        fault = a.fault if op == a.fault_op or (a.fault in ("refuse", "version", "no-ops") and op == "hello") else None
+        fault = None
+        if a.fault in ("refuse", "version", "no-ops"):
+            fault = a.fault if op == "hello" else None
+        elif op == a.fault_op or (a.fault_op == "any" and op != "hello"):
+            fault = a.fault if seen >= a.fault_after else None
+            seen += 1
         if fault == "malformed":
             proto.write("this is not a JSON reply\n")
             continue
@@ -114,7 +148,10 @@ def main() -> int:
                   ops=["tokenize"] if fault == "no-ops" else ["logits", "generate", "trace", "tokenize"],
                   vocab_size=ref.cfg.vocab_size, dtype=a.dtype, approximations=a.approx)
         elif op == "logits":
-            z = ref.logits(req["ids"]).astype(np.float32)
+            z = ref.logits(req["ids"])
+            if a.perturb:
+                z[:, 1::2] += a.perturb
+            z = z.astype(np.float32)
             if fault == "shape":
                 z = z[:-1]
             if fault == "dtype":
@@ -123,15 +160,20 @@ def main() -> int:
             reply(req, logits=req["out"])
         elif op == "generate":
             results = []
-            for g in ref.generate_full(req["prompts"], req["max_new_tokens"], top_n=max(6, req["top_n"])):
+            gens = ref.generate_full(req["prompts"], req["max_new_tokens"], top_n=max(6, req["top_n"]))
+            if fault == "sample":
+                gens = [sampled(ref, p, req["max_new_tokens"], req["top_n"]) for p in req["prompts"]]
+            for g in gens:
                 toks = [s[1][0] for s in g.top] if fault == "not-greedy" else g.tokens
                 if fault == "rank6":
                     s0 = g.top[0]
                     g.top[0] = [(s0[5][0], s0[0][1])] + s0[:5] + s0[6:]
                     toks = [s0[5][0]] + toks[1:]
-                steps = [[[i, lp] for i, lp in s[:req["top_n"]]] for s in g.top]
+                steps = [[[i, lp + a.perturb] for i, lp in s[:req["top_n"]]] for s in g.top]
                 if fault == "short":
                     toks, steps = toks[:-1], steps[:-1]
+                if fault == "drop" and len(toks) > 2:
+                    toks, steps = toks[:2] + toks[3:], steps[:2] + steps[3:]
                 results.append({"tokens": toks, "top_logprobs": steps})
             reply(req, results=results)
         elif op == "trace":

@@ -334,28 +334,51 @@ def llama_cpp_python_server_gemma3(gemma3_gguf, tmp_path_factory) -> Iterator[Se
 # --------------------------------------------------------------------------- a fault-injecting stub
 
 
+#: The paths that generate (llama-server's own, and the OpenAI completions route of every dialect).
+COMPLETION_PATHS = ("/completion", "/v1/completions", "/completions")
+
+#: Modes of :class:`FaultStub` that need an upstream server, each one fault.
+PROXY_MODES = ("perturb", "swap", "ignore-eos", "sample", "crash", "drop")
+
+
 class FaultStub:
     """A fault-injecting HTTP server in a thread, for the tests that need a server to fail (never as a stand-in
     for a working one).
 
     Without ``upstream`` it answers llama-server's ``/props`` and ``/v1/models`` itself and every POST by ``mode``:
     ``500``, ``malformed`` (JSON cut short), ``slow`` (answers after ``delay`` s), ``shape`` (ids where log-probs
-    should be). With ``upstream`` (a real server's URL) it forwards every request there and alters only the
-    non-streamed ``/completion`` answers, by ``mode``:
+    should be). With ``upstream`` (a real server's URL: llama-server or llama-cpp-python's server) it is a proxy:
+    it forwards every request there and injects one fault (:data:`PROXY_MODES`), by ``mode``:
 
-    * ``perturb``: every log-prob 0.1 higher (an engine whose numbers are off);
-    * ``swap``: in an answer whose every step carries log-probs, step 2 reports its runner-up as the generated
-      token (the id and log-prob of the step, and the id in ``tokens``), the top list left as it was;
-    * ``ignore-eos``: every ``/completion`` request is sent on with ``ignore_eos`` true (a server that never stops
-      at EOS).
+    * ``perturb``: every log-prob of a non-streamed completion answer ``amount`` higher (default 0.1; an engine
+      whose numbers are off by that much);
+    * ``swap`` (llama-server): in an answer whose every step carries log-probs, step ``step`` (default 2) reports
+      its runner-up as the generated token (the id and log-prob of the step, and the id in ``tokens``), the top
+      list left as it was;
+    * ``ignore-eos`` (llama-server): every ``/completion`` request is sent on with ``ignore_eos`` true (a server
+      that never stops at EOS);
+    * ``sample``: every completion request is sent on with ``temperature`` ``temperature`` (default 1.0) and a
+      fixed ``seed``: a server that samples instead of decoding greedily;
+    * ``crash``: the first ``after`` completion requests are served; at the next one the proxy dies: that request's
+      connection is closed unanswered and the port refuses every later connection (a server process that crashed);
+    * ``drop``: a non-streamed completion answer longer than ``step`` loses the token at ``step`` (its id, its
+      log-prob entry, its text), as if the server had dropped it; ``finish_reason`` / ``stop_type`` unchanged.
 
-    ``altered`` lists what was changed: ``{"prompt", "step", "was", "now"}`` per altered answer, in arrival order.
+    ``altered`` lists what was changed, in arrival order: ``{"prompt", "step", "was", "now"}`` per altered answer
+    (``swap``, ``drop``), ``{"prompt", "ignore_eos"}`` / ``{"prompt", "temperature"}`` per altered request,
+    ``{"crashed_at": n}`` once. ``requests`` counts the completion requests seen.
     """
 
-    def __init__(self, mode: str, upstream: str | None = None, delay: float = 3.0) -> None:
+    def __init__(self, mode: str, upstream: str | None = None, delay: float = 3.0, *, amount: float = 0.1,
+                 step: int = 2, after: int = 2, temperature: float = 1.0, seed: int = 7) -> None:
         stub = self
+        if upstream is None and mode in PROXY_MODES:
+            raise ValueError(f"FaultStub mode {mode!r} is a proxy: it needs upstream=URL of a real server")
         self.mode, self.upstream, self.delay = mode, upstream, delay
+        self.amount, self.step, self.after, self.temperature, self.seed = amount, step, after, temperature, seed
         self.altered: list[dict] = []
+        self.requests = 0
+        self.crashed = False
         self._lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
@@ -400,6 +423,31 @@ class FaultStub:
         except urllib.error.HTTPError as e:
             h._send(e.code, e.read(), e.headers.get("Content-Type", "application/json"))
 
+    def _upstream_json(self, h, body: bytes):
+        """POST ``body`` to ``upstream`` at the request's path; (status, decoded JSON answer or raw bytes)."""
+        req = urllib.request.Request(self.upstream + h.path, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def _die(self, h) -> None:
+        """The proxy "crashes": the listening socket closes (later connections are refused) and the request in hand
+        gets no answer (its connection is closed)."""
+        with self._lock:
+            first = not self.crashed
+            self.crashed = True
+            if first:
+                self.altered.append({"crashed_at": self.requests})
+        if first:
+            threading.Thread(target=self.server.shutdown, daemon=True).start()
+            with contextlib.suppress(OSError):
+                self.server.socket.close()
+        h.close_connection = True
+        with contextlib.suppress(OSError):
+            h.connection.shutdown(socket.SHUT_RDWR)
+
     def answer(self, h, body: bytes) -> None:
         if self.mode == "500":
             return h._send(500, b'{"error": {"code": 500, "message": "boom: out of memory", "type": "server_error"}}')
@@ -411,36 +459,96 @@ class FaultStub:
         if self.mode == "shape":  # ids where log-probs should be
             return h._send(200, b'{"content": "x", "tokens": [5, 6], "tokens_predicted": 2, '
                                 b'"completion_probabilities": [{"id": 5}, {"id": 6}]}')
+        completion = h.path in COMPLETION_PATHS
         request = json.loads(body or b"{}")
+        if completion:
+            with self._lock:
+                self.requests += 1
+                n = self.requests
+            if self.mode == "crash" and (self.crashed or n > self.after):
+                return self._die(h)
         if self.mode == "ignore-eos" and h.path == "/completion" and not request.get("ignore_eos"):
             request["ignore_eos"] = True  # a server that never stops at EOS
             with self._lock:
                 self.altered.append({"prompt": request.get("prompt"), "ignore_eos": True})
             return self.forward(h, json.dumps(request).encode())
-        if h.path != "/completion" or request.get("stream") or self.mode == "ignore-eos":
+        if self.mode == "sample" and completion:
+            request.update(temperature=self.temperature, seed=self.seed)  # a server that samples
+            with self._lock:
+                self.altered.append({"prompt": request.get("prompt"), "temperature": self.temperature})
+            return self.forward(h, json.dumps(request).encode())
+        if not completion or request.get("stream") or self.mode not in ("perturb", "swap", "drop"):
             return self.forward(h, body)
-        req = urllib.request.Request(self.upstream + h.path, data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            ans = json.loads(r.read())
+        status, ans = self._upstream_json(h, body)
+        if status != 200 or not isinstance(ans, dict):
+            return h._send(status, ans if isinstance(ans, bytes) else json.dumps(ans).encode())
+        change = {"perturb": self._perturb, "swap": self._swap, "drop": self._drop}[self.mode](ans)
+        if change:
+            with self._lock:
+                self.altered.append({"prompt": request.get("prompt"), **change})
+        h._send(200, json.dumps(ans).encode())
+
+    # ------------------------------------------------------------------ answer rewrites (llama-server's
+    # /completion shape, or the legacy OpenAI shape of llama-cpp-python and vLLM)
+
+    def _perturb(self, ans: dict) -> dict | None:
+        """Every log-prob ``amount`` higher."""
+        for s in ans.get("completion_probabilities") or []:
+            s["logprob"] += self.amount
+            for c in s["top_logprobs"]:
+                c["logprob"] += self.amount
+        for choice in ans.get("choices") or []:
+            lp = choice.get("logprobs") or {}
+            if isinstance(lp.get("content"), list):  # llama-server's /v1/completions: entries by id
+                for s in lp["content"]:
+                    s["logprob"] += self.amount
+                    for c in s.get("top_logprobs") or []:
+                        c["logprob"] += self.amount
+                continue
+            lp["token_logprobs"] = [None if v is None else v + self.amount for v in lp.get("token_logprobs") or []]
+            lp["top_logprobs"] = [None if d is None else {k: v + self.amount for k, v in d.items()}
+                                  for d in lp.get("top_logprobs") or []]
+        return None
+
+    def _swap(self, ans: dict) -> dict | None:
         steps = ans.get("completion_probabilities") or []
-        if self.mode == "perturb":  # every log-prob 0.1 higher: an engine whose numbers are off
-            for s in steps:
-                s["logprob"] += 0.1
-                for c in s["top_logprobs"]:
-                    c["logprob"] += 0.1
-        elif self.mode == "swap" and len(steps) > 2 and len(steps) == len(ans.get("tokens") or []):
-            s = steps[2]
+        k = self.step
+        if len(steps) > k and len(steps) == len(ans.get("tokens") or []):
+            s = steps[k]
             was = s["id"]
             s["id"], s["logprob"] = s["top_logprobs"][1]["id"], s["top_logprobs"][1]["logprob"]
-            ans["tokens"][2] = s["id"]
-            with self._lock:
-                self.altered.append({"prompt": request.get("prompt"), "step": 2, "was": was, "now": s["id"]})
-        h._send(200, json.dumps(ans).encode())
+            ans["tokens"][k] = s["id"]
+            return {"step": k, "was": was, "now": s["id"]}
+        return None
+
+    def _drop(self, ans: dict) -> dict | None:
+        k = self.step
+        tokens = ans.get("tokens")
+        if isinstance(tokens, list) and len(tokens) > k:  # llama-server /completion
+            was = tokens.pop(k)
+            ans["tokens_predicted"] = len(tokens)
+            steps = ans.get("completion_probabilities") or []
+            if len(steps) > k and steps[k].get("id") == was:
+                steps.pop(k)
+            return {"step": k, "was": was, "now": tokens[k] if len(tokens) > k else None}
+        for choice in ans.get("choices") or []:
+            lp = choice.get("logprobs") or {}
+            pieces = lp.get("tokens")
+            if isinstance(pieces, list) and len(pieces) > k:  # the legacy shape, by token text (or token_id:N)
+                was = pieces[k]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    if isinstance(lp.get(key), list) and len(lp[key]) > k:
+                        lp[key].pop(k)
+                if all(isinstance(t, str) for t in pieces):
+                    choice["text"] = "".join(pieces)
+                return {"step": k, "was": was, "now": pieces[k] if len(pieces) > k else None}
+        return None
 
     def __enter__(self) -> "FaultStub":
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.shutdown()
+        if not self.crashed:
+            self.server.shutdown()
         self.server.server_close()

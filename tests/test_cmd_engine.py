@@ -22,7 +22,8 @@ import pytest
 from harness.cli import main as g4h
 from harness.core.gates import DEFAULT_GATES
 from harness.engines import EngineUnavailable, engine_kind, make_engine, split_engines
-from harness.engines.cmd import CmdEngine, CmdError, command_argv
+from harness.core.workers import EngineCrashed, EngineFailure
+from harness.engines.cmd import CmdCrashed, CmdEngine, CmdError, command_argv
 from harness.engines.reference import ReferenceEngine
 from harness.parity import run as run_parity
 from harness.parity.checks.server import ServerOptions
@@ -119,6 +120,10 @@ def test_each_fault_is_one_line_naming_command_and_request(tiny_gguf, fault, op,
         eng.logits(IDS) if op == "logits" else eng.generate_full([IDS], 4)
     msg = str(ei.value)
     assert "\n" not in msg and msg.startswith(f"{label} {says}"), msg
+    assert isinstance(ei.value, EngineFailure) and not isinstance(ei.value, InputError)  # the engine's fault: exit 1
+    assert isinstance(ei.value, EngineCrashed) == (fault == "die")
+    if fault == "die":  # its own last stderr line comes along
+        assert isinstance(ei.value, CmdCrashed) and ei.value.last_error == "stub: fatal: simulated crash in logits"
     if op != "hello":  # the engine was stopped after its fault, and says so again
         assert eng.proc.poll() is not None
         with pytest.raises(CmdError, match="request 1"):
@@ -136,8 +141,9 @@ def test_timeout_stops_the_engine(tiny_gguf):
 def test_refused_model_is_unavailable_and_missing_command_is_named(tiny_gguf):
     with pytest.raises(EngineUnavailable, match="cannot run tiny.gguf: stub: cannot read this model"):
         make_engine(stub("--fault", "refuse"), tiny_gguf)
-    with pytest.raises(CmdError, match="cmd:./no-such-engine: cannot start the command"):
+    with pytest.raises(InputError, match="cmd:./no-such-engine: cannot start the command") as ei:
         make_engine("cmd:./no-such-engine", tiny_gguf)
+    assert not isinstance(ei.value, EngineFailure)  # a command that does not exist is the user's input: exit 2
 
 
 def test_child_dies_with_its_parent(tiny_gguf, tmp_path):
@@ -186,9 +192,14 @@ def test_cli_logits_generate_trace(tiny_gguf, tmp_path, capsys):
     assert tr.prompt_ids == IDS and tr.tensor("l_out", 1) is not None
     capsys.readouterr()
     assert g4h(["logits", "--model", str(tiny_gguf), "--engine", stub("--fault", "shape"), "--prompt-ids",
-                str(ids_file), "--out", str(tmp_path / "bad.npy")]) == 2
+                str(ids_file), "--out", str(tmp_path / "bad.npy")]) == 1  # the engine is wrong: exit 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "logits (request 1): logits of shape [7, 32]" in err[0], err
+    assert len(err) == 1 and err[0].startswith("g4h: engine failed: cmd:") and \
+        "logits (request 1): logits of shape [7, 32]" in err[0], err
+    assert g4h(["logits", "--model", str(tiny_gguf), "--engine", "cmd:./no-such-engine", "--prompt-ids",
+                str(ids_file), "--out", str(tmp_path / "bad.npy")]) == 2  # a command that cannot start: exit 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("g4h: error: cmd:./no-such-engine: cannot start the command"), err
 
 
 # --------------------------------------------------------------------------- g4h parity --against cmd:...
@@ -280,14 +291,14 @@ def test_generate_full_keeps_the_top_n(tiny_gguf):
 
 
 @pytest.mark.slow
-def test_parity_protocol_fault_is_exit_2_and_the_run_goes_on(tiny_gguf, prompts_file, tmp_path):
+def test_parity_protocol_fault_is_an_engine_failure_and_the_run_goes_on(tiny_gguf, prompts_file, tmp_path):
     data, status = run_parity(models=[str(tiny_gguf)], against=[stub("--fault", "malformed"), "fast"],
                               out=str(tmp_path), prompts=prompts_file, quiet=True)
-    assert status == 2
+    assert status == 1
     runs = _checks(data, "reference~cmd.runs")
-    assert len(runs) == 1 and not runs[0]["pass"] and runs[0]["bad_input"]
-    assert "logits (request 1): reply is not JSON" in runs[0]["got"]
-    assert data["verdict"].startswith("BAD INPUT: tiny.gguf/reference~cmd: cmd:")
+    assert len(runs) == 1 and not runs[0]["pass"] and runs[0]["engine_failure"] and not runs[0].get("bad_input")
+    assert "logits (request 1): reply is not JSON" in runs[0]["got"] and runs[0]["request"] == "t1"
+    assert data["verdict"].startswith("ENGINE FAILED: tiny.gguf/reference~cmd at request t1: cmd:"), data["verdict"]
     fast = _checks(data, "reference~fast")
     assert fast and all(c["pass"] for c in fast)  # the next pair still ran
     assert (Path(data["run_dir"]) / "report.md").read_text().count("reply is not JSON") >= 1

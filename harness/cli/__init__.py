@@ -5,10 +5,14 @@
 only that command's module. A command module has ``add_arguments(parser)`` and
 ``run(args) -> exit status``.
 
-Exit status of every command: 0 success (for ``parity``, every gate passed); 1 a gate failed or a
-check could not run (``parity``), texts differ (``tokcheck``), a trace diverges (``diff``); 2 bad
-input (one line on stderr, ``g4h: error: ...``, naming the file, key, tensor or token id and what
-was expected), an engine whose worker process crashed, or memory exhausted; 130 interrupted.
+Exit status of every command: 0 success (for ``parity``, every gate passed); 1 the engine under test
+is wrong: a gate failed or a check could not run (``parity``), texts differ (``tokcheck``), a trace
+diverges (``diff``), or an engine failed (:class:`~harness.core.workers.EngineFailure`: it crashed,
+broke its protocol, answered a request wrongly or not at all; one line on stderr, ``g4h: engine
+failed: ...``, naming the engine and the request); 2 the user's input cannot be used (one line on
+stderr, ``g4h: error: ...``, naming the file, key, tensor, token id or URL and what was expected: an
+unreadable model, a bad argument, a server that is down, an engine command that cannot be started),
+or memory exhausted; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import NamedTuple
 from reference.errors import InputError
 
 from ..core.memory import failure_line, is_out_of_memory
-from ..core.workers import EngineCrashed
+from ..core.workers import EngineFailure
 
 
 class Command(NamedTuple):
@@ -98,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except InputError as e:
         return _error(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except EngineCrashed as e:  # an engine's worker process died: one line, like bad input
-        return _error(str(e).splitlines()[0] if str(e) else "engine crashed")
+    except EngineFailure as e:  # the engine under test is wrong (crashed, broke its protocol): one line, exit 1
+        print(f"g4h: engine failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 1
     except Exception as e:  # an allocation failure outside an engine: one line too; anything else is a bug
         if not is_out_of_memory(e):
             raise

@@ -92,20 +92,40 @@ def _is_id(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def prompt_id(obj: dict[str, Any], line: int, path: Path, seen: set[str]) -> str | int:
+    """The id of a prompt-file line: its ``"id"`` (a string or an integer), else the line number; added to ``seen``.
+
+    Ids name requests in reports and key results, where they are compared as text: ``1`` and ``"1"`` are one id.
+
+    Raises:
+        PromptError: an id that is neither a string nor an integer (null, a float, a list, ...), or one already
+            in ``seen`` (the file and line are named).
+    """
+    pid = obj.get("id", line)
+    if isinstance(pid, bool) or not isinstance(pid, (str, int)) or pid == "":
+        raise PromptError(f"{path}:{line}: \"id\": expected a non-empty string or an integer, got {json.dumps(pid)}")
+    if str(pid) in seen:
+        raise PromptError(f"{path}:{line}: duplicate id {pid!r}")
+    seen.add(str(pid))
+    return pid
+
+
 def load_prompts(path: str | os.PathLike = PROMPTS) -> list[dict[str, Any]]:
     """Read a prompt set: JSONL lines ``{"id": ..., "prompt_ids": [int, ...], "note": ...}``.
 
-    ``id`` defaults to the line number; blank lines are skipped.
+    ``id`` (a string or an integer) defaults to the line number; ``note`` is optional; blank lines are skipped.
 
     Returns:
         ``[{"id", "prompt_ids", "note"}, ...]`` in file order.
 
     Raises:
-        PromptError: unreadable or non-UTF-8 file, a line that is not such an object, an id that is not
-            a list of integers, a duplicate id, or no prompt (the file and line are named).
+        PromptError: unreadable or non-UTF-8 file, a line that is not such an object, prompt ids that are not
+            a list of integers, an id that is neither a string nor an integer, a duplicate id (compared as
+            text), or no prompt (the file and line are named).
     """
     path = Path(path)
-    out, seen = [], set()
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for n, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
@@ -116,10 +136,7 @@ def load_prompts(path: str | os.PathLike = PROMPTS) -> list[dict[str, Any]]:
         ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
         if not isinstance(ids, list) or not ids or not all(_is_id(i) for i in ids):
             raise PromptError(f"{path}:{n}: expected {{\"id\": ..., \"prompt_ids\": [int, ...]}}")
-        pid = obj.get("id", n)
-        if pid in seen:
-            raise PromptError(f"{path}:{n}: duplicate id {pid!r}")
-        seen.add(pid)
+        pid = prompt_id(obj, n, path, seen)
         out.append({"id": pid, "prompt_ids": ids, "note": obj.get("note", "")})
     if not out:
         raise PromptError(f"{path}: no prompts")

@@ -43,7 +43,33 @@ class EngineFailure(RuntimeError):
 
     The opposite of :class:`reference.errors.InputError` (the user's input cannot be used, exit 2): an engine
     failure is the engine's fault, exit 1, headed "ENGINE FAILED". ``str(err)`` is one line.
+
+    Where it happened, when known (set by the engine or by its caller with :meth:`at`; None otherwise):
+
+    Attributes:
+        request: the request the engine failed on, as the user knows it (a prompt's id).
+        step: the generation step (0-based) of that request where the fault shows.
+        last_error: the engine's own last error line (its stderr, a server's error message).
+        index: the prompt's place in the batch the engine was given (its caller maps it to ``request``).
+        partial: the token ids the engine returned for that prompt before the fault was found, when any (its
+            caller compares them with the reference to name ``step``).
     """
+
+    request: Any = None
+    step: int | None = None
+    last_error: str | None = None
+    index: int | None = None
+    partial: list[int] | None = None
+
+    def at(self, **where: Any) -> "EngineFailure":
+        """Record where the fault happened (``request``, ``step``, ``last_error``, ``index``, ``partial``); a value
+        already known is kept (the innermost caller knows best). Returns ``self``, for ``raise err.at(...)``."""
+        for key, value in where.items():
+            if key not in ("request", "step", "last_error", "index", "partial"):
+                raise TypeError(f"EngineFailure.at: unknown field {key!r}")
+            if value is not None and getattr(self, key) is None:
+                setattr(self, key, value)
+        return self
 
 
 class EngineCrashed(EngineFailure):

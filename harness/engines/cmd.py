@@ -12,11 +12,14 @@ names the ops the engine answers, its vocabulary, dtype and known approximations
 ``.npy`` ``[T, V]`` out), ``generate`` (prompts in, greedy tokens and top-N log-probs out), and optionally
 ``trace`` (a ``g4h-trace`` JSONL file out, ``docs/trace-format.md``) and ``tokenize``.
 
-Every fault of the engine is a :class:`CmdError`, one line naming the command and the request: it cannot
-start, it dies, it says nothing within the timeout, it writes a line that is not a JSON reply (or a reply
-to another request), it answers ``ok: false``, or it hands back logits of the wrong shape or dtype, a
-generation of the wrong length, a greedy token that is not its own top-1. :class:`CmdError` is an
-:class:`~reference.errors.InputError` (exit 2 at the CLI). The engine is stopped after its first fault; a
+Every fault of the engine is a :class:`CmdError`, one line naming the command and the request: it says
+nothing within the timeout, it writes a line that is not a JSON reply (or a reply to another request), it
+answers ``ok: false``, or it hands back logits of the wrong shape or dtype, a generation of the wrong length, a
+greedy token that is not its own top-1; an engine that dies is :class:`CmdCrashed`, a :class:`CmdError` too.
+Both are engine failures (:class:`~harness.core.workers.EngineFailure`: the engine under test is wrong, exit 1
+at the CLI, "ENGINE FAILED" in a parity report), carrying the prompt (``index`` in the batch) and the step where
+known and the engine's last stderr line (``last_error``). A command that cannot be split or started is the
+user's input (:class:`~reference.errors.InputError`, exit 2). The engine is stopped after its first fault; a
 later request gets the same line. An engine that answers ``hello`` with ``ok: false`` (it cannot read this
 model) is :class:`~harness.engines.base.EngineUnavailable`.
 """
@@ -39,7 +42,7 @@ import numpy as np
 
 from reference.errors import InputError
 
-from ..core.workers import crash_line, remove_temp_dir, start_child, temp_dir
+from ..core.workers import EngineCrashed, EngineProtocolError, crash_line, remove_temp_dir, start_child, temp_dir
 from .base import TOP_N, EngineUnavailable, Generated, TraceFn
 
 PROTOCOL_VERSION = 1
@@ -74,8 +77,14 @@ EXIT_GRACE = 10.0
 """Seconds an engine gets to exit after its stdin is closed, before it is killed."""
 
 
-class CmdError(InputError):
-    """A ``cmd:`` engine that failed: one line naming the command, the request and what went wrong."""
+class CmdError(EngineProtocolError):
+    """A ``cmd:`` engine that failed: one line naming the command, the request and what went wrong (the engine
+    under test is wrong: exit 1)."""
+
+
+class CmdCrashed(CmdError, EngineCrashed):
+    """A ``cmd:`` engine whose process died (or closed its stdout): one line with its exit status and the last
+    line of its stderr."""
 
 
 def command_argv(spec: str) -> list[str]:
@@ -135,8 +144,9 @@ class CmdEngine:
         approximations: the known approximations it makes (:data:`APPROXIMATIONS`).
 
     Raises:
-        CmdError: the command cannot be split or started, or its ``hello`` is missing, late or malformed,
-            or names another protocol version, unknown ops, dtype or approximations.
+        InputError: the command cannot be split or started (exit 2: the user's input).
+        CmdError: its ``hello`` is missing, late or malformed, or names another protocol version, unknown ops,
+            dtype or approximations; :class:`CmdCrashed`: it died before answering.
         EngineUnavailable: the engine answers ``hello`` with ``ok: false`` (it cannot read this model).
     """
 
@@ -151,7 +161,7 @@ class CmdEngine:
             timeout = _env_timeout()
         self.timeout = float(timeout)
         self._next_id = 0
-        self._failed: str | None = None
+        self._failed: CmdError | None = None
         self._buf = bytearray()
         self.workdir = str(temp_dir("g4h-cmd-"))  # removed by a watchdog if the harness is killed
         self._log = open(os.path.join(self.workdir, "stderr.log"), "w+b")
@@ -161,7 +171,7 @@ class CmdEngine:
         except OSError as e:
             self._log.close()
             remove_temp_dir(self.workdir)
-            raise CmdError(f"{self.label}: cannot start the command ({e.strerror or e})") from None
+            raise InputError(f"{self.label}: cannot start the command ({e.strerror or e})") from None
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.workdir, EXIT_GRACE)
         os.set_blocking(self.proc.stdin.fileno(), False)
         self._sel = selectors.DefaultSelector()
@@ -216,7 +226,7 @@ class CmdEngine:
         self._next_id += 1
         where = f"{op} (request {rid})"
         if self._failed is not None:
-            raise CmdError(self._failed)
+            raise type(self._failed)(str(self._failed)).at(last_error=self._failed.last_error)
         line = json.dumps({"id": rid, "op": op, **fields}, allow_nan=False) + "\n"
         deadline = time.monotonic() + self.timeout
         self._write_line(line.encode("utf-8"), where, deadline)
@@ -254,7 +264,7 @@ class CmdEngine:
                 except BlockingIOError:
                     continue
                 except OSError:  # BrokenPipeError: the engine is gone
-                    self._fail(where, self._died("before reading the request"))
+                    self._fail(where, self._died("before reading the request"), CmdCrashed)
                 view = view[n:]
 
     def _read_line(self, where: str, deadline: float) -> bytes:
@@ -276,7 +286,7 @@ class CmdEngine:
                 continue
             chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
             if not chunk:
-                self._fail(where, self._died("before answering"))
+                self._fail(where, self._died("before answering"), CmdCrashed)
             self._buf += chunk
 
     def _died(self, when: str) -> str:
@@ -298,11 +308,15 @@ class CmdEngine:
             return ""
         return crash_line(text, rc) if text.strip() else ""
 
-    def _fail(self, where: str, what: str):
-        """Record the first fault, stop the engine, raise :class:`CmdError`."""
-        self._failed = f"{self.label} {where}: {what}"
+    def _fail(self, where: str, what: str, cls: type[CmdError] = CmdError, **at: Any):
+        """Record the first fault, stop the engine, raise ``cls`` (:class:`CmdError`) with the engine's last stderr
+        line as ``last_error`` and ``at`` (``index``, ``step``, ``partial``: :meth:`EngineFailure.at`)."""
+        err = cls(f"{self.label} {where}: {what}")
+        rc = self.proc.poll()
+        err.at(last_error=self._last_stderr(rc if rc is not None else 0) or None, **at)
+        self._failed = err
         self.close(grace=0.0)
-        raise CmdError(self._failed)
+        raise err
 
     def close(self, grace: float = EXIT_GRACE) -> None:
         """Close the engine's stdin (it should exit), kill it after ``grace`` seconds, remove its scratch folder."""
@@ -313,7 +327,7 @@ class CmdEngine:
             self._sel.close()
             self._log.close()
         if self._failed is None:
-            self._failed = f"{self.label}: the engine was closed"
+            self._failed = CmdError(f"{self.label}: the engine was closed")
 
     def __enter__(self) -> "CmdEngine":
         return self
@@ -397,17 +411,18 @@ class CmdEngine:
             steps = [[(_int(i), _float(lp)) for i, lp in step] for step in r["top_logprobs"]]
         except (KeyError, TypeError, ValueError):
             self._fail(where, f"results[{k}]: expected {{\"tokens\": [int], \"top_logprobs\": [[[id, logprob], "
-                              f"...], ...]}}, got {_show(r)}")
+                              f"...], ...]}}, got {_show(r)}", index=k)
         if len(tokens) != n or len(steps) != n:
             self._fail(where, f"results[{k}]: {len(tokens)} tokens and {len(steps)} top_logprobs steps, "
-                              f"expected {n} of each")
+                              f"expected {n} of each", index=k, step=min(len(tokens), len(steps), n), partial=tokens)
         for i, (tok, step) in enumerate(zip(tokens, steps)):
             if not 1 <= len(step) <= top_n:
-                self._fail(where, f"results[{k}] step {i}: {len(step)} top log-probs, expected 1..{top_n}")
+                self._fail(where, f"results[{k}] step {i}: {len(step)} top log-probs, expected 1..{top_n}",
+                           index=k, step=i)
             best = max(lp for _, lp in step)
             if not any(t == tok and lp >= best for t, lp in step):
                 self._fail(where, f"results[{k}] step {i}: token {tok} is not the most probable of its own top "
-                                  f"log-probs {step[:3]} (not greedy)")
+                                  f"log-probs {step[:3]} (not greedy)", index=k, step=i)
         g = Generated()
         g.tokens, g.top = tokens, steps
         return g

@@ -18,10 +18,17 @@ llama-cpp-python 0.3.36; vLLM written to its documented API, not run here). In s
 * ``vllm``: ``POST /v1/completions`` with token ids, ``return_tokens_as_token_ids`` (tokens named
   ``token_id:N``), ``ignore_eos``; prompt log-probs through ``prompt_logprobs``; ``/tokenize``, ``/detokenize``.
 
-Only the standard library is used. Every failure is a :class:`ServerError`, one line naming the URL:
-server down (connection refused), no answer within the timeout, an HTTP error status (with the server's
-own message), a body that is not JSON, a JSON answer of an unexpected shape, and a greedy step whose
-token is not the top-1 of the server's own log-probs.
+Only the standard library is used. Every failure is one line naming the URL, of one of two kinds:
+
+* :class:`ServerError` (an :class:`~reference.errors.InputError`, exit 2): the server cannot be used as given,
+  before it served anything: down (connection refused), silent past the timeout, no known dialect, no model
+  list, a URL that is not http(s); a prompt its dialect cannot take (llama-cpp-python: ids without a text form);
+* :class:`ServerFailure` (an :class:`~harness.core.workers.EngineFailure`, exit 1: the engine under test is
+  wrong): a request it should serve failed once it was serving: an HTTP error status (the server's own message
+  is ``last_error``), no answer within the timeout, a body that is not JSON or of an unexpected shape, a token it
+  cannot name, a greedy step whose token is not the top-1 of its own log-probs, fewer tokens than asked without a
+  stop; :class:`ServerCrashed` when it stops answering altogether (connection refused or reset mid-run). Each
+  carries the prompt's place in the batch (``index``) and the step where known.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import Any, Iterator, Sequence
 
 from reference.errors import InputError
 
+from ..core.workers import EngineCrashed, EngineFailure, EngineProtocolError
 from .base import TOP_N, EngineUnavailable, Generated
 
 DIALECTS = ("llama-server", "llama-cpp-python", "vllm")
@@ -49,7 +57,19 @@ activations rounded to the dot-product type of quantized weights."""
 
 
 class ServerError(InputError):
-    """A completion server that is down, slow, failing, or answering something unexpected (one line, with the URL)."""
+    """A completion server that cannot be used as given (one line, with the URL): down or silent before it served
+    anything, no known dialect, a URL that is not http(s), a prompt its dialect cannot take. The user's input:
+    exit 2."""
+
+
+class ServerFailure(EngineProtocolError):
+    """A request the server should serve failed once it was serving (one line, with the URL): an HTTP error
+    status, no answer within the timeout, malformed JSON or another shape, a token it cannot name, a step that is
+    not greedy, a short answer. The engine under test is wrong: exit 1."""
+
+
+class ServerCrashed(ServerFailure, EngineCrashed):
+    """The server stopped answering once it was serving (connection refused or reset): it crashed or was stopped."""
 
 
 class ServerGenerated(Generated):
@@ -85,11 +105,36 @@ def parse_url(spec: str) -> tuple[str, str]:
 
 
 class Http:
-    """JSON over HTTP with one-line errors. ``timeout``: seconds for connecting and for each read."""
+    """JSON over HTTP with one-line errors. ``timeout``: seconds for connecting and for each read.
+
+    Attributes:
+        serving: False (the default) while the server is being found out: every error is a :class:`ServerError`
+            (the URL cannot be used: exit 2); True once it has answered (:class:`OpenAIEngine` sets it): an error
+            is the server failing a request it should serve, :class:`ServerFailure` (or :class:`ServerCrashed`
+            when it stops answering altogether): exit 1.
+    """
 
     def __init__(self, timeout: float = 120.0) -> None:
         self.timeout = float(timeout)
+        self.serving = False
         self._direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never via a proxy
+
+    def error(self, msg: str, crashed: bool = False, last_error: str | None = None) -> InputError | ServerFailure:
+        """The exception for ``msg``: :class:`ServerError` before the server served, else :class:`ServerFailure`
+        (:class:`ServerCrashed` when ``crashed``) with the server's own message as ``last_error``."""
+        if not self.serving:
+            return ServerError(msg)
+        return (ServerCrashed if crashed else ServerFailure)(msg).at(last_error=last_error)
+
+    def _transport(self, url: str, reason: Any) -> InputError | ServerFailure:
+        if isinstance(reason, ConnectionRefusedError):
+            if self.serving:
+                return self.error(f"{url}: the server stopped answering (connection refused)", crashed=True)
+            return self.error(f"{url}: server down (connection refused)")
+        if isinstance(reason, (socket.timeout, TimeoutError)) or "timed out" in str(reason):
+            return self.error(f"{url}: no answer within {self.timeout:g} s (timeout)")
+        crashed = isinstance(reason, (ConnectionError, HTTPException))  # reset, remote end closed without answer
+        return self.error(f"{url}: connection failed ({type(reason).__name__}: {reason})", crashed=crashed)
 
     def _open(self, url: str, body: Any = None):
         data = None if body is None else json.dumps(body).encode("utf-8")
@@ -99,41 +144,43 @@ class Http:
         try:
             return (self._direct.open if loopback else urllib.request.urlopen)(req, timeout=self.timeout)
         except urllib.error.HTTPError as e:
-            raise ServerError(f"{url}: HTTP {e.code}: {_error_message(e)}") from None
+            message = _error_message(e)
+            raise self.error(f"{url}: HTTP {e.code}: {message}", last_error=message) from None
         except urllib.error.URLError as e:
-            raise _transport_error(url, e.reason, self.timeout) from None
+            raise self._transport(url, e.reason) from None
         except (HTTPException, OSError) as e:  # socket.timeout and ConnectionError are OSErrors
-            raise _transport_error(url, e, self.timeout) from None
+            raise self._transport(url, e) from None
 
     def call(self, url: str, body: Any = None) -> Any:
         """GET (``body`` None) or POST ``body`` as JSON; returns the decoded JSON answer.
 
         Raises:
-            ServerError: connection refused, timeout, HTTP error status, a body that is not JSON.
+            ServerError, ServerFailure: connection refused, timeout, HTTP error status, a body that is not JSON
+                (:meth:`error`).
         """
         r = self._open(url, body)
         try:
             with r:
                 raw = r.read()
         except (HTTPException, OSError) as e:
-            raise _transport_error(url, e, self.timeout) from None
+            raise self._transport(url, e) from None
         try:
             return json.loads(raw)
         except ValueError:
-            raise ServerError(f"{url}: answer is not JSON: {_snippet(raw)}") from None
+            raise self.error(f"{url}: answer is not JSON: {_snippet(raw)}") from None
 
     def stream(self, url: str, body: Any) -> Iterator[Any]:
         """POST ``body`` and yield the JSON of every server-sent event (``data: ...``) until ``[DONE]`` or EOF.
 
         Raises:
-            ServerError: as :meth:`call`; an event that is not JSON.
+            ServerError, ServerFailure: as :meth:`call`; an event that is not JSON.
         """
         with self._open(url, body) as r:
             while True:
                 try:
                     line = r.readline()
                 except (HTTPException, OSError) as e:
-                    raise _transport_error(url, e, self.timeout) from None
+                    raise self._transport(url, e) from None
                 if not line:
                     return
                 line = line.strip()
@@ -145,7 +192,7 @@ class Http:
                 try:
                     yield json.loads(data)
                 except ValueError:
-                    raise ServerError(f"{url}: stream event is not JSON: {_snippet(data)}") from None
+                    raise self.error(f"{url}: stream event is not JSON: {_snippet(data)}") from None
 
 
 def _snippet(raw: bytes, n: int = 80) -> str:
@@ -172,16 +219,10 @@ def _error_message(e: urllib.error.HTTPError) -> str:
     return " ".join(text.split())[:300]
 
 
-def _transport_error(url: str, reason: Any, timeout: float) -> ServerError:
-    if isinstance(reason, ConnectionRefusedError):
-        return ServerError(f"{url}: server down (connection refused)")
-    if isinstance(reason, (socket.timeout, TimeoutError)) or "timed out" in str(reason):
-        return ServerError(f"{url}: no answer within {timeout:g} s (timeout)")
-    return ServerError(f"{url}: connection failed ({type(reason).__name__}: {reason})")
-
-
-def _shape(url: str, what: str, got: Any) -> ServerError:
-    return ServerError(f"{url}: unexpected answer: expected {what}, got {_snippet(json.dumps(got).encode())}")
+def _shape(url: str, what: str, got: Any) -> ServerFailure:
+    """An answer of another shape than the dialect's (the server broke its protocol; :class:`OpenAIEngine` makes it
+    a :class:`ServerError` while the server is being found out)."""
+    return ServerFailure(f"{url}: unexpected answer: expected {what}, got {_snippet(json.dumps(got).encode())}")
 
 
 def detect_dialect(http: Http, base: str, root: str) -> str:
@@ -259,7 +300,8 @@ class OpenAIEngine:
             :meth:`generate_full` sent (the server checks reuse them as the answers "sent alone").
 
     Raises:
-        ServerError: the server is down, slow, answers an error or an unexpected shape, or is no known dialect.
+        ServerError: the server is down, slow, answers an error or an unexpected shape, or is no known dialect
+            (before it served anything: the URL cannot be used). Later requests raise :class:`ServerFailure`.
     """
 
     ops = ("generate",)
@@ -274,9 +316,13 @@ class OpenAIEngine:
         self.path = path
         if dialect is not None and dialect not in DIALECTS:
             raise ServerError(f"{self.root}: unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
-        self.dialect = dialect or detect_dialect(self.http, self.base, self.root)
-        self._models = self.http.call(self.base + "/models")
-        self.model = server_model or model or self._model_name()
+        try:
+            self.dialect = dialect or detect_dialect(self.http, self.base, self.root)
+            self._models = self.http.call(self.base + "/models")
+            self.model = server_model or model or self._model_name()
+        except EngineFailure as e:  # an answer of another shape before it served: not a server this client can use
+            raise ServerError(str(e)) from None
+        self.http.serving = True  # from here on, a failing request is the server's fault
         self.name = f"openai:{self.base} ({self.dialect}, model {self.model!r})"
         self.approximations = LLAMACPP_APPROXIMATIONS if self.dialect in ("llama-server", "llama-cpp-python") else ()
         self.answers: dict[tuple[tuple[int, ...], int, int], tuple[ServerGenerated, float]] = {}
@@ -359,7 +405,8 @@ class OpenAIEngine:
         ``messages`` (documented, not run here).
 
         Raises:
-            ServerError: the dialect offers no such endpoint (llama-cpp-python), or an answer of another shape.
+            ServerError: the dialect offers no such endpoint (llama-cpp-python). ServerFailure: an answer of another
+                shape.
         """
         kwargs = {"chat_template_kwargs": {"enable_thinking": bool(enable_thinking)}}
         if self.dialect == "llama-server":
@@ -387,24 +434,33 @@ class OpenAIEngine:
         (``finish_reason == "stop"``, fewer tokens). ``stream``: read the answer as server-sent events.
 
         Raises:
-            ServerError: a request failed or answered an unexpected shape; a prompt cannot be sent as the dialect
-                needs (llama-cpp-python: ids that do not survive its text round trip); a step's token is not the
-                top-1 of the server's own log-probs (a greedy server never does that); llama-server streamed
-                without steps whose token ids it does not send.
+            ServerFailure: a request failed or answered an unexpected shape; a step's token is not the top-1 of
+                the server's own log-probs (a greedy server never does that); fewer tokens than ``max_new_tokens``
+                without a stop (or more). The prompt's place is its ``index``, the step its ``step`` where known.
+            ServerError: a prompt cannot be sent as the dialect needs (llama-cpp-python: ids that do not survive
+                its text round trip); llama-server streamed without steps whose token ids it does not send.
         """
         if max_new_tokens <= 0 or not prompts:
             return [ServerGenerated() for _ in prompts]
         args = [[int(t) for t in p] for p in prompts]
 
-        def one(ids: list[int]) -> ServerGenerated:
+        def one(k: int) -> ServerGenerated:
             t0 = time.monotonic()
-            g = self.complete(ids, max_new_tokens, top_n, stream=stream)
+            try:
+                g = self.complete(args[k], max_new_tokens, top_n, stream=stream)
+            except EngineFailure as e:
+                raise e.at(index=k, step=0 if isinstance(e, ServerCrashed) else None)
             if not stream:
-                self.answers[(tuple(ids), int(max_new_tokens), int(top_n))] = (g, time.monotonic() - t0)
+                self.answers[(tuple(args[k]), int(max_new_tokens), int(top_n))] = (g, time.monotonic() - t0)
             return g
 
         with cf.ThreadPoolExecutor(min(self.concurrency, len(args))) as ex:
-            out = list(ex.map(one, args))
+            out = list(ex.map(one, range(len(args))))
+        for k, g in enumerate(out):
+            if len(g.tokens) > max_new_tokens or (len(g.tokens) < max_new_tokens and g.finish_reason != "stop"):
+                raise ServerFailure(f"{self.base}: prompt {k}: {len(g.tokens)} tokens where {max_new_tokens} were "
+                                    f"asked (finish_reason {g.finish_reason!r}, not a stop)").at(
+                    index=k, step=min(len(g.tokens), max_new_tokens), partial=list(g.tokens))
         if self.check_greedy:
             for k, g in enumerate(out):
                 _check_greedy(self.base, k, g)
@@ -426,7 +482,7 @@ class OpenAIEngine:
                 listed in ``missing``, instead of raising.
 
         Raises:
-            ServerError: as :meth:`generate_full`, except the greedy check.
+            ServerFailure, ServerError: as :meth:`generate_full`, except the greedy and length checks.
         """
         one = {"llama-server": self._gen_llama_server, "llama-cpp-python": self._gen_lcp,
                "vllm": self._gen_vllm}[self.dialect]
@@ -496,7 +552,7 @@ class OpenAIEngine:
         whole vocabulary once: :meth:`_learn_pieces`) says which steps the entries belong to.
 
         Raises:
-            ServerError: the entries do not fit the tokens under that rule.
+            ServerFailure: the entries do not fit the tokens under that rule.
         """
         ids = [_entry_id(url, e) for e in entries]
         if ids == tokens:
@@ -511,7 +567,7 @@ class OpenAIEngine:
         text, k = b"", 0
         for t in tokens:
             if t not in self._pieces:
-                raise ServerError(f"{url}: token {t} has no text in the vocabulary llama-server reported")
+                raise ServerFailure(f"{url}: token {t} has no text in the vocabulary llama-server reported")
             text += self._pieces[t]
             if not utf8_cut(text) and k < len(entries):
                 if ids[k] != t:
@@ -521,7 +577,7 @@ class OpenAIEngine:
             else:
                 out.append(None)
         if k != len(entries) or len(out) != len(tokens):
-            raise ServerError(f"{url}: {len(entries)} log-prob entries (ids {ids[:6]}) do not fit the {len(tokens)} "
+            raise ServerFailure(f"{url}: {len(entries)} log-prob entries (ids {ids[:6]}) do not fit the {len(tokens)} "
                               f"tokens {tokens[:6]} under llama-server's complete-UTF-8 rule")
         return out
 
@@ -578,7 +634,9 @@ class OpenAIEngine:
         body = ids[len(bos):] if bos and ids[:len(bos)] == bos else ids
         try:
             text = self.detokenize(body)
-        except ServerError as e:
+        except ServerFailure as e:  # its detokenizer refuses these ids (bytes that are no UTF-8): no text to send
+            if isinstance(e, ServerCrashed):
+                raise
             raise ServerError(f"{self.base}/completions: llama-cpp-python takes text prompts only, and cannot turn the "
                               f"prompt {ids[:8]} into text ({e})") from None
         back = self.tokenize(text, add_special=True)  # what the server evaluates: it adds BOS to a text prompt
@@ -623,7 +681,7 @@ class OpenAIEngine:
         that gives one token per named text (each checked by detokenizing it), else one lookup per text.
 
         Raises:
-            ServerError: a text that is no single token of this model.
+            ServerFailure: a text that is no single token of this model (its ``step`` set).
         """
         if texts:
             ids = self.tokenize("".join(texts), add_special=False)
@@ -633,8 +691,8 @@ class OpenAIEngine:
         for k, piece in enumerate(texts):
             tid = self._lcp_id(piece)
             if tid is None:
-                raise ServerError(f"{url}: llama-cpp-python names step {k}'s token only by the text {piece!r}, which "
-                                  f"is no single token of this model")
+                raise ServerFailure(f"{url}: llama-cpp-python names step {k}'s token only by the text {piece!r}, which "
+                                    f"is no single token of this model").at(step=k)
             out.append(tid)
         return out
 
@@ -662,7 +720,8 @@ class OpenAIEngine:
             ``(logprob of ids[i], [(id, logprob), ...] best first)``.
 
         Raises:
-            ServerError: the dialect has no prompt log-probs (llama-server), or the answer has another shape.
+            ServerError: the dialect has no prompt log-probs (llama-server). ServerFailure: the answer has another
+                shape.
         """
         ids = [int(t) for t in ids]
         url = self.base + "/completions"
@@ -740,5 +799,6 @@ def _check_greedy(url: str, k: int, g: ServerGenerated) -> None:
             continue
         mine = next((lp for tid, lp in top if tid == tok), None)
         if mine is None or mine != top[0][1]:
-            raise ServerError(f"{url}: prompt {k}, step {i}: generated token {tok} is not the top-1 of the server's "
-                              f"own log-probs ({top[0][0]} at {top[0][1]:.6g}); greedy (temperature 0) was asked")
+            raise ServerFailure(f"{url}: prompt {k}, step {i}: generated token {tok} is not the top-1 of the server's "
+                                f"own log-probs ({top[0][0]} at {top[0][1]:.6g}); greedy (temperature 0) was asked"
+                                ).at(index=k, step=i)

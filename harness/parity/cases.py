@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -127,6 +129,69 @@ def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: 
             res.apply(llamacpp_drafter_checks(ensure_drafter_built(dspec), prompts, progress, name), gates)
 
 
+GENERIC_DIRS = frozenset({"hf", "gguf", "model", "models", "weights", "checkpoint", "checkpoints", "snapshots",
+                          "safetensors", "transformers", "export", "exported", "output", "outputs", "final", "latest",
+                          "main", "files", "hf_model", "hf-model"})
+"""Folder names that say how a model is stored, not which model it is (``.../e4b-1234/hf``): a case is named after
+the folder above them."""
+
+_HASH = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a Hugging Face cache snapshot (a commit hash)
+_HUB_REPO = re.compile(r"models--([^/\\]+?)--(.+)")  # a Hugging Face cache repository folder
+
+
+def _generic(name: str) -> bool:
+    return name.lower() in GENERIC_DIRS or bool(_HASH.fullmatch(name))
+
+
+def case_name(path: str | Path) -> str:
+    """The name a user's model goes by in reports: the model's, not its storage folder's.
+
+    * a file (a GGUF): its file name (``gemma-4-e4b-it-Q4_K_M.gguf``: the quantization is part of the name), with
+      the folder above first when the file name says nothing (``model.gguf`` in ``my-e4b/``: ``my-e4b/model.gguf``);
+    * a built synthetic case's HF folder (``spec.toml`` beside it): the spec's name (``.../e4b-1234abcd/hf``:
+      ``e4b``);
+    * a Hugging Face cache snapshot (``models--google--gemma-4-e4b-it/snapshots/<commit>``): the repository,
+      ``google/gemma-4-e4b-it``;
+    * another folder: its name, or when that name only says how the model is stored (:data:`GENERIC_DIRS`: ``hf``,
+      ``model``, ``checkpoint``, a commit hash ...) the first folder above it that does not (``.../e4b-xxxx/hf``:
+      ``e4b-xxxx``), else the ``_name_or_path`` its ``config.json`` states.
+    """
+    p = Path(path).expanduser().absolute()
+    up = [a for a in p.parents if a.name]
+    if not p.is_dir():
+        return p.name if not _generic(p.stem) or not up else f"{up[0].name}/{p.name}"
+    if not _generic(p.name):
+        return p.name
+    spec = p.parent / "spec.toml"
+    if spec.is_file() and (p.parent / "manifest.json").is_file():
+        try:
+            return synth.load_spec(spec).name
+        except Exception:  # a damaged cache entry: the folders still name it
+            pass
+    for a in up:
+        m = _HUB_REPO.fullmatch(a.name)
+        if m:
+            return f"{m[1]}/{m[2]}"
+    try:
+        named = json.loads((p / "config.json").read_text(encoding="utf-8")).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    ancestor = next((a.name for a in up if not _generic(a.name)), None)
+    if ancestor is None and isinstance(named, str) and named.strip() and not Path(named).is_absolute():
+        return named.strip()
+    return ancestor or p.name
+
+
+def case_names(paths: Sequence[str | Path]) -> list[str]:
+    """:func:`case_name` of each path; a name that two paths share gets ``#2``, ``#3`` ... after the first."""
+    out, seen = [], {}
+    for path in paths:
+        name = case_name(path)
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return out
+
+
 def default_against(path: str | Path, oracle: str = "reference") -> list[str]:
     """The engines a user's model is compared with when ``--against`` is not given: what can read it, the oracle
     aside. A GGUF: ``fast`` and ``llamacpp`` (a missing llama.cpp fails the case unless ``--skip llamacpp``); an HF
@@ -137,7 +202,7 @@ def default_against(path: str | Path, oracle: str = "reference") -> list[str]:
 
 def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[str, Any]], progress: Progress,
               skip: tuple[str, ...] = (), engine_options: dict[str, Any] | None = None,
-              server: ServerOptions | None = None, oracle: str = "reference") -> CaseResult:
+              server: ServerOptions | None = None, oracle: str = "reference", name: str | None = None) -> CaseResult:
     """The oracle against each engine of ``against`` (default :func:`default_against`) on a user-supplied
     model, one pair after another (:func:`harness.parity.checks.pair.pair_checks`: an engine that cannot run
     is a failing ``reference~<kind>.runs`` figure and the next pair still runs; a second engine of one kind is the
@@ -152,9 +217,10 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     ``[gates]`` table. ``engine_options`` go to every engine built (each takes its own); ``server`` holds the
     options of the server checks (``openai:URL``). ``engine_options`` also hold
     ``cache_gb`` (the reference's ``--ref-cache-gb``) and ``layers`` (``--layers N``, every engine; one that cannot
-    cut a model fails its ``.runs`` figure saying so)."""
+    cut a model fails its ``.runs`` figure saying so). ``name``: the case's name in the report (default
+    :func:`case_name`)."""
     o = engine_options or {}
-    res = CaseResult(case=Path(path).name, kind="user", model=str(path))
+    res = CaseResult(case=name or case_name(path), kind="user", model=str(path))
     gates = resolve(spec_gates(path), str(path))
     progress(f"[{res.case}] loading with the reference")
     ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))

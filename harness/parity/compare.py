@@ -119,7 +119,9 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
     is a real fault, named with the request, the step and both tokens. A divergence where our token is not the
     top-1 of our own log-probs is a fault whatever the rule says: a greedy engine never picks another token.
     A step without log-probs on a side (a server that reported none there) has no top-N on that side. Two
-    streams are compared over their common prefix (vLLM's ``zip``); an empty stream has none. With
+    streams are compared over their common prefix (vLLM's ``zip``); an empty stream has none. The log-prob figure
+    counts the ``steps`` it compared; with none (every stream parts at step 0, or no step has log-probs on both
+    sides) it is marked ``not_measured`` with the reason (:meth:`CaseResult.apply`: never a pass). With
     ``logprob_limit`` (the log-prob gate's limit), the first place (request in order, step, token) beyond it is
     named as the log-prob figure's ``first_divergence``.
 
@@ -129,7 +131,7 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
     if set(ours) != set(oracle):
         only = sorted(set(ours) ^ set(oracle))
         raise InputError(f"the two generation files hold different requests (e.g. {only[0]!r})")
-    rows, worst_lp, worst_at, beyond = [], 0.0, None, None
+    rows, worst_lp, worst_at, beyond, measured_steps = [], 0.0, None, None, 0
     for rid in oracle:  # in the order given (a file's order), so that "first" means first there
         a, b = ours[rid], oracle[rid]
         if not a["tokens"] or not b["tokens"]:
@@ -139,6 +141,7 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
         stop = ga.first_mismatch if ga.first_mismatch is not None else ga.n_compared
         for step in range(stop):
             shared = set(a["logprobs"][step]) & set(b["logprobs"][step])
+            measured_steps += bool(shared)
             for tok in sorted(shared):
                 d = abs(a["logprobs"][step][tok] - b["logprobs"][step][tok])
                 if beyond is None and logprob_limit is not None and d > logprob_limit:
@@ -169,16 +172,25 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
     first = faults[0] if faults else None
     where = (f"request {first['request']} step {first['step']}: ours {first['ours']}, oracle {first['oracle']}"
              if first else None)
+    not_measured = None
+    if not measured_steps:  # nothing to compare: the figure below is no measurement, and must not read as a pass
+        if rows and all(r.get("step") == 0 for r in rows):
+            not_measured = "the greedy streams part at step 0"
+        elif all(not ours[r["request"]]["tokens"] or not oracle[r["request"]]["tokens"] for r in rows):
+            not_measured = "no greedy stream has a token"
+        else:
+            not_measured = "no step of the agreed prefixes has log-probs on both sides"
     return [fig(f"{pair}.greedy", len(ok) / len(rows), None, streams=len(rows), top_n=top_n,
                 identical=sum(r["kind"] == "identical" for r in rows),
                 by_top_n=sum(r["kind"] == "top-n" for r in rows), near_ties=sum(r["kind"] == "near-tie" for r in rows),
                 **({"first_fault": where, "first_divergence": where, "why": f"{where} ({first['reason']})"}
                    if first else {}),
                 streams_detail=rows[:50]),
-            fig(f"{pair}.max_abs_logprob", worst_lp, None, top_n=top_n,
+            fig(f"{pair}.max_abs_logprob", worst_lp, None, top_n=top_n, steps=measured_steps,
                 **(({"worst_at": worst_at, "why": f"largest at {worst_at}"} if worst_at else {})
                    | ({"first_divergence": beyond, "why": f"first beyond {logprob_limit:g} at {beyond}"}
-                      if beyond else {})))]
+                      if beyond else {})
+                   | ({"not_measured": not_measured} if not_measured else {})))]
 
 
 def judge(figures: Sequence[Figure], case: str, model: str) -> CaseResult:

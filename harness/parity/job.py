@@ -12,8 +12,10 @@
 5. the report (:mod:`.report`), written into a run directory that appears whole or not at all
    (:func:`harness.core.io.staged_run_dir`); the baseline file when asked.
 
-Exit status: 0 all gates pass, 1 a gate failed or a gating check could not run, 2 bad input (a model that
-could not be read, an engine that broke the subprocess protocol); the other cases and pairs still run.
+Exit status: 0 all gates pass; 1 a gate failed, a gating check could not run, or an engine failed (crashed,
+broke its protocol, answered a request wrongly: the verdict is headed "ENGINE FAILED" and names the request and
+the step); 2 bad input (a model that could not be read, a server that is down, an engine command that cannot be
+started); the other cases and pairs still run.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from ..synth.mm_case import builtin_mm_specs
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
-from .cases import gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
+from .cases import case_names, gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
 from .checks.pair import ORACLES
 from .checks.server import SERVER_CHECKS, ServerOptions, load_user_prompts
 from .report import write_parity_report
@@ -220,9 +222,9 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
         InputError: a ``case_filter`` name that is not a built-in case.
     """
     if models:
-        return [(lambda m=m: user_case(m, against, prompts, progress, skip, engine_options, server, oracle),
-                 Path(m).name, "user", m)
-                for m in models]
+        return [(lambda m=m, n=n: user_case(m, against, prompts, progress, skip, engine_options, server, oracle, n),
+                 n, "user", m)
+                for m, n in zip(models, case_names(models))]
     names = [s.stem for s in builtin_specs()]
     mm_names = [s.stem for s in builtin_mm_specs()]
     bad = [c for c in case_filter or () if c not in names + mm_names]
@@ -250,12 +252,29 @@ def opted_out_by_user(check: dict[str, Any], opted_out: tuple[str, ...]) -> bool
                for name in opted_out)
 
 
+def engine_failures(results: list[CaseResult]) -> list[str]:
+    """One line per engine failure: ``case/pair at request R step S: <the engine's line>`` for a pair whose engine
+    failed (a ``.runs`` check marked ``engine_failure``), ``case: <line>`` for a case that stopped in an engine."""
+    out = [f"{r.case}: {r.error}" for r in results if r.error_kind == "engine"]
+    for r in results:
+        for c in r.checks:
+            if c.get("engine_failure") and not c.get("informational"):
+                where = c.get("first_divergence")
+                out.append(f"{r.case}/{c['gate'].rsplit('.', 1)[0]}{' at ' + where if where else ''}: {c.get('got')}")
+    return out
+
+
 def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] = ()) -> str:
-    """The run's one-line verdict: PASS / FAIL (which gates, and which checks could not run) / BAD INPUT."""
+    """The run's one-line verdict: PASS / ENGINE FAILED (the first engine failure, where and why, then the rest) /
+    FAIL (which gates, and which checks could not run) / BAD INPUT."""
     n_checks = sum(len(r.checks) for r in results)
     where = f"{len(results)} cases, {n_checks} checks" + (f"; opted out: {', '.join(opted_out)}" if opted_out else "")
     opt_in = sorted({f"{r.case}/{c.get('prompt') or c['gate']}" for r in results for c in r.checks
                      if c.get("got") == "opted_out" and not opted_out_by_user(c, opted_out)})
+    unmeasured = sorted({f"{r.case}/{c['gate']}" for r in results for c in r.checks if c.get("not_measured")})
+    if unmeasured:  # a gate that measured nothing is no pass: named
+        where += (f"; not measured: {', '.join(unmeasured[:3])}{', ...' if len(unmeasured) > 3 else ''} "
+                  "(see report)")
     if opt_in:  # checks a default run leaves out (e.g. --slow ones): named, never silent
         where += f"; not run unless asked: {', '.join(opt_in[:4])}{', ...' if len(opt_in) > 4 else ''} (see report)"
     if status == 2:
@@ -265,26 +284,30 @@ def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] =
         return f"BAD INPUT: {'; '.join(bad)} ({where})"
     if status == 0:
         return f"PASS: every gate passed ({where})"
-    failed = [(r.case, c["gate"]) for r in results for c in r.checks if not c["pass"] and not c.get("informational")]
+    failed = [(r.case, c["gate"]) for r in results for c in r.checks
+              if not c["pass"] and not c.get("informational") and not c.get("engine_failure")]
     not_run = [f"{r.case}/{c['gate']}" for r in results for c in r.checks if not c["pass"]
-               and not c.get("informational") and (c["gate"].endswith(".runs")
-                                                   or str(c.get("got", "")).replace("_", " ").startswith("not run"))]
-    crashed = [r.case for r in results if r.error_kind == "engine"]
+               and not c.get("informational") and not c.get("engine_failure")
+               and (c["gate"].endswith(".runs") or str(c.get("got", "")).replace("_", " ").startswith("not run"))]
+    engines = engine_failures(results)
     parts = []
     if failed:
         gates = sorted({g for _, g in failed})
-        parts.append(f"{len(failed)} gating check(s) failed ({', '.join(gates[:4])}{', ...' if len(gates) > 4 else ''})")
+        more = ", ..." if len(gates) > 4 else ""
+        parts.append(f"{len(failed)} gating check(s) failed ({', '.join(gates[:4])}{more})")
     if not_run:
         more = ", ..." if len(not_run) > 4 else ""
         parts.append(f"{len(not_run)} of them did not run ({', '.join(not_run[:4])}{more})")
-    if crashed:
-        parts.append(f"engine crashed in {', '.join(crashed)}")
+    if engines:
+        more = f"; {len(engines) - 1} more engine failure(s)" if len(engines) > 1 else ""
+        also = f"; also {'; '.join(parts)}" if parts else ""
+        return f"ENGINE FAILED: {engines[0]}{more}{also} ({where})"
     return f"FAIL: {'; '.join(parts) or 'a figure regressed against the baseline'} ({where})"
 
 
 def exit_status(results: list[CaseResult]) -> int:
-    """2 when a case had bad input (or an engine broke the subprocess protocol: a check marked ``bad_input``), else
-    1 when a gate failed or a case could not run, else 0."""
+    """2 when a case had bad input (or an engine could not be used as given: a check marked ``bad_input``), else
+    1 when a gate failed, a case could not run or an engine failed, else 0."""
     if any(r.error_kind == "input" or any(c.get("bad_input") for c in r.checks) for r in results):
         return 2
     return 1 if any(not r.passed for r in results) else 0

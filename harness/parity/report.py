@@ -57,50 +57,95 @@ LAYER_GATES: dict[str, tuple[float, str]] = {
 rel. L2 bound, or for a cosine bound the rel. L2 it allows between vectors of equal norm,
 ``sqrt(2 (1 - cos))``."""
 
+DETAIL_KEYS = ("tokens", "same_top1", "worst_point", "max_abs_logit_at", "worst_at", "qtype", "variant", "positions",
+               "steps", "request", "step", "expected", "got", "last_error")
+"""The facts of a check that the details table shows (where they are set)."""
+
 NOTE_CHARS = 140
 """Longest informational reason quoted in the summary table (the details section has every reason whole)."""
 
 
+def worst_place(chk: dict[str, Any]) -> str | None:
+    """Where a check's figure was measured at its worst, as ``request R position P token T`` (logits),
+    ``request R step S token T`` (greedy log-probs), ``request R <point>@<layer>`` (trace points) or ``request R``;
+    None when the check does not say."""
+    at = chk.get("worst_at")
+    if isinstance(at, str) and at:
+        return at.split(":", 1)[0]
+    request = f"request {chk['prompt']}" if chk.get("prompt") is not None else None
+    pos = chk.get("max_abs_logit_at")
+    if isinstance(pos, (list, tuple)) and len(pos) == 2:
+        return " ".join(x for x in (request, f"position {pos[0]} token {pos[1]}") if x)
+    if chk.get("worst_point"):
+        return " ".join(x for x in (request, str(chk["worst_point"])) if x)
+    return request
+
+
+def _engine_note(chk: dict[str, Any]) -> str:
+    """An engine failure in one line: where (request, step), what, and the engine's own last error line."""
+    where = chk.get("first_divergence")
+    last = chk.get("last_error")
+    line = str(chk.get("got") or "")
+    return (f"{'at ' + where + ': ' if where else ''}{line}"
+            + (f" (the engine's last error: {last})" if last and str(last) not in line else ""))
+
+
 def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (case, gate): worst measured value, limit, pass. Errors get a row of their own."""
+    """One row per (case, gate): worst measured value (and where it was measured), limit, result. Errors get a row
+    of their own; an engine failure is ``ENGINE FAILED``; a gate that measured nothing is ``NOT MEASURED``, never a
+    pass."""
     rows = []
     for c in data["cases"]:
         if c["error"]:
             rows.append({"case": c["case"], "gate": "(case could not run)", "worst": "", "limit": "",
-                         "result": "ERROR", "note": c["error"]})
+                         "result": "ENGINE FAILED" if c.get("error_kind") == "engine" else "ERROR",
+                         "note": c["error"]})
             continue
         by_gate: dict[str, list[dict[str, Any]]] = {}
         for chk in c["checks"]:
             by_gate.setdefault(chk["gate"], []).append(chk)
         for gate, checks in by_gate.items():
-            # gating and informational checks of one gate get separate rows, so an informational
-            # check can never hide a gating failure
+            # gating, informational and unmeasured checks of one gate get separate rows, so an informational
+            # check can never hide a gating failure, nor an unmeasured one read as a pass
             gating = [k for k in checks if not k.get("informational")]
-            info = [k for k in checks if k.get("informational")]
+            info = [k for k in checks if k.get("informational") and not k.get("not_measured")]
+            unmeasured = [k for k in checks if k.get("informational") and k.get("not_measured")]
+            op = checks[0]["op"]
+            limit = f"{'<=' if op == 'le' else '>='} {checks[0]['limit']:g}"
+            if unmeasured:
+                reasons = sorted({str(k["not_measured"]) for k in unmeasured})
+                rows.append({"case": c["case"], "gate": gate, "worst": "", "limit": limit, "result": "NOT MEASURED",
+                             "note": f"not measured: {'; '.join(reasons)}"[:NOTE_CHARS + 40]})
             for group, is_info in ((gating, False), (info, True)):
                 if not group:
                     continue
-                op = group[0]["op"]
                 pick = max if op == "le" else min
-                worst = pick(group, key=lambda k: k["measured"])
+                worst = pick(group, key=lambda k: _num(k["measured"]))
                 note = f"{sum(k['pass'] for k in group)}/{len(group)} within"
+                place = worst_place(worst)
+                if place:
+                    note += f"; worst at {place}"
                 if is_info:
                     reasons = sorted({k.get("reason", "") for k in group if k.get("reason")})
                     first = reasons[0] if len(reasons[0]) <= NOTE_CHARS else reasons[0][:NOTE_CHARS - 3] + "..."
                     more = f" (+{len(reasons) - 1} more reasons, see details)" if len(reasons) > 1 else ""
                     note += f"; not gating: {first}{more}"
-                if worst.get("first_divergence"):
+                if worst.get("first_divergence") and not worst.get("engine_failure"):
                     note += f"; first divergence {worst['first_divergence']}"
                 ok = all(k["pass"] for k in group)
                 failing = [k for k in group if not k["pass"]]
-                if not is_info and failing:
+                engine = [k for k in failing if k.get("engine_failure")]
+                if not is_info and engine:
+                    note = _engine_note(engine[0])[:NOTE_CHARS + 80]
+                elif not is_info and failing:
                     why = failing[0].get("why") or failing[0].get("got")
                     if isinstance(why, str) and why:
-                        name = f"{failing[0]['prompt']}: " if failing[0].get("prompt") else ""
+                        name = f"{failing[0]['prompt']}: " if failing[0].get("prompt") is not None else ""
                         note += f"; {name}{why}"[:NOTE_CHARS + 40]
-                rows.append({"case": c["case"], "gate": gate, "worst": f"{worst['measured']:.3g}",
-                             "limit": f"{'<=' if op == 'le' else '>='} {worst['limit']:g}",
-                             "result": "INFO" if is_info else ("PASS" if ok else "FAIL"), "note": note})
+                result = "INFO" if is_info else ("PASS" if ok else ("ENGINE FAILED" if engine else "FAIL"))
+                rows.append({"case": c["case"], "gate": gate,
+                             "worst": "" if engine and not is_info else f"{_num(worst['measured']):.3g}",
+                             "limit": limit, "result": result, "note": note})
         if c.get("info", {}).get("skipped"):
             rows.append({"case": c["case"], "gate": "(oracle)", "worst": "", "limit": "", "result": "SKIP",
                          "note": c["info"]["skipped"]})
@@ -347,7 +392,8 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
             "Per-layer error" together with the per-layer table.
         kld_plot: file name of the KLD histogram (:func:`_plot_kld`); linked under "Per-position KLD".
     """
-    status = {0: "PASS: every gate passed", 1: "FAIL: a gate failed", 2: "BAD INPUT: a model could not be read"}
+    status = {0: "PASS: every gate passed", 1: "FAIL: a gate failed or an engine failed",
+              2: "BAD INPUT: a model could not be read"}
     if data.get("baseline", {}).get("regressions"):
         status[1] += f" or a figure regressed against the baseline ({len(data['baseline']['regressions'])})"
     head = data.get("verdict") or f"{status[data['status']]} ({len(data['cases'])} cases)"
@@ -359,15 +405,7 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
     if failing:
         lines += ["## First divergence", ""]
         for c in failing:
-            if c["error"]:
-                lines.append(f"- **{c['case']}**: {c['error']}")
-                continue
-            for chk in c["checks"]:
-                if not chk["pass"] and not chk.get("informational"):
-                    where = chk.get("first_divergence") or "logits"
-                    lines.append(f"- **{c['case']}** prompt `{chk['prompt']}`: {chk['gate']} = "
-                                 f"{chk['measured']:.3g} (limit {chk['limit']:g}); first diverging point: {where}")
-                    break
+            lines += first_divergence_lines(c)
         lines.append("")
     if layer_plots:
         lines += ["## Per-layer error", "",
@@ -395,12 +433,13 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
         if c["error"]:
             lines += [f"error: {c['error']}", ""]
             continue
-        rows = [{"gate": k["gate"], "prompt": (k["prompt"] or "").replace("\n", "\\n"),
-                 "measured": f"{k['measured']:.3g}",
-                 "pass": "yes" if k["pass"] else ("info" if k.get("informational") else "NO"),
-                 "extra": ", ".join(f"{x}={k[x]!r}" if isinstance(k[x], str) else f"{x}={k[x]}" for x in ("tokens", "same_top1", "worst_point", "qtype", "variant",
-                                                         "positions", "expected", "got")
-                                    if x in k and k[x] is not None)} for k in c["checks"]]
+        rows = [{"gate": k["gate"], "prompt": "" if k["prompt"] is None else str(k["prompt"]).replace("\n", "\\n"),
+                 "measured": "" if k.get("not_measured") else f"{_num(k['measured']):.3g}",
+                 "pass": "yes" if k["pass"] else ("not measured" if k.get("not_measured") else
+                                                  "info" if k.get("informational") else
+                                                  "ENGINE FAILED" if k.get("engine_failure") else "NO"),
+                 "extra": ", ".join(f"{x}={k[x]!r}" if isinstance(k[x], str) else f"{x}={k[x]}"
+                                    for x in DETAIL_KEYS if x in k and k[x] is not None)} for k in c["checks"]]
         lines += [_table(rows, ["gate", "prompt", "measured", "pass", "extra"], right=["measured"]), ""]
         lines += server_report_lines(c)  # a server case: its dialect, per-request batch invariance
         why = {}
@@ -420,6 +459,41 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
                          "that token's logits by whole units; dense models drift far less." if
                          c.get("info", {}).get("config", {}).get("n_expert") else ""), ""]
     return "\n".join(lines) + "\n"
+
+
+def first_divergence_lines(c: dict[str, Any]) -> list[str]:
+    """The "First divergence" lines of one failing case: its engine failures (where: request and step, what, the
+    engine's own last error line), else its first failing gate, named by where it was measured and, for a trace or
+    logits figure, the first diverging point."""
+    case = c["case"]
+    if c["error"]:
+        head = "ENGINE FAILED" if c.get("error_kind") == "engine" else "could not run"
+        return [f"- **{case}**: {head}: {c['error']}"]
+    failing = [k for k in c["checks"] if not k["pass"] and not k.get("informational")]
+    engine = [k for k in failing if k.get("engine_failure")]
+    if engine:
+        out = []
+        for k in engine:
+            pair = k["gate"].rsplit(".", 1)[0]
+            where = ", ".join(x for x in (f"request `{k['request']}`" if k.get("request") is not None else "",
+                                          f"step {k['step']}" if k.get("step") is not None else "") if x)
+            last = k.get("last_error")
+            out.append(f"- **{case}** `{pair}`: ENGINE FAILED{' at ' + where if where else ''}: {k.get('got')}"
+                       + (f"; the engine's last error line: `{last}`" if last else ""))
+        return out
+    if not failing:
+        return []
+    k = failing[0]
+    measured = "" if k.get("not_measured") else f" = {_num(k['measured']):.3g} (limit {_num(k['limit']):g})"
+    place = worst_place(k)
+    where = k.get("first_divergence")
+    why = k.get("why") or k.get("got")
+    text = f"- **{case}** `{k['gate']}`{measured}" + (f" at {place}" if place else "")
+    if where:
+        text += f"; first diverging point: {where}"
+    elif isinstance(why, str) and why:
+        text += f"; {why}"
+    return [text]
 
 
 def write_parity_report(run_dir: Path, data: dict[str, Any]) -> None:
@@ -455,12 +529,17 @@ def junit_xml(data: dict[str, Any]) -> str:
             ET.SubElement(tc, "error", message=str(c["error"]), type=str(c.get("error_kind") or "error"))
             n_err += 1
         for k in c.get("checks", []):
-            label = k["gate"] + "".join(f"[{k[x]}]" for x in ("prompt", "variant", "qtype") if k.get(x) not in (None, ""))
+            label = k["gate"] + "".join(f"[{k[x]}]" for x in ("prompt", "variant", "qtype")
+                                        if k.get(x) not in (None, ""))
             tc = ET.SubElement(suite, "testcase", classname=str(c["case"]), name=label)
             op = "<=" if k["op"] == "le" else ">="
             figure = f"{k['gate']} = {_num(k['measured']):.4g} (limit {op} {_num(k['limit']):g})"
-            if k.get("informational"):
+            if k.get("not_measured"):
+                ET.SubElement(tc, "skipped", message=f"not measured: {k['not_measured']}")
+            elif k.get("informational"):
                 ET.SubElement(tc, "system-out").text = f"informational: {figure}; {k.get('reason', '')}"
+            elif not k["pass"] and k.get("engine_failure"):
+                ET.SubElement(tc, "failure", message=f"ENGINE FAILED: {_engine_note(k)}", type="engine")
             elif not k["pass"]:
                 why = k.get("why") or k.get("got") or k.get("first_divergence") or k.get("first_fault")
                 ET.SubElement(tc, "failure", message=figure + (f"; {why}" if why else ""), type="gate")

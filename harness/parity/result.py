@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 from reference.errors import InputError
 
 from ..core.gates import Gate, gate_for
-from ..core.workers import EngineCrashed
+from ..core.workers import EngineFailure
 
 RESULTS_VERSION = 1
 """Version of ``results.json`` (``kind`` ``parity``)."""
@@ -71,7 +71,10 @@ class CaseResult:
         """Judge each figure by its gate (in order) and record it.
 
         A figure whose ``detail`` holds ``informational_reason`` is reported against its gate but does not
-        count (a finding, or a check the user opted out of), with that reason.
+        count (a finding, or a check the user opted out of), with that reason. A figure whose ``detail`` holds
+        ``not_measured`` (why nothing could be measured: "the greedy streams part at step 0") is recorded as NaN,
+        not gating, with the reason ``not measured: <why>``: a gate that measured nothing never passes, and the
+        report says so.
 
         A numbered figure (``reference~openai#2.greedy``: the second engine of a kind) is judged by the gate of
         its name without the number (:func:`harness.core.gates.gate_for`).
@@ -83,9 +86,12 @@ class CaseResult:
             detail = dict(f.detail)
             reason = detail.pop("informational_reason", None)
             gate = gate_for(gates, f.gate)
+            measured = f.measured
+            if detail.get("not_measured"):
+                reason, measured = f"not measured: {detail['not_measured']}", float("nan")
             if reason is not None:
                 gate = replace(gate, informational=True, reason=reason)
-            self.add(gate, f.measured, f.prompt, **detail)
+            self.add(gate, measured, f.prompt, **detail)
 
     @property
     def passed(self) -> bool:
@@ -100,14 +106,15 @@ def one_line(e: BaseException) -> str:
 
 
 def guard(fn: Callable[[], CaseResult], case: str, kind: str, model: str) -> CaseResult:
-    """Run one case. Bad input becomes ``error_kind`` ``input`` (exit 2); any other exception, an engine
-    that crashed, becomes ``error_kind`` ``engine`` with ``engine crashed: <type>: <line>``."""
+    """Run one case. Bad input becomes ``error_kind`` ``input`` (exit 2); an engine failure
+    (:class:`~harness.core.workers.EngineFailure`: crashed, broke its protocol) ``error_kind`` ``engine`` with its one
+    line (exit 1); any other exception ``error_kind`` ``engine`` with ``engine crashed: <type>: <line>``."""
     t0 = time.perf_counter()
     try:
         res = fn()
     except InputError as e:
         res = CaseResult(case=case, kind=kind, model=model, error=one_line(e), error_kind="input")
-    except EngineCrashed as e:  # already one line: "engine crashed: <what the worker last said>"
+    except EngineFailure as e:  # already one line: "engine crashed: <what the worker last said>", ...
         res = CaseResult(case=case, kind=kind, model=model, error=one_line(e), error_kind="engine")
     except Exception as e:  # an engine that crashes is named; the run goes on
         res = CaseResult(case=case, kind=kind, model=model,

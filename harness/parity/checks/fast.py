@@ -43,7 +43,9 @@ def fast_vs_reference(fm: FastModel, cfg, W, prompts: Sequence[dict[str, Any]]) 
         cos = [(k, metrics.cosine(fa.points[k], ra.points[k])) for k in ra.points if k in fa.points]
         worst = min(cos, key=lambda kv: kv[1])
         first_low = next((k for k, c in cos if c < 0.99999), None)
+        at = np.unravel_index(int(np.argmax(np.abs(fast - ref))), fast.shape)
         rows.append({"id": p["id"], "tokens": len(p["prompt_ids"]), "max_abs_logit": metrics.max_abs_err(fast, ref),
+                     "max_abs_logit_at": [int(at[0]), int(at[1])],
                      "same_top1": metrics.top1_agreement(fast, ref), "min_cosine": worst[1],
                      "worst_point": f"{worst[0][0]}@{worst[0][1]}",
                      "first_divergence": None if first_low is None else f"{first_low[0]}@{first_low[1]}",
@@ -211,7 +213,7 @@ def fast_checks(cfg, W, prompts: Sequence[dict[str, Any]], info: dict[str, Any],
     fm32 = FastModel(cfg, W, "cpu", "float32")
     for r in fast_vs_reference(fm32, cfg, W, prompts):
         out.append(fig("fast~reference.max_abs_logit", r["max_abs_logit"], r["id"], tokens=r["tokens"],
-                       same_top1=r["same_top1"]))
+                       same_top1=r["same_top1"], max_abs_logit_at=r["max_abs_logit_at"]))
         out.append(fig("fast~reference.layer_cosine", r["min_cosine"], r["id"], worst_point=r["worst_point"],
                        first_divergence=r["first_divergence"], per_point=r["per_point"]))
     rows16 = fast_vs_reference(FastModel(cfg, W, "cpu", "bfloat16"), cfg, W, prompts)

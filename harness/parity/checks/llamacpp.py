@@ -301,8 +301,13 @@ def llamacpp_checks(built, prompts: Iterable[Any], progress, name: str) -> list[
     first = f"{fd['point']}@{fd['layer']}" if fd else None
     per_point = trace.get("per_point") if isinstance(trace, dict) else None
     exact = summary.get("exact_reference") or {}
+    per_prompt = [r for r in rows[:-1] if r.get("max_abs_logit_at")]
+    w = max(per_prompt, key=lambda r: r["max_abs_logit"], default=None)
+    worst_at = (f"request {w['prompt']} position {w['max_abs_logit_at'][0]} token {w['max_abs_logit_at'][1]}"
+                if w is not None else None)
     out.append(fig("llamacpp~reference.max_abs_logit", summary["max_abs_logit"], None,
                    positions=summary["n_tokens"], first_divergence=first, vs_exact_gelu=exact.get("max_abs_logit"),
+                   **({"worst_at": worst_at} if worst_at else {}),
                    **({"per_point": per_point, "traced_prompt": trace.get("prompt")} if per_point else {})))
     kld_pos = summary.get("kld_per_position")
     out.append(fig("llamacpp~reference.mean_kld", summary["mean_kld"], None, positions=summary["n_tokens"],

@@ -7,9 +7,13 @@ With ``--oracle fast`` the fast engine in fp32 stands in for the reference (:dat
 model): the pairs are ``fast~<kind>``, judged by the same bounds (:func:`harness.core.gates.oracle_pair_gates`).
 What is measured depends on what the engine answers:
 
-* ``<pair>.runs``: 1 when the engine loaded the model and answered; 0 with the reason when it could not run
-  (not installed, cannot read this model form, crashed), or with ``bad_input`` when a ``cmd:`` engine broke
-  the protocol (the run's exit status is then 2);
+* ``<pair>.runs``: 1 when the engine loaded the model and answered as its protocol says; 0 with the reason when
+  it could not run (not installed, cannot read this model form), with ``engine_failure`` when the engine failed
+  (:class:`~harness.core.workers.EngineFailure`: it crashed, broke its protocol, answered a request wrongly or
+  not at all, returned a stream shorter than asked or a token that is not the top-1 of its own log-probs; the
+  figure names the request, the step and the engine's last error line; exit 1, "ENGINE FAILED"), or with
+  ``bad_input`` when the engine cannot be used as given (a command that cannot be started, a server that is
+  down: exit 2);
 * logits, per prompt (:func:`harness.parity.compare.logit_figures`): ``.max_abs_logit`` (with the position
   and token of the worst difference), ``.mean_kld``, ``.same_top1_decisive`` (near-ties reported, not failed);
 * trace points, per prompt, when the engine traces (a callback in-process, a trace file for ``cmd:``):
@@ -35,15 +39,15 @@ import numpy as np
 from reference.errors import InputError
 
 from ...core.gates import DEFAULT_GATES
-from ...core.workers import temp_folder
-from ...engines import EngineCrashed, EngineUnavailable, engine_kind, make_engine
+from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
+from ...engines import EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
 from ...engines.llamacpp.numerics import llamacpp_numerics
 from ...engines.reference import ReferenceEngine
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
 from ..compare import generation_figures, logit_figures
-from ..result import Figure, fig
+from ..result import Figure, fig, one_line
 
 GREEDY_NEW_TOKENS = 8
 """Tokens each greedy stream runs for the ``.greedy`` check (prompts with room for them in the context)."""
@@ -158,6 +162,22 @@ def _runs(pair: str, ok: bool, **detail: Any) -> Figure:
     return fig(f"{pair}.runs", 1.0 if ok else 0.0, None, **detail)
 
 
+def failure_place(request: Any, step: int | None) -> str | None:
+    """``request R step S`` (either part when known), or None."""
+    parts = ([f"request {request}"] if request is not None else []) + ([f"step {step}"] if step is not None else [])
+    return " ".join(parts) or None
+
+
+def engine_failed(pair: str, e: EngineFailure) -> Figure:
+    """The failing ``<pair>.runs`` figure of an engine failure: its one line, the request, the step and the engine's
+    own last error line where known (``first_divergence`` is ``request R step S``)."""
+    where = failure_place(e.request, e.step)
+    line = one_line(e)
+    return _runs(pair, False, got=line, engine_failure=True, request=e.request, step=e.step,
+                 last_error=e.last_error, first_divergence=where,
+                 why=f"ENGINE FAILED{' at ' + where if where else ''}: {line}")
+
+
 def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Sequence[dict[str, Any]],
                 progress: Progress, case: str, opted_out: str | None = None, options: dict[str, Any] | None = None,
                 extra: Any = None, number: int = 1) -> list[Figure]:
@@ -206,21 +226,21 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
     except EngineUnavailable as e:
         hint = "; or opt out: g4h parity --skip llamacpp" if kind == "llamacpp" else ""
         return [_runs(pair, False, got=f"not run: {e}{hint}")]
-    except EngineCrashed as e:
-        return [_runs(pair, False, got=str(e))]
-    except InputError as e:  # a cmd: engine that broke the protocol at its handshake
+    except EngineFailure as e:  # it crashed loading the model, or broke its protocol at its handshake
+        return [engine_failed(pair, e)]
+    except InputError as e:  # it cannot be used as given: a command that cannot start, a server that is down
         return [_runs(pair, False, got=str(e), bad_input=True)]
     pair = pair_name(kind, getattr(eng, "dtype", None) if kind != "fast" else None, runs.name)
-    out: list[Figure] = []
+    out: list[Figure] = []  # the figures measured so far: kept when the engine fails later
     try:
-        out += _measure(runs, eng, kind, pair, prompts, progress, case,
-                        int(getattr(extra, "max_new_tokens", GREEDY_NEW_TOKENS)), int(getattr(extra, "top_n", TOP_N)))
+        _measure(runs, eng, kind, pair, prompts, progress, case,
+                 int(getattr(extra, "max_new_tokens", GREEDY_NEW_TOKENS)), int(getattr(extra, "top_n", TOP_N)), out)
         if kind in EXTRA_CHECKS:
             out += EXTRA_CHECKS[kind](eng, runs, prompts, pair, progress, extra)
     except EngineUnavailable as e:
         return [_runs(pair, False, got=f"not run: {e}")] + out
-    except EngineCrashed as e:
-        return [_runs(pair, False, got=str(e))] + out
+    except EngineFailure as e:
+        return [engine_failed(pair, e)] + out
     except InputError as e:
         return [_runs(pair, False, got=str(e), bad_input=True)] + out
     finally:
@@ -249,39 +269,91 @@ def _can(eng: Any, op: str) -> bool:
 
 
 def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
-             progress: Progress, case: str, new_tokens: int = GREEDY_NEW_TOKENS, top_n: int = TOP_N) -> list[Figure]:
+             progress: Progress, case: str, new_tokens: int = GREEDY_NEW_TOKENS, top_n: int = TOP_N,
+             out: list[Figure] | None = None) -> list[Figure]:
+    """The pair's figures, appended to ``out`` as they are measured (so that an engine failure keeps them)."""
+    out = [] if out is None else out
     declared = _approximations(eng, kind)
-    out = _measure_figures(runs, eng, kind, pair, prompts, progress, case, _emulated(declared), new_tokens, top_n)
-    types = runs.unemulated_types() if "quantized_activations" in declared else []
-    if types:
-        why = QUANTIZED_ACTIVATIONS.format(engine=kind, types="/".join(types))
-        for f in out:
-            f.detail["informational_reason"] = why
+    try:
+        _measure_figures(runs, eng, kind, pair, prompts, progress, case, _emulated(declared), new_tokens, top_n, out)
+    finally:
+        types = runs.unemulated_types() if "quantized_activations" in declared else []
+        if types:
+            why = QUANTIZED_ACTIVATIONS.format(engine=kind, types="/".join(types))
+            for f in out:
+                f.detail["informational_reason"] = why
     return out
+
+
+def _naming(e: EngineFailure, prompts: Sequence[dict[str, Any]], oracle: dict[str, dict] | None = None,
+            oracle_name: str = "reference") -> EngineFailure:
+    """``e`` with its request named: the prompt at its ``index`` in ``prompts`` (the one prompt when there is one).
+    With the ``oracle``'s streams and the tokens the engine returned (``partial``), the step is where they part
+    (a dropped token shows there, not at the end of a short stream), said in the line."""
+    if e.index is not None and 0 <= e.index < len(prompts):
+        e.at(request=prompts[e.index]["id"])
+    elif len(prompts) == 1:
+        e.at(request=prompts[0]["id"])
+    if oracle is not None and e.partial is not None and e.request is not None and str(e.request) in oracle:
+        want = oracle[str(e.request)]["tokens"]
+        got = list(e.partial)
+        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if i is not None:
+            note = f"; its tokens part from the {oracle_name}'s at step {i}: {got[i]}, {oracle_name} {want[i]}"
+        else:
+            i = min(len(got), len(want))
+            note = f"; its tokens agree with the {oracle_name}'s up to step {i}, then end"
+        named = type(e)(f"{one_line(e)}{note}")
+        named.__dict__.update(e.__dict__)
+        named.step = i
+        return named
+    return e
+
+
+def _not_greedy(streams: dict[str, dict[str, Any]]) -> tuple[str, int, int, int, float] | None:
+    """The first (request, step) whose token is not the top-1 of the engine's own log-probs there (a tie with it is
+    greedy): ``(request, step, token, top-1 id, top-1 log-prob)``; None when every step is greedy (steps without
+    log-probs are not judged)."""
+    for rid, g in streams.items():
+        for i, (tok, own) in enumerate(zip(g["tokens"], g["logprobs"])):
+            if not own:
+                continue
+            best = max(own, key=lambda t: own[t])
+            mine = own.get(tok)
+            if mine is None or mine < own[best]:
+                return rid, i, int(tok), int(best), float(own[best])
+    return None
 
 
 def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
                      progress: Progress, case: str, approx: tuple[str, ...],
-                     new_tokens: int = GREEDY_NEW_TOKENS, top_n: int = TOP_N) -> list[Figure]:
-    out: list[Figure] = []
+                     new_tokens: int = GREEDY_NEW_TOKENS, top_n: int = TOP_N,
+                     out: list[Figure] | None = None) -> list[Figure]:
+    out = [] if out is None else out
     layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit
     logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
     file_trace = hasattr(eng, "trace_file")
-    batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}
+    try:
+        batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}
+    except EngineFailure as e:
+        raise _naming(e, prompts)
     with temp_folder("g4h-pair-") as tmp:
         for p in prompts if _can(eng, "logits") else ():
             base, base_trace = runs.logits(approx, p)
             ours_trace = None
-            if str(p["id"]) in batch:
-                ours, ours_trace = batch[str(p["id"])]
-            elif _can(eng, "trace") and not file_trace:
-                w = TraceWriter(kind, p["prompt_ids"], keep_tensors=True)
-                ours = eng.logits(p["prompt_ids"], trace=w)
-                ours_trace = w.trace()
-            else:
-                ours = eng.logits(p["prompt_ids"])
-            if file_trace and _can(eng, "trace"):
-                ours_trace = _read_engine_trace(eng, p, Path(tmp))
+            try:
+                if str(p["id"]) in batch:
+                    ours, ours_trace = batch[str(p["id"])]
+                elif _can(eng, "trace") and not file_trace:
+                    w = TraceWriter(kind, p["prompt_ids"], keep_tensors=True)
+                    ours = eng.logits(p["prompt_ids"], trace=w)
+                    ours_trace = w.trace()
+                else:
+                    ours = eng.logits(p["prompt_ids"])
+                if file_trace and _can(eng, "trace"):
+                    ours_trace = _read_engine_trace(eng, p, Path(tmp))
+            except EngineFailure as e:
+                raise _naming(e, [p])
             out += _logit_figures(runs, ours, base, approx, pair, p, logit_limit)
             if ours_trace is not None:
                 out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit))
@@ -291,10 +363,20 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
             if gen_prompts:
                 progress(f"[{case}] {runs.name} vs {kind}: greedy streams of {new_tokens} tokens, top-{top_n}")
                 base_g = runs.generations(approx, gen_prompts, new_tokens, top_n)
-                ours_g = as_streams(gen_prompts, eng.generate_full([p["prompt_ids"] for p in gen_prompts],
-                                                                   new_tokens, top_n=top_n))
+                try:
+                    ours_g = as_streams(gen_prompts, eng.generate_full([p["prompt_ids"] for p in gen_prompts],
+                                                                       new_tokens, top_n=top_n))
+                except EngineFailure as e:
+                    raise _naming(e, gen_prompts, base_g, runs.name)
                 out += generation_figures(ours_g, base_g, pair, top_n,
                                           logprob_limit=DEFAULT_GATES[f"{pair}.max_abs_logprob"].limit)
+                bad = _not_greedy(ours_g)
+                if bad is not None:  # a greedy engine never picks a token below its own top-1: it samples, or lies
+                    rid, i, tok, best, lp = bad
+                    raise EngineProtocolError(
+                        f"{getattr(eng, 'name', kind)}: request {rid} step {i}: token {tok} is not the top-1 of its "
+                        f"own log-probs ({best} at {lp:.6g}); greedy decoding (temperature 0) was asked"
+                    ).at(request=rid, step=i)
     return out
 
 
@@ -315,16 +397,16 @@ def _logits_many(eng: Any, kind: str, prompts: Sequence[dict[str, Any]]) -> dict
 
 def _read_engine_trace(eng: Any, p: dict[str, Any], tmp: Path) -> Trace:
     """A ``cmd:`` engine's trace of one prompt, read and checked; a file that is not a trace of this prompt is
-    the engine's fault (:class:`InputError` naming the engine and the file)."""
+    the engine's fault (:class:`EngineProtocolError` naming the engine, the request and the file)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(p["id"]))
     path = eng.trace_file(p["prompt_ids"], tmp / f"{safe}.jsonl", dump_dir=tmp / "tensors")
     try:
         tr = read_trace(path)
     except InputError as e:
-        raise InputError(f"{eng.name} trace of prompt {p['id']}: {e}") from None
+        raise EngineProtocolError(f"{eng.name} trace of prompt {p['id']}: {e}").at(request=p["id"]) from None
     if tr.prompt_ids != list(p["prompt_ids"]):
-        raise InputError(f"{eng.name} trace of prompt {p['id']}: {path} traces another prompt "
-                         f"({len(tr.prompt_ids)} ids, expected {len(p['prompt_ids'])})")
+        raise EngineProtocolError(f"{eng.name} trace of prompt {p['id']}: {path} traces another prompt "
+                                  f"({len(tr.prompt_ids)} ids, expected {len(p['prompt_ids'])})").at(request=p["id"])
     return tr
 
 

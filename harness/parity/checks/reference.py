@@ -32,9 +32,10 @@ def compare_pair(ours, oracle, prompts: Sequence[dict[str, Any]], pair: str, lay
         a = ours.logits(p["prompt_ids"], trace=tr_a)
         b = oracle.logits(p["prompt_ids"], trace=tr_b)
         diff = float(np.max(np.abs(a - b)))
+        at = np.unravel_index(int(np.argmax(np.abs(a - b))), a.shape)
         top1 = float(np.mean(np.argmax(a, -1) == np.argmax(b, -1)))
         out.append(fig(f"{pair}.max_abs_logit", diff, p["id"], tokens=len(p["prompt_ids"]), same_top1=top1,
-                       max_abs_logit_oracle=float(np.max(np.abs(b)))))
+                       max_abs_logit_oracle=float(np.max(np.abs(b))), max_abs_logit_at=[int(at[0]), int(at[1])]))
         rows = layer_errors(tr_a, tr_b)
         if rows and layer_limit is not None:
             worst = max(rows, key=lambda r: r["rel_l2"])

@@ -25,9 +25,12 @@ This module adds the checks only a server has (:data:`harness.parity.checks.pair
 6. **chat template** (``server.chat_template``): the ids the server evaluates for a chat request against our
    Gemma 4 chat format (:func:`reference.chat.render`).
 
-A server that is down, slow past the timeout, answers an error status, malformed JSON or another shape raises
-:class:`~harness.engines.openai.ServerError` (an :class:`InputError`); the pair then ends with that one line as
-its ``reference~openai.runs`` figure (exit 2) and the run goes on with the other engines and cases.
+A server that is down or silent when the pair starts raises :class:`~harness.engines.openai.ServerError` (an
+:class:`InputError`: the URL cannot be used, exit 2). Once it serves, a request that fails (an error status, no
+answer within the timeout, malformed JSON or another shape, a token it cannot name, a dropped token, a step that is
+not greedy, a crash) raises :class:`~harness.engines.openai.ServerFailure`, an engine failure naming the request
+(:func:`_named`) and the step: the pair then ends with that one line as its ``reference~openai.runs`` figure
+(exit 1, "ENGINE FAILED"). Either way the run goes on with the other engines and cases.
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ from reference.errors import InputError, PromptError
 from reference.tokenizer import BYTE, NORMAL, GGUFTokenizer
 
 from ... import synth
-from ...core.cases import PROMPTS
+from ...core.cases import PROMPTS, prompt_id
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN
 from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
+from ...core.workers import EngineFailure
 from ...engines.base import TOP_N
 from ...engines.openai import OpenAIEngine, ServerGenerated
 from ...tokenizer.files import load_tokenizer_metadata
@@ -126,13 +130,15 @@ class ServerOptions:
 
 def load_user_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
     """Read a user's prompt file: one JSON object a line, ``{"text": "..."}`` or ``{"prompt_ids": [int, ...]}``,
-    each with an optional ``"id"`` (default: the line number). Blank lines are skipped.
+    each with an optional ``"id"``, a string or an integer (default: the line number); other keys (``"note"``) are
+    ignored. Blank lines are skipped.
 
     Returns:
         ``[{"id", "text"} | {"id", "prompt_ids"}, ...]`` in file order (:func:`with_prompt_ids` tokenizes texts).
 
     Raises:
-        PromptError: unreadable or non-UTF-8 file, a line that is neither form, a duplicate id, no prompt.
+        PromptError: unreadable or non-UTF-8 file, a line that is neither form, an id that is neither a string nor
+            an integer, a duplicate id (ids are compared as text: ``1`` and ``"1"`` are one id), no prompt.
     """
     path = Path(path)
     try:
@@ -156,10 +162,7 @@ def load_user_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
                 (ids is not None and not good_ids):
             raise PromptError(f"{path}:{n}: expected {{\"text\": \"...\"}} or {{\"prompt_ids\": [int, ...]}} "
                               "(one of them, non-empty), with an optional \"id\"")
-        pid = obj.get("id", n)
-        if pid in seen:
-            raise PromptError(f"{path}:{n}: duplicate id {pid!r}")
-        seen.add(pid)
+        pid = prompt_id(obj, n, path, seen)
         out.append({"id": pid, "text": text} if text is not None else {"id": pid, "prompt_ids": ids})
     if not out:
         raise PromptError(f"{path}: no prompts")
@@ -288,6 +291,14 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def _named(request: Any, call: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``call(*args, **kw)``; an engine failure in it names ``request`` (the request as the report shows it)."""
+    try:
+        return call(*args, **kw)
+    except EngineFailure as e:
+        raise e.at(request=request)
+
+
 def _not_run(gate: str, why: str) -> Figure:
     return fig(gate, 0.0, None, got=f"not run: {why}", why=f"not run: {why}")
 
@@ -304,7 +315,7 @@ def tokenizer_figures(eng: OpenAIEngine, texts: Sequence[tuple[Any, str, list[in
     ``ids``, our tokenizer's (:func:`with_prompt_ids`)."""
     rows = []
     for pid, text, mine in texts:
-        theirs = eng.tokenize(text, add_special=True)
+        theirs = _named(pid, eng.tokenize, text, add_special=True)
         if theirs != list(mine):
             i = _first_difference(mine, theirs)
             i = min(len(mine), len(theirs)) if i is None else i
@@ -317,10 +328,11 @@ def tokenizer_figures(eng: OpenAIEngine, texts: Sequence[tuple[Any, str, list[in
 
 
 def _run_staggered(eng: OpenAIEngine, prompts: Sequence[list[int]], n: int, top_n: int, concurrency: int,
-                   stagger_s: float) -> tuple[list[ServerGenerated], dict[str, float]]:
+                   stagger_s: float, labels: Sequence[str] | None = None) -> tuple[list[ServerGenerated],
+                                                                                 dict[str, float]]:
     """Send every prompt, request ``i`` started ``i * stagger_s`` after the first, at most ``concurrency`` in
     flight; returns the answers in order, and the wall time with the largest and the mean number of requests in
-    flight (from each request's start and end)."""
+    flight (from each request's start and end). ``labels``: each request's name, for an engine failure."""
     t0 = time.monotonic()
     spans: list[tuple[float, float]] = [(0.0, 0.0)] * len(prompts)
 
@@ -329,7 +341,7 @@ def _run_staggered(eng: OpenAIEngine, prompts: Sequence[list[int]], n: int, top_
         if delay > 0:
             time.sleep(delay)
         start = time.monotonic()
-        g = eng.complete(prompts[i], n, top_n)
+        g = _named(labels[i] if labels else i, eng.complete, prompts[i], n, top_n)
         spans[i] = (start, time.monotonic())
         return g
 
@@ -359,9 +371,9 @@ def batch_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, li
     rids = [order[i % len(order)] for i in range(opts.batch_requests)]
     stagger = opts.stagger_s if opts.stagger_s is not None else \
         float(np.median([alone_s[r] for r in order])) / opts.concurrency
-    together, timing = _run_staggered(eng, [prompts[r] for r in rids], opts.max_new_tokens, opts.top_n,
-                                      opts.concurrency, stagger)
     keys = [f"{r}#{i}" for i, r in enumerate(rids)]
+    together, timing = _run_staggered(eng, [prompts[r] for r in rids], opts.max_new_tokens, opts.top_n,
+                                      opts.concurrency, stagger, [f"{k} (batch invariance)" for k in keys])
     ours = {k: _as_gen(g.tokens, g.top) for k, g in zip(keys, together)}
     theirs = {k: _as_gen(alone[r].tokens, alone[r].top) for k, r in zip(keys, rids)}
     figs = generation_figures(ours, theirs, "server.batched~alone", opts.top_n)
@@ -380,7 +392,8 @@ def stream_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, l
     rows = []
     worst = 0.0
     for rid in order:
-        s = eng.complete(prompts[rid], opts.max_new_tokens, opts.top_n, stream=True, gaps=True)
+        s = _named(f"{rid} (streamed)", eng.complete, prompts[rid], opts.max_new_tokens, opts.top_n, stream=True,
+                   gaps=True)
         a = alone[rid]
         bad = None
         if len(s.tokens) != len(a.tokens):
@@ -456,7 +469,7 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
     first = order[0]
     for k in MAX_TOKENS_PROBES:
         if k < n:
-            g = eng.complete(prompts[first], k, top_n)
+            g = _named(f"{first}@max_tokens={k}", eng.complete, prompts[first], k, top_n)
             e = eos_first[first]
             stop_at = e if stops_at_eos and e is not None and e < k else None
             kind, why = _stop_verdict(g.tokens, g.finish_reason, oracle[first], stop_at, eos_ids, k)
@@ -482,7 +495,7 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
                 text, word_s = before.decode("utf-8"), word.decode("utf-8")
             except UnicodeDecodeError:
                 continue
-            g = eng.complete(prompts[rid], n, top_n, stop=[word_s])
+            g = _named(f"{rid} (stop {word_s!r})", eng.complete, prompts[rid], n, top_n, stop=[word_s])
             i = _first_difference(g.tokens[:k], o.tokens[:k])
             if i is not None:
                 kind = "near-tie" if o.margin[i] < NEAR_TIE_MARGIN else "fault"
@@ -501,7 +514,8 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
     rows = []
     sites = [(rid, j, m) for rid in order for j, m in oracle[rid].prompt_eos][:MAX_EOS_PREFIX_SITES]
     for rid, j, margin in sites:
-        g = eng.complete(prompts[rid][:j + 1], 4, top_n, ignore_eos=False)
+        g = _named(f"{rid}[:{j + 1}] (EOS not ignored)", eng.complete, prompts[rid][:j + 1], 4, top_n,
+                   ignore_eos=False)
         got = [t for t in g.tokens if t not in eos_ids] if g.finish_reason == "stop" else g.tokens
         ok = g.finish_reason == "stop" and not got
         kind = "ok" if ok else ("near-tie" if margin < NEAR_TIE_MARGIN else "fault")
@@ -511,7 +525,7 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
     reaching = [rid for rid in order if eos_first[rid] is not None]
     never = [rid for rid in order if eos_first[rid] is None][:NO_EOS_PROMPTS]
     for rid in reaching + never:
-        g = eng.complete(prompts[rid], n, top_n, ignore_eos=False)
+        g = _named(f"{rid} (EOS not ignored)", eng.complete, prompts[rid], n, top_n, ignore_eos=False)
         kind, why = _stop_verdict(g.tokens, g.finish_reason, oracle[rid], eos_first[rid], eos_ids, n)
         rows.append({"request": rid, "eos_at": eos_first[rid], "kind": kind, "why": why})
     out.append(_stop_figure("server.stop.eos", rows, eos_ids=sorted(eos_ids),
@@ -533,7 +547,7 @@ def prompt_logprob_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dic
         return [fig(gate, float("nan"), None, got=f"not offered: {why}", informational_reason=why)]
     worst, worst_at, first, positions = 0.0, None, None, 0
     for rid in order:
-        theirs = eng.prompt_logprobs(prompts[rid], top_n)
+        theirs = _named(f"{rid} (prompt log-probs)", eng.prompt_logprobs, prompts[rid], top_n)
         for i, (t, o) in enumerate(zip(theirs, oracle[rid].prompt_lp)):
             if t is None or o is None:
                 continue
@@ -549,6 +563,7 @@ def prompt_logprob_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dic
             if first is None and d > limit:
                 first = where
     return [fig(gate, worst, None, positions=positions,
+                **({"not_measured": "no prompt position has log-probs on both sides"} if not positions else {}),
                 **({"worst_at": worst_at, "why": f"largest at {worst_at}"} if worst_at else {}),
                 **({"first_divergence": first} if first else {}))]
 
@@ -564,7 +579,7 @@ def template_figures(eng: OpenAIEngine, tok: GGUFTokenizer) -> list[Figure]:
             n += 1
             text = render(messages, add_generation_prompt=True, enable_thinking=thinking, bos=False)
             ours = tok.encode(text, add_bos=True, parse_special=True)
-            theirs, their_text = eng.chat_ids(messages, enable_thinking=thinking)
+            theirs, their_text = _named(f"chat {name!r}", eng.chat_ids, messages, enable_thinking=thinking)
             shown = None if their_text is None else their_text.removeprefix(BOS_TEXT)
             if theirs == ours and shown in (None, text):
                 continue
@@ -591,12 +606,14 @@ def template_figures(eng: OpenAIEngine, tok: GGUFTokenizer) -> list[Figure]:
 # --------------------------------------------------------------------------- the checks, together
 
 
-def _alone(eng: OpenAIEngine, ids: list[int], n: int, top_n: int = TOP_N) -> tuple[ServerGenerated, float]:
-    """The answer to ``ids`` sent alone: the pair check's (:attr:`OpenAIEngine.answers`), else a new request."""
+def _alone(eng: OpenAIEngine, ids: list[int], n: int, top_n: int = TOP_N,
+           request: Any = None) -> tuple[ServerGenerated, float]:
+    """The answer to ``ids`` sent alone: the pair check's (:attr:`OpenAIEngine.answers`), else a new request
+    (``request`` names it in an engine failure)."""
     key = (tuple(ids), n, top_n)
     if key not in eng.answers:
         t0 = time.monotonic()
-        eng.answers[key] = (eng.complete(ids, n, top_n), time.monotonic() - t0)
+        eng.answers[key] = (_named(request, eng.complete, ids, n, top_n), time.monotonic() - t0)
     return eng.answers[key]
 
 
@@ -615,7 +632,7 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
         Figures for the ``server.*`` gates.
 
     Raises:
-        ServerError: the server failed a request (the caller makes it the pair's one line).
+        ServerFailure: the server failed a request (the caller makes it the pair's one line, exit 1).
         InputError: no tokenizer in the model where the checks need one.
     """
     opts = opts or ServerOptions()
@@ -633,7 +650,7 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
         raise PromptError(f"{path}: no prompt leaves room for {n} new tokens in the context of {context}")
     order = [str(p["id"]) for p in fit]
     usable = {str(p["id"]): [int(t) for t in p["prompt_ids"]] for p in fit}
-    answers = {rid: _alone(eng, usable[rid], n, opts.top_n) for rid in order}
+    answers = {rid: _alone(eng, usable[rid], n, opts.top_n, rid) for rid in order}
     alone = {rid: a[0] for rid, a in answers.items()}
     alone_s = {rid: a[1] for rid, a in answers.items()}
     eos_ids = _eos_ids(tok, path)
