@@ -10,6 +10,7 @@ from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
 from ..engines import split_engines
 from ..engines.base import TOP_N
+from ..engines.numerics import parse_declare
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
 from ..parity.job import run as run_parity
@@ -44,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch invariance: this many requests with staggered starts (default 16)")
     s.add_argument("--concurrency", type=int, default=8,
                    help="batch invariance: at most this many in flight (default 8)")
+    s.add_argument("--require", action="append", default=[], metavar="CHECK",
+                   help="fail when the server does not offer this check (repeatable): server-template (llama-cpp-python"
+                        " has no chat-template endpoint), server-prompt-logprobs (llama-server has no prompt "
+                        "log-probs). Without it such a check is reported as \"not offered by <dialect>\" and does not "
+                        "fail the run")
     p.add_argument("--out", default=None, help="parent folder of the run directory (default reports/)")
     p.add_argument("--case", action="append", default=None, help="only this built-in case (repeatable)")
     p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
@@ -96,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if args.junit_xml:
         check_out_file(args.junit_xml)
     against = [n for text in args.against for n in split_engines(text)] if args.against else None
+    parse_declare(args.declare or ())  # a bad --declare is one line before any work
     data, status = run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
@@ -103,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
                               engine_options=engine_options(args), weights=args.weights, oracle=args.oracle,
                               jobs=args.jobs,
                               server=ServerOptions(max_new_tokens=args.max_new_tokens, top_n=args.top_n,
-                                                   batch_requests=args.batch_requests, concurrency=args.concurrency))
+                                                   batch_requests=args.batch_requests, concurrency=args.concurrency,
+                                                   require=tuple(args.require)))
     print(short_table(data))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))

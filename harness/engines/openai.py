@@ -42,18 +42,21 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from http.client import HTTPException
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from reference.errors import InputError
 
 from ..core.workers import EngineCrashed, EngineFailure, EngineProtocolError
 from .base import TOP_N, EngineUnavailable, Generated
+from .numerics import DIALECT_NUMERICS, parse_declare
+from .numerics import declare as declare_numerics
 
 DIALECTS = ("llama-server", "llama-cpp-python", "vllm")
 
 LLAMACPP_APPROXIMATIONS = ("gelu_fp16_table", "quantized_activations")
-"""What a server built on llama.cpp declares (as the ``llamacpp`` engine kind): its fp16 GELU table, and
-activations rounded to the dot-product type of quantized weights."""
+"""What every server built on llama.cpp makes (as the ``llamacpp`` engine kind): its fp16 GELU table, and
+activations rounded to the dot-product type of quantized weights; its attention numerics depend on the dialect's
+defaults (:data:`harness.engines.numerics.DIALECT_NUMERICS`)."""
 
 
 class ServerError(InputError):
@@ -289,13 +292,17 @@ class OpenAIEngine:
         dialect: skip detection and assume this one (one of :data:`DIALECTS`).
         check_greedy: :meth:`generate_full` raises on a step whose token is not the top-1 of the server's own
             log-probs (False where gates judge that instead: ``g4h parity``).
+        declare: ``--declare KEY=VALUE`` items (or their parsed form, :func:`harness.engines.numerics.parse_declare`)
+            that replace the dialect's default numerics: ``dtype=``, ``kv_cache=``, ``approximations=``.
 
     Attributes:
         path: ``path`` as given.
         name: ``openai:URL (dialect, model 'NAME')``, as reports show it.
         ops: ``("generate",)``: no logits, no trace points.
-        approximations: llama.cpp's known approximations for a server built on it (llama-server,
-            llama-cpp-python; :data:`harness.parity.checks.pair.KIND_APPROXIMATIONS`), else none.
+        numerics: what the server computes (:class:`harness.engines.numerics.Numerics`): its dialect's defaults
+            (:data:`harness.engines.numerics.DIALECT_NUMERICS`: llama-server with an f16 KV cache and flash
+            attention, llama-cpp-python with an f16 KV cache, vLLM in bfloat16), or as declared.
+        approximations, dtype: ``numerics.approximations``, ``numerics.dtype``.
         answers: ``(ids, max_new_tokens, top_n) -> (ServerGenerated, seconds)`` of every prompt
             :meth:`generate_full` sent (the server checks reuse them as the answers "sent alone").
 
@@ -308,8 +315,10 @@ class OpenAIEngine:
 
     def __init__(self, url: str, path: Any = None, model: str | None = None, timeout: float = 120.0,
                  concurrency: int = 1, dialect: str | None = None, check_greedy: bool = True,
-                 server_model: str | None = None, server_timeout: float | None = None) -> None:
+                 server_model: str | None = None, server_timeout: float | None = None,
+                 declare: Sequence[str] | Mapping[str, Any] | None = None) -> None:
         self.base, self.root = parse_url(url)
+        said = declare if isinstance(declare, Mapping) else parse_declare(declare or ())  # bad input before any request
         self.http = Http(float(server_timeout) if server_timeout is not None else timeout)
         self.concurrency = max(1, int(concurrency))
         self.check_greedy = check_greedy
@@ -324,7 +333,9 @@ class OpenAIEngine:
             raise ServerError(str(e)) from None
         self.http.serving = True  # from here on, a failing request is the server's fault
         self.name = f"openai:{self.base} ({self.dialect}, model {self.model!r})"
-        self.approximations = LLAMACPP_APPROXIMATIONS if self.dialect in ("llama-server", "llama-cpp-python") else ()
+        self.numerics = declare_numerics(DIALECT_NUMERICS[self.dialect], said)
+        self.approximations = self.numerics.approximations
+        self.dtype = self.numerics.dtype
         self.answers: dict[tuple[tuple[int, ...], int, int], tuple[ServerGenerated, float]] = {}
         self._pieces: dict[int, bytes] = {}  # llama-server: token id -> its text's bytes
         self._text_id: dict[str, int | None] = {}  # llama-cpp-python: token text -> id
