@@ -45,6 +45,7 @@ from http.client import HTTPException
 from typing import Any, Iterator, Mapping, Sequence
 
 from reference.errors import InputError
+from reference.tokenizer import BYTE, NORMAL, USER_DEFINED, tokenizer_from_gguf
 
 from ..core.workers import EngineCrashed, EngineFailure, EngineProtocolError
 from .base import TOP_N, EngineUnavailable, Generated
@@ -303,6 +304,9 @@ class OpenAIEngine:
             (:data:`harness.engines.numerics.DIALECT_NUMERICS`: llama-server with an f16 KV cache and flash
             attention, llama-cpp-python with an f16 KV cache, vLLM in bfloat16), or as declared.
         approximations, dtype: ``numerics.approximations``, ``numerics.dtype``.
+        hints: prompt ids -> the oracle's greedy tokens, set by the parity job: llama-cpp-python names byte tokens
+            by an empty text, and such a step is named by the hint when the texts agree (:meth:`_lcp_ids`); nothing
+            else reads them.
         answers: ``(ids, max_new_tokens, top_n) -> (ServerGenerated, seconds)`` of every prompt
             :meth:`generate_full` sent (the server checks reuse them as the answers "sent alone").
 
@@ -337,9 +341,11 @@ class OpenAIEngine:
         self.approximations = self.numerics.approximations
         self.dtype = self.numerics.dtype
         self.answers: dict[tuple[tuple[int, ...], int, int], tuple[ServerGenerated, float]] = {}
+        self.hints: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> the oracle's greedy tokens (naming only)
         self._pieces: dict[int, bytes] = {}  # llama-server: token id -> its text's bytes
         self._text_id: dict[str, int | None] = {}  # llama-cpp-python: token text -> id
         self._id_text: dict[int, str] = {}
+        self._texts: dict[str, int] | None = None  # llama-cpp-python: the model file's unique token texts
         self._bos: list[int] | None = None  # the ids an empty text tokenizes to with specials (BOS)
 
     def _model_name(self) -> str:
@@ -634,7 +640,9 @@ class OpenAIEngine:
         return g
 
     def _lcp_text(self, ids: list[int]) -> str:
-        """The text llama-cpp-python must be sent for prompt ``ids`` (it takes no id prompts), checked to tokenize back.
+        """The text llama-cpp-python must be sent for prompt ``ids`` (it takes no id prompts), checked to tokenize back:
+        the server's detokenization of the ids after BOS, without its leading space (or ``▁``, where byte tokens spell
+        it) where the vocabulary adds one back (SentencePiece's ``add_space_prefix``, as the synthetic vocabularies do).
 
         Raises:
             ServerError: the ids do not survive the round trip ids -> text -> ids on this server.
@@ -651,6 +659,8 @@ class OpenAIEngine:
             raise ServerError(f"{self.base}/completions: llama-cpp-python takes text prompts only, and cannot turn the "
                               f"prompt {ids[:8]} into text ({e})") from None
         back = self.tokenize(text, add_special=True)  # what the server evaluates: it adds BOS to a text prompt
+        if back != ids and text[:1] in (" ", "\u2581"):  # a vocabulary that adds a space prefix (add_space_prefix)
+            text, back = text[1:], self.tokenize(text[1:], add_special=True)
         if back != ids:
             raise ServerError(f"{self.base}/completions: llama-cpp-python takes text prompts only, and the prompt "
                               f"{ids[:8]} comes back as {back[:8]} after its text round trip")
@@ -680,44 +690,109 @@ class OpenAIEngine:
                              lp) from None
         # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix): keep the first n.
         texts, tops, g.logprobs = texts[:n], tops[:n], g.logprobs[:n]
-        g.tokens = self._lcp_ids(url, texts)
+        g.tokens, named_by_hint = self._lcp_ids(url, texts, self.hints.get(tuple(ids)))
         for k, d in enumerate(tops):
+            if k in named_by_hint:  # its text names no single token: its step's candidates cannot be named either
+                g.top.append([])
+                g.missing.append(k)
+                g.logprobs[k] = math.nan
+                continue
             pairs = [(g.tokens[k] if piece == texts[k] else self._lcp_id(piece), v)
                      for piece, v in sorted(d.items(), key=lambda kv: -kv[1])]
             g.top.append([(i, v) for i, v in pairs if i is not None][:top_n])
         return g
 
-    def _lcp_ids(self, url: str, texts: list[str]) -> list[int]:
+    def _lcp_ids(self, url: str, texts: list[str], hint: Sequence[int] | None = None) -> tuple[list[int], set[int]]:
         """Token ids of generated tokens that llama-cpp-python names by text: its tokenization of the whole text when
         that gives one token per named text (each checked by detokenizing it), else one lookup per text.
 
+        A text that is no single token (llama-cpp-python names every byte token that is not a whole UTF-8 character
+        ``''``, its ``detokenize(...).decode(errors="ignore")``) is named by ``hint`` (the oracle's greedy tokens for
+        this prompt, :attr:`OpenAIEngine.hints`) when the stream agrees with the hint up to that step and the hint's
+        token has that same text on this server; once the stream has parted from the hint, such a step is left
+        unnamed (-1: the comparison stops at the parting anyway). Returns the ids and the steps named by the hint
+        (or left unnamed), whose log-probs cannot be named either.
+
         Raises:
-            ServerFailure: a text that is no single token of this model (its ``step`` set).
+            ServerFailure: a text that is no single token of this model and not the hint's token's text while the
+                stream still agrees with the hint (its ``step`` set): the server generated a token it cannot name.
         """
         if texts:
             ids = self.tokenize("".join(texts), add_special=False)
             if len(ids) == len(texts) and all(self._lcp_piece(i) == t for i, t in zip(ids, texts)):
-                return ids
-        out = []
+                return ids, set()
+        out: list[int] = []
+        by_hint: set[int] = set()
         for k, piece in enumerate(texts):
             tid = self._lcp_id(piece)
             if tid is None:
-                raise ServerFailure(f"{url}: llama-cpp-python names step {k}'s token only by the text {piece!r}, which "
-                                    f"is no single token of this model").at(step=k)
+                agrees = hint is not None and len(hint) > k and list(hint[:k]) == out
+                if agrees and self._lcp_piece(int(hint[k])) == piece:
+                    tid = int(hint[k])
+                elif hint is not None and not agrees:
+                    tid = -1
+                else:
+                    raise ServerFailure(f"{url}: llama-cpp-python names step {k}'s token only by the text {piece!r}, "
+                                        f"which is no single token of this model"
+                                        + (f" nor the text of the reference's token {hint[k]} there"
+                                           if agrees else "")).at(step=k)
+                by_hint.add(k)
             out.append(tid)
-        return out
+        return out, by_hint
 
     def _lcp_piece(self, tid: int) -> str:
+        """The text llama-cpp-python gives token ``tid`` in a completion's log-probs: its detokenization; for a token
+        whose bytes are no whole UTF-8 text, which ``/extras/detokenize`` refuses (HTTP 500, "codec can't decode"),
+        what its completions show, the bytes decoded with ``errors="ignore"`` (the empty text for a lone byte)."""
         if tid not in self._id_text:
-            self._id_text[tid] = self.detokenize([tid])
+            try:
+                self._id_text[tid] = self.detokenize([tid])
+            except ServerFailure as e:
+                if "codec can't decode" not in str(e):
+                    raise
+                self._id_text[tid] = ""
         return self._id_text[tid]
 
     def _lcp_id(self, piece: str) -> int | None:
-        """The one token id whose text is ``piece`` (the server's tokenizer, checked back), else None."""
+        """The one token id whose text is ``piece``, checked back on the server (its detokenization of the id is
+        ``piece``): its tokenizer's id for the text, else the one vocabulary entry of the model file that renders as
+        that text (:meth:`_vocab_texts`: a tokenizer need not produce every piece from text, SentencePiece merges
+        reach only pieces whose prefixes are pieces); None when neither names it (a text of several tokens, or one
+        that several tokens share, such as the empty text of byte tokens)."""
         if piece not in self._text_id:
             ids = self.tokenize(piece, add_special=False) if piece else []
-            self._text_id[piece] = ids[0] if len(ids) == 1 and self._lcp_piece(ids[0]) == piece else None
+            tid = ids[0] if len(ids) == 1 and self._lcp_piece(ids[0]) == piece else None
+            if tid is None and piece:
+                cand = self._vocab_texts().get(piece)
+                tid = cand if cand is not None and self._lcp_piece(cand) == piece else None
+            self._text_id[piece] = tid
         return self._text_id[piece]
+
+    def _vocab_texts(self) -> dict[str, int]:
+        """Text -> id for every token of the model file (a GGUF) whose text, as llama.cpp renders one token without
+        specials (a normal piece with ``▁`` as a space, a byte token's byte where it is a whole UTF-8 character; a
+        user-defined piece as it is), is non-empty and no other token's; empty for another model form."""
+        if self._texts is None:
+            self._texts = {}
+            if self.path is not None and str(self.path).endswith(".gguf"):
+                try:
+                    tok = tokenizer_from_gguf(self.path)
+                except InputError:
+                    return self._texts
+                seen: dict[str, int | None] = {}
+                for i, (t, ty) in enumerate(zip(tok.tokens, tok.types)):
+                    if ty == NORMAL:
+                        text = t.replace("\u2581", " ")
+                    elif ty == BYTE and len(t) == 6 and t.startswith("<0x"):
+                        text = bytes([int(t[3:5], 16)]).decode("utf-8", "ignore")
+                    elif ty == USER_DEFINED:
+                        text = t
+                    else:
+                        continue
+                    if text:
+                        seen[text] = None if text in seen else i
+                self._texts = {k: v for k, v in seen.items() if v is not None}
+        return self._texts
 
     # ------------------------------------------------------------------ prompt log-probs
 

@@ -426,6 +426,10 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                 base_g = runs.generations(approx, gen_prompts, new_tokens, top_n)
                 effect, effect_at = runs.logprob_effect(approx, gen_prompts, new_tokens, top_n)
                 lp_limit = effect_limit(DEFAULT_GATES[f"{pair}.max_abs_logprob"], effect)
+                hints = getattr(eng, "hints", None)
+                if isinstance(hints, dict):  # a server that names some tokens by text only (llama-cpp-python)
+                    hints.update({tuple(int(t) for t in p["prompt_ids"]): list(base_g[str(p["id"])]["tokens"])
+                                  for p in gen_prompts})
                 try:
                     ours_g = as_streams(gen_prompts, eng.generate_full([p["prompt_ids"] for p in gen_prompts],
                                                                        new_tokens, top_n=top_n))
