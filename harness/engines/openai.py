@@ -574,6 +574,8 @@ class OpenAIEngine:
         ids = [_entry_id(url, e) for e in entries]
         if ids == tokens:
             return list(entries)
+        if not entries:  # a server that reports no log-probs (tokens only): every step without
+            return [None] * len(tokens)
         for e in entries:
             for c in e.get("top_logprobs") or []:
                 if isinstance(c, dict) and isinstance(c.get("bytes"), list):
@@ -674,10 +676,14 @@ class OpenAIEngine:
         g = ServerGenerated()
         texts: list[str] = []
         tops: list[dict] = []
+        generated = 0  # usage.completion_tokens of a whole answer
         for part in (self.http.stream(url, body) if stream else [self.http.call(url, body)]):
             choice = _first_choice(url, part)
             g.text += choice.get("text") or ""
             g.finish_reason = choice.get("finish_reason") or g.finish_reason
+            usage = part.get("usage") if isinstance(part, dict) else None
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                generated = usage["completion_tokens"]
             lp = choice.get("logprobs")
             if not lp and (stream or not choice.get("text")):
                 continue  # a stream's closing event; an empty completion (EOS first)
@@ -688,9 +694,12 @@ class OpenAIEngine:
             except (KeyError, TypeError, ValueError, AttributeError):
                 raise _shape(url, 'logprobs {"tokens": [str], "token_logprobs", "top_logprobs": [{str: logprob}]}',
                              lp) from None
+        hint = self.hints.get(tuple(ids))
+        texts, tops, g.logprobs = self._lcp_restore_bos(texts, tops, g.logprobs, hint,
+                                                        None if stream else generated - len(texts))
         # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix): keep the first n.
         texts, tops, g.logprobs = texts[:n], tops[:n], g.logprobs[:n]
-        g.tokens, named_by_hint = self._lcp_ids(url, texts, self.hints.get(tuple(ids)))
+        g.tokens, named_by_hint = self._lcp_ids(url, texts, hint)
         for k, d in enumerate(tops):
             if k in named_by_hint:  # its text names no single token: its step's candidates cannot be named either
                 g.top.append([])
@@ -701,6 +710,40 @@ class OpenAIEngine:
                      for piece, v in sorted(d.items(), key=lambda kv: -kv[1])]
             g.top.append([(i, v) for i, v in pairs if i is not None][:top_n])
         return g
+
+    def _lcp_restore_bos(self, texts: list, tops: list, lps: list, hint: Sequence[int] | None,
+                         dropped: int | None = None) -> tuple[list, list, list]:
+        """llama-cpp-python leaves a generated BOS out of a completion's log-prob lists (``_create_completion`` in
+        ``llama_cpp/llama.py``: ``if token == bos_token_id: continue``), and out of a stream altogether. Where the
+        hint (the oracle's stream) has BOS at a step and the server's list, agreeing with the hint so far, names the
+        hint's next token there (or ends), the BOS is put back: its id as the step's "text" (:meth:`_lcp_ids` takes
+        it as named), no log-probs. ``dropped``: how many tokens the answer's lists leave out (its
+        ``usage.completion_tokens`` minus their length; None for a stream, which says nothing), at most that many
+        are put back."""
+        if not hint or not texts or dropped == 0 or (dropped is not None and dropped < 0):
+            return texts, tops, lps
+        if self._bos is None:
+            self._bos = self.tokenize("", add_special=True)
+        if not self._bos:
+            return texts, tops, lps
+        bos = self._bos[0]
+        out_t, out_top, out_lp, k = [], [], [], 0
+        for j, want in enumerate(hint):
+            nxt = hint[j + 1] if j + 1 < len(hint) else None
+            if want == bos and (dropped is None or dropped > 0) and \
+                    (k >= len(texts) or (nxt is not None and self._lcp_piece(int(nxt)) == texts[k])):
+                dropped = None if dropped is None else dropped - 1
+                out_t.append(bos)
+                out_top.append({})
+                out_lp.append(math.nan)
+                continue
+            if k >= len(texts) or self._lcp_piece(int(want)) != texts[k]:
+                break  # parted from the hint: nothing more to restore
+            out_t.append(texts[k])
+            out_top.append(tops[k])
+            out_lp.append(lps[k])
+            k += 1
+        return out_t + texts[k:], out_top + tops[k:], out_lp + lps[k:]
 
     def _lcp_ids(self, url: str, texts: list[str], hint: Sequence[int] | None = None) -> tuple[list[int], set[int]]:
         """Token ids of generated tokens that llama-cpp-python names by text: its tokenization of the whole text when
@@ -717,13 +760,17 @@ class OpenAIEngine:
             ServerFailure: a text that is no single token of this model and not the hint's token's text while the
                 stream still agrees with the hint (its ``step`` set): the server generated a token it cannot name.
         """
-        if texts:
+        if texts and all(isinstance(t, str) for t in texts):
             ids = self.tokenize("".join(texts), add_special=False)
             if len(ids) == len(texts) and all(self._lcp_piece(i) == t for i, t in zip(ids, texts)):
                 return ids, set()
         out: list[int] = []
         by_hint: set[int] = set()
         for k, piece in enumerate(texts):
+            if isinstance(piece, int):  # a BOS put back (:meth:`_lcp_restore_bos`)
+                out.append(piece)
+                by_hint.add(k)
+                continue
             tid = self._lcp_id(piece)
             if tid is None:
                 agrees = hint is not None and len(hint) > k and list(hint[:k]) == out
