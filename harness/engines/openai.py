@@ -304,9 +304,9 @@ class OpenAIEngine:
             (:data:`harness.engines.numerics.DIALECT_NUMERICS`: llama-server with an f16 KV cache and flash
             attention, llama-cpp-python with an f16 KV cache, vLLM in bfloat16), or as declared.
         approximations, dtype: ``numerics.approximations``, ``numerics.dtype``.
-        hints: prompt ids -> the oracle's greedy tokens, set by the parity job: llama-cpp-python names byte tokens
-            by an empty text, and such a step is named by the hint when the texts agree (:meth:`_lcp_ids`); nothing
-            else reads them.
+        hints: prompt ids -> the oracle's greedy tokens and per step its top-N ``{id: log-prob}``, set by the parity
+            job: llama-cpp-python names byte tokens by an empty text, and such a step is named by the oracle's token
+            of that text there (:meth:`_lcp_ids`); nothing else reads them.
         answers: ``(ids, max_new_tokens, top_n) -> (ServerGenerated, seconds)`` of every prompt
             :meth:`generate_full` sent (the server checks reuse them as the answers "sent alone").
 
@@ -341,7 +341,7 @@ class OpenAIEngine:
         self.approximations = self.numerics.approximations
         self.dtype = self.numerics.dtype
         self.answers: dict[tuple[tuple[int, ...], int, int], tuple[ServerGenerated, float]] = {}
-        self.hints: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> the oracle's greedy tokens (naming only)
+        self.hints: dict[tuple[int, ...], tuple[list[int], list[dict[int, float]]]] = {}  # naming only (see above)
         self._pieces: dict[int, bytes] = {}  # llama-server: token id -> its text's bytes
         self._text_id: dict[str, int | None] = {}  # llama-cpp-python: token text -> id
         self._id_text: dict[int, str] = {}
@@ -694,12 +694,12 @@ class OpenAIEngine:
             except (KeyError, TypeError, ValueError, AttributeError):
                 raise _shape(url, 'logprobs {"tokens": [str], "token_logprobs", "top_logprobs": [{str: logprob}]}',
                              lp) from None
-        hint = self.hints.get(tuple(ids))
+        hint, hint_top = self.hints.get(tuple(ids), (None, None))
         texts, tops, g.logprobs = self._lcp_restore_bos(texts, tops, g.logprobs, hint,
                                                         None if stream else generated - len(texts))
         # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix): keep the first n.
         texts, tops, g.logprobs = texts[:n], tops[:n], g.logprobs[:n]
-        g.tokens, named_by_hint = self._lcp_ids(url, texts, hint)
+        g.tokens, named_by_hint = self._lcp_ids(url, texts, hint, hint_top, g.logprobs)
         for k, d in enumerate(tops):
             if k in named_by_hint:  # its text names no single token: its step's candidates cannot be named either
                 g.top.append([])
@@ -745,20 +745,26 @@ class OpenAIEngine:
             k += 1
         return out_t + texts[k:], out_top + tops[k:], out_lp + lps[k:]
 
-    def _lcp_ids(self, url: str, texts: list[str], hint: Sequence[int] | None = None) -> tuple[list[int], set[int]]:
+    def _lcp_ids(self, url: str, texts: list, hint: Sequence[int] | None = None,
+                 hint_top: Sequence[Mapping[int, float]] | None = None,
+                 lps: Sequence[float] | None = None) -> tuple[list[int], set[int]]:
         """Token ids of generated tokens that llama-cpp-python names by text: its tokenization of the whole text when
-        that gives one token per named text (each checked by detokenizing it), else one lookup per text.
+        that gives one token per named text (each checked by detokenizing it), else one lookup per text
+        (:meth:`_lcp_id`).
 
         A text that is no single token (llama-cpp-python names every byte token that is not a whole UTF-8 character
-        ``''``, its ``detokenize(...).decode(errors="ignore")``) is named by ``hint`` (the oracle's greedy tokens for
-        this prompt, :attr:`OpenAIEngine.hints`) when the stream agrees with the hint up to that step and the hint's
-        token has that same text on this server; once the stream has parted from the hint, such a step is left
-        unnamed (-1: the comparison stops at the parting anyway). Returns the ids and the steps named by the hint
-        (or left unnamed), whose log-probs cannot be named either.
+        ``''``, its ``detokenize(...).decode(errors="ignore")``) is named by the oracle (``hint``: its greedy tokens
+        for this prompt, ``hint_top``: its top-N ``{id: log-prob}`` at each step, :attr:`OpenAIEngine.hints`) while
+        the stream agrees with the oracle's: by the oracle's greedy token when it has that text on this server, else
+        by the token of the oracle's top-N there that has it (of several, the one whose oracle log-prob is nearest the
+        server's own for its token, ``lps``); with none, the step is left unnamed (-1) for the greedy comparison to
+        judge (a token of no name in the oracle's top-N parts from it as a fault), as is every such step after the
+        stream parted from the oracle's. Returns the ids and the steps so named (or unnamed), whose log-probs cannot be
+        named either; an int among ``texts`` is an id already known (a restored BOS).
 
         Raises:
-            ServerFailure: a text that is no single token of this model and not the hint's token's text while the
-                stream still agrees with the hint (its ``step`` set): the server generated a token it cannot name.
+            ServerFailure: a text that is no single token of this model, without an oracle to name it by (its
+                ``step`` set): the server generated a token this client cannot name.
         """
         if texts and all(isinstance(t, str) for t in texts):
             ids = self.tokenize("".join(texts), add_special=False)
@@ -773,16 +779,20 @@ class OpenAIEngine:
                 continue
             tid = self._lcp_id(piece)
             if tid is None:
-                agrees = hint is not None and len(hint) > k and list(hint[:k]) == out
-                if agrees and self._lcp_piece(int(hint[k])) == piece:
-                    tid = int(hint[k])
-                elif hint is not None and not agrees:
-                    tid = -1
-                else:
+                if hint is None:
                     raise ServerFailure(f"{url}: llama-cpp-python names step {k}'s token only by the text {piece!r}, "
-                                        f"which is no single token of this model"
-                                        + (f" nor the text of the reference's token {hint[k]} there"
-                                           if agrees else "")).at(step=k)
+                                        f"which is no single token of this model").at(step=k)
+                tid = -1
+                if len(hint) > k and list(hint[:k]) == out:
+                    if self._lcp_piece(int(hint[k])) == piece:  # the oracle's own token: the likeliest by far
+                        tid = int(hint[k])
+                    else:  # the oracle's top-N token of that text whose log-prob is nearest the server's own
+                        top = hint_top[k] if hint_top and len(hint_top) > k else {}
+                        named = [int(t) for t in top if self._lcp_piece(int(t)) == piece]
+                        mine = lps[k] if lps is not None and k < len(lps) else math.nan
+                        if len(named) > 1 and mine == mine:
+                            named = [min(named, key=lambda t: abs(top[t] - mine))]
+                        tid = named[0] if len(named) == 1 else -1
                 by_hint.add(k)
             out.append(tid)
         return out, by_hint
@@ -883,10 +893,14 @@ class OpenAIEngine:
             token_lp, tops = lp["token_logprobs"], lp["top_logprobs"]
         except (KeyError, TypeError):
             raise _shape(url, 'logprobs {"token_logprobs", "top_logprobs"}', lp) from None
-        # The echo lists the prompt without a leading BOS (its first entry null), then the one generated token.
-        skip = len(ids) - (len(token_lp) - 1)
+        # The echo lists the prompt without a leading BOS (its first entry null), then the generated tokens: one,
+        # or more where the first ends inside a UTF-8 character (its multibyte_fix), as usage.completion_tokens says.
+        usage = ans.get("usage") if isinstance(ans, dict) else None
+        generated = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        generated = generated if isinstance(generated, int) and generated >= 1 else 1
+        skip = len(ids) - (len(token_lp) - generated)
         if skip not in (0, 1):
-            raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and 1 generated",
+            raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and {generated} generated",
                          f"{len(token_lp)} entries")
         out = [None] * (skip + 1)
         for k in range(skip + 1, len(ids)):

@@ -428,7 +428,8 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                 lp_limit = effect_limit(DEFAULT_GATES[f"{pair}.max_abs_logprob"], effect)
                 hints = getattr(eng, "hints", None)
                 if isinstance(hints, dict):  # a server that names some tokens by text only (llama-cpp-python)
-                    hints.update({tuple(int(t) for t in p["prompt_ids"]): list(base_g[str(p["id"])]["tokens"])
+                    hints.update({tuple(int(t) for t in p["prompt_ids"]): (list(base_g[str(p["id"])]["tokens"]),
+                                                                           list(base_g[str(p["id"])]["logprobs"]))
                                   for p in gen_prompts})
                 try:
                     ours_g = as_streams(gen_prompts, eng.generate_full([p["prompt_ids"] for p in gen_prompts],
