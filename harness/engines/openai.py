@@ -84,6 +84,8 @@ class ServerGenerated(Generated):
         logprobs: per step, the log-probability of the generated token (NaN where the server reported none).
         missing: the steps the server reported no log-probs for (llama-server: text not yet complete UTF-8).
         text: the generated text as the server returned it.
+        pieces: llama-cpp-python: each step's own text as its log-probs name it (the token decoded alone, bytes
+            that are no whole UTF-8 character dropped); empty for the other dialects.
         finish_reason: ``"length"`` (``max_new_tokens`` reached) or ``"stop"`` (EOS or a stop string).
     """
 
@@ -92,6 +94,7 @@ class ServerGenerated(Generated):
         self.logprobs: list[float] = []
         self.missing: list[int] = []
         self.text = ""
+        self.pieces: list[str] = []
         self.finish_reason: str | None = None
 
 
@@ -700,6 +703,7 @@ class OpenAIEngine:
         # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix): keep the first n.
         texts, tops, g.logprobs = texts[:n], tops[:n], g.logprobs[:n]
         g.tokens, named_by_hint = self._lcp_ids(url, texts, hint, hint_top, g.logprobs)
+        g.pieces = [t if isinstance(t, str) else "" for t in texts]
         for k, d in enumerate(tops):
             if k in named_by_hint:  # its text names no single token: its step's candidates cannot be named either
                 g.top.append([])
