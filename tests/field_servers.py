@@ -31,7 +31,8 @@ from servers import ServerProcess, child_env  # noqa: E402
 
 SHAPES = sorted((ROOT / "tests" / "shapes").glob("*.toml"))
 BUILTIN = ["26b-a4b", "31b", "e2b", "e4b", "e4b-wide", "edge-no-softcap"]
-"""The built-in GGUF cases llama.cpp runs (edge-keqv-shared-donor aborts it at load: docs/server-dialects.md)."""
+"""The built-in GGUF cases llama.cpp runs (edge-keqv-shared-donor aborts it at load: docs/server-dialects.md), and
+``gemma3-270m``, the real Gemma 3 270M GGUF (Q4_K_M: its figures are informational, quantized_activations)."""
 
 TEXTS = ("Hi", "The cat sat down.", "A window of sixteen tokens", "Rain fell on the quiet town all night.",
          "Seven ships sailed past the old stone harbour before the storm came in from the west.",
@@ -86,13 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     from harness.core.cases import MODELS_DIR
 
     models = [(s.stem, s) for s in SHAPES] + [(n, MODELS_DIR / f"{n}.toml") for n in BUILTIN]
+    models.append(("gemma3-270m", None))
     if a.model:
         models = [m for m in models if m[0] in a.model]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, status = [], 0
     for name, spec in models:
-        gguf = synth.ensure_built(spec).gguf["F32"]
+        if spec is None:
+            from harness.core.realdata import gemma3_270m_gguf
+
+            gguf = gemma3_270m_gguf()
+        else:
+            gguf = synth.ensure_built(spec).gguf["F32"]
         for kind in a.server or ("llama-server", "llama-cpp-python"):
             args = [] if kind == "llama-server" else ["--prompts", str(out / "texts.jsonl")]
             if kind != "llama-server":
