@@ -19,12 +19,13 @@ def run_cli(*args: str, extra_path: Path | None = None, timeout: int = 180) -> s
                           capture_output=True, text=True, timeout=timeout)
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, *names: str) -> str:
-    """Exit 2, exactly one non-empty stderr line, no traceback, and the line names one of ``names``."""
+def assert_one_line_error(proc: subprocess.CompletedProcess, *names: str, rc: int = 2) -> str:
+    """Exit ``rc`` (2: bad input; 1 with ``g4h: engine failed:``: an engine failure), exactly one non-empty stderr
+    line, no traceback, and the line names one of ``names``."""
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     detail = f"rc={proc.returncode}\n--- stderr ---\n{proc.stderr}\n--- stdout ---\n{proc.stdout}"
     assert "Traceback" not in proc.stderr, detail
-    assert proc.returncode == 2, detail
+    assert proc.returncode == rc, detail
     assert len(lines) == 1, detail
     assert any(n in lines[0] for n in names), f"the error line names none of {names!r}: {lines[0]!r}"
     return lines[0]

@@ -21,8 +21,8 @@ import pytest
 
 from harness.cli import main as g4h
 from harness.core.gates import DEFAULT_GATES
-from harness.engines import EngineUnavailable, engine_kind, make_engine, split_engines
 from harness.core.workers import EngineCrashed, EngineFailure
+from harness.engines import EngineUnavailable, engine_kind, make_engine, split_engines
 from harness.engines.cmd import CmdCrashed, CmdEngine, CmdError, command_argv
 from harness.engines.reference import ReferenceEngine
 from harness.parity import run as run_parity

@@ -315,8 +315,8 @@ def test_tokenizer_crash_is_reported_and_the_run_goes_on(aborting_vocab, small_v
     corpus.write_text("ab\nab ab\n")
     line = assert_one_line_error(run_cli("tokcheck", "--tokenizer", str(small_vocab), "--against", "llamacpp",
                                          "--against-tokenizer", str(aborting_vocab), "--corpus", str(corpus)),
-                                 "engine crashed")
-    assert line.startswith("g4h: error: engine crashed: ") and "std::out_of_range" in line
+                                 "engine crashed", rc=1)  # the engine under test crashed: exit 1, not bad input
+    assert line.startswith("g4h: engine failed: engine crashed: ") and "std::out_of_range" in line
 
 
 #: A parent that keeps llama.cpp busy: the tokenizer worker up, and one model worker after another.

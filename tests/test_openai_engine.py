@@ -17,7 +17,8 @@ from servers import free_port, get_json
 
 from harness.core.gates import DEFAULT_GATES
 from harness.core.metrics import greedy_agreement
-from harness.engines.openai import OpenAIEngine, ServerError, parse_url, utf8_cut
+from harness.core.workers import EngineCrashed, EngineFailure
+from harness.engines.openai import OpenAIEngine, ServerCrashed, ServerError, ServerFailure, parse_url, utf8_cut
 from reference.errors import InputError
 
 N_NEW = 8
@@ -171,9 +172,12 @@ def test_llama_cpp_python_server_takes_text_only(llama_cpp_python_server):
 # --------------------------------------------------------------------------- faults (stub server)
 
 
-def _one_line(e: ServerError, url: str) -> str:
+def _one_line(e: Exception, url: str, engine_failure: bool = False) -> str:
+    """The error's one line, naming ``url``; an input error (the URL cannot be used: exit 2), or with
+    ``engine_failure`` an engine failure (a request the server should serve failed: exit 1), never both."""
     msg = str(e)
-    assert "\n" not in msg and url in msg and isinstance(e, InputError)
+    assert "\n" not in msg and url in msg
+    assert isinstance(e, EngineFailure) == engine_failure and isinstance(e, InputError) == (not engine_failure)
     return msg
 
 
@@ -186,12 +190,15 @@ def test_server_down_is_one_line():
 
 
 def test_timeout_is_one_line():
+    """A server that answered its discovery requests and then does not answer a completion in time is failing a
+    request it should serve: an engine failure naming the prompt (its place in the batch) and the URL."""
     with Stub("slow", delay=3.0) as stub:
         eng = OpenAIEngine(stub.url, timeout=0.5)
         assert eng.dialect == "llama-server" and eng.model == "stub"
-        with pytest.raises(ServerError) as ei:
+        with pytest.raises(ServerFailure) as ei:
             eng.generate_full([[2, 5]], 2)
-    assert _one_line(ei.value, stub.url + "/completion").endswith("no answer within 0.5 s (timeout)")
+    assert _one_line(ei.value, stub.url + "/completion", True).endswith("no answer within 0.5 s (timeout)")
+    assert ei.value.index == 0
 
 
 @pytest.mark.parametrize("mode, expected", [
@@ -201,9 +208,11 @@ def test_timeout_is_one_line():
 ])
 def test_bad_answers_are_one_line(mode, expected):
     with Stub(mode) as stub:
-        with pytest.raises(ServerError) as ei:
+        with pytest.raises(ServerFailure) as ei:
             OpenAIEngine(stub.url).generate_full([[2, 5]], 2)
-    assert expected in _one_line(ei.value, stub.url + "/completion")
+    assert expected in _one_line(ei.value, stub.url + "/completion", True)
+    if mode == "500":  # the server's own message is its last error line
+        assert ei.value.last_error == "boom: out of memory"
 
 
 @pytest.mark.slow
@@ -225,9 +234,26 @@ def test_perturbed_logprobs_come_through_and_are_caught(llama_server_gemma3):
 def test_swapped_token_is_caught(llama_server_gemma3):
     prompt = OpenAIEngine(llama_server_gemma3.url).tokenize("The capital of France is")
     with Stub("swap", upstream=llama_server_gemma3.url) as stub:
-        with pytest.raises(ServerError) as ei:
+        with pytest.raises(ServerFailure) as ei:
             OpenAIEngine(stub.url).generate_full([prompt], N_NEW)
-    assert "prompt 0, step 2: generated token" in _one_line(ei.value, stub.url + "/v1")
+    assert "prompt 0, step 2: generated token" in _one_line(ei.value, stub.url + "/v1", True)
+    assert (ei.value.index, ei.value.step) == (0, 2)
+
+
+def test_a_server_that_stops_answering_has_crashed(llama_server):
+    """The proxy in front of the real llama-server serves one completion, then dies: the next request is a crash of the
+    engine (exit 1), not a server that was never there (exit 2)."""
+    with Stub("crash", upstream=llama_server.url, after=1) as stub:
+        eng = OpenAIEngine(stub.url)
+        with pytest.raises(ServerCrashed) as ei:
+            eng.generate_full([[2, 5, 6], [2, 7]], 3)
+        assert stub.altered == [{"crashed_at": 2}]
+        # the second completion request it sees is prompt 1's, or one the client sends for prompt 0 (the token texts
+        # it learns once when llama-server leaves steps out): either way the prompt is named, at step 0
+        assert isinstance(ei.value, EngineCrashed) and ei.value.index in (0, 1) and ei.value.step == 0
+        assert "the server stopped answering" in _one_line(ei.value, stub.url, True)
+        with pytest.raises(ServerCrashed, match="connection refused"):  # the port is closed now
+            eng.generate_full([[2, 5, 6]], 3)
 
 
 def test_url_forms():

@@ -130,13 +130,17 @@ def test_server_in_a_comma_list_with_another_engine(synth_gguf, tmp_path):
     ("malformed", "/completion: answer is not JSON: "),
     ("slow", "/completion: no answer within 0.5 s (timeout)"),
 ])
-def test_failing_server_is_exit_2(synth_gguf, tmp_path, mode, expected):
+def test_failing_server_is_an_engine_failure(synth_gguf, tmp_path, mode, expected):
+    """A server that answered its discovery requests and then fails a completion is the engine under test failing:
+    exit 1, "ENGINE FAILED", the request named (the first prompt, step 0), never bad input."""
     with FaultStub(mode, delay=3.0) as stub:
-        rc, data, _ = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{stub.url}/v1",
-                             "--server-timeout", "0.5", *two_prompts(tmp_path))
+        rc, data, report = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{stub.url}/v1",
+                                  "--server-timeout", "0.5", *two_prompts(tmp_path))
     runs = checks(data)["reference~openai.runs"]
-    assert rc == 2 and runs["bad_input"] and "\n" not in runs["got"]
-    assert runs["got"].startswith(stub.url + expected)
+    assert rc == 1 and runs["engine_failure"] and not runs.get("bad_input") and "\n" not in runs["got"]
+    assert runs["got"].startswith(stub.url + expected) and runs["request"] == "a"
+    assert data["verdict"].startswith(f"ENGINE FAILED: {synth_gguf.name}/reference~openai at request a")
+    assert "ENGINE FAILED at request `a`" in report
 
 
 # --------------------------------------------------------------------------- the engine on the command line

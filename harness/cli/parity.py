@@ -13,6 +13,7 @@ from ..engines.base import TOP_N
 from ..engines.numerics import parse_declare
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
+from ..parity.job import QUICK_LEAVES_OUT, QUICK_NEW_TOKENS, QUICK_PROMPTS, QUICK_SERVER_REQUESTS
 from ..parity.job import run as run_parity
 from ..parity.report import junit_xml, short_table
 from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
@@ -37,14 +38,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help='with --model: the prompt set, {"prompt_ids": [...]} or {"text": "..."} per line, optional '
                         '"id" (default: cases/prompts/synthetic.jsonl, restricted to the model\'s vocabulary)')
-    p.add_argument("--max-new-tokens", type=int, default=GREEDY_NEW_TOKENS,
-                   help=f"with --model: tokens of each greedy stream (default {GREEDY_NEW_TOKENS})")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"with --model: tokens of each greedy stream (default {GREEDY_NEW_TOKENS}; "
+                        f"{QUICK_NEW_TOKENS} with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"for iterating on an engine: the {QUICK_PROMPTS} shortest prompts, greedy streams of "
+                        f"{QUICK_NEW_TOKENS} tokens, a server's batch check with {QUICK_SERVER_REQUESTS} requests; "
+                        f"the built-in library without {', '.join(QUICK_LEAVES_OUT)}. The verdict says quick; no "
+                        "baseline")
     s = p.add_argument_group("server checks (--against openai:URL)")
     add_server_args(s)
-    s.add_argument("--batch-requests", type=int, default=16,
-                   help="batch invariance: this many requests with staggered starts (default 16)")
-    s.add_argument("--concurrency", type=int, default=8,
-                   help="batch invariance: at most this many in flight (default 8)")
+    s.add_argument("--batch-requests", type=int, default=None,
+                   help=f"batch invariance: this many requests with staggered starts (default 16; "
+                        f"{QUICK_SERVER_REQUESTS} with --quick)")
+    s.add_argument("--concurrency", type=int, default=None,
+                   help=f"batch invariance: at most this many in flight (default 8; {QUICK_SERVER_REQUESTS} with "
+                        f"--quick)")
     s.add_argument("--require", action="append", default=[], metavar="CHECK",
                    help="fail when the server does not offer this check (repeatable): server-template (llama-cpp-python"
                         " has no chat-template endpoint), server-prompt-logprobs (llama-server has no prompt "
@@ -103,15 +112,23 @@ def run(args: argparse.Namespace) -> int:
         check_out_file(args.junit_xml)
     against = [n for text in args.against for n in split_engines(text)] if args.against else None
     parse_declare(args.declare or ())  # a bad --declare is one line before any work
+    quick = bool(args.quick)
+
+    def pick(given, full, fast):
+        return given if given is not None else (fast if quick else full)
+
     data, status = run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
                               case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                               write_baseline=args.write_baseline, regression_factor=args.regression_factor,
                               skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
                               engine_options=engine_options(args), weights=args.weights, oracle=args.oracle,
-                              jobs=args.jobs,
-                              server=ServerOptions(max_new_tokens=args.max_new_tokens, top_n=args.top_n,
-                                                   batch_requests=args.batch_requests, concurrency=args.concurrency,
-                                                   require=tuple(args.require)))
+                              jobs=args.jobs, quick=quick,
+                              server=ServerOptions(
+                                  max_new_tokens=pick(args.max_new_tokens, GREEDY_NEW_TOKENS, QUICK_NEW_TOKENS),
+                                  top_n=args.top_n,
+                                  batch_requests=pick(args.batch_requests, 16, QUICK_SERVER_REQUESTS),
+                                  concurrency=pick(args.concurrency, 8, QUICK_SERVER_REQUESTS),
+                                  require=tuple(args.require)))
     print(short_table(data))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))

@@ -156,8 +156,10 @@ def make_engine(name: str, path: str | Path, **options: Any) -> Engine:
 
     Raises:
         EngineUnavailable: unknown engine name or engine not installed (one line, says how to install).
-        InputError: bad model file; a ``cmd:`` engine that fails its handshake; a server that is down or answers
-            wrongly (:class:`harness.engines.openai.ServerError`); ``layers`` for an engine that cannot cut a model.
+        InputError: bad model file; a ``cmd:`` command that cannot be started; a server that is down or is no known
+            dialect (:class:`harness.engines.openai.ServerError`); ``layers`` for an engine that cannot cut a model.
+        EngineFailure: the engine crashed loading the model, or a ``cmd:`` engine failed its handshake
+            (:class:`harness.core.workers.EngineFailure`: the engine's fault, exit 1).
         NotEnoughMemory: the model does not fit in the memory available (one line, with what to try).
     """
     entry, arg = _entry(name)

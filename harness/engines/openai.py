@@ -140,8 +140,10 @@ class Http:
             return self.error(f"{url}: server down (connection refused)")
         if isinstance(reason, (socket.timeout, TimeoutError)) or "timed out" in str(reason):
             return self.error(f"{url}: no answer within {self.timeout:g} s (timeout)")
-        crashed = isinstance(reason, (ConnectionError, HTTPException))  # reset, remote end closed without answer
-        return self.error(f"{url}: connection failed ({type(reason).__name__}: {reason})", crashed=crashed)
+        if self.serving and isinstance(reason, (ConnectionError, HTTPException)):  # reset, closed without answer
+            return self.error(f"{url}: the server stopped answering: the connection closed without a response "
+                              f"({type(reason).__name__}: {reason})", crashed=True)
+        return self.error(f"{url}: connection failed ({type(reason).__name__}: {reason})")
 
     def _open(self, url: str, body: Any = None):
         data = None if body is None else json.dumps(body).encode("utf-8")

@@ -148,8 +148,8 @@ def case_name(path: str | Path) -> str:
 
     * a file (a GGUF): its file name (``gemma-4-e4b-it-Q4_K_M.gguf``: the quantization is part of the name), with
       the folder above first when the file name says nothing (``model.gguf`` in ``my-e4b/``: ``my-e4b/model.gguf``);
-    * a built synthetic case's HF folder (``spec.toml`` beside it): the spec's name (``.../e4b-1234abcd/hf``:
-      ``e4b``);
+    * a built synthetic case's HF folder (``spec.toml`` and ``manifest.json`` beside it): the spec's name from the
+      manifest (``.../e4b-1234abcd/hf``: ``e4b``);
     * a Hugging Face cache snapshot (``models--google--gemma-4-e4b-it/snapshots/<commit>``): the repository,
       ``google/gemma-4-e4b-it``;
     * another folder: its name, or when that name only says how the model is stored (:data:`GENERIC_DIRS`: ``hf``,
@@ -162,12 +162,13 @@ def case_name(path: str | Path) -> str:
         return p.name if not _generic(p.stem) or not up else f"{up[0].name}/{p.name}"
     if not _generic(p.name):
         return p.name
-    spec = p.parent / "spec.toml"
-    if spec.is_file() and (p.parent / "manifest.json").is_file():
+    if (p.parent / "spec.toml").is_file():  # a built synthetic case: its manifest names the spec
         try:
-            return synth.load_spec(spec).name
-        except Exception:  # a damaged cache entry: the folders still name it
-            pass
+            built = json.loads((p.parent / "manifest.json").read_text(encoding="utf-8")).get("name")
+        except (OSError, ValueError, AttributeError):  # a damaged cache entry: the folders still name it
+            built = None
+        if isinstance(built, str) and built:
+            return built
     for a in up:
         m = _HUB_REPO.fullmatch(a.name)
         if m:

@@ -54,6 +54,30 @@ __all__ = ["RESULTS_VERSION", "run"]
 Plan = list[tuple[Callable[[], CaseResult], str, str, str]]
 
 
+QUICK_PROMPTS = 3
+"""``--quick``: this many prompts, the shortest of the prompt set."""
+
+QUICK_NEW_TOKENS = 4
+"""``--quick``: tokens of each greedy stream (unless ``--max-new-tokens`` says otherwise)."""
+
+QUICK_SERVER_REQUESTS = 4
+"""``--quick``: requests (and at most as many in flight) of a server's batch-invariance check (unless
+``--batch-requests`` / ``--concurrency`` say otherwise)."""
+
+QUICK_LEAVES_OUT = ("gemma3-real", "tokenizer", "multimodal")
+"""``--quick`` on the built-in library: the cases that do not read the prompt set are left out (named in the
+verdict); ``--case`` may still name a multimodal case."""
+
+
+def quick_prompts(prompts: list[dict[str, Any]], n: int = QUICK_PROMPTS) -> list[dict[str, Any]]:
+    """The ``n`` shortest prompts (ids, or characters for a text prompt), in file order; ties keep file order."""
+    def size(p: dict[str, Any]) -> int:
+        return len(p["prompt_ids"]) if "prompt_ids" in p else len(str(p.get("text", "")))
+
+    keep = sorted(range(len(prompts)), key=lambda i: (size(prompts[i]), i))[:n]
+    return [prompts[i] for i in sorted(keep)]
+
+
 SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative", "multimodal", *SERVER_CHECKS)
 """What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
 
@@ -264,11 +288,12 @@ def engine_failures(results: list[CaseResult]) -> list[str]:
     return out
 
 
-def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] = ()) -> str:
+def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] = (), note: str = "") -> str:
     """The run's one-line verdict: PASS / ENGINE FAILED (the first engine failure, where and why, then the rest) /
-    FAIL (which gates, and which checks could not run) / BAD INPUT."""
+    FAIL (which gates, and which checks could not run) / BAD INPUT. ``note``: said after the counts (``--quick``)."""
     n_checks = sum(len(r.checks) for r in results)
-    where = f"{len(results)} cases, {n_checks} checks" + (f"; opted out: {', '.join(opted_out)}" if opted_out else "")
+    where = f"{len(results)} cases, {n_checks} checks" + (f"; {note}" if note else "") + \
+        (f"; opted out: {', '.join(opted_out)}" if opted_out else "")
     opt_in = sorted({f"{r.case}/{c.get('prompt') or c['gate']}" for r in results for c in r.checks
                      if c.get("got") == "opted_out" and not opted_out_by_user(c, opted_out)})
     unmeasured = sorted({f"{r.case}/{c['gate']}" for r in results for c in r.checks if c.get("not_measured")})
@@ -319,7 +344,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
         server: ServerOptions | None = None, weights: str | None = None,
-        oracle: str = "reference", jobs: int | None = None) -> tuple[dict[str, Any], int]:
+        oracle: str = "reference", jobs: int | None = None, quick: bool = False) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -355,13 +380,20 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             their figures are the same whatever ``jobs``; the user's models run here on every thread with ``jobs``
             1, else each in a process of its own with its share of the CPUs (:func:`run_cases`). The results
             come in plan order.
+        quick: for iterating on an engine: the :data:`QUICK_PROMPTS` shortest prompts of the set
+            (:func:`quick_prompts`); the built-in library without the cases that do not read it
+            (:data:`QUICK_LEAVES_OUT`, unless named with ``case_filter``). The greedy-stream length and the server's
+            batch size are ``server``'s (``g4h parity --quick`` makes them :data:`QUICK_NEW_TOKENS` and
+            :data:`QUICK_SERVER_REQUESTS`). The verdict says ``quick``; a quick run cannot be compared with, or
+            written as, a baseline.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
 
     Raises:
         InputError: the prompt set or the baseline is unreadable, ``oracle`` is unknown or given without
-            ``models``, or ``against`` names ``reference`` with the fast oracle (checked before anything runs).
+            ``models``, ``against`` names ``reference`` with the fast oracle, or ``quick`` comes with a baseline
+            (checked before anything runs).
     """
     progress = Progress(quiet)
     if jobs is not None and int(jobs) < 1:
@@ -376,12 +408,26 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             check_engine_name(name)
         except InputError as e:
             raise InputError(f"--against: {e}") from None
-    # the gates judge a server's token that is not its own top-1 (a fault naming the request and step), so the
-    # engine does not raise on one
+    # the pair judges a server's token that is not its own top-1 (an engine failure naming the request and the
+    # step, after the greedy figures are measured), so the engine does not raise on one
     engine_options = {**(engine_options or {}), "check_greedy": False}
     server = ServerOptions(**{**(server or ServerOptions()).__dict__, "skip": skip})
     server.check()
+    if quick and (baseline or write_baseline):
+        raise InputError("--quick runs a few short prompts: it cannot be compared with a baseline or written as one "
+                         "(leave out --quick, or --baseline / --write-baseline)")
     prompt_set = load_user_prompts(prompts) if models else load_prompts(prompts)
+    quick_note, user_skip = "", skip
+    if quick:
+        n_all = len(prompt_set)
+        prompt_set = quick_prompts(prompt_set)
+        quick_note = f"quick: {len(prompt_set)} of {n_all} prompts" + (
+            f", greedy streams of {server.max_new_tokens} tokens" if models else "")
+        if not models:
+            would_run = {"gemma3-real": real, "tokenizer": real, "multimodal": not case_filter}
+            left = [c for c in QUICK_LEAVES_OUT if c not in skip and would_run.get(c, True)]
+            skip = skip + tuple(left)
+            quick_note += f", without {', '.join(left)}" if left else ""
     base = load_baseline(baseline) if baseline else None
     if weights is not None:
         engine_options["weights"] = weights
@@ -405,7 +451,9 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         data["baseline"] = compare_to_baseline(data, base, str(baseline), regression_factor)
         if data["baseline"]["regressions"] and status == 0:
             status = data["status"] = 1
-    data["verdict"] = verdict(results, status, skip)
+    if quick:
+        data["quick"] = quick_note
+    data["verdict"] = verdict(results, status, user_skip, quick_note)
     with staged_run_dir("parity", out) as run_dir:
         write_parity_report(run_dir.path, data)
     if write_baseline:

@@ -139,8 +139,9 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
                     note = _engine_note(engine[0])[:NOTE_CHARS + 80]
                 elif not is_info and failing:
                     why = failing[0].get("why") or failing[0].get("got")
-                    if isinstance(why, str) and why:
-                        name = f"{failing[0]['prompt']}: " if failing[0].get("prompt") is not None else ""
+                    said = str(worst.get("first_divergence") or "")
+                    if isinstance(why, str) and why and not (said and said in why):
+                        name = f"request {failing[0]['prompt']}: " if failing[0].get("prompt") is not None else ""
                         note += f"; {name}{why}"[:NOTE_CHARS + 40]
                 result = "INFO" if is_info else ("PASS" if ok else ("ENGINE FAILED" if engine else "FAIL"))
                 rows.append({"case": c["case"], "gate": gate,
@@ -478,8 +479,9 @@ def first_divergence_lines(c: dict[str, Any]) -> list[str]:
             where = ", ".join(x for x in (f"request `{k['request']}`" if k.get("request") is not None else "",
                                           f"step {k['step']}" if k.get("step") is not None else "") if x)
             last = k.get("last_error")
-            out.append(f"- **{case}** `{pair}`: ENGINE FAILED{' at ' + where if where else ''}: {k.get('got')}"
-                       + (f"; the engine's last error line: `{last}`" if last else ""))
+            line = str(k.get("got") or "")
+            out.append(f"- **{case}** `{pair}`: ENGINE FAILED{' at ' + where if where else ''}: {line}"
+                       + (f"; the engine's last error line: `{last}`" if last and str(last) not in line else ""))
         return out
     if not failing:
         return []
