@@ -24,6 +24,7 @@ from harness.core.gates import resolve
 from harness.parity.compare import generation_figures
 from harness.parity.report import render_markdown, summarize
 from harness.parity.result import CaseResult
+from reference.errors import InputError
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 
@@ -270,3 +271,56 @@ def test_a_gate_that_measured_nothing_is_not_a_pass():
     ours["r"]["tokens"], ours["r"]["logprobs"] = [1, 3], [{1: -0.5, 2: -0.6}, {3: -0.1}]
     figs = generation_figures(ours, oracle, "reference~cmd", 5, logprob_limit=0.02)
     assert "not_measured" not in figs[1].detail and figs[1].detail["steps"] == 2
+
+
+def test_a_token_the_server_cannot_name_is_an_engine_failure():
+    """llama-cpp-python names tokens by their text; a byte token's text is ``''`` (what a sampling server landed on
+    in the field). The client cannot say which token that was: an engine failure naming the step, not bad input."""
+    from harness.engines.openai import OpenAIEngine, ServerFailure
+
+    eng = object.__new__(OpenAIEngine)  # the two tokenizer calls answered as llama-cpp-python answers them
+    eng._text_id, eng._id_text = {}, {}
+    eng.tokenize = lambda text, add_special=True: {"The": [651], "": []}.get(text, [651, 7])
+    eng.detokenize = lambda ids: {651: "The"}.get(ids[0], "?")
+    with pytest.raises(ServerFailure, match=r"names step 1's token only by the text '', which is no single token") \
+            as ei:
+        eng._lcp_ids("http://x/v1/completions", ["The", ""])
+    assert ei.value.step == 1 and not isinstance(ei.value, InputError)
+
+
+def test_text_prompts_without_ids_against_a_failing_server(llama_server, synth_gguf, tmp_path, capsys):
+    """The setup of issue 23's crash: ``--against openai:URL --prompts P`` whose lines are ``{"text"}`` without
+    ``"id"``, and a server that fails: a report naming the request by its line number, no crash."""
+    f = _forms_file(tmp_path, "text-no-id")
+    with FaultStub("drop", upstream=llama_server.url, step=0) as proxy:
+        rc, printed, data, report = parity(tmp_path, capsys, "--model", str(synth_gguf), "--against",
+                                           f"openai:{proxy.url}/v1", "--prompts", str(f), *ONLY_PAIR)
+    runs = next(c for c in data["cases"][0]["checks"] if c["gate"] == "reference~openai.runs")
+    assert runs["request"] == 1
+    assert_engine_failure(rc, printed, report, synth_gguf.name, "reference~openai", "1", runs["step"])
+
+
+@pytest.mark.parametrize("line, why", [
+    ('{"id": null, "text": "a"}', '"id": expected a non-empty string or an integer, got null'),
+    ('{"id": 1.5, "prompt_ids": [2]}', '"id": expected a non-empty string or an integer, got 1.5'),
+    ('{"id": ["a"], "prompt_ids": [2]}', '"id": expected a non-empty string or an integer, got ["a"]'),
+    ('{"id": true, "prompt_ids": [2]}', '"id": expected a non-empty string or an integer, got true'),
+])
+def test_a_prompt_id_of_another_type_is_bad_input(tmp_path, line, why):
+    """Ids name requests in reports and key results: a string or an integer, one line naming the file and line
+    otherwise (an unhashable id used to crash the reader); ``1`` and ``"1"`` are one id."""
+    from harness.core.cases import load_prompts
+    from harness.parity.checks.server import load_user_prompts
+    from reference.errors import PromptError
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt_ids": [2, 5]}\n' + line + "\n")
+    for reader in (load_user_prompts, load_prompts):
+        if reader is load_prompts and '"text"' in line:
+            continue
+        with pytest.raises(PromptError) as ei:
+            reader(f)
+        assert str(ei.value) == f"{f}:2: {why}"
+    f.write_text('{"prompt_ids": [2, 5]}\n{"id": "1", "prompt_ids": [2, 6]}\n')  # line 1's id is 1
+    with pytest.raises(PromptError, match=r":2: duplicate id '1'"):
+        load_user_prompts(f)

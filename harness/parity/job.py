@@ -306,7 +306,10 @@ def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] =
         bad = [f"{r.case} could not be read" for r in results if r.error_kind == "input"]
         bad += [f"{r.case}/{c['gate'].rsplit('.', 1)[0]}: {c.get('got')}" for r in results for c in r.checks
                 if c.get("bad_input")]
-        return f"BAD INPUT: {'; '.join(bad)} ({where})"
+        engines = engine_failures(results)
+        also = f"; also ENGINE FAILED: {engines[0]}" + (f" (+{len(engines) - 1} more)" if len(engines) > 1 else "") \
+            if engines else ""
+        return f"BAD INPUT: {'; '.join(bad)}{also} ({where})"
     if status == 0:
         return f"PASS: every gate passed ({where})"
     failed = [(r.case, c["gate"]) for r in results for c in r.checks

@@ -445,9 +445,8 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                 if bad is not None:  # a greedy engine never picks a token below its own top-1: it samples, or lies
                     rid, i, tok, best, lp = bad
                     raise EngineProtocolError(
-                        f"{getattr(eng, 'name', kind)}: request {rid} step {i}: token {tok} is not the top-1 of its "
-                        f"own log-probs ({best} at {lp:.6g}); greedy decoding (temperature 0) was asked"
-                    ).at(request=rid, step=i)
+                        f"{getattr(eng, 'name', kind)}: token {tok} is not the top-1 of its own log-probs ({best} at "
+                        f"{lp:.6g}): not greedy decoding (temperature 0), which was asked").at(request=rid, step=i)
     return out
 
 
