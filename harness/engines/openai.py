@@ -835,11 +835,12 @@ class OpenAIEngine:
         """Text -> id for every token of the model file (a GGUF) whose text, as llama.cpp renders one token without
         specials (a normal piece with ``▁`` as a space, a byte token's byte where it is a whole UTF-8 character; a
         user-defined piece as it is), is non-empty and no other token's; empty for another model form."""
-        if self._texts is None:
+        if getattr(self, "_texts", None) is None:
             self._texts = {}
-            if self.path is not None and str(self.path).endswith(".gguf"):
+            path = getattr(self, "path", None)
+            if path is not None and str(path).endswith(".gguf"):
                 try:
-                    tok = tokenizer_from_gguf(self.path)
+                    tok = tokenizer_from_gguf(path)
                 except InputError:
                     return self._texts
                 seen: dict[str, int | None] = {}
