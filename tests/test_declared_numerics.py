@@ -216,3 +216,10 @@ def test_token_only_server(tmp_path):
     (lp,) = checks(data, "reference~openai.max_abs_logprob")
     assert lp["informational"] and lp["reason"].startswith("not measured")
     assert checks(data, "reference~openai.greedy")[0]["identical"] == 1
+
+
+def test_require_names_a_check_a_dialect_may_not_offer():
+    ServerOptions(require=("server-template", "server-prompt-logprobs")).check()
+    with pytest.raises(InputError, match="--require 'server-batch': expected one of server-template, "
+                                         "server-prompt-logprobs"):
+        ServerOptions(require=("server-batch",)).check()

@@ -24,6 +24,7 @@ import reference.model as rm
 import reference.vision as rv
 
 _exact_attention = rm.attention  # and attention_numerics this one
+_exact_attention_fast = fm.attention
 _exact_patch_embed = rv.patch_embed
 _exact_conv2d = ra.conv2d_stride2
 
@@ -235,12 +236,30 @@ def attention_flash_fp16(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.
     return (acc / big_s[..., None]).reshape(T, H * D)
 
 
+def _attention_fast(kv: str | None, operands: bool, flash: bool):
+    """:func:`fast.model.attention` under the same emulation as the reference's (``g4h parity --oracle fast``): K/V
+    rounded in the tensor's own dtype where that is all, else the reference's emulation on the block in float64
+    (the flash kernel's fp16 accumulator and the fp16 operands are the reference's functions)."""
+    def fn(q, k, v, q_pos, k_pos, window, scale, q_block=None, k_block=None, masks=None):
+        if (flash and q.shape[0] < FA_TILE_Q) or (operands and not flash):
+            args = [t.detach().double().cpu().numpy() if isinstance(t, torch.Tensor) else t
+                    for t in (q, k, v, q_pos, k_pos, window, scale, q_block, k_block)]
+            out = attention_flash_fp16(*args) if flash else attention_kv_rounded(*args, kv=kv, operands=True)
+            return torch.from_numpy(out).to(device=q.device, dtype=q.dtype)
+        dt = torch.float16 if flash or kv == "float16" else torch.bfloat16 if kv == "bfloat16" else None
+        if dt is not None:
+            k, v = k.to(dt).to(k.dtype), v.to(dt).to(v.dtype)
+        return _exact_attention_fast(q, k, v, q_pos, k_pos, window, scale, q_block, k_block, masks)
+    return fn
+
+
 @contextlib.contextmanager
 def attention_numerics(kv: str | None = None, operands: bool = False, flash: bool = False) -> Iterator[None]:
     """While inside, the reference's :func:`reference.model.attention` stores K/V as ``kv`` (None: no rounding),
     with ``operands`` rounds the query and softmax weights to that type (:func:`attention_kv_rounded`), and with
-    ``flash`` computes as llama.cpp's CPU flash attention (:func:`attention_flash_fp16`, whatever ``kv``). Swaps the
-    module name and restores it on exit (not thread-safe)."""
+    ``flash`` computes as llama.cpp's CPU flash attention (:func:`attention_flash_fp16`, whatever ``kv``); the fast
+    twin's :func:`fast.model.attention` too, when it is the oracle. Swaps the module names and restores them on exit
+    (not thread-safe)."""
     if flash:
         fn = attention_flash_fp16
     elif kv in KV_ROUNDING:
@@ -249,12 +268,12 @@ def attention_numerics(kv: str | None = None, operands: bool = False, flash: boo
     else:
         yield
         return
-    original = rm.attention
-    rm.attention = fn
+    original, original_fast = rm.attention, fm.attention
+    rm.attention, fm.attention = fn, _attention_fast(kv, operands, flash)
     try:
         yield
     finally:
-        rm.attention = original
+        rm.attention, fm.attention = original, original_fast
 
 
 def patch_embed_im2col_f16(x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
