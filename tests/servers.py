@@ -307,6 +307,14 @@ def llama_server(synth_gguf, tmp_path_factory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
+def llama_server_f32(synth_gguf, tmp_path_factory) -> Iterator[ServerProcess]:
+    """``llama-server --parallel 4`` on the synthetic GGUF with an F32 KV cache and flash attention off: the
+    in-process worker's numerics (a run declares them with :data:`F32_DECLARE`)."""
+    with running_llama_server(synth_gguf, tmp_path_factory, "llama-server-synth-f32", f32=True) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def llama_server_gemma3(gemma3_gguf, tmp_path_factory) -> Iterator[ServerProcess]:
     """``llama-server --parallel 4`` on the real Gemma 3 270M GGUF."""
     with _running(llama_server_process, gemma3_gguf, tmp_path_factory, "llama-server-gemma3") as s:

@@ -300,4 +300,4 @@ def test_prompt_logprobs_from_llama_cpp_python(llama_cpp_python_server_gemma3, l
     _, data, _ = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{llama_server_chat.url}/v1",
                         *two_prompts(tmp_path), "--max-new-tokens", "2", *ONLY_GREEDY)
     plp = checks(data)["server.prompt_logprobs"]
-    assert plp["informational"] and plp["got"].startswith("not offered: llama-server offers no prompt log-prob")
+    assert plp["informational"] and plp["got"].startswith("not offered by llama-server: no prompt log-prob")

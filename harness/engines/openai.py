@@ -700,8 +700,8 @@ class OpenAIEngine:
                 raise _shape(url, 'logprobs {"tokens": [str], "token_logprobs", "top_logprobs": [{str: logprob}]}',
                              lp) from None
         hint, hint_top = self.hints.get(tuple(ids), (None, None))
-        texts, tops, g.logprobs = self._lcp_restore_bos(texts, tops, g.logprobs, hint,
-                                                        None if stream else generated - len(texts))
+        if not stream:  # a stream lists a generated BOS (as an empty text); a whole answer's log-probs leave it out
+            texts, tops, g.logprobs = self._lcp_restore_bos(texts, tops, g.logprobs, hint, generated - len(texts))
         # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix): keep the first n.
         texts, tops, g.logprobs = texts[:n], tops[:n], g.logprobs[:n]
         g.tokens, named_by_hint = self._lcp_ids(url, texts, hint, hint_top, g.logprobs)
@@ -719,13 +719,12 @@ class OpenAIEngine:
 
     def _lcp_restore_bos(self, texts: list, tops: list, lps: list, hint: Sequence[int] | None,
                          dropped: int | None = None) -> tuple[list, list, list]:
-        """llama-cpp-python leaves a generated BOS out of a completion's log-prob lists (``_create_completion`` in
-        ``llama_cpp/llama.py``: ``if token == bos_token_id: continue``), and out of a stream altogether. Where the
-        hint (the oracle's stream) has BOS at a step and the server's list, agreeing with the hint so far, names the
-        hint's next token there (or ends), the BOS is put back: its id as the step's "text" (:meth:`_lcp_ids` takes
-        it as named), no log-probs. ``dropped``: how many tokens the answer's lists leave out (its
-        ``usage.completion_tokens`` minus their length; None for a stream, which says nothing), at most that many
-        are put back."""
+        """llama-cpp-python leaves a generated BOS out of a whole completion's log-prob lists (``_create_completion``
+        in ``llama_cpp/llama.py``: ``if token == bos_token_id: continue``; a stream lists it, as an empty text). Where
+        the hint (the oracle's stream) has BOS at a step and the server's list, agreeing with the hint so far, names
+        the hint's next token there (or ends), the BOS is put back: its id as the step's "text" (:meth:`_lcp_ids`
+        takes it as named), no log-probs. ``dropped``: how many tokens the answer's lists leave out (its
+        ``usage.completion_tokens`` minus their length; None: not known), at most that many are put back."""
         if not hint or not texts or dropped == 0 or (dropped is not None and dropped < 0):
             return texts, tops, lps
         if self._bos is None:
