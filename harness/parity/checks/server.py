@@ -752,7 +752,7 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
                                                        "server.stop.eos")]
     else:
         progress(f"{pair}: stop: max_tokens, a stop string, EOS")
-        out += stop_figures(eng, tok, eos_ids, order, usable, alone, o_streams, opts)
+        out += _quantized(stop_figures(eng, tok, eos_ids, order, usable, alone, o_streams, opts), eng, runs)
     progress(f"{pair}: prompt log-probs, server vs {runs.name}")
     out += _quantized(prompt_logprob_figures(eng, order, usable, o_streams,
                                              DEFAULT_GATES["server.prompt_logprobs"].limit, opts.top_n,
@@ -775,8 +775,10 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
 
 
 def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> list[Figure]:
-    """Log-prob figures of a server that rounds activations for quantized weights, on such a file: informational
-    with the reason the pair's own figures carry (:data:`harness.parity.checks.pair.QUANTIZED_ACTIVATIONS`)."""
+    """Figures judged against the oracle's numbers or streams (prompt log-probs; stop and EOS, whose streams part from
+    the oracle's where the server's rounding decides a token the other way) of a server that rounds activations for
+    quantized weights, on such a file: informational with the reason the pair's own figures carry
+    (:data:`harness.parity.checks.pair.QUANTIZED_ACTIVATIONS`)."""
     types = runs.unemulated_types() if "quantized_activations" in getattr(eng, "approximations", ()) else []
     if types:
         for f in figs:
