@@ -55,9 +55,9 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation (``gelu_pytorch_tanh``). [...] -> [...]. Source: Hendrycks & Gimpel 2016.
 
-    The one op of this specification an emulation may replace: every caller looks the name up in this
-    module at call time, so :func:`harness.engines.llamacpp.numerics.llamacpp_numerics` can swap in
-    llama.cpp's fp16 GELU table while it compares against llama.cpp.
+    One of the two ops of this specification an emulation may replace (with :func:`attention`): every caller
+    looks the name up in this module at call time, so :func:`harness.engines.llamacpp.numerics.llamacpp_numerics`
+    can swap in llama.cpp's fp16 GELU table while an engine that makes it is compared.
     """
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
@@ -149,6 +149,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
     bounded by the block times (window + block + longest image), not by T x S.
     [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], window, scale, [T], [S] -> [T, H*D].
     Source: transformers ``eager_attention_forward``.
+
+    With :func:`gelu_tanh`, the ops an emulation may replace (callers look the name up at call time):
+    :func:`harness.engines.llamacpp.numerics.attention_numerics` swaps in a KV cache stored in 16 bits and
+    llama.cpp's attention numerics while an engine that declares them is compared.
     """
     T, H, D = q.shape
     group = H // k.shape[1]

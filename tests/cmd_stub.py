@@ -2,18 +2,20 @@
 protocol, with every fault the harness must name on request.
 
     python tests/cmd_stub.py [--fault KIND [--fault-op OP] [--fault-after N]] [--perturb-layer L] [--perturb X]
-                              [--dtype D] [--approx A] [--no-tensors] [--linger]
+                              [--dtype D] [--approx A] [--kv-cache T] [--token-only] [--no-tensors] [--linger]
                               [--spec VARIANT[,VARIANT]]
 
 It answers ``hello``, ``logits`` (float32 ``.npy``), ``generate``, ``trace`` (a ``g4h-trace`` file, with the
 tensors unless ``--no-tensors``) and ``tokenize`` (one id per byte, a stand-in). ``--perturb-layer L`` adds
 noise to ``blk.L.ffn_down.weight`` (the first trace point to move is that layer's ``ffn_out``). ``--perturb X``
 adds ``X`` to the logits of every odd token id (``logits``) and to every log-prob ``generate`` reports (an engine
-whose numbers are off by ``X``). ``--spec`` runs the reference under spec variants
-(:mod:`harness.engines.variants`): an engine that follows another implementation's rule, or makes a known fault, in
-every answer (logits, generate, trace). Faults (:data:`FAULTS`), applied to the first ``--fault-op`` request (default
-``logits``; ``any``: every request but ``hello``) after ``--fault-after N`` of them were answered (default 0; ``die``
-with ``--fault-op any --fault-after N``: an engine that crashes after N requests):
+whose numbers are off by ``X``). ``--dtype``, ``--approx`` and ``--kv-cache`` are what its ``hello`` declares (it
+computes in float64 whatever it says); ``--token-only``: its ``generate`` results carry no ``top_logprobs``. ``--spec`` runs the reference under
+spec variants (:mod:`harness.engines.variants`): an engine that follows another implementation's rule, or makes a
+known fault, in every answer (logits, generate, trace).
+Faults (:data:`FAULTS`), applied to the first ``--fault-op`` request (default ``logits``; ``any``: every request
+but ``hello``) after ``--fault-after N`` of them were answered (default 0; ``die`` with ``--fault-op any
+--fault-after N``: an engine that crashes after N requests):
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ def main() -> int:
     p.add_argument("--perturb-layer", type=int, default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--approx", action="append", default=[], help="declare this approximation in hello")
+    p.add_argument("--kv-cache", default=None, help="declare this KV cache type in hello (computing as before)")
+    p.add_argument("--token-only", action="store_true", help="generate: tokens only, no top_logprobs")
     p.add_argument("--no-tensors", action="store_true")
     p.add_argument("--linger", action="store_true", help="do not exit when stdin closes (sleep an hour)")
     p.add_argument("--spec", default=None, help="run the reference under these spec variants (comma list)")
@@ -163,7 +167,8 @@ def serve(a: argparse.Namespace) -> int:
                 ref.weights = Perturbed(ref.weights, f"blk.{a.perturb_layer}.ffn_down.weight")
             reply(req, protocol=2 if fault == "version" else 1, engine="cmd-stub (reference)",
                   ops=["tokenize"] if fault == "no-ops" else ["logits", "generate", "trace", "tokenize"],
-                  vocab_size=ref.cfg.vocab_size, dtype=a.dtype, approximations=a.approx)
+                  vocab_size=ref.cfg.vocab_size, dtype=a.dtype, approximations=a.approx,
+                  **({"kv_cache": a.kv_cache} if a.kv_cache else {}))
         elif op == "logits":
             z = ref.logits(req["ids"])
             if a.perturb:
@@ -191,7 +196,7 @@ def serve(a: argparse.Namespace) -> int:
                     toks, steps = toks[:-1], steps[:-1]
                 if fault == "drop" and len(toks) > 2:
                     toks, steps = toks[:2] + toks[3:], steps[:2] + steps[3:]
-                results.append({"tokens": toks, "top_logprobs": steps})
+                results.append({"tokens": toks} if a.token_only else {"tokens": toks, "top_logprobs": steps})
             reply(req, results=results)
         elif op == "trace":
             dump = None if a.no_tensors else req.get("dump_dir")

@@ -13,9 +13,12 @@ Test modules import the fixtures they use::
     from servers import llama_server, llama_cpp_python_server, synth_gguf, gemma3_gguf  # noqa: F401
 
 One fixture per (server, model) pair, module scoped, so a module starts each server once. Settings that make runs comparable (see
-docs/server-dialects.md): CPU only (``--n-gpu-layers 0``), :data:`THREADS` threads, F32 KV cache, flash attention off,
-plain CPU kernels (``--no-repack``), ``--parallel 4`` with one unified KV buffer (``--kv-unified``) so that
-requests really share batches, no warm-up run, the prompt cache on (the server's default).
+docs/server-dialects.md): CPU only (``--n-gpu-layers 0``), :data:`THREADS` threads, plain CPU kernels (``--no-repack``),
+``--parallel 4`` with one unified KV buffer (``--kv-unified``) so that requests really share batches, no warm-up run,
+the prompt cache on (the server's default). The KV cache and flash attention are the servers' defaults, as users
+run them (an f16 cache; llama-server's flash attention on): the harness assumes them
+(:data:`harness.engines.numerics.DIALECT_NUMERICS`), and :func:`llama_server_cmd` ``f32=True`` starts the F32 cache
+without flash attention of the in-process ``llamacpp`` engine, which a run then declares (``--declare``).
 llama-cpp-python's server has no switch for the repacked kernels: on quantized files its numbers differ.
 
 A build or start failure fails the test; ``G4H_SKIP_LLAMACPP=1`` is the explicit opt-out (the tests are then skipped, each saying so).
@@ -191,17 +194,24 @@ def post_json(url: str, body, timeout: float = 600.0):
 
 
 def llama_server_cmd(server: Path, model: Path, *, parallel: int = PARALLEL, ctx: int = CTX,
-                     threads: int = THREADS, extra: Sequence[str] = ()) -> list[str]:
+                     threads: int = THREADS, extra: Sequence[str] = (), f32: bool = False) -> list[str]:
     """The ``llama-server`` command line the tests use (host and port are added by :class:`ServerProcess`).
 
     ``--batch-size`` = ``--ubatch-size`` = 512: one physical batch per logical one, the same for every request.
     ``--no-repack``: the plain CPU kernels, as the in-process worker uses them (``extra_bufts`` off in
     :class:`harness.llamacpp.LlamaCppEngine`); with repacked Q4_K weights the Gemma 3 270M log-probs move by ~0.1.
+    The KV cache and flash attention stay llama-server's defaults (f16, auto); ``f32``: an F32 cache and flash
+    attention off, the in-process engine's numerics (:data:`F32_DECLARE` says so to the harness).
     """
     return [str(server), "-m", str(model), "--n-gpu-layers", "0", "--threads", str(threads),
             "--threads-batch", str(threads), "-c", str(ctx), "--parallel", str(parallel), "--kv-unified",
-            "--batch-size", "512", "--ubatch-size", "512", "--cache-type-k", "f32", "--cache-type-v", "f32",
-            "--flash-attn", "off", "--no-repack", "--no-warmup", "--seed", "0", "--no-webui", *extra]
+            "--batch-size", "512", "--ubatch-size", "512",
+            *(["--cache-type-k", "f32", "--cache-type-v", "f32", "--flash-attn", "off"] if f32 else []),
+            "--no-repack", "--no-warmup", "--seed", "0", "--no-webui", *extra]
+
+
+F32_DECLARE = ["--declare", "kv_cache=f32", "--declare", "approximations=gelu_fp16_table,quantized_activations"]
+"""``g4h parity`` options that declare a server started with ``f32=True``."""
 
 
 def llama_server_process(model: Path, log_path: Path, **kw) -> ServerProcess:
@@ -214,12 +224,12 @@ def llama_server_process(model: Path, log_path: Path, **kw) -> ServerProcess:
 
 
 def llama_cpp_python_cmd(model: Path, *, ctx: int = 2048, threads: int = THREADS) -> list[str]:
-    """``python -m llama_cpp.server`` with the same numerics as the worker: F32 KV (``type_k``/``type_v`` 0 =
-    GGML_TYPE_F32), flash attention off, logits of every position kept (``logits_all``), CPU only."""
+    """``python -m llama_cpp.server`` with its defaults for the numerics (an f16 KV cache, flash attention off:
+    ``llama_cpp/server/settings.py``), logits of every position kept (``logits_all``, its default too), CPU only,
+    :data:`THREADS` threads."""
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", str(ctx),
             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_gpu_layers", "0",
-            "--type_k", "0", "--type_v", "0", "--flash_attn", "False", "--logits_all", "True",
-            "--seed", "0", "--verbose", "False"]
+            "--logits_all", "True", "--seed", "0", "--verbose", "False"]
 
 
 def llama_cpp_python_process(model: Path, log_path: Path, **kw) -> ServerProcess:
@@ -293,6 +303,14 @@ def llama_server_chat(synth_gguf, tmp_path_factory) -> Iterator[ServerProcess]:
 def llama_server(synth_gguf, tmp_path_factory) -> Iterator[ServerProcess]:
     """``llama-server --parallel 4`` on the synthetic GGUF."""
     with _running(llama_server_process, synth_gguf, tmp_path_factory, "llama-server-synth") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def llama_server_f32(synth_gguf, tmp_path_factory) -> Iterator[ServerProcess]:
+    """``llama-server --parallel 4`` on the synthetic GGUF with an F32 KV cache and flash attention off: the
+    in-process worker's numerics (a run declares them with :data:`F32_DECLARE`)."""
+    with running_llama_server(synth_gguf, tmp_path_factory, "llama-server-synth-f32", f32=True) as s:
         yield s
 
 

@@ -51,13 +51,13 @@ def _steps(g):
 
 
 @pytest.mark.slow
-def test_llama_server_greedy_matches_the_llamacpp_worker(llama_server, synth_gguf):
+def test_llama_server_greedy_matches_the_llamacpp_worker(llama_server_f32, synth_gguf):
     """Same llama.cpp, same settings (F32 KV, no flash attention, plain kernels): through HTTP, 4 requests in flight,
     the server's greedy tokens equal the in-process worker's, and so does every top-5 the server reports."""
     from harness.engines.llamacpp import LlamaCppEngine
 
     prompts = _prompts()
-    got = OpenAIEngine(llama_server.url, concurrency=4).generate_full(prompts, N_NEW)
+    got = OpenAIEngine(llama_server_f32.url, concurrency=4).generate_full(prompts, N_NEW)
     want = LlamaCppEngine(synth_gguf, n_ctx=256, threads=2).generate_full(prompts, N_NEW)
     reported = 0
     for g, w in zip(got, want):

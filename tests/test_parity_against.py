@@ -175,7 +175,7 @@ def test_example_engine_perturbed_fails_at_the_prompt_and_position(built, tmp_pa
     assert all(c["pass"] for c in logit if c["prompt"] != "len17-window+1")
     report = (Path(data["run_dir"]) / "report.md").read_text()
     assert "len17-window+1: worst at position 5" in report
-    assert re.search(r"`reference~cmd.max_abs_logit` = \S+ \(limit 0.02\) at request len17-window\+1 position 5 "
+    assert re.search(r"`reference~cmd.max_abs_logit` = \S+ \(limit \S+\) at request len17-window\+1 position 5 "
                      r"token \d+; first diverging point: logits@position 5", report), report
 
 

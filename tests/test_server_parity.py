@@ -191,7 +191,8 @@ def test_chat_template_against_real_servers(llama_server, llama_server_chat, syn
 
 @pytest.mark.slow
 def test_parity_against_llama_server_passes(llama_server_chat, synth_gguf, tmp_path):
-    rc, data, report = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{llama_server_chat.url}/v1")
+    rc, data, report = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{llama_server_chat.url}/v1",
+                              "--require", "server-template")  # the GGUF states no template: the server is given it
     assert rc == 0, failing(data)
     got = checks(data)
     assert {"reference~openai.runs", "reference~openai.greedy", "reference~openai.max_abs_logprob",
@@ -200,7 +201,9 @@ def test_parity_against_llama_server_passes(llama_server_chat, synth_gguf, tmp_p
             "server.stop.eos", "server.chat_template"} <= set(got)
     assert not any(g.startswith("reference~openai.") and g.split(".")[1] in ("max_abs_logit", "layer_rel_l2")
                    for g in got)  # a server gives no logits and no trace points
-    assert got["reference~openai.runs"]["approximations"] == ["gelu_fp16_table", "quantized_activations"]
+    assert got["reference~openai.runs"]["approximations"] == ["gelu_fp16_table", "quantized_activations",
+                                                               "flash_attn_fp16"]  # llama-server's defaults
+    assert got["server.chat_template"]["pass"] and not got["server.chat_template"].get("informational")
     assert "(llama-server, model " in got["reference~openai.runs"]["engine"] and "(llama-server, model " in report
     b = got["server.batched~alone.greedy"]
     assert b["requests"] == 16 and b["identical"] + b["by_top_n"] + b["near_ties"] == 16
@@ -297,4 +300,4 @@ def test_prompt_logprobs_from_llama_cpp_python(llama_cpp_python_server_gemma3, l
     _, data, _ = parity(tmp_path, "--model", str(synth_gguf), "--against", f"openai:{llama_server_chat.url}/v1",
                         *two_prompts(tmp_path), "--max-new-tokens", "2", *ONLY_GREEDY)
     plp = checks(data)["server.prompt_logprobs"]
-    assert plp["informational"] and plp["got"].startswith("not offered: llama-server offers no prompt log-prob")
+    assert plp["informational"] and plp["got"].startswith("not offered by llama-server: no prompt log-prob")

@@ -103,7 +103,7 @@ def test_required_specs_exercise_their_features():
     assert {L.type_name for L in shared} == {"sliding_attention", "full_attention"}
     assert s["e2b"]["hidden_size_per_layer_input"] == 16 and s["e2b"]["use_double_wide_mlp"]
     assert s["e2b"]["tie_word_embeddings"] and s["e2b"]["num_key_value_heads"] == 1
-    assert s["e4b"]["tie_word_embeddings"] is False and s["e4b"]["num_key_value_heads"] == 2
+    assert s["e4b"]["tie_word_embeddings"] is True and s["e4b"]["num_key_value_heads"] == 2  # as released E4B
     assert any(not L.has_kv for L in layers["e4b"])
     p31 = layers["31b"]
     assert s["31b"]["hidden_size_per_layer_input"] == 0 and all(L.has_kv for L in p31)
@@ -411,6 +411,20 @@ def test_gguf_metadata_moe_and_keqv(built):
     assert e4b["gemma4.attention.head_count_kv"] == (["UINT32"], 2)
     if "edge-no-softcap" in built:
         assert "gemma4.final_logit_softcapping" not in _fields(built["edge-no-softcap"].gguf["F32"])
+
+
+def test_the_builtin_plan_still_tests_untied_heads():
+    """e4b ties its head as released E4B does; untied heads stay in the built-in parity plan (every case of
+    ``cases/models/`` runs in ``g4h parity``): e4b-wide (PLE, KV sharing, hidden 512) and edge-no-softcap, whose
+    checkpoints carry ``lm_head.weight`` / ``output.weight``."""
+    from harness.core.cases import builtin_specs
+
+    untied = {p.stem for p in builtin_specs() if not synth.load_spec(p).config["tie_word_embeddings"]}
+    assert {"e4b-wide", "edge-no-softcap"} <= untied and "e4b" not in untied
+    spec = synth.load_spec(BUILTIN["e4b-wide"])
+    names = set(synth.make_weights(spec))
+    assert "output.weight" in names
+    assert "output.weight" not in set(synth.make_weights(synth.load_spec(BUILTIN["e4b"])))
 
 
 # --------------------------------------------------------------------------- logits

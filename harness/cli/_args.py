@@ -40,6 +40,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="openai:URL engine: the model name to send (default: the first of the server's /v1/models)")
     p.add_argument("--server-timeout", type=float, default=None, metavar="SECONDS",
                    help="openai:URL engine: seconds allowed per request (default 120)")
+    p.add_argument("--declare", action="append", default=None, metavar="KEY=VALUE",
+                   help="openai:URL engine: what the server computes, over its dialect's defaults (llama-server: "
+                        "float32, KV cache f16, flash attention; llama-cpp-python: float32, KV cache f16; vLLM: "
+                        "bfloat16): dtype=float32|float64|bfloat16|float16, kv_cache=f32|f16|bf16, "
+                        "approximations=NAME,...|none (gelu_fp16_table, quantized_activations, attn_fp16_operands, "
+                        "flash_attn_fp16); repeatable. The gates follow it (docs/engine-protocol.md, \"Numerics\")")
 
 
 def add_scale_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
@@ -59,6 +65,7 @@ def engine_options(args: argparse.Namespace) -> dict:
             "batched": getattr(args, "batched", None), "weights": getattr(args, "weights", None),
             "server_model": getattr(args, "server_model", None),
             "server_timeout": getattr(args, "server_timeout", None),
+            "declare": getattr(args, "declare", None),
             "cache_gb": getattr(args, "ref_cache_gb", None), "layers": getattr(args, "layers", None)}
 
 

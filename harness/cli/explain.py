@@ -28,10 +28,11 @@ from ..core.gates import DEFAULT_GATES
 from ..core.io import write_json_atomic
 from ..engines import engine_kind, make_engine
 from ..engines.mm import ReferenceMM
+from ..engines.numerics import emulate
 from ..engines.reference import ReferenceEngine
 from ..engines.variants import family, parse_spec
 from ..parity.checks.explain_pair import observe
-from ..parity.checks.pair import KIND_APPROXIMATIONS, NUMERICS, pair_name
+from ..parity.checks.pair import engine_numerics, pair_name
 from ..parity.checks.server import load_user_prompts, with_prompt_ids
 from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, Observed, TextSubject, budget_seconds, search
 from ..parity.explain_mm import MMReference, explain_mm
@@ -108,14 +109,10 @@ def run(args: argparse.Namespace) -> int:
         if close is not None:
             close()
     t_engine = time.perf_counter() - t0
-    approx = tuple(a for a in (getattr(eng, "approximations", None) or KIND_APPROXIMATIONS.get(kind, ()))
-                   if a in NUMERICS)
+    approx = engine_numerics(eng, kind).emulation()  # what the engine declares, the reference makes too
 
-    def numerics() -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        for a in approx:
-            stack.enter_context(NUMERICS[a]())
-        return stack
+    def numerics() -> contextlib.AbstractContextManager:
+        return emulate(approx)
 
     gates = _gates(pair, args.tol)
     t1 = time.perf_counter()

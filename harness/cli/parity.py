@@ -11,6 +11,7 @@ from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
 from ..engines import split_engines
 from ..engines.base import TOP_N
+from ..engines.numerics import parse_declare
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
 from ..parity.job import QUICK_LEAVES_OUT, QUICK_NEW_TOKENS, QUICK_PROMPTS, QUICK_SERVER_REQUESTS
@@ -57,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--concurrency", type=int, default=None,
                    help=f"batch invariance: at most this many in flight (default 8; {QUICK_SERVER_REQUESTS} with "
                         f"--quick)")
+    s.add_argument("--require", action="append", default=[], metavar="CHECK",
+                   help="fail when the server does not offer this check (repeatable): server-template (llama-cpp-python"
+                        " has no chat-template endpoint), server-prompt-logprobs (llama-server has no prompt "
+                        "log-probs). Without it such a check is reported as \"not offered by <dialect>\" and does not "
+                        "fail the run")
     p.add_argument("--out", default=None, help="parent folder of the run directory (default reports/)")
     p.add_argument("--case", action="append", default=None, help="only this built-in case (repeatable)")
     p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
@@ -141,6 +147,7 @@ def execute(args: argparse.Namespace) -> tuple[dict, int]:
     if args.junit_xml:
         check_out_file(args.junit_xml)
     against = [n for text in args.against for n in split_engines(text)] if args.against else None
+    parse_declare(args.declare or ())  # a bad --declare is one line before any work
     quick = bool(args.quick)
 
     def pick(given, full, fast):
@@ -158,7 +165,8 @@ def execute(args: argparse.Namespace) -> tuple[dict, int]:
                                   max_new_tokens=pick(args.max_new_tokens, GREEDY_NEW_TOKENS, QUICK_NEW_TOKENS),
                                   top_n=args.top_n,
                                   batch_requests=pick(args.batch_requests, 16, QUICK_SERVER_REQUESTS),
-                                  concurrency=pick(args.concurrency, 8, QUICK_SERVER_REQUESTS)))
+                                  concurrency=pick(args.concurrency, 8, QUICK_SERVER_REQUESTS),
+                                  require=tuple(args.require)))
     print(short_table(data))
     for line in explanation_lines(data):  # why a failing pair diverges: the report's first section, here too
         print(line.replace("**", ""))

@@ -44,6 +44,9 @@ from reference.errors import InputError
 
 from ..core.workers import EngineCrashed, EngineProtocolError, crash_line, remove_temp_dir, start_child, temp_dir
 from .base import TOP_N, EngineUnavailable, Generated, TraceFn
+from .numerics import APPROXIMATIONS as KNOWN_APPROXIMATIONS
+from .numerics import DTYPES as NUMERIC_DTYPES
+from .numerics import KV_CACHE_TYPES, Numerics
 
 PROTOCOL_VERSION = 1
 """The protocol version this module speaks (``hello``'s ``protocol``)."""
@@ -51,18 +54,15 @@ PROTOCOL_VERSION = 1
 OPS = ("logits", "generate", "trace", "tokenize")
 """Requests an engine may answer besides ``hello``; it must answer ``logits`` or ``generate`` (or both)."""
 
-DTYPES = ("float64", "float32", "bfloat16", "float16")
+DTYPES = NUMERIC_DTYPES
 """What an engine may say it computes in (``hello``'s ``dtype``; 16-bit engines get the 16-bit gates)."""
 
-APPROXIMATIONS = ("gelu_fp16_table", "quantized_activations")
-"""Known approximations an engine may declare (``hello``'s ``approximations``; llama.cpp's CPU backend makes both):
-
-* ``gelu_fp16_table``: GELU read from a table over all fp16 inputs. The parity job gates the engine against a
-  reference that makes the same approximation and reports the exact figures beside.
-* ``quantized_activations``: the activations of a matrix product with quantized or 16-bit weights are rounded to
-  the weights' dot-product type first (llama.cpp: Q8_0, Q8_K, F16). Not emulated: on a file with such weights
-  the parity job reports the engine's figures without gating them (its ``runs`` still gates); on an F32 file
-  nothing changes."""
+APPROXIMATIONS = tuple(KNOWN_APPROXIMATIONS)
+"""Known approximations an engine may declare (``hello``'s ``approximations``), with what the harness does with
+each: :data:`harness.engines.numerics.APPROXIMATIONS`. ``hello``'s ``kv_cache`` says what its KV cache stores
+(:data:`harness.engines.numerics.KV_CACHE_TYPES`). The parity job gates the engine against a reference that makes
+the declared approximations it can emulate, at bounds that grow with their effect on the model
+(``docs/engine-protocol.md``, "Numerics")."""
 
 TIMEOUT_ENV = "G4H_CMD_TIMEOUT"
 """Environment variable: seconds to wait for each reply (default :data:`DEFAULT_TIMEOUT`)."""
@@ -142,6 +142,8 @@ class CmdEngine:
         vocab_size: its vocabulary size, or None when it did not say (then the first logits fix it).
         dtype: what it computes in (:data:`DTYPES`; default ``float32``).
         approximations: the known approximations it makes (:data:`APPROXIMATIONS`).
+        numerics: the whole declaration (:class:`harness.engines.numerics.Numerics`: dtype, ``kv_cache``,
+            approximations), which the parity job's gates follow.
 
     Raises:
         InputError: the command cannot be split or started (exit 2: the user's input).
@@ -204,14 +206,18 @@ class CmdEngine:
         dtype = ans.get("dtype", "float32")
         if dtype not in DTYPES:
             self._fail(where, f"dtype: expected one of {', '.join(DTYPES)}, got {_show(dtype)}")
+        kv = ans.get("kv_cache")
+        if kv is not None and kv not in KV_CACHE_TYPES:
+            self._fail(where, f"kv_cache: expected one of {', '.join(KV_CACHE_TYPES)}, got {_show(kv)}")
         approx = ans.get("approximations", [])
         if not isinstance(approx, list) or any(a not in APPROXIMATIONS for a in approx):
             self._fail(where, f"approximations: expected a list of {', '.join(APPROXIMATIONS)}, got {_show(approx)}")
         self.ops = tuple(ops)
         self.engine = str(ans.get("engine") or "?")
         self.vocab_size: int | None = vocab
+        self.numerics = Numerics(dtype, kv, tuple(dict.fromkeys(approx)), "declared in hello")
         self.dtype = dtype
-        self.approximations = tuple(approx)
+        self.approximations = self.numerics.approximations
 
     # ------------------------------------------------------------------ transport
 
@@ -408,14 +414,18 @@ class CmdEngine:
     def _generated(self, where: str, k: int, r: Any, n: int, top_n: int) -> Generated:
         try:
             tokens = [_int(t) for t in r["tokens"]]
-            steps = [[(_int(i), _float(lp)) for i, lp in step] for step in r["top_logprobs"]]
-        except (KeyError, TypeError, ValueError):
+            token_only = r.get("top_logprobs") is None  # an engine that gives tokens only (docs/engine-protocol.md)
+            steps = [[] for _ in tokens] if token_only else \
+                [[(_int(i), _float(lp)) for i, lp in step] for step in r["top_logprobs"]]
+        except (KeyError, TypeError, ValueError, AttributeError):
             self._fail(where, f"results[{k}]: expected {{\"tokens\": [int], \"top_logprobs\": [[[id, logprob], "
-                              f"...], ...]}}, got {_show(r)}", index=k)
+                              f"...], ...]}} (top_logprobs optional), got {_show(r)}", index=k)
         if len(tokens) != n or len(steps) != n:
             self._fail(where, f"results[{k}]: {len(tokens)} tokens and {len(steps)} top_logprobs steps, "
                               f"expected {n} of each", index=k, step=min(len(tokens), len(steps), n), partial=tokens)
         for i, (tok, step) in enumerate(zip(tokens, steps)):
+            if token_only:
+                continue
             if not 1 <= len(step) <= top_n:
                 self._fail(where, f"results[{k}] step {i}: {len(step)} top log-probs, expected 1..{top_n}",
                            index=k, step=i)

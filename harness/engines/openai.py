@@ -42,18 +42,22 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from http.client import HTTPException
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from reference.errors import InputError
+from reference.tokenizer import BYTE, NORMAL, USER_DEFINED, tokenizer_from_gguf
 
 from ..core.workers import EngineCrashed, EngineFailure, EngineProtocolError
 from .base import TOP_N, EngineUnavailable, Generated
+from .numerics import DIALECT_NUMERICS, parse_declare
+from .numerics import declare as declare_numerics
 
 DIALECTS = ("llama-server", "llama-cpp-python", "vllm")
 
 LLAMACPP_APPROXIMATIONS = ("gelu_fp16_table", "quantized_activations")
-"""What a server built on llama.cpp declares (as the ``llamacpp`` engine kind): its fp16 GELU table, and
-activations rounded to the dot-product type of quantized weights."""
+"""What every server built on llama.cpp makes (as the ``llamacpp`` engine kind): its fp16 GELU table, and
+activations rounded to the dot-product type of quantized weights; its attention numerics depend on the dialect's
+defaults (:data:`harness.engines.numerics.DIALECT_NUMERICS`)."""
 
 
 class ServerError(InputError):
@@ -80,6 +84,8 @@ class ServerGenerated(Generated):
         logprobs: per step, the log-probability of the generated token (NaN where the server reported none).
         missing: the steps the server reported no log-probs for (llama-server: text not yet complete UTF-8).
         text: the generated text as the server returned it.
+        pieces: llama-cpp-python: each step's own text as its log-probs name it (the token decoded alone, bytes
+            that are no whole UTF-8 character dropped); empty for the other dialects.
         finish_reason: ``"length"`` (``max_new_tokens`` reached) or ``"stop"`` (EOS or a stop string).
     """
 
@@ -88,6 +94,7 @@ class ServerGenerated(Generated):
         self.logprobs: list[float] = []
         self.missing: list[int] = []
         self.text = ""
+        self.pieces: list[str] = []
         self.finish_reason: str | None = None
 
 
@@ -291,13 +298,20 @@ class OpenAIEngine:
         dialect: skip detection and assume this one (one of :data:`DIALECTS`).
         check_greedy: :meth:`generate_full` raises on a step whose token is not the top-1 of the server's own
             log-probs (False where gates judge that instead: ``g4h parity``).
+        declare: ``--declare KEY=VALUE`` items (or their parsed form, :func:`harness.engines.numerics.parse_declare`)
+            that replace the dialect's default numerics: ``dtype=``, ``kv_cache=``, ``approximations=``.
 
     Attributes:
         path: ``path`` as given.
         name: ``openai:URL (dialect, model 'NAME')``, as reports show it.
         ops: ``("generate",)``: no logits, no trace points.
-        approximations: llama.cpp's known approximations for a server built on it (llama-server,
-            llama-cpp-python; :data:`harness.parity.checks.pair.KIND_APPROXIMATIONS`), else none.
+        numerics: what the server computes (:class:`harness.engines.numerics.Numerics`): its dialect's defaults
+            (:data:`harness.engines.numerics.DIALECT_NUMERICS`: llama-server with an f16 KV cache and flash
+            attention, llama-cpp-python with an f16 KV cache, vLLM in bfloat16), or as declared.
+        approximations, dtype: ``numerics.approximations``, ``numerics.dtype``.
+        hints: prompt ids -> the oracle's greedy tokens and per step its top-N ``{id: log-prob}``, set by the parity
+            job: llama-cpp-python names byte tokens by an empty text, and such a step is named by the oracle's token
+            of that text there (:meth:`_lcp_ids`); nothing else reads them.
         answers: ``(ids, max_new_tokens, top_n) -> (ServerGenerated, seconds)`` of every prompt
             :meth:`generate_full` sent (the server checks reuse them as the answers "sent alone").
 
@@ -310,8 +324,10 @@ class OpenAIEngine:
 
     def __init__(self, url: str, path: Any = None, model: str | None = None, timeout: float = 120.0,
                  concurrency: int = 1, dialect: str | None = None, check_greedy: bool = True,
-                 server_model: str | None = None, server_timeout: float | None = None) -> None:
+                 server_model: str | None = None, server_timeout: float | None = None,
+                 declare: Sequence[str] | Mapping[str, Any] | None = None) -> None:
         self.base, self.root = parse_url(url)
+        said = declare if isinstance(declare, Mapping) else parse_declare(declare or ())  # bad input before any request
         self.http = Http(float(server_timeout) if server_timeout is not None else timeout)
         self.concurrency = max(1, int(concurrency))
         self.check_greedy = check_greedy
@@ -326,11 +342,15 @@ class OpenAIEngine:
             raise ServerError(str(e)) from None
         self.http.serving = True  # from here on, a failing request is the server's fault
         self.name = f"openai:{self.base} ({self.dialect}, model {self.model!r})"
-        self.approximations = LLAMACPP_APPROXIMATIONS if self.dialect in ("llama-server", "llama-cpp-python") else ()
+        self.numerics = declare_numerics(DIALECT_NUMERICS[self.dialect], said)
+        self.approximations = self.numerics.approximations
+        self.dtype = self.numerics.dtype
         self.answers: dict[tuple[tuple[int, ...], int, int], tuple[ServerGenerated, float]] = {}
+        self.hints: dict[tuple[int, ...], tuple[list[int], list[dict[int, float]]]] = {}  # naming only (see above)
         self._pieces: dict[int, bytes] = {}  # llama-server: token id -> its text's bytes
         self._text_id: dict[str, int | None] = {}  # llama-cpp-python: token text -> id
         self._id_text: dict[int, str] = {}
+        self._texts: dict[str, int] | None = None  # llama-cpp-python: the model file's unique token texts
         self._bos: list[int] | None = None  # the ids an empty text tokenizes to with specials (BOS)
 
     def _model_name(self) -> str:
@@ -559,6 +579,8 @@ class OpenAIEngine:
         ids = [_entry_id(url, e) for e in entries]
         if ids == tokens:
             return list(entries)
+        if not entries:  # a server that reports no log-probs (tokens only): every step without
+            return [None] * len(tokens)
         for e in entries:
             for c in e.get("top_logprobs") or []:
                 if isinstance(c, dict) and isinstance(c.get("bytes"), list):
@@ -625,7 +647,9 @@ class OpenAIEngine:
         return g
 
     def _lcp_text(self, ids: list[int]) -> str:
-        """The text llama-cpp-python must be sent for prompt ``ids`` (it takes no id prompts), checked to tokenize back.
+        """The text llama-cpp-python must be sent for prompt ``ids`` (it takes no id prompts), checked to tokenize back:
+        the server's detokenization of the ids after BOS, without its leading space (or ``▁``, where byte tokens spell
+        it) where the vocabulary adds one back (SentencePiece's ``add_space_prefix``, as the synthetic vocabularies do).
 
         Raises:
             ServerError: the ids do not survive the round trip ids -> text -> ids on this server.
@@ -642,6 +666,8 @@ class OpenAIEngine:
             raise ServerError(f"{self.base}/completions: llama-cpp-python takes text prompts only, and cannot turn the "
                               f"prompt {ids[:8]} into text ({e})") from None
         back = self.tokenize(text, add_special=True)  # what the server evaluates: it adds BOS to a text prompt
+        if back != ids and text[:1] in (" ", "\u2581"):  # a vocabulary that adds a space prefix (add_space_prefix)
+            text, back = text[1:], self.tokenize(text[1:], add_special=True)
         if back != ids:
             raise ServerError(f"{self.base}/completions: llama-cpp-python takes text prompts only, and the prompt "
                               f"{ids[:8]} comes back as {back[:8]} after its text round trip")
@@ -655,10 +681,14 @@ class OpenAIEngine:
         g = ServerGenerated()
         texts: list[str] = []
         tops: list[dict] = []
+        generated = 0  # usage.completion_tokens of a whole answer
         for part in (self.http.stream(url, body) if stream else [self.http.call(url, body)]):
             choice = _first_choice(url, part)
             g.text += choice.get("text") or ""
             g.finish_reason = choice.get("finish_reason") or g.finish_reason
+            usage = part.get("usage") if isinstance(part, dict) else None
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                generated = usage["completion_tokens"]
             lp = choice.get("logprobs")
             if not lp and (stream or not choice.get("text")):
                 continue  # a stream's closing event; an empty completion (EOS first)
@@ -669,46 +699,163 @@ class OpenAIEngine:
             except (KeyError, TypeError, ValueError, AttributeError):
                 raise _shape(url, 'logprobs {"tokens": [str], "token_logprobs", "top_logprobs": [{str: logprob}]}',
                              lp) from None
+        hint, hint_top = self.hints.get(tuple(ids), (None, None))
+        if not stream:  # a stream lists a generated BOS (as an empty text); a whole answer's log-probs leave it out
+            texts, tops, g.logprobs = self._lcp_restore_bos(texts, tops, g.logprobs, hint, generated - len(texts))
         # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix): keep the first n.
         texts, tops, g.logprobs = texts[:n], tops[:n], g.logprobs[:n]
-        g.tokens = self._lcp_ids(url, texts)
+        g.tokens, named_by_hint = self._lcp_ids(url, texts, hint, hint_top, g.logprobs)
+        g.pieces = [t if isinstance(t, str) else "" for t in texts]
         for k, d in enumerate(tops):
+            if k in named_by_hint:  # its text names no single token: its step's candidates cannot be named either
+                g.top.append([])
+                g.missing.append(k)
+                g.logprobs[k] = math.nan
+                continue
             pairs = [(g.tokens[k] if piece == texts[k] else self._lcp_id(piece), v)
                      for piece, v in sorted(d.items(), key=lambda kv: -kv[1])]
             g.top.append([(i, v) for i, v in pairs if i is not None][:top_n])
         return g
 
-    def _lcp_ids(self, url: str, texts: list[str]) -> list[int]:
+    def _lcp_restore_bos(self, texts: list, tops: list, lps: list, hint: Sequence[int] | None,
+                         dropped: int | None = None) -> tuple[list, list, list]:
+        """llama-cpp-python leaves a generated BOS out of a whole completion's log-prob lists (``_create_completion``
+        in ``llama_cpp/llama.py``: ``if token == bos_token_id: continue``; a stream lists it, as an empty text). Where
+        the hint (the oracle's stream) has BOS at a step and the server's list, agreeing with the hint so far, names
+        the hint's next token there (or ends), the BOS is put back: its id as the step's "text" (:meth:`_lcp_ids`
+        takes it as named), no log-probs. ``dropped``: how many tokens the answer's lists leave out (its
+        ``usage.completion_tokens`` minus their length; None: not known), at most that many are put back."""
+        if not hint or not texts or dropped == 0 or (dropped is not None and dropped < 0):
+            return texts, tops, lps
+        if self._bos is None:
+            self._bos = self.tokenize("", add_special=True)
+        if not self._bos:
+            return texts, tops, lps
+        bos = self._bos[0]
+        out_t, out_top, out_lp, k = [], [], [], 0
+        for j, want in enumerate(hint):
+            nxt = hint[j + 1] if j + 1 < len(hint) else None
+            if want == bos and (dropped is None or dropped > 0) and \
+                    (k >= len(texts) or (nxt is not None and self._lcp_piece(int(nxt)) == texts[k])):
+                dropped = None if dropped is None else dropped - 1
+                out_t.append(bos)
+                out_top.append({})
+                out_lp.append(math.nan)
+                continue
+            if k >= len(texts) or self._lcp_piece(int(want)) != texts[k]:
+                break  # parted from the hint: nothing more to restore
+            out_t.append(texts[k])
+            out_top.append(tops[k])
+            out_lp.append(lps[k])
+            k += 1
+        return out_t + texts[k:], out_top + tops[k:], out_lp + lps[k:]
+
+    def _lcp_ids(self, url: str, texts: list, hint: Sequence[int] | None = None,
+                 hint_top: Sequence[Mapping[int, float]] | None = None,
+                 lps: Sequence[float] | None = None) -> tuple[list[int], set[int]]:
         """Token ids of generated tokens that llama-cpp-python names by text: its tokenization of the whole text when
-        that gives one token per named text (each checked by detokenizing it), else one lookup per text.
+        that gives one token per named text (each checked by detokenizing it), else one lookup per text
+        (:meth:`_lcp_id`).
+
+        A text that is no single token (llama-cpp-python names every byte token that is not a whole UTF-8 character
+        ``''``, its ``detokenize(...).decode(errors="ignore")``) is named by the oracle (``hint``: its greedy tokens
+        for this prompt, ``hint_top``: its top-N ``{id: log-prob}`` at each step, :attr:`OpenAIEngine.hints`) while
+        the stream agrees with the oracle's: by the oracle's greedy token when it has that text on this server, else
+        by the token of the oracle's top-N there that has it (of several, the one whose oracle log-prob is nearest the
+        server's own for its token, ``lps``); with none, the step is left unnamed (-1) for the greedy comparison to
+        judge (a token of no name in the oracle's top-N parts from it as a fault), as is every such step after the
+        stream parted from the oracle's. Returns the ids and the steps so named (or unnamed), whose log-probs cannot be
+        named either; an int among ``texts`` is an id already known (a restored BOS).
 
         Raises:
-            ServerFailure: a text that is no single token of this model (its ``step`` set).
+            ServerFailure: a text that is no single token of this model, without an oracle to name it by (its
+                ``step`` set): the server generated a token this client cannot name.
         """
-        if texts:
+        if texts and all(isinstance(t, str) for t in texts):
             ids = self.tokenize("".join(texts), add_special=False)
             if len(ids) == len(texts) and all(self._lcp_piece(i) == t for i, t in zip(ids, texts)):
-                return ids
-        out = []
+                return ids, set()
+        out: list[int] = []
+        by_hint: set[int] = set()
         for k, piece in enumerate(texts):
+            if isinstance(piece, int):  # a BOS put back (:meth:`_lcp_restore_bos`)
+                out.append(piece)
+                by_hint.add(k)
+                continue
             tid = self._lcp_id(piece)
             if tid is None:
-                raise ServerFailure(f"{url}: llama-cpp-python names step {k}'s token only by the text {piece!r}, which "
-                                    f"is no single token of this model").at(step=k)
+                if hint is None:
+                    raise ServerFailure(f"{url}: llama-cpp-python names step {k}'s token only by the text {piece!r}, "
+                                        f"which is no single token of this model").at(step=k)
+                tid = -1
+                if len(hint) > k and list(hint[:k]) == out:
+                    if self._lcp_piece(int(hint[k])) == piece:  # the oracle's own token: the likeliest by far
+                        tid = int(hint[k])
+                    else:  # the oracle's top-N token of that text whose log-prob is nearest the server's own
+                        top = hint_top[k] if hint_top and len(hint_top) > k else {}
+                        named = [int(t) for t in top if self._lcp_piece(int(t)) == piece]
+                        mine = lps[k] if lps is not None and k < len(lps) else math.nan
+                        if len(named) > 1 and mine == mine:
+                            named = [min(named, key=lambda t: abs(top[t] - mine))]
+                        tid = named[0] if len(named) == 1 else -1
+                by_hint.add(k)
             out.append(tid)
-        return out
+        return out, by_hint
 
     def _lcp_piece(self, tid: int) -> str:
+        """The text llama-cpp-python gives token ``tid`` in a completion's log-probs: its detokenization; for a token
+        whose bytes are no whole UTF-8 text, which ``/extras/detokenize`` refuses (HTTP 500, "codec can't decode"),
+        what its completions show, the bytes decoded with ``errors="ignore"`` (the empty text for a lone byte)."""
         if tid not in self._id_text:
-            self._id_text[tid] = self.detokenize([tid])
+            try:
+                self._id_text[tid] = self.detokenize([tid])
+            except ServerFailure as e:
+                if "codec can't decode" not in str(e):
+                    raise
+                self._id_text[tid] = ""
         return self._id_text[tid]
 
     def _lcp_id(self, piece: str) -> int | None:
-        """The one token id whose text is ``piece`` (the server's tokenizer, checked back), else None."""
+        """The one token id whose text is ``piece``, checked back on the server (its detokenization of the id is
+        ``piece``): its tokenizer's id for the text, else the one vocabulary entry of the model file that renders as
+        that text (:meth:`_vocab_texts`: a tokenizer need not produce every piece from text, SentencePiece merges
+        reach only pieces whose prefixes are pieces); None when neither names it (a text of several tokens, or one
+        that several tokens share, such as the empty text of byte tokens)."""
         if piece not in self._text_id:
             ids = self.tokenize(piece, add_special=False) if piece else []
-            self._text_id[piece] = ids[0] if len(ids) == 1 and self._lcp_piece(ids[0]) == piece else None
+            tid = ids[0] if len(ids) == 1 and self._lcp_piece(ids[0]) == piece else None
+            if tid is None and piece:
+                cand = self._vocab_texts().get(piece)
+                tid = cand if cand is not None and self._lcp_piece(cand) == piece else None
+            self._text_id[piece] = tid
         return self._text_id[piece]
+
+    def _vocab_texts(self) -> dict[str, int]:
+        """Text -> id for every token of the model file (a GGUF) whose text, as llama.cpp renders one token without
+        specials (a normal piece with ``▁`` as a space, a byte token's byte where it is a whole UTF-8 character; a
+        user-defined piece as it is), is non-empty and no other token's; empty for another model form."""
+        if getattr(self, "_texts", None) is None:
+            self._texts = {}
+            path = getattr(self, "path", None)
+            if path is not None and str(path).endswith(".gguf"):
+                try:
+                    tok = tokenizer_from_gguf(path)
+                except InputError:
+                    return self._texts
+                seen: dict[str, int | None] = {}
+                for i, (t, ty) in enumerate(zip(tok.tokens, tok.types)):
+                    if ty == NORMAL:
+                        text = t.replace("\u2581", " ")
+                    elif ty == BYTE and len(t) == 6 and t.startswith("<0x"):
+                        text = bytes([int(t[3:5], 16)]).decode("utf-8", "ignore")
+                    elif ty == USER_DEFINED:
+                        text = t
+                    else:
+                        continue
+                    if text:
+                        seen[text] = None if text in seen else i
+                self._texts = {k: v for k, v in seen.items() if v is not None}
+        return self._texts
 
     # ------------------------------------------------------------------ prompt log-probs
 
@@ -752,10 +899,14 @@ class OpenAIEngine:
             token_lp, tops = lp["token_logprobs"], lp["top_logprobs"]
         except (KeyError, TypeError):
             raise _shape(url, 'logprobs {"token_logprobs", "top_logprobs"}', lp) from None
-        # The echo lists the prompt without a leading BOS (its first entry null), then the one generated token.
-        skip = len(ids) - (len(token_lp) - 1)
+        # The echo lists the prompt without a leading BOS (its first entry null), then the generated tokens: one,
+        # or more where the first ends inside a UTF-8 character (its multibyte_fix), as usage.completion_tokens says.
+        usage = ans.get("usage") if isinstance(ans, dict) else None
+        generated = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        generated = generated if isinstance(generated, int) and generated >= 1 else 1
+        skip = len(ids) - (len(token_lp) - generated)
         if skip not in (0, 1):
-            raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and 1 generated",
+            raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and {generated} generated",
                          f"{len(token_lp)} entries")
         out = [None] * (skip + 1)
         for k in range(skip + 1, len(ids)):

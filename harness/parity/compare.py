@@ -84,8 +84,12 @@ def load_generations(path: str | Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any = None) -> list[Figure]:
-    """Figures of one logits comparison: ``<pair>.max_abs_logit``, ``.mean_kld``, ``.same_top1_decisive``.
+def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any = None,
+                  near_tie: float = NEAR_TIE_MARGIN) -> list[Figure]:
+    """Figures of one logits comparison: ``<pair>.max_abs_logit``, ``.mean_kld``, ``.same_top1_decisive``
+    (positions whose oracle top-1 margin is at least ``near_tie``: default
+    :data:`~harness.core.gates.NEAR_TIE_MARGIN`, more for an engine whose declared approximations widen its bounds,
+    :func:`harness.parity.checks.pair.near_tie_margin`).
 
     Raises:
         InputError: the shapes differ.
@@ -97,7 +101,7 @@ def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any =
     top2 = np.sort(oracle, axis=1)[:, -2:] if oracle.shape[1] > 1 else np.concatenate([oracle, oracle], axis=1)
     margin = top2[:, 1] - top2[:, 0]
     a_ours, a_ref = np.argmax(ours, axis=1), np.argmax(oracle, axis=1)
-    decisive = margin >= NEAR_TIE_MARGIN
+    decisive = margin >= near_tie
     flips = [[int(i), int(a_ref[i]), int(a_ours[i]), float(margin[i])] for i in np.nonzero(a_ours != a_ref)[0]]
     same_decisive = float(np.mean(a_ours[decisive] == a_ref[decisive])) if decisive.any() else 1.0
     at = np.unravel_index(int(np.argmax(d)), d.shape)
@@ -110,15 +114,19 @@ def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any =
 
 
 def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[str, Any]], pair: str,
-                       top_n: int = 5, logprob_limit: float | None = None) -> list[Figure]:
+                       top_n: int = 5, logprob_limit: float | None = None,
+                       near_tie: float = NEAR_TIE_MARGIN) -> list[Figure]:
     """Figures of greedy streams by vLLM's rule: ``<pair>.greedy`` (the fraction of streams that agree, each
     divergence classified) and ``<pair>.max_abs_logprob`` (shared top-N log-probs on the agreed prefix).
 
     A divergence passes when each token is in the other side's top-N (vLLM), or when the oracle's top-1/top-2
-    log-prob margin at that step is below :data:`~harness.core.gates.NEAR_TIE_MARGIN` (a near-tie); else it
-    is a real fault, named with the request, the step and both tokens. A divergence where our token is not the
-    top-1 of our own log-probs is a fault whatever the rule says: a greedy engine never picks another token.
-    A step without log-probs on a side (a server that reported none there) has no top-N on that side. Two
+    log-prob margin at that step is below ``near_tie`` (a near-tie; default
+    :data:`~harness.core.gates.NEAR_TIE_MARGIN`); else it is a real fault, named with the request, the step and
+    both tokens. A divergence where our token is not the top-1 of our own log-probs is a fault whatever the rule
+    says: a greedy engine never picks another token. Where our side has no log-probs at the divergent step (an engine
+    that gives tokens only, a step a server left out), vLLM's rule cannot be applied (our top-N is unknown): the
+    divergence passes only when our token is in the oracle's top-N there and its oracle log-prob is within
+    ``near_tie`` of the oracle's top-1 (a near-tie), else it is a fault naming the step and both tokens. Two
     streams are compared over their common prefix (vLLM's ``zip``); an empty stream has none. The log-prob figure
     counts the ``steps`` it compared; with none (every stream parts at step 0, or no step has log-probs on both
     sides) it is marked ``not_measured`` with the reason (:meth:`CaseResult.apply`: never a pass). With
@@ -152,9 +160,12 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
                     worst_at = (f"request {rid} step {step} token {tok}: ours {a['logprobs'][step][tok]:.6g}, "
                                 f"oracle {b['logprobs'][step][tok]:.6g}")
         kind, reason = ("identical" if ga.first_mismatch is None else ("top-n" if ga.agree else "fault")), ga.reason
-        if ga.first_mismatch is not None and not ga.agree:
-            lp = sorted(b["logprobs"][ga.first_mismatch].values(), reverse=True)
-            if len(lp) > 1 and lp[0] - lp[1] < NEAR_TIE_MARGIN:
+        i = ga.first_mismatch
+        if i is not None and not a["logprobs"][i]:  # our tokens only here: the oracle's near-tie rule alone
+            kind, reason = _token_only_verdict(a["tokens"][i], b["tokens"][i], b["logprobs"][i], i, top_n, near_tie)
+        elif i is not None and not ga.agree:
+            lp = sorted(b["logprobs"][i].values(), reverse=True)
+            if len(lp) > 1 and lp[0] - lp[1] < near_tie:
                 kind = "near-tie"
         if ga.first_mismatch is not None:
             own = a["logprobs"][ga.first_mismatch]
@@ -191,6 +202,21 @@ def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[s
                    | ({"first_divergence": beyond, "why": f"first beyond {logprob_limit:g} at {beyond}"}
                       if beyond else {})
                    | ({"not_measured": not_measured} if not_measured else {})))]
+
+
+def _token_only_verdict(ours: int, theirs: int, oracle_lp: dict[int, float], step: int, top_n: int,
+                        near_tie: float) -> tuple[str, str]:
+    """A divergent step where our side has no log-probs: ``near-tie`` when our token is in the oracle's top-``top_n``
+    with a log-prob within ``near_tie`` of the oracle's top-1, else ``fault``; with the reason."""
+    best = max(oracle_lp.values()) if oracle_lp else float("nan")
+    ranked = sorted(oracle_lp, key=lambda t: -oracle_lp[t])[:top_n]
+    if ours in ranked and best - oracle_lp[ours] < near_tie:
+        return "near-tie", (f"first mismatch at step {step} ({ours} vs {theirs}), our log-probs unknown: our token is "
+                            f"the oracle's rank {ranked.index(ours) + 1}, {best - oracle_lp[ours]:.3g} below its top-1 "
+                            f"(a near-tie: < {near_tie:g})")
+    where = (f"the oracle's rank {ranked.index(ours) + 1}, {best - oracle_lp[ours]:.3g} below its top-1 (not a "
+             f"near-tie: >= {near_tie:g})" if ours in ranked else f"not in the oracle's top-{top_n}")
+    return "fault", f"first mismatch at step {step} ({ours} vs {theirs}), our log-probs unknown: our token is {where}"
 
 
 def judge(figures: Sequence[Figure], case: str, model: str) -> CaseResult:

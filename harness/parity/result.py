@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from reference.errors import InputError
 
-from ..core.gates import Gate, gate_for
+from ..core.gates import Gate, gate_for, with_effect
 from ..core.workers import EngineFailure
 
 RESULTS_VERSION = 1
@@ -76,6 +76,9 @@ class CaseResult:
         not gating, with the reason ``not measured: <why>``: a gate that measured nothing never passes, and the
         report says so.
 
+        A figure whose ``detail`` holds ``effect`` (how far the engine's declared approximations move it on this
+        model, ``effect_power`` 2 for a KLD) is judged at :func:`harness.core.gates.with_effect` of its gate.
+
         A numbered figure (``reference~openai#2.greedy``: the second engine of a kind) is judged by the gate of
         its name without the number (:func:`harness.core.gates.gate_for`).
 
@@ -86,6 +89,8 @@ class CaseResult:
             detail = dict(f.detail)
             reason = detail.pop("informational_reason", None)
             gate = gate_for(gates, f.gate)
+            if detail.get("effect") is not None and not gate.informational:  # the engine's declared approximations
+                gate = with_effect(gate, float(detail["effect"]), int(detail.get("effect_power", 1)))
             measured = f.measured
             if detail.get("not_measured"):
                 reason, measured = f"not measured: {detail['not_measured']}", float("nan")

@@ -29,7 +29,7 @@ FAILED = frozenset({"crashed", "oom", "timeout", "no_base", "error"})
 """Statuses that fail the sweep (exit 1); ``not_run`` fails too unless the limit is declared."""
 
 #: Engine kinds that round the activations of quantized (and 16-bit) matrix products (parity's
-#: ``KIND_APPROXIMATIONS``: llama.cpp's CPU backend); a ``cmd:`` engine says so in its ``hello``.
+#: ``harness.engines.numerics.KIND_NUMERICS``: llama.cpp's CPU backend); a ``cmd:`` engine says so in its ``hello``.
 QUANTIZED_ACTIVATION_KINDS = frozenset({"llamacpp"})
 #: Stored types of matrices that no engine rounds activations for.
 EXACT_TYPES = frozenset({"F32", "F64", "float32", "float64"})

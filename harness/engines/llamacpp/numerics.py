@@ -10,7 +10,10 @@ specification an emulation may replace (its docstring says so). The encoders' (m
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import ctypes
+import ctypes.util
+import functools
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -20,19 +23,63 @@ import reference.audio as ra
 import reference.model as rm
 import reference.vision as rv
 
-_exact_gelu = rm.gelu_tanh  # bound at import: llamacpp_numerics swaps the module's name
-_exact_gelu_fast = fm.gelu_tanh
+_exact_attention = rm.attention  # and attention_numerics this one
+_exact_attention_fast = fm.attention
 _exact_patch_embed = rv.patch_embed
 _exact_conv2d = ra.conv2d_stride2
+
+
+GELU_COEF_A = np.float32(0.044715)
+SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
+"""ggml's constants (``ggml/src/ggml-cpu/vec.h``), as float32."""
+
+
+def _tanhf() -> Callable[[np.ndarray], np.ndarray]:
+    """The C library's ``tanhf`` over a float32 array (glibc's, the one ggml's table is built with on Linux),
+    through ctypes; NumPy's float32 ``tanh`` where no C library can be loaded (it differs from glibc in the last
+    bit of a few values)."""
+    name = ctypes.util.find_library("m")
+    try:
+        libm = ctypes.CDLL(name) if name else None
+    except OSError:
+        libm = None
+    if libm is None:
+        return np.tanh
+    fn = libm.tanhf
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    return lambda a: np.array([fn(float(v)) for v in a], dtype=np.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def gelu_table() -> np.ndarray:
+    """ggml's ``ggml_table_gelu_f16`` as float64, rebuilt bit for bit: for each fp16 bit pattern whose value ``x``
+    lies in (-10, 10), ``fp16(ggml_gelu_f32(x))``, where ``ggml_gelu_f32`` (``ggml/src/ggml-cpu/vec.h``) is
+    ``0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x)))`` **in float32**, as the compiler builds
+    it with FMA on: ``1.0f + GELU_COEF_A*x*x`` contracts to ``fmaf(GELU_COEF_A*x, x, 1.0f)`` (GCC's default
+    ``-ffp-contract=fast``; the build has ``-mfma``); ``tanhf`` is the C library's. The table is filled once in
+    ``ggml_cpu_init`` (``ggml/src/ggml-cpu/ggml-cpu.c``). Checked against the table of the llama.cpp build the
+    harness makes (read from ``libggml-cpu.so``): every finite entry equal (``tests/test_llamacpp_numerics.py``).
+    Rounding the float64 GELU instead puts 274 of the 37376 entries in (-10, 10) one fp16 step away (e.g. x =
+    0.3533: ggml 0.2253, float64 0.2255); without the FMA, 1. Entries at |x| >= 10 are read too: the clamp tests
+    the float32 input, which can round to fp16 10.0 (x = 9.9996). Infinite and NaN patterns hold 0. [65536]
+    float64."""
+    f = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    inside = np.isfinite(f)
+    x = f[inside]
+    a = GELU_COEF_A * x  # float32
+    inner = (a.astype(np.float64) * x.astype(np.float64) + 1.0).astype(np.float32)  # fmaf: one rounding
+    g = (np.float32(0.5) * x) * (np.float32(1.0) + _tanhf()((SQRT_2_OVER_PI * x) * inner))
+    out = np.zeros(1 << 16)
+    out[inside] = g.astype(np.float16).astype(np.float64)
+    return out
 
 
 def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
     """GELU (tanh form) the way llama.cpp's CPU backend computes it: through an fp16 lookup table.
 
-    ggml's CPU ``gelu`` / ``geglu`` (with ``GGML_GELU_FP16``, the default) return 0 for
-    ``x <= -10`` and ``x`` for ``x >= 10``; otherwise they round ``x`` to fp16 and read a
-    65536-entry table holding ``fp16(gelu(fp16 value))``. Here: the same rounding, with the
-    float64 :func:`reference.model.gelu_tanh` in between.
+    ggml's CPU ``gelu`` / ``geglu`` (``ggml_vec_gelu_f32`` / ``ggml_vec_geglu_f32`` with ``GGML_GELU_FP16``, the
+    default) return 0 for ``x <= -10`` and ``x`` for ``x >= 10``; otherwise they round ``x`` to fp16 and read
+    :func:`gelu_table` at its bit pattern.
 
     Args:
         x: float64 array, any shape.
@@ -41,13 +88,14 @@ def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
         float64 array of the same shape (values exactly representable in fp16 inside ``(-10, 10)``).
     """
     x = np.asarray(x, dtype=np.float64)
-    table = _exact_gelu(x.astype(np.float16).astype(np.float64)).astype(np.float16).astype(np.float64)
-    return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table))
+    with np.errstate(over="ignore"):  # beyond the fp16 range: clamped below
+        bits = x.astype(np.float16).view(np.uint16)
+    return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, gelu_table()[bits]))
 
 
 def gelu_fp16_table_fast(x: torch.Tensor) -> torch.Tensor:
-    """:func:`gelu_fp16_table` for the fast twin (``g4h parity --oracle fast``): the same fp16 rounding of the
-    input and of the result around :func:`fast.model.gelu_tanh` computed in float32, and the same clamps.
+    """:func:`gelu_fp16_table` for the fast twin (``g4h parity --oracle fast``): the same table, read at the fp16
+    bit pattern of ``x``, and the same clamps.
 
     Args:
         x: float tensor, any shape and device.
@@ -55,9 +103,10 @@ def gelu_fp16_table_fast(x: torch.Tensor) -> torch.Tensor:
     Returns:
         A tensor of ``x``'s shape and dtype.
     """
-    h = x.to(torch.float16).to(torch.float32)
-    table = _exact_gelu_fast(h).to(torch.float16).to(x.dtype)
-    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, table))
+    table = torch.from_numpy(gelu_table()).to(device=x.device, dtype=x.dtype)
+    bits = x.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    looked = table[bits]
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, looked))
 
 
 @contextlib.contextmanager
@@ -84,6 +133,147 @@ def llamacpp_numerics() -> Iterator[None]:
 def fp16(x: np.ndarray) -> np.ndarray:
     """Values rounded to fp16 and back to float64. [...] -> [...]."""
     return np.asarray(x, dtype=np.float64).astype(np.float16).astype(np.float64)
+
+
+def fp32(x: np.ndarray) -> np.ndarray:
+    """Values rounded to fp32 and back to float64. [...] -> [...]."""
+    return np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """Values rounded to bfloat16 (round to nearest even) and back to float64. [...] -> [...]."""
+    f = np.ascontiguousarray(np.asarray(x, dtype=np.float64).astype(np.float32))
+    u = f.view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+KV_ROUNDING = {"float32": fp32, "float16": fp16, "bfloat16": bf16}
+"""A KV cache type -> the rounding of what is stored in it (float64: none)."""
+
+FA_TILE_Q = 64
+"""``GGML_FA_TILE_Q`` (``ggml/src/ggml-cpu/common.h``): a flash-attention call with at least this many query rows
+goes through ``ggml_compute_forward_flash_attn_ext_tiled`` (the query kept in fp32, K/V read back to fp32, fp32
+accumulators); fewer rows (every decode step) through ``..._f16_one_chunk`` (the query rounded to fp16, an fp16
+output accumulator)."""
+
+
+def attention_kv_rounded(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+                         window: int | None, scale: float, q_block: np.ndarray | None = None,
+                         k_block: np.ndarray | None = None, *, kv: str = "float16",
+                         operands: bool = False) -> np.ndarray:
+    """:func:`reference.model.attention` over a KV cache that stores K and V as ``kv`` (``float16``,
+    ``bfloat16``, ``float32``): both are rounded once, as stored.
+
+    With ``operands`` (llama.cpp without flash attention on a 16-bit cache, ``attn_fp16_operands``): the products
+    ``K·Q`` and ``V·softmax`` are ``ggml_mul_mat`` calls whose first operand is the 16-bit cache, and on x86 the
+    CPU backend converts the f32 second operand to the cache's ``vec_dot_type`` first (``ggml_compute_forward_mul_mat``
+    in ``ggml/src/ggml-cpu/ggml-cpu.c``; tinyBLAS takes F16 x F16 only, ``llamafile/sgemm.cpp``): the query and
+    the softmax weights are rounded to that type too; sums stay fp32 (here float64); the graph is
+    ``llm_graph_context::build_attn_mha`` in ``src/llama-graph.cpp``. Queries go in blocks as in the reference.
+    [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], window, scale, [T], [S] -> [T, H*D].
+    """
+    r = KV_ROUNDING[kv]
+    k, v = r(k), r(v)
+    if not operands:
+        return _exact_attention(q, k, v, q_pos, k_pos, window, scale, q_block, k_block)
+    T, H, D = q.shape
+    group = H // k.shape[1]
+    out = np.empty((T, H, D))
+    for lo in range(0, T, rm.ATTENTION_BLOCK):
+        qp = q_pos[lo:lo + rm.ATTENTION_BLOCK]
+        qb = None if q_block is None else q_block[lo:lo + rm.ATTENTION_BLOCK]
+        allowed = rm.attention_mask(qp, k_pos, window, qb, k_block)  # [t, S]
+        reach = allowed.any(axis=0)
+        kh = np.repeat(k[reach], group, axis=1)
+        vh = np.repeat(v[reach], group, axis=1)
+        scores = np.einsum("thd,shd->hts", r(q[lo:lo + rm.ATTENTION_BLOCK]), kh) * scale
+        p = r(rm.softmax(np.where(allowed[:, reach][None], scores, -np.inf)))
+        out[lo:lo + rm.ATTENTION_BLOCK] = np.einsum("hts,shd->thd", p, vh)
+    return out.reshape(T, H * D)
+
+
+def attention_flash_fp16(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+                         window: int | None, scale: float, q_block: np.ndarray | None = None,
+                         k_block: np.ndarray | None = None) -> np.ndarray:
+    """:func:`reference.model.attention` as llama.cpp's CPU flash attention computes it (``ggml_flash_attn_ext``,
+    ``ggml/src/ggml-cpu/ops.cpp``; ``build_attn_mha`` casts an F32 cache to F16 first, so K and V are always fp16).
+
+    A call with at least :data:`FA_TILE_Q` query rows (a long prompt) takes the tiled kernel: the query in fp32,
+    K and V read back to fp32, an fp32 online softmax: the exact attention over fp16 K/V. A call with fewer rows
+    (every decode step, short prompts) takes ``ggml_compute_forward_flash_attn_ext_f16_one_chunk``: the query is
+    rounded to fp16, each score is an fp16 dot product summed in fp32, and the keys are visited in order with an
+    online softmax whose output accumulator ``VKQ16`` is **fp16**: on a new maximum it is rescaled
+    (``ggml_vec_scale_f16``) and every key adds ``v * exp(s - M)`` to it (``ggml_vec_mad_f16``), each step rounded
+    to fp16; the sum of weights stays fp32; the result is divided by it at the end. Emulated here step by step, in
+    key order (position order: the order of a sequence's cells in a fresh KV cache), with the fp32 values rounded
+    to fp32. [T, H, D], [S, Hkv, D], [S, Hkv, D], [T], [S], window, scale, [T], [S] -> [T, H*D].
+    """
+    T, H, D = q.shape
+    k, v = fp16(k), fp16(v)
+    if T >= FA_TILE_Q:
+        return _exact_attention(q, k, v, q_pos, k_pos, window, scale, q_block, k_block)
+    group = H // k.shape[1]
+    allowed = rm.attention_mask(q_pos, k_pos, window, q_block, k_block)  # [T, S]
+    kh, vh = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = fp32(np.einsum("thd,shd->ths", fp16(q), kh) * scale)  # [T, H, S]
+    acc = np.zeros((T, H, D))
+    big_m = np.full((T, H), -np.inf)
+    big_s = np.zeros((T, H))
+    for j in range(kh.shape[0]):
+        ok = np.broadcast_to(allowed[:, j, None], (T, H))
+        if not ok.any():
+            continue
+        s = scores[:, :, j]
+        new = ok & (s > big_m)
+        with np.errstate(invalid="ignore"):
+            ms = np.where(new, fp32(np.exp(fp32(big_m - s))), 1.0)
+            vs = np.where(new, 1.0, fp32(np.exp(fp32(s - big_m))))
+        acc = np.where(new[..., None], fp16(fp32(acc * ms[..., None])), acc)
+        acc = np.where(ok[..., None], fp16(fp32(acc + fp32(vh[j][None] * vs[..., None]))), acc)
+        big_s = np.where(ok, fp32(big_s * ms + vs), big_s)
+        big_m = np.where(new, s, big_m)
+    return (acc / big_s[..., None]).reshape(T, H * D)
+
+
+def _attention_fast(kv: str | None, operands: bool, flash: bool):
+    """:func:`fast.model.attention` under the same emulation as the reference's (``g4h parity --oracle fast``): K/V
+    rounded in the tensor's own dtype where that is all, else the reference's emulation on the block in float64
+    (the flash kernel's fp16 accumulator and the fp16 operands are the reference's functions)."""
+    def fn(q, k, v, q_pos, k_pos, window, scale, q_block=None, k_block=None, masks=None):
+        if (flash and q.shape[0] < FA_TILE_Q) or (operands and not flash):
+            args = [t.detach().double().cpu().numpy() if isinstance(t, torch.Tensor) else t
+                    for t in (q, k, v, q_pos, k_pos, window, scale, q_block, k_block)]
+            out = attention_flash_fp16(*args) if flash else attention_kv_rounded(*args, kv=kv, operands=True)
+            return torch.from_numpy(out).to(device=q.device, dtype=q.dtype)
+        dt = torch.float16 if flash or kv == "float16" else torch.bfloat16 if kv == "bfloat16" else None
+        if dt is not None:
+            k, v = k.to(dt).to(k.dtype), v.to(dt).to(v.dtype)
+        return _exact_attention_fast(q, k, v, q_pos, k_pos, window, scale, q_block, k_block, masks)
+    return fn
+
+
+@contextlib.contextmanager
+def attention_numerics(kv: str | None = None, operands: bool = False, flash: bool = False) -> Iterator[None]:
+    """While inside, the reference's :func:`reference.model.attention` stores K/V as ``kv`` (None: no rounding),
+    with ``operands`` rounds the query and softmax weights to that type (:func:`attention_kv_rounded`), and with
+    ``flash`` computes as llama.cpp's CPU flash attention (:func:`attention_flash_fp16`, whatever ``kv``); the fast
+    twin's :func:`fast.model.attention` too, when it is the oracle. Swaps the module names and restores them on exit
+    (not thread-safe)."""
+    if flash:
+        fn = attention_flash_fp16
+    elif kv in KV_ROUNDING:
+        def fn(*a, **kw):
+            return attention_kv_rounded(*a, kv=kv, operands=operands, **kw)
+    else:
+        yield
+        return
+    original, original_fast = rm.attention, fm.attention
+    rm.attention, fm.attention = fn, _attention_fast(kv, operands, flash)
+    try:
+        yield
+    finally:
+        rm.attention, fm.attention = original, original_fast
 
 
 def patch_embed_im2col_f16(x: np.ndarray, kernel: np.ndarray) -> np.ndarray:

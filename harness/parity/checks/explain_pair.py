@@ -26,12 +26,11 @@ from ..result import Figure
 from .pair import (
     GREEDY_NEW_TOKENS,
     ON_MEASURED,
-    _approximations,
     _can,
-    _emulated,
     _logits_many,
     _read_engine_trace,
     as_streams,
+    engine_numerics,
 )
 
 
@@ -104,7 +103,7 @@ def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Seq
         first.detail["explanation"] = {"status": "not_run", "line": f"not explained: the engine failed when asked "
                                        f"again ({str(e).splitlines()[0] if str(e) else type(e).__name__})"}
         return
-    approx = _emulated(_approximations(eng, kind))
+    approx = engine_numerics(eng, kind).emulation()  # the reference makes the engine's declared approximations
     try:
         expl = explain_text(runs.ref, observed, pair, DEFAULT_GATES, numerics=lambda: runs.numerics(approx),
                             budget_s=budget, top_n=TOP_N)

@@ -21,16 +21,16 @@ What is measured depends on what the engine answers:
 * greedy streams of :data:`GREEDY_NEW_TOKENS` tokens (:func:`harness.parity.compare.generation_figures`):
   ``.greedy`` by vLLM's rule, each divergence classified, and ``.max_abs_logprob`` on the agreed prefix.
 
-An engine that declares a known approximation (llama.cpp's fp16 GELU table: :data:`KIND_APPROXIMATIONS`, or a
-``cmd:`` engine's ``hello``) is gated against a reference that makes the same approximation
-(:data:`NUMERICS`); the figures against the exact reference are kept beside (``vs_exact_reference``).
+An engine that declares known approximations (llama.cpp's fp16 GELU table, a 16-bit KV cache, flash attention:
+:func:`engine_numerics`, from a ``cmd:`` engine's ``hello``, a server's dialect defaults or ``--declare``) is gated
+against a reference that makes the same approximations (:func:`harness.engines.numerics.emulate`); the figures
+against the exact reference are kept beside (``vs_exact_reference``).
 :data:`EXTRA_CHECKS` lets an engine kind add checks of its own on the same engine (a server's batch
 invariance, for instance).
 """
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -38,11 +38,13 @@ import numpy as np
 
 from reference.errors import InputError
 
-from ...core.gates import DEFAULT_GATES
+from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit
+from ...core.kld import kld_stats
+from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
 from ...engines import EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
-from ...engines.llamacpp.numerics import llamacpp_numerics
+from ...engines.numerics import KIND_NUMERICS, Numerics, emulate
 from ...engines.reference import ReferenceEngine
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
@@ -51,13 +53,6 @@ from ..result import Figure, fig, one_line
 
 GREEDY_NEW_TOKENS = 8
 """Tokens each greedy stream runs for the ``.greedy`` check (prompts with room for them in the context)."""
-
-NUMERICS: dict[str, Callable[[], ContextManager]] = {"gelu_fp16_table": llamacpp_numerics}
-"""Approximation name -> the context manager under which the reference makes it too."""
-
-KIND_APPROXIMATIONS: dict[str, tuple[str, ...]] = {"llamacpp": ("gelu_fp16_table", "quantized_activations")}
-"""The known approximations of the built-in engines (a ``cmd:`` engine declares its own in ``hello``; the names
-are :data:`harness.engines.cmd.APPROXIMATIONS`)."""
 
 QUANTIZED_ACTIVATIONS = (
     "{engine} rounds the activations of matrix products with {types} weights to their dot-product type "
@@ -113,12 +108,8 @@ class ReferenceRuns:
         self._gens: dict[tuple[tuple[str, ...], int, int], dict[str, dict[str, Any]]] = {}
 
     def numerics(self, approx: Sequence[str]) -> ContextManager:
-        """The reference under every approximation in ``approx`` that it can make (:data:`NUMERICS`), nested."""
-        stack = contextlib.ExitStack()
-        for a in approx:
-            if a in NUMERICS:
-                stack.enter_context(NUMERICS[a]())
-        return stack
+        """The reference under the emulations ``approx`` (:meth:`harness.engines.numerics.Numerics.emulation`)."""
+        return emulate(approx)
 
     def unemulated_types(self) -> list[str]:
         """The stored types of the model's matrices that are neither F32 nor float64 (``Q8_0``, ``F16`` ...):
@@ -154,6 +145,33 @@ class ReferenceRuns:
             with self.numerics(approx):
                 gens = self.oracle.generate_full([p["prompt_ids"] for p in prompts], n, top_n=top_n)
             self._gens[key] = as_streams(prompts, gens)
+        return self._gens[key]
+
+    def logprob_effect(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
+                       top_n: int = TOP_N) -> tuple[float, str | None]:
+        """How far the emulations ``approx`` move the oracle's greedy log-probs: for each prompt, the stream under
+        ``approx`` (:meth:`generations`) and the exact oracle's log-probs of the same tokens in the same contexts
+        (one forward over the prompt and the stream, teacher-forced), max |Δ| over every step's top-``top_n``.
+        Returns ``(effect, where)``; ``(0, None)`` without emulations."""
+        if not approx:
+            return 0.0, None
+        key = ("effect", approx, n, top_n, tuple(str(p["id"]) for p in prompts))
+        if key not in self._gens:
+            gens = self.generations(approx, prompts, n, top_n)
+            worst, where = 0.0, None
+            for p in prompts:
+                g = gens[str(p["id"])]
+                ids = list(p["prompt_ids"])
+                if not g["tokens"]:
+                    continue
+                lp = log_softmax(self.raw_logits((), ids + g["tokens"][:-1]))
+                for i, d in enumerate(g["logprobs"]):
+                    row = lp[len(ids) - 1 + i]
+                    for t, v in d.items():
+                        if abs(v - row[t]) > worst:
+                            worst = abs(v - row[t])
+                            where = f"request {p['id']} step {i} token {t}: {v:.6g} with, {row[t]:.6g} without"
+            self._gens[key] = (worst, where)
         return self._gens[key]
 
 
@@ -235,7 +253,7 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
         return [engine_failed(pair, e)]
     except InputError as e:  # it cannot be used as given: a command that cannot start, a server that is down
         return [_runs(pair, False, got=str(e), bad_input=True)]
-    pair = pair_name(kind, getattr(eng, "dtype", None) if kind != "fast" else None, runs.name)
+    pair = pair_name(kind, engine_numerics(eng, kind).dtype if kind != "fast" else None, runs.name)
     out: list[Figure] = []  # the figures measured so far: kept when the engine fails later
     try:
         _measure(runs, eng, kind, pair, prompts, progress, case,
@@ -255,16 +273,59 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
         if close is not None:
             close()
     about = {"engine": eng.engine, "ops": list(eng.ops)} if kind == "cmd" else {"engine": getattr(eng, "name", kind)}
-    return [_runs(pair, True, approximations=list(_approximations(eng, kind)), **about)] + out
+    numerics = engine_numerics(eng, kind)
+    return [_runs(pair, True, approximations=list(numerics.approximations), numerics=numerics.as_dict(),
+                  **about)] + out
 
 
-def _approximations(eng: Any, kind: str) -> tuple[str, ...]:
-    return tuple(getattr(eng, "approximations", None) or KIND_APPROXIMATIONS.get(kind, ()))
+def engine_numerics(eng: Any, kind: str) -> Numerics:
+    """What the engine computes: its own declaration (``eng.numerics``: a ``cmd:`` engine's ``hello``, a server's
+    dialect defaults or ``--declare``), else its kind's (:data:`harness.engines.numerics.KIND_NUMERICS`), else its
+    ``dtype`` with no approximations."""
+    own = getattr(eng, "numerics", None)
+    if isinstance(own, Numerics):
+        return own
+    if kind in KIND_NUMERICS:
+        return KIND_NUMERICS[kind]
+    dtype = str(getattr(eng, "dtype", None) or "float32").replace("torch.", "")
+    return Numerics(dtype if dtype in ("float64", "float32", "bfloat16", "float16") else "float32")
 
 
-def _emulated(approx: Sequence[str]) -> tuple[str, ...]:
-    """The approximations the reference makes too (the key of its shared outputs)."""
-    return tuple(a for a in approx if a in NUMERICS)
+def numerics_lines(checks: Sequence[dict[str, Any]]) -> list[str]:
+    """Report lines: for every pair whose ``.runs`` check carries the engine's ``numerics``, what it declared, what
+    the reference emulated, and each figure whose limit the declaration raised (the largest effect per gate)."""
+    lines: list[str] = []
+    for c in checks:
+        n = c.get("numerics")
+        if not c["gate"].endswith(".runs") or not isinstance(n, dict):
+            continue
+        pair = c["gate"][:-len(".runs")]
+        said = ", ".join(n.get("approximations") or []) or "none"
+        lines += [f"Numerics of `{pair}` ({n.get('source') or 'declared'}): {n.get('dtype')}, KV cache "
+                  f"{n.get('kv_cache')}, approximations: {said}; the reference emulates: "
+                  f"{', '.join(n.get('emulated') or []) or 'nothing'}. Each figure is gated at max(fp32 bound, 2 x "
+                  "the effect of these approximations on the same figure here: the reference with them against "
+                  "the reference without them).", ""]
+        worst: dict[str, dict[str, Any]] = {}
+        for k in checks:
+            if k["gate"].startswith(pair + ".") and k.get("effect") is not None:
+                if k["gate"] not in worst or k["effect"] > worst[k["gate"]]["effect"]:
+                    worst[k["gate"]] = k
+        if worst:
+            lines += ["| gate | largest effect of the declared approximations | its limit | worst measured |",
+                      "|---|---:|---:|---:|"]
+            for g, k in worst.items():
+                top = max((x["measured"] for x in checks if x["gate"] == g and x["measured"] == x["measured"]),
+                          default=float("nan"))
+                lines.append(f"| `{g}` | {k['effect']:.3g} | {k['limit']:.3g} | {top:.3g} |")
+            lines.append("")
+    return lines
+
+
+def near_tie_margin(logprob_limit: float) -> float:
+    """The top-1 margin below which two engines may order the best tokens differently: twice the bound on a
+    log-prob difference (each side within it), at least :data:`harness.core.gates.NEAR_TIE_MARGIN`."""
+    return max(NEAR_TIE_MARGIN, 2.0 * logprob_limit)
 
 
 def _can(eng: Any, op: str) -> bool:
@@ -280,11 +341,11 @@ def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Seque
              out: list[Figure] | None = None) -> list[Figure]:
     """The pair's figures, appended to ``out`` as they are measured (so that an engine failure keeps them)."""
     out = [] if out is None else out
-    declared = _approximations(eng, kind)
+    numerics = engine_numerics(eng, kind)
     try:
-        _measure_figures(runs, eng, kind, pair, prompts, progress, case, _emulated(declared), new_tokens, top_n, out)
+        _measure_figures(runs, eng, kind, pair, prompts, progress, case, numerics.emulation(), new_tokens, top_n, out)
     finally:
-        types = runs.unemulated_types() if "quantized_activations" in declared else []
+        types = runs.unemulated_types() if "quantized_activations" in numerics.approximations else []
         if types:
             why = QUANTIZED_ACTIVATIONS.format(engine=kind, types="/".join(types))
             for f in out:
@@ -363,20 +424,31 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                 raise _naming(e, [p])
             out += _logit_figures(runs, ours, base, approx, pair, p, logit_limit)
             if ours_trace is not None:
-                out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit))
+                exact_trace = runs.logits((), p)[1] if approx else None
+                out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit, exact_trace))
         if _can(eng, "generate"):
             context = runs.ref.cfg.context_length
             gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
             if gen_prompts:
                 progress(f"[{case}] {runs.name} vs {kind}: greedy streams of {new_tokens} tokens, top-{top_n}")
                 base_g = runs.generations(approx, gen_prompts, new_tokens, top_n)
+                effect, effect_at = runs.logprob_effect(approx, gen_prompts, new_tokens, top_n)
+                lp_limit = effect_limit(DEFAULT_GATES[f"{pair}.max_abs_logprob"], effect)
+                hints = getattr(eng, "hints", None)
+                if isinstance(hints, dict):  # a server that names some tokens by text only (llama-cpp-python)
+                    hints.update({tuple(int(t) for t in p["prompt_ids"]): (list(base_g[str(p["id"])]["tokens"]),
+                                                                           list(base_g[str(p["id"])]["logprobs"]))
+                                  for p in gen_prompts})
                 try:
                     ours_g = as_streams(gen_prompts, eng.generate_full([p["prompt_ids"] for p in gen_prompts],
                                                                        new_tokens, top_n=top_n))
                 except EngineFailure as e:
                     raise _naming(e, gen_prompts, base_g, runs.name)
-                out += generation_figures(ours_g, base_g, pair, top_n,
-                                          logprob_limit=DEFAULT_GATES[f"{pair}.max_abs_logprob"].limit)
+                figs = generation_figures(ours_g, base_g, pair, top_n, logprob_limit=lp_limit,
+                                          near_tie=near_tie_margin(lp_limit))
+                if approx:
+                    figs[1].detail.update(effect=effect, effect_at=effect_at, emulated=list(approx))
+                out += figs
                 bad = _not_greedy(ours_g)
                 if bad is not None:  # a greedy engine never picks a token below its own top-1: it samples, or lies
                     rid, i, tok, best, lp = bad
@@ -419,24 +491,42 @@ def _read_engine_trace(eng: Any, p: dict[str, Any], tmp: Path) -> Trace:
 def _logit_figures(runs: ReferenceRuns, ours: np.ndarray, base: np.ndarray, approx: tuple[str, ...], pair: str,
                    p: dict[str, Any], limit: float) -> list[Figure]:
     """:func:`logit_figures` of one prompt, with the worst position named and the first position whose
-    max |Δlogit| is above ``limit`` (``logits@position N``), and, under an approximation, the same figures
-    against the exact reference beside."""
-    figs = logit_figures(ours, base, pair, p["id"])
+    max |Δlogit| is above the gate's limit (``logits@position N``), and, under emulations, the *effect*: how far
+    they move the oracle's logits and KLD (the oracle with them against the oracle without them), which raises the
+    gates (:func:`harness.core.gates.effect_limit`), and the same figures against the exact oracle beside
+    (``vs_exact_reference``). ``limit``: the max |Δlogit| gate's base limit."""
+    effect = e_kld = 0.0
+    exact = None
+    if approx:  # the oracle (reference or fast) without the emulation
+        exact, _ = runs.logits((), p)
+        effect = float(np.max(np.abs(base - exact)))
+        e_kld = float(kld_stats(exact, base).mean_kld)
+        limit = max(limit, effect_limit(DEFAULT_GATES[f"{pair}.max_abs_logit"], effect))
+    figs = logit_figures(ours, base, pair, p["id"], near_tie=near_tie_margin(limit))
     pos, tok = figs[0].detail["max_abs_logit_at"]
     figs[0].detail["why"] = (f"worst at position {pos} (token {tok}): {ours[pos, tok]:.6g} vs {runs.name} "
                              f"{base[pos, tok]:.6g}")
     beyond = np.nonzero(~(np.max(np.abs(ours - base), axis=1) <= limit))[0]
     figs[0].detail["first_divergence"] = f"logits@position {int(beyond[0])}" if beyond.size else None
-    if approx:  # ``vs_exact_reference``: the oracle (reference or fast) without the emulation
-        exact, _ = runs.logits((), p)
+    if exact is not None:
+        figs[0].detail.update(effect=effect, emulated=list(approx))
+        figs[1].detail.update(effect=e_kld, effect_power=2, emulated=list(approx))
         for f, e in zip(figs, logit_figures(ours, exact, pair, p["id"])):
             f.detail["vs_exact_reference"] = e.measured
     return figs
 
 
-def _layer_figure(ours: Trace, base: Trace, pair: str, p: dict[str, Any], limit: float) -> Figure:
-    """``<pair>.layer_rel_l2`` of one prompt: the worst trace point and the first beyond ``limit``
-    (relative L2 with tensors on both sides, else the checksum lower bound)."""
+def _layer_figure(ours: Trace, base: Trace, pair: str, p: dict[str, Any], limit: float,
+                  exact: Trace | None = None) -> Figure:
+    """``<pair>.layer_rel_l2`` of one prompt: the worst trace point and the first beyond the gate's limit
+    (relative L2 with tensors on both sides, else the checksum lower bound). With ``exact`` (the oracle's trace
+    without the emulations that ``base`` makes), the effect of the emulations on the trace points raises the limit
+    (:func:`harness.core.gates.effect_limit`)."""
+    effect = None
+    if exact is not None:
+        moved = compare(base, exact, DivergenceRule(tol=limit)).rows
+        effect = max((r.err for r in moved if r.err == r.err), default=0.0)
+        limit = max(limit, effect_limit(DEFAULT_GATES[f"{pair}.layer_rel_l2"], effect))
     res = compare(ours, base, DivergenceRule(tol=limit))
     if not res.rows:
         return fig(f"{pair}.layer_rel_l2", float("nan"), p["id"], got="no trace point in common with the reference",
@@ -447,4 +537,5 @@ def _layer_figure(ours: Trace, base: Trace, pair: str, p: dict[str, Any], limit:
                first_divergence=None if first is None else first.where,
                basis=sorted({r.basis for r in res.rows}),
                **({"why": f"first divergence {first.where}: {first.why}"} if first else {}),
+               **({"effect": effect} if effect is not None else {}),
                missing=res.only_b[:20], per_point=[[r.point, r.layer, r.err] for r in res.rows])

@@ -4,8 +4,11 @@ The server (:class:`harness.engines.openai.OpenAIEngine`: llama-server, llama-cp
 more engine of the pair checks (:func:`harness.parity.checks.pair.pair_checks`, pair ``reference~openai``): its
 greedy streams are judged there against the reference's by vLLM's rule (``reference~openai.greedy``, each
 divergence a near-tie or a fault naming the request, the step and both tokens; a token that is not the server's
-own top-1 is a fault) and by ``reference~openai.max_abs_logprob`` (shared top-5 on the agreed prefix). A server
-built on llama.cpp declares llama.cpp's approximations, so the reference emulates its fp16 GELU table.
+own top-1 is a fault) and by ``reference~openai.max_abs_logprob`` (shared top-5 on the agreed prefix). The server's
+numerics are its dialect's defaults or what ``--declare`` states (:data:`harness.engines.numerics.DIALECT_NUMERICS`:
+llama-server with its fp16 GELU table, an f16 KV cache and flash attention; llama-cpp-python with the table and an
+f16 KV cache); the reference makes those approximations too, and each figure is gated at ``max(fp32 bound, 2 x
+their effect on this model)`` (:data:`harness.core.gates.EFFECT_FACTOR`).
 
 This module adds the checks only a server has (:data:`harness.parity.checks.pair.EXTRA_CHECKS` ``["openai"]``,
 :func:`server_checks`), each a figure with a gate in ``harness/core/gates.py``:
@@ -24,6 +27,10 @@ This module adds the checks only a server has (:data:`harness.parity.checks.pair
    the log-probs of the prompt's own tokens and the top-5 at each position against the reference's.
 6. **chat template** (``server.chat_template``): the ids the server evaluates for a chat request against our
    Gemma 4 chat format (:func:`reference.chat.render`).
+
+A check the dialect does not offer (llama-cpp-python's chat template, llama-server's prompt log-probs) is reported as
+"not offered by <dialect>" and does not fail the run; ``--require server-template`` (``server-prompt-logprobs``)
+makes it fail (:data:`REQUIRABLE`). A check the server offers and gets wrong fails either way.
 
 A server that is down or silent when the pair starts raises :class:`~harness.engines.openai.ServerError` (an
 :class:`InputError`: the URL cannot be used, exit 2). Once it serves, a request that fails (an error status, no
@@ -49,11 +56,11 @@ import pandas as pd
 from reference.chat import BOS as BOS_TEXT
 from reference.chat import render
 from reference.errors import InputError, PromptError
-from reference.tokenizer import BYTE, NORMAL, GGUFTokenizer
+from reference.tokenizer import BYTE, NORMAL, GGUFTokenizer, read_gguf_metadata
 
 from ... import synth
 from ...core.cases import PROMPTS, prompt_id
-from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN
+from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, gate_for
 from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure
@@ -62,13 +69,24 @@ from ...engines.openai import OpenAIEngine, ServerGenerated
 from ...tokenizer.files import load_tokenizer_metadata
 from ..compare import generation_figures
 from ..result import Figure, fig
-from .pair import EXTRA_CHECKS, NUMERICS, QUANTIZED_ACTIVATIONS, ReferenceRuns
+from .pair import (
+    EXTRA_CHECKS,
+    QUANTIZED_ACTIVATIONS,
+    ReferenceRuns,
+    engine_numerics,
+    near_tie_margin,
+    numerics_lines,
+)
 
-__all__ = ["SERVER_CHECKS", "ServerOptions", "load_user_prompts", "report_lines", "server_checks", "spec_gates",
-           "with_prompt_ids"]
+__all__ = ["REQUIRABLE", "SERVER_CHECKS", "ServerOptions", "load_user_prompts", "report_lines", "server_checks",
+           "spec_gates", "with_prompt_ids"]
 
 SERVER_CHECKS = ("server-batch", "server-stream", "server-stop", "server-template")
 """Server checks a user may opt out of with ``--skip`` (the greedy and log-prob figures always run)."""
+
+REQUIRABLE = ("server-template", "server-prompt-logprobs")
+"""Server checks a dialect may not offer (llama-cpp-python has no chat-template endpoint, llama-server no prompt
+log-probs): reported as "not offered by <dialect>" without failing the run, unless ``--require`` names them."""
 
 #: Conversations for the chat-template check (plain turns: what every server's template endpoint takes).
 CHAT_CASES: tuple[tuple[str, list[dict[str, str]]], ...] = (
@@ -105,6 +123,8 @@ class ServerOptions:
         stagger_s: seconds between the starts of two batch requests; None: the median time of one request sent
             alone over ``concurrency``.
         skip: checks opted out (:data:`SERVER_CHECKS`) [``--skip``].
+        require: checks a dialect may not offer that must run all the same (:data:`REQUIRABLE`): one the server does
+            not offer then fails instead of being reported as "not offered by <dialect>" [``--require``].
         top_n: vLLM's N: log-probabilities asked per step of every engine and kept by the oracle; a divergent
             token passes the greedy rule when each side's token is in the other's top-N [``--top-n``].
     """
@@ -115,6 +135,7 @@ class ServerOptions:
     stagger_s: float | None = None
     skip: tuple[str, ...] = field(default_factory=tuple)
     top_n: int = TOP_N
+    require: tuple[str, ...] = field(default_factory=tuple)
 
     def check(self) -> None:
         """Refuse values that cannot work.
@@ -126,6 +147,9 @@ class ServerOptions:
                         ("--concurrency", self.concurrency), ("--top-n", self.top_n)):
             if int(v) < 1:
                 raise InputError(f"{flag} {v}: expected >= 1")
+        bad = [r for r in self.require if r not in REQUIRABLE]
+        if bad:
+            raise InputError(f"--require {bad[0]!r}: expected one of {', '.join(REQUIRABLE)}")
 
 
 def load_user_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
@@ -198,6 +222,10 @@ class OracleStream:
         prompt_eos: ``(position, margin)`` inside the prompt (not its last) where the greedy next token is EOS.
         prompt_lp: per prompt position ``i >= 1``, the log-prob of the prompt's token ``i`` after the ones before it,
             and the top-5 ``{id: logprob}`` there (index 0 is None: nothing precedes the first token).
+        prompt_effect: how far the emulated approximations move ``prompt_lp`` (the same entries from the exact
+            reference, max |Δ|; 0 without emulation), and where.
+        near_tie: the top-1 margin below which a parting from this stream is a near-tie
+            (:func:`harness.parity.checks.pair.near_tie_margin` of the pair's log-prob limit).
     """
 
     tokens: list[int]
@@ -206,13 +234,17 @@ class OracleStream:
     logprobs: list[dict[int, float]]
     prompt_eos: list[tuple[int, float]]
     prompt_lp: list[tuple[float, dict[int, float]] | None] = field(default_factory=list)
+    prompt_effect: tuple[float, str | None] = (0.0, None)
+    near_tie: float = NEAR_TIE_MARGIN
 
 
 def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
-                   eos_ids: set[int], top_n: int = TOP_N) -> dict[str, OracleStream]:
+                   eos_ids: set[int], top_n: int = TOP_N,
+                   near_tie: float = NEAR_TIE_MARGIN) -> dict[str, OracleStream]:
     """The oracle's streams of ``n`` tokens with their top-``top_n`` log-probs (shared with the pair check,
     :meth:`ReferenceRuns.generations`) and, from one forward over each prompt, the prompt positions whose greedy
-    next token is EOS; under ``approx``."""
+    next token is EOS and the prompt's log-probs; under the emulations ``approx``, whose effect on the prompt's
+    log-probs is measured against one more forward without them."""
     gens = runs.generations(approx, prompts, n, top_n)
     out = {}
     for p in prompts:
@@ -220,9 +252,10 @@ def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequen
         top = [sorted(d.items(), key=lambda kv: -kv[1]) for d in g["logprobs"]]
         margin = [t[0][1] - t[1][1] if len(t) > 1 else float("inf") for t in top]
         ids = list(p["prompt_ids"])
-        sites, plp = [], [None]
+        sites, plp, effect = [], [None], (0.0, None)
         if len(ids) > 1:
             lp = log_softmax(runs.raw_logits(approx, ids[:-1]))
+            exact = log_softmax(runs.raw_logits((), ids[:-1])) if approx else lp
             for j in np.nonzero(np.isin(np.argmax(lp, axis=1), list(eos_ids)))[0] if eos_ids else ():
                 srt = np.sort(lp[j])
                 sites.append((int(j), float(srt[-1] - srt[-2])))
@@ -230,7 +263,13 @@ def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequen
                 row = lp[i - 1]
                 best = np.argsort(-row, kind="stable")[:top_n]
                 plp.append((float(row[ids[i]]), {int(k): float(row[k]) for k in best}))
-        out[str(p["id"])] = OracleStream(list(g["tokens"]), top, margin, list(g["logprobs"]), sites, plp)
+                for k in (ids[i], *best):
+                    d = abs(float(row[k] - exact[i - 1][k]))
+                    if d > effect[0]:
+                        effect = (d, f"request {p['id']} position {i} token {int(k)}: {row[k]:.6g} with, "
+                                     f"{exact[i - 1][k]:.6g} without")
+        out[str(p["id"])] = OracleStream(list(g["tokens"]), top, margin, list(g["logprobs"]), sites, plp, effect,
+                                         near_tie)
     return out
 
 
@@ -256,6 +295,20 @@ def _our_tokenizer(path: str | Path) -> GGUFTokenizer:
     if not src.is_file():
         raise InputError(f"{p}: no tokenizer.json in this folder (the text prompts and chat checks need one)")
     return GGUFTokenizer(load_tokenizer_metadata(src), source=str(src))
+
+
+def _states_template(path: str | Path) -> bool:
+    """Whether the model states its chat template: a GGUF's ``tokenizer.chat_template``, an HF folder's
+    ``chat_template`` in ``tokenizer_config.json`` or a ``chat_template.jinja`` beside it."""
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return bool(read_gguf_metadata(p).get("tokenizer.chat_template"))
+    if (p / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _eos_ids(tok: GGUFTokenizer, path: str | Path) -> set[int]:
@@ -359,7 +412,8 @@ def _run_staggered(eng: OpenAIEngine, prompts: Sequence[list[int]], n: int, top_
 
 
 def batch_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, list[int]],
-                  alone: dict[str, ServerGenerated], alone_s: dict[str, float], opts: ServerOptions) -> list[Figure]:
+                  alone: dict[str, ServerGenerated], alone_s: dict[str, float], opts: ServerOptions,
+                  near_tie: float = NEAR_TIE_MARGIN) -> list[Figure]:
     """``server.batched~alone.greedy`` (and ``.max_abs_logprob``, reported): ``opts.batch_requests`` requests
     (the prompts in turn) started ``opts.stagger_s`` apart at ``opts.concurrency``, each against its alone answer.
     ``opts.stagger_s`` None: the median seconds of one alone request (``alone_s``) over the concurrency, so that
@@ -376,7 +430,7 @@ def batch_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, li
                                       opts.concurrency, stagger, [f"{k} (batch invariance)" for k in keys])
     ours = {k: _as_gen(g.tokens, g.top) for k, g in zip(keys, together)}
     theirs = {k: _as_gen(alone[r].tokens, alone[r].top) for k, r in zip(keys, rids)}
-    figs = generation_figures(ours, theirs, "server.batched~alone", opts.top_n)
+    figs = generation_figures(ours, theirs, "server.batched~alone", opts.top_n, near_tie=near_tie)
     bit = sum(g.tokens == alone[r].tokens and g.top == alone[r].top for g, r in zip(together, rids))
     figs[0].detail.update(requests=len(rids), concurrency=opts.concurrency, stagger_s=round(stagger, 4),
                           bit_identical=bit, **timing)
@@ -388,28 +442,35 @@ def stream_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, l
     """``server.stream~nostream.same_tokens``: each prompt streamed, against its alone answer: the same number of
     steps, the same id at every step the stream names (llama-server leaves out the ids of steps whose text ends
     inside a UTF-8 character), and the same text where that text is valid UTF-8 (a stream holds back bytes that
-    never complete a character, where the whole answer shows U+FFFD)."""
+    never complete a character, where the whole answer shows U+FFFD). llama-cpp-python streams each token's text
+    decoded alone (``errors="ignore"``): its stream must give the steps' own texts (:attr:`ServerGenerated.pieces`),
+    and where the whole text holds a character whose bytes span tokens the row notes the difference.
+    """
     rows = []
     worst = 0.0
     for rid in order:
         s = _named(f"{rid} (streamed)", eng.complete, prompts[rid], opts.max_new_tokens, opts.top_n, stream=True,
                    gaps=True)
         a = alone[rid]
-        bad = None
+        bad = note = None
         if len(s.tokens) != len(a.tokens):
             bad = f"{len(s.tokens)} steps streamed, {len(a.tokens)} without streaming"
         else:
             i = next((i for i, (x, y) in enumerate(zip(s.tokens, a.tokens)) if x != -1 and x != y), None)
             if i is not None:
                 bad = f"step {i}: streamed {s.tokens[i]}, not streamed {a.tokens[i]}"
-            elif s.text != a.text and "\ufffd" not in a.text:
+            elif s.text != a.text and "\ufffd" not in a.text and not (a.pieces and s.text == "".join(a.pieces)):
                 j = _first_difference([ord(c) for c in s.text], [ord(c) for c in a.text])
                 bad = f"texts differ at character {j if j is not None else min(len(s.text), len(a.text))}"
+            elif s.text != a.text and a.pieces and s.text == "".join(a.pieces):
+                note = ("the stream's text is each token's own text (llama-cpp-python decodes every streamed token "
+                        "alone and drops bytes that are no whole character), so a character whose bytes span "
+                        f"tokens is not streamed: whole {a.text!r}, streamed {s.text!r}")
         for sa, sb in zip(s.top, a.top):
             db = dict(sb)
             worst = max([worst] + [abs(v - db[t]) for t, v in sa if t in db])
         rows.append({"request": rid, "ok": bad is None, "steps_named": sum(t != -1 for t in s.tokens),
-                     **({"why": bad} if bad else {})})
+                     **({"why": bad} if bad else {}), **({"note": note} if note else {})})
     faults = [r for r in rows if not r["ok"]]
     why = f"request {faults[0]['request']} {faults[0]['why']}" if faults else None
     return [fig("server.stream~nostream.same_tokens", 1.0 - len(faults) / max(1, len(rows)), None,
@@ -427,7 +488,7 @@ def _stop_verdict(tokens: Sequence[int], finish: str | None, o: OracleStream, st
     limit = n if stop_at is None else stop_at
     i = _first_difference(got[:limit], o.tokens[:limit])
     if i is not None:
-        kind = "near-tie" if o.margin[i] < NEAR_TIE_MARGIN else "fault"
+        kind = "near-tie" if o.margin[i] < o.near_tie else "fault"
         return kind, f"step {i}: server {got[i]}, oracle {o.tokens[i]} (oracle margin {o.margin[i]:.3g})"
     want_finish = "length" if stop_at is None else "stop"
     if len(got) == limit and finish == want_finish:
@@ -435,11 +496,11 @@ def _stop_verdict(tokens: Sequence[int], finish: str | None, o: OracleStream, st
     k = len(got)
     if stop_at is None or k < stop_at:  # stopped early at step k, where the oracle goes on
         eos_lp = max((o.logprobs[k].get(e, -np.inf) for e in eos_ids), default=-np.inf) if k < len(o.tokens) else None
-        near = eos_lp is not None and o.top[k][0][1] - eos_lp < NEAR_TIE_MARGIN
+        near = eos_lp is not None and o.top[k][0][1] - eos_lp < o.near_tie
         why = (f"step {k}: server stopped ({finish}), oracle continues with {o.tokens[k]}" if k < len(o.tokens)
                else f"{k} tokens, finish_reason {finish!r}, expected {limit} and {want_finish!r}")
         return ("near-tie" if near else "fault"), why
-    near = o.margin[stop_at] < NEAR_TIE_MARGIN
+    near = o.margin[stop_at] < o.near_tie
     return ("near-tie" if near else "fault"), (f"step {stop_at}: oracle stops (EOS {o.tokens[stop_at]}), server "
                                                f"gave {len(got)} tokens, finish_reason {finish!r}")
 
@@ -498,7 +559,7 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
             g = _named(f"{rid} (stop {word_s!r})", eng.complete, prompts[rid], n, top_n, stop=[word_s])
             i = _first_difference(g.tokens[:k], o.tokens[:k])
             if i is not None:
-                kind = "near-tie" if o.margin[i] < NEAR_TIE_MARGIN else "fault"
+                kind = "near-tie" if o.margin[i] < o.near_tie else "fault"
                 why = f"step {i}: server {g.tokens[i]}, oracle {o.tokens[i]} (oracle margin {o.margin[i]:.3g})"
             elif g.finish_reason == "stop" and g.text == text:
                 kind, why = "ok", ""
@@ -508,7 +569,8 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
             rows.append({"request": rid, "stop": word_s, "step": k, "kind": kind, "why": why})
             break
     out.append(_stop_figure("server.stop.string", rows) if rows else
-               _not_run("server.stop.string", "no continuation holds a plain-text token to use as a stop string"))
+               fig("server.stop.string", float("nan"), None, not_measured="no continuation of the reference holds a "
+                   "plain-text token to use as a stop string (this model's greedy tokens are byte or special tokens)"))
 
     # EOS: prompt prefixes whose next greedy token is EOS, continuations that reach EOS, and some that never do.
     rows = []
@@ -518,7 +580,7 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
                    ignore_eos=False)
         got = [t for t in g.tokens if t not in eos_ids] if g.finish_reason == "stop" else g.tokens
         ok = g.finish_reason == "stop" and not got
-        kind = "ok" if ok else ("near-tie" if margin < NEAR_TIE_MARGIN else "fault")
+        kind = "ok" if ok else ("near-tie" if margin < oracle[rid].near_tie else "fault")
         rows.append({"request": f"{rid}[:{j + 1}]", "eos_at": 0, "kind": kind,
                      "why": "" if ok else f"step 0: oracle stops (EOS), server gave {g.tokens[:4]}, "
                                           f"finish_reason {g.finish_reason!r}"})
@@ -534,17 +596,22 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
 
 
 def prompt_logprob_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, list[int]],
-                           oracle: dict[str, OracleStream], limit: float, top_n: int = TOP_N) -> list[Figure]:
+                           oracle: dict[str, OracleStream], limit: float, top_n: int = TOP_N,
+                           required: bool = False) -> list[Figure]:
     """``server.prompt_logprobs``: the log-probs the server reports for each prompt's own tokens (vLLM
     ``prompt_logprobs``, llama-cpp-python ``echo``; :meth:`OpenAIEngine.prompt_logprobs`) against the reference's:
-    max |Δ| over the prompt token's log-prob and the shared top-``top_n`` at every position both report, the worst place
-    and the first beyond ``limit`` (the gate's) named. A dialect that offers none (llama-server) gives an
-    informational figure saying so."""
+    max |Δ| over the prompt token's log-prob and the shared top-``top_n`` at every position both report, the worst
+    place and the first beyond the gate's limit named. ``limit``: the gate's base limit; the figure carries the
+    ``effect`` of the emulated approximations on these log-probs (:class:`OracleStream`), which raises it
+    (:func:`harness.core.gates.effect_limit`). A dialect that offers none (llama-server) gives an informational
+    figure saying "not offered by llama-server", a failing one with ``required`` (``--require
+    server-prompt-logprobs``)."""
     gate = "server.prompt_logprobs"
     if eng.dialect == "llama-server":
-        why = ("llama-server offers no prompt log-probabilities (/v1/completions ignores echo; /completion reports "
-               "generated tokens only)")
-        return [fig(gate, float("nan"), None, got=f"not offered: {why}", informational_reason=why)]
+        return [_not_offered(gate, "llama-server", "no prompt log-probabilities (/v1/completions ignores echo; "
+                             "/completion reports generated tokens only)", "server-prompt-logprobs", required)]
+    effect, effect_at = max((oracle[rid].prompt_effect for rid in order), key=lambda e: e[0], default=(0.0, None))
+    limit = effect_limit(DEFAULT_GATES[gate], effect) if effect else limit
     worst, worst_at, first, positions = 0.0, None, None, 0
     for rid in order:
         theirs = _named(f"{rid} (prompt log-probs)", eng.prompt_logprobs, prompts[rid], top_n)
@@ -565,7 +632,18 @@ def prompt_logprob_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dic
     return [fig(gate, worst, None, positions=positions,
                 **({"not_measured": "no prompt position has log-probs on both sides"} if not positions else {}),
                 **({"worst_at": worst_at, "why": f"largest at {worst_at}"} if worst_at else {}),
-                **({"first_divergence": first} if first else {}))]
+                **({"first_divergence": first} if first else {}),
+                **({"effect": effect, "effect_at": effect_at} if effect else {}))]
+
+
+def _not_offered(gate: str, dialect: str, what: str, name: str, required: bool) -> Figure:
+    """A check the dialect does not offer: informational ("not offered by <dialect>"), or, when the user required it
+    (``--require NAME``), a failing figure saying so."""
+    got = f"not offered by {dialect}: {what}"
+    if required:
+        return fig(gate, float("nan"), None, got=f"{got} (required with --require {name})",
+                   why=f"{got}; --require {name} makes that a failure")
+    return fig(gate, float("nan"), None, got=got, informational_reason=f"{got} (--require {name} makes it fail)")
 
 
 def template_figures(eng: OpenAIEngine, tok: GGUFTokenizer) -> list[Figure]:
@@ -654,14 +732,16 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
     alone = {rid: a[0] for rid, a in answers.items()}
     alone_s = {rid: a[1] for rid, a in answers.items()}
     eos_ids = _eos_ids(tok, path)
-    approx = tuple(a for a in getattr(eng, "approximations", ()) if a in NUMERICS)
-    o_streams = oracle_streams(runs, approx, fit, n, eos_ids, opts.top_n)
+    approx = engine_numerics(eng, "openai").emulation()
+    lp_effect, _ = runs.logprob_effect(approx, fit, n, opts.top_n)
+    near_tie = near_tie_margin(effect_limit(gate_for(DEFAULT_GATES, f"{pair}.max_abs_logprob"), lp_effect))
+    o_streams = oracle_streams(runs, approx, fit, n, eos_ids, opts.top_n, near_tie)
 
     if "server-batch" in opts.skip:
         out.append(_opted_out("server.batched~alone.greedy", "server-batch"))
     else:
         progress(f"{pair}: batch invariance, {opts.batch_requests} requests at concurrency {opts.concurrency}")
-        out += batch_figures(eng, order, usable, alone, alone_s, opts)
+        out += batch_figures(eng, order, usable, alone, alone_s, opts, near_tie)
     if "server-stream" in opts.skip:
         out.append(_opted_out("server.stream~nostream.same_tokens", "server-stream"))
     else:
@@ -672,15 +752,22 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
                                                        "server.stop.eos")]
     else:
         progress(f"{pair}: stop: max_tokens, a stop string, EOS")
-        out += stop_figures(eng, tok, eos_ids, order, usable, alone, o_streams, opts)
+        out += _quantized(stop_figures(eng, tok, eos_ids, order, usable, alone, o_streams, opts), eng, runs)
     progress(f"{pair}: prompt log-probs, server vs {runs.name}")
     out += _quantized(prompt_logprob_figures(eng, order, usable, o_streams,
-                                             DEFAULT_GATES["server.prompt_logprobs"].limit, opts.top_n), eng, runs)
+                                             DEFAULT_GATES["server.prompt_logprobs"].limit, opts.top_n,
+                                             "server-prompt-logprobs" in opts.require), eng, runs)
     if "server-template" in opts.skip:
         out.append(_opted_out("server.chat_template", "server-template"))
     elif eng.dialect == "llama-cpp-python":
-        out.append(_not_run("server.chat_template", "llama-cpp-python offers no endpoint that renders or tokenizes "
-                                                    "a chat template; opt out: --skip server-template"))
+        out.append(_not_offered("server.chat_template", "llama-cpp-python", "no endpoint renders or tokenizes a "
+                                "chat template", "server-template", "server-template" in opts.require))
+    elif not _states_template(path) and "server-template" not in opts.require:
+        why = (f"{Path(path).name} states no chat template (tokenizer.chat_template), so the server renders its own "
+               "fallback (llama-server: ChatML), which is not this model's format; give the server the template "
+               "(--chat-template-file) and --require server-template to check it")
+        out.append(fig("server.chat_template", float("nan"), None, got=f"not judged: {why}",
+                       informational_reason=f"not judged: {why}"))
     else:
         progress(f"{pair}: chat template, server vs ours")
         out += template_figures(eng, tok)
@@ -688,8 +775,10 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
 
 
 def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> list[Figure]:
-    """Log-prob figures of a server that rounds activations for quantized weights, on such a file: informational
-    with the reason the pair's own figures carry (:data:`harness.parity.checks.pair.QUANTIZED_ACTIVATIONS`)."""
+    """Figures judged against the oracle's numbers or streams (prompt log-probs; stop and EOS, whose streams part from
+    the oracle's where the server's rounding decides a token the other way) of a server that rounds activations for
+    quantized weights, on such a file: informational with the reason the pair's own figures carry
+    (:data:`harness.parity.checks.pair.QUANTIZED_ACTIVATIONS`)."""
     types = runs.unemulated_types() if "quantized_activations" in getattr(eng, "approximations", ()) else []
     if types:
         for f in figs:
@@ -710,11 +799,12 @@ def _md_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def report_lines(case: dict[str, Any]) -> list[str]:
-    """Markdown lines for a case with a server pair in ``report.md`` (after its checks table): the server, its
-    dialect and model; the requests that part from the reference; the batch-invariance run per request. Empty for
-    other cases."""
+    """Markdown lines for a case in ``report.md`` (after its checks table): each engine's declared numerics and the
+    bounds they set (:func:`harness.parity.checks.pair.numerics_lines`); for a server pair, the server, its dialect
+    and model, the requests that part from the reference, the batch-invariance run per request. Empty for a case
+    without such pairs."""
     by_gate = {c["gate"]: c for c in case.get("checks", [])}
-    lines: list[str] = []
+    lines: list[str] = numerics_lines(case.get("checks", []))
     for gate in by_gate:
         m = re.fullmatch(r"(\w+)~openai(#\d+)?\.runs", gate)
         if m:

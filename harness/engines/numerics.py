@@ -1,0 +1,207 @@
+"""What an engine declares about its numerics, and what the reference emulates of it.
+
+An engine under test computes in some precision and may make known approximations; the harness compares it with
+the float64 reference, so it must know them to tell a rounding from a fault. A :class:`Numerics` holds the
+declaration:
+
+* ``dtype``: what the engine computes in (``float64``, ``float32``, ``bfloat16``, ``float16``); a 16-bit engine
+  gets the 16-bit gates (``reference~<kind>_bf16``).
+* ``kv_cache``: what its KV cache stores (``float32``, ``float16``, ``bfloat16``; None: the compute dtype).
+* ``approximations``: known deliberate approximations, from :data:`APPROXIMATIONS`.
+
+Where it comes from (:attr:`Numerics.source`): a ``cmd:`` engine's ``hello`` reply (``docs/engine-protocol.md``),
+a server dialect's defaults (:data:`DIALECT_NUMERICS`: what ``llama-server`` and llama-cpp-python's server do
+when started as users start them), ``g4h parity --declare KEY=VALUE`` over those (:func:`declare`), or a built-in
+engine's own settings (:data:`KIND_NUMERICS`).
+
+What the harness does with it (``harness/parity/checks/pair.py``): the reference makes every approximation it can
+emulate (:meth:`Numerics.emulation`, :func:`emulate`: llama.cpp's fp16 GELU table, a 16-bit KV cache, llama.cpp's
+fp16 attention operands and its CPU flash attention), and every figure is gated at ``max(fp32 bound,
+2 x effect)``, where the *effect* is how far the declared approximations move that figure on this model (the
+reference with them against the reference without them): see ``harness/core/gates.py``, :data:`EFFECT_FACTOR`.
+An engine that declares nothing is held to the fp32 bounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Any, ContextManager, Iterable, Mapping
+
+from reference.errors import InputError
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+"""What an engine may say it computes in."""
+
+KV_CACHE_TYPES = ("float64", "float32", "float16", "bfloat16")
+"""What an engine may say its KV cache stores (emulated: the cache's values are rounded to that type)."""
+
+APPROXIMATIONS: dict[str, str] = {
+    "gelu_fp16_table": "GELU read from a table over every fp16 input (llama.cpp's CPU backend, GGML_GELU_FP16): "
+                       "emulated with ggml's own table",
+    "quantized_activations": "the activations of a matrix product with quantized or 16-bit weights are rounded to "
+                             "the weights' dot-product type first (llama.cpp: Q8_0, Q8_K, F16); not emulated, so on "
+                             "a file with such weights the figures are reported, not gated",
+    "attn_fp16_operands": "with a 16-bit KV cache, the query and the softmax weights are rounded to the cache type "
+                          "before their products with K and V (llama.cpp without flash attention: ggml_mul_mat "
+                          "converts its f32 operand to the F16 cache's vec_dot type on x86); emulated",
+    "flash_attn_fp16": "llama.cpp's CPU flash attention: K and V in fp16 (an F32 cache is cast), and for calls of "
+                       "fewer than 64 query rows (every decode step) the query in fp16 and the output accumulated in "
+                       "fp16 key by key; emulated in key order",
+}
+"""Known approximations an engine may declare, and what the harness does with each."""
+
+EMULATED = ("gelu_fp16_table", "attn_fp16_operands", "flash_attn_fp16")
+"""The approximations the reference makes too (:func:`emulate`)."""
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """An engine's declared numerics (see the module docstring).
+
+    Attributes:
+        dtype: compute dtype (:data:`DTYPES`).
+        kv_cache: KV cache storage type (:data:`KV_CACHE_TYPES`), or None for the compute dtype.
+        approximations: names from :data:`APPROXIMATIONS`, in declaration order.
+        source: where the declaration came from, for the report (``hello``, ``llama-server defaults``,
+            ``--declare``...).
+    """
+
+    dtype: str = "float32"
+    kv_cache: str | None = None
+    approximations: tuple[str, ...] = ()
+    source: str = ""
+
+    @property
+    def kv(self) -> str:
+        """The KV cache type in effect (the compute dtype when none was declared)."""
+        return self.kv_cache or self.dtype
+
+    @property
+    def sixteen_bit(self) -> bool:
+        """Whether the engine computes in 16 bits (then the 16-bit gates judge it)."""
+        return self.dtype in ("bfloat16", "float16")
+
+    def emulation(self) -> tuple[str, ...]:
+        """What the reference makes too, as a hashable key (the reference's shared outputs are kept per key):
+        ``gelu_fp16_table``; the attention as one of ``flash_attn_fp16``, ``kv_cache=<type>`` with or without
+        ``attn_fp16_operands``; empty for a 16-bit engine (its rounding is everywhere, the 16-bit gates judge it)."""
+        if self.sixteen_bit:
+            return ()
+        out = [a for a in ("gelu_fp16_table",) if a in self.approximations]
+        if "flash_attn_fp16" in self.approximations:
+            out.append("flash_attn_fp16")
+        elif self.kv in ("float16", "bfloat16"):
+            out.append(f"kv_cache={self.kv}")
+            if "attn_fp16_operands" in self.approximations:
+                out.append("attn_fp16_operands")
+        return tuple(out)
+
+    def describe(self) -> str:
+        """One line for the report: ``float32, KV cache float16, approximations: a, b (llama-server defaults)``."""
+        parts = [self.dtype, f"KV cache {self.kv}"]
+        parts.append("approximations: " + (", ".join(self.approximations) if self.approximations else "none"))
+        return ", ".join(parts) + (f" ({self.source})" if self.source else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form for ``results.json``."""
+        return {"dtype": self.dtype, "kv_cache": self.kv, "approximations": list(self.approximations),
+                "emulated": list(self.emulation()), "source": self.source}
+
+
+_LLAMACPP = ("gelu_fp16_table", "quantized_activations")
+
+DIALECT_NUMERICS: dict[str, Numerics] = {
+    # llama-server (tools/server, common/arg.cpp): --cache-type-k/-v f16, --flash-attn auto, which resolves to
+    # enabled on the CPU (llama_context's resolve_fused_ops: "Flash Attention enabled").
+    "llama-server": Numerics("float32", "float16", (*_LLAMACPP, "flash_attn_fp16"),
+                             "llama-server defaults: KV cache f16, flash attention auto (on for the CPU)"),
+    # llama-cpp-python's server (llama_cpp/server/settings.py): type_k/type_v None (llama.cpp's f16), flash_attn
+    # False.
+    "llama-cpp-python": Numerics("float32", "float16", (*_LLAMACPP, "attn_fp16_operands"),
+                                 "llama-cpp-python server defaults: KV cache f16, flash attention off"),
+    # vLLM: --dtype auto takes the checkpoint's torch_dtype, bfloat16 for Gemma checkpoints.
+    "vllm": Numerics("bfloat16", None, (), "vLLM default: dtype auto (bfloat16 for Gemma checkpoints)"),
+}
+"""What a server of each dialect computes when started with its defaults (``--declare`` changes it)."""
+
+KIND_NUMERICS: dict[str, Numerics] = {
+    "llamacpp": Numerics("float32", "float32", _LLAMACPP,
+                         "the llamacpp engine: F32 KV cache, flash attention off"),
+}
+"""The numerics of the built-in engine kinds that make approximations."""
+
+
+def check_declaration(dtype: Any, kv_cache: Any, approximations: Any, where: str) -> Numerics:
+    """A :class:`Numerics` from declared values, checked.
+
+    Raises:
+        InputError: an unknown dtype, KV cache type or approximation (``where`` names the place: ``hello``,
+            ``--declare``).
+    """
+    if dtype not in DTYPES:
+        raise InputError(f"{where}: dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if kv_cache is not None and kv_cache not in KV_CACHE_TYPES:
+        raise InputError(f"{where}: kv_cache: expected one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
+    if not isinstance(approximations, (list, tuple)) or any(a not in APPROXIMATIONS for a in approximations):
+        raise InputError(f"{where}: approximations: expected a list of {', '.join(APPROXIMATIONS)}, "
+                         f"got {approximations!r}")
+    return Numerics(dtype, kv_cache, tuple(dict.fromkeys(approximations)))
+
+
+def parse_declare(items: Iterable[str]) -> dict[str, Any]:
+    """``--declare KEY=VALUE`` options -> ``{"dtype": ..., "kv_cache": ..., "approximations": [...]}`` (only the keys
+    given). ``approximations`` takes a comma list, or ``none``; ``kv_cache`` takes ``f16``/``f32``/``bf16`` as
+    llama.cpp spells them too.
+
+    Raises:
+        InputError: not ``KEY=VALUE``, an unknown key or value (one line naming it).
+    """
+    out: dict[str, Any] = {}
+    spell = {"f16": "float16", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not value:
+            raise InputError(f"--declare {item!r}: expected KEY=VALUE (dtype=, kv_cache=, approximations=)")
+        if key in ("dtype", "kv_cache"):
+            value = spell.get(value, value)
+            allowed = DTYPES if key == "dtype" else KV_CACHE_TYPES
+            if value not in allowed:
+                raise InputError(f"--declare {key}={value}: expected one of {', '.join(allowed)}")
+            out[key] = value
+        elif key == "approximations":
+            names = [] if value == "none" else [v.strip() for v in value.split(",") if v.strip()]
+            bad = [n for n in names if n not in APPROXIMATIONS]
+            if bad:
+                raise InputError(f"--declare approximations={value}: unknown {bad[0]!r} (known: "
+                                 f"{', '.join(APPROXIMATIONS)}, or none)")
+            out[key] = names
+        else:
+            raise InputError(f"--declare {key}: unknown key (known: dtype, kv_cache, approximations)")
+    return out
+
+
+def declare(base: Numerics, overrides: Mapping[str, Any] | None) -> Numerics:
+    """``base`` with the keys of ``overrides`` (:func:`parse_declare`) replaced; the source says so."""
+    if not overrides:
+        return base
+    changed = {k: (tuple(v) if k == "approximations" else v) for k, v in overrides.items()}
+    said = ", ".join(f"{k}={','.join(v) or 'none' if k == 'approximations' else v}" for k, v in overrides.items())
+    return replace(base, **changed, source=f"--declare {said}" + (f" over {base.source}" if base.source else ""))
+
+
+def emulate(key: Iterable[str]) -> ContextManager:
+    """The reference (and the fast twin, for the GELU table) under the emulations of ``key``
+    (:meth:`Numerics.emulation`), nested; unknown names are ignored."""
+    from .llamacpp.numerics import attention_numerics, llamacpp_numerics  # torch: only when emulating
+
+    key = tuple(key)
+    stack = contextlib.ExitStack()
+    if "gelu_fp16_table" in key:
+        stack.enter_context(llamacpp_numerics())
+    kv = next((k.split("=", 1)[1] for k in key if k.startswith("kv_cache=")), None)
+    if "flash_attn_fp16" in key or kv is not None:
+        stack.enter_context(attention_numerics(kv=kv, operands="attn_fp16_operands" in key,
+                                               flash="flash_attn_fp16" in key))
+    return stack

@@ -1,0 +1,79 @@
+"""A server in llama-server's dialect that computes exactly (the float64 reference behind ``/completion``), for the
+tests of declared numerics: an fp32 server without approximations does not exist among the real parts (llama.cpp
+always reads GELU from its fp16 table), and the test needs one to show that such a server, declared so
+(``--declare approximations=none --declare kv_cache=f32``), is held to the fp32 bounds, and that a 1e-2 shift of its
+log-probs (``perturb``) fails them. Only the requests the pair check sends are answered: ``GET /props``,
+``GET /v1/models``, ``POST /completion`` (token-id prompt, ``n_predict``, ``n_probs``, ``return_tokens``); every
+other path is a 404 (the server checks are opted out where it is used). With ``token_only`` it reports no log-probs
+(a server without ``n_probs``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from harness.engines.reference import ReferenceEngine
+
+
+class ReferenceServer:
+    """``with ReferenceServer(gguf, perturb=0.01) as s: ... s.url``: see the module docstring."""
+
+    def __init__(self, gguf: str | Path, perturb: float = 0.0, token_only: bool = False) -> None:
+        srv = self
+        self.ref = ReferenceEngine(gguf)
+        self.perturb, self.token_only = float(perturb), token_only
+        self.lock = threading.Lock()  # the reference is not thread-safe
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _send(self, code: int, obj) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/props":
+                    return self._send(200, {"default_generation_settings": {}, "total_slots": 1})
+                if self.path == "/v1/models":
+                    return self._send(200, {"object": "list", "data": [
+                        {"id": "reference", "owned_by": "llamacpp", "meta": {"n_vocab": srv.ref.cfg.vocab_size}}]})
+                self._send(404, {"error": {"code": 404, "message": "File Not Found"}})
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path != "/completion":
+                    return self._send(404, {"error": {"code": 404, "message": "File Not Found"}})
+                self._send(200, srv.complete(req))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def complete(self, req: dict) -> dict:
+        """llama-server's ``/completion`` answer: greedy tokens of the reference, each step's top-``n_probs``."""
+        n, top_n = int(req.get("n_predict", 16)), int(req.get("n_probs", 0))
+        with self.lock:
+            (g,) = self.ref.generate_full([[int(t) for t in req["prompt"]]], n, top_n=max(1, top_n))
+        steps = [] if self.token_only or not top_n else [
+            {"id": t, "logprob": dict(s)[t] + self.perturb,
+             "top_logprobs": [{"id": i, "logprob": lp + self.perturb} for i, lp in s]}
+            for t, s in zip(g.tokens, g.top)]
+        return {"content": "", "tokens": list(g.tokens), "tokens_predicted": len(g.tokens), "stop": True,
+                "stop_type": "limit", "completion_probabilities": steps}
+
+    def __enter__(self) -> "ReferenceServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
