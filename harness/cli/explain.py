@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="try only these variants (default: every text variant of docs/spec-variants.md)")
     p.add_argument("--tol", type=float, default=None, metavar="X",
                    help="judge with this max |Δlogit| and per-point relative L2 instead of the pair's gates (to "
-                        "explain a difference inside them, such as llama.cpp's fp16 GELU table)")
+                        "explain a difference inside them, or to accept one)")
     p.add_argument("--json", default=None, help="also write the explanation as JSON here")
     add_mm_args(p)
 

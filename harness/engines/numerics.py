@@ -25,6 +25,7 @@ An engine that declares nothing is held to the fp32 bounds.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass, replace
 from typing import Any, ContextManager, Iterable, Mapping
 
@@ -194,8 +195,8 @@ def declare(base: Numerics, overrides: Mapping[str, Any] | None) -> Numerics:
 def emulate(key: Iterable[str]) -> ContextManager:
     """The reference (and the fast twin, for the GELU table) under the emulations of ``key``
     (:meth:`Numerics.emulation`), nested; unknown names are ignored."""
-    from .llamacpp.numerics import attention_numerics, llamacpp_numerics  # torch: only when emulating
-
+    emulations = importlib.import_module(f"{__package__}.llamacpp.numerics")  # it imports torch: only when emulating
+    attention_numerics, llamacpp_numerics = emulations.attention_numerics, emulations.llamacpp_numerics
     key = tuple(key)
     stack = contextlib.ExitStack()
     if "gelu_fp16_table" in key:
