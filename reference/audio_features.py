@@ -26,7 +26,6 @@ Shapes: N = samples, T = frames, M = mel bins (``feature_size``), B = FFT bins.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -38,8 +37,12 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, InputError
+from .files import read_bytes, read_json
 
 # --------------------------------------------------------------------------- settings
+
+MAX_AUDIO_BYTES = 1 << 30
+"""The most a WAV file may hold (1 GiB: some 9 hours of 16 kHz 16-bit mono)."""
 
 
 @dataclass(frozen=True)
@@ -164,12 +167,9 @@ def mel_config_from_folder(path: str | os.PathLike) -> MelConfig:
     path = Path(path)
     for name, key in (("processor_config.json", "feature_extractor"), ("preprocessor_config.json", None)):
         f = path / name
-        if not f.is_file():
+        if not os.path.lexists(f):
             continue
-        try:
-            d = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{f}: not valid JSON ({e})") from None
+        d = read_json(f, streams=False, error=ConfigError)
         if key is not None:
             d = d.get(key) if isinstance(d, dict) else None
         if isinstance(d, dict) and d.get("feature_extractor_type") == "Gemma4AudioFeatureExtractor":
@@ -372,10 +372,7 @@ def read_wav(path: str | os.PathLike) -> tuple[np.ndarray, int]:
             line naming the file).
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"{path}: cannot read audio file: {e.strerror or e}") from None
+    raw = read_bytes(path, "audio file", max_bytes=MAX_AUDIO_BYTES, streams=False)
     if len(raw) < 12 or raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
         raise InputError(f"{path}: not a WAV file (expected a RIFF/WAVE header)")
     fmt = data = None

@@ -64,6 +64,7 @@ import numpy as np
 
 from .config import one_edit_apart
 from .errors import ConfigError, InputError, ModelFileError
+from .files import open_regular
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
@@ -563,7 +564,7 @@ def check_gguf(path: str | os.PathLike) -> GGUFFile:
     """
     path_s = str(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, error=ModelFileError) as f:  # never a FIFO or a device: mapped
             size = os.fstat(f.fileno()).st_size
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     except OSError as e:

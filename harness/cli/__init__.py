@@ -53,9 +53,19 @@ COMMANDS: dict[str, Command] = {
 """Sub-command name -> :class:`Command`."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with its errors on one line (bad input is one line, like every other refusal)."""
+
+    def error(self, message: str):
+        line = " ".join(str(message).split())
+        self.exit(2, f"{self.prog}: error: {line} (options: {self.prog} --help)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of ``g4h``: every sub-command listed; only ``command``'s module imported for its options."""
-    p = argparse.ArgumentParser(prog="g4h", description="Gemma 4 correctness and performance harness")
+    """The parser of ``g4h``: every sub-command listed; only ``command``'s module imported for its options.
+
+    Option values are checked as they are parsed (:mod:`harness.cli._args`); a bad one is one line, exit 2."""
+    p = Parser(prog="g4h", description="Gemma 4 correctness and performance harness")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():
         sp = sub.add_parser(name, help=cmd.summary, description=cmd.summary)

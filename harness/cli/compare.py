@@ -23,21 +23,24 @@ from ..core.io import write_json_atomic
 from ..engines import make_engine
 from ..parity.compare import PRECISIONS, generation_figures, judge, load_generations, load_logits, logit_figures
 from ..parity.report import short_table
-from ._args import add_model_args, engine_options, resolve_model
+from ._args import Count, InFile, OutFile, add_model_args, engine_options, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h compare``."""
-    p.add_argument("ours", help="the engine's output: logits .npy [T, V], or generate .jsonl")
-    p.add_argument("oracle", nargs="?", default=None, help="the oracle's output of the same kind (or use --against)")
+    p.add_argument("ours", type=InFile(), help="the engine's output: logits .npy [T, V], or generate .jsonl")
+    p.add_argument("oracle", nargs="?", default=None, type=InFile(),
+                   help="the oracle's output of the same kind (or use --against)")
     p.add_argument("--against", default=None, help="compute the oracle side with this engine (needs --model)")
     add_model_args(p, model_required=False)
-    p.add_argument("--prompt-ids", default=None, help="with --against and logits: the prompt's JSON list of ids")
-    p.add_argument("--prompts", default=None, help="with --against and generations: the prompt set (JSONL)")
+    p.add_argument("--prompt-ids", default=None, type=InFile(streams=True),
+                   help="with --against and logits: the prompt's JSON list of ids")
+    p.add_argument("--prompts", default=None, type=InFile(streams=True),
+                   help="with --against and generations: the prompt set (JSONL)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
                    help="which gates judge the engine: fp32 (engine~oracle) or bf16 (engine_bf16~oracle)")
-    p.add_argument("--top-n", type=int, default=5, help="vLLM's rule: each side's token in the other's top-N")
-    p.add_argument("--json", default=None, help="also write the result as JSON here")
+    p.add_argument("--top-n", type=Count(1), default=5, help="vLLM's rule: each side's token in the other's top-N")
+    p.add_argument("--json", default=None, type=OutFile(), help="also write the result as JSON here")
 
 
 def _oracle_side(args: argparse.Namespace, kind: str, n_new: int | None):

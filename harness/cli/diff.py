@@ -12,19 +12,21 @@ from ..core.gates import DIFF_TOL
 from ..core.io import write_json_atomic
 from ..traces.compare import DivergenceRule, compare, render_diff
 from ..traces.format import read_trace
+from ._args import InFile, Number, OutFile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h diff``."""
-    p.add_argument("a", help="trace under test (.jsonl)")
-    p.add_argument("b", help="baseline trace (.jsonl); relative errors divide by its norms")
-    p.add_argument("--tol", type=float, default=DIFF_TOL,
+    p.add_argument("a", type=InFile(streams=True), help="trace under test (.jsonl)")
+    p.add_argument("b", type=InFile(streams=True), help="baseline trace (.jsonl); relative errors divide by its norms")
+    p.add_argument("--tol", type=Number(0), default=DIFF_TOL,
                    help=f"relative error bound: rel L2 with tensor dumps, else the checksum lower bound "
                         f"(default {DIFF_TOL:g})")
-    p.add_argument("--min-cosine", type=float, default=None, help="also require this cosine (tensor dumps only)")
+    p.add_argument("--min-cosine", type=Number(-1, 1), default=None,
+                   help="also require this cosine (tensor dumps only)")
     p.add_argument("--skip", action="append", default=None, metavar="POINT",
                    help="leave this point out (repeatable), e.g. result_output when one side kept only the last row")
-    p.add_argument("--json", default=None, help="also write the comparison as JSON here")
+    p.add_argument("--json", default=None, type=OutFile(), help="also write the comparison as JSON here")
 
 
 def diff_command(path_a: str, path_b: str, tol: float = DIFF_TOL, skip: Sequence[str] = (),

@@ -55,7 +55,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-import json
 import mmap
 import os
 import re
@@ -78,6 +77,7 @@ from reference.config import (
     unread_tensors,
 )
 from reference.errors import InputError, ModelFileError
+from reference.files import open_regular, read_json
 from reference.gguf_check import check_gguf
 from reference.names import hf_to_gguf
 from reference.weights import read_hf_config
@@ -452,7 +452,7 @@ def _list_gguf(path: Path) -> tuple[int, dict[str, Any], list[_Tensor]]:
         ModelFileError: the header itself cannot be walked (not GGUF, cut short, a length past the end).
     """
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, error=ModelFileError) as f:  # never a FIFO or a device: mapped
             size = os.fstat(f.fileno()).st_size
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     except OSError as e:
@@ -631,8 +631,8 @@ def _hf_tokenizer(path: Path, raw: Mapping[str, Any], cfg: ModelConfig | None, r
 
 def _read_json(p: Path) -> Any:
     try:
-        return json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return read_json(p, streams=False)  # a regular file only: a FIFO in the folder never blocks the inspection
+    except InputError:
         return {}
 
 

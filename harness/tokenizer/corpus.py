@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from reference.errors import InputError
+from reference.files import read_text
 
 from ..core.paths import CASES_DIR
 from .engines import TokEngine, is_engine_crash
@@ -76,16 +77,13 @@ def load_corpus(path: str | os.PathLike | None = None) -> list[CorpusText]:
         files = sorted(list(p.glob("*.txt")) + list(p.glob("*.jsonl")))
         if not files:
             raise InputError(f"{p}: no corpus files (*.txt, *.jsonl)")
-    elif p.is_file():
-        files = [p]
+    elif p.exists():
+        files = [p]  # a regular file, or a pipe (read_text takes both and refuses the rest)
     else:
         raise InputError(f"{p}: no such corpus file or folder")
     out: list[CorpusText] = []
     for f in files:
-        try:
-            raw = f.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"{f}: cannot read corpus ({e})") from None
+        raw = read_text(f, "corpus")
         for n, line in enumerate(raw.split("\n"), 1):
             if not line:
                 continue

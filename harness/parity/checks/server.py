@@ -46,10 +46,11 @@ import pandas as pd
 from reference.chat import BOS as BOS_TEXT
 from reference.chat import render
 from reference.errors import InputError, PromptError
+from reference.files import read_text
 from reference.tokenizer import BYTE, NORMAL, GGUFTokenizer
 
 from ... import synth
-from ...core.cases import PROMPTS
+from ...core.cases import MAX_PROMPT_BYTES, PROMPTS
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN
 from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
@@ -135,12 +136,7 @@ def load_user_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
         PromptError: unreadable or non-UTF-8 file, a line that is neither form, a duplicate id, no prompt.
     """
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise PromptError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except OSError as e:
-        raise PromptError(f"{path}: cannot read ({e.strerror or e})") from None
+    lines = read_text(path, max_bytes=MAX_PROMPT_BYTES, error=PromptError).splitlines()
     out, seen = [], set()
     for n, line in enumerate(lines, 1):
         if not line.strip():
