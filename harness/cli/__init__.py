@@ -22,7 +22,7 @@ from typing import NamedTuple
 from reference.errors import InputError
 
 from ..core.memory import failure_line, is_out_of_memory
-from ..core.workers import EngineCrashed
+from ..core.workers import EngineCrashed, EngineFailure
 
 
 class Command(NamedTuple):
@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except EngineCrashed as e:  # an engine's worker process died: one line, like bad input
         return _error(str(e).splitlines()[0] if str(e) else "engine crashed")
+    except EngineFailure as e:  # the engine under test is wrong (non-finite output, a broken protocol): exit 1
+        print(f"g4h: ENGINE FAILED: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 1
     except Exception as e:  # an allocation failure outside an engine: one line too; anything else is a bug
         if not is_out_of_memory(e):
             raise
