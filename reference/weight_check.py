@@ -42,6 +42,12 @@ import numpy as np
 
 from .errors import ModelFileError
 
+class CarryWarning(UserWarning):
+    """A weight the engine can hold but not carry: its magnitude, through the operations that follow it, passes
+    the largest value of the compute dtype (:func:`carry_problems`). A warning, not an error: the output check
+    (:mod:`harness.core.finite`) fails the run if the output does go non-finite."""
+
+
 MAX_ABS_FP32 = 1e30
 MAX_ABS_FP16 = 65504.0
 ROPE_FREQS = "rope_freqs.weight"

@@ -35,7 +35,7 @@ import numpy as np
 from reference.errors import InputError
 
 from ...core.gates import DEFAULT_GATES
-from ...core.workers import temp_folder
+from ...core.workers import EngineOutputError, temp_folder
 from ...engines import EngineCrashed, EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
 from ...engines.llamacpp.numerics import llamacpp_numerics
@@ -220,6 +220,8 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
     except EngineUnavailable as e:
         return [_runs(pair, False, got=f"not run: {e}")] + out
     except EngineCrashed as e:
+        return [_runs(pair, False, got=str(e))] + out
+    except EngineOutputError as e:  # NaN or Inf out of the engine: its failure, with the first layer and point
         return [_runs(pair, False, got=str(e))] + out
     except InputError as e:
         return [_runs(pair, False, got=str(e), bad_input=True)] + out
