@@ -35,6 +35,11 @@ Problems (``code``: severity):
   ``tokenizer_config.json``, ``chat_template.jinja`` or ``chat_template.json`` (HF).
 * ``shared_kv_tensors``: warning. ``attn_k`` / ``attn_k_norm`` / ``attn_v`` of a KV-shared layer: the
   file ships them, no engine reads them (the layer reads its donor's cache).
+* ``weights``: unusable. A weight is NaN, Inf or larger than any matmul holds (:func:`reference.weight_check.
+  check_weights`, the loaders' own check).
+* ``weight_not_carried``: warning. A weight the fast engine holds in a compute dtype but cannot carry through the
+  ops after it (:func:`fast.carry.carry_problems`): one per tensor and dtype, naming the op and the magnitude.
+  These two read the tensor data once (about a second per GB; everything else reads the header only).
 * ``softcap_missing``: warning. A gemma4 GGUF without ``gemma4.final_logit_softcapping``: the file
   means no final softcap, llama.cpp applies 30 (``llama-hparams.h``), so its logits differ.
 
@@ -80,7 +85,8 @@ from reference.errors import InputError, ModelFileError
 from reference.files import open_regular, read_json
 from reference.gguf_check import check_gguf
 from reference.names import hf_to_gguf
-from reference.weights import read_hf_config
+from reference.weight_check import MAX_ABS_FP16, MAX_ABS_FP32, check_weights
+from reference.weights import load_model, read_hf_config
 
 from ..core import memory
 from .llamacpp import INSTALL_MSG, LLAMA_CPP_PYTHON_VERSION
@@ -246,7 +252,10 @@ def inspect_model(path: str | os.PathLike) -> Inspection:
     if not p.exists():
         raise ModelFileError(f"{p}: no such file or folder")
     info, cfg = _inspect_hf(p) if p.is_dir() else _inspect_gguf(p)
+    if cfg is not None and not any(q.severity == UNUSABLE for q in info.problems):
+        info.problems += weight_problems(p)
     info.engines = engine_rows(info, cfg)
+    _note_carry(info)
     for row, estimate in zip(info.engines, _memory_estimates(info, info.engines)):
         row.memory = estimate
     return info
@@ -772,6 +781,50 @@ def llamacpp_donors(cfg: ModelConfig) -> dict[int, int]:
     """
     n_kv = cfg.n_layer - cfg.n_kv_shared
     return {L.index: n_kv - (2 if L.is_sliding else 1) for L in cfg.layers if L.index >= n_kv}
+
+
+CARRY_DTYPES = ("float32", "bfloat16", "float16")
+"""The fast engine's compute dtypes whose carry limits :func:`weight_problems` checks."""
+
+
+def weight_problems(path: Path) -> list[Problem]:
+    """The weights' values, read once: ``weights`` (unusable: NaN, Inf or a magnitude no matmul holds,
+    :func:`reference.weight_check.check_weights`) or, per fast compute dtype, ``weight_not_carried`` (a warning:
+    a weight that dtype holds but cannot carry through the ops after it, :func:`fast.carry.carry_problems`; GGUF
+    quantized matrices counted packed, as the fast engine keeps them by default)."""
+    from fast.carry import carry_problems  # numpy only: no torch
+
+    try:
+        cfg, W = load_model(path, cache_bytes=0)
+        bounds = check_weights(W, MAX_ABS_FP32)
+    except InputError as e:
+        return [Problem(UNUSABLE, "weights", _where(e, str(path)), _line(e))]
+    out = []
+    for dtype in CARRY_DTYPES:
+        if dtype == "float16":
+            try:
+                bounds = check_weights(W, MAX_ABS_FP16)
+            except InputError as e:
+                out.append(Problem(WARNING, "weight_not_carried", _where(e, str(path)), f"{_line(e)} (float16)"))
+                continue
+
+        def held(name: str, dtype=dtype) -> str:
+            packed = len(W.shape(name)) == 2 and W.stored(name) is not None and \
+                W.raw_dtype(name) not in ("F32", "F16", "BF16")
+            return "float32" if len(W.shape(name)) == 1 or packed else dtype
+
+        for p in carry_problems(cfg, W, bounds, dtype, held):
+            out.append(Problem(WARNING, "weight_not_carried", p.tensor, p.line(str(path))))
+    return out
+
+
+def _note_carry(info: Inspection) -> None:
+    """On each fast row, how many weights its dtype cannot carry (the ``weight_not_carried`` problems)."""
+    for row in info.engines:
+        n = sum(1 for p in info.problems if p.code == "weight_not_carried"
+                and (f" {row.dtype} cannot carry" in p.message or p.message.endswith(f"({row.dtype})")))
+        if row.engine == "fast" and row.can_run and n:
+            row.notes.append(f"{n} weight(s) {row.dtype} cannot carry: expect wrong or non-finite output (problems)")
 
 
 def engine_rows(info: Inspection, cfg: ModelConfig | None) -> list[EngineRow]:
