@@ -153,8 +153,8 @@ class InFile(ArgType):
 
     kind = "in_file"
 
-    def __init__(self, streams: bool = False, folders: bool = False):
-        self.streams, self.folders = streams, folders
+    def __init__(self, streams: bool = False, folders: bool = False, what: str = ""):
+        self.streams, self.folders, self.what = streams, folders, what
 
     def __call__(self, text: str) -> str:
         path = str(text)
@@ -164,7 +164,8 @@ class InFile(ArgType):
         if problem:
             raise _bad(problem)
         if not os.path.lexists(path):
-            raise _bad(f"{path}: no such file" + (" or folder" if self.folders else ""))
+            what = f"{self.what} " if self.what else ""
+            raise _bad(f"{path}: no such {what}file" + (" or folder" if self.folders else ""))
         return path
 
 

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--against-tokenizer", default=None, type=InFile(),
                    help="file for an --against engine (default: --tokenizer)")
     p.add_argument("--against-engine", default=None, help="engine for an --against file (default by kind)")
-    p.add_argument("--corpus", default=None, type=InFile(streams=True, folders=True),
+    p.add_argument("--corpus", default=None, type=InFile(streams=True, folders=True, what="corpus"),
                    help="corpus folder or file (default cases/tokenizer)")
     p.add_argument("--special", choices=["auto", "parse", "text"], default="auto",
                    help="auto: parse special markers unless spm takes part (its own rule)")

@@ -228,6 +228,7 @@ class TransformersEngine:
             raise EngineUnavailable(f"{path}: the transformers engine needs an HF model folder (it cannot read "
                                     "a Gemma 4 GGUF); pass a case spec (cases/bench/*.toml) or an HF folder")
         self.config = self.model.config
+        self.source = path  # for messages: the context length's file and key
         check_parameters(self.model, path)
 
     def cast(self, dtype: str) -> "TransformersEngine":
@@ -323,8 +324,12 @@ class TransformersEngine:
             raise PromptError(f"token id {bad!r:.40} is outside the vocabulary [0, {vocab})")
         context = int(getattr(self.config, "max_position_embeddings", 0) or 0)
         if context and len(ids) + new_tokens > context:
+            where = getattr(self, "source", None)
+            key = (f"{where / 'config.json'}: key max_position_embeddings" if where is not None and where.is_dir()
+                   else f"{where}: {self.config.model_type}.context_length" if where is not None
+                   else "max_position_embeddings")
             raise PromptError(f"prompt of {len(ids)} tokens{f' + {new_tokens} new' if new_tokens else ''} is longer "
-                              f"than the context ({context})")
+                              f"than the context: {key} = {context}")
         return [int(i) for i in ids]
 
     @memory.guarded
