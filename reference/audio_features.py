@@ -417,7 +417,10 @@ def read_wav(path: str | os.PathLike) -> tuple[np.ndarray, int]:
             line naming the file).
     """
     path = Path(path)
-    raw = read_bytes(path, "audio file", max_bytes=MAX_AUDIO_BYTES, streams=False)
+    try:  # the one reader: a regular file (never a FIFO or a device), bounded
+        raw = read_bytes(path, max_bytes=MAX_AUDIO_BYTES, streams=False)
+    except InputError as e:
+        raise InputError(f"{path}: cannot read audio file: {str(e).split(': ', 1)[-1]}") from None
     if len(raw) < 12 or raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
         raise InputError(f"{path}: not a WAV file (expected a RIFF/WAVE header)")
     fmt = data = None

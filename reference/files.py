@@ -30,8 +30,8 @@ from typing import IO, Any
 
 from .errors import InputError
 
-MAX_TEXT_BYTES = 1 << 30
-"""Default bound of a text input (1 GiB): a prompt set or a corpus larger than this is not a prompt set."""
+MAX_TEXT_BYTES = 256 << 20
+"""Default bound of a text input (256 MiB): a prompt set, a corpus or a trace larger than this is not one."""
 
 MAX_CONFIG_BYTES = 64 << 20
 """Bound of a JSON config (``config.json``, ``processor_config.json``, a baseline): 64 MiB."""

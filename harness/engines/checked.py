@@ -65,6 +65,10 @@ class CheckedEngine:
         """The engine itself."""
         return self._engine
 
+    @property  # type: ignore[misc]
+    def __class__(self):  # isinstance(checked, FastEngine) holds, as for the engine itself (unittest.mock's way)
+        return type(self._engine)
+
     def _label(self) -> str:
         name = getattr(self._engine, "name", None) or self._kind
         return f"engine {name}" if self._kind != "reference" else "reference (float64)"
@@ -77,6 +81,19 @@ class CheckedEngine:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._engine, name, value)
+
+    def __enter__(self) -> "CheckedEngine":  # dunders are looked up on the class, not through __getattr__
+        enter = getattr(self._engine, "__enter__", None)
+        if enter is not None:
+            enter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        exit_ = getattr(self._engine, "__exit__", None)
+        if exit_ is not None:
+            exit_(*exc)
+        elif hasattr(self._engine, "close"):
+            self._engine.close()
 
     # ------------------------------------------------------------------ logits
 
