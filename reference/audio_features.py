@@ -147,6 +147,10 @@ class MelConfig:
                                   f"{self.feature_size}")
 
 
+MAX_FIELD = 1e9
+"""The largest magnitude a processor number may have (a sample rate, a length in ms or samples, a frequency): beyond
+it the derived sample counts are not numbers a front end can use."""
+
 _INT_FIELDS = ("feature_size", "sampling_rate", "max_length", "pad_to_multiple_of", "frame_length", "hop_length",
                "fft_length")
 _BOOL_FIELDS = ("preemphasis_htk_flavor", "fft_overdrive")
@@ -185,8 +189,8 @@ def _field_value(key: str, v: Any, source: str) -> Any:
             raise bad("a number (a numeric string is read as one, as transformers does)") from None
     if not _is_number(v):
         raise bad("a number")
-    if not math.isfinite(float(v)):
-        raise bad("a finite number")
+    if not math.isfinite(float(v)) or abs(float(v)) > MAX_FIELD:
+        raise bad(f"a finite number of magnitude at most {MAX_FIELD:g}")
     if key in _INT_FIELDS:
         if float(v) != int(v) or int(v) <= 0:
             raise bad("a positive integer")

@@ -370,7 +370,7 @@ def _read_value(cur: _Cursor, key: str, vtype: int, check_element=lambda etype: 
             append(raw.decode("utf-8"))
         except UnicodeDecodeError:  # kept (values are data), and noted: a tokenizer table must be text
             append(raw.decode("utf-8", errors="replace"))
-            cur.invalid_utf8.setdefault(what, i)
+            cur.invalid_utf8.setdefault(what.removeprefix("key "), i)
         pos += 8 + n
     cur.pos = pos
     return out, etype
