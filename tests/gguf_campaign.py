@@ -80,7 +80,8 @@ def logits_of(path: str | os.PathLike, engine: str) -> np.ndarray:
         return np.asarray(forward(cfg, W, PROMPT), dtype=np.float64)
     from fast.model import FastModel
 
-    return FastModel(cfg, W, "cpu", "float32").logits(PROMPT).double().numpy()
+    dtype = engine.partition(":")[2] or "float32"  # fast, fast:bfloat16, fast:float16
+    return FastModel(cfg, W, "cpu", dtype).logits(PROMPT).double().numpy()
 
 
 def _vm_bytes() -> int:
@@ -94,7 +95,7 @@ def _child(conn, path: str, engine: str) -> None:
     if sys.platform.startswith("linux"):
         limit = _vm_bytes() + EXTRA_ADDRESS_SPACE
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    if engine == "fast":
+    if engine.startswith("fast"):
         import torch
 
         torch.set_num_threads(1)
@@ -546,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reference", type=int, default=3000, help="files through the reference")
-    ap.add_argument("--fast", type=int, default=300, help="files through the fast engine (CPU fp32)")
+    ap.add_argument("--fast", type=int, default=300, help="files through the fast engine (CPU), per --fast-dtypes")
+    ap.add_argument("--fast-dtypes", default="float32", help="comma-separated compute dtypes of the fast engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per file before it counts as a hang")
     ap.add_argument("--work", default="/tmp/gguf-campaign")
@@ -582,10 +584,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_big(args.big)), flush=True)
         return 0
     work = Path(args.work)
-    engines = ("reference",) + (("fast",) if args.fast else ())
+    fast = [f"fast:{d}" if d != "float32" else "fast" for d in args.fast_dtypes.split(",")] if args.fast else []
+    engines = ("reference", *fast)
     bases = [load_base(name, path, engines) for name, path in write_bases(work / "bases").items()]
     results = []
-    for engine, n in (("reference", args.reference), ("fast", args.fast)):
+    for engine, n in (("reference", args.reference), *((f, args.fast) for f in fast)):
         if n:
             r = campaign(bases, engine, n, args.seed, work, args.timeout, via_cli=args.cli)
             results.append(r)
