@@ -80,7 +80,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--ref-cache-gb", dest="ref_cache_gb", type=Number(0, 1e6), default=None, metavar="GB",
                    help="reference engine: GB of dequantized float64 weights kept between forwards (default 2)")
     b.add_argument("--engines", default="fast,transformers,llamacpp,reference",
-                   help="comma-separated: fast, transformers, llamacpp, reference")
+                   help="comma-separated: fast, fast-graph, fast-unchecked (tg without the output check: its cost), "
+                        "transformers, llamacpp, reference")
     b.add_argument("--device", default="cpu", type=Device(), help="cpu | cuda[:N] (fast and transformers)")
     b.add_argument("--dtype", default="float32", help="comma-separated compute dtypes for fast and transformers")
     b.add_argument("--weights", choices=("packed", "dequantized"), default=None,
