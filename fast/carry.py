@@ -8,8 +8,9 @@ residual stream at every layer; in float16 a matmul's input and output must stay
 the magnitudes through one forward, op by op, as :mod:`fast.model` computes it, and names the first op each
 weight pushes past what its dtype holds.
 
-The magnitudes are *typical*, not worst-case: every normalized activation element is taken as 1 (an RMSNorm output
-has RMS 1), and a matmul output element as the root mean square it has over random signs of its input,
+The magnitudes are *typical*, not worst-case: every normalized activation element is taken as :data:`PEAK` (an
+RMSNorm output has RMS 1; over a prompt's tokens an element's largest magnitude is about 2), and a matmul output
+element as the root mean square it has over random signs of its input,
 ``sqrt(sum_i W_ji^2 a_i^2)`` (first bounded by ``max|W| * ||a||``, from the weight check's magnitudes; only where
 that bound passes a limit is the matrix read and the exact figure computed). So a warning means "this overflows
 for ordinary inputs", and a weight that only an unusual input would push over is not named. Residual additions
@@ -51,6 +52,11 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 HELD_MAX = {"float32": F32_MAX, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}
 """The largest finite value of each dtype a matrix may be held in."""
+
+PEAK = 2.0
+"""The largest |element| an RMS-normalized activation (RMS 1) reaches over the tokens of a short prompt, for the
+estimates: a Gaussian's expected largest magnitude over 8 to 16 draws is 1.4 to 1.8 (rounded up). Every normalized
+input the estimates start from is this times its norm weight; a product of two is this squared."""
 
 SQUARE_MAX = math.sqrt(F32_MAX)
 """An RMSNorm's input must stay below this (1.84e19): its square is summed in float32."""
@@ -183,7 +189,7 @@ def _layer(m: _Model, cfg, layer, r: float, src: tuple[str, float], dtype: str, 
     b = f"blk.{layer.index}."
     c(r, SQUARE_MAX, r_src, f"the residual stream into layer {layer.index} (squared by {b}attn_norm)")
     # attention: attn_norm -> q/k/v -> q_norm/k_norm/v_norm -> scores -> attn_output -> post_attention_norm
-    a = m.vec(b + "attn_norm.weight")
+    a = PEAK * m.vec(b + "attn_norm.weight")
     for proj, norm in (("attn_q", "attn_q_norm"), ("attn_k", "attn_k_norm"), ("attn_v", None)):
         if not m.has(b + proj + ".weight"):
             continue
@@ -195,14 +201,14 @@ def _layer(m: _Model, cfg, layer, r: float, src: tuple[str, float], dtype: str, 
         qn, kn = m.vec(b + "attn_q_norm.weight"), m.vec(b + "attn_k_norm.weight")
         score = abs(cfg.attn_scale) * float(np.sqrt(np.sum(np.square(qn * kn))))
         c(score, F32_MAX, b + "attn_q_norm.weight", f"the attention scores of layer {layer.index}")
-    o = np.ones(layer.n_head * layer.head_dim)  # softmax-weighted mean of unit-RMS values (v_norm)
+    o = np.full(layer.n_head * layer.head_dim, PEAK)  # softmax-weighted mean of unit-RMS values (v_norm)
     y = _matmul(m, c, b + "attn_output.weight", o, b + "attn_output.weight", exact)
     _norm_input(c, y, b + "attn_output.weight", f"{b}post_attention_norm")
     r, src = _add(r, src, m, b + "post_attention_norm.weight")
     r_src = src[0]
     c(r, SQUARE_MAX, r_src, f"the residual stream in layer {layer.index} (squared by {b}ffn_norm)")
     # dense FFN: ffn_norm -> gate, up -> gelu(gate) * up -> down -> post_ffw_norm(_1)
-    a = m.vec(b + "ffn_norm.weight")
+    a = PEAK * m.vec(b + "ffn_norm.weight")
     g = _matmul(m, c, b + "ffn_gate.weight", a, b + "ffn_norm.weight", exact)
     u = _matmul(m, c, b + "ffn_up.weight", a, b + "ffn_norm.weight", exact)
     p = g * u
@@ -239,7 +245,7 @@ def _layer(m: _Model, cfg, layer, r: float, src: tuple[str, float], dtype: str, 
 def _moe(m: _Model, c: _Checks, b: str, exact: bool) -> None:
     """The experts branch: pre_ffw_norm_2 -> gate_up (per expert) -> gelu(gate) * up -> down x per_expert_scale ->
     post_ffw_norm_2. A stack's magnitude is its bound (3-D: not read again)."""
-    a = m.vec(b + "pre_ffw_norm_2.weight")
+    a = PEAK * m.vec(b + "pre_ffw_norm_2.weight")
     gu = _matmul(m, c, b + "ffn_gate_up_exps.weight", a, b + "pre_ffw_norm_2.weight", exact)
     half = gu.shape[-1] // 2
     p = gu[..., :half] * gu[..., half:]
@@ -253,7 +259,7 @@ def _add(r: float, src: tuple[str, float], m: _Model, norm: str) -> tuple[float,
     """The residual after adding a post-norm's output (its largest |w| times a unit element)."""
     if not m.has(norm):
         return r, src
-    w = float(m.vec(norm).max(initial=0.0))
+    w = PEAK * float(m.vec(norm).max(initial=0.0))
     return r + w, (norm, w) if w > src[1] else src
 
 
@@ -261,7 +267,7 @@ def _head(m: _Model, cfg, r: float, src: tuple[str, float], dtype: str, exact: b
     c = _Checks(dtype)
     c(r, SQUARE_MAX, src[0], "the residual stream into output_norm")
     head = "token_embd.weight" if cfg.tie_word_embeddings or not m.has("output.weight") else "output.weight"
-    a = m.vec("output_norm.weight")
+    a = PEAK * m.vec("output_norm.weight")
     y = _matmul(m, c, head, a, "output_norm.weight", exact)
     if cfg.final_logit_softcap is None:
         c(float(y.max(initial=0.0)), F32_MAX, "output_norm.weight", "the logits")

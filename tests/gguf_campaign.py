@@ -342,10 +342,15 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path, time
 #: Outcomes of the extreme-weight and file-kind classes that are acceptable: finite logits (a valid, different
 #: model), the engine failed with its first non-finite layer and point (exit 1), or one line (exit 2: a weight
 #: above the dtype's limit, the reference's own float64 overflow, a file that is not a regular file).
-EXTREME_OK = ("finite", "engine_failed", "error")
+EXTREME_OK = ("finite", "finite_diverged", "engine_failed", "error")
 
 
-def _engine_child(conn, path: str, spec: str) -> None:
+DIVERGED = 1.0
+"""A finite result whose largest |logit - reference logit| passes this (in logits) is counted as diverged: far beyond
+any dtype's rounding on these models (bf16: a few hundredths), a wrong result the carry warning should have named."""
+
+
+def _engine_child(conn, path: str, spec: str, compare: bool = False) -> None:
     """In a forked child: ``spec``'s engine (``reference`` or ``fast:<dtype>``) built by ``make_engine``, so that its
     output goes through the output check, then the logits of :data:`PROMPT`."""
     if sys.platform.startswith("linux"):
@@ -367,6 +372,9 @@ def _engine_child(conn, path: str, spec: str) -> None:
         try:
             eng = make_engine(name, path, **({"device": "cpu", "dtype": dtype} if name == "fast" else {}))
             result = ("logits", np.asarray(eng.logits(PROMPT), dtype=np.float64))
+            if compare and name != "reference":  # how far a finite result is from the specification's
+                ref = np.asarray(make_engine("reference", path).logits(PROMPT), dtype=np.float64)
+                result = ("logits", result[1], float(np.max(np.abs(result[1] - ref))))
         except EngineOutputError as e:
             result = ("engine_failed", str(e))
         except InputError as e:
@@ -380,13 +388,15 @@ def _engine_child(conn, path: str, spec: str) -> None:
     conn.close()
 
 
-def run_engine_isolated(path: str | os.PathLike, spec: str, timeout: float) -> tuple[Outcome, list[str]]:
+def run_engine_isolated(path: str | os.PathLike, spec: str, timeout: float, compare: bool = False
+                        ) -> tuple[Outcome, list[str]]:
     """One file through ``spec``'s engine (:func:`_engine_child`) in a forked child; the outcome and the carry
-    warnings it gave."""
+    warnings it gave. ``compare``: a finite result is also compared with the reference's logits of the same file
+    (``Outcome.detail`` ends with ``max |d| X``; more than :data:`DIVERGED`: the outcome is ``finite_diverged``)."""
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_engine_child, args=(send, str(path), spec), daemon=True)
+    p = ctx.Process(target=_engine_child, args=(send, str(path), spec, compare), daemon=True)
     p.start()
     send.close()
     got = None
@@ -405,7 +415,7 @@ def run_engine_isolated(path: str | os.PathLike, spec: str, timeout: float) -> t
     secs = time.perf_counter() - t0
     if got is None:
         return Outcome("crash", f"child exit code {p.exitcode}", secs), []
-    (what, value), noise, carry = got
+    (what, value, *delta), noise, carry = got
     if noise.strip():
         return Outcome("noise", noise.strip()[:200], secs), carry
     if what == "traceback":
@@ -418,7 +428,9 @@ def run_engine_isolated(path: str | os.PathLike, spec: str, timeout: float) -> t
         return Outcome("engine_failed" if ok else "bad_message", value, secs), carry
     if not np.all(np.isfinite(value)):
         return Outcome("nonfinite", f"{int(np.sum(~np.isfinite(value)))} non-finite logits", secs), carry
-    return Outcome("finite", f"max |logit| {float(np.max(np.abs(value))):.3g}", secs), carry
+    kind = "finite_diverged" if delta and not delta[0] <= DIVERGED else "finite"
+    return Outcome(kind, f"max |logit| {float(np.max(np.abs(value))):.3g}" +
+                   (f", max |d| from the reference {delta[0]:.3g}" if delta else ""), secs), carry
 
 
 def extreme_campaign(bases: list[Base], spec: str, n: int, seed: int, work: Path, timeout: float = 30.0) -> dict:
@@ -447,17 +459,19 @@ def extreme_campaign(bases: list[Base], spec: str, n: int, seed: int, work: Path
         data, detail = gguf_mutate.weight_extreme(base.data, base.layout, rng, role, magnitude)
         path = work / f"{base.name}.extreme.gguf"
         path.write_bytes(data)
-        out, carry = run_engine_isolated(path, spec, timeout)
+        out, carry = run_engine_isolated(path, spec, timeout, compare=True)
         counts[out.kind] += 1
-        by_role[role][out.kind] += 1
+        by_role[role][f"{out.kind}{' (warned)' if carry else ''}"] += 1
         warned[(out.kind, bool(carry))] += 1
-        if out.kind not in EXTREME_OK or len(examples.get(out.kind, [])) < 3:
-            examples.setdefault(out.kind, []).append(f"{base.name} {detail} => {out.detail[:200]}")
+        missed = out.kind in ("engine_failed", "finite_diverged") and not carry
+        if out.kind not in EXTREME_OK or missed or len(examples.get(out.kind, [])) < 3:
+            key = f"{out.kind} (not warned)" if missed else out.kind
+            examples.setdefault(key, []).append(f"{base.name} {detail} => {out.detail[:200]}")
     return {"engine": spec, "class": "extreme weights", "files": sum(counts.values()), "seed": seed,
             "seconds": round(time.time() - t0, 1), "timeout_s": timeout, "outcomes": dict(counts),
             "by_role": {k: dict(v) for k, v in by_role.items() if v},
             "carry_warning": {f"{k}{' (warned)' if w else ' (not warned)'}": c for (k, w), c in warned.items()},
-            "examples": {k: v[:10] for k, v in examples.items()}}
+            "examples": {k: v[:40] for k, v in examples.items()}}
 
 
 FILE_KINDS = ("fifo", "dev_zero", "folder", "socket", "symlink_to_fifo")
