@@ -287,6 +287,17 @@ def test_damaged_tokenizer_tables_are_one_line(capsys, tmp_path, damage, says):
     one_line(capsys, "tokenize", "--tokenizer", path, "--text-file", text, "--out", tmp_path / "o.jsonl", names=says)
 
 
+def test_truncated_code_point_escape_is_named(capsys, tmp_path):
+    """``\\u12`` (a truncated code point) was tokenized as text; ``\\x4`` is no escape of the format and stays."""
+    from harness.tokenizer.corpus import unescape
+
+    text = tmp_path / "t.txt"
+    text.write_text("ab\\u12\n")
+    one_line(capsys, "tokenize", "--tokenizer", _vocab(tmp_path, "v.gguf"), "--text-file", text, "--escapes",
+             "--out", tmp_path / "o.jsonl", names="escape \\u12: expected \\u and 4 hex digits")
+    assert unescape("a\\x4\\d\\u0041") == "a\\x4\\dA"
+
+
 def test_a_library_warning_never_precedes_the_error_line(capsys, monkeypatch):
     """A NumPy RuntimeWarning was printed before the one error line: held, and shown only when a command succeeds."""
     import harness.cli.inspect as cmd
