@@ -14,12 +14,13 @@ Decode steps are text.
 
 Every step's logits are checked (:func:`all_finite`): a NaN or Inf in any row stops the run with
 :class:`NonFiniteLogits` naming the request and the sequence it was computing (the harness turns it into one line
-naming the first layer and trace point, :mod:`harness.core.finite`). The check is one pass over ``[B, V]`` on the
-device, read back with the step's greedy tokens.
+naming the first layer and trace point, :mod:`harness.core.finite`). The check is one ``aminmax`` pass over
+``[B, V]`` on the device, read back with the step's greedy tokens (:func:`all_finite`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from reference.errors import PromptError
 from reference.model import check_generation, check_prompt
 from reference.multimodal import Injection, check_injection, pad_id
 
+from . import cpu_kernels
 from .model import FastModel, SeqStep
 from .multimodal import chunk_end
 
@@ -50,8 +52,16 @@ class NonFiniteLogits(ArithmeticError):
 
 
 def all_finite(t: torch.Tensor) -> torch.Tensor:
-    """True (a 0-d bool tensor on ``t``'s device, not read back) when every value of ``t`` is finite."""
-    return torch.isfinite(t).all()
+    """True (a 0-d bool tensor on ``t``'s device, not read back) when every value of ``t`` is finite.
+
+    One ``aminmax`` pass (NaN propagates into both, +Inf is the max, -Inf the min): on a CPU decode step's
+    ``[8, 262144]`` logits 0.36 ms, where ``isfinite(t).all()`` (a bool tensor, then a reduction) took 7.5 ms. On the
+    CPU it runs on one thread, as a decode step's own small ops do (:func:`fast.cpu_kernels.small_step_threads`: on
+    a busy 2-core machine an OpenMP region on 2 threads cost 7 ms here, the barrier waiting for a descheduled
+    thread)."""
+    with cpu_kernels.small_step_threads() if t.device.type == "cpu" else contextlib.nullcontext():
+        lo, hi = torch.aminmax(t)
+        return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def describe_nonfinite(row: torch.Tensor) -> str:
