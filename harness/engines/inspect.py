@@ -2,8 +2,8 @@
 
 :func:`inspect_model` reads a GGUF file's header (metadata and tensor table, through
 :func:`reference.gguf_check.check_gguf`) or an HF folder's ``config.json``, safetensors headers and
-tokenizer files. Tensor data is never read, except the tiny ``rope_freqs`` table the config check
-needs, so a 33 GB file inspects in about the time its header takes to parse. It returns an
+tokenizer files; the tensor data is read once, for the weight problems (``weights``, ``weight_not_carried``: about
+a second per GB, :func:`weight_problems`), everything else comes from the header. It returns an
 :class:`Inspection`: architecture and size label, the per-layer table (:class:`reference.config.LayerSpec`),
 tensor types with counts and bytes, tokenizer facts, one :class:`EngineRow` per engine setting and
 the :class:`Problem` list. ``Inspection.as_dict()`` is the ``g4h inspect --json`` document, specified
