@@ -75,10 +75,11 @@ def _finite(z: np.ndarray, what: str, fault: type[Exception]) -> np.ndarray:
 
 
 def _finite_streams(streams: dict, what: str, fault: type[Exception]) -> dict:
-    """Greedy streams (:func:`load_generations`) when every top log-prob is finite; else ``fault`` naming the first."""
+    """Greedy streams (:func:`load_generations`) when no top log-prob is NaN or +Inf (-Inf is a probability of 0);
+    else ``fault`` naming the first."""
     for pid, s in streams.items():
         for step, lps in enumerate(s["logprobs"]):
-            bad = [lp for lp in lps.values() if not np.isfinite(lp)]
+            bad = [lp for lp in lps.values() if np.isnan(lp) or lp == np.inf]  # -inf: a probability of 0
             if bad:
                 raise fault(f"{what}: prompt {pid}, step {step}: top log-prob {bad[0]} is not finite")
     return streams

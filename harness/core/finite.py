@@ -7,8 +7,9 @@ the fast engine's decode loop applies its torch twin to every step, :mod:`fast.e
   softcap when the model has one, and an engine masks nothing in a logits request);
 * **trace points**, when the engine is traced: every activation finite; the first non-finite point in the order
   the engine reports them (its computation order) ends the run (:class:`FiniteTrace`);
-* **greedy streams**: every top log-probability finite (an engine that returns only tokens is checked by its own
-  loop, where the harness has one).
+* **greedy streams**: no top log-probability NaN or +Inf (-Inf is a probability of exactly 0: a server that lists
+  tokens after greedy sampling reports it, and an underflowing softmax gives it); an engine that returns only tokens
+  is checked by its own loop, where the harness has one.
 
 A failure is :class:`harness.core.workers.EngineOutputError` (exit 1: the engine is wrong), one line: the engine,
 the first layer and trace point where a value stopped being finite (found by running the same prompt again with a
@@ -134,8 +135,8 @@ def check_logits(engine: str, logits: Any, where: str = "", locate_fn: Callable[
 def check_logprobs(engine: str, streams: Sequence[Any], where: str = "generate",
                    locate_fn: Callable[[int, int], str | None] | None = None,
                    fault: type[Exception] = EngineOutputError) -> None:
-    """Fail when a greedy stream's top log-probabilities hold a NaN or Inf (``Generated``-like objects with ``top``,
-    a list of steps of ``(id, logprob)`` pairs).
+    """Fail when a greedy stream's top log-probabilities hold a NaN or +Inf (``Generated``-like objects with ``top``,
+    a list of steps of ``(id, logprob)`` pairs); -Inf, a probability of 0, is a log-probability.
 
     ``locate_fn(k, step)``: the first non-finite layer and point of stream ``k``'s forward at ``step``, or None.
 
@@ -145,7 +146,7 @@ def check_logprobs(engine: str, streams: Sequence[Any], where: str = "generate",
     for k, g in enumerate(streams):
         for step, pairs in enumerate(getattr(g, "top", None) or ()):
             vals = np.array([lp for _, lp in pairs], dtype=np.float64)
-            if vals.size and not np.all(np.isfinite(vals)):
+            if vals.size and (np.isnan(vals).any() or (vals == np.inf).any()):
                 first = locate_fn(k, step) if locate_fn is not None else None
                 first_txt = f"first at {first}" if first else "first at the logits"
                 raise fault(f"{engine}: non-finite output, {first_txt}; {where}: prompt {k}, step {step}: "
