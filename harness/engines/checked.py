@@ -12,7 +12,7 @@ checked without a line of its own:
   of each;
 * ``trace_file(...)`` (``cmd:``): the trace the engine wrote, record by record (its checksums: a non-finite
   activation has a non-finite sum, L2 norm or largest magnitude);
-* ``generate_full(...)``: the top log-probabilities of every step; the fast engine checks every step's whole
+* ``generate_full(...)``, ``generate_speculative(...)``: the top log-probabilities of every step; the fast engine checks every step's whole
   logits row in its own loop (:class:`fast.engine.NonFiniteLogits`), turned here into the same line.
 
 A failure is :class:`harness.core.workers.EngineOutputError` (exit 1, "the engine is wrong"), except for the
@@ -43,7 +43,7 @@ from ..core.finite import (
 )
 from ..core.workers import EngineOutputError, temp_folder
 
-WRAPPED = ("logits", "logits_many", "generate_full", "trace_file")
+WRAPPED = ("logits", "logits_many", "generate_full", "generate_speculative", "trace_file")
 """The methods whose results are checked; the rest pass through untouched."""
 
 
@@ -150,9 +150,15 @@ class CheckedEngine:
     # ------------------------------------------------------------------ generation
 
     def _checked_generate_full(self, prompts: Any, max_new_tokens: int, *args: Any, **kw: Any) -> Any:
+        return self._checked_streams("generate_full", prompts, max_new_tokens, *args, **kw)
+
+    def _checked_generate_speculative(self, prompts: Any, max_new_tokens: int, *args: Any, **kw: Any) -> Any:
+        return self._checked_streams("generate_speculative", prompts, max_new_tokens, *args, **kw)
+
+    def _checked_streams(self, method: str, prompts: Any, max_new_tokens: int, *args: Any, **kw: Any) -> Any:
         eng = self._engine
         try:
-            out = eng.generate_full(prompts, max_new_tokens, *args, **kw)
+            out = getattr(eng, method)(prompts, max_new_tokens, *args, **kw)
         except ArithmeticError as e:  # the fast engine's own loop: the whole logits row of every step
             if not _is_nonfinite_logits(e):
                 raise
