@@ -12,8 +12,9 @@ checked without a line of its own:
   of each;
 * ``trace_file(...)`` (``cmd:``): the trace the engine wrote, record by record (its checksums: a non-finite
   activation has a non-finite sum, L2 norm or largest magnitude);
-* ``generate_full(...)``, ``generate_speculative(...)``: the top log-probabilities of every step; the fast engine checks every step's whole
-  logits row in its own loop (:class:`fast.engine.NonFiniteLogits`), turned here into the same line.
+* ``generate_full(...)``, ``generate_speculative(...)``: the top log-probabilities of every step; the fast engine
+  checks every step's whole logits row in its own loop (:class:`fast.engine.NonFiniteLogits`), turned here into
+  the same line.
 
 A failure is :class:`harness.core.workers.EngineOutputError` (exit 1, "the engine is wrong"), except for the
 reference, the specification: its non-finite float64 output means the model cannot be computed at all
