@@ -39,6 +39,8 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import importlib
+import multiprocessing
 import os
 import re
 import shutil
@@ -48,6 +50,8 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
 
@@ -184,8 +188,6 @@ def _pool_init(parent: int, initializer: str | None, initargs: tuple) -> None:  
     named rather than pickled, so that nothing heavy is imported before the worker is tied to its parent)."""
     die_with_parent(parent)
     if initializer:
-        import importlib
-
         module, _, name = initializer.partition(":")
         getattr(importlib.import_module(module), name)(*initargs)
 
@@ -203,9 +205,6 @@ def process_pool(workers: int, initializer: str | None = None, initargs: tuple =
 
     Use it as a ``with`` block (the pool is shut down and its workers joined at the end).
     """
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     class PolicyPool(ProcessPoolExecutor):
         """Registers every worker with the watchdog as soon as it exists (spawned in ``submit``)."""
 
@@ -228,12 +227,7 @@ def process_pool(workers: int, initializer: str | None = None, initargs: tuple =
 
 def _watch_resource_tracker() -> None:
     """Register multiprocessing's resource tracker, when running, with the watchdog (started by the pool's queues)."""
-    try:
-        from multiprocessing import resource_tracker
-
-        pid = getattr(resource_tracker._resource_tracker, "_pid", None)  # no public accessor
-    except (ImportError, AttributeError):
-        return
+    pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)  # no public accessor
     if pid:
         watch_process(pid, wait_s=REMOVE_RETRY_S)
 

@@ -72,6 +72,7 @@ import gguf
 import numpy as np
 from safetensors import safe_open
 
+from fast.carry import carry_problems
 from reference.config import (
     ModelConfig,
     attach_rope_freqs,
@@ -792,8 +793,6 @@ def weight_problems(path: Path) -> list[Problem]:
     :func:`reference.weight_check.check_weights`) or, per fast compute dtype, ``weight_not_carried`` (a warning:
     a weight that dtype holds but cannot carry through the ops after it, :func:`fast.carry.carry_problems`; GGUF
     quantized matrices counted packed, as the fast engine keeps them by default)."""
-    from fast.carry import carry_problems  # numpy only: no torch
-
     try:
         cfg, W = load_model(path, cache_bytes=0)
         bounds = check_weights(W, MAX_ABS_FP32)

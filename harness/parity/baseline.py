@@ -92,9 +92,10 @@ def load_baseline(path: str | os.PathLike) -> dict[str, Any]:
     """
     p = Path(path)
     try:
-        data = read_json(p, "baseline")
+        data = read_json(p)  # the one reader: a regular file or a pipe, bounded (reference.files)
     except InputError as e:
-        raise InputError(f"{e} (expected a parity results.json)") from None
+        why = str(e).removeprefix(f"{p}: ")
+        raise InputError(f"{p}: cannot read baseline: {why} (expected a parity results.json)") from None
     if not isinstance(data, dict) or data.get("kind") != "parity":
         raise InputError(f"{p}: not a parity results file (expected \"kind\": \"parity\")")
     if data.get("version") != RESULTS_VERSION:
