@@ -125,9 +125,9 @@ class Device(ArgType):
         import torch  # only for a CUDA name
 
         if not torch.cuda.is_available():
-            raise _bad(f"{name}: CUDA is not available here (torch {torch.__version__}); use cpu")
+            raise _bad(f"--device {name}: CUDA is not available here (torch {torch.__version__}); use cpu")
         if sep and int(index) >= torch.cuda.device_count():
-            raise _bad(f"{name}: this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 .. "
+            raise _bad(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 .. "
                        f"cuda:{torch.cuda.device_count() - 1}")
         return name
 
