@@ -12,18 +12,40 @@ Three sources, one class (:class:`FastWeights`):
 
 Norms, scales and ``rope_freqs`` (every 1-D tensor) stay float32 whatever the compute dtype, as llama.cpp
 keeps them.
+
+At load, after the weight check, every weight whose magnitude the compute dtype cannot carry through the ops that
+follow it (:mod:`fast.carry`) is named in a :class:`reference.weight_check.CarryWarning`.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import torch
 
 from reference.config import ModelConfig
 from reference.errors import InputError
-from reference.weight_check import check_weights, max_abs_for
+from reference.weight_check import CarryWarning, check_weights, max_abs_for
 
 from . import quants
+from .carry import carry_problems
+
+MAX_CARRY_WARNINGS = 5
+"""Carry warnings shown per model load (the rest are counted in the last line)."""
+
+
+def warn_carry(cfg: ModelConfig, W, bounds: dict[str, float], dtype: torch.dtype, held) -> list:
+    """Warn (:class:`reference.weight_check.CarryWarning`, one line each) for every weight ``dtype`` cannot carry
+    (:func:`fast.carry.carry_problems`); returns the problems."""
+    name = str(dtype).replace("torch.", "")
+    problems = carry_problems(cfg, W, bounds, name, held)
+    for p in problems[:MAX_CARRY_WARNINGS]:
+        warnings.warn(CarryWarning(p.line(W.source)), stacklevel=2)
+    if len(problems) > MAX_CARRY_WARNINGS:
+        warnings.warn(CarryWarning(f"{W.source}: {len(problems) - MAX_CARRY_WARNINGS} more weights {name} cannot "
+                                   "carry"), stacklevel=2)
+    return problems
 
 
 class FastWeights:
@@ -45,9 +67,11 @@ class FastWeights:
 
     def __init__(self, cfg: ModelConfig, W, device: torch.device, dtype: torch.dtype, keep_quantized: bool = False):
         self.t: dict[str, object] = {}
-        check_weights(W, max_abs_for(dtype))  # NaN/Inf/|w| beyond the dtype, named, before any tensor is used
+        bounds = check_weights(W, max_abs_for(dtype))  # NaN/Inf/|w| beyond the dtype, named, before any tensor is used
+        if bounds:
+            warn_carry(cfg, W, bounds, dtype, lambda name: self._held(W, name, dtype, keep_quantized))
         for name in W:
-            keep32 = any(s in name for s in self.FLOAT32_ALWAYS) or len(W.shape(name)) == 1
+            keep32 = self._keep32(W, name)
             target = torch.float32 if keep32 else dtype
             if hasattr(W, "torch_tensor") and W.is_packed(name):  # random packed blocks (RandomWeights qtype)
                 qt = W.torch_packed(name, device)
@@ -59,6 +83,18 @@ class FastWeights:
             else:
                 arr = np.array(W.raw(name), dtype=np.float32)  # own copy: the source may be a read-only map
                 self.t[name] = torch.from_numpy(arr).to(device=device, dtype=target)
+
+    @classmethod
+    def _keep32(cls, W, name: str) -> bool:
+        return any(s in name for s in cls.FLOAT32_ALWAYS) or len(W.shape(name)) == 1
+
+    @classmethod
+    def _held(cls, W, name: str, dtype: torch.dtype, keep_quantized: bool) -> str:
+        """The dtype the matmuls of tensor ``name`` run in: float32 for a 1-D tensor and a packed quantized matrix
+        (dequantized to float32 inside the product), else the compute dtype."""
+        packed = keep_quantized and len(W.shape(name)) == 2 and hasattr(W, "stored") and W.stored(name) is not None \
+            and W.raw_dtype(name) not in ("F32", "F16", "BF16")
+        return "float32" if cls._keep32(W, name) or packed else str(dtype).replace("torch.", "")
 
     @staticmethod
     def _from_gguf(W, name: str, device: torch.device, target: torch.dtype, keep_quantized: bool):

@@ -26,7 +26,6 @@ Shapes: N = samples, T = frames, M = mel bins (``feature_size``), B = FFT bins.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -38,8 +37,12 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, InputError
+from .files import read_bytes, read_json
 
 # --------------------------------------------------------------------------- settings
+
+MAX_AUDIO_BYTES = 1 << 30
+"""The most a WAV file may hold (1 GiB: some 9 hours of 16 kHz 16-bit mono)."""
 
 
 @dataclass(frozen=True)
@@ -114,20 +117,14 @@ class MelConfig:
         """
         kw: dict[str, Any] = {}
         names = {f.name for f in fields(cls)} - {"source"}
-        for key in names & set(d):
+        for key in sorted(names & set(d)):
             if d[key] is not None:
-                kw[key] = d[key]
-        for key in ("feature_size", "sampling_rate", "max_length", "pad_to_multiple_of"):
-            if key in kw and (isinstance(kw[key], bool) or not isinstance(kw[key], int) or kw[key] <= 0):
-                raise ConfigError(f"{source}: {key} = {kw[key]!r}: expected a positive integer")
-        for key in ("per_bin_mean", "per_bin_stddev"):
-            if key in kw:
-                kw[key] = tuple(float(v) for v in kw[key])
+                kw[key] = _field_value(key, d[key], source)
         cfg = cls(source=source, **kw)
         if d.get("padding_side", "right") != "right":
             raise ConfigError(f"{source}: padding_side = {d['padding_side']!r}: only 'right' is supported")
         for key in ("frame_length", "hop_length", "fft_length"):
-            if key in d and d[key] is not None and int(d[key]) != getattr(cfg, key):
+            if key in d and d[key] is not None and _field_value(key, d[key], source) != getattr(cfg, key):
                 raise ConfigError(f"{source}: {key} = {d[key]} contradicts the {getattr(cfg, key)} derived "
                                   f"from the ms fields and sampling_rate")
         cfg.validate()
@@ -150,6 +147,61 @@ class MelConfig:
                                   f"{self.feature_size}")
 
 
+MAX_FIELD = 1e9
+"""The largest magnitude a processor number may have (a sample rate, a length in ms or samples, a frequency): beyond
+it the derived sample counts are not numbers a front end can use."""
+
+_INT_FIELDS = ("feature_size", "sampling_rate", "max_length", "pad_to_multiple_of", "frame_length", "hop_length",
+               "fft_length")
+_BOOL_FIELDS = ("preemphasis_htk_flavor", "fft_overdrive")
+_NUMERIC_STRING_FIELDS = ("mel_floor",)
+"""Fields transformers converts with ``np.array(value, dtype=np.float64)`` (``Gemma4AudioFeatureExtractor.__init__``),
+which reads a numeric string as its number; every other number it computes with as it is."""
+
+
+def _field_value(key: str, v: Any, source: str) -> Any:
+    """A processor-config value as the front end takes it, accepting the types transformers accepts.
+
+    ``Gemma4AudioFeatureExtractor`` (transformers ``models/gemma4/feature_extraction_gemma4.py``) multiplies and
+    divides the numeric fields as they are (a JSON number: int or float), converts ``mel_floor`` with
+    ``np.array(..., dtype=np.float64)`` (so ``"0.001"`` is 0.001 there), builds ``per_bin_*`` with ``np.array`` and
+    branches on the flags. Counts must be whole numbers (``16000.0`` is 16000). A flag must be true or false: a
+    string such as ``"false"`` would be true in ``if``, not what its writer meant, so it is refused with the key.
+
+    Raises:
+        ConfigError: one line naming the file and key, the value and what was expected.
+    """
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{source}: {key} = {v!r}: expected {expected}")
+
+    if key in _BOOL_FIELDS:
+        if isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
+            return bool(v)
+        raise bad("true or false")
+    if key in ("per_bin_mean", "per_bin_stddev"):
+        if not isinstance(v, (list, tuple)) or not all(_is_number(x) for x in v):
+            raise bad("a list of numbers")
+        return tuple(float(x) for x in v)
+    if isinstance(v, str) and key in _NUMERIC_STRING_FIELDS:
+        try:
+            v = float(v)
+        except ValueError:
+            raise bad("a number (a numeric string is read as one, as transformers does)") from None
+    if not _is_number(v):
+        raise bad("a number")
+    if not math.isfinite(float(v)) or abs(float(v)) > MAX_FIELD:
+        raise bad(f"a finite number of magnitude at most {MAX_FIELD:g}")
+    if key in _INT_FIELDS:
+        if float(v) != int(v) or int(v) <= 0:
+            raise bad("a positive integer")
+        return int(v)
+    return float(v)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def mel_config_from_folder(path: str | os.PathLike) -> MelConfig:
     """Front-end settings of an HF model folder.
 
@@ -164,12 +216,9 @@ def mel_config_from_folder(path: str | os.PathLike) -> MelConfig:
     path = Path(path)
     for name, key in (("processor_config.json", "feature_extractor"), ("preprocessor_config.json", None)):
         f = path / name
-        if not f.is_file():
+        if not os.path.lexists(f):
             continue
-        try:
-            d = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{f}: not valid JSON ({e})") from None
+        d = read_json(f, streams=False, error=ConfigError)
         if key is not None:
             d = d.get(key) if isinstance(d, dict) else None
         if isinstance(d, dict) and d.get("feature_extractor_type") == "Gemma4AudioFeatureExtractor":
@@ -372,10 +421,10 @@ def read_wav(path: str | os.PathLike) -> tuple[np.ndarray, int]:
             line naming the file).
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"{path}: cannot read audio file: {e.strerror or e}") from None
+    try:  # the one reader: a regular file (never a FIFO or a device), bounded
+        raw = read_bytes(path, max_bytes=MAX_AUDIO_BYTES, streams=False)
+    except InputError as e:
+        raise InputError(f"{path}: cannot read audio file: {str(e).split(': ', 1)[-1]}") from None
     if len(raw) < 12 or raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
         raise InputError(f"{path}: not a WAV file (expected a RIFF/WAVE header)")
     fmt = data = None

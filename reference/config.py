@@ -46,6 +46,11 @@ MAX_CONTEXT_LENGTH = 1 << 24
 UNROTATED_FREQ_FACTOR = 1e30
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+"""The largest float32, as a Python float (a comparison with numpy's float32 scalar would run in float32: a larger
+value overflows in the cast, with a warning)."""
+
+
 def _f32(x: float) -> float:
     """Round a Python float through float32 (see module docstring)."""
     return float(np.float32(x))
@@ -245,7 +250,7 @@ def _positive_int(value: Any, key: str, allow_zero: bool = False) -> int:
 def _positive_f32(value: Any, key: str) -> float:
     """A positive, finite number, rounded through float32 (see module docstring); stays positive and finite."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not 0 < value <= np.finfo(np.float32).max or _f32(value) == 0:
+            or not 0 < float(value) <= F32_MAX or _f32(value) == 0:  # compared in float64, not float32
         raise ConfigError(f"{key} = {value!r}: expected a positive finite number")
     return _f32(value)
 
@@ -556,6 +561,21 @@ def _hf_text_config(raw: Mapping[str, Any], source: str) -> Mapping[str, Any]:
     raise ConfigError(f"{source}: model_type = {mt!r}: expected 'gemma4_text' or 'gemma4' (with text_config)")
 
 
+def _hf_number(v: Any, key: str, lo: float | None = None, hi: float | None = None, hi_closed: bool = False) -> float:
+    """A config.json number as transformers computes with it: an int or float (not a bool, not a string: the model
+    adds and multiplies it), finite, in ``(lo, hi)`` (``hi_closed``: ``(lo, hi]``).
+
+    Raises:
+        ConfigError: ``<key> = <value>: expected ...`` (``key`` carries the file).
+    """
+    rng = "" if lo is None and hi is None else f" in ({lo:g}, {hi:g}{']' if hi_closed else ')'}" if hi is not None \
+        else f" > {lo:g}"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+            (lo is not None and not v > lo) or (hi is not None and not (v <= hi if hi_closed else v < hi)):
+        raise ConfigError(f"{key} = {v!r:.40}: expected a finite number{rng}")
+    return float(v)
+
+
 def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
     """Build the config from an HF ``config.json`` (text-only or multimodal).
 
@@ -589,14 +609,14 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
             raise ConfigError(f"{source}: missing field {key}")
         return c[key]
 
-    n_layer = _positive_int(req("num_hidden_layers"), "num_hidden_layers")
-    hidden = _positive_int(req("hidden_size"), "hidden_size")
-    vocab = _positive_int(req("vocab_size"), "vocab_size")
-    n_head = _positive_int(req("num_attention_heads"), "num_attention_heads")
-    n_kv = _positive_int(get("num_key_value_heads", n_head), "num_key_value_heads")
-    head_dim = _positive_int(get("head_dim", 256), "head_dim")
-    n_ff = _positive_int(req("intermediate_size"), "intermediate_size")
-    eps = get("rms_norm_eps", 1e-6)
+    n_layer = _positive_int(req("num_hidden_layers"), f"{source}: num_hidden_layers")
+    hidden = _positive_int(req("hidden_size"), f"{source}: hidden_size")
+    vocab = _positive_int(req("vocab_size"), f"{source}: vocab_size")
+    n_head = _positive_int(req("num_attention_heads"), f"{source}: num_attention_heads")
+    n_kv = _positive_int(get("num_key_value_heads", n_head), f"{source}: num_key_value_heads")
+    head_dim = _positive_int(get("head_dim", 256), f"{source}: head_dim")
+    n_ff = _positive_int(req("intermediate_size"), f"{source}: intermediate_size")
+    eps = _hf_number(get("rms_norm_eps", 1e-6), f"{source}: rms_norm_eps", lo=0.0, hi=1.0)
     bidir = get("use_bidirectional_attention")
     if bidir not in (None, "vision"):
         raise ConfigError(f"{source}: use_bidirectional_attention = {bidir!r}: expected null or 'vision' "
@@ -610,10 +630,13 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
     types = get("layer_types")
     if types is None:
         types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layer)]
+    if not isinstance(types, (list, tuple)):
+        raise ConfigError(f"{source}: layer_types = {types!r:.40}: expected a list of 'sliding_attention' / "
+                          "'full_attention'")
     types = list(types)
     if len(types) != n_layer:
         raise ConfigError(f"{source}: layer_types has {len(types)} entries, expected num_hidden_layers {n_layer}")
-    bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    bad = [t for t in types if not isinstance(t, str) or t not in ("sliding_attention", "full_attention")]
     if bad:
         raise ConfigError(f"{source}: layer_types contains {bad[0]!r}")
     types[-1] = "full_attention"  # Gemma4TextConfig.__post_init__ forces this
@@ -623,6 +646,8 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
     }
+    if not isinstance(rope, Mapping):
+        raise ConfigError(f"{source}: rope_parameters = {rope!r:.40}: expected an object keyed by layer type")
 
     k_eq_v = bool(get("attention_k_eq_v", False))
     per_layer = c.get("per_layer_config")
@@ -648,16 +673,17 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
             glob["num_key_value_heads"] = gkv
         overrides = {i: dict(glob) for i in range(n_layer) if not is_sliding[i]}
 
-    n_shared = _positive_int(get("num_kv_shared_layers", 0), "num_kv_shared_layers", allow_zero=True)
+    n_shared = _positive_int(get("num_kv_shared_layers", 0), f"{source}: num_kv_shared_layers", allow_zero=True)
     donors = kv_donors(is_sliding, n_shared, f"{source}: num_kv_shared_layers")
     double = bool(get("use_double_wide_mlp", False))
-    ple_dim = _positive_int(get("hidden_size_per_layer_input", 0) or 0, "hidden_size_per_layer_input", allow_zero=True)
+    ple_dim = _positive_int(get("hidden_size_per_layer_input", 0) or 0, f"{source}: hidden_size_per_layer_input",
+                            allow_zero=True)
     moe = bool(get("enable_moe_block", False))
     n_expert = n_used = n_ff_exp = 0
     if moe:
-        n_expert = _positive_int(req("num_experts"), "num_experts")
-        n_used = _positive_int(req("top_k_experts"), "top_k_experts")
-        n_ff_exp = _positive_int(req("moe_intermediate_size"), "moe_intermediate_size")
+        n_expert = _positive_int(req("num_experts"), f"{source}: num_experts")
+        n_used = _positive_int(req("top_k_experts"), f"{source}: top_k_experts")
+        n_ff_exp = _positive_int(req("moe_intermediate_size"), f"{source}: moe_intermediate_size")
         if n_used > n_expert:
             raise ConfigError(f"{source}: top_k_experts = {n_used} exceeds num_experts {n_expert}")
 
@@ -665,22 +691,20 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
     for i in range(n_layer):
         sl = is_sliding[i]
         ov = overrides.get(i, {})
-        hd = _positive_int(ov.get("head_dim", head_dim), f"per_layer_config[{i}].head_dim")
-        kvh = _positive_int(ov.get("num_key_value_heads", n_kv), f"per_layer_config[{i}].num_key_value_heads")
+        hd = _positive_int(ov.get("head_dim", head_dim), f"{source}: per_layer_config[{i}].head_dim")
+        kvh = _positive_int(ov.get("num_key_value_heads", n_kv), f"{source}: per_layer_config[{i}].num_key_value_heads")
         tname = types[i]
         rp = rope.get(tname)
         if not isinstance(rp, Mapping):
             raise ConfigError(f"{source}: rope_parameters.{tname}: missing")
         rtype = rp.get("rope_type", "default")
         theta = rp.get("rope_theta")
-        if not isinstance(theta, (int, float)) or theta <= 0:
-            raise ConfigError(f"{source}: rope_parameters.{tname}.rope_theta = {theta!r}: expected a positive number")
-        factor = rp.get("factor", 1.0)
+        theta = _positive_f32(theta, f"{source}: rope_parameters.{tname}.rope_theta")
+        factor = _hf_number(rp.get("factor", 1.0), f"{source}: rope_parameters.{tname}.factor", lo=0.0)
+        prf = _hf_number(rp.get("partial_rotary_factor", 1.0),
+                         f"{source}: rope_parameters.{tname}.partial_rotary_factor", lo=0.0, hi=1.0, hi_closed=True)
         ff = None
         if rtype == "proportional":
-            prf = rp.get("partial_rotary_factor", 1.0)
-            if not 0 < prf <= 1:
-                raise ConfigError(f"{source}: rope_parameters.{tname}.partial_rotary_factor = {prf!r}: expected (0, 1]")
             n_rot = hd
             ff = proportional_freq_factors(hd, prf)
         elif rtype == "default":
@@ -695,20 +719,28 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
             index=i, is_sliding=sl, n_head=n_head, n_kv_head=kvh, head_dim=hd,
             has_kv=has_kv, kv_donor=donors[i], has_v_proj=has_kv and not (k_eq_v and not sl),
             n_ff=n_ff * (2 if double and not has_kv else 1), has_moe=moe,
-            rope_base=_f32(theta), n_rot=n_rot, rope_freq_factors=ff, rope_scale=_f32(1.0 / factor),
+            rope_base=theta, n_rot=n_rot, rope_freq_factors=ff,
+            rope_scale=_positive_f32(1.0 / factor, f"{source}: 1 / rope_parameters.{tname}.factor"),
         ))
     _check_layers(layers, hidden, source)
     softcap = c.get("final_logit_softcapping")
+    if softcap is not None:
+        softcap = _positive_f32(softcap, f"{source}: final_logit_softcapping")
     eos = c.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
+    for key, tid in (("bos_token_id", c.get("bos_token_id")), ("eos_token_id", eos),
+                     ("pad_token_id", c.get("pad_token_id"))):
+        if tid is not None and (isinstance(tid, bool) or not isinstance(tid, int) or tid < 0):
+            raise ConfigError(f"{source}: {key} = {tid!r:.40}: expected a token id (an integer >= 0), a list of them "
+                              "(eos) or null")
     return ModelConfig(
         arch="gemma4", source=source, vocab_size=vocab, hidden_size=hidden, n_layer=n_layer, rms_eps=_f32(eps),
-        sliding_window=_positive_int(get("sliding_window", 512), "sliding_window") if any(is_sliding) else 0,
-        context_length=_positive_int(get("max_position_embeddings", 131072), "max_position_embeddings"),
+        sliding_window=_positive_int(get("sliding_window", 512), f"{source}: sliding_window") if any(is_sliding) else 0,
+        context_length=_positive_int(get("max_position_embeddings", 131072), f"{source}: max_position_embeddings"),
         final_logit_softcap=None if softcap is None else _f32(softcap), attn_scale=1.0,
         ple_dim=ple_dim, vocab_size_per_layer=_positive_int(get("vocab_size_per_layer_input", vocab),
-                                                           "vocab_size_per_layer_input") if ple_dim else 0,
+                                                           f"{source}: vocab_size_per_layer_input") if ple_dim else 0,
         n_kv_shared=n_shared, n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
         has_v_norm=True, has_layer_scalar=True, tie_word_embeddings=bool(get("tie_word_embeddings", True)),
         bos_token_id=c.get("bos_token_id"), eos_token_id=eos, pad_token_id=c.get("pad_token_id"),

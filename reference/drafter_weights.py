@@ -23,7 +23,6 @@ Sources: transformers ``modeling_gemma4_assistant.py``; llama.cpp ``gguf-py/gguf
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import numpy as np
 
 from .drafter import DrafterConfig, drafter_config_from_gguf, drafter_config_from_hf, drafter_expected_tensors
 from .errors import ConfigError, ModelFileError
+from .files import read_json
 from .gguf_check import check_gguf
 from .lazy_tensors import LazyTensor, safetensors_folder
 from .names import gguf_to_hf, hf_to_gguf
@@ -102,12 +102,9 @@ def load_drafter_hf(path: str | os.PathLike) -> tuple[DrafterConfig, Weights]:
     """
     path = Path(path)
     cfg_path = path / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ModelFileError(f"{cfg_path}: missing (an HF assistant folder needs config.json)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not os.path.lexists(cfg_path):
+        raise ModelFileError(f"{cfg_path}: missing (an HF assistant folder needs config.json)")
+    raw = read_json(cfg_path, streams=False, error=ModelFileError)
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object")
     d = drafter_config_from_hf(raw, str(cfg_path))

@@ -25,9 +25,10 @@ header field, key or tensor, and what was expected):
 * the types of the keys this harness reads (``general.alignment``, the
   ``tokenizer.ggml`` ids and tables, every ``gemma4.*`` / ``gemma3.*`` key
   :func:`reference.config.config_from_gguf` reads): exactly the GGUF type
-  llama.cpp reads them as (its ``get_key`` refuses any other); an unknown
-  ``<arch>.*`` key one character from a known one is refused (a misspelt
-  optional key would silently read as absent);
+  llama.cpp reads them as (its ``get_key`` refuses any other); unknown keys are
+  allowed (another architecture's ``gemma3.*`` copy in a gemma4 file, a converter's
+  own), except one character from a ``<arch>.*`` key the model reads that the file
+  does not hold (a misspelt or damaged name would silently read as absent);
 * each tensor info: name 1 to 63 bytes (ggml ``GGML_MAX_NAME``), printable,
   not a duplicate; ``n_dims`` <= 4; every dimension > 0
   and < 2**63; a type that ``gguf`` knows the block size of; rows a multiple
@@ -64,6 +65,7 @@ import numpy as np
 
 from .config import one_edit_apart
 from .errors import ConfigError, InputError, ModelFileError
+from .files import open_regular
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
@@ -117,6 +119,14 @@ _GENERAL_KEYS: dict[str, set] = {
     "tokenizer.ggml.token_type": {(ARRAY, I32)},
     **{f"tokenizer.ggml.{k}_token_id": _UINT for k in ("bos", "eos", "padding", "unknown")},
 }
+
+
+class Metadata(dict):
+    """A GGUF file's key -> value dict, which also says which string arrays held bytes that are not UTF-8:
+    ``invalid_utf8`` maps such a key to its first bad item (the value holds U+FFFD there). A tokenizer table must
+    be text (:class:`reference.tokenizer.GGUFTokenizer` refuses it); other values are data."""
+
+    invalid_utf8: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -197,6 +207,7 @@ class _Cursor:
 
     def __init__(self, buf, path: str):
         self.buf, self.path, self.size, self.pos = buf, path, len(buf), 0
+        self.invalid_utf8: dict[str, int] = {}  # array key -> its first string item that is not valid UTF-8
 
     def fail(self, what: str, at_end: bool = False) -> ModelFileError:
         """The error ``<path>: <what>``; ``at_end``: the read ran into the end of the file (a truncation looks so)."""
@@ -354,7 +365,12 @@ def _read_value(cur: _Cursor, key: str, vtype: int, check_element=lambda etype: 
         if n > size - pos - 8:
             raise cur.fail(f"{what}: item {i} of {count}: string length {n} at byte {pos} exceeds the "
                            f"{size - pos - 8} bytes left", at_end=n <= PLAUSIBLE_BYTES)
-        append(buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
+        raw = buf[pos + 8:pos + 8 + n]
+        try:
+            append(raw.decode("utf-8"))
+        except UnicodeDecodeError:  # kept (values are data), and noted: a tokenizer table must be text
+            append(raw.decode("utf-8", errors="replace"))
+            cur.invalid_utf8.setdefault(what.removeprefix("key "), i)
         pos += 8 + n
     cur.pos = pos
     return out, etype
@@ -413,16 +429,12 @@ def _read_kv(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[i
 
 
 def _key_type_error(path: str, key: str, got: tuple[int, int | None], arch: Any) -> ConfigError | None:
-    """The error for a known key of the wrong GGUF type, or an unknown key one character from a known one."""
+    """The error for a known key of the wrong GGUF type (unknown keys: :func:`_near_miss_error`, once every key is
+    read)."""
     prefix = f"{arch}." if isinstance(arch, str) else None
     allowed = _GENERAL_KEYS.get(key)
     if allowed is None and prefix and key.startswith(prefix):
         allowed = _ARCH_KEYS.get(key[len(prefix):])
-    if allowed is None and prefix:  # a misspelt optional key would read as absent: another model, silently
-        near = [prefix + k for k in _ARCH_KEYS if one_edit_apart(key, prefix + k)]
-        if near:
-            return ConfigError(f"{path}: key {key} is unknown, one character from {near[0]} (a misspelt or damaged "
-                               "name)")
     if allowed is None or got in allowed or (got[0] == ARRAY and got[1] is None
                                              and any(t[0] == ARRAY for t in allowed)):
         return None
@@ -435,11 +447,27 @@ def _key_type_error(path: str, key: str, got: tuple[int, int | None], arch: Any)
 
 
 def _check_key_types(path: str, types: dict[str, tuple[int, int | None]], meta: dict[str, Any]) -> None:
-    """Keys read before ``general.architecture`` was known are checked here, after the whole section."""
+    """Keys read before ``general.architecture`` was known are checked here, after the whole section; then the
+    unknown keys (:func:`_near_miss_error`)."""
+    arch = meta.get("general.architecture")
     for key, got in types.items():
-        err = _key_type_error(path, key, got, meta.get("general.architecture"))
+        err = _key_type_error(path, key, got, arch) or _near_miss_error(path, key, meta, arch)
         if err:
             raise err
+
+
+def _near_miss_error(path: str, key: str, meta: dict[str, Any], arch: Any) -> ConfigError | None:
+    """An unknown key one character from an ``<arch>.*`` key the model reads that the file does not hold: a
+    misspelt or damaged name, which would read as absent (another model, silently). Any other unknown key is
+    allowed: ``gemma3.context_length`` beside ``gemma4.context_length`` in a gemma4 file is not a misspelling."""
+    prefix = f"{arch}." if isinstance(arch, str) else None
+    if prefix is None or key in _GENERAL_KEYS or (key.startswith(prefix) and key[len(prefix):] in _ARCH_KEYS):
+        return None
+    near = [prefix + k for k in _ARCH_KEYS if one_edit_apart(key, prefix + k) and prefix + k not in meta]
+    if not near:
+        return None
+    return ConfigError(f"{path}: key {key} is unknown, one character from {near[0]}, which the file does not hold "
+                       "(a misspelt or damaged name; the model would read that key as absent)")
 
 
 def _read_tensor_infos(cur: _Cursor, n_tensors: int, last_key: str | None, alignment: int
@@ -563,7 +591,7 @@ def check_gguf(path: str | os.PathLike) -> GGUFFile:
     """
     path_s = str(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, error=ModelFileError) as f:  # never a FIFO or a device: mapped
             size = os.fstat(f.fileno()).st_size
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     except OSError as e:
@@ -593,5 +621,7 @@ def check_gguf(path: str | os.PathLike) -> GGUFFile:
     for key, value in meta.items():  # arrays stay views until the header is known good
         if isinstance(value, np.ndarray):
             meta[key] = value.tolist()
+    meta = Metadata(meta)
+    meta.invalid_utf8 = dict(cur.invalid_utf8)
     return GGUFFile(path_s, version, meta, types, alignment, data_offset, tensors, buf)
 

@@ -28,7 +28,6 @@ reproduced here; frames go through the PIL image path.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from .errors import ConfigError, InputError
+from .files import check_regular, read_json
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 VIDEO_MAX_SOFT_TOKENS = 70  # transformers Gemma4VideoProcessor.max_soft_tokens
@@ -98,12 +98,9 @@ class ImageProcessorConfig:
         path = Path(path)
         for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
             f = path / name
-            if not f.is_file():
+            if not os.path.lexists(f):
                 continue
-            try:
-                d = json.loads(f.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ConfigError(f"{f}: not valid JSON ({e})") from None
+            d = read_json(f, streams=False, error=ConfigError)
             if not isinstance(d, dict):
                 raise ConfigError(f"{f}: expected a JSON object")
             if key is None:
@@ -178,6 +175,7 @@ def load_image(path: str | os.PathLike):
     Raises:
         InputError: one line naming the file (missing, unreadable, not an image, truncated).
     """
+    check_regular(path, "image")  # a FIFO or a device: refused, never opened by PIL
     try:
         with Image.open(path) as im:
             im.load()

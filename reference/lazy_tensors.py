@@ -26,6 +26,7 @@ import numpy as np
 from safetensors import safe_open
 
 from .errors import ModelFileError
+from .files import check_regular
 
 #: safetensors dtype name -> numpy dtype of the stored element (BF16 is read as raw 16-bit words).
 SAFETENSORS_DTYPES = {
@@ -81,6 +82,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        check_regular(self.path, error=ModelFileError)  # a FIFO or a device cannot be mapped (nor block the open)
         try:
             with safe_open(str(self.path), framework="numpy") as handle:  # the library checks the header
                 keys = list(handle.keys())

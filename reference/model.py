@@ -447,8 +447,18 @@ def check_prompt(cfg: ModelConfig, ids: Sequence[int], n_past: int = 0) -> np.nd
     if bad.size:
         raise PromptError(f"token id {int(bad[0])} is outside the vocabulary [0, {limit})")
     if n_past + arr.size > cfg.context_length:
-        raise PromptError(f"prompt of {n_past + arr.size} tokens is longer than the context ({cfg.context_length})")
+        raise PromptError(f"prompt of {n_past + arr.size} tokens is longer than the context: {context_key(cfg)} = "
+                          f"{cfg.context_length}")
     return arr
+
+
+def context_key(cfg) -> str:
+    """Where the context length comes from, for a message: ``<file>: key <arch>.context_length`` (GGUF) or
+    ``<config.json>: key max_position_embeddings`` (HF)."""
+    src = str(getattr(cfg, "source", "") or "")
+    key = "max_position_embeddings" if src.endswith(".json") or not src.endswith(".gguf") else \
+        f"{cfg.arch}.context_length"
+    return f"{src}: key {key}" if src else f"key {key}"
 
 
 def check_generation(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -462,8 +472,8 @@ def check_generation(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int)
     for i, p in enumerate(prompts):
         check_prompt(cfg, p)
         if len(p) + max_new_tokens > cfg.context_length:
-            raise PromptError(f"prompt {i}: {len(p)} tokens + {max_new_tokens} new exceed the context "
-                              f"({cfg.context_length})")
+            raise PromptError(f"prompt {i}: {len(p)} tokens + {max_new_tokens} new exceed the context: "
+                              f"{context_key(cfg)} = {cfg.context_length}")
 
 
 def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = None,

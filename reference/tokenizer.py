@@ -84,6 +84,7 @@ tokens; other ``tokenizer.ggml.model`` values (``gpt2``, ``t5``, ...).
 from __future__ import annotations
 
 import heapq
+import math
 import os
 import re
 from typing import Any, Mapping, Sequence
@@ -188,6 +189,43 @@ def merge_pairs(pieces: list[str], priority) -> list[str]:
     return out
 
 
+TOKEN_TYPES = range(0, 7)
+"""Token types llama.cpp knows (``llama_token_type``: 0 undefined, 1 normal ... 6 byte)."""
+
+
+def _check_tables(source: str, metadata: Mapping[str, Any], tokens, scores, types) -> None:
+    """The vocabulary tables as a tokenizer can use them, or one line naming the key and the item.
+
+    Refused: a token that is not a string, was not valid UTF-8 in the file (:class:`reference.gguf_check.Metadata`),
+    is empty, or repeats an earlier one (two ids for one text: encoding would pick one silently); a token type
+    llama.cpp does not know; a score that is NaN or +Inf (scores rank merges; -Inf ranks last).
+
+    Raises:
+        ConfigError: ``<file>: tokenizer.ggml.<table>[i] ...``.
+    """
+    bad_utf8 = getattr(metadata, "invalid_utf8", {}).get("tokenizer.ggml.tokens")
+    if bad_utf8 is not None:
+        raise ConfigError(f"{source}: tokenizer.ggml.tokens[{bad_utf8}] is not valid UTF-8 (expected text)")
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if not isinstance(t, str):
+            raise ConfigError(f"{source}: tokenizer.ggml.tokens[{i}] = {t!r:.40}: expected a string")
+        if not t:
+            raise ConfigError(f"{source}: tokenizer.ggml.tokens[{i}] is empty (expected the token's text)")
+        j = seen.setdefault(t, i)
+        if j != i:
+            raise ConfigError(f"{source}: tokenizer.ggml.tokens[{i}] = {t!r:.40} repeats tokens[{j}] (expected "
+                              "distinct tokens)")
+    for i, ty in enumerate(types):
+        if isinstance(ty, bool) or not isinstance(ty, int) or ty not in TOKEN_TYPES:
+            raise ConfigError(f"{source}: tokenizer.ggml.token_type[{i}] = {ty!r:.40}: expected a token type 0-6 "
+                              "(llama_token_type)")
+    for i, sc in enumerate(scores):
+        v = float(sc) if isinstance(sc, (int, float)) and not isinstance(sc, bool) else math.nan
+        if math.isnan(v) or v == math.inf:
+            raise ConfigError(f"{source}: tokenizer.ggml.scores[{i}] = {sc!r:.40}: expected a finite number (or -inf)")
+
+
 class GGUFTokenizer:
     """Tokenizer from GGUF metadata: ``llama`` (SentencePiece BPE) or ``gemma4`` (BPE with merges).
 
@@ -224,6 +262,7 @@ class GGUFTokenizer:
         for key, arr in (("tokenizer.ggml.scores", scores), ("tokenizer.ggml.token_type", types)):
             if len(arr) != n:
                 raise ConfigError(f"{source}: {key} has {len(arr)} entries, tokenizer.ggml.tokens has {n}")
+        _check_tables(source, metadata, tokens, scores, types)
         self.tokens: list[str] = [str(t) for t in tokens]
         self.scores: list[float] = [float(s) for s in scores]
         self.types: list[int] = [int(t) for t in types]

@@ -42,6 +42,13 @@ import numpy as np
 
 from .errors import ModelFileError
 
+
+class CarryWarning(UserWarning):
+    """A weight the engine can hold but not carry: its magnitude, through the operations that follow it, passes
+    the largest value of the compute dtype (:func:`carry_problems`). A warning, not an error: the output check
+    (:mod:`harness.core.finite`) fails the run if the output does go non-finite."""
+
+
 MAX_ABS_FP32 = 1e30
 MAX_ABS_FP16 = 65504.0
 ROPE_FREQS = "rope_freqs.weight"
@@ -94,23 +101,30 @@ def _fail_value(source: str, name: str, shape, index: int, value: float, limit: 
     return ModelFileError(f"{at} is {value:.6g}: |w| > {limit:.6g}, more than a matmul in this dtype can carry")
 
 
-def _scan(source: str, name: str, flat: np.ndarray, shape, offset: int, max_abs: float) -> None:
-    """Check a flat float array that sits at ``offset`` (elements) of a tensor of ``shape``."""
+def _scan(source: str, name: str, flat: np.ndarray, shape, offset: int, max_abs: float) -> float:
+    """Check a flat float array that sits at ``offset`` (elements) of a tensor of ``shape``; return its largest |w|.
+
+    The comparison runs in float64: a float32 1e30 is 1.0000000150e30, above a limit of 1e30 (compared in float32,
+    the limit rounds to the same float32 and the value passed)."""
     rope = name == ROPE_FREQS
+    amax = 0.0
     for start in range(0, flat.size, _CHUNK):
         c = flat[start:start + _CHUNK]
-        lo, hi = c.min(), c.max()  # NaN propagates into both
+        lo, hi = float(c.min()), float(c.max())  # NaN propagates into both; float64 from here on
         if (0 < lo and hi < np.inf) if rope else (-max_abs <= lo and hi <= max_abs):
+            amax = max(amax, -lo, hi)
             continue
         c64 = c.astype(np.float64)
         bad = ~np.isfinite(c64) | ((c64 <= 0) if rope else (np.abs(c64) > max_abs))
         j = int(np.argmax(bad))
         raise _fail_value(source, name, shape, offset + start + j, float(c64[j]), None if rope else max_abs)
+    return amax
 
 
 def check_values(source: str, name: str, arr: np.ndarray, max_abs: float = MAX_ABS_FP32, *,
-                 shape: tuple[int, ...] | None = None, first_row: int = 0) -> None:
-    """Check a float array for NaN, Inf and ``|w| > max_abs`` (``rope_freqs``: finite and > 0).
+                 shape: tuple[int, ...] | None = None, first_row: int = 0) -> float:
+    """Check a float array for NaN, Inf and ``|w| > max_abs`` (``rope_freqs``: finite and > 0); return its largest
+    ``|w|`` (float64).
 
     Args:
         source: the file, for messages.
@@ -129,7 +143,7 @@ def check_values(source: str, name: str, arr: np.ndarray, max_abs: float = MAX_A
     """
     arr = np.asarray(arr)
     shape = arr.shape if shape is None else tuple(shape)
-    _scan(source, name, arr.reshape(-1), shape, first_row * _row_elems(shape), max_abs)
+    return _scan(source, name, arr.reshape(-1), shape, first_row * _row_elems(shape), max_abs)
 
 
 def _row_elems(shape: tuple[int, ...]) -> int:
@@ -145,10 +159,13 @@ def _bf16(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def _check_half(source: str, name: str, bits: np.ndarray, shape, bf16: bool, max_abs: float, offset: int = 0) -> None:
+def _check_half(source: str, name: str, bits: np.ndarray, shape, bf16: bool, max_abs: float, offset: int = 0
+                ) -> float:
     """fp16/bf16 stored as uint16 bits (``offset`` elements into the tensor): non-finite iff the exponent bits
-    are all ones."""
+    are all ones. Returns the largest |w| (the largest magnitude bits: the sign bit dropped, finite values order
+    as their bits do)."""
     exp_mask, to_float = (0x7F80, _bf16) if bf16 else (0x7C00, _f16)
+    top = 0
     for start in range(0, bits.size, _CHUNK):
         c = bits[start:start + _CHUNK]
         bad = (c & exp_mask) == exp_mask
@@ -156,21 +173,26 @@ def _check_half(source: str, name: str, bits: np.ndarray, shape, bf16: bool, max
             j = int(np.argmax(bad))
             raise _fail_value(source, name, shape, offset + start + j, float(to_float(c[j:j + 1].copy())[0]),
                               max_abs)
+        if c.size:
+            top = max(top, int((c & 0x7FFF).max()))
         if name == ROPE_FREQS or bf16 or max_abs < MAX_ABS_FP16:  # values needed: sign or magnitude
             _scan(source, name, to_float(c.copy()), shape, offset + start, max_abs)
+    return float(to_float(np.array([top], dtype=np.uint16))[0])
 
 
 def _check_scales(source: str, name: str, raw: np.ndarray, type_name: str, max_abs: float, first_block: int = 0
-                  ) -> bool:
+                  ) -> tuple[bool, float]:
     """Check a quantized tensor (from its block ``first_block``) through its fp16 scale fields, read in place.
 
-    Returns False when the type's magnitude bound is not a simple product and
-    ``max_abs`` is low enough to matter: the caller then dequantizes.
+    Returns ``(done, bound)``: ``done`` False when the type's magnitude bound is not a simple product and
+    ``max_abs`` is low enough to matter (the caller then dequantizes); ``bound``: the largest |w| the scales allow
+    (inf for a type whose bound is not a simple product).
     """
     block_bytes, fields = _SCALE_FIELDS[type_name]
     flat = raw.reshape(-1)
     n_blocks = flat.size // block_bytes
     unbounded = False
+    field_bounds: dict[int, float] = {}
     for start in range(0, n_blocks, _CHUNK):
         n = min(_CHUNK, n_blocks - start)
         worst = np.zeros(n, dtype=np.float64)
@@ -186,18 +208,23 @@ def _check_scales(source: str, name: str, raw: np.ndarray, type_name: str, max_a
                                      f"of {'NaN' if np.isnan(v) else 'Inf'} (byte {off} of the block)")
             if factor is None:
                 unbounded = True
-            elif max_abs < MAX_ABS_FP16 * 4096:  # above that, no fp16 scale times its code can reach the limit
+                continue
+            if n:  # the caller's magnitude bound: the field's largest |value| (its bits, sign dropped) x its factor
+                top = np.array([int((bits & 0x7FFF).max())], dtype=np.uint16)
+                field_bounds[off] = max(field_bounds.get(off, 0.0), float(_f16(top)[0]) * factor)
+            if max_abs < MAX_ABS_FP16 * 4096:  # above that, no fp16 scale times its code can reach the limit
                 worst += np.abs(_f16(bits.copy()).astype(np.float64)) * factor
         if worst.size and worst.max() > max_abs:
             b = int(np.argmax(worst))
             raise ModelFileError(f"{source}: tensor {name}: block {first_block + start + b} ({type_name}) has scales "
                                  "that allow "
                                  f"|w| up to {worst[b]:.6g}, more than {max_abs:.6g}, the limit for this dtype")
-    return not unbounded or max_abs >= MAX_ABS_FP16 * 4096
+    bound = float("inf") if unbounded else float(sum(field_bounds.values()))
+    return not unbounded or max_abs >= MAX_ABS_FP16 * 4096, bound
 
 
 def check_stored(source: str, name: str, type_name: str, stored: np.ndarray, shape: tuple[int, ...],
-                 max_abs: float = MAX_ABS_FP32, *, first_row: int = 0) -> None:
+                 max_abs: float = MAX_ABS_FP32, *, first_row: int = 0) -> float:
     """Check one GGUF tensor, or some of its rows, in its stored form (no full dequantization when the type allows).
 
     Args:
@@ -210,6 +237,10 @@ def check_stored(source: str, name: str, type_name: str, stored: np.ndarray, sha
         max_abs: the limit (see the module docstring).
         first_row: the tensor row ``stored`` starts at (messages give the element or block of the
             whole tensor).
+
+    Returns:
+        the largest ``|w|`` (float64): exact for F32/F64/F16/BF16 and for types checked by dequantizing; for a type
+        with fp16 scale fields, the largest the scales allow (an upper bound); inf when unknown.
 
     Raises:
         ModelFileError: a NaN/Inf value or scale field, or a magnitude above the
@@ -227,26 +258,29 @@ def check_stored(source: str, name: str, type_name: str, stored: np.ndarray, sha
         return _check_half(source, name, stored.reshape(-1).view("<u2"), shape, type_name == "BF16", max_abs, offset)
     if type_name in _SCALE_FIELDS and name != ROPE_FREQS:
         block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
-        if _check_scales(source, name, stored.view(np.uint8), type_name, max_abs, offset // block):
-            return
-    _check_by_dequantizing(source, name, type_name, stored, shape, max_abs, offset)
+        done, bound = _check_scales(source, name, stored.view(np.uint8), type_name, max_abs, offset // block)
+        if done:
+            return bound
+    return _check_by_dequantizing(source, name, type_name, stored, shape, max_abs, offset)
 
 
 def _check_by_dequantizing(source: str, name: str, type_name: str, stored: np.ndarray, shape, max_abs,
-                           offset: int = 0) -> None:
+                           offset: int = 0) -> float:
     qtype = gguf.GGMLQuantizationType[type_name]
     rows = stored.reshape(-1, stored.shape[-1]) if stored.ndim else stored.reshape(1, -1)
     row_elems = shape[-1] if shape else 1
     step = max(1, _CHUNK // max(1, row_elems))
+    amax = 0.0
     for r in range(0, rows.shape[0], step):
         try:
             vals = gguf.quants.dequantize(rows[r:r + step], qtype)
         except NotImplementedError:
-            return  # the engine that reads it reports the unsupported type
-        _scan(source, name, vals.reshape(-1), shape, offset + r * row_elems, max_abs)
+            return float("inf")  # the engine that reads it reports the unsupported type
+        amax = max(amax, _scan(source, name, vals.reshape(-1), shape, offset + r * row_elems, max_abs))
+    return amax
 
 
-def check_weights(W, max_abs: float = MAX_ABS_FP32) -> None:
+def check_weights(W, max_abs: float = MAX_ABS_FP32) -> dict[str, float]:
     """Check every tensor of a loaded model (``reference.weights.Weights``) before an engine uses it.
 
     GGUF tensors are checked in their stored form (:func:`check_stored`);
@@ -257,14 +291,20 @@ def check_weights(W, max_abs: float = MAX_ABS_FP32) -> None:
         W: the weights from :func:`reference.weights.load_model`.
         max_abs: the limit; :func:`max_abs_for` gives it for a compute dtype.
 
+    Returns:
+        tensor name -> its largest ``|w|`` (an upper bound for types with scale fields: :func:`check_stored`),
+        the magnitudes :func:`fast.carry.carry_problems` starts from; empty for weights made on a device.
+
     Raises:
         ModelFileError: the first bad tensor, named (see :func:`check_stored`).
     """
     if hasattr(W, "torch_tensor"):
-        return
+        return {}
+    bounds = {}
     for name in W:
         stored = W.stored(name) if hasattr(W, "stored") else None
         if stored is not None:
-            check_stored(W.source, name, W.raw_dtype(name), stored, tuple(W.shape(name)), max_abs)
+            bounds[name] = check_stored(W.source, name, W.raw_dtype(name), stored, tuple(W.shape(name)), max_abs)
         else:
-            check_values(W.source, name, np.asarray(W.raw(name)), max_abs)
+            bounds[name] = check_values(W.source, name, np.asarray(W.raw(name)), max_abs)
+    return bounds

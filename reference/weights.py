@@ -16,7 +16,6 @@ produce. ``rope_freqs`` is kept as stored (float32), never recomputed.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +35,7 @@ from .config import (
     unread_tensors,
 )
 from .errors import ConfigError, ModelFileError
+from .files import read_json
 from .gguf_check import GGUFFile, check_gguf
 from .lazy_tensors import LazyTensor, safetensors_folder
 from .names import hf_to_gguf
@@ -311,12 +311,9 @@ def read_hf_config(path: Path) -> dict:
         ModelFileError: missing or not valid JSON. ConfigError: not a JSON object.
     """
     cfg_path = path / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ModelFileError(f"{cfg_path}: missing (an HF model folder needs config.json)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not os.path.lexists(cfg_path):
+        raise ModelFileError(f"{cfg_path}: missing (an HF model folder needs config.json)")
+    raw = read_json(cfg_path, streams=False, error=ModelFileError)
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object")
     return raw

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 
 def _share_cpus() -> None:
@@ -97,6 +97,8 @@ def write_tiny_gguf(
     drop: tuple[str, ...] = (),
     reshape: Mapping[str, tuple[int, ...]] | None = None,
     seed: int = 0,
+    extra_kv: Sequence[tuple[str, Any, Any, Any]] = (),
+    skip_kv: tuple[str, ...] = (),
 ) -> Path:
     """Write the tiny gemma4 model as an F32 GGUF with llama.cpp's keys and tensor names.
 
@@ -108,6 +110,8 @@ def write_tiny_gguf(
         reshape: tensor name -> numpy-order shape to write instead of the right
             one (a mis-shaped-tensor file).
         seed: weight seed.
+        extra_kv: more keys, ``(key, value, gguf.GGUFValueType, array element type or None)``.
+        skip_kv: keys to leave out.
 
     Returns:
         ``path`` as a :class:`Path`.
@@ -142,8 +146,9 @@ def write_tiny_gguf(
         (f"{a}.rope.dimension_count_swa", c["head_dim_swa"], VT.UINT32, None),
         (f"{a}.final_logit_softcapping", 30.0, VT.FLOAT32, None),
     ]
-    for key, val, vtype, sub in kv:
-        w.add_key_value(key, val, vtype, sub_type=sub)
+    for key, val, vtype, sub in [*kv, *extra_kv]:
+        if key not in skip_kv:
+            w.add_key_value(key, val, vtype, sub_type=sub)
 
     shapes = tiny_tensor_shapes(c)
     reshape = dict(reshape or {})

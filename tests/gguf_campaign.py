@@ -80,7 +80,8 @@ def logits_of(path: str | os.PathLike, engine: str) -> np.ndarray:
         return np.asarray(forward(cfg, W, PROMPT), dtype=np.float64)
     from fast.model import FastModel
 
-    return FastModel(cfg, W, "cpu", "float32").logits(PROMPT).double().numpy()
+    dtype = engine.partition(":")[2] or "float32"  # fast, fast:bfloat16, fast:float16
+    return FastModel(cfg, W, "cpu", dtype).logits(PROMPT).double().numpy()
 
 
 def _vm_bytes() -> int:
@@ -94,7 +95,7 @@ def _child(conn, path: str, engine: str) -> None:
     if sys.platform.startswith("linux"):
         limit = _vm_bytes() + EXTRA_ADDRESS_SPACE
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    if engine == "fast":
+    if engine.startswith("fast"):
         import torch
 
         torch.set_num_threads(1)
@@ -336,6 +337,185 @@ def campaign(bases: list[Base], engine: str, n: int, seed: int, work: Path, time
     }
 
 
+# --------------------------------------------------------------------------- extreme weights, other file kinds
+
+#: Outcomes of the extreme-weight and file-kind classes that are acceptable: finite logits (a valid, different
+#: model), the engine failed with its first non-finite layer and point (exit 1), or one line (exit 2: a weight
+#: above the dtype's limit, the reference's own float64 overflow, a file that is not a regular file).
+EXTREME_OK = ("finite", "finite_diverged", "engine_failed", "error")
+
+
+DIVERGED = 1.0
+"""A finite result whose largest |logit - reference logit| passes this (in logits) is counted as diverged: far beyond
+any dtype's rounding on these models (bf16: a few hundredths), a wrong result the carry warning should have named."""
+
+
+def _engine_child(conn, path: str, spec: str, compare: bool = False) -> None:
+    """In a forked child: ``spec``'s engine (``reference`` or ``fast:<dtype>``) built by ``make_engine``, so that its
+    output goes through the output check, then the logits of :data:`PROMPT`."""
+    if sys.platform.startswith("linux"):
+        limit = _vm_bytes() + EXTRA_ADDRESS_SPACE
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import torch
+
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    from harness.core.workers import EngineOutputError
+    from harness.engines import make_engine
+    from reference.errors import InputError
+    from reference.weight_check import CarryWarning
+
+    name, _, dtype = spec.partition(":")
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(out):
+        warnings.simplefilter("always")
+        try:
+            eng = make_engine(name, path, **({"device": "cpu", "dtype": dtype} if name == "fast" else {}))
+            result = ("logits", np.asarray(eng.logits(PROMPT), dtype=np.float64))
+            if compare and name != "reference":  # how far a finite result is from the specification's
+                ref = np.asarray(make_engine("reference", path).logits(PROMPT), dtype=np.float64)
+                result = ("logits", result[1], float(np.max(np.abs(result[1] - ref))))
+        except EngineOutputError as e:
+            result = ("engine_failed", str(e))
+        except InputError as e:
+            result = ("input_error", str(e))
+        except BaseException as e:  # noqa: BLE001 - everything else is the finding
+            result = ("traceback", f"{type(e).__name__}: {e}"[:300] + " @ "
+                      + traceback.extract_tb(e.__traceback__)[-1].filename.split("/")[-1])
+    carry = [str(w.message) for w in caught if issubclass(w.category, CarryWarning)]
+    noise = out.getvalue()
+    conn.send((result, noise, carry))
+    conn.close()
+
+
+def run_engine_isolated(path: str | os.PathLike, spec: str, timeout: float, compare: bool = False
+                        ) -> tuple[Outcome, list[str]]:
+    """One file through ``spec``'s engine (:func:`_engine_child`) in a forked child; the outcome and the carry
+    warnings it gave. ``compare``: a finite result is also compared with the reference's logits of the same file
+    (``Outcome.detail`` ends with ``max |d| X``; more than :data:`DIVERGED`: the outcome is ``finite_diverged``)."""
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_engine_child, args=(send, str(path), spec, compare), daemon=True)
+    p.start()
+    send.close()
+    got = None
+    if recv.poll(timeout):
+        try:
+            got = recv.recv()
+        except EOFError:
+            got = None
+    p.join(1.0)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        if got is None:
+            return Outcome("hang", f"still running after {timeout:g} s", time.perf_counter() - t0), []
+    recv.close()
+    secs = time.perf_counter() - t0
+    if got is None:
+        return Outcome("crash", f"child exit code {p.exitcode}", secs), []
+    (what, value, *delta), noise, carry = got
+    if noise.strip():
+        return Outcome("noise", noise.strip()[:200], secs), carry
+    if what == "traceback":
+        return Outcome("traceback", value, secs), carry
+    if what == "input_error":
+        ok = value.strip() and "\n" not in value and Path(path).name in value
+        return Outcome("error" if ok else "bad_message", value, secs), carry
+    if what == "engine_failed":
+        ok = "non-finite output, first at" in value and "\n" not in value
+        return Outcome("engine_failed" if ok else "bad_message", value, secs), carry
+    if not np.all(np.isfinite(value)):
+        return Outcome("nonfinite", f"{int(np.sum(~np.isfinite(value)))} non-finite logits", secs), carry
+    kind = "finite_diverged" if delta and not delta[0] <= DIVERGED else "finite"
+    return Outcome(kind, f"max |logit| {float(np.max(np.abs(value))):.3g}" +
+                   (f", max |d| from the reference {delta[0]:.3g}" if delta else ""), secs), carry
+
+
+def extreme_campaign(bases: list[Base], spec: str, n: int, seed: int, work: Path, timeout: float = 30.0) -> dict:
+    """``n`` files with one extreme but finite weight (:func:`gguf_mutate.weight_extreme`: roles, bases and
+    magnitudes in turn, within ``spec``'s dtype limit) through ``spec``'s engine. Counts per outcome and role, and
+    how often the load-time carry warning (:mod:`fast.carry`) named the fault of a non-finite result."""
+    rng = random.Random(seed)
+    dtype = spec.partition(":")[2] or "float64"
+    ladder = gguf_mutate.LADDER["float16" if dtype == "float16" else "float32"]
+    roles = list(gguf_mutate.ROLES)
+    counts: Counter = Counter()
+    by_role: dict[str, Counter] = {r: Counter() for r in roles}
+    examples: dict[str, list] = {}
+    warned = Counter()
+    t0 = time.time()
+    i = 0
+    while sum(counts.values()) < n:
+        role = roles[i % len(roles)]  # every role at every magnitude on one base, then the next base
+        magnitude = ladder[(i // len(roles)) % len(ladder)]
+        base = bases[(i // (len(roles) * len(ladder))) % len(bases)]
+        i += 1
+        if role not in gguf_mutate.roles_of(base.layout):
+            if i > 50 * n:
+                break
+            continue
+        data, detail = gguf_mutate.weight_extreme(base.data, base.layout, rng, role, magnitude)
+        path = work / f"{base.name}.extreme.gguf"
+        path.write_bytes(data)
+        out, carry = run_engine_isolated(path, spec, timeout, compare=True)
+        counts[out.kind] += 1
+        by_role[role][f"{out.kind}{' (warned)' if carry else ''}"] += 1
+        warned[(out.kind, bool(carry))] += 1
+        missed = out.kind in ("engine_failed", "finite_diverged") and not carry
+        if out.kind not in EXTREME_OK or missed or len(examples.get(out.kind, [])) < 3:
+            key = f"{out.kind} (not warned)" if missed else out.kind
+            examples.setdefault(key, []).append(f"{base.name} {detail} => {out.detail[:200]}")
+    return {"engine": spec, "class": "extreme weights", "files": sum(counts.values()), "seed": seed,
+            "seconds": round(time.time() - t0, 1), "timeout_s": timeout, "outcomes": dict(counts),
+            "by_role": {k: dict(v) for k, v in by_role.items() if v},
+            "carry_warning": {f"{k}{' (warned)' if w else ' (not warned)'}": c for (k, w), c in warned.items()},
+            "examples": {k: v[:40] for k, v in examples.items()}}
+
+
+FILE_KINDS = ("fifo", "dev_zero", "folder", "socket", "symlink_to_fifo")
+"""What stands at the model's path in the file-kind class: none is a regular file a model can be mapped from."""
+
+
+def file_kind_campaign(spec: str, work: Path, timeout: float = 30.0) -> dict:
+    """Each of :data:`FILE_KINDS` as the model path through ``spec``'s engine: one line, quickly, never a hang."""
+    import socket
+
+    counts: Counter = Counter()
+    examples = {}
+    for kind in FILE_KINDS:
+        d = work / f"kind-{kind}"
+        if d.exists():
+            import shutil
+
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        path = d / "model.gguf"
+        sock = None
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "dev_zero":
+            path.symlink_to("/dev/zero")
+        elif kind == "folder":
+            path.mkdir()
+        elif kind == "socket":
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(str(path))
+        else:
+            os.mkfifo(d / "f")
+            path.symlink_to(d / "f")
+        try:
+            out, _ = run_engine_isolated(path, spec, timeout)
+        finally:
+            if sock is not None:
+                sock.close()
+        counts[out.kind] += 1
+        examples[kind] = f"{out.kind}: {out.detail[:160]} ({out.seconds:.2f} s)"
+    return {"engine": spec, "class": "file kinds", "files": len(FILE_KINDS), "outcomes": dict(counts),
+            "examples": examples}
+
+
 # --------------------------------------------------------------------------- a real-size file
 
 
@@ -381,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reference", type=int, default=3000, help="files through the reference")
-    ap.add_argument("--fast", type=int, default=300, help="files through the fast engine (CPU fp32)")
+    ap.add_argument("--fast", type=int, default=300, help="files through the fast engine (CPU), per --fast-dtypes")
+    ap.add_argument("--fast-dtypes", default="float32", help="comma-separated compute dtypes of the fast engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per file before it counts as a hang")
     ap.add_argument("--work", default="/tmp/gguf-campaign")
@@ -389,7 +570,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cli", action="store_true", help="run each file through the g4h logits command")
     ap.add_argument("--big", default=None, help="instead: write (if absent) and time a real-size E2B Q8_0 GGUF here")
     ap.add_argument("--big-layers", type=int, default=None, help="with --big: keep the first N layers")
+    ap.add_argument("--extreme", type=int, default=0,
+                    help="instead: files with one extreme but finite weight per engine of --engines")
+    ap.add_argument("--engines", default="reference,fast:float32,fast:bfloat16,fast:float16",
+                    help="with --extreme: engines (reference, fast:<dtype>)")
     args = ap.parse_args(argv)
+    if args.extreme:
+        work = Path(args.work)
+        work.mkdir(parents=True, exist_ok=True)
+        names = ("tiny-F32", "e2b-F32", "26b-a4b-F32", "31b-BF16", "e2b-Q8_0")
+        bases = [load_base(name, path, ()) for name, path in write_bases(work / "bases", names).items()]
+        results = []
+        for spec in args.engines.split(","):
+            for r in (extreme_campaign(bases, spec, args.extreme, args.seed, work, args.timeout),
+                      file_kind_campaign(spec, work, args.timeout)):
+                results.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "examples"}, indent=1), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        bad = sum(v for r in results for k, v in r["outcomes"].items() if k not in EXTREME_OK)
+        return 1 if bad else 0
     if args.big:
         if not Path(args.big).exists():
             t = time.perf_counter()
@@ -398,10 +598,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_big(args.big)), flush=True)
         return 0
     work = Path(args.work)
-    engines = ("reference",) + (("fast",) if args.fast else ())
+    fast = [f"fast:{d}" if d != "float32" else "fast" for d in args.fast_dtypes.split(",")] if args.fast else []
+    engines = ("reference", *fast)
     bases = [load_base(name, path, engines) for name, path in write_bases(work / "bases").items()]
     results = []
-    for engine, n in (("reference", args.reference), ("fast", args.fast)):
+    for engine, n in (("reference", args.reference), *((f, args.fast) for f in fast)):
         if n:
             r = campaign(bases, engine, n, args.seed, work, args.timeout, via_cli=args.cli)
             results.append(r)

@@ -427,6 +427,77 @@ def rope_freqs_bad(data: bytes, lay: Layout, rng: random.Random):
     return bytes(buf), f"rope_freqs.weight[{i}] = {v}"
 
 
+# --------------------------------------------------------------------------- extreme but finite weights
+
+ROLES: dict[str, str] = {
+    "norm_in": r"(attn_norm|ffn_norm|pre_ffw_norm_2|output_norm)",
+    "norm_post": r"(post_attention_norm|post_ffw_norm|post_ffw_norm_1|post_ffw_norm_2|post_norm)",
+    "norm_qk": r"(attn_q_norm|attn_k_norm)",
+    "layer_scale": r"layer_output_scale",
+    "attn_proj": r"(attn_q|attn_k|attn_v|attn_output)",
+    "ffn_proj": r"(ffn_gate|ffn_up|ffn_down)",
+    "experts": r"(ffn_gate_up_exps|ffn_down_exps)",
+    "router": r"ffn_gate_inp",
+    "embedding": r"(token_embd|per_layer_token_embd)",
+    "ple": r"(inp_gate|proj|per_layer_model_proj|per_layer_proj_norm)",
+}
+"""Tensor roles of a Gemma 4 decoder (the tensor name without ``blk.N.`` and ``.weight``/``.scale``), as
+:mod:`fast.carry` reasons about them."""
+
+LADDER = {"float32": (1e2, 1e4, 1e6, 1e9, 1e12, 1e16, 1e19, 1e22, 1e26, 9.9e29),
+          "float16": (300.0, 1e3, 3e3, 1e4, 3e4, 6e4, 65000.0)}
+"""Magnitudes the extreme-weight class writes: finite and within the weight check's limit for the engine's dtype
+(1e30 for float32 and bfloat16, 65504 for float16), so the file loads and the numbers decide."""
+
+
+def roles_of(lay: Layout) -> dict[str, list[Tensor]]:
+    """The file's tensors of each role (roles it has none of are left out)."""
+    import re
+
+    out: dict[str, list[Tensor]] = {}
+    for role, pat in ROLES.items():
+        rx = re.compile(rf"(blk\.\d+\.)?{pat}\.(weight|scale)")
+        ts = [t for t in lay.tensors if rx.fullmatch(t.name)]
+        if ts:
+            out[role] = ts
+    return out
+
+
+def weight_extreme(data: bytes, lay: Layout, rng: random.Random, role: str, magnitude: float) -> tuple[bytes, str]:
+    """Set weights of one tensor of ``role`` to about +-``magnitude``: one element of an F32/F16/BF16 tensor (a
+    1-D tensor of one element, the layer scale, is that element), or one block's scale field of a quantized tensor
+    (its weights then reach the scale times their codes; an fp16 scale holds at most 65504)."""
+    import gguf
+    import numpy as np
+
+    names = {q.value: q.name for q in gguf.GGMLQuantizationType}
+    pool = [t for t in roles_of(lay).get(role, []) if names[t.ggml_type] in ("F32", "F16", "BF16", *_SCALE_AT)]
+    if not pool:
+        raise KeyError(role)
+    t = rng.choice(pool)
+    tname = names[t.ggml_type]
+    v = magnitude * rng.choice((1.0, -1.0))
+    buf = bytearray(data)
+    if tname == "F32":
+        i = rng.randrange(t.n_bytes // 4)
+        _put(buf, t.data_start + 4 * i, "<f", v)
+    elif tname == "F16":
+        i = rng.randrange(t.n_bytes // 2)
+        v = float(np.clip(v, -65504.0, 65504.0))
+        _put(buf, t.data_start + 2 * i, "<H", int(np.array([v], dtype=np.float16).view(np.uint16)[0]))
+    elif tname == "BF16":
+        i = rng.randrange(t.n_bytes // 2)
+        _put(buf, t.data_start + 2 * i, "<H", int(np.array([v], dtype=np.float32).view(np.uint32)[0]) >> 16)
+    else:
+        block, off = _SCALE_AT[tname]
+        i = rng.randrange(t.n_bytes // block)
+        scale = float(np.clip(v / 127.0, -65504.0, 65504.0))  # codes up to ~127 (Q8_0), fewer for the others
+        _put(buf, t.data_start + block * i + off, "<H", int(np.array([scale], dtype=np.float16).view(np.uint16)[0]))
+        v = scale
+    what = "element" if tname in ("F32", "F16", "BF16") else "block scale"
+    return bytes(buf), f"{t.name} ({tname}, {role}): {what} {i} = {v:.3g}"
+
+
 KINDS: dict[str, Callable] = {f.__name__: f for f in (
     truncate, header_bitflip, struct_bitflip, name_bitflip, count_huge, count_off, value_type, array_type, key_rename,
     key_remove, number_nonsense, tensor_misalign, tensor_overlap, tensor_beyond, tensor_type_swap, tensor_dims,

@@ -96,3 +96,84 @@ def test_errors_name_the_key_or_tensor(bases):
     assert set(r["outcomes"]) <= set(OK), r["examples"]
     named, errors = map(int, r["errors_naming_key_or_tensor"].split("/"))
     assert named >= NAMED_SHARE * errors, f"{named}/{errors} errors name a key or tensor"
+
+
+# --------------------------------------------------------------------------- extreme but finite weights (issue 26)
+
+ENGINE_SPECS = ("reference", "fast:float32", "fast:bfloat16", "fast:float16")
+
+
+@pytest.fixture(scope="module")
+def extreme_bases(tmp_path_factory):
+    """The e2b case in F32 (norms, projections, PLE, layer scales at full precision) and 26B-A4B in F32 (experts,
+    router)."""
+    work = tmp_path_factory.mktemp("extreme")
+    paths = write_bases(work / "bases", ("e2b-F32", "26b-a4b-F32"))
+    return {"work": work, "bases": {n: load_base(n, p, ()) for n, p in paths.items()}}
+
+
+def _extreme(extreme_bases, base: str, spec: str, role: str, magnitude: float, seed: int = 0):
+    from gguf_campaign import EXTREME_OK, run_engine_isolated
+    from gguf_mutate import weight_extreme
+
+    b = extreme_bases["bases"][base]
+    data, detail = weight_extreme(b.data, b.layout, random.Random(seed), role, magnitude)
+    path = extreme_bases["work"] / f"{base}-{role}.gguf"
+    path.write_bytes(data)
+    out, _ = run_engine_isolated(path, spec, timeout=120)
+    assert out.kind in EXTREME_OK, f"{spec} {detail} -> {out.kind}: {out.detail}"
+    return out
+
+
+@pytest.mark.parametrize("spec", ENGINE_SPECS)
+def test_extreme_but_finite_weights_never_give_exit_0_nonfinite(extreme_bases, spec):
+    """One weight of each role at the top of what the engine's dtype accepts (9.9e29; 65000 for float16): the
+    engine computes finite logits, or fails naming its first non-finite layer and point, or refuses in one line;
+    never NaN or Inf handed back. Every role at every magnitude: the slow variant, and
+    ``python tests/gguf_campaign.py --extreme N``."""
+    from gguf_mutate import LADDER, roles_of
+
+    top = LADDER["float16" if spec.endswith("float16") else "float32"][-1]
+    for base in ("e2b-F32", "26b-a4b-F32"):
+        for role in roles_of(extreme_bases["bases"][base].layout):
+            if base == "26b-a4b-F32" and role not in ("experts", "router"):
+                continue
+            _extreme(extreme_bases, base, spec, role, top)
+
+
+@pytest.mark.parametrize("tensor,index,value,spec,point", [
+    ("blk.0.ffn_norm.weight", 3, 1e25, "fast:float32", "layer 0, point ffn_out"),  # gelu(gate) * up: its square
+    ("blk.0.ffn_norm.weight", 3, 1e25, "fast:bfloat16", "layer 0, point ffn_out"),
+    ("blk.0.ffn_norm.weight", 3, 60000.0, "fast:float16", "layer 0, point ffn_out"),  # accepted by the 65504 check
+    ("blk.0.layer_output_scale.weight", 0, 3000.0, "fast:float16", "layer 1, point per_layer_embd_out"),
+])
+def test_known_overflows_fail_the_engine_with_the_point_and_were_warned(extreme_bases, tensor, index, value, spec,
+                                                                         point):
+    """The issue's findings (exit 0 with all-NaN logits), on the e2b case: now the engine fails naming the first
+    non-finite layer and point, and the load-time carry check (fast/carry.py) warned about that tensor; the
+    reference computes the same file finitely (no false alarm on the specification)."""
+    import struct
+
+    from gguf_campaign import run_engine_isolated
+
+    b = extreme_bases["bases"]["e2b-F32"]
+    t = {t.name: t for t in b.layout.tensors}[tensor]
+    buf = bytearray(b.data)
+    struct.pack_into("<f", buf, t.data_start + 4 * index, value)
+    path = extreme_bases["work"] / "known.gguf"
+    path.write_bytes(bytes(buf))
+    out, carry = run_engine_isolated(path, spec, timeout=120)
+    assert out.kind == "engine_failed" and f"first at {point}" in out.detail, out
+    assert any(f"tensor {tensor}: {spec.split(':')[1]} cannot carry it" in c for c in carry), carry
+    assert run_engine_isolated(path, "reference", timeout=120)[0].kind == "finite"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ENGINE_SPECS)
+def test_extreme_weights_every_role_and_magnitude(extreme_bases, spec):
+    from gguf_mutate import LADDER, roles_of
+
+    for base in ("e2b-F32", "26b-a4b-F32"):
+        for role in roles_of(extreme_bases["bases"][base].layout):
+            for m in LADDER["float16" if spec.endswith("float16") else "float32"]:
+                _extreme(extreme_bases, base, spec, role, m)

@@ -204,7 +204,8 @@ def test_unserialisable_json_writes_nothing(tmp_path):
 
 
 def test_write_into_missing_folder_raises(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    """One line naming the path (an OutputError: an OSError, and bad input to the CLI)."""
+    with pytest.raises(OSError, match=r"nope/a\.md: cannot write output \(No such file or directory\)"):
         write_text_atomic(tmp_path / "nope" / "a.md", "x")
 
 

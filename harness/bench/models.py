@@ -4,7 +4,8 @@
 ``cases/models/*.toml``: built and cached on first use, giving both a GGUF and an HF folder);
 ``--shape`` a real-size config with random weights made on the device. Which engine reads which form:
 
-- ``fast``, ``fast-graph`` (the same engine, tg through :mod:`fast.static_decode`), ``reference``: either form,
+- ``fast``, ``fast-graph`` (the same engine, tg through :mod:`fast.static_decode`), ``fast-unchecked`` (the same
+  engine, tg without its output check), ``reference``: either form,
   through :func:`reference.weights.load_model`;
 - ``transformers``: an HF folder (Gemma 4), or a Gemma 3 GGUF through transformers' GGUF loader;
 - ``llamacpp``: a GGUF (an optional extra: ``pip install 'gemma4-harness[llamacpp]'``).
@@ -100,13 +101,17 @@ def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], devic
     Raises:
         EngineUnavailable: not installed, or cannot read this model form (one line).
     """
-    if src.shape and name not in ("fast", "fast-graph"):
+    if src.shape and name not in ("fast", "fast-graph", "fast-unchecked"):
         raise EngineUnavailable(f"{name}: a shape-only model has no file; only the fast engine runs it")
-    if name in ("fast", "fast-graph"):
+    if name in ("fast", "fast-graph", "fast-unchecked"):
         twins = {b.dtype: b for b in built if isinstance(b, FastEngine)}
-        return [FastEngine.from_model(src.cfg, src.W, device, dt, weights=weights, static=name == "fast-graph",
-                                      share=twins.get(dt))
-                for dt in dtypes]
+        engines = [FastEngine.from_model(src.cfg, src.W, device, dt, weights=weights, static=name == "fast-graph",
+                                         share=twins.get(dt))
+                   for dt in dtypes]
+        if name == "fast-unchecked":  # the same engine and model, its decode loop's output check off
+            for eng in engines:
+                eng.engine, eng.tests, eng.check_output = "fast-unchecked", ("tg",), False
+        return engines
     if name == "transformers":
         if src.hf_dir is None and not (src.gguf is not None and src.cfg.arch == "gemma3"):
             raise EngineUnavailable("transformers needs an HF folder for Gemma 4 (it cannot read a Gemma 4 GGUF); "

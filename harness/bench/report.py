@@ -32,6 +32,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from reference.errors import InputError
+from reference.files import read_json
 
 from ..core.io import write_json_atomic, write_text_atomic
 
@@ -252,12 +253,7 @@ def read_baseline(path: str | os.PathLike) -> dict[str, float]:
         InputError: unreadable file, not JSON, wrong kind or version, or no ``ratios`` table.
     """
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except OSError as e:
-        raise InputError(f"{p}: cannot read the baseline ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    doc = read_json(p, "baseline")  # the one reader: a regular file or a pipe, bounded (reference.files)
     if not isinstance(doc, dict) or doc.get("kind") not in (BASELINE_KIND, "bench") or doc.get("version") != 1:
         raise InputError(f"{p}: expected a g4h bench baseline or results.json (kind bench, version 1)")
     ratios = doc.get("ratios")

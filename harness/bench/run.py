@@ -51,8 +51,10 @@ from ..engines.base import Benchable
 RESULT_VERSION = 1
 """Version of the bench ``results.json`` layout."""
 
-ENGINE_NAMES = ("fast", "fast-graph", "transformers", "llamacpp", "reference")
-"""``--engines`` names. ``fast-graph``: the fast engine's tg through :class:`fast.static_decode.StaticDecoder`
+ENGINE_NAMES = ("fast", "fast-graph", "fast-unchecked", "transformers", "llamacpp", "reference")
+"""``--engines`` names. ``fast-unchecked``: the fast engine's tg without its output check (every step's logits
+tested for NaN/Inf, :mod:`fast.engine`), beside ``fast`` on the same built model: the check's cost on decode speed.
+``fast-graph``: the fast engine's tg through :class:`fast.static_decode.StaticDecoder`
 (static shapes; one CUDA graph a step on a GPU, the same static step run eagerly on the CPU)."""
 
 
@@ -391,7 +393,8 @@ def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float
     ``reference-float64``;
     and ``fast`` batch B over ``fast`` batch 1 (the batching gain); with a drafter, ``fast-spec-<dtype>`` over
     ``fast-<dtype>`` (the speed-up of speculative decoding); ``fast-graph-<dtype>`` over ``fast-<dtype>`` (static
-    shapes and CUDA graphs against the paged step), and ``fast-graph`` batch B over its batch 1.
+    shapes and CUDA graphs against the paged step), and ``fast-graph`` batch B over its batch 1;
+    ``fast-unchecked-<dtype>`` over ``fast-<dtype>`` (what the output check costs: 1.01 = 1 %).
     """
     ok = [r for r in rows if r.tok_per_s]
     by_key: dict[tuple[str, int], list[BenchRow]] = {}
@@ -401,7 +404,7 @@ def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float
     for (label, batch), group in sorted(by_key.items()):
         for num in (r for r in group if r.engine == numerator):
             for den in group:
-                if den.engine in (f"{numerator}-spec", f"{numerator}-graph"):
+                if den.engine in (f"{numerator}-spec", f"{numerator}-graph", f"{numerator}-unchecked"):
                     if den.dtype == num.dtype:
                         out[f"{label} b{batch} {den.engine_label}/{num.engine_label}"] = den.mean / num.mean
                 elif den.engine != numerator and (den.engine != "transformers" or den.dtype == num.dtype):

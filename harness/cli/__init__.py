@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import os
 import sys
+import warnings
 from typing import NamedTuple
 
 from reference.errors import InputError
+from reference.weight_check import CarryWarning
 
 from ..core.memory import failure_line, is_out_of_memory
 from ..core.workers import EngineFailure
@@ -66,9 +69,19 @@ COMMANDS: dict[str, Command] = {
 """Sub-command name -> :class:`Command`."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with its errors on one line (bad input is one line, like every other refusal)."""
+
+    def error(self, message: str):
+        line = " ".join(str(message).split())
+        self.exit(2, f"{self.prog}: error: {line} (options: {self.prog} --help)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of ``g4h``: every sub-command listed; only ``command``'s module imported for its options."""
-    p = argparse.ArgumentParser(prog="g4h", description="Gemma 4 correctness and performance harness")
+    """The parser of ``g4h``: every sub-command listed; only ``command``'s module imported for its options.
+
+    Option values are checked as they are parsed (:mod:`harness.cli._args`); a bad one is one line, exit 2."""
+    p = Parser(prog="g4h", description="Gemma 4 correctness and performance harness")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():
         sp = sub.add_parser(name, help=cmd.summary, description=cmd.summary)
@@ -112,10 +125,36 @@ def _error(msg: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``g4h``; returns the exit status (also when called from Python)."""
+    """Entry point of ``g4h``; returns the exit status (also when called from Python).
+
+    Warnings: the harness's own (:class:`reference.weight_check.CarryWarning`: a weight the compute dtype cannot
+    carry) are printed as they come, ``g4h: warning: ...``; a library's (NumPy's ``RuntimeWarning`` of an overflow,
+    say) are held and printed only when the command succeeds: on an error the one line says what went wrong.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    held: list[warnings.WarningMessage] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = functools.partial(_show_or_hold, held)
+        status = _run(args)
+    if status == 0:
+        for w in held:
+            print(f"g4h: warning: {w.category.__name__}: {w.message}", file=sys.stderr)
+    return status
+
+
+def _show_or_hold(held: list, message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` of :func:`main`: our own warnings now, one line each; the others held."""
+    if issubclass(category, CarryWarning):
+        print(f"g4h: warning: {message}", file=sys.stderr, flush=True)
+    else:
+        held.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the command; every failure is one line on stderr and its exit status."""
     try:
         _quiet_libraries()
         with _spec(getattr(args, "spec", None)):

@@ -19,23 +19,24 @@ from reference.mm_model import MM_TOKEN_TYPES, MultimodalModel, MultimodalPrompt
 from ..core.cases import MODELS_DIR
 from ..core.mm_prompts import MM_MODELS_DIR
 from ..engines.mm import MM_ENGINES, make_mm_engine, open_mm
+from ._args import Count, InFile
 
 
 def add_mm_args(p: argparse.ArgumentParser) -> None:
     """``--mmproj``, ``--image``, ``--audio``, ``--resample``, ``--mm-token-types``, ``--image-tokens``."""
     g = p.add_argument_group("multimodal input (engines: " + ", ".join(MM_ENGINES) + ")")
-    g.add_argument("--mmproj", default=None, metavar="FILE",
+    g.add_argument("--mmproj", default=None, metavar="FILE", type=InFile(),
                    help="the mmproj GGUF (vision and/or audio towers) of a GGUF text --model")
-    g.add_argument("--image", action="append", default=[], metavar="IMG",
+    g.add_argument("--image", action="append", default=[], metavar="IMG", type=InFile(),
                    help="an image file, in the order of the prompt's image placeholders (repeatable)")
-    g.add_argument("--audio", action="append", default=[], metavar="WAV",
+    g.add_argument("--audio", action="append", default=[], metavar="WAV", type=InFile(),
                    help="a WAV file, in the order of the prompt's audio placeholders (repeatable)")
     g.add_argument("--resample", action="store_true",
                    help="convert a WAV of another sample rate to the model's (16 kHz); without it that is an error")
     g.add_argument("--mm-token-types", choices=MM_TOKEN_TYPES, default="auto",
                    help="auto: pass mm_token_type_ids (the bidirectional vision mask applies when the config asks "
                         "for it); off: leave them out (causal everywhere)")
-    g.add_argument("--image-tokens", type=int, default=None, metavar="N",
+    g.add_argument("--image-tokens", type=Count(1, 1 << 20), default=None, metavar="N",
                    help="image token budget (70, 140, 280, 560 or 1120; default: the model's processor setting, "
                         "280 for a GGUF + mmproj)")
 

@@ -25,7 +25,7 @@ from ..bench import BenchOptions, bench
 from ..bench.report import summary_lines
 from ..bench.run import BenchPlan
 from ..core.gates import SPEED_RATIO_MARGIN
-from ._args import check_out_dir, resolve_draft_model
+from ._args import Count, Device, InFile, ModelArg, Number, OutDir, OutFile, check_out_dir, resolve_draft_model
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -68,36 +68,41 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
     """The options of ``g4h bench``."""
-    b.add_argument("--model", default=None, help=".gguf file, HF folder, or case spec .toml")
+    b.add_argument("--model", default=None, type=ModelArg(), help=".gguf file, HF folder, or case spec .toml")
     b.add_argument("--shape", default=None,
                    help="shape-only model with real dimensions (e2b, e4b, 26b-a4b, 31b or a cases/shapes/*.toml); "
                         "random weights made on the device, fast engine only")
     b.add_argument("--quant", default=None, choices=PACKED_TYPES,
                    help="with --shape: draw every matrix as random packed GGUF blocks of this type (kept packed by "
                         "default; --weights dequantized decodes them at load)")
-    b.add_argument("--layers", type=int, default=None,
+    b.add_argument("--layers", type=Count(1, 512), default=None,
                    help="keep only the first N layers (--shape, or a model file for fast, reference and transformers)")
-    b.add_argument("--ref-cache-gb", dest="ref_cache_gb", type=float, default=None, metavar="GB",
+    b.add_argument("--ref-cache-gb", dest="ref_cache_gb", type=Number(0, 1e6), default=None, metavar="GB",
                    help="reference engine: GB of dequantized float64 weights kept between forwards (default 2)")
     b.add_argument("--engines", default="fast,transformers,llamacpp,reference",
-                   help="comma-separated: fast, transformers, llamacpp, reference")
-    b.add_argument("--device", default="cpu", help="cpu | cuda[:N] (fast and transformers)")
+                   help="comma-separated: fast, fast-graph, fast-unchecked (tg without the output check: its cost), "
+                        "transformers, llamacpp, reference")
+    b.add_argument("--device", default="cpu", type=Device(), help="cpu | cuda[:N] (fast and transformers)")
     b.add_argument("--dtype", default="float32", help="comma-separated compute dtypes for fast and transformers")
     b.add_argument("--weights", choices=("packed", "dequantized"), default=None,
                    help="fast engine, GGUF input: keep quantized matrices packed (the packed kernels on the CPU) or "
                         "dequantize them at load (default: packed for a quantized GGUF)")
     b.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,2,4,8")
-    b.add_argument("--pp", type=int, default=512, help="prompt tokens per sequence for ppN (0: skip)")
-    b.add_argument("--tg", type=int, default=128, help="generated tokens per sequence for tgN (0: skip)")
+    b.add_argument("--pp", type=Count(0, 1 << 24), default=512, help="prompt tokens per sequence for ppN (0: skip)")
+    b.add_argument("--tg", type=Count(0, 1 << 24), default=128, help="generated tokens per sequence for tgN (0: skip)")
     b.add_argument("--depth", default="0", help="comma-separated context depths, e.g. 0,4096")
-    b.add_argument("--reps", type=int, default=5, help="timed repetitions")
-    b.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
-    b.add_argument("--threads", type=int, default=None, help="CPU threads for every engine (default: torch's)")
-    b.add_argument("--out", default=None, help="base folder for the run directory (default reports/)")
-    b.add_argument("--baseline", default=None, help="earlier bench results.json or baseline: fail on a ratio drop")
-    b.add_argument("--write-baseline", default=None, help="write this run's ratios as a new baseline file")
-    b.add_argument("--draft-model", default=None,
+    b.add_argument("--reps", type=Count(1, 10000), default=5, help="timed repetitions")
+    b.add_argument("--warmup", type=Count(0, 10000), default=1, help="untimed repetitions first")
+    b.add_argument("--threads", type=Count(1, 4096), default=None,
+                   help="CPU threads for every engine (default: torch's)")
+    b.add_argument("--out", default=None, type=OutDir(),
+                   help="base folder for the run directory (default reports/)")
+    b.add_argument("--baseline", default=None, type=InFile(streams=True),
+                   help="earlier bench results.json or baseline: fail on a ratio drop")
+    b.add_argument("--write-baseline", default=None, type=OutFile(),
+                   help="write this run's ratios as a new baseline file")
+    b.add_argument("--draft-model", default=None, type=ModelArg(),
                    help="also time tg with speculative decoding on the fast engine: a Gemma 4 assistant (HF folder, "
                         "gemma4-assistant GGUF, or a drafter case such as e2b-assistant), or oracle (the upper bound), "
                         "random, partial:J")
-    b.add_argument("--draft-tokens", type=int, default=4, help="with --draft-model: drafts per round (K)")
+    b.add_argument("--draft-tokens", type=Count(1, 1024), default=4, help="with --draft-model: drafts per round (K)")

@@ -16,31 +16,38 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from reference.errors import InputError
 
 from ..core.cases import load_prompts, read_prompt_ids
+from ..core.finite import describe, first_nonfinite
 from ..core.io import write_json_atomic
+from ..core.workers import EngineOutputError
 from ..engines import make_engine
 from ..engines.reference import ReferenceEngine
 from ..parity.compare import PRECISIONS, generation_figures, judge, load_generations, load_logits, logit_figures
 from ..parity.explain import MAX_PROMPTS, Observed, budget_seconds, explain_text
 from ..parity.report import short_table
-from ._args import add_model_args, engine_options, resolve_model
+from ._args import Count, InFile, Number, OutFile, add_model_args, engine_options, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h compare``."""
-    p.add_argument("ours", help="the engine's output: logits .npy [T, V], or generate .jsonl")
-    p.add_argument("oracle", nargs="?", default=None, help="the oracle's output of the same kind (or use --against)")
+    p.add_argument("ours", type=InFile(), help="the engine's output: logits .npy [T, V], or generate .jsonl")
+    p.add_argument("oracle", nargs="?", default=None, type=InFile(),
+                   help="the oracle's output of the same kind (or use --against)")
     p.add_argument("--against", default=None, help="compute the oracle side with this engine (needs --model)")
     add_model_args(p, model_required=False)
-    p.add_argument("--prompt-ids", default=None, help="with --against and logits: the prompt's JSON list of ids")
-    p.add_argument("--prompts", default=None, help="with --against and generations: the prompt set (JSONL)")
+    p.add_argument("--prompt-ids", default=None, type=InFile(streams=True),
+                   help="with --against and logits: the prompt's JSON list of ids")
+    p.add_argument("--prompts", default=None, type=InFile(streams=True),
+                   help="with --against and generations: the prompt set (JSONL)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
                    help="which gates judge the engine: fp32 (engine~oracle) or bf16 (engine_bf16~oracle)")
-    p.add_argument("--top-n", type=int, default=5, help="vLLM's rule: each side's token in the other's top-N")
-    p.add_argument("--json", default=None, help="also write the result as JSON here")
-    p.add_argument("--explain-budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--top-n", type=Count(1), default=5, help="vLLM's rule: each side's token in the other's top-N")
+    p.add_argument("--json", default=None, type=OutFile(), help="also write the result as JSON here")
+    p.add_argument("--explain-budget", type=Number(0.0), default=None, metavar="SECONDS",
                    help="on a failure, with --model and --prompt-ids (logits) or --prompts (generations): seconds "
                         "spent naming the spec variant that explains it (docs/spec-variants.md; default 60, 0: off)")
 
@@ -63,19 +70,41 @@ def _oracle_side(args: argparse.Namespace, kind: str, n_new: int | None):
                            "logprobs": [dict(s) for s in g.top]} for p, g in zip(prompts, gens)}
 
 
+def _finite(z: np.ndarray, what: str, fault: type[Exception]) -> np.ndarray:
+    """``z`` when every logit is finite; else ``fault`` naming the first NaN or Inf (the engine's output: exit 1,
+    :class:`EngineOutputError`; the oracle's file: bad input)."""
+    at = first_nonfinite(z)
+    if at is not None:
+        raise fault(f"{what}: logits are not finite: {describe(z, at)}")
+    return z
+
+
+def _finite_streams(streams: dict, what: str, fault: type[Exception]) -> dict:
+    """Greedy streams (:func:`load_generations`) when no top log-prob is NaN or +Inf (-Inf is a probability of 0);
+    else ``fault`` naming the first."""
+    for pid, s in streams.items():
+        for step, lps in enumerate(s["logprobs"]):
+            bad = [lp for lp in lps.values() if np.isnan(lp) or lp == np.inf]  # -inf: a probability of 0
+            if bad:
+                raise fault(f"{what}: prompt {pid}, step {step}: top log-prob {bad[0]} is not finite")
+    return streams
+
+
 def run(args: argparse.Namespace) -> int:
     """Compare and print the verdict; exit 0 / 1 (2 on bad input, from the caller)."""
     if args.top_n < 1:
         raise InputError(f"--top-n {args.top_n}: expected >= 1")
     kind = "logits" if Path(args.ours).suffix == ".npy" else "generations"
     pair = PRECISIONS[args.precision]
+    oracle = str(args.oracle or f"the {args.against} engine")
     if kind == "logits":
-        ours = load_logits(args.ours)
-        figures = logit_figures(ours, _oracle_side(args, kind, None), pair)
+        ours = _finite(load_logits(args.ours), args.ours, EngineOutputError)
+        figures = logit_figures(ours, _finite(_oracle_side(args, kind, None), oracle, InputError), pair)
     else:
-        ours = load_generations(args.ours)
+        ours = _finite_streams(load_generations(args.ours), args.ours, EngineOutputError)
         n_new = max(len(v["tokens"]) for v in ours.values())
-        figures = generation_figures(ours, _oracle_side(args, kind, n_new), pair, args.top_n)
+        base = _finite_streams(_oracle_side(args, kind, n_new), oracle, InputError)
+        figures = generation_figures(ours, base, pair, args.top_n)
     res = judge(figures, Path(args.ours).name, str(args.oracle or f"{args.against}:{args.model}"))
     status = 0 if res.passed else 1
     data = {"kind": "compare", "status": status, "cases": [res.__dict__]}

@@ -61,7 +61,7 @@ from ..bench.run import BenchPlan
 from ..core.gates import resolve
 from ..core.io import staged_run_dir, write_text_atomic
 from ..parity.checks.fast import static_vs_paged
-from ._args import check_out_dir
+from ._args import Device, OutDir, check_out_dir
 
 __all__ = ["DevicePlan", "device_bench", "FULL", "SMOKE", "STEPS", "add_arguments", "run"]
 
@@ -253,9 +253,9 @@ def device_bench(out: str | None, device: str = "cuda", plan: DevicePlan = FULL,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h device-bench``."""
-    p.add_argument("--device", default="cuda", help="cuda[:N] (cpu with --smoke for a rehearsal)")
+    p.add_argument("--device", default="cuda", type=Device(), help="cuda[:N] (cpu with --smoke for a rehearsal)")
     p.add_argument("--smoke", action="store_true", help="every step at toy sizes (1 layer, vocabulary 512, tg 2)")
-    p.add_argument("--out", default=None, help="base folder for the run directory (default reports/)")
+    p.add_argument("--out", default=None, type=OutDir(), help="base folder for the run directory (default reports/)")
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of: {', '.join(STEPS)} (default all)")
     p.add_argument("--shapes", default=None,
                    help="comma-separated shapes for the decode step (default e4b,31b,26b-a4b)")

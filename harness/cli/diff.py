@@ -14,24 +14,25 @@ from ..engines.reference import ReferenceEngine
 from ..parity.explain import Observed, budget_seconds, explain_text
 from ..traces.compare import DivergenceRule, compare, render_diff
 from ..traces.format import read_trace
-from ._args import resolve_model
+from ._args import InFile, Number, OutFile, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h diff``."""
-    p.add_argument("a", help="trace under test (.jsonl)")
-    p.add_argument("b", help="baseline trace (.jsonl); relative errors divide by its norms")
-    p.add_argument("--tol", type=float, default=DIFF_TOL,
+    p.add_argument("a", type=InFile(streams=True), help="trace under test (.jsonl)")
+    p.add_argument("b", type=InFile(streams=True), help="baseline trace (.jsonl); relative errors divide by its norms")
+    p.add_argument("--tol", type=Number(0), default=DIFF_TOL,
                    help=f"relative error bound: rel L2 with tensor dumps, else the checksum lower bound "
                         f"(default {DIFF_TOL:g})")
-    p.add_argument("--min-cosine", type=float, default=None, help="also require this cosine (tensor dumps only)")
+    p.add_argument("--min-cosine", type=Number(-1, 1), default=None,
+                   help="also require this cosine (tensor dumps only)")
     p.add_argument("--skip", action="append", default=None, metavar="POINT",
                    help="leave this point out (repeatable), e.g. result_output when one side kept only the last row")
-    p.add_argument("--json", default=None, help="also write the comparison as JSON here")
+    p.add_argument("--json", default=None, type=OutFile(), help="also write the comparison as JSON here")
     p.add_argument("--model", default=None,
                    help="the model A was traced on (.gguf, HF folder or a built-in case): on a divergence, name the "
                         "spec variant under which the reference traces as A does (docs/spec-variants.md)")
-    p.add_argument("--explain-budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--explain-budget", type=Number(0.0), default=None, metavar="SECONDS",
                    help="with --model: seconds spent on that search (default 60, 0: off)")
 
 

@@ -19,28 +19,40 @@ from ..core.cases import load_prompts, read_prompt_ids
 from ..core.io import write_text_atomic
 from ..engines import make_engine
 from ..engines.base import TOP_N
-from ._args import add_model_args, check_out_file, engine_options, resolve_draft_model, resolve_model
+from ._args import (
+    Count,
+    InFile,
+    ModelArg,
+    OutFile,
+    add_model_args,
+    check_out_file,
+    engine_options,
+    resolve_draft_model,
+    resolve_model,
+)
 from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h generate``."""
     add_model_args(p, default_engine="fast")
-    p.add_argument("--prompts", default=None, help='JSONL: {"id": ..., "prompt_ids": [...]} per line')
-    p.add_argument("--prompt-ids", default=None, metavar="FILE.json",
+    p.add_argument("--prompts", default=None, type=InFile(streams=True),
+                   help='JSONL: {"id": ..., "prompt_ids": [...]} per line')
+    p.add_argument("--prompt-ids", default=None, metavar="FILE.json", type=InFile(streams=True),
                    help="one prompt, a JSON list of token ids (instead of --prompts; needed with --image/--audio); "
                         'its output line has id "prompt"')
-    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--max-new-tokens", type=Count(1), required=True, help="tokens to generate per prompt")
     p.add_argument("--batched", action="store_true", default=None, help="fast engine: one continuous batch")
-    p.add_argument("--top-n", type=int, default=TOP_N, metavar="N",
+    p.add_argument("--top-n", type=Count(1), default=TOP_N, metavar="N",
                    help=f"(id, logprob) pairs kept per step, best first (default {TOP_N}; text prompts without "
                         "--draft-model)")
-    p.add_argument("--out", required=True, help='output JSONL: {"id", "tokens", "top_logprobs"} per line')
-    p.add_argument("--draft-model", default=None,
+    p.add_argument("--out", required=True, type=OutFile(),
+                   help='output JSONL: {"id", "tokens", "top_logprobs"} per line')
+    p.add_argument("--draft-model", default=None, type=ModelArg(),
                    help="speculative decoding (fast engine): a Gemma 4 assistant (HF folder, gemma4-assistant GGUF, "
                         "or a drafter case such as e2b-assistant), or oracle | random | partial:J; the output is the "
                         "same, plus per-request statistics")
-    p.add_argument("--draft-tokens", type=int, default=4, help="with --draft-model: drafts per round (K)")
+    p.add_argument("--draft-tokens", type=Count(1, 1024), default=4, help="with --draft-model: drafts per round (K)")
     add_mm_args(p)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from reference.errors import InputError
 
 from ..inspect import Inspection, inspect_model, unreadable_dict
+from ._args import InFile
 
 NO_ESTIMATE = "no memory estimate (the reference's loader refuses the file)"
 """What the memory column says of a row that can run but has no estimate."""
@@ -24,7 +25,8 @@ NO_ESTIMATE = "no memory estimate (the reference's loader refuses the file)"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h inspect``."""
-    p.add_argument("path", help=".gguf file or HF model folder (config.json + *.safetensors)")
+    p.add_argument("path", type=InFile(folders=True),
+                   help=".gguf file or HF model folder (config.json + *.safetensors)")
     p.add_argument("--json", action="store_true", help="print the JSON document (docs/inspect-json.md) instead")
 
 

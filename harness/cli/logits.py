@@ -11,15 +11,15 @@ import numpy as np
 from ..core.cases import read_prompt_ids
 from ..core.io import save_npy_atomic
 from ..engines import make_engine
-from ._args import add_model_args, check_out_file, engine_options, resolve_model
+from ._args import InFile, OutFile, add_model_args, check_out_file, engine_options, resolve_model
 from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h logits``."""
     add_model_args(p)
-    p.add_argument("--prompt-ids", required=True, help="JSON list of token ids")
-    p.add_argument("--out", required=True, help="output .npy")
+    p.add_argument("--prompt-ids", required=True, type=InFile(streams=True), help="JSON list of token ids")
+    p.add_argument("--out", required=True, type=OutFile(), help="output .npy")
     p.add_argument("--out-dtype", dest="dtype", choices=["float32", "float64"], default=None,
                    help="dtype of the .npy (default float64 for the reference, else float32)")
     add_mm_args(p)

@@ -14,18 +14,30 @@ from ..engines.base import TOP_N
 from ..engines.numerics import parse_declare
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
-from ..parity.job import QUICK_LEAVES_OUT, QUICK_NEW_TOKENS, QUICK_PROMPTS, QUICK_SERVER_REQUESTS
+from ..parity.drift import drift_rows, only_summary
 from ..parity.explain import BUDGET_ENV, budget_seconds
 from ..parity.explain_report import explanation_lines
-from ..parity.drift import drift_rows, only_summary
+from ..parity.job import QUICK_LEAVES_OUT, QUICK_NEW_TOKENS, QUICK_PROMPTS, QUICK_SERVER_REQUESTS
 from ..parity.job import run as run_parity
 from ..parity.report import junit_xml, short_table
-from ._args import add_scale_args, add_server_args, check_out_dir, check_out_file, engine_options
+from ._args import (
+    Count,
+    InFile,
+    ModelArg,
+    Number,
+    OutDir,
+    OutFile,
+    add_scale_args,
+    add_server_args,
+    check_out_dir,
+    check_out_file,
+    engine_options,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h parity``."""
-    p.add_argument("--model", action="append", default=None,
+    p.add_argument("--model", action="append", default=None, type=ModelArg(),
                    help="a user model (.gguf or HF folder); repeatable. Default: the built-in cases")
     p.add_argument("--against", action="append", default=None, metavar="ENGINE[,ENGINE...]",
                    help="engines the reference is compared with on --model (repeatable, or a comma list): reference, "
@@ -36,13 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --model: the oracle side of every pair: reference (float64, the default) or fast (the "
                         "torch engine in fp32, on CUDA when present: much faster on a big model; pairs fast~ENGINE, "
                         "the same bounds; the reference's cached-vs-uncached check is left out)")
-    p.add_argument("--top-n", type=int, default=TOP_N, metavar="N",
+    p.add_argument("--top-n", type=Count(1), default=TOP_N, metavar="N",
                    help=f"with --model: vLLM's N: log-probs asked per step of every greedy stream; a divergent "
                         f"token passes when each side's token is in the other's top-N (default {TOP_N})")
-    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl", type=InFile(streams=True),
                    help='with --model: the prompt set, {"prompt_ids": [...]} or {"text": "..."} per line, optional '
                         '"id" (default: cases/prompts/synthetic.jsonl, restricted to the model\'s vocabulary)')
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=Count(1), default=None,
                    help=f"with --model: tokens of each greedy stream (default {GREEDY_NEW_TOKENS}; "
                         f"{QUICK_NEW_TOKENS} with --quick)")
     p.add_argument("--quick", action="store_true",
@@ -52,10 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "baseline")
     s = p.add_argument_group("server checks (--against openai:URL)")
     add_server_args(s)
-    s.add_argument("--batch-requests", type=int, default=None,
+    s.add_argument("--batch-requests", type=Count(1, 1 << 16), default=None,
                    help=f"batch invariance: this many requests with staggered starts (default 16; "
                         f"{QUICK_SERVER_REQUESTS} with --quick)")
-    s.add_argument("--concurrency", type=int, default=None,
+    s.add_argument("--concurrency", type=Count(1, 1 << 12), default=None,
                    help=f"batch invariance: at most this many in flight (default 8; {QUICK_SERVER_REQUESTS} with "
                         f"--quick)")
     s.add_argument("--require", action="append", default=[], metavar="CHECK",
@@ -63,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         " has no chat-template endpoint), server-prompt-logprobs (llama-server has no prompt "
                         "log-probs). Without it such a check is reported as \"not offered by <dialect>\" and does not "
                         "fail the run")
-    p.add_argument("--out", default=None, help="parent folder of the run directory (default reports/)")
+    p.add_argument("--out", default=None, type=OutDir(), help="parent folder of the run directory (default reports/)")
     p.add_argument("--case", action="append", default=None, help="only this built-in case (repeatable)")
     p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
     p.add_argument("--skip", action="append", default=[], metavar="CHECK",
@@ -75,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per "
                         "file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--jobs", type=int, default=None, metavar="N",
+    p.add_argument("--jobs", type=Count(1, 1 << 12), default=None, metavar="N",
                    help="run N cases at once. Built-in cases: each in a process of its own on one CPU thread, so "
                         "the figures are the same whatever N (default: one per CPU, at most one per 7 GB of "
                         "memory). --model: N > 1 runs each model in a process of its own with its share of the "
@@ -84,19 +96,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fast engine's GGUF weights: kept packed (the packed kernels on the CPU) or dequantized "
                         "at load (default: packed for a quantized GGUF; built-in cases also check fast packed on "
                         "every quantized file unless dequantized)")
-    p.add_argument("--baseline", default=None,
+    p.add_argument("--baseline", default=None, type=InFile(streams=True),
                    help="earlier results.json (or --write-baseline file): exit 1 on a regression against it")
-    p.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this file")
-    p.add_argument("--junit-xml", default=None, metavar="FILE",
+    p.add_argument("--write-baseline", default=None, type=OutFile(),
+                   help="also write this run as a baseline to this file")
+    p.add_argument("--junit-xml", default=None, metavar="FILE", type=OutFile(),
                    help="also write the results as JUnit XML (one test case per check), for a CI system")
-    p.add_argument("--explain-budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--explain-budget", type=Number(0.0), default=None, metavar="SECONDS",
                    help="with --model: seconds spent naming the spec variant that explains each failing pair "
                         "(docs/spec-variants.md; default 60, 0: off)")
-    p.add_argument("--oracle-drift", default=None, metavar="PINNED_RESULTS",
+    p.add_argument("--oracle-drift", default=None, type=InFile(), metavar="PINNED_RESULTS",
                    help="results.json of a run with another oracle version (the pinned transformers): report every "
                         "figure that moved between it and this run, with its first diverging point (nox -s "
                         "oracle-latest); the exit status stays the gates'")
-    p.add_argument("--regression-factor", type=float, default=10.0,
+    p.add_argument("--regression-factor", type=Number(1, 1e12), default=10.0,
                    help="a figure this many times worse than the baseline is a regression (default 10)")
     add_scale_args(p)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..selftest import selftest_command
-from ._args import check_out_dir
+from ._args import OutDir, check_out_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=None,
                    help="only this prompt id of cases/prompts/synthetic.jsonl (repeatable; default: every prompt "
                         "longer than the sliding window)")
-    p.add_argument("--out", default=None, help="parent folder of the run directory (default reports/)")
+    p.add_argument("--out", default=None, type=OutDir(), help="parent folder of the run directory (default reports/)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 

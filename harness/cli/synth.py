@@ -11,22 +11,22 @@ from reference.errors import InputError
 from ..core.cases import builtin_specs, load_prompts, resolve_spec
 from ..synth import ensure_built, logit_stats
 from ..synth.scale import FORMATS, write_scale_gguf
-from ._args import check_out_file
+from ._args import Count, OutDir, OutFile, check_out_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h synth``."""
     p.add_argument("specs", nargs="*", help="spec files or built-in case names (default: every built-in case)")
-    p.add_argument("--cache", default=None,
+    p.add_argument("--cache", default=None, type=OutDir(),
                    help="cache root (default: $G4H_CACHE/synth, else ~/.cache/gemma4-harness/synth)")
     p.add_argument("--stats", action="store_true", help="also print logit magnitude / margin statistics")
     p.add_argument("--shape", default=None,
                    help="instead: write a real-size GGUF with random weights of this shape (e2b, e4b, 26b-a4b, "
                         "31b or a cases/shapes/*.toml), a tensor at a time, to --out")
-    p.add_argument("--layers", type=int, default=None, help="with --shape: keep only the first N layers")
+    p.add_argument("--layers", type=Count(1, 512), default=None, help="with --shape: keep only the first N layers")
     p.add_argument("--format", default="q8_0", choices=sorted(FORMATS), help="with --shape: type of the matrices")
-    p.add_argument("--seed", type=int, default=0, help="with --shape: random seed")
-    p.add_argument("--out", default=None, help="with --shape: the .gguf to write")
+    p.add_argument("--seed", type=Count(0), default=0, help="with --shape: random seed")
+    p.add_argument("--out", default=None, type=OutFile(regular=True), help="with --shape: the .gguf to write")
 
 
 def run(args: argparse.Namespace) -> int:

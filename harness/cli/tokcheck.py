@@ -11,21 +11,25 @@ from ..core.io import write_text_atomic
 from ..tokenizer.corpus import compare_engines, format_diff, load_corpus
 from ..tokenizer.engines import DEFAULT_ENGINE, ENGINE_NAMES, make_tok_engine, special_mode
 from ..tokenizer.files import tokenizer_kind
+from ._args import Count, InFile, OutFile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h tokcheck``."""
-    p.add_argument("--tokenizer", required=True, help=".gguf, tokenizer.json or tokenizer.model")
+    p.add_argument("--tokenizer", required=True, type=InFile(),
+                   help=".gguf, tokenizer.json or tokenizer.model")
     p.add_argument("--engine", default="ours", help="engine for --tokenizer (default ours)")
     p.add_argument("--against", required=True,
                    help="an engine name (" + " | ".join(ENGINE_NAMES) + ") or a second tokenizer file")
-    p.add_argument("--against-tokenizer", default=None, help="file for an --against engine (default: --tokenizer)")
+    p.add_argument("--against-tokenizer", default=None, type=InFile(),
+                   help="file for an --against engine (default: --tokenizer)")
     p.add_argument("--against-engine", default=None, help="engine for an --against file (default by kind)")
-    p.add_argument("--corpus", default=None, help="corpus folder or file (default cases/tokenizer)")
+    p.add_argument("--corpus", default=None, type=InFile(streams=True, folders=True, what="corpus"),
+                   help="corpus folder or file (default cases/tokenizer)")
     p.add_argument("--special", choices=["auto", "parse", "text"], default="auto",
                    help="auto: parse special markers unless spm takes part (its own rule)")
-    p.add_argument("--max-examples", type=int, default=50, help="differing texts listed (all are counted)")
-    p.add_argument("--json", default=None, help="also write the result as JSON here")
+    p.add_argument("--max-examples", type=Count(0), default=50, help="differing texts listed (all are counted)")
+    p.add_argument("--json", default=None, type=OutFile(), help="also write the result as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:

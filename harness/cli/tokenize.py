@@ -5,21 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from reference.errors import InputError
+from reference.files import read_text
 
 from ..core.io import write_text_atomic
 from ..tokenizer.corpus import unescape
 from ..tokenizer.engines import ENGINE_NAMES, make_tok_engine, special_mode
+from ._args import InFile, OutFile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h tokenize``."""
-    p.add_argument("--tokenizer", required=True, help=".gguf, tokenizer.json or tokenizer.model")
+    p.add_argument("--tokenizer", required=True, type=InFile(),
+                   help=".gguf, tokenizer.json or tokenizer.model")
     p.add_argument("--engine", default="ours", help=" | ".join(ENGINE_NAMES))
-    p.add_argument("--text-file", required=True, help="UTF-8 text, one text per line")
-    p.add_argument("--out", required=True, help='output JSONL: {"text", "ids"} per line')
+    p.add_argument("--text-file", required=True, type=InFile(streams=True), help="UTF-8 text, one text per line")
+    p.add_argument("--out", required=True, type=OutFile(), help='output JSONL: {"text", "ids"} per line')
     p.add_argument("--escapes", action="store_true", help="decode \\n \\t \\uXXXX ... in the lines (corpus format)")
     p.add_argument("--no-bos", action="store_true", help="no BOS in front")
     p.add_argument("--special", choices=["auto", "parse", "text"], default="auto",
@@ -32,10 +34,7 @@ def run(args: argparse.Namespace) -> int:
     Lines are split at LF only; ``--escapes`` decodes the corpus escapes
     (``cases/tokenizer/README.md``). Exit 0, or 2 on bad input.
     """
-    try:
-        raw = Path(args.text_file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{args.text_file}: cannot read text file ({getattr(e, 'strerror', None) or e})") from None
+    raw = read_text(args.text_file, "--text-file")
     lines = raw.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

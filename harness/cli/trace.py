@@ -14,19 +14,19 @@ from ..core.workers import temp_folder
 from ..engines import make_engine
 from ..traces.format import TraceWriter, load_dump, read_trace, write_trace
 from ..traces.llama_dump import import_llama_dump
-from ._args import add_model_args, check_out_file, resolve_model
+from ._args import InFile, OutDir, OutFile, add_model_args, check_out_file, resolve_model
 from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h trace``."""
     add_model_args(p, model_required=False)
-    p.add_argument("--prompt-ids", required=True, help="JSON list of token ids")
-    p.add_argument("--out", required=True, help="output trace .jsonl")
-    p.add_argument("--dump-tensors", default=None, metavar="DIR",
+    p.add_argument("--prompt-ids", required=True, type=InFile(streams=True), help="JSON list of token ids")
+    p.add_argument("--out", required=True, type=OutFile(), help="output trace .jsonl")
+    p.add_argument("--dump-tensors", default=None, metavar="DIR", type=OutDir(),
                    help="also write every traced tensor to DIR/<trace name>.safetensors (names point.layer)")
     p.add_argument("--case", default=None, help="case name for the trace header (default: from the model path)")
-    p.add_argument("--llama-dump", default=None, metavar="FILE",
+    p.add_argument("--llama-dump", default=None, metavar="FILE", type=InFile(streams=True),
                    help="convert a llama.cpp eval-callback dump (text or JSONL) instead of running an engine")
     p.add_argument("--sum-scope", choices=["all", "printed"], default="all",
                    help="eval-callback text: its sum covers all elements (current llama.cpp) or only the printed "

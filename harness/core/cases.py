@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from reference.errors import InputError, PromptError
+from reference.files import read_text
 
 from .paths import CASES_DIR
 
@@ -79,13 +80,23 @@ def resolve_spec(name_or_path: str | os.PathLike) -> Path:
                      "or a .toml spec file")
 
 
+MAX_PROMPT_BYTES = 256 << 20
+"""The most a prompt file or prompt set may hold (256 MiB: some 30 million token ids)."""
+
+
 def _read_text(path: Path) -> str:
+    """A prompt file's text through the one reader (:func:`reference.files.read_text`: a regular file, or a pipe
+    read with a bound and a timeout; UTF-8)."""
+    return read_text(path, max_bytes=MAX_PROMPT_BYTES, error=PromptError)
+
+
+def _json(text: str, where: str, expected: str) -> Any:
     try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise PromptError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except OSError as e:
-        raise PromptError(f"{path}: cannot read ({e.strerror or e})") from None
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise PromptError(f"{where}: not valid JSON ({expected})") from None
+    except RecursionError:
+        raise PromptError(f"{where}: not valid JSON (nested too deeply; {expected})") from None
 
 
 def _is_id(v: Any) -> bool:
@@ -129,10 +140,7 @@ def load_prompts(path: str | os.PathLike = PROMPTS) -> list[dict[str, Any]]:
     for n, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            raise PromptError(f"{path}:{n}: not valid JSON") from None
+        obj = _json(line, f"{path}:{n}", 'expected {"id": ..., "prompt_ids": [int, ...]}')
         ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
         if not isinstance(ids, list) or not ids or not all(_is_id(i) for i in ids):
             raise PromptError(f"{path}:{n}: expected {{\"id\": ..., \"prompt_ids\": [int, ...]}}")
@@ -150,10 +158,7 @@ def read_prompt_ids(path: str | os.PathLike) -> list[int]:
         PromptError: unreadable, not UTF-8, not JSON, or not such a list (the file is named).
     """
     path = Path(path)
-    try:
-        ids = json.loads(_read_text(path))
-    except json.JSONDecodeError:
-        raise PromptError(f"{path}: not valid JSON (expected a JSON list of token ids)") from None
+    ids = _json(_read_text(path), str(path), "expected a JSON list of token ids")
     if not isinstance(ids, list) or not ids or not all(_is_id(i) for i in ids):
         raise PromptError(f"{path}: expected a non-empty JSON list of integer token ids")
     return ids

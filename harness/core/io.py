@@ -3,9 +3,12 @@
 Every run writes ``reports/<UTC timestamp>-<name>/`` under the current folder (or ``--out``) (``report.md``,
 ``results.json``, plots). A run directory is created with ``os.mkdir`` and never
 reused: a second run with the same name in the same second gets ``-2``, ``-3``...
-Files are written atomically (a temporary file in the same directory, fsync,
-``os.replace``), so a reader never sees half a report and an interrupted run
-never leaves a truncated one.
+Every output goes through one writer, :func:`open_output`: a regular file is written
+atomically (a temporary file in the same directory, fsync, ``os.replace``), so a reader
+never sees half a report and an interrupted run never leaves a truncated one; a symlink
+is followed (its target replaced, the link kept); a character device or a FIFO is
+written through, never replaced (``--out /dev/null`` stays a device); a folder, a block
+device or a socket is refused with one line (:class:`OutputError`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -31,6 +35,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from reference.errors import InputError
+from reference.files import kind_of
 
 from .paths import default_reports_dir
 from .workers import remove_temp_dir, temp_dir
@@ -184,12 +189,137 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, ``os.replace``.
+class OutputError(InputError, OSError):
+    """An output that cannot be written where the user asked: one line naming the path and why. An
+    :class:`InputError` (exit 2 in the CLI) and an :class:`OSError` (callers that treat a failed write as an OS
+    error keep doing so)."""
 
-    Readers see either the old file or the complete new one, never a partial
-    write. The new file gets mode ``0o666`` less the process umask, like
-    ``open(path, "w")`` would.
+
+def output_kind(path: str | os.PathLike) -> str:
+    """How :func:`open_output` writes to ``path``: ``new`` (nothing there), ``file`` (a regular file, or a symlink
+    to one: replaced atomically, the symlink kept), ``stream`` (a character device or a FIFO: written through).
+
+    Raises:
+        OutputError: a folder, a block device, a socket, or anything else (refused: never replaced).
+    """
+    p = os.fspath(path)
+    try:
+        st = os.stat(p)  # follows a symlink: what is written is what it points to
+    except FileNotFoundError:
+        return "new"  # also a dangling symlink: its target is created
+    except OSError as e:
+        raise OutputError(f"{p}: cannot write output ({e.strerror or e})") from None
+    if stat.S_ISREG(st.st_mode):
+        return "file"
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+        return "stream"
+    kind = kind_of(st.st_mode)
+    raise OutputError(f"{p}: is a {kind}; an output goes to a regular file (replaced atomically), a character device "
+                      "or a FIFO (written through)" if kind != "folder" else f"{p}: is a folder, expected a file path")
+
+
+class _Through:
+    """A device or FIFO being written through: ``write`` and ``flush`` only. Not a file object to numpy, which
+    then streams an array through ``write`` in chunks instead of ``ndarray.tofile`` (which writes beside Python's
+    buffer and loses the order on a pipe)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def write(self, data: Any) -> int:
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _target(path: Path) -> Path:
+    """The file a write to ``path`` lands in: ``path``, or what its symlinks resolve to (the links are kept)."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else path
+
+
+@contextlib.contextmanager
+def open_output(path: str | os.PathLike, mode: int = 0o666) -> Iterator[Any]:
+    """The one writer of the harness's outputs: a binary file to write into, placed according to what ``path`` is.
+
+    * nothing there, or a regular file: a temporary file in the same folder, fsynced and renamed over the
+      destination when the ``with`` block ends normally (a reader sees the old file or the whole new one; on an
+      exception the destination is untouched). A symlink is followed and its *target* replaced: the link stays.
+      The new file gets ``mode`` less the umask.
+    * a character device (``/dev/null``, ``/dev/full``, a terminal) or a FIFO: written through, never replaced. A
+      FIFO with no reader is refused at once rather than waited on.
+    * a folder, a block device, a socket: refused.
+
+    Raises:
+        OutputError: refused (above), the folder missing or not writable, or a write failing (``/dev/full``:
+            "No space left on device"); the line names the path.
+    """
+    path = Path(path)
+    kind = output_kind(path)
+    if kind == "stream":
+        flags = os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                raise OutputError(f"{path}: a FIFO with no reader (start the reader first, or give a file)") from None
+            raise OutputError(f"{path}: cannot write output ({e.strerror or e})") from None
+        os.set_blocking(fd, True)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield _Through(f)
+        except OSError as e:
+            raise OutputError(f"{path}: cannot write output ({e.strerror or e})") from None
+        return
+    dest = _target(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, mode & ~umask)
+        os.replace(tmp, dest)
+        tmp = None
+    except OSError as e:
+        if isinstance(e, OutputError):
+            raise
+        raise OutputError(f"{path}: cannot write output ({e.strerror or e})") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    _fsync_dir(dest.parent)
+
+
+def check_output(path: str | os.PathLike, what: str = "--out") -> None:
+    """Refuse an output file that :func:`open_output` could not write, before any work starts.
+
+    Raises:
+        OutputError: ``path`` is a folder, a block device or a socket; its folder is a file, or cannot be
+            created or written (a FIFO's reader and a device's space are only known when written).
+    """
+    p = Path(path)
+    try:
+        kind = output_kind(p)
+    except OutputError as e:
+        raise OutputError(f"{what} {e}") from None
+    if kind == "stream":
+        return
+    parent = _target(p).parent if kind == "file" or os.path.islink(p) else (p.parent if str(p.parent) else Path("."))
+    existing = next((a for a in [parent, *parent.parents] if a.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise OutputError(f"{what} {path}: {existing} is a file, not a folder")
+    if existing is not None and not os.access(existing, os.W_OK):
+        raise OutputError(f"{what} {path}: {existing} is not writable")
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through :func:`open_output` (a regular file atomically; a device or FIFO
+    written through; anything else refused).
 
     Args:
         path: destination file; its folder must exist.
@@ -199,54 +329,28 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
         ``path`` as a :class:`Path`.
 
     Raises:
-        FileNotFoundError: the destination folder does not exist.
-        IsADirectoryError: ``path`` is a directory.
-        OSError: any other write failure (the temp file is removed; ``path`` is untouched).
+        OutputError: see :func:`open_output` (an :class:`OSError`; ``path`` is untouched).
     """
-    path = Path(path)
-    folder = path.parent
-    if path.is_dir():
-        raise IsADirectoryError(f"{path}: is a directory")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(folder)
-    return path
+    with open_output(path) as f:
+        f.write(data)
+    return Path(path)
 
 
 def save_npy_atomic(path: str | os.PathLike, arr: np.ndarray) -> Path:
-    """Write ``arr`` to ``path`` as ``.npy``, atomically (temp file in the same folder, ``os.replace``).
-
-    The array is streamed to the temp file (no second copy in memory). The folder is created if missing.
+    """Write ``arr`` to ``path`` as ``.npy`` through :func:`open_output` (streamed: no second copy in memory).
+    The folder is created if missing.
 
     Raises:
-        InputError: the destination cannot be written (named, with the reason).
+        OutputError: the destination cannot be written (named, with the reason).
     """
     dest = Path(path)
-    tmp = None
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr)
-        os.replace(tmp, dest)
-    except OSError as e:
-        if tmp:
-            Path(tmp).unlink(missing_ok=True)
-        raise InputError(f"{path}: cannot write output ({e.strerror or e})") from None
+    if output_kind(dest) != "stream":
+        try:
+            _target(dest).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"{path}: cannot write output ({e.strerror or e})") from None
+    with open_output(dest) as f:
+        np.save(f, arr)
     return dest
 
 
@@ -262,7 +366,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
     Raises:
         TypeError: ``text`` is not a ``str``.
-        OSError: as :func:`write_bytes_atomic`.
+        OutputError: as :func:`write_bytes_atomic`.
     """
     if not isinstance(text, str):
         raise TypeError(f"write_text_atomic: expected str, got {type(text).__name__}")

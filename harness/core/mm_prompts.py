@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image
 
 from reference.errors import InputError
+from reference.files import read_text
 
 from .paths import CASES_DIR
 
@@ -97,10 +98,7 @@ def load_mm_prompts(path: str | os.PathLike = MM_PROMPTS) -> list[dict[str, Any]
         InputError: an unreadable file or a bad line (one line naming the file, line and field).
     """
     p = Path(path)
-    try:
-        lines = p.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{p}: cannot read the prompt set ({e})") from None
+    lines = read_text(p, "prompt set").splitlines()
     out, seen = [], set()
     for n, line in enumerate(lines, 1):
         if not line.strip():

@@ -8,13 +8,29 @@ This module holds what every such worker shares:
   attached on an abort);
 * :func:`start_worker` / :func:`run_worker`: start one with ``PR_SET_PDEATHSIG`` on Linux, so it is
   killed when the parent dies (no orphan under PID 1); :func:`start_child` does the same for any program
-  (a ``cmd:`` engine);
+  (a ``cmd:`` engine); :func:`process_pool` for a pool of Python workers (``g4h parity --jobs``);
 * :func:`temp_dir` / :func:`remove_temp_dir` (or :func:`temp_folder`, a ``with`` block): a worker's
   temporary folder, removed even when the parent is killed with SIGKILL (a watchdog process holds the
   other end of a pipe from the parent: when the parent dies, however it dies, the pipe closes and the
   watchdog removes the folders still registered);
 * :class:`EngineCrashed` and :func:`crash_error`: a dead worker becomes one line,
   ``engine crashed: <what it last said>``, never a traceback.
+
+The process policy, in one place: **every process the harness starts dies with the process that started it**,
+however that one ends (SIGKILL included), and nothing it started goes on computing.
+
+* a program or worker (:func:`start_child`, :func:`start_worker`, :func:`run_worker`): ``PR_SET_PDEATHSIG``
+  (SIGKILL) set between fork and exec, the race with a parent that died in between closed by comparing
+  ``getppid``;
+* a pool worker (:func:`process_pool`, multiprocessing's spawn): the same, as the first thing its initializer
+  does, before any task;
+* multiprocessing's resource tracker (started by the pool's queues, not by us): registered with the watchdog,
+  which waits :data:`REMOVE_RETRY_S` for it to end on its own (it does once every holder of its pipe is gone, and
+  removes the semaphores of the dead) and kills it after;
+* the watchdog itself runs in its own session (a Ctrl-C of the terminal does not reach it) and exits when its pipe
+  from the parent closes, after removing the parent's folders and ending what is registered.
+
+``tests/test_parity_kill.py`` kills ``g4h parity --jobs 2`` at ten moments and counts what survives (0).
 """
 
 from __future__ import annotations
@@ -23,6 +39,8 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import importlib
+import multiprocessing
 import os
 import re
 import shutil
@@ -32,6 +50,8 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
 
@@ -164,6 +184,10 @@ def crash_error(stderr: str, rc: int, model_name: str) -> EngineCrashed:
 
 _PR_SET_PDEATHSIG = 1
 
+#: Seconds the watchdog keeps trying to remove a folder that a dying worker may still be writing into (and gives
+#: multiprocessing's resource tracker to end on its own).
+REMOVE_RETRY_S = 5.0
+
 
 def _die_with_parent(parent: int) -> None:  # pragma: no cover - runs in the child between fork and exec
     """``preexec_fn``: ask the kernel to SIGKILL this process when its parent dies (Linux only).
@@ -178,6 +202,85 @@ def _die_with_parent(parent: int) -> None:  # pragma: no cover - runs in the chi
         return
     if os.getppid() != parent:
         os._exit(1)
+
+
+def die_with_parent(parent: int) -> None:
+    """In a process the harness started (not between fork and exec: a pool worker's initializer): be killed with
+    SIGKILL when ``parent`` dies, and exit at once if it is dead already (:func:`_die_with_parent`)."""
+    if sys.platform.startswith("linux"):
+        _die_with_parent(parent)
+
+
+def _pool_init(parent: int, initializer: str | None, initargs: tuple) -> None:  # pragma: no cover - in a worker
+    """A pool worker's first step: die with ``parent``; then import and run ``initializer`` (``module:function``,
+    named rather than pickled, so that nothing heavy is imported before the worker is tied to its parent)."""
+    die_with_parent(parent)
+    if initializer:
+        module, _, name = initializer.partition(":")
+        getattr(importlib.import_module(module), name)(*initargs)
+
+
+def process_pool(workers: int, initializer: str | None = None, initargs: tuple = ()) -> Any:
+    """A ``concurrent.futures.ProcessPoolExecutor`` of ``workers`` spawned Python processes (a fresh interpreter
+    each, no forked torch or BLAS threads), under the process policy of this module:
+
+    * each worker is registered with the watchdog as it starts, which SIGKILLs it at once when this process dies
+      (its first seconds, while it imports, included);
+    * each worker sets ``PR_SET_PDEATHSIG`` first in its initializer, then runs ``initializer(*initargs)``
+      (``"module:function"``);
+    * multiprocessing's resource tracker (started by the pool's queues) is registered with the watchdog, which
+      gives it :data:`REMOVE_RETRY_S` to end on its own (unlinking the semaphores of the dead) before killing it.
+
+    Use it as a ``with`` block (the pool is shut down and its workers joined at the end).
+    """
+    class PolicyPool(ProcessPoolExecutor):
+        """Registers every worker with the watchdog as soon as it exists (spawned in ``submit``)."""
+
+        _watched: set[int] = set()
+
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            future = super().submit(*args, **kwargs)
+            for proc in list((getattr(self, "_processes", None) or {}).values()):  # no public accessor
+                if proc.pid and proc.pid not in self._watched:
+                    self._watched.add(proc.pid)
+                    watch_process(proc.pid, wait_s=0.0)
+            return future
+
+    pool = PolicyPool(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_pool_init,
+                      initargs=(os.getpid(), initializer, tuple(initargs)))
+    pool._watched = set()
+    _watch_resource_tracker()
+    return pool
+
+
+def _watch_resource_tracker() -> None:
+    """Register multiprocessing's resource tracker, when running, with the watchdog (started by the pool's queues)."""
+    pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)  # no public accessor
+    if pid:
+        watch_process(pid, wait_s=REMOVE_RETRY_S)
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22): with the pid, it
+    names one process even after the pid is reused. None when it is gone (or there is no ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def watch_process(pid: int, wait_s: float = REMOVE_RETRY_S) -> None:
+    """Have the watchdog end process ``pid`` when this process dies: SIGKILL after ``wait_s`` seconds for it to end
+    on its own (0: at once). For a process started by a library, where no ``PR_SET_PDEATHSIG`` can be set before it
+    runs (Linux only: the process is named by its pid and start time)."""
+    start = _start_time(pid)
+    if start is None:
+        return
+    entry = f"{pid}:{start}:{wait_s:g}"
+    with _lock:
+        _procs.add(entry)
+        _tell_watchdog(f"k{entry}")
 
 
 def _popen_kwargs() -> dict[str, Any]:
@@ -228,12 +331,10 @@ def run_worker(module: str, args: Sequence[str] = (), *, input: str | None = Non
 
 # --------------------------------------------------------------------------- temporary folders
 
-#: Seconds the watchdog keeps trying to remove a folder that a dying worker may still be writing into.
-REMOVE_RETRY_S = 5.0
-
 _lock = threading.Lock()
 _watchdog: subprocess.Popen | None = None
 _held: set[str] = set()
+_procs: set[str] = set()  # "pid:start time" of processes the watchdog ends with this one (watch_process)
 
 
 def _forget_after_fork() -> None:  # pragma: no cover - runs in a forked child
@@ -250,6 +351,7 @@ def _forget_after_fork() -> None:  # pragma: no cover - runs in a forked child
             pass
     _watchdog = None
     _held.clear()
+    _procs.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -273,6 +375,8 @@ def _tell_watchdog(line: str) -> None:
             assert _watchdog.stdin is not None
             for held in _held:  # a restarted watchdog learns every folder still held
                 _watchdog.stdin.write(f"+{held}\n".encode())
+            for proc in _procs:  # and every process to end
+                _watchdog.stdin.write(f"k{proc}\n".encode())
         assert _watchdog.stdin is not None
         try:
             _watchdog.stdin.write(f"{line}\n".encode())
@@ -339,10 +443,14 @@ def temp_folder(prefix: str, dir: str | os.PathLike | None = None) -> Iterator[P
 
 @atexit.register
 def _stop_watchdog() -> None:
-    """At a normal exit: close the pipe, so the watchdog removes what is left and exits; wait for it."""
+    """At a normal exit: release the registered processes (they end with this process by themselves: the
+    resource tracker on its pipe's end), close the pipe, so the watchdog removes what is left and exits; wait
+    for it."""
     if _watchdog is not None:
         try:
             if _watchdog.stdin is not None:
+                for proc in _procs:
+                    _watchdog.stdin.write(f"K{proc}\n".encode())
                 _watchdog.stdin.close()
             _watchdog.wait(REMOVE_RETRY_S + 1)
         except (OSError, subprocess.TimeoutExpired):
@@ -359,18 +467,46 @@ def _remove(path: str, retry_s: float = REMOVE_RETRY_S) -> None:
         time.sleep(0.05)
 
 
+def _end(pid: int, start: str, wait_s: float = REMOVE_RETRY_S) -> None:
+    """End process ``pid`` (if it is still the one that started at ``start``): wait ``wait_s`` for it to exit on
+    its own, then SIGKILL."""
+    deadline = time.monotonic() + wait_s
+    while _start_time(pid) == start and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _start_time(pid) == start:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def watch(stream: BinaryIO) -> None:
-    """The watchdog's loop: ``+PATH`` / ``-PATH`` lines register and release folders; at end of input (the
-    parent closed the pipe, or died) every folder still registered is removed."""
+    """The watchdog's loop: ``+PATH`` / ``-PATH`` lines register and release folders, ``kPID:START:WAIT`` /
+    ``KPID:START:WAIT`` register and release a process; at end of input (the parent closed the pipe, or died) every
+    folder still registered is removed and every registered process ended (:func:`_end`)."""
     held: set[str] = set()
+    procs: set[str] = set()
     for raw in stream:
         line = raw.decode("utf-8", "surrogateescape").rstrip("\n")
         if line[:1] == "+":
             held.add(line[1:])
         elif line[:1] == "-":
             held.discard(line[1:])
+        elif line[:1] == "k":
+            procs.add(line[1:])
+        elif line[:1] == "K":
+            procs.discard(line[1:])
+    entries = []
+    for proc in procs:
+        pid, start, wait_s = (proc.split(":") + ["", ""])[:3]
+        if pid.isdigit():
+            entries.append((float(wait_s or REMOVE_RETRY_S), int(pid), start))
+    for wait_s, pid, start in sorted(entries):
+        if wait_s == 0:  # a pool worker: at once, before anything else (it may be computing)
+            _end(pid, start, 0.0)
     for path in held:
         _remove(path)
+    for wait_s, pid, start in sorted(entries):
+        if wait_s:
+            _end(pid, start, wait_s)
 
 
 if __name__ == "__main__":  # the watchdog process of temp_dir()

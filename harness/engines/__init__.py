@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 from reference.errors import InputError
 
 from .base import Engine, EngineCrashed, EngineUnavailable, Generated, TraceFn
+from .checked import CheckedEngine
 
 __all__ = ["ENGINES", "ENGINE_SCHEMES", "Engine", "EngineCrashed", "EngineUnavailable", "Generated", "TraceFn",
            "check_engine_name", "engine_class", "engine_kind", "make_engine", "split_engines"]
@@ -161,6 +162,10 @@ def make_engine(name: str, path: str | Path, **options: Any) -> Engine:
         EngineFailure: the engine crashed loading the model, or a ``cmd:`` engine failed its handshake
             (:class:`harness.core.workers.EngineFailure`: the engine's fault, exit 1).
         NotEnoughMemory: the model does not fit in the memory available (one line, with what to try).
+
+    Returns:
+        the engine, its outputs checked (:class:`harness.engines.checked.CheckedEngine`: NaN or Inf in its logits,
+        log-probs or trace points is :class:`harness.core.workers.EngineOutputError`, with the first layer and point).
     """
     entry, arg = _entry(name)
     kind = engine_kind(name)
@@ -170,4 +175,4 @@ def make_engine(name: str, path: str | Path, **options: Any) -> Engine:
                          "only the first layers (use reference, fast or transformers)")
     cls = getattr(importlib.import_module(entry.module), entry.cls)
     kw = {k: v for k, v in options.items() if v is not None and k in allowed}
-    return cls(path, **kw) if arg is None else cls(arg, path, **kw)
+    return CheckedEngine(cls(path, **kw) if arg is None else cls(arg, path, **kw), kind)

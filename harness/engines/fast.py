@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from fast.drafter import FastDrafter
-from fast.engine import Request, generate
+from fast.engine import Request, all_finite, generate
 from fast.model import FastModel, SeqStep
 from fast.speculative import (
                               ModelProposer,
@@ -29,6 +29,7 @@ from reference.errors import InputError
 from reference.weights import load_model
 
 from ..core import memory
+from ..core.workers import EngineOutputError
 from .base import DTYPE_BYTES, TOP_N, TraceFn, bench_ids
 
 WEIGHT_MODES = ("packed", "dequantized")
@@ -80,6 +81,7 @@ class FastEngine:
     """
 
     engine = "fast"
+    check_output = True  # False: the bench engine fast-unchecked (the cost of the output check, measured)
     static = False  # True: the bench engine fast-graph (from_model(static=True))
     _decoder = None  # fast-graph: ((batch, max_len), StaticDecoder) kept between repetitions
     max_batch = None
@@ -155,7 +157,8 @@ class FastEngine:
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_n: int = TOP_N):
         """Like :meth:`generate` but returns :class:`fast.engine.Result` (tokens and the top-``top_n`` logprobs)."""
         self._plan(max((len(p) for p in prompts), default=1), max_new_tokens, len(prompts) if self.batched else 1)
-        return generate(self.model, prompts, max_new_tokens, batched=self.batched, top_n=top_n)
+        return generate(self.model, prompts, max_new_tokens, batched=self.batched, top_n=top_n,
+                        check_finite=self.check_output)
 
     # ------------------------------------------------------------------ speculative decoding
 
@@ -240,13 +243,23 @@ class FastEngine:
             else:
                 dec.reset()
             toks = torch.tensor(bench_ids(self.cfg.vocab_size, batch, 7), device=self.model.device)
+            ok = torch.ones((), dtype=torch.bool, device=self.model.device)
             self._sync()
             t = time.perf_counter()
             for _ in range(n):
                 logits = dec.decode(toks)
+                if self.check_output:  # on the device, read back once: no host sync between steps
+                    ok &= all_finite(logits)
                 toks = logits.argmax(-1)
             self._sync()
-            return time.perf_counter() - t
+            secs = time.perf_counter() - t
+            self._check_bench(ok, "tg", n, depth, batch)
+            return secs
+
+    def _check_bench(self, ok: torch.Tensor, test: str, n: int, depth: int, batch: int) -> None:
+        """A timed run whose logits were not all finite is no figure: :class:`EngineOutputError`."""
+        if not bool(ok):
+            raise EngineOutputError(f"{self.name}: non-finite logits in {test}{n} at depth {depth}, batch {batch}")
 
     def bench_time(self, test: str, n: int, depth: int, batch: int) -> float:
         """One ``pp``/``tg`` repetition over the paged KV cache (see :class:`harness.engines.base.Benchable`);
@@ -263,12 +276,17 @@ class FastEngine:
                 self._sync()
                 return time.perf_counter() - t
             toks = torch.tensor(bench_ids(self.cfg.vocab_size, batch, 7))
+            ok = torch.ones((), dtype=torch.bool, device=self.model.device)
             t = time.perf_counter()
             for k in range(n):
                 logits = self.model.step(cache, [SeqStep(s, toks[i:i + 1], depth + k) for i, s in enumerate(slots)])
+                if self.check_output:  # the decode loop's output check (fast.engine), as generation runs it
+                    ok &= all_finite(logits)
                 toks = logits.argmax(-1).cpu()
             self._sync()
-            return time.perf_counter() - t
+            secs = time.perf_counter() - t
+            self._check_bench(ok, "tg", n, depth, batch)
+            return secs
 
     def close(self) -> None:
         """Drop the model (and a ``fast-graph`` decoder's cache and graph)."""

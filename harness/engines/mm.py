@@ -38,6 +38,7 @@ from reference.mm_model import (
 from reference.model import TraceFn
 
 from .base import EngineUnavailable, Generated
+from .checked import CheckedEngine
 
 MM_ENGINES = ("reference", "fast", "transformers")
 """The engines that take images and audio."""
@@ -92,9 +93,15 @@ class ReferenceMM:
 def make_mm_engine(name: str, mm: MultimodalModel, device: str | None = None, dtype: str | None = None):
     """Build multimodal engine ``name`` over a loaded model.
 
+    The engine's outputs go through the output check (:class:`harness.engines.checked.CheckedEngine`).
+
     Raises:
         EngineUnavailable: an unknown engine, or transformers on a GGUF model.
     """
+    return CheckedEngine(_make_mm_engine(name, mm, device, dtype), name)  # outputs checked (harness.core.finite)
+
+
+def _make_mm_engine(name: str, mm: MultimodalModel, device: str | None, dtype: str | None):
     if name == "reference":
         return ReferenceMM(mm)
     if name == "fast":

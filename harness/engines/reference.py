@@ -25,8 +25,8 @@ def cache_bytes(cache_gb: float | None) -> int:
     """
     if cache_gb is None:
         return DEFAULT_CACHE_BYTES
-    if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) or not cache_gb >= 0:
-        raise InputError(f"--ref-cache-gb {cache_gb!r}: expected a number of GB >= 0")
+    if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) or not 0 <= cache_gb < float("inf"):
+        raise InputError(f"--ref-cache-gb {cache_gb!r}: expected a finite number of GB >= 0")
     return int(cache_gb * memory.GB)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from reference.errors import InputError, ModelFileError, PromptError
 from reference.names import gguf_to_hf
 from reference.weight_check import check_values
-from reference.weights import load_model
+from reference.weights import load_model, read_hf_config
 
 from ..core import memory
 from .base import DTYPE_BYTES, TOP_N, EngineUnavailable, Generated, TraceFn, bench_ids
@@ -140,7 +139,7 @@ def _load_gemma4_layers(path: Path, text_config: Gemma4TextConfig, layers: int):
 def _load_gemma4(path: Path, layers: int | None = None):
     """``Gemma4ForCausalLM`` (fp32, eager) from an HF folder; the text decoder of a multimodal one."""
     transformers.logging.set_verbosity_error()
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_hf_config(path)
     kwargs = {}
     if layers is not None:
         text = Gemma4Config.from_pretrained(path).text_config if raw.get("model_type") == "gemma4" else \
@@ -229,6 +228,7 @@ class TransformersEngine:
             raise EngineUnavailable(f"{path}: the transformers engine needs an HF model folder (it cannot read "
                                     "a Gemma 4 GGUF); pass a case spec (cases/bench/*.toml) or an HF folder")
         self.config = self.model.config
+        self.source = path  # for messages: the context length's file and key
         check_parameters(self.model, path)
 
     def cast(self, dtype: str) -> "TransformersEngine":
@@ -324,8 +324,12 @@ class TransformersEngine:
             raise PromptError(f"token id {bad!r:.40} is outside the vocabulary [0, {vocab})")
         context = int(getattr(self.config, "max_position_embeddings", 0) or 0)
         if context and len(ids) + new_tokens > context:
+            where = getattr(self, "source", None)
+            key = (f"{where / 'config.json'}: key max_position_embeddings" if where is not None and where.is_dir()
+                   else f"{where}: {self.config.model_type}.context_length" if where is not None
+                   else "max_position_embeddings")
             raise PromptError(f"prompt of {len(ids)} tokens{f' + {new_tokens} new' if new_tokens else ''} is longer "
-                              f"than the context ({context})")
+                              f"than the context: {key} = {context}")
         return [int(i) for i in ids]
 
     @memory.guarded

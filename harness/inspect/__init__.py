@@ -2,8 +2,8 @@
 
 :func:`inspect_model` reads a GGUF file's header (metadata and tensor table, through
 :func:`reference.gguf_check.check_gguf`) or an HF folder's ``config.json``, safetensors headers and
-tokenizer files. Tensor data is never read, except the tiny ``rope_freqs`` table the config check
-needs, so a 33 GB file inspects in about the time its header takes to parse. It returns an
+tokenizer files; the tensor data is read once, for the weight problems (``weights``, ``weight_not_carried``: about
+a second per GB, :func:`.weights.weight_problems`), everything else comes from the header. It returns an
 :class:`Inspection`: architecture and size label, the per-layer table (:class:`reference.config.LayerSpec`),
 tensor types with counts and bytes, tokenizer facts, one :class:`EngineRow` per engine setting and
 the :class:`Problem` list. ``Inspection.as_dict()`` is the ``g4h inspect --json`` document, specified
@@ -35,6 +35,11 @@ Problems (``code``: severity):
   ``tokenizer_config.json``, ``chat_template.jinja`` or ``chat_template.json`` (HF).
 * ``shared_kv_tensors``: warning. ``attn_k`` / ``attn_k_norm`` / ``attn_v`` of a KV-shared layer: the
   file ships them, no engine reads them (the layer reads its donor's cache).
+* ``weights``: unusable. A weight is NaN, Inf or larger than any matmul holds (:func:`reference.weight_check.
+  check_weights`, the loaders' own check).
+* ``weight_not_carried``: warning. A weight the fast engine holds in a compute dtype but cannot carry through the
+  ops after it (:func:`fast.carry.carry_problems`): one per tensor and dtype, naming the op and the magnitude.
+  These two read the tensor data once (about a second per GB; everything else reads the header only).
 * ``softcap_missing``: warning. A gemma4 GGUF without ``gemma4.final_logit_softcapping``: the file
   means no final softcap, llama.cpp applies 30 (``llama-hparams.h``), so its logits differ.
 
@@ -51,7 +56,7 @@ the right shape (:func:`llamacpp_donors`). The memory column of each row that ca
 
 The modules: :mod:`.model` (the document), :mod:`.gguf_header` and :mod:`.hf_folder`
 (each format's reading and problems), :mod:`.common` (what both share), :mod:`.runnable`
-(the engine rows); this module is the entry point.
+(the engine rows), :mod:`.weights` (the problems only the tensor data shows); this module is the entry point.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from .gguf_header import gguf_can_dequantize, inspect_gguf
 from .hf_folder import inspect_hf
 from .model import SCHEMA_VERSION, UNUSABLE, WARNING, EngineRow, Inspection, Problem, TensorType, unreadable_dict
 from .runnable import FAST_DTYPES, FAST_TYPES, FAST_WEIGHT_MODES, LLAMACPP_TYPE_IDS, engine_rows, llamacpp_donors
+from .weights import note_carry, weight_problems
 
 __all__ = ["ESTIMATE_TOKENS", "FAST_DTYPES", "FAST_TYPES", "FAST_WEIGHT_MODES", "LLAMACPP_TYPE_IDS", "SCHEMA_VERSION",
            "UNUSABLE", "WARNING", "EngineRow", "Inspection", "Problem", "TensorType", "compact_names", "engine_rows",
@@ -91,7 +97,10 @@ def inspect_model(path: str | os.PathLike) -> Inspection:
     if not p.exists():
         raise ModelFileError(f"{p}: no such file or folder")
     info, cfg = inspect_hf(p) if p.is_dir() else inspect_gguf(p)
+    if cfg is not None and not any(q.severity == UNUSABLE for q in info.problems):
+        info.problems += weight_problems(p)
     info.engines = engine_rows(info, cfg)
+    note_carry(info)
     for row, estimate in zip(info.engines, _memory_estimates(info, info.engines)):
         row.memory = estimate
     return info

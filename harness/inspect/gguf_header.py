@@ -21,6 +21,7 @@ import numpy as np
 
 from reference.config import ModelConfig, attach_rope_freqs, config_from_gguf
 from reference.errors import InputError, ModelFileError
+from reference.files import open_regular
 from reference.gguf_check import check_gguf
 
 from ..engines.llamacpp import LLAMA_CPP_PYTHON_VERSION
@@ -195,7 +196,7 @@ def _list_gguf(path: Path) -> tuple[int, dict[str, Any], list[_Tensor]]:
         ModelFileError: the header itself cannot be walked (not GGUF, cut short, a length past the end).
     """
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, error=ModelFileError) as f:  # never a FIFO or a device: mapped
             size = os.fstat(f.fileno()).st_size
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     except OSError as e:

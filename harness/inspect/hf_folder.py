@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -11,6 +10,7 @@ from safetensors import safe_open
 
 from reference.config import ModelConfig, config_from_hf
 from reference.errors import InputError
+from reference.files import read_json
 from reference.names import hf_to_gguf
 from reference.weights import read_hf_config
 
@@ -141,6 +141,6 @@ def _hf_tokenizer(path: Path, raw: Mapping[str, Any], cfg: ModelConfig | None, r
 
 def _read_json(p: Path) -> Any:
     try:
-        return json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return read_json(p, streams=False)  # a regular file only: a FIFO in the folder never blocks the inspection
+    except InputError:
         return {}

@@ -30,7 +30,6 @@ checks present on one side only are listed, not counted as regressions.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -39,6 +38,7 @@ from typing import Any, Mapping
 import pandas as pd
 
 from reference.errors import InputError
+from reference.files import read_json
 
 from ..core.io import dataframe_markdown, write_json_atomic
 from .result import RESULTS_VERSION
@@ -92,11 +92,10 @@ def load_baseline(path: str | os.PathLike) -> dict[str, Any]:
     """
     p = Path(path)
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise InputError(f"{p}: cannot read baseline ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise InputError(f"{p}: baseline is not valid JSON (expected a parity results.json)") from None
+        data = read_json(p)  # the one reader: a regular file or a pipe, bounded (reference.files)
+    except InputError as e:
+        why = str(e).removeprefix(f"{p}: ")
+        raise InputError(f"{p}: cannot read baseline: {why} (expected a parity results.json)") from None
     if not isinstance(data, dict) or data.get("kind") != "parity":
         raise InputError(f"{p}: not a parity results file (expected \"kind\": \"parity\")")
     if data.get("version") != RESULTS_VERSION:

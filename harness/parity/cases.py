@@ -35,6 +35,7 @@ from ..core.gates import resolve
 from ..core.hf_assistant import AssistantUnavailable
 from ..core.mm_prompts import MM_PROMPTS, load_mm_prompts
 from ..engines import engine_kind, make_engine
+from ..engines.checked import CheckedEngine
 from ..engines.mm import ReferenceMM
 from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
@@ -254,7 +255,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
         oracle_engine = make_engine("fast", path, **{**o, "dtype": "float32", "batched": False})
         res.info["oracle"] = {"name": "fast", "engine": oracle_engine.name, "weights": oracle_engine.weights,
                               "left_out": "reference.cached~uncached (float64 forwards)"}
-    runs = ReferenceRuns(ref, oracle_engine)
+    runs = ReferenceRuns(CheckedEngine(ref, "reference"), oracle_engine)  # its overflow: the model is unusable
     seen: dict[str, int] = {}
     try:
         for name in names:

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from reference.errors import InputError
+from reference.files import open_regular, read_text
 
 from ..core.gates import NEAR_TIE_MARGIN, resolve
 from ..core.kld import kld_stats
@@ -41,8 +42,9 @@ def load_logits(path: str | Path) -> np.ndarray:
         InputError: unreadable, not a ``.npy`` array, not 2-D, or empty (the file is named).
     """
     try:
-        arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+        with open_regular(path) as f:  # a regular file (never a FIFO or a device), as np.load may map it
+            arr = np.load(f, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
         raise InputError(f"{path}: not a readable .npy logits file ({str(e).splitlines()[0][:100]})") from None
     if arr.ndim != 2 or arr.size == 0:
         raise InputError(f"{path}: logits of shape {list(arr.shape)}, expected [tokens, vocab]")
@@ -58,10 +60,7 @@ def load_generations(path: str | Path) -> dict[str, dict[str, Any]]:
         InputError: unreadable, not JSON lines of that shape, or a duplicate id (file and line named).
     """
     out: dict[str, dict[str, Any]] = {}
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    lines = read_text(path).splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

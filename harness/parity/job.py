@@ -26,9 +26,7 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -39,6 +37,7 @@ from reference.errors import InputError
 from ..core.cases import PROMPTS, builtin_specs, load_prompts
 from ..core.io import staged_run_dir, write_json_atomic
 from ..core.paths import cache_root
+from ..core.workers import process_pool
 from ..engines import check_engine_name
 from ..engines.variants import activate_from_env, active
 from ..synth.mm_case import builtin_mm_specs
@@ -169,7 +168,8 @@ def run_cases(plan: Plan, plan_args: dict[str, Any], jobs: int = 1, threads: int
     """Run every planned case (:func:`harness.parity.result.guard`), ``jobs`` at a time; results in plan order.
 
     With ``threads`` None and ``jobs`` 1, the cases run here, one after another, on every thread. Otherwise each
-    case runs in a worker process (spawned: a fresh interpreter, no forked torch or BLAS threads) that plans the
+    case runs in a worker process (:func:`harness.core.workers.process_pool`: spawned, a fresh interpreter, no forked
+    torch or BLAS threads; it dies with this process, and so does multiprocessing's resource tracker) that plans the
     same cases from ``plan_args`` (:func:`plan_cases`' keywords) and runs its one, on ``threads`` CPU threads
     (None: the CPUs shared out, :func:`_threads_per_job`). ``order``: plan indices in the order the cases are
     started (default: plan order); the results keep plan order. A worker that dies (killed for memory, say)
@@ -180,8 +180,7 @@ def run_cases(plan: Plan, plan_args: dict[str, Any], jobs: int = 1, threads: int
         return [guard(*case) for case in plan]
     threads = threads or _threads_per_job(jobs)
     results: list[CaseResult | None] = [None] * len(plan)
-    with _thread_env(threads), ProcessPoolExecutor(min(jobs, len(plan)), mp_context=get_context("spawn"),
-                                                   initializer=_init_worker, initargs=(threads,)) as pool:
+    with _thread_env(threads), process_pool(min(jobs, len(plan)), f"{__name__}:_init_worker", (threads,)) as pool:
         futures = {i: pool.submit(_run_planned, plan_args, i) for i in (order or range(len(plan)))}
         for i, f in futures.items():
             try:

@@ -38,8 +38,8 @@ from ..core.io import dataframe_markdown, write_bytes_atomic, write_json_atomic,
 from ..core.metrics import KLD_HIST_FLOOR_LOG10
 from .baseline import baseline_section
 from .checks.server import report_lines as server_report_lines
-from .explain_report import explanation_lines
 from .drift import drift_section
+from .explain_report import explanation_lines
 
 LAYER_POINT = "l_out"
 """The trace point whose per-layer error the plots show (each layer's output)."""

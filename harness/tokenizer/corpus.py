@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from reference.errors import InputError
+from reference.files import read_text
 
 from ..core.paths import CASES_DIR
 from .engines import TokEngine, is_engine_crash
@@ -33,7 +34,7 @@ class CorpusText:
     text: str
 
 
-_ESCAPE = re.compile(r"\\(U[0-9A-Fa-f]{8}|u[0-9A-Fa-f]{4}|[nrt\\])")
+_ESCAPE = re.compile(r"\\(U[0-9A-Fa-f]{8}|u[0-9A-Fa-f]{4}|[nrt\\]|[uU])")  # a bare u/U: a truncated code point
 
 
 def unescape(line: str) -> str:
@@ -42,10 +43,16 @@ def unescape(line: str) -> str:
     Source: ``cases/tokenizer/README.md`` (the format of the corpora).
 
     Raises:
-        InputError: an escape that names no character text can hold (a surrogate, or beyond U+10FFFF).
+        InputError: an escape that names no character text can hold (a surrogate, or beyond U+10FFFF), or a
+            ``\\u`` / ``\\U`` without its 4 / 8 hex digits (a truncated code point; other unknown escapes, such as
+            ``\\x`` or ``\\d``, stay as they are, as the format says).
     """
     def sub(m: re.Match) -> str:
         e = m.group(1)
+        if e in ("u", "U"):
+            want = 4 if e == "u" else 8
+            got = m.string[m.end():m.end() + want]
+            raise InputError(f"escape \\{e}{got}: expected \\{e} and {want} hex digits (a truncated code point)")
         if e[0] in "uU":
             code = int(e[1:], 16)
             if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
@@ -76,16 +83,13 @@ def load_corpus(path: str | os.PathLike | None = None) -> list[CorpusText]:
         files = sorted(list(p.glob("*.txt")) + list(p.glob("*.jsonl")))
         if not files:
             raise InputError(f"{p}: no corpus files (*.txt, *.jsonl)")
-    elif p.is_file():
-        files = [p]
+    elif p.exists():
+        files = [p]  # a regular file, or a pipe (read_text takes both and refuses the rest)
     else:
         raise InputError(f"{p}: no such corpus file or folder")
     out: list[CorpusText] = []
     for f in files:
-        try:
-            raw = f.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"{f}: cannot read corpus ({e})") from None
+        raw = read_text(f, "corpus")
         for n, line in enumerate(raw.split("\n"), 1):
             if not line:
                 continue

@@ -20,8 +20,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from reference import files
 from reference.errors import InputError
+from reference.files import open_regular
 from reference.tokenizer import BYTE, CONTROL, NORMAL, SPACE, USER_DEFINED, read_gguf_metadata
+
+MAX_TOKENIZER_BYTES = 1 << 30
+"""The most a tokenizer file may hold (1 GiB; Gemma's tokenizer.json is 33 MB)."""
 
 BYTE_TOKEN_RE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 """A byte-fallback token's text (``<0x0A>``)."""
@@ -40,8 +45,10 @@ def tokenizer_kind(path: str | os.PathLike) -> str:
     """
     p = Path(path)
     try:
-        with open(p, "rb") as f:
+        with open_regular(p, max_bytes=MAX_TOKENIZER_BYTES) as f:  # a regular file: never a FIFO or a device
             head = f.read(64)
+    except InputError as e:
+        raise InputError(f"{e} (a tokenizer file)") from None
     except OSError as e:
         raise InputError(f"{p}: cannot read tokenizer file ({e.strerror or e})") from None
     if head[:4] == b"GGUF":
@@ -72,12 +79,7 @@ def load_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_json(path: str | os.PathLike) -> dict:
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e})") from None
+    doc = files.read_json(path, max_bytes=MAX_TOKENIZER_BYTES, streams=False)
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
         raise InputError(f"{path}: not a tokenizers file (no 'model' object)")
     return doc
@@ -223,7 +225,7 @@ def metadata_from_sentencepiece(path: str | os.PathLike) -> dict[str, Any]:
     except ImportError:
         raise InputError("sentencepiece is not installed: pip install sentencepiece") from None
     try:
-        data = Path(path).read_bytes()
+        data = files.read_bytes(path, max_bytes=MAX_TOKENIZER_BYTES, streams=False)
         pieces: list[str] = []
         scores: list[float] = []
         types: list[int] = []

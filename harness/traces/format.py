@@ -41,6 +41,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save
 
 from reference.errors import InputError
+from reference.files import read_bytes
 
 from ..core.io import to_jsonable, write_bytes_atomic, write_text_atomic
 
@@ -392,11 +393,13 @@ def read_trace(path: str | os.PathLike) -> Trace:
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        data = read_bytes(p)
+    except InputError as e:
+        raise InputError(f"{e} (a g4h trace)") from None
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"{p}: not a g4h trace (not UTF-8 text)") from None
-    except OSError as e:
-        raise InputError(f"{p}: cannot read trace ({e.strerror or e})") from None
     lines = text.splitlines()
     if not lines or not lines[0].strip():
         raise InputError(f"{p}: empty file (expected a g4h trace: a JSON header line, then records)")

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from reference.errors import InputError
+from reference.files import read_bytes
 
 from .format import (
     KNOWN_POINTS,
@@ -307,10 +308,7 @@ def import_llama_dump(path: str | os.PathLike, prompt_ids: Sequence[int] | None 
         InputError: unreadable or malformed dump, no prompt ids, or no trace point in it.
     """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise InputError(f"{p}: cannot read llama.cpp dump ({e.strerror or e})") from None
+    text = read_bytes(p, "llama.cpp dump").decode("utf-8", errors="replace")
     first_line = next((ln for ln in text.splitlines() if ln.strip()), "")
     tensors: dict[str, np.ndarray] = {}
     head: dict[str, Any] = {}

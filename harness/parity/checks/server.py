@@ -56,10 +56,11 @@ import pandas as pd
 from reference.chat import BOS as BOS_TEXT
 from reference.chat import render
 from reference.errors import InputError, PromptError
+from reference.files import read_text
 from reference.tokenizer import BYTE, NORMAL, GGUFTokenizer, read_gguf_metadata
 
 from ... import synth
-from ...core.cases import PROMPTS, prompt_id
+from ...core.cases import MAX_PROMPT_BYTES, PROMPTS, prompt_id
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, gate_for
 from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
@@ -165,12 +166,7 @@ def load_user_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
             an integer, a duplicate id (ids are compared as text: ``1`` and ``"1"`` are one id), no prompt.
     """
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise PromptError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except OSError as e:
-        raise PromptError(f"{path}: cannot read ({e.strerror or e})") from None
+    lines = read_text(path, max_bytes=MAX_PROMPT_BYTES, error=PromptError).splitlines()
     out, seen = [], set()
     for n, line in enumerate(lines, 1):
         if not line.strip():
