@@ -103,7 +103,8 @@ def make_files(tmp: Path) -> dict[str, str]:
 
 def bases(f: dict[str, str]) -> dict[str, list[str]]:
     """A cheap, valid command line per command (or, for a command with no cheap run, one that ends at its first
-    step: ``selftest --case`` of no case, ``device-bench --steps`` of no step). Outputs go under ``f['out']``."""
+    step: ``selftest --case`` of no case, ``device-bench --steps`` of no step, ``sweep`` of a glob that matches
+    nothing, ``quantize`` to no known type). Outputs go under ``f['out']``."""
     o = f["out"]
     return {
         "logits": ["--model", f["tiny"], "--prompt-ids", f["prompt"], "--out", f"{o}/o.npy"],
@@ -122,6 +123,9 @@ def bases(f: dict[str, str]) -> dict[str, list[str]]:
         "device-check": ["--gguf", f["tiny"], "--out", f"{o}/dc.json", "--device", "cpu", "--prompts", "1"],
         "device-bench": ["--device", "cpu", "--smoke", "--steps", "no-such-step", "--out", f"{o}/runs"],
         "inspect": [f["tiny"]],
+        "explain": ["--model", f["tiny"], "--engine", "reference", "--prompt-ids", f["prompt"]],
+        "sweep": [f"{o}/no-such-model-*.gguf", "--quiet", "--out", f"{o}/runs"],  # ends before any cluster starts
+        "quantize": [f["tiny"], "--types", "NO_SUCH_TYPE", "--out-dir", f"{o}/q"],  # ends before any build
     }
 
 

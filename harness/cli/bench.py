@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     opts = BenchOptions(model=args.model, shape=args.shape, quant=args.quant, layers=args.layers,
                         ref_cache_gb=args.ref_cache_gb,
                         engines=engines, device=args.device,
-                        dtypes=dtypes, weights=args.weights, plan=plan, threads=args.threads, out=args.out, baseline=args.baseline,
+                        dtypes=dtypes, weights=args.weights, plan=plan, threads=args.threads, out=args.out,
+                        baseline=args.baseline,
                         write_baseline=args.write_baseline,
                         draft_model=None if args.draft_model is None else resolve_draft_model(args.draft_model),
                         draft_tokens=args.draft_tokens, draft_label=args.draft_model)

@@ -37,25 +37,26 @@ from ..parity.checks.server import load_user_prompts, with_prompt_ids
 from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, Observed, TextSubject, budget_seconds, search
 from ..parity.explain_mm import MMReference, explain_mm
 from ..traces.format import TraceWriter
-from ._args import add_model_args, check_out_file, engine_options, resolve_model
+from ._args import InFile, Number, OutFile, add_model_args, check_out_file, engine_options, resolve_model
 from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h explain``."""
     add_model_args(p, default_engine="fast")
-    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl", type=InFile(streams=True),
                    help='prompts, {"prompt_ids": [...]} or {"text": "..."} a line (default: '
                         "cases/prompts/synthetic.jsonl within the model's vocabulary)")
-    p.add_argument("--prompt-ids", default=None, metavar="FILE.json", help="one prompt: a JSON list of token ids")
-    p.add_argument("--explain-budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--prompt-ids", default=None, metavar="FILE.json", type=InFile(streams=True),
+                   help="one prompt: a JSON list of token ids")
+    p.add_argument("--explain-budget", type=Number(0.0), default=None, metavar="SECONDS",
                    help="seconds the search may take after the baseline (default 60)")
     p.add_argument("--variants", default=None, metavar="NAME[,NAME...]",
                    help="try only these variants (default: every text variant of docs/spec-variants.md)")
-    p.add_argument("--tol", type=float, default=None, metavar="X",
+    p.add_argument("--tol", type=Number(0.0), default=None, metavar="X",
                    help="judge with this max |Δlogit| and per-point relative L2 instead of the pair's gates (to "
                         "explain a difference inside them, or to accept one)")
-    p.add_argument("--json", default=None, help="also write the explanation as JSON here")
+    p.add_argument("--json", default=None, type=OutFile(), help="also write the explanation as JSON here")
     add_mm_args(p)
 
 

@@ -8,21 +8,25 @@ from pathlib import Path
 from reference.errors import InputError
 
 from ..engines.llamacpp import tools
+from ._args import Count, InFile, OutDir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h quantize``."""
-    p.add_argument("source", help="the GGUF to quantize (F32, BF16 or F16)")
+    p.add_argument("source", type=InFile(), help="the GGUF to quantize (F32, BF16 or F16)")
     p.add_argument("--types", required=True, metavar="TYPE[,TYPE...]",
                    help=f"llama-quantize file types: {', '.join(tools.QUANT_TYPES)} (Q4_K is Q4_K_M ...)")
-    p.add_argument("--out-dir", required=True, metavar="DIR", help="folder of the quantized files (created)")
-    p.add_argument("--imatrix", default=None, metavar="FILE",
+    p.add_argument("--out-dir", required=True, metavar="DIR", type=OutDir(),
+                   help="folder of the quantized files (created)")
+    p.add_argument("--imatrix", default=None, metavar="FILE", type=InFile(),
                    help="importance matrix for the types that need one (" + ", ".join(sorted(tools.IMATRIX_TYPES))
                         + ")")
-    p.add_argument("--imatrix-text", default=None, metavar="FILE",
+    p.add_argument("--imatrix-text", default=None, metavar="FILE", type=InFile(),
                    help="or make one with llama-imatrix over this UTF-8 text (written to DIR/imatrix.gguf)")
-    p.add_argument("--imatrix-ctx", type=int, default=128, metavar="N", help="llama-imatrix chunk length (default 128)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="quantizer threads (default: every CPU)")
+    p.add_argument("--imatrix-ctx", type=Count(1, 1 << 20), default=128, metavar="N",
+                   help="llama-imatrix chunk length (default 128)")
+    p.add_argument("--threads", type=Count(1, 1 << 16), default=None, metavar="N",
+                   help="quantizer threads (default: every CPU)")
 
 
 def run(args: argparse.Namespace) -> int:

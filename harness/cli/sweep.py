@@ -15,7 +15,7 @@ from ..engines.base import TOP_N
 from ..engines.llamacpp import tools as llama_tools
 from ..inspect import inspect_model
 from ..sweep.files import find_models
-from ._args import DTYPES, check_out_dir
+from ._args import DTYPES, Count, Device, InFile, ModelArg, Number, OutDir, check_out_dir
 
 try:
     from ..sweep.run import SweepOptions, run_sweep
@@ -37,46 +37,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--against", action="append", default=None, metavar="ENGINE[,ENGINE...]",
                    help="engines to sweep (repeatable, or a comma list): fast, llamacpp, reference, transformers, "
                         "cmd:'COMMAND ...'. Default: fast,llamacpp")
-    p.add_argument("--base", default=None, metavar="FILE",
+    p.add_argument("--base", default=None, metavar="FILE", type=ModelArg(),
                    help="the file of its group the reference runs on (default: the highest precision: most bits per "
                         "weight, then F32 > F16 > BF16)")
-    p.add_argument("--prompts", default=str(PROMPTS), metavar="FILE.jsonl",
+    p.add_argument("--prompts", default=str(PROMPTS), metavar="FILE.jsonl", type=InFile(streams=True),
                    help='prompt set, {"prompt_ids": [...]} or {"text": "..."} a line, optional "id" (default: '
                         "cases/prompts/synthetic.jsonl; each group keeps the prompts inside its vocabulary)")
-    p.add_argument("--max-new-tokens", type=int, default=8, metavar="N",
+    p.add_argument("--max-new-tokens", type=Count(0, 1 << 16), default=8, metavar="N",
                    help="tokens of each greedy stream (default 8; 0: no greedy figures)")
-    p.add_argument("--top-n", type=int, default=TOP_N, metavar="N",
+    p.add_argument("--top-n", type=Count(1, 1 << 16), default=TOP_N, metavar="N",
                    help=f"vLLM's N for the greedy rule: log-probs kept per step (default {TOP_N})")
     q = p.add_argument_group("making the quantizations (llama.cpp's llama-quantize, built into the user cache)")
     q.add_argument("--quantize", default=None, metavar="TYPE[,TYPE...]",
                    help="first quantize each F32/BF16/F16 GGUF named to these llama-quantize types (Q8_0, Q6_K, "
                         "Q5_K_M, Q4_K_M, Q4_0, Q3_K_M, Q2_K, IQ4_XS ...) and sweep them too")
-    q.add_argument("--quant-dir", default=None, metavar="DIR",
+    q.add_argument("--quant-dir", default=None, metavar="DIR", type=OutDir(),
                    help="where the quantized files go (default: <out>/quants/; an existing file is reused)")
-    q.add_argument("--imatrix", default=None, metavar="FILE",
+    q.add_argument("--imatrix", default=None, metavar="FILE", type=InFile(),
                    help="importance matrix for the --quantize types that need one (IQ2_XXS, IQ1_S, Q2_K_S ...)")
-    q.add_argument("--imatrix-text", default=None, metavar="FILE",
+    q.add_argument("--imatrix-text", default=None, metavar="FILE", type=InFile(),
                    help="or make one with llama-imatrix over this text file (UTF-8)")
     r = p.add_argument_group("Ray")
     r.add_argument("--address", default=None, metavar="HOST:PORT",
                    help="an existing Ray cluster (default: $RAY_ADDRESS; without either, a local cluster is started "
                         "for the command and stopped with it)")
-    r.add_argument("--local-nodes", type=int, default=1, metavar="N",
+    r.add_argument("--local-nodes", type=Count(1, 64), default=1, metavar="N",
                    help="nodes of the local cluster (default 1; several share this machine's CPUs and memory)")
-    r.add_argument("--cpus", type=int, default=None, metavar="N",
+    r.add_argument("--cpus", type=Count(1, 1 << 16), default=None, metavar="N",
                    help="CPUs of the local cluster in all (default: every CPU of this process)")
-    r.add_argument("--object-store-gb", type=float, default=None, metavar="GB",
+    r.add_argument("--object-store-gb", type=Number(0.0, 1e6, lo_open=True), default=None, metavar="GB",
                    help="object store of each local node (default 1 GB, at most a fifth of its memory)")
-    r.add_argument("--cpus-per-task", type=int, default=1, metavar="N",
+    r.add_argument("--cpus-per-task", type=Count(1, 1 << 16), default=1, metavar="N",
                    help="CPUs each task declares and uses as threads (default 1)")
-    r.add_argument("--task-timeout", type=float, default=7200.0, metavar="SECONDS",
+    r.add_argument("--task-timeout", type=Number(0.0, 1e9), default=7200.0, metavar="SECONDS",
                    help="a task running longer is cancelled and becomes a timeout row (default 7200; 0: none)")
-    p.add_argument("--out", default=None, help="parent folder of the run directory (default reports/)")
-    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+    p.add_argument("--out", default=None, type=OutDir(), help="parent folder of the run directory (default reports/)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", type=InFile(folders=True),
                    help="continue an interrupted sweep: its models and options, only the rows it lacks")
     p.add_argument("--retry-failed", action="store_true", help="with --resume: also rerun the rows that failed")
     f = p.add_argument_group("fast engine")
-    f.add_argument("--device", default=None, help="cpu | cuda[:N] (default: cuda when present)")
+    f.add_argument("--device", default=None, type=Device(), help="cpu | cuda[:N] (default: cuda when present)")
     f.add_argument("--dtype", dest="dtype_engine", choices=DTYPES, default=None, help="compute dtype (default float32)")
     f.add_argument("--weights", choices=("packed", "dequantized"), default=None,
                    help="keep quantized matrices packed (default for a quantized GGUF) or dequantize them at load")

@@ -207,6 +207,10 @@ def output_kind(path: str | os.PathLike) -> str:
         st = os.stat(p)  # follows a symlink: what is written is what it points to
     except FileNotFoundError:
         return "new"  # also a dangling symlink: its target is created
+    except NotADirectoryError:  # a folder on the way is a file: name it
+        blocker = next((a for a in Path(p).parents if a.exists() and not a.is_dir()), None)
+        raise OutputError(f"{p}: {blocker} is a file, not a folder" if blocker is not None else
+                          f"{p}: cannot write output (a folder on its path is not a folder)") from None
     except OSError as e:
         raise OutputError(f"{p}: cannot write output ({e.strerror or e})") from None
     if stat.S_ISREG(st.st_mode):
