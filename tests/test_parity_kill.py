@@ -148,7 +148,7 @@ def kill_and_count(models: list[Path], out: Path, delay: float, wait: float = SU
     time.sleep(delay)
     ended = child.poll() is not None
     at_kill = processes_with(token)
-    os.kill(child.pid, signal.SIGKILL)
+    child.kill()  # SIGKILL; a no-op when the run has already ended and been reaped
     child.wait()
     t0 = time.monotonic()
     wait_until(lambda: not processes_with(token), wait)

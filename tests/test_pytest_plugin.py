@@ -110,13 +110,13 @@ def test_a_perturbed_engine_fails_each_check_with_gate_value_and_first_divergenc
     assert len(failed) == len(failing) > 0
     assert f"{len(failing)} failed" in out
     layer = failed["reference~cmd.layer_rel_l2[p9]"].get("message")
-    assert "reference~cmd.layer_rel_l2 on prompt p9" in layer and "gate <= 0.005" in layer
+    check = next(c for c in failing if c["gate"] == "reference~cmd.layer_rel_l2" and c["prompt"] == "p9")
+    assert "reference~cmd.layer_rel_l2 on prompt p9" in layer and f"gate <= {check['limit']:g}" in layer
     assert "first divergence: ffn_out@1" in layer  # the perturbed layer's FFN, the first point it moves
     assert "first divergence: ffn_out@1" in out and "FAIL:" in out
     logits = failed["reference~cmd.max_abs_logit[p9]"].get("message")
-    measured = next(c["measured"] for c in failing if c["gate"] == "reference~cmd.max_abs_logit"
-                    and c["prompt"] == "p9")
-    assert f"measured {measured:.6g}, gate <= 0.02" in logits
+    check = next(c for c in failing if c["gate"] == "reference~cmd.max_abs_logit" and c["prompt"] == "p9")
+    assert f"measured {check['measured']:.6g}, gate <= {check['limit']:g}" in logits
     runs = next(c for c in cases if c.get("name") == "reference~cmd.runs")
     assert runs.find("failure") is None
 

@@ -192,6 +192,8 @@ def test_the_fast_engine_refuses_a_variant_it_has_no_form_of(lab, tmp_path):
 
 def test_explain_and_spec_bad_input_is_one_line(lab, tmp_path):
     m = ["--model", str(lab["lab-moe"])]
+    for name in ("a.jsonl", "b.jsonl"):  # files that exist, so that --spec is the one thing wrong
+        (tmp_path / name).write_text("")
     for args, names in ((["explain", *m, "--explain-budget", "-1"], ("--explain-budget",)),
                         (["explain", *m, "--variants", "router"], ("--variants 'router'",)),
                         (["explain", *m, "--tol", "0"], ("--tol",)),
