@@ -16,6 +16,7 @@ produce. ``rope_freqs`` is kept as stored (float32), never recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -119,6 +120,7 @@ class Weights(Mapping):
         self._checked: set[str] = set()  # checked whole: parts need no check
         self.cache_bytes = int(cache_bytes)
         self.cached_bytes = 0
+        self._held: dict[str, np.ndarray] | None = None  # inside hold()
 
     # ------------------------------------------------------------------ checks (subclasses change the rule)
 
@@ -140,9 +142,28 @@ class Weights(Mapping):
 
     # ------------------------------------------------------------------ reads
 
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Within the ``with`` block every tensor read is kept, and read again from there, until the block ends
+        (for :func:`reference.batch.forward_chains`: a layer's weights dequantized once for many forwards).
+
+        The held tensors are the same arrays a read gives; the cache rule is unchanged (a held tensor counts
+        as read once per block). Nested blocks hold until the outermost ends.
+        """
+        if self._held is not None:
+            yield
+            return
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
+
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self._cache:
             return self._cache[name]
+        if self._held is not None and name in self._held:
+            return self._held[name]
         lazy = self._lazy[name]
         if name not in self._checked:
             self._check_before(name, lazy, lazy.stored)
@@ -154,6 +175,8 @@ class Weights(Mapping):
         if name in self._seen and self.cached_bytes + arr.nbytes <= self.cache_bytes:
             self._cache[name] = arr
             self.cached_bytes += arr.nbytes
+        elif self._held is not None:
+            self._held[name] = arr
         self._seen.add(name)
         return arr
 
