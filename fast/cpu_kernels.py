@@ -88,8 +88,10 @@ def _cache_dir() -> Path:
     return root / "kernels"
 
 
-def _cpu_model() -> str:
-    """The CPU's model name and feature flags (what ``-march=native`` compiles for), from /proc/cpuinfo."""
+def cpu_model() -> str:
+    """The CPU's model name and feature flags (what ``-march=native`` compiles for), from /proc/cpuinfo; part of
+    every cache key of a build for this CPU (here, and the native llama.cpp of
+    :mod:`harness.engines.llamacpp.build`)."""
     found: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -125,7 +127,7 @@ def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = 
         raise RuntimeError(f"{cc}: {e}") from None
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may #include
     key = hashlib.sha256("\n".join([source.read_text(), *headers, " ".join(flags + libs), version,
-                                     _cpu_model()]).encode()).hexdigest()
+                                     cpu_model()]).encode()).hexdigest()
     out = _cache_dir() / key[:16] / f"lib{source.stem}.so"
     if out.is_file() and not force:
         return out

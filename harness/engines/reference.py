@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from reference import model as ref_model
+from reference.batch import Chain, forward_chains
 from reference.errors import InputError
 from reference.model import check_generation
 from reference.weights import DEFAULT_CACHE_BYTES, load_model
@@ -67,11 +68,13 @@ class ReferenceEngine:
         eng.cfg, eng.weights = cfg, weights
         return eng
 
-    def _plan(self, tokens: int, new_tokens: int) -> None:
-        """Plan a forward of ``tokens`` plus ``new_tokens`` decode steps; stop with one line when it cannot fit."""
+    def _plan(self, tokens: int, new_tokens: int, layer_held: bool = False) -> None:
+        """Plan a forward of ``tokens`` plus ``new_tokens`` decode steps (``layer_held``: a layer-outer pass that
+        holds a whole layer's weights); stop with one line when it cannot fit."""
         info = memory.ModelInfo.from_loaded(self.weights.source, self.cfg, self.weights)
         self.memory_plan = memory.require("reference", info, tokens=tokens, new_tokens=new_tokens,
-                                          cache_bytes=self.weights.cache_bytes,
+                                          cache_bytes=self.weights.cache_bytes, layer_held=layer_held,
+                                          forwards=2 if layer_held else None,  # passes repeat: the cache fills
                                           held=getattr(self.weights, "cached_bytes", 0))  # cached: allocated
 
     @memory.guarded
@@ -79,6 +82,18 @@ class ReferenceEngine:
         """float64 ``[T, V]``; see :func:`reference.model.forward`."""
         self._plan(len(ids), 0)
         return ref_model.forward(self.cfg, self.weights, ids, trace=trace)
+
+    @memory.guarded
+    def logits_chains(self, chains: Sequence[Chain]) -> list[list[np.ndarray | None]]:
+        """Many forwards, each weight read once for all (:func:`reference.batch.forward_chains`): per chain, per
+        call, float64 ``[T, V]`` logits (None where the chain did not want them), bit for bit what
+        :meth:`logits` and the cached forwards give call by call.
+
+        Planned as one forward of all the calls' tokens holding a whole layer's weights.
+        """
+        tokens = sum(len(ids) for c in chains for ids in c.calls)
+        self._plan(max(tokens, 1), 0, layer_held=True)
+        return forward_chains(self.cfg, self.weights, chains)
 
     @memory.guarded
     def logits_cached(self, ids: Sequence[int], prefill: int) -> np.ndarray:

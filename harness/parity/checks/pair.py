@@ -44,6 +44,7 @@ from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
 from ..compare import generation_figures, logit_figures
 from ..result import Figure, fig
+from .oracle_pass import reference_pass
 
 GREEDY_NEW_TOKENS = 8
 """Tokens each greedy stream runs for the ``.greedy`` check (prompts with room for them in the context)."""
@@ -102,6 +103,38 @@ class ReferenceRuns:
         self.name = "reference" if oracle is None else oracle.engine
         self._logits: dict[tuple[tuple[str, ...], str], tuple[np.ndarray, Trace]] = {}
         self._gens: dict[tuple[tuple[str, ...], int, int], dict[str, dict[str, Any]]] = {}
+        self._cached: dict[str, tuple[int, np.ndarray]] = {}
+        self.passes = 0
+
+    def prefetch(self, sets: Sequence[tuple[str, ...]], prompts: Sequence[dict[str, Any]], new_tokens: int,
+                 top_n: int = TOP_N, cached: bool = False, progress: Progress = lambda m: None) -> None:
+        """Compute ahead, in as few passes over the weights as the checks allow
+        (:func:`.oracle_pass.reference_pass`), what the pairs will ask: the logits and traces of every prompt under
+        each approximation set in ``sets`` (and exact), the greedy streams of ``new_tokens`` under each set in
+        ``sets``, and with ``cached`` the cached-vs-uncached logits (:meth:`cached_logits`). Later calls of
+        :meth:`logits` and :meth:`generations` read them; what was not prefetched is computed when asked, as
+        before. Nothing is done when the oracle is not the reference (``--oracle fast``).
+
+        The values are the ones the one-by-one path gives, bit for bit (:mod:`reference.batch`).
+        """
+        if self.oracle is not self.ref:
+            return
+        context = self.ref.cfg.context_length
+        gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
+        sets = list(dict.fromkeys([(), *[tuple(a) for a in sets]]))
+        gen_sets = [a for a in sets if (a, new_tokens, top_n) not in self._gens] if gen_prompts else []
+        res = reference_pass(self.ref, sets, prompts, gen_sets, gen_prompts, new_tokens, top_n, cached,
+                             self.numerics, progress)
+        self._logits.update(res.logits)
+        self._cached.update(res.cached)
+        for approx, gens in res.generations.items():
+            self._gens[(approx, new_tokens, top_n)] = as_streams(gen_prompts, gens)
+        self.passes += res.passes
+
+    def cached_logits(self, prompt: dict[str, Any]) -> tuple[int, np.ndarray] | None:
+        """``(prefill, float64 [T, V])``: the prompt's cached-vs-uncached logits when :meth:`prefetch` computed
+        them (a prefill of ``prefill`` tokens, then one token per forward), else None."""
+        return self._cached.get(str(prompt["id"]))
 
     def numerics(self, approx: Sequence[str]) -> ContextManager:
         """The reference under every approximation in ``approx`` that it can make (:data:`NUMERICS`), nested."""
@@ -233,6 +266,14 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
 
 def _approximations(eng: Any, kind: str) -> tuple[str, ...]:
     return tuple(getattr(eng, "approximations", None) or KIND_APPROXIMATIONS.get(kind, ()))
+
+
+def expected_sets(names: Sequence[str], skip: Sequence[str] = ()) -> list[tuple[str, ...]]:
+    """The approximation sets the pairs of ``names`` will ask the reference for, as far as the engines' kinds tell
+    before they start (:data:`KIND_APPROXIMATIONS`; a ``cmd:`` engine declares its own at its handshake, and what
+    no kind predicts is computed when asked); kinds in ``skip`` are left out."""
+    kinds = [engine_kind(n) for n in names]
+    return sorted({_emulated(KIND_APPROXIMATIONS.get(k, ())) for k in kinds if k not in skip})
 
 
 def _emulated(approx: Sequence[str]) -> tuple[str, ...]:

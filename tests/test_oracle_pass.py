@@ -1,0 +1,121 @@
+"""The parity job's reference side in as few passes as the checks allow (``ReferenceRuns.prefetch``,
+:mod:`harness.parity.checks.oracle_pass`) gives what the one-by-one path gives, bit for bit: every prompt's
+logits and trace under each approximation set, the greedy streams with their log-probs, and the cached-vs-uncached
+logits; and a user-model parity run reads them (its figures equal the lazy path's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import synth
+from harness.core.cases import PROMPTS, builtin_specs
+from harness.engines.reference import ReferenceEngine
+from harness.parity.checks import pair
+from harness.parity.checks.oracle_pass import reference_pass
+from harness.parity.checks.pair import ReferenceRuns, expected_sets
+from harness.parity.checks.reference import cached_vs_uncached
+
+GELU = ("gelu_fp16_table",)
+
+
+def _prompts(n: int | None = None) -> list[dict]:
+    """Prompts of 1, 5 and 17 tokens (one past the synthetic cases' window), then the rest of the set."""
+    lines = [json.loads(ln) for ln in Path(PROMPTS).read_text().splitlines() if ln.strip()]
+    lines.sort(key=lambda p: len(p["prompt_ids"]) not in (1, 5, 17))
+    return lines[:n] if n else lines
+
+
+def _ref(case: str = "e2b") -> ReferenceEngine:
+    built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == case))
+    return ReferenceEngine(built.gguf["Q8_0"], cache_gb=0)
+
+
+@pytest.mark.parametrize("case", ("e2b", "26b-a4b"))
+def test_prefetch_equals_the_lazy_path(case):
+    ref = _ref(case)
+    prompts = _prompts(3)
+    lazy, ahead = ReferenceRuns(ref), ReferenceRuns(ref)
+    ahead.prefetch([GELU], prompts, new_tokens=4, top_n=3, cached=True)
+    assert ahead.passes == 4  # pass 1, then one per greedy step but the last
+    for approx in ((), GELU):
+        for p in prompts:
+            (za, ta), (zb, tb) = lazy.logits(approx, p), ahead.logits(approx, p)
+            assert np.array_equal(za, zb), (approx, p["id"])
+            assert [r["checksums"] for r in ta.records] == [r["checksums"] for r in tb.records]
+            assert all(np.array_equal(ta.tensors[k], tb.tensors[k]) for k in ta.tensors)
+    gen = [p for p in prompts if len(p["prompt_ids"]) + 4 <= ref.cfg.context_length]
+    for approx in ((), GELU):
+        assert lazy.generations(approx, gen, 4, 3) == ahead.generations(approx, gen, 4, 3)
+    for p in prompts:
+        got = ahead.cached_logits(p)
+        if len(p["prompt_ids"]) < 2:
+            assert got is None
+            continue
+        k, z = got
+        assert np.array_equal(z, ref.logits_cached(p["prompt_ids"], prefill=k))
+        assert cached_vs_uncached(ref, p, lazy.logits((), p)[0], got) == \
+            cached_vs_uncached(ref, p, lazy.logits((), p)[0])
+
+
+def test_what_was_not_prefetched_is_computed_when_asked():
+    ref = _ref()
+    prompts = _prompts(3)
+    runs = ReferenceRuns(ref)
+    runs.prefetch([], prompts, new_tokens=2, top_n=2)
+    assert runs.cached_logits(prompts[-1]) is None
+    z, _ = runs.logits(GELU, prompts[1])  # not prefetched: one forward under the emulation
+    assert np.array_equal(z, ReferenceRuns(ref).logits(GELU, prompts[1])[0])
+    other = runs.generations(GELU, prompts, 3, 2)
+    assert other == ReferenceRuns(ref).generations(GELU, prompts, 3, 2)
+
+
+def test_one_token_streams_need_one_pass_and_no_step():
+    ref = _ref()
+    res = reference_pass(ref, [()], _prompts(2), [()], _prompts(2), 1, 5, False, ReferenceRuns(ref).numerics)
+    assert res.passes == 1 and all(len(g.tokens) == 1 for g in res.generations[()])
+    with pytest.raises(ValueError):
+        reference_pass(ref, [()], _prompts(1), [GELU], _prompts(1), 2, 5, False, ReferenceRuns(ref).numerics)
+
+
+def test_expected_sets_follow_the_engine_kinds():
+    assert expected_sets(["llamacpp", "fast"]) == [(), GELU]
+    assert expected_sets(["llamacpp"], skip=("llamacpp",)) == []
+    assert expected_sets(["cmd:./x", "transformers"]) == [()]
+
+
+def test_fast_oracle_prefetches_nothing():
+    ref = _ref()
+
+    class Oracle:
+        engine = "fast"
+
+    runs = ReferenceRuns(ref, Oracle())
+    runs.prefetch([GELU], _prompts(2), 2)
+    assert runs.passes == 0 and not runs._logits
+
+
+def test_user_parity_reads_the_prefetched_outputs(monkeypatch, tmp_path):
+    """The pairs ask for nothing the prefetch did not compute: no reference forward runs after it."""
+    from harness.parity import run as run_parity
+
+    built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in _prompts(2)))
+    calls = []
+    real = ReferenceEngine.logits
+
+    def counted(self, ids, trace=None):
+        calls.append(len(ids))
+        return real(self, ids, trace)
+
+    monkeypatch.setattr(ReferenceEngine, "logits", counted)
+    monkeypatch.setattr(ReferenceEngine, "logits_cached", lambda *a, **k: pytest.fail("not prefetched"))
+    monkeypatch.setattr(ReferenceEngine, "generate_full", lambda *a, **k: pytest.fail("not prefetched"))
+    data, status = run_parity(models=[str(built.gguf["Q8_0"])], against=["fast"], out=str(tmp_path), quiet=True,
+                              prompts=prompts)
+    assert status == 0 and calls == []
+    assert data["cases"][0]["info"]["reference_passes"] == pair.GREEDY_NEW_TOKENS
