@@ -32,13 +32,14 @@ import contextlib
 import ctypes
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+
+from .cpu_identity import cpu_model
 
 MAX_ROWS = 16
 """Largest ``M`` sent to the kernel; above it a BLAS GEMM is compute-efficient and wins."""
@@ -86,21 +87,6 @@ def _cache_dir() -> Path:
     env = os.environ.get("G4H_CACHE")
     root = Path(env) if env else Path(__file__).resolve().parent.parent / ".g4h-cache"
     return root / "kernels"
-
-
-def cpu_model() -> str:
-    """The CPU's model name and feature flags (what ``-march=native`` compiles for), from /proc/cpuinfo; part of
-    every cache key of a build for this CPU (here, and the native llama.cpp of
-    :mod:`harness.engines.llamacpp.build`)."""
-    found: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key = line.split(":", 1)[0].strip()
-            if key in ("model name", "flags", "Features", "CPU part") and key not in found:
-                found[key] = line
-    except OSError:
-        pass
-    return "\n".join(found.values()) or platform.processor() or platform.machine()
 
 
 def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = None,

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from fast.cpu_identity import cpu_model
 from reference.errors import InputError
 
 #: The llama-cpp-python release whose vendored llama.cpp is built (harness/llamacpp_worker.py mirrors its structs).
@@ -539,10 +540,8 @@ NATIVE_TARGETS: tuple[str, ...] = ("llama",)
 
 def native_build_root(cache: Path | None = None) -> Path:
     """Where the native variant for this CPU lives: ``<cache>/llama.cpp-<version>-native-<key>``, the key hashing
-    the flags, the platform and the CPU's model name and feature flags (:func:`fast.cpu_kernels.cpu_model`), so a
+    the flags, the platform and the CPU's model name and feature flags (:func:`fast.cpu_identity.cpu_model`), so a
     cache shared between machines never hands one CPU a build for another's instruction set."""
-    from fast.cpu_kernels import cpu_model  # the CPU identity the fast kernels' cache keys use too
-
     facts = {"flags": _flags(()), "native": list(NATIVE_FLAGS), "targets": list(NATIVE_TARGETS),
              "platform": _platform_facts(), "layout": LAYOUT_VERSION, "sdist": SDIST_SHA256, "cpu": cpu_model()}
     key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
