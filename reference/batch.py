@@ -19,12 +19,21 @@ two halves, or one token at a time: each call is what one ``forward(cfg, W, ids,
 run in order, each appending its own K/V; a KV-shared layer reads its donor's K/V only up to the call's own
 last token (the donor layer already holds every call's, :class:`_CallCache`).
 
+One-token calls (decode steps: the tail of one-token calls of each chain) go through a layer together, operation
+by operation (:func:`_one_token_layer`, the operations of :func:`reference.model.decoder_layer` in its order),
+so that each weight matrix is multiplied with every one of them while a block of its rows is in the CPU's cache
+(:func:`linear_rows`). A one-row product is a matrix-vector product, memory-bound: run call after call, each
+streams the whole float64 matrix from memory again. The rows of such a product come out the same whether the
+matrix is multiplied whole or a block of rows at a time (checked once per shape on this machine, with the
+matrix itself: :func:`rows_split_exact`; where it does not hold, the matrix is multiplied whole).
+
 Shapes: T = new tokens of a call, h = hidden_size, V = vocab.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Sequence
 
@@ -148,13 +157,18 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np
         for chain in chains:
             with chain.numerics():
                 _begin(cfg, W, chain)
+    singles = [(chain, c) for chain in chains for c in _one_token_tail(chain._state)]
+    tails = {id(c) for _, c in singles}
     for layer in cfg.layers:
         with hold():  # this layer's weights, dequantized once for every call
             for chain in chains:
                 with chain.numerics():
                     for c in chain._state:
-                        c.x = m.decoder_layer(cfg, layer, W, c.x, c.positions, c.k_pos, c.view,
-                                              None if c.ple is None else c.ple[:, layer.index], c.trace)
+                        if id(c) not in tails:
+                            c.x = m.decoder_layer(cfg, layer, W, c.x, c.positions, c.k_pos, c.view,
+                                                  None if c.ple is None else c.ple[:, layer.index], c.trace)
+            if singles:
+                _one_token_layer(cfg, layer, W, singles)
     wanted = []
     for chain in chains:
         if chain._state:
@@ -190,11 +204,151 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray]) -> list[np.ndarr
         return []
     name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     parts: list[list[np.ndarray]] = [[] for _ in xs]
+    rows = [i for i, x in enumerate(xs) if x.shape[0] == 1]  # matrix-vector products: a block of rows at a time
     for block in W.row_blocks(name):
+        for i, y in zip(rows, linear_rows([xs[i] for i in rows], block)):
+            parts[i].append(y)
         for part, x in zip(parts, xs):
-            part.append(m.linear(x, block))
+            if x.shape[0] != 1:
+                part.append(m.linear(x, block))
     out = []
     for part in parts:
         logits = np.concatenate(part, axis=1)  # [T, V]
         out.append(m.softcap(logits, cfg.final_logit_softcap) if cfg.final_logit_softcap is not None else logits)
     return out
+
+
+# --------------------------------------------------------------------------- one-token calls, operation by operation
+
+#: Bytes of float64 rows a block of :func:`linear_rows` holds at most (it stays in a core's L2 cache while every
+#: vector passes), and the least rows a block has; blocks hold a multiple of ``ROW_ALIGN`` rows.
+ROW_BLOCK_BYTES, ROW_ALIGN = 1 << 20, 64
+
+_split_exact: dict[tuple, bool] = {}
+
+
+def row_bounds(n_rows: int, n_cols: int) -> list[tuple[int, int]]:
+    """The row ranges :func:`linear_rows` multiplies a ``[n_rows, n_cols]`` matrix in: a multiple of
+    :data:`ROW_ALIGN` rows each, within :data:`ROW_BLOCK_BYTES` where that allows; a short last block is merged
+    into the one before (a one-row remainder would be a dot product, another kernel)."""
+    rows = ROW_ALIGN
+    while rows * 2 * n_cols * 8 <= ROW_BLOCK_BYTES:
+        rows *= 2
+    bounds = [(a, min(a + rows, n_rows)) for a in range(0, n_rows, rows)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < rows:
+        bounds[-2:] = [(bounds[-2][0], n_rows)]
+    return bounds
+
+
+def rows_split_exact(w: np.ndarray) -> bool:
+    """Whether ``x @ w.T`` for one row ``x`` equals, bit for bit, the same product made a block of rows at a time
+    (:func:`row_bounds`) here: checked once per shape and BLAS thread count, with ``w`` itself and a random ``x``.
+
+    Why once per shape is enough: which kernels a BLAS runs, and how it splits the rows among its threads, depends
+    on the shapes and the thread count, not on the values (OpenBLAS's GEMV computes each output as one dot product
+    whose order depends on the columns only; measured here it differs for a one-row remainder, which is a dot
+    product, and on 2 threads for a row count not a multiple of 64, where the threads' split is not aligned).
+    """
+    key = (w.shape, _blas_threads())
+    if key not in _split_exact:
+        x = np.random.default_rng(0).standard_normal((1, w.shape[1]))
+        whole = m.linear(x, w)
+        split = np.concatenate([m.linear(x, w[a:b]) for a, b in row_bounds(*w.shape)], axis=1)
+        _split_exact[key] = len(row_bounds(*w.shape)) > 1 and bool(np.array_equal(whole, split))
+    return _split_exact[key]
+
+
+def _blas_threads() -> str:
+    return "|".join(os.environ.get(k, "") for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+
+
+def linear_rows(xs: Sequence[np.ndarray], w: np.ndarray) -> list[np.ndarray]:
+    """:func:`reference.model.linear` of each one-row ``x`` in ``xs`` with ``w``, every ``x`` multiplied with a
+    block of ``w``'s rows while the block is in the cache (where :func:`rows_split_exact` holds; else each whole).
+    [1, in] each, [out, in] -> [1, out] each; the same bits as ``linear(x, w)``."""
+    if not xs:
+        return []
+    if not rows_split_exact(w):
+        return [m.linear(x, w) for x in xs]
+    parts: list[list[np.ndarray]] = [[] for _ in xs]
+    for a, b in row_bounds(*w.shape):
+        block = w[a:b]
+        for part, x in zip(parts, xs):
+            part.append(m.linear(x, block))
+    return [np.concatenate(part, axis=1) for part in parts]
+
+
+def _one_token_tail(calls: list[_Call]) -> list[_Call]:
+    """The calls of a chain after its last call of more than one token (its decode steps)."""
+    n = len(calls)
+    while n and calls[n - 1].ids.shape[0] == 1:
+        n -= 1
+    return calls[n:]
+
+
+def _one_token_layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]]) -> None:
+    """:func:`reference.model.decoder_layer` for one-token calls, operation by operation across them: its
+    operations (those of :func:`reference.model.attention_block`, :func:`reference.model.ffn_block`,
+    :func:`reference.model.ple_block`) in its order for each call, the matrix products through :func:`linear_rows`,
+    each call's K/V appended in chain order and its attention over its own prefix of the cache. Updates ``c.x``.
+
+    Keep in step with :func:`reference.model.decoder_layer` (``tests/test_batch.py`` compares every model family
+    bit for bit).
+    """
+    b, il, eps = f"blk.{layer.index}.", layer.index, cfg.rms_eps
+    calls = [c for _, c in group]
+
+    def each(fn, items):  # fn(call, item) for each call, under its chain's numerics (llama.cpp's GELU, say)
+        out = []
+        for (chain, c), item in zip(group, items):
+            with chain.numerics():
+                out.append(fn(c, item))
+        return out
+
+    def lin(xs, name):
+        return linear_rows(xs, W[b + name])
+
+    H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
+    inv = m.rope_inv_freq(layer)
+    rope = [m.rope_angles(c.positions, inv) for c in calls]
+    h = [m.rms_norm(c.x, W[b + "attn_norm.weight"], eps) for c in calls]
+    q = [m.apply_rope(m.rms_norm(y.reshape(1, H, D), W[b + "attn_q_norm.weight"], eps), *cs, layer.n_rot)
+         for y, cs in zip(lin(h, "attn_q.weight"), rope)]
+    if layer.has_kv:
+        k_raw = [y.reshape(1, Hkv, D) for y in lin(h, "attn_k.weight")]
+        v = [y.reshape(1, Hkv, D) for y in lin(h, "attn_v.weight")] if layer.has_v_proj else k_raw
+        k = [m.apply_rope(m.rms_norm(y, W[b + "attn_k_norm.weight"], eps), *cs, layer.n_rot)
+             for y, cs in zip(k_raw, rope)]
+        if cfg.has_v_norm:
+            v = [m.rms_norm(y, None, eps) for y in v]
+        for c, kc, vc in zip(calls, k, v):  # in chain order: each call's own prefix is the cache it would see
+            c.view.append(il, kc, vc)
+    window = cfg.sliding_window if layer.is_sliding else None
+    att = [m.attention(qc, c.view.k[layer.kv_donor], c.view.v[layer.kv_donor], c.positions, c.k_pos, window,
+                       cfg.attn_scale) for qc, c in zip(q, calls)]
+    a = [c.x + m.rms_norm(o, W[b + "post_attention_norm.weight"], eps)
+         for c, o in zip(calls, lin(att, "attn_output.weight"))]
+    for c, y in zip(calls, a):
+        c.trace("attn_out", il, y)
+    fx = [m.rms_norm(y, W[b + "ffn_norm.weight"], eps) for y in a]
+    gate = each(lambda c, y: m.gelu_tanh(y), lin(fx, "ffn_gate.weight"))
+    mlp = lin([g * u for g, u in zip(gate, lin(fx, "ffn_up.weight"))], "ffn_down.weight")
+    if layer.has_moe:
+        mlp = [m.rms_norm(y, W[b + "post_ffw_norm_1.weight"], eps) for y in mlp]
+        moe = each(lambda c, y: m.moe_block(cfg, layer, W, y), a)
+        for c, y, z in zip(calls, mlp, moe):
+            c.trace("ffn_mlp", il, y)
+            c.trace("ffn_moe", il, z)
+        mlp = [y + z for y, z in zip(mlp, moe)]
+    for c, f in zip(calls, mlp):
+        c.trace("ffn_out", il, f)
+    ys = [y + m.rms_norm(f, W[b + "post_ffw_norm.weight"], eps) for y, f in zip(a, mlp)]
+    if calls[0].ple is not None:
+        g = each(lambda c, y: m.gelu_tanh(y) * c.ple[:, il], lin(ys, "inp_gate.weight"))
+        p = [m.rms_norm(y, W[b + "post_norm.weight"], eps) for y in lin(g, "proj.weight")]
+        for c, pc in zip(calls, p):
+            c.trace("per_layer_embd_out", il, pc)
+        ys = [y + pc for y, pc in zip(ys, p)]
+    for c, y in zip(calls, ys):
+        c.x = m.layer_scale(cfg, layer, W, y)
+        c.trace("l_out", il, c.x)

@@ -14,8 +14,9 @@ job on the 31B and 26B-A4B shapes cut to 8 layers. Each run is a fresh process (
 line of the job, or at the first call of an oracle or engine function the child marks: :data:`MARKS`) the wall
 time, the CPU time of the whole process tree (llama.cpp's workers included) and the peak resident memory of the
 tree. ``--before DIR`` runs the same jobs on another source tree too (``git archive <commit> | tar -x -C DIR``),
-for a before/after table; ``--verdict-runs`` picks runs (``e2b-ref,e2b-fast,31b-8,26b-8``, ``--layers N`` cuts
-with ``e2b-ref-l4`` style names).
+for a before/after table; ``--verdict-runs`` picks runs (``<shape>[-<layers>]-<ref|fast>``: ``e2b-ref``,
+``e2b-4-ref`` on the E2B shape cut to 4 layers when the file is written; llama.cpp cannot cut a file with
+``--layers``).
 
 ``--part bench``: one ``g4h bench`` run per model with ``--engines fast,llamacpp,llamacpp-native`` (repetitions
 interleaved), tg32 at batch 1 and 8, 1 and 2 threads: the E2B shape cut to 4 layers in Q8_0 (written into
@@ -218,16 +219,13 @@ def ensure_file(work: Path, shape: str, layers: int | None, fmt: str = "q8_0") -
 def verdict_runs(names: list[str], work: Path, trees: list[Path], threads: int) -> list[dict[str, Any]]:
     out = []
     for name in names:
-        base, _, cut = name.partition("-l")
-        shape_part, _, kind = base.rpartition("-")  # e2b / 31b-8 / 26b-a4b-8; ref | fast
+        shape_part, _, kind = name.rpartition("-")  # e2b / 31b-8 / 26b-a4b-8; ref | fast
         head, _, last = shape_part.rpartition("-")
         shape, layers = (head, int(last)) if last.isdigit() else (shape_part, None)
         model = ensure_file(work, shape, layers)
         argv = ["parity", "--model", str(model), "--against", "llamacpp", "--out", str(work / "reports")]
         if kind == "fast":
             argv += ["--oracle", "fast"]
-        if cut:
-            argv += ["--layers", cut]
         for tree in trees:
             out.append(run_g4h(name, tree, argv, threads))
     return out

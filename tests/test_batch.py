@@ -21,8 +21,9 @@ from harness import synth
 from harness.core.cases import PROMPTS, builtin_specs
 from harness.engines.llamacpp.numerics import llamacpp_numerics
 from harness.traces.format import TraceWriter
+from reference import batch as B
 from reference import model as M
-from reference.batch import Chain, forward_chains, lm_head_many
+from reference.batch import Chain, forward_chains, linear_rows, lm_head_many, row_bounds, rows_split_exact
 from reference.errors import PromptError
 from reference.weights import load_model
 
@@ -51,8 +52,18 @@ def _traces_equal(a: TraceWriter, b: TraceWriter) -> bool:
             and all(np.array_equal(ta.tensors[k], tb.tensors[k]) for k in ta.tensors))
 
 
+@pytest.fixture(params=["1MB", "64-row"])
+def row_blocks(request, monkeypatch):
+    """One-token products in the default row blocks, and in blocks of 64 rows (so that the tiny synthetic models'
+    matrices are split too: their widest have 256 rows)."""
+    if request.param == "64-row":
+        monkeypatch.setattr(B, "ROW_BLOCK_BYTES", 0)
+    monkeypatch.setattr(B, "_split_exact", {})
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_chains_equal_forward_call_by_call(case):
+def test_chains_equal_forward_call_by_call(case, row_blocks):
     cfg, W = _model(case)
     prompts = [p for p in _prompts() if len(p) + 3 <= cfg.context_length]
     old, new = {}, []
@@ -87,10 +98,12 @@ def test_chains_equal_forward_call_by_call(case):
     for emulate in (False, True):
         for i, _ in enumerate(prompts):
             assert _traces_equal(old[("trace", emulate, i)], old[("trace-new", emulate, i)]), (case, emulate, i)
+    if row_blocks == "64-row":
+        assert any(B._split_exact.values())  # some one-token products really went a block of rows at a time
 
 
 @pytest.mark.parametrize("case", ("e2b", "26b-a4b"))
-def test_greedy_steps_continue_a_shared_prefill(case):
+def test_greedy_steps_continue_a_shared_prefill(case, row_blocks):
     """Greedy streams: the prefill of chains, then one-token chains on the same caches, equal
     ``forward`` prefill-then-steps; a call whose head is not wanted still fills the cache."""
     cfg, W = _model(case, cache_bytes=10**12)
@@ -149,3 +162,19 @@ def test_lm_head_many_is_lm_head():
     xs = [rng.standard_normal((t, cfg.hidden_size)) for t in (1, 2, 7)]
     for x, z in zip(xs, lm_head_many(cfg, W, xs)):
         assert np.array_equal(z, M.lm_head(cfg, W, x))
+
+
+@pytest.mark.parametrize("n, k", [(2048, 1536), (6144, 1536), (1536, 12288), (8960, 1536), (389, 100), (1025, 48),
+                                  (2049, 2816)])
+def test_linear_rows_is_linear_bit_for_bit(n, k):
+    """Whatever the shape (a remainder of one row, a row count the BLAS threads split unevenly), the one-token
+    products equal the one-call product; on the real models' shapes (multiples of 64 rows) they are made a block of
+    rows at a time on this machine, which is what the speed rests on."""
+    rng = np.random.default_rng(n)
+    w = rng.standard_normal((n, k))
+    xs = [rng.standard_normal((1, k)) for _ in range(3)]
+    for x, y in zip(xs, linear_rows(xs, w)):
+        assert np.array_equal(y, M.linear(x, w))
+    if n % 64 == 0:
+        assert len(row_bounds(n, k)) > 1 and rows_split_exact(w)
+    assert all(b - a >= min(n, B.ROW_ALIGN) for a, b in row_bounds(n, k))  # never a one-row remainder

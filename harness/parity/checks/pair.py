@@ -110,8 +110,9 @@ class ReferenceRuns:
                  top_n: int = TOP_N, cached: bool = False, progress: Progress = lambda m: None) -> None:
         """Compute ahead, in as few passes over the weights as the checks allow
         (:func:`.oracle_pass.reference_pass`), what the pairs will ask: the logits and traces of every prompt under
-        each approximation set in ``sets`` (and exact), the greedy streams of ``new_tokens`` under each set in
-        ``sets``, and with ``cached`` the cached-vs-uncached logits (:meth:`cached_logits`). Later calls of
+        each approximation set in ``sets`` and exact (the figures against the exact reference beside an emulated
+        pair's), the greedy streams of ``new_tokens`` under each set in ``sets``, and with ``cached`` the
+        cached-vs-uncached logits (:meth:`cached_logits`). Later calls of
         :meth:`logits` and :meth:`generations` read them; what was not prefetched is computed when asked, as
         before. Nothing is done when the oracle is not the reference (``--oracle fast``).
 
@@ -121,10 +122,10 @@ class ReferenceRuns:
             return
         context = self.ref.cfg.context_length
         gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
-        sets = list(dict.fromkeys([(), *[tuple(a) for a in sets]]))
-        gen_sets = [a for a in sets if (a, new_tokens, top_n) not in self._gens] if gen_prompts else []
-        res = reference_pass(self.ref, sets, prompts, gen_sets, gen_prompts, new_tokens, top_n, cached,
-                             self.numerics, progress)
+        asked = list(dict.fromkeys(tuple(a) for a in sets))
+        gen_sets = [a for a in asked if (a, new_tokens, top_n) not in self._gens] if gen_prompts else []
+        res = reference_pass(self.ref, list(dict.fromkeys([(), *asked])), prompts, gen_sets, gen_prompts, new_tokens,
+                             top_n, cached, self.numerics, progress)
         self._logits.update(res.logits)
         self._cached.update(res.cached)
         for approx, gens in res.generations.items():
