@@ -119,3 +119,37 @@ def test_user_parity_reads_the_prefetched_outputs(monkeypatch, tmp_path):
                               prompts=prompts)
     assert status == 0 and calls == []
     assert data["cases"][0]["info"]["reference_passes"] == pair.GREEDY_NEW_TOKENS
+
+
+def _same_weights(path):
+    from reference.weights import load_model
+
+    ref = ReferenceEngine(path, cache_gb=0)  # matrices through the packed C kernels
+    _, plain = load_model(path, cache_bytes=0)  # gguf.quants
+    seen = set()
+    for name in plain:
+        if len(plain.shape(name)) != 2:
+            continue
+        seen.add(plain.raw_dtype(name))
+        for a, b in zip(ref.weights.row_blocks(name), plain.row_blocks(name)):
+            assert np.array_equal(a, b), f"{path} {name}"
+        ids = np.array([0, plain.shape(name)[0] - 1, 1, 0])
+        assert np.array_equal(ref.weights.rows(name, ids), plain.rows(name, ids)), f"{path} {name} rows"
+    return seen
+
+
+def test_the_reference_engine_reads_gguf_quants_values():
+    """The engine dequantizes with the packed kernels (faster, every thread): the values gguf.quants gives."""
+    seen = set()
+    for case in ("e2b", "26b-a4b"):
+        built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == case))
+        for q in ("Q8_0", "Q4_0"):
+            seen |= _same_weights(built.gguf[q])
+    assert {"Q8_0", "Q4_0"} <= seen
+
+
+@pytest.mark.slow
+def test_the_reference_engine_reads_gguf_quants_values_of_the_real_k_quants():
+    from harness.core.realdata import gemma3_270m_gguf
+
+    assert {"Q8_0", "Q5_0", "Q4_K", "Q6_K"} <= _same_weights(gemma3_270m_gguf())

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import torch
 
+from fast import quant_kernels
 from reference import model as ref_model
 from reference.batch import Chain, forward_chains
 from reference.errors import InputError
@@ -29,6 +32,21 @@ def cache_bytes(cache_gb: float | None) -> int:
     if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) or not cache_gb >= 0:
         raise InputError(f"--ref-cache-gb {cache_gb!r}: expected a number of GB >= 0")
     return int(cache_gb * memory.GB)
+
+
+def packed_rows(part: np.ndarray, qtype: str, row_len: int) -> np.ndarray | None:
+    """The reference's GGUF dequantizer (:data:`reference.weights.Dequantizer`): rows of a quantized matrix through
+    the packed C kernels of :func:`fast.quant_kernels.dequantize_rows`, which give ``gguf.quants``' values bit for
+    bit (``tests/test_quant_kernels.py``, ``tests/test_oracle_pass.py``) several times faster and on every thread;
+    None (``gguf.quants``) for a type they do not decode or where they are not built. The float64 reference reads
+    each matrix on every pass over the model, so this is most of a pass's time on a quantized file."""
+    if qtype not in quant_kernels.TYPES or part.shape[0] == 0:
+        return None
+    with warnings.catch_warnings():  # a read-only map makes a read-only tensor, which the kernel only reads
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        raw = torch.from_numpy(part)
+    got = quant_kernels.dequantize_rows(raw, qtype, row_len, 0, part.shape[0])
+    return None if got is None else got.numpy()
 
 
 class ReferenceEngine:
@@ -58,7 +76,8 @@ class ReferenceEngine:
 
     @memory.guarded
     def __init__(self, path: str | Path, cache_gb: float | None = None, layers: int | None = None):
-        self.cfg, self.weights = load_model(path, layers=layers, cache_bytes=cache_bytes(cache_gb))
+        self.cfg, self.weights = load_model(path, layers=layers, cache_bytes=cache_bytes(cache_gb),
+                                            dequantizer=packed_rows)
         self._plan(1, 0)
 
     @classmethod
