@@ -19,13 +19,21 @@ two halves, or one token at a time: each call is what one ``forward(cfg, W, ids,
 run in order, each appending its own K/V; a KV-shared layer reads its donor's K/V only up to the call's own
 last token (the donor layer already holds every call's, :class:`_CallCache`).
 
-One-token calls (decode steps: the tail of one-token calls of each chain) go through a layer together, operation
-by operation (:func:`_one_token_layer`, the operations of :func:`reference.model.decoder_layer` in its order),
-so that each weight matrix is multiplied with every one of them while a block of its rows is in the CPU's cache
-(:func:`linear_rows`). A one-row product is a matrix-vector product, memory-bound: run call after call, each
-streams the whole float64 matrix from memory again. The rows of such a product come out the same whether the
-matrix is multiplied whole or a block of rows at a time (checked once per shape on this machine, with the
-matrix itself: :func:`rows_split_exact`; where it does not hold, the matrix is multiplied whole).
+Every call goes through a layer with the others, operation by operation (:func:`_layer`: the operations of
+:func:`reference.model.decoder_layer` in its order, for each call), so that each matrix product of the layer is
+made for all calls at once (:func:`linear_many`):
+
+* a call of one token is a matrix-vector product, bound by reading the float64 matrix: one after another, each
+  streams the whole matrix from memory again. Here every such vector is multiplied with a block of the matrix's
+  rows while the block is in the CPU's cache (:func:`linear_rows`);
+* a call of several tokens is a matrix product that BLAS packs the whole matrix for, whatever the number of rows
+  (OpenBLAS: about 1 GB/s of float64 weights at 5 rows). Here the rows of every such call go through one product
+  (:func:`linear_stacked`).
+
+Either form gives each call's rows bit for bit as ``linear(x, w)`` alone does, where a check on this machine says
+so for the shapes at hand (:func:`rows_split_exact`, :func:`stack_exact`: which kernels a BLAS runs depends on the
+shapes and its thread count, not on the values, so one comparison per shape with random inputs and the matrix
+itself settles it); where it does not, that matrix is multiplied call by call, as ``forward`` does.
 
 Shapes: T = new tokens of a call, h = hidden_size, V = vocab.
 """
@@ -157,18 +165,11 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np
         for chain in chains:
             with chain.numerics():
                 _begin(cfg, W, chain)
-    singles = [(chain, c) for chain in chains for c in _one_token_tail(chain._state)]
-    tails = {id(c) for _, c in singles}
+    group = [(chain, c) for chain in chains for c in chain._state]  # chain by chain, each in call order
     for layer in cfg.layers:
         with hold():  # this layer's weights, dequantized once for every call
-            for chain in chains:
-                with chain.numerics():
-                    for c in chain._state:
-                        if id(c) not in tails:
-                            c.x = m.decoder_layer(cfg, layer, W, c.x, c.positions, c.k_pos, c.view,
-                                                  None if c.ple is None else c.ple[:, layer.index], c.trace)
-            if singles:
-                _one_token_layer(cfg, layer, W, singles)
+            if group:
+                _layer(cfg, layer, W, group)
     wanted = []
     for chain in chains:
         if chain._state:
@@ -204,13 +205,9 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray]) -> list[np.ndarr
         return []
     name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     parts: list[list[np.ndarray]] = [[] for _ in xs]
-    rows = [i for i, x in enumerate(xs) if x.shape[0] == 1]  # matrix-vector products: a block of rows at a time
     for block in W.row_blocks(name):
-        for i, y in zip(rows, linear_rows([xs[i] for i in rows], block)):
-            parts[i].append(y)
-        for part, x in zip(parts, xs):
-            if x.shape[0] != 1:
-                part.append(m.linear(x, block))
+        for part, y in zip(parts, linear_many(xs, block)):
+            part.append(y)
     out = []
     for part in parts:
         logits = np.concatenate(part, axis=1)  # [T, V]
@@ -218,7 +215,7 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray]) -> list[np.ndarr
     return out
 
 
-# --------------------------------------------------------------------------- one-token calls, operation by operation
+# --------------------------------------------------------------------------- a layer, operation by operation
 
 #: Bytes of float64 rows a block of :func:`linear_rows` holds at most (it stays in a core's L2 cache while every
 #: vector passes), and the least rows a block has; blocks hold a multiple of ``ROW_ALIGN`` rows.
@@ -278,18 +275,46 @@ def linear_rows(xs: Sequence[np.ndarray], w: np.ndarray) -> list[np.ndarray]:
     return [np.concatenate(part, axis=1) for part in parts]
 
 
-def _one_token_tail(calls: list[_Call]) -> list[_Call]:
-    """The calls of a chain after its last call of more than one token (its decode steps)."""
-    n = len(calls)
-    while n and calls[n - 1].ids.shape[0] == 1:
-        n -= 1
-    return calls[n:]
+def stack_exact(w: np.ndarray, rows: tuple[int, ...]) -> bool:
+    """Whether the rows of ``concatenate(xs) @ w.T`` equal each ``xs[i] @ w.T`` bit for bit here, for inputs of
+    ``rows`` rows each (all > 1): checked once per shape, row counts and BLAS thread count, with ``w`` itself
+    (OpenBLAS's GEMM computes every output over the columns in one fixed order whatever the number of rows, except
+    in its small-matrix kernels, which a product of few rows and a narrow matrix takes)."""
+    key = ("stack", w.shape, rows, _blas_threads())
+    if key not in _split_exact:
+        rng = np.random.default_rng(1)
+        xs = [rng.standard_normal((r, w.shape[1])) for r in rows]
+        alone = [m.linear(x, w) for x in xs]
+        together = np.split(m.linear(np.concatenate(xs), w), np.cumsum(rows)[:-1])
+        _split_exact[key] = all(np.array_equal(a, b) for a, b in zip(alone, together))
+    return _split_exact[key]
 
 
-def _one_token_layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]]) -> None:
-    """:func:`reference.model.decoder_layer` for one-token calls, operation by operation across them: its
-    operations (those of :func:`reference.model.attention_block`, :func:`reference.model.ffn_block`,
-    :func:`reference.model.ple_block`) in its order for each call, the matrix products through :func:`linear_rows`,
+def linear_stacked(xs: Sequence[np.ndarray], w: np.ndarray) -> list[np.ndarray]:
+    """:func:`reference.model.linear` of each ``x`` in ``xs`` (more than one row each) with ``w``, as one product of
+    their rows stacked where :func:`stack_exact` holds (else each alone). [T_i, in] each -> [T_i, out] each; the
+    same bits as ``linear(x, w)``."""
+    rows = tuple(x.shape[0] for x in xs)
+    if len(xs) < 2 or not stack_exact(w, rows):
+        return [m.linear(x, w) for x in xs]
+    return np.split(m.linear(np.concatenate(xs), w), np.cumsum(rows)[:-1])
+
+
+def linear_many(xs: Sequence[np.ndarray], w: np.ndarray) -> list[np.ndarray]:
+    """:func:`reference.model.linear` of every ``x`` in ``xs`` with ``w``: the one-row ones through
+    :func:`linear_rows`, the others through :func:`linear_stacked`. The same bits as ``linear(x, w)`` for each."""
+    out: list[np.ndarray | None] = [None] * len(xs)
+    for pick, fn in ((lambda x: x.shape[0] == 1, linear_rows), (lambda x: x.shape[0] != 1, linear_stacked)):
+        idx = [i for i, x in enumerate(xs) if pick(x)]
+        for i, y in zip(idx, fn([xs[i] for i in idx], w)):
+            out[i] = y
+    return out
+
+
+def _layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]]) -> None:
+    """:func:`reference.model.decoder_layer` for every call, operation by operation across them: its operations
+    (those of :func:`reference.model.attention_block`, :func:`reference.model.ffn_block`,
+    :func:`reference.model.ple_block`) in its order for each call, the matrix products through :func:`linear_many`,
     each call's K/V appended in chain order and its attention over its own prefix of the cache. Updates ``c.x``.
 
     Keep in step with :func:`reference.model.decoder_layer` (``tests/test_batch.py`` compares every model family
@@ -306,17 +331,17 @@ def _one_token_layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]
         return out
 
     def lin(xs, name):
-        return linear_rows(xs, W[b + name])
+        return linear_many(xs, W[b + name])
 
     H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
     inv = m.rope_inv_freq(layer)
     rope = [m.rope_angles(c.positions, inv) for c in calls]
     h = [m.rms_norm(c.x, W[b + "attn_norm.weight"], eps) for c in calls]
-    q = [m.apply_rope(m.rms_norm(y.reshape(1, H, D), W[b + "attn_q_norm.weight"], eps), *cs, layer.n_rot)
+    q = [m.apply_rope(m.rms_norm(y.reshape(-1, H, D), W[b + "attn_q_norm.weight"], eps), *cs, layer.n_rot)
          for y, cs in zip(lin(h, "attn_q.weight"), rope)]
     if layer.has_kv:
-        k_raw = [y.reshape(1, Hkv, D) for y in lin(h, "attn_k.weight")]
-        v = [y.reshape(1, Hkv, D) for y in lin(h, "attn_v.weight")] if layer.has_v_proj else k_raw
+        k_raw = [y.reshape(-1, Hkv, D) for y in lin(h, "attn_k.weight")]
+        v = [y.reshape(-1, Hkv, D) for y in lin(h, "attn_v.weight")] if layer.has_v_proj else k_raw
         k = [m.apply_rope(m.rms_norm(y, W[b + "attn_k_norm.weight"], eps), *cs, layer.n_rot)
              for y, cs in zip(k_raw, rope)]
         if cfg.has_v_norm:
