@@ -620,10 +620,11 @@ static inline void q6_bytes(const uint8_t *b, int8_t *out) {
 
 #define FUSED_ALL(T)                                                                                      \
     T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1) T(7, 1) T(8, 1)                                       \
-    T(1, 4) T(2, 4) T(3, 2) T(4, 2) T(5, 2) T(6, 2) T(7, 2) T(8, 2)
+    T(1, 2) T(2, 2) T(3, 2) T(4, 2) T(5, 2) T(6, 2) T(7, 2) T(8, 2) T(1, 4) T(2, 4)
 #define FUSED_TABLE(name)                                                                                 \
     {{0, name##_1_1, name##_2_1, name##_3_1, name##_4_1, name##_5_1, name##_6_1, name##_7_1, name##_8_1}, \
-     {0, name##_1_4, name##_2_4, name##_3_2, name##_4_2, name##_5_2, name##_6_2, name##_7_2, name##_8_2}}
+     {0, name##_1_2, name##_2_2, name##_3_2, name##_4_2, name##_5_2, name##_6_2, name##_7_2, name##_8_2}, \
+     {0, name##_1_4, name##_2_4, 0, 0, 0, 0, 0, 0}}
 #if defined(ISA_AVX512) || defined(ISA_AVX2) /* plain C keeps the buffer path: the definition, compiled fast */
 FUSED_ALL(FUSED_Q8_0)
 FUSED_ALL(FUSED_Q4_0)
@@ -631,14 +632,15 @@ FUSED_ALL(FUSED_Q5_0)
 FUSED_ALL(FUSED_Q4_K)
 FUSED_ALL(FUSED_Q6_K)
 #define FUSED_MB 8
-/* [type][0: one row of W | 1: fused_rows(mb) rows][mb] */
-static const fused_fn FUSED_Q8_0_T[2][9] = FUSED_TABLE(fused_q8_0);
-static const fused_fn FUSED_Q4_0_T[2][9] = FUSED_TABLE(fused_q4_0);
-static const fused_fn FUSED_Q5_0_T[2][9] = FUSED_TABLE(fused_q5_0);
-static const fused_fn FUSED_Q4_K_T[2][9] = FUSED_TABLE(fused_q4_k);
-static const fused_fn FUSED_Q6_K_T[2][9] = FUSED_TABLE(fused_q6_k);
-static int fused_rows(long mb) { return mb <= 2 ? 4 : 2; }
-static const fused_fn (*fused_for(int type))[9] {
+/* [0: one row of W | 1: two rows | 2: four rows (mb <= 2)][mb] */
+static const fused_fn FUSED_Q8_0_T[3][9] = FUSED_TABLE(fused_q8_0);
+static const fused_fn FUSED_Q4_0_T[3][9] = FUSED_TABLE(fused_q4_0);
+static const fused_fn FUSED_Q5_0_T[3][9] = FUSED_TABLE(fused_q5_0);
+static const fused_fn FUSED_Q4_K_T[3][9] = FUSED_TABLE(fused_q4_k);
+static const fused_fn FUSED_Q6_K_T[3][9] = FUSED_TABLE(fused_q6_k);
+/* Rows of W in a register block: four for one or two rows of x, else two (the accumulators fill the registers). */
+static int fused_rows(long m) { return m <= 2 ? 4 : 2; }
+static const fused_fn (*fused_for(int type))[9] { /* [3][9] */
     switch (type) {
     case 8: return FUSED_Q8_0_T;
     case 2: return FUSED_Q4_0_T;
@@ -650,7 +652,7 @@ static const fused_fn (*fused_for(int type))[9] {
 }
 #else
 #define FUSED_MB 8
-static int fused_rows(long mb) { return mb <= 2 ? 4 : 2; }
+static int fused_rows(long m) { return m <= 2 ? 4 : 2; }
 static const fused_fn (*fused_for(int type))[9] {
     (void)type;
     return NULL;
@@ -712,24 +714,37 @@ typedef struct {
     _Atomic int err;
 } qlinear_job;
 
-/* One tile's products with the fused kernels: rows n0 .. n0 + nr - 1, every x row, K in chunks of kc. */
-static void qlinear_fused_tile(const qlinear_job *j, long n0, long nr, V *acc) {
+/* The fused kernels' layout: the R rows of W in a register block come from R streams, each a contiguous quarter
+ * (or half) of W walked row after row (rows ti, ti + Q, ..., ti + (R-1)Q for Q = N / R), so that the weights are
+ * read as R long sequential streams, which the hardware prefetchers follow, rather than R adjacent rows side by
+ * side, short streams they learn too late (measured: half the read bandwidth at one row of x). The N - R*Q
+ * rows left over go one at a time at the end. Which rows share a register block never changes a row's result. */
+static void qlinear_fused_run(void *p, long run, int tid) {
+    qlinear_job *j = p;
+    (void)tid;
     const qtype_t *t = j->t;
-    const long bs = t->bs, ts = t->ts, M = j->M, K = j->K, kc = j->kc, rb = j->row_bytes;
-    for (long k0 = 0; k0 < K; k0 += kc) {
-        const long kn = K - k0 < kc ? K - k0 : kc;
-        for (long m0 = 0; m0 < M; m0 += FUSED_MB) {
-            const long mb = M - m0 < FUSED_MB ? M - m0 : FUSED_MB;
-            const int R = fused_rows(mb);
-            for (long r = 0; r < nr;) {
-                const int rr = nr - r >= R ? R : 1;
-                const uint8_t *src = j->w + (n0 + r) * rb + k0 / bs * ts;
-                if (m0 == 0)
-                    for (int q = 0; q < rr; q++) prefetch_range(src + q * rb + PREFETCH_AHEAD, kn / bs * ts);
-                j->fused[rr > 1][mb](src, rb, kn / bs, j->x + m0 * K + k0, K, acc + r * M + m0, M);
-                r += rr;
+    const long bs = t->bs, ts = t->ts, M = j->M, K = j->K, N = j->N, kc = j->kc, rb = j->row_bytes;
+    const long S = j->R, Q = N / S;
+    V *acc = scratch(1, (size_t)S * M * sizeof(V));
+    if (!acc) {
+        atomic_store(&j->err, -3);
+        return;
+    }
+    const long t1 = (run + 1) * j->run < j->ntiles ? (run + 1) * j->run : j->ntiles;
+    for (long ti = run * j->run; ti < t1; ti++) {
+        const int streams = ti < Q;
+        const long row0 = streams ? ti : S * Q + (ti - Q), nr = streams ? S : 1, step = streams ? Q * rb : rb;
+        for (long i = 0; i < nr * M; i++) acc[i] = v_zero();
+        for (long k0 = 0; k0 < K; k0 += kc) {
+            const long kn = K - k0 < kc ? K - k0 : kc;
+            const uint8_t *src = j->w + row0 * rb + k0 / bs * ts;
+            for (long m0 = 0; m0 < M; m0 += FUSED_MB) {
+                const long mb = M - m0 < FUSED_MB ? M - m0 : FUSED_MB;
+                j->fused[nr == 4 ? 2 : nr == 2 ? 1 : 0][mb](src, step, kn / bs, j->x + m0 * K + k0, K, acc + m0, M);
             }
         }
+        for (long r = 0; r < nr; r++)
+            for (long m = 0; m < M; m++) j->y[m * N + row0 + r * (streams ? Q : 1)] = v_hsum(acc[r * M + m]);
     }
 }
 
@@ -739,9 +754,9 @@ static void qlinear_run(void *p, long run, int tid) {
     (void)tid;
     const qtype_t *t = j->t;
     const long bs = t->bs, ts = t->ts, M = j->M, K = j->K, N = j->N, kc = j->kc, row_bytes = j->row_bytes;
-    float *wbuf = j->fused ? NULL : scratch(0, (size_t)j->R * kc * sizeof(float));
+    float *wbuf = scratch(0, (size_t)j->R * kc * sizeof(float));
     V *acc = scratch(1, (size_t)j->tile * M * sizeof(V));
-    if ((!wbuf && !j->fused) || !acc) {
+    if (!wbuf || !acc) {
         atomic_store(&j->err, -3);
         return;
     }
@@ -749,12 +764,6 @@ static void qlinear_run(void *p, long run, int tid) {
     for (long ti = run * j->run; ti < t1; ti++) {
         const long n0 = ti * j->tile, nr = N - n0 < j->tile ? N - n0 : j->tile;
         for (long i = 0; i < nr * M; i++) acc[i] = v_zero();
-        if (j->fused) {
-            qlinear_fused_tile(j, n0, nr, acc);
-            for (long r = 0; r < nr; r++)
-                for (long m = 0; m < M; m++) j->y[m * N + n0 + r] = v_hsum(acc[r * M + m]);
-            continue;
-        }
         for (long k0 = 0; k0 < K; k0 += kc) {
             const long kn = K - k0 < kc ? K - k0 : kc;
             const uint8_t *wb = j->w + n0 * row_bytes + k0 / bs * ts;
@@ -786,19 +795,29 @@ int g4h_qlinear(int type, const uint8_t *w, long row_bytes, long N, long K, cons
     if (M < 1 || M > MAX_M || N < 0 || K <= 0 || K % t->bs || row_bytes != K / t->bs * t->ts) return -2;
     if (N == 0) return 0;
     qlinear_job j = {.t = t, .w = w, .x = x, .y = y, .row_bytes = row_bytes, .N = N, .K = K, .M = M};
-    j.R = rows_at_once(M);
     j.fused = fused_for(type);
-    j.kc = (4096 / (M > j.R ? M : j.R)) / t->bs * t->bs; /* x chunk and weight buffer stay <= 16 KB each */
-    if (j.fused) j.kc = (6144 / (M < FUSED_MB ? M : FUSED_MB)) / t->bs * t->bs; /* x chunk <= 24 KB */
-    if (j.kc < t->bs) j.kc = t->bs;
-    if (j.kc > K) j.kc = K;
-    j.tile = M * K * 4 <= 32768 ? (j.fused ? fused_rows(M < FUSED_MB ? M : FUSED_MB) : j.R) : TILE_ROWS;
-    j.ntiles = (N + j.tile - 1) / j.tile;
-    j.run = 65536 / (j.tile * row_bytes); /* tiles per run: about 64 KB of packed bytes */
-    if (j.run < 1) j.run = 1;
     atomic_init(&j.err, 0);
     /* Small products run on one thread: waking another costs more than it saves. Work ~ weights x (M + 3). */
     if ((double)N * K * (M + 3) < (double)(1 << 20)) nthreads = 1;
+    if (j.fused) {
+        j.R = fused_rows(M);
+        j.kc = (6144 / (M < FUSED_MB ? M : FUSED_MB)) / t->bs * t->bs; /* the x chunk stays <= 24 KB */
+        if (j.kc < t->bs) j.kc = t->bs;
+        if (j.kc > K) j.kc = K;
+        j.ntiles = N / j.R + N % j.R; /* register blocks of R streams, then the rows left over one by one */
+        j.run = 65536 / (j.R * row_bytes); /* tiles per run: about 64 KB of packed bytes */
+        if (j.run < 1) j.run = 1;
+        wp_run(qlinear_fused_run, &j, (j.ntiles + j.run - 1) / j.run, nthreads);
+        return atomic_load(&j.err);
+    }
+    j.R = rows_at_once(M);
+    j.kc = (4096 / (M > j.R ? M : j.R)) / t->bs * t->bs; /* x chunk and weight buffer stay <= 16 KB each */
+    if (j.kc < t->bs) j.kc = t->bs;
+    if (j.kc > K) j.kc = K;
+    j.tile = M * K * 4 <= 32768 ? j.R : TILE_ROWS;
+    j.ntiles = (N + j.tile - 1) / j.tile;
+    j.run = 65536 / (j.tile * row_bytes); /* tiles per run: about 64 KB of packed bytes */
+    if (j.run < 1) j.run = 1;
     wp_run(qlinear_run, &j, (j.ntiles + j.run - 1) / j.run, nthreads);
     return atomic_load(&j.err);
 }
