@@ -209,8 +209,9 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray]) -> list[np.ndarr
         for part, y in zip(parts, linear_many(xs, block)):
             part.append(y)
     out = []
-    for part in parts:
-        logits = np.concatenate(part, axis=1)  # [T, V]
+    for i in range(len(parts)):
+        logits = np.concatenate(parts[i], axis=1)  # [T, V]
+        parts[i] = []  # each call's blocks go once joined: the head's memory is about one copy of the logits
         out.append(m.softcap(logits, cfg.final_logit_softcap) if cfg.final_logit_softcap is not None else logits)
     return out
 
