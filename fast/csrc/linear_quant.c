@@ -4,11 +4,15 @@
  * table in fast/quants.py), x: [M, K] float32 row-major, y: [M, N] float32 row-major. Types (GGML numbers):
  * Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14).
  *
- * How: decode is bound by reading W. Threads claim runs of tiles of W's rows (~64 KB each) in turn; for each tile
- * it walks K in chunks, dequantizes R rows' chunk (R = 4 at M = 1, else 1-2) into a small float buffer that
- * stays in L1, and runs an M x R register-blocked multiply-add over it for every row of x. So every packed
- * byte is read from memory once per call whatever M is, and each weight is dequantized once per call.
- * Tiles of 16 rows keep the x chunk in L1 while 16 weight rows pass when x does not fit in L1 whole.
+ * How: decode is bound by reading W. Q8_0, Q4_0, Q5_0, Q4_K and Q6_K (the fused kernels, fused_* below): a
+ * register block of R rows of W (R = 4 at M <= 2, else 2) against up to 8 rows of x; each group of 16 weights is
+ * decoded into one vector and multiplied at once into the accumulators of every row of x, over K in chunks that
+ * keep the x chunk in L1. The R rows come from R long sequential streams (W's rows cut in R contiguous parts,
+ * walked row by row: qlinear_fused_run), which the hardware prefetchers follow. The other types: threads claim
+ * runs of tiles of adjacent rows (~64 KB each); for each tile a chunk of K of R rows is dequantized into a small
+ * float buffer that stays in L1, then an M x R register-blocked multiply-add runs over it (tiles of 16 rows keep
+ * the x chunk in L1 while 16 weight rows pass when x does not fit in L1 whole). Either way every packed byte is
+ * read from memory once per call whatever M is, and each weight is dequantized once per call and M-block.
  *
  * Numerics (no activation quantization: x stays float32):
  * - Dequantization gives gguf.quants' value for every weight, bit for bit: the fp16 fields widened to float32
@@ -28,7 +32,7 @@
  * ISA paths (chosen at compile time; the build uses -march=native and the cache is keyed by the CPU's flags):
  * AVX-512 (F, BW, VL), AVX2 + FMA + F16C, or plain C (fmaf). All three give the same bits.
  * -DG4H_QK_GENERIC forces plain C, -DG4H_QK_NO512 skips AVX-512 (the tests compare the paths).
- * Threads: workpool.h (the caller and up to nthreads - 1 workers claim runs of ~64 KB of packed bytes;
+ * Threads: workpool.h (the caller and up to nthreads - 1 workers claim runs of packed bytes, ~256 KB (fused), ~64 KB;
  * nthreads from the caller, torch.get_num_threads()); which thread computes an output never changes it.
  * Sources of the formats: ggml-common.h (block_q4_0 ... block_q6_K), gguf-py's gguf/quants.py.
  */
@@ -805,7 +809,7 @@ int g4h_qlinear(int type, const uint8_t *w, long row_bytes, long N, long K, cons
         if (j.kc < t->bs) j.kc = t->bs;
         if (j.kc > K) j.kc = K;
         j.ntiles = N / j.R + N % j.R; /* register blocks of R streams, then the rows left over one by one */
-        j.run = 65536 / (j.R * row_bytes); /* tiles per run: about 64 KB of packed bytes */
+        j.run = 262144 / (j.R * row_bytes); /* tiles per run: ~256 KB of packed bytes (64 KB: -25 % at 2 threads) */
         if (j.run < 1) j.run = 1;
         wp_run(qlinear_fused_run, &j, (j.ntiles + j.run - 1) / j.run, nthreads);
         return atomic_load(&j.err);
