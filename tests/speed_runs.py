@@ -13,7 +13,8 @@ job on the 31B and 26B-A4B shapes cut to 8 layers. Each run is a fresh process (
 ``OMP_NUM_THREADS`` = ``--threads``, sampled from outside every 0.1 s: per phase (a phase starts at each progress
 line of the job, or at the first call of an oracle or engine function the child marks: :data:`MARKS`) the wall
 time, the CPU time of the whole process tree (llama.cpp's workers included) and the peak resident memory of the
-tree. ``--before DIR`` runs the same jobs on another source tree too (``git archive <commit> | tar -x -C DIR``),
+tree (``VmRSS``, which counts the mapped model file's pages, and ``RssAnon``, the private memory).
+``--before DIR`` runs the same jobs on another source tree too (``git archive <commit> | tar -x -C DIR``),
 for a before/after table; ``--verdict-runs`` picks runs (``<shape>[-<layers>]-<ref|fast>``: ``e2b-ref``,
 ``e2b-4-ref`` on the E2B shape cut to 4 layers when the file is written; llama.cpp cannot cut a file with
 ``--layers``).
@@ -106,15 +107,16 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _cpu_rss(pid: int) -> tuple[float, int]:
+def _cpu_rss(pid: int) -> tuple[float, int, int]:
+    """CPU seconds, VmRSS and RssAnon (private memory, without the mapped model file's page cache) of a process."""
     try:
         f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         cpu = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-        rss = next(int(ln.split()[1]) * 1024 for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
-                   if ln.startswith("VmRSS:"))
-        return cpu, rss
-    except (OSError, IndexError, ValueError, StopIteration):
-        return -1.0, 0
+        status = {ln.split(":")[0]: ln.split()[1] for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if ln.startswith(("VmRSS:", "RssAnon:"))}
+        return cpu, int(status["VmRSS"]) * 1024, int(status.get("RssAnon", 0)) * 1024
+    except (OSError, IndexError, ValueError, KeyError):
+        return -1.0, 0, 0
 
 
 class TreeSampler:
@@ -125,7 +127,7 @@ class TreeSampler:
         self.pid, self.interval = pid, interval
         self.cpu: dict[int, float] = {}
         self.phases: list[dict[str, Any]] = []
-        self._peak = 0
+        self._peak = self._peak_anon = 0
         self._name = "start"
         self._t0 = self._tp = time.perf_counter()
         self._cpu0 = 0.0
@@ -134,14 +136,14 @@ class TreeSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> None:
-        rss = 0
+        rss = anon = 0
         for p in _tree(self.pid):
-            c, r = _cpu_rss(p)
+            c, r, a = _cpu_rss(p)
             if c >= 0:
                 self.cpu[p] = max(self.cpu.get(p, 0.0), c)
-                rss += r
+                rss, anon = rss + r, anon + a
         with self._lock:
-            self._peak = max(self._peak, rss)
+            self._peak, self._peak_anon = max(self._peak, rss), max(self._peak_anon, anon)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -157,8 +159,9 @@ class TreeSampler:
         now, cpu = time.perf_counter(), sum(self.cpu.values())
         with self._lock:
             self.phases.append({"phase": self._name, "wall_s": round(now - self._tp, 2),
-                                "cpu_s": round(cpu - self._cpu0, 2), "peak_rss_gb": round(self._peak / 1e9, 2)})
-            self._name, self._tp, self._cpu0, self._peak = name, now, cpu, 0
+                                "cpu_s": round(cpu - self._cpu0, 2), "peak_rss_gb": round(self._peak / 1e9, 2),
+                                "peak_anon_gb": round(self._peak_anon / 1e9, 2)})
+            self._name, self._tp, self._cpu0, self._peak, self._peak_anon = name, now, cpu, 0, 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -194,6 +197,7 @@ def run_g4h(label: str, tree: Path, argv: list[str], threads: int) -> dict[str, 
     res = {"run": label, "tree": str(tree), "command": "g4h " + " ".join(argv), "exit": proc.returncode,
            "wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(sum(sampler.cpu.values()), 1),
            "peak_rss_gb": max((p["peak_rss_gb"] for p in sampler.phases), default=0.0),
+           "peak_anon_gb": max((p["peak_anon_gb"] for p in sampler.phases), default=0.0),
            "load_start": start_load, "load_end": load(), "threads": threads, "phases": phases,
            "stdout_tail": out.strip().splitlines()[-3:], "stderr_tail": [ln for ln in lines if ln][-2:]}
     print(json.dumps(res), flush=True)
@@ -259,14 +263,15 @@ def bench_runs(work: Path, tree: Path, reps: int) -> list[dict[str, Any]]:
 def tables(verdict: list[dict[str, Any]], bench: list[dict[str, Any]]) -> str:
     lines = []
     if verdict:
-        lines += ["| run | tree | phase | wall s | CPU s | peak RSS GB |", "|---|---|---|---:|---:|---:|"]
+        lines += ["| run | tree | phase | wall s | CPU s | peak RSS GB | peak anon GB |",
+                  "|---|---|---|---:|---:|---:|---:|"]
         for r in verdict:
             for p in r["phases"]:
                 lines.append(f"| {r['run']} | {Path(r['tree']).name} | {p['phase'][:60]} | {p['wall_s']} | "
-                             f"{p['cpu_s']} | {p['peak_rss_gb']} |")
+                             f"{p['cpu_s']} | {p['peak_rss_gb']} | {p.get('peak_anon_gb', '')} |")
             lines.append(f"| **{r['run']}** | {Path(r['tree']).name} | **total** (exit {r['exit']}, load "
                          f"{r['load_start'][0]} -> {r['load_end'][0]}) | **{r['wall_s']}** | {r['cpu_s']} | "
-                         f"{r['peak_rss_gb']} |")
+                         f"{r['peak_rss_gb']} | {r.get('peak_anon_gb', '')} |")
     for r in bench:
         lines += ["", f"{r['run']}: load {r.get('load_avg')}, read bandwidth {r.get('bandwidth_gbs')} GB/s", "",
                   "| engine | batch | t/s | ± | roofline |", "|---|---:|---:|---:|---:|"]
