@@ -220,7 +220,9 @@ def ensure_file(work: Path, shape: str, layers: int | None, fmt: str = "q8_0") -
     return path
 
 
-def verdict_runs(names: list[str], work: Path, trees: list[Path], threads: int) -> list[dict[str, Any]]:
+def verdict_runs(names: list[str], work: Path, trees: list[Path], threads: int,
+                 before: set[str] | None = None) -> list[dict[str, Any]]:
+    """The parity runs ``names`` on each tree (the first, an older tree, only for the runs in ``before``)."""
     out = []
     for name in names:
         shape_part, _, kind = name.rpartition("-")  # e2b / 31b-8 / 26b-a4b-8; ref | fast
@@ -230,7 +232,9 @@ def verdict_runs(names: list[str], work: Path, trees: list[Path], threads: int) 
         argv = ["parity", "--model", str(model), "--against", "llamacpp", "--out", str(work / "reports")]
         if kind == "fast":
             argv += ["--oracle", "fast"]
-        for tree in trees:
+        for i, tree in enumerate(trees):
+            if i < len(trees) - 1 and before is not None and name not in before:
+                continue
             out.append(run_g4h(name, tree, argv, threads))
     return out
 
@@ -290,16 +294,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/work/big", help="folder for the model files and reports")
     ap.add_argument("--part", choices=("verdict", "bench", "all"), default="all")
-    ap.add_argument("--verdict-runs", default="e2b-ref,e2b-fast,31b-8-ref,26b-a4b-8-ref",
-                    help="comma list: <shape>-<ref|fast>[-lN], 31b-8-ref = the 31B shape cut to 8 layers")
-    ap.add_argument("--before", default=None, help="another source tree to run the verdict jobs on too")
+    ap.add_argument("--verdict-runs", default="e2b-ref,e2b-fast,31b-8-ref,31b-8-fast,26b-a4b-8-ref,26b-a4b-8-fast",
+                    help="comma list: <shape>[-<layers>]-<ref|fast>, 31b-8-ref = the 31B shape cut to 8 layers")
+    ap.add_argument("--before", default=None, help="another source tree to run verdict jobs on too")
+    ap.add_argument("--before-runs", default="e2b-ref,e2b-fast",
+                    help="the verdict runs repeated on --before (the old path of the reference takes long)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5, help="bench repetitions (interleaved)")
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     trees = ([Path(args.before)] if args.before else []) + [ROOT]
-    verdict = verdict_runs(args.verdict_runs.split(","), work, trees, args.threads) \
+    verdict = verdict_runs(args.verdict_runs.split(","), work, trees, args.threads, set(args.before_runs.split(","))) \
         if args.part in ("verdict", "all") else []
     bench = bench_runs(work, ROOT, args.reps) if args.part in ("bench", "all") else []
     text = tables(verdict, bench)
