@@ -472,11 +472,14 @@ static int rows_at_once(long M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 #define FZ_STORE(R, MB)                                                                                   \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                  \
         _Pragma("GCC unroll 16") for (int j = 0; j < MB; j++) acc[r * lda + j] = a[r][j];
-/* a[r][j] += wv * x[j, off .. off + 15] for every row j of the block */
-#define FZ_ACC(MB, r, wv, off)                                                                            \
+/* a[r][j] += w[r] * x[j, off .. off + 15] for every row r of W and j of x: each x vector loaded once for the R rows
+ * (one load per multiply-add would take as many load slots as there are multiply-add slots) */
+#define FZ_ACC(MB, R, w, off)                                                                             \
     do {                                                                                                 \
-        const V w_ = (wv);                                                                               \
-        _Pragma("GCC unroll 16") for (int j = 0; j < MB; j++) a[r][j] = v_fma(w_, v_load(x + j * ldx + (off)), a[r][j]); \
+        _Pragma("GCC unroll 16") for (int j = 0; j < MB; j++) {                                          \
+            const V x_ = v_load(x + j * ldx + (off));                                                    \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a[r][j] = v_fma(w[r], x_, a[r][j]);      \
+        }                                                                                                \
     } while (0)
 
 typedef void (*fused_fn)(const uint8_t *w, long rb, long nb, const float *x, long ldx, V *acc, long lda);
@@ -488,10 +491,11 @@ typedef void (*fused_fn)(const uint8_t *w, long rb, long nb, const float *x, lon
         for (long i = 0; i < nb; i++, x += 32) {                                                         \
             V d[R];                                                                                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) d[r] = v_set1(f16_to_f32(w + r * rb + 34 * i)); \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                          \
-                FZ_ACC(MB, r, v_mul(d[r], v_cvt(vi_i8(w + r * rb + 34 * i + 2))), 0);                   \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                          \
-                FZ_ACC(MB, r, v_mul(d[r], v_cvt(vi_i8(w + r * rb + 34 * i + 18))), 16);                 \
+            V g[R];                                                                                      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g[r] = v_mul(d[r], v_cvt(vi_i8(w + r * rb + 34 * i + 2))); \
+            FZ_ACC(MB, R, g, 0);                                                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g[r] = v_mul(d[r], v_cvt(vi_i8(w + r * rb + 34 * i + 18))); \
+            FZ_ACC(MB, R, g, 16);                                                                        \
         }                                                                                                \
         FZ_STORE(R, MB)                                                                                  \
     }
@@ -508,9 +512,11 @@ typedef void (*fused_fn)(const uint8_t *w, long rb, long nb, const float *x, lon
                 t[r] = v_mul(v_set1(f16_to_f32(w + r * rb + 18 * i)), io);                               \
                 q[r] = vi_u8(w + r * rb + 18 * i + 2);                                                   \
             }                                                                                            \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) FZ_ACC(MB, r, v_lut16(t[r], q[r]), 0);   \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                          \
-                FZ_ACC(MB, r, v_lut16(t[r], vi_srl(q[r], 4)), 16);                                       \
+            V g[R];                                                                                      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g[r] = v_lut16(t[r], q[r]);              \
+            FZ_ACC(MB, R, g, 0);                                                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g[r] = v_lut16(t[r], vi_srl(q[r], 4));   \
+            FZ_ACC(MB, R, g, 16);                                                                        \
         }                                                                                                \
         FZ_STORE(R, MB)                                                                                  \
     }
@@ -532,10 +538,12 @@ typedef void (*fused_fn)(const uint8_t *w, long rb, long nb, const float *x, lon
                 qh[r] = le32(b + 2);                                                                     \
                 q[r] = vi_u8(b + 6);                                                                     \
             }                                                                                            \
+            V g[R];                                                                                      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g[r] = v_lut16x2(t0[r], t1[r], q[r], qh[r] & 0xffffu); \
+            FZ_ACC(MB, R, g, 0);                                                                         \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                          \
-                FZ_ACC(MB, r, v_lut16x2(t0[r], t1[r], q[r], qh[r] & 0xffffu), 0);                        \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                          \
-                FZ_ACC(MB, r, v_lut16x2(t0[r], t1[r], vi_srl(q[r], 4), qh[r] >> 16), 16);                \
+                g[r] = v_lut16x2(t0[r], t1[r], vi_srl(q[r], 4), qh[r] >> 16);                            \
+            FZ_ACC(MB, R, g, 16);                                                                        \
         }                                                                                                \
         FZ_STORE(R, MB)                                                                                  \
     }
@@ -566,13 +574,15 @@ typedef void (*fused_fn)(const uint8_t *w, long rb, long nb, const float *x, lon
                     qa[r] = vi_u8(qs);                                                                   \
                     qb[r] = vi_u8(qs + 16);                                                              \
                 }                                                                                        \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) FZ_ACC(MB, r, v_lut16(t0[r], qa[r]), 64 * p); \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                      \
-                    FZ_ACC(MB, r, v_lut16(t0[r], qb[r]), 64 * p + 16);                                   \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                      \
-                    FZ_ACC(MB, r, v_lut16(t1[r], vi_srl(qa[r], 4)), 64 * p + 32);                        \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                      \
-                    FZ_ACC(MB, r, v_lut16(t1[r], vi_srl(qb[r], 4)), 64 * p + 48);                        \
+                V g[R];                                                                                  \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g[r] = v_lut16(t0[r], qa[r]);        \
+                FZ_ACC(MB, R, g, 64 * p);                                                                \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g[r] = v_lut16(t0[r], qb[r]);        \
+                FZ_ACC(MB, R, g, 64 * p + 16);                                                           \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g[r] = v_lut16(t1[r], vi_srl(qa[r], 4)); \
+                FZ_ACC(MB, R, g, 64 * p + 32);                                                           \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g[r] = v_lut16(t1[r], vi_srl(qb[r], 4)); \
+                FZ_ACC(MB, R, g, 64 * p + 48);                                                           \
             }                                                                                            \
         }                                                                                                \
         FZ_STORE(R, MB)                                                                                  \
@@ -615,9 +625,12 @@ static inline void q6_bytes(const uint8_t *b, int8_t *out) {
                 q6_bytes(b, q[r]);                                                                       \
                 scale16_i8(b + 192, f16_to_f32(b + 208), dl[r]);                                         \
             }                                                                                            \
-            _Pragma("GCC unroll 2") for (int g = 0; g < 16; g++)                                         \
+            _Pragma("GCC unroll 2") for (int gi = 0; gi < 16; gi++) {                                    \
+                V g[R];                                                                                  \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                      \
-                    FZ_ACC(MB, r, v_mul(v_set1(dl[r][g]), v_cvt(vi_i8((const uint8_t *)q[r] + 16 * g))), 16 * g); \
+                    g[r] = v_mul(v_set1(dl[r][gi]), v_cvt(vi_i8((const uint8_t *)q[r] + 16 * gi)));      \
+                FZ_ACC(MB, R, g, 16 * gi);                                                               \
+            }                                                                                            \
         }                                                                                                \
         FZ_STORE(R, MB)                                                                                  \
     }
