@@ -173,15 +173,21 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def run_g4h(label: str, tree: Path, argv: list[str], threads: int) -> dict[str, Any]:
-    """``g4h ARGV`` from ``tree`` in a fresh process, phases sampled (see the module docstring)."""
+def run_g4h(label: str, tree: Path, argv: list[str], threads: int, timeout: float | None = None) -> dict[str, Any]:
+    """``g4h ARGV`` from ``tree`` in a fresh process, phases sampled (see the module docstring); stopped (its whole
+    process group) after ``timeout`` seconds, the phases so far kept."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads), PYTHONPATH=str(tree))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(tree), "--", *argv]
     start_load = load()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     sampler = TreeSampler(proc.pid).start()
+    timer = None
+    if timeout:
+        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, 9))
+        timer.start()
     lines = []
     for line in proc.stderr:
         line = line.rstrip()
@@ -192,9 +198,13 @@ def run_g4h(label: str, tree: Path, argv: list[str], threads: int) -> dict[str, 
             sampler.mark(line.split(": ", 1)[1] if line.startswith("g4h") else line[8:])
     out = proc.stdout.read()
     proc.wait()
+    if timer is not None:
+        timer.cancel()
     sampler.stop()
     phases = [p for p in sampler.phases if p["wall_s"] > 0.05 or p["phase"] == "end"]
+    stopped = timeout is not None and proc.returncode == -9
     res = {"run": label, "tree": str(tree), "command": "g4h " + " ".join(argv), "exit": proc.returncode,
+           "stopped_after_s": timeout if stopped else None,
            "wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(sum(sampler.cpu.values()), 1),
            "peak_rss_gb": max((p["peak_rss_gb"] for p in sampler.phases), default=0.0),
            "peak_anon_gb": max((p["peak_anon_gb"] for p in sampler.phases), default=0.0),
@@ -221,7 +231,7 @@ def ensure_file(work: Path, shape: str, layers: int | None, fmt: str = "q8_0") -
 
 
 def verdict_runs(names: list[str], work: Path, trees: list[Path], threads: int,
-                 before: set[str] | None = None) -> list[dict[str, Any]]:
+                 before: set[str] | None = None, timeout: float | None = None) -> list[dict[str, Any]]:
     """The parity runs ``names`` on each tree (the first, an older tree, only for the runs in ``before``)."""
     out = []
     for name in names:
@@ -235,7 +245,7 @@ def verdict_runs(names: list[str], work: Path, trees: list[Path], threads: int,
         for i, tree in enumerate(trees):
             if i < len(trees) - 1 and before is not None and name not in before:
                 continue
-            out.append(run_g4h(name, tree, argv, threads))
+            out.append(run_g4h(name, tree, argv, threads, timeout))
     return out
 
 
@@ -274,7 +284,9 @@ def tables(verdict: list[dict[str, Any]], bench: list[dict[str, Any]]) -> str:
                 lines.append(f"| {r['run']} | {Path(r['tree']).name} | {p['phase'][:60]} | {p['wall_s']} | "
                              f"{p['cpu_s']} | {p['peak_rss_gb']} | {p.get('peak_anon_gb', '')} |")
             lines.append(f"| **{r['run']}** | {Path(r['tree']).name} | **total** (exit {r['exit']}, load "
-                         f"{r['load_start'][0]} -> {r['load_end'][0]}) | **{r['wall_s']}** | {r['cpu_s']} | "
+                         f"{r['load_start'][0]} -> {r['load_end'][0]}"
+                         + (f", stopped after {r['stopped_after_s']:.0f} s" if r.get("stopped_after_s") else "")
+                         + f") | **{r['wall_s']}** | {r['cpu_s']} | "
                          f"{r['peak_rss_gb']} | {r.get('peak_anon_gb', '')} |")
     for r in bench:
         lines += ["", f"{r['run']}: load {r.get('load_avg')}, read bandwidth {r.get('bandwidth_gbs')} GB/s", "",
@@ -299,13 +311,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", default=None, help="another source tree to run verdict jobs on too")
     ap.add_argument("--before-runs", default="e2b-ref,e2b-fast",
                     help="the verdict runs repeated on --before (the old path of the reference takes long)")
+    ap.add_argument("--trees", choices=("both", "before", "after"), default="both",
+                    help="with --before: run the verdict jobs on both trees, or only one")
+    ap.add_argument("--timeout", type=float, default=None, help="stop a verdict run after this many seconds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5, help="bench repetitions (interleaved)")
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    trees = ([Path(args.before)] if args.before else []) + [ROOT]
-    verdict = verdict_runs(args.verdict_runs.split(","), work, trees, args.threads, set(args.before_runs.split(","))) \
+    trees = ([Path(args.before)] if args.before and args.trees != "after" else []) + \
+        ([ROOT] if not args.before or args.trees != "before" else [])
+    before = set(args.before_runs.split(",")) if args.trees == "both" else None
+    verdict = verdict_runs(args.verdict_runs.split(","), work, trees, args.threads, before, args.timeout) \
         if args.part in ("verdict", "all") else []
     bench = bench_runs(work, ROOT, args.reps) if args.part in ("bench", "all") else []
     text = tables(verdict, bench)
