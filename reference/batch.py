@@ -6,12 +6,12 @@ prompts, their greedy steps, a prefill continued one token at a time) runs them 
 layer: every call's layer ``i`` runs while layer ``i``'s weights are held (:meth:`reference.weights.Weights.hold`),
 then they are dropped. The LM head is read once, a row block at a time, for every call.
 
-Same values, bit for bit: each call runs exactly the operations :func:`reference.model.forward` runs for it,
-on arrays of exactly the same shapes, with the same weights; only the order in which different calls'
-operations interleave changes, and no operation reads another call's arrays. Rows are never stacked across
-calls, because a BLAS product of stacked rows can round differently from the same rows alone (OpenBLAS takes
-GEMV for one row and GEMM for more, and small products take other kernels). ``tests/test_batch.py`` checks
-the bits against :func:`reference.model.forward` on every model family.
+Same values, bit for bit: each call runs the operations :func:`reference.model.forward` runs for it, in its
+order, with the same weights; only the order in which different calls' operations interleave changes. A matrix
+product may take several calls' rows at once (below), and only where that gives each row the bits of the call's
+own product: a BLAS product of stacked rows can round differently from the same rows alone (OpenBLAS takes GEMV
+for one row and GEMM for more, and small products take other kernels). ``tests/test_batch.py`` checks the bits
+against :func:`reference.model.forward` on every model family.
 
 A *chain* is a list of calls on one KV cache, in order: a prefill, then continuations (a prompt prefilled in
 two halves, or one token at a time: each call is what one ``forward(cfg, W, ids, cache)`` would be). A call
