@@ -32,7 +32,6 @@ import contextlib
 import ctypes
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 from .paths import cache_root
+from .cpu_identity import cpu_model
 
 MAX_ROWS = 16
 """Largest ``M`` sent to the kernel; above it a BLAS GEMM is compute-efficient and wins."""
@@ -88,19 +88,6 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def _cpu_model() -> str:
-    """The CPU's model name and feature flags (what ``-march=native`` compiles for), from /proc/cpuinfo."""
-    found: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key = line.split(":", 1)[0].strip()
-            if key in ("model name", "flags", "Features", "CPU part") and key not in found:
-                found[key] = line
-    except OSError:
-        pass
-    return "\n".join(found.values()) or platform.processor() or platform.machine()
-
-
 def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = None,
           libs: list[str] | None = None) -> Path:
     """Compile a kernel source (or find it in the cache) and return the shared library's path.
@@ -125,7 +112,7 @@ def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = 
         raise RuntimeError(f"{cc}: {e}") from None
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may #include
     key = hashlib.sha256("\n".join([source.read_text(), *headers, " ".join(flags + libs), version,
-                                     _cpu_model()]).encode()).hexdigest()
+                                     cpu_model()]).encode()).hexdigest()
     out = _cache_dir() / key[:16] / f"lib{source.stem}.so"
     if out.is_file() and not force:
         return out

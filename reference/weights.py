@@ -16,10 +16,12 @@ produce. ``rope_freqs`` is kept as stored (float32), never recomputed.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import gguf
 import numpy as np
@@ -119,6 +121,7 @@ class Weights(Mapping):
         self._checked: set[str] = set()  # checked whole: parts need no check
         self.cache_bytes = int(cache_bytes)
         self.cached_bytes = 0
+        self._held: dict[str, np.ndarray] | None = None  # inside hold()
 
     # ------------------------------------------------------------------ checks (subclasses change the rule)
 
@@ -140,9 +143,28 @@ class Weights(Mapping):
 
     # ------------------------------------------------------------------ reads
 
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Within the ``with`` block every tensor read is kept, and read again from there, until the block ends
+        (for :func:`reference.batch.forward_chains`: a layer's weights dequantized once for many forwards).
+
+        The held tensors are the same arrays a read gives; the cache rule is unchanged (a held tensor counts
+        as read once per block). Nested blocks hold until the outermost ends.
+        """
+        if self._held is not None:
+            yield
+            return
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
+
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self._cache:
             return self._cache[name]
+        if self._held is not None and name in self._held:
+            return self._held[name]
         lazy = self._lazy[name]
         if name not in self._checked:
             self._check_before(name, lazy, lazy.stored)
@@ -154,6 +176,8 @@ class Weights(Mapping):
         if name in self._seen and self.cached_bytes + arr.nbytes <= self.cache_bytes:
             self._cache[name] = arr
             self.cached_bytes += arr.nbytes
+        elif self._held is not None:
+            self._held[name] = arr
         self._seen.add(name)
         return arr
 
@@ -249,13 +273,23 @@ class Weights(Mapping):
 # --------------------------------------------------------------------------- GGUF
 
 
-def _gguf_tensors(gf: GGUFFile) -> dict[str, LazyTensor]:
+Dequantizer = Callable[[np.ndarray, str, int], "np.ndarray | None"]
+"""An exact replacement of ``gguf.quants.dequantize`` for rows of a 2-D quantized tensor:
+``(stored bytes [n, bytes_per_row], GGML type name, elements per row) -> float32 [n, row_len]`` with the same
+values bit for bit, or None where it does not apply (then ``gguf.quants`` runs)."""
+
+
+def _gguf_tensors(gf: GGUFFile, dequantizer: Dequantizer | None = None) -> dict[str, LazyTensor]:
     out: dict[str, LazyTensor] = {}
     for t in gf.tensors.values():  # sizes, offsets and types already checked by check_gguf
         data = gf.view(t.name)
         qtype = gguf.GGMLQuantizationType(t.ggml_type)
 
         def dequantize(part, t=t, qtype=qtype):
+            if dequantizer is not None and len(t.shape) == 2 and part.ndim == 2 and part.dtype == np.uint8:
+                got = dequantizer(np.ascontiguousarray(part), t.type_name, t.shape[1])
+                if got is not None:
+                    return got
             try:
                 return gguf.quants.dequantize(part, qtype)
             except NotImplementedError:
@@ -268,14 +302,16 @@ def _gguf_tensors(gf: GGUFFile) -> dict[str, LazyTensor]:
     return out
 
 
-def load_gguf(path: str | os.PathLike, *, layers: int | None = None,
-              cache_bytes: int = DEFAULT_CACHE_BYTES) -> tuple[ModelConfig, Weights]:
+def load_gguf(path: str | os.PathLike, *, layers: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
+              dequantizer: Dequantizer | None = None) -> tuple[ModelConfig, Weights]:
     """Open a ``.gguf`` file: config from its metadata, lazily dequantized weights.
 
     Args:
         path: the file.
         layers: keep only the first N layers (:func:`reference.config.cut_layers`); None = all.
         cache_bytes: the weights' cache budget (:class:`Weights`).
+        dequantizer: a faster exact replacement of ``gguf.quants`` for matrices (:data:`Dequantizer`; the harness
+            passes the packed C kernels of ``fast/``); None: ``gguf.quants`` for everything.
 
     Returns:
         ``(config, weights)``.
@@ -288,7 +324,7 @@ def load_gguf(path: str | os.PathLike, *, layers: int | None = None,
     path = Path(path)
     gf = check_gguf(path)  # structure checked before any tensor is trusted (reference.gguf_check)
     meta = gf.metadata
-    tensors = _gguf_tensors(gf)
+    tensors = _gguf_tensors(gf, dequantizer)
     cfg = config_from_gguf(meta, {k: v.shape for k, v in tensors.items()}, str(path))
     if "rope_freqs.weight" in tensors:  # checked finite and > 0 (exact: float32 values)
         cfg = attach_rope_freqs(cfg, np.asarray(Weights(str(path), tensors, 0)["rope_freqs.weight"],
@@ -426,8 +462,8 @@ def _validate(cfg: ModelConfig, weights: Weights) -> None:
                              "(a misspelt or damaged name, or keys that do not match the tensors)")
 
 
-def load_model(path: str | os.PathLike, *, layers: int | None = None,
-               cache_bytes: int = DEFAULT_CACHE_BYTES) -> tuple[ModelConfig, Weights]:
+def load_model(path: str | os.PathLike, *, layers: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
+               dequantizer: Dequantizer | None = None) -> tuple[ModelConfig, Weights]:
     """Load a model from a ``.gguf`` file or an HF folder; the one entry point every engine uses.
 
     Args:
@@ -435,6 +471,7 @@ def load_model(path: str | os.PathLike, *, layers: int | None = None,
         layers: keep only the first N layers (``--layers N``; :func:`reference.config.cut_layers`); None = all.
         cache_bytes: bytes of float64 weights the reference may keep cached (``--ref-cache-gb``;
             see :class:`Weights`).
+        dequantizer: a GGUF's faster exact dequantizer (:func:`load_gguf`); ignored for an HF folder.
 
     Returns:
         ``(config, weights)``.
@@ -448,4 +485,4 @@ def load_model(path: str | os.PathLike, *, layers: int | None = None,
         raise ModelFileError(f"{p}: no such file or folder")
     if p.is_dir():
         return load_hf(p, layers=layers, cache_bytes=cache_bytes)
-    return load_gguf(p, layers=layers, cache_bytes=cache_bytes)
+    return load_gguf(p, layers=layers, cache_bytes=cache_bytes, dequantizer=dequantizer)

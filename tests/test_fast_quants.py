@@ -36,7 +36,9 @@ from fast.quants import SUPPORTED, QuantizedTensor, dequantize, linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-# More rows of x than the packed CPU kernels take, so linear() takes its chunked dequantize-then-matmul path.
+# More rows of x than one call of the packed CPU kernels takes: with the kernels off (quant_kernels.disabled(), as
+# on a machine without a compiler), linear() takes its chunked dequantize-then-matmul path; with them on, it goes
+# through them a block of rows at a time.
 MANY_ROWS = quant_kernels.MAX_ROWS + 4
 
 # Types gguf-py can quantize (F32 is a no-op there; tested with the byte cases).
@@ -442,7 +444,8 @@ def test_linear_is_chunked_and_never_decodes_the_whole_matrix():
     qt.dequantize_rows = spy  # linear() goes through the instance attribute
     qt.dequantize = lambda *a, **k: pytest.fail("linear must not dequantize the whole matrix")
     x = torch.randn(MANY_ROWS, 512)
-    y = linear(x, qt, chunk_rows=8)
+    with quant_kernels.disabled():
+        y = linear(x, qt, chunk_rows=8)
     assert calls == [(r, min(50, r + 8)) for r in range(0, 50, 8)]
     assert max(b - a for a, b in calls) <= 8
     assert len(calls) == math.ceil(50 / 8)
@@ -458,8 +461,23 @@ def test_linear_default_chunk_bounds_decoded_elements(monkeypatch):
     sizes: list[int] = []
     orig = qt.dequantize_rows
     qt.dequantize_rows = lambda a, b, dtype=torch.float32: (sizes.append((b - a) * qt.row_len), orig(a, b, dtype))[1]
-    linear(torch.randn(MANY_ROWS, 256), qt)
+    with quant_kernels.disabled():
+        linear(torch.randn(MANY_ROWS, 256), qt)
     assert max(sizes) <= 4 * 256 and sum(sizes) == 19 * 256
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_K"])
+def test_many_rows_go_through_the_packed_kernels_batch_invariant(qtype):
+    """More rows than one kernel call takes (a prefill): each row's result is the one it has alone, bit for bit, and
+    nothing is dequantized (the CPU path never falls back to dequantize-then-GEMM for a type the kernels decode)."""
+    if not quant_kernels.status()[0]:
+        pytest.skip(f"packed kernels not built here: {quant_kernels.status()[1]}")
+    qt = _qt(qtype, rows=37, blocks_per_row=2)
+    qt.dequantize_rows = lambda *a, **k: pytest.fail("dequantized: the packed kernels should have taken it")
+    x = torch.randn(3 * quant_kernels.MAX_ROWS + 5, qt.row_len)
+    y = linear(x, qt)
+    for i in (0, quant_kernels.MAX_ROWS, x.shape[0] - 1):
+        assert torch.equal(y[i:i + 1], linear(x[i:i + 1], qt)), i
 
 
 @pytest.mark.cuda

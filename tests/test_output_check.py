@@ -154,3 +154,41 @@ def test_reference_overflow_is_bad_input_and_checks_are_exact():
     seen = []
     FiniteTrace(lambda p, layer, a: seen.append(p), "e")("attn_out", 0, np.ones((2, 3)))
     assert seen == ["attn_out"]
+
+
+def test_the_reference_many_forwards_are_checked_too():
+    """``logits_chains`` (the parity job's passes, :mod:`harness.parity.checks.oracle_pass`) goes through the same
+    check: a non-finite trace point stops it at the point, non-finite logits name the forward."""
+    from reference.batch import Chain
+
+    class Overflowing:
+        name = "reference"
+
+        def logits_chains(self, chains):
+            out = []
+            for c in chains:
+                x = np.full((len(c.calls[0]), 4), 1e308)
+                for layer in range(3):
+                    for t in c.traces or ():
+                        if t is not None:
+                            t("l_out", layer, x)
+                    x = x * 10.0 if layer == 1 else x
+                out.append([x])
+            return out
+
+    seen = []
+    with np.errstate(over="ignore"), pytest.raises(ModelOverflow, match="first at layer 2, point l_out: [+]Inf"):
+        CheckedEngine(Overflowing(), "reference").logits_chains([Chain([[1, 2]], traces=[
+            lambda p, layer, a: seen.append(layer)])])
+    assert seen == [0, 1]  # the caller's trace saw the finite points
+    with pytest.raises(ModelOverflow, match="forward 1"):
+        CheckedEngine(_NanSecond(), "reference").logits_chains([Chain([[1]]), Chain([[2]])])
+
+
+class _NanSecond:
+    """Chains' logits: finite for the first chain, NaN for the others."""
+    name = "reference"
+
+    def logits_chains(self, chains):
+        return [[np.zeros((len(c.calls[0]), 4)) if i == 0 else np.full((len(c.calls[0]), 4), np.nan)]
+                for i, c in enumerate(chains)]

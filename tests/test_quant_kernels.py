@@ -264,8 +264,8 @@ def test_vector_paths_give_the_same_bits(define):
     for name in TYPES:
         bs = GGML_QUANT_SIZES[T[name]][0]
         qt = _qt(name, 23, 2 * max(bs, 256), seed=5)
-        x = torch.randn(9, qt.row_len, generator=torch.Generator().manual_seed(5))
-        for m in (1, 2, 9):
+        x = torch.randn(16, qt.row_len, generator=torch.Generator().manual_seed(5))
+        for m in (1, 2, 3, 8, 9, 16):  # every register-block shape of the fused kernels, and the row tails
             y = torch.empty(m, 23)
             assert lib.g4h_qlinear(qk.TYPES[name], qt.raw.data_ptr(), qt.raw.shape[1], 23, qt.row_len,
                                    x.data_ptr(), m, y.data_ptr(), 2) == 0

@@ -25,6 +25,7 @@ from reference.errors import InputError
 
 from ..core.gates import SPEED_RATIO_MARGIN
 from ..core.io import staged_run_dir
+from ..core.workers import EngineCrashed
 from ..engines.base import EngineUnavailable
 from ..engines.reference import cache_bytes
 from .models import ModelSource, make_bench_engines
@@ -133,6 +134,13 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
             label = o.draft_label or (Path(o.draft_model).name if Path(o.draft_model).exists() else o.draft_model)
             spec = [SpecBench(fast, o.draft_model, o.draft_tokens, label)]
             progress(f"speculative decoding: drafter {label}, K = {o.draft_tokens}, beside fast-{fast.dtype}")
+    builds = {}
+    for be in benches:  # which llama.cpp build each llama.cpp row ran (portable, native: its CPU features)
+        if hasattr(be, "build_info"):
+            try:
+                builds[be.engine] = be.build_info()
+            except EngineCrashed as e:
+                builds[be.engine] = {"error": str(e).splitlines()[0]}
     rows = run_plan(benches + spec, o.plan, progress)
     for be in benches:
         be.close()
@@ -141,6 +149,8 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
     if spec:
         data["speculative"] = speculative_summary(spec, rows)
     data["skipped"] = skipped  # before the report is written: report.md lists them
+    if builds:
+        data["engine_builds"] = builds
     modes = sorted({b.weights for b in benches if b.engine == "fast"})
     if modes:
         data["fast_weights"] = modes[0]  # packed | dequantized (harness.engines.fast.WEIGHT_MODES)

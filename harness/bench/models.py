@@ -8,7 +8,8 @@
   engine, tg without its output check), ``reference``: either form,
   through :func:`reference.weights.load_model`;
 - ``transformers``: an HF folder (Gemma 4), or a Gemma 3 GGUF through transformers' GGUF loader;
-- ``llamacpp``: a GGUF (an optional extra: ``pip install 'gemma4-harness[llamacpp]'``).
+- ``llamacpp``: a GGUF (an optional extra: ``pip install 'gemma4-harness[llamacpp]'``); ``llamacpp-native``: the
+  same through llama.cpp's libraries compiled for this CPU (built once into the user cache on first use).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..engines import engine_class
 from ..engines.base import Benchable, EngineUnavailable
 from ..engines.fast import FastEngine
 from ..engines.llamacpp import LlamaCppBench
+from ..engines.llamacpp.build import BuildError, ensure_native_built
 from ..engines.reference import ReferenceEngine
 from .run import ENGINE_NAMES, param_count
 
@@ -124,10 +126,17 @@ def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], devic
         eng = ReferenceEngine.from_model(src.cfg, src.W)
         eng.warm()
         return [eng]
-    if name == "llamacpp":
+    if name in ("llamacpp", "llamacpp-native"):
         if src.gguf is None:
-            raise EngineUnavailable("llamacpp needs a GGUF file")
+            raise EngineUnavailable(f"{name} needs a GGUF file")
         if src.layers is not None:
-            raise EngineUnavailable("llamacpp runs the file as it is: --layers cannot cut it")
-        return [LlamaCppBench(src.gguf, src.cfg, threads=threads)]
+            raise EngineUnavailable(f"{name} runs the file as it is: --layers cannot cut it")
+        lib_dir = None
+        if name == "llamacpp-native":
+            LlamaCppBench(src.gguf, src.cfg)  # llama-cpp-python is there before a build is started
+            try:
+                lib_dir = ensure_native_built()
+            except BuildError as e:
+                raise EngineUnavailable(f"llamacpp-native: {e}") from None
+        return [LlamaCppBench(src.gguf, src.cfg, threads=threads, lib_dir=lib_dir, engine=name)]
     raise EngineUnavailable(f"unknown engine {name!r} (available: {', '.join(ENGINE_NAMES)})")

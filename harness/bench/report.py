@@ -192,6 +192,10 @@ def render_markdown(data: Mapping[str, Any], plots: list[str]) -> str:
         lines += [f"- **{name} skipped:** {why}"]
     if data.get("skipped"):
         lines += [""]
+    for name, b in sorted((data.get("engine_builds") or {}).items()):
+        lines += [f"- {name}: {b.get('error') or b.get('system_info')} ({b.get('libraries', '')})"]
+    if data.get("engine_builds"):
+        lines += [""]
     lines += ["GB/s: weights and KV bytes read per generated token (weights once per step, shared by the batch) × "
               "tokens/s; roofline: that as a share of the read bandwidth.", ""]
     if data["ratios"]:

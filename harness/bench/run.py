@@ -51,11 +51,14 @@ from ..engines.base import Benchable
 RESULT_VERSION = 1
 """Version of the bench ``results.json`` layout."""
 
-ENGINE_NAMES = ("fast", "fast-graph", "fast-unchecked", "transformers", "llamacpp", "reference")
+ENGINE_NAMES = ("fast", "fast-graph", "fast-unchecked", "transformers", "llamacpp", "llamacpp-native", "reference")
 """``--engines`` names. ``fast-unchecked``: the fast engine's tg without its output check (every step's logits
 tested for NaN/Inf, :mod:`fast.engine`), beside ``fast`` on the same built model: the check's cost on decode speed.
 ``fast-graph``: the fast engine's tg through :class:`fast.static_decode.StaticDecoder`
-(static shapes; one CUDA graph a step on a GPU, the same static step run eagerly on the CPU)."""
+(static shapes; one CUDA graph a step on a GPU, the same static step run eagerly on the CPU). ``llamacpp``: the
+harness's portable build (``GGML_NATIVE=OFF``, the one the correctness checks use); ``llamacpp-native``: the same
+llama.cpp compiled for this CPU (``GGML_NATIVE=ON``, what a user who builds it here runs), built on first use
+(:func:`harness.engines.llamacpp.build.ensure_native_built`)."""
 
 
 # --------------------------------------------------------------------------- results

@@ -359,11 +359,22 @@ def _head_name(cfg: ModelConfig) -> str:
     return "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
 
 
-def _reference_terms(info: ModelInfo, tokens: int, context: int, forwards: int, cache_bytes: int
-                     ) -> tuple[dict[str, int], int]:
+def _layer_sets(info: ModelInfo) -> list[list[TensorFacts]]:
+    """Tensors a layer-outer pass (:func:`reference.batch.forward_chains`) holds at once: every tensor of one
+    layer, or the tensors read whole outside the layers (the PLE projection)."""
+    sets: dict[str, list[TensorFacts]] = {}
+    for n, t in info.tensors.items():
+        if n in _READ_IN_PARTS:
+            continue
+        sets.setdefault(n.split(".")[1] if n.startswith("blk.") else "", []).append(t)
+    return list(sets.values())
+
+
+def _reference_terms(info: ModelInfo, tokens: int, context: int, forwards: int, cache_bytes: int,
+                     layer_held: bool = False) -> tuple[dict[str, int], int]:
     cfg, T = info.cfg, info.tensors
     h, V = cfg.hidden_size, cfg.vocab_size
-    working = max((_in_use(g) for g in _layer_groups(info)), default=0)
+    working = max((_in_use(g) for g in (_layer_sets(info) if layer_held else _layer_groups(info))), default=0)
     cacheable = sum(_f64(t) for n, t in T.items() if n != "per_layer_token_embd.weight")
     head = T[_head_name(cfg)]
     block = max(b - a for a, b in block_bounds(head.shape[0], head.shape[1]))
@@ -441,7 +452,7 @@ def _llamacpp_terms(info: ModelInfo, tokens: int, context: int) -> tuple[dict[st
 def _terms(engine: str, info: ModelInfo, o: dict[str, Any]) -> tuple[dict[str, int], int]:
     tokens, context = o["tokens"], o["context"]
     if engine == "reference":
-        return _reference_terms(info, tokens, context, o["forwards"], o["cache_bytes"])
+        return _reference_terms(info, tokens, context, o["forwards"], o["cache_bytes"], o["layer_held"])
     if engine == "fast":
         return _fast_terms(info, tokens, context, o["dtype"], o["weights"], o["batch"])
     if engine == "transformers":
@@ -454,7 +465,7 @@ def _terms(engine: str, info: ModelInfo, o: dict[str, Any]) -> tuple[dict[str, i
 def _options(engine: str, info: ModelInfo, options: Mapping[str, Any]) -> dict[str, Any]:
     o = {"tokens": 16, "new_tokens": 0, "batch": 1, "dtype": "float32", "weights": "dequantized",
          "cache_bytes": DEFAULT_CACHE_BYTES, "device": "cpu", "forwards": None, "held": 0,
-         "fresh": False}
+         "fresh": False, "layer_held": False}
     unknown = set(options) - set(o)
     if unknown:
         raise TypeError(f"plan(): unknown option {sorted(unknown)[0]!r}")
@@ -543,6 +554,8 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
             ``dtype`` (fast: ``float32``/``bfloat16``/``float16``), ``weights`` (fast:
             ``dequantized``/``packed``), ``cache_bytes`` (reference: ``--ref-cache-gb`` in bytes),
             ``forwards`` (reference: forward passes over the weights; default ``1 + new_tokens``),
+            ``layer_held`` (reference: a layer-outer pass, :func:`reference.batch.forward_chains`, which holds
+            every tensor of one layer at once; then ``tokens`` counts the tokens of every call),
             ``device`` (``cpu`` or ``cuda[:N]``), ``held`` (bytes of the need the engine holds already:
             a loaded engine that plans its next call passes its built weights or filled cache, which
             are then no longer counted as still to allocate), ``fresh`` (True: the engine will run in a
@@ -556,7 +569,8 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
         * reference ``weight cache``: ``min(cache_bytes, float64 bytes of every tensor read whole)``
           when the weights are read more than once (a single forward caches nothing: see
           :class:`reference.weights.Weights`); ``weights in use``: the largest set of tensors the
-          forward holds at once, in float64 (one matrix; a MoE layer's two expert stacks), plus the
+          forward holds at once, in float64 (one matrix; a MoE layer's two expert stacks; with ``layer_held``
+          the largest layer's tensors), plus the
           float32 temporaries of reading it; ``LM head block``: one block of vocabulary rows
           (:func:`reference.weights.block_bounds`) in float64 and gguf's two float32 arrays;
           ``logits``: ``[T, V]`` float64 three times; ``KV cache``: float64 K and V of every

@@ -10,6 +10,8 @@ checked without a line of its own:
   files, ``cmd:``: its ``trace`` request, read and scanned record by record);
 * ``logits_many(seqs, trace=...)`` (llama.cpp: several prompts in one worker): the logits and the trace points
   of each;
+* ``logits_chains(chains)`` (the reference's many forwards in one pass over the weights,
+  :func:`reference.batch.forward_chains`): each chain's trace points, and the logits of every call;
 * ``trace_file(...)`` (``cmd:``): the trace the engine wrote, record by record (its checksums: a non-finite
   activation has a non-finite sum, L2 norm or largest magnitude);
 * ``generate_full(...)``, ``generate_speculative(...)``: the top log-probabilities of every step; the fast engine
@@ -44,7 +46,7 @@ from ..core.finite import (
 )
 from ..core.workers import EngineOutputError, temp_folder
 
-WRAPPED = ("logits", "logits_many", "generate_full", "generate_speculative", "trace_file")
+WRAPPED = ("logits", "logits_many", "logits_chains", "generate_full", "generate_speculative", "trace_file")
 """The methods whose results are checked; the rest pass through untouched."""
 
 
@@ -128,6 +130,18 @@ class CheckedEngine:
                                       f"{point_name(point, int(layer))}: {describe(arr, at)} (prompt {k})")
             check_logits(self._label(), z, where=f"prompt {k}",
                          locate_fn=None if trace else (lambda ids=seqs[k]: self._locate_many(ids)), fault=self._fault)
+        return out
+
+    def _checked_logits_chains(self, chains: Sequence[Any], **kw: Any) -> Any:
+        for c in chains:  # the caller's chains, built for this call: their trace callbacks wrapped in place
+            if c.traces:
+                c.traces = [None if t is None else FiniteTrace(t, self._label(), self._fault) for t in c.traces]
+        out = self._engine.logits_chains(chains, **kw)
+        for i, calls in enumerate(out):
+            for j, z in enumerate(calls):
+                if z is not None:
+                    check_logits(self._label(), z, where=f"forward {i}" + (f", call {j}" if len(calls) > 1 else ""),
+                                 fault=self._fault)
         return out
 
     def _locate_many(self, ids: Sequence[int]) -> str | None:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import torch
 
+from fast import quant_kernels
 from reference import model as ref_model
+from reference.batch import Chain, forward_chains
 from reference.errors import InputError
 from reference.model import check_generation
 from reference.weights import DEFAULT_CACHE_BYTES, load_model
@@ -28,6 +32,21 @@ def cache_bytes(cache_gb: float | None) -> int:
     if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) or not 0 <= cache_gb < float("inf"):
         raise InputError(f"--ref-cache-gb {cache_gb!r}: expected a finite number of GB >= 0")
     return int(cache_gb * memory.GB)
+
+
+def packed_rows(part: np.ndarray, qtype: str, row_len: int) -> np.ndarray | None:
+    """The reference's GGUF dequantizer (:data:`reference.weights.Dequantizer`): rows of a quantized matrix through
+    the packed C kernels of :func:`fast.quant_kernels.dequantize_rows`, which give ``gguf.quants``' values bit for
+    bit (``tests/test_quant_kernels.py``, ``tests/test_oracle_pass.py``) several times faster and on every thread;
+    None (``gguf.quants``) for a type they do not decode or where they are not built. The float64 reference reads
+    each matrix on every pass over the model, so this is most of a pass's time on a quantized file."""
+    if qtype not in quant_kernels.TYPES or part.shape[0] == 0:
+        return None
+    with warnings.catch_warnings():  # a read-only map makes a read-only tensor, which the kernel only reads
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        raw = torch.from_numpy(part)
+    got = quant_kernels.dequantize_rows(raw, qtype, row_len, 0, part.shape[0])
+    return None if got is None else got.numpy()
 
 
 class ReferenceEngine:
@@ -57,7 +76,8 @@ class ReferenceEngine:
 
     @memory.guarded
     def __init__(self, path: str | Path, cache_gb: float | None = None, layers: int | None = None):
-        self.cfg, self.weights = load_model(path, layers=layers, cache_bytes=cache_bytes(cache_gb))
+        self.cfg, self.weights = load_model(path, layers=layers, cache_bytes=cache_bytes(cache_gb),
+                                            dequantizer=packed_rows)
         self._plan(1, 0)
 
     @classmethod
@@ -67,11 +87,13 @@ class ReferenceEngine:
         eng.cfg, eng.weights = cfg, weights
         return eng
 
-    def _plan(self, tokens: int, new_tokens: int) -> None:
-        """Plan a forward of ``tokens`` plus ``new_tokens`` decode steps; stop with one line when it cannot fit."""
+    def _plan(self, tokens: int, new_tokens: int, layer_held: bool = False) -> None:
+        """Plan a forward of ``tokens`` plus ``new_tokens`` decode steps (``layer_held``: a layer-outer pass that
+        holds a whole layer's weights); stop with one line when it cannot fit."""
         info = memory.ModelInfo.from_loaded(self.weights.source, self.cfg, self.weights)
         self.memory_plan = memory.require("reference", info, tokens=tokens, new_tokens=new_tokens,
-                                          cache_bytes=self.weights.cache_bytes,
+                                          cache_bytes=self.weights.cache_bytes, layer_held=layer_held,
+                                          forwards=2 if layer_held else None,  # passes repeat: the cache fills
                                           held=getattr(self.weights, "cached_bytes", 0))  # cached: allocated
 
     @memory.guarded
@@ -79,6 +101,18 @@ class ReferenceEngine:
         """float64 ``[T, V]``; see :func:`reference.model.forward`."""
         self._plan(len(ids), 0)
         return ref_model.forward(self.cfg, self.weights, ids, trace=trace)
+
+    @memory.guarded
+    def logits_chains(self, chains: Sequence[Chain]) -> list[list[np.ndarray | None]]:
+        """Many forwards, each weight read once for all (:func:`reference.batch.forward_chains`): per chain, per
+        call, float64 ``[T, V]`` logits (None where the chain did not want them), bit for bit what
+        :meth:`logits` and the cached forwards give call by call.
+
+        Planned as one forward of all the calls' tokens holding a whole layer's weights.
+        """
+        tokens = sum(len(ids) for c in chains for ids in c.calls)
+        self._plan(max(tokens, 1), 0, layer_held=True)
+        return forward_chains(self.cfg, self.weights, chains)
 
     @memory.guarded
     def logits_cached(self, ids: Sequence[int], prefill: int) -> np.ndarray:

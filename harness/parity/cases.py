@@ -49,7 +49,7 @@ from .checks.multimodal import fast_figures as mm_fast_figures
 from .checks.multimodal import llamacpp_figures as mm_llamacpp_figures
 from .checks.multimodal import mask_figures, mmproj_figures, oracle_figures, preprocessing_figures, usable
 from .checks.oracle import oracle_rows
-from .checks.pair import ReferenceRuns, pair_checks
+from .checks.pair import GREEDY_NEW_TOKENS, ReferenceRuns, expected_sets, pair_checks
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
 from .checks.server import ServerOptions, spec_gates, with_prompt_ids
 from .checks.speculative import speculative_checks
@@ -256,6 +256,10 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
         res.info["oracle"] = {"name": "fast", "engine": oracle_engine.name, "weights": oracle_engine.weights,
                               "left_out": "reference.cached~uncached (float64 forwards)"}
     runs = ReferenceRuns(CheckedEngine(ref, "reference"), oracle_engine)  # its overflow: the model is unusable
+    if oracle_engine is None:  # every check's reference forwards, in as few passes over the weights as they allow
+        runs.prefetch(expected_sets(names, skip), usable, int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)),
+                      res.info["top_n"], cached=True, progress=lambda m: progress(f"[{res.case}] {m}"))
+        res.info["reference_passes"] = runs.passes
     seen: dict[str, int] = {}
     try:
         for name in names:
@@ -269,7 +273,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
             oracle_engine.close()
     if oracle_engine is None:
         for p in usable:
-            res.apply(cached_vs_uncached(ref, p, runs.logits((), p)[0]), gates)
+            res.apply(cached_vs_uncached(ref, p, runs.logits((), p)[0], runs.cached_logits(p)), gates)
     return res
 
 

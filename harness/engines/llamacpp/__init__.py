@@ -89,6 +89,8 @@ class LlamaCppEngine:
             Off by default: the plain CPU kernels are the oracle, and AMX code dies of SIGILL in VMs
             that do not grant the AMX tile state (seen here: a Firecracker guest whose CPU lists amx_int8).
         timeout: seconds one worker process may run.
+        lib_dir: another build of llama.cpp's libraries for the worker to load (``LLAMA_CPP_LIB_PATH``: the native
+            variant of :func:`.build.ensure_native_built`); None: the ones the installed package holds.
 
     Raises:
         EngineUnavailable: llama-cpp-python is not installed (:data:`INSTALL_MSG`), or ``path`` is not a file.
@@ -98,7 +100,7 @@ class LlamaCppEngine:
 
     def __init__(self, path: str | os.PathLike, n_ctx: int = 1024, threads: int | None = None,
                  n_ubatch: int | None = None, swa_full: bool = False, batched: bool = False,
-                 extra_bufts: bool = False, timeout: float = 600.0):
+                 extra_bufts: bool = False, timeout: float = 600.0, lib_dir: str | os.PathLike | None = None):
         _import_llama_cpp()
         self.path = Path(path)
         if not self.path.is_file():
@@ -110,6 +112,7 @@ class LlamaCppEngine:
         self.batched = bool(batched)
         self.extra_bufts = bool(extra_bufts)
         self.timeout = float(timeout)
+        self.lib_dir = None if lib_dir is None else str(lib_dir)
         self.last_run_s = 0.0
 
     # ------------------------------------------------------------------ worker
@@ -140,6 +143,7 @@ class LlamaCppEngine:
         req = {"model": str(self.path), "n_ctx": self.n_ctx, "threads": self.threads,
                "n_batch": need, "n_ubatch": min(self.n_ubatch, need) if self.n_ubatch else need,
                "swa_full": self.swa_full, "extra_bufts": self.extra_bufts, "out_dir": str(out_dir), "jobs": jobs,
+               "lib_dir": self.lib_dir,
                # The eval callback (trace points) costs a Python call per graph node: off for timing-only runs.
                "eval_cb": not all(j["op"] == "bench" for j in jobs)}
         t0 = time.perf_counter()
@@ -300,6 +304,8 @@ class LlamaCppBench:
         path: the GGUF file.
         cfg: our config of the model (its vocabulary size picks the token ids every engine gets).
         threads: llama.cpp threads (default: torch's thread count, so every engine gets the same).
+        lib_dir: the libraries of another build (the native variant); None: the installed package's (portable).
+        engine: the name in the bench table (``llamacpp``, ``llamacpp-native``).
 
     Raises:
         EngineUnavailable: llama-cpp-python is not installed, or ``path`` is not a file.
@@ -309,10 +315,13 @@ class LlamaCppBench:
     max_batch = None
     kv_elem = 4.0
 
-    def __init__(self, path: str | os.PathLike, cfg, threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, cfg, threads: int | None = None,
+                 lib_dir: str | os.PathLike | None = None, engine: str = "llamacpp"):
         self.path = Path(path)
         self.cfg = cfg
         self.threads = threads
+        self.lib_dir = lib_dir
+        self.engine = engine
         LlamaCppEngine(self.path)  # checks that llama-cpp-python imports and the file exists
         self.dtype, self._per_elem = gguf_facts(self.path)
 
@@ -335,7 +344,7 @@ class LlamaCppBench:
         Raises:
             EngineCrashed: the worker died (the caller records it as the rows' error).
         """
-        eng = LlamaCppEngine(self.path, n_ctx=n_ctx, threads=self.threads, timeout=6 * 3600.0)
+        eng = LlamaCppEngine(self.path, n_ctx=n_ctx, threads=self.threads, timeout=6 * 3600.0, lib_dir=self.lib_dir)
         v = self.cfg.vocab_size
         full = []
         for j in jobs:  # the same token ids as the in-process engines get
@@ -345,6 +354,17 @@ class LlamaCppBench:
         results, out_dir = eng.run_jobs(full)
         _rmtree(out_dir)
         return [r["seconds"] for r in results]
+
+    def build_info(self) -> dict[str, str]:
+        """Which llama.cpp build this is: its libraries' folder and llama.cpp's system info line (the CPU features
+        it was compiled for: ``AVX512 = 1`` in the native variant), from a worker that loads the model.
+
+        Raises:
+            EngineCrashed: the worker died.
+        """
+        info = LlamaCppEngine(self.path, lib_dir=self.lib_dir).info()
+        return {"libraries": str(self.lib_dir) if self.lib_dir else "the installed llama_cpp package",
+                "system_info": info["system_info"]}
 
     def close(self) -> None:
         """Nothing held between runs (each runs in its own worker)."""

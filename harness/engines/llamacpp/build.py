@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from fast.cpu_identity import cpu_model
 from reference.errors import InputError
 
 #: The llama-cpp-python release whose vendored llama.cpp is built (harness/llamacpp_worker.py mirrors its structs).
@@ -525,6 +526,116 @@ class _Lock:
             self.fd = None
 
 
+# --------------------------------------------------------------------------- the native variant (g4h bench)
+
+#: The native variant's flags: the portable configuration with ggml's CPU backend compiled for this machine's CPU
+#: (``GGML_NATIVE=ON``: ``-march=native``, so AVX-512, VNNI and the rest where the CPU has them), which is what a
+#: user who builds llama.cpp on their machine runs. Only ``g4h bench`` uses it (a speed comparison must be against
+#: the build a user would run); correctness checks keep the portable build.
+NATIVE_FLAGS: tuple[str, ...] = tuple("-DGGML_NATIVE=ON" if f == "-DGGML_NATIVE=OFF" else f for f in CMAKE_FLAGS)
+#: The native variant builds only the libraries ``llama_cpp`` loads (``libllama`` and the ``libggml*`` it links):
+#: no server, no mtmd, about half of the portable build's compile time.
+NATIVE_TARGETS: tuple[str, ...] = ("llama",)
+
+
+def native_build_root(cache: Path | None = None) -> Path:
+    """Where the native variant for this CPU lives: ``<cache>/llama.cpp-<version>-native-<key>``, the key hashing
+    the flags, the platform and the CPU's model name and feature flags (:func:`fast.cpu_identity.cpu_model`), so a
+    cache shared between machines never hands one CPU a build for another's instruction set."""
+    facts = {"flags": _flags(()), "native": list(NATIVE_FLAGS), "targets": list(NATIVE_TARGETS),
+             "platform": _platform_facts(), "layout": LAYOUT_VERSION, "sdist": SDIST_SHA256, "cpu": cpu_model()}
+    key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
+    return (cache or cache_dir()) / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-native-{key}"
+
+
+def native_lib_dir(cache: Path | None = None) -> Path | None:
+    """The native variant's library folder when it is built (``LLAMA_CPP_LIB_PATH`` for a worker), else None."""
+    root = native_build_root(cache)
+    try:
+        stamp = json.loads((root / "stamp.json").read_text())
+    except (OSError, ValueError):
+        return None
+    libs = stamp.get("libs") or []
+    return root / "lib" if libs and all((root / "lib" / n).is_file() for n in libs) else None
+
+
+def ensure_native_built(cache: Path | None = None, jobs: int | None = None, sdist: Path | None = None,
+                        log: Callable[[str], None] | None = None) -> Path:
+    """The native variant's library folder, built first when absent (once per CPU; on 2 cores about 6 minutes).
+
+    Built under its own lock with the same sdist, in a temporary sibling renamed into place when complete, as
+    :func:`ensure_built` does. Only ``g4h bench --engines llamacpp-native`` asks for it.
+
+    Raises:
+        BuildError: a missing tool or a failed step (named, with the log).
+    """
+    say = log or (lambda m: print(f"llama.cpp native build: {m}", file=sys.stderr, flush=True))
+    cache = Path(cache) if cache is not None else cache_dir()
+    root = native_build_root(cache)
+    found = native_lib_dir(cache)
+    if found is not None:
+        return found
+    if sys.platform not in ("linux", "darwin"):
+        raise BuildError(f"building llama.cpp is supported on Linux and macOS only, not {sys.platform}")
+    cache.mkdir(parents=True, exist_ok=True)
+    with _Lock(root.with_name(root.name + ".lock")):
+        found = native_lib_dir(cache)
+        if found is not None:
+            return found
+        for stale in cache.glob(f".tmp-{root.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        _build_native(root, cache, jobs, sdist, say)
+    found = native_lib_dir(cache)
+    if found is None:
+        raise BuildError(f"{root}: the native build finished but its stamp or libraries are missing")
+    return found
+
+
+def _build_native(root: Path, cache: Path, jobs: int | None, sdist: Path | None, say: Callable[[str], None]) -> None:
+    """Configure and compile :data:`NATIVE_TARGETS` with :data:`NATIVE_FLAGS`; copy the libraries to ``root/lib``."""
+    _check_tools()
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{root.name}-", dir=cache))
+    log_path = root.with_name(root.name + ".build.log")
+    seconds: dict[str, float] = {}
+    flags = [*NATIVE_FLAGS, *_flags(())[len(CMAKE_FLAGS):]]
+    try:
+        with open(log_path, "w") as logf:
+            src = _extract(fetch_sdist(cache, sdist, say), tmp / "src")
+            llama_src, build = src / "vendor" / "llama.cpp", tmp / "build"
+            n_jobs = jobs or int(os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or 0) or os.cpu_count() or 1
+            gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+            t0 = time.perf_counter()
+            say("configuring with GGML_NATIVE=ON")
+            _run(["cmake", "-S", str(llama_src), "-B", str(build), *gen, *flags], logf, "cmake configure (native)",
+                 log_path)
+            seconds["configure"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            say(f"compiling {', '.join(NATIVE_TARGETS)} for this CPU with {n_jobs} jobs (several minutes)")
+            _run(["cmake", "--build", str(build), "--target", *NATIVE_TARGETS, "-j", str(n_jobs)], logf,
+                 "cmake build (native)", log_path)
+            seconds["compile"] = time.perf_counter() - t0
+        stage = tmp / "out"
+        (stage / "lib").mkdir(parents=True)
+        suffix = ".dylib" if sys.platform == "darwin" else ".so"
+        libs = sorted(p.name for p in (build / "bin").iterdir() if p.name.startswith("lib") and p.name.endswith(suffix))
+        if _lib_name("llama") not in libs or _lib_name("ggml") not in libs:
+            raise BuildError(f"{build / 'bin'}: the native build produced no {_lib_name('llama')} or "
+                             f"{_lib_name('ggml')}")
+        for name in libs:
+            shutil.copy2(build / "bin" / name, stage / "lib" / name, follow_symlinks=True)
+        stamp = {"version": LLAMA_CPP_PYTHON_VERSION, "layout": LAYOUT_VERSION, "llama_cpp_commit": LLAMA_CPP_COMMIT,
+                 "flags": flags, "targets": list(NATIVE_TARGETS), "platform": _platform_facts(), "libs": libs,
+                 "seconds": {k: round(v, 1) for k, v in seconds.items()}, "jobs": n_jobs,
+                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        (stage / "stamp.json").write_text(json.dumps(stamp, indent=2) + "\n")
+        shutil.copy2(log_path, stage / "build.log")
+        _replace_dir(stage, root)
+        log_path.unlink(missing_ok=True)
+        say(f"done in {sum(seconds.values()):.0f} s: {root}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m harness.engines.llamacpp.build [--print-path | --print-wheel] [--force]``: build if needed, say where.
 
@@ -535,9 +646,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--print-path", action="store_true", help="print only the build folder")
     ap.add_argument("--print-wheel", action="store_true", help="print only the llama-cpp-python wheel's path")
     ap.add_argument("--force", action="store_true", help="rebuild even when a build is cached")
+    ap.add_argument("--native", action="store_true",
+                    help="instead: the native variant for g4h bench (GGML_NATIVE=ON, libraries only); print its "
+                         "library folder")
     ap.add_argument("--sdist", type=Path, help="use this llama_cpp_python-0.3.36.tar.gz instead of downloading it")
     ap.add_argument("--jobs", type=int, help="parallel compile jobs (default: CPU count)")
     args = ap.parse_args(argv)
+    if args.native:
+        try:
+            print(ensure_native_built(jobs=args.jobs, sdist=args.sdist))
+        except BuildError as e:
+            print(f"llamacpp_build: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         b = ensure_built(force=args.force, jobs=args.jobs, sdist=args.sdist)
     except BuildError as e:

@@ -424,6 +424,8 @@ def main() -> int:
     ``G4H-WORKER-ERROR[<load|decode|prompt>]: <message>``."""
     req = json.loads(sys.stdin.read())
     out_dir = Path(req["out_dir"])
+    if req.get("lib_dir"):  # another build of the libraries (the native variant of g4h bench), read at import
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(req["lib_dir"])
     try:
         runner = Runner(req)
         results = []

@@ -36,6 +36,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
+from reference import batch
 from reference.errors import InputError
 
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit
@@ -50,6 +51,7 @@ from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
 from ..compare import generation_figures, logit_figures
 from ..result import Figure, fig, one_line
+from .oracle_pass import reference_pass
 
 GREEDY_NEW_TOKENS = 8
 """Tokens each greedy stream runs for the ``.greedy`` check (prompts with room for them in the context)."""
@@ -93,7 +95,7 @@ class ReferenceRuns:
     Args:
         ref: the reference engine of the model (its config and stored weight types are read from it).
         oracle: the engine whose outputs are the oracle side: None for ``ref`` itself, or a fast engine in fp32
-            (``--oracle fast``); it makes the approximations of :data:`NUMERICS` too (the fast twin's GELU). Its
+            (``--oracle fast``); it makes the emulations of :data:`harness.engines.numerics.EMULATED` too. Its
             ``engine`` attribute names the pairs.
 
     Attributes:
@@ -106,6 +108,43 @@ class ReferenceRuns:
         self.name = "reference" if oracle is None else oracle.engine
         self._logits: dict[tuple[tuple[str, ...], str], tuple[np.ndarray, Trace]] = {}
         self._gens: dict[tuple[tuple[str, ...], int, int], dict[str, dict[str, Any]]] = {}
+        self._cached: dict[str, tuple[int, np.ndarray]] = {}
+        self.passes = 0
+
+    def prefetch(self, sets: Sequence[tuple[str, ...]], prompts: Sequence[dict[str, Any]], new_tokens: int,
+                 top_n: int = TOP_N, cached: bool = False, progress: Progress = lambda m: None) -> None:
+        """Compute ahead, in as few passes over the weights as the checks allow
+        (:func:`.oracle_pass.reference_pass`), what the pairs will ask: the logits and traces of every prompt under
+        each approximation set in ``sets`` and exact (the figures against the exact reference beside an emulated
+        pair's), the greedy streams of ``new_tokens`` under each set in ``sets``, and with ``cached`` the
+        cached-vs-uncached logits (:meth:`cached_logits`). Later calls of
+        :meth:`logits` and :meth:`generations` read them; what was not prefetched is computed when asked, as
+        before. Nothing is done when the oracle is not the reference (``--oracle fast``), or when a ``--spec``
+        variant replaces a function the many-forwards path does the work of (:func:`reference.batch.replaced`).
+
+        The values are the ones the one-by-one path gives, bit for bit (:mod:`reference.batch`).
+        """
+        if self.oracle is not self.ref:
+            return
+        if batch.replaced():  # a --spec variant overrides what the many-forwards path does itself
+            progress(f"reference: forwards one by one ({', '.join(batch.replaced())} replaced by --spec)")
+            return
+        context = self.ref.cfg.context_length
+        gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
+        asked = list(dict.fromkeys(tuple(a) for a in sets))
+        gen_sets = [a for a in asked if (a, new_tokens, top_n) not in self._gens] if gen_prompts else []
+        res = reference_pass(self.ref, list(dict.fromkeys([(), *asked])), prompts, gen_sets, gen_prompts, new_tokens,
+                             top_n, cached, self.numerics, progress)
+        self._logits.update(res.logits)
+        self._cached.update(res.cached)
+        for approx, gens in res.generations.items():
+            self._gens[(approx, new_tokens, top_n)] = as_streams(gen_prompts, gens)
+        self.passes += res.passes
+
+    def cached_logits(self, prompt: dict[str, Any]) -> tuple[int, np.ndarray] | None:
+        """``(prefill, float64 [T, V])``: the prompt's cached-vs-uncached logits when :meth:`prefetch` computed
+        them (a prefill of ``prefill`` tokens, then one token per forward), else None."""
+        return self._cached.get(str(prompt["id"]))
 
     def numerics(self, approx: Sequence[str]) -> ContextManager:
         """The reference under the emulations ``approx`` (:meth:`harness.engines.numerics.Numerics.emulation`)."""
@@ -326,6 +365,15 @@ def near_tie_margin(logprob_limit: float) -> float:
     """The top-1 margin below which two engines may order the best tokens differently: twice the bound on a
     log-prob difference (each side within it), at least :data:`harness.core.gates.NEAR_TIE_MARGIN`."""
     return max(NEAR_TIE_MARGIN, 2.0 * logprob_limit)
+
+
+def expected_sets(names: Sequence[str], skip: Sequence[str] = ()) -> list[tuple[str, ...]]:
+    """The emulation keys (:meth:`harness.engines.numerics.Numerics.emulation`) the pairs of ``names`` will ask the
+    reference for, as far as the engines' kinds tell before they start (:data:`harness.engines.numerics.KIND_NUMERICS`;
+    a ``cmd:`` engine declares its own at its handshake, a server its dialect's, and what no kind predicts is
+    computed when asked); kinds in ``skip`` are left out."""
+    kinds = [engine_kind(n) for n in names]
+    return sorted({KIND_NUMERICS[k].emulation() if k in KIND_NUMERICS else () for k in kinds if k not in skip})
 
 
 def _can(eng: Any, op: str) -> bool:

@@ -10,6 +10,7 @@ import numpy as np
 from ...engines.reference import ReferenceEngine
 from ...traces import TraceRecorder, layer_errors
 from ..result import Figure, fig
+from .oracle_pass import cached_prefill
 
 
 def _first_divergence(rows: list[dict[str, Any]], limit: float) -> dict[str, Any] | None:
@@ -47,15 +48,17 @@ def compare_pair(ours, oracle, prompts: Sequence[dict[str, Any]], pair: str, lay
     return out
 
 
-def cached_vs_uncached(ref: ReferenceEngine, prompt: dict[str, Any], full: np.ndarray | None = None) -> list[Figure]:
+def cached_vs_uncached(ref: ReferenceEngine, prompt: dict[str, Any], full: np.ndarray | None = None,
+                       cached: tuple[int, np.ndarray] | None = None) -> list[Figure]:
     """``reference.cached~uncached.max_abs_logit``: a prefill of half the prompt then one-token decode steps,
-    against one forward (``full``, computed when not given). Nothing for a one-token prompt."""
+    against one forward (``full``, computed when not given; ``cached``: ``(prefill, logits)`` of the steps computed
+    already, :meth:`harness.parity.checks.pair.ReferenceRuns.cached_logits`). Nothing for a one-token prompt."""
     ids = prompt["prompt_ids"]
     if len(ids) < 2:
         return []
     full = ref.logits(ids) if full is None else full
-    prefill = max(1, len(ids) // 2)
-    cached = ref.logits_cached(ids, prefill=prefill)
+    prefill, cached = cached or (cached_prefill(len(ids)), None)
+    cached = ref.logits_cached(ids, prefill=prefill) if cached is None else cached
     return [fig("reference.cached~uncached.max_abs_logit", float(np.max(np.abs(cached - full))), prompt["id"],
                 prefill=prefill)]
 
