@@ -158,6 +158,41 @@ def test_user_parity_reads_the_prefetched_outputs(monkeypatch, tmp_path):
     assert data["cases"][0]["info"]["reference_passes"] == pair.GREEDY_NEW_TOKENS
 
 
+def test_many_raw_forwards_equal_one_by_one():
+    ref = _ref()
+    runs = ReferenceRuns(ref)
+    seqs = [p["prompt_ids"] for p in _prompts(3)]
+    for approx in ((), GELU):
+        many = runs.raw_logits_many(approx, seqs)
+        assert all(np.array_equal(z, runs.raw_logits(approx, s)) for z, s in zip(many, seqs)), approx
+    assert runs.passes == 2
+
+
+def test_an_engine_declaring_its_own_emulations_gets_them_in_passes(monkeypatch, tmp_path):
+    """A ``cmd:`` engine whose hello declares llama.cpp's GELU table and an f16 KV cache (a set no engine kind
+    foretells): its pair asks the reference for logits, streams and the effect forwards under that set, all in
+    passes over the weights (no one-by-one forward, no reference generate), and the run passes."""
+    import shlex
+    import sys
+
+    from harness.parity import run as run_parity
+
+    built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in _prompts(3)))
+    stub = Path(__file__).resolve().parent / "cmd_stub.py"
+    engine = "cmd:" + shlex.join([sys.executable, str(stub), "--approx", "gelu_fp16_table", "--kv-cache", "float16"])
+    monkeypatch.setattr(ReferenceEngine, "logits", lambda *a, **k: pytest.fail("a forward outside the passes"))
+    monkeypatch.setattr(ReferenceEngine, "generate_full", lambda *a, **k: pytest.fail("not in the passes"))
+    data, status = run_parity(models=[str(built.gguf["Q8_0"])], against=[engine], out=str(tmp_path), quiet=True,
+                              prompts=prompts)
+    checks = {c["gate"]: c for c in data["cases"][0]["checks"]}
+    assert checks["reference~cmd.runs"]["numerics"]["emulated"] == ["gelu_fp16_table", "kv_cache=float16"]
+    assert status == 0, [c for c in data["cases"][0]["checks"] if not c["pass"]]
+    # the job's pass set (exact: a cmd engine foretells nothing), then the pair's: its set and the exact effect
+    assert data["cases"][0]["info"]["reference_passes"] == 2 * pair.GREEDY_NEW_TOKENS + 1
+
+
 def _same_weights(path):
     from reference.weights import load_model
 

@@ -28,6 +28,26 @@ def test_all_informational_group_is_info_not_fail():
     assert [r["result"] for r in summarize(data)] == ["INFO"]
 
 
+def test_limits_raised_per_figure_show_the_row_nearest_its_own_limit():
+    """Declared approximations raise each figure's limit by its own effect: the row shows the figure nearest (or
+    furthest beyond) its own limit with that limit, never a worst value beside another figure's smaller limit."""
+    def chk(measured, limit, prompt):
+        return {"gate": "reference~cmd.max_abs_logit", "measured": measured, "limit": limit, "op": "le",
+                "pass": measured <= limit, "prompt": prompt}
+
+    def row(*checks):
+        (r,) = summarize({"cases": [{"case": "m", "error": None, "info": {}, "checks": list(checks)}]})
+        return r
+
+    r = row(chk(0.0095, 0.0103, "a"), chk(0.0131, 0.0190, "b"))  # a: 92 % of its limit, b: 69 %
+    assert (r["worst"], r["limit"], r["result"]) == ("0.0095", "<= 0.0103", "PASS")
+    assert "limit per figure 0.0103..0.019" in r["note"]
+    r = row(chk(0.0131, 0.0190, "b"), chk(0.0110, 0.0103, "a"))  # a fails below b's value
+    assert (r["worst"], r["limit"], r["result"]) == ("0.011", "<= 0.0103", "FAIL")
+    r = row(chk(0.001, 0.002, "a"), chk(float("nan"), 0.002, "b"))
+    assert (r["worst"], r["result"]) == ("nan", "FAIL")
+
+
 # --------------------------------------------------------------------------- plots and tables
 
 import json  # noqa: E402

@@ -259,7 +259,6 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     if oracle_engine is None:  # every check's reference forwards, in as few passes over the weights as they allow
         runs.prefetch(expected_sets(names, skip), usable, int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)),
                       res.info["top_n"], cached=True, progress=lambda m: progress(f"[{res.case}] {m}"))
-        res.info["reference_passes"] = runs.passes
     seen: dict[str, int] = {}
     try:
         for name in names:
@@ -272,6 +271,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
         if oracle_engine is not None:
             oracle_engine.close()
     if oracle_engine is None:
+        res.info["reference_passes"] = runs.passes  # the job's prefetch and what the pairs asked beyond it
         for p in usable:
             res.apply(cached_vs_uncached(ref, p, runs.logits((), p)[0], runs.cached_logits(p)), gates)
     return res

@@ -31,7 +31,7 @@ import numpy as np
 
 from reference.errors import InputError
 
-from ..core.gates import DEFAULT_GATES, Gate, gate_for
+from ..core.gates import DEFAULT_GATES, Gate, gate_for, with_effect
 from ..engines.variants import Variant, conflict, family, under
 from ..traces.compare import DivergenceRule, compare
 from ..traces.format import Trace, TraceWriter, canonical_key
@@ -324,13 +324,19 @@ class Observed:
 
 
 def judge_figures(figures: Sequence[Figure], gates: Mapping[str, Gate]) -> list[str]:
-    """The gates (by name) that ``figures`` fail; informational gates and figures without a gate do not count."""
+    """The gates (by name) that ``figures`` fail, judged as :meth:`harness.parity.result.CaseResult.apply` judges
+    them (a figure with an ``effect`` at :func:`harness.core.gates.with_effect` of its gate); informational gates,
+    informational figures and figures without a gate do not count."""
     bad = []
     for f in figures:
         try:
             g = gate_for(gates, f.gate)
         except KeyError:
             continue
+        if "informational_reason" in f.detail:
+            continue
+        if f.detail.get("effect") is not None and not g.informational:
+            g = with_effect(g, float(f.detail["effect"]), int(f.detail.get("effect_power", 1)))
         if not g.informational and not g.check(f.measured):
             bad.append(f.gate)
     return bad

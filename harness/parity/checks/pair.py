@@ -112,12 +112,15 @@ class ReferenceRuns:
         self.passes = 0
 
     def prefetch(self, sets: Sequence[tuple[str, ...]], prompts: Sequence[dict[str, Any]], new_tokens: int,
-                 top_n: int = TOP_N, cached: bool = False, progress: Progress = lambda m: None) -> None:
+                 top_n: int = TOP_N, cached: bool = False, progress: Progress = lambda m: None,
+                 greedy: bool = True) -> None:
         """Compute ahead, in as few passes over the weights as the checks allow
         (:func:`.oracle_pass.reference_pass`), what the pairs will ask: the logits and traces of every prompt under
         each approximation set in ``sets`` and exact (the figures against the exact reference beside an emulated
         pair's), the greedy streams of ``new_tokens`` under each set in ``sets``, and with ``cached`` the
-        cached-vs-uncached logits (:meth:`cached_logits`). Later calls of
+        cached-vs-uncached logits (:meth:`cached_logits`); ``greedy=False``: no streams. What is already there is
+        not computed again (a set whose streams are asked runs its prompts' forwards again: the streams continue
+        them). Later calls of
         :meth:`logits` and :meth:`generations` read them; what was not prefetched is computed when asked, as
         before. Nothing is done when the oracle is not the reference (``--oracle fast``), or when a ``--spec``
         variant replaces a function the many-forwards path does the work of (:func:`reference.batch.replaced`).
@@ -132,9 +135,14 @@ class ReferenceRuns:
         context = self.ref.cfg.context_length
         gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
         asked = list(dict.fromkeys(tuple(a) for a in sets))
-        gen_sets = [a for a in asked if (a, new_tokens, top_n) not in self._gens] if gen_prompts else []
-        res = reference_pass(self.ref, list(dict.fromkeys([(), *asked])), prompts, gen_sets, gen_prompts, new_tokens,
-                             top_n, cached, self.numerics, progress)
+        gen_sets = [a for a in asked if (a, new_tokens, top_n) not in self._gens] if gen_prompts and greedy else []
+        need = [a for a in dict.fromkeys([(), *asked])
+                if a in gen_sets or any((a, str(p["id"])) not in self._logits for p in prompts)]
+        cached = cached and any(str(p["id"]) not in self._cached for p in prompts if len(p["prompt_ids"]) > 1)
+        if not need and not cached:
+            return
+        res = reference_pass(self.ref, need, prompts, gen_sets, gen_prompts, new_tokens, top_n, cached, self.numerics,
+                             progress)
         self._logits.update(res.logits)
         self._cached.update(res.cached)
         for approx, gens in res.generations.items():
@@ -175,6 +183,15 @@ class ReferenceRuns:
         with self.numerics(approx):
             return np.asarray(self.oracle.logits(list(ids)), dtype=np.float64)
 
+    def raw_logits_many(self, approx: tuple[str, ...], seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """:meth:`raw_logits` of every sequence of ``seqs``: with the reference as the oracle, in one pass over
+        the weights (:func:`reference.batch.forward_chains`, bit for bit the same), else one forward each."""
+        if self.oracle is not self.ref or not hasattr(self.ref, "logits_chains") or batch.replaced() or not seqs:
+            return [self.raw_logits(approx, ids) for ids in seqs]
+        chains = [batch.Chain([list(ids)], numerics=lambda: self.numerics(approx)) for ids in seqs]
+        self.passes += 1
+        return [np.asarray(z[0], dtype=np.float64) for z in self.ref.logits_chains(chains)]
+
     def generations(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
                     top_n: int = TOP_N) -> dict[str, dict]:
         """The oracle's greedy streams of ``n`` tokens with the top-``top_n`` log-probs of every step, as
@@ -198,12 +215,11 @@ class ReferenceRuns:
         if key not in self._gens:
             gens = self.generations(approx, prompts, n, top_n)
             worst, where = 0.0, None
-            for p in prompts:
-                g = gens[str(p["id"])]
+            streams = [(p, gens[str(p["id"])]) for p in prompts if gens[str(p["id"])]["tokens"]]
+            exact = self.raw_logits_many((), [list(p["prompt_ids"]) + g["tokens"][:-1] for p, g in streams])
+            for (p, g), z in zip(streams, exact):
                 ids = list(p["prompt_ids"])
-                if not g["tokens"]:
-                    continue
-                lp = log_softmax(self.raw_logits((), ids + g["tokens"][:-1]))
+                lp = log_softmax(z)
                 for i, d in enumerate(g["logprobs"]):
                     row = lp[len(ids) - 1 + i]
                     for t, v in d.items():
@@ -446,6 +462,10 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                      new_tokens: int = GREEDY_NEW_TOKENS, top_n: int = TOP_N,
                      out: list[Figure] | None = None) -> list[Figure]:
     out = [] if out is None else out
+    # what this pair asks of the reference that the job's prefetch could not foresee (a server's or a cmd: engine's
+    # declared emulations), in one set of passes over the weights rather than a forward per prompt and step
+    runs.prefetch([approx], prompts, new_tokens, top_n, progress=lambda m: progress(f"[{case}] {m}"),
+                  greedy=_can(eng, "generate"))
     layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit
     logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
     file_trace = hasattr(eng, "trace_file")

@@ -242,6 +242,9 @@ def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequen
     next token is EOS and the prompt's log-probs; under the emulations ``approx``, whose effect on the prompt's
     log-probs is measured against one more forward without them."""
     gens = runs.generations(approx, prompts, n, top_n)
+    prefixes = [list(p["prompt_ids"])[:-1] for p in prompts if len(p["prompt_ids"]) > 1]
+    with_approx = iter(runs.raw_logits_many(approx, prefixes))  # one pass over the weights for all prompts
+    without = iter(runs.raw_logits_many((), prefixes) if approx else [])
     out = {}
     for p in prompts:
         g = gens[str(p["id"])]
@@ -250,8 +253,8 @@ def oracle_streams(runs: ReferenceRuns, approx: tuple[str, ...], prompts: Sequen
         ids = list(p["prompt_ids"])
         sites, plp, effect = [], [None], (0.0, None)
         if len(ids) > 1:
-            lp = log_softmax(runs.raw_logits(approx, ids[:-1]))
-            exact = log_softmax(runs.raw_logits((), ids[:-1])) if approx else lp
+            lp = log_softmax(next(with_approx))
+            exact = log_softmax(next(without)) if approx else lp
             for j in np.nonzero(np.isin(np.argmax(lp, axis=1), list(eos_ids)))[0] if eos_ids else ():
                 srt = np.sort(lp[j])
                 sites.append((int(j), float(srt[-1] - srt[-2])))
