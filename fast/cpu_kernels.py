@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from .paths import cache_root
 from .cpu_identity import cpu_model
+from .paths import cache_root
 
 MAX_ROWS = 16
 """Largest ``M`` sent to the kernel; above it a BLAS GEMM is compute-efficient and wins."""

@@ -17,7 +17,6 @@ produce. ``rope_freqs`` is kept as stored (float32), never recomputed.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
