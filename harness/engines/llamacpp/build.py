@@ -63,7 +63,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from fast.cpu_identity import cpu_model
 from reference.errors import InputError
@@ -222,20 +222,30 @@ def ensure_built(force: bool = False, extra_flags: Sequence[str] | None = None, 
     cache = Path(cache) if cache is not None else cache_dir()
     extra = _extra_from_env() if extra_flags is None else list(extra_flags)
     root = build_root(extra, cache)
-    if not force:
-        found = _load(root)
-        if found is not None:
-            return found
+    return _built_once(root, cache, (lambda: None) if force else (lambda: _load(root)),
+                       lambda: _build(root, extra, cache, jobs, sdist, say))
+
+
+def _built_once(root: Path, cache: Path, find: Callable[[], Any], build: Callable[[], Any]) -> Any:
+    """``find()`` when it finds a build; else, under ``root``'s lock, ``find()`` again (another process may have
+    built it while this one waited), then the leftovers of builds that died removed and ``build()``.
+
+    Raises:
+        BuildError: another platform than Linux or macOS; whatever ``build`` raises.
+    """
+    found = find()
+    if found is not None:
+        return found
     if sys.platform not in ("linux", "darwin"):
         raise BuildError(f"building llama.cpp is supported on Linux and macOS only, not {sys.platform}")
     cache.mkdir(parents=True, exist_ok=True)
     with _Lock(root.with_name(root.name + ".lock")):
-        found = None if force else _load(root)
-        if found is not None:  # another process built it while we waited
+        found = find()
+        if found is not None:
             return found
         for stale in [*cache.glob(f".tmp-{root.name}-*"), *cache.glob(f".old-{root.name}-*")]:
             shutil.rmtree(stale, ignore_errors=True)  # left by a build that died (we hold the lock)
-        return _build(root, extra, cache, jobs, sdist, say)
+        return build()
 
 
 def _build(root: Path, extra: list[str], cache: Path, jobs: int | None, sdist: Path | None,
@@ -572,20 +582,8 @@ def ensure_native_built(cache: Path | None = None, jobs: int | None = None, sdis
     say = log or (lambda m: print(f"llama.cpp native build: {m}", file=sys.stderr, flush=True))
     cache = Path(cache) if cache is not None else cache_dir()
     root = native_build_root(cache)
-    found = native_lib_dir(cache)
-    if found is not None:
-        return found
-    if sys.platform not in ("linux", "darwin"):
-        raise BuildError(f"building llama.cpp is supported on Linux and macOS only, not {sys.platform}")
-    cache.mkdir(parents=True, exist_ok=True)
-    with _Lock(root.with_name(root.name + ".lock")):
-        found = native_lib_dir(cache)
-        if found is not None:
-            return found
-        for stale in cache.glob(f".tmp-{root.name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        _build_native(root, cache, jobs, sdist, say)
-    found = native_lib_dir(cache)
+    found = _built_once(root, cache, lambda: native_lib_dir(cache),
+                        lambda: _build_native(root, cache, jobs, sdist, say)) or native_lib_dir(cache)
     if found is None:
         raise BuildError(f"{root}: the native build finished but its stamp or libraries are missing")
     return found
