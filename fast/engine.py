@@ -218,13 +218,118 @@ class Engine:
                 raise NonFiniteLogits(a.req.id, ids, len(a.result.tokens), describe_nonfinite(row))
 
     def _emit(self, a: _Active, row: torch.Tensor) -> None:
-        logp = torch.log_softmax(row.float(), dim=-1)
-        top = torch.topk(logp, min(self.top_n, logp.numel()))
-        tok = int(torch.argmax(row).item())
-        a.result.tokens.append(tok)
-        a.result.top.append([(int(i), float(v)) for i, v in zip(top.indices.tolist(), top.values.tolist())])
-        if self.keep_logits:
-            a.result.logits.append(row.float().cpu().numpy().copy())
+        pick(a.result, row, self.top_n, self.keep_logits)
+
+
+def pick(result: Result, row: torch.Tensor, top_n: int, keep_logits: bool = False) -> int:
+    """The greedy token of one step's logits ``row`` ``[V]``, appended to ``result`` with the step's top-``top_n``
+    ``(id, logprob)`` (log-softmax in float32); ``keep_logits``: the row too. Returns the token."""
+    logp = torch.log_softmax(row.float(), dim=-1)
+    top = torch.topk(logp, min(top_n, logp.numel()))
+    tok = int(torch.argmax(row).item())
+    result.tokens.append(tok)
+    result.top.append([(int(i), float(v)) for i, v in zip(top.indices.tolist(), top.values.tolist())])
+    if keep_logits:
+        result.logits.append(row.float().cpu().numpy().copy())
+    return tok
+
+
+@dataclass
+class PromptRun:
+    """What :func:`prompt_runs` computed from one prompt's cache.
+
+    Attributes:
+        logits: float32 ``[T, V]``, every position of the prompt.
+        stream: the greedy continuation (tokens and top-N log-probs) when asked, else None.
+        forced: float32 ``[len(forced), V]``: the logits after each teacher-forced token, when asked, else None.
+    """
+
+    logits: torch.Tensor
+    stream: Result | None = None
+    forced: torch.Tensor | None = None
+
+
+def prompt_runs(model: FastModel, prompts: Sequence[Sequence[int]], traces: Sequence | None = None,
+                new_tokens: int = 0, forced: Sequence[Sequence[int]] | None = None, top_n: int = 5,
+                check_finite: bool = True, max_batch: int = 8) -> list[PromptRun]:
+    """Each prompt's logits at every position (a one-shot prefill of that prompt alone, traced with its entry of
+    ``traces``), then from the same cache either a greedy stream of ``new_tokens`` tokens or the logits after
+    each token of its ``forced`` list (one step over all of them: teacher forcing). What a job asks of an oracle,
+    without a second prefill: :meth:`fast.model.FastModel.logits` and :func:`generate` computed each prompt twice
+    (the latter in chunks of 64).
+
+    The streams of up to ``max_batch`` prompts decode together, one step for all of them: an eighth of the passes
+    over the weights. A prompt's stream is then its stream alone within fp32 rounding, not always bit for bit
+    (the batched~solo bound, ``tests/test_fast.py``: on the CPU the packed kernels give each row the same bits at
+    any batch up to :data:`fast.cpu_kernels.MAX_ROWS` rows, but on models with per-layer embeddings some small
+    operations do not).
+
+    Args:
+        model: the fast model.
+        prompts: token id sequences (text).
+        traces: one callback ``(point, layer, array)`` or None per prompt, for its prefill; None: no traces.
+        new_tokens: tokens to generate per prompt (0: none).
+        forced: per prompt, the tokens fed after it (not with ``new_tokens``); None: none.
+        top_n: ``(id, logprob)`` pairs kept per generated step.
+        check_finite: a generated step's logits holding NaN or Inf raise :class:`NonFiniteLogits`.
+        max_batch: prompts whose caches are held at once.
+
+    Returns:
+        One :class:`PromptRun` per prompt, in order; ``stream.tokens[0]`` is the greedy token of ``logits[-1]``.
+
+    Raises:
+        ValueError: both ``new_tokens`` and ``forced``; ``traces`` or ``forced`` not one per prompt.
+        PromptError: see :func:`reference.model.check_generation` (with ``new_tokens``) and ``check_prompt``.
+        NonFiniteLogits: see ``check_finite`` (the request is the prompt's index).
+    """
+    n_forced = [list(f) for f in forced] if forced is not None else [[] for _ in prompts]
+    traces = list(traces) if traces is not None else [None] * len(prompts)
+    if len(n_forced) != len(prompts) or len(traces) != len(prompts):
+        raise ValueError("prompt_runs: traces and forced hold one entry per prompt")
+    if new_tokens and any(n_forced):
+        raise ValueError("prompt_runs: a greedy stream or teacher-forced tokens, not both")
+    seqs = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    if new_tokens:
+        check_generation(model.cfg, [s.tolist() for s in seqs], new_tokens)
+    for s, f in zip(seqs, n_forced):
+        check_prompt(model.cfg, np.concatenate([s, np.asarray(f, dtype=np.int64)]))
+    out: list[PromptRun] = []
+    for lo in range(0, len(seqs), max_batch):
+        group = range(lo, min(lo + max_batch, len(seqs)))
+        longest = max(len(seqs[k]) + max(new_tokens, len(n_forced[k])) for k in group)
+        cache = model.new_cache(len(group), longest)
+        slots = [cache.alloc() for _ in group]
+        with torch.inference_mode():
+            runs = []
+            for k, slot in zip(group, slots):
+                run = PromptRun(model.step(cache, [SeqStep(slot, torch.from_numpy(seqs[k]), 0)], all_logits=True,
+                                           trace=traces[k]))
+                if n_forced[k]:
+                    f = torch.as_tensor(np.asarray(n_forced[k], dtype=np.int64))
+                    run.forced = model.step(cache, [SeqStep(slot, f, len(seqs[k]))], all_logits=True)
+                runs.append(run)
+            if new_tokens:
+                _streams(model, cache, slots, [seqs[k] for k in group], runs, group.start, new_tokens, top_n,
+                         check_finite)
+        out += runs
+    return out
+
+
+def _streams(model: FastModel, cache, slots: list[int], seqs: list[np.ndarray], runs: list[PromptRun], first: int,
+             new_tokens: int, top_n: int, check_finite: bool) -> None:
+    """:func:`prompt_runs`' greedy streams of one group, every sequence one token per step."""
+    for run in runs:
+        run.stream = Result("0")
+    rows = [run.logits[-1] for run in runs]
+    for i in range(new_tokens):
+        for k, (run, row) in enumerate(zip(runs, rows)):
+            if check_finite and not bool(all_finite(row)):
+                raise NonFiniteLogits(str(first + k), seqs[k].tolist() + run.stream.tokens, i,
+                                      describe_nonfinite(row))
+            pick(run.stream, row, top_n)
+        if i + 1 < new_tokens:
+            rows = list(model.step(cache, [SeqStep(slot, torch.tensor([run.stream.tokens[-1]]), len(s) + i)
+                                           for slot, s, run in zip(slots, seqs, runs)]))
 
 
 def generate(model: FastModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, batched: bool = True,

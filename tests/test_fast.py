@@ -163,3 +163,33 @@ def test_only_the_rows_asked_for_go_through_the_kv_shared_tail(monkeypatch):
     last = run()
     assert seen[tail[0]] == 2
     assert gate.check(float((last - full[[len(a) - 1, len(a) + len(b) - 1]]).abs().max()))
+
+
+def test_prompt_runs_continue_from_each_prompts_own_cache(case):
+    """``prompt_runs``: each prompt's logits are its one-shot prefill's; its stream is what the solo engine
+    generates, whether the streams decode together or one prompt at a time (the same tokens; log-probs within the
+    batched~solo gate: the engine prefills in chunks, and other batch sizes take other paths in some operations);
+    the teacher-forced rows are a full forward's over the prompt and those tokens (same gate)."""
+    from fast.engine import generate, prompt_runs
+
+    spec, cfg, w, fm = case
+    gate = resolve(spec.gates, spec.name)["fast.batched~solo.max_abs_logit"].limit
+    prompts = [p["prompt_ids"] for p in PROMPTS if len(p["prompt_ids"]) + 5 <= cfg.context_length][:5]
+    runs = prompt_runs(fm, prompts, new_tokens=5, top_n=4, max_batch=3)
+    alone = prompt_runs(fm, prompts, new_tokens=5, top_n=4, max_batch=1)
+    forced = prompt_runs(fm, prompts, forced=[r.stream.tokens[:-1] for r in runs])
+    for ids, run, one, f in zip(prompts, runs, alone, forced):
+        assert torch.equal(run.logits, fm.logits(ids)) and torch.equal(f.logits, run.logits)
+        solo = generate(fm, [ids], 5, batched=False, top_n=4)[0]
+        assert run.stream.tokens[0] == int(torch.argmax(run.logits[-1]))
+        for other in (one.stream, solo):
+            assert run.stream.tokens == other.tokens
+            for mine, theirs in zip(run.stream.top, other.top):
+                assert max(abs(a - dict(theirs).get(i, float("inf"))) for i, a in mine) <= gate
+        full = fm.logits(list(ids) + run.stream.tokens[:-1])[len(ids):]
+        assert f.stream is None and f.forced.shape == full.shape
+        assert float(torch.max(torch.abs(f.forced - full))) <= gate
+    with pytest.raises(ValueError, match="not both"):
+        prompt_runs(fm, [[2, 3]], new_tokens=2, forced=[[4]])
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        prompt_runs(fm, [[2, 3]], forced=[[4], [5]])

@@ -251,6 +251,10 @@ def test_masked_entries_and_large_logits():
         assert got[i] == pytest.approx(expected, rel=1e-12)
     # ours masks a token the base gives mass to: infinite divergence
     assert M.kld_per_position(np.array([[0.0, -np.inf]]), np.array([[0.0, 0.0]]))[0] == math.inf
+    # ours masks a token whose base mass underflows to 0 (exp(-1e4)): it contributes nothing, in that row only
+    under = M.kld_per_position(np.array([[0.0, -np.inf, 1.0], [0.0, 0.0, 1.0]]),
+                               np.array([[0.0, -1e4, 1.0], [0.0, -1e4, 1.0]]))
+    assert under[0] == pytest.approx(0.0, abs=1e-15) and 0 < under[1] < 1 and np.all(np.isfinite(under))
     # logits of size 1e4: a constant shift changes nothing, a real change is finite and exact
     big = np.array([[1e4, -1e4, 9999.0], [-1e4, 1e4 - 1.0, 1e4]])
     assert np.all(M.kld_per_position(big + 1234.5, big) <= 1e-12)
@@ -462,3 +466,14 @@ def test_greedy_bad_input():
         M.greedy_agreement([1], [1], [[1]], [[1]], n=0)
     with pytest.raises(ValueError, match="eps must be > 0"):
         M.max_rel_err([1.0], [1.0], eps=0.0)
+
+
+def test_top1_margin_is_the_gap_between_the_two_largest():
+    z = np.array([[1.0, 5.0, 3.0, 5.0], [0.0, -1.0, 2.5, 2.0], [-np.inf, 0.0, -np.inf, -3.0]])
+    assert M.top1_margin(z).tolist() == [0.0, 0.5, 3.0]
+    assert M.top1_margin(np.array([[4.0], [1.0]])).tolist() == [0.0, 0.0]
+    rng = np.random.default_rng(3)
+    for v in (2, 3, 17, 1000):
+        z = rng.standard_normal((5, v))
+        s = np.sort(z, axis=1)
+        assert np.array_equal(M.top1_margin(z), s[:, -1] - s[:, -2])

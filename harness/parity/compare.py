@@ -28,7 +28,7 @@ from reference.files import open_regular, read_text
 
 from ..core.gates import NEAR_TIE_MARGIN, resolve
 from ..core.kld import kld_stats
-from ..core.metrics import greedy_agreement
+from ..core.metrics import greedy_agreement, top1_margin
 from .result import CaseResult, Figure, fig
 
 PRECISIONS = {"fp32": "engine~oracle", "bf16": "engine_bf16~oracle"}
@@ -97,8 +97,7 @@ def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any =
         raise InputError(f"logits of shape {list(ours.shape)} against the oracle's {list(oracle.shape)}")
     d = np.abs(ours - oracle)
     st = kld_stats(ours, oracle)
-    top2 = np.sort(oracle, axis=1)[:, -2:] if oracle.shape[1] > 1 else np.concatenate([oracle, oracle], axis=1)
-    margin = top2[:, 1] - top2[:, 0]
+    margin = top1_margin(oracle)
     a_ours, a_ref = np.argmax(ours, axis=1), np.argmax(oracle, axis=1)
     decisive = margin >= near_tie
     flips = [[int(i), int(a_ref[i]), int(a_ours[i]), float(margin[i])] for i in np.nonzero(a_ours != a_ref)[0]]

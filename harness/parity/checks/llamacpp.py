@@ -20,7 +20,7 @@ from reference.tokenizer import tokenizer_from_gguf
 
 from ...core.gates import NEAR_TIE_MARGIN
 from ...core.kld import kld_stats
-from ...core.metrics import kld_histogram, kld_per_position, rel_l2
+from ...core.metrics import kld_histogram, kld_per_position, rel_l2, top1_margin
 from ...core.realdata import gemma3_270m_gguf
 from ...core.workers import EngineCrashed
 from ...engines.llamacpp import LlamaCppEngine
@@ -141,8 +141,7 @@ def _compare_row(case: str, pid: str, ours: np.ndarray, base: np.ndarray, kld_st
     d = np.abs(ours - base)
     at = np.unravel_index(int(np.argmax(d)), d.shape)
     st = kld_stats(ours, base)
-    top2 = np.sort(base, axis=1)[:, -2:] if base.shape[1] > 1 else np.concatenate([base, base], axis=1)
-    margin = top2[:, 1] - top2[:, 0]
+    margin = top1_margin(base)
     a_ours, a_ref = np.argmax(ours, axis=1), np.argmax(base, axis=1)
     flips = np.nonzero(a_ours != a_ref)[0]
     decisive = margin >= NEAR_TIE_MARGIN

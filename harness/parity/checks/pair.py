@@ -109,6 +109,7 @@ class ReferenceRuns:
         self._logits: dict[tuple[tuple[str, ...], str], tuple[np.ndarray, Trace]] = {}
         self._gens: dict[tuple[tuple[str, ...], int, int], dict[str, dict[str, Any]]] = {}
         self._cached: dict[str, tuple[int, np.ndarray]] = {}
+        self._forced: dict[tuple[tuple[str, ...], int, str], np.ndarray] = {}
         self.passes = 0
 
     def prefetch(self, sets: Sequence[tuple[str, ...]], prompts: Sequence[dict[str, Any]], new_tokens: int,
@@ -127,9 +128,9 @@ class ReferenceRuns:
 
         The values are the ones the one-by-one path gives, bit for bit (:mod:`reference.batch`).
         """
-        if self.oracle is not self.ref:
+        if self.oracle is not self.ref and not hasattr(self.oracle, "prompt_runs"):
             return
-        if batch.replaced():  # a --spec variant overrides what the many-forwards path does itself
+        if self.oracle is self.ref and batch.replaced():  # a --spec variant overrides what the many-forwards path does
             progress(f"reference: forwards one by one ({', '.join(batch.replaced())} replaced by --spec)")
             return
         context = self.ref.cfg.context_length
@@ -138,6 +139,9 @@ class ReferenceRuns:
         gen_sets = [a for a in asked if (a, new_tokens, top_n) not in self._gens] if gen_prompts and greedy else []
         need = [a for a in dict.fromkeys([(), *asked])
                 if a in gen_sets or any((a, str(p["id"])) not in self._logits for p in prompts)]
+        if self.oracle is not self.ref:
+            self._prefetch_oracle(need, prompts, gen_sets, gen_prompts, new_tokens, top_n)
+            return
         cached = cached and any(str(p["id"]) not in self._cached for p in prompts if len(p["prompt_ids"]) > 1)
         if not need and not cached:
             return
@@ -148,6 +152,43 @@ class ReferenceRuns:
         for approx, gens in res.generations.items():
             self._gens[(approx, new_tokens, top_n)] = as_streams(gen_prompts, gens)
         self.passes += res.passes
+
+    def _prefetch_oracle(self, need: Sequence[tuple[str, ...]], prompts: Sequence[dict[str, Any]],
+                         gen_sets: Sequence[tuple[str, ...]], gen_prompts: Sequence[dict[str, Any]], new_tokens: int,
+                         top_n: int) -> None:
+        """:meth:`prefetch` with an oracle that is not the reference (``--oracle fast``), through its
+        ``prompt_runs`` (one prefill per prompt and set): the traced logits of each set of ``need``; from the same
+        caches the greedy streams of a set of ``gen_sets``; and from the exact prompts' caches the log-prob
+        effect's teacher-forced logits along the first emulated set's streams (:meth:`logprob_effect`). The
+        emulated sets run first, so that the exact one can follow their streams. One by one, the same work took
+        four prefills of each prompt, a head over every prompt position of the forced forward, and a decode step
+        per prompt and token."""
+        gen_ids = {str(p["id"]) for p in gen_prompts}
+        along = next((a for a in gen_sets if a), None)
+        for a in [a for a in need if a] + [a for a in need if not a]:
+            streaming, forcing = a in gen_sets, not a and along is not None and a not in gen_sets
+            todo = [p for p in prompts if streaming or forcing or (a, str(p["id"])) not in self._logits]
+            follow = self._gens.get((along, new_tokens, top_n), {}) if forcing else {}
+            parts = {"stream": [p for p in todo if streaming and str(p["id"]) in gen_ids],
+                     "forced": [p for p in todo if str(p["id"]) in follow],
+                     "plain": [p for p in todo if not (streaming and str(p["id"]) in gen_ids)
+                               and str(p["id"]) not in follow]}
+            for how, part in parts.items():
+                if not part:
+                    continue
+                tokens = [follow[str(p["id"])]["tokens"][:-1] for p in part] if how == "forced" else None
+                traces = [TraceWriter(self.name, p["prompt_ids"], dtype="float32", keep_tensors=True) for p in part]
+                with self.numerics(a):
+                    runs = self.oracle.prompt_runs([list(p["prompt_ids"]) for p in part], traces=traces,
+                                                   new_tokens=new_tokens if how == "stream" else 0, forced=tokens,
+                                                   top_n=top_n)
+                for p, w, run in zip(part, traces, runs):
+                    self._logits[(a, str(p["id"]))] = (run.logits.double().cpu().numpy(), w.trace())
+                    if how == "forced":
+                        self._forced[(along, new_tokens, str(p["id"]))] = torch_rows(
+                            [run.logits[-1:]] + ([] if run.forced is None else [run.forced]))
+                if how == "stream":
+                    self._gens[(a, new_tokens, top_n)] = as_streams(part, [run.stream for run in runs])
 
     def cached_logits(self, prompt: dict[str, Any]) -> tuple[int, np.ndarray] | None:
         """``(prefill, float64 [T, V])``: the prompt's cached-vs-uncached logits when :meth:`prefetch` computed
@@ -216,18 +257,42 @@ class ReferenceRuns:
             gens = self.generations(approx, prompts, n, top_n)
             worst, where = 0.0, None
             streams = [(p, gens[str(p["id"])]) for p in prompts if gens[str(p["id"])]["tokens"]]
-            exact = self.raw_logits_many((), [list(p["prompt_ids"]) + g["tokens"][:-1] for p, g in streams])
-            for (p, g), z in zip(streams, exact):
-                ids = list(p["prompt_ids"])
+            for (p, g), z in zip(streams, self._forced_rows(approx, n, streams)):
                 lp = log_softmax(z)
                 for i, d in enumerate(g["logprobs"]):
-                    row = lp[len(ids) - 1 + i]
+                    row = lp[i]
                     for t, v in d.items():
                         if abs(v - row[t]) > worst:
                             worst = abs(v - row[t])
                             where = f"request {p['id']} step {i} token {t}: {v:.6g} with, {row[t]:.6g} without"
             self._gens[key] = (worst, where)
         return self._gens[key]
+
+
+    def _forced_rows(self, approx: tuple[str, ...], n: int,
+                     streams: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> list[np.ndarray]:
+        """The exact oracle's logits (float64 ``[len(tokens), V]``) of each stream's steps, teacher-forced: the
+        prompt's last position, then one position per stream token but the last. What :meth:`prefetch` computed,
+        else a forward of the prompt and the stream (the reference: in one pass over the weights,
+        :meth:`raw_logits_many`; an oracle with ``prompt_runs``: from one prefill each, no trace)."""
+        out: list[np.ndarray | None] = [self._forced.get((approx, n, str(p["id"]))) for p, _ in streams]
+        missing = [k for k, z in enumerate(out) if z is None]
+        if hasattr(self.oracle, "prompt_runs") and self.oracle is not self.ref:
+            runs = self.oracle.prompt_runs([list(streams[k][0]["prompt_ids"]) for k in missing],
+                                           forced=[streams[k][1]["tokens"][:-1] for k in missing])
+            for k, run in zip(missing, runs):
+                out[k] = torch_rows([run.logits[-1:]] + ([] if run.forced is None else [run.forced]))
+            return out
+        full = self.raw_logits_many((), [list(streams[k][0]["prompt_ids"]) + streams[k][1]["tokens"][:-1]
+                                         for k in missing])
+        for k, z in zip(missing, full):
+            out[k] = z[len(streams[k][0]["prompt_ids"]) - 1:]
+        return out
+
+
+def torch_rows(parts: Sequence[Any]) -> np.ndarray:
+    """Row blocks of an oracle's torch logits, stacked as one float64 array."""
+    return np.concatenate([t.double().cpu().numpy() for t in parts])
 
 
 def as_streams(prompts: Sequence[dict[str, Any]], gens: Sequence[Any]) -> dict[str, dict[str, Any]]:
