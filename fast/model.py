@@ -761,7 +761,8 @@ class FastModel:
         """:func:`moe_experts` with the layer's expert weights (:func:`moe_experts_static` while
         :attr:`static_shapes` is set). [N, h] -> [N, h]."""
         w, b = self.w, f"blk.{layer.index}."
-        run = moe_experts_static if self.static_shapes else moe_experts
+        dense = isinstance(w[b + "ffn_gate_up_exps.weight"], torch.Tensor)  # packed stacks: CPU, expert by expert
+        run = moe_experts_static if self.static_shapes and dense else moe_experts
         return run(x, w[b + "ffn_gate_up_exps.weight"], w[b + "ffn_down_exps.weight"], idx, wgt)
 
     def ple_block(self, layer: LayerSpec, y: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:

@@ -518,6 +518,10 @@ class QuantizedTensor:
     def __repr__(self) -> str:
         return f"QuantizedTensor({self.qtype.name}, shape={self.shape}, device={self.device}, nbytes={self.nbytes})"
 
+    def __getitem__(self, index: int) -> "QuantizedTensor":
+        """``t[e]``: :meth:`select` (one expert of a MoE stack, as a dense tensor's ``w[e]``)."""
+        return self.select(index)
+
     # ---- decoding
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -92,8 +92,8 @@ class FastWeights:
     def _held(cls, W, name: str, dtype: torch.dtype, keep_quantized: bool) -> str:
         """The dtype the matmuls of tensor ``name`` run in: float32 for a 1-D tensor and a packed quantized matrix
         (dequantized to float32 inside the product), else the compute dtype."""
-        packed = keep_quantized and len(W.shape(name)) == 2 and hasattr(W, "stored") and W.stored(name) is not None \
-            and W.raw_dtype(name) not in ("F32", "F16", "BF16")
+        packed = keep_quantized and len(W.shape(name)) in (2, 3) and hasattr(W, "stored") \
+            and W.stored(name) is not None and W.raw_dtype(name) not in ("F32", "F16", "BF16")
         return "float32" if cls._keep32(W, name) or packed else str(dtype).replace("torch.", "")
 
     @staticmethod
@@ -101,10 +101,13 @@ class FastWeights:
         qtype = W.raw_dtype(name)
         if qtype not in quants.SUPPORTED:
             raise InputError(f"{W.source}: tensor {name}: type {qtype} is not supported by fast dequantization")
-        if keep_quantized and len(W.shape(name)) == 2 and qtype not in ("F16", "BF16"):
+        if keep_quantized and qtype not in ("F16", "BF16") and (
+                len(W.shape(name)) == 2 or len(W.shape(name)) == 3 and device.type == "cpu"):
             # CPU: a view of the memory-mapped file, no copy, where its bytes are contiguous (a table cut by
             # --layers, such as the PLE table's first columns, is not: one packed copy); elsewhere: one copy
-            # on the device
+            # on the device. A MoE layer's expert stacks ([E, rows, row_len]) stay packed on the CPU, each expert
+            # a view (QuantizedTensor.__getitem__) through the packed kernels; on a GPU they are dequantized (the
+            # static-shape decoder gathers dense experts, fast.model.moe_experts_static).
             stored = W.stored(name)
             view = device.type == "cpu" and np.asarray(stored).flags.c_contiguous
             return quants.QuantizedTensor.from_numpy(stored, qtype, W.shape(name), device, copy=not view)

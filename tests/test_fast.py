@@ -193,3 +193,31 @@ def test_prompt_runs_continue_from_each_prompts_own_cache(case):
         prompt_runs(fm, [[2, 3]], new_tokens=2, forced=[[4]])
     with pytest.raises(ValueError, match="one entry per prompt"):
         prompt_runs(fm, [[2, 3]], forced=[[4], [5]])
+
+
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0"))
+def test_moe_expert_stacks_stay_packed_on_the_cpu(fmt):
+    """With packed weights on the CPU a MoE layer's expert stacks stay the file's bytes (each expert a view through
+    the packed kernels), the memory plan counts them as packed, and the logits and streams are the dequantized
+    engine's within fp32 rounding (the batched~solo bound: the same products, other accumulation orders)."""
+    from fast.quants import QuantizedTensor
+    from harness.core import memory
+    from harness.engines.fast import FastEngine
+
+    spec = synth.load_spec(MODELS_DIR / "26b-a4b.toml")
+    path = synth.ensure_built(spec.path).gguf[fmt]
+    gate = resolve(spec.gates, spec.name)["fast.batched~solo.max_abs_logit"].limit
+    packed, dense = FastEngine(path, weights="packed"), FastEngine(path, weights="dequantized")
+    stacks = [n for n in packed.model.w.t if n.endswith("_exps.weight")]
+    assert stacks and all(isinstance(packed.model.w[n], QuantizedTensor) for n in stacks)
+    assert not any(isinstance(dense.model.w[n], QuantizedTensor) for n in stacks)
+    info = memory.model_info(path)
+    on_cpu = memory.plan("fast", info, weights="packed", device="cpu").breakdown
+    on_gpu = memory._fast_terms(info, 16, 16, "float32", "packed", 1, device="cuda")[0]  # no GPU needed to plan
+    experts = sum(t.nbytes for n, t in info.tensors.items() if n.endswith("_exps.weight"))
+    assert on_cpu["packed weights"] - on_gpu["packed weights"] == experts > 0
+    for p in PROMPTS[:4]:
+        a, b = packed.logits(p["prompt_ids"]), dense.logits(p["prompt_ids"])
+        assert float(abs(a - b).max()) <= gate, p["id"]
+    ids = [p["prompt_ids"] for p in PROMPTS[:3]]
+    assert packed.generate(ids, 4) == dense.generate(ids, 4)

@@ -392,14 +392,16 @@ def _reference_terms(info: ModelInfo, tokens: int, context: int, forwards: int, 
     return terms, 0
 
 
-def _fast_terms(info: ModelInfo, tokens: int, context: int, dtype: str, weights: str, batch: int
-                ) -> tuple[dict[str, int], int]:
+def _fast_terms(info: ModelInfo, tokens: int, context: int, dtype: str, weights: str, batch: int,
+                device: str = "cpu") -> tuple[dict[str, int], int]:
     cfg = info.cfg
     elem = DTYPE_BYTES[dtype]
     dense = packed = 0
     biggest = 0
+    ranks = (2, 3) if str(device).startswith("cpu") else (2,)  # expert stacks stay packed on the CPU only
     for t in info.tensors.values():
-        keep_packed = weights == "packed" and info.form == "gguf" and len(t.shape) == 2 and t.dtype not in _UNPACKED
+        keep_packed = weights == "packed" and info.form == "gguf" and len(t.shape) in ranks \
+            and t.dtype not in _UNPACKED
         if keep_packed:
             packed += t.nbytes
             continue
@@ -454,7 +456,7 @@ def _terms(engine: str, info: ModelInfo, o: dict[str, Any]) -> tuple[dict[str, i
     if engine == "reference":
         return _reference_terms(info, tokens, context, o["forwards"], o["cache_bytes"], o["layer_held"])
     if engine == "fast":
-        return _fast_terms(info, tokens, context, o["dtype"], o["weights"], o["batch"])
+        return _fast_terms(info, tokens, context, o["dtype"], o["weights"], o["batch"], o["device"])
     if engine == "transformers":
         return _transformers_terms(info, tokens, context)
     if engine == "llamacpp":
@@ -577,7 +579,8 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
           KV-owning layer for the whole context (the reference masks, it does not evict);
           ``activations``: the hidden stream, the PLE inputs and one layer's attention scores.
         * fast ``weights``: every tensor in the compute dtype (1-D tensors float32); ``packed weights``:
-          with ``--weights packed`` the GGUF bytes of quantized matrices (mapped from the file:
+          with ``--weights packed`` the GGUF bytes of quantized matrices, and on the CPU of MoE expert stacks
+          (mapped from the file:
           RAM, not address space); ``largest tensor in conversion``: what converting one tensor holds
           beside the weights already made (a copy of its GGUF bytes; its float32 form when the
           compute dtype is another, or a float32 copy of a float tensor); ``KV cache``: float32, sliding
