@@ -161,7 +161,8 @@ def test_fast_oracle_prefetch_runs_each_prompt_once_per_set(case, monkeypatch):
         effect = max([effect] + [abs(v - lp[i, t]) for i, d in enumerate(g["logprobs"]) for t, v in d.items()])
     runs = []
     real = FastEngine.prompt_runs
-    monkeypatch.setattr(FastEngine, "prompt_runs", lambda self, ps, **k: runs.extend(map(len, ps)) or real(self, ps, **k))
+    monkeypatch.setattr(FastEngine, "prompt_runs",
+                        lambda self, ps, **k: runs.extend(map(len, ps)) or real(self, ps, **k))
     monkeypatch.setattr(FastEngine, "logits", lambda *a, **k: pytest.fail("a forward outside the prefetch"))
     monkeypatch.setattr(FastEngine, "generate_full", lambda *a, **k: pytest.fail("a generate outside the prefetch"))
     ahead.prefetch([GELU], prompts, new_tokens=4, top_n=3)
