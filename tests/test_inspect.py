@@ -150,10 +150,11 @@ def test_copied_constants_match_their_sources():
 
 def _check_memory_column(info, reader: gguf.GGUFReader) -> None:
     """Every row that runs carries the plan of its own setting; the fast rows' weight terms match the file as
-    ``gguf``'s reader lists it: 4 bytes per element in float32, the stored bytes of quantized matrices packed."""
+    ``gguf``'s reader lists it: 4 bytes per element in float32, the stored bytes of quantized matrices and (the
+    plan is the CPU's) of MoE expert stacks packed."""
     elements = sum(int(t.n_elements) for t in reader.tensors)
     packed = sum(int(t.n_bytes) for t in reader.tensors
-                 if len(t.shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16"))
+                 if len(t.shape) in (2, 3) and t.tensor_type.name not in ("F32", "F16", "BF16"))
     for r in info.engines:
         if not r.can_run:
             assert r.memory is None, r
