@@ -148,6 +148,67 @@ def _load():
     return _lib
 
 
+ROWS_SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_f32.c"
+ROWS_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+"""``rows_f32.c``'s flags: ``-ffp-contract=off`` so that every product rounds on its own, as its header defines."""
+_rows = None
+_rows_state = "unloaded"  # unloaded | ready | unavailable
+
+
+def _load_rows():
+    global _rows, _rows_state
+    if os.environ.get("G4H_CPU_KERNEL", "1") == "0":
+        _rows_state = "unavailable"
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(source=ROWS_SOURCE, flags=ROWS_FLAGS, libs=["-lm"])))
+        fn = lib.g4h_rms_norm_f32
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                       ctypes.c_double]
+        fn.restype = None
+        _rows, _rows_state = fn, "ready"
+    except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError):
+        _rows_state = "unavailable"
+    return _rows
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """RMS norm over the last dimension through ``csrc/rows_f32.c``, or None when it does not apply (the caller
+    uses torch).
+
+    The formula and its order of operations are the C file's header: the float64 sum of squares of each row in a
+    fixed lane order, the scale ``1 / sqrt(ss / n + eps)`` rounded once to float32, then ``(x * s) * w`` in
+    float32. Same formula as the reference's ``rms_norm``. Why a kernel: torch's composite costs 9-15 us a call
+    on decode-sized rows (six dispatches), this one about 2 us (``python tests/speed_runs.py`` has no part for
+    it; the figure is from ``g4h bench`` on Gemma 3 270M, whose step makes 109 norms).
+
+    Args:
+        x: float32 ``[..., n]`` on the CPU (made contiguous if it is not).
+        weight: float32 ``[n]`` on the CPU, or None (scale only).
+        eps: added to the mean square.
+
+    Returns:
+        float32, ``x``'s shape (a new tensor), or None (not float32, not on the CPU, autograd, no compiler,
+        ``G4H_CPU_KERNEL=0``). The choice depends on dtypes and devices only, never on values.
+    """
+    if _rows_state == "unavailable":
+        return None
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1 or x.shape[-1] < 1
+            or weight is not None and (weight.device.type != "cpu" or weight.dtype != torch.float32
+                                       or weight.shape != (x.shape[-1],))
+            or torch.is_grad_enabled() and (x.requires_grad or weight is not None and weight.requires_grad)):
+        return None
+    fn = _rows if _rows_state == "ready" else _load_rows()
+    if fn is None:
+        return None
+    x = x.contiguous()
+    w = None if weight is None else weight.contiguous()
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    fn(x.data_ptr(), None if w is None else w.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+    return y
+
+
 def status() -> tuple[bool, str]:
     """``(available, reason)``: whether the kernel is in use here, and why not when it is not."""
     if _state == "unloaded":

@@ -36,7 +36,7 @@ from reference.errors import InputError
 from reference.model import TraceFn, check_prompt, rope_inv_freq
 from reference.multimodal import Injection, check_injection, pad_id
 
-from . import cpu_kernels
+from . import cpu_kernels, quant_kernels
 from .kvcache import PagedKVCache
 from .multimodal import chunk_end, llm_input_ids, merge_embeddings, vision_blocks
 from .weights import FastWeights
@@ -82,10 +82,16 @@ def resolve_device(name: str | None) -> torch.device:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm in float32, result in x's dtype. [..., n], [n] -> [..., n]. Source: transformers ``Gemma4RMSNorm``.
 
-    ``x * rsqrt(mean(x**2) + eps) * weight``, computed by torch's fused ``F.rms_norm`` on the float32 input (one
-    op instead of seven: a decode step makes over a hundred of these calls); it gives the same bits as the
-    written-out formula (checked in ``tests/test_ops.py``)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+    ``x * (1 / sqrt(mean(x**2) + eps)) * weight``. On the CPU, for float32 weights,
+    :func:`fast.cpu_kernels.rms_norm_f32` (one C call: the mean square summed in float64 in a fixed order, its
+    header has the bits; a decode step makes over a hundred of these calls, and torch's composite costs six
+    dispatches each); elsewhere torch's fused ``F.rms_norm`` on the float32 input, which gives the bits of
+    ``x * rsqrt(mean(x**2) + eps) * weight`` written out in float32. ``tests/test_ops.py`` checks both."""
+    xf = x.float()
+    y = cpu_kernels.rms_norm_f32(xf, weight, eps) if xf.device.type == "cpu" else None
+    if y is None:
+        y = F.rms_norm(xf, (x.shape[-1],), weight, eps)
+    return y.to(x.dtype)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +121,10 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
             if y is not None:
                 return y
         return F.linear(x, w)
+    if w.kernel_layout is not None and x.dtype == torch.float32 and x.dim() == 2:  # a decode step's products:
+        y = quant_kernels.linear(x, w.raw, w.type_name, w.shape[1], w.kernel_layout)  # straight to the kernel
+        if y is not None:
+            return y
     return w.linear(x).to(x.dtype)
 
 

@@ -50,7 +50,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import cpu_kernels
 
-__all__ = ["MAX_ROWS", "TYPES", "SOURCE", "FLAGS", "status", "isa", "disabled", "linear", "take_rows",
+__all__ = ["MAX_ROWS", "TYPES", "SOURCE", "FLAGS", "status", "isa", "disabled", "layout", "linear", "take_rows",
            "dequantize_rows"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_quant.c"
@@ -132,9 +132,10 @@ def isa() -> int | None:
     return None if lib is None else int(lib.g4h_qk_isa())
 
 
-def _layout(raw: torch.Tensor, qtype: str, row_len: int) -> tuple[int, int] | None:
+def layout(raw: torch.Tensor, qtype: str, row_len: int) -> tuple[int, int] | None:
     """``(GGML type number, bytes per row)`` when ``raw`` is a contiguous CPU ``[rows, bytes_per_row]`` block
-    of a kernel type with rows of ``row_len`` elements, else None."""
+    of a kernel type with rows of ``row_len`` elements, else None. Depends on the tensor's type, shape, device
+    and layout only (what :func:`linear` checks), so a caller may work it out once per weight and pass it."""
     sizes = _SIZES.get(qtype)
     if sizes is None or raw.device.type != "cpu" or raw.dtype != torch.uint8 or raw.dim() != 2:
         return None
@@ -151,7 +152,8 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what}: packed kernel returned {rc} after the Python side accepted the arguments")
 
 
-def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> torch.Tensor | None:
+def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int,
+           lay: tuple[int, int] | None = None) -> torch.Tensor | None:
     """``x @ dequant(W).T`` for ``W`` the packed ``[N, row_len]`` matrix in ``raw``; None when the kernel cannot.
 
     Args:
@@ -159,6 +161,8 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> torc
         raw: uint8 ``[N, bytes_per_row]``, contiguous, on the CPU (a :class:`fast.quants.QuantizedTensor`'s bytes).
         qtype: GGUF type name (``"Q8_0"``).
         row_len: elements per row of ``W`` (``K``).
+        lay: :func:`layout` of ``raw`` worked out before (a :class:`fast.quants.QuantizedTensor`'s
+            ``kernel_layout``), or None to work it out here.
 
     Returns:
         float32 ``[M, N]`` (a new tensor), or None.
@@ -166,7 +170,8 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> torc
     if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS
             or x.shape[1] != row_len or torch.is_grad_enabled() and x.requires_grad):
         return None
-    lay = _layout(raw, qtype, row_len)
+    if lay is None:
+        lay = layout(raw, qtype, row_len)
     lib = _get() if lay is not None else None
     if lib is None:
         return None
@@ -187,7 +192,7 @@ def take_rows(raw: torch.Tensor, qtype: str, row_len: int, ids: torch.Tensor) ->
         raw: as in :func:`linear`.
         ids: int64 ``[n]`` on the CPU, every id in ``[0, N)`` (the caller checks; out-of-range ids are not caught here).
     """
-    lay = _layout(raw, qtype, row_len)
+    lay = layout(raw, qtype, row_len)
     lib = _get() if lay is not None else None
     if lib is None or ids.device.type != "cpu" or ids.dim() != 1:
         return None
@@ -204,7 +209,7 @@ def dequantize_rows(raw: torch.Tensor, qtype: str, row_len: int, start: int, sto
     Bit-identical with ``gguf.quants.dequantize``. None when the kernel does not apply. The caller
     checks ``0 <= start <= stop <= N``.
     """
-    lay = _layout(raw, qtype, row_len)
+    lay = layout(raw, qtype, row_len)
     lib = _get() if lay is not None else None
     if lib is None:
         return None

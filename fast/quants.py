@@ -450,7 +450,12 @@ class QuantizedTensor:
         self.shape: tuple[int, ...] = tuple(int(s) for s in shape)
         rows, row_bytes = _check_raw(raw, name, self.shape)
         self.qtype: GGMLQuantizationType = GGMLQuantizationType[name]
+        self.type_name: str = name
         self.raw: torch.Tensor = raw.reshape(rows, row_bytes)
+        # (GGML type number, bytes per row) when the CPU packed kernels take this matrix, else None: worked out
+        # once, so that a decode step's hundred-odd products skip the checks (fast.model.linear)
+        self.kernel_layout: tuple[int, int] | None = (
+            quant_kernels.layout(self.raw, name, self.shape[-1]) if len(self.shape) == 2 else None)
 
     # ---- construction
 

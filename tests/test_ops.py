@@ -428,18 +428,56 @@ def test_blocked_attention_equals_the_whole_score_matrix(window, image):
     assert np.max(np.abs(rm.attention(q, k, v, pos, pos, window, 1.0, *blocks) - whole)) <= 1e-12
 
 
-def test_fused_rms_norm_gives_the_written_out_formulas_bits():
-    """fast's rms_norm calls torch's fused F.rms_norm; on the CPU it must give the bits of
-    ``x * rsqrt(mean(x**2) + eps) * w`` written out in float32 (what fast computed before, and the same
-    formula as the reference), with and without a weight, for decode and prefill row counts."""
+def _rms_norm_rows_f32(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """``fast/csrc/rows_f32.c``'s rms_norm replayed in NumPy from its header: squares summed in float64 in 8 lanes
+    (lane l takes i = l, l + 8, ... in order), the fixed tree, the scale rounded once to float32, then
+    ``(x * s) * w`` in float32."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[1]
+    out = np.empty_like(rows)
+    for r, row in enumerate(rows):
+        sq = np.zeros(-(-n // 8) * 8)
+        sq[:n] = row.astype(np.float64) ** 2
+        a = np.zeros(8)
+        for chunk in sq.reshape(-1, 8):  # one addition per lane per chunk, in order (a padded 0.0 changes nothing)
+            a = a + chunk
+        b = a[:4] + a[4:]
+        c = b[:2] + b[2:]
+        s = np.float32(1.0 / np.sqrt((c[0] + c[1]) / n + eps))
+        out[r] = row * s if w is None else (row * s) * w
+    return out.reshape(x.shape)
+
+
+def test_rms_norm_gives_its_defined_bits_on_the_cpu_and_the_fused_formulas_elsewhere():
+    """fast's rms_norm on the CPU is the C kernel: the bits of its header's formula (replayed in NumPy), with and
+    without a weight, for decode and prefill row counts and widths that are not a multiple of the 8 lanes, a row's
+    result the same alone and among others, and within a few float32 ulps of the float64 reference. Where the
+    kernel does not apply (on a GPU; here the kernel switched off), torch's fused F.rms_norm: the bits of
+    ``x * rsqrt(mean(x**2) + eps) * w`` written out in float32."""
+    from fast import cpu_kernels
     from fast.model import rms_norm
 
+    assert cpu_kernels.rms_norm_f32(torch.ones(1, 8), None, 1e-6) is not None, "the row kernels did not build"
     g = torch.Generator().manual_seed(0)
-    for shape in [(1, 640), (3, 256), (16, 2560), (37, 4, 128)]:
+    for shape in [(1, 640), (3, 256), (16, 2560), (37, 4, 128), (2, 13), (5, 1)]:
         x = torch.randn(shape, generator=g) * 3
         w = torch.rand(shape[-1], generator=g) + 0.5
         for weight in (w, None):
-            ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            got = rms_norm(x, weight, 1e-6)
+            want = _rms_norm_rows_f32(x.numpy(), None if weight is None else weight.numpy(), 1e-6)
+            assert np.array_equal(got.numpy(), want), (shape, weight is None)
+            alone = rms_norm(x.reshape(-1, shape[-1])[-1:], weight, 1e-6)
+            assert torch.equal(alone[0], got.reshape(-1, shape[-1])[-1]), shape
+            ref = rm.rms_norm(x.double().numpy(), None if weight is None else weight.double().numpy(), 1e-6)
+            # x * s, then * w: two float32 roundings and the scale's own, each at most half an ulp
+            assert np.max(np.abs(got.double().numpy() - ref) / np.maximum(np.abs(ref), 1e-30)) <= 1.5 * 2.0 ** -23
+            saved = cpu_kernels._rows_state
+            cpu_kernels._rows_state = "unavailable"
+            try:
+                fused = rms_norm(x, weight, 1e-6)
+            finally:
+                cpu_kernels._rows_state = saved
+            written = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
             if weight is not None:
-                ref = ref * weight
-            assert torch.equal(rms_norm(x, weight, 1e-6), ref), (shape, weight is None)
+                written = written * weight
+            assert torch.equal(fused, written), (shape, weight is None)

@@ -86,6 +86,12 @@ typedef __m512 V;
 typedef __m512i VI;
 static inline V v_zero(void) { return _mm512_setzero_ps(); }
 static inline V v_set1(float f) { return _mm512_set1_ps(f); }
+/* the fp16 at p (little-endian) widened to float32 in every lane: broadcast, then one vector conversion */
+static inline V v_set1_f16(const uint8_t *p) {
+    int16_t h;
+    memcpy(&h, p, 2);
+    return _mm512_cvtph_ps(_mm256_set1_epi16(h));
+}
 static inline V v_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void v_store(float *p, V v) { _mm512_storeu_ps(p, v); }
 static inline V v_fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -129,6 +135,12 @@ typedef struct { __m256 a, b; } V;   /* lanes 0-7, 8-15 */
 typedef struct { __m256i a, b; } VI;
 static inline V v_zero(void) { return (V){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline V v_set1(float f) { return (V){_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+static inline V v_set1_f16(const uint8_t *p) {
+    int16_t h;
+    memcpy(&h, p, 2);
+    __m256 f = _mm256_cvtph_ps(_mm_set1_epi16(h));
+    return (V){f, f};
+}
 static inline V v_load(const float *p) { return (V){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 static inline void v_store(float *p, V v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
 static inline V v_fma(V a, V b, V c) { return (V){_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
@@ -197,6 +209,7 @@ typedef struct { int32_t i[16]; } VI;
 #define LANES for (int l = 0; l < 16; l++)
 static inline V v_zero(void) { V r; LANES r.f[l] = 0.0f; return r; }
 static inline V v_set1(float f) { V r; LANES r.f[l] = f; return r; }
+static inline V v_set1_f16(const uint8_t *p) { return v_set1(f16_to_f32(p)); }
 static inline V v_load(const float *p) { V r; memcpy(r.f, p, sizeof r.f); return r; }
 static inline void v_store(float *p, V v) { memcpy(p, v.f, sizeof v.f); }
 static inline V v_fma(V a, V b, V c) { V r; LANES r.f[l] = fmaf(a.f[l], b.f[l], c.f[l]); return r; }
@@ -490,7 +503,7 @@ typedef void (*fused_fn)(const uint8_t *w, long rb, long nb, const float *x, lon
         FZ_LOAD(R, MB)                                                                                   \
         for (long i = 0; i < nb; i++, x += 32) {                                                         \
             V d[R];                                                                                      \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) d[r] = v_set1(f16_to_f32(w + r * rb + 34 * i)); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) d[r] = v_set1_f16(w + r * rb + 34 * i);      \
             V g[R];                                                                                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g[r] = v_mul(d[r], v_cvt(vi_i8(w + r * rb + 34 * i + 2))); \
             FZ_ACC(MB, R, g, 0);                                                                         \
@@ -509,7 +522,7 @@ typedef void (*fused_fn)(const uint8_t *w, long rb, long nb, const float *x, lon
             V t[R];                                                                                      \
             VI q[R];                                                                                     \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                        \
-                t[r] = v_mul(v_set1(f16_to_f32(w + r * rb + 18 * i)), io);                               \
+                t[r] = v_mul(v_set1_f16(w + r * rb + 18 * i), io);                                            \
                 q[r] = vi_u8(w + r * rb + 18 * i + 2);                                                   \
             }                                                                                            \
             V g[R];                                                                                      \
@@ -532,7 +545,7 @@ typedef void (*fused_fn)(const uint8_t *w, long rb, long nb, const float *x, lon
             uint32_t qh[R];                                                                              \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                        \
                 const uint8_t *b = w + r * rb + 22 * i;                                                  \
-                V d = v_set1(f16_to_f32(b));                                                             \
+                V d = v_set1_f16(b);                                                                     \
                 t0[r] = v_mul(d, lo);                                                                    \
                 t1[r] = v_mul(d, hi);                                                                    \
                 qh[r] = le32(b + 2);                                                                     \
@@ -752,6 +765,8 @@ static void qlinear_fused_run(void *p, long run, int tid) {
         const int streams = ti < Q;
         const long row0 = streams ? ti : S * Q + (ti - Q), nr = streams ? S : 1, step = streams ? Q * rb : rb;
         for (long i = 0; i < nr * M; i++) acc[i] = v_zero();
+        if (M > 2 && streams && ti + 1 < Q) /* compute-bound rows: fetch the next row of each stream now */
+            for (long r = 0; r < S; r++) prefetch_range(j->w + (row0 + 1 + r * Q) * rb, rb);
         for (long k0 = 0; k0 < K; k0 += kc) {
             const long kn = K - k0 < kc ? K - k0 : kc;
             const uint8_t *src = j->w + row0 * rb + k0 / bs * ts;
