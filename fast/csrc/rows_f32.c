@@ -35,3 +35,36 @@ void g4h_rms_norm_f32(const float *x, const float *w, float *y, long rows, long 
             for (long k = 0; k < n; k++) yr[k] = xr[k] * s;
     }
 }
+
+/* g4h_softcap_f32: y[i] = cap * tanh(x[i] / cap), evaluated in double and rounded once to float32 (Gemma's final
+ * logit soft-cap: transformers Gemma4ForCausalLM.forward; llama.cpp's llm_graph ... ggml_tanh between two scales).
+ * With t = x / cap and a = min(|t|, 20) (tanh(20) is 1 in double; a NaN takes the last branch below):
+ *   a < 1/8:  tanh(a) = a (1 - a^2/3 + 2a^4/15 - 17a^6/315 + 62a^8/2835 - 1382a^10/155925) (Taylor; the first
+ *             term left out, 21844a^13/6081075, is below 1e-13 of the value);
+ *   else:     tanh(a) = 1 - 2 / (e + 1), e = exp(2a) = (sum_{k<=14} r^k / k!)^(2^6), r = 2a / 64 <= 0.625 (the
+ *             series' remainder is below 1e-15, the six squarings multiply the relative error by 64).
+ * Then the sign of t back (so -0 stays -0), y = (float)(cap * tanh(t)); NaN in, NaN out; +-Inf gives +-cap.
+ * The double value is within 1e-13 relative of tanh's, so y is the correctly rounded float32 of
+ * cap * tanh(x / cap) or, where that lies within 1e-13 of a rounding boundary, one ulp from it (torch's float32
+ * tanh, Sleef's 1-ulp one, then x / cap and * cap each rounded, is no closer). Branch-free, so the compiler
+ * vectorises it (8 doubles a register with AVX-512): an element's value never depends on its neighbours. */
+static const double INV[15] = {0, 1.0, 1.0 / 2, 1.0 / 3, 1.0 / 4, 1.0 / 5, 1.0 / 6, 1.0 / 7, 1.0 / 8, 1.0 / 9,
+                                1.0 / 10, 1.0 / 11, 1.0 / 12, 1.0 / 13, 1.0 / 14};
+
+void g4h_softcap_f32(const float *x, float *y, long n, double cap) {
+    for (long i = 0; i < n; i++) {
+        const double t = (double)x[i] / cap;
+        const double a0 = fabs(t), a = a0 < 20.0 ? a0 : 20.0;
+        const double z = a * a;
+        const double small =
+            a * (1.0 + z * (-1.0 / 3 + z * (2.0 / 15 + z * (-17.0 / 315 + z * (62.0 / 2835 + z * (-1382.0 / 155925))))));
+        const double r = a * (2.0 / 64);
+        double e = 1.0; /* Horner: 1 + r/1 (1 + r/2 (1 + ... (1 + r/14))), 1/k rounded to double */
+        _Pragma("GCC unroll 14") for (int k = 14; k >= 1; k--) e = 1.0 + r * INV[k] * e;
+        e *= e; e *= e; e *= e; e *= e; e *= e; e *= e;
+        const double big = 1.0 - 2.0 / (e + 1.0);
+        const double th = a < 0.125 ? small : big;
+        const double v = copysign(th, t);
+        y[i] = t != t ? (float)t : (float)(cap * v);
+    }
+}
