@@ -156,11 +156,12 @@ ROWS_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-
 only concerns floating-point exception flags), so that the loop vectorises."""
 _rows = None
 _softcap = None
+_argmax = None
 _rows_state = "unloaded"  # unloaded | ready | unavailable
 
 
 def _load_rows():
-    global _rows, _softcap, _rows_state
+    global _rows, _softcap, _argmax, _rows_state
     if os.environ.get("G4H_CPU_KERNEL", "1") == "0":
         _rows_state = "unavailable"
         return None
@@ -173,7 +174,10 @@ def _load_rows():
         sc = lib.g4h_softcap_f32
         sc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_double]
         sc.restype = None
-        _rows, _softcap, _rows_state = fn, sc, "ready"
+        am = lib.g4h_argmax_f32
+        am.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+        am.restype = ctypes.c_int
+        _rows, _softcap, _argmax, _rows_state = fn, sc, am, "ready"
     except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError):
         _rows_state = "unavailable"
     return _rows
@@ -240,6 +244,28 @@ def softcap_f32(x: torch.Tensor, cap: float) -> torch.Tensor | None:
     y = torch.empty_like(x)
     _softcap(x.data_ptr(), y.data_ptr(), x.numel(), float(cap))
     return y
+
+
+def argmax_f32(x: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """``(x.argmax(-1), every value finite)`` of float32 ``[rows, n]`` logits in one pass (``csrc/rows_f32.c``),
+    or None when it does not apply (the caller uses torch: :func:`fast.engine.all_finite`, then ``argmax``).
+
+    The indices are torch's (the first largest value of each row) whenever every value is finite; when one is not,
+    they are meaningless and the flag is False (the decode loop raises). Why: a decode step's greedy pick and
+    output check over 262,144 logits took 0.2-0.3 ms in torch (two passes), 0.03 ms here.
+
+    Returns: (int64 ``[rows]``, bool) or None (not a 2-D float32 CPU tensor, rows of 2^31 or more values, no
+    compiler, ``G4H_CPU_KERNEL=0``).
+    """
+    if (_rows_state == "unavailable" or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or not 0 < x.shape[1] < 2 ** 31):
+        return None
+    if _rows_state != "ready" and _load_rows() is None:
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    finite = _argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out, bool(finite)
 
 
 def status() -> tuple[bool, str]:

@@ -505,3 +505,23 @@ def test_softcap_on_the_cpu_is_within_one_ulp_of_the_correctly_rounded_value():
     got, torch_way = softcap(special, 30.0), torch.tanh(special / 30.0) * 30.0
     assert torch.equal(torch.signbit(got[:4]), torch.signbit(torch_way[:4])) and torch.equal(got[:4], torch_way[:4])
     assert torch.isnan(got[4])
+
+
+def test_argmax_on_the_cpu_is_torchs_and_flags_every_non_finite_value():
+    """The one-pass greedy pick of the CPU decode loop (``fast.cpu_kernels.argmax_f32``) gives torch's argmax (the
+    first largest value) on rows of several lengths, ties included, and reports a row that holds a NaN or +-Inf
+    anywhere (first, last, in the tail past the 16 lanes)."""
+    from fast import cpu_kernels
+
+    g = torch.Generator().manual_seed(2)
+    for rows, n in [(1, 262144), (3, 1000), (2, 17), (4, 5), (8, 4099)]:
+        x = torch.randn(rows, n, generator=g)
+        x[0, n // 3] = x[0, n - 1] = 50.0  # a tie: the first one wins
+        got = cpu_kernels.argmax_f32(x)
+        assert got is not None, "the row kernels did not build"
+        assert torch.equal(got[0], x.argmax(-1)) and got[1], (rows, n)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for at in (0, n - 1, n // 2):
+                y = x.clone()
+                y[rows - 1, at] = bad
+                assert cpu_kernels.argmax_f32(y)[1] is False, (rows, n, bad, at)

@@ -16,6 +16,9 @@
  */
 #include <math.h>
 #include <stddef.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 void g4h_rms_norm_f32(const float *x, const float *w, float *y, long rows, long n, double eps) {
     for (long r = 0; r < rows; r++) {
@@ -67,4 +70,72 @@ void g4h_softcap_f32(const float *x, float *y, long n, double cap) {
         const double v = copysign(th, t);
         y[i] = t != t ? (float)t : (float)(cap * v);
     }
+}
+
+/* g4h_argmax_f32: out[r] = the first index of the largest value of row r of x [rows, n] (n < 2^31), as torch.argmax
+ * gives it for a row of finite values; returns 1 when every value of x is finite, else 0 (then out[] is
+ * meaningless: the caller raises). One pass in 16 lanes: lane l keeps the largest value of i = l, l + 16, ... and
+ * the first index it was seen at; the lanes' largest value, then the smallest index among the lanes holding it.
+ * With AVX-512 the pass is written with intrinsics (the same lanes, one register each). */
+int g4h_argmax_f32(const float *x, long rows, long n, long *out) {
+    int finite = 1;
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float m[16];
+        int idx[16], bad[16];
+        for (int l = 0; l < 16; l++) {
+            m[l] = -INFINITY;
+            idx[l] = -1;
+            bad[l] = 0;
+        }
+        long i = 0;
+#if defined(__AVX512F__)
+        if (n >= 16) { /* the same lanes in one register each: m, idx, and the lanes that saw a non-finite value */
+            __m512 vm = _mm512_set1_ps(-INFINITY);
+            __m512i vi = _mm512_set1_epi32(-1), at16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                           13, 14, 15);
+            const __m512i step = _mm512_set1_epi32(16);
+            const __m512 fmax = _mm512_set1_ps(3.4028234663852886e38f);
+            __mmask16 nonfinite = 0;
+            for (; i + 16 <= n; i += 16) {
+                const __m512 v = _mm512_loadu_ps(xr + i);
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, vm, _CMP_GT_OQ);
+                vm = _mm512_mask_mov_ps(vm, gt, v);
+                vi = _mm512_mask_mov_epi32(vi, gt, at16);
+                nonfinite |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), fmax, _CMP_NLE_UQ);
+                at16 = _mm512_add_epi32(at16, step);
+            }
+            _mm512_storeu_ps(m, vm);
+            _mm512_storeu_si512(idx, vi);
+            for (int l = 0; l < 16; l++) bad[l] = (nonfinite >> l) & 1;
+        }
+#endif
+        for (; i + 16 <= n; i += 16)
+            for (int l = 0; l < 16; l++) {
+                const float v = xr[i + l];
+                const int gt = v > m[l];
+                m[l] = gt ? v : m[l];
+                idx[l] = gt ? (int)(i + l) : idx[l];
+                bad[l] |= !(fabsf(v) <= 3.4028234663852886e38f);
+            }
+        for (int l = 0; i + l < n; l++) {
+            const float v = xr[i + l];
+            if (v > m[l]) {
+                m[l] = v;
+                idx[l] = (int)(i + l);
+            }
+            bad[l] |= !(fabsf(v) <= 3.4028234663852886e38f);
+        }
+        float best = -INFINITY;
+        long at = 0;
+        for (int l = 0; l < 16; l++) {
+            finite &= !bad[l];
+            if (m[l] > best || (m[l] == best && idx[l] >= 0 && idx[l] < at)) {
+                best = m[l];
+                at = idx[l];
+            }
+        }
+        out[r] = at;
+    }
+    return finite;
 }
