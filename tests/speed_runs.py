@@ -267,7 +267,7 @@ def bench_runs(work: Path, tree: Path, reps: int) -> list[dict[str, Any]]:
                 data = json.loads((Path(report).parent / "results.json").read_text())
                 res["rows"] = [{k: r.get(k) for k in ("engine", "dtype", "batch", "mean_tok_s", "std_tok_s",
                                                       "roofline_share", "bytes_per_token")} for r in data["rows"]]
-                res["bandwidth_gbs"] = data.get("bandwidth_gbs")
+                res["bandwidth_gbs"] = round(data["read_bandwidth_gbs"], 1) if data.get("read_bandwidth_gbs") else None
                 res["ratios"] = data.get("ratios")
                 res["load_avg"] = data.get("machine", {}).get("load_avg")
             out.append(res)

@@ -8,7 +8,10 @@
  * register block of R rows of W (R = 4 at M <= 2, else 2) against up to 8 rows of x; each group of 16 weights is
  * decoded into one vector and multiplied at once into the accumulators of every row of x, over K in chunks that
  * keep the x chunk in L1. The R rows come from R long sequential streams (W's rows cut in R contiguous parts,
- * walked row by row: qlinear_fused_run), which the hardware prefetchers follow. The other types: threads claim
+ * walked row by row: qlinear_fused_run), which the hardware prefetchers follow; at more than two rows of x, where
+ * the multiply-adds bound it, each block first prefetches the next row of its R streams (the prefetchers fell
+ * behind there: the same product from memory ran 20-45 % slower than from L2; measured at M = 8, 1 thread, on the
+ * four fused types, now within 15 % of L2). The other types: threads claim
  * runs of tiles of adjacent rows (~64 KB each); for each tile a chunk of K of R rows is dequantized into a small
  * float buffer that stays in L1, then an M x R register-blocked multiply-add runs over it (tiles of 16 rows keep
  * the x chunk in L1 while 16 weight rows pass when x does not fit in L1 whole). Either way every packed byte is
