@@ -20,8 +20,9 @@ for a before/after table; ``--verdict-runs`` picks runs (``<shape>[-<layers>]-<r
 ``--layers``).
 
 ``--part bench``: one ``g4h bench`` run per model with ``--engines fast,llamacpp,llamacpp-native`` (repetitions
-interleaved), tg32 at batch 1 and 8, 1 and 2 threads: the E2B shape cut to 4 layers in Q8_0 (written into
-``--work``) and the real Gemma 3 270M Q4_K_M. The roofline shares come from the bench's own bandwidth probe.
+interleaved), tg32 at batch 1 and 8, 1 and 2 threads: the E2B shape cut to 4 layers in Q8_0 and in Q4_K_M (written
+into ``--work``; the Q4_K_M one by the cached ``llama-quantize`` from an f16 file) and the real Gemma 3 270M
+Q4_K_M. The roofline shares come from the bench's own bandwidth probe.
 
 The load average is printed at the start and the end of every run: figures taken on a loaded machine are not
 the machine's. Output: one JSON object per run on stdout, then the tables (markdown) on stderr and in
@@ -230,6 +231,22 @@ def ensure_file(work: Path, shape: str, layers: int | None, fmt: str = "q8_0") -
     return path
 
 
+def ensure_q4_k_m(work: Path, shape: str, layers: int) -> Path:
+    """The shape cut to ``layers`` in Q4_K_M: the f16 file from ``g4h synth``'s writer, quantized by the cached
+    ``llama-quantize`` (built beside ``llama-server`` on first use), as a user makes one."""
+    path = work / f"{shape}-l{layers}-q4_k_m.gguf"
+    if not path.exists():
+        from harness.engines.llamacpp.tools import ensure_tools
+
+        f16 = ensure_file(work, shape, layers, fmt="f16")
+        t = time.perf_counter()
+        subprocess.run([str(ensure_tools().quantize), str(f16), str(path), "Q4_K_M"], check=True,
+                       capture_output=True)
+        print(json.dumps({"wrote": str(path), "bytes": path.stat().st_size,
+                          "seconds": round(time.perf_counter() - t, 1)}), flush=True)
+    return path
+
+
 def verdict_runs(names: list[str], work: Path, trees: list[Path], threads: int,
                  before: set[str] | None = None, timeout: float | None = None) -> list[dict[str, Any]]:
     """The parity runs ``names`` on each tree (the first, an older tree, only for the runs in ``before``)."""
@@ -251,11 +268,11 @@ def verdict_runs(names: list[str], work: Path, trees: list[Path], threads: int,
 
 def bench_runs(work: Path, tree: Path, reps: int) -> list[dict[str, Any]]:
     out = []
-    e2b4 = ensure_file(work, "e2b", 4)
     sys.path.insert(0, str(tree))
+    e2b4, e2b4k = ensure_file(work, "e2b", 4), ensure_q4_k_m(work, "e2b", 4)
     from harness.core.realdata import gemma3_270m_gguf
 
-    for model in (e2b4, gemma3_270m_gguf()):
+    for model in (e2b4, e2b4k, gemma3_270m_gguf()):
         for threads in (1, 2):
             argv = ["bench", "--model", str(model), "--engines", "fast,llamacpp,llamacpp-native", "--pp", "0",
                     "--tg", "32", "--batch", "1,8", "--reps", str(reps), "--threads", str(threads),
