@@ -14,7 +14,13 @@ What it measures, in one run:
   the matrix at least ``pool_gib`` large and cycled through, so that the bytes come
   from DRAM and not from the last-level cache (this machine reports 480 MiB of L3);
 * ``torch``: the same call with the kernels off (:func:`fast.quant_kernels.disabled`):
-  torch dequantizes chunks of rows, then ``F.linear``, the path before the kernels.
+  torch dequantizes chunks of rows, then ``F.linear``, the path before the kernels;
+* ``L2`` (``--l2``): the same product on the matrix's first rows, cut to at most 768 KB so
+  that they stay in a 1 MB L2 cache (:data:`L2_BYTES`), called over and over through
+  :func:`fast.quant_kernels.linear` directly. ``memory / L2`` near 1 says the
+  kernel is bound by its instructions, not by the read (a faster memory would not help it);
+  well below 1, that the read bounds it. The 2-core CI VM gave about 1 at M = 1 on one thread
+  for every fused type (``docs/design.md``, Speed).
 
 GB/s = packed bytes of the matrix / seconds per call (1e9 bytes). ``share`` = GB/s / probe.
 ``per CPU-s`` divides by the process's CPU time instead of the wall clock: with one
@@ -80,8 +86,14 @@ def time_calls(pool: list[QuantizedTensor], x: torch.Tensor, min_seconds: float,
     return (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
 
 
+L2_BYTES = 768 * 1024
+"""Packed bytes of the L2 case: three quarters of the per-core L2 of the CI VM (1 MB), so that x and the output fit
+beside it; large enough that the call's own cost (a few microseconds) stays small beside the product's. On a CPU
+with a smaller L2 the case reads from L3 and says less."""
+
+
 def run(types: list[str], shapes: list[str], rows: list[int], pool_gib: float = 1.0, torch_path: bool = True,
-        min_seconds: float = 1.0) -> list[dict]:
+        min_seconds: float = 1.0, l2: bool = False) -> list[dict]:
     """Measure every (type, shape, M); returns one dict a row (see the module docstring for the fields)."""
     probe = read_probe()
     out = []
@@ -98,6 +110,17 @@ def run(types: list[str], shapes: list[str], rows: list[int], pool_gib: float = 
                 if torch_path:
                     with quant_kernels.disabled():
                         row["torch"] = nbytes / time_calls(pool, x, min_seconds / 2, 3)[0] / 1e9
+                if l2:
+                    row_bytes = pool[0].raw.shape[1]
+                    n2 = max(16, L2_BYTES // row_bytes // 16 * 16)
+                    raw2 = pool[0].raw[:n2].clone()
+                    lay = quant_kernels.layout(raw2, qtype, k)
+                    quant_kernels.linear(x, raw2, qtype, k, lay)
+                    calls, t0 = 0, time.perf_counter()
+                    while time.perf_counter() - t0 < min_seconds / 2:
+                        quant_kernels.linear(x, raw2, qtype, k, lay)
+                        calls += 1
+                    row["l2"] = raw2.numel() / ((time.perf_counter() - t0) / calls) / 1e9
                 out.append(row)
             del pool
     return out
@@ -105,13 +128,15 @@ def run(types: list[str], shapes: list[str], rows: list[int], pool_gib: float = 
 
 def table(rows: list[dict]) -> str:
     """Markdown table of :func:`run`'s rows."""
-    lines = ["| type | matrix | M | MB | packed GB/s | share of probe | per CPU-s | torch path GB/s | speed-up |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| type | matrix | M | MB | packed GB/s | share of probe | per CPU-s | torch path GB/s | speed-up | "
+             "L2 GB/s | memory / L2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        t = r.get("torch")
+        t, c = r.get("torch"), r.get("l2")
         old, gain = ("", "") if t is None else (f"{t:.2f}", f"{r['packed'] / t:.1f}x")
+        cache, ratio = ("", "") if c is None else (f"{c:.2f}", f"{r['packed'] / c:.2f}")
         lines.append(f"| {r['type']} | {r['shape']} | {r['M']} | {r['MB']:.1f} | {r['packed']:.2f} | "
-                     f"{r['packed'] / r['probe']:.0%} | {r['packed_cpu']:.2f} | {old} | {gain} |")
+                     f"{r['packed'] / r['probe']:.0%} | {r['packed_cpu']:.2f} | {old} | {gain} | {cache} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -124,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-gib", type=float, default=1.0, help="bytes cycled through per case, GiB (default 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch dequantize-then-F.linear path")
+    ap.add_argument("--l2", action="store_true", help="also time each product on an L2-sized cut of the matrix")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -131,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"packed kernels: {'ISA ' + str(quant_kernels.isa()) if ok else 'not available: ' + why}; "
           f"threads {torch.get_num_threads()}")
     rows = run(a.types.split(","), a.shapes.split(","), [int(m) for m in a.rows.split(",")], a.pool_gib,
-               not a.no_torch)
+               not a.no_torch, l2=a.l2)
     print(f"read probe: {rows[0]['probe']:.1f} GB/s" if rows else "nothing measured")
     print(table(rows))
     return 0

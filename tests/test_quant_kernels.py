@@ -359,7 +359,7 @@ def test_bench_packed_kernels_gbs():
     """
     from fast import quant_bench
 
-    rows = quant_bench.run(["Q8_0", "Q4_K"], list(quant_bench.SHAPES), [1, 8])
+    rows = quant_bench.run(["Q8_0", "Q4_K"], list(quant_bench.SHAPES), [1, 8], l2=True)
     print(f"\nread probe {rows[0]['probe']:.1f} GB/s, threads {torch.get_num_threads()}\n{quant_bench.table(rows)}")
     assert all(r["packed"] > 0 for r in rows)
 
