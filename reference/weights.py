@@ -273,7 +273,8 @@ class Weights(Mapping):
 
 
 Dequantizer = Callable[[np.ndarray, str, int], "np.ndarray | None"]
-"""An exact replacement of ``gguf.quants.dequantize`` for rows of a 2-D quantized tensor:
+"""An exact replacement of ``gguf.quants.dequantize`` for rows of a quantized tensor of 2 or more dimensions (a
+stack, such as a MoE layer's experts, comes as its rows one after another):
 ``(stored bytes [n, bytes_per_row], GGML type name, elements per row) -> float32 [n, row_len]`` with the same
 values bit for bit, or None where it does not apply (then ``gguf.quants`` runs)."""
 
@@ -285,10 +286,12 @@ def _gguf_tensors(gf: GGUFFile, dequantizer: Dequantizer | None = None) -> dict[
         qtype = gguf.GGMLQuantizationType(t.ggml_type)
 
         def dequantize(part, t=t, qtype=qtype):
-            if dequantizer is not None and len(t.shape) == 2 and part.ndim == 2 and part.dtype == np.uint8:
-                got = dequantizer(np.ascontiguousarray(part), t.type_name, t.shape[1])
+            # a matrix, or a stack of them (a MoE layer's [experts, rows, bytes per row]: its rows, one after
+            # another, are a matrix's; dequantization is per block, so the values are the same either way)
+            if dequantizer is not None and len(t.shape) >= 2 and part.ndim == len(t.shape) and part.dtype == np.uint8:
+                got = dequantizer(np.ascontiguousarray(part).reshape(-1, part.shape[-1]), t.type_name, t.shape[-1])
                 if got is not None:
-                    return got
+                    return got.reshape(*part.shape[:-1], t.shape[-1])
             try:
                 return gguf.quants.dequantize(part, qtype)
             except NotImplementedError:
