@@ -154,33 +154,27 @@ ROWS_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-
 """``rows_f32.c``'s flags: ``-ffp-contract=off`` so that every product rounds on its own, as its header defines;
 ``-fno-trapping-math`` lets the compiler evaluate both sides of the soft-cap's select (values are unchanged: it
 only concerns floating-point exception flags), so that the loop vectorises."""
-_rows = None
-_softcap = None
-_argmax = None
+_rows_lib = None
 _rows_state = "unloaded"  # unloaded | ready | unavailable
 
 
-def _load_rows():
-    global _rows, _softcap, _argmax, _rows_state
-    if os.environ.get("G4H_CPU_KERNEL", "1") == "0":
+def _rows():
+    """The loaded ``rows_f32`` library with its three functions declared, or None (not built, or switched off)."""
+    global _rows_lib, _rows_state
+    if _rows_state == "unloaded":
         _rows_state = "unavailable"
-        return None
-    try:
-        lib = ctypes.CDLL(str(build(source=ROWS_SOURCE, flags=ROWS_FLAGS, libs=["-lm"])))
-        fn = lib.g4h_rms_norm_f32
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-                       ctypes.c_double]
-        fn.restype = None
-        sc = lib.g4h_softcap_f32
-        sc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_double]
-        sc.restype = None
-        am = lib.g4h_argmax_f32
-        am.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
-        am.restype = ctypes.c_int
-        _rows, _softcap, _argmax, _rows_state = fn, sc, am, "ready"
-    except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError):
-        _rows_state = "unavailable"
-    return _rows
+        if os.environ.get("G4H_CPU_KERNEL", "1") != "0":
+            try:
+                lib = ctypes.CDLL(str(build(source=ROWS_SOURCE, flags=ROWS_FLAGS, libs=["-lm"])))
+                P, L = ctypes.c_void_p, ctypes.c_long
+                for fn, args, res in ((lib.g4h_rms_norm_f32, [P, P, P, L, L, ctypes.c_double], None),
+                                      (lib.g4h_softcap_f32, [P, P, L, ctypes.c_double], None),
+                                      (lib.g4h_argmax_f32, [P, L, L, P], ctypes.c_int)):
+                    fn.argtypes, fn.restype = args, res
+                _rows_lib, _rows_state = lib, "ready"
+            except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError):
+                pass
+    return _rows_lib if _rows_state == "ready" else None
 
 
 def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
@@ -190,8 +184,8 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     The formula and its order of operations are the C file's header: the float64 sum of squares of each row in a
     fixed lane order, the scale ``1 / sqrt(ss / n + eps)`` rounded once to float32, then ``(x * s) * w`` in
     float32. Same formula as the reference's ``rms_norm``. Why a kernel: torch's composite costs 9-15 us a call
-    on decode-sized rows (six dispatches), this one about 2 us (``python tests/speed_runs.py`` has no part for
-    it; the figure is from ``g4h bench`` on Gemma 3 270M, whose step makes 109 norms).
+    on decode-sized rows (six dispatches); through this one :func:`fast.model.rms_norm` takes about 4.5 us on a
+    ``[1, 640]`` row (timed in a loop on one thread of the 2-core CI VM), and a Gemma 3 270M step makes 109.
 
     Args:
         x: float32 ``[..., n]`` on the CPU (made contiguous if it is not).
@@ -202,21 +196,20 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
         float32, ``x``'s shape (a new tensor), or None (not float32, not on the CPU, autograd, no compiler,
         ``G4H_CPU_KERNEL=0``). The choice depends on dtypes and devices only, never on values.
     """
-    if _rows_state == "unavailable":
-        return None
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1 or x.shape[-1] < 1
+    if (_rows_state == "unavailable" or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1
+            or x.shape[-1] < 1
             or weight is not None and (weight.device.type != "cpu" or weight.dtype != torch.float32
                                        or weight.shape != (x.shape[-1],))
             or torch.is_grad_enabled() and (x.requires_grad or weight is not None and weight.requires_grad)):
         return None
-    fn = _rows if _rows_state == "ready" else _load_rows()
-    if fn is None:
+    lib = _rows()
+    if lib is None:
         return None
     x = x.contiguous()
     w = None if weight is None else weight.contiguous()
     y = torch.empty_like(x)
     n = x.shape[-1]
-    fn(x.data_ptr(), None if w is None else w.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+    lib.g4h_rms_norm_f32(x.data_ptr(), None if w is None else w.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
     return y
 
 
@@ -225,7 +218,7 @@ def softcap_f32(x: torch.Tensor, cap: float) -> torch.Tensor | None:
     the method and its error), or None when it does not apply (the caller uses torch).
 
     Why: the final soft-cap runs over every logit of every step, 262,144 a row for Gemma 4; torch's float32
-    ``tanh`` took 1.15 ms a row on one thread of the 2-core CI VM, this one about 0.1 ms.
+    ``tanh`` took 0.94-1.15 ms a row on one thread of the 2-core CI VM, this one 0.37 ms.
 
     Args:
         x: float32 on the CPU, any shape (made contiguous if it is not).
@@ -238,11 +231,12 @@ def softcap_f32(x: torch.Tensor, cap: float) -> torch.Tensor | None:
     if _rows_state == "unavailable" or x.device.type != "cpu" or x.dtype != torch.float32 or not cap > 0 or (
             torch.is_grad_enabled() and x.requires_grad):
         return None
-    if _rows_state != "ready" and _load_rows() is None:
+    lib = _rows()
+    if lib is None:
         return None
     x = x.contiguous()
     y = torch.empty_like(x)
-    _softcap(x.data_ptr(), y.data_ptr(), x.numel(), float(cap))
+    lib.g4h_softcap_f32(x.data_ptr(), y.data_ptr(), x.numel(), float(cap))
     return y
 
 
@@ -260,11 +254,12 @@ def argmax_f32(x: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     if (_rows_state == "unavailable" or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
             or not 0 < x.shape[1] < 2 ** 31):
         return None
-    if _rows_state != "ready" and _load_rows() is None:
+    lib = _rows()
+    if lib is None:
         return None
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    finite = _argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    finite = lib.g4h_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out, bool(finite)
 
 

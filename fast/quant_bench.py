@@ -19,8 +19,8 @@ What it measures, in one run:
   that they stay in a 1 MB L2 cache (:data:`L2_BYTES`), called over and over through
   :func:`fast.quant_kernels.linear` directly. ``memory / L2`` near 1 says the
   kernel is bound by its instructions, not by the read (a faster memory would not help it);
-  well below 1, that the read bounds it. The 2-core CI VM gave about 1 at M = 1 on one thread
-  for every fused type (``docs/design.md``, Speed).
+  well below 1, that the read bounds it. The 2-core CI VM gave 0.99-1.07 at M = 1 on one thread
+  for Q4_K, Q5_0 and Q6_K, 0.87 for Q8_0 (``docs/design.md``, Speed).
 
 GB/s = packed bytes of the matrix / seconds per call (1e9 bytes). ``share`` = GB/s / probe.
 ``per CPU-s`` divides by the process's CPU time instead of the wall clock: with one

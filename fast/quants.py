@@ -606,10 +606,10 @@ def _packed_in_blocks(x2: torch.Tensor, qt: "QuantizedTensor", n_in: int) -> tor
     the other rows, so this is the one-call result bit for bit; measured faster than dequantizing and a GEMM at
     every row count tried (16 to 83 rows of a 6144 x 1536 Q8_0 or Q4_K matrix, 2 threads: 1.2-1.7x)."""
     step = quant_kernels.MAX_ROWS
-    first = quant_kernels.linear(x2[:step], qt.raw, qt.qtype.name, n_in)
+    first = quant_kernels.linear(x2[:step], qt.raw, qt.type_name, n_in, qt.kernel_layout)
     if first is None:
         return None
-    parts = [first] + [quant_kernels.linear(x2[a:a + step], qt.raw, qt.qtype.name, n_in)
+    parts = [first] + [quant_kernels.linear(x2[a:a + step], qt.raw, qt.type_name, n_in, qt.kernel_layout)
                        for a in range(step, x2.shape[0], step)]
     return torch.cat(parts, 0)
 
@@ -659,7 +659,7 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, chunk_rows: int | None = None) 
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n_in)
-    y = quant_kernels.linear(x2, qt.raw, qt.qtype.name, n_in)  # None unless CPU, float32, 1..MAX_ROWS rows
+    y = quant_kernels.linear(x2, qt.raw, qt.type_name, n_in, qt.kernel_layout)  # None unless CPU, float32, 1..16 rows
     if y is None and x2.shape[0] > quant_kernels.MAX_ROWS:
         y = _packed_in_blocks(x2, qt, n_in)
     if y is None and x2.device.type == "cuda":  # the fused Triton kernel: None unless 1..MAX_ROWS rows, Q8_0/Q4_K

@@ -294,10 +294,11 @@ class FastEngine:
             t = time.perf_counter()
             for k in range(n):
                 logits = self.model.step(cache, [SeqStep(s, toks[i:i + 1], depth + k) for i, s in enumerate(slots)])
-                both = cpu_kernels.argmax_f32(logits) if self.check_output else None  # one pass on the CPU
-                if both is not None:
+                both = cpu_kernels.argmax_f32(logits)  # on the CPU: the pick and the check in one pass
+                if both is not None:  # (fast-unchecked takes the same pass and ignores the check)
                     toks, fin = both
-                    ok &= fin
+                    if self.check_output:
+                        ok &= fin
                     continue
                 if self.check_output:  # the decode loop's output check (fast.engine), as generation runs it
                     ok &= all_finite(logits)
