@@ -35,7 +35,7 @@ nox.options.sessions = ["tests"]
 # to the requirement to install (e.g. a CPU wheel), or pip takes the default CUDA build.
 TORCH_PIN = os.environ.get("G4H_TORCH", "torch==2.13.0")
 # The oracle's version is part of what a parity run means: pin the one the gates were set with. The newest
-# release must work too: `nox -s oracle-latest` runs it and reports the drift; pyproject's range (>=5.23,<5.25)
+# release must work too: `nox -s oracle-latest` runs it and reports the drift; pyproject's range (>=5.23,<5.26)
 # says which releases have been run that way.
 ORACLE_PIN = "transformers==5.23.0"
 
