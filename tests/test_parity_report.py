@@ -263,3 +263,25 @@ def test_junit_xml_one_testcase_per_check_failures_named():
     assert "tokenizer.check = 0" in msg and ">= 1" in msg and "llamacpp: not installed" in msg
     (err,) = [tc for tc in root.iter("testcase") if tc.find("error") is not None]
     assert err.find("error").get("message") == "x.gguf: truncated"
+
+
+# --------------------------------------------------------------------------- the terminal
+
+
+def test_g4h_parity_prints_its_verdict_table_once(monkeypatch, tmp_path, capsys):
+    """``g4h parity`` prints the verdict table and the explanation lines once (``execute`` prints nothing, ``run``
+    prints them); the job itself is replaced by a fixed result, so only the printing is under test."""
+    from harness.cli import build_parser
+    from harness.cli import parity as cli_parity
+
+    data = {"verdict": "FAIL", "run_dir": str(tmp_path), "cases": [{"case": "tiny-case", "error": None, "info": {},
+            "checks": [_check(0.0, False) | {"explanation": {"line": "explained by spec variant X"}}]}]}
+    monkeypatch.setattr(cli_parity, "run_parity", lambda **kw: (data, 1))
+    args = build_parser("parity").parse_args(["parity", "--quiet", "--out", str(tmp_path)])
+    assert cli_parity.execute(args) == (data, 1)
+    assert capsys.readouterr().out == ""  # execute prints nothing (the pytest plugin runs through it)
+    assert args.func(args) == 1
+    out = capsys.readouterr().out
+    assert out.count("tiny-case") == 2, out  # one table row, one explanation line
+    assert sum("tokenizer.check" in ln and "FAIL" in ln for ln in out.splitlines()) == 1, out
+    assert out.count("explained by spec variant X") == 1, out

@@ -180,9 +180,6 @@ def execute(args: argparse.Namespace) -> tuple[dict, int]:
                                   batch_requests=pick(args.batch_requests, 16, QUICK_SERVER_REQUESTS),
                                   concurrency=pick(args.concurrency, 8, QUICK_SERVER_REQUESTS),
                                   require=tuple(args.require)))
-    print(short_table(data))
-    for line in explanation_lines(data):  # why a failing pair diverges: the report's first section, here too
-        print(line.replace("**", ""))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))
     return data, status
@@ -192,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the job, print the verdict table; return the exit status."""
     data, status = execute(args)
     print(short_table(data))
+    for line in explanation_lines(data):  # why a failing pair diverges: the report's first section, here too
+        print(line.replace("**", ""))
     _print_baseline(data, args.write_baseline)
     _print_drift(data)
     print(f"\nreport: {data['run_dir']}/report.md")
