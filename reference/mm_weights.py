@@ -58,7 +58,6 @@ LAYER_HF_TO_GGUF = {
 
 HF_VISION_PREFIXES = ("model.vision_tower.", "model.embed_vision.")
 _HF_LAYER_RE = re.compile(r"^model\.vision_tower\.encoder\.layers\.(\d+)\.(.+)$")
-_GGUF_LAYER_RE = re.compile(r"^v\.blk\.(\d+)\.(.+)$")
 
 
 def hf_to_canonical(name: str) -> str | None:
@@ -81,19 +80,6 @@ def hf_to_canonical(name: str) -> str | None:
     m = _HF_LAYER_RE.match(name)
     if m and m.group(2) in LAYER_HF_TO_GGUF:
         return f"v.blk.{m.group(1)}.{LAYER_HF_TO_GGUF[m.group(2)]}"
-    raise KeyError(name)
-
-
-def canonical_to_hf(name: str) -> str:
-    """Inverse of :func:`hf_to_canonical`. Raises KeyError for an unknown name."""
-    for hf, gg in GLOBAL_HF_TO_GGUF.items():
-        if gg == name:
-            return hf
-    m = _GGUF_LAYER_RE.match(name)
-    if m:
-        for hf, gg in LAYER_HF_TO_GGUF.items():
-            if gg == m.group(2):
-                return f"model.vision_tower.encoder.layers.{m.group(1)}.{hf}"
     raise KeyError(name)
 
 

@@ -54,15 +54,6 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _POINT_ORDER = ("attn_out", "ffn_mlp", "ffn_moe", "ffn_out", "per_layer_embd_out", "l_out")
 
 
-def llama_cpp_available() -> bool:
-    """True when ``llama_cpp`` imports here."""
-    try:
-        _import_llama_cpp()
-    except EngineUnavailable:
-        return False
-    return True
-
-
 def _import_llama_cpp():
     try:
         return importlib.import_module("llama_cpp")

@@ -13,7 +13,6 @@ and with ``image_min_tokens`` at or below its token count llama.cpp keeps it as 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -83,10 +82,3 @@ def mtmd_soft_tokens(model: str | os.PathLike, mmproj: str | os.PathLike, items:
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
 
-
-def mtmd_available() -> str | None:
-    """None when llama-cpp-python is installed here (its mtmd bindings are loaded in the worker only, never in
-    this process), else the reason (one line)."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "llama-cpp-python is not installed"
-    return None
