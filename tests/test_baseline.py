@@ -1,4 +1,4 @@
-"""Parity baselines (harness/baseline.py) and determinism of the parity job.
+"""Parity baselines (harness/parity/baseline.py) and determinism of the parity job.
 
 The rules are tested on small hand-made results; the determinism test runs the
 e2b parity case twice (on two short prompts, so that it stays near a minute)

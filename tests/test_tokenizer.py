@@ -2,7 +2,7 @@
 
 * ``gemma4`` type: ours (GGUF) vs HF ``tokenizers`` (tokenizer.json) on the
   gemma4-type test vocabulary built from the real Gemma 3 one
-  (``harness/tokbuild.py``), on the corpora and on hypothesis strings (10,000
+  (``harness/tokenizer/build.py``), on the corpora and on hypothesis strings (10,000
   in the slow run), with special markers parsed and kept as text.
 * ``llama`` type: ours on the real Gemma 3 270M GGUF and on ``tokenizer.model``
   vs ``sentencepiece``.

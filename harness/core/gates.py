@@ -9,7 +9,9 @@ Source of the defaults: ``docs/design.md`` ("Gates"); each gate's reason says wh
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -626,3 +628,110 @@ SWEEP_GATES: dict[str, Gate] = {g.name: g for g in [
 ]}
 """The cross-engine gates of ``g4h sweep``: two engines on the same file (:mod:`harness.sweep.judge`)."""
 DEFAULT_GATES.update(SWEEP_GATES)
+
+
+# --------------------------------------------------------------------------- the gate tables of README.md and docs/
+
+GATE_TABLES = ("summary", "full")
+"""The generated tables (:func:`gate_table`): ``summary`` (one row per pair, README.md) and ``full`` (one row per
+gate and per op bound, with its reason: docs/gates.md). A document holds one between ``<!-- gates:NAME -->`` and
+``<!-- /gates:NAME -->``; ``python -m harness.core.gates --write FILE...`` rewrites them, ``tests/test_docs.py``
+holds them equal to this module."""
+
+
+def _fmt(x: float) -> str:
+    """A limit as the tables print it: ``1e-4``, ``2e-2``, ``0.99999``, ``2.98023e-8``, ``0``, ``1``."""
+    if x == 0 or 0.1 <= abs(x) < 1e4:
+        return f"{x:g}"
+    mantissa, _, exponent = f"{x:.6e}".partition("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def _cell(text: str) -> str:
+    """``text`` safe inside a Markdown table cell (``|`` escaped)."""
+    return text.replace("|", "\\|")
+
+
+def _limit(g: Gate) -> str:
+    """``≤ 1e-4``, ``≥ 1`` and `` (informational)`` for a gate reported but not gated."""
+    return f"{'≤' if g.op == 'le' else '≥'} {_fmt(g.limit)}" + (" (informational)" if g.informational else "")
+
+
+def gate_table(kind: str = "summary") -> str:
+    """One of :data:`GATE_TABLES` as Markdown, from :data:`DEFAULT_GATES` and :data:`OP_BOUNDS` (their order).
+
+    ``summary``: one row per pair (a gate's name up to its last dot), its metrics and limits; then the rule for
+    declared approximations (:data:`EFFECT_FACTOR`). ``full``: one row per gate with its reason, then one row per op
+    bound of the twin table.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`GATE_TABLES`.
+    """
+    if kind == "summary":
+        pairs: dict[str, list[Gate]] = {}
+        for g in DEFAULT_GATES.values():
+            pairs.setdefault(g.name.rpartition(".")[0], []).append(g)
+        lines = ["| pair | gates (metric, limit) |", "|---|---|"]
+        lines += [f"| `{pair}` | " + "; ".join(f"`{g.name.rpartition('.')[2]}` {_limit(g)}" for g in gates) + " |"
+                  for pair, gates in pairs.items()]
+        lines += ["", f"An engine that declares approximations is gated at max(limit, {EFFECT_FACTOR:g} x their effect "
+                      f"on the same figure) ({EFFECT_FACTOR:g}^2 x for a KLD): `EFFECT_FACTOR`."]
+        return "\n".join(lines) + "\n"
+    if kind == "full":
+        lines = ["| gate | limit | reason |", "|---|---|---|"]
+        lines += [f"| `{g.name}` | {_limit(g)} | {_cell(g.reason)} |" for g in DEFAULT_GATES.values()]
+        lines += ["", "Op-level bounds of the twin table (`tests/test_ops.py`: `reference.model.X` against "
+                      "`fast.model.X`, NMSE as llama.cpp's test-backend-ops):", "",
+                  "| op | dtype | max NMSE | reason |", "|---|---|---|---|"]
+        lines += [f"| `{b.op}` | {b.dtype} | {_fmt(b.max_nmse)} | {_cell(b.reason)} |" for b in OP_BOUNDS.values()]
+        return "\n".join(lines) + "\n"
+    raise ValueError(f"unknown gate table {kind!r} (known: {', '.join(GATE_TABLES)})")
+
+
+def _marked(kind: str) -> re.Pattern[str]:
+    """The block of table ``kind`` in a document, markers included (group 1: the text between them)."""
+    return re.compile(rf"(?s)<!-- gates:{kind} -->\n(.*?)<!-- /gates:{kind} -->")
+
+
+def gate_tables_in(text: str) -> dict[str, str]:
+    """The generated tables a document holds: ``kind -> the text between its markers``."""
+    return {k: m.group(1) for k in GATE_TABLES for m in [_marked(k).search(text)] if m}
+
+
+def with_gate_tables(text: str) -> str:
+    """``text`` with every marked table replaced by :func:`gate_table`'s."""
+    for kind in GATE_TABLES:
+        text = _marked(kind).sub(lambda _m, k=kind: f"<!-- gates:{k} -->\n{gate_table(k)}<!-- /gates:{k} -->", text)
+    return text
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m harness.core.gates --markdown [summary|full]`` prints a table; ``--write FILE...`` rewrites the
+    marked tables of each file. Returns the exit status (2: a file that cannot be read or holds no marked table)."""
+    p = argparse.ArgumentParser(prog="python -m harness.core.gates", description=_main.__doc__)
+    p.add_argument("--markdown", choices=GATE_TABLES, nargs="?", const="summary", default=None,
+                   help="print this table (default summary)")
+    p.add_argument("--write", nargs="+", default=[], metavar="FILE", help="rewrite the marked tables in these files")
+    args = p.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(gate_table(args.markdown))
+    for name in args.write:
+        try:
+            with open(name, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            print(f"{name}: cannot read: {e.strerror}", file=sys.stderr)
+            return 2
+        if not gate_tables_in(text):
+            print(f"{name}: no <!-- gates:{'|'.join(GATE_TABLES)} --> block", file=sys.stderr)
+            return 2
+        new = with_gate_tables(text)
+        if new != text:
+            with open(name, "w", encoding="utf-8") as f:
+                f.write(new)
+            print(f"{name}: gate tables rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

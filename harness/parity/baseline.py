@@ -217,7 +217,7 @@ def baseline_section(data: Mapping[str, Any]) -> list[str]:
     lines = ["## Baseline comparison", "",
              f"Against `{b['file']}`: {b['compared']} checks compared; "
              f"**{len(regs)} regression{'s' if len(regs) != 1 else ''}** (a gate that passed now fails, or a figure "
-             f"more than {b['factor']:g}x worse; see harness/baseline.py)."]
+             f"more than {b['factor']:g}x worse; see harness/parity/baseline.py)."]
     if b["cases_only_in_baseline"]:
         lines.append(f"Cases in the baseline but not in this run (not compared): {', '.join(b['cases_only_in_baseline'])}.")
     if b["cases_only_now"]:

@@ -68,7 +68,8 @@ from typing import Any, Callable, Sequence
 from fast.cpu_identity import cpu_model
 from reference.errors import InputError
 
-#: The llama-cpp-python release whose vendored llama.cpp is built (harness/llamacpp_worker.py mirrors its structs).
+#: The llama-cpp-python release whose vendored llama.cpp is built (harness/engines/llamacpp/worker.py mirrors
+#: its structs).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 #: SHA-256 of ``llama_cpp_python-0.3.36.tar.gz`` as PyPI serves it (checked after every download).
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
