@@ -66,7 +66,7 @@ from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure
 from ...engines.base import TOP_N
-from ...engines.openai import OpenAIEngine, ServerGenerated
+from ...engines.openai import OpenAIEngine, ServerGenerated, end_of_generation_ids
 from ...tokenizer.files import load_tokenizer_metadata
 from ..compare import generation_figures
 from ..result import Figure, fig
@@ -311,14 +311,10 @@ def _states_template(path: str | Path) -> bool:
 
 
 def _eos_ids(tok: GGUFTokenizer, path: str | Path) -> set[int]:
-    """The ids that end a generation: the tokenizer's EOS, plus the GGUF's EOT / EOM ids where it states them."""
+    """The ids that end a generation: the tokenizer's EOS, plus the model's other end-of-generation ids (the GGUF's
+    EOT / EOM ids, its end-of-turn tokens: :func:`harness.engines.openai.end_of_generation_ids`)."""
     ids = {tok.eos_id} if tok.eos_id is not None else set()
-    if Path(path).suffix == ".gguf":
-        meta = load_tokenizer_metadata(path)
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            if isinstance(meta.get(key), int):
-                ids.add(int(meta[key]))
-    return ids
+    return ids | end_of_generation_ids(path)
 
 
 def _token_bytes(tok: GGUFTokenizer, tid: int) -> bytes | None:
@@ -518,7 +514,7 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
     """``server.stop.max_tokens``, ``server.stop.string`` and ``server.stop.eos`` (see the module docstring)."""
     n, top_n = opts.max_new_tokens, opts.top_n
     eos_first = {rid: next((k for k, t in enumerate(o.tokens) if t in eos_ids), None) for rid, o in oracle.items()}
-    stops_at_eos = eng.dialect == "llama-cpp-python"  # it has no ignore_eos
+    stops_at_eos = True  # every request lets the server stop at EOS (OpenAIEngine.complete), as users run it
     # max_tokens: every alone answer, and 1 and 3 tokens of the first prompt.
     rows = []
     for rid in order:
@@ -606,6 +602,9 @@ def prompt_logprob_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dic
     figure saying "not offered by llama-server", a failing one with ``required`` (``--require
     server-prompt-logprobs``)."""
     gate = "server.prompt_logprobs"
+    if eng.dialect == "openai":
+        return [_not_offered(gate, "the generic OpenAI dialect", "no prompt log-probabilities (OpenAI's completions "
+                             "API returns text)", "server-prompt-logprobs", required)]
     if eng.dialect == "llama-server":
         return [_not_offered(gate, "llama-server", "no prompt log-probabilities (/v1/completions ignores echo; "
                              "/completion reports generated tokens only)", "server-prompt-logprobs", required)]
@@ -718,7 +717,11 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
     out: list[Figure] = []
     texts = [(p["id"], p["text"], list(p["prompt_ids"])) for p in prompts if "text" in p]
     tok = _our_tokenizer(path)
-    if texts:
+    if texts and eng.dialect == "openai":
+        why = ("not offered by the generic OpenAI dialect: no tokenizer endpoint (the texts are sent as text; the ids "
+               "the server evaluates are not seen)")
+        out.append(fig("server.tokenizer", float("nan"), None, got=why, informational_reason=why))
+    elif texts:
         progress(f"{pair}: tokenizer: {len(texts)} text prompts, server vs ours")
         out += tokenizer_figures(eng, texts)
     context = runs.ref.cfg.context_length
@@ -758,9 +761,10 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
                                              "server-prompt-logprobs" in opts.require), eng, runs)
     if "server-template" in opts.skip:
         out.append(_opted_out("server.chat_template", "server-template"))
-    elif eng.dialect == "llama-cpp-python":
-        out.append(_not_offered("server.chat_template", "llama-cpp-python", "no endpoint renders or tokenizes a "
-                                "chat template", "server-template", "server-template" in opts.require))
+    elif eng.dialect in ("llama-cpp-python", "openai"):
+        out.append(_not_offered("server.chat_template", "the generic OpenAI dialect" if eng.dialect == "openai" else
+                                "llama-cpp-python", "no endpoint renders or tokenizes a chat template",
+                                "server-template", "server-template" in opts.require))
     elif not _states_template(path) and "server-template" not in opts.require:
         why = (f"{Path(path).name} states no chat template (tokenizer.chat_template), so the server renders its own "
                "fallback (llama-server: ChatML), which is not this model's format; give the server the template "
@@ -787,6 +791,7 @@ def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> li
 
 
 EXTRA_CHECKS["openai"] = server_checks
+OpenAIEngine.local_tokenizer_of = staticmethod(_our_tokenizer)  # the generic dialect's texts (a layer below cannot)
 
 
 # --------------------------------------------------------------------------- the report
