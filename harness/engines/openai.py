@@ -49,7 +49,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from reference.chat import EOS as EOS_TEXT
 from reference.chat import TURN_CLOSE
 from reference.errors import InputError
-from reference.tokenizer import BYTE, NORMAL, USER_DEFINED, read_gguf_metadata, tokenizer_from_gguf
+from reference.tokenizer import BYTE, CONTROL, NORMAL, USER_DEFINED, read_gguf_metadata, tokenizer_from_gguf
 
 from ..core.workers import EngineCrashed, EngineFailure, EngineProtocolError
 from .base import TOP_N, EngineUnavailable, Generated
@@ -64,6 +64,14 @@ LLAMACPP_APPROXIMATIONS = ("gelu_fp16_table", "quantized_activations")
 """What every server built on llama.cpp makes (as the ``llamacpp`` engine kind): its fp16 GELU table, and
 activations rounded to the dot-product type of quantized weights; its attention numerics depend on the dialect's
 defaults (:data:`harness.engines.numerics.DIALECT_NUMERICS`)."""
+
+
+DOWN_HINT = ("nothing listens there: a server that is not running, or one that exited while loading its model "
+             "(llama-server aborts at load on a model it cannot run, GGML_ASSERT in its log); its own log says which. "
+             "g4h inspect MODEL checks the file, and g4h parity --against llamacpp runs the same llama.cpp in-process "
+             "and names the assertion")
+"""Said after "connection refused" before the server answered: this client did not start the server, so it cannot
+read its last words; where they are and how to get them."""
 
 
 class ServerError(InputError):
@@ -268,6 +276,8 @@ def detect_dialect(http: Http, base: str, root: str) -> str:
             return "llama-cpp-python"
         if {"/tokenize", "/version"} <= paths:
             return "vllm"
+        if "/v1/completions" in paths:  # another FastAPI server of OpenAI's API (transformers serve)
+            return "openai"
     models = http.call(base + "/models")
     data = models.get("data") if isinstance(models, dict) else None
     owners = {m.get("owned_by") for m in data or [] if isinstance(m, dict)}
@@ -297,6 +307,24 @@ END_OF_TURN_TEXTS = (EOS_TEXT, TURN_CLOSE, "<|tool_response>", "<end_of_turn>")
 ``<end_of_turn>``; llama.cpp marks the same texts end-of-generation (``llama_vocab::impl::load``, its
 ``special_eog_ids`` list in ``src/llama-vocab.cpp``), transformers takes them from ``generation_config.json``'s
 ``eos_token_id``."""
+
+
+def _vocab_size(path: Any) -> int | None:
+    """The vocabulary size of the model at ``path``: a GGUF's ``tokenizer.ggml.tokens``, an HF folder's
+    ``vocab_size`` (``config.json``, or its ``text_config``); None where it cannot be read here."""
+    if path is None:
+        return None
+    p = Path(str(path))
+    try:
+        if p.suffix == ".gguf" and p.is_file():
+            return len(read_gguf_metadata(p).get("tokenizer.ggml.tokens") or []) or None
+        if (p / "config.json").is_file():
+            cfg = json.loads((p / "config.json").read_text(encoding="utf-8"))
+            v = cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size"))
+            return int(v) if isinstance(v, int) else None
+    except (InputError, OSError, ValueError, TypeError, AttributeError):
+        return None
+    return None
 
 
 def end_of_generation_ids(path: Any) -> set[int]:
@@ -387,11 +415,21 @@ class OpenAIEngine:
             raise ServerError(f"{self.root}: unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
         try:
             self.dialect = dialect or detect_dialect(self.http, self.base, self.root)
-            self._models = self.http.call(self.base + "/models")
+            try:
+                self._models = self.http.call(self.base + "/models")
+            except ServerError as e:
+                if self.dialect != "openai" or "HTTP " not in str(e):
+                    raise
+                self._models = {"error": str(e)}  # transformers serve lists only its hub cache (a 500 without one)
             self.model = server_model or model or self._model_name()
         except EngineFailure as e:  # an answer of another shape before it served: not a server this client can use
             raise ServerError(str(e)) from None
+        except ServerError as e:
+            if "connection refused" not in str(e):
+                raise
+            raise ServerError(f"{e}: {DOWN_HINT}") from None
         self.http.serving = True  # from here on, a failing request is the server's fault
+        self._check_vocabulary()
         self.name = f"openai:{self.base} ({self.dialect}, model {self.model!r})"
         self.no_logprobs = ("the generic OpenAI dialect reads no log-probabilities (OpenAI's completions API returns "
                             "text; transformers serve ignores logprobs): tokens only, named by the text"
@@ -407,11 +445,32 @@ class OpenAIEngine:
         self._texts: dict[str, int] | None = None  # llama-cpp-python: the model file's unique token texts
         self._bos: list[int] | None = None  # the ids an empty text tokenizes to with specials (BOS)
 
-    def _model_name(self) -> str:
+    def _model_name(self) -> str | None:
+        """The first model ``/v1/models`` lists; on the generic dialect, None where it lists none (the requests then
+        name no model, which a server of one model takes: transformers serve with a model given on its command line
+        lists only its hub cache)."""
         data = self._models.get("data") if isinstance(self._models, dict) else None
+        if not data and self.dialect == "openai":
+            return None
         if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
             raise _shape(self.base + "/models", '{"data": [{"id": str, ...}, ...]}', self._models)
         return data[0]["id"]
+
+    def _check_vocabulary(self) -> None:
+        """The server's vocabulary against the model file's, where the server states it (llama-server's
+        ``/v1/models`` ``data[0].meta.n_vocab``): another size means it serves another model.
+
+        Raises:
+            ServerFailure: the sizes differ (both named): exit 1, the engine under test does not run this model.
+        """
+        try:
+            theirs = int(self._models["data"][0]["meta"]["n_vocab"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            return
+        ours = _vocab_size(self.path)
+        if ours is not None and ours != theirs:
+            raise ServerFailure(f"{self.base}/models: the server's model has a vocabulary of {theirs} tokens "
+                                f"(meta.n_vocab), {self.path} one of {ours}: it serves another model")
 
     def logits(self, ids: Sequence[int], trace: Any = None) -> Any:
         """Impossible: a completion server returns the top-N log-probabilities of the tokens it generates, never
@@ -592,12 +651,16 @@ class OpenAIEngine:
         (listed in ``missing``). Which id it was is not said: the oracle's token at that step where that is one
         (:attr:`hints`), else the end-of-generation id the oracle ranks highest there, else the smallest known one;
         the greedy comparison then judges the stop like any other token (a stop where the oracle goes on parts from
-        it there). Only a ``stop`` with fewer tokens than asked is such an end (a stop string is not sent here)."""
-        if g.finish_reason != "stop" or len(g.tokens) >= n or self.dialect not in ("llama-cpp-python", "openai"):
+        it there). Only a ``stop`` with fewer tokens than asked is such an end (a stop string is not sent here).
+        llama-server and vLLM list the token they stopped on; where that is no end-of-generation id of ours nor a
+        control token (llama.cpp marks every end-of-generation token control), the stop is put after it too."""
+        if g.finish_reason != "stop" or len(g.tokens) >= n:
             return
         eog = self.eog_ids
         if g.tokens and g.tokens[-1] in eog:
             return
+        if self.dialect in ("llama-server", "vllm") and g.tokens and self._is_control(g.tokens[-1]):
+            return  # it listed the token it stopped on: an end-of-generation id of its own list (a control token)
         k = len(g.tokens)
         hint, hint_top = self.hints.get(tuple(ids), (None, None))
         if hint is not None and k < len(hint) and int(hint[k]) in eog:
@@ -747,6 +810,14 @@ class OpenAIEngine:
                                   '[{"token_id:N": logprob}]}', lp) from None
         return g
 
+    def _is_control(self, tid: int) -> bool:
+        """Whether ``tid`` is a control token of the model's vocabulary (False where the vocabulary cannot be read)."""
+        try:
+            tok = self._local_tok()
+        except InputError:
+            return False
+        return 0 <= tid < len(tok.types) and tok.types[tid] == CONTROL
+
     # ------------------------------------------------------------------ the generic dialect
 
     local_tokenizer_of: Any = None
@@ -807,11 +878,16 @@ class OpenAIEngine:
         serve answers 422 to any other): greedy is ``temperature`` 0; the answer is text, and its tokens are named
         by the oracle (:meth:`_generic_ids`). No log-probs are read (transformers serve ignores ``logprobs``)."""
         url = self.base + "/completions"
-        body = {"model": self.model, "prompt": self._generic_text(ids), "max_tokens": n, "temperature": 0,
-                "stream": stream, **extra}
+        body = {**({"model": self.model} if self.model is not None else {}), "prompt": self._generic_text(ids),
+                "max_tokens": n, "temperature": 0, "stream": stream, **extra}
         g = ServerGenerated()
         count = None
         for part in (self.http.stream(url, body) if stream else [self.http.call(url, body)]):
+            if isinstance(part, dict) and "error" in part and "choices" not in part:  # an error event mid-stream
+                err = part["error"]
+                msg = " ".join(str(err.get("message") if isinstance(err, dict) else err).split())[:300]
+                raise ServerFailure(f"{url}: the {'stream' if stream else 'answer'} carries an error instead of "
+                                    f"choices: {msg}").at(last_error=msg)
             choice = _first_choice(url, part)
             text = choice.get("text")
             if text is not None and not isinstance(text, str):
@@ -831,18 +907,14 @@ class OpenAIEngine:
     def _generic_ids(self, text: str, n: int, count: int | None, finish: str | None, hint: Sequence[int] | None,
                      hint_top: Sequence[Mapping[int, float]] | None) -> list[int]:
         """Token ids of a generated ``text`` on the generic dialect (OpenAI's API returns text, not ids): step by
-        step, the oracle's token (``hint``) while its text continues the server's, else the first of the oracle's
-        top-N there (best first) whose text does; the first step none explains is -1 (unknown: the greedy comparison
-        fails it, as a token outside the oracle's top-N). Texts are compared as a server decodes: control tokens
-        render as nothing (``skip_special_tokens``), bytes that are no whole UTF-8 character as U+FFFD, held back
-        while incomplete (so a wrong byte token can show one step late).
+        step, the oracle's token (``hint``) while its text agrees with the server's (:func:`_text_agrees`), else the
+        first of the oracle's top-N there (best first) whose text does; the first step none explains is -1 (unknown:
+        the greedy comparison fails it, as a token outside the oracle's top-N). Control tokens render as nothing (a
+        server decodes with ``skip_special_tokens``).
 
         A ``stop`` ends where the text is explained (the end-of-generation token is appended after:
         :meth:`_end_with_eog`); a ``length`` finish has ``min(n, count)`` steps (``count``: the server's
         ``usage.completion_tokens``), those the text does not explain -1. Without a hint every step is -1."""
-        def shown(raw: bytes) -> str:
-            return codecs.getincrementaldecoder("utf-8")("replace").decode(raw, final=False)
-
         total = (min(n, count) if count is not None else n) if finish == "length" else None
         out: list[int] = []
         raw = b""
@@ -853,18 +925,13 @@ class OpenAIEngine:
                 break
             top = hint_top[k] if hint_top and k < len(hint_top) else {}
             cands = [int(hint[k])] + [int(t) for t in sorted(top, key=lambda t: -top[t]) if int(t) != int(hint[k])]
-            got = None
-            for c in cands:
-                if c in self.eog_ids:
-                    continue  # the stop itself, not a token of the text
-                if text.startswith(shown(raw + self._piece_bytes(c))):
-                    got = c
-                    break
+            got = next((c for c in cands if c not in self.eog_ids  # an end-of-generation id is the stop, not text
+                        and _text_agrees(raw + self._piece_bytes(c), text)), None)
             if got is None:
                 break
             out.append(got)
             raw += self._piece_bytes(got)
-            explained = shown(raw) == text and raw.decode("utf-8", "replace") == text
+            explained = _text_agrees(raw, text, whole=True)
         if not explained:
             out.append(-1)  # the step where the text parts from every candidate (or no oracle to name it by)
         if total is not None:
@@ -1127,10 +1194,11 @@ class OpenAIEngine:
         except (KeyError, TypeError):
             raise _shape(url, 'logprobs {"token_logprobs", "top_logprobs"}', lp) from None
         # The echo lists the prompt without a leading BOS (its first entry null), then the generated tokens: one,
-        # or more where the first ends inside a UTF-8 character (its multibyte_fix), as usage.completion_tokens says.
+        # or more where the first ends inside a UTF-8 character (its multibyte_fix), as usage.completion_tokens says;
         usage = ans.get("usage") if isinstance(ans, dict) else None
+        # None generated where the first token is an end-of-generation one: it stops there without listing it.
         generated = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        generated = generated if isinstance(generated, int) and generated >= 1 else 1
+        generated = generated if isinstance(generated, int) and generated >= 0 else 1
         skip = len(ids) - (len(token_lp) - generated)
         if skip not in (0, 1):
             raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and {generated} generated",
@@ -1142,6 +1210,28 @@ class OpenAIEngine:
                      for p, v in sorted(d.items(), key=lambda kv: -kv[1])]
             out.append((float(token_lp[k - skip]), [(i, float(v)) for i, v in pairs if i is not None][:top_n]))
         return out
+
+
+def _text_agrees(raw: bytes, text: str, whole: bool = False) -> bool:
+    """Whether ``raw`` (the bytes of some tokens) may begin ``text`` (a server's decoded generation), or be all of it
+    (``whole``). Decoders differ on bytes that are no whole UTF-8 character: Python's ``errors="replace"`` gives one
+    U+FFFD per bad sequence, HF tokenizers' ``ByteFallback`` a U+FFFD for every byte of a run of byte tokens that is
+    not valid UTF-8 as a whole (seen on transformers serve: the valid ``_`` and ``9`` of such a run shown as U+FFFD).
+    So a U+FFFD of the server's stands for any one character of ours; bytes of an unfinished character at the end of
+    ``raw`` must begin the server's next character (or a U+FFFD) there."""
+    def like(ours: str) -> bool:
+        return len(ours) <= len(text) and all(a == b or b == "\ufffd" for a, b in zip(ours, text))
+
+    if whole:  # the end of the text: an unfinished character there was decoded as U+FFFD
+        ours = raw.decode("utf-8", "replace")
+        return like(ours) and len(ours) == len(text)
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    ours = dec.decode(raw, final=False)
+    pending = dec.getstate()[0]
+    if not like(ours):
+        return False
+    nxt = text[len(ours):len(ours) + 1]
+    return not pending or (bool(nxt) and (nxt == "\ufffd" or nxt.encode("utf-8").startswith(pending)))
 
 
 def _entry_id(url: str, entry: Any) -> int:

@@ -40,6 +40,7 @@ from ..engines.mm import ReferenceMM
 from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
+from ..synth.prompts import named_for_window
 from .checks import explain_pair  # noqa: F401 (registers the explanation of a failing pair: pair.ON_MEASURED)
 from .checks.drafter import drafter_checks, drafter_not_built, llamacpp_drafter_checks
 from .checks.fast import fast_checks, fast_packed_checks
@@ -247,6 +248,8 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
     res.info["config"] = ref.cfg.summary()
     usable = [p for p in with_prompt_ids(prompts, path) if max(p["prompt_ids"]) < ref.cfg.vocab_size]
+    window = ref.cfg.sliding_window if any(layer.is_sliding for layer in ref.cfg.layers) else None
+    usable = named_for_window(usable, window)  # the synthetic set's names, by this model's own window
     names = list(against) if against else default_against(path, oracle)
     res.info["against"] = names
     res.info["top_n"] = (server or ServerOptions()).top_n

@@ -66,7 +66,7 @@ from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure
 from ...engines.base import TOP_N
-from ...engines.openai import OpenAIEngine, ServerGenerated, end_of_generation_ids
+from ...engines.openai import OpenAIEngine, ServerError, ServerGenerated, end_of_generation_ids
 from ...tokenizer.files import load_tokenizer_metadata
 from ..compare import generation_figures
 from ..result import Figure, fig
@@ -570,9 +570,14 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
     # EOS: prompt prefixes whose next greedy token is EOS, continuations that reach EOS, and some that never do.
     rows = []
     sites = [(rid, j, m) for rid in order for j, m in oracle[rid].prompt_eos][:MAX_EOS_PREFIX_SITES]
+    unsendable = []
     for rid, j, margin in sites:
-        g = _named(f"{rid}[:{j + 1}] (EOS not ignored)", eng.complete, prompts[rid][:j + 1], 4, top_n,
-                   ignore_eos=False)
+        try:
+            g = _named(f"{rid}[:{j + 1}] (EOS not ignored)", eng.complete, prompts[rid][:j + 1], 4, top_n,
+                       ignore_eos=False)
+        except ServerError as e:  # a text-only dialect: a prefix cut inside a character has no text to send
+            unsendable.append(f"{rid}[:{j + 1}]: {e}")
+            continue
         got = [t for t in g.tokens if t not in eos_ids] if g.finish_reason == "stop" else g.tokens
         ok = g.finish_reason == "stop" and not got
         kind = "ok" if ok else ("near-tie" if margin < oracle[rid].near_tie else "fault")
@@ -586,7 +591,8 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
         kind, why = _stop_verdict(g.tokens, g.finish_reason, oracle[rid], eos_first[rid], eos_ids, n)
         rows.append({"request": rid, "eos_at": eos_first[rid], "kind": kind, "why": why})
     out.append(_stop_figure("server.stop.eos", rows, eos_ids=sorted(eos_ids),
-                            eos_reached=len(sites) + len(reaching)))
+                            eos_reached=len(sites) - len(unsendable) + len(reaching),
+                            **({"not_sent": unsendable} if unsendable else {})))
     return out
 
 
