@@ -401,7 +401,8 @@ class FaultStub:
       log-prob entry, its text), as if the server had dropped it; ``finish_reason`` / ``stop_type`` unchanged;
     * ``early-stop``: a non-streamed completion answer longer than ``step`` ends there, as if the server had stopped
       at EOS (llama-server: ``stop_type`` ``eos``, the tokens and entries cut; the legacy shape: ``finish_reason``
-      ``stop``, the lists and text cut), without the EOS id: a server that ends a generation early.
+      ``stop``, the lists and text cut), without the EOS id: a server that ends a generation early (llama-server's
+      entries are cut at ``step`` too: give a ``step`` before which every step is reported).
 
     ``altered`` lists what was changed, in arrival order: ``{"prompt", "step", "was", "now"}`` per altered answer
     (``swap``, ``drop``), ``{"prompt", "ignore_eos"}`` / ``{"prompt", "temperature"}`` per altered request,

@@ -994,7 +994,10 @@ class OpenAIEngine:
         hint, hint_top = self.hints.get(tuple(ids), (None, None))
         if not stream:  # a stream lists a generated BOS (as an empty text); a whole answer's log-probs leave it out
             texts, tops, g.logprobs = self._lcp_restore_bos(texts, tops, g.logprobs, hint, generated - len(texts))
-        # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix): keep the first n.
+        # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix, which skips its
+        # length test) and may then stop at EOS: keep the first n, which ended by length.
+        if len(texts) >= n and g.finish_reason == "stop" and not extra.get("stop"):
+            g.finish_reason = "length"
         texts, tops, g.logprobs = texts[:n], tops[:n], g.logprobs[:n]
         g.tokens, named_by_hint = self._lcp_ids(url, texts, hint, hint_top, g.logprobs)
         g.pieces = [t if isinstance(t, str) else "" for t in texts]
