@@ -12,8 +12,9 @@ continuation by the reference reaches EOS within 8 tokens (found by running the 
 tests assert it again, so a change of the model cannot leave them testing nothing).
 
 The HF folder gets a ``tokenizer.json`` (BPE with byte fallback and one merge, its last two fillers renamed ``§`` and
-``§§``: every other text becomes byte tokens, ``" "`` as ``▁``) so that ``transformers serve`` and our tokenizer (:func:`harness.tokenizer.files.load_tokenizer_metadata`)
-read the same vocabulary; the GGUF keeps its own SentencePiece vocabulary (which adds a ``▁`` prefix).
+``§§``: every other text becomes byte tokens, ``" "`` as ``▁``) so that ``transformers serve`` and our tokenizer
+(:func:`harness.tokenizer.files.load_tokenizer_metadata`) read the same vocabulary; the GGUF keeps its own
+SentencePiece vocabulary (which adds a ``▁`` prefix).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _tokenizer_json(tokens: list[str], types: list[int], bos: int, unk: int) -> 
         "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
         "pre_tokenizer": None,
         "post_processor": {"type": "TemplateProcessing",
-                           "single": [{"SpecialToken": {"id": bt, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                           "single": [{"SpecialToken": {"id": bt, "type_id": 0}},
+                                      {"Sequence": {"id": "A", "type_id": 0}}],
                            "pair": [{"SpecialToken": {"id": bt, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                                     {"Sequence": {"id": "B", "type_id": 1}}],
                            "special_tokens": {bt: {"id": bt, "ids": [bos], "tokens": [bt]}}},

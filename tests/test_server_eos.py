@@ -236,9 +236,9 @@ def test_server_down_says_what_to_look_at_before_reference_work(synth_gguf, tmp_
 
 def test_vocabulary_mismatch_is_named(eos_model, synth_gguf, tmp_path_factory, tmp_path):
     from harness import synth
-    from harness.core.cases import MODELS_DIR
 
-    other = synth.ensure_built(MODELS_DIR / "e2b.toml").gguf["F32"]  # another vocabulary size
+    shape = Path(__file__).parent / "shapes" / "odd-h72-v300.toml"
+    other = synth.ensure_built(shape).gguf["F32"]  # a vocabulary of 300 tokens
     from reference.tokenizer import read_gguf_metadata
 
     n_other = len(read_gguf_metadata(other)["tokenizer.ggml.tokens"])

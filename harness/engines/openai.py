@@ -1,4 +1,4 @@
-"""The ``openai`` engine: a model behind an HTTP completion server (llama-server, llama-cpp-python, vLLM).
+"""The ``openai`` engine: a model behind an HTTP completion server (llama-server, llama-cpp-python, vLLM, any other).
 
 Given ``openai:http://HOST:PORT/v1``, :class:`OpenAIEngine` finds out which server answers (its
 *dialect*, :func:`detect_dialect`), takes the model name from ``/v1/models`` (or an override), and runs
@@ -6,17 +6,23 @@ greedy continuations with the top-N log-probabilities of every step, returning t
 dialect accepts and answers is in ``docs/server-dialects.md`` (observed on llama-server and
 llama-cpp-python 0.3.36; vLLM written to its documented API, not run here). In short:
 
-* ``llama-server``: ``POST /completion`` with the prompt as token ids, ``n_probs``, ``return_tokens``,
-  ``ignore_eos``. It reports a step's log-probs only once the generated text ends in complete UTF-8
-  (its ``validate_utf8``): the other steps get an empty ``top`` entry, placed by replaying that rule
-  over the token pieces (:meth:`OpenAIEngine._place_llama_server`). ``/tokenize``, ``/detokenize``,
-  ``/apply-template``; no prompt log-probs.
+* ``llama-server``: ``POST /completion`` with the prompt as token ids, ``n_probs``, ``return_tokens``. It
+  reports a step's log-probs only once the generated text ends in complete UTF-8 (its ``validate_utf8``): the
+  other steps get an empty ``top`` entry, placed by replaying that rule over the token pieces
+  (:meth:`OpenAIEngine._place_llama_server`). ``/tokenize``, ``/detokenize``, ``/apply-template``; no prompt
+  log-probs.
 * ``llama-cpp-python``: ``POST /v1/completions`` takes text prompts only (a token id list is a 500), and
   names tokens by their text. Prompts go as the server's own detokenization of the ids, checked to
   tokenize back to the same ids; generated texts are mapped back to ids through its tokenizer and
   checked. Stops at EOS. Prompt log-probs through ``echo``.
 * ``vllm``: ``POST /v1/completions`` with token ids, ``return_tokens_as_token_ids`` (tokens named
   ``token_id:N``), ``ignore_eos``; prompt log-probs through ``prompt_logprobs``; ``/tokenize``, ``/detokenize``.
+* ``openai`` (generic: transformers serve, any other server of OpenAI's API): ``POST /v1/completions`` with a text
+  prompt and OpenAI's own fields only; text back, its tokens named by the oracle's (:meth:`OpenAIEngine._generic_ids`);
+  no log-probs, no tokenizer.
+
+Every greedy request lets the server stop at an end-of-generation token, as users run it; a stream that stops ends
+with that token's id (:meth:`OpenAIEngine._end_with_eog`).
 
 Only the standard library is used. Every failure is one line naming the URL, of one of two kinds:
 

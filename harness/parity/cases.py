@@ -261,8 +261,9 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
                               "left_out": "reference.cached~uncached (float64 forwards)"}
     runs = ReferenceRuns(CheckedEngine(ref, "reference"), oracle_engine)  # its overflow: the model is unusable
     if oracle_engine is None:  # every check's reference forwards, in as few passes over the weights as they allow
-        runs.prefetch(expected_sets([n for n in names if n not in unusable], skip), usable, int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)),
-                      res.info["top_n"], cached=True, progress=lambda m: progress(f"[{res.case}] {m}"))
+        runs.prefetch(expected_sets([n for n in names if n not in unusable], skip), usable,
+                      int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)), res.info["top_n"], cached=True,
+                      progress=lambda m: progress(f"[{res.case}] {m}"))
     seen: dict[str, int] = {}
     try:
         for name in names:
