@@ -252,14 +252,30 @@ def test_vocabulary_mismatch_is_named(eos_model, synth_gguf, tmp_path_factory, t
 
 
 def test_prompt_names_follow_the_models_window():
-    from harness.synth.prompts import PROMPT_LAYOUT, layout_name, make_prompts, named_for_window
+    from harness.synth.prompts import PROMPT_LAYOUT, WINDOW_NAMED, layout_name, make_prompts, named_for_window
 
     assert [layout_name(n, 16) for _, n, _ in PROMPT_LAYOUT] == [pid for pid, _, _ in PROMPT_LAYOUT]
-    renamed = [p["id"] for p in named_for_window(make_prompts(), 3)]
-    assert "len16-window" not in renamed and "len16-5xwindow+1" in renamed and "len5-window+2" in renamed
-    assert [p["id"] for p in named_for_window(make_prompts(), None)][1:4] == ["len5", "len15", "len16"]
-    mine = [{"id": "len16-window", "prompt_ids": [2, 5]}]  # a user's own prompt of that name: not renamed
+    default = [{**p, WINDOW_NAMED: True} for p in make_prompts()]  # g4h parity --model without --prompts
+    renamed = named_for_window(default, 3)
+    assert "len16-window" not in [p["id"] for p in renamed] and not any(WINDOW_NAMED in p for p in renamed)
+    assert {"len16-5xwindow+1", "len5-window+2"} <= {p["id"] for p in renamed}
+    assert [p["id"] for p in named_for_window(default, None)][1:4] == ["len5", "len15", "len16"]
+    mine = make_prompts()  # a user's own file with these names keeps them
     assert named_for_window(mine, 3) == mine
+
+
+def test_default_prompt_names_on_a_model_of_another_window(tmp_path):
+    """g4h parity --model M (the default prompt set) on the odd-h72-v300 shape, whose window is 8: no prompt is named
+    for a window of 16."""
+    from harness import synth
+
+    model = synth.ensure_built(Path(__file__).parent / "shapes" / "odd-h72-v300.toml").gguf["F32"]
+    rc, data, out = parity(tmp_path, "--model", str(model), "--against", "reference", "--quick")
+    from harness.synth.prompts import PROMPT_LAYOUT, layout_name
+
+    names = {c.get("prompt") for c in data["cases"][0]["checks"]} - {None}
+    assert rc == 0 and names and names <= {layout_name(n, 8) for _, n, _ in PROMPT_LAYOUT}, (names, out[-800:])
+    assert not names & {"len15-window-1", "len16-window", "len17-window+1"}, names
 
 
 def test_fp16_emulation_overflows_like_llamacpp_without_a_warning():

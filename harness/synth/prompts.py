@@ -67,15 +67,24 @@ def layout_name(n: int, window: int | None) -> str:
     return name
 
 
+WINDOW_NAMED = "window_named"
+"""The key that marks a record of the synthetic set as the harness's own default (``g4h parity --model`` without
+``--prompts``): only such records are renamed by :func:`named_for_window` (a user's file keeps its names)."""
+
+
 def named_for_window(prompts: list[dict[str, Any]], window: int | None) -> list[dict[str, Any]]:
-    """``prompts`` with every record of the synthetic set (an id of :data:`PROMPT_LAYOUT` with that layout's length)
-    renamed by :func:`layout_name` for ``window``; other records as they are. A new name that another record already
-    has keeps the old one."""
+    """``prompts`` with every record of the default synthetic set (marked :data:`WINDOW_NAMED`, an id of
+    :data:`PROMPT_LAYOUT` with that layout's length) renamed by :func:`layout_name` for ``window``, the mark dropped;
+    other records as they are. A new name that another record already has keeps the old one."""
     lengths = {pid: n for pid, n, _ in PROMPT_LAYOUT}
     taken = {str(p.get("id")) for p in prompts}
     out = []
     for p in prompts:
         pid = str(p.get("id"))
+        if not p.get(WINDOW_NAMED):
+            out.append(p)
+            continue
+        p = {k: v for k, v in p.items() if k != WINDOW_NAMED}
         if lengths.get(pid) == len(p.get("prompt_ids") or ()):
             new = layout_name(lengths[pid], window)
             if new != pid and new not in taken:
