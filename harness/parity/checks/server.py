@@ -1,14 +1,15 @@
 """Checks of a model behind an OpenAI-compatible server: ``g4h parity --model PATH --against openai:URL``.
 
 The server (:class:`harness.engines.openai.OpenAIEngine`: llama-server, llama-cpp-python's server, vLLM, any other
-OpenAI server through the generic ``openai`` dialect, which judges its text alone) is one more engine of the pair
-checks (:func:`harness.parity.checks.pair.pair_checks`, pair ``reference~openai``): its greedy streams are judged
-there against the reference's by vLLM's rule (``reference~openai.greedy``, each divergence a near-tie or a fault
-naming the request, the step and both tokens; a token that is not the server's own top-1 is a fault) and by
-``reference~openai.max_abs_logprob`` (shared top-5 on the agreed prefix). The server's numerics are its dialect's defaults or what ``--declare`` states (:data:`harness.engines.numerics.DIALECT_NUMERICS`:
-llama-server with its fp16 GELU table, an f16 KV cache and flash attention; llama-cpp-python with the table and an
-f16 KV cache); the reference makes those approximations too, and each figure is gated at ``max(fp32 bound, 2 x
-their effect on this model)`` (:data:`harness.core.gates.EFFECT_FACTOR`).
+OpenAI server through the generic ``openai`` dialect, which judges its text alone) is one more engine of the pair checks
+(:func:`harness.parity.checks.pair.pair_checks`, pair ``reference~openai``): its greedy streams are judged there against
+the reference's by vLLM's rule (``reference~openai.greedy``, each divergence a near-tie or a fault naming the request,
+the step and both tokens; a token that is not the server's own top-1 is a fault) and by
+``reference~openai.max_abs_logprob`` (shared top-5 on the agreed prefix). The server's numerics are its dialect's
+defaults or what ``--declare`` states (:data:`harness.engines.numerics.DIALECT_NUMERICS`: llama-server with its fp16
+GELU table, an f16 KV cache and flash attention; llama-cpp-python with the table and an f16 KV cache); the reference
+makes those approximations too, and each figure is gated at ``max(fp32 bound, 2 x their effect on this model)``
+(:data:`harness.core.gates.EFFECT_FACTOR`).
 
 This module adds the checks only a server has (:data:`harness.parity.checks.pair.EXTRA_CHECKS` ``["openai"]``,
 :func:`server_checks`), each a figure with a gate in ``harness/core/gates.py``:
