@@ -238,6 +238,24 @@ def llama_cpp_python_process(model: Path, log_path: Path, **kw) -> ServerProcess
                          lambda h, p: ["--host", h, "--port", str(p)], "/v1/models", log_path)
 
 
+def transformers_serve_cmd(model_dir: Path) -> list[str]:
+    """``transformers serve MODEL_DIR`` (transformers' own OpenAI-compatible server, the ``transformers[serving]``
+    extra) on the CPU in float32, the model given on its command line (it then answers every request with it)."""
+    exe = Path(sys.executable).with_name("transformers")
+    return [str(exe), "serve", str(model_dir), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
+
+
+def transformers_serve_process(model_dir: Path, log_path: Path) -> ServerProcess:
+    """A :class:`ServerProcess` for ``transformers serve``, offline (``HF_HUB_OFFLINE=1``: the model is a local folder,
+    nothing is downloaded) with an empty hub cache of its own (``HF_HUB_CACHE``, which its ``/v1/models`` lists)."""
+    cache = Path(log_path).parent / "hf-hub-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    env = child_env({"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "TOKENIZERS_PARALLELISM": "false"})
+    return ServerProcess("transformers-serve", transformers_serve_cmd(model_dir),
+                         lambda h, p: ["--host", h, "--port", str(p)], "/health", log_path, env=env,
+                         start_timeout=300.0)
+
+
 # --------------------------------------------------------------------------- fixtures
 
 
@@ -356,7 +374,7 @@ def llama_cpp_python_server_gemma3(gemma3_gguf, tmp_path_factory) -> Iterator[Se
 COMPLETION_PATHS = ("/completion", "/v1/completions", "/completions")
 
 #: Modes of :class:`FaultStub` that need an upstream server, each one fault.
-PROXY_MODES = ("perturb", "swap", "ignore-eos", "sample", "crash", "drop")
+PROXY_MODES = ("perturb", "swap", "ignore-eos", "sample", "crash", "drop", "early-stop")
 
 
 class FaultStub:
@@ -380,7 +398,11 @@ class FaultStub:
     * ``crash``: the first ``after`` completion requests are served; at the next one the proxy dies: that request's
       connection is closed unanswered and the port refuses every later connection (a server process that crashed);
     * ``drop``: a non-streamed completion answer longer than ``step`` loses the token at ``step`` (its id, its
-      log-prob entry, its text), as if the server had dropped it; ``finish_reason`` / ``stop_type`` unchanged.
+      log-prob entry, its text), as if the server had dropped it; ``finish_reason`` / ``stop_type`` unchanged;
+    * ``early-stop``: a non-streamed completion answer longer than ``step`` ends there, as if the server had stopped
+      at EOS (llama-server: ``stop_type`` ``eos``, the tokens and entries cut; the legacy shape: ``finish_reason``
+      ``stop``, the lists and text cut), without the EOS id: a server that ends a generation early (llama-server's
+      entries are cut at ``step`` too: give a ``step`` before which every step is reported).
 
     ``altered`` lists what was changed, in arrival order: ``{"prompt", "step", "was", "now"}`` per altered answer
     (``swap``, ``drop``), ``{"prompt", "ignore_eos"}`` / ``{"prompt", "temperature"}`` per altered request,
@@ -495,12 +517,13 @@ class FaultStub:
             with self._lock:
                 self.altered.append({"prompt": request.get("prompt"), "temperature": self.temperature})
             return self.forward(h, json.dumps(request).encode())
-        if not completion or request.get("stream") or self.mode not in ("perturb", "swap", "drop"):
+        if not completion or request.get("stream") or self.mode not in ("perturb", "swap", "drop", "early-stop"):
             return self.forward(h, body)
         status, ans = self._upstream_json(h, body)
         if status != 200 or not isinstance(ans, dict):
             return h._send(status, ans if isinstance(ans, bytes) else json.dumps(ans).encode())
-        change = {"perturb": self._perturb, "swap": self._swap, "drop": self._drop}[self.mode](ans)
+        change = {"perturb": self._perturb, "swap": self._swap, "drop": self._drop,
+                  "early-stop": self._stop_early}[self.mode](ans)
         if change:
             with self._lock:
                 self.altered.append({"prompt": request.get("prompt"), **change})
@@ -560,6 +583,30 @@ class FaultStub:
                 if all(isinstance(t, str) for t in pieces):
                     choice["text"] = "".join(pieces)
                 return {"step": k, "was": was, "now": pieces[k] if len(pieces) > k else None}
+        return None
+
+    def _stop_early(self, ans: dict) -> dict | None:
+        k = self.step
+        tokens = ans.get("tokens")
+        if isinstance(tokens, list) and len(tokens) > k:  # llama-server /completion
+            was = tokens[k]
+            del tokens[k:]
+            ans["tokens_predicted"], ans["stop_type"] = k, "eos"
+            steps = ans.get("completion_probabilities") or []
+            del steps[k:]
+            return {"step": k, "was": was, "now": "stop"}
+        for choice in ans.get("choices") or []:
+            lp = choice.get("logprobs") or {}
+            pieces = lp.get("tokens")
+            if isinstance(pieces, list) and len(pieces) > k and all(isinstance(t, str) for t in pieces):
+                was = pieces[k]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    if isinstance(lp.get(key), list):
+                        del lp[key][k:]
+                choice["text"], choice["finish_reason"] = "".join(lp["tokens"]), "stop"
+                if isinstance(ans.get("usage"), dict):
+                    ans["usage"]["completion_tokens"] = k
+                return {"step": k, "was": was, "now": "stop"}
         return None
 
     def __enter__(self) -> "FaultStub":

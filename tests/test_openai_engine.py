@@ -18,7 +18,15 @@ from servers import free_port, get_json
 from harness.core.gates import DEFAULT_GATES
 from harness.core.metrics import greedy_agreement
 from harness.core.workers import EngineCrashed, EngineFailure
-from harness.engines.openai import OpenAIEngine, ServerCrashed, ServerError, ServerFailure, parse_url, utf8_cut
+from harness.engines.openai import (
+    DOWN_HINT,
+    OpenAIEngine,
+    ServerCrashed,
+    ServerError,
+    ServerFailure,
+    parse_url,
+    utf8_cut,
+)
 from reference.errors import InputError
 
 N_NEW = 8
@@ -186,7 +194,7 @@ def test_server_down_is_one_line():
     url = f"http://127.0.0.1:{port}"
     with pytest.raises(ServerError) as ei:
         OpenAIEngine(f"openai:{url}/v1")
-    assert _one_line(ei.value, url).endswith("server down (connection refused)")
+    assert _one_line(ei.value, url).endswith(f"server down (connection refused): {DOWN_HINT}")
 
 
 def test_timeout_is_one_line():

@@ -20,7 +20,7 @@ from servers import FaultStub, free_port, running_llama_server
 from harness.cli import main
 from harness.core.cases import MODELS_DIR, load_prompts
 from harness.engines import EngineUnavailable, check_engine_name, engine_class, engine_kind, make_engine
-from harness.engines.openai import OpenAIEngine, ServerError
+from harness.engines.openai import DOWN_HINT, OpenAIEngine, ServerError
 from harness.parity.checks.server import (
     CHAT_CASES,
     ServerOptions,
@@ -78,7 +78,7 @@ def test_engine_name_with_a_server_down(synth_gguf):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerError) as ei:
         make_engine(f"openai:{url}/v1", synth_gguf, server_timeout=5.0)
-    assert str(ei.value) == f"{url}/props: server down (connection refused)"
+    assert str(ei.value) == f"{url}/props: server down (connection refused): {DOWN_HINT}"
 
 
 def test_server_prompt_file(tmp_path):
@@ -107,7 +107,7 @@ def test_server_down_is_exit_2_and_the_run_goes_on(synth_gguf, tmp_path):
     assert rc == 2 and [c["case"] for c in data["cases"]] == [synth_gguf.name, "other.gguf"]
     for case in data["cases"]:  # both cases ran, the server pair of each failing in the one line naming the URL
         runs = checks(data, data["cases"].index(case))["reference~openai.runs"]
-        assert runs["got"] == f"{url}/props: server down (connection refused)" and runs["bad_input"]
+        assert runs["got"] == f"{url}/props: server down (connection refused): {DOWN_HINT}" and runs["bad_input"]
     assert f"{url}/props: server down" in report and "BAD INPUT" in data["verdict"]
 
 
@@ -120,7 +120,7 @@ def test_server_in_a_comma_list_with_another_engine(synth_gguf, tmp_path):
                          *two_prompts(tmp_path))
     got = checks(data)
     assert rc == 2 and data["cases"][0]["info"]["against"] == ["reference", f"openai:{url}/v1"]
-    assert got["reference~openai.runs"]["got"] == f"{url}/props: server down (connection refused)"
+    assert got["reference~openai.runs"]["got"] == f"{url}/props: server down (connection refused): {DOWN_HINT}"
     assert all(c["pass"] for g, c in got.items() if g.startswith("reference~reference."))
     assert "reference~reference.greedy" in got
 

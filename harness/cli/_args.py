@@ -254,6 +254,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="openai:URL engine: the model name to send (default: the first of the server's /v1/models)")
     p.add_argument("--server-timeout", type=Number(0, 7 * 86400, lo_open=True), default=None, metavar="SECONDS",
                    help="openai:URL engine: seconds allowed per request (default 120)")
+    p.add_argument("--dialect", default=None, choices=("llama-server", "llama-cpp-python", "vllm", "openai"),
+                   help="openai:URL engine: which server it is, instead of asking it (openai: any server of OpenAI's "
+                        "/v1/completions, judged on text; docs/server-dialects.md)")
     p.add_argument("--declare", action="append", default=None, metavar="KEY=VALUE",
                    help="openai:URL engine: what the server computes, over its dialect's defaults (llama-server: "
                         "float32, KV cache f16, flash attention; llama-cpp-python: float32, KV cache f16; vLLM: "
@@ -279,7 +282,7 @@ def engine_options(args: argparse.Namespace) -> dict:
             "batched": getattr(args, "batched", None), "weights": getattr(args, "weights", None),
             "server_model": getattr(args, "server_model", None),
             "server_timeout": getattr(args, "server_timeout", None),
-            "declare": getattr(args, "declare", None),
+            "declare": getattr(args, "declare", None), "dialect": getattr(args, "dialect", None),
             "cache_gb": getattr(args, "ref_cache_gb", None), "layers": getattr(args, "layers", None)}
 
 

@@ -70,7 +70,7 @@ ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     "reference": ("cache_gb", "layers"),
     "fast": ("device", "dtype", "batched", "weights", "layers"),
     "transformers": ("layers",),
-    "openai": ("server_model", "server_timeout", "check_greedy", "declare"),
+    "openai": ("server_model", "server_timeout", "check_greedy", "declare", "dialect"),
 }
 
 

@@ -123,6 +123,9 @@ DIALECT_NUMERICS: dict[str, Numerics] = {
                                  "llama-cpp-python server defaults: KV cache f16, flash attention off"),
     # vLLM: --dtype auto takes the checkpoint's torch_dtype, bfloat16 for Gemma checkpoints.
     "vllm": Numerics("bfloat16", None, (), "vLLM default: dtype auto (bfloat16 for Gemma checkpoints)"),
+    # any other OpenAI-compatible server (transformers serve: --dtype auto keeps an fp32 checkpoint in fp32): nothing
+    # is known of it, so nothing is emulated; --declare states what it computes.
+    "openai": Numerics("float32", None, (), "generic OpenAI server: nothing declared (fp32 assumed)"),
 }
 """What a server of each dialect computes when started with its defaults (``--declare`` changes it)."""
 

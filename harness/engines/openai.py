@@ -1,4 +1,4 @@
-"""The ``openai`` engine: a model behind an HTTP completion server (llama-server, llama-cpp-python, vLLM).
+"""The ``openai`` engine: a model behind an HTTP completion server (llama-server, llama-cpp-python, vLLM, any other).
 
 Given ``openai:http://HOST:PORT/v1``, :class:`OpenAIEngine` finds out which server answers (its
 *dialect*, :func:`detect_dialect`), takes the model name from ``/v1/models`` (or an override), and runs
@@ -6,17 +6,23 @@ greedy continuations with the top-N log-probabilities of every step, returning t
 dialect accepts and answers is in ``docs/server-dialects.md`` (observed on llama-server and
 llama-cpp-python 0.3.36; vLLM written to its documented API, not run here). In short:
 
-* ``llama-server``: ``POST /completion`` with the prompt as token ids, ``n_probs``, ``return_tokens``,
-  ``ignore_eos``. It reports a step's log-probs only once the generated text ends in complete UTF-8
-  (its ``validate_utf8``): the other steps get an empty ``top`` entry, placed by replaying that rule
-  over the token pieces (:meth:`OpenAIEngine._place_llama_server`). ``/tokenize``, ``/detokenize``,
-  ``/apply-template``; no prompt log-probs.
+* ``llama-server``: ``POST /completion`` with the prompt as token ids, ``n_probs``, ``return_tokens``. It
+  reports a step's log-probs only once the generated text ends in complete UTF-8 (its ``validate_utf8``): the
+  other steps get an empty ``top`` entry, placed by replaying that rule over the token pieces
+  (:meth:`OpenAIEngine._place_llama_server`). ``/tokenize``, ``/detokenize``, ``/apply-template``; no prompt
+  log-probs.
 * ``llama-cpp-python``: ``POST /v1/completions`` takes text prompts only (a token id list is a 500), and
   names tokens by their text. Prompts go as the server's own detokenization of the ids, checked to
   tokenize back to the same ids; generated texts are mapped back to ids through its tokenizer and
   checked. Stops at EOS. Prompt log-probs through ``echo``.
 * ``vllm``: ``POST /v1/completions`` with token ids, ``return_tokens_as_token_ids`` (tokens named
   ``token_id:N``), ``ignore_eos``; prompt log-probs through ``prompt_logprobs``; ``/tokenize``, ``/detokenize``.
+* ``openai`` (generic: transformers serve, any other server of OpenAI's API): ``POST /v1/completions`` with a text
+  prompt and OpenAI's own fields only; text back, its tokens named by the oracle's (:meth:`OpenAIEngine._generic_ids`);
+  no log-probs, no tokenizer.
+
+Every greedy request lets the server stop at an end-of-generation token, as users run it; a stream that stops ends
+with that token's id (:meth:`OpenAIEngine._end_with_eog`).
 
 Only the standard library is used. Every failure is one line naming the URL, of one of two kinds:
 
@@ -33,6 +39,7 @@ Only the standard library is used. Every failure is one line naming the URL, of 
 
 from __future__ import annotations
 
+import codecs
 import concurrent.futures as cf
 import json
 import math
@@ -42,22 +49,35 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from http.client import HTTPException
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+from reference.chat import EOS as EOS_TEXT
+from reference.chat import TURN_CLOSE
 from reference.errors import InputError
-from reference.tokenizer import BYTE, NORMAL, USER_DEFINED, tokenizer_from_gguf
+from reference.tokenizer import BYTE, CONTROL, NORMAL, USER_DEFINED, read_gguf_metadata, tokenizer_from_gguf
 
 from ..core.workers import EngineCrashed, EngineFailure, EngineProtocolError
 from .base import TOP_N, EngineUnavailable, Generated
 from .numerics import DIALECT_NUMERICS, parse_declare
 from .numerics import declare as declare_numerics
 
-DIALECTS = ("llama-server", "llama-cpp-python", "vllm")
+DIALECTS = ("llama-server", "llama-cpp-python", "vllm", "openai")
+"""Known dialects; ``openai`` is the generic one: any server with OpenAI's ``/v1/completions`` (transformers serve,
+and every server none of the others names), judged on what that API promises (:meth:`OpenAIEngine._gen_generic`)."""
 
 LLAMACPP_APPROXIMATIONS = ("gelu_fp16_table", "quantized_activations")
 """What every server built on llama.cpp makes (as the ``llamacpp`` engine kind): its fp16 GELU table, and
 activations rounded to the dot-product type of quantized weights; its attention numerics depend on the dialect's
 defaults (:data:`harness.engines.numerics.DIALECT_NUMERICS`)."""
+
+
+DOWN_HINT = ("nothing listens there: a server that is not running, or one that exited while loading its model "
+             "(llama-server aborts at load on a model it cannot run, GGML_ASSERT in its log); its own log says which. "
+             "g4h inspect MODEL checks the file, and g4h parity --against llamacpp runs the same llama.cpp in-process "
+             "and names the assertion")
+"""Said after "connection refused" before the server answered: this client did not start the server, so it cannot
+read its last words; where they are and how to get them."""
 
 
 class ServerError(InputError):
@@ -235,14 +255,16 @@ def _shape(url: str, what: str, got: Any) -> ServerFailure:
 
 
 def detect_dialect(http: Http, base: str, root: str) -> str:
-    """Which server answers at ``root``: ``llama-server``, ``llama-cpp-python`` or ``vllm``.
+    """Which server answers at ``root``: ``llama-server``, ``llama-cpp-python``, ``vllm``, else ``openai`` (the
+    generic dialect) for any server whose ``/v1/models`` lists a model.
 
     llama-server answers ``GET /props`` with ``default_generation_settings``; llama-cpp-python and vLLM are
     FastAPI apps whose ``GET /openapi.json`` lists ``/extras/tokenize`` (llama-cpp-python) or ``/tokenize``
     and ``/version`` (vLLM); ``/v1/models``' ``owned_by`` (``llamacpp``, ``me``, ``vllm``) is the last resort.
 
     Raises:
-        ServerError: the server is down or slow, or none of these answers says which server it is.
+        ServerError: the server is down or slow, or none of these answers says which server it is and it lists
+            no model.
     """
     for path in ("/props", "/openapi.json"):
         try:
@@ -260,12 +282,16 @@ def detect_dialect(http: Http, base: str, root: str) -> str:
             return "llama-cpp-python"
         if {"/tokenize", "/version"} <= paths:
             return "vllm"
+        if "/v1/completions" in paths:  # another FastAPI server of OpenAI's API (transformers serve)
+            return "openai"
     models = http.call(base + "/models")
     data = models.get("data") if isinstance(models, dict) else None
     owners = {m.get("owned_by") for m in data or [] if isinstance(m, dict)}
     for owner, dialect in (("llamacpp", "llama-server"), ("vllm", "vllm"), ("me", "llama-cpp-python")):
         if owner in owners:
             return dialect
+    if data:  # a model list in OpenAI's shape: a server of OpenAI's API, judged on what that API promises
+        return "openai"
     raise ServerError(f"{root}: cannot tell which server this is (no llama-server /props, no FastAPI /openapi.json "
                       f"with llama-cpp-python or vLLM routes, /v1/models owned_by {sorted(map(str, owners))})")
 
@@ -279,6 +305,65 @@ def utf8_cut(text: bytes) -> bool:
         if ((c & 0xE0) == 0xC0 and i < 2) or ((c & 0xF0) == 0xE0 and i < 3) or ((c & 0xF8) == 0xF0 and i < 4):
             return True
     return False
+
+
+END_OF_TURN_TEXTS = (EOS_TEXT, TURN_CLOSE, "<|tool_response>", "<end_of_turn>")
+"""Token texts that end a generation besides the stated EOS id: Gemma 4's ``<turn|>`` (the end of a turn,
+``reference/chat.py`` ``TURN_CLOSE``) and ``<|tool_response>`` (the model hands over to a tool), Gemma 3's
+``<end_of_turn>``; llama.cpp marks the same texts end-of-generation (``llama_vocab::impl::load``, its
+``special_eog_ids`` list in ``src/llama-vocab.cpp``), transformers takes them from ``generation_config.json``'s
+``eos_token_id``."""
+
+
+def _vocab_size(path: Any) -> int | None:
+    """The vocabulary size of the model at ``path``: a GGUF's ``tokenizer.ggml.tokens``, an HF folder's
+    ``vocab_size`` (``config.json``, or its ``text_config``); None where it cannot be read here."""
+    if path is None:
+        return None
+    p = Path(str(path))
+    try:
+        if p.suffix == ".gguf" and p.is_file():
+            return len(read_gguf_metadata(p).get("tokenizer.ggml.tokens") or []) or None
+        if (p / "config.json").is_file():
+            cfg = json.loads((p / "config.json").read_text(encoding="utf-8"))
+            v = cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size"))
+            return int(v) if isinstance(v, int) else None
+    except (InputError, OSError, ValueError, TypeError, AttributeError):
+        return None
+    return None
+
+
+def end_of_generation_ids(path: Any) -> set[int]:
+    """The token ids that end a generation for the model at ``path``: a GGUF's ``tokenizer.ggml.eos_token_id``,
+    ``eot_token_id`` and ``eom_token_id`` and the tokens of :data:`END_OF_TURN_TEXTS`; an HF folder's
+    ``eos_token_id`` of ``generation_config.json`` and ``config.json`` (an int or a list) and the added tokens of
+    ``tokenizer.json`` with those texts. Empty for no path or a model without them (never raises: a file that
+    cannot be read is refused elsewhere, with its name)."""
+    ids: set[int] = set()
+    if path is None:
+        return ids
+    p = Path(str(path))
+    try:
+        if p.suffix == ".gguf" and p.is_file():
+            meta = read_gguf_metadata(p)
+            for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+                if isinstance(meta.get(key), int):
+                    ids.add(int(meta[key]))
+            tokens = meta.get("tokenizer.ggml.tokens") or []
+            ids.update(i for i, t in enumerate(tokens) if t in END_OF_TURN_TEXTS)
+        elif p.is_dir():
+            for name in ("generation_config.json", "config.json"):
+                f = p / name
+                cfg = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+                cfg = cfg.get("text_config", cfg) if "eos_token_id" not in cfg else cfg
+                e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+                ids.update(int(x) for x in (e if isinstance(e, list) else [e]) if isinstance(x, int))
+            f = p / "tokenizer.json"
+            added = json.loads(f.read_text(encoding="utf-8")).get("added_tokens", []) if f.is_file() else []
+            ids.update(int(a["id"]) for a in added if isinstance(a, dict) and a.get("content") in END_OF_TURN_TEXTS)
+    except (InputError, OSError, ValueError, TypeError, AttributeError, KeyError):
+        return ids
+    return ids
 
 
 class OpenAIEngine:
@@ -336,12 +421,25 @@ class OpenAIEngine:
             raise ServerError(f"{self.root}: unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
         try:
             self.dialect = dialect or detect_dialect(self.http, self.base, self.root)
-            self._models = self.http.call(self.base + "/models")
+            try:
+                self._models = self.http.call(self.base + "/models")
+            except ServerError as e:
+                if self.dialect != "openai" or "HTTP " not in str(e):
+                    raise
+                self._models = {"error": str(e)}  # transformers serve lists only its hub cache (a 500 without one)
             self.model = server_model or model or self._model_name()
         except EngineFailure as e:  # an answer of another shape before it served: not a server this client can use
             raise ServerError(str(e)) from None
+        except ServerError as e:
+            if "connection refused" not in str(e):
+                raise
+            raise ServerError(f"{e}: {DOWN_HINT}") from None
         self.http.serving = True  # from here on, a failing request is the server's fault
+        self._check_vocabulary()
         self.name = f"openai:{self.base} ({self.dialect}, model {self.model!r})"
+        self.no_logprobs = ("the generic OpenAI dialect reads no log-probabilities (OpenAI's completions API returns "
+                            "text; transformers serve ignores logprobs): tokens only, named by the text"
+                            if self.dialect == "openai" else None)
         self.numerics = declare_numerics(DIALECT_NUMERICS[self.dialect], said)
         self.approximations = self.numerics.approximations
         self.dtype = self.numerics.dtype
@@ -353,11 +451,32 @@ class OpenAIEngine:
         self._texts: dict[str, int] | None = None  # llama-cpp-python: the model file's unique token texts
         self._bos: list[int] | None = None  # the ids an empty text tokenizes to with specials (BOS)
 
-    def _model_name(self) -> str:
+    def _model_name(self) -> str | None:
+        """The first model ``/v1/models`` lists; on the generic dialect, None where it lists none (the requests then
+        name no model, which a server of one model takes: transformers serve with a model given on its command line
+        lists only its hub cache)."""
         data = self._models.get("data") if isinstance(self._models, dict) else None
+        if not data and self.dialect == "openai":
+            return None
         if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
             raise _shape(self.base + "/models", '{"data": [{"id": str, ...}, ...]}', self._models)
         return data[0]["id"]
+
+    def _check_vocabulary(self) -> None:
+        """The server's vocabulary against the model file's, where the server states it (llama-server's
+        ``/v1/models`` ``data[0].meta.n_vocab``): another size means it serves another model.
+
+        Raises:
+            ServerFailure: the sizes differ (both named): exit 1, the engine under test does not run this model.
+        """
+        try:
+            theirs = int(self._models["data"][0]["meta"]["n_vocab"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            return
+        ours = _vocab_size(self.path)
+        if ours is not None and ours != theirs:
+            raise ServerFailure(f"{self.base}/models: the server's model has a vocabulary of {theirs} tokens "
+                                f"(meta.n_vocab), {self.path} one of {ours}: it serves another model")
 
     def logits(self, ids: Sequence[int], trace: Any = None) -> Any:
         """Impossible: a completion server returns the top-N log-probabilities of the tokens it generates, never
@@ -377,6 +496,8 @@ class OpenAIEngine:
 
         llama-cpp-python's ``/extras/tokenize`` always adds BOS: without ``add_special`` that BOS is dropped.
         """
+        if self.dialect == "openai":
+            raise ServerError(f"{self.root}: the generic OpenAI dialect has no tokenizer endpoint")
         if self.dialect == "llama-server":
             url, body = self.root + "/tokenize", {"content": text, "add_special": add_special, "parse_special": True}
         elif self.dialect == "vllm":
@@ -394,6 +515,8 @@ class OpenAIEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         """The server's text of ``ids``."""
         ids = [int(t) for t in ids]
+        if self.dialect == "openai":
+            raise ServerError(f"{self.root}: the generic OpenAI dialect has no detokenizer endpoint")
         url, body, key = {"llama-server": (self.root + "/detokenize", {"tokens": ids}, "content"),
                           "vllm": (self.root + "/detokenize", {"model": self.model, "tokens": ids}, "prompt"),
                           "llama-cpp-python": (self.root + "/extras/detokenize", {"tokens": ids}, "text")}[self.dialect]
@@ -452,8 +575,10 @@ class OpenAIEngine:
 
         Up to ``concurrency`` requests are in flight at once; results come back in the prompts' order, and are
         kept in :attr:`answers` (not streamed ones).
-        llama-server and vLLM generate exactly ``max_new_tokens`` (EOS ignored); llama-cpp-python stops at EOS
-        (``finish_reason == "stop"``, fewer tokens). ``stream``: read the answer as server-sent events.
+        Every dialect stops at an end-of-generation token (``finish_reason == "stop"``, fewer tokens, the last one
+        that token's id: :meth:`_end_with_eog`), as the model would: asking a server to ignore EOS gives no greedy
+        stream (llama-server bans the token but reports the raw log-probs). ``stream``: read the answer as
+        server-sent events.
 
         Raises:
             ServerFailure: a request failed or answered an unexpected shape; a step's token is not the top-1 of
@@ -485,11 +610,11 @@ class OpenAIEngine:
                     index=k, step=min(len(g.tokens), max_new_tokens), partial=list(g.tokens))
         if self.check_greedy:
             for k, g in enumerate(out):
-                _check_greedy(self.base, k, g)
+                _check_greedy(self.base, k, g, self.eog_ids)
         return out
 
     def complete(self, ids: Sequence[int], max_new_tokens: int, top_n: int = TOP_N, *, stream: bool = False,
-                 stop: Sequence[str] | None = None, ignore_eos: bool = True, gaps: bool = False) -> ServerGenerated:
+                 stop: Sequence[str] | None = None, ignore_eos: bool = False, gaps: bool = False) -> ServerGenerated:
         """One greedy request (temperature 0), as the dialect takes it; no check of the answer against itself.
 
         Args:
@@ -498,8 +623,10 @@ class OpenAIEngine:
             top_n: log-probabilities per step (0: none asked; llama-server then reports no steps).
             stream: read the answer as server-sent events.
             stop: stop strings (the text is cut before the first one; ``finish_reason`` ``stop``).
-            ignore_eos: generate past EOS (llama-server, vLLM); False: stop there (``finish_reason`` ``stop``).
-                llama-cpp-python always stops at EOS.
+            ignore_eos: generate past EOS (llama-server, vLLM; llama-server bans the end-of-generation ids with a
+                -inf bias but reports the log-probs of the raw logits, where they may stay the top-1). False (the
+                default, as users run servers): stop there (``finish_reason`` ``stop``), the stream ending with the
+                end-of-generation id (:meth:`_end_with_eog`). llama-cpp-python always stops at EOS.
             gaps: llama-server streams: steps it left out (text not yet complete UTF-8) get the token id -1 and are
                 listed in ``missing``, instead of raising.
 
@@ -507,10 +634,53 @@ class OpenAIEngine:
             ServerFailure, ServerError: as :meth:`generate_full`, except the greedy and length checks.
         """
         one = {"llama-server": self._gen_llama_server, "llama-cpp-python": self._gen_lcp,
-               "vllm": self._gen_vllm}[self.dialect]
+               "vllm": self._gen_vllm, "openai": self._gen_generic}[self.dialect]
         extra = {"stop": [str(x) for x in stop]} if stop else {}
-        return one([int(t) for t in ids], int(max_new_tokens), int(top_n), bool(stream), extra, bool(ignore_eos),
-                   bool(gaps))
+        ids = [int(t) for t in ids]
+        g = one(ids, int(max_new_tokens), int(top_n), bool(stream), extra, bool(ignore_eos), bool(gaps))
+        if not ignore_eos and not stop:
+            self._end_with_eog(g, ids, int(max_new_tokens))
+        return g
+
+    @property
+    def eog_ids(self) -> set[int]:
+        """The ids that end a generation for the model the harness compares with (:func:`end_of_generation_ids` of
+        :attr:`path`)."""
+        if getattr(self, "_eog", None) is None:
+            self._eog = end_of_generation_ids(self.path)
+        return self._eog
+
+    def _end_with_eog(self, g: ServerGenerated, ids: list[int], n: int) -> None:
+        """A generation that stopped at an end-of-generation token ends with that token's id, as llama-server and
+        vLLM return it: the dialects that leave it out (llama-cpp-python's ``_create_completion`` breaks on
+        ``llama_token_is_eog`` before listing the token; a text-only server) get it appended, without log-probs
+        (listed in ``missing``). Which id it was is not said: the oracle's token at that step where that is one
+        (:attr:`hints`), else the end-of-generation id the oracle ranks highest there, else the smallest known one;
+        the greedy comparison then judges the stop like any other token (a stop where the oracle goes on parts from
+        it there). Only a ``stop`` with fewer tokens than asked is such an end (a stop string is not sent here).
+        llama-server and vLLM list the token they stopped on; where that is no end-of-generation id of ours nor a
+        control token (llama.cpp marks every end-of-generation token control), the stop is put after it too."""
+        if g.finish_reason != "stop" or len(g.tokens) >= n:
+            return
+        eog = self.eog_ids
+        if g.tokens and g.tokens[-1] in eog:
+            return
+        if self.dialect in ("llama-server", "vllm") and g.tokens and self._is_control(g.tokens[-1]):
+            return  # it listed the token it stopped on: an end-of-generation id of its own list (a control token)
+        k = len(g.tokens)
+        hint, hint_top = self.hints.get(tuple(ids), (None, None))
+        if hint is not None and k < len(hint) and int(hint[k]) in eog:
+            tid = int(hint[k])
+        else:
+            top = hint_top[k] if hint_top and k < len(hint_top) else {}
+            ranked = sorted((t for t in top if int(t) in eog), key=lambda t: -top[t])
+            tid = int(ranked[0]) if ranked else (min(eog) if eog else -1)
+        g.tokens.append(tid)
+        g.logprobs.append(math.nan)
+        g.top.append([])
+        g.missing.append(k)
+        if g.pieces:
+            g.pieces.append("")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy token ids only (the engine protocol of :mod:`harness.engines`)."""
@@ -646,6 +816,134 @@ class OpenAIEngine:
                                   '[{"token_id:N": logprob}]}', lp) from None
         return g
 
+    def _is_control(self, tid: int) -> bool:
+        """Whether ``tid`` is a control token of the model's vocabulary (False where the vocabulary cannot be read)."""
+        try:
+            tok = self._local_tok()
+        except InputError:
+            return False
+        return 0 <= tid < len(tok.types) and tok.types[tid] == CONTROL
+
+    # ------------------------------------------------------------------ the generic dialect
+
+    local_tokenizer_of: Any = None
+    """``path -> tokenizer`` of the model the harness compares with (``encode(text, add_bos, parse_special)``,
+    ``decode``-free: ``tokens``, ``types``, ``bos_id``); set by :mod:`harness.parity.checks.server` (a layer above),
+    else a GGUF's own (:func:`reference.tokenizer.tokenizer_from_gguf`). The generic dialect sends text, made and
+    checked with it."""
+
+    def _local_tok(self) -> Any:
+        if getattr(self, "_tok", None) is None:
+            make = type(self).local_tokenizer_of
+            if make is not None:
+                self._tok = make(self.path)
+            elif self.path is not None and str(self.path).endswith(".gguf"):
+                self._tok = tokenizer_from_gguf(self.path)
+            else:
+                raise ServerError(f"{self.root}: the generic OpenAI dialect sends text prompts, and {self.path} "
+                                  "has no tokenizer this client can read")
+        return self._tok
+
+    def _piece_bytes(self, tid: int) -> bytes:
+        """The bytes a server's text holds for token ``tid`` (a byte token's byte, a normal or user-defined piece with
+        ``▁`` as a space); empty for the others (control tokens: a server decodes with ``skip_special_tokens``)."""
+        tok = self._local_tok()
+        if not 0 <= tid < len(tok.tokens):
+            return b""
+        ty, piece = tok.types[tid], tok.tokens[tid]
+        if ty == BYTE and piece.startswith("<0x") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])
+        if ty in (NORMAL, USER_DEFINED):
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return b""
+
+    def _generic_text(self, ids: list[int]) -> str:
+        """The text sent for prompt ``ids`` on the generic dialect: our tokenizer's text of the ids after BOS (the
+        server adds BOS to a text prompt, as transformers' tokenizers and llama.cpp do), checked to encode back to
+        ``ids`` with our tokenizer (the server's cannot be asked: OpenAI's API has no tokenizer endpoint).
+
+        Raises:
+            ServerError: the ids have no text that encodes back to them (``--prompts`` with ``{"text"}`` prompts).
+        """
+        tok = self._local_tok()
+        body = ids[1:] if ids and tok.bos_id is not None and ids[0] == tok.bos_id else ids
+        raw = b"".join(self._piece_bytes(t) for t in body)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is None or tok.encode(text, add_bos=ids[:1] == [tok.bos_id], parse_special=True) != ids:
+            raise ServerError(f"{self.base}/completions: the generic OpenAI dialect takes text prompts only, and the "
+                              f"prompt {ids[:8]} has no text that our tokenizer turns back into it (give text prompts: "
+                              "--prompts FILE with {\"text\": ...} lines)")
+        return text
+
+    def _gen_generic(self, ids: list[int], n: int, top_n: int, stream: bool, extra: dict, ignore_eos: bool,
+                     gaps: bool) -> ServerGenerated:
+        """OpenAI's ``POST /v1/completions`` with a text prompt and only the fields OpenAI defines (transformers
+        serve answers 422 to any other): greedy is ``temperature`` 0; the answer is text, and its tokens are named
+        by the oracle (:meth:`_generic_ids`). No log-probs are read (transformers serve ignores ``logprobs``)."""
+        url = self.base + "/completions"
+        body = {**({"model": self.model} if self.model is not None else {}), "prompt": self._generic_text(ids),
+                "max_tokens": n, "temperature": 0, "stream": stream, **extra}
+        g = ServerGenerated()
+        count = None
+        for part in (self.http.stream(url, body) if stream else [self.http.call(url, body)]):
+            if isinstance(part, dict) and "error" in part and "choices" not in part:  # an error event mid-stream
+                err = part["error"]
+                msg = " ".join(str(err.get("message") if isinstance(err, dict) else err).split())[:300]
+                raise ServerFailure(f"{url}: the {'stream' if stream else 'answer'} carries an error instead of "
+                                    f"choices: {msg}").at(last_error=msg)
+            choice = _first_choice(url, part)
+            text = choice.get("text")
+            if text is not None and not isinstance(text, str):
+                raise _shape(url, '{"choices": [{"text": str, "finish_reason"}]}', part)
+            g.text += text or ""
+            g.finish_reason = choice.get("finish_reason") or g.finish_reason
+            usage = part.get("usage") if isinstance(part, dict) else None
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                count = usage["completion_tokens"]
+        hint, hint_top = self.hints.get(tuple(ids), (None, None))
+        g.tokens = self._generic_ids(g.text, n, count, g.finish_reason, hint, hint_top)
+        g.logprobs = [math.nan] * len(g.tokens)
+        g.top = [[] for _ in g.tokens]
+        g.missing = list(range(len(g.tokens)))
+        return g
+
+    def _generic_ids(self, text: str, n: int, count: int | None, finish: str | None, hint: Sequence[int] | None,
+                     hint_top: Sequence[Mapping[int, float]] | None) -> list[int]:
+        """Token ids of a generated ``text`` on the generic dialect (OpenAI's API returns text, not ids): step by
+        step, the oracle's token (``hint``) while its text agrees with the server's (:func:`_text_agrees`), else the
+        first of the oracle's top-N there (best first) whose text does; the first step none explains is -1 (unknown:
+        the greedy comparison fails it, as a token outside the oracle's top-N). Control tokens render as nothing (a
+        server decodes with ``skip_special_tokens``).
+
+        A ``stop`` ends where the text is explained (the end-of-generation token is appended after:
+        :meth:`_end_with_eog`); a ``length`` finish has ``min(n, count)`` steps (``count``: the server's
+        ``usage.completion_tokens``), those the text does not explain -1. Without a hint every step is -1."""
+        total = (min(n, count) if count is not None else n) if finish == "length" else None
+        out: list[int] = []
+        raw = b""
+        explained = text == ""
+        while len(out) < n and not (total is None and explained) and not (total is not None and len(out) >= total):
+            k = len(out)
+            if not hint or k >= len(hint):
+                break
+            top = hint_top[k] if hint_top and k < len(hint_top) else {}
+            cands = [int(hint[k])] + [int(t) for t in sorted(top, key=lambda t: -top[t]) if int(t) != int(hint[k])]
+            got = next((c for c in cands if c not in self.eog_ids  # an end-of-generation id is the stop, not text
+                        and _text_agrees(raw + self._piece_bytes(c), text)), None)
+            if got is None:
+                break
+            out.append(got)
+            raw += self._piece_bytes(got)
+            explained = _text_agrees(raw, text, whole=True)
+        if not explained:
+            out.append(-1)  # the step where the text parts from every candidate (or no oracle to name it by)
+        if total is not None:
+            out += [-1] * (total - len(out))
+        return out[:n]
+
     def _lcp_text(self, ids: list[int]) -> str:
         """The text llama-cpp-python must be sent for prompt ``ids`` (it takes no id prompts), checked to tokenize back:
         the server's detokenization of the ids after BOS, without its leading space (or ``▁``, where byte tokens spell
@@ -702,7 +1000,10 @@ class OpenAIEngine:
         hint, hint_top = self.hints.get(tuple(ids), (None, None))
         if not stream:  # a stream lists a generated BOS (as an empty text); a whole answer's log-probs leave it out
             texts, tops, g.logprobs = self._lcp_restore_bos(texts, tops, g.logprobs, hint, generated - len(texts))
-        # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix): keep the first n.
+        # It generates past max_tokens while a UTF-8 character is incomplete (its multibyte_fix, which skips its
+        # length test) and may then stop at EOS: keep the first n, which ended by length.
+        if len(texts) >= n and g.finish_reason == "stop" and not extra.get("stop"):
+            g.finish_reason = "length"
         texts, tops, g.logprobs = texts[:n], tops[:n], g.logprobs[:n]
         g.tokens, named_by_hint = self._lcp_ids(url, texts, hint, hint_top, g.logprobs)
         g.pieces = [t if isinstance(t, str) else "" for t in texts]
@@ -874,6 +1175,8 @@ class OpenAIEngine:
         """
         ids = [int(t) for t in ids]
         url = self.base + "/completions"
+        if self.dialect == "openai":
+            raise ServerError(f"{self.root}: the generic OpenAI dialect reads no prompt log-probabilities")
         if self.dialect == "llama-server":
             raise ServerError(f"{self.root}: llama-server returns no prompt log-probabilities (/v1/completions "
                               "ignores echo; /completion reports generated tokens only)")
@@ -900,10 +1203,11 @@ class OpenAIEngine:
         except (KeyError, TypeError):
             raise _shape(url, 'logprobs {"token_logprobs", "top_logprobs"}', lp) from None
         # The echo lists the prompt without a leading BOS (its first entry null), then the generated tokens: one,
-        # or more where the first ends inside a UTF-8 character (its multibyte_fix), as usage.completion_tokens says.
+        # or more where the first ends inside a UTF-8 character (its multibyte_fix), as usage.completion_tokens says;
         usage = ans.get("usage") if isinstance(ans, dict) else None
+        # None generated where the first token is an end-of-generation one: it stops there without listing it.
         generated = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        generated = generated if isinstance(generated, int) and generated >= 1 else 1
+        generated = generated if isinstance(generated, int) and generated >= 0 else 1
         skip = len(ids) - (len(token_lp) - generated)
         if skip not in (0, 1):
             raise _shape(url, f"{len(ids) - 1} or {len(ids)} prompt entries and {generated} generated",
@@ -915,6 +1219,28 @@ class OpenAIEngine:
                      for p, v in sorted(d.items(), key=lambda kv: -kv[1])]
             out.append((float(token_lp[k - skip]), [(i, float(v)) for i, v in pairs if i is not None][:top_n]))
         return out
+
+
+def _text_agrees(raw: bytes, text: str, whole: bool = False) -> bool:
+    """Whether ``raw`` (the bytes of some tokens) may begin ``text`` (a server's decoded generation), or be all of it
+    (``whole``). Decoders differ on bytes that are no whole UTF-8 character: Python's ``errors="replace"`` gives one
+    U+FFFD per bad sequence, HF tokenizers' ``ByteFallback`` a U+FFFD for every byte of a run of byte tokens that is
+    not valid UTF-8 as a whole (seen on transformers serve: the valid ``_`` and ``9`` of such a run shown as U+FFFD).
+    So a U+FFFD of the server's stands for any one character of ours; bytes of an unfinished character at the end of
+    ``raw`` must begin the server's next character (or a U+FFFD) there."""
+    def like(ours: str) -> bool:
+        return len(ours) <= len(text) and all(a == b or b == "\ufffd" for a, b in zip(ours, text))
+
+    if whole:  # the end of the text: an unfinished character there was decoded as U+FFFD
+        ours = raw.decode("utf-8", "replace")
+        return like(ours) and len(ours) == len(text)
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    ours = dec.decode(raw, final=False)
+    pending = dec.getstate()[0]
+    if not like(ours):
+        return False
+    nxt = text[len(ours):len(ours) + 1]
+    return not pending or (bool(nxt) and (nxt == "\ufffd" or nxt.encode("utf-8").startswith(pending)))
 
 
 def _entry_id(url: str, entry: Any) -> int:
@@ -945,12 +1271,17 @@ def _token_id(tok: str) -> int:
     return int(tok[len("token_id:"):])
 
 
-def _check_greedy(url: str, k: int, g: ServerGenerated) -> None:
-    """Each generated token is the top-1 of its step's log-probs, or ties with it: what greedy means."""
+def _check_greedy(url: str, k: int, g: ServerGenerated, eog: set[int] | frozenset[int] = frozenset()) -> None:
+    """Each generated token is the top-1 of its step's log-probs, or ties with it: what greedy means. Where that
+    top-1 is an end-of-generation id (``eog``) the server should have stopped: said so."""
     for i, (tok, top) in enumerate(zip(g.tokens, g.top)):
         if not top or tok == top[0][0]:
             continue
         mine = next((lp for tid, lp in top if tid == tok), None)
+        if (mine is None or mine != top[0][1]) and top[0][0] in eog:
+            raise ServerFailure(f"{url}: prompt {k}, step {i}: the server's own top-1 is the end-of-generation token "
+                                f"{top[0][0]} (at {top[0][1]:.6g}), where it should stop; it generated {tok} "
+                                f"(EOS ignored or banned, though the request let it stop)").at(index=k, step=i)
         if mine is None or mine != top[0][1]:
             raise ServerFailure(f"{url}: prompt {k}, step {i}: generated token {tok} is not the top-1 of the server's "
                                 f"own log-probs ({top[0][0]} at {top[0][1]:.6g}); greedy (temperature 0) was asked"

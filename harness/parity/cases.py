@@ -40,6 +40,7 @@ from ..engines.mm import ReferenceMM
 from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
+from ..synth.prompts import named_for_window
 from .checks import explain_pair  # noqa: F401 (registers the explanation of a failing pair: pair.ON_MEASURED)
 from .checks.drafter import drafter_checks, drafter_not_built, llamacpp_drafter_checks
 from .checks.fast import fast_checks, fast_packed_checks
@@ -242,10 +243,13 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     o = engine_options or {}
     res = CaseResult(case=name or case_name(path), kind="user", model=str(path))
     gates = resolve(spec_gates(path), str(path))
+    unusable = _probe_servers(against or (), path, o, lambda m: progress(f"[{res.case}] {m}"))
     progress(f"[{res.case}] loading with the reference")
     ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
     res.info["config"] = ref.cfg.summary()
     usable = [p for p in with_prompt_ids(prompts, path) if max(p["prompt_ids"]) < ref.cfg.vocab_size]
+    window = ref.cfg.sliding_window if any(layer.is_sliding for layer in ref.cfg.layers) else None
+    usable = named_for_window(usable, window)  # the synthetic set's names, by this model's own window
     names = list(against) if against else default_against(path, oracle)
     res.info["against"] = names
     res.info["top_n"] = (server or ServerOptions()).top_n
@@ -257,8 +261,9 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
                               "left_out": "reference.cached~uncached (float64 forwards)"}
     runs = ReferenceRuns(CheckedEngine(ref, "reference"), oracle_engine)  # its overflow: the model is unusable
     if oracle_engine is None:  # every check's reference forwards, in as few passes over the weights as they allow
-        runs.prefetch(expected_sets(names, skip), usable, int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)),
-                      res.info["top_n"], cached=True, progress=lambda m: progress(f"[{res.case}] {m}"))
+        runs.prefetch(expected_sets([n for n in names if n not in unusable], skip), usable,
+                      int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)), res.info["top_n"], cached=True,
+                      progress=lambda m: progress(f"[{res.case}] {m}"))
     seen: dict[str, int] = {}
     try:
         for name in names:
@@ -275,6 +280,23 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
         for p in usable:
             res.apply(cached_vs_uncached(ref, p, runs.logits((), p)[0], runs.cached_logits(p)), gates)
     return res
+
+
+def _probe_servers(names: Sequence[str], path: str, options: dict[str, Any], progress: Progress) -> set[str]:
+    """Ask every ``openai:URL`` engine of ``names`` whether it can be used (which server answers, its model list:
+    :class:`harness.engines.openai.OpenAIEngine`) before any reference work, so that a URL that cannot be used is
+    said at once, not after minutes of reference forwards. Returns the names that cannot be used (their pair then
+    says why, exit 2); the reference work leaves their checks out."""
+    bad = set()
+    for name in names:
+        if engine_kind(name) != "openai":
+            continue
+        try:
+            make_engine(name, path, **options)
+        except Exception as e:  # noqa: BLE001 (the pair reports it, with its kind: bad input or engine failure)
+            bad.add(name)
+            progress(f"{name}: cannot be used: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    return bad
 
 
 def gemma3_case(progress: Progress, weights: str | None = None) -> CaseResult:

@@ -41,6 +41,7 @@ from ..core.workers import process_pool
 from ..engines import check_engine_name
 from ..engines.variants import activate_from_env, active
 from ..synth.mm_case import builtin_mm_specs
+from ..synth.prompts import WINDOW_NAMED
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
@@ -443,6 +444,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         raise InputError("--quick runs a few short prompts: it cannot be compared with a baseline or written as one "
                          "(leave out --quick, or --baseline / --write-baseline)")
     prompt_set = load_user_prompts(prompts) if models else load_prompts(prompts)
+    if models and Path(prompts) == Path(PROMPTS):  # the default set: named by each model's own window (user_case)
+        prompt_set = [{**p, WINDOW_NAMED: True} for p in prompt_set]
     quick_note, user_skip = "", skip
     if quick:
         n_all = len(prompt_set)

@@ -131,8 +131,14 @@ def llamacpp_numerics() -> Iterator[None]:
 
 
 def fp16(x: np.ndarray) -> np.ndarray:
-    """Values rounded to fp16 and back to float64. [...] -> [...]."""
-    return np.asarray(x, dtype=np.float64).astype(np.float16).astype(np.float64)
+    """Values rounded to fp16 and back to float64. [...] -> [...].
+
+    A value beyond fp16's range (|x| >= 65520) becomes +-inf, as ggml's own fp32 -> fp16 conversion makes it
+    (``ggml_compute_fp32_to_fp16`` / F16C ``_mm_cvtps_ph``, round to nearest even: ``ggml/src/ggml-impl.h``): that
+    is what llama.cpp computes, so it is emulated without NumPy's ``RuntimeWarning: overflow encountered in cast``.
+    The inf is not hidden: it flows on, and the harness's finiteness checks name it where it lands."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, dtype=np.float64).astype(np.float16).astype(np.float64)
 
 
 def fp32(x: np.ndarray) -> np.ndarray:
@@ -226,9 +232,12 @@ def attention_flash_fp16(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.
             continue
         s = scores[:, :, j]
         new = ok & (s > big_m)
-        with np.errstate(invalid="ignore"):
-            ms = np.where(new, fp32(np.exp(fp32(big_m - s))), 1.0)
-            vs = np.where(new, 1.0, fp32(np.exp(fp32(s - big_m))))
+        # exponents only where their value is used: np.where evaluates both branches, and a key not yet allowed
+        # (big_m still -inf) or masked would give exp(inf) or a huge finite weight, whose fp16 rounding below overflowed
+        # (NumPy's "overflow encountered in cast") for values that are then thrown away
+        old = ok & ~new
+        ms = np.where(new, fp32(np.exp(fp32(np.where(new, big_m, s) - s))), 1.0)
+        vs = np.where(old, fp32(np.exp(fp32(s - np.where(old, big_m, s)))), 1.0)
         acc = np.where(new[..., None], fp16(fp32(acc * ms[..., None])), acc)
         acc = np.where(ok[..., None], fp16(fp32(acc + fp32(vh[j][None] * vs[..., None]))), acc)
         big_s = np.where(ok, fp32(big_s * ms + vs), big_s)

@@ -581,6 +581,8 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                                           near_tie=near_tie_margin(lp_limit))
                 if approx:
                     figs[1].detail.update(effect=effect, effect_at=effect_at, emulated=list(approx))
+                if getattr(eng, "no_logprobs", None):  # a server that gives tokens only: said, not failed
+                    figs[1].detail["not_measured"] = eng.no_logprobs
                 out += figs
                 bad = _not_greedy(ours_g)
                 if bad is not None:  # a greedy engine never picks a token below its own top-1: it samples, or lies

@@ -1,14 +1,15 @@
 """Checks of a model behind an OpenAI-compatible server: ``g4h parity --model PATH --against openai:URL``.
 
-The server (:class:`harness.engines.openai.OpenAIEngine`: llama-server, llama-cpp-python's server, vLLM) is one
-more engine of the pair checks (:func:`harness.parity.checks.pair.pair_checks`, pair ``reference~openai``): its
-greedy streams are judged there against the reference's by vLLM's rule (``reference~openai.greedy``, each
-divergence a near-tie or a fault naming the request, the step and both tokens; a token that is not the server's
-own top-1 is a fault) and by ``reference~openai.max_abs_logprob`` (shared top-5 on the agreed prefix). The server's
-numerics are its dialect's defaults or what ``--declare`` states (:data:`harness.engines.numerics.DIALECT_NUMERICS`:
-llama-server with its fp16 GELU table, an f16 KV cache and flash attention; llama-cpp-python with the table and an
-f16 KV cache); the reference makes those approximations too, and each figure is gated at ``max(fp32 bound, 2 x
-their effect on this model)`` (:data:`harness.core.gates.EFFECT_FACTOR`).
+The server (:class:`harness.engines.openai.OpenAIEngine`: llama-server, llama-cpp-python's server, vLLM, any other
+OpenAI server through the generic ``openai`` dialect, which judges its text alone) is one more engine of the pair checks
+(:func:`harness.parity.checks.pair.pair_checks`, pair ``reference~openai``): its greedy streams are judged there against
+the reference's by vLLM's rule (``reference~openai.greedy``, each divergence a near-tie or a fault naming the request,
+the step and both tokens; a token that is not the server's own top-1 is a fault) and by
+``reference~openai.max_abs_logprob`` (shared top-5 on the agreed prefix). The server's numerics are its dialect's
+defaults or what ``--declare`` states (:data:`harness.engines.numerics.DIALECT_NUMERICS`: llama-server with its fp16
+GELU table, an f16 KV cache and flash attention; llama-cpp-python with the table and an f16 KV cache); the reference
+makes those approximations too, and each figure is gated at ``max(fp32 bound, 2 x their effect on this model)``
+(:data:`harness.core.gates.EFFECT_FACTOR`).
 
 This module adds the checks only a server has (:data:`harness.parity.checks.pair.EXTRA_CHECKS` ``["openai"]``,
 :func:`server_checks`), each a figure with a gate in ``harness/core/gates.py``:
@@ -66,7 +67,7 @@ from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure
 from ...engines.base import TOP_N
-from ...engines.openai import OpenAIEngine, ServerGenerated
+from ...engines.openai import OpenAIEngine, ServerError, ServerGenerated, end_of_generation_ids
 from ...tokenizer.files import load_tokenizer_metadata
 from ..compare import generation_figures
 from ..result import Figure, fig
@@ -311,14 +312,10 @@ def _states_template(path: str | Path) -> bool:
 
 
 def _eos_ids(tok: GGUFTokenizer, path: str | Path) -> set[int]:
-    """The ids that end a generation: the tokenizer's EOS, plus the GGUF's EOT / EOM ids where it states them."""
+    """The ids that end a generation: the tokenizer's EOS, plus the model's other end-of-generation ids (the GGUF's
+    EOT / EOM ids, its end-of-turn tokens: :func:`harness.engines.openai.end_of_generation_ids`)."""
     ids = {tok.eos_id} if tok.eos_id is not None else set()
-    if Path(path).suffix == ".gguf":
-        meta = load_tokenizer_metadata(path)
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            if isinstance(meta.get(key), int):
-                ids.add(int(meta[key]))
-    return ids
+    return ids | end_of_generation_ids(path)
 
 
 def _token_bytes(tok: GGUFTokenizer, tid: int) -> bytes | None:
@@ -518,7 +515,7 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
     """``server.stop.max_tokens``, ``server.stop.string`` and ``server.stop.eos`` (see the module docstring)."""
     n, top_n = opts.max_new_tokens, opts.top_n
     eos_first = {rid: next((k for k, t in enumerate(o.tokens) if t in eos_ids), None) for rid, o in oracle.items()}
-    stops_at_eos = eng.dialect == "llama-cpp-python"  # it has no ignore_eos
+    stops_at_eos = True  # every request lets the server stop at EOS (OpenAIEngine.complete), as users run it
     # max_tokens: every alone answer, and 1 and 3 tokens of the first prompt.
     rows = []
     for rid in order:
@@ -556,16 +553,23 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
             except UnicodeDecodeError:
                 continue
             g = _named(f"{rid} (stop {word_s!r})", eng.complete, prompts[rid], n, top_n, stop=[word_s])
+            note = None
             i = _first_difference(g.tokens[:k], o.tokens[:k])
             if i is not None:
                 kind = "near-tie" if o.margin[i] < o.near_tie else "fault"
                 why = f"step {i}: server {g.tokens[i]}, oracle {o.tokens[i]} (oracle margin {o.margin[i]:.3g})"
             elif g.finish_reason == "stop" and g.text == text:
                 kind, why = "ok", ""
+            elif g.finish_reason == "stop" and eng.dialect == "openai" and g.text == text + word_s:
+                # transformers serve stops there but keeps the stop string in the text (OpenAI's API leaves it out):
+                # the stop is right, the text differs in that documented way
+                kind, why = "ok", ""
+                note = f"the text keeps the stop string {word_s!r} (OpenAI's API leaves it out)"
             else:
                 kind, why = "fault", (f"stop string {word_s!r} at step {k}: finish_reason {g.finish_reason!r}, text "
                                       f"ending {g.text[-24:]!r}, expected 'stop' and a text ending {text[-24:]!r}")
-            rows.append({"request": rid, "stop": word_s, "step": k, "kind": kind, "why": why})
+            rows.append({"request": rid, "stop": word_s, "step": k, "kind": kind, "why": why,
+                         **({"note": note} if note else {})})
             break
     out.append(_stop_figure("server.stop.string", rows) if rows else
                fig("server.stop.string", float("nan"), None, not_measured="no continuation of the reference holds a "
@@ -574,9 +578,14 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
     # EOS: prompt prefixes whose next greedy token is EOS, continuations that reach EOS, and some that never do.
     rows = []
     sites = [(rid, j, m) for rid in order for j, m in oracle[rid].prompt_eos][:MAX_EOS_PREFIX_SITES]
+    unsendable = []
     for rid, j, margin in sites:
-        g = _named(f"{rid}[:{j + 1}] (EOS not ignored)", eng.complete, prompts[rid][:j + 1], 4, top_n,
-                   ignore_eos=False)
+        try:
+            g = _named(f"{rid}[:{j + 1}] (EOS not ignored)", eng.complete, prompts[rid][:j + 1], 4, top_n,
+                       ignore_eos=False)
+        except ServerError as e:  # a text-only dialect: a prefix cut inside a character has no text to send
+            unsendable.append(f"{rid}[:{j + 1}]: {e}")
+            continue
         got = [t for t in g.tokens if t not in eos_ids] if g.finish_reason == "stop" else g.tokens
         ok = g.finish_reason == "stop" and not got
         kind = "ok" if ok else ("near-tie" if margin < oracle[rid].near_tie else "fault")
@@ -590,7 +599,8 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
         kind, why = _stop_verdict(g.tokens, g.finish_reason, oracle[rid], eos_first[rid], eos_ids, n)
         rows.append({"request": rid, "eos_at": eos_first[rid], "kind": kind, "why": why})
     out.append(_stop_figure("server.stop.eos", rows, eos_ids=sorted(eos_ids),
-                            eos_reached=len(sites) + len(reaching)))
+                            eos_reached=len(sites) - len(unsendable) + len(reaching),
+                            **({"not_sent": unsendable} if unsendable else {})))
     return out
 
 
@@ -606,6 +616,9 @@ def prompt_logprob_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dic
     figure saying "not offered by llama-server", a failing one with ``required`` (``--require
     server-prompt-logprobs``)."""
     gate = "server.prompt_logprobs"
+    if eng.dialect == "openai":
+        return [_not_offered(gate, "the generic OpenAI dialect", "no prompt log-probabilities (OpenAI's completions "
+                             "API returns text)", "server-prompt-logprobs", required)]
     if eng.dialect == "llama-server":
         return [_not_offered(gate, "llama-server", "no prompt log-probabilities (/v1/completions ignores echo; "
                              "/completion reports generated tokens only)", "server-prompt-logprobs", required)]
@@ -718,7 +731,11 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
     out: list[Figure] = []
     texts = [(p["id"], p["text"], list(p["prompt_ids"])) for p in prompts if "text" in p]
     tok = _our_tokenizer(path)
-    if texts:
+    if texts and eng.dialect == "openai":
+        why = ("not offered by the generic OpenAI dialect: no tokenizer endpoint (the texts are sent as text; the ids "
+               "the server evaluates are not seen)")
+        out.append(fig("server.tokenizer", float("nan"), None, got=why, informational_reason=why))
+    elif texts:
         progress(f"{pair}: tokenizer: {len(texts)} text prompts, server vs ours")
         out += tokenizer_figures(eng, texts)
     context = runs.ref.cfg.context_length
@@ -758,9 +775,10 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
                                              "server-prompt-logprobs" in opts.require), eng, runs)
     if "server-template" in opts.skip:
         out.append(_opted_out("server.chat_template", "server-template"))
-    elif eng.dialect == "llama-cpp-python":
-        out.append(_not_offered("server.chat_template", "llama-cpp-python", "no endpoint renders or tokenizes a "
-                                "chat template", "server-template", "server-template" in opts.require))
+    elif eng.dialect in ("llama-cpp-python", "openai"):
+        out.append(_not_offered("server.chat_template", "the generic OpenAI dialect" if eng.dialect == "openai" else
+                                "llama-cpp-python", "no endpoint renders or tokenizes a chat template",
+                                "server-template", "server-template" in opts.require))
     elif not _states_template(path) and "server-template" not in opts.require:
         why = (f"{Path(path).name} states no chat template (tokenizer.chat_template), so the server renders its own "
                "fallback (llama-server: ChatML), which is not this model's format; give the server the template "
@@ -787,6 +805,7 @@ def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> li
 
 
 EXTRA_CHECKS["openai"] = server_checks
+OpenAIEngine.local_tokenizer_of = staticmethod(_our_tokenizer)  # the generic dialect's texts (a layer below cannot)
 
 
 # --------------------------------------------------------------------------- the report
