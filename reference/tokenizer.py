@@ -67,9 +67,15 @@ produces for runs of 1..31 newlines on the Gemma vocabulary.
 * ``None`` (default): ``llama`` -> the SentencePiece rule of step 2 above;
   ``gemma4`` -> ``False``.
 
-BOS is put in front exactly once when asked (``add_bos``; default: the file's
-``tokenizer.ggml.add_bos_token``, true when absent): never a second one when
-the text itself already produced BOS (llama.cpp and HF would double it).
+BOS is put in front when asked (``add_bos``; default: the file's
+``tokenizer.ggml.add_bos_token``, true when absent), also when the text itself
+starts with ``<bos>`` parsed as the special token: ``"<bos>hi"`` is
+``[bos, bos, ...]``, as llama.cpp ``llama_tokenize(add_special=true,
+parse_special=true)`` (src/llama-vocab.cpp ``tokenize``: BOS pushed before the
+text's tokens; it only warns about the double BOS) and transformers' Gemma
+tokenizer (its post-processor puts ``<bos>`` before whatever the text gave)
+both give. A caller whose text already holds its BOS (a rendered chat template)
+asks for none (``add_bos=False``).
 
 ``decode`` maps ids back to pieces, turns ``▁`` into spaces, reassembles runs of
 byte tokens as UTF-8 (invalid bytes become U+FFFD) and drops control tokens
@@ -470,9 +476,10 @@ class GGUFTokenizer:
         Args:
             text: the input (a Python ``str``; lone surrogates are not text and
                 fall back to the unknown id).
-            add_bos: put BOS in front, exactly once (not when the text itself
-                produced BOS). ``None``: the file's ``tokenizer.ggml.add_bos_token``
-                (true when absent). Ignored when the vocabulary has no BOS.
+            add_bos: put BOS in front, also when the text itself starts with
+                BOS (module docstring: llama.cpp and transformers do).
+                ``None``: the file's ``tokenizer.ggml.add_bos_token`` (true when
+                absent). Ignored when the vocabulary has no BOS.
             parse_special: which special tokens are matched in the text:
                 ``True`` control + user-defined + unknown, ``False`` user-defined
                 only, ``None`` the model's default (module docstring).
@@ -493,7 +500,7 @@ class GGUFTokenizer:
             ids = self._encode_llama(text, parse_special)
         if add_bos is None:
             add_bos = self.add_bos
-        if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+        if add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
 
