@@ -41,6 +41,7 @@ import numpy as np
 from reference.errors import InputError
 
 from ..core.gates import DEFAULT_GATES, Gate, effect_limit, gate_for, with_effect
+from ..engines.fast import FastEngine
 from ..engines.variants import Variant, conflict, family, under
 from ..traces.compare import DivergenceRule, compare
 from ..traces.format import Trace, TraceWriter, canonical_key
@@ -432,8 +433,6 @@ class TextSubject:
             if self.oracle is not None and not variants:
                 yield self.oracle, "fast"
             elif self.oracle is not None and all(v.has_fast for v in variants):
-                from ..engines.fast import FastEngine  # torch: only with --oracle fast
-
                 stack.enter_context(under(variants, fast=True))
                 eng = FastEngine.from_model(self.ref.cfg, self.ref.weights, device=str(self.oracle.model.device),
                                             dtype="float32", weights=self.oracle.weights)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from reference.errors import InputError
+from reference.weights import load_model
 
 from ..core.cases import PROMPTS, builtin_specs, load_prompts, refuse_unfit_prompts
 from ..core.io import staged_run_dir, write_json_atomic
@@ -261,11 +262,9 @@ def check_user_prompts(prompts: list[dict[str, Any]], models: list[str], new_tok
     Raises:
         InputError: a prompt that does not fit, or text prompts and a model without a tokenizer.
     """
-    from reference.weights import load_model  # the header and the tensor table: no weights are read
-
     for m in models:
         try:
-            cfg, _ = load_model(m, cache_bytes=0)
+            cfg, _ = load_model(m, cache_bytes=0)  # the header and the tensor table: no weights are read
         except InputError:
             continue
         refuse_unfit_prompts(with_prompt_ids(prompts, m), cfg.vocab_size, cfg.context_length, new_tokens, str(m),
