@@ -4,7 +4,7 @@ protocol, with every fault the harness must name on request.
     python tests/cmd_stub.py [--fault KIND [--fault-op OP] [--fault-after N]] [--perturb-layer L] [--perturb X]
                               [--dtype D] [--approx A] [--kv-cache T] [--token-only] [--no-tensors] [--linger]
                               [--spec VARIANT[,VARIANT]] [--scale-rows L] [--serve-model PATH]
-                              [--repeat-penalty X] [--ops OP[,OP]]
+                              [--repeat-penalty X] [--generate-noise S] [--ops OP[,OP]]
 
 It answers ``hello``, ``logits`` (float32 ``.npy``), ``generate``, ``trace`` (a ``g4h-trace`` file, with the
 tensors unless ``--no-tensors``) and ``tokenize`` (one id per byte, a stand-in). ``--perturb-layer L`` adds
@@ -19,7 +19,9 @@ variant does that). ``--serve-model PATH`` answers with the reference of another
 names (a server that runs the wrong model). ``--repeat-penalty X``: its logits are exact, its greedy decoding is not:
 each step's logit of a token already in the context is divided by X (multiplied when negative; llama.cpp's
 ``penalty_repeat``, src/llama-sampling.cpp ``llama_sampler_penalties_apply``) before the argmax, and the log-probs
-it reports are those of the penalised logits. ``--ops OP[,OP]``: the operations its ``hello`` offers (default
+it reports are those of the penalised logits. ``--generate-noise S``: its logits are exact, its generation's are not
+(Gaussian noise of scale S on every logit of every step, a fixed seed: what a broken KV cache or decode path gives),
+greedy on them, their log-probs reported. ``--ops OP[,OP]``: the operations its ``hello`` offers (default
 ``logits,generate,trace,tokenize``; ``generate`` alone: an engine judged by its greedy streams, as a server is).
 Faults (:data:`FAULTS`), applied to the first ``--fault-op`` request (default ``logits``; ``any``: every request
 but ``hello``) after ``--fault-after N`` of them were answered (default 0; ``die`` with ``--fault-op any
@@ -90,6 +92,25 @@ class RowScaled:
 
     def __getattr__(self, attr: str):
         return getattr(self.base, attr)
+
+
+def noisy(ref, prompt, n: int, top_n: int, scale: float, seed: int = 5):
+    """Greedy decoding on the reference's logits plus Gaussian noise of ``scale`` on every logit of every step (a
+    fixed seed), the top-``top_n`` log-probs of the noisy logits reported: a generation path that computes other
+    logits than the forward."""
+    from harness.engines.base import Generated
+
+    rng = np.random.default_rng(seed)
+    ids, g = list(prompt), Generated()
+    g.tokens, g.top = [], []
+    for _ in range(n):
+        z = np.array(ref.logits(ids)[-1], dtype=np.float64) + rng.normal(0.0, scale, ref.cfg.vocab_size)
+        lp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        best = np.argsort(-lp, kind="stable")[:top_n]
+        g.tokens.append(int(best[0]))
+        g.top.append([(int(i), float(lp[i])) for i in best])
+        ids.append(int(best[0]))
+    return g
 
 
 def penalised(ref, prompt, n: int, top_n: int, penalty: float):
@@ -174,6 +195,7 @@ def main() -> int:
     p.add_argument("--scale-rows", type=int, default=None, help="x1.02 on half the rows of blk.L.ffn_down.weight")
     p.add_argument("--serve-model", default=None, help="answer with this model, whatever the harness names")
     p.add_argument("--repeat-penalty", type=float, default=None, help="a repetition penalty in greedy decoding")
+    p.add_argument("--generate-noise", type=float, default=None, help="noise on generation's logits only")
     p.add_argument("--ops", default="logits,generate,trace,tokenize", help="the operations hello offers")
     a = p.parse_args()
     with under(parse_spec(a.spec), fast=False):
@@ -244,6 +266,9 @@ def serve(a: argparse.Namespace) -> int:
             gens = ref.generate_full(req["prompts"], req["max_new_tokens"], top_n=max(6, req["top_n"]))
             if fault == "sample":
                 gens = [sampled(ref, p, req["max_new_tokens"], req["top_n"]) for p in req["prompts"]]
+            if a.generate_noise is not None:
+                gens = [noisy(ref, p, req["max_new_tokens"], max(6, req["top_n"]), a.generate_noise)
+                        for p in req["prompts"]]
             if a.repeat_penalty is not None:
                 gens = [penalised(ref, p, req["max_new_tokens"], max(6, req["top_n"]), a.repeat_penalty)
                         for p in req["prompts"]]

@@ -9,7 +9,8 @@ by ``g4h parity``; the pair fails, and its explanation must say what the engine 
   model (``--serve-model lab-moe``): explained by no variant, with logits and with streams alone; no trial that
   measured nothing comparable (streams that part at step 0) counts;
 * a decoding-only fault (exact logits, a repetition penalty in greedy decoding): said to be in decoding, with the
-  request, the step and the repeated token, not "nothing to explain";
+  request, the step and the repeated token, not "nothing to explain"; exact logits and noise on every logit of its
+  generation (a broken KV cache would do that): said to be in its generation path, no decoding rule named;
 * ``--oracle fast``: the variant with a fast form is explained with fast, the one without with the reference.
 """
 
@@ -72,7 +73,8 @@ def _parity(lab, prompts_file, out, engines, oracle="reference") -> dict[int, di
 def faults(lab, prompts_file, tmp_path_factory) -> tuple[list[tuple[str, ...]], dict[int, dict]]:
     moe = str(lab["lab-moe"])
     engines = [("--scale-rows", "2"), ("--serve-model", moe), ("--repeat-penalty", "1.5"),
-               ("--ops", "generate", "--scale-rows", "2"), ("--ops", "generate", "--serve-model", moe)]
+               ("--ops", "generate", "--scale-rows", "2"), ("--ops", "generate", "--serve-model", moe),
+               ("--generate-noise", "0.5")]
     return engines, _parity(lab, prompts_file, tmp_path_factory.mktemp("faults"), engines)
 
 
@@ -131,6 +133,7 @@ def test_a_fault_in_decoding_is_said_to_be_in_decoding(faults):
     assert e["line"].startswith(f"in decoding, not in the logits: request {d['request']} step {d['step']}: it gave "
                                 f"{d['ours']}, its own logits and the reference's give {d['oracle']}")
     assert d["ours"] != d["oracle"] and d["max_abs_logit"] <= DEFAULT_GATES["reference~cmd.max_abs_logit"].limit
+    assert d["kind"] == "decoding", d["what"]
     assert "a repeated token's logit lowered" in d["what"] and "repetition penalty" in d["what"], d["what"]
     assert f"token {d['oracle']} occurs in the context" in d["what"]
     assert not e["explained_by"] and e["singles_tried"] == 0
@@ -147,3 +150,16 @@ def test_the_fast_oracle_explains_with_fast_where_the_variant_has_a_fast_form(la
         assert e["baseline"]["oracle"] == "fast" and e["explained_by"][0]["oracle"] == oracle
         assert e["explained_by"][0]["figures"]["max_abs_logit"] <= limit
     assert found[3]["status"] == "unexplained", found[3]["line"]
+
+
+def test_a_generation_path_that_computes_other_logits_is_not_called_a_decoding_rule(faults):
+    """Exact logits, noise on its generation's logits: the divergence is in generation (its forward agrees), and the
+    log-probs it reports differ from its forward's on tokens no decoding rule touches: said so, no penalty named,
+    no variant searched."""
+    e = faults[1].get(6)
+    assert e is not None and e["status"] == "decoding", e["line"]
+    d = e["decoding"]
+    assert d["kind"] == "generation" and e["line"].startswith(f"in generation, not in the logits: request "
+                                                              f"{d['request']} step {d['step']}: "), e["line"]
+    assert "its generation computes other logits than its forward" in d["what"], d["what"]
+    assert "repetition penalty" not in d["what"] and "banned" not in d["what"]

@@ -27,6 +27,7 @@ from fast.model import FastModel
 from fast.speculative import ModelProposer
 from reference.drafter import bind
 from reference.drafter_weights import load_drafter
+from reference.errors import InputError
 from reference.mm_model import load_multimodal
 
 from .. import synth
@@ -232,9 +233,11 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     cached-vs-uncached check is left out (it would run the float64 forwards ``--oracle fast`` is there to avoid;
     ``info["oracle"]`` says so).
 
-    Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; a prompt with an id outside the
-    model's vocabulary, or too long for its context with the greedy tokens, is bad input naming it
-    (:func:`harness.core.cases.refuse_unfit_prompts`; :func:`harness.parity.job.run` checks it before any work). A GGUF inside a built synthetic case is judged with its case's
+    Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; a prompt of the user's with an id
+    outside the model's vocabulary, or too long for its context with the greedy tokens, is bad input naming it
+    (:func:`harness.core.cases.refuse_unfit_prompts`; :func:`harness.parity.job.run` checks it before any work);
+    the case library's set (records marked ``library``, when no ``--prompts`` was given) is cut to the model. A
+    GGUF inside a built synthetic case is judged with its case's
     ``[gates]`` table. ``engine_options`` go to every engine built (each takes its own); ``server`` holds the
     options of the server checks (``openai:URL``). ``engine_options`` also hold
     ``cache_gb`` (the reference's ``--ref-cache-gb``) and ``layers`` (``--layers N``, every engine; one that cannot
@@ -246,9 +249,14 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     progress(f"[{res.case}] loading with the reference")
     ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
     res.info["config"] = ref.cfg.summary()
-    usable = with_prompt_ids(prompts, path)  # every prompt used, or the case refused naming it (never dropped)
-    refuse_unfit_prompts(usable, ref.cfg.vocab_size, ref.cfg.context_length,
-                         int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)), str(path), "the prompt set")
+    new_tokens = int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS))
+    vocab, context = ref.cfg.vocab_size, ref.cfg.context_length
+    usable = [p for p in with_prompt_ids(prompts, path) if not p.get("library") or
+              (max(p["prompt_ids"]) < vocab and len(p["prompt_ids"]) + new_tokens <= context)]  # the library's: cut
+    if not usable:
+        raise InputError(f"no prompt of the case library's set fits {path} (ids below {vocab}, at most "
+                         f"{context - new_tokens} tokens); give --prompts")
+    refuse_unfit_prompts(usable, vocab, context, new_tokens, str(path), "the prompt set")  # the user's: all, or none
     names = list(against) if against else default_against(path, oracle)
     res.info["against"] = names
     res.info["top_n"] = (server or ServerOptions()).top_n

@@ -71,6 +71,10 @@ streams), else the worst relative L2 over the trace points."""
 
 LABELS = {"max_abs_logit": "max |Δlogit|", "max_abs_logprob": "max |Δlogprob|", "layer_rel_l2": "worst rel. L2"}
 
+GENERATION_PATH = "in its generation path"
+"""How :meth:`TextSubject.decoding` starts ``what`` when the engine's generation computes other logits than its forward
+(the explanation's ``kind`` is then ``generation``, its line "in generation, not in the logits: ...")."""
+
 GENERATION_METRICS = ("greedy", "max_abs_logprob")
 """The metrics of greedy streams (:func:`harness.parity.compare.generation_figures`): a pair that fails only these
 while its logits agree diverges in decoding (:meth:`TextSubject.decoding`)."""
@@ -168,7 +172,7 @@ class Explanation:
     def line(self) -> str:
         """The one line a user acts on."""
         if self.status == "decoding" and self.decoding is not None:
-            return f"in decoding, not in the logits: {self.decoding['line']}"
+            return f"in {self.decoding.get('kind', 'decoding')}, not in the logits: {self.decoding['line']}"
         if self.status == "nothing_to_explain":
             return "nothing to explain: the engine agrees with the reference on these prompts"
         if self.status == "not_run":
@@ -540,11 +544,13 @@ class TextSubject:
         (:data:`GENERATION_METRICS`) and, on the first prompt whose stream parts from the oracle's, the engine's own
         teacher-forced logits (:attr:`Observed.forced`) agree with the oracle's at every step of its stream (within
         the pair's ``max_abs_logit`` limit) and their top-1 at the parting step is the oracle's token, not the one
-        the engine emitted. What differs is read from the log-probs the engine reported at that step: its token not
+        the engine emitted. What differs is read from the log-probs the engine reported at that step (None when they
+        differ from those logits on tokens no rule touches: its generation path computes other logits): its token not
         the top-1 of its own log-probs (sampling); the oracle's token missing from its top-N or at -inf (banned, or,
         when it already occurs in the context, a repeated token's logit lowered); present but lower than its logits
         give (a repeated token's logit lowered, when it occurs in the context: a repetition penalty; else a logit
-        bias). Returns ``{"request", "step", "ours", "oracle", "what", "max_abs_logit", "line"}``.
+        bias). Returns ``{"request", "step", "ours", "oracle", "what", "max_abs_logit", "kind", "line"}`` (``kind``:
+        ``decoding``, or ``generation`` for a generation path that computes other logits).
         """
         if base.passed or base.error is not None:
             return None
@@ -575,15 +581,19 @@ class TextSubject:
             if int(np.argmax(row)) != want:
                 return None
             what = self._what(o, i, tok, want, seq[:start + 1 + i], z[start + i])
+            kind = "generation" if what.startswith(GENERATION_PATH) else "decoding"
             line = (f"request {o.prompt_id} step {i}: it gave {tok}, its own logits and the {base.oracle}'s give "
                     f"{want} (its logits agree with the {base.oracle}'s at every step of its stream, max |Δlogit| "
                     f"{gap:.3g}); {what}")
             return {"request": o.prompt_id, "step": i, "ours": tok, "oracle": want, "what": what,
-                    "max_abs_logit": gap, "line": line}
+                    "max_abs_logit": gap, "kind": kind, "line": line}
         return None
 
     def _what(self, o: Observed, i: int, tok: int, want: int, context: Sequence[int], z: np.ndarray) -> str:
-        """What differs in decoding at step ``i`` (see :meth:`decoding`); ``z``: the oracle's logits there."""
+        """What differs in decoding at step ``i`` (see :meth:`decoding`); ``z``: the oracle's logits there. It starts
+        with :data:`GENERATION_PATH` when the log-probs it reported there differ from those logits beyond a change
+        of the context's tokens and the oracle's token (one shift of the normaliser): its generation computes other
+        logits than its forward (a KV cache, a decode path), which is no decoding rule."""
         lz = z - z.max() - np.log(np.sum(np.exp(z - z.max())))
         lps = o.stream.get("logprobs") or []
         own = lps[i] if i < len(lps) and lps[i] else {}
@@ -595,6 +605,12 @@ class TextSubject:
                     "its log-probs at that step were not given: a token banned, a logit bias or sampling")
         if tok in own and own[tok] < max(own.values()):
             return f"sampling: its token {tok} is not the top-1 of its own log-probs (temperature 0 was asked)"
+        touched = set(int(c) for c in context) | {want}
+        shift = [own[k] - lz[k] for k in own if k not in touched and own[k] > -np.inf]
+        if len(shift) >= 2 and max(shift) - min(shift) > self._limit("max_abs_logprob"):
+            return (f"{GENERATION_PATH}: the log-probs it reported there differ from its own forward's on tokens no "
+                    f"decoding rule touches (spread {max(shift) - min(shift):.3g} over {len(shift)} tokens outside the "
+                    "context): its generation computes other logits than its forward (its KV cache, its decode path)")
         theirs = own.get(want)
         if theirs is None or not theirs > -np.inf:
             state = f"not among its top-{len(own)} log-probs" if theirs is None else "at log-prob -inf"

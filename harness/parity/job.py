@@ -474,7 +474,9 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             left = [c for c in QUICK_LEAVES_OUT if c not in skip and would_run.get(c, True)]
             skip = skip + tuple(left)
             quick_note += f", without {', '.join(left)}" if left else ""
-    if models:  # every prompt judged or refused, naming its line, before any engine work
+    if models and Path(prompts).resolve() == PROMPTS.resolve():  # the library's set: cut to each model (README)
+        prompt_set = [{**p, "library": True} for p in prompt_set]
+    elif models:  # the user's: every prompt judged or refused, naming its line, before any engine work
         check_user_prompts(prompt_set, list(models), int(server.max_new_tokens), prompts)
     base = load_baseline(baseline) if baseline else None
     drift_base = load_baseline(oracle_drift) if oracle_drift else None
