@@ -140,11 +140,16 @@ def test_a_fault_in_decoding_is_said_to_be_in_decoding(faults):
 
 
 def test_the_fast_oracle_explains_with_fast_where_the_variant_has_a_fast_form(lab, prompts_file, tmp_path):
+    """``--oracle fast``: window_inclusive changes the config (a fast model built under it), attn_scale_head_dim a
+    function (the oracle's own model, patched while the trial runs), norm_plus_one has no fast form (the
+    reference); a weight perturbation is explained by none."""
     assert VARIANTS["window_inclusive"].has_fast and not VARIANTS["norm_plus_one"].has_fast
     found = _parity(lab, prompts_file, tmp_path, [("--spec", "window_inclusive"), ("--spec", "norm_plus_one"),
-                                                  ("--scale-rows", "2")], oracle="fast")
+                                                  ("--scale-rows", "2"), ("--spec", "attn_scale_head_dim")],
+                    oracle="fast")
     limit = DEFAULT_GATES["fast~cmd.max_abs_logit"].limit
-    for number, variant, oracle in ((1, "window_inclusive", "fast"), (2, "norm_plus_one", "reference")):
+    for number, variant, oracle in ((1, "window_inclusive", "fast"), (2, "norm_plus_one", "reference"),
+                                    (4, "attn_scale_head_dim", "fast")):
         e = found[number]
         assert [t["variants"] for t in e["explained_by"]] == [[variant]], e["line"]
         assert e["baseline"]["oracle"] == "fast" and e["explained_by"][0]["oracle"] == oracle

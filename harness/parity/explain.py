@@ -436,10 +436,8 @@ class TextSubject:
                 stack.enter_context(self.numerics())
             if self.oracle is not None and not variants:
                 yield self.oracle, "fast"
-            elif self.oracle is not None and all(v.has_fast for v in variants):
-                stack.enter_context(under(variants, fast=True))
-                eng = FastEngine.from_model(self.ref.cfg, self.ref.weights, device=str(self.oracle.model.device),
-                                            dtype="float32", weights=self.oracle.weights)
+            elif self.oracle is not None and all(v.has_fast for v in variants) and \
+                    (eng := self._fast_under(variants, stack)) is not None:
                 try:
                     yield eng, "fast"
                 finally:
@@ -447,6 +445,22 @@ class TextSubject:
             else:
                 stack.enter_context(under(variants, fast=False))
                 yield self.ref, "reference"
+
+    def _fast_under(self, variants: Sequence[Variant], stack: contextlib.ExitStack) -> Any:
+        """A fast engine under ``variants`` (entered on ``stack``): the oracle's own model when every patch acts at
+        call time, a model built over the reference's weights when one changes the config (``FastModel.__init__``);
+        None when that cannot be built (memory: the trial then runs on the reference)."""
+        builds = any(p.name == "__init__" for v in variants for p in v.fast_patches)
+        with contextlib.ExitStack() as local:
+            local.enter_context(under(variants, fast=True))
+            try:
+                eng = FastEngine.from_model(self.ref.cfg, self.ref.weights, device=str(self.oracle.model.device),
+                                            dtype="float32", weights=self.oracle.weights,
+                                            share=None if builds else self.oracle)
+            except InputError:
+                return None  # the variants are undone as ``local`` closes
+            stack.enter_context(local.pop_all())
+            return eng
 
     def _effect(self, f: Figure, prompt_id: str) -> Figure:
         e = self.effects.get((_metric(f), prompt_id), self.effects.get((_metric(f), None)))

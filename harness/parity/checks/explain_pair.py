@@ -136,7 +136,7 @@ def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Seq
         return
     approx = engine_numerics(eng, kind).emulation()  # the reference makes the engine's declared approximations
     eff = effects(figures)
-    lp_gate = gates.get(f"{pair}.max_abs_logprob")
+    lp_gate = DEFAULT_GATES.get(f"{pair}.max_abs_logprob")  # the pair's near-tie margin is taken from it too
     near_tie = None
     if lp_gate is not None:
         near_tie = near_tie_margin(effect_limit(lp_gate, eff.get(("max_abs_logprob", None), (0.0, 1))[0]))
