@@ -361,7 +361,7 @@ def render(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, A
 
 def render_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
                tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> list[int]:
-    """Render (see :func:`render`) and tokenize with special markers parsed; BOS exactly once.
+    """Render (see :func:`render`) and tokenize with special markers parsed; BOS exactly once (the rendered one).
 
     Args:
         tokenizer: a :class:`reference.tokenizer.GGUFTokenizer` (anything with
@@ -370,9 +370,11 @@ def render_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
 
     Returns:
         token ids starting with one BOS (the rendered ``<bos>`` is that BOS; the
-        tokenizer does not add another).
+        tokenizer is asked for none, as transformers' ``apply_chat_template`` tokenizes the rendered text with
+        ``add_special_tokens=False``; a rendering without ``<bos>`` gets one from the tokenizer).
     """
-    return tokenizer.encode(render(messages, tools, **kwargs), add_bos=True, parse_special=True)
+    text = render(messages, tools, **kwargs)
+    return tokenizer.encode(text, add_bos=not text.startswith(BOS), parse_special=True)
 
 
 # --------------------------------------------------------------------------- Jinja templates

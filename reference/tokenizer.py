@@ -10,7 +10,10 @@ Both models store the vocabulary as ``tokenizer.ggml.tokens`` with
 The algorithm is SentencePiece's ``bpe_model.cc`` ``Encode``:
 
 1. Escape: every space becomes ``▁`` (U+2581). A ``▁`` is put in front only when
-   ``tokenizer.ggml.add_space_prefix`` is true (Gemma 3 sets it false).
+   ``tokenizer.ggml.add_space_prefix`` is true (Gemma 3 sets it false): in front of
+   the whole text by default (SentencePiece), and with ``parse_special`` set (the
+   llama.cpp modes) in front of each run of text that starts the text or follows a
+   special token, as llama.cpp does (``"<bos>Hi"``: ``<bos> ▁Hi``).
 2. Split into symbols, left to right: at each position the longest *special
    piece* that matches becomes one frozen symbol (never merged), otherwise one
    Unicode character becomes a symbol. Which pieces are special depends on
@@ -67,9 +70,15 @@ produces for runs of 1..31 newlines on the Gemma vocabulary.
 * ``None`` (default): ``llama`` -> the SentencePiece rule of step 2 above;
   ``gemma4`` -> ``False``.
 
-BOS is put in front exactly once when asked (``add_bos``; default: the file's
-``tokenizer.ggml.add_bos_token``, true when absent): never a second one when
-the text itself already produced BOS (llama.cpp and HF would double it).
+BOS is put in front when asked (``add_bos``; default: the file's
+``tokenizer.ggml.add_bos_token``, true when absent), also when the text itself
+starts with ``<bos>`` parsed as the special token: ``"<bos>hi"`` is
+``[bos, bos, ...]``, as llama.cpp ``llama_tokenize(add_special=true,
+parse_special=true)`` (src/llama-vocab.cpp ``tokenize``: BOS pushed before the
+text's tokens; it only warns about the double BOS) and transformers' Gemma
+tokenizer (its post-processor puts ``<bos>`` before whatever the text gave)
+both give. A caller whose text already holds its BOS (a rendered chat template)
+asks for none (``add_bos=False``).
 
 ``decode`` maps ids back to pieces, turns ``▁`` into spaces, reassembles runs of
 byte tokens as UTF-8 (invalid bytes become U+FFFD) and drops control tokens
@@ -363,6 +372,22 @@ class GGUFTokenizer:
 
     # ------------------------------------------------------------------ encode (llama)
 
+    def _prefixed(self, symbols: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+        """``symbols`` with ``▁`` in front of each run of text symbols that starts the text or follows a frozen
+        (special) symbol, when ``add_space_prefix`` (a run that already starts with ``▁`` keeps its own): llama.cpp
+        ``llama_vocab::impl::tokenize`` (src/llama-vocab.cpp, ``LLAMA_VOCAB_TYPE_SPM``: ``is_prev_special``), so
+        ``"<bos>Hi"`` is ``<bos> ▁Hi``, not ``▁ <bos> Hi``."""
+        if not self.add_space_prefix:
+            return symbols
+        out: list[tuple[str, bool]] = []
+        prev_special = True
+        for sym in symbols:
+            if not sym[1] and prev_special and sym[0] != SPACE:
+                out.append((SPACE, False))
+            out.append(sym)
+            prev_special = sym[1]
+        return out
+
     def _split(self, text: str, parse_special: bool | None = None) -> list[tuple[str, bool]]:
         """Escaped text -> initial symbols ``(piece, frozen)``: longest special piece, else one character."""
         out: list[tuple[str, bool]] = []
@@ -408,13 +433,17 @@ class GGUFTokenizer:
 
     def _encode_llama(self, text: str, parse_special: bool | None) -> list[int]:
         escaped = text.replace(" ", SPACE)
-        if self.add_space_prefix and escaped and not escaped.startswith(SPACE):
-            escaped = SPACE + escaped
+        if parse_special is None:  # SentencePiece: one dummy prefix, in front of the whole text
+            if self.add_space_prefix and escaped and not escaped.startswith(SPACE):
+                escaped = SPACE + escaped
+            symbols = self._split(escaped, parse_special)
+        else:  # llama.cpp (parse_special set): the prefix goes on each text run that starts the text or follows a
+            symbols = self._prefixed(self._split(escaped, parse_special))  # special token (llama-vocab.cpp SPM)
         ids: list[int] = []
         table = self._matchers[parse_special].table
         run: list[tuple[str, bool]] = []
         # Frozen symbols split the text into runs that merge independently.
-        for sym in self._split(escaped, parse_special) + [("", True)]:
+        for sym in symbols + [("", True)]:
             if sym[1]:
                 for piece in self._merge(run) if run else []:
                     ids.extend(self._piece_ids(piece, None))
@@ -470,9 +499,10 @@ class GGUFTokenizer:
         Args:
             text: the input (a Python ``str``; lone surrogates are not text and
                 fall back to the unknown id).
-            add_bos: put BOS in front, exactly once (not when the text itself
-                produced BOS). ``None``: the file's ``tokenizer.ggml.add_bos_token``
-                (true when absent). Ignored when the vocabulary has no BOS.
+            add_bos: put BOS in front, also when the text itself starts with
+                BOS (module docstring: llama.cpp and transformers do).
+                ``None``: the file's ``tokenizer.ggml.add_bos_token`` (true when
+                absent). Ignored when the vocabulary has no BOS.
             parse_special: which special tokens are matched in the text:
                 ``True`` control + user-defined + unknown, ``False`` user-defined
                 only, ``None`` the model's default (module docstring).
@@ -493,7 +523,7 @@ class GGUFTokenizer:
             ids = self._encode_llama(text, parse_special)
         if add_bos is None:
             add_bos = self.add_bos
-        if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+        if add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
 

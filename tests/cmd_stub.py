@@ -3,7 +3,8 @@ protocol, with every fault the harness must name on request.
 
     python tests/cmd_stub.py [--fault KIND [--fault-op OP] [--fault-after N]] [--perturb-layer L] [--perturb X]
                               [--dtype D] [--approx A] [--kv-cache T] [--token-only] [--no-tensors] [--linger]
-                              [--spec VARIANT[,VARIANT]]
+                              [--spec VARIANT[,VARIANT]] [--scale-rows L] [--serve-model PATH]
+                              [--repeat-penalty X] [--generate-noise S] [--ops OP[,OP]]
 
 It answers ``hello``, ``logits`` (float32 ``.npy``), ``generate``, ``trace`` (a ``g4h-trace`` file, with the
 tensors unless ``--no-tensors``) and ``tokenize`` (one id per byte, a stand-in). ``--perturb-layer L`` adds
@@ -12,7 +13,16 @@ adds ``X`` to the logits of every odd token id (``logits``) and to every log-pro
 whose numbers are off by ``X``). ``--dtype``, ``--approx`` and ``--kv-cache`` are what its ``hello`` declares (it
 computes in float64 whatever it says); ``--token-only``: its ``generate`` results carry no ``top_logprobs``. ``--spec`` runs the reference under
 spec variants (:mod:`harness.engines.variants`): an engine that follows another implementation's rule, or makes a
-known fault, in every answer (logits, generate, trace).
+known fault, in every answer (logits, generate, trace). ``--scale-rows L`` multiplies the first half of the rows of
+``blk.L.ffn_down.weight`` by 1.02 (a weight perturbation that changes the matrix's shape, not only its size: no spec
+variant does that). ``--serve-model PATH`` answers with the reference of another model whatever model the harness
+names (a server that runs the wrong model). ``--repeat-penalty X``: its logits are exact, its greedy decoding is not:
+each step's logit of a token already in the context is divided by X (multiplied when negative; llama.cpp's
+``penalty_repeat``, src/llama-sampling.cpp ``llama_sampler_penalties_apply``) before the argmax, and the log-probs
+it reports are those of the penalised logits. ``--generate-noise S``: its logits are exact, its generation's are not
+(Gaussian noise of scale S on every logit of every step, a fixed seed: what a broken KV cache or decode path gives),
+greedy on them, their log-probs reported. ``--ops OP[,OP]``: the operations its ``hello`` offers (default
+``logits,generate,trace,tokenize``; ``generate`` alone: an engine judged by its greedy streams, as a server is).
 Faults (:data:`FAULTS`), applied to the first ``--fault-op`` request (default ``logits``; ``any``: every request
 but ``hello``) after ``--fault-after N`` of them were answered (default 0; ``die`` with ``--fault-op any
 --fault-after N``: an engine that crashes after N requests):
@@ -57,6 +67,70 @@ FAULTS = {
                    "kernel's out-of-memory killer would",
 }
 __doc__ += "\n".join(f"    {k}: {v}" for k, v in FAULTS.items()) + "\n"
+
+
+class RowScaled:
+    """The reference's weights with the first half of the rows of one matrix multiplied by ``factor``."""
+
+    def __init__(self, base, name: str, factor: float = 1.02) -> None:
+        self.base, self.name = base, name
+        w = np.array(base[name], dtype=np.float64)
+        w[: w.shape[0] // 2] *= factor
+        self.scaled = w
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.scaled if name == self.name else self.base[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.base
+
+    def __iter__(self):
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getattr__(self, attr: str):
+        return getattr(self.base, attr)
+
+
+def noisy(ref, prompt, n: int, top_n: int, scale: float, seed: int = 5):
+    """Greedy decoding on the reference's logits plus Gaussian noise of ``scale`` on every logit of every step (a
+    fixed seed), the top-``top_n`` log-probs of the noisy logits reported: a generation path that computes other
+    logits than the forward."""
+    from harness.engines.base import Generated
+
+    rng = np.random.default_rng(seed)
+    ids, g = list(prompt), Generated()
+    g.tokens, g.top = [], []
+    for _ in range(n):
+        z = np.array(ref.logits(ids)[-1], dtype=np.float64) + rng.normal(0.0, scale, ref.cfg.vocab_size)
+        lp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        best = np.argsort(-lp, kind="stable")[:top_n]
+        g.tokens.append(int(best[0]))
+        g.top.append([(int(i), float(lp[i])) for i in best])
+        ids.append(int(best[0]))
+    return g
+
+
+def penalised(ref, prompt, n: int, top_n: int, penalty: float):
+    """Greedy decoding with a repetition penalty: each step's logits of the tokens already in the context divided
+    by ``penalty`` (multiplied when negative), the argmax taken, the top-``top_n`` log-probs of the penalised logits
+    reported."""
+    from harness.engines.base import Generated
+
+    ids, g = list(prompt), Generated()
+    g.tokens, g.top = [], []
+    for _ in range(n):
+        z = np.array(ref.logits(ids)[-1], dtype=np.float64)
+        seen = np.unique(ids)
+        z[seen] = np.where(z[seen] > 0, z[seen] / penalty, z[seen] * penalty)
+        lp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        best = np.argsort(-lp, kind="stable")[:top_n]
+        g.tokens.append(int(best[0]))
+        g.top.append([(int(i), float(lp[i])) for i in best])
+        ids.append(int(best[0]))
+    return g
 
 
 class Perturbed:
@@ -118,6 +192,11 @@ def main() -> int:
     p.add_argument("--no-tensors", action="store_true")
     p.add_argument("--linger", action="store_true", help="do not exit when stdin closes (sleep an hour)")
     p.add_argument("--spec", default=None, help="run the reference under these spec variants (comma list)")
+    p.add_argument("--scale-rows", type=int, default=None, help="x1.02 on half the rows of blk.L.ffn_down.weight")
+    p.add_argument("--serve-model", default=None, help="answer with this model, whatever the harness names")
+    p.add_argument("--repeat-penalty", type=float, default=None, help="a repetition penalty in greedy decoding")
+    p.add_argument("--generate-noise", type=float, default=None, help="noise on generation's logits only")
+    p.add_argument("--ops", default="logits,generate,trace,tokenize", help="the operations hello offers")
     a = p.parse_args()
     with under(parse_spec(a.spec), fast=False):
         return serve(a)
@@ -162,11 +241,13 @@ def serve(a: argparse.Namespace) -> int:
             if fault == "refuse":
                 proto.write(json.dumps({"id": req["id"], "ok": False, "error": "stub: cannot read this model"}) + "\n")
                 continue
-            ref = ReferenceEngine(req["model"])
+            ref = ReferenceEngine(a.serve_model or req["model"])
+            if a.scale_rows is not None:
+                ref.weights = RowScaled(ref.weights, f"blk.{a.scale_rows}.ffn_down.weight")
             if a.perturb_layer is not None:
                 ref.weights = Perturbed(ref.weights, f"blk.{a.perturb_layer}.ffn_down.weight")
             reply(req, protocol=2 if fault == "version" else 1, engine="cmd-stub (reference)",
-                  ops=["tokenize"] if fault == "no-ops" else ["logits", "generate", "trace", "tokenize"],
+                  ops=["tokenize"] if fault == "no-ops" else a.ops.split(","),
                   vocab_size=ref.cfg.vocab_size, dtype=a.dtype, approximations=a.approx,
                   **({"kv_cache": a.kv_cache} if a.kv_cache else {}))
         elif op == "logits":
@@ -185,6 +266,12 @@ def serve(a: argparse.Namespace) -> int:
             gens = ref.generate_full(req["prompts"], req["max_new_tokens"], top_n=max(6, req["top_n"]))
             if fault == "sample":
                 gens = [sampled(ref, p, req["max_new_tokens"], req["top_n"]) for p in req["prompts"]]
+            if a.generate_noise is not None:
+                gens = [noisy(ref, p, req["max_new_tokens"], max(6, req["top_n"]), a.generate_noise)
+                        for p in req["prompts"]]
+            if a.repeat_penalty is not None:
+                gens = [penalised(ref, p, req["max_new_tokens"], max(6, req["top_n"]), a.repeat_penalty)
+                        for p in req["prompts"]]
             for g in gens:
                 toks = [s[1][0] for s in g.top] if fault == "not-greedy" else g.tokens
                 if fault == "rank6":

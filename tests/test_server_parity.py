@@ -84,7 +84,8 @@ def test_engine_name_with_a_server_down(synth_gguf):
 def test_server_prompt_file(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"text": "Hello"}\n\n{"id": "b", "prompt_ids": [2, 5]}\n')
-    assert load_user_prompts(f) == [{"id": 1, "text": "Hello"}, {"id": "b", "prompt_ids": [2, 5]}]
+    assert load_user_prompts(f) == [{"id": 1, "text": "Hello", "where": f"{f}:1"},
+                                    {"id": "b", "prompt_ids": [2, 5], "where": f"{f}:3"}]
     for bad, why in (('{"text": ""}', "expected"), ('{"text": "a", "prompt_ids": [2]}', "one of them"),
                      ('{"prompt_ids": [2, true]}', "expected"), ("[1]", "expected"), ("{", "not valid JSON")):
         f.write_text(bad + "\n")

@@ -102,11 +102,13 @@ def test_prompts_by_ids_or_text_kept_inside_the_model(case_a, tmp_path):
     p.write_text('{"id": "a", "prompt_ids": [2, 10, 700]}\n{"prompt_ids": [2, 5, 6]}\n\n{"text": "hello world"}\n')
     raw = prompts.load(p)
     assert [r["id"] for r in raw] == ["a", "2", "4"]
-    kept = prompts.for_model(raw, case_a.gguf["F32"], vocab=512, context=4096, new_tokens=4, source=p)
-    assert [r["id"] for r in kept] == ["2", "4"]  # id 700 is outside the vocabulary of 512
+    with pytest.raises(InputError, match=rf"^{p}:1: prompt 'a': token id 700 is outside the vocabulary"):
+        prompts.for_model(raw, case_a.gguf["F32"], vocab=512, context=4096, new_tokens=4, source=p)  # never dropped
+    with pytest.raises(InputError, match=rf"^{p}:2: prompt '2': 3 tokens and 4 new tokens"):
+        prompts.for_model(raw[1:], case_a.gguf["F32"], vocab=512, context=6, new_tokens=4, source=p)
+    kept = prompts.for_model(raw[1:], case_a.gguf["F32"], vocab=512, context=4096, new_tokens=4, source=p)
+    assert [r["id"] for r in kept] == ["2", "4"]
     assert kept[1]["prompt_ids"][0] == 2 and len(kept[1]["prompt_ids"]) > 2  # BOS, then the text's tokens
-    with pytest.raises(InputError, match="no prompt fits"):
-        prompts.for_model(raw[:1], case_a.gguf["F32"], vocab=512, context=4096, new_tokens=4, source=p)
     for bad in ('{"prompt_ids": []}', '{"text": 3}', '{"prompt_ids": [1], "text": "x"}', "nope",
                 '{"id": 1, "prompt_ids": [1]}\n{"id": 1, "prompt_ids": [2]}'):
         p.write_text(bad + "\n")

@@ -7,7 +7,9 @@
 * ``llama`` type: ours on the real Gemma 3 270M GGUF and on ``tokenizer.model``
   vs ``sentencepiece``.
 * Rules on toy vocabularies (merge rank, leftmost ties, the newline split, byte
-  fallback, special-token modes, BOS once, decode).
+  fallback, special-token modes, BOS when asked, decode).
+* ``<bos>`` at the start of a text with BOS asked: ``[2, 2, ...]`` in ours, transformers' Gemma 3 tokenizer and
+  llama.cpp's ``llama_tokenize(add_special=true, parse_special=true)`` on the real Gemma 3 270M GGUF.
 * The CLI (``g4h tokenize``, ``g4h tokcheck``) and its bad-input contract, in a
   subprocess.
 
@@ -147,17 +149,58 @@ def test_space_escape_and_byte_fallback():
     assert t.decode(t.encode(" a é")) == " a é"
 
 
-def test_special_modes_and_bos_once():
+def test_special_modes_and_bos_when_asked():
     t = toy(["a b"])
     # user-defined <|"|> always matched; control <|turn> only with parse_special=True
     assert t.encode('<|"|>ab', add_bos=False) == [5, 11]
     assert t.encode("<|turn>", add_bos=False, parse_special=True) == [4]
     assert t.pieces(t.encode("<|turn>", add_bos=False)) == ["<", "|", "t", "u", "r", "n", ">"]
-    assert t.encode("<bos>ab", parse_special=True) == [2, 11]  # BOS exactly once
+    assert t.encode("<bos>ab", parse_special=True) == [2, 2, 11]  # BOS asked, and <bos> in the text: both
+    assert t.encode("<bos>ab", add_bos=False, parse_special=True) == [2, 11]
     assert t.encode("") == [2]
     assert t.encode("", add_bos=False) == []
     assert t.decode([2, 4, 5, 11, 1]) == '<|"|>ab'  # control dropped, user-defined kept
     assert t.decode([2, 4, 5, 11, 1], special=True) == '<bos><|turn><|"|>ab<eos>'
+
+
+BOS_TEXTS = ("<bos>hello world", "<bos><start_of_turn>user\nhi<end_of_turn>\n", "hello <bos> world", "hello")
+
+
+def _ours_on(path) -> "object":
+    from harness.tokenizer.files import load_tokenizer_metadata
+    from reference.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer(load_tokenizer_metadata(path), source=str(path))
+
+
+def test_bos_in_text_as_transformers_has_it():
+    """transformers' Gemma tokenizer (the tokenizer.json of the carried Gemma 3 tokenizer.model, through
+    ``PreTrainedTokenizerFast``) puts its BOS before a text that starts with ``<bos>`` too: ``[2, 2, ...]``; ours
+    (BOS asked, special text parsed, as the harness reads ``{"text"}`` prompts) gives the same ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    from harness.tokenizer.build import gemma3_tokenizer_files
+
+    files = gemma3_tokenizer_files()
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(files["json"]))
+    ours = _ours_on(files["spm"])
+    for text in BOS_TEXTS:
+        want = hf(text).input_ids
+        assert ours.encode(text, add_bos=True, parse_special=True) == want, text
+    assert hf(BOS_TEXTS[0]).input_ids[:2] == [2, 2]  # the case the harness had wrong: it gave one BOS
+
+
+def test_bos_in_text_as_llamacpp_has_it(gemma3_gguf):
+    """llama.cpp's ``llama_tokenize(..., add_special=true, parse_special=true)`` (llama-server's ``/tokenize`` of a
+    prompt) on the real Gemma 3 270M GGUF: ``<bos>`` in the text and the added BOS, ``[2, 2, ...]``; ours the same."""
+    import llama_cpp  # noqa: F401  (missing: nox -s tests installs it from the build cache)
+
+    llm = llama_cpp.Llama(model_path=str(gemma3_gguf), vocab_only=True, verbose=False)
+    ours = _ours_on(gemma3_gguf)
+    for text in BOS_TEXTS:
+        want = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+        assert ours.encode(text, add_bos=True, parse_special=True) == want, text
+    assert llm.tokenize(BOS_TEXTS[0].encode(), add_bos=True, special=True)[:2] == [2, 2]
 
 
 def test_add_bos_follows_the_file():
@@ -466,7 +509,7 @@ def test_tokenizer_checks_report():
     json.dumps(rep)
     by = {c["name"]: c for c in rep["checks"]}
     for name in ("gemma4_ours_vs_hf", "gemma4_ours_vs_hf_text_mode", "gemma3_spm_ours_vs_spm",
-                 "gemma3_json_ours_vs_hf", "roundtrip", "bos_once", "newline_runs", "gguf_chat_template"):
+                 "gemma3_json_ours_vs_hf", "roundtrip", "bos_as_reference", "newline_runs", "gguf_chat_template"):
         assert by[name]["status"] == "pass", by[name]
     assert by["gemma3_gguf_ours_vs_spm"]["status"] == "pass"
     v = by["gguf_vocab_vs_real_tokenizer"]

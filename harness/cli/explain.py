@@ -23,7 +23,7 @@ import numpy as np
 
 from reference.errors import InputError
 
-from ..core.cases import PROMPTS, load_prompts, read_prompt_ids
+from ..core.cases import PROMPTS, load_prompts, read_prompt_ids, refuse_unfit_prompts
 from ..core.gates import DEFAULT_GATES
 from ..core.io import write_json_atomic
 from ..engines import engine_kind, make_engine
@@ -60,15 +60,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_mm_args(p)
 
 
-def _prompts(args: argparse.Namespace, path: Path, vocab: int) -> list[dict]:
+def _prompts(args: argparse.Namespace, path: Path, vocab: int, context: int) -> list[dict]:
     if args.prompt_ids and args.prompts:
         raise InputError("g4h explain: give --prompts or --prompt-ids, not both")
     if args.prompt_ids:
         return [{"id": Path(args.prompt_ids).stem, "prompt_ids": read_prompt_ids(args.prompt_ids)}]
-    prompts = with_prompt_ids(load_user_prompts(args.prompts), path) if args.prompts else load_prompts(PROMPTS)
-    usable = [p for p in prompts if max(p["prompt_ids"]) < vocab]
+    if args.prompts:  # the user's: every one used, or refused naming it (never dropped)
+        prompts = with_prompt_ids(load_user_prompts(args.prompts), path)
+        refuse_unfit_prompts(prompts, vocab, context, 0, str(path), args.prompts)
+        return prompts
+    usable = [p for p in load_prompts(PROMPTS) if max(p["prompt_ids"]) < vocab]  # the built-in set, cut to the model
     if not usable:
-        raise InputError(f"{args.prompts or PROMPTS}: no prompt within the model's vocabulary of {vocab}")
+        raise InputError(f"{PROMPTS}: no prompt within the model's vocabulary of {vocab}")
     return usable
 
 
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     candidates = parse_spec(args.variants, "--variants") if args.variants else family("text")
     path = resolve_model(args.model, args.engine)
     ref = ReferenceEngine(path, cache_gb=args.ref_cache_gb, layers=args.layers)
-    prompts = _prompts(args, Path(path), ref.cfg.vocab_size)
+    prompts = _prompts(args, Path(path), ref.cfg.vocab_size, ref.cfg.context_length)
     kind = engine_kind(args.engine)
     t0 = time.perf_counter()
     eng = make_engine(args.engine, path, **engine_options(args))

@@ -162,3 +162,36 @@ def read_prompt_ids(path: str | os.PathLike) -> list[int]:
     if not isinstance(ids, list) or not ids or not all(_is_id(i) for i in ids):
         raise PromptError(f"{path}: expected a non-empty JSON list of integer token ids")
     return ids
+
+
+def refuse_unfit_prompts(prompts: list[dict[str, Any]], vocab: int, context: int, new_tokens: int, model: str,
+                         source: str | os.PathLike) -> None:
+    """Judge every prompt the user gave against the model it runs on, before any engine work: a prompt is never
+    dropped in silence, it is used or the run is refused naming it.
+
+    Args:
+        prompts: records with ``prompt_ids`` (a text prompt already tokenized), ``id`` and, where the reader knows
+            it, ``where`` (``FILE:LINE``) and ``text``.
+        vocab: the model's vocabulary size; context: its context length in tokens; new_tokens: the greedy tokens
+            asked after each prompt (``--max-new-tokens``); model: the model, as named in the message.
+        source: the prompt file (named when a record has no ``where``).
+
+    Raises:
+        PromptError: the first prompt with a token id outside ``[0, vocab)``, or longer than ``context - new_tokens``
+            tokens (one line: file and line, the prompt's id, the id or the lengths, and how many more do not fit).
+    """
+    bad = []
+    for p in prompts:
+        ids = list(p["prompt_ids"])
+        where = p.get("where") or f"{source}"
+        what = f"prompt {p['id']!r}" + (" (its text tokenized)" if "text" in p else "")
+        out = next((i for i in ids if not 0 <= int(i) < vocab), None)
+        if out is not None:
+            bad.append(f"{where}: {what}: token id {out} is outside the vocabulary of {model} (ids 0 to {vocab - 1})")
+        elif len(ids) + new_tokens > context:
+            bad.append(f"{where}: {what}: {len(ids)} tokens and {new_tokens} new tokens (--max-new-tokens) do not fit "
+                       f"the context of {model} ({context} tokens: at most {max(context - new_tokens, 0)} prompt "
+                       "tokens)")
+    if bad:
+        more = f" ({len(bad) - 1} more prompt(s) do not fit either)" if len(bad) > 1 else ""
+        raise PromptError(bad[0] + more)

@@ -27,10 +27,11 @@ from fast.model import FastModel
 from fast.speculative import ModelProposer
 from reference.drafter import bind
 from reference.drafter_weights import load_drafter
+from reference.errors import InputError
 from reference.mm_model import load_multimodal
 
 from .. import synth
-from ..core.cases import drafter_spec_for
+from ..core.cases import drafter_spec_for, refuse_unfit_prompts
 from ..core.gates import resolve
 from ..core.hf_assistant import AssistantUnavailable
 from ..core.mm_prompts import MM_PROMPTS, load_mm_prompts
@@ -233,8 +234,11 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     cached-vs-uncached check is left out (it would run the float64 forwards ``--oracle fast`` is there to avoid;
     ``info["oracle"]`` says so).
 
-    Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; prompts
-    are restricted to the model's vocabulary. A GGUF inside a built synthetic case is judged with its case's
+    Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; a prompt of the user's with an id
+    outside the model's vocabulary, or too long for its context with the greedy tokens, is bad input naming it
+    (:func:`harness.core.cases.refuse_unfit_prompts`; :func:`harness.parity.job.run` checks it before any work);
+    the case library's set (records marked ``library``, when no ``--prompts`` was given) is cut to the model. A
+    GGUF inside a built synthetic case is judged with its case's
     ``[gates]`` table. ``engine_options`` go to every engine built (each takes its own); ``server`` holds the
     options of the server checks (``openai:URL``). ``engine_options`` also hold
     ``cache_gb`` (the reference's ``--ref-cache-gb``) and ``layers`` (``--layers N``, every engine; one that cannot
@@ -247,7 +251,14 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     progress(f"[{res.case}] loading with the reference")
     ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
     res.info["config"] = ref.cfg.summary()
-    usable = [p for p in with_prompt_ids(prompts, path) if max(p["prompt_ids"]) < ref.cfg.vocab_size]
+    new_tokens = int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS))
+    vocab, context = ref.cfg.vocab_size, ref.cfg.context_length
+    usable = [p for p in with_prompt_ids(prompts, path) if not p.get("library") or
+              (max(p["prompt_ids"]) < vocab and len(p["prompt_ids"]) + new_tokens <= context)]  # the library's: cut
+    if not usable:
+        raise InputError(f"no prompt of the case library's set fits {path} (ids below {vocab}, at most "
+                         f"{context - new_tokens} tokens); give --prompts")
+    refuse_unfit_prompts(usable, vocab, context, new_tokens, str(path), "the prompt set")  # the user's: all, or none
     window = ref.cfg.sliding_window if any(layer.is_sliding for layer in ref.cfg.layers) else None
     usable = named_for_window(usable, window)  # the synthetic set's names, by this model's own window
     names = list(against) if against else default_against(path, oracle)
@@ -260,6 +271,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
         res.info["oracle"] = {"name": "fast", "engine": oracle_engine.name, "weights": oracle_engine.weights,
                               "left_out": "reference.cached~uncached (float64 forwards)"}
     runs = ReferenceRuns(CheckedEngine(ref, "reference"), oracle_engine)  # its overflow: the model is unusable
+    runs.gates = gates  # the explanation of a failing pair is judged by the case's gates, as the pair is
     if oracle_engine is None:  # every check's reference forwards, in as few passes over the weights as they allow
         runs.prefetch(expected_sets([n for n in names if n not in unusable], skip), usable,
                       int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)), res.info["top_n"], cached=True,

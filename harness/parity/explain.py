@@ -17,6 +17,15 @@ with the failing pair's own gates: a :class:`Trial`. :func:`search` then tries
 all within a time budget (``--explain-budget``, :data:`DEFAULT_BUDGET_S`; what the budget left untried is listed).
 The answer (:class:`Explanation`) is "explained by V: max |Δlogit| A -> B (sources ...)", or "no known variant
 explains it" with the best candidates and their figures.
+
+An explanation is a claim, held to one: a variant explains only when the engine's figures under it pass the pair's own
+gates (the case's table, the effect of the engine's declared approximations, the pair's near-tie margin) with the
+job's oracle (``--oracle fast``: the fast twin under the variants that have a fast form, the reference under the
+others), AND every figure measured without the variant is measured under it: a figure it cannot compute (NaN, "not
+measured": greedy streams that part at step 0) is never a 0, and a trial that measures nothing explains nothing.
+A divergence only in generation (the engine's own logits agree with the reference's at every step of its stream, its
+greedy stream parts from the reference's) is not searched: it is said to be in decoding, with the request, the step
+and what differs there (:meth:`TextSubject.decoding`).
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ import numpy as np
 
 from reference.errors import InputError
 
-from ..core.gates import DEFAULT_GATES, Gate, gate_for, with_effect
+from ..core.gates import DEFAULT_GATES, Gate, effect_limit, gate_for, with_effect
+from ..engines.fast import FastEngine
 from ..engines.variants import Variant, conflict, family, under
 from ..traces.compare import DivergenceRule, compare
 from ..traces.format import Trace, TraceWriter, canonical_key
@@ -60,6 +70,14 @@ METRICS = ("max_abs_logit", "max_abs_logprob", "layer_rel_l2")
 streams), else the worst relative L2 over the trace points."""
 
 LABELS = {"max_abs_logit": "max |Δlogit|", "max_abs_logprob": "max |Δlogprob|", "layer_rel_l2": "worst rel. L2"}
+
+GENERATION_PATH = "in its generation path"
+"""How :meth:`TextSubject.decoding` starts ``what`` when the engine's generation computes other logits than its forward
+(the explanation's ``kind`` is then ``generation``, its line "in generation, not in the logits: ...")."""
+
+GENERATION_METRICS = ("greedy", "max_abs_logprob")
+"""The metrics of greedy streams (:func:`harness.parity.compare.generation_figures`): a pair that fails only these
+while its logits agree diverges in decoding (:meth:`TextSubject.decoding`)."""
 
 
 def budget_seconds(value: float | None = None) -> float:
@@ -92,6 +110,9 @@ class Trial:
         prompts: the prompts evaluated (a failing trial stops at the first prompt that fails).
         seconds: what the trial took.
         error: why the reference could not run under these variants (one line), or None.
+        unmeasured: ``metric on prompt`` (with why) for each figure measured without the variants that could not be
+            measured under them (it fails the trial: a figure it cannot compute is not a zero).
+        oracle: what computed the oracle side (``reference``, or ``fast`` under ``--oracle fast``).
     """
 
     variants: tuple[str, ...]
@@ -103,6 +124,8 @@ class Trial:
     prompts: list[str] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
+    unmeasured: list[str] = field(default_factory=list)
+    oracle: str = "reference"
 
     def headline(self) -> tuple[str, float] | None:
         """``(metric, value)`` of the first of :data:`METRICS` measured."""
@@ -112,13 +135,16 @@ class Trial:
     def as_dict(self) -> dict[str, Any]:
         return {"variants": list(self.variants), "passed": self.passed, "figures": self.figures,
                 "first_divergence": self.first_divergence, "failing": self.failing, "prompts": self.prompts,
-                "seconds": round(self.seconds, 4), **({"error": self.error} if self.error else {})}
+                "seconds": round(self.seconds, 4), "oracle": self.oracle,
+                **({"error": self.error} if self.error else {}),
+                **({"unmeasured": self.unmeasured} if self.unmeasured else {})}
 
 
 @dataclass
 class Explanation:
-    """What :func:`search` found (``status``: ``explained``, ``unexplained``, ``nothing_to_explain``, or ``not_run``
-    when the comparison without variants could not be made)."""
+    """What :func:`search` found (``status``: ``explained``, ``unexplained``, ``nothing_to_explain``, ``decoding``
+    (the divergence is in generation, not in the logits: :attr:`decoding` says where and what), or ``not_run`` when
+    the comparison without variants could not be made)."""
 
     status: str
     baseline: Trial
@@ -132,16 +158,21 @@ class Explanation:
     not_tried: list[str] = field(default_factory=list)
     seconds: float = 0.0
     budget_s: float = DEFAULT_BUDGET_S
+    decoding: dict[str, Any] | None = None
 
     def _fig(self, t: Trial) -> str:
-        h, b = t.headline(), self.baseline.headline()
-        if h is None or b is None:
-            return f"first divergence {self.baseline.first_divergence} -> {t.first_divergence or 'none'}"
-        base = self.baseline.figures.get(h[0], b[1])
-        return f"{LABELS[h[0]]} {base:.3g} -> {h[1]:.3g}"
+        h = t.headline()
+        if h is None:
+            why = f"; {t.unmeasured[0]}" if t.unmeasured else ""
+            return f"first divergence {self.baseline.first_divergence} -> {t.first_divergence or 'none'}{why}"
+        if h[0] not in self.baseline.figures:  # never a figure against another metric's, nor a 0 for none
+            return f"{LABELS[h[0]]} not measured ({self.baseline.first_divergence or 'no figure'}) -> {h[1]:.3g}"
+        return f"{LABELS[h[0]]} {self.baseline.figures[h[0]]:.3g} -> {h[1]:.3g}"
 
     def line(self) -> str:
         """The one line a user acts on."""
+        if self.status == "decoding" and self.decoding is not None:
+            return f"in {self.decoding.get('kind', 'decoding')}, not in the logits: {self.decoding['line']}"
         if self.status == "nothing_to_explain":
             return "nothing to explain: the engine agrees with the reference on these prompts"
         if self.status == "not_run":
@@ -164,7 +195,8 @@ class Explanation:
                 "explained_by": [t.as_dict() for t in self.explained_by],
                 "candidates": [t.as_dict() for t in self.candidates[:5]], "first_point": self.first_point,
                 "singles_tried": self.singles, "pairs_tried": self.pairs, "not_applicable": self.not_applicable,
-                "not_tried": self.not_tried, "seconds": round(self.seconds, 3), "budget_s": self.budget_s}
+                "not_tried": self.not_tried, "seconds": round(self.seconds, 3), "budget_s": self.budget_s,
+                **({"decoding": self.decoding} if self.decoding is not None else {})}
 
 
 # --------------------------------------------------------------------------- the search
@@ -278,8 +310,8 @@ def _refine(measure, out: Explanation, by_name: dict[str, Variant], over: Callab
     """The pair of the best explaining single and another variant that cuts its residual tenfold, when the single
     leaves more than :data:`REFINE_RATIO` of the unexplained residual (see there); None otherwise."""
     best = min(out.explained_by, key=lambda t: t.headline()[1] if t.headline() else float("inf"))
-    h, b = best.headline(), out.baseline.headline()
-    if h is None or b is None or not h[1] > REFINE_RATIO * out.baseline.figures.get(h[0], b[1]):
+    h = best.headline()
+    if h is None or h[0] not in out.baseline.figures or not h[1] > REFINE_RATIO * out.baseline.figures[h[0]]:
         return None
     a = by_name[best.variants[0]]
     for v in by_name.values():
@@ -297,9 +329,9 @@ def _refine(measure, out: Explanation, by_name: dict[str, Variant], over: Callab
 
 
 def _parse_point(where: str | None) -> tuple[str, int] | None:
-    """``attn_out@3`` -> ``("attn_out", 3)``; ``result_output`` -> ``("result_output", -1)``; a logits position or
-    None -> None (no scope)."""
-    if not where or where.startswith("logits"):
+    """``attn_out@3`` -> ``("attn_out", 3)``; ``result_output`` -> ``("result_output", -1)``; a logits position, a
+    greedy stream's place or None -> None (no scope)."""
+    if not where or where.startswith(("logits", "greedy")):
         return None
     point, _, layer = where.partition("@")
     try:
@@ -314,26 +346,37 @@ def _parse_point(where: str | None) -> tuple[str, int] | None:
 @dataclass
 class Observed:
     """What the engine answered on one prompt: logits ``[T, V]``, a trace, and/or a greedy stream (``tokens``,
-    ``top``, ``logprobs`` as :func:`harness.parity.compare.load_generations` gives it), any of them None."""
+    ``top``, ``logprobs`` as :func:`harness.parity.compare.load_generations` gives it), any of them None; ``forced``:
+    its logits ``[T + n - 1, V]`` of the prompt followed by its own stream but the last token (teacher-forced: what
+    its forward gives at every step of the stream, asked when only the streams fail), or None."""
 
     prompt_id: str
     ids: list[int]
     logits: np.ndarray | None = None
     trace: Trace | None = None
     stream: dict[str, Any] | None = None
+    forced: np.ndarray | None = None
+
+
+def unmeasured(f: Figure) -> str | None:
+    """Why ``f`` measured nothing (its ``not_measured`` reason, or "NaN"), or None when it holds a figure."""
+    if f.detail.get("not_measured"):
+        return str(f.detail["not_measured"])
+    return "NaN" if not f.measured == f.measured else None
 
 
 def judge_figures(figures: Sequence[Figure], gates: Mapping[str, Gate]) -> list[str]:
     """The gates (by name) that ``figures`` fail, judged as :meth:`harness.parity.result.CaseResult.apply` judges
     them (a figure with an ``effect`` at :func:`harness.core.gates.with_effect` of its gate); informational gates,
-    informational figures and figures without a gate do not count."""
+    informational figures, figures marked ``not_measured`` (never a pass there either: :class:`TextSubject` holds a
+    variant to the figures measured without it) and figures without a gate do not count."""
     bad = []
     for f in figures:
         try:
             g = gate_for(gates, f.gate)
         except KeyError:
             continue
-        if "informational_reason" in f.detail:
+        if "informational_reason" in f.detail or f.detail.get("not_measured"):
             continue
         if f.detail.get("effect") is not None and not g.informational:
             g = with_effect(g, float(f.detail["effect"]), int(f.detail.get("effect_power", 1)))
@@ -342,43 +385,94 @@ def judge_figures(figures: Sequence[Figure], gates: Mapping[str, Gate]) -> list[
     return bad
 
 
+def _metric(f: Figure) -> str:
+    return f.gate.rsplit(".", 1)[-1]
+
+
 class TextSubject:
     """The engine's answers on a few prompts of a text model, judged as the pair ``pair`` judges them.
 
     Args:
         ref: the reference engine of the model (:class:`harness.engines.reference.ReferenceEngine`).
         observed: the engine's answers, shortest prompt first (:class:`Observed`).
-        pair: the gate prefix (``reference~cmd``, ``engine~oracle`` ...).
-        gates: the gate table (a case's, or :data:`harness.core.gates.DEFAULT_GATES`).
+        pair: the gate prefix (``reference~cmd``, ``fast~cmd``, ``engine~oracle`` ...).
+        gates: the gate table (the case's, or :data:`harness.core.gates.DEFAULT_GATES`).
         numerics: the context under which the reference makes the approximations the engine declared (a
             ``ReferenceRuns.numerics`` result maker), or None.
         top_n: vLLM's N for greedy streams.
         layer_tol: the trace divergence tolerance (default: the pair's ``layer_rel_l2`` limit).
+        effects: ``(metric, prompt id or None) -> (effect, power)``: how far the engine's declared approximations
+            move the oracle's figure (the pair's figures' ``effect``), so that a trial is judged at the pair's limits.
+        near_tie: the pair's near-tie margin of greedy streams (default
+            :data:`harness.core.gates.NEAR_TIE_MARGIN`).
+        oracle: the job's oracle when it is not the reference (``--oracle fast``: the fast engine in fp32): the
+            baseline runs on it, a trial under variants that all have a fast form on a fast engine built under them
+            over the reference's weights, any other on the float64 reference (slower, the same rule).
     """
 
     family = "text"
 
     def __init__(self, ref: Any, observed: Sequence[Observed], pair: str, gates: Mapping[str, Gate] = DEFAULT_GATES,
-                 numerics: Callable[[], Any] | None = None, top_n: int = 5, layer_tol: float | None = None) -> None:
+                 numerics: Callable[[], Any] | None = None, top_n: int = 5, layer_tol: float | None = None,
+                 effects: Mapping[tuple[str, str | None], tuple[float, int]] | None = None,
+                 near_tie: float | None = None, oracle: Any = None) -> None:
         self.ref, self.pair, self.gates, self.top_n = ref, pair, gates, top_n
         self.observed = sorted(observed, key=lambda o: len(o.ids))
         self.numerics = numerics
         lim = gates.get(f"{pair}.layer_rel_l2")
         self.layer_tol = layer_tol if layer_tol is not None else (lim.limit if lim is not None else 1e-3)
         self.subject = ref.cfg
+        self.effects = dict(effects or {})
+        self.near_tie = near_tie
+        self.oracle = oracle
+        self.measured: dict[str, set[str]] | None = None  # prompt -> the metrics measured without variants
+        self.ref_streams: dict[str, dict[str, Any]] = {}  # prompt -> the oracle's stream without variants
 
-    def _context(self, variants: Sequence[Variant]):
-        stack = contextlib.ExitStack()
-        if self.numerics is not None:
-            stack.enter_context(self.numerics())
-        stack.enter_context(under(variants, fast=False))
-        return stack
+    @contextlib.contextmanager
+    def _engine(self, variants: Sequence[Variant]):
+        """``(engine, name)`` computing the oracle side under ``variants`` (see the class docstring)."""
+        with contextlib.ExitStack() as stack:
+            if self.numerics is not None:
+                stack.enter_context(self.numerics())
+            if self.oracle is not None and not variants:
+                yield self.oracle, "fast"
+            elif self.oracle is not None and all(v.has_fast for v in variants) and \
+                    (eng := self._fast_under(variants, stack)) is not None:
+                try:
+                    yield eng, "fast"
+                finally:
+                    eng.close()
+            else:
+                stack.enter_context(under(variants, fast=False))
+                yield self.ref, "reference"
 
-    def _one(self, o: Observed, t: Trial) -> list[Figure]:
+    def _fast_under(self, variants: Sequence[Variant], stack: contextlib.ExitStack) -> Any:
+        """A fast engine under ``variants`` (entered on ``stack``): the oracle's own model when every patch acts at
+        call time, a model built over the reference's weights when one changes the config (``FastModel.__init__``);
+        None when that cannot be built (memory: the trial then runs on the reference)."""
+        builds = any(p.name == "__init__" for v in variants for p in v.fast_patches)
+        with contextlib.ExitStack() as local:
+            local.enter_context(under(variants, fast=True))
+            try:
+                eng = FastEngine.from_model(self.ref.cfg, self.ref.weights, device=str(self.oracle.model.device),
+                                            dtype="float32", weights=self.oracle.weights,
+                                            share=None if builds else self.oracle)
+            except InputError:
+                return None  # the variants are undone as ``local`` closes
+            stack.enter_context(local.pop_all())
+            return eng
+
+    def _effect(self, f: Figure, prompt_id: str) -> Figure:
+        e = self.effects.get((_metric(f), prompt_id), self.effects.get((_metric(f), None)))
+        if e is not None and f.detail.get("effect") is None:
+            f.detail.update(effect=float(e[0]), effect_power=int(e[1]))
+        return f
+
+    def _one(self, eng: Any, o: Observed, t: Trial) -> list[Figure]:
         figs: list[Figure] = []
         if o.logits is not None or o.trace is not None:
-            w = TraceWriter("reference", o.ids, dtype="float64", keep_tensors=True) if o.trace is not None else None
-            z = np.asarray(self.ref.logits(o.ids, trace=w), dtype=np.float64)
+            w = TraceWriter(t.oracle, o.ids, dtype="float64", keep_tensors=True) if o.trace is not None else None
+            z = np.asarray(eng.logits(o.ids, trace=w), dtype=np.float64)
             if o.logits is not None:
                 figs += logit_figures(o.logits, z, self.pair, o.prompt_id)
                 beyond = np.nonzero(~(np.max(np.abs(o.logits - z), axis=1) <= self._limit("max_abs_logit")))[0]
@@ -392,33 +486,60 @@ class TextSubject:
                     t.first_divergence = res.first.where
                     t.first_key = canonical_key(res.first.point, res.first.layer)
         if o.stream is not None:
-            g = self.ref.generate_full([o.ids], len(o.stream["tokens"]), top_n=self.top_n)[0]
+            g = eng.generate_full([o.ids], len(o.stream["tokens"]), top_n=self.top_n)[0]
             base = {o.prompt_id: {"tokens": list(g.tokens), "top": [[i for i, _ in s] for s in g.top],
                                   "logprobs": [dict(s) for s in g.top]}}
+            if not t.variants:
+                self.ref_streams[o.prompt_id] = base[o.prompt_id]
             lim = self.gates.get(f"{self.pair}.max_abs_logprob")
-            figs += generation_figures({o.prompt_id: o.stream}, base, self.pair, self.top_n,
-                                       logprob_limit=None if lim is None else lim.limit)
-        return figs
+            e = self.effects.get(("max_abs_logprob", o.prompt_id), self.effects.get(("max_abs_logprob", None)))
+            limit = None if lim is None else (lim.limit if e is None else effect_limit(lim, float(e[0]), int(e[1])))
+            gen = generation_figures({o.prompt_id: o.stream}, base, self.pair, self.top_n, logprob_limit=limit,
+                                     **({"near_tie": self.near_tie} if self.near_tie is not None else {}))
+            figs += gen
+            if t.first_divergence is None and gen and gen[0].detail.get("first_divergence"):
+                t.first_divergence = f"greedy {gen[0].detail['first_divergence']}"  # no trace point: no scope
+        return [self._effect(f, o.prompt_id) for f in figs]
 
     def _limit(self, metric: str) -> float:
         g = self.gates.get(f"{self.pair}.{metric}")
         return g.limit if g is not None else float("inf")
 
     def measure(self, variants: tuple[Variant, ...], full: bool = False) -> Trial:
-        """The engine against the reference under ``variants``, prompt by prompt, shortest first, stopping at the
-        first prompt whose figures fail unless ``full`` (see the module docstring)."""
+        """The engine against the oracle under ``variants``, prompt by prompt, shortest first, stopping at the
+        first prompt whose figures fail unless ``full`` (see the module docstring). The first trial without variants
+        records which figures it measured on each prompt; a trial under variants that cannot measure one of them
+        (NaN, ``not_measured``) fails, and so does one that measures none of :data:`METRICS` on a prompt (greedy
+        streams that agree by vLLM's rule but part at step 0 compare no number: that reproduces nothing)."""
         t = Trial(tuple(v.name for v in variants))
         t0 = time.perf_counter()
         try:
-            with self._context(variants):
+            with self._engine(variants) as (eng, name):
+                t.oracle = name
                 for o in self.observed:
-                    figs = self._one(o, t)
+                    figs = self._one(eng, o, t)
                     t.prompts.append(o.prompt_id)
+                    got: set[str] = set()
+                    why_not: dict[str, str] = {}
                     for f in figs:
-                        m = f.gate.rsplit(".", 1)[-1]
-                        if m in METRICS and f.measured == f.measured:
-                            t.figures[m] = max(t.figures.get(m, 0.0), float(f.measured))
+                        m, why = _metric(f), unmeasured(f)
+                        if why is None:
+                            got.add(m)
+                            if m in METRICS:
+                                t.figures[m] = max(t.figures.get(m, 0.0), float(f.measured))
+                        else:
+                            why_not[m] = why
                     t.failing += [g for g in judge_figures(figs, self.gates) if g not in t.failing]
+                    if not variants:
+                        self.measured = {**(self.measured or {}), o.prompt_id: got}
+                    else:  # held to what was measured without the variants: never a 0 for what it cannot compute
+                        lost = sorted((self.measured or {}).get(o.prompt_id, set()) - got)
+                        t.unmeasured += [f"{m} not measured on {o.prompt_id}" + (f" ({why_not[m]})" if m in why_not
+                                                                                  else "") for m in lost]
+                        for bad, when in (("(figures not measured)", lost),
+                                          ("(nothing comparable measured)", not got & set(METRICS))):
+                            if when and bad not in t.failing:
+                                t.failing.append(bad)
                     if t.failing and not full:
                         break
         except InputError as e:  # the variant cannot run on this model (one line)
@@ -430,12 +551,112 @@ class TextSubject:
         t.seconds = time.perf_counter() - t0
         return t
 
+    def decoding(self, base: Trial) -> dict[str, Any] | None:
+        """Where the divergence is in generation, not in the logits, and what differs there; None otherwise.
+
+        It is when ``base`` (the trial without variants) fails only greedy-stream gates
+        (:data:`GENERATION_METRICS`) and, on the first prompt whose stream parts from the oracle's, the engine's own
+        teacher-forced logits (:attr:`Observed.forced`) agree with the oracle's at every step of its stream (within
+        the pair's ``max_abs_logit`` limit) and their top-1 at the parting step is the oracle's token, not the one
+        the engine emitted. What differs is read from the log-probs the engine reported at that step (None when they
+        differ from those logits on tokens no rule touches: its generation path computes other logits): its token not
+        the top-1 of its own log-probs (sampling); the oracle's token missing from its top-N or at -inf (banned, or,
+        when it already occurs in the context, a repeated token's logit lowered); present but lower than its logits
+        give (a repeated token's logit lowered, when it occurs in the context: a repetition penalty; else a logit
+        bias). Returns ``{"request", "step", "ours", "oracle", "what", "max_abs_logit", "kind", "line"}`` (``kind``:
+        ``decoding``, or ``generation`` for a generation path that computes other logits).
+        """
+        if base.passed or base.error is not None:
+            return None
+        if not base.failing or any(g.rsplit(".", 1)[-1] not in GENERATION_METRICS for g in base.failing):
+            return None
+        for o in self.observed:
+            ref = self.ref_streams.get(o.prompt_id)
+            if o.stream is None or ref is None:
+                continue
+            ours, theirs = list(o.stream["tokens"]), list(ref["tokens"])
+            i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+            if i is None:
+                continue
+            if o.forced is None:
+                return None  # the engine's forward at that step is unknown: not said to be decoding
+            seq = list(o.ids) + ours[:-1]
+            with self._engine(()) as (eng, _):
+                z = np.asarray(eng.logits(seq), dtype=np.float64)
+            zf = np.asarray(o.forced, dtype=np.float64)
+            start = len(o.ids) - 1
+            if zf.shape != z.shape:
+                return None
+            gap = float(np.max(np.abs(zf[start:] - z[start:])))
+            if not gap <= self._limit("max_abs_logit"):
+                return None
+            row = zf[start + i]
+            tok, want = ours[i], theirs[i]
+            if int(np.argmax(row)) != want:
+                return None
+            what = self._what(o, i, tok, want, seq[:start + 1 + i], z[start + i])
+            kind = "generation" if what.startswith(GENERATION_PATH) else "decoding"
+            line = (f"request {o.prompt_id} step {i}: it gave {tok}, its own logits and the {base.oracle}'s give "
+                    f"{want} (its logits agree with the {base.oracle}'s at every step of its stream, max |Δlogit| "
+                    f"{gap:.3g}); {what}")
+            return {"request": o.prompt_id, "step": i, "ours": tok, "oracle": want, "what": what,
+                    "max_abs_logit": gap, "kind": kind, "line": line}
+        return None
+
+    def _what(self, o: Observed, i: int, tok: int, want: int, context: Sequence[int], z: np.ndarray) -> str:
+        """What differs in decoding at step ``i`` (see :meth:`decoding`); ``z``: the oracle's logits there. It starts
+        with :data:`GENERATION_PATH` when the log-probs it reported there differ from those logits beyond a change
+        of the context's tokens and the oracle's token (one shift of the normaliser): its generation computes other
+        logits than its forward (a KV cache, a decode path), which is no decoding rule."""
+        lz = z - z.max() - np.log(np.sum(np.exp(z - z.max())))
+        lps = o.stream.get("logprobs") or []
+        own = lps[i] if i < len(lps) and lps[i] else {}
+        repeated = want in context
+        where = f"token {want} occurs in the context (position {list(context).index(want)})" if repeated else ""
+        if not own:
+            return (f"its log-probs at that step were not given; {where}: a repeated token's logit lowered (a "
+                    "repetition penalty)?" if repeated else
+                    "its log-probs at that step were not given: a token banned, a logit bias or sampling")
+        if tok in own and own[tok] < max(own.values()):
+            return f"sampling: its token {tok} is not the top-1 of its own log-probs (temperature 0 was asked)"
+        touched = set(int(c) for c in context) | {want}
+        shift = [own[k] - lz[k] for k in own if k not in touched and own[k] > -np.inf]
+        if len(shift) >= 2 and max(shift) - min(shift) > self._limit("max_abs_logprob"):
+            return (f"{GENERATION_PATH}: the log-probs it reported there differ from its own forward's on tokens no "
+                    f"decoding rule touches (spread {max(shift) - min(shift):.3g} over {len(shift)} tokens outside the "
+                    "context): its generation computes other logits than its forward (its KV cache, its decode path)")
+        theirs = own.get(want)
+        if theirs is None or not theirs > -np.inf:
+            state = f"not among its top-{len(own)} log-probs" if theirs is None else "at log-prob -inf"
+            if repeated:
+                return (f"a repeated token's logit lowered: token {want} is {state} where its logits give it "
+                        f"log-prob {lz[want]:.4g} (their top-1), and {where} (a repetition penalty)")
+            return (f"a token banned: token {want} is {state} where its logits give it log-prob {lz[want]:.4g} (their "
+                    "top-1)")
+        if repeated:
+            return (f"a repeated token's logit lowered: token {want} at log-prob {theirs:.4g} where its logits give "
+                    f"log-prob {lz[want]:.4g}, and {where} (a repetition penalty)")
+        return (f"token {want}'s log-prob lowered in decoding: {theirs:.4g} where its logits give log-prob "
+                f"{lz[want]:.4g} (a logit bias)")
+
 
 def explain_text(ref: Any, observed: Sequence[Observed], pair: str, gates: Mapping[str, Gate] = DEFAULT_GATES,
                  numerics: Callable[[], Any] | None = None, budget_s: float | None = None, top_n: int = 5,
-                 layer_tol: float | None = None, variants: Sequence[Variant] | None = None) -> Explanation:
-    """:func:`search` over the text variants (or ``variants``) for the engine's answers ``observed``."""
-    subject = TextSubject(ref, observed, pair, gates, numerics, top_n, layer_tol)
-    return search(subject.measure, family("text") if variants is None else variants, subject.subject,
-                  budget_seconds(budget_s))
-
+                 layer_tol: float | None = None, variants: Sequence[Variant] | None = None,
+                 effects: Mapping[tuple[str, str | None], tuple[float, int]] | None = None,
+                 near_tie: float | None = None, oracle: Any = None) -> Explanation:
+    """:func:`search` over the text variants (or ``variants``) for the engine's answers ``observed``
+    (:class:`TextSubject` for the other arguments); a divergence only in generation is not searched: the
+    explanation's status is ``decoding`` (:meth:`TextSubject.decoding`)."""
+    subject = TextSubject(ref, observed, pair, gates, numerics, top_n, layer_tol, effects, near_tie, oracle)
+    t0 = time.perf_counter()
+    base = subject.measure((), full=True)
+    budget = budget_seconds(budget_s)
+    dec = subject.decoding(base)
+    if dec is not None:
+        out = Explanation("decoding", base, budget_s=budget, decoding=dec, first_point=f"request {dec['request']} "
+                          f"step {dec['step']}")
+        out.seconds = time.perf_counter() - t0
+        return out
+    return search(subject.measure, family("text") if variants is None else variants, subject.subject, budget,
+                  baseline=base)

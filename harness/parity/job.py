@@ -33,8 +33,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from reference.errors import InputError
+from reference.weights import load_model
 
-from ..core.cases import PROMPTS, builtin_specs, load_prompts
+from ..core.cases import PROMPTS, builtin_specs, load_prompts, refuse_unfit_prompts
 from ..core.io import staged_run_dir, write_json_atomic
 from ..core.paths import cache_root
 from ..core.workers import process_pool
@@ -47,7 +48,7 @@ from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
 from .cases import case_names, gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
 from .checks.pair import ORACLES
-from .checks.server import SERVER_CHECKS, ServerOptions, load_user_prompts
+from .checks.server import SERVER_CHECKS, ServerOptions, load_user_prompts, with_prompt_ids
 from .drift import oracle_drift as compute_drift
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
@@ -250,6 +251,25 @@ def _init_worker(threads: int) -> None:
 def _run_planned(plan_args: dict[str, Any], index: int) -> CaseResult:
     """In a worker: plan the cases again from ``plan_args`` and run case ``index``."""
     return guard(*plan_cases(**plan_args)[index])
+
+
+def check_user_prompts(prompts: list[dict[str, Any]], models: list[str], new_tokens: int, source: Any) -> None:
+    """Every prompt of the user's set judged against each model before any engine work
+    (:func:`harness.core.cases.refuse_unfit_prompts`: an id outside the vocabulary, or a prompt that leaves no room
+    for ``new_tokens`` in the context, is bad input naming its line, never dropped). Text prompts are tokenized with
+    the model's tokenizer as the pairs will (:func:`harness.parity.checks.server.with_prompt_ids`). A model that
+    cannot be read is left to its case (its own bad input, said there).
+
+    Raises:
+        InputError: a prompt that does not fit, or text prompts and a model without a tokenizer.
+    """
+    for m in models:
+        try:
+            cfg, _ = load_model(m, cache_bytes=0)  # the header and the tensor table: no weights are read
+        except InputError:
+            continue
+        refuse_unfit_prompts(with_prompt_ids(prompts, m), cfg.vocab_size, cfg.context_length, new_tokens, str(m),
+                             source)
 
 
 def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
@@ -457,6 +477,10 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             left = [c for c in QUICK_LEAVES_OUT if c not in skip and would_run.get(c, True)]
             skip = skip + tuple(left)
             quick_note += f", without {', '.join(left)}" if left else ""
+    if models and Path(prompts).resolve() == PROMPTS.resolve():  # the library's set: cut to each model (README)
+        prompt_set = [{**p, "library": True} for p in prompt_set]
+    elif models:  # the user's: every prompt judged or refused, naming its line, before any engine work
+        check_user_prompts(prompt_set, list(models), int(server.max_new_tokens), prompts)
     base = load_baseline(baseline) if baseline else None
     drift_base = load_baseline(oracle_drift) if oracle_drift else None
     if weights is not None:

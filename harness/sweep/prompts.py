@@ -2,8 +2,9 @@
 
 Text is tokenized by the harness's own tokenizer of the group's base file (its GGUF vocabulary, or an HF folder's
 ``tokenizer.json``), BOS added and special-token text parsed, so every file and engine of a group sees the same ids.
-A group keeps the prompts that fit its model (every id inside the vocabulary, the prompt plus the greedy tokens
-inside the context); none left is bad input naming the prompt file.
+Every prompt must fit every group's model (every id inside the vocabulary, the prompt plus the greedy tokens inside
+the context): one that does not is bad input naming its file, line and why, never left out
+(:func:`harness.core.cases.refuse_unfit_prompts`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Sequence
 from reference.errors import InputError, PromptError
 from reference.tokenizer import GGUFTokenizer
 
+from ..core.cases import refuse_unfit_prompts
 from ..tokenizer.files import load_tokenizer_metadata
 
 
@@ -54,7 +56,9 @@ def load(path: str | Path) -> list[dict[str, Any]]:
         if str(pid) in seen:
             raise PromptError(f"{path}:{n}: duplicate id {pid!r}")
         seen.add(str(pid))
-        out.append({"id": str(pid), "text": text} if text is not None else {"id": str(pid), "prompt_ids": ids})
+        where = f"{path}:{n}"
+        out.append({"id": str(pid), "text": text, "where": where} if text is not None else
+                   {"id": str(pid), "prompt_ids": ids, "where": where})
     if not out:
         raise PromptError(f"{path}: no prompts")
     return out
@@ -62,11 +66,11 @@ def load(path: str | Path) -> list[dict[str, Any]]:
 
 def for_model(prompts: Sequence[dict[str, Any]], model: str | Path, vocab: int, context: int, new_tokens: int,
               source: str | Path) -> list[dict[str, Any]]:
-    """The prompts as ids for one group: texts tokenized with the base file's tokenizer; prompts with an id outside
-    the vocabulary or too long for the context (with ``new_tokens`` more) left out.
+    """The prompts as ids for one group: texts tokenized with the base file's tokenizer.
 
     Raises:
-        InputError: text prompts and no tokenizer in ``model``; no prompt left (``source`` named).
+        InputError: text prompts and no tokenizer in ``model``; a prompt with an id outside the vocabulary or too long
+            for the context (with ``new_tokens`` more): its file and line named, and why.
     """
     tok = None
     out = []
@@ -81,11 +85,8 @@ def for_model(prompts: Sequence[dict[str, Any]], model: str | Path, vocab: int, 
                     raise InputError(f"{m}: no tokenizer.json in this folder (the text prompts of {source} need one)")
                 tok = GGUFTokenizer(load_tokenizer_metadata(src), source=str(src))
             ids = tok.encode(p["text"], add_bos=True, parse_special=True)
-        if ids and max(ids) < vocab and len(ids) + new_tokens <= context:
-            out.append({"id": p["id"], "prompt_ids": [int(i) for i in ids]})
-    if not out:
-        raise InputError(f"{source}: no prompt fits {model} (every id below its vocabulary of {vocab}, at most "
-                         f"{context - new_tokens} tokens)")
+        refuse_unfit_prompts([{**p, "prompt_ids": ids}], vocab, context, new_tokens, str(model), source)
+        out.append({"id": p["id"], "prompt_ids": [int(i) for i in ids]})
     return out
 
 

@@ -26,9 +26,10 @@ The same policies apply to every engine so that a difference is a difference
 in *tokenization*:
 
 * BOS: the engine encodes without its own special-token post-processing and
-  puts BOS in front exactly once when ``add_bos`` (not when the text already
-  produced it). (HF's template post-processor and llama.cpp would both double
-  it; ``harness.tokenizer.checks`` reports that separately.)
+  puts BOS in front when ``add_bos``, also when the text starts with ``<bos>``
+  (two then), as HF's template post-processor and llama.cpp's
+  ``llama_tokenize(add_special=true)`` do (``harness.tokenizer.checks``
+  ``bos_as_reference`` checks ours against HF).
 * ``parse_special``: ``True`` matches special tokens written in the text
   (``hf``/``transformers-gguf`` always do unless told otherwise; ``llamacpp``
   ``special=True``), ``False`` matches only user-defined / non-special added
@@ -77,7 +78,7 @@ class TokEngine:
 
     Args:
         path: the tokenizer file.
-        add_bos: :meth:`encode` puts ``bos_id`` in front exactly once.
+        add_bos: :meth:`encode` puts ``bos_id`` in front (also before a ``<bos>`` of the text).
         parse_special: see the module docstring.
     """
 
@@ -93,12 +94,13 @@ class TokEngine:
         raise NotImplementedError
 
     def _with_bos(self, ids: list[int]) -> list[int]:
-        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+        if self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
 
     def encode(self, text: str) -> list[int]:
-        """Text -> ids, BOS in front exactly once when ``add_bos``."""
+        """Text -> ids, BOS in front when ``add_bos`` (also before a ``<bos>`` the text starts with, as llama.cpp's
+        ``llama_tokenize(add_special=true)`` and transformers' post-processor put it)."""
         return self._with_bos(list(self._raw_encode(text)))
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
@@ -502,7 +504,7 @@ def make_tok_engine(name: str, path: str | os.PathLike, *, add_bos: bool = True,
         name: one of :data:`ENGINE_NAMES`.
         path: a .gguf, tokenizer.json or tokenizer.model (which ones an engine
             reads: module docstring).
-        add_bos: BOS in front exactly once.
+        add_bos: BOS in front (also before a ``<bos>`` of the text).
         parse_special: see the module docstring.
 
     Raises:

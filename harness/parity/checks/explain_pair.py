@@ -5,6 +5,11 @@ streams otherwise (a server). :func:`harness.parity.explain.explain_text` re-run
 spec variants (:mod:`harness.engines.variants`) within the budget (``--explain-budget``), and the result goes into the
 first failing figure's ``explanation`` (``results.json``; the report's first section quotes its line).
 
+The explanation is judged as the pair is: the case's gate table (``runs.gates``, set by the job), the effect of the
+engine's declared approximations on each figure, the pair's near-tie margin, and the job's oracle (``--oracle fast``:
+fast where the variant has a fast form). When only greedy streams fail, the engine is asked for its streams too (and,
+where it gives logits, its logits along its own stream): a divergence in decoding is said so, not searched.
+
 Registered in :data:`harness.parity.checks.pair.ON_MEASURED` on import (:mod:`harness.parity.cases` imports it).
 """
 
@@ -17,11 +22,11 @@ import numpy as np
 
 from reference.errors import InputError
 
-from ...core.gates import DEFAULT_GATES
+from ...core.gates import DEFAULT_GATES, effect_limit
 from ...core.workers import EngineCrashed, temp_folder
 from ...engines.base import TOP_N
 from ...traces.format import TraceWriter
-from ..explain import MAX_PROMPTS, Observed, budget_seconds, explain_text, judge_figures
+from ..explain import GENERATION_METRICS, MAX_PROMPTS, Observed, budget_seconds, explain_text, judge_figures
 from ..result import Figure
 from .pair import (
     GREEDY_NEW_TOKENS,
@@ -31,30 +36,50 @@ from .pair import (
     _read_engine_trace,
     as_streams,
     engine_numerics,
+    near_tie_margin,
 )
 
 
-def _gating_failure(f: Figure) -> bool:
-    """Whether ``f`` fails its default gate and counts (not made informational by the pair, as a quantized file's
+def _gating_failure(f: Figure, gates=DEFAULT_GATES) -> bool:
+    """Whether ``f`` fails its gate and counts (not made informational by the pair, as a quantized file's
     figures of an engine with ``quantized_activations`` are)."""
-    return "informational_reason" not in f.detail and bool(judge_figures([f], DEFAULT_GATES))
+    return "informational_reason" not in f.detail and bool(judge_figures([f], gates))
 
 
-def failing_prompts(figures: Sequence[Figure], prompts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The prompts of the figures that fail their default gate, shortest first, at most
-    :data:`~harness.parity.explain.MAX_PROMPTS`; every prompt when only a figure over all of them fails (greedy)."""
-    failing = [f for f in figures if _gating_failure(f)]
+def failing_prompts(figures: Sequence[Figure], prompts: Sequence[dict[str, Any]], gates=DEFAULT_GATES
+                    ) -> list[dict[str, Any]]:
+    """The prompts of the figures that fail their gate, shortest first, at most
+    :data:`~harness.parity.explain.MAX_PROMPTS`: a greedy figure's streams that are faults; every prompt when only a
+    figure over all of them fails and names none."""
+    failing = [f for f in figures if _gating_failure(f, gates)]
     if not failing:
         return []
     ids = {str(f.prompt) for f in failing if f.prompt is not None}
+    ids |= {str(r["request"]) for f in failing for r in f.detail.get("streams_detail", ()) if r.get("kind") == "fault"}
     chosen = [p for p in prompts if str(p["id"]) in ids] or list(prompts)
     return sorted(chosen, key=lambda p: len(p["prompt_ids"]))[:MAX_PROMPTS]
 
 
+def generation_only(figures: Sequence[Figure], gates=DEFAULT_GATES) -> bool:
+    """Whether only greedy-stream figures (:data:`~harness.parity.explain.GENERATION_METRICS`) fail."""
+    failing = [f for f in figures if _gating_failure(f, gates)]
+    return bool(failing) and all(f.gate.rsplit(".", 1)[-1] in GENERATION_METRICS for f in failing)
+
+
+def effects(figures: Sequence[Figure]) -> dict[tuple[str, str | None], tuple[float, int]]:
+    """``(metric, prompt id or None) -> (effect, power)`` of the pair's figures that carry an ``effect`` (how far the
+    engine's declared approximations move the oracle's figure): the explanation is judged at the same limits."""
+    return {(f.gate.rsplit(".", 1)[-1], None if f.prompt is None else str(f.prompt)):
+            (float(f.detail["effect"]), int(f.detail.get("effect_power", 1)))
+            for f in figures if f.detail.get("effect") is not None}
+
+
 def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: int = GREEDY_NEW_TOKENS,
-            top_n: int = TOP_N) -> list[Observed]:
+            top_n: int = TOP_N, streams: bool = False) -> list[Observed]:
     """The engine's answers on ``prompts``: logits and its trace (a file for ``cmd:``, the callback in-process) where
-    it answers them, else greedy streams of ``new_tokens`` tokens."""
+    it answers them, else greedy streams of ``new_tokens`` tokens. ``streams`` (only greedy streams failed): its
+    streams too where it generates, and, where it gives logits, its logits of the prompt followed by its own stream
+    (:attr:`~harness.parity.explain.Observed.forced`)."""
     out = []
     batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}  # llama.cpp: one worker for all
     with temp_folder("g4h-explain-") as tmp:
@@ -77,9 +102,11 @@ def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: 
                 else:
                     o.logits = eng.logits(ids)
                 o.logits = np.asarray(o.logits, dtype=np.float64)
-            elif _can(eng, "generate"):
+            if _can(eng, "generate") and (streams or o.logits is None):
                 g = eng.generate_full([ids], new_tokens, top_n=top_n)
                 o.stream = as_streams([p], g)[str(p["id"])]
+                if o.logits is not None and len(o.stream["tokens"]) > 1:
+                    o.forced = np.asarray(eng.logits(ids + list(o.stream["tokens"][:-1])), dtype=np.float64)
             out.append(o)
     return out
 
@@ -92,21 +119,31 @@ def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Seq
     the pair's own figures already say what went wrong.
     """
     budget = budget_seconds()
-    chosen = failing_prompts(figures, prompts)
+    gates = getattr(runs, "gates", DEFAULT_GATES)
+    chosen = failing_prompts(figures, prompts, gates)
     if budget <= 0 or not chosen:
         return
-    first = next(f for f in figures if _gating_failure(f))
+    first = next(f for f in figures if _gating_failure(f, gates))
     progress(f"[{case}] {pair} failed: trying the spec variants on {len(chosen)} prompt(s) (budget {budget:g} s)")
+    gen_only = generation_only(figures, gates)
+    steps = [int(r["step"]) for f in figures for r in f.detail.get("streams_detail", ()) if r.get("step") is not None]
+    new_tokens = max(GREEDY_NEW_TOKENS, max(steps, default=0) + 1)
     try:
-        observed = observe(eng, kind, chosen)
+        observed = observe(eng, kind, chosen, new_tokens=new_tokens, streams=gen_only)
     except (EngineCrashed, InputError) as e:
         first.detail["explanation"] = {"status": "not_run", "line": f"not explained: the engine failed when asked "
                                        f"again ({str(e).splitlines()[0] if str(e) else type(e).__name__})"}
         return
     approx = engine_numerics(eng, kind).emulation()  # the reference makes the engine's declared approximations
+    eff = effects(figures)
+    lp_gate = DEFAULT_GATES.get(f"{pair}.max_abs_logprob")  # the pair's near-tie margin is taken from it too
+    near_tie = None
+    if lp_gate is not None:
+        near_tie = near_tie_margin(effect_limit(lp_gate, eff.get(("max_abs_logprob", None), (0.0, 1))[0]))
     try:
-        expl = explain_text(runs.ref, observed, pair, DEFAULT_GATES, numerics=lambda: runs.numerics(approx),
-                            budget_s=budget, top_n=TOP_N)
+        expl = explain_text(runs.ref, observed, pair, gates, numerics=lambda: runs.numerics(approx),
+                            budget_s=budget, top_n=TOP_N, effects=eff, near_tie=near_tie,
+                            oracle=None if runs.oracle is runs.ref else runs.oracle)
     except Exception as e:  # the explanation is a hint beside the pair's figures: it never takes them down
         first.detail["explanation"] = {"status": "not_run", "line": f"not explained: {type(e).__name__}: "
                                        f"{str(e).splitlines()[0] if str(e) else ''}"}

@@ -160,7 +160,8 @@ def load_user_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
     ignored. Blank lines are skipped.
 
     Returns:
-        ``[{"id", "text"} | {"id", "prompt_ids"}, ...]`` in file order (:func:`with_prompt_ids` tokenizes texts).
+        ``[{"id", "text", "where"} | {"id", "prompt_ids", "where"}, ...]`` in file order (``where``: ``FILE:LINE``;
+        :func:`with_prompt_ids` tokenizes texts).
 
     Raises:
         PromptError: unreadable or non-UTF-8 file, a line that is neither form, an id that is neither a string nor
@@ -184,7 +185,8 @@ def load_user_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
             raise PromptError(f"{path}:{n}: expected {{\"text\": \"...\"}} or {{\"prompt_ids\": [int, ...]}} "
                               "(one of them, non-empty), with an optional \"id\"")
         pid = prompt_id(obj, n, path, seen)
-        out.append({"id": pid, "text": text} if text is not None else {"id": pid, "prompt_ids": ids})
+        out.append({"id": pid, "text": text, "where": f"{path}:{n}"} if text is not None else
+                   {"id": pid, "prompt_ids": ids, "where": f"{path}:{n}"})
     if not out:
         raise PromptError(f"{path}: no prompts")
     return out

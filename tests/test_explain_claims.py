@@ -1,0 +1,170 @@
+"""An explanation is a claim, held to one (issue 35, harness/parity/explain.py): the fault-and-explanation table.
+
+Each row is a deliberately wrong ``cmd:`` engine (tests/cmd_stub.py) on tests/variant_lab.py's ``lab-dense`` judged
+by ``g4h parity``; the pair fails, and its explanation must say what the engine is:
+
+* every text spec variant, as an engine judged by its greedy streams alone (``--ops generate``: what a server gives):
+  explained by exactly itself (the logits form of the same table is tests/test_explain.py's);
+* a weight perturbation (half the rows of one ``ffn_down`` x1.02: no variant changes a matrix's shape) and a wrong
+  model (``--serve-model lab-moe``): explained by no variant, with logits and with streams alone; no trial that
+  measured nothing comparable (streams that part at step 0) counts;
+* a decoding-only fault (exact logits, a repetition penalty in greedy decoding): said to be in decoding, with the
+  request, the step and the repeated token, not "nothing to explain"; exact logits and noise on every logit of its
+  generation (a broken KV cache would do that): said to be in its generation path, no decoding rule named;
+* ``--oracle fast``: the variant with a fast form is explained with fast, the one without with the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from variant_lab import build
+
+from harness.core.cases import PROMPTS, load_prompts
+from harness.core.gates import DEFAULT_GATES
+from harness.engines.variants import VARIANTS, family
+from harness.parity.checks.server import ServerOptions
+from harness.parity.job import run as run_parity
+
+STUB = Path(__file__).resolve().parent / "cmd_stub.py"
+PROMPT_IDS = ("len1-bos", "len5", "len16-window", "len17-window+1")
+NEW_TOKENS = 8
+MOE_ONLY = ("router_expert_input", "router_dense_input", "softcap_default_30", "experts_swiglu")
+DENSE = [v.name for v in family("text") if v.name not in MOE_ONLY]
+
+
+def _cmd(*args: str) -> str:
+    return f"cmd:'{sys.executable} {STUB} " + " ".join(args) + "'"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory) -> dict[str, Path]:
+    return build(tmp_path_factory.mktemp("lab"))
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    rows = [p for p in load_prompts(PROMPTS) if p["id"] in PROMPT_IDS]
+    path.write_text("".join(json.dumps({"id": p["id"], "prompt_ids": p["prompt_ids"]}) + "\n" for p in rows))
+    return path
+
+
+def _parity(lab, prompts_file, out, engines, oracle="reference") -> dict[int, dict]:
+    """engine number -> the explanation of its pair (None when it has none) after one ``g4h parity`` run."""
+    data, status = run_parity(models=[str(lab["lab-dense"])], against=[_cmd(*e) for e in engines], quiet=True,
+                              out=str(out), prompts=prompts_file, oracle=oracle,
+                              server=ServerOptions(max_new_tokens=NEW_TOKENS))
+    assert status == 1
+    found: dict[int, dict] = {}
+    for c in data["cases"][0]["checks"]:
+        pair = c["gate"].rsplit(".", 1)[0]
+        number = int(pair.split("#", 1)[1]) if "#" in pair else 1
+        if "explanation" in c:
+            assert number not in found, "one explanation per failing pair"
+            found[number] = c["explanation"]
+    return found
+
+
+@pytest.fixture(scope="module")
+def faults(lab, prompts_file, tmp_path_factory) -> tuple[list[tuple[str, ...]], dict[int, dict]]:
+    moe = str(lab["lab-moe"])
+    engines = [("--scale-rows", "2"), ("--serve-model", moe), ("--repeat-penalty", "1.5"),
+               ("--ops", "generate", "--scale-rows", "2"), ("--ops", "generate", "--serve-model", moe),
+               ("--generate-noise", "0.5")]
+    return engines, _parity(lab, prompts_file, tmp_path_factory.mktemp("faults"), engines)
+
+
+@pytest.fixture(scope="module")
+def stream_variants(lab, prompts_file, tmp_path_factory) -> dict[int, dict]:
+    engines = [("--ops", "generate", "--spec", v) for v in DENSE]
+    return _parity(lab, prompts_file, tmp_path_factory.mktemp("streams"), engines)
+
+
+@pytest.mark.parametrize("number, variant", list(enumerate(DENSE, 1)))
+def test_each_variant_judged_by_its_streams_is_explained_by_exactly_itself(stream_variants, number, variant):
+    e = stream_variants.get(number)
+    assert e is not None, f"{variant}: the pair passed or was not explained"
+    assert e["status"] == "explained", (variant, e["line"])
+    assert [t["variants"] for t in e["explained_by"]] == [[variant]], (variant, e["line"])
+    assert e["line"].startswith(f"explained by {variant}: ")
+    best = e["explained_by"][0]
+    assert best["figures"]["max_abs_logprob"] <= DEFAULT_GATES["reference~cmd.max_abs_logprob"].limit
+    assert "unmeasured" not in best
+    # the baseline's figure is quoted only where it was measured: never "0 -> 0" for a figure with no number
+    base = e["baseline"]["figures"].get("max_abs_logprob")
+    assert (f"max |Δlogprob| {base:.3g} -> " if base is not None else "max |Δlogprob| not measured (greedy request ") \
+        in e["line"], e["line"]
+
+
+@pytest.mark.parametrize("number, what", [(1, "row scale, logits"), (2, "wrong model, logits"),
+                                          (4, "row scale, streams"), (5, "wrong model, streams")])
+def test_perturbed_weights_and_a_wrong_model_are_explained_by_no_variant(faults, number, what):
+    e = faults[1].get(number)
+    assert e is not None, what
+    assert e["status"] == "unexplained", (what, e["line"])
+    assert e["line"].startswith("no known variant explains it"), e["line"]
+    assert e["singles_tried"] >= len(DENSE) - 4 and e["pairs_tried"] >= 1  # it did search
+    for t in e["candidates"]:
+        assert not t["passed"]
+        if t.get("unmeasured"):  # a trial with a figure it could not compute is failed, never a 0
+            assert "(figures not measured)" in t["failing"]
+
+
+def test_a_trial_that_compares_nothing_does_not_explain(faults):
+    """The wrong model judged by its streams: they part at step 0 under every variant; a variant whose streams also
+    part at step 0, within vLLM's top-N, compares no log-prob: "(nothing comparable measured)", not a perfect 0."""
+    e = faults[1][5]
+    nothing = [t for t in e["candidates"] if "(nothing comparable measured)" in t["failing"]]
+    assert nothing, [t["failing"] for t in e["candidates"]]
+    assert all(not t["passed"] and "max_abs_logprob" not in t["figures"] for t in nothing)
+
+
+def test_a_fault_in_decoding_is_said_to_be_in_decoding(faults):
+    """Exact logits, a repetition penalty in greedy decoding: the greedy figures fail, the logits agree along its
+    own stream; the explanation names the request, the step, both tokens and the repeated token, not "nothing to
+    explain" and no variant."""
+    e = faults[1][3]
+    assert e["status"] == "decoding", e["line"]
+    d = e["decoding"]
+    assert e["line"].startswith(f"in decoding, not in the logits: request {d['request']} step {d['step']}: it gave "
+                                f"{d['ours']}, its own logits and the reference's give {d['oracle']}")
+    assert d["ours"] != d["oracle"] and d["max_abs_logit"] <= DEFAULT_GATES["reference~cmd.max_abs_logit"].limit
+    assert d["kind"] == "decoding", d["what"]
+    assert "a repeated token's logit lowered" in d["what"] and "repetition penalty" in d["what"], d["what"]
+    assert f"token {d['oracle']} occurs in the context" in d["what"]
+    assert not e["explained_by"] and e["singles_tried"] == 0
+
+
+def test_the_fast_oracle_explains_with_fast_where_the_variant_has_a_fast_form(lab, prompts_file, tmp_path):
+    """``--oracle fast``: window_inclusive changes the config (a fast model built under it), attn_scale_head_dim a
+    function (the oracle's own model, patched while the trial runs), norm_plus_one has no fast form (the
+    reference); a weight perturbation is explained by none."""
+    assert VARIANTS["window_inclusive"].has_fast and not VARIANTS["norm_plus_one"].has_fast
+    found = _parity(lab, prompts_file, tmp_path, [("--spec", "window_inclusive"), ("--spec", "norm_plus_one"),
+                                                  ("--scale-rows", "2"), ("--spec", "attn_scale_head_dim")],
+                    oracle="fast")
+    limit = DEFAULT_GATES["fast~cmd.max_abs_logit"].limit
+    for number, variant, oracle in ((1, "window_inclusive", "fast"), (2, "norm_plus_one", "reference"),
+                                    (4, "attn_scale_head_dim", "fast")):
+        e = found[number]
+        assert [t["variants"] for t in e["explained_by"]] == [[variant]], e["line"]
+        assert e["baseline"]["oracle"] == "fast" and e["explained_by"][0]["oracle"] == oracle
+        assert e["explained_by"][0]["figures"]["max_abs_logit"] <= limit
+    assert found[3]["status"] == "unexplained", found[3]["line"]
+
+
+def test_a_generation_path_that_computes_other_logits_is_not_called_a_decoding_rule(faults):
+    """Exact logits, noise on its generation's logits: the divergence is in generation (its forward agrees), and the
+    log-probs it reports differ from its forward's on tokens no decoding rule touches: said so, no penalty named,
+    no variant searched."""
+    e = faults[1].get(6)
+    assert e is not None and e["status"] == "decoding", e["line"]
+    d = e["decoding"]
+    assert d["kind"] == "generation" and e["line"].startswith(f"in generation, not in the logits: request "
+                                                              f"{d['request']} step {d['step']}: "), e["line"]
+    assert "its generation computes other logits than its forward" in d["what"], d["what"]
+    assert "repetition penalty" not in d["what"] and "banned" not in d["what"]
