@@ -7,6 +7,7 @@ import os
 
 from reference.errors import InputError
 
+from ..core.text import for_terminal
 from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
 from ..engines import split_engines
@@ -182,7 +183,7 @@ def execute(args: argparse.Namespace) -> tuple[dict, int]:
                                   require=tuple(args.require)))
     print(short_table(data))
     for line in explanation_lines(data):  # why a failing pair diverges: the report's first section, here too
-        print(line.replace("**", ""))
+        print(for_terminal(line.replace("**", "")))
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))
     return data, status
@@ -194,6 +195,6 @@ def run(args: argparse.Namespace) -> int:
     print(short_table(data))
     _print_baseline(data, args.write_baseline)
     _print_drift(data)
-    print(f"\nreport: {data['run_dir']}/report.md")
-    print(f"{data['verdict']} (exit {status})")
+    print(f"\nreport: {for_terminal(data['run_dir'])}/report.md")
+    print(f"{for_terminal(data['verdict'], newlines=False)} (exit {status})")
     return status

@@ -34,6 +34,7 @@ import torch
 
 from reference.errors import InputError
 
+from ..core.text import for_terminal
 from ..core.cases import PROMPTS, builtin_specs, load_prompts
 from ..core.io import staged_run_dir, write_json_atomic
 from ..core.paths import cache_root
@@ -138,7 +139,7 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         if not self.quiet:
-            print(f"g4h parity: {msg}", file=sys.stderr, flush=True)
+            print(f"g4h parity: {for_terminal(msg)}", file=sys.stderr, flush=True)
 
 
 #: CPU threads of each built-in case: one, whatever ``--jobs`` and the machine, so that a case's figures do not
