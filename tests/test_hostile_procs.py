@@ -97,7 +97,7 @@ def _trial(tmp_path: Path, model: Path, kill_after: float | None, n: int) -> tup
 
 
 def test_the_engine_group_dies_on_close(tiny_gguf, tmp_path):
-    seen, survivors, out = _trial(tmp_path, tiny_gguf, None, 3)
+    _, survivors, _ = _trial(tmp_path, tiny_gguf, None, 3)
     assert survivors == 0
 
 

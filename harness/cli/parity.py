@@ -7,9 +7,9 @@ import os
 
 from reference.errors import InputError
 
-from ..core.text import for_terminal
 from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
+from ..core.text import for_terminal
 from ..engines import split_engines
 from ..engines.base import TOP_N
 from ..engines.numerics import parse_declare

@@ -43,8 +43,15 @@ import numpy as np
 
 from reference.errors import InputError
 
-from ..core.workers import (EngineCrashed, EngineProtocolError, crash_line, remove_temp_dir, start_child, stop_child,
-                            temp_dir)
+from ..core.workers import (
+    EngineCrashed,
+    EngineProtocolError,
+    crash_line,
+    remove_temp_dir,
+    start_child,
+    stop_child,
+    temp_dir,
+)
 from .base import TOP_N, EngineUnavailable, Generated, TraceFn
 from .numerics import APPROXIMATIONS as KNOWN_APPROXIMATIONS
 from .numerics import DTYPES as NUMERIC_DTYPES

@@ -34,10 +34,10 @@ import torch
 
 from reference.errors import InputError
 
-from ..core.text import for_terminal
 from ..core.cases import PROMPTS, builtin_specs, load_prompts
 from ..core.io import staged_run_dir, write_json_atomic
 from ..core.paths import cache_root
+from ..core.text import for_terminal
 from ..core.workers import process_pool
 from ..engines import check_engine_name
 from ..engines.variants import activate_from_env, active

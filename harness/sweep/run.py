@@ -516,11 +516,16 @@ def _planned_options(options: dict[str, Any], resume: str | Path) -> dict[str, A
         if k not in options:
             continue
         v = options[k]
-        ok = {"against": lambda: isinstance(v, list) and bool(v) and all(isinstance(e, str) for e in v),
-              "prompts": lambda: isinstance(v, str),
-              "base": lambda: v is None or isinstance(v, str),
-              "engine_options": lambda: isinstance(v, dict)}.get(
-            k, lambda: isinstance(v, int) and not isinstance(v, bool) and v >= (1 if k == "cpus_per_task" else 0))()
+        if k == "against":
+            ok = isinstance(v, list) and bool(v) and all(isinstance(e, str) for e in v)
+        elif k == "prompts":
+            ok = isinstance(v, str)
+        elif k == "base":
+            ok = v is None or isinstance(v, str)
+        elif k == "engine_options":
+            ok = isinstance(v, dict)
+        else:
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= (1 if k == "cpus_per_task" else 0)
         if not ok:
             raise InputError(f"--resume {resume}: plan.json key 'options.{k}': expected {_PLANNED_TYPES[k]}")
         out[k] = v

@@ -28,13 +28,13 @@ import io
 import json
 import os
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
 from reference.errors import InputError
-
 from reference.files import open_regular
 
 from ..core.io import dumps_json, run_timestamp, to_jsonable, write_bytes_atomic, write_json_atomic
@@ -156,7 +156,7 @@ class RunDir:
                     _base_meta(z, f)
             except InputError:
                 raise
-            except Exception as e:  # zipfile.BadZipFile, ValueError, OSError ...: a cut or foreign file
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a cut or foreign file
                 raise InputError(f"--resume {f}: not a readable NPZ base ({type(e).__name__}: {e})") from None
 
     def load_base(self, key: str) -> dict[str, Any] | None:
@@ -174,7 +174,7 @@ class RunDir:
                     return base_from_npz(z, f)
             except InputError:
                 raise
-            except Exception as e:
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
                 raise InputError(f"--resume {f}: not a readable NPZ base ({type(e).__name__}: {e})") from None
 
     def pending_file(self, key: str) -> Path:

@@ -43,9 +43,9 @@ An engine that cannot run raises :class:`EngineUnavailable` (an
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import importlib.util
-import contextlib
 import json
 import os
 import shutil
