@@ -249,7 +249,7 @@ class CmdEngine:
             self._fail(where, f"reply is not JSON: {_show(raw.decode('utf-8', 'replace'))}")
         if not isinstance(ans, dict):
             self._fail(where, f"reply is not a JSON object: {_show(ans)}")
-        if ans.get("id") != rid:
+        if ans.get("id") != rid or isinstance(ans.get("id"), bool):  # true == 1 in Python, not in the protocol
             self._fail(where, f"reply has id {_show(ans.get('id'))}, expected {rid}")
         if ans.get("ok") is not True:
             if _refusal_ok and ans.get("ok") is False:
