@@ -30,6 +30,7 @@ from reference.errors import InputError
 from reference.weight_check import CarryWarning
 
 from ..core.memory import failure_line, is_out_of_memory
+from ..core.text import for_terminal
 from ..core.workers import EngineFailure
 from ..engines.variants import spec_context
 
@@ -120,7 +121,7 @@ def _spec(text: str | None) -> contextlib.AbstractContextManager:
 
 
 def _error(msg: str) -> int:
-    print(f"g4h: error: {msg}", file=sys.stderr)
+    print(f"g4h: error: {for_terminal(msg, newlines=False)}", file=sys.stderr)
     return 2
 
 
@@ -162,7 +163,8 @@ def _run(args: argparse.Namespace) -> int:
     except InputError as e:
         return _error(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except EngineFailure as e:  # the engine under test is wrong (crashed, broke its protocol): one line, exit 1
-        print(f"g4h: engine failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"g4h: engine failed: {for_terminal(str(e).splitlines()[0] if str(e) else type(e).__name__, False)}",
+              file=sys.stderr)
         return 1
     except Exception as e:  # an allocation failure outside an engine: one line too; anything else is a bug
         if not is_out_of_memory(e):

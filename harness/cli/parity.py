@@ -9,6 +9,7 @@ from reference.errors import InputError
 
 from ..core.cases import PROMPTS
 from ..core.io import write_text_atomic
+from ..core.text import for_terminal
 from ..engines import split_engines
 from ..engines.base import TOP_N
 from ..engines.numerics import parse_declare
@@ -190,9 +191,9 @@ def run(args: argparse.Namespace) -> int:
     data, status = execute(args)
     print(short_table(data))
     for line in explanation_lines(data):  # why a failing pair diverges: the report's first section, here too
-        print(line.replace("**", ""))
+        print(for_terminal(line.replace("**", "")))
     _print_baseline(data, args.write_baseline)
     _print_drift(data)
-    print(f"\nreport: {data['run_dir']}/report.md")
-    print(f"{data['verdict']} (exit {status})")
+    print(f"\nreport: {for_terminal(data['run_dir'])}/report.md")
+    print(f"{for_terminal(data['verdict'], newlines=False)} (exit {status})")
     return status

@@ -38,6 +38,7 @@ from reference.errors import InputError
 from reference.files import kind_of
 
 from .paths import default_reports_dir
+from .text import for_json
 from .workers import remove_temp_dir, temp_dir
 
 TIMESTAMP_FORMAT = "%Y%m%d-%H%M%S"
@@ -454,12 +455,14 @@ def to_jsonable(obj: Any, _where: str = "$") -> Any:
 
 
 def dumps_json(obj: Any) -> str:
-    """Serialise ``obj`` as the harness writes JSON: :func:`to_jsonable`, ``sort_keys``, indent 2, final newline.
+    """Serialise ``obj`` as the harness writes JSON: :func:`to_jsonable`, strings with a lone surrogate made visible
+    (:func:`harness.core.text.for_json`: an engine's text must not stop the results from being written),
+    ``sort_keys``, indent 2, final newline.
 
     Raises:
         TypeError: see :func:`to_jsonable`.
     """
-    return json.dumps(to_jsonable(obj), sort_keys=True, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
+    return json.dumps(for_json(to_jsonable(obj)), sort_keys=True, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:

@@ -19,9 +19,13 @@ This module holds what every such worker shares:
 The process policy, in one place: **every process the harness starts dies with the process that started it**,
 however that one ends (SIGKILL included), and nothing it started goes on computing.
 
-* a program or worker (:func:`start_child`, :func:`start_worker`, :func:`run_worker`): ``PR_SET_PDEATHSIG``
-  (SIGKILL) set between fork and exec, the race with a parent that died in between closed by comparing
-  ``getppid``;
+* a program or worker (:func:`start_child`, :func:`start_worker`, :func:`run_worker`): a session (and process
+  group) of its own (``start_new_session``: set by ``subprocess`` in C, no ``preexec_fn``, which is unsafe in a
+  threaded process), registered with the watchdog, which SIGKILLs the whole group when this process dies (its
+  grandchildren included: a shell wrapper's children, a server's workers); :func:`stop_child` ends the group on
+  close and on timeout. The program is started through a tiny launcher (``python -I -S -c``: :data:`_LAUNCH`) that
+  sets ``PR_SET_PDEATHSIG`` (SIGKILL) on itself, exits if its parent died already, and ``exec``s the program in
+  the same process: the direct child dies with this process even in the instant before it is registered;
 * a pool worker (:func:`process_pool`, multiprocessing's spawn): the same, as the first thing its initializer
   does, before any task;
 * multiprocessing's resource tracker (started by the pool's queues, not by us): registered with the watchdog,
@@ -38,7 +42,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import functools
+import errno
 import importlib
 import multiprocessing
 import os
@@ -283,15 +287,77 @@ def watch_process(pid: int, wait_s: float = REMOVE_RETRY_S) -> None:
         _tell_watchdog(f"k{entry}")
 
 
-def _popen_kwargs() -> dict[str, Any]:
-    kw: dict[str, Any] = {"env": worker_env(), "cwd": str(REPO_ROOT)}
+_LAUNCH = ("import ctypes, os, signal, sys\n"
+           "try:\n"
+           "    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"  # 1: PR_SET_PDEATHSIG
+           "except Exception:\n"
+           "    pass\n"
+           "if os.getppid() != int(sys.argv[1]):\n"
+           "    os._exit(1)\n"
+           "os.execvp(sys.argv[2], sys.argv[2:])\n")
+"""The launcher of every program the harness starts on Linux (``python -I -S -c _LAUNCH PARENT PROGRAM ARGS``): it
+asks the kernel to SIGKILL it when its parent dies, exits if the parent is gone already, and replaces itself with
+the program (``exec``: same process, same pid, the death signal kept). This is what ``preexec_fn`` did, without
+running Python between ``fork`` and ``exec`` of a threaded process."""
+
+
+def _resolve(argv0: str, env: dict[str, str] | None) -> str:
+    """``argv0`` as ``exec`` would find it, checked here (the launcher's ``exec`` failure would be its own
+    traceback): an :class:`OSError` that names it when it is missing or not executable."""
+    if os.sep in argv0:
+        if not os.path.exists(argv0):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv0)
+        if os.path.isdir(argv0) or not os.access(argv0, os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), argv0)
+        return argv0
+    found = shutil.which(argv0, path=(env if env is not None else os.environ).get("PATH", os.defpath))
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv0)
+    return found
+
+
+def _watch_group(pgid: int) -> None:
+    """Have the watchdog SIGKILL process group ``pgid`` (led by our child ``pgid``) when this process dies."""
+    start = _start_time(pgid)
+    if start is None and sys.platform.startswith("linux"):
+        return  # gone already (and reaped by nobody yet: it is a zombie with a start time, so this is rare)
+    with _lock:
+        _groups[pgid] = f"{pgid}:{start}"
+        _tell_watchdog(f"g{_groups[pgid]}")
+
+
+def _unwatch_group(pgid: int) -> None:
+    with _lock:
+        entry = _groups.pop(pgid, None)
+        if entry is not None:
+            _tell_watchdog(f"G{entry}")
+
+
+def _popen(argv: Sequence[str], **popen: Any) -> subprocess.Popen:
+    """``subprocess.Popen(argv)`` under the process policy: its own session and process group, registered with the
+    watchdog (the group is SIGKILLed when this process dies), the death signal set by :data:`_LAUNCH` (Linux)."""
+    argv = list(argv)
+    if popen.pop("preexec_fn", None) is not None:
+        raise ValueError("the process policy starts no preexec_fn (unsafe in a threaded process)")
+    popen["start_new_session"] = True
     if sys.platform.startswith("linux"):
-        kw["preexec_fn"] = functools.partial(_die_with_parent, os.getpid())
-    return kw
+        if popen.get("cwd") is not None and os.sep in argv[0] and not os.path.isabs(argv[0]):
+            argv[0] = os.path.join(popen["cwd"], argv[0])
+        argv = [sys.executable, "-I", "-S", "-c", _LAUNCH, str(os.getpid()), _resolve(argv[0], popen.get("env")),
+                *argv[1:]]
+    proc = subprocess.Popen(argv, **popen)
+    _watch_group(proc.pid)
+    return proc
+
+
+def _popen_kwargs() -> dict[str, Any]:
+    return {"env": worker_env(), "cwd": str(REPO_ROOT)}
 
 
 def start_child(argv: Sequence[str], **popen: Any) -> subprocess.Popen:
-    """Start the program ``argv`` as a child that dies with this process (``PR_SET_PDEATHSIG`` on Linux).
+    """Start the program ``argv`` as a child that dies with this process, its own children included (the process
+    policy above: a session of its own, killed as a group by the watchdog, ``PR_SET_PDEATHSIG`` on Linux). End it
+    with :func:`stop_child`.
 
     Unlike :func:`start_worker` it keeps this process's environment and working folder unless ``popen``
     says otherwise (a user's engine runs where the user ran ``g4h``).
@@ -299,13 +365,11 @@ def start_child(argv: Sequence[str], **popen: Any) -> subprocess.Popen:
     Raises:
         OSError: the program cannot be started (not found, not executable).
     """
-    if sys.platform.startswith("linux"):
-        popen.setdefault("preexec_fn", functools.partial(_die_with_parent, os.getpid()))
-    return subprocess.Popen(list(argv), **popen)
+    return _popen(argv, **popen)
 
 
 def start_worker(module: str, args: Sequence[str] = (), **popen: Any) -> subprocess.Popen:
-    """Start ``python -m <module> <args>`` as a worker that dies with this process.
+    """Start ``python -m <module> <args>`` as a worker that dies with this process (:func:`start_child`'s policy).
 
     Args:
         module: the worker module, e.g. ``harness.engines.llamacpp.tokworker``.
@@ -313,20 +377,61 @@ def start_worker(module: str, args: Sequence[str] = (), **popen: Any) -> subproc
         popen: more ``subprocess.Popen`` keywords (pipes, ``text`` ...).
 
     Returns:
-        the running process.
+        the running process; end it with :func:`stop_child`.
     """
-    return subprocess.Popen([sys.executable, "-m", module, *args], **_popen_kwargs(), **popen)
+    return _popen([sys.executable, "-m", module, *args], **_popen_kwargs(), **popen)
 
 
 def run_worker(module: str, args: Sequence[str] = (), *, input: str | None = None,
                timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m <module> <args>`` to completion as a worker (stdout/stderr captured as text).
+    """Run ``python -m <module> <args>`` to completion as a worker (stdout/stderr captured as text); its process
+    group is killed when it ends (what it started goes with it), on a timeout and on any error here.
 
     Raises:
-        subprocess.TimeoutExpired: it ran past ``timeout`` (it has been killed).
+        subprocess.TimeoutExpired: it ran past ``timeout`` (its group has been killed).
     """
-    return subprocess.run([sys.executable, "-m", module, *args], input=input, capture_output=True, text=True,
-                          timeout=timeout, **_popen_kwargs())
+    argv = [sys.executable, "-m", module, *args]
+    proc = _popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                  **_popen_kwargs())
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_child(proc, 0.0)
+        raise subprocess.TimeoutExpired(argv, timeout) from None
+    except BaseException:
+        stop_child(proc, 0.0)
+        raise
+    stop_child(proc, 0.0)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _exited_unreaped(pid: int) -> bool:
+    """Process ``pid`` (our child) has exited; it is left a zombie (``WNOWAIT``), so its pid, the group's id, is not
+    reused before :func:`stop_child` has killed the group."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already (by Popen.poll elsewhere)
+        return True
+
+
+def stop_child(proc: subprocess.Popen, grace: float = 0.0) -> int:
+    """End a process started by :func:`start_child` / :func:`start_worker` and everything in its process group:
+    wait up to ``grace`` seconds for it to exit on its own (its stdin closed by the caller), then SIGKILL the whole
+    group (the leader if still running, and any grandchild it left behind, whether or not it exited), reap it and
+    release it from the watchdog.
+
+    Returns:
+        its exit status (``Popen.returncode``).
+    """
+    deadline = time.monotonic() + grace
+    if proc.returncode is None and hasattr(os, "waitid"):
+        while not _exited_unreaped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    with contextlib.suppress(OSError):  # the group outlives its leader while a grandchild is in it
+        os.killpg(proc.pid, signal.SIGKILL)
+    rc = proc.wait()
+    _unwatch_group(proc.pid)
+    return rc
 
 
 # --------------------------------------------------------------------------- temporary folders
@@ -335,6 +440,7 @@ _lock = threading.Lock()
 _watchdog: subprocess.Popen | None = None
 _held: set[str] = set()
 _procs: set[str] = set()  # "pid:start time" of processes the watchdog ends with this one (watch_process)
+_groups: dict[int, str] = {}  # process group id -> "pgid:leader start time" the watchdog kills with this one
 
 
 def _forget_after_fork() -> None:  # pragma: no cover - runs in a forked child
@@ -352,6 +458,7 @@ def _forget_after_fork() -> None:  # pragma: no cover - runs in a forked child
     _watchdog = None
     _held.clear()
     _procs.clear()
+    _groups.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -377,6 +484,8 @@ def _tell_watchdog(line: str) -> None:
                 _watchdog.stdin.write(f"+{held}\n".encode())
             for proc in _procs:  # and every process to end
                 _watchdog.stdin.write(f"k{proc}\n".encode())
+            for group in _groups.values():  # and every process group to kill
+                _watchdog.stdin.write(f"g{group}\n".encode())
         assert _watchdog.stdin is not None
         try:
             _watchdog.stdin.write(f"{line}\n".encode())
@@ -478,12 +587,27 @@ def _end(pid: int, start: str, wait_s: float = REMOVE_RETRY_S) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _kill_group(entry: str) -> None:
+    """SIGKILL the process group of ``entry`` (``PGID:LEADER START``), unless its id now leads another process (the
+    leader was reaped and its pid reused: a group of that id is then someone else's)."""
+    pgid, _, start = entry.partition(":")
+    if not pgid.isdigit():
+        return
+    now = _start_time(int(pgid))
+    if now is not None and start not in ("None", now):
+        return
+    with contextlib.suppress(OSError):
+        os.killpg(int(pgid), signal.SIGKILL)
+
+
 def watch(stream: BinaryIO) -> None:
     """The watchdog's loop: ``+PATH`` / ``-PATH`` lines register and release folders, ``kPID:START:WAIT`` /
-    ``KPID:START:WAIT`` register and release a process; at end of input (the parent closed the pipe, or died) every
+    ``KPID:START:WAIT`` register and release a process, ``gPGID:START`` / ``GPGID:START`` a process group (killed
+    first, at once); at end of input (the parent closed the pipe, or died) every
     folder still registered is removed and every registered process ended (:func:`_end`)."""
     held: set[str] = set()
     procs: set[str] = set()
+    groups: set[str] = set()
     for raw in stream:
         line = raw.decode("utf-8", "surrogateescape").rstrip("\n")
         if line[:1] == "+":
@@ -494,6 +618,12 @@ def watch(stream: BinaryIO) -> None:
             procs.add(line[1:])
         elif line[:1] == "K":
             procs.discard(line[1:])
+        elif line[:1] == "g":
+            groups.add(line[1:])
+        elif line[:1] == "G":
+            groups.discard(line[1:])
+    for group in groups:  # first, at once: engines and workers may be computing, their children too
+        _kill_group(group)
     entries = []
     for proc in procs:
         pid, start, wait_s = (proc.split(":") + ["", ""])[:3]

@@ -3,9 +3,10 @@
 ``cmd:'COMMAND ARGS ...'`` names it: the command is split as a shell would (:func:`shlex.split`; no shell
 runs it), started once per model with this process's environment and working folder, and spoken to in
 JSON lines: one request a line on its stdin, one reply a line on its stdout. Its stderr is its own log;
-the harness keeps it in a file and quotes its last meaningful line when something goes wrong. The child
-dies with the harness (``PR_SET_PDEATHSIG``, :func:`harness.core.workers.start_child`); closing its stdin
-asks it to exit.
+the harness keeps it in a file and quotes its last meaningful line when something goes wrong. The engine runs in
+a process group of its own, which dies with the harness however the harness ends (SIGKILL included: a watchdog
+kills the group, :func:`harness.core.workers.start_child`), and is killed as a group when the engine is closed or
+fails (a shell wrapper's children included); closing its stdin asks it to exit first.
 
 Requests (each with ``id`` and ``op``): ``hello`` (protocol version, model path, scratch folder; the reply
 names the ops the engine answers, its vocabulary, dtype and known approximations), ``logits`` (ids in, a
@@ -42,7 +43,15 @@ import numpy as np
 
 from reference.errors import InputError
 
-from ..core.workers import EngineCrashed, EngineProtocolError, crash_line, remove_temp_dir, start_child, temp_dir
+from ..core.workers import (
+    EngineCrashed,
+    EngineProtocolError,
+    crash_line,
+    remove_temp_dir,
+    start_child,
+    stop_child,
+    temp_dir,
+)
 from .base import TOP_N, EngineUnavailable, Generated, TraceFn
 from .numerics import APPROXIMATIONS as KNOWN_APPROXIMATIONS
 from .numerics import DTYPES as NUMERIC_DTYPES
@@ -108,17 +117,14 @@ def command_argv(spec: str) -> list[str]:
 
 
 def _stop(proc: subprocess.Popen, workdir: str, grace: float) -> None:
-    """Close the engine's stdin, give it ``grace`` seconds to exit, kill it otherwise; remove its scratch folder."""
+    """Close the engine's stdin, give it ``grace`` seconds to exit, then kill its process group (it and whatever it
+    started: :func:`~harness.core.workers.stop_child`); remove its scratch folder."""
     try:
         if proc.stdin and not proc.stdin.closed:
             proc.stdin.close()
     except OSError:
         pass
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_child(proc, grace)  # the engine's whole process group: what it started dies with it
     for f in (proc.stdout, proc.stderr):
         try:
             if f is not None:
@@ -243,7 +249,7 @@ class CmdEngine:
             self._fail(where, f"reply is not JSON: {_show(raw.decode('utf-8', 'replace'))}")
         if not isinstance(ans, dict):
             self._fail(where, f"reply is not a JSON object: {_show(ans)}")
-        if ans.get("id") != rid:
+        if ans.get("id") != rid or isinstance(ans.get("id"), bool):  # true == 1 in Python, not in the protocol
             self._fail(where, f"reply has id {_show(ans.get('id'))}, expected {rid}")
         if ans.get("ok") is not True:
             if _refusal_ok and ans.get("ok") is False:

@@ -38,6 +38,7 @@ from reference.weights import load_model
 from ..core.cases import PROMPTS, builtin_specs, load_prompts, refuse_unfit_prompts
 from ..core.io import staged_run_dir, write_json_atomic
 from ..core.paths import cache_root
+from ..core.text import for_terminal
 from ..core.workers import process_pool
 from ..engines import check_engine_name
 from ..engines.variants import activate_from_env, active
@@ -140,7 +141,7 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         if not self.quiet:
-            print(f"g4h parity: {msg}", file=sys.stderr, flush=True)
+            print(f"g4h parity: {for_terminal(msg)}", file=sys.stderr, flush=True)
 
 
 #: CPU threads of each built-in case: one, whatever ``--jobs`` and the machine, so that a case's figures do not

@@ -36,6 +36,7 @@ from matplotlib.figure import Figure
 from ..core.gates import DEFAULT_GATES
 from ..core.io import dataframe_markdown, write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..core.metrics import KLD_HIST_FLOOR_LOG10
+from ..core.text import for_markdown, for_markdown_code, for_terminal, for_xml
 from .baseline import baseline_section
 from .checks.server import report_lines as server_report_lines
 from .drift import drift_section
@@ -396,9 +397,16 @@ def _plot_kld(run_dir: Path, data: dict[str, Any]) -> str | None:
     return name
 
 
-def _table(rows: list[dict[str, Any]], columns: list[str], right: Iterable[str] = ()) -> str:
-    """``rows`` as a pandas DataFrame with ``columns`` (missing keys empty), rendered to Markdown."""
-    frame = pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns, dtype=object)
+def _cell(text: str) -> str:
+    """:func:`for_markdown` for a table cell (:func:`dataframe_markdown` escapes the pipes itself)."""
+    return for_markdown(text).replace("\\|", "|")
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str], right: Iterable[str] = (), escape: Any = _cell) -> str:
+    """``rows`` as a pandas DataFrame with ``columns`` (missing keys empty), rendered to Markdown; every text cell
+    through ``escape`` (:mod:`harness.core.text`: an engine's words are text in the report, and on the terminal)."""
+    frame = pd.DataFrame([{c: escape(v) if isinstance(v := r.get(c), str) else v for c in columns} for r in rows],
+                         columns=columns, dtype=object)
     return dataframe_markdown(frame, right=list(right))
 
 
@@ -419,7 +427,7 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
     head = data.get("verdict") or f"{status[data['status']]} ({len(data['cases'])} cases)"
     versions = data.get("versions") or {}
     made = ", ".join(f"{k} {versions[k]}" for k in ("transformers", "torch", "llama-cpp-python") if k in versions)
-    lines = ["# Parity report", "", f"**{head}** (created {data['created_utc']}" + (f"; {made}" if made else "") + ")",
+    lines = ["# Parity report", "", f"**{for_markdown(head)}** (created {data['created_utc']}" + (f"; {made}" if made else "") + ")",
              ""]
     lines += explanation_lines(data)  # why a failing pair diverges (spec variants), one line each
     lines += [_table(summarize(data), ["case", "gate", "worst", "limit", "result", "note"], right=["worst"]), ""]
@@ -452,11 +460,11 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
         lines += [f"### {c['case']} ({c['kind']})", ""]
         if c.get("description"):
             lines += [c["description"], ""]
-        lines += [f"model: `{c['model']}`", ""]
+        lines += [f"model: {for_markdown_code(c['model'])}", ""]
         if c["kind"] == "synthetic":
             lines += ["(cached~uncached needs at least two tokens, so the 1-token prompt has no such row.)", ""]
         if c["error"]:
-            lines += [f"error: {c['error']}", ""]
+            lines += [f"error: {for_markdown(c['error'])}", ""]
             continue
         rows = [{"gate": k["gate"], "prompt": "" if k["prompt"] is None else str(k["prompt"]).replace("\n", "\\n"),
                  "measured": "" if k.get("not_measured") else f"{_num(k['measured']):.3g}",
@@ -475,7 +483,7 @@ def render_markdown(data: dict[str, Any], layer_plots: dict[str, str] | None = N
                     why[k["gate"]].append(k["reason"])
         if why:
             lines += ["Not gating here, with the case's reasons:", ""]
-            lines += [f"- `{g}`: " + " / ".join(rs) for g, rs in sorted(why.items())] + [""]
+            lines += [f"- `{g}`: " + " / ".join(map(for_markdown, rs)) for g, rs in sorted(why.items())] + [""]
         drift = c.get("info", {}).get("quant_logit_drift")
         if drift:
             lines += ["Quantized GGUF logit drift vs F32 (informational, longest prompt, max |Δlogit|): "
@@ -493,19 +501,20 @@ def first_divergence_lines(c: dict[str, Any]) -> list[str]:
     case = c["case"]
     if c["error"]:
         head = "ENGINE FAILED" if c.get("error_kind") == "engine" else "could not run"
-        return [f"- **{case}**: {head}: {c['error']}"]
+        return [f"- **{for_markdown(case)}**: {head}: {for_markdown(c['error'])}"]
     failing = [k for k in c["checks"] if not k["pass"] and not k.get("informational")]
     engine = [k for k in failing if k.get("engine_failure")]
     if engine:
         out = []
         for k in engine:
             pair = k["gate"].rsplit(".", 1)[0]
-            where = ", ".join(x for x in (f"request `{k['request']}`" if k.get("request") is not None else "",
+            where = ", ".join(x for x in (f"request {for_markdown_code(k['request'])}" if k.get("request") is not None else "",
                                           f"step {k['step']}" if k.get("step") is not None else "") if x)
             last = k.get("last_error")
             line = str(k.get("got") or "")
-            out.append(f"- **{case}** `{pair}`: ENGINE FAILED{' at ' + where if where else ''}: {line}"
-                       + (f"; the engine's last error line: `{last}`" if last and str(last) not in line else ""))
+            out.append(f"- **{for_markdown(case)}** `{pair}`: ENGINE FAILED{' at ' + where if where else ''}: "
+                       f"{for_markdown(line)}" + (f"; the engine's last error line: {for_markdown_code(last)}"
+                                                  if last and str(last) not in line else ""))
         return out
     if not failing:
         return []
@@ -514,11 +523,11 @@ def first_divergence_lines(c: dict[str, Any]) -> list[str]:
     place = worst_place(k)
     where = k.get("first_divergence")
     why = k.get("why") or k.get("got")
-    text = f"- **{case}** `{k['gate']}`{measured}" + (f" at {place}" if place else "")
+    text = f"- **{for_markdown(case)}** `{k['gate']}`{measured}" + (f" at {for_markdown(place)}" if place else "")
     if where:
-        text += f"; first diverging point: {where}"
+        text += f"; first diverging point: {for_markdown(where)}"
     elif isinstance(why, str) and why:
-        text += f"; {why}"
+        text += f"; {for_markdown(why)}"
     return [text]
 
 
@@ -533,7 +542,8 @@ def write_parity_report(run_dir: Path, data: dict[str, Any]) -> None:
 
 def short_table(data: dict[str, Any]) -> str:
     """The table printed on the terminal: one line per case and gate."""
-    return _table(summarize(data), ["case", "gate", "worst", "limit", "result"], right=["worst"])
+    return _table(summarize(data), ["case", "gate", "worst", "limit", "result"], right=["worst"],
+                  escape=lambda t: for_terminal(t, newlines=False))
 
 
 def junit_xml(data: dict[str, Any]) -> str:
@@ -578,5 +588,10 @@ def junit_xml(data: dict[str, Any]) -> str:
     root.set("tests", str(total))
     root.set("failures", str(failures))
     root.set("errors", str(errors))
+    for el in root.iter():  # every text from an engine or a file: only what XML 1.0 can hold (harness.core.text)
+        for name, value in el.attrib.items():
+            el.set(name, for_xml(value))
+        if el.text:
+            el.text = for_xml(el.text)
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

@@ -501,6 +501,37 @@ def plan_sweep(models: Sequence[str], opts: SweepOptions, say: Callable[[str], N
     return groups, bad, gp, skipped
 
 
+_PLANNED_TYPES = {"against": "a list of engine names", "prompts": "a path", "base": "a path or null",
+                  "new_tokens": "an integer >= 0", "top_n": "an integer >= 0", "cpus_per_task": "an integer >= 1",
+                  "engine_options": "an object"}
+
+
+def _planned_options(options: dict[str, Any], resume: str | Path) -> dict[str, Any]:
+    """The plan's options of a resumed sweep, each checked like an argument (a shared or crafted plan.json).
+
+    Raises:
+        InputError: one line naming the key and what it must be."""
+    out: dict[str, Any] = {}
+    for k in SweepOptions.PLANNED:
+        if k not in options:
+            continue
+        v = options[k]
+        if k == "against":
+            ok = isinstance(v, list) and bool(v) and all(isinstance(e, str) for e in v)
+        elif k == "prompts":
+            ok = isinstance(v, str)
+        elif k == "base":
+            ok = v is None or isinstance(v, str)
+        elif k == "engine_options":
+            ok = isinstance(v, dict)
+        else:
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= (1 if k == "cpus_per_task" else 0)
+        if not ok:
+            raise InputError(f"--resume {resume}: plan.json key 'options.{k}': expected {_PLANNED_TYPES[k]}")
+        out[k] = v
+    return out
+
+
 def run_sweep(models: Sequence[str] | None, opts: SweepOptions, out: str | Path | None = None,
               resume: str | Path | None = None) -> tuple[dict[str, Any], int]:
     """``g4h sweep`` (see the module docstring).
@@ -523,7 +554,7 @@ def run_sweep(models: Sequence[str] | None, opts: SweepOptions, out: str | Path 
     if resume is not None:
         rd, planned = RunDir.resume(resume)
         models = planned["models"]
-        opts = replace(opts, **{k: planned["options"][k] for k in SweepOptions.PLANNED if k in planned["options"]})
+        opts = replace(opts, **_planned_options(planned["options"], resume))
     else:
         if not models:
             raise InputError("g4h sweep: name the model files (GGUFs, folders, globs), or --resume DIR")

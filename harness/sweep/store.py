@@ -6,7 +6,8 @@ Layout of ``<out>/<UTC timestamp>-sweep/``::
     rows.jsonl         one JSON record a line, appended as each result arrives (fsynced): engine rows
                        ("kind": "row"), each group's 8-bit sensitivity ("sensitivity"), each file's cross-engine
                        figures ("agreement"); the newest record of a key wins
-    base/<key>.pkl     each group's base (the float64 reference's logits, layers and greedy streams)
+    base/<key>.npz     each group's base (the float64 reference's logits, layers and greedy streams): arrays plus a
+                       ``meta`` member holding JSON; read with ``allow_pickle=False`` and checked like any input
     pending/<key>.npz  an engine's logits on a file whose other engines have not finished (deleted once the file's
                        agreement is written)
     results.json  sweep.csv  report.md  *.png      written at the end (and again by a resumed sweep)
@@ -14,6 +15,10 @@ Layout of ``<out>/<UTC timestamp>-sweep/``::
 A record's key names what produced it (file version, engine and its options, prompts, base, greedy settings), so
 a resumed sweep reruns exactly the tasks whose key has no record (and, with ``--retry-failed``, those whose
 record failed).
+
+Nothing read back runs code: a run folder may be shared or crafted, so it holds JSON and NPZ only (never pickle),
+every NPZ is opened with ``allow_pickle=False``, and what a resume reads is checked like any other input (one
+line naming the file and what was expected, exit 2). A ``base/*.pkl`` of an older harness is refused, not read.
 """
 
 from __future__ import annotations
@@ -22,18 +27,22 @@ import hashlib
 import io
 import json
 import os
-import pickle
+import re
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
 from reference.errors import InputError
+from reference.files import open_regular
 
 from ..core.io import dumps_json, run_timestamp, to_jsonable, write_bytes_atomic, write_json_atomic
 
 ROWS = "rows.jsonl"
 PLAN = "plan.json"
+BASE_SCHEMA = "g4h-sweep-base"
+_KEY = re.compile(r"[0-9a-f]{16}")
 
 
 def key_of(*parts: Any) -> str:
@@ -81,9 +90,17 @@ class RunDir:
             raise InputError(f"--resume {path}: not a sweep run directory (no {PLAN})") from None
         except (OSError, ValueError) as e:
             raise InputError(f"--resume {path}: {PLAN} cannot be read ({e})") from None
-        if plan.get("schema") != "g4h-sweep-plan":
+        if not isinstance(plan, dict) or plan.get("schema") != "g4h-sweep-plan":
             raise InputError(f"--resume {path}: {PLAN} is not a g4h sweep plan")
-        return cls(p), plan
+        models, options = plan.get("models"), plan.get("options")
+        if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
+            raise InputError(f"--resume {path}: {PLAN} key 'models': expected a non-empty list of paths")
+        if not isinstance(options, dict):
+            raise InputError(f"--resume {path}: {PLAN} key 'options': expected an object")
+        rd = cls(p)
+        for f in sorted((p / "base").iterdir()):
+            rd._check_base_file(f)
+        return rd, plan
 
     def write_plan(self, plan: dict[str, Any]) -> None:
         """``plan.json``."""
@@ -107,7 +124,7 @@ class RunDir:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and "key" in rec and "kind" in rec:
+            if isinstance(rec, dict) and isinstance(rec.get("key"), str) and isinstance(rec.get("kind"), str):
                 yield rec
 
     def append(self, record: dict[str, Any]) -> None:
@@ -121,18 +138,44 @@ class RunDir:
     # ------------------------------------------------------------------ bases and pending logits
 
     def base_file(self, key: str) -> Path:
-        return self.path / "base" / f"{key}.pkl"
+        return self.path / "base" / f"{key}.npz"
 
     def save_base(self, key: str, base: dict[str, Any]) -> None:
-        """Keep a group's base (pickle protocol 5)."""
-        write_bytes_atomic(self.base_file(key), pickle.dumps(base, protocol=5))
+        """Keep a group's base (:func:`base_to_npz`)."""
+        write_bytes_atomic(self.base_file(key), base_to_npz(base))
+
+    def _check_base_file(self, f: Path) -> None:
+        """Refuse what a resume must not read: anything in ``base/`` but ``<16 hex>.npz`` (a pickle of an older
+        harness included: it could run code), or an NPZ whose ``meta`` is not a base's."""
+        if f.suffix != ".npz" or not _KEY.fullmatch(f.stem):
+            why = "a pickle, which a resume never reads (it could run code)" if f.suffix == ".pkl" else "not a base"
+            raise InputError(f"--resume {f}: {why}; expected only base/<16 hex digits>.npz (delete it to recompute)")
+        with open_regular(f, "--resume") as fh:
+            try:
+                with np.load(fh, allow_pickle=False) as z:
+                    _base_meta(z, f)
+            except InputError:
+                raise
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a cut or foreign file
+                raise InputError(f"--resume {f}: not a readable NPZ base ({type(e).__name__}: {e})") from None
 
     def load_base(self, key: str) -> dict[str, Any] | None:
-        """A kept base, or None (absent or unreadable)."""
-        try:
-            return pickle.loads(self.base_file(key).read_bytes())
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError):
+        """A kept base, or None (absent).
+
+        Raises:
+            InputError: the file is not a base this harness wrote (see :func:`base_from_npz`).
+        """
+        f = self.base_file(key)
+        if not f.exists():
             return None
+        with open_regular(f, "--resume") as fh:
+            try:
+                with np.load(fh, allow_pickle=False) as z:
+                    return base_from_npz(z, f)
+            except InputError:
+                raise
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+                raise InputError(f"--resume {f}: not a readable NPZ base ({type(e).__name__}: {e})") from None
 
     def pending_file(self, key: str) -> Path:
         return self.path / "pending" / f"{key}.npz"
@@ -163,3 +206,89 @@ class RunDir:
 
     def write_json(self, name: str, obj: Any) -> Path:
         return write_bytes_atomic(self.path / name, dumps_json(obj).encode("utf-8"))
+
+
+# --------------------------------------------------------------------------- a base as NPZ
+
+
+def base_to_npz(base: dict[str, Any]) -> bytes:
+    """A group's base (:func:`harness.sweep.tasks.base_run`) as NPZ bytes: ``logits_<i>`` float64 ``[T, V]`` per
+    prompt, ``layer_<i>`` float32 ``[T, hidden]`` per traced layer, and ``meta``: uint8, the UTF-8 JSON of the rest
+    (``schema``, the prompt ids and layer indices in member order, greedy streams, file, timings). No object arrays:
+    it loads with ``allow_pickle=False``."""
+    logits = base.get("logits") or {}
+    layers = base.get("layers") or {}
+    meta = {k: v for k, v in base.items() if k not in ("logits", "layers")}
+    meta.update(schema=BASE_SCHEMA, logits=[str(k) for k in logits], layers=[int(k) for k in layers])
+    arrays = {f"logits_{i}": np.asarray(v, dtype=np.float64) for i, v in enumerate(logits.values())}
+    arrays.update({f"layer_{i}": np.asarray(v, dtype=np.float32) for i, v in enumerate(layers.values())})
+    arrays["meta"] = np.frombuffer(json.dumps(to_jsonable(meta), allow_nan=False).encode("utf-8"), dtype=np.uint8)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _base_meta(z: Any, f: Path) -> dict[str, Any]:
+    """The checked ``meta`` of an open base NPZ ``z`` (file ``f``, named in errors)."""
+    def bad(what: str) -> InputError:
+        return InputError(f"--resume {f}: {what}")
+    if "meta" not in z.files:
+        raise bad("no 'meta' member: not a base this harness wrote")
+    raw = z["meta"]
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise bad("member 'meta': expected uint8 JSON bytes")
+    try:
+        meta = json.loads(raw.tobytes().decode("utf-8"))
+    except ValueError as e:
+        raise bad(f"member 'meta': not UTF-8 JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("schema") != BASE_SCHEMA:
+        raise bad(f"member 'meta': expected schema {BASE_SCHEMA!r}")
+    ids, layers = meta.get("logits"), meta.get("layers")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise bad("meta key 'logits': expected a list of prompt ids")
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                               for i in layers):
+        raise bad("meta key 'layers': expected a list of layer indices")
+    if not isinstance(meta.get("trace_prompt"), str) or (ids and meta["trace_prompt"] not in ids):
+        raise bad("meta key 'trace_prompt': expected one of the prompt ids")
+    greedy = meta.get("greedy", {})
+    if not isinstance(greedy, dict):
+        raise bad("meta key 'greedy': expected an object")
+    for pid, g in greedy.items():
+        ok = isinstance(g, dict) and isinstance(g.get("tokens"), list) and isinstance(g.get("top"), list)
+        ok = ok and all(isinstance(t, int) and not isinstance(t, bool) for t in g["tokens"])
+        ok = ok and all(isinstance(s, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in s)
+                        for s in g["top"])
+        if not ok:
+            raise bad(f"meta key 'greedy' prompt {pid!r}: expected {{'tokens': [int], 'top': [[int]]}}")
+    want = {"meta"} | {f"logits_{i}" for i in range(len(ids))} | {f"layer_{i}" for i in range(len(layers))}
+    if set(z.files) != want:
+        raise bad(f"members {sorted(z.files)}: expected {sorted(want)}")
+    return meta
+
+
+def base_from_npz(z: Any, f: Path) -> dict[str, Any]:
+    """The base kept in the open NPZ ``z`` (:func:`base_to_npz`), checked: the ``meta`` as above, each logits
+    member 2-D floating and finite, each layer member 2-D floating.
+
+    Raises:
+        InputError: one line naming the file, the member or key, and what was expected.
+    """
+    meta = _base_meta(z, f)
+    logits: dict[str, np.ndarray] = {}
+    for i, pid in enumerate(meta.pop("logits")):
+        a = z[f"logits_{i}"]
+        if a.ndim != 2 or a.dtype.kind != "f":
+            raise InputError(f"--resume {f}: member logits_{i}: expected float [T, V], got {a.dtype} {a.shape}")
+        a = np.asarray(a, dtype=np.float64)
+        if not np.isfinite(a).all():
+            raise InputError(f"--resume {f}: member logits_{i}: non-finite values (the reference's are finite)")
+        logits[pid] = a
+    layers: dict[int, np.ndarray] = {}
+    for i, layer in enumerate(meta.pop("layers")):
+        a = z[f"layer_{i}"]
+        if a.ndim != 2 or a.dtype.kind != "f":
+            raise InputError(f"--resume {f}: member layer_{i}: expected float [T, hidden], got {a.dtype} {a.shape}")
+        layers[layer] = np.asarray(a, dtype=np.float32)
+    meta.pop("schema")
+    return {**meta, "logits": logits, "layers": layers}

@@ -44,6 +44,7 @@ An engine that cannot run raises :class:`EngineUnavailable` (an
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import importlib.util
 import json
@@ -59,7 +60,7 @@ from typing import Sequence
 from reference.errors import InputError
 from reference.tokenizer import GGUFTokenizer
 
-from ..core.workers import EngineCrashed, crash_error, start_worker
+from ..core.workers import EngineCrashed, crash_error, start_worker, stop_child
 from .files import load_tokenizer_metadata, tokenizer_kind
 
 ENGINE_NAMES = ("ours", "hf", "spm", "transformers-gguf", "llamacpp")
@@ -367,11 +368,7 @@ class LlamaCppEngine(TokEngine):
     def _died(self, timed_out: bool) -> Exception:
         """Reap the dead worker and return the error to raise."""
         proc, self._proc = self._proc, None
-        try:
-            rc = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
+        rc = stop_child(proc, 30.0)  # its process group killed, whatever it left
         for f in (proc.stdin, proc.stdout):
             try:
                 f.close()
@@ -403,12 +400,9 @@ class LlamaCppEngine(TokEngine):
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             proc.stdin.close()
-            proc.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait()
+        stop_child(proc, 5.0)  # exits when its stdin closes; its process group is killed after 5 s (or at once)
         proc.stdout.close()
         if self._stderr is not None:
             self._stderr.close()

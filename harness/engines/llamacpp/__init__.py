@@ -178,8 +178,8 @@ class LlamaCppEngine:
         try:
             out = []
             for r in results:
-                logits = np.load(out_dir / r["logits"]).astype(np.float64)
-                points = [(p, int(layer), np.load(out_dir / f)) for p, layer, f in r.get("trace", [])]
+                logits = np.load(out_dir / r["logits"], allow_pickle=False).astype(np.float64)
+                points = [(p, int(layer), np.load(out_dir / f, allow_pickle=False)) for p, layer, f in r.get("trace", [])]
                 out.append((logits, _order_trace(points)))
             return out
         finally:

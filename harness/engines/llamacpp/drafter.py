@@ -47,8 +47,8 @@ def llamacpp_drafts(target: str | Path, drafter: str | Path, prompts: Sequence[S
     jobs = [{"op": "draft", "prompt": list(p), "n_draft": n_draft} for p in prompts]
     res, out_dir = _run(Path(target), Path(drafter), jobs, n_ctx, threads, timeout)
     try:
-        return [{"token": r["token"], "drafts": r["drafts"], "h": np.load(out_dir / r["h"]),
-                 "logits": np.load(out_dir / r["logits"]), "h_next": np.load(out_dir / r["h_next"])} for r in res]
+        return [{"token": r["token"], "drafts": r["drafts"], "h": np.load(out_dir / r["h"], allow_pickle=False),
+                 "logits": np.load(out_dir / r["logits"], allow_pickle=False), "h_next": np.load(out_dir / r["h_next"], allow_pickle=False)} for r in res]
     finally:
         _rmtree(out_dir)
 

@@ -171,7 +171,7 @@ def main() -> int:
         run = MtmdRunner(req)
         items = []
         for k, it in enumerate(req["items"]):
-            embd, n_chunks, trace = run.encode(it["kind"], np.load(out_dir / it["file"]))
+            embd, n_chunks, trace = run.encode(it["kind"], np.load(out_dir / it["file"], allow_pickle=False))
             np.save(out_dir / f"item{k}-embd.npy", embd)
             files = []
             for (point, layer), arr in trace.items():

@@ -75,9 +75,9 @@ def mtmd_soft_tokens(model: str | os.PathLike, mmproj: str | os.PathLike, items:
         if proc.returncode != 0 or not (out_dir / "result.json").is_file():
             raise crash_error(proc.stderr, proc.returncode, Path(mmproj).name)
         res = json.loads((out_dir / "result.json").read_text())
-        return {"embeds": [np.load(out_dir / it["embd"]).astype(np.float64) for it in res["items"]],
+        return {"embeds": [np.load(out_dir / it["embd"], allow_pickle=False).astype(np.float64) for it in res["items"]],
                 "n_chunks": [it["n_chunks"] for it in res["items"]], "non_causal": res["non_causal"],
-                "traces": [{(p, int(layer)): np.load(out_dir / f).astype(np.float64) for p, layer, f in it["trace"]}
+                "traces": [{(p, int(layer)): np.load(out_dir / f, allow_pickle=False).astype(np.float64) for p, layer, f in it["trace"]}
                            for it in res["items"]]}
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
