@@ -341,7 +341,10 @@ def plan_job(config: pytest.Config) -> Plan | None:
                 raise InputError(f"--g4h-model {m}: no such file or folder (a .gguf file or an HF model folder)")
         against = [n for text in args.against for n in split_engines(text)] if args.against else None
         for name in against or ():
-            check_engine_name(name)
+            try:
+                check_engine_name(name)
+            except InputError as e:
+                raise InputError(f"--g4h-against: {e}") from None
         check_skip(tuple(args.skip))
         check_oracle(args.oracle, args.model, against)
         load_user_prompts(args.prompts or PROMPTS)
