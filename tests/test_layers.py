@@ -26,8 +26,9 @@ LAZY_OK = ("torch", "transformers", "llama_cpp", "tokenizers", "sentencepiece", 
 
 #: The pytest plugin is loaded by every pytest run where the package is installed, this repository's own included
 #: (before its conftest sets the thread variables numpy and torch read at import): it imports the project itself
-#: only when a run is asked for (harness/pytest_plugin.py), with a comment on each such line.
-LAZY_SELF = {"harness/pytest_plugin.py": ("harness", "reference", "fast")}
+#: only when a run is asked for (harness/pytest_plugin.py), with a comment on each such line; and pytest-xdist's
+#: scheduler only inside xdist's own hook (registered only when xdist is loaded).
+LAZY_SELF = {"harness/pytest_plugin.py": ("harness", "reference", "fast", "xdist")}
 
 
 def _lint(root: Path) -> subprocess.CompletedProcess:

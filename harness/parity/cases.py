@@ -282,8 +282,11 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
             kind = engine_kind(name)
             seen[kind] = seen.get(kind, 0) + 1
             opted = kind if kind in skip else None
+            first = len(res.checks)
             res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted,
                                   options=engine_options, extra=server, number=seen[kind]), gates)
+            for c in res.checks[first:]:  # which --against engine a check is of (the pytest plugin's items)
+                c["against"] = name
     finally:
         if oracle_engine is not None:
             oracle_engine.close()

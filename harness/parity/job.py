@@ -344,7 +344,7 @@ def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] =
     if opt_in:  # checks a default run leaves out (e.g. --slow ones): named, never silent
         where += f"; not run unless asked: {', '.join(opt_in[:4])}{', ...' if len(opt_in) > 4 else ''} (see report)"
     if status == 2:
-        bad = [f"{r.case} could not be read" for r in results if r.error_kind == "input"]
+        bad = [f"{r.case} could not run: {r.error}" for r in results if r.error_kind == "input"]
         bad += [f"{r.case}/{c['gate'].rsplit('.', 1)[0]}: {c.get('got')}" for r in results for c in r.checks
                 if c.get("bad_input")]
         engines = engine_failures(results)

