@@ -765,7 +765,11 @@ class OpenAIEngine:
                     index=k, step=min(len(g.tokens), max_new_tokens), partial=list(g.tokens))
         if self.check_greedy:
             for k, g in enumerate(out):
-                _check_greedy(self.base, k, g, self.eog_ids)
+                try:
+                    _check_greedy(self.base, k, g, self.eog_ids)
+                except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as e:
+                    raise ServerFailure(f"{self.base}: prompt {k}: log-probs the {self.dialect} dialect cannot read "
+                                        f"({type(e).__name__}: {str(e)[:200]})").at(index=k) from None
         return out
 
     def complete(self, ids: Sequence[int], max_new_tokens: int, top_n: int = TOP_N, *, stream: bool = False,
@@ -792,9 +796,15 @@ class OpenAIEngine:
                "vllm": self._gen_vllm, "openai": self._gen_generic}[self.dialect]
         extra = {"stop": [str(x) for x in stop]} if stop else {}
         ids = [int(t) for t in ids]
-        g = one(ids, int(max_new_tokens), int(top_n), bool(stream), extra, bool(ignore_eos), bool(gaps))
-        if not ignore_eos and not stop:
-            self._end_with_eog(g, ids, int(max_new_tokens))
+        try:
+            g = one(ids, int(max_new_tokens), int(top_n), bool(stream), extra, bool(ignore_eos), bool(gaps))
+            if not ignore_eos and not stop:
+                self._end_with_eog(g, ids, int(max_new_tokens))
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as e:
+            # A reply of the right outline whose values are not what they should be (a token id "12x", a step that
+            # is a string): the server broke its protocol, as with any other malformed reply (exit 1, one line).
+            raise ServerFailure(f"{self.base}: a completion reply the {self.dialect} dialect cannot read "
+                                f"({type(e).__name__}: {str(e)[:200]})") from None
         return g
 
     @property
