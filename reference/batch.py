@@ -187,7 +187,7 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np
         with hold():  # this layer's weights, dequantized once for every call
             if group:
                 _layer(cfg, layer, W, group)
-    wanted = []
+    wanted, numerics = [], []
     for chain in chains:
         if chain._state:
             chain.cache.pos = chain._state[-1].k_pos
@@ -197,7 +197,8 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np
                 c.x = m.rms_norm(c.x, W["output_norm.weight"], cfg.rms_eps)
                 c.trace("result_norm", -1, c.x)
         wanted += [c for c in chain._state if c.head]
-    logits = dict(zip(map(id, wanted), lm_head_many(cfg, W, [c.x for c in wanted])))
+        numerics += [chain.numerics for c in chain._state if c.head]
+    logits = dict(zip(map(id, wanted), lm_head_many(cfg, W, [c.x for c in wanted], numerics)))
     out = []
     for chain in chains:
         row = []
@@ -211,9 +212,12 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np
     return out
 
 
-def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray],
+                 numerics: Sequence[Callable[[], ContextManager]] | None = None) -> list[np.ndarray]:
     """:func:`reference.model.lm_head` of each ``x`` in ``xs``, the head read once: for every row block
-    (``W.row_blocks``), every ``x``'s product with it. [T_i, h] each -> [T_i, V] each.
+    (``W.row_blocks``), every ``x``'s product with it. [T_i, h] each -> [T_i, V] each. ``numerics``: per ``x``, the
+    context its chain's emulations run in (its input to each product, :func:`reference.model.linear_input`, is
+    taken there); default none.
 
     Each ``x``'s logits are the same products, concatenated and soft-capped the same way, as
     ``lm_head(cfg, W, x)`` alone. Source: :func:`reference.model.lm_head`.
@@ -223,7 +227,8 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray]) -> list[np.ndarr
     name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     parts: list[list[np.ndarray]] = [[] for _ in xs]
     for block in W.row_blocks(name):
-        for part, y in zip(parts, linear_many(xs, block)):
+        ins = xs if numerics is None else [_input(n, x, block) for n, x in zip(numerics, xs)]
+        for part, y in zip(parts, linear_many(ins, block)):
             part.append(y)
     out = []
     for i in range(len(parts)):
@@ -231,6 +236,12 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray]) -> list[np.ndarr
         parts[i] = []  # each call's blocks go once joined: the head's memory is about one copy of the logits
         out.append(m.softcap(logits, cfg.final_logit_softcap) if cfg.final_logit_softcap is not None else logits)
     return out
+
+
+def _input(numerics: Callable[[], ContextManager], x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """:func:`reference.model.linear_input` of ``x`` for ``w`` under ``numerics`` (a chain's emulations)."""
+    with numerics():
+        return m.linear_input(x, w)
 
 
 # --------------------------------------------------------------------------- a layer, operation by operation
@@ -348,8 +359,9 @@ def _layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]]) -> None
                 out.append(fn(c, item))
         return out
 
-    def lin(xs, name):
-        return linear_many(xs, W[b + name])
+    def lin(xs, name):  # each call's input as its chain's numerics take it (llama.cpp's quantized activations)
+        w = W[b + name]
+        return linear_many([_input(chain.numerics, x, w) for (chain, _), x in zip(group, xs)], w)
 
     H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
     inv = m.rope_inv_freq(layer)

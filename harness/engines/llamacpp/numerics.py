@@ -20,6 +20,8 @@ import torch
 
 import fast.model as fm
 import reference.audio as ra
+import reference.activation_quants as rq
+from reference.activation_quants import VEC_DOT_TYPE, round_activations
 import reference.model as rm
 import reference.vision as rv
 
@@ -128,6 +130,73 @@ def llamacpp_numerics() -> Iterator[None]:
         yield
     finally:
         rm.gelu_tanh, fm.gelu_tanh = original, original_fast
+
+
+def linear_input_quantized(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """:func:`reference.model.linear_input` as llama.cpp's CPU backend takes a matrix product's input: rounded to
+    the dot-product type of ``w``'s GGML type (:func:`reference.activation_quants.round_activations`; the type is
+    the one a GGUF's weight carries, :class:`reference.weights.GGMLArray`; none for F32 weights and for weights
+    with no GGML type). [..., in], [out, in] -> [..., in].
+
+    Raises:
+        KeyError: a GGML type llama.cpp's table (:data:`reference.activation_quants.VEC_DOT_TYPE`) does not hold;
+            the harness checks the file's types before it emulates (:func:`emulable_types`).
+    """
+    return round_activations(x, getattr(w, "ggml_type", None))
+
+
+def emulable_types(types) -> list[str]:
+    """Of the GGML weight types ``types``, those :func:`linear_input_quantized` cannot emulate (sorted)."""
+    return sorted(t for t in set(types) if t not in VEC_DOT_TYPE)
+
+
+@contextlib.contextmanager
+def quantized_activations_numerics() -> Iterator[None]:
+    """While inside, every matrix product of the reference takes its input as llama.cpp does
+    (:func:`linear_input_quantized` swapped into :func:`reference.model.linear_input`): each product whose weight is
+    stored quantized or in 16 bits gets its input row rounded to that weight's dot-product type (Q8_0, Q8_1, Q8_K,
+    F16, BF16), then is computed in float64 with the exact dequantized weight; what is left against llama.cpp is its
+    fp32 accumulation (and the int8 rounding decisions its fp32 activations take the other way). The fast twin is not
+    swapped (``--oracle fast`` cannot emulate it: see ``harness/parity/checks/pair.py``). Restores on exit (not
+    thread-safe)."""
+    original = rm.linear_input
+    rm.linear_input = linear_input_quantized
+    try:
+        yield
+    finally:
+        rm.linear_input = original
+
+
+def round_coarse_q8(x, weight_type: str | None = "Q8_0"):
+    """The yardstick of an 8-bit activation rounding whose types are not known (``quantized_activations_q8``):
+    ``x`` rounded as llama.cpp rounds for K-quants (Q8_K, blocks of 256) where the row allows, else Q8_0 (blocks of
+    32), else unchanged; unchanged too for an F32 weight or one with no type. NumPy or torch in, float64 or the
+    tensor's dtype out. [..., in] -> [..., in]."""
+    if weight_type in (None, "F32"):
+        return x
+    n = x.shape[-1]
+    if isinstance(x, torch.Tensor):
+        import fast.activation_quants as fq
+        fn = fq.q8_K if n % 256 == 0 else fq.q8_0 if n % 32 == 0 else None
+        return x if fn is None else fn(x).to(x.dtype)
+    fn = rq.q8_K if n % 256 == 0 else rq.q8_0 if n % 32 == 0 else None
+    return x if fn is None else fn(x)
+
+
+@contextlib.contextmanager
+def coarse_q8_numerics() -> Iterator[None]:
+    """While inside, the reference rounds the input of every product with a quantized or 16-bit weight by
+    :func:`round_coarse_q8`, and the fast twin (which keeps no weight type) the input of every product: how far an
+    8-bit activation rounding of unknown types moves this model (the yardstick of ``harness/parity/checks/pair.py``
+    for an engine whose rounding cannot be emulated; ``harness.sweep.tasks.sensitivity_run`` measures the same
+    way). Restores on exit (not thread-safe)."""
+    original, original_fast = rm.linear_input, fm.linear
+    rm.linear_input = lambda x, w: round_coarse_q8(x, getattr(w, "ggml_type", None))
+    fm.linear = lambda x, w: original_fast(round_coarse_q8(x), w)
+    try:
+        yield
+    finally:
+        rm.linear_input, fm.linear = original, original_fast
 
 
 def fp16(x: np.ndarray) -> np.ndarray:

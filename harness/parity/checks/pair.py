@@ -58,11 +58,19 @@ GREEDY_NEW_TOKENS = 8
 
 QUANTIZED_ACTIVATIONS = (
     "{engine} rounds the activations of matrix products with {types} weights to their dot-product type "
-    "(quantized_activations, not emulated in the reference), so the fp32 bounds do not apply: reported, not gated. "
-    "Measured with llama.cpp on the 31b case: max |dlogit| 1.1 and mean KLD 1.3e-2 (Q8_0), 1.2 and 2.2e-2 (Q4_0), "
-    "4.5e-2 and 1.8e-5 (F16); compare on an F32 file for a gated check")
-"""The reason a pair's figures are informational when the engine declares ``quantized_activations`` and the file
-holds quantized or 16-bit matrices."""
+    "(quantized_activations), which the reference cannot emulate here: {why}. Reported, not gated; the pair's mean "
+    "KLD is gated instead, at 4 x the KLD an 8-bit rounding of every such product's input causes on this model "
+    "(the yardstick, {pair}_q8x.mean_kld)")
+"""The reason a pair's figures (all but its mean KLD) are informational when the engine declares
+``quantized_activations``, the file holds quantized or 16-bit matrices, and the rounding cannot be emulated
+(:meth:`ReferenceRuns.emulation_gap`)."""
+
+YARDSTICK = ("quantized_activations_q8",)
+"""The emulation key of the yardstick: every quantized product's input rounded to 8 bits
+(:func:`harness.engines.llamacpp.numerics.coarse_q8_numerics`)."""
+
+Q8_METRICS = ("max_abs_logit", "mean_kld", "same_top1_decisive", "greedy", "max_abs_logprob", "layer_rel_l2")
+"""The metrics judged by ``<pair>_q8.*`` when the engine's quantized activations are emulated on a quantized file."""
 
 SIXTEEN_BIT = ("bfloat16", "float16")
 
@@ -198,6 +206,20 @@ class ReferenceRuns:
     def numerics(self, approx: Sequence[str]) -> ContextManager:
         """The reference under the emulations ``approx`` (:meth:`harness.engines.numerics.Numerics.emulation`)."""
         return emulate(approx)
+
+    def emulation_gap(self, numerics: Numerics, types: Sequence[str]) -> str | None:
+        """Why the oracle cannot emulate the quantized activations of an engine with ``numerics`` on matrices of
+        ``types`` (:meth:`unemulated_types`), or None when it can (the reference as the oracle, the engine's
+        dot-product types llama.cpp's, every type in llama.cpp's table)."""
+        if self.name != "reference":
+            return f"the {self.name} oracle does not emulate it (the default oracle, the reference, does)"
+        if numerics.vec_dot_types is None:
+            return "the engine does not say whose dot-product types it rounds to (vec_dot_types)"
+        from ...engines.llamacpp.numerics import emulable_types  # imports torch: only here
+        unknown = emulable_types(types)
+        if unknown:
+            return f"no dot-product type is known for {'/'.join(unknown)}"
+        return None
 
     def unemulated_types(self) -> list[str]:
         """The stored types of the model's matrices that are neither F32 nor float64 (``Q8_0``, ``F16`` ...):
@@ -471,15 +493,54 @@ def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Seque
     """The pair's figures, appended to ``out`` as they are measured (so that an engine failure keeps them)."""
     out = [] if out is None else out
     numerics = engine_numerics(eng, kind)
+    approx = numerics.emulation()
+    types = runs.unemulated_types() if "quantized_activations" in numerics.approximations else []
+    gap = runs.emulation_gap(numerics, types) if types else None
+    if gap is not None:
+        approx = tuple(a for a in approx if a != "quantized_activations")
     try:
-        _measure_figures(runs, eng, kind, pair, prompts, progress, case, numerics.emulation(), new_tokens, top_n, out)
+        _measure_figures(runs, eng, kind, pair, prompts, progress, case, approx, new_tokens, top_n, out)
     finally:
-        types = runs.unemulated_types() if "quantized_activations" in numerics.approximations else []
         if types:
-            why = QUANTIZED_ACTIVATIONS.format(engine=kind, types="/".join(types))
-            for f in out:
-                f.detail["informational_reason"] = why
+            _quantized_gates(runs, out, pair, kind, types, gap, prompts)
     return out
+
+
+def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind: str, types: Sequence[str],
+                     gap: str | None, prompts: Sequence[dict[str, Any]]) -> None:
+    """Judge the figures of an engine that rounds its activations (``quantized_activations``) on a file with
+    quantized or 16-bit matrices (``types``).
+
+    Emulated (``gap`` None): each figure is judged by ``<pair>_q8.<metric>``, whose limit is what the emulation
+    leaves (``harness/core/gates.py``), not by the effect of the emulations (kept in the detail as
+    ``effect_not_applied``: the rounding moves the figures by far more than a fault does).
+
+    Not emulated (``gap`` says why): every figure is informational with the reason
+    (:data:`QUANTIZED_ACTIVATIONS`), except the mean KLD, judged by ``<pair>_q8x.mean_kld`` at 4 x the KLD the
+    yardstick rounding (:data:`YARDSTICK`) causes on the same prompt, so a fault larger than an 8-bit rounding
+    still fails."""
+    head = pair + "."
+    by_id = {str(p["id"]): p for p in prompts}
+    for f in figures:
+        if not f.gate.startswith(head) or f.gate[len(head):] not in Q8_METRICS:
+            continue
+        metric = f.gate[len(head):]
+        if gap is None:
+            f.gate = f"{pair}_q8.{metric}"
+            if "effect" in f.detail:
+                f.detail["effect_not_applied"] = f.detail.pop("effect")
+                f.detail.pop("effect_power", None)
+            f.detail["quantized_activations"] = f"emulated ({'/'.join(types)})"
+            continue
+        why = QUANTIZED_ACTIVATIONS.format(engine=kind, types="/".join(types), why=gap, pair=pair)
+        p = by_id.get(str(f.prompt))
+        if metric == "mean_kld" and p is not None:
+            exact = runs.logits((), p)[0]
+            yard = float(kld_stats(exact, runs.logits(YARDSTICK, p)[0]).mean_kld)
+            f.gate = f"{pair}_q8x.mean_kld"
+            f.detail.update(effect=yard + float(f.detail.get("effect") or 0.0), effect_power=2, yardstick=yard, quantized_activations=f"not emulated: {gap}")
+        else:
+            f.detail["informational_reason"] = why
 
 
 def _naming(e: EngineFailure, prompts: Sequence[dict[str, Any]], oracle: dict[str, dict] | None = None,
