@@ -150,21 +150,44 @@ def emulable_types(types) -> list[str]:
     return sorted(t for t in set(types) if t not in VEC_DOT_TYPE)
 
 
+def rms_norm_fp32(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """:func:`reference.model.rms_norm` in llama.cpp's float32 steps (``ggml_compute_forward_rms_norm_f32`` and its
+    fusion with the weight's ``mul``, ``ggml/src/ggml-cpu/ops.cpp``): ``sum`` of the float32 squares in double,
+    ``mean = fp32(sum / n)``, ``scale = fp32(1 / sqrtf(mean + eps))``, ``y = fp32(fp32(x * scale) * w)``.
+
+    Why an emulation needs it: the int8 rounding of a product's input decides each value to the nearest integer of
+    ``x * 127 / amax``, so the input must carry llama.cpp's float32 bits, not the float64 value rounded once. Where
+    the input is a norm of an exact value (the first layer's, of a quantized embedding row, whose ratios of small
+    integers make exact .5 ties common on the synthetic files), the float64 norm rounded to float32 sits on the other
+    side of a tie in 1 value of ~60 (measured on e2b Q8_0: one flipped int8 moves that token's first query by 2e-3).
+    [..., n], [n] or None, eps -> [..., n] float64 (float32 values)."""
+    x32 = np.asarray(x, dtype=np.float64).astype(np.float32)
+    sq = (x32 * x32).astype(np.float64)
+    mean = (np.sum(sq, axis=-1, keepdims=True) / x32.shape[-1]).astype(np.float32)
+    scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps)).astype(np.float32)
+    y = (x32 * scale).astype(np.float32)
+    if weight is not None:
+        y = (y * np.asarray(weight, dtype=np.float64).astype(np.float32)).astype(np.float32)
+    return y.astype(np.float64)
+
+
 @contextlib.contextmanager
 def quantized_activations_numerics() -> Iterator[None]:
     """While inside, every matrix product of the reference takes its input as llama.cpp does
     (:func:`linear_input_quantized` swapped into :func:`reference.model.linear_input`): each product whose weight is
     stored quantized or in 16 bits gets its input row rounded to that weight's dot-product type (Q8_0, Q8_1, Q8_K,
-    F16, BF16), then is computed in float64 with the exact dequantized weight; what is left against llama.cpp is its
-    fp32 accumulation (and the int8 rounding decisions its fp32 activations take the other way). The fast twin is not
+    F16, BF16), then is computed in float64 with the exact dequantized weight; every RMSNorm runs in llama.cpp's
+    float32 steps (:func:`rms_norm_fp32`: the rounding of the product after it depends on those bits). What is left
+    against llama.cpp is its fp32 accumulation, and the int8 roundings its fp32 activations take the other way
+    where they differ from ours in the last bits (rare, but each moves one value by one step). The fast twin is not
     swapped (``--oracle fast`` cannot emulate it: see ``harness/parity/checks/pair.py``). Restores on exit (not
     thread-safe)."""
-    original = rm.linear_input
-    rm.linear_input = linear_input_quantized
+    original, norm = rm.linear_input, rm.rms_norm
+    rm.linear_input, rm.rms_norm = linear_input_quantized, rms_norm_fp32
     try:
         yield
     finally:
-        rm.linear_input = original
+        rm.linear_input, rm.rms_norm = original, norm
 
 
 def round_coarse_q8(x, weight_type: str | None = "Q8_0"):
