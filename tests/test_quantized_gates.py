@@ -113,6 +113,7 @@ def test_what_cannot_be_emulated_is_said():
     assert "vec_dot_types" in runs.emulation_gap(unsaid, types)
     assert unsaid.emulation() == ()
     assert "no dot-product type is known for XQ9" in runs.emulation_gap(KIND_NUMERICS["llamacpp"], ["XQ9"])
+    assert "Q5_1: llama.cpp multiplies" in runs.emulation_gap(KIND_NUMERICS["llamacpp"], ["Q5_1", "Q8_0"])
 
 
 # --------------------------------------------------------------------------- the real llama.cpp engine

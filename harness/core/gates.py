@@ -356,32 +356,42 @@ PAIR_GATES: list[Gate] = [
 ]
 """The gates of every ``reference~<engine kind>`` pair (one line per engine kind; a new kind adds its line)."""
 
-Q8_MAX_ABS_LOGIT, Q8_MAX_ABS_LOGPROB, Q8_MEAN_KLD, Q8_LAYER_REL_L2 = 1e-3, 1e-3, 1e-5, 1e-3
-Q8_MEASURED = "(provisional)"
-Q8_AGREEING = 0.25
-Q8_AGREEING_WHY = "(provisional)"
+Q8_AGREEING = 0.15
+"""The least fraction of agreeing positions of ``<pair>_q8.agreeing_positions`` (see :data:`Q8_AGREEING_WHY`)."""
+
+Q8_AGREEING_WHY = (
+    "the fraction of positions, over the prompts, in each prompt's leading run whose logits agree with the emulating "
+    "reference within the fp32 bound (1e-3). What the emulation leaves: fp32 accumulation (measured 1e-7 relative at "
+    "every trace point, 2e-6 on the logits), and sporadic flips: an activation within fp32 noise of an int8 rounding "
+    "midpoint, which the engine's fp32 value takes the other way; a flip moves everything after it as far as the "
+    "whole rounding does (e2b Q8_0: max |dlogit| 0.35 against the emulating reference, 0.83 against the exact one), "
+    "so the worst figures are reported, not gated, and this one is: a fault in a matrix moves every position, a flip "
+    "only the positions after it. Measured with the llamacpp engine over the synthetic prompt set (8 prompts, 1 to "
+    "83 tokens): correct files 0.433 (e2b Q8_0), 0.327 (31b Q4_K_M by llama-quantize); the first half of one "
+    "matrix's rows scaled by 1.02: 0 in every copy (e2b Q8_0 ffn_down, attn_output, ffn_gate; 31b Q4_K_M ffn_down "
+    "(Q4_K), attn_output (Q5_0)). The limit is under half the least correct figure: flips are a Poisson process over "
+    "the rounded values, so a prompt set with more long prompts agrees on fewer positions")
 
 _Q8_WHY = ("an engine that rounds its activations (quantized_activations, llama.cpp's dot-product types) on a file "
            "with quantized or 16-bit matrices, against the reference that rounds them the same way "
-           "(reference/activation_quants.py, bit-identical to the built llama.cpp: tests/test_activation_quants.py). "
-           "What the emulation leaves: fp32 accumulation (one product within 1e-3 of its bound), and the int8 "
-           "roundings that the engine's fp32 activations take the other way (an activation within fp32 noise of a "
-           "rounding midpoint moves by one int8 step, d = amax/127, and the model carries that on); ")
+           "(reference/activation_quants.py, bit-identical to the built llama.cpp: tests/test_activation_quants.py; "
+           "docs/quantized-activations.md): ")
 
-Q8_LIMITS: dict[str, tuple[float, str]] = {
-    "max_abs_logit": (Q8_MAX_ABS_LOGIT, "measured " + Q8_MEASURED),
-    "max_abs_logprob": (Q8_MAX_ABS_LOGPROB, "measured " + Q8_MEASURED),
-    "mean_kld": (Q8_MEAN_KLD, "measured " + Q8_MEASURED),
-    "layer_rel_l2": (Q8_LAYER_REL_L2, "measured " + Q8_MEASURED),
+Q8_REPORTED = {
+    "max_abs_logit": 1e-3, "max_abs_logprob": 1e-3, "mean_kld": 1e-5, "layer_rel_l2": 1e-3,
 }
-"""The limits of ``<pair>_q8.*`` (the figures of a pair whose quantized activations are emulated), each with why."""
+"""The figures of an emulated pair that are reported against the fp32 bounds, not gated: their worst value is set by
+the sporadic rounding flips (:data:`Q8_AGREEING_WHY`), as large as the rounding's whole effect."""
 
 
 def _q8_gates(pair: str) -> list[Gate]:
-    """``<pair>_q8.*``: :data:`Q8_LIMITS`, and the same top-1 and greedy rules as ``engine~oracle`` (near-ties,
-    whose margin follows the log-prob limit, are reported, not failed). Not ``max(fp32 bound, 2 x effect)``: the
-    effect of the rounding (max |dlogit| ~1 on the small cases) is far larger than a fault of one matrix."""
-    out = [Gate(f"{pair}_q8.{m}", limit, "le", _Q8_WHY + why) for m, (limit, why) in Q8_LIMITS.items()]
+    """``<pair>_q8.*``: ``agreeing_positions`` (:data:`Q8_AGREEING`), the same top-1 and greedy rules as
+    ``engine~oracle`` (near-ties reported, not failed), and the worst-value figures reported (:data:`Q8_REPORTED`);
+    ``<pair>_q8x.mean_kld`` where the rounding cannot be emulated. Not ``max(fp32 bound, 2 x effect)``: the effect of
+    the rounding (max |dlogit| ~1 on the small cases) is far larger than a fault of one matrix."""
+    out = [Gate(f"{pair}_q8.{m}", limit, "le", _Q8_WHY + "reported against the fp32 bound, not gated: its worst "
+                "value is set by the sporadic int8 rounding flips the emulation leaves (agreeing_positions judges)",
+                informational=True) for m, limit in Q8_REPORTED.items()]
     out.append(Gate(f"{pair}_q8.agreeing_positions", Q8_AGREEING, "ge", _Q8_WHY + Q8_AGREEING_WHY))
     for m in ("same_top1_decisive", "greedy"):
         g = DEFAULT_GATES[f"engine~oracle.{m}"]

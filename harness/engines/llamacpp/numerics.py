@@ -150,6 +150,14 @@ def emulable_types(types) -> list[str]:
     return sorted(t for t in set(types) if t not in VEC_DOT_TYPE)
 
 
+def sum_rounded_types(types) -> list[str]:
+    """Of the GGML weight types ``types``, those whose dot product is Q8_1 (Q4_1, Q5_1): llama.cpp multiplies the
+    weight block's minimum by ``block_q8_1.s``, an fp16 rounding of the activation block's sum, where the product of
+    the rounded row with the dequantized weight takes the exact sum; a relative 2^-11 of that term, on every
+    position, which the row rounding cannot carry (``tests/test_activation_quants.py`` bounds it). Sorted."""
+    return sorted(t for t in set(types) if VEC_DOT_TYPE.get(t) == "Q8_1")
+
+
 def rms_norm_fp32(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """:func:`reference.model.rms_norm` in llama.cpp's float32 steps (``ggml_compute_forward_rms_norm_f32`` and its
     fusion with the weight's ``mul``, ``ggml/src/ggml-cpu/ops.cpp``): ``sum`` of the float32 squares in double,

@@ -225,10 +225,14 @@ class ReferenceRuns:
             return f"the {self.name} oracle does not emulate it (the default oracle, the reference, does)"
         if numerics.vec_dot_types is None:
             return "the engine does not say whose dot-product types it rounds to (vec_dot_types)"
-        from ...engines.llamacpp.numerics import emulable_types  # imports torch: only here
+        from ...engines.llamacpp.numerics import emulable_types, sum_rounded_types  # imports torch: only here
         unknown = emulable_types(types)
         if unknown:
             return f"no dot-product type is known for {'/'.join(unknown)}"
+        summed = sum_rounded_types(types)
+        if summed:
+            return (f"{'/'.join(summed)}: llama.cpp multiplies each weight block's minimum by an fp16 rounding of the "
+                    "activation block's sum (block_q8_1.s), which a rounding of the row cannot carry")
         return None
 
     def unemulated_types(self) -> list[str]:
