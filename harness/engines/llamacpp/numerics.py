@@ -18,10 +18,11 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+import fast.activation_quants as fq
 import fast.model as fm
 import reference.audio as ra
 import reference.activation_quants as rq
-from reference.activation_quants import VEC_DOT_TYPE, round_activations
+from reference.activation_quants import round_activations
 import reference.model as rm
 import reference.vision as rv
 
@@ -140,22 +141,10 @@ def linear_input_quantized(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
     Raises:
         KeyError: a GGML type llama.cpp's table (:data:`reference.activation_quants.VEC_DOT_TYPE`) does not hold;
-            the harness checks the file's types before it emulates (:func:`emulable_types`).
+            the harness checks the file's types before it emulates
+            (:func:`harness.engines.numerics.emulable_types`).
     """
     return round_activations(x, getattr(w, "ggml_type", None))
-
-
-def emulable_types(types) -> list[str]:
-    """Of the GGML weight types ``types``, those :func:`linear_input_quantized` cannot emulate (sorted)."""
-    return sorted(t for t in set(types) if t not in VEC_DOT_TYPE)
-
-
-def sum_rounded_types(types) -> list[str]:
-    """Of the GGML weight types ``types``, those whose dot product is Q8_1 (Q4_1, Q5_1): llama.cpp multiplies the
-    weight block's minimum by ``block_q8_1.s``, an fp16 rounding of the activation block's sum, where the product of
-    the rounded row with the dequantized weight takes the exact sum; a relative 2^-11 of that term, on every
-    position, which the row rounding cannot carry (``tests/test_activation_quants.py`` bounds it). Sorted."""
-    return sorted(t for t in set(types) if VEC_DOT_TYPE.get(t) == "Q8_1")
 
 
 def rms_norm_fp32(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
@@ -207,7 +196,6 @@ def round_coarse_q8(x, weight_type: str | None = "Q8_0"):
         return x
     n = x.shape[-1]
     if isinstance(x, torch.Tensor):
-        import fast.activation_quants as fq
         fn = fq.q8_K if n % 256 == 0 else fq.q8_0 if n % 32 == 0 else None
         return x if fn is None else fn(x).to(x.dtype)
     fn = rq.q8_K if n % 256 == 0 else rq.q8_0 if n % 32 == 0 else None

@@ -45,7 +45,7 @@ from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
 from ...engines import EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
-from ...engines.numerics import KIND_NUMERICS, Numerics, emulate
+from ...engines.numerics import KIND_NUMERICS, Numerics, emulable_types, emulate, sum_rounded_types
 from ...engines.reference import ReferenceEngine
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
@@ -225,7 +225,6 @@ class ReferenceRuns:
             return f"the {self.name} oracle does not emulate it (the default oracle, the reference, does)"
         if numerics.vec_dot_types is None:
             return "the engine does not say whose dot-product types it rounds to (vec_dot_types)"
-        from ...engines.llamacpp.numerics import emulable_types, sum_rounded_types  # imports torch: only here
         unknown = emulable_types(types)
         if unknown:
             return f"no dot-product type is known for {'/'.join(unknown)}"
@@ -561,7 +560,8 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
             exact = runs.logits((), p)[0]
             yard = float(kld_stats(exact, runs.logits(YARDSTICK, p)[0]).mean_kld)
             f.gate = f"{pair}_q8x.mean_kld"
-            f.detail.update(effect=yard + float(f.detail.get("effect") or 0.0), effect_power=2, yardstick=yard, quantized_activations=f"not emulated: {gap}")
+            f.detail.update(effect=yard + float(f.detail.get("effect") or 0.0), effect_power=2, yardstick=yard,
+                            quantized_activations=f"not emulated: {gap}")
         else:
             f.detail["informational_reason"] = why
 
