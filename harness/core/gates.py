@@ -356,21 +356,19 @@ PAIR_GATES: list[Gate] = [
 ]
 """The gates of every ``reference~<engine kind>`` pair (one line per engine kind; a new kind adds its line)."""
 
-Q8_AGREEING = 0.15
-"""The least fraction of agreeing positions of ``<pair>_q8.agreeing_positions`` (see :data:`Q8_AGREEING_WHY`)."""
+Q8_AGREEING = 0.2
+"""The least ratio of ``<pair>_q8.agreeing_positions`` (see :data:`Q8_AGREEING_WHY`)."""
 
 Q8_AGREEING_WHY = (
-    "the fraction of positions, over the prompts, in each prompt's leading run whose logits agree with the emulating "
-    "reference within the fp32 bound (1e-3). What the emulation leaves: fp32 accumulation (measured 1e-7 relative at "
-    "every trace point, 2e-6 on the logits), and sporadic flips: an activation within fp32 noise of an int8 rounding "
-    "midpoint, which the engine's fp32 value takes the other way; a flip moves everything after it as far as the "
-    "whole rounding does (e2b Q8_0: max |dlogit| 0.35 against the emulating reference, 0.83 against the exact one), "
-    "so the worst figures are reported, not gated, and this one is: a fault in a matrix moves every position, a flip "
-    "only the positions after it. Measured with the llamacpp engine over the synthetic prompt set (8 prompts, 1 to "
-    "83 tokens): correct files 0.433 (e2b Q8_0), 0.327 (31b Q4_K_M by llama-quantize); the first half of one "
-    "matrix's rows scaled by 1.02: 0 in every copy (e2b Q8_0 ffn_down, attn_output, ffn_gate; 31b Q4_K_M ffn_down "
-    "(Q4_K), attn_output (Q5_0)). The limit is under half the least correct figure: flips are a Poisson process over "
-    "the rounded values, so a prompt set with more long prompts agrees on fewer positions")
+    "the positions, over the prompts, in each prompt's leading run whose logits agree with the emulating reference "
+    "within the fp32 bound (1e-3), over the same count for the emulating reference against itself with every "
+    "product's input perturbed by a few fp32 ulps (harness.engines.llamacpp.numerics.jitter_numerics). What the "
+    "emulation leaves: fp32 accumulation (1e-7 relative at every trace point, 2e-6 on the logits), and sporadic "
+    "flips: an activation within fp32 noise of an int8 rounding midpoint, which the engine's fp32 value takes the "
+    "other way; a flip moves everything after it as far as the whole rounding does (e2b Q8_0: max |dlogit| 0.35 "
+    "against the emulating reference, 0.83 against the exact one), so the worst figures are reported, not gated. A "
+    "fault in a matrix moves every position, a flip only those after it: a correct engine agrees on about as many "
+    "positions as the perturbed reference does (the same law), a faulty one on none. MEASURED")
 
 _Q8_WHY = ("an engine that rounds its activations (quantized_activations, llama.cpp's dot-product types) on a file "
            "with quantized or 16-bit matrices, against the reference that rounds them the same way "

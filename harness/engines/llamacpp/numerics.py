@@ -187,6 +187,32 @@ def quantized_activations_numerics() -> Iterator[None]:
         rm.linear_input, rm.rms_norm = original, norm
 
 
+JITTER = 2.0 ** -22
+"""Relative size of the perturbation :func:`jitter_numerics` puts on each input before its rounding: a few fp32
+units in the last place, the size of the float32 difference between llama.cpp's activations and the reference's."""
+
+
+@contextlib.contextmanager
+def jitter_numerics(seed: int = 0) -> Iterator[None]:
+    """Inside :func:`quantized_activations_numerics`: every product's input is first multiplied by ``1 + JITTER * u``
+    (``u`` uniform in [-1, 1], a fixed-seed stream), so that the int8 roundings near a midpoint go the other way as
+    they do in an engine whose fp32 values differ from ours in their last bits. The reference against itself so
+    perturbed shows what those flips alone do on this model and prompt (``harness/parity/checks/pair.py``,
+    ``agreeing_positions``). Restores on exit (not thread-safe)."""
+    rng = np.random.default_rng(seed)
+    inner = rm.linear_input
+
+    def jittered(x, w):
+        x = np.asarray(x, dtype=np.float64)
+        return inner(x * (1.0 + JITTER * rng.uniform(-1.0, 1.0, x.shape)), w)
+
+    rm.linear_input = jittered
+    try:
+        yield
+    finally:
+        rm.linear_input = inner
+
+
 def round_coarse_q8(x, weight_type: str | None = "Q8_0"):
     """The yardstick of an 8-bit activation rounding whose types are not known (``quantized_activations_q8``):
     ``x`` rounded as llama.cpp rounds for K-quants (Q8_K, blocks of 256) where the row allows, else Q8_0 (blocks of

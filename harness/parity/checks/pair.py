@@ -515,18 +515,22 @@ def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Seque
         _measure_figures(runs, eng, kind, pair, prompts, progress, case, approx, new_tokens, top_n, out)
     finally:
         if types:
-            _quantized_gates(runs, out, pair, kind, types, gap, prompts)
+            _quantized_gates(runs, out, pair, kind, types, gap, prompts, approx)
     return out
 
 
 def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind: str, types: Sequence[str],
-                     gap: str | None, prompts: Sequence[dict[str, Any]]) -> None:
+                     gap: str | None, prompts: Sequence[dict[str, Any]], approx: tuple[str, ...] = ()) -> None:
     """Judge the figures of an engine that rounds its activations (``quantized_activations``) on a file with
     quantized or 16-bit matrices (``types``).
 
-    Emulated (``gap`` None): each figure is judged by ``<pair>_q8.<metric>``, whose limit is what the emulation
-    leaves (``harness/core/gates.py``), not by the effect of the emulations (kept in the detail as
-    ``effect_not_applied``: the rounding moves the figures by far more than a fault does).
+    Emulated (``gap`` None): each figure is judged by ``<pair>_q8.<metric>`` (``harness/core/gates.py``), not by the
+    effect of the emulations (kept in the detail as ``effect_not_applied``: the rounding moves the figures by far
+    more than a fault does). What the emulation leaves is fp32 accumulation and sporadic int8 rounding flips; the
+    worst-value figures are reported, and ``<pair>_q8.agreeing_positions`` is gated: the positions in each prompt's
+    leading run within the fp32 bound, over those of the emulating reference against itself with its inputs
+    perturbed in their last bits (``jitter``: what the flips alone do on this model and prompt). When that reference
+    agrees on no position (flips too dense), the figure is reported and the mean KLD is gated as below.
 
     Not emulated (``gap`` says why): every figure is informational with the reason
     (:data:`QUANTIZED_ACTIVATIONS`), except the mean KLD, judged by ``<pair>_q8x.mean_kld`` at 4 x the KLD the
@@ -534,17 +538,41 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
     still fails."""
     head = pair + "."
     by_id = {str(p["id"]): p for p in prompts}
+    dense = None
     if gap is None:
         logit = [f for f in figures if f.gate == head + "max_abs_logit" and "agreeing_prefix" in f.detail]
         if logit:
+            own = DEFAULT_GATES[head + "max_abs_logit"].limit
             agree, total = sum(f.detail["agreeing_prefix"] for f in logit), sum(f.detail["positions"] for f in logit)
-            figures.append(fig(f"{pair}_q8.agreeing_positions", agree / max(1, total), None, positions=total,
-                               agreeing=agree, per_prompt={str(f.prompt): [f.detail["agreeing_prefix"],
-                                                                           f.detail["positions"]] for f in logit}))
+            itself = 0  # the emulating reference against itself with its inputs perturbed in their last bits
+            for f in logit:
+                p = by_id[str(f.prompt)]
+                base = runs.logits(approx, p)[0]
+                moved = np.max(np.abs(runs.raw_logits((*approx, "jitter"), p["prompt_ids"]) - base), axis=1)
+                apart = np.nonzero(~(moved <= own))[0]
+                itself += int(apart[0]) if apart.size else int(moved.size)
+            detail = dict(positions=total, agreeing=agree, reference_agreeing=itself,
+                          per_prompt={str(f.prompt): [f.detail["agreeing_prefix"], f.detail["positions"]]
+                                      for f in logit})
+            if itself == 0:
+                dense = (f"no position of the emulating reference agrees with itself within {own:g} once its inputs "
+                         "move in their last bits: int8 rounding flips are too dense on this model to judge by "
+                         "positions; the mean KLD is gated against the 8-bit yardstick instead")
+                figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
+                                   informational_reason=dense))
+            else:
+                figures.append(fig(f"{pair}_q8.agreeing_positions", agree / itself, None, **detail))
     for f in figures:
         if not f.gate.startswith(head) or f.gate[len(head):] not in Q8_METRICS:
             continue
         metric = f.gate[len(head):]
+        if gap is None and dense is not None and metric == "mean_kld" and str(f.prompt) in by_id:
+            p = by_id[str(f.prompt)]
+            yard = float(kld_stats(runs.logits((), p)[0], runs.logits(YARDSTICK, p)[0]).mean_kld)
+            f.gate = f"{pair}_q8x.mean_kld"
+            f.detail.pop("effect", None)
+            f.detail.update(effect=yard, effect_power=2, yardstick=yard, quantized_activations=f"emulated; {dense}")
+            continue
         if gap is None:
             f.gate = f"{pair}_q8.{metric}"
             if "effect" in f.detail:
