@@ -150,8 +150,8 @@ KIND_NUMERICS: dict[str, Numerics] = {
 
 
 def emulable_types(types) -> list[str]:
-    """Of the GGML weight types ``types``, those :func:`harness.engines.llamacpp.numerics.linear_input_quantized` cannot
-    emulate (sorted)."""
+    """Of the GGML weight types ``types``, those llama.cpp's table (:data:`reference.activation_quants.VEC_DOT_TYPE`)
+    does not hold: :func:`harness.engines.llamacpp.numerics.linear_input_quantized` cannot emulate them. Sorted."""
     return sorted(t for t in set(types) if t not in VEC_DOT_TYPE)
 
 
