@@ -59,7 +59,7 @@ GREEDY_NEW_TOKENS = 8
 QUANTIZED_ACTIVATIONS = (
     "{engine} rounds the activations of matrix products with {types} weights to their dot-product type "
     "(quantized_activations), which the reference cannot emulate here: {why}. Reported, not gated; the pair's mean "
-    "KLD is gated instead, at 4 x the KLD an 8-bit rounding of every such product's input causes on this model "
+    "KLD is gated instead, at 2 x the KLD an 8-bit rounding of every such product's input causes on this model "
     "(the yardstick, {pair}_q8x.mean_kld)")
 """The reason a pair's figures (all but its mean KLD) are informational when the engine declares
 ``quantized_activations``, the file holds quantized or 16-bit matrices, and the rounding cannot be emulated
@@ -533,7 +533,7 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
     agrees on no position (flips too dense), the figure is reported and the mean KLD is gated as below.
 
     Not emulated (``gap`` says why): every figure is informational with the reason
-    (:data:`QUANTIZED_ACTIVATIONS`), except the mean KLD, judged by ``<pair>_q8x.mean_kld`` at 4 x the KLD the
+    (:data:`QUANTIZED_ACTIVATIONS`), except the mean KLD, judged by ``<pair>_q8x.mean_kld`` at 2 x the KLD the
     yardstick rounding (:data:`YARDSTICK`) causes on the same prompt, so a fault larger than an 8-bit rounding
     still fails."""
     head = pair + "."
@@ -571,7 +571,7 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
             yard = float(kld_stats(runs.logits((), p)[0], runs.logits(YARDSTICK, p)[0]).mean_kld)
             f.gate = f"{pair}_q8x.mean_kld"
             f.detail.pop("effect", None)
-            f.detail.update(effect=yard, effect_power=2, yardstick=yard, quantized_activations=f"emulated; {dense}")
+            f.detail.update(effect=yard, effect_power=1, yardstick=yard, quantized_activations=f"emulated; {dense}")
             continue
         if gap is None:
             f.gate = f"{pair}_q8.{metric}"
@@ -588,7 +588,7 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
             exact = runs.logits((), p)[0]
             yard = float(kld_stats(exact, runs.logits(YARDSTICK, p)[0]).mean_kld)
             f.gate = f"{pair}_q8x.mean_kld"
-            f.detail.update(effect=yard + float(f.detail.get("effect") or 0.0), effect_power=2, yardstick=yard,
+            f.detail.update(effect=yard + float(f.detail.get("effect") or 0.0), effect_power=1, yardstick=yard,
                             quantized_activations=f"not emulated: {gap}")
         else:
             f.detail["informational_reason"] = why
