@@ -19,7 +19,10 @@ emulate (:meth:`Numerics.emulation`, :func:`emulate`: llama.cpp's fp16 GELU tabl
 fp16 attention operands and its CPU flash attention), and every figure is gated at ``max(fp32 bound,
 2 x effect)``, where the *effect* is how far the declared approximations move that figure on this model (the
 reference with them against the reference without them): see ``harness/core/gates.py``, :data:`EFFECT_FACTOR`.
-An engine that declares nothing is held to the fp32 bounds.
+An engine that declares nothing is held to the fp32 bounds. ``quantized_activations`` is emulated too (llama.cpp's
+activation rounding, bit for bit: ``reference/activation_quants.py``) where the engine names its dot-product types
+(``vec_dot_types``); on a file with quantized or 16-bit matrices its pair is then judged by the ``<pair>_q8`` gates,
+not by the effect (docs/quantized-activations.md).
 """
 
 from __future__ import annotations
