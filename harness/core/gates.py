@@ -370,8 +370,9 @@ Q8_AGREEING_WHY = (
     "fault in a matrix moves every position, a flip only those after it: a correct engine agrees on about as many "
     "positions as the perturbed reference does (the same law), a faulty one on none. Measured with the llamacpp "
     "engine, synthetic prompt set: correct files 1.81 (e2b Q8_0), 7.89 (31b Q4_K_M by llama-quantize), 21 (the real "
-    "Gemma 3 270M Q4_K_M); the first half of one matrix's rows scaled by 1.02: 0 in all 5 copies (e2b Q8_0 ffn_down, "
-    "attn_output, ffn_gate; 31b Q4_K_M ffn_down in Q4_K, attn_output in Q5_0). 0.2: a correct engine's count may "
+    "Gemma 3 270M Q4_K_M); the first half of one matrix's rows scaled by 1.02: 0 in all 7 copies (e2b Q8_0 ffn_down, "
+    "attn_output, ffn_gate; 31b Q4_K_M ffn_down in Q4_K, attn_output in Q5_0; Gemma 3 ffn_down in Q6_K, attn_output "
+    "in Q4_K). 0.2: a correct engine's count may "
     "fall below the perturbed reference's one draw by chance; 5 x below is far outside what the figures show, and a "
     "fault gives 0 (docs/quantized-activations.md)")
 
