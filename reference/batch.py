@@ -187,7 +187,7 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np
         with hold():  # this layer's weights, dequantized once for every call
             if group:
                 _layer(cfg, layer, W, group)
-    wanted = []
+    wanted, numerics = [], []
     for chain in chains:
         if chain._state:
             chain.cache.pos = chain._state[-1].k_pos
@@ -197,7 +197,8 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np
                 c.x = m.rms_norm(c.x, W["output_norm.weight"], cfg.rms_eps)
                 c.trace("result_norm", -1, c.x)
         wanted += [c for c in chain._state if c.head]
-    logits = dict(zip(map(id, wanted), lm_head_many(cfg, W, [c.x for c in wanted])))
+        numerics += [chain.numerics for c in chain._state if c.head]
+    logits = dict(zip(map(id, wanted), lm_head_many(cfg, W, [c.x for c in wanted], numerics)))
     out = []
     for chain in chains:
         row = []
@@ -211,9 +212,12 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np
     return out
 
 
-def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray],
+                 numerics: Sequence[Callable[[], ContextManager]] | None = None) -> list[np.ndarray]:
     """:func:`reference.model.lm_head` of each ``x`` in ``xs``, the head read once: for every row block
-    (``W.row_blocks``), every ``x``'s product with it. [T_i, h] each -> [T_i, V] each.
+    (``W.row_blocks``), every ``x``'s product with it. [T_i, h] each -> [T_i, V] each. ``numerics``: per ``x``, the
+    context its chain's emulations run in (its input to each product, :func:`reference.model.linear_input`, is
+    taken there); default none.
 
     Each ``x``'s logits are the same products, concatenated and soft-capped the same way, as
     ``lm_head(cfg, W, x)`` alone. Source: :func:`reference.model.lm_head`.
@@ -223,7 +227,8 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray]) -> list[np.ndarr
     name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     parts: list[list[np.ndarray]] = [[] for _ in xs]
     for block in W.row_blocks(name):
-        for part, y in zip(parts, linear_many(xs, block)):
+        ins = xs if numerics is None else [_input(n, x, block) for n, x in zip(numerics, xs)]
+        for part, y in zip(parts, linear_many(ins, block)):
             part.append(y)
     out = []
     for i in range(len(parts)):
@@ -231,6 +236,12 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray]) -> list[np.ndarr
         parts[i] = []  # each call's blocks go once joined: the head's memory is about one copy of the logits
         out.append(m.softcap(logits, cfg.final_logit_softcap) if cfg.final_logit_softcap is not None else logits)
     return out
+
+
+def _input(numerics: Callable[[], ContextManager], x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """:func:`reference.model.linear_input` of ``x`` for ``w`` under ``numerics`` (a chain's emulations)."""
+    with numerics():
+        return m.linear_input(x, w)
 
 
 # --------------------------------------------------------------------------- a layer, operation by operation
@@ -348,36 +359,39 @@ def _layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]]) -> None
                 out.append(fn(c, item))
         return out
 
-    def lin(xs, name):
-        return linear_many(xs, W[b + name])
+    def lin(xs, name):  # each call's input as its chain's numerics take it (llama.cpp's quantized activations)
+        w = W[b + name]
+        return linear_many([_input(chain.numerics, x, w) for (chain, _), x in zip(group, xs)], w)
+
+    def norm(ys, name):  # each call's RMSNorm under its chain's numerics (llama.cpp's float32 norm, say)
+        w = None if name is None else W[b + name]
+        return each(lambda c, y: m.rms_norm(y, w, eps), ys)
 
     H, Hkv, D = layer.n_head, layer.n_kv_head, layer.head_dim
     inv = m.rope_inv_freq(layer)
     rope = [m.rope_angles(c.positions, inv) for c in calls]
-    h = [m.rms_norm(c.x, W[b + "attn_norm.weight"], eps) for c in calls]
-    q = [m.apply_rope(m.rms_norm(y.reshape(-1, H, D), W[b + "attn_q_norm.weight"], eps), *cs, layer.n_rot)
-         for y, cs in zip(lin(h, "attn_q.weight"), rope)]
+    h = norm([c.x for c in calls], "attn_norm.weight")
+    q = [m.apply_rope(y, *cs, layer.n_rot)
+         for y, cs in zip(norm([y.reshape(-1, H, D) for y in lin(h, "attn_q.weight")], "attn_q_norm.weight"), rope)]
     if layer.has_kv:
         k_raw = [y.reshape(-1, Hkv, D) for y in lin(h, "attn_k.weight")]
         v = [y.reshape(-1, Hkv, D) for y in lin(h, "attn_v.weight")] if layer.has_v_proj else k_raw
-        k = [m.apply_rope(m.rms_norm(y, W[b + "attn_k_norm.weight"], eps), *cs, layer.n_rot)
-             for y, cs in zip(k_raw, rope)]
+        k = [m.apply_rope(y, *cs, layer.n_rot) for y, cs in zip(norm(k_raw, "attn_k_norm.weight"), rope)]
         if cfg.has_v_norm:
-            v = [m.rms_norm(y, None, eps) for y in v]
+            v = norm(v, None)
         for c, kc, vc in zip(calls, k, v):  # in chain order: each call's own prefix is the cache it would see
             c.view.append(il, kc, vc)
     window = cfg.sliding_window if layer.is_sliding else None
     att = each(lambda c, qc: m.attention(qc, c.view.k[layer.kv_donor], c.view.v[layer.kv_donor], c.positions,
                                          c.k_pos, window, cfg.attn_scale), q)  # a KV-cache emulation swaps it
-    a = [c.x + m.rms_norm(o, W[b + "post_attention_norm.weight"], eps)
-         for c, o in zip(calls, lin(att, "attn_output.weight"))]
+    a = [c.x + o for c, o in zip(calls, norm(lin(att, "attn_output.weight"), "post_attention_norm.weight"))]
     for c, y in zip(calls, a):
         c.trace("attn_out", il, y)
-    fx = [m.rms_norm(y, W[b + "ffn_norm.weight"], eps) for y in a]
+    fx = norm(a, "ffn_norm.weight")
     gate = each(lambda c, y: m.gelu_tanh(y), lin(fx, "ffn_gate.weight"))
     mlp = lin([g * u for g, u in zip(gate, lin(fx, "ffn_up.weight"))], "ffn_down.weight")
     if layer.has_moe:
-        mlp = [m.rms_norm(y, W[b + "post_ffw_norm_1.weight"], eps) for y in mlp]
+        mlp = norm(mlp, "post_ffw_norm_1.weight")
         moe = each(lambda c, y: m.moe_block(cfg, layer, W, y), a)
         for c, y, z in zip(calls, mlp, moe):
             c.trace("ffn_mlp", il, y)
@@ -385,10 +399,10 @@ def _layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]]) -> None
         mlp = [y + z for y, z in zip(mlp, moe)]
     for c, f in zip(calls, mlp):
         c.trace("ffn_out", il, f)
-    ys = [y + m.rms_norm(f, W[b + "post_ffw_norm.weight"], eps) for y, f in zip(a, mlp)]
+    ys = [y + f for y, f in zip(a, norm(mlp, "post_ffw_norm.weight"))]
     if calls[0].ple is not None:
         g = each(lambda c, y: m.gelu_tanh(y) * c.ple[:, il], lin(ys, "inp_gate.weight"))
-        p = [m.rms_norm(y, W[b + "post_norm.weight"], eps) for y in lin(g, "proj.weight")]
+        p = norm(lin(g, "proj.weight"), "post_norm.weight")
         for c, pc in zip(calls, p):
             c.trace("per_layer_embd_out", il, pc)
         ys = [y + pc for y, pc in zip(ys, p)]

@@ -74,9 +74,20 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
+def linear_input(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The input of a matrix product with ``w`` as the product takes it: ``x`` itself. [..., in] -> [..., in].
+
+    One of the ops an emulation may replace (as :func:`gelu_tanh`): llama.cpp rounds the activation row to the
+    dot-product type of ``w``'s stored GGML type first (``quantized_activations``;
+    :func:`harness.engines.llamacpp.numerics.quantized_activations_numerics`, which reads the type a GGUF's weight
+    carries: :class:`reference.weights.GGMLArray`). Every product of this module takes its input through it.
+    """
+    return x
+
+
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T``. [T, in], [out, in] -> [T, out]."""
-    return x @ w.T
+    """``x @ w.T`` (``x`` through :func:`linear_input`). [T, in], [out, in] -> [T, out]."""
+    return linear_input(x, w) @ w.T
 
 
 def rope_inv_freq(layer: LayerSpec) -> np.ndarray:
@@ -207,8 +218,8 @@ def expert_ffn(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.n
     [h], [2F, h], [h, F] -> [h]. Source: transformers ``Gemma4TextExperts``.
     """
     F = w_down.shape[1]
-    gu = w_gate_up @ x  # [2F]
-    return w_down @ (gelu_tanh(gu[:F]) * gu[F:])
+    gu = w_gate_up @ linear_input(x, w_gate_up)  # [2F]
+    return w_down @ linear_input(gelu_tanh(gu[:F]) * gu[F:], w_down)
 
 
 def moe_experts(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, idx: np.ndarray,

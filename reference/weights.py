@@ -85,6 +85,23 @@ def block_bounds(n_rows: int, n_cols: int) -> list[tuple[int, int]]:
     return bounds
 
 
+class GGMLArray(np.ndarray):
+    """A weight read from a GGUF that carries its stored GGML type (``ggml_type``: ``Q8_0``, ``F16`` ...), so that an
+    emulation of llama.cpp's quantized activations (:func:`reference.model.linear_input`) knows, at the product, what
+    the engine rounds the activation row to. Views (slices, ``.T``, an expert of a stack) keep the type; the result
+    of any arithmetic is a plain ndarray (only the stored tensor is typed). The values are the float64 ones."""
+
+    ggml_type: str | None = None
+
+    def __array_finalize__(self, obj) -> None:
+        if obj is not None:
+            self.ggml_type = getattr(obj, "ggml_type", None)
+
+    def __array_wrap__(self, arr, context=None, return_scalar=False):
+        arr = np.asarray(arr).view(np.ndarray)
+        return arr[()] if return_scalar else arr
+
+
 class Weights(Mapping):
     """Read-only mapping canonical name -> float64 ndarray, dequantized when read, kept within a byte budget.
 
@@ -121,6 +138,7 @@ class Weights(Mapping):
         self.cache_bytes = int(cache_bytes)
         self.cached_bytes = 0
         self._held: dict[str, np.ndarray] | None = None  # inside hold()
+        self.ggml_typed = False  # a GGUF's: reads of whole tensors and row blocks are GGMLArray views (load_gguf)
 
     # ------------------------------------------------------------------ checks (subclasses change the rule)
 
@@ -142,6 +160,14 @@ class Weights(Mapping):
 
     # ------------------------------------------------------------------ reads
 
+    def _typed(self, name: str, arr: np.ndarray) -> np.ndarray:
+        """``arr`` (tensor ``name`` or rows of it) as a :class:`GGMLArray` view of its stored type, for a GGUF."""
+        if not self.ggml_typed:
+            return arr
+        out = arr.view(GGMLArray)
+        out.ggml_type = self._lazy[name].dtype
+        return out
+
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
         """Within the ``with`` block every tensor read is kept, and read again from there, until the block ends
@@ -160,6 +186,9 @@ class Weights(Mapping):
             self._held = None
 
     def __getitem__(self, name: str) -> np.ndarray:
+        return self._typed(name, self._get(name))
+
+    def _get(self, name: str) -> np.ndarray:
         if name in self._cache:
             return self._cache[name]
         if self._held is not None and name in self._held:
@@ -225,7 +254,7 @@ class Weights(Mapping):
             return
         self._seen.add(name)
         for a, b in block_bounds(*shape):
-            yield self._read_rows(name, slice(a, b))
+            yield self._typed(name, self._read_rows(name, slice(a, b)))
         self._checked.add(name)
 
     def fill_cache(self) -> int:
@@ -333,6 +362,7 @@ def load_gguf(path: str | os.PathLike, *, layers: int | None = None, cache_bytes
                                                 dtype=np.float32))
     cfg, tensors = _cut(cfg, tensors, layers)
     weights = Weights(str(path), tensors, cache_bytes)
+    weights.ggml_typed = True
     weights.metadata = meta  # type: ignore[attr-defined]
     weights.gguf = gf  # type: ignore[attr-defined]  # keeps the map alive
     _validate(cfg, weights)

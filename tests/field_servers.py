@@ -32,7 +32,7 @@ from servers import ServerProcess, child_env  # noqa: E402
 SHAPES = sorted((ROOT / "tests" / "shapes").glob("*.toml"))
 BUILTIN = ["26b-a4b", "31b", "e2b", "e4b", "e4b-wide", "edge-no-softcap"]
 """The built-in GGUF cases llama.cpp runs (edge-keqv-shared-donor aborts it at load: docs/server-dialects.md), and
-``gemma3-270m``, the real Gemma 3 270M GGUF (Q4_K_M: its figures are informational, quantized_activations)."""
+``gemma3-270m``, the real Gemma 3 270M GGUF (Q4_K_M: its quantized activations emulated)."""
 
 TEXTS = ("Hi", "The cat sat down.", "A window of sixteen tokens", "Rain fell on the quiet town all night.",
          "Seven ships sailed past the old stone harbour before the storm came in from the west.",

@@ -58,17 +58,20 @@ def failing(data: dict) -> set[str]:
 
 def test_dialect_defaults_and_declare():
     ls, lcp = DIALECT_NUMERICS["llama-server"], DIALECT_NUMERICS["llama-cpp-python"]
-    assert ls.emulation() == ("gelu_fp16_table", "flash_attn_fp16")
-    assert lcp.emulation() == ("gelu_fp16_table", "kv_cache=float16", "attn_fp16_operands")
+    assert ls.emulation() == ("gelu_fp16_table", "quantized_activations", "flash_attn_fp16")
+    assert lcp.emulation() == ("gelu_fp16_table", "quantized_activations", "kv_cache=float16", "attn_fp16_operands")
     assert DIALECT_NUMERICS["vllm"].sixteen_bit and DIALECT_NUMERICS["vllm"].emulation() == ()
     f32 = declare(ls, parse_declare(["kv_cache=f32", "approximations=gelu_fp16_table,quantized_activations"]))
-    assert f32.kv == "float32" and f32.emulation() == ("gelu_fp16_table",)
+    assert f32.kv == "float32" and f32.emulation() == ("gelu_fp16_table", "quantized_activations")
+    unsaid = declare(f32, parse_declare(["vec_dot_types=none"]))  # quantized activations of unknown types
+    assert unsaid.emulation() == ("gelu_fp16_table",) and unsaid.vec_dot_types is None
     assert f32.source.startswith("--declare kv_cache=float32, approximations=gelu_fp16_table,quantized_activations")
     exact = declare(ls, parse_declare(["approximations=none", "kv_cache=float32"]))
     assert exact.emulation() == () and exact.approximations == ()
     assert Numerics("float32", "bfloat16").emulation() == ("kv_cache=bfloat16",)
     for bad, says in (("kv_cache=fp8", "expected one of"), ("approximations=gelu", "unknown 'gelu'"),
-                      ("dtype", "expected KEY=VALUE"), ("cache=f16", "unknown key")):
+                      ("dtype", "expected KEY=VALUE"), ("cache=f16", "unknown key"),
+                      ("vec_dot_types=cuda", "expected one of")):
         with pytest.raises(InputError, match=says):
             parse_declare([bad])
 

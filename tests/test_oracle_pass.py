@@ -119,7 +119,7 @@ def test_one_token_streams_need_one_pass_and_no_step():
 
 
 def test_expected_sets_follow_the_engine_kinds():
-    assert expected_sets(["llamacpp", "fast"]) == [(), GELU]
+    assert expected_sets(["llamacpp", "fast"]) == [(), (*GELU, "quantized_activations")]
     assert expected_sets(["llamacpp"], skip=("llamacpp",)) == []
     assert expected_sets(["cmd:./x", "transformers"]) == [()]
 

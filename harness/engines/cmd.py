@@ -55,7 +55,7 @@ from ..core.workers import (
 from .base import TOP_N, EngineUnavailable, Generated, TraceFn
 from .numerics import APPROXIMATIONS as KNOWN_APPROXIMATIONS
 from .numerics import DTYPES as NUMERIC_DTYPES
-from .numerics import KV_CACHE_TYPES, Numerics
+from .numerics import KV_CACHE_TYPES, VEC_DOT_TABLES, Numerics
 
 PROTOCOL_VERSION = 1
 """The protocol version this module speaks (``hello``'s ``protocol``)."""
@@ -218,10 +218,13 @@ class CmdEngine:
         approx = ans.get("approximations", [])
         if not isinstance(approx, list) or any(a not in APPROXIMATIONS for a in approx):
             self._fail(where, f"approximations: expected a list of {', '.join(APPROXIMATIONS)}, got {_show(approx)}")
+        vec_dot = ans.get("vec_dot_types")
+        if vec_dot is not None and vec_dot not in VEC_DOT_TABLES:
+            self._fail(where, f"vec_dot_types: expected one of {', '.join(VEC_DOT_TABLES)}, got {_show(vec_dot)}")
         self.ops = tuple(ops)
         self.engine = str(ans.get("engine") or "?")
         self.vocab_size: int | None = vocab
-        self.numerics = Numerics(dtype, kv, tuple(dict.fromkeys(approx)), "declared in hello")
+        self.numerics = Numerics(dtype, kv, tuple(dict.fromkeys(approx)), "declared in hello", vec_dot)
         self.dtype = dtype
         self.approximations = self.numerics.approximations
 

@@ -19,7 +19,10 @@ emulate (:meth:`Numerics.emulation`, :func:`emulate`: llama.cpp's fp16 GELU tabl
 fp16 attention operands and its CPU flash attention), and every figure is gated at ``max(fp32 bound,
 2 x effect)``, where the *effect* is how far the declared approximations move that figure on this model (the
 reference with them against the reference without them): see ``harness/core/gates.py``, :data:`EFFECT_FACTOR`.
-An engine that declares nothing is held to the fp32 bounds.
+An engine that declares nothing is held to the fp32 bounds. ``quantized_activations`` is emulated too (llama.cpp's
+activation rounding, bit for bit: ``reference/activation_quants.py``) where the engine names its dot-product types
+(``vec_dot_types``); on a file with quantized or 16-bit matrices its pair is then judged by the ``<pair>_q8`` gates,
+not by the effect (docs/quantized-activations.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import importlib
 from dataclasses import dataclass, replace
 from typing import Any, ContextManager, Iterable, Mapping
 
+from reference.activation_quants import VEC_DOT_TYPE
 from reference.errors import InputError
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -41,8 +45,10 @@ APPROXIMATIONS: dict[str, str] = {
     "gelu_fp16_table": "GELU read from a table over every fp16 input (llama.cpp's CPU backend, GGML_GELU_FP16): "
                        "emulated with ggml's own table",
     "quantized_activations": "the activations of a matrix product with quantized or 16-bit weights are rounded to "
-                             "the weights' dot-product type first (llama.cpp: Q8_0, Q8_K, F16); not emulated, so on "
-                             "a file with such weights the figures are reported, not gated",
+                             "the weights' dot-product type first (llama.cpp: Q8_0, Q8_1, Q8_K, F16, BF16); emulated "
+                             "with llama.cpp's own table and rounding (reference/activation_quants.py) where the "
+                             "engine's dot-product types are llama.cpp's (vec_dot_types) and every type of the file "
+                             "is in that table",
     "attn_fp16_operands": "with a 16-bit KV cache, the query and the softmax weights are rounded to the cache type "
                           "before their products with K and V (llama.cpp without flash attention: ggml_mul_mat "
                           "converts its f32 operand to the F16 cache's vec_dot type on x86); emulated",
@@ -52,7 +58,7 @@ APPROXIMATIONS: dict[str, str] = {
 }
 """Known approximations an engine may declare, and what the harness does with each."""
 
-EMULATED = ("gelu_fp16_table", "attn_fp16_operands", "flash_attn_fp16")
+EMULATED = ("gelu_fp16_table", "quantized_activations", "attn_fp16_operands", "flash_attn_fp16")
 """The approximations the reference makes too (:func:`emulate`)."""
 
 
@@ -66,12 +72,16 @@ class Numerics:
         approximations: names from :data:`APPROXIMATIONS`, in declaration order.
         source: where the declaration came from, for the report (``hello``, ``llama-server defaults``,
             ``--declare``...).
+        vec_dot_types: with ``quantized_activations``, whose dot-product types the engine rounds to: ``llama.cpp``
+            (:data:`reference.activation_quants.VEC_DOT_TYPE`, llama.cpp's CPU backend), or None when it did not
+            say (then the rounding cannot be emulated: see ``harness/parity/checks/pair.py``).
     """
 
     dtype: str = "float32"
     kv_cache: str | None = None
     approximations: tuple[str, ...] = ()
     source: str = ""
+    vec_dot_types: str | None = None
 
     @property
     def kv(self) -> str:
@@ -85,11 +95,14 @@ class Numerics:
 
     def emulation(self) -> tuple[str, ...]:
         """What the reference makes too, as a hashable key (the reference's shared outputs are kept per key):
-        ``gelu_fp16_table``; the attention as one of ``flash_attn_fp16``, ``kv_cache=<type>`` with or without
+        ``gelu_fp16_table``; ``quantized_activations`` when the engine's dot-product types are known
+        (:data:`VEC_DOT_TABLES`); the attention as one of ``flash_attn_fp16``, ``kv_cache=<type>`` with or without
         ``attn_fp16_operands``; empty for a 16-bit engine (its rounding is everywhere, the 16-bit gates judge it)."""
         if self.sixteen_bit:
             return ()
         out = [a for a in ("gelu_fp16_table",) if a in self.approximations]
+        if "quantized_activations" in self.approximations and self.vec_dot_types in VEC_DOT_TABLES:
+            out.append("quantized_activations")
         if "flash_attn_fp16" in self.approximations:
             out.append("flash_attn_fp16")
         elif self.kv in ("float16", "bfloat16"):
@@ -107,20 +120,26 @@ class Numerics:
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form for ``results.json``."""
         return {"dtype": self.dtype, "kv_cache": self.kv, "approximations": list(self.approximations),
-                "emulated": list(self.emulation()), "source": self.source}
+                "emulated": list(self.emulation()), "source": self.source,
+                **({"vec_dot_types": self.vec_dot_types} if "quantized_activations" in self.approximations else {})}
 
 
 _LLAMACPP = ("gelu_fp16_table", "quantized_activations")
+
+VEC_DOT_TABLES = ("llama.cpp",)
+"""The dot-product tables an engine may name in ``vec_dot_types`` (``hello``, ``--declare``): ``llama.cpp``, the
+CPU backend's ``type_traits_cpu`` (:data:`reference.activation_quants.VEC_DOT_TYPE`)."""
 
 DIALECT_NUMERICS: dict[str, Numerics] = {
     # llama-server (tools/server, common/arg.cpp): --cache-type-k/-v f16, --flash-attn auto, which resolves to
     # enabled on the CPU (llama_context's resolve_fused_ops: "Flash Attention enabled").
     "llama-server": Numerics("float32", "float16", (*_LLAMACPP, "flash_attn_fp16"),
-                             "llama-server defaults: KV cache f16, flash attention auto (on for the CPU)"),
+                             "llama-server defaults: KV cache f16, flash attention auto (on for the CPU)",
+                             "llama.cpp"),
     # llama-cpp-python's server (llama_cpp/server/settings.py): type_k/type_v None (llama.cpp's f16), flash_attn
     # False.
     "llama-cpp-python": Numerics("float32", "float16", (*_LLAMACPP, "attn_fp16_operands"),
-                                 "llama-cpp-python server defaults: KV cache f16, flash attention off"),
+                                 "llama-cpp-python server defaults: KV cache f16, flash attention off", "llama.cpp"),
     # vLLM: --dtype auto takes the checkpoint's torch_dtype, bfloat16 for Gemma checkpoints.
     "vllm": Numerics("bfloat16", None, (), "vLLM default: dtype auto (bfloat16 for Gemma checkpoints)"),
     # any other OpenAI-compatible server (transformers serve: --dtype auto keeps an fp32 checkpoint in fp32): nothing
@@ -131,18 +150,36 @@ DIALECT_NUMERICS: dict[str, Numerics] = {
 
 KIND_NUMERICS: dict[str, Numerics] = {
     "llamacpp": Numerics("float32", "float32", _LLAMACPP,
-                         "the llamacpp engine: F32 KV cache, flash attention off"),
+                         "the llamacpp engine: F32 KV cache, flash attention off", "llama.cpp"),
 }
 """The numerics of the built-in engine kinds that make approximations."""
 
 
-def check_declaration(dtype: Any, kv_cache: Any, approximations: Any, where: str) -> Numerics:
+def emulable_types(types) -> list[str]:
+    """Of the GGML weight types ``types``, those llama.cpp's table (:data:`reference.activation_quants.VEC_DOT_TYPE`)
+    does not hold: :func:`harness.engines.llamacpp.numerics.linear_input_quantized` cannot emulate them. Sorted."""
+    return sorted(t for t in set(types) if t not in VEC_DOT_TYPE)
+
+
+def sum_rounded_types(types) -> list[str]:
+    """Of the GGML weight types ``types``, those whose dot product is Q8_1 (Q4_1, Q5_1): llama.cpp multiplies the
+    weight block's minimum by ``block_q8_1.s``, an fp16 rounding of the activation block's sum, where the product of
+    the rounded row with the dequantized weight takes the exact sum; a relative 2^-11 of that term, on every
+    position, which the row rounding cannot carry (``tests/test_activation_quants.py`` bounds it). Sorted."""
+    return sorted(t for t in set(types) if VEC_DOT_TYPE.get(t) == "Q8_1")
+
+
+def check_declaration(dtype: Any, kv_cache: Any, approximations: Any, where: str,
+                      vec_dot_types: Any = None) -> Numerics:
     """A :class:`Numerics` from declared values, checked.
 
     Raises:
-        InputError: an unknown dtype, KV cache type or approximation (``where`` names the place: ``hello``,
-            ``--declare``).
+        InputError: an unknown dtype, KV cache type, approximation or dot-product table (``where`` names the place:
+            ``hello``, ``--declare``).
     """
+    if vec_dot_types is not None and vec_dot_types not in VEC_DOT_TABLES:
+        raise InputError(f"{where}: vec_dot_types: expected one of {', '.join(VEC_DOT_TABLES)}, got "
+                         f"{vec_dot_types!r}")
     if dtype not in DTYPES:
         raise InputError(f"{where}: dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if kv_cache is not None and kv_cache not in KV_CACHE_TYPES:
@@ -150,7 +187,7 @@ def check_declaration(dtype: Any, kv_cache: Any, approximations: Any, where: str
     if not isinstance(approximations, (list, tuple)) or any(a not in APPROXIMATIONS for a in approximations):
         raise InputError(f"{where}: approximations: expected a list of {', '.join(APPROXIMATIONS)}, "
                          f"got {approximations!r}")
-    return Numerics(dtype, kv_cache, tuple(dict.fromkeys(approximations)))
+    return Numerics(dtype, kv_cache, tuple(dict.fromkeys(approximations)), vec_dot_types=vec_dot_types)
 
 
 def parse_declare(items: Iterable[str]) -> dict[str, Any]:
@@ -181,8 +218,13 @@ def parse_declare(items: Iterable[str]) -> dict[str, Any]:
                 raise InputError(f"--declare approximations={value}: unknown {bad[0]!r} (known: "
                                  f"{', '.join(APPROXIMATIONS)}, or none)")
             out[key] = names
+        elif key == "vec_dot_types":
+            if value not in (*VEC_DOT_TABLES, "none"):
+                raise InputError(f"--declare vec_dot_types={value}: expected one of {', '.join(VEC_DOT_TABLES)}, "
+                                 "or none")
+            out[key] = None if value == "none" else value
         else:
-            raise InputError(f"--declare {key}: unknown key (known: dtype, kv_cache, approximations)")
+            raise InputError(f"--declare {key}: unknown key (known: dtype, kv_cache, approximations, vec_dot_types)")
     return out
 
 
@@ -204,6 +246,12 @@ def emulate(key: Iterable[str]) -> ContextManager:
     stack = contextlib.ExitStack()
     if "gelu_fp16_table" in key:
         stack.enter_context(llamacpp_numerics())
+    if "quantized_activations" in key:
+        stack.enter_context(emulations.quantized_activations_numerics())
+    if "jitter" in key:  # after the rounding it perturbs the input of (harness/parity/checks/pair.py)
+        stack.enter_context(emulations.jitter_numerics())
+    if "quantized_activations_q8" in key:  # the yardstick where the engine's rounding cannot be emulated
+        stack.enter_context(emulations.coarse_q8_numerics())
     kv = next((k.split("=", 1)[1] for k in key if k.startswith("kv_cache=")), None)
     if "flash_attn_fp16" in key or kv is not None:
         stack.enter_context(attention_numerics(kv=kv, operands="attn_fp16_operands" in key,

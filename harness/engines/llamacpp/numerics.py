@@ -18,8 +18,11 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+import fast.activation_quants as fq
 import fast.model as fm
 import reference.audio as ra
+import reference.activation_quants as rq
+from reference.activation_quants import round_activations
 import reference.model as rm
 import reference.vision as rv
 
@@ -128,6 +131,117 @@ def llamacpp_numerics() -> Iterator[None]:
         yield
     finally:
         rm.gelu_tanh, fm.gelu_tanh = original, original_fast
+
+
+def linear_input_quantized(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """:func:`reference.model.linear_input` as llama.cpp's CPU backend takes a matrix product's input: rounded to
+    the dot-product type of ``w``'s GGML type (:func:`reference.activation_quants.round_activations`; the type is
+    the one a GGUF's weight carries, :class:`reference.weights.GGMLArray`; none for F32 weights and for weights
+    with no GGML type). [..., in], [out, in] -> [..., in].
+
+    Raises:
+        KeyError: a GGML type llama.cpp's table (:data:`reference.activation_quants.VEC_DOT_TYPE`) does not hold;
+            the harness checks the file's types before it emulates
+            (:func:`harness.engines.numerics.emulable_types`).
+    """
+    return round_activations(x, getattr(w, "ggml_type", None))
+
+
+def rms_norm_fp32(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """:func:`reference.model.rms_norm` in llama.cpp's float32 steps (``ggml_compute_forward_rms_norm_f32`` and its
+    fusion with the weight's ``mul``, ``ggml/src/ggml-cpu/ops.cpp``): ``sum`` of the float32 squares in double,
+    ``mean = fp32(sum / n)``, ``scale = fp32(1 / sqrtf(mean + eps))``, ``y = fp32(fp32(x * scale) * w)``.
+
+    Why an emulation needs it: the int8 rounding of a product's input decides each value to the nearest integer of
+    ``x * 127 / amax``, so the input must carry llama.cpp's float32 bits, not the float64 value rounded once. Where
+    the input is a norm of an exact value (the first layer's, of a quantized embedding row, whose ratios of small
+    integers make exact .5 ties common on the synthetic files), the float64 norm rounded to float32 sits on the other
+    side of a tie in 1 value of ~60 (measured on e2b Q8_0: one flipped int8 moves that token's first query by 2e-3).
+    [..., n], [n] or None, eps -> [..., n] float64 (float32 values)."""
+    x32 = np.asarray(x, dtype=np.float64).astype(np.float32)
+    sq = (x32 * x32).astype(np.float64)
+    mean = (np.sum(sq, axis=-1, keepdims=True) / x32.shape[-1]).astype(np.float32)
+    scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps)).astype(np.float32)
+    y = (x32 * scale).astype(np.float32)
+    if weight is not None:
+        y = (y * np.asarray(weight, dtype=np.float64).astype(np.float32)).astype(np.float32)
+    return y.astype(np.float64)
+
+
+@contextlib.contextmanager
+def quantized_activations_numerics() -> Iterator[None]:
+    """While inside, every matrix product of the reference takes its input as llama.cpp does
+    (:func:`linear_input_quantized` swapped into :func:`reference.model.linear_input`): each product whose weight is
+    stored quantized or in 16 bits gets its input row rounded to that weight's dot-product type (Q8_0, Q8_1, Q8_K,
+    F16, BF16), then is computed in float64 with the exact dequantized weight; every RMSNorm runs in llama.cpp's
+    float32 steps (:func:`rms_norm_fp32`: the rounding of the product after it depends on those bits). What is left
+    against llama.cpp is its fp32 accumulation, and the int8 roundings its fp32 activations take the other way
+    where they differ from ours in the last bits (rare, but each moves one value by one step). The fast twin is not
+    swapped (``--oracle fast`` cannot emulate it: see ``harness/parity/checks/pair.py``). Restores on exit (not
+    thread-safe)."""
+    original, norm = rm.linear_input, rm.rms_norm
+    rm.linear_input, rm.rms_norm = linear_input_quantized, rms_norm_fp32
+    try:
+        yield
+    finally:
+        rm.linear_input, rm.rms_norm = original, norm
+
+
+JITTER = 2.0 ** -22
+"""Relative size of the perturbation :func:`jitter_numerics` puts on each input before its rounding: a few fp32
+units in the last place, the size of the float32 difference between llama.cpp's activations and the reference's."""
+
+
+@contextlib.contextmanager
+def jitter_numerics(seed: int = 0) -> Iterator[None]:
+    """Inside :func:`quantized_activations_numerics`: every product's input is first multiplied by ``1 + JITTER * u``
+    (``u`` uniform in [-1, 1], a fixed-seed stream), so that the int8 roundings near a midpoint go the other way as
+    they do in an engine whose fp32 values differ from ours in their last bits. The reference against itself so
+    perturbed shows what those flips alone do on this model and prompt (``harness/parity/checks/pair.py``,
+    ``agreeing_positions``). Restores on exit (not thread-safe)."""
+    rng = np.random.default_rng(seed)
+    inner = rm.linear_input
+
+    def jittered(x, w):
+        x = np.asarray(x, dtype=np.float64)
+        return inner(x * (1.0 + JITTER * rng.uniform(-1.0, 1.0, x.shape)), w)
+
+    rm.linear_input = jittered
+    try:
+        yield
+    finally:
+        rm.linear_input = inner
+
+
+def round_coarse_q8(x, weight_type: str | None = "Q8_0"):
+    """The yardstick of an 8-bit activation rounding whose types are not known (``quantized_activations_q8``):
+    ``x`` rounded as llama.cpp rounds for K-quants (Q8_K, blocks of 256) where the row allows, else Q8_0 (blocks of
+    32), else unchanged; unchanged too for an F32 weight or one with no type. NumPy or torch in, float64 or the
+    tensor's dtype out. [..., in] -> [..., in]."""
+    if weight_type in (None, "F32"):
+        return x
+    n = x.shape[-1]
+    if isinstance(x, torch.Tensor):
+        fn = fq.q8_K if n % 256 == 0 else fq.q8_0 if n % 32 == 0 else None
+        return x if fn is None else fn(x).to(x.dtype)
+    fn = rq.q8_K if n % 256 == 0 else rq.q8_0 if n % 32 == 0 else None
+    return x if fn is None else fn(x)
+
+
+@contextlib.contextmanager
+def coarse_q8_numerics() -> Iterator[None]:
+    """While inside, the reference rounds the input of every product with a quantized or 16-bit weight by
+    :func:`round_coarse_q8`, and the fast twin (which keeps no weight type) the input of every product: how far an
+    8-bit activation rounding of unknown types moves this model (the yardstick of ``harness/parity/checks/pair.py``
+    for an engine whose rounding cannot be emulated; ``harness.sweep.tasks.sensitivity_run`` measures the same
+    way). Restores on exit (not thread-safe)."""
+    original, original_fast = rm.linear_input, fm.linear
+    rm.linear_input = lambda x, w: round_coarse_q8(x, getattr(w, "ggml_type", None))
+    fm.linear = lambda x, w: original_fast(round_coarse_q8(x), w)
+    try:
+        yield
+    finally:
+        rm.linear_input, fm.linear = original, original_fast
 
 
 def fp16(x: np.ndarray) -> np.ndarray:

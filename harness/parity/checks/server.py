@@ -796,13 +796,14 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
 def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> list[Figure]:
     """Figures judged against the oracle's numbers or streams (prompt log-probs; stop and EOS, whose streams part from
     the oracle's where the server's rounding decides a token the other way) of a server that rounds activations for
-    quantized weights, on such a file: informational with the reason the pair's own figures carry
-    (:data:`harness.parity.checks.pair.QUANTIZED_ACTIVATIONS`)."""
+    quantized weights, on such a file: judged as they are when the oracle emulates the rounding, else informational
+    with the reason the pair's own figures carry (:data:`harness.parity.checks.pair.QUANTIZED_ACTIVATIONS`)."""
     types = runs.unemulated_types() if "quantized_activations" in getattr(eng, "approximations", ()) else []
-    if types:
+    gap = runs.emulation_gap(engine_numerics(eng, "openai"), types) if types else None
+    if gap is not None:
         for f in figs:
-            f.detail.setdefault("informational_reason",
-                                QUANTIZED_ACTIVATIONS.format(engine=eng.dialect, types="/".join(types)))
+            f.detail.setdefault("informational_reason", QUANTIZED_ACTIVATIONS.format(
+                engine=eng.dialect, types="/".join(types), why=gap, pair=f"{runs.name}~openai"))
     return figs
 
 

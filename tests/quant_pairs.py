@@ -1,0 +1,77 @@
+"""The ``llamacpp`` engine on a quantized GGUF (correct, or a faulty copy: :mod:`quant_faults`) against the reference
+on the correct file, judged as ``g4h parity`` judges the pair (``harness/parity/checks/pair.py``, the gates of
+``harness/core/gates.py``); for tests/test_quantized_gates.py and the figures of docs/quantized-activations.md.
+
+    python tests/quant_pairs.py FILE.gguf [TENSOR ...]   # the correct file, then one faulty copy per tensor
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quant_faults import scale_rows  # noqa: E402
+
+from harness.core.cases import load_prompts  # noqa: E402
+from harness.core.gates import DEFAULT_GATES  # noqa: E402
+from harness.engines import make_engine  # noqa: E402
+from harness.engines.reference import ReferenceEngine  # noqa: E402
+from harness.parity.checks.pair import ReferenceRuns, _measure  # noqa: E402
+from harness.parity.result import CaseResult  # noqa: E402
+
+
+def judge(runs: ReferenceRuns, engine_file: str | Path, prompts, n_tokens: int = 8) -> dict[str, Any]:
+    """The pair ``reference~llamacpp`` with the engine on ``engine_file`` and the reference of ``runs``: whether it
+    passes, and per gate the worst figure, its limit, and the worst figure against the exact reference."""
+    eng = make_engine("llamacpp", engine_file)
+    try:
+        figs = _measure(runs, eng, "llamacpp", "reference~llamacpp", prompts, lambda m: None, "q", n_tokens)
+    finally:
+        close = getattr(eng, "close", None)
+        if close:
+            close()
+    res = CaseResult(case="q", kind="user", model=str(engine_file))
+    res.apply(figs, DEFAULT_GATES)
+    out: dict[str, Any] = {"passed": res.passed, "gates": {}}
+    for c in res.checks:
+        g = out["gates"].setdefault(c["gate"], {"worst": None, "limit": c["limit"], "exact": None, "fail": 0,
+                                                "informational": bool(c.get("informational"))})
+        worse = (lambda a, b: a > b) if c["op"] == "le" else (lambda a, b: a < b)
+        if g["worst"] is None or worse(c["measured"], g["worst"]):
+            g["worst"] = c["measured"]
+        ex = c.get("vs_exact_reference")
+        if ex is not None and (g["exact"] is None or worse(ex, g["exact"])):
+            g["exact"] = ex
+        g["fail"] += 0 if (c["pass"] or c.get("informational")) else 1
+    return out
+
+
+def prompts_for(path: str | Path, cfg, n: int | None = None) -> list[dict[str, Any]]:
+    """The synthetic prompt set within the model's vocabulary (the first ``n``)."""
+    ps = [p for p in load_prompts() if max(p["prompt_ids"]) < cfg.vocab_size]
+    return ps[:n] if n else ps
+
+
+def main(argv: list[str]) -> int:
+    path, tensors = argv[0], argv[1:]
+    ref = ReferenceEngine(path)
+    runs = ReferenceRuns(ref)
+    prompts = prompts_for(path, ref.cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, f in [("correct", path)] + [(t, scale_rows(path, Path(tmp) / f"{i}.gguf", t))
+                                               for i, t in enumerate(tensors)]:
+            r = judge(runs, f, prompts)
+            print(f"{Path(path).name} {label}: {'PASS' if r['passed'] else 'FAIL'}")
+            for g, v in r["gates"].items():
+                ex = "" if v["exact"] is None else f" (exact reference: {v['exact']:.3g})"
+                print(f"  {g}: {v['worst']:.3g} vs {v['limit']:.3g}{ex}{' FAIL' if v['fail'] else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,282 @@
+"""llama.cpp's quantized activations (reference/activation_quants.py, its torch twin fast/activation_quants.py)
+against the built llama.cpp itself, through ctypes on the ggml libraries the harness builds (the ones
+llama-cpp-python loads):
+
+* the weight type -> dot-product type table, every row, against ``ggml_get_type_traits_cpu(t)->vec_dot_type``;
+* each activation quantizer (Q8_0, Q8_1, Q8_K, F16, BF16) bit for bit against the CPU backend's own ``from_float``
+  (what ``ggml_compute_forward_mul_mat`` runs) on adversarial rows: zeros, exact .5 ties, huge and tiny values,
+  subnormals, one outlier per block, a negative maximum, both signs of the maximum; and the scalar reference
+  (``ggml_quantize_chunk``: ``quantize_row_q8_0_ref``, ``roundf``) shown to differ from it on ties;
+* one dot product per weight type (the library's ``vec_dot`` on the library's own quantized row and the library's
+  converted activation) against the float64 product of our rounded activation with the exact dequantized weight,
+  within the fp32 accumulation bound :func:`fp32_bound` derives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import fast.activation_quants as fq
+import reference.activation_quants as rq
+
+GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q8_1": 9, "Q2_K": 10,
+              "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_K": 15, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18,
+              "IQ1_S": 19, "IQ4_NL": 20, "IQ3_S": 21, "IQ2_S": 22, "IQ4_XS": 23, "IQ1_M": 29, "BF16": 30,
+              "TQ1_0": 34, "TQ2_0": 35, "MXFP4": 39, "NVFP4": 40, "Q1_0": 41, "Q2_0": 42}
+"""``enum ggml_type`` of ``ggml/include/ggml.h`` (llama-cpp-python 0.3.36's llama.cpp)."""
+
+FROM_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+VEC_DOT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                           ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+class TraitsCPU(ctypes.Structure):
+    """``struct ggml_type_traits_cpu`` (``ggml/include/ggml-cpu.h``)."""
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]
+
+
+def _lib_dir() -> Path:
+    if os.environ.get("G4H_SKIP_LLAMACPP", "") not in ("", "0"):
+        pytest.skip("opted out with G4H_SKIP_LLAMACPP=1")
+    try:
+        import llama_cpp
+    except ImportError as e:
+        pytest.fail(f"llama-cpp-python is not installed ({e}); nox -s tests installs it (G4H_SKIP_LLAMACPP=1 opts "
+                    "out)", pytrace=False)
+    return Path(llama_cpp.__file__).parent / "lib"
+
+
+@pytest.fixture(scope="module")
+def ggml():
+    d = _lib_dir()
+    base = ctypes.CDLL(str(d / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(str(d / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu.ggml_cpu_init()
+    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(TraitsCPU)
+    cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
+    base.ggml_row_size.restype = ctypes.c_size_t
+    base.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    base.ggml_quantize_chunk.restype = ctypes.c_size_t
+    base.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    base.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    base.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+    return base, cpu
+
+
+def _from_float(ggml, vtype: str, x: np.ndarray) -> np.ndarray:
+    """The CPU backend's ``from_float`` of ``vtype`` on the float32 row ``x``: the bytes it writes."""
+    base, cpu = ggml
+    fn = FROM_FLOAT(cpu.ggml_get_type_traits_cpu(GGML_TYPES[vtype]).contents.from_float)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.zeros(base.ggml_row_size(GGML_TYPES[vtype], x.size), dtype=np.uint8)
+    fn(x.ctypes.data, out.ctypes.data, x.size)
+    return out
+
+
+def adversarial_rows(n: int = 512, seed: int = 0) -> np.ndarray:
+    """Rows of ``n`` float32 values that stress the rounding: random of every scale, zeros, exact .5 ties after
+    scaling (a block whose maximum is 127 holds k + 0.5), huge and tiny magnitudes, subnormals, one outlier per
+    block, a negative maximum, both signs of the maximum (the negative first), a NaN-free extreme near fp16's
+    overflow. [rows, n] float32."""
+    rng = np.random.default_rng(seed)
+    rows = [rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3) for _ in range(6)]
+    rows.append(np.zeros(n))
+    ties = np.tile(np.concatenate([[127.0], np.arange(31) * 0.5 - 7.5]), n // 32)  # amax 127: x * 127/127 = x
+    rows += [ties, -ties, ties * 2.0 ** -20]
+    rows.append(rng.standard_normal(n) * 1e30)
+    rows.append(rng.standard_normal(n) * 1e-30)
+    rows.append(np.full(n, 1e-45) * rng.integers(-3, 4, n))  # subnormals (multiples of the smallest)
+    rows.append(rng.standard_normal(n) * 1e-39)  # subnormal scale: 127/amax overflows to inf
+    out = rng.standard_normal(n)
+    out[::32] = 1000.0  # one outlier per block of 32
+    rows.append(out)
+    neg = rng.uniform(0, 1, n)
+    neg[::256] = -5.0  # the largest magnitude negative: Q8_K's d > 0
+    rows.append(neg)
+    both = rng.uniform(-1, 1, n)
+    both[3::256], both[7::256] = -2.0, 2.0  # +amax and -amax in one block, the negative first
+    rows.append(both)
+    big = rng.uniform(-1, 1, n) * 60000.0  # near fp16's largest finite value
+    rows.append(big)
+    x = np.stack(rows).astype(np.float32)
+    return x
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def test_vec_dot_table_is_the_librarys(ggml):
+    """Every weight type's dot-product type, as the built library's ``type_traits_cpu`` says."""
+    _, cpu = ggml
+    names = {v: k for k, v in GGML_TYPES.items()}
+    for name, t in GGML_TYPES.items():
+        tr = cpu.ggml_get_type_traits_cpu(t).contents
+        if name in ("Q8_K",):  # an activation type only: no vec_dot_type
+            assert name not in rq.VEC_DOT_TYPE
+            continue
+        assert rq.VEC_DOT_TYPE.get(name) == names[tr.vec_dot_type], name
+
+
+# --------------------------------------------------------------------------- the quantizers, bit for bit
+
+
+def _fields_q8_0(raw: np.ndarray, nb: int):
+    b = raw.reshape(nb, 34)
+    return b[:, :2].copy().view(np.float16)[:, 0], b[:, 2:].copy().view(np.int8)
+
+
+def test_q8_0_bit_for_bit(ggml):
+    for row in adversarial_rows():
+        d, qs = rq.quantize_q8_0(row.astype(np.float64))
+        theirs_d, theirs_qs = _fields_q8_0(_from_float(ggml, "Q8_0", row), row.size // 32)
+        assert np.array_equal(d.view(np.uint16), theirs_d.view(np.uint16))
+        assert np.array_equal(qs, theirs_qs)
+
+
+def test_q8_1_bit_for_bit(ggml):
+    for row in adversarial_rows():
+        d, s, qs = rq.quantize_q8_1(row.astype(np.float64))
+        b = _from_float(ggml, "Q8_1", row).reshape(-1, 36)
+        assert np.array_equal(d.view(np.uint16), b[:, 0:2].copy().view(np.uint16)[:, 0])
+        assert np.array_equal(s.view(np.uint16), b[:, 2:4].copy().view(np.uint16)[:, 0])
+        assert np.array_equal(qs, b[:, 4:].copy().view(np.int8))
+
+
+def test_q8_K_bit_for_bit(ggml):
+    for row in adversarial_rows():
+        d, qs, bsums = rq.quantize_q8_K(row.astype(np.float64))
+        b = _from_float(ggml, "Q8_K", row).reshape(-1, 4 + 256 + 32)  # float d, int8 qs[256], int16 bsums[16]
+        assert np.array_equal(d.view(np.uint32), b[:, 0:4].copy().view(np.uint32)[:, 0])
+        assert np.array_equal(qs, b[:, 4:260].copy().view(np.int8))
+        assert np.array_equal(bsums, b[:, 260:].copy().view(np.int16))
+
+
+@pytest.mark.parametrize("vtype", ["F16", "BF16"])
+def test_16_bit_bit_for_bit(ggml, vtype):
+    for row in adversarial_rows():
+        ours = getattr(rq, vtype.lower())(row.astype(np.float64))
+        theirs = _from_float(ggml, vtype, row).view(np.uint16)
+        as_float = theirs.view(np.float16).astype(np.float64) if vtype == "F16" else \
+            (theirs.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        assert np.array_equal(ours, as_float, equal_nan=True), vtype
+
+
+def test_round_trips_are_the_fields_and_fast_agrees():
+    """The round trips are ``d * q`` of the fields (exactly), and the torch twin gives the same values bit for bit."""
+    for row in adversarial_rows():
+        x = row.astype(np.float64)
+        d, qs = rq.quantize_q8_0(x)
+        with np.errstate(all="ignore"):
+            assert np.array_equal(rq.q8_0(x), (qs * d.astype(np.float64)[:, None]).ravel(), equal_nan=True)
+        for name in ("q8_0", "q8_1", "q8_K", "f16", "bf16"):
+            with np.errstate(all="ignore"):
+                ours = getattr(rq, name)(x)
+            twin = getattr(fq, name)(torch.from_numpy(x)).numpy()
+            assert np.array_equal(ours, twin, equal_nan=True), name
+
+
+def test_scalar_reference_rounds_ties_away_the_simd_path_to_even(ggml):
+    """What the CPU backend runs (AVX: ``_mm256_round_ps``, nearest even) is not the scalar reference
+    ``quantize_row_q8_0_ref`` that ``ggml_quantize_chunk`` runs (``roundf``: half away from zero): on a block whose
+    maximum is 127, x = 2.5 is 2 in the first and 3 in the second. The emulation follows the first."""
+    base, _ = ggml
+    row = adversarial_rows()[7]  # the ties row
+    simd = _fields_q8_0(_from_float(ggml, "Q8_0", row), row.size // 32)[1]
+    out = np.zeros(base.ggml_row_size(GGML_TYPES["Q8_0"], row.size), dtype=np.uint8)
+    base.ggml_quantize_chunk(GGML_TYPES["Q8_0"], row.ctypes.data, out.ctypes.data, 0, 1, row.size, None)
+    scalar = _fields_q8_0(out, row.size // 32)[1]
+    ours = rq.quantize_q8_0(row.astype(np.float64))[1]
+    assert np.array_equal(ours, simd)
+    i = int(np.nonzero(row == 2.5)[0][0])
+    assert (simd.ravel()[i], scalar.ravel()[i]) == (2, 3)
+
+
+# --------------------------------------------------------------------------- one product per weight type
+
+PRODUCT_TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                 "IQ4_NL", "IQ4_XS"]
+
+U = 2.0 ** -24
+"""fp32's unit roundoff."""
+
+
+def fp32_bound(x_hat: np.ndarray, w: np.ndarray, block: int) -> float:
+    """How far llama.cpp's fp32 dot product may lie from the float64 one of the same rounded activation ``x_hat``
+    and dequantized weight row ``w``, both [n].
+
+    Derivation: per block (32 or 256 values, or 16 in the K-quants' sub-blocks) the integer sums are exact; each
+    block's term is the sum times scales, formed in at most 3 fp32 roundings (the two scales' product, the min's
+    product with the block sum of Q8_1/Q8_K, the conversion); the terms of the ``K = n/16`` sub-blocks at most are
+    added in fp32 (at most ``K`` roundings each, first order). A K-quant term subtracts a min part from a scale part,
+    each bounded by the block's ``max|w|`` times ``sum|x_hat|`` (the weight ``d*sc*q - dmin*m`` lies between
+    them), and gguf.quants' float32 dequantized weight differs from the exact block value by up to 3 roundings of
+    the same parts. So ``|err| <= (K + 6) * u * 2 * sum_blocks(max|w_b| * sum_b|x_hat|)``, u = 2^-24. The 16-bit
+    types: fp32 products and sums, ``(n + 2) * u * sum|x_hat * w|``."""
+    if block == 1:
+        return (x_hat.size + 2) * U * float(np.sum(np.abs(x_hat * w)))
+    k = x_hat.size // 16
+    xb, wb = np.abs(x_hat).reshape(-1, block), np.abs(w).reshape(-1, block)
+    return (k + 6) * U * 2.0 * float(np.sum(wb.max(axis=1) * xb.sum(axis=1)))
+
+
+def q8_1_sum_bound(x: np.ndarray, w: np.ndarray) -> float:
+    """What the emulation leaves on a Q4_1/Q5_1 product beyond fp32: llama.cpp multiplies each weight block's
+    minimum ``m`` by the activation block's ``s = fp16(d32 * sum(q))`` (``block_q8_1``), where the float64 product
+    with the rounded row takes ``d16 * sum(q)``: per block ``|m| * |s - d16 * sum(q)|``, with ``|m| <= max|w_b|``.
+    The row rounding cannot carry it (it is a property of the block sum, not of any element)."""
+    d, s, qs = rq.quantize_q8_1(x.astype(np.float64))
+    total = qs.astype(np.float64).sum(axis=-1)
+    gap = np.abs(s.astype(np.float64) - d.astype(np.float64) * total)
+    return float(np.sum(np.abs(w).reshape(-1, 32).max(axis=1) * gap))
+
+
+def _quantize_weight(ggml, wtype: str, w: np.ndarray) -> np.ndarray:
+    """One weight row in ``wtype`` as llama.cpp's quantizer writes it (``ggml_quantize_chunk``)."""
+    base, _ = ggml
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    out = np.zeros(base.ggml_row_size(GGML_TYPES[wtype], w.size), dtype=np.uint8)
+    base.ggml_quantize_chunk(GGML_TYPES[wtype], w.ctypes.data, out.ctypes.data, 0, 1, w.size, None)
+    return out
+
+
+@pytest.mark.parametrize("wtype", PRODUCT_TYPES)
+def test_one_product_per_weight_type(ggml, wtype):
+    """The library's ``vec_dot`` of a weight row (quantized by the library) with an activation row (converted by
+    the library's ``from_float`` of the dot-product type) against our float64 product of the rounded activation
+    (:func:`reference.activation_quants.round_activations`) with the exact dequantized weight (gguf.quants, as the
+    reference reads a GGUF), within :func:`fp32_bound`; and the rounding matters: without it, the gap is larger
+    than the bound (the 8-bit types)."""
+    _, cpu = ggml
+    n = 1024
+    rng = np.random.default_rng(GGML_TYPES[wtype])
+    vtype = rq.VEC_DOT_TYPE[wtype]
+    block = {"Q8_0": 32, "Q8_1": 32, "Q8_K": 256}.get(vtype, 1)
+    worst = 0.0
+    for seed in range(8):
+        x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n))).astype(np.float32)  # heavy-ish tails
+        w = (rng.standard_normal(n) * 0.05).astype(np.float32)
+        wq = _quantize_weight(ggml, wtype, w)
+        w_deq = gguf.quants.dequantize(wq, gguf.GGMLQuantizationType(GGML_TYPES[wtype])).astype(np.float64).ravel()
+        xq = _from_float(ggml, vtype, x)
+        tr = cpu.ggml_get_type_traits_cpu(GGML_TYPES[wtype]).contents
+        s = np.zeros(1, dtype=np.float32)
+        VEC_DOT(tr.vec_dot)(n, s.ctypes.data, 0, wq.ctypes.data, 0, xq.ctypes.data, 0, 1)
+        x_hat = rq.round_activations(x.astype(np.float64), wtype)
+        ours = float(x_hat @ w_deq)
+        bound = fp32_bound(x_hat, w_deq, block) + (q8_1_sum_bound(x, w_deq) if vtype == "Q8_1" else 0.0)
+        gap = abs(float(s[0]) - ours)
+        assert gap <= bound, f"{wtype} seed {seed}: |ggml - ours| = {gap:.3g} > bound {bound:.3g}"
+        worst = max(worst, gap / bound)
+        if block > 1 and seed == 0:
+            plain = abs(float(s[0]) - float(x.astype(np.float64) @ w_deq))
+            assert plain > bound, f"{wtype}: the unrounded product is already within the bound ({plain:.3g})"
+    print(f"{wtype}: worst |ggml - ours| / bound = {worst:.3g}")
