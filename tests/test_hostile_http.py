@@ -126,7 +126,10 @@ except EngineFailure as e:
     out.update(kind="engine", exit=1, msg=str(e), index=e.index, step=e.step)
 except InputError as e:
     out.update(kind="input", exit=2, msg=str(e))
-out.update(seconds=round(time.monotonic() - t0, 2), rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+# VmHWM: this process's own peak (ru_maxrss would carry the forking pytest worker's peak across the exec)
+hwm = [int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:")]
+out.update(seconds=round(time.monotonic() - t0, 2),
+           rss_mb=(hwm[0] if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) // 1024)
 print(json.dumps(out))
 """
 
