@@ -134,7 +134,7 @@ def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Seq
         first.detail["explanation"] = {"status": "not_run", "line": f"not explained: the engine failed when asked "
                                        f"again ({str(e).splitlines()[0] if str(e) else type(e).__name__})"}
         return
-    approx = engine_numerics(eng, kind).emulation()  # the reference makes the engine's declared approximations
+    approx = getattr(runs, "effective", tuple)(engine_numerics(eng, kind).emulation())  # the declared approximations
     eff = effects(figures)
     lp_gate = DEFAULT_GATES.get(f"{pair}.max_abs_logprob")  # the pair's near-tie margin is taken from it too
     near_tie = None

@@ -750,7 +750,7 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
     alone = {rid: a[0] for rid, a in answers.items()}
     alone_s = {rid: a[1] for rid, a in answers.items()}
     eos_ids = _eos_ids(tok, path)
-    approx = engine_numerics(eng, "openai").emulation()
+    approx = runs.effective(engine_numerics(eng, "openai").emulation())
     lp_effect, _ = runs.logprob_effect(approx, fit, n, opts.top_n)
     near_tie = near_tie_margin(effect_limit(gate_for(DEFAULT_GATES, f"{pair}.max_abs_logprob"), lp_effect))
     o_streams = oracle_streams(runs, approx, fit, n, eos_ids, opts.top_n, near_tie)
