@@ -129,8 +129,11 @@ def _mutate(valid: Any, path: tuple, how: str, new: Any) -> tuple[str, bytes]:
 
 
 def _cmd_try(model: Path, cls: str, action: str, reply: bytes = b"") -> str:
+    # make_engine takes no timeout for cmd: (the CLI's route): the environment, restored after the try (left set,
+    # it reached the Ray workers of a later test on this pytest worker and cut their engines' waits to 3 s)
+    saved = {k: os.environ.get(k) for k in ("G4H_REPLAY", TIMEOUT_ENV)}
     os.environ["G4H_REPLAY"] = json.dumps({"action": action, "reply": base64.b64encode(reply).decode()})
-    os.environ[TIMEOUT_ENV] = str(TIMEOUT)  # make_engine takes no timeout for cmd: (the CLI's route)
+    os.environ[TIMEOUT_ENV] = str(TIMEOUT)
     t0 = time.monotonic()
     try:
         eng = make_engine("cmd:" + shlex.join([sys.executable, str(REPLAY)]), model)
@@ -146,6 +149,12 @@ def _cmd_try(model: Path, cls: str, action: str, reply: bytes = b"") -> str:
     except Exception as e:  # noqa: BLE001  a traceback: recorded with where it came from (see test_zz)
         outcome = "TRACEBACK"
         TRACEBACKS.add(f"{_where(e)}: {type(e).__name__}: {e}"[:200] + f"  [cmd {cls}]")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     took = time.monotonic() - t0
     SLOWEST["cmd"] = max(SLOWEST["cmd"], took)
     TABLE[("cmd", cls)][outcome.split(":")[0] if outcome.startswith("BAD") else outcome] += 1
