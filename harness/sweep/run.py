@@ -125,11 +125,9 @@ def _row_task(tracker, key, path, engine, prompts, base, new_tokens, top_n, thre
 def dead_row(e: BaseException, timed_out: bool, timeout: float | None) -> tuple[str, str]:
     """``(status, reason)`` of a task that did not return (see :mod:`.judge`)."""
     first = _first_line(e)
-    if timed_out and isinstance(e, (rex.TaskCancelledError, rex.WorkerCrashedError)):
-        # The sweep cancelled it with force=True, which kills its worker: Ray reports that as a cancellation or, when
-        # the kill lands first (a loaded machine), as the worker's crash. Either way the sweep's own kill.
-        return "timeout", f"ran past --task-timeout {timeout:g} s: cancelled (its worker killed)"
     if isinstance(e, rex.TaskCancelledError):
+        if timed_out:
+            return "timeout", f"ran past --task-timeout {timeout:g} s: cancelled (its worker killed)"
         return "error", "cancelled"
     if isinstance(e, rex.OutOfMemoryError):
         return "oom", f"killed by Ray's memory monitor (the node ran short of memory): {first}"
