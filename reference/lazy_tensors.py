@@ -47,9 +47,9 @@ class LazyTensor:
             dtype name such as ``BF16``).
         read: returns the whole tensor as a float array of ``shape`` (float32 for stored
             F32/F16/BF16/quantized data; the loader may transform it).
-        read_rows: returns rows ``index`` of a 2-D tensor (a slice or an int64 array; float array
-            ``[n, shape[1]]``), reading only those rows' bytes; None when the tensor is not 2-D
-            or its rows cannot be read apart.
+        read_rows: returns rows ``index`` (first dimension) of a tensor of 2 dims or more (a slice or an
+            int64 array; float array ``[n, *shape[1:]]``: an expert stack's rows are experts), reading only
+            those rows' bytes; None when the tensor has one dimension or its rows cannot be read apart.
         stored: GGUF only: the tensor's bytes as mapped (``GGUFFile.view``, no copy).
         source: the file the tensor comes from (for messages).
         key: the tensor's name in that file.

@@ -222,17 +222,25 @@ def expert_ffn(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.n
     return w_down @ linear_input(gelu_tanh(gu[:F]) * gu[F:], w_down)
 
 
-def moe_experts(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, idx: np.ndarray,
-                weights: np.ndarray) -> np.ndarray:
-    """Weighted sum of the chosen experts' MLPs (:func:`expert_ffn`), token by token.
+def moe_experts(x: np.ndarray, w_gate_up, w_down, idx: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Weighted sum of the chosen experts' MLPs (:func:`expert_ffn`), token by token, in the order of ``idx[t]``.
 
-    [T, h], [E, 2F, h], [E, h, F], [T, K], [T, K] -> [T, h]. Source: transformers ``Gemma4TextExperts``.
+    [T, h], [E, 2F, h], [E, h, F], [T, K], [T, K] -> [T, h]; the stacks may be any mapping expert -> matrix that
+    holds the experts of ``idx`` (:func:`expert_weights`). Source: transformers ``Gemma4TextExperts``.
     """
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
         for e, wgt in zip(idx[t], weights[t]):
             out[t] += wgt * expert_ffn(x[t], w_gate_up[e], w_down[e])
     return out
+
+
+def expert_weights(W, name: str, chosen: np.ndarray):
+    """The experts ``chosen`` of the stack ``name`` (``[E, out, in]``), indexable by expert: ``W.experts`` where the
+    weights have it (:meth:`reference.weights.Weights.experts`: only those experts are read and dequantized),
+    else the whole stack ``W[name]`` (a plain mapping). The values are the same either way."""
+    experts = getattr(W, "experts", None)
+    return W[name] if experts is None else experts(name, chosen)
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -342,12 +350,15 @@ def attention_block(cfg: ModelConfig, layer: LayerSpec, W, x: np.ndarray, positi
 def moe_block(cfg: ModelConfig, layer: LayerSpec, W, attn_out: np.ndarray) -> np.ndarray:
     """The MoE branch: route the residual ``attn_out``, run the experts on its ``pre_ffw_norm_2`` norm,
     then ``post_ffw_norm_2``. [T, h] -> [T, h]. Source: transformers ``Gemma4TextDecoderLayer.forward``.
+
+    Only the experts the tokens chose are read (:func:`expert_weights`): a token uses K of the E experts.
     """
     b, eps = f"blk.{layer.index}.", cfg.rms_eps
     idx, wgt = moe_route(attn_out, W[b + "ffn_gate_inp.weight"], W[b + "ffn_gate_inp.scale"],
                          W[b + "ffn_down_exps.scale"], cfg.n_expert_used, eps)
     xe = rms_norm(attn_out, W[b + "pre_ffw_norm_2.weight"], eps)
-    moe = moe_experts(xe, W[b + "ffn_gate_up_exps.weight"], W[b + "ffn_down_exps.weight"], idx, wgt)
+    moe = moe_experts(xe, expert_weights(W, b + "ffn_gate_up_exps.weight", idx),
+                      expert_weights(W, b + "ffn_down_exps.weight", idx), idx, wgt)
     return rms_norm(moe, W[b + "post_ffw_norm_2.weight"], eps)
 
 

@@ -137,7 +137,7 @@ class Weights(Mapping):
         self._checked: set[str] = set()  # checked whole: parts need no check
         self.cache_bytes = int(cache_bytes)
         self.cached_bytes = 0
-        self._held: dict[str, np.ndarray] | None = None  # inside hold()
+        self._held: dict[str | tuple[str, int], np.ndarray] | None = None  # inside hold(); (stack, expert): experts()
         self.ggml_typed = False  # a GGUF's: reads of whole tensors and row blocks are GGMLArray views (load_gguf)
 
     # ------------------------------------------------------------------ checks (subclasses change the rule)
@@ -210,17 +210,18 @@ class Weights(Mapping):
         return arr
 
     def _read_rows(self, name: str, index: slice | np.ndarray) -> np.ndarray:
-        """Rows ``index`` of a 2-D tensor as float64, checked unless the whole tensor was. [n, cols]."""
+        """Rows ``index`` (first dimension) of a tensor of 2 dims or more as float64, checked unless the whole
+        tensor was. [n, cols] (a stack: [n, out, in])."""
         lazy = self._lazy[name]
         if lazy.read_rows is None:
             return self[name][index]
         if name in self._checked:
-            return np.asarray(lazy.read_rows(index), dtype=np.float64).reshape(-1, lazy.shape[1])
+            return np.asarray(lazy.read_rows(index), dtype=np.float64).reshape(-1, *lazy.shape[1:])
         parts = [(index.start or 0, index)] if isinstance(index, slice) else \
             [(r, slice(r, r + 1)) for r in np.unique(index).tolist()]  # each distinct row once
         for first, where in parts:
             self._check_before(name, lazy, None if lazy.stored is None else lazy.stored[where], first)
-        arr = np.asarray(lazy.read_rows(index), dtype=np.float64).reshape(-1, lazy.shape[1])
+        arr = np.asarray(lazy.read_rows(index), dtype=np.float64).reshape(-1, *lazy.shape[1:])
         for first, where in parts:
             rows = arr if isinstance(index, slice) else arr[int(np.argmax(index == first))][None]
             self._check_after(name, lazy, rows, first)
@@ -256,6 +257,42 @@ class Weights(Mapping):
         for a, b in block_bounds(*shape):
             yield self._typed(name, self._read_rows(name, slice(a, b)))
         self._checked.add(name)
+
+    def experts(self, name: str, chosen: np.ndarray) -> dict[int, np.ndarray]:
+        """Experts ``chosen`` of the stack ``name`` without dequantizing the others: ``{e: W[name][e]}``,
+        float64 ``[out, in]`` each, the same values (dequantization is per block; an expert's rows hold whole blocks).
+
+        A MoE layer's tokens use ``K`` of its ``E`` experts each (:func:`reference.model.moe_block`), so a pass
+        reads what the tokens chose, not the stack. A cached stack (or one the cache admits now, as
+        :meth:`row_blocks`) is sliced; else each expert is read alone (its stored bytes checked first), and
+        inside :meth:`hold` kept until the block ends, so the calls of a layer-outer pass read the union of
+        their experts once.
+
+        Args:
+            name: a 3-D tensor ``[E, out, in]`` (``ffn_gate_up_exps.weight``, ``ffn_down_exps.weight``).
+            chosen: int expert indices, any order, repeats allowed.
+
+        Raises:
+            KeyError: unknown name. ModelFileError: a bad value in an expert read.
+        """
+        ids = [int(e) for e in np.unique(np.asarray(chosen, dtype=np.int64))]
+        shape = self._lazy[name].shape
+        admit = name in self._seen and self.cached_bytes + 8 * int(np.prod(shape)) <= self.cache_bytes
+        if name in self._cache or admit or (self._held is not None and name in self._held):
+            full = self[name]
+            return {e: full[e] for e in ids}
+        self._seen.add(name)
+        out = {}
+        for e in ids:
+            key = (name, e)  # an expert held on its own (hold())
+            arr = None if self._held is None else self._held.get(key)
+            if arr is None:
+                arr = self._read_rows(name, slice(e, e + 1))[0]
+                arr.setflags(write=False)
+                if self._held is not None:
+                    self._held[key] = arr
+            out[e] = self._typed(name, arr)
+        return out
 
     def fill_cache(self) -> int:
         """Read tensors in file order into the cache until the budget is full (a benchmark's warm-up).
@@ -327,7 +364,7 @@ def _gguf_tensors(gf: GGUFFile, dequantizer: Dequantizer | None = None) -> dict[
                 raise ModelFileError(f"{gf.path}: tensor {t.name}: type {t.type_name} cannot be dequantized by "
                                      "gguf.quants") from None
 
-        rows = (lambda index, data=data, f=dequantize: f(data[index])) if len(t.shape) == 2 else None
+        rows = (lambda index, data=data, f=dequantize: f(data[index])) if len(t.shape) >= 2 else None
         out[t.name] = LazyTensor(shape=t.shape, dtype=t.type_name, read=lambda data=data, f=dequantize: f(data),
                                  read_rows=rows, stored=data, source=str(gf.path), key=t.name)
     return out

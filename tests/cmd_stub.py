@@ -81,6 +81,9 @@ class RowScaled:
     def __getitem__(self, name: str) -> np.ndarray:
         return self.scaled if name == self.name else self.base[name]
 
+    def experts(self, name: str, chosen: np.ndarray):  # reference.model.expert_weights: the changed stack whole
+        return self.scaled if name == self.name else self.base.experts(name, chosen)
+
     def __contains__(self, name: object) -> bool:
         return name in self.base
 
@@ -144,6 +147,9 @@ class Perturbed:
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.noisy if name == self.name else self.base[name]
+
+    def experts(self, name: str, chosen: np.ndarray):  # reference.model.expert_weights: the changed stack whole
+        return self.noisy if name == self.name else self.base.experts(name, chosen)
 
     def __contains__(self, name: object) -> bool:
         return name in self.base

@@ -195,7 +195,8 @@ def _route_on(norm: str):
             idx, wgt = rm.moe_route(rm.rms_norm(attn_out, W[b + norm], eps), W[b + "ffn_gate_inp.weight"],
                                     W[b + "ffn_gate_inp.scale"], W[b + "ffn_down_exps.scale"], cfg.n_expert_used, eps)
             xe = rm.rms_norm(attn_out, W[b + "pre_ffw_norm_2.weight"], eps)
-            moe = rm.moe_experts(xe, W[b + "ffn_gate_up_exps.weight"], W[b + "ffn_down_exps.weight"], idx, wgt)
+            moe = rm.moe_experts(xe, rm.expert_weights(W, b + "ffn_gate_up_exps.weight", idx),
+                                 rm.expert_weights(W, b + "ffn_down_exps.weight", idx), idx, wgt)
             return rm.rms_norm(moe, W[b + "post_ffw_norm_2.weight"], eps)
         return moe_block
     return wrap

@@ -1,0 +1,185 @@
+"""The reference's MoE layers read only the experts their tokens chose (:meth:`reference.weights.Weights.experts`,
+:func:`reference.model.expert_weights`) and compute, bit for bit, what they computed from the whole stacks.
+
+The old path is the oracle: the same weights behind a mapping without ``experts`` (:class:`WholeStacks`), so that
+:func:`reference.model.moe_block` reads each stack whole (``W[name]``) as it did. Compared with ``np.array_equal``
+on the built-in MoE case and on variants of it with other expert counts, top-k, widths and seeds; on F32, Q8_0
+and Q4_0 files; exact and under llama.cpp's quantized activations (which read the stored type each expert
+carries); one forward at a time, and layer-outer (:func:`reference.batch.forward_chains`, experts held per
+layer). The routing the prompts take is recorded, so that the test states that tokens of one call chose
+overlapping experts and disjoint ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import synth
+from harness.core.cases import PROMPTS, builtin_specs
+from harness.engines.llamacpp.numerics import quantized_activations_numerics
+from harness.traces.format import TraceWriter
+from reference import model as M
+from reference.batch import Chain, forward_chains
+from reference.weights import GGMLArray, load_model
+
+CASE = next(p for p in builtin_specs() if p.stem == "26b-a4b")
+# (seed, experts, experts per token, expert width): the built-in case, then two others
+VARIANTS = [None, (11, 16, 4, 64), (12, 32, 8, 96)]
+QTYPES = ("F32", "Q8_0", "Q4_0")
+STACKS = ("ffn_gate_up_exps.weight", "ffn_down_exps.weight")
+
+
+class WholeStacks:
+    """The weights as the reference read them before: every expert stack whole (``W[name]``); no ``experts``."""
+
+    def __init__(self, W):
+        self.W = W
+
+    def __getitem__(self, name):
+        return self.W[name]
+
+    def __contains__(self, name):
+        return name in self.W
+
+    def rows(self, name, ids):
+        return self.W.rows(name, ids)
+
+    def row_blocks(self, name):
+        return self.W.row_blocks(name)
+
+
+def _spec(variant, tmp_dir: Path) -> Path:
+    if variant is None:
+        return CASE
+    seed, experts, k, width = variant
+    text = CASE.read_text()
+    for key, value in (("seed", seed), ("num_experts", experts), ("top_k_experts", k),
+                       ("moe_intermediate_size", width)):
+        head, sep, rest = text.partition(f"\n{key} = ")
+        assert sep, key
+        text = head + sep + str(value) + "\n" + rest.split("\n", 1)[1]
+    path = tmp_dir / f"moe-{seed}-{experts}-{k}-{width}.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: "builtin" if v is None else "-".join(map(str, v)))
+def built(request, tmp_path_factory):
+    return synth.ensure_built(_spec(request.param, tmp_path_factory.mktemp("spec")))
+
+
+def _prompts(cfg) -> list[list[int]]:
+    prompts = [json.loads(line)["prompt_ids"] for line in Path(PROMPTS).read_text().splitlines() if line.strip()]
+    return [p for p in prompts if len(p) <= 40] + [[7] * 6]  # a repeated token: its copies route alike
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_experts_read_alone_are_the_stacks_experts(built, qtype):
+    cfg, W = load_model(built.gguf[qtype], cache_bytes=0)
+    rng = np.random.default_rng(3)
+    for layer in cfg.layers:
+        for stack in STACKS:
+            name = f"blk.{layer.index}.{stack}"
+            whole = W[name]
+            lazy = W._lazy[name]
+            reads = []
+            read_rows, lazy.read_rows = lazy.read_rows, lambda index, f=lazy.read_rows: reads.append(index) or f(index)
+            read, lazy.read = lazy.read, None  # a read of the whole stack would fail
+            try:
+                chosen = rng.integers(0, cfg.n_expert, size=2 * cfg.n_expert_used)
+                got = W.experts(name, chosen)
+            finally:
+                lazy.read_rows, lazy.read = read_rows, read
+            assert sorted(got) == sorted(set(chosen.tolist()))
+            assert len(reads) == len(got), "each chosen expert read once, no other"
+            for e, arr in got.items():
+                assert np.array_equal(arr, whole[e]), (name, e)
+                assert isinstance(arr, GGMLArray) and arr.ggml_type == W.raw_dtype(name)
+
+
+def _route_patterns(E: int, K: int, rng) -> dict[str, np.ndarray]:
+    T = E // K
+    return {
+        "overlapping": np.stack([rng.permutation(np.arange(K)) for _ in range(T)]),  # the same K, in other orders
+        "disjoint": rng.permutation(E)[:T * K].reshape(T, K),
+        "random": np.stack([rng.choice(E, size=K, replace=False) for _ in range(T + 3)]),
+    }
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_moe_experts_equal_on_whole_stacks(built, qtype):
+    cfg, W = load_model(built.gguf[qtype], cache_bytes=0)
+    rng = np.random.default_rng(int(cfg.n_expert))
+    b = "blk.0."
+    gu, dn = (W[b + s] for s in STACKS)
+    for pattern, idx in _route_patterns(cfg.n_expert, cfg.n_expert_used, rng).items():
+        x = rng.normal(0.0, 1.0, (idx.shape[0], cfg.hidden_size))
+        wgt = rng.uniform(0.1, 1.0, idx.shape)
+        for emulate in (False, True):
+            with quantized_activations_numerics() if emulate else contextlib.nullcontext():
+                old = M.moe_experts(x, gu, dn, idx, wgt)
+                new = M.moe_experts(x, M.expert_weights(W, b + STACKS[0], idx),
+                                    M.expert_weights(W, b + STACKS[1], idx), idx, wgt)
+            assert np.array_equal(old, new), (qtype, pattern, emulate, float(np.abs(old - new).max()))
+
+
+def _record_routes(monkeypatch) -> list[np.ndarray]:
+    routes = []
+    route = M.moe_route
+
+    def recording(*args, **kwargs):
+        idx, wgt = route(*args, **kwargs)
+        routes.append(idx)
+        return idx, wgt
+
+    monkeypatch.setattr(M, "moe_route", recording)
+    return routes
+
+
+def _has_overlap_and_disjoint(routes: list[np.ndarray]) -> tuple[bool, bool]:
+    pairs = [(set(a.tolist()), set(b.tolist())) for idx in routes for i, a in enumerate(idx) for b in idx[i + 1:]]
+    return any(a & b for a, b in pairs), any(not a & b for a, b in pairs)
+
+
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_0"))
+def test_forward_equals_whole_stacks(built, qtype, monkeypatch):
+    cfg, W = load_model(built.gguf[qtype], cache_bytes=0)
+    routes = _record_routes(monkeypatch)
+    prompts = _prompts(cfg)
+    for emulate in (False, True):
+        for ids in prompts:
+            with quantized_activations_numerics() if emulate else contextlib.nullcontext():
+                ta, tb = TraceWriter("old", ids, keep_tensors=True), TraceWriter("new", ids, keep_tensors=True)
+                old = M.forward(cfg, WholeStacks(W), ids, trace=ta)
+                new = M.forward(cfg, W, ids, trace=tb)
+            assert np.array_equal(old, new), (qtype, emulate, len(ids))
+            a, b = ta.trace(), tb.trace()
+            assert a.tensors.keys() == b.tensors.keys()
+            assert all(np.array_equal(a.tensors[k], b.tensors[k]) for k in a.tensors), (qtype, emulate, len(ids))
+    overlap, disjoint = _has_overlap_and_disjoint(routes)
+    assert overlap and disjoint, "the prompts route tokens of one call to shared experts and to disjoint ones"
+
+
+def test_layer_outer_pass_equals_whole_stacks(built):
+    """forward_chains holds each layer's chosen experts for all its calls: the union is read once per layer."""
+    cfg, W = load_model(built.gguf["Q4_0"], cache_bytes=0)
+    prompts = _prompts(cfg)
+    old = [M.forward(cfg, WholeStacks(W), ids) for ids in prompts]
+    caches = [M.KVCache(cfg) for _ in prompts]
+    new = forward_chains(cfg, W, [Chain(calls=[ids], cache=c) for ids, c in zip(prompts, caches)])
+    for ids, o, n in zip(prompts, old, new):
+        assert np.array_equal(o, n[0]), len(ids)
+    # one greedy step of every prompt, as the parity job's passes 2 .. N run them
+    steps = [[int(np.argmax(o[-1]))] for o in old]
+    old_caches = [M.KVCache(cfg) for _ in prompts]
+    for ids, c in zip(prompts, old_caches):
+        M.forward(cfg, WholeStacks(W), ids, c)
+    want = [M.forward(cfg, WholeStacks(W), s, c) for s, c in zip(steps, old_caches)]
+    got = forward_chains(cfg, W, [Chain(calls=[s], cache=c) for s, c in zip(steps, caches)])
+    for w, g in zip(want, got):
+        assert np.array_equal(w, g[0])
