@@ -154,7 +154,8 @@ def _begin(cfg: ModelConfig, W, chain: Chain) -> None:
                                   _CallCache(chain.cache, k_pos.shape[0])))
 
 
-def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np.ndarray | None]]:
+def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain],
+                   on_layer: Callable[[int, int], None] | None = None) -> list[list[np.ndarray | None]]:
     """Every call of every chain, as :func:`reference.model.forward` computes it, reading each weight once.
 
     Args:
@@ -162,6 +163,8 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np
         W: canonical weights with :meth:`reference.weights.Weights.hold` (a plain mapping works too: then
             nothing is held, and the result is the same).
         chains: the calls (:class:`Chain`); text only (no multimodal injection).
+        on_layer: called ``on_layer(i, n)`` after layer ``i`` (1 to ``n``, the model's layers) ran for every call
+            (a caller's progress display; it computes nothing).
 
     Returns:
         per chain, per call: float64 ``[T, V]`` logits (after the final softcap when the model has one), or
@@ -183,10 +186,12 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain]) -> list[list[np
             with chain.numerics():
                 _begin(cfg, W, chain)
     group = [(chain, c) for chain in chains for c in chain._state]  # chain by chain, each in call order
-    for layer in cfg.layers:
+    for i, layer in enumerate(cfg.layers, 1):
         with hold():  # this layer's weights, dequantized once for every call
             if group:
                 _layer(cfg, layer, W, group)
+        if on_layer is not None:
+            on_layer(i, len(cfg.layers))
     wanted, numerics = [], []
     for chain in chains:
         if chain._state:

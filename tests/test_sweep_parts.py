@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -277,12 +278,14 @@ def test_progress_lines_in_a_log_and_a_panel_on_a_terminal():
     p.stop()
     text = log.getvalue()
     assert "node abababab (box, 10.0.0.2): 4 CPUs" in text and "1 row(s) already" in text
-    assert "[1] Q4_K_M fast: ok: mean KLD 0.42, same top 66 % on abababab" in text
-    assert "[2] Q2_K llamacpp: timeout: ran past 60 s" in text and (p.done, p.failed) == (2, 1)
+    assert re.search(r"\[1/3, about \d+s left\] Q4_K_M fast: ok: mean KLD 0.42, same top 66 % on abababab", text)
+    assert re.search(r"\[2/3, about \d+s left\] Q2_K llamacpp: timeout: ran past 60 s", text), text
+    assert (p.done, p.failed) == (2, 1)
     p.tick([("row", "Q8_0", "llamacpp", "ab" * 28, True), ("row", "Q6_K", "fast", None, False)])
     term = io.StringIO()
     Console(file=term, width=120).print(p._panel())
-    assert "running 1, queued 1" in term.getvalue() and "Q8_0/llamacpp" in term.getvalue()
+    assert "rows done 2/3" in term.getvalue() and "running 1, queued 1" in term.getvalue()
+    assert "Q8_0/llamacpp" in term.getvalue() and "left)" in term.getvalue()
     quiet = io.StringIO()
     q = Progress(quiet=True, stream=quiet)
     q.say("nothing")

@@ -61,6 +61,7 @@ from reference.chat import TURN_CLOSE
 from reference.errors import InputError
 from reference.tokenizer import BYTE, CONTROL, NORMAL, USER_DEFINED, read_gguf_metadata, tokenizer_from_gguf
 
+from ..core.progress import counter
 from ..core.workers import EngineCrashed, EngineFailure, EngineProtocolError
 from .base import TOP_N, EngineUnavailable, Generated
 from .numerics import DIALECT_NUMERICS, parse_declare
@@ -754,9 +755,11 @@ class OpenAIEngine:
                 raise e.at(index=k, step=0 if isinstance(e, ServerCrashed) else None)
             if not stream:
                 self.answers[(tuple(args[k]), int(max_new_tokens), int(top_n))] = (g, time.monotonic() - t0)
+            sent.step()
             return g
 
-        with cf.ThreadPoolExecutor(min(self.concurrency, len(args))) as ex:
+        with counter(f"{self.dialect} requests", len(args)) as sent, \
+                cf.ThreadPoolExecutor(min(self.concurrency, len(args))) as ex:
             out = list(ex.map(one, range(len(args))))
         for k, g in enumerate(out):
             if len(g.tokens) > max_new_tokens or (len(g.tokens) < max_new_tokens and g.finish_reason != "stop"):

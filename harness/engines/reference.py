@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -103,16 +103,18 @@ class ReferenceEngine:
         return ref_model.forward(self.cfg, self.weights, ids, trace=trace)
 
     @memory.guarded
-    def logits_chains(self, chains: Sequence[Chain]) -> list[list[np.ndarray | None]]:
+    def logits_chains(self, chains: Sequence[Chain],
+                      on_layer: Callable[[int, int], None] | None = None) -> list[list[np.ndarray | None]]:
         """Many forwards, each weight read once for all (:func:`reference.batch.forward_chains`): per chain, per
         call, float64 ``[T, V]`` logits (None where the chain did not want them), bit for bit what
-        :meth:`logits` and the cached forwards give call by call.
+        :meth:`logits` and the cached forwards give call by call. ``on_layer(i, n)``: called after each of the
+        ``n`` layers (a progress display).
 
         Planned as one forward of all the calls' tokens holding a whole layer's weights.
         """
         tokens = sum(len(ids) for c in chains for ids in c.calls)
         self._plan(max(tokens, 1), 0, layer_held=True)
-        return forward_chains(self.cfg, self.weights, chains)
+        return forward_chains(self.cfg, self.weights, chains, on_layer)
 
     @memory.guarded
     def logits_cached(self, ids: Sequence[int], prefill: int) -> np.ndarray:

@@ -37,8 +37,8 @@ from reference.weights import load_model
 
 from ..core.cases import PROMPTS, builtin_specs, load_prompts, refuse_unfit_prompts
 from ..core.io import staged_run_dir, write_json_atomic
+from ..core.progress import Display, activate
 from ..core.paths import cache_root
-from ..core.text import for_terminal
 from ..core.workers import process_pool
 from ..engines import check_engine_name
 from ..engines.variants import activate_from_env, active
@@ -130,18 +130,6 @@ def check_oracle(oracle: str, models: list[str] | None, against: list[str] | Non
     if oracle != "reference" and "reference" in (against or ()):
         raise InputError(f"--against reference with --oracle {oracle}: that pair is reference~{oracle}; run "
                          f"--against {oracle} with the default oracle")
-
-
-class Progress:
-    """Progress lines on stderr (``g4h parity: <msg>``) unless ``quiet``; a plain object, so that a worker process
-    of ``--jobs`` gets its own (:func:`run_cases`)."""
-
-    def __init__(self, quiet: bool = False) -> None:
-        self.quiet = quiet
-
-    def __call__(self, msg: str) -> None:
-        if not self.quiet:
-            print(f"g4h parity: {for_terminal(msg)}", file=sys.stderr, flush=True)
 
 
 #: CPU threads of each built-in case: one, whatever ``--jobs`` and the machine, so that a case's figures do not
@@ -250,8 +238,10 @@ def _init_worker(threads: int) -> None:
 
 
 def _run_planned(plan_args: dict[str, Any], index: int) -> CaseResult:
-    """In a worker: plan the cases again from ``plan_args`` and run case ``index``."""
-    return guard(*plan_cases(**plan_args)[index])
+    """In a worker: plan the cases again from ``plan_args`` and run case ``index`` (its counters on the plan's
+    progress display, :func:`harness.core.progress.activate`)."""
+    with activate(plan_args["progress"]):
+        return guard(*plan_cases(**plan_args)[index])
 
 
 def check_user_prompts(prompts: list[dict[str, Any]], models: list[str], new_tokens: int, source: Any) -> None:
@@ -443,7 +433,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             ``models``, ``against`` names ``reference`` with the fast oracle, or ``quick`` comes with a baseline
             (checked before anything runs).
     """
-    progress = Progress(quiet)
+    progress = Display("g4h parity", quiet)  # a plain object: a --jobs worker gets its own (run_cases)
     if jobs is not None and int(jobs) < 1:
         raise InputError(f"--jobs {jobs}: expected >= 1")
     skip = tuple(skip)
@@ -493,11 +483,13 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     t0 = time.perf_counter()
     builtin = not models
     jobs = default_jobs(len(plan), builtin) if jobs is None else int(jobs)
-    if builtin:
-        results = run_cases(plan, plan_args, jobs, threads=CASE_THREADS, order=longest_first(plan, _read_seconds()))
-        _keep_seconds(results)
-    else:
-        results = run_cases(plan, plan_args, jobs)
+    with activate(progress):  # the counters of long phases (reference passes, server requests) draw on it
+        if builtin:
+            results = run_cases(plan, plan_args, jobs, threads=CASE_THREADS,
+                                order=longest_first(plan, _read_seconds()))
+            _keep_seconds(results)
+        else:
+            results = run_cases(plan, plan_args, jobs)
     status = exit_status(results)
     data = {"version": RESULTS_VERSION, "kind": "parity",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

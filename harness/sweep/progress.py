@@ -15,6 +15,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from ..core.progress import duration, eta
 from . import judge
 
 
@@ -71,8 +72,8 @@ class Progress:
                 what = (f"mean KLD {_fmt(rec.get('mean_kld'))}, same top {_fmt(rec.get('same_top_p_pct'))} %"
                         if rec["status"] == "ok" else rec.get("reason") or "")
                 where = f" on {rec['node']}" if rec.get("node") else ""
-                self.say(f"[{self.done}] {rec['label']} {rec['engine']}: {rec['status']}: {what}{where} "
-                         f"({_fmt(rec.get('seconds'))} s)")
+                self.say(f"[{self.done}/{self.total}{self._left()}] {rec['label']} {rec['engine']}: "
+                         f"{rec['status']}: {what}{where} ({_fmt(rec.get('seconds'))} s)")
         elif rec["kind"] == "agreement" and self.live is None and not rec["passed"]:
             self.say(f"{rec['label']}: {' vs '.join(rec['engines'])} disagree: {rec['gate']} {_fmt(rec['measured'])} "
                      f"(limit {_fmt(rec['limit'])})")
@@ -85,10 +86,15 @@ class Progress:
         if self.live is not None:
             self.live.update(self._panel())
 
+    def _left(self) -> str:
+        """``, about T left`` (:func:`harness.core.progress.eta` over the rows done), or nothing before the first."""
+        left = eta(time.monotonic() - self.t0, self.done, self.total) if self.done < self.total else None
+        return f", about {left} left" if left else ""
+
     def _panel(self) -> Group:
         started = [r for r in self.running if r[4]]
-        head = (f"rows done {self.done}, failed {self.failed}, running {len(started)}, queued "
-                f"{len(self.running) - len(started)}  ({time.monotonic() - self.t0:.0f} s)")
+        head = (f"rows done {self.done}/{self.total}, failed {self.failed}, running {len(started)}, queued "
+                f"{len(self.running) - len(started)}  ({duration(time.monotonic() - self.t0)}{self._left()})")
         nodes = Table("node", "host", "CPUs", "running", box=None, pad_edge=False)
         for n in self.node_list:
             mine = [r for r in started if (r[3] or "") == n.node_id]

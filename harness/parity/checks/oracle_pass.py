@@ -29,6 +29,7 @@ import numpy as np
 
 from reference.batch import Chain
 
+from ...core.progress import counter
 from ...engines.base import Generated
 from ...traces.format import Trace, TraceWriter
 
@@ -54,6 +55,14 @@ class PassResult:
 def cached_prefill(n: int) -> int:
     """Tokens the cached-vs-uncached check prefills in one call (half, at least one), the rest one at a time."""
     return max(1, n // 2)
+
+
+def _by_layer(ref: Any, chains: Sequence[Chain], label: str) -> list[list[np.ndarray | None]]:
+    """``ref.logits_chains(chains)``, its layers counted on the progress display (:func:`harness.core.progress.counter`:
+    a float64 pass on a big model takes minutes)."""
+    n = len(getattr(getattr(ref, "cfg", None), "layers", ()) or ())
+    with counter(label, n) as layers:
+        return ref.logits_chains(chains, on_layer=lambda i, total: layers.step())
 
 
 def reference_pass(ref: Any, sets: Sequence[tuple[str, ...]], prompts: Sequence[dict[str, Any]],
@@ -101,7 +110,7 @@ def reference_pass(ref: Any, sets: Sequence[tuple[str, ...]], prompts: Sequence[
             chains.append(c)
     progress(f"reference: pass 1: {len(full)} prompt forwards ({len(sets)} approximation set(s)) and "
              f"{sum(len(c.calls) for _, _, c in steps)} cached-vs-uncached calls, each weight read once")
-    got = ref.logits_chains(chains)
+    got = _by_layer(ref, chains, "reference pass 1: layer")
     out.passes = 1
     for (approx, p, _, w), z in zip(full, got):
         out.logits[(approx, str(p["id"]))] = (z[0], w.trace())
@@ -111,15 +120,19 @@ def reference_pass(ref: Any, sets: Sequence[tuple[str, ...]], prompts: Sequence[
     streams = [(approx, *done[(approx, str(p["id"]))]) for approx in gen_sets for p in gen_prompts]
     gens = [Generated(top_n) for _ in streams]
     last = [z for _, _, z in streams]
-    for step in range(new_tokens):
-        for g, z in zip(gens, last):
-            g.add(z)
-        if step == new_tokens - 1 or not streams:
-            break  # the logits after the last token are read by no step
-        progress(f"reference: greedy step {step + 2}/{new_tokens} of {len(streams)} stream(s)")
-        calls = [Chain([[g.tokens[-1]]], cache=c.cache, numerics=c.numerics) for g, (_, c, _) in zip(gens, streams)]
-        last = [z[0][-1] for z in ref.logits_chains(calls)]
-        out.passes += 1
+    if streams and new_tokens > 1:
+        progress(f"reference: greedy steps 2 to {new_tokens} of {len(streams)} stream(s), one pass each")
+    with counter("reference greedy steps", max(new_tokens - 1, 0) if streams else 0) as steps_done:
+        for step in range(new_tokens):
+            for g, z in zip(gens, last):
+                g.add(z)
+            if step == new_tokens - 1 or not streams:
+                break  # the logits after the last token are read by no step
+            calls = [Chain([[g.tokens[-1]]], cache=c.cache, numerics=c.numerics)
+                     for g, (_, c, _) in zip(gens, streams)]
+            last = [z[0][-1] for z in _by_layer(ref, calls, "layer")]
+            out.passes += 1
+            steps_done.step()
     for approx in gen_sets:
         out.generations[approx] = [g for g, (a, _, _) in zip(gens, streams) if a == approx]
     return out

@@ -65,6 +65,7 @@ from ...core.cases import MAX_PROMPT_BYTES, PROMPTS, prompt_id
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, gate_for
 from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
+from ...core.progress import counter
 from ...core.workers import EngineFailure
 from ...engines.base import TOP_N
 from ...engines.openai import OpenAIEngine, ServerError, ServerGenerated, end_of_generation_ids
@@ -394,9 +395,11 @@ def _run_staggered(eng: OpenAIEngine, prompts: Sequence[list[int]], n: int, top_
         start = time.monotonic()
         g = _named(labels[i] if labels else i, eng.complete, prompts[i], n, top_n)
         spans[i] = (start, time.monotonic())
+        sent.step()
         return g
 
-    with cf.ThreadPoolExecutor(max(1, min(concurrency, len(prompts)))) as ex:
+    with counter(f"{eng.dialect} requests (staggered)", len(prompts)) as sent, \
+            cf.ThreadPoolExecutor(max(1, min(concurrency, len(prompts)))) as ex:
         out = list(ex.map(one, range(len(prompts))))
     wall = time.monotonic() - t0
     events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
