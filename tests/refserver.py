@@ -5,7 +5,11 @@ always reads GELU from its fp16 table), and the test needs one to show that such
 log-probs (``perturb``) fails them. Only the requests the pair check sends are answered: ``GET /props``,
 ``GET /v1/models``, ``POST /completion`` (token-id prompt, ``n_predict``, ``n_probs``, ``return_tokens``); every
 other path is a 404 (the server checks are opted out where it is used). With ``token_only`` it reports no log-probs
-(a server without ``n_probs``).
+(a server without ``n_probs``). With ``repeat_penalty`` X or ``ban`` (token ids) its logits stay exact and its greedy
+decoding does not: each step's logit of a token already in the context divided by X (multiplied when negative;
+llama.cpp's ``penalty_repeat``, src/llama-sampling.cpp ``llama_sampler_penalties_apply``), the banned ids at -inf
+(a ``logit_bias`` of -inf), the argmax taken and the log-probs of those processed logits reported (as vLLM's
+``logprobs_mode`` ``processed_logprobs``): a fault only in decoding, on a server that gives no logits.
 """
 
 from __future__ import annotations
@@ -14,17 +18,43 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Iterable
 
+import numpy as np
+
+from harness.engines.base import Generated
 from harness.engines.reference import ReferenceEngine
+
+
+def decoded(ref: ReferenceEngine, prompt: list[int], n: int, top_n: int, repeat_penalty: float | None,
+            ban: Iterable[int]) -> Generated:
+    """Greedy decoding of ``n`` tokens on the reference's logits after a repetition penalty and a ban (module
+    docstring), with the top-``top_n`` log-probs of the processed logits."""
+    ids, g, banned = list(prompt), Generated(), sorted(set(int(b) for b in ban))
+    g.tokens, g.top = [], []
+    for _ in range(n):
+        z = np.array(ref.logits(ids)[-1], dtype=np.float64)
+        if repeat_penalty:
+            seen = np.unique(ids)
+            z[seen] = np.where(z[seen] > 0, z[seen] / repeat_penalty, z[seen] * repeat_penalty)
+        z[banned] = -np.inf
+        lp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        best = np.argsort(-lp, kind="stable")[:top_n]
+        g.tokens.append(int(best[0]))
+        g.top.append([(int(i), float(lp[i])) for i in best])
+        ids.append(int(best[0]))
+    return g
 
 
 class ReferenceServer:
     """``with ReferenceServer(gguf, perturb=0.01) as s: ... s.url``: see the module docstring."""
 
-    def __init__(self, gguf: str | Path, perturb: float = 0.0, token_only: bool = False) -> None:
+    def __init__(self, gguf: str | Path, perturb: float = 0.0, token_only: bool = False,
+                 repeat_penalty: float | None = None, ban: Iterable[int] = ()) -> None:
         srv = self
         self.ref = ReferenceEngine(gguf)
         self.perturb, self.token_only = float(perturb), token_only
+        self.repeat_penalty, self.ban = repeat_penalty, tuple(ban)
         self.lock = threading.Lock()  # the reference is not thread-safe
 
         class Handler(BaseHTTPRequestHandler):
@@ -61,8 +91,12 @@ class ReferenceServer:
     def complete(self, req: dict) -> dict:
         """llama-server's ``/completion`` answer: greedy tokens of the reference, each step's top-``n_probs``."""
         n, top_n = int(req.get("n_predict", 16)), int(req.get("n_probs", 0))
+        prompt = [int(t) for t in req["prompt"]]
         with self.lock:
-            (g,) = self.ref.generate_full([[int(t) for t in req["prompt"]]], n, top_n=max(1, top_n))
+            if self.repeat_penalty or self.ban:
+                g = decoded(self.ref, prompt, n, max(1, top_n), self.repeat_penalty, self.ban)
+            else:
+                (g,) = self.ref.generate_full([prompt], n, top_n=max(1, top_n))
         steps = [] if self.token_only or not top_n else [
             {"id": t, "logprob": dict(s)[t] + self.perturb,
              "top_logprobs": [{"id": i, "logprob": lp + self.perturb} for i, lp in s]}

@@ -167,6 +167,26 @@ def test_g4h_explain_names_the_variant_and_exits_1(g4h, lab, prompts_file, tmp_p
     assert proc.returncode == 0 and "nothing to explain" in proc.stdout
 
 
+@pytest.mark.parametrize("ops", [(), ("--ops", "generate")], ids=["logits", "streams-only"])
+def test_g4h_explain_says_a_fault_only_in_decoding(g4h, lab, prompts_file, tmp_path, ops):
+    """Exact logits, a repetition penalty in greedy decoding (cmd_stub --repeat-penalty): ``g4h explain`` runs the
+    parity job's explanation (its streams judged too), so it says "in decoding", naming the request and the step,
+    exits 1, and searches no variant; so does an engine that gives only streams and their log-probs (before: "nothing
+    to explain", and "no known variant explains it")."""
+    eng = f"cmd:'{sys.executable} {STUB} {' '.join(ops)} --repeat-penalty 1.5'"
+    out = tmp_path / "e.json"
+    proc = g4h("explain", "--model", str(lab["lab-dense"]), "--engine", eng, "--prompts", str(prompts_file),
+               "--json", str(out))
+    assert proc.returncode == 1, proc.stdout
+    e = json.loads(out.read_text())
+    d = e["decoding"]
+    assert e["status"] == "decoding" and e["singles_tried"] == 0 and d["kind"] == "decoding"
+    assert proc.stdout.strip().splitlines()[-1].startswith(
+        f"in decoding, not in the logits: request {d['request']} step {d['step']}: it gave {d['ours']}, "), proc.stdout
+    assert "a repeated token's logit lowered" in d["what"] and "repetition penalty" in d["what"], d["what"]
+    assert d.get("evidence") == ("log-probs" if ops else None)
+
+
 def test_g4h_explain_judges_by_the_declaration_and_tol(g4h, lab, prompts_file):
     """An fp32 engine that follows llama.cpp's fp16 GELU table without declaring it is held to the fp32 bound
     (``engine~oracle``, 1e-3 on logits): it fails on lab-moe and is explained by ``gelu_fp16_table``. With

@@ -11,6 +11,9 @@ by ``g4h parity``; the pair fails, and its explanation must say what the engine 
 * a decoding-only fault (exact logits, a repetition penalty in greedy decoding): said to be in decoding, with the
   request, the step and the repeated token, not "nothing to explain"; exact logits and noise on every logit of its
   generation (a broken KV cache would do that): said to be in its generation path, no decoding rule named;
+* the same, where the engine gives no logits (``--ops generate``; a server of llama-server's dialect,
+  tests/refserver.py, with a repetition penalty or a banned token): judged by its own top-N log-probs along its
+  stream, said to be in decoding, with the request, the step and the rule;
 * ``--oracle fast``: the variant with a fast form is explained with fast, the one without with the reference.
 """
 
@@ -21,10 +24,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from refserver import ReferenceServer
 from variant_lab import build
 
 from harness.core.cases import PROMPTS, load_prompts
 from harness.core.gates import DEFAULT_GATES
+from harness.engines.reference import ReferenceEngine
 from harness.engines.variants import VARIANTS, family
 from harness.parity.checks.server import ServerOptions
 from harness.parity.job import run as run_parity
@@ -74,7 +79,7 @@ def faults(lab, prompts_file, tmp_path_factory) -> tuple[list[tuple[str, ...]], 
     moe = str(lab["lab-moe"])
     engines = [("--scale-rows", "2"), ("--serve-model", moe), ("--repeat-penalty", "1.5"),
                ("--ops", "generate", "--scale-rows", "2"), ("--ops", "generate", "--serve-model", moe),
-               ("--generate-noise", "0.5")]
+               ("--generate-noise", "0.5"), ("--ops", "generate", "--repeat-penalty", "1.5")]
     return engines, _parity(lab, prompts_file, tmp_path_factory.mktemp("faults"), engines)
 
 
@@ -168,3 +173,51 @@ def test_a_generation_path_that_computes_other_logits_is_not_called_a_decoding_r
                                                               f"{d['request']} step {d['step']}: "), e["line"]
     assert "its generation computes other logits than its forward" in d["what"], d["what"]
     assert "repetition penalty" not in d["what"] and "banned" not in d["what"]
+
+
+def _said_in_decoding(e: dict, oracle: str = "reference") -> dict:
+    assert e is not None and e["status"] == "decoding", e and e["line"]
+    d = e["decoding"]
+    assert e["line"].startswith(f"in decoding, not in the logits: request {d['request']} step {d['step']}: it gave "
+                                f"{d['ours']}, the {oracle}'s greedy token there is {d['oracle']} (no logits were given")
+    assert d["kind"] == "decoding" and d["evidence"] == "log-probs" and d["ours"] != d["oracle"]
+    assert d["spread"] <= DEFAULT_GATES["reference~cmd.max_abs_logprob"].limit
+    assert not e["explained_by"] and e["singles_tried"] == 0
+    return d
+
+
+def test_a_fault_in_decoding_is_seen_from_log_probs_alone(faults):
+    """No logits (``--ops generate``), a repetition penalty in greedy decoding, the log-probs of the penalised
+    logits reported: its log-probs agree with the reference's on the tokens no rule touches, up to the normaliser;
+    said to be in decoding, naming the repeated token (before: "no known variant explains it")."""
+    d = _said_in_decoding(faults[1][7])
+    assert "a repeated token's logit lowered" in d["what"] and f"token {d['oracle']} occurs in the context" in d["what"]
+
+
+@pytest.mark.parametrize("fault", ["repeat-penalty", "ban"])
+def test_a_server_with_a_fault_in_decoding_is_said_so(lab, prompts_file, tmp_path, fault):
+    """A server of llama-server's dialect whose logits are exact (the float64 reference, declared exact) and whose
+    greedy decoding applies a repetition penalty of 1.5, or bans the token the reference's greedy stream of the
+    shortest prompt gives first at a step where it is not in the context: the pair fails, and the explanation says
+    in decoding, the request and the step, and what the rule did."""
+    model = lab["lab-dense"]
+    prompts = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    shortest = min(prompts, key=lambda p: len(p["prompt_ids"]))
+    (g,) = ReferenceEngine(model).generate_full([shortest["prompt_ids"]], NEW_TOKENS)
+    step, banned = next((k, t) for k, t in enumerate(g.tokens)
+                        if k and t not in shortest["prompt_ids"] + g.tokens[:k])
+    options = {"repeat_penalty": 1.5} if fault == "repeat-penalty" else {"ban": [banned]}
+    with ReferenceServer(model, **options) as srv:
+        data, status = run_parity(models=[str(model)], against=[f"openai:{srv.url}/v1"], quiet=True,
+                                  out=str(tmp_path), prompts=prompts_file,
+                                  server=ServerOptions(skip=("server-batch", "server-stream", "server-stop",
+                                                             "server-template"), max_new_tokens=NEW_TOKENS),
+                                  engine_options={"declare": ["approximations=none", "kv_cache=f32"]})
+    assert status == 1, data["verdict"]
+    (e,) = [c["explanation"] for c in data["cases"][0]["checks"] if "explanation" in c]
+    d = _said_in_decoding(e)
+    if fault == "ban":
+        assert (d["request"], d["step"], d["oracle"]) == (shortest["id"], step, banned), e["line"]
+        assert d["what"].startswith(f"a token banned: token {banned} is not among its top-"), d["what"]
+    else:
+        assert "a repeated token's logit lowered" in d["what"] and "repetition penalty" in d["what"], d["what"]

@@ -1,6 +1,11 @@
 """``g4h explain --model M --engine E``: compare an engine with the reference and, where it diverges, name the spec
 variant (``docs/spec-variants.md``) that makes the reference agree with it (:mod:`harness.parity.explain`).
 
+The engine's logits (and trace) where it gives them, and its greedy streams where it generates (with its logits along
+its own stream), are judged and explained as the parity job's explanation judges a failing pair
+(:func:`harness.parity.explain.explain_text`, one path): a divergence only in decoding (the logits agree, the streams
+part) is said to be in decoding, with the request and the step, and exits 1.
+
 ::
 
     g4h explain --model m.gguf --engine "cmd:./my-engine" [--prompts P.jsonl | --prompt-ids P.json]
@@ -32,9 +37,10 @@ from ..engines.numerics import emulate
 from ..engines.reference import ReferenceEngine
 from ..engines.variants import family, parse_spec
 from ..parity.checks.explain_pair import observe
+from ..engines.base import TOP_N
 from ..parity.checks.pair import engine_numerics, pair_name
 from ..parity.checks.server import load_user_prompts, with_prompt_ids
-from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, Observed, TextSubject, budget_seconds, search
+from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, Observed, TextSubject, budget_seconds, explain_text
 from ..parity.explain_mm import MMReference, explain_mm
 from ..traces.format import TraceWriter
 from ._args import InFile, Number, OutFile, add_model_args, check_out_file, engine_options, resolve_model
@@ -107,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         pair = pair_name(kind, getattr(eng, "dtype", None) if kind != "fast" else None)
         if f"{pair}.max_abs_logit" not in DEFAULT_GATES:
             pair = "engine~oracle"
-        observed = observe(eng, kind, prompts)
+        observed = observe(eng, kind, prompts, streams=True)  # streams too: a fault only in decoding is seen
     finally:
         close = getattr(eng, "close", None)
         if close is not None:
@@ -120,12 +126,13 @@ def run(args: argparse.Namespace) -> int:
 
     gates = _gates(pair, args.tol)
     t1 = time.perf_counter()
-    per_prompt = {o.prompt_id: TextSubject(ref, [o], pair, gates, numerics).measure(()) for o in observed}
+    per_prompt = {o.prompt_id: TextSubject(ref, [o], pair, gates, numerics, top_n=TOP_N).measure((), full=True)
+                  for o in observed}
     failing = sorted((o for o in observed if not per_prompt[o.prompt_id].passed), key=lambda o: len(o.ids))
     t_base = time.perf_counter() - t1
-    if failing:
-        subject = TextSubject(ref, failing[:MAX_PROMPTS], pair, gates, numerics)
-        expl = search(subject.measure, candidates, ref.cfg, budget)
+    if failing:  # the parity job's explanation of a failing pair, on the same shortest failing prompts
+        expl = explain_text(ref, failing[:MAX_PROMPTS], pair, gates, numerics, budget, top_n=TOP_N,
+                            variants=candidates)
     else:
         expl = Explanation("nothing_to_explain", next(iter(per_prompt.values())), budget_s=budget)
     _print(expl, args, pair, len(prompts), len(failing), t_engine, t_base)

@@ -25,7 +25,9 @@ others), AND every figure measured without the variant is measured under it: a f
 measured": greedy streams that part at step 0) is never a 0, and a trial that measures nothing explains nothing.
 A divergence only in generation (the engine's own logits agree with the reference's at every step of its stream, its
 greedy stream parts from the reference's) is not searched: it is said to be in decoding, with the request, the step
-and what differs there (:meth:`TextSubject.decoding`).
+and what differs there (:meth:`TextSubject.decoding`). An engine that gives no logits (a server) is judged by the
+top-N log-probs along its stream: those agreeing with the reference's up to the parting step and, there, on every
+token no decoding rule touches, the oracle's token lowered, missing or passed over is decoding too.
 """
 
 from __future__ import annotations
@@ -491,15 +493,20 @@ class TextSubject:
                                   "logprobs": [dict(s) for s in g.top]}}
             if not t.variants:
                 self.ref_streams[o.prompt_id] = base[o.prompt_id]
-            lim = self.gates.get(f"{self.pair}.max_abs_logprob")
-            e = self.effects.get(("max_abs_logprob", o.prompt_id), self.effects.get(("max_abs_logprob", None)))
-            limit = None if lim is None else (lim.limit if e is None else effect_limit(lim, float(e[0]), int(e[1])))
+            limit = self._logprob_limit(o.prompt_id)
             gen = generation_figures({o.prompt_id: o.stream}, base, self.pair, self.top_n, logprob_limit=limit,
                                      **({"near_tie": self.near_tie} if self.near_tie is not None else {}))
             figs += gen
             if t.first_divergence is None and gen and gen[0].detail.get("first_divergence"):
                 t.first_divergence = f"greedy {gen[0].detail['first_divergence']}"  # no trace point: no scope
         return [self._effect(f, o.prompt_id) for f in figs]
+
+    def _logprob_limit(self, prompt_id: str) -> float | None:
+        """The pair's ``max_abs_logprob`` limit on ``prompt_id``, with the effect of the declared approximations
+        there (None when the pair has no such gate)."""
+        lim = self.gates.get(f"{self.pair}.max_abs_logprob")
+        e = self.effects.get(("max_abs_logprob", prompt_id), self.effects.get(("max_abs_logprob", None)))
+        return None if lim is None else (lim.limit if e is None else effect_limit(lim, float(e[0]), int(e[1])))
 
     def _limit(self, metric: str) -> float:
         g = self.gates.get(f"{self.pair}.{metric}")
@@ -578,8 +585,8 @@ class TextSubject:
             i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
             if i is None:
                 continue
-            if o.forced is None:
-                return None  # the engine's forward at that step is unknown: not said to be decoding
+            if o.forced is None:  # no logits (a server): what its own log-probs along its stream say, if anything
+                return self._decoding_by_logprobs(o, ref, i, base)
             seq = list(o.ids) + ours[:-1]
             with self._engine(()) as (eng, _):
                 z = np.asarray(eng.logits(seq), dtype=np.float64)
@@ -602,6 +609,50 @@ class TextSubject:
             return {"request": o.prompt_id, "step": i, "ours": tok, "oracle": want, "what": what,
                     "max_abs_logit": gap, "kind": kind, "line": line}
         return None
+
+    def _decoding_by_logprobs(self, o: Observed, ref: dict[str, Any], i: int, base: Trial) -> dict[str, Any] | None:
+        """:meth:`decoding` for an engine that gives no logits, only top-N log-probs along its stream (a server, a
+        ``cmd:`` engine that only generates), its stream parting from the oracle's at step ``i``: in decoding when
+        at step ``i`` its log-probs of at least two tokens no decoding rule touches (neither in the context nor the
+        oracle's token) differ from the oracle's by one shift of the normaliser, within the pair's ``max_abs_logprob``
+        limit (at the earlier steps too, on the tokens both list: a rule that lowers the context's tokens moves the
+        normaliser at every step): the model computes the oracle's numbers there, and the oracle's token was lowered,
+        banned or passed over after them (:meth:`_what`). None otherwise (no log-probs at that step; numbers that
+        differ: a fault in the logits, which the search is for)."""
+        lps = o.stream.get("logprobs") or []
+        own = lps[i] if i < len(lps) and lps[i] else {}
+        limit = self._logprob_limit(o.prompt_id)
+        if not own or limit is None:
+            return None
+        ours, want, tok = list(o.stream["tokens"]), int(ref["tokens"][i]), int(o.stream["tokens"][i])
+        before = []  # each earlier step's spread of (its log-prob - the oracle's) over the untouched tokens both list
+        for k, (a, b) in enumerate(zip(lps[:i], ref["logprobs"][:i])):
+            seen = set(int(c) for c in o.ids) | set(ours[:k])
+            d = [a[t] - b[t] for t in set(a or {}) & set(b or {}) if t not in seen and a[t] > -np.inf < b[t]]
+            before += [max(d) - min(d)] if d else []
+        if before and not max(before) <= limit:
+            return None
+        context = list(o.ids) + ours[:i]
+        with self._engine(()) as (eng, _):
+            z = np.asarray(eng.logits(context), dtype=np.float64)[-1]
+        if int(np.argmax(z)) != want:
+            return None
+        lz = z - z.max() - np.log(np.sum(np.exp(z - z.max())))
+        touched = set(int(c) for c in context) | {want}
+        shift = [own[k] - lz[k] for k in own if k not in touched and own[k] > -np.inf]
+        if len(shift) < 2 or not max(shift) - min(shift) <= limit:
+            return None
+        what = self._what(o, i, tok, want, context, z)
+        if what.startswith(GENERATION_PATH):
+            return None
+        spread = max(shift) - min(shift)
+        worst = max(before, default=0.0)
+        line = (f"request {o.prompt_id} step {i}: it gave {tok}, the {base.oracle}'s greedy token there is {want} "
+                f"(no logits were given: its own log-probs agree with the {base.oracle}'s on the {len(shift)} tokens "
+                f"it lists that no decoding rule touches, up to one shift of the normaliser (spread {spread:.3g}), "
+                f"and so at the {i} steps before (spread at most {worst:.3g})); {what}")
+        return {"request": o.prompt_id, "step": i, "ours": tok, "oracle": want, "what": what, "evidence": "log-probs",
+                "spread_before": worst, "spread": spread, "kind": "decoding", "line": line}
 
     def _what(self, o: Observed, i: int, tok: int, want: int, context: Sequence[int], z: np.ndarray) -> str:
         """What differs in decoding at step ``i`` (see :meth:`decoding`); ``z``: the oracle's logits there. It starts
@@ -628,15 +679,15 @@ class TextSubject:
         theirs = own.get(want)
         if theirs is None or not theirs > -np.inf:
             state = f"not among its top-{len(own)} log-probs" if theirs is None else "at log-prob -inf"
-            if repeated:
-                return (f"a repeated token's logit lowered: token {want} is {state} where its logits give it "
+            if repeated and theirs is None:
+                return (f"a repeated token's logit lowered: token {want} is {state} where the logits give it "
                         f"log-prob {lz[want]:.4g} (their top-1), and {where} (a repetition penalty)")
-            return (f"a token banned: token {want} is {state} where its logits give it log-prob {lz[want]:.4g} (their "
+            return (f"a token banned: token {want} is {state} where the logits give it log-prob {lz[want]:.4g} (their "
                     "top-1)")
         if repeated:
-            return (f"a repeated token's logit lowered: token {want} at log-prob {theirs:.4g} where its logits give "
+            return (f"a repeated token's logit lowered: token {want} at log-prob {theirs:.4g} where the logits give "
                     f"log-prob {lz[want]:.4g}, and {where} (a repetition penalty)")
-        return (f"token {want}'s log-prob lowered in decoding: {theirs:.4g} where its logits give log-prob "
+        return (f"token {want}'s log-prob lowered in decoding: {theirs:.4g} where the logits give log-prob "
                 f"{lz[want]:.4g} (a logit bias)")
 
 
