@@ -379,9 +379,9 @@ Q8_AGREEING_WHY = (
     "fault gives 0 (docs/quantized-activations.md). An engine that gives log-probs, not logits (an OpenAI server, a "
     "cmd: engine without logits) is counted the same way on what it returns: per greedy stream, its prompt positions "
     "where it reports prompt log-probs (llama-cpp-python's echo, vLLM), then each generated step, whose top-N "
-    "log-probs agree with the emulating reference's for the same ids (teacher-forced on the engine's own tokens) "
-    "within the fp32 log-prob bound (1e-3), over the same count for the jittered reference on the same tokens, "
-    "positions and ids (harness.parity.checks.pair.stream_agreement)")
+    "log-probs agree with the emulating reference's for the same ids (on the engine's own tokens: a prefill, then a "
+    "decode step per token, as it ran them) within the fp32 log-prob bound (1e-3), over the same count for the "
+    "jittered reference on the same tokens, positions and ids (harness.parity.checks.pair.stream_agreement)")
 
 _Q8_WHY = ("an engine that rounds its activations (quantized_activations, llama.cpp's dot-product types) on a file "
            "with quantized or 16-bit matrices, against the reference that rounds them the same way "

@@ -279,6 +279,26 @@ class ReferenceRuns:
         self.passes += 1
         return [np.asarray(z[0], dtype=np.float64) for z in self.ref.logits_chains(chains)]
 
+    def decoded_logits(self, approx: tuple[str, ...], prompts: Sequence[Sequence[int]],
+                       tokens: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """The reference's logits (float64 ``[len(prompt) + len(tokens), V]``) of each prompt and its tokens computed
+        as an engine computes a stream: a prefill of the prompt, then one decode step per token, under ``approx``
+        (llama.cpp's flash attention takes another kernel below 64 query rows: one forward over the whole sequence
+        would not be what the engine ran). With the reference as the oracle only; in one pass over the weights
+        (:func:`reference.batch.forward_chains`) unless ``approx`` jitters (its random stream is the one-by-one
+        path's) or a ``--spec`` variant replaces what that path does."""
+        if "jitter" in approx or batch.replaced() or not prompts:
+            out = []
+            for ids, toks in zip(prompts, tokens):
+                with self.numerics(approx):
+                    out.append(np.asarray(self.ref.logits_cached(list(ids) + list(toks), len(ids)), dtype=np.float64))
+            return out
+        chains = [batch.Chain([list(ids)] + [[int(t)] for t in toks], numerics=lambda: self.numerics(approx))
+                  for ids, toks in zip(prompts, tokens)]
+        self.passes += 1
+        return [np.concatenate([np.asarray(z, dtype=np.float64) for z in calls])
+                for calls in self.ref.logits_chains(chains)]
+
     def generations(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
                     top_n: int = TOP_N) -> dict[str, dict]:
         """The oracle's greedy streams of ``n`` tokens with the top-``top_n`` log-probs of every step, as
@@ -761,7 +781,8 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     and ids. The positions: the prompt's where the engine reports prompt log-probs (``offers_prompt_logprobs``,
     :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the top-N), then every
     generated step with log-probs (the engine's top-N); the oracle runs teacher-forced on the prompt and the
-    engine's own tokens (one forward each way), so a stream that parts from the oracle's or stops at EOS is still
+    engine's own tokens, a prefill of the prompt then a decode step per token as the engine ran them
+    (:meth:`ReferenceRuns.decoded_logits`), so a stream that parts from the oracle's or stops at EOS is still
     compared where it went. Only ids the engine returned are compared (the oracle has every id); ``top_n``: the
     log-probs asked per prompt position.
 
@@ -777,18 +798,18 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     rids = [rid for rid in ids if streams.get(rid, {}).get("tokens")]
     prompt_lp: dict[str, list] = {}
     if getattr(eng, "offers_prompt_logprobs", False):
-        for k, rid in enumerate(rids):
+        for k, rid in ((k, rid) for k, rid in enumerate(ids) if rid in rids):
             try:
                 prompt_lp[rid] = eng.prompt_logprobs(ids[rid], top_n)
             except EngineFailure as e:
                 raise e.at(index=k)
-    seqs = [ids[rid] + list(streams[rid]["tokens"][:-1]) for rid in rids]
-    emulated = runs.raw_logits_many(approx, seqs)
+    forced = [list(streams[rid]["tokens"][:-1]) for rid in rids]
+    emulated = runs.decoded_logits(approx, [ids[rid] for rid in rids], forced)
+    jittered = runs.decoded_logits((*approx, "jitter"), [ids[rid] for rid in rids], forced)
     out = {"agreeing_prefix": 0, "positions": 0, "reference_agreeing": 0, "per_prompt": {},
            "agreement_on": "log-probs"}
-    for rid, z in zip(rids, emulated):
-        lp = log_softmax(z)
-        jit = log_softmax(runs.raw_logits((*approx, "jitter"), ids[rid] + list(streams[rid]["tokens"][:-1])))
+    for rid, z, zj in zip(rids, emulated, jittered):
+        lp, jit = log_softmax(z), log_softmax(zj)
         compared: list[tuple[int, dict[int, float]]] = []  # (row of the oracle's logits, the engine's log-probs)
         for i, entry in enumerate(prompt_lp.get(rid, [])):
             if entry is not None and 0 < i < len(ids[rid]):
