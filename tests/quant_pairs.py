@@ -1,8 +1,9 @@
-"""The ``llamacpp`` engine on a quantized GGUF (correct, or a faulty copy: :mod:`quant_faults`) against the reference
-on the correct file, judged as ``g4h parity`` judges the pair (``harness/parity/checks/pair.py``, the gates of
-``harness/core/gates.py``); for tests/test_quantized_gates.py and the figures of docs/quantized-activations.md.
+"""An engine on a quantized GGUF (correct, or a faulty copy: :mod:`quant_faults`) against the reference on the correct
+file, judged as ``g4h parity`` judges the pair (``harness/parity/checks/pair.py``, the gates of
+``harness/core/gates.py``; a server's own checks left out); for tests/test_quantized_gates.py, tests/quant_matrix.py
+and the figures of docs/quantized-activations.md.
 
-    python tests/quant_pairs.py FILE.gguf [TENSOR ...]   # the correct file, then one faulty copy per tensor
+    python tests/quant_pairs.py FILE.gguf [TENSOR ...]   # llamacpp: the correct file, then one faulty copy per tensor
 """
 
 from __future__ import annotations
@@ -19,18 +20,23 @@ from quant_faults import scale_rows  # noqa: E402
 
 from harness.core.cases import load_prompts  # noqa: E402
 from harness.core.gates import DEFAULT_GATES  # noqa: E402
-from harness.engines import make_engine  # noqa: E402
+from harness.engines import engine_kind, make_engine  # noqa: E402
 from harness.engines.reference import ReferenceEngine  # noqa: E402
-from harness.parity.checks.pair import ReferenceRuns, _measure  # noqa: E402
+from harness.parity.checks.pair import ReferenceRuns, _measure, engine_numerics, pair_name  # noqa: E402
 from harness.parity.result import CaseResult  # noqa: E402
 
 
-def judge(runs: ReferenceRuns, engine_file: str | Path, prompts, n_tokens: int = 8) -> dict[str, Any]:
-    """The pair ``reference~llamacpp`` with the engine on ``engine_file`` and the reference of ``runs``: whether it
-    passes, and per gate the worst figure, its limit, and the worst figure against the exact reference."""
-    eng = make_engine("llamacpp", engine_file)
+def judge(runs: ReferenceRuns, engine_file: str | Path, prompts, n_tokens: int = 8, engine: str = "llamacpp",
+          model: str | Path | None = None) -> dict[str, Any]:
+    """The pair ``reference~<kind of engine>`` with ``engine`` (``llamacpp``: run on ``engine_file``; ``openai:URL``:
+    a server already serving ``engine_file``, told ``model``, the reference's file) and the reference of ``runs``:
+    whether it passes, and per gate the worst figure, its limit, the worst figure against the exact reference, and
+    the last check's record (``detail``)."""
+    kind = engine_kind(engine)
+    eng = make_engine(engine, engine_file if kind == "llamacpp" else model)
+    pair = pair_name(kind, engine_numerics(eng, kind).dtype)
     try:
-        figs = _measure(runs, eng, "llamacpp", "reference~llamacpp", prompts, lambda m: None, "q", n_tokens)
+        figs = _measure(runs, eng, kind, pair, prompts, lambda m: None, "q", n_tokens)
     finally:
         close = getattr(eng, "close", None)
         if close:
@@ -40,7 +46,7 @@ def judge(runs: ReferenceRuns, engine_file: str | Path, prompts, n_tokens: int =
     out: dict[str, Any] = {"passed": res.passed, "gates": {}}
     for c in res.checks:
         g = out["gates"].setdefault(c["gate"], {"worst": None, "limit": c["limit"], "exact": None, "fail": 0,
-                                                "informational": bool(c.get("informational"))})
+                                                "informational": bool(c.get("informational")), "detail": c})
         worse = (lambda a, b: a > b) if c["op"] == "le" else (lambda a, b: a < b)
         if g["worst"] is None or worse(c["measured"], g["worst"]):
             g["worst"] = c["measured"]

@@ -15,7 +15,7 @@ llama-cpp-python loads):
 from __future__ import annotations
 
 import ctypes
-import os
+import sys
 from pathlib import Path
 
 import gguf
@@ -25,6 +25,9 @@ import torch
 
 import fast.activation_quants as fq
 import reference.activation_quants as rq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ggml_lib import load_ggml  # noqa: E402
 
 GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q8_1": 9, "Q2_K": 10,
               "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_K": 15, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18,
@@ -37,39 +40,9 @@ VEC_DOT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
                            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-class TraitsCPU(ctypes.Structure):
-    """``struct ggml_type_traits_cpu`` (``ggml/include/ggml-cpu.h``)."""
-    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
-                ("nrows", ctypes.c_int64)]
-
-
-def _lib_dir() -> Path:
-    if os.environ.get("G4H_SKIP_LLAMACPP", "") not in ("", "0"):
-        pytest.skip("opted out with G4H_SKIP_LLAMACPP=1")
-    try:
-        import llama_cpp
-    except ImportError as e:
-        pytest.fail(f"llama-cpp-python is not installed ({e}); nox -s tests installs it (G4H_SKIP_LLAMACPP=1 opts "
-                    "out)", pytrace=False)
-    return Path(llama_cpp.__file__).parent / "lib"
-
-
 @pytest.fixture(scope="module")
 def ggml():
-    d = _lib_dir()
-    base = ctypes.CDLL(str(d / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
-    cpu = ctypes.CDLL(str(d / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
-    cpu.ggml_cpu_init()
-    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(TraitsCPU)
-    cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
-    base.ggml_row_size.restype = ctypes.c_size_t
-    base.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
-    base.ggml_quantize_chunk.restype = ctypes.c_size_t
-    base.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    base.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
-    base.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
-    return base, cpu
+    return load_ggml()
 
 
 def _from_float(ggml, vtype: str, x: np.ndarray) -> np.ndarray:

@@ -4,7 +4,6 @@ from llama.cpp's own intermediate tensors (tests/llamacpp_dump.py, a subprocess)
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,18 +22,11 @@ from harness.engines.llamacpp.numerics import (
     llamacpp_numerics,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ggml_lib import need_llamacpp  # noqa: E402
+
 DUMP = Path(__file__).resolve().parent / "llamacpp_dump.py"
 SHAPES = Path(__file__).resolve().parent / "shapes"
-
-
-def _need_llamacpp():
-    if os.environ.get("G4H_SKIP_LLAMACPP", "") not in ("", "0"):
-        pytest.skip("opted out with G4H_SKIP_LLAMACPP=1")
-    try:
-        import llama_cpp  # noqa: F401  (the test compares with the library itself)
-    except ImportError as e:
-        pytest.fail(f"llama-cpp-python is not installed ({e}); nox -s tests installs it (G4H_SKIP_LLAMACPP=1 opts "
-                    "out)", pytrace=False)
 
 
 def _dump(tmp_path: Path, *args: str) -> dict[str, np.ndarray]:
@@ -49,7 +41,7 @@ def _dump(tmp_path: Path, *args: str) -> dict[str, np.ndarray]:
 def test_table_is_ggmls_own(tmp_path):
     """Every finite entry of the rebuilt table equals llama.cpp's ``ggml_table_gelu_f16``; rounding the float64 GELU
     instead would differ in hundreds of entries (so this test can fail)."""
-    _need_llamacpp()
+    need_llamacpp()
     theirs = _dump(tmp_path, "--gelu-table")["table"]
     x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64)
     assert np.array_equal(gelu_table()[np.isfinite(x)], theirs[np.isfinite(x)])
@@ -90,7 +82,7 @@ def test_attention_over_an_f16_cache_is_llamacpps(tmp_path, flash):
     """llama.cpp's attention output (``kqv_out``) of every layer of an odd shape, from its own Q, K and V, f16 KV
     cache: the emulation (``attn_fp16_operands`` without flash attention; the flash kernel's fp16 accumulator with
     it) agrees to float32 rounding (< 1e-6), where the exact attention over the same Q, K, V is off by > 1e-4."""
-    _need_llamacpp()
+    need_llamacpp()
     from harness import synth
 
     gguf = synth.ensure_built(SHAPES / "odd-h72-v300.toml").gguf["F32"]

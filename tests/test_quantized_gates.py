@@ -23,6 +23,7 @@ from harness.engines.numerics import KIND_NUMERICS, Numerics, emulate
 from reference.weights import GGMLArray, load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ggml_lib import need_llamacpp  # noqa: E402
 
 
 def _case(name: str, qtype: str) -> Path:
@@ -116,19 +117,87 @@ def test_what_cannot_be_emulated_is_said():
     assert "Q5_1: llama.cpp multiplies" in runs.emulation_gap(KIND_NUMERICS["llamacpp"], ["Q5_1", "Q8_0"])
 
 
+class StreamsOnly:
+    """An engine that gives greedy streams with top-N log-probs and no logits (as a server does), declaring llama.cpp's
+    quantized activations: the reference on ``path`` under that emulation, its inputs jittered with a seed of its own
+    (an engine whose fp32 values differ from the emulating reference's in their last bits, as llama.cpp's do)."""
+
+    ops = ("generate",)
+    numerics = KIND_NUMERICS["llamacpp"]
+    engine = "streams-only"
+
+    def __init__(self, path: Path) -> None:
+        from harness.engines.reference import ReferenceEngine
+
+        self.ref = ReferenceEngine(path)
+
+    def generate_full(self, prompts, max_new_tokens, top_n=5):
+        from harness.engines.llamacpp.numerics import jitter_numerics
+
+        with emulate(self.numerics.emulation()), jitter_numerics(seed=7):
+            return self.ref.generate_full(prompts, max_new_tokens, top_n=top_n)
+
+
+@pytest.mark.parametrize("fault", ["correct", "rows", "block", "swap"])
+def test_log_probs_only_engine_is_gated_on_its_streams(fault, tmp_path):
+    """An engine without logits (:class:`StreamsOnly`, judged as a ``cmd:`` engine is) on e2b Q8_0: its greedy streams'
+    log-probs give ``agreeing_positions`` (harness/parity/checks/pair.py ``stream_agreement``); the correct file
+    passes, each fault of :mod:`quant_faults` in an FFN down matrix fails there, with the same positions counted on
+    the jittered reference."""
+    from quant_faults import make_fault
+    from quant_pairs import prompts_for
+
+    from harness.core.gates import DEFAULT_GATES
+    from harness.engines.reference import ReferenceEngine
+    from harness.parity.checks.pair import ReferenceRuns, _measure
+    from harness.parity.result import CaseResult
+
+    path = _case("e2b", "Q8_0")
+    runs = ReferenceRuns(ReferenceEngine(path))
+    prompts = prompts_for(path, runs.ref.cfg)[:4]
+    served = path if fault == "correct" else make_fault(fault, path, tmp_path / "f.gguf", "blk.3.ffn_down.weight")[0]
+    figs = _measure(runs, StreamsOnly(served), "cmd", "reference~cmd", prompts, lambda m: None, "q", 4)
+    agree = next(f for f in figs if f.gate == "reference~cmd_q8.agreeing_positions")
+    res = CaseResult(case="q", kind="user", model=str(path))
+    res.apply(figs, DEFAULT_GATES)
+    d = agree.detail
+    assert d["reference_agreeing"] > 0 and d["positions"] == 4 * 4, d  # 4 prompts x 4 steps, none without log-probs
+    if fault == "correct":
+        assert res.passed and agree.measured >= 0.2, d
+    else:
+        assert not res.passed and agree.measured < 0.2, d
+        assert not next(c for c in res.checks if c["gate"] == agree.gate)["pass"]
+
+
+def test_faults_change_what_they_say(tmp_path):
+    """:mod:`quant_faults` on a Q8_0 matrix: the block fault changes one block's fp16 scale by x1.5 and no other byte;
+    the swap exchanges two rows' bytes; the row fault scales the first half of the rows' scales."""
+    import gguf
+    from quant_faults import BLOCK_FACTOR, make_fault
+
+    path = _case("e2b", "Q8_0")
+    name = "blk.3.ffn_down.weight"
+
+    def raw(p):
+        return next(t for t in gguf.GGUFReader(p).tensors if t.name == name).data.copy()
+
+    before = raw(path)
+    after = raw(make_fault("block", path, tmp_path / "b.gguf", name)[0])
+    rows, cols = np.nonzero(before != after)
+    assert len(set(rows)) == 1 and cols.max() - cols.min() <= 1  # two bytes: one fp16 d
+    r, c = rows[0], cols.min()
+    d0, d1 = (a[r, c:c + 2].copy().view(np.float16)[0] for a in (before, after))
+    assert float(d1) == float(np.float16(float(d0) * BLOCK_FACTOR)) and c % 34 == 0
+    after = raw(make_fault("swap", path, tmp_path / "s.gguf", name)[0])
+    j = before.shape[0] // 2
+    assert np.array_equal(after[0], before[j]) and np.array_equal(after[j], before[0])
+    assert np.array_equal(np.delete(after, [0, j], axis=0), np.delete(before, [0, j], axis=0))
+    after = raw(make_fault("rows", path, tmp_path / "r.gguf", name)[0])
+    changed = np.nonzero((before != after).any(axis=1))[0]
+    assert changed.max() < before.shape[0] // 2 and changed.size > before.shape[0] // 4
+
+
 # --------------------------------------------------------------------------- the real llama.cpp engine
-
-
-def _need_llamacpp():
-    import os
-
-    if os.environ.get("G4H_SKIP_LLAMACPP", "") not in ("", "0"):
-        pytest.skip("opted out with G4H_SKIP_LLAMACPP=1")
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError as e:
-        pytest.fail(f"llama-cpp-python is not installed ({e}); nox -s tests installs it (G4H_SKIP_LLAMACPP=1 opts "
-                    "out)", pytrace=False)
 
 
 def _pairs(path: Path, faults: list[str], tmp_path: Path) -> dict[str, dict]:
@@ -138,7 +207,7 @@ def _pairs(path: Path, faults: list[str], tmp_path: Path) -> dict[str, dict]:
     from harness.engines.reference import ReferenceEngine
     from harness.parity.checks.pair import ReferenceRuns
 
-    _need_llamacpp()
+    need_llamacpp()
     ref = ReferenceEngine(path)
     runs = ReferenceRuns(ref)
     prompts = prompts_for(path, ref.cfg)
@@ -166,7 +235,7 @@ def test_llamacpp_q4_k_m_correct_passes_faults_fail(tmp_path):
     fault in a Q4_K matrix and in a Q5_0 one fails."""
     from harness.engines.llamacpp.tools import quantize
 
-    _need_llamacpp()
+    need_llamacpp()
     path = quantize(_case("31b", "F32"), tmp_path / "31b-Q4_K_M.gguf", "Q4_K_M", threads=1)
     got = _pairs(path, ["blk.2.ffn_down.weight", "blk.5.attn_output.weight"], tmp_path)
     assert got["correct"]["passed"], got["correct"]

@@ -376,7 +376,12 @@ Q8_AGREEING_WHY = (
     "attn_output, ffn_gate; 31b Q4_K_M ffn_down in Q4_K, attn_output in Q5_0; Gemma 3 ffn_down in Q6_K, attn_output "
     "in Q4_K). 0.2: a correct engine's count may "
     "fall below the perturbed reference's one draw by chance; 5 x below is far outside what the figures show, and a "
-    "fault gives 0 (docs/quantized-activations.md)")
+    "fault gives 0 (docs/quantized-activations.md). An engine that gives log-probs, not logits (an OpenAI server, a "
+    "cmd: engine without logits) is counted the same way on what it returns: per greedy stream, its prompt positions "
+    "where it reports prompt log-probs (llama-cpp-python's echo, vLLM), then each generated step, whose top-N "
+    "log-probs agree with the emulating reference's for the same ids (on the engine's own tokens: a prefill, then a "
+    "decode step per token, as it ran them) within the fp32 log-prob bound (1e-3), over the same count for the "
+    "jittered reference on the same tokens, positions and ids (harness.parity.checks.pair.stream_agreement)")
 
 _Q8_WHY = ("an engine that rounds its activations (quantized_activations, llama.cpp's dot-product types) on a file "
            "with quantized or 16-bit matrices, against the reference that rounds them the same way "

@@ -555,6 +555,8 @@ class OpenAIEngine:
             of that text there (:meth:`_lcp_ids`); nothing else reads them.
         answers: ``(ids, max_new_tokens, top_n) -> (ServerGenerated, seconds)`` of every prompt
             :meth:`generate_full` sent (the server checks reuse them as the answers "sent alone").
+        offers_prompt_logprobs: whether :meth:`prompt_logprobs` can answer (vLLM, llama-cpp-python); its answers are
+            kept, so the pair check and ``server.prompt_logprobs`` send one request per prompt.
 
     Raises:
         ServerError: the server is down, slow, answers an error or an unexpected shape, or is no known dialect
@@ -600,6 +602,8 @@ class OpenAIEngine:
         self.approximations = self.numerics.approximations
         self.dtype = self.numerics.dtype
         self.answers: dict[tuple[tuple[int, ...], int, int], tuple[ServerGenerated, float]] = {}
+        self.offers_prompt_logprobs = self.dialect in ("vllm", "llama-cpp-python")
+        self._prompt_lp: dict[tuple[tuple[int, ...], int], list[tuple[float, list[tuple[int, float]]] | None]] = {}
         self.hints: dict[tuple[int, ...], tuple[list[int], list[dict[int, float]]]] = {}  # naming only (see above)
         self._pieces: dict[int, bytes] = {}  # llama-server: token id -> its text's bytes
         self._text_id: dict[str, int | None] = {}  # llama-cpp-python: token text -> id
@@ -1336,12 +1340,19 @@ class OpenAIEngine:
             One entry per token of ``ids``: None for position 0 (nothing precedes it) and, on llama-cpp-python,
             for the first token after BOS (its echo nulls the first listed token); else
             ``(logprob of ids[i], [(id, logprob), ...] best first)``.
+            Kept per ``(ids, top_n)``: asked again, the same answer without a request.
 
         Raises:
             ServerError: the dialect has no prompt log-probs (llama-server). ServerFailure: the answer has another
                 shape.
         """
-        ids = [int(t) for t in ids]
+        key = (tuple(int(t) for t in ids), int(top_n))
+        if key not in self._prompt_lp:
+            self._prompt_lp[key] = self._prompt_logprobs(list(key[0]), int(top_n))
+        return self._prompt_lp[key]
+
+    def _prompt_logprobs(self, ids: list[int], top_n: int) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """:meth:`prompt_logprobs`, asked of the server."""
         url = self.base + "/completions"
         if self.dialect == "openai":
             raise ServerError(f"{self.root}: the generic OpenAI dialect reads no prompt log-probabilities")

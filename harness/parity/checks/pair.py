@@ -279,6 +279,26 @@ class ReferenceRuns:
         self.passes += 1
         return [np.asarray(z[0], dtype=np.float64) for z in self.ref.logits_chains(chains)]
 
+    def decoded_logits(self, approx: tuple[str, ...], prompts: Sequence[Sequence[int]],
+                       tokens: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """The reference's logits (float64 ``[len(prompt) + len(tokens), V]``) of each prompt and its tokens computed
+        as an engine computes a stream: a prefill of the prompt, then one decode step per token, under ``approx``
+        (llama.cpp's flash attention takes another kernel below 64 query rows: one forward over the whole sequence
+        would not be what the engine ran). With the reference as the oracle only; in one pass over the weights
+        (:func:`reference.batch.forward_chains`) unless ``approx`` jitters (its random stream is the one-by-one
+        path's) or a ``--spec`` variant replaces what that path does."""
+        if "jitter" in approx or batch.replaced() or not prompts:
+            out = []
+            for ids, toks in zip(prompts, tokens):
+                with self.numerics(approx):
+                    out.append(np.asarray(self.ref.logits_cached(list(ids) + list(toks), len(ids)), dtype=np.float64))
+            return out
+        chains = [batch.Chain([list(ids)] + [[int(t)] for t in toks], numerics=lambda: self.numerics(approx))
+                  for ids, toks in zip(prompts, tokens)]
+        self.passes += 1
+        return [np.concatenate([np.asarray(z, dtype=np.float64) for z in calls])
+                for calls in self.ref.logits_chains(chains)]
+
     def generations(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
                     top_n: int = TOP_N) -> dict[str, dict]:
         """The oracle's greedy streams of ``n`` tokens with the top-``top_n`` log-probs of every step, as
@@ -541,7 +561,10 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
     worst-value figures are reported, and ``<pair>_q8.agreeing_positions`` is gated: the positions in each prompt's
     leading run within the fp32 bound, over those of the emulating reference against itself with its inputs
     perturbed in their last bits (``jitter``: what the flips alone do on this model and prompt). When that reference
-    agrees on no position (flips too dense), the figure is reported and the mean KLD is gated as below.
+    agrees on no position (flips too dense), the figure is reported and the mean KLD is gated as below. An engine
+    without logits (a server) is counted on its greedy streams' log-probs instead (:func:`stream_agreement`, in the
+    ``max_abs_logprob`` figure's detail): the same gate, the same ratio; flips too dense there leave the greedy
+    streams to gate alone (no logits, no KLD).
 
     Not emulated (``gap`` says why): every figure is informational with the reason
     (:data:`QUANTIZED_ACTIVATIONS`), except the mean KLD, judged by ``<pair>_q8x.mean_kld`` at 2 x the KLD the
@@ -552,6 +575,8 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
     dense = None
     if gap is None:
         logit = [f for f in figures if f.gate == head + "max_abs_logit" and "agreeing_prefix" in f.detail]
+        streams = [f for f in figures if f.gate == head + "max_abs_logprob" and "agreeing_prefix" in f.detail]
+        detail: dict[str, Any] | None = None
         if logit:
             own = DEFAULT_GATES[head + "max_abs_logit"].limit
             agree, total = sum(f.detail["agreeing_prefix"] for f in logit), sum(f.detail["positions"] for f in logit)
@@ -562,13 +587,23 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
                 moved = np.max(np.abs(runs.raw_logits((*approx, "jitter"), p["prompt_ids"]) - base), axis=1)
                 apart = np.nonzero(~(moved <= own))[0]
                 itself += int(apart[0]) if apart.size else int(moved.size)
-            detail = dict(positions=total, agreeing=agree, reference_agreeing=itself,
+            detail = dict(positions=total, agreeing=agree, reference_agreeing=itself, on="logits",
                           per_prompt={str(f.prompt): [f.detail["agreeing_prefix"], f.detail["positions"]]
                                       for f in logit})
+            instead = "the mean KLD is gated against the 8-bit yardstick instead"
+        elif streams:  # an engine without logits: its greedy streams' log-probs (stream_agreement)
+            f = streams[0]
+            own = DEFAULT_GATES[head + "max_abs_logprob"].limit
+            agree, itself = f.detail["agreeing_prefix"], f.detail["reference_agreeing"]
+            detail = dict(positions=f.detail["positions"], agreeing=agree, reference_agreeing=itself,
+                          on="log-probs along the greedy streams (prompt positions where offered, then each step)",
+                          per_prompt=f.detail["per_prompt"])
+            instead = "the greedy streams gate alone"
+        if detail is not None:
             if itself == 0:
                 dense = (f"no position of the emulating reference agrees with itself within {own:g} once its inputs "
                          "move in their last bits: int8 rounding flips are too dense on this model to judge by "
-                         "positions; the mean KLD is gated against the 8-bit yardstick instead")
+                         f"positions; {instead}")
                 figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
                                    informational_reason=dense))
             else:
@@ -706,6 +741,13 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                     figs[1].detail.update(effect=effect, effect_at=effect_at, emulated=list(approx))
                 if getattr(eng, "no_logprobs", None):  # a server that gives tokens only: said, not failed
                     figs[1].detail["not_measured"] = eng.no_logprobs
+                elif "quantized_activations" in approx and not _can(eng, "logits"):  # its log-probs stand for logits
+                    try:
+                        figs[1].detail.update(stream_agreement(
+                            runs, eng, approx, gen_prompts, ours_g, DEFAULT_GATES[f"{pair}.max_abs_logprob"].limit,
+                            top_n))
+                    except EngineFailure as e:
+                        raise _naming(e, gen_prompts)
                 out += figs
                 bad = _not_greedy(ours_g)
                 if bad is not None:  # a greedy engine never picks a token below its own top-1: it samples, or lies
@@ -713,6 +755,76 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                     raise EngineProtocolError(
                         f"{getattr(eng, 'name', kind)}: token {tok} is not the top-1 of its own log-probs ({best} at "
                         f"{lp:.6g}): not greedy decoding (temperature 0), which was asked").at(request=rid, step=i)
+    return out
+
+
+def _agreeing_run(diffs: Sequence[float | None], bound: float) -> tuple[int, int]:
+    """``(leading run, positions)`` of per-position differences: the positions before the first one above ``bound``,
+    and the positions counted; None (a position one side left without log-probs) is neither."""
+    run, seen, apart = 0, 0, False
+    for d in diffs:
+        if d is None:
+            continue
+        seen += 1
+        apart = apart or not d <= bound
+        run += not apart
+    return run, seen
+
+
+def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]],
+                     streams: dict[str, dict[str, Any]], bound: float, top_n: int = TOP_N) -> dict[str, Any]:
+    """For an engine that gives log-probs, not logits (a server, a ``cmd:`` engine without ``logits``) and rounds its
+    activations (``quantized_activations`` in ``approx``, emulated): per greedy stream, the leading run of positions
+    whose returned log-probs agree with the emulating oracle's for the same ids within ``bound`` (the fp32 bound of
+    ``max_abs_logprob``), and the same run for the emulating oracle against itself jittered
+    (``(*approx, "jitter")``, :func:`harness.engines.llamacpp.numerics.jitter_numerics`) on the same tokens, positions
+    and ids. The positions: the prompt's where the engine reports prompt log-probs (``offers_prompt_logprobs``,
+    :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the top-N), then every
+    generated step with log-probs (the engine's top-N); the oracle runs teacher-forced on the prompt and the
+    engine's own tokens, a prefill of the prompt then a decode step per token as the engine ran them
+    (:meth:`ReferenceRuns.decoded_logits`), so a stream that parts from the oracle's or stops at EOS is still
+    compared where it went. Only ids the engine returned are compared (the oracle has every id); ``top_n``: the
+    log-probs asked per prompt position.
+
+    Returns:
+        ``agreeing_prefix``, ``positions`` and ``reference_agreeing`` summed over the streams, ``per_prompt``
+        ``{id: [agreeing, positions, reference_agreeing]}``, ``agreement_on`` (``log-probs``: what
+        :func:`_quantized_gates` reads).
+
+    Raises:
+        EngineFailure: the engine failed a prompt log-probs request (its ``index`` in ``prompts``).
+    """
+    ids = {str(p["id"]): [int(t) for t in p["prompt_ids"]] for p in prompts}
+    rids = [rid for rid in ids if streams.get(rid, {}).get("tokens")]
+    prompt_lp: dict[str, list] = {}
+    if getattr(eng, "offers_prompt_logprobs", False):
+        for k, rid in ((k, rid) for k, rid in enumerate(ids) if rid in rids):
+            try:
+                prompt_lp[rid] = eng.prompt_logprobs(ids[rid], top_n)
+            except EngineFailure as e:
+                raise e.at(index=k)
+    forced = [list(streams[rid]["tokens"][:-1]) for rid in rids]
+    emulated = runs.decoded_logits(approx, [ids[rid] for rid in rids], forced)
+    jittered = runs.decoded_logits((*approx, "jitter"), [ids[rid] for rid in rids], forced)
+    out = {"agreeing_prefix": 0, "positions": 0, "reference_agreeing": 0, "per_prompt": {},
+           "agreement_on": "log-probs"}
+    for rid, z, zj in zip(rids, emulated, jittered):
+        lp, jit = log_softmax(z), log_softmax(zj)
+        compared: list[tuple[int, dict[int, float]]] = []  # (row of the oracle's logits, the engine's log-probs)
+        for i, entry in enumerate(prompt_lp.get(rid, [])):
+            if entry is not None and 0 < i < len(ids[rid]):
+                compared.append((i - 1, {**dict(entry[1]), ids[rid][i]: float(entry[0])}))
+        start = len(ids[rid]) - 1
+        compared += [(start + s, {int(k): float(v) for k, v in d.items()})
+                     for s, d in enumerate(streams[rid]["logprobs"])]
+        theirs = [max((abs(v - lp[row, k]) for k, v in d.items()), default=None) for row, d in compared]
+        itself = [max((abs(jit[row, k] - lp[row, k]) for k in d), default=None) for row, d in compared]
+        agree, seen = _agreeing_run(theirs, bound)
+        own, _ = _agreeing_run(itself, bound)
+        out["per_prompt"][rid] = [agree, seen, own]
+        out["agreeing_prefix"] += agree
+        out["positions"] += seen
+        out["reference_agreeing"] += own
     return out
 
 

@@ -1,0 +1,149 @@
+"""The fault matrix of issue 34: per weight type, a correct file and faulty copies (:mod:`quant_faults`: the first
+half of one matrix's rows x1.02, one block's scale x1.5, two rows swapped), each run through the ``llamacpp`` engine
+and served by llama-server and llama-cpp-python's server with their defaults (nothing but the model, host and port
+on their command line: tests/field_servers.py), judged against the reference on the correct file as ``g4h parity``
+judges the pair (:func:`quant_pairs.judge`: the pair's gates; a server's own checks left out). The table of
+docs/quantized-activations.md.
+
+    python tests/quant_matrix.py [--file NAME ...] [--engine llamacpp|llama-server|llama-cpp-python ...]
+                                 [--fault rows|block|swap ...] [--out DIR]
+
+Files (:data:`FILES`): the synthetic e2b as written by ``g4h synth`` (F32, F16, BF16, Q8_0, Q4_0), the synthetic
+31b quantized by llama-quantize (Q5_0, Q4_K_S, Q6_K, Q4_K_M: its rows of 256 take K-quants), the real Gemma 3 270M
+Q4_K_M. Prompts: the texts of tests/field_servers.py (llama-cpp-python takes text only), our tokenizer's ids for
+every engine; 8 greedy tokens. Prints one line per run and the markdown table; writes ``DIR/matrix.json``. Exit
+status: 0 when every correct run passed and every faulty one failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from field_servers import TEXTS, server  # noqa: E402
+from quant_faults import FAULTS, make_fault  # noqa: E402
+from quant_pairs import judge  # noqa: E402
+
+FILES = {"e2b-F32": ("e2b", "F32"), "e2b-F16": ("e2b", "F16"), "e2b-BF16": ("e2b", "BF16"),
+         "e2b-Q8_0": ("e2b", "Q8_0"), "e2b-Q4_0": ("e2b", "Q4_0"), "31b-Q5_0": ("31b", "Q5_0"),
+         "31b-Q4_K_S": ("31b", "Q4_K_S"), "31b-Q6_K": ("31b", "Q6_K"), "31b-Q4_K_M": ("31b", "Q4_K_M"),
+         "gemma3-270m-Q4_K_M": (None, None)}
+"""Table name -> (synthetic case, type: written by g4h synth, else by llama-quantize from the case's F32 file);
+``(None, None)``: the real Gemma 3 270M Q4_K_M."""
+
+TENSORS = ("blk.1.ffn_down.weight", "blk.3.attn_output.weight", "blk.2.ffn_gate.weight")
+"""The matrices a fault goes into: per fault kind in turn (rows: the first, block: the second, swap: the third)."""
+
+ENGINES = ("llamacpp", "llama-server", "llama-cpp-python")
+
+
+def model_file(name: str, work: Path) -> Path:
+    """The GGUF of table row ``name`` (built, quantized or assembled on first use)."""
+    case, qtype = FILES[name]
+    if case is None:
+        from harness.core.realdata import gemma3_270m_gguf
+
+        return Path(gemma3_270m_gguf())
+    from harness.core.cases import resolve_spec
+    from harness.synth import ensure_built
+
+    built = ensure_built(resolve_spec(case)).gguf
+    if qtype in built:
+        return Path(built[qtype])
+    from harness.engines.llamacpp.tools import quantize
+
+    dst = work / f"{name}.gguf"
+    return dst if dst.is_file() else quantize(built["F32"], dst, qtype, threads=1)
+
+
+def tensor_type(path: Path, name: str) -> str:
+    import gguf
+
+    return next(t.tensor_type.name for t in gguf.GGUFReader(path).tensors if t.name == name)
+
+
+def run_one(runs, engine: str, served: Path, model: Path, prompts, log: Path) -> dict:
+    """The pair's verdict and figures of ``engine`` on ``served``, judged against ``runs`` (the reference on
+    ``model``)."""
+    t0 = time.monotonic()
+    if engine == "llamacpp":
+        r = judge(runs, served, prompts)
+    else:
+        with server(engine, served, log) as srv:
+            r = judge(runs, served, prompts, engine=f"openai:{srv.url}/v1", model=model)
+    agree = next((v for g, v in r["gates"].items() if g.endswith("_q8.agreeing_positions")), None)
+    greedy = next((v for g, v in r["gates"].items() if g.endswith(".greedy")), None)
+    failing = sorted(g for g, v in r["gates"].items() if v["fail"])
+    d = agree["detail"] if agree else {}
+    return {"exit": 0 if r["passed"] else 1, "seconds": round(time.monotonic() - t0),
+            "agreeing": None if agree is None else agree["worst"],
+            "counts": [d.get("agreeing"), d.get("reference_agreeing"), d.get("positions")] if d else None,
+            "agreeing_informational": bool(d.get("informational_reason")), "failing": failing,
+            "greedy": None if greedy is None else greedy["worst"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--file", action="append", choices=list(FILES), default=None)
+    p.add_argument("--engine", action="append", choices=ENGINES, default=None)
+    p.add_argument("--fault", action="append", choices=FAULTS, default=None)
+    p.add_argument("--out", default="reports/quant-matrix")
+    a = p.parse_args(argv)
+    from harness.engines.reference import ReferenceEngine
+    from harness.parity.checks.pair import ReferenceRuns
+    from harness.parity.checks.server import with_prompt_ids
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, status = [], 0
+    for name in a.file or list(FILES):
+        model = model_file(name, out)
+        runs = ReferenceRuns(ReferenceEngine(model))
+        prompts = with_prompt_ids([{"id": f"text{i}", "text": t} for i, t in enumerate(TEXTS)], model)
+        copies = [("correct", "-", model)]
+        for kind, tensor in zip(a.fault or FAULTS, TENSORS):
+            path, what = make_fault(kind, model, out / f"{name}-{kind}.gguf", tensor)
+            copies.append((kind, f"{what} ({tensor_type(model, tensor)})", path))
+        for kind, what, path in copies:
+            for engine in a.engine or ENGINES:
+                try:
+                    r = run_one(runs, engine, path, model, prompts, out / f"{name}-{kind}-{engine}.log")
+                except Exception as e:  # a run that could not be judged is a row, said, and fails the matrix
+                    r = {"exit": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                ok = r["exit"] == (0 if kind == "correct" else 1)
+                status |= not ok
+                rows.append({"file": name, "fault": kind, "what": what, "engine": engine, **r,
+                             "outcome": "ok" if ok else ("false alarm" if kind == "correct" else "miss")})
+                print(json.dumps(rows[-1]), flush=True)
+                (out / "matrix.json").write_text(json.dumps(rows, indent=1))
+    print()
+    print(table(rows))
+    return status
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of the matrix's rows."""
+    lines = ["| file | copy | engine | exit | agreeing_positions (engine / jittered reference, of positions) "
+             "| greedy | outcome |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r.get("counts")
+        fig = ("-" if r.get("agreeing") is None else
+               f"{r['agreeing']:.3g} ({c[0]} / {c[1]}, of {c[2]})" if c else f"{r['agreeing']:.3g}")
+        if r.get("agreeing_informational"):
+            fig += " (reported: flips too dense)"
+        g = r.get("greedy")
+        lines.append(f"| {r['file']} | {r['fault'] if r['fault'] == 'correct' else r['what']} | {r['engine']} | "
+                     f"{r['exit'] if r['exit'] is not None else 'error: ' + r.get('error', '')} | {fig} | "
+                     f"{'-' if g is None else f'{g:.3g}'} | {r['outcome']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
