@@ -331,7 +331,8 @@ def plan_job(config: pytest.Config) -> Plan | None:
     from harness.engines import check_engine_name, split_engines  # lazy (as above)
     from harness.parity.cases import case_names, default_against  # lazy (as above)
     from harness.parity.checks.server import load_user_prompts  # lazy (as above)
-    from harness.parity.job import check_oracle, check_skip  # lazy (as above)
+    from harness.parity.job import check_oracle  # lazy (as above)
+    from harness.parity.skips import check_skip  # lazy (as above)
     from reference.errors import InputError  # lazy (as above)
 
     args = parse_argv(argv)

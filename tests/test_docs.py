@@ -1,5 +1,6 @@
-"""The documents against the code: every repository path they name exists, and the gate tables of README.md and
-docs/ are the ones :mod:`harness.core.gates` generates (so neither can rot again)."""
+"""The documents against the code: every repository path they name exists, the gate tables (in docs/gates.md only)
+are the ones :mod:`harness.core.gates` generates, and docs/usage.md's ``--skip`` table is
+:mod:`harness.parity.skips`' (so none can rot again)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness.core import gates
+from harness.parity import skips
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,8 +74,8 @@ def test_every_repository_path_named_exists():
 
 
 def test_gate_tables_in_the_documents_are_generated_from_gates_py():
-    """README.md's summary and docs/gates.md's full table are :func:`harness.core.gates.gate_table`'s, character for
-    character (rewrite them with ``python -m harness.core.gates --write README.md docs/gates.md``)."""
+    """docs/gates.md holds both tables, :func:`harness.core.gates.gate_table`'s character for character, and no other
+    document holds one (README.md links it; rewrite them with ``python -m harness.core.gates --write``)."""
     held: dict[str, set[str]] = {}
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for kind, table in gates.gate_tables_in(doc.read_text(encoding="utf-8")).items():
@@ -81,7 +83,7 @@ def test_gate_tables_in_the_documents_are_generated_from_gates_py():
             assert table == gates.gate_table(kind), (
                 f"{doc.relative_to(ROOT)}: the {kind} gate table differs from harness/core/gates.py; run "
                 f"python -m harness.core.gates --write {doc.relative_to(ROOT)}")
-    assert held == {"summary": {"README.md"}, "full": {"gates.md"}}
+    assert held == {"summary": {"gates.md"}, "full": {"gates.md"}}
 
 
 def test_gate_tables_list_every_gate_with_its_limit():
@@ -106,6 +108,12 @@ def test_gate_tables_are_rewritten_between_their_markers(tmp_path):
     assert text == f"intro\n<!-- gates:summary -->\n{gates.gate_table('summary')}<!-- /gates:summary -->\nafter\n"
     (tmp_path / "none.md").write_text("no table\n", encoding="utf-8")
     assert gates._main(["--write", str(tmp_path / "none.md")]) == 2
+    assert gates.GATES_DOC == ROOT / "docs" / "gates.md"  # --write alone: the one place
+
+
+def test_skip_table_in_the_docs_is_generated_from_skips_py():
+    """docs/usage.md holds :func:`harness.parity.skips.skip_table` (``python -m harness.parity.skips`` prints it)."""
+    assert skips.skip_table() in (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
 
 
 _NAMED_LIMIT = re.compile(r"`([\w.~#]+)`\s*(<=|>=|≤|≥)\s*([0-9][0-9.e+-]*)")

@@ -21,6 +21,8 @@ from ..parity.explain_report import explanation_lines
 from ..parity.job import QUICK_LEAVES_OUT, QUICK_NEW_TOKENS, QUICK_PROMPTS, QUICK_SERVER_REQUESTS
 from ..parity.job import run as run_parity
 from ..parity.report import junit_xml, short_table
+from ..parity.skips import SKIPPABLE
+from ..parity.skips import help_text as skip_help
 from ._args import (
     Count,
     InFile,
@@ -79,11 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, type=OutDir(), help="parent folder of the run directory (default reports/)")
     p.add_argument("--case", action="append", default=None, help="only this built-in case (repeatable)")
     p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
-    p.add_argument("--skip", action="append", default=[], metavar="CHECK",
-                   help="opt a check out (repeatable): llamacpp, gemma3-real, tokenizer, speculative (the drafter "
-                        "and speculative-decoding checks), multimodal, a tokenizer check's name, or a server check "
-                        "(server-batch, server-stream, server-stop, server-template). A check that cannot run here and "
-                        "was not opted out fails the run")
+    p.add_argument("--skip", action="append", default=[], metavar="CHECK", choices=list(SKIPPABLE),
+                   help=skip_help())
     p.add_argument("--slow", action="store_true",
                    help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per "
                         "file)")

@@ -14,6 +14,7 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from reference.errors import InputError
@@ -695,13 +696,17 @@ SWEEP_GATES: dict[str, Gate] = {g.name: g for g in [
 DEFAULT_GATES.update(SWEEP_GATES)
 
 
-# --------------------------------------------------------------------------- the gate tables of README.md and docs/
+# --------------------------------------------------------------------------- the gate tables of docs/gates.md
 
 GATE_TABLES = ("summary", "full")
-"""The generated tables (:func:`gate_table`): ``summary`` (one row per pair, README.md) and ``full`` (one row per
-gate and per op bound, with its reason: docs/gates.md). A document holds one between ``<!-- gates:NAME -->`` and
-``<!-- /gates:NAME -->``; ``python -m harness.core.gates --write FILE...`` rewrites them, ``tests/test_docs.py``
-holds them equal to this module."""
+"""The generated tables (:func:`gate_table`): ``summary`` (one row per pair) and ``full`` (one row per gate and per
+op bound, with its reason), both in docs/gates.md, the one document that holds them (README.md links it). A
+document holds one between ``<!-- gates:NAME -->`` and ``<!-- /gates:NAME -->``; ``python -m harness.core.gates
+--write`` rewrites them (in docs/gates.md, or in the files named), ``tests/test_docs.py`` holds them equal to this
+module and in that one place."""
+
+GATES_DOC = Path(__file__).resolve().parents[2] / "docs" / "gates.md"
+"""Where the tables live: docs/gates.md of the source tree (``--write`` with no file)."""
 
 
 def _fmt(x: float) -> str:
@@ -771,16 +776,18 @@ def with_gate_tables(text: str) -> str:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """``python -m harness.core.gates --markdown [summary|full]`` prints a table; ``--write FILE...`` rewrites the
-    marked tables of each file. Returns the exit status (2: a file that cannot be read or holds no marked table)."""
+    """``python -m harness.core.gates --markdown [summary|full]`` prints a table; ``--write [FILE...]`` rewrites the
+    marked tables of each file (default docs/gates.md, :data:`GATES_DOC`). Returns the exit status (2: a file that
+    cannot be read or holds no marked table)."""
     p = argparse.ArgumentParser(prog="python -m harness.core.gates", description=_main.__doc__)
     p.add_argument("--markdown", choices=GATE_TABLES, nargs="?", const="summary", default=None,
                    help="print this table (default summary)")
-    p.add_argument("--write", nargs="+", default=[], metavar="FILE", help="rewrite the marked tables in these files")
+    p.add_argument("--write", nargs="*", default=None, metavar="FILE",
+                   help="rewrite the marked tables in these files (default docs/gates.md)")
     args = p.parse_args(argv)
     if args.markdown:
         sys.stdout.write(gate_table(args.markdown))
-    for name in args.write:
+    for name in ([str(GATES_DOC)] if args.write == [] else args.write or []):
         try:
             with open(name, encoding="utf-8") as f:
                 text = f.read()

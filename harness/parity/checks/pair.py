@@ -51,6 +51,7 @@ from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
 from ..compare import generation_figures, logit_figures
 from ..result import Figure, fig, one_line
+from ..skips import skipped
 from .oracle_pass import reference_pass
 
 GREEDY_NEW_TOKENS = 8
@@ -520,7 +521,8 @@ def expected_sets(names: Sequence[str], skip: Sequence[str] = ()) -> list[tuple[
     a ``cmd:`` engine declares its own at its handshake, a server its dialect's, and what no kind predicts is
     computed when asked); kinds in ``skip`` are left out."""
     kinds = [engine_kind(n) for n in names]
-    return sorted({KIND_NUMERICS[k].emulation() if k in KIND_NUMERICS else () for k in kinds if k not in skip})
+    return sorted({KIND_NUMERICS[k].emulation() if k in KIND_NUMERICS else () for k in kinds
+                   if not (k == "llamacpp" and skipped(skip, "llamacpp"))})
 
 
 def _can(eng: Any, op: str) -> bool:

@@ -72,6 +72,7 @@ from ...engines.openai import OpenAIEngine, ServerError, ServerGenerated, end_of
 from ...tokenizer.files import load_tokenizer_metadata
 from ..compare import generation_figures
 from ..result import Figure, fig
+from ..skips import skipped
 from .pair import (
     EXTRA_CHECKS,
     QUANTIZED_ACTIVATIONS,
@@ -81,11 +82,8 @@ from .pair import (
     numerics_lines,
 )
 
-__all__ = ["REQUIRABLE", "SERVER_CHECKS", "ServerOptions", "load_user_prompts", "report_lines", "server_checks",
+__all__ = ["REQUIRABLE", "ServerOptions", "load_user_prompts", "report_lines", "server_checks",
            "spec_gates", "with_prompt_ids"]
-
-SERVER_CHECKS = ("server-batch", "server-stream", "server-stop", "server-template")
-"""Server checks a user may opt out of with ``--skip`` (the greedy and log-prob figures always run)."""
 
 REQUIRABLE = ("server-template", "server-prompt-logprobs")
 """Server checks a dialect may not offer (llama-cpp-python has no chat-template endpoint, llama-server no prompt
@@ -125,7 +123,8 @@ class ServerOptions:
         concurrency: at most this many of them in flight [``--concurrency``].
         stagger_s: seconds between the starts of two batch requests; None: the median time of one request sent
             alone over ``concurrency``.
-        skip: checks opted out (:data:`SERVER_CHECKS`) [``--skip``].
+        skip: checks opted out (:data:`harness.parity.skips.SKIPPABLE`; the greedy and log-prob figures always
+            run) [``--skip``].
         require: checks a dialect may not offer that must run all the same (:data:`REQUIRABLE`): one the server does
             not offer then fails instead of being reported as "not offered by <dialect>" [``--require``].
         top_n: vLLM's N: log-probabilities asked per step of every engine and kept by the oracle; a divergent
@@ -758,17 +757,17 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
     near_tie = near_tie_margin(effect_limit(gate_for(DEFAULT_GATES, f"{pair}.max_abs_logprob"), lp_effect))
     o_streams = oracle_streams(runs, approx, fit, n, eos_ids, opts.top_n, near_tie)
 
-    if "server-batch" in opts.skip:
+    if skipped(opts.skip, "server-batch"):
         out.append(_opted_out("server.batched~alone.greedy", "server-batch"))
     else:
         progress(f"{pair}: batch invariance, {opts.batch_requests} requests at concurrency {opts.concurrency}")
         out += batch_figures(eng, order, usable, alone, alone_s, opts, near_tie)
-    if "server-stream" in opts.skip:
+    if skipped(opts.skip, "server-stream"):
         out.append(_opted_out("server.stream~nostream.same_tokens", "server-stream"))
     else:
         progress(f"{pair}: streaming vs not streaming")
         out += stream_figures(eng, order, usable, alone, opts)
-    if "server-stop" in opts.skip:
+    if skipped(opts.skip, "server-stop"):
         out += [_opted_out(g, "server-stop") for g in ("server.stop.max_tokens", "server.stop.string",
                                                        "server.stop.eos")]
     else:
@@ -778,7 +777,7 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
     out += _quantized(prompt_logprob_figures(eng, order, usable, o_streams,
                                              DEFAULT_GATES["server.prompt_logprobs"].limit, opts.top_n,
                                              "server-prompt-logprobs" in opts.require), eng, runs)
-    if "server-template" in opts.skip:
+    if skipped(opts.skip, "server-template"):
         out.append(_opted_out("server.chat_template", "server-template"))
     elif eng.dialect in ("llama-cpp-python", "openai"):
         out.append(_not_offered("server.chat_template", "the generic OpenAI dialect" if eng.dialect == "openai" else
