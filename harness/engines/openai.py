@@ -557,6 +557,8 @@ class OpenAIEngine:
             :meth:`generate_full` sent (the server checks reuse them as the answers "sent alone").
         offers_prompt_logprobs: whether :meth:`prompt_logprobs` can answer (vLLM, llama-cpp-python); its answers are
             kept, so the pair check and ``server.prompt_logprobs`` send one request per prompt.
+        probes_prompt_logprobs: whether :meth:`prefix_logprobs` stands in for it (llama-server: ids in, top-N of
+            each generated step out, nothing for the prompt).
 
     Raises:
         ServerError: the server is down, slow, answers an error or an unexpected shape, or is no known dialect
@@ -603,6 +605,7 @@ class OpenAIEngine:
         self.dtype = self.numerics.dtype
         self.answers: dict[tuple[tuple[int, ...], int, int], tuple[ServerGenerated, float]] = {}
         self.offers_prompt_logprobs = self.dialect in ("vllm", "llama-cpp-python")
+        self.probes_prompt_logprobs = self.dialect == "llama-server"
         self._prompt_lp: dict[tuple[tuple[int, ...], int], list[tuple[float, list[tuple[int, float]]] | None]] = {}
         self.hints: dict[tuple[int, ...], tuple[list[int], list[dict[int, float]]]] = {}  # naming only (see above)
         self._pieces: dict[int, bytes] = {}  # llama-server: token id -> its text's bytes
@@ -1331,6 +1334,19 @@ class OpenAIEngine:
         return self._texts
 
     # ------------------------------------------------------------------ prompt log-probs
+
+    def prefix_logprobs(self, ids: Sequence[int], top_n: int = TOP_N) -> list[tuple[None, list[tuple[int, float]]] | None]:
+        """Per prompt position, the top-N log-probabilities a server that reports none for the prompt (llama-server:
+        ``/v1/completions`` ignores ``echo``) gives for it, asked as one greedy token after each prefix: position
+        ``i`` is step 0 of ``ids[:i]``. Costs ``len(ids) - 1`` one-token requests (the server's prompt cache makes
+        each a decode step). Same form as :meth:`prompt_logprobs`, with None for the given token's own log-prob
+        (the server names only its top-N).
+
+        Raises:
+            ServerFailure: as :meth:`generate_full`; the prefix's place is its ``index``.
+        """
+        gens = self.generate_full([list(ids[:i]) for i in range(1, len(ids))], 1, top_n)
+        return [None] + [(None, list(g.top[0])) if g.top and g.top[0] else None for g in gens]
 
     def prompt_logprobs(self, ids: Sequence[int],
                         top_n: int = TOP_N) -> list[tuple[float, list[tuple[int, float]]] | None]:

@@ -598,7 +598,8 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
             own = DEFAULT_GATES[head + "max_abs_logprob"].limit
             agree, itself = f.detail["agreeing_prefix"], f.detail["reference_agreeing"]
             detail = dict(positions=f.detail["positions"], agreeing=agree, reference_agreeing=itself,
-                          on="log-probs along the greedy streams (prompt positions where offered, then each step)",
+                          on=("log-probs along the greedy streams (prompt positions where offered or probed by "
+                              "prefix, then each step)"),
                           per_prompt=f.detail["per_prompt"])
             instead = "the greedy streams gate alone"
         if detail is not None:
@@ -781,8 +782,11 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     ``max_abs_logprob``), and the same run for the emulating oracle against itself jittered
     (``(*approx, "jitter")``, :func:`harness.engines.llamacpp.numerics.jitter_numerics`) on the same tokens, positions
     and ids. The positions: the prompt's where the engine reports prompt log-probs (``offers_prompt_logprobs``,
-    :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the top-N), then every
-    generated step with log-probs (the engine's top-N); the oracle runs teacher-forced on the prompt and the
+    :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the top-N) or where it
+    gives them for one token after each prefix (``probes_prompt_logprobs``, llama-server: the top-N; without the
+    prompt's positions its streams start where an int8 flip has had a whole prompt to spread, and the jittered
+    reference agreed on none of them on e2b Q8_0), then every generated step with log-probs (the engine's top-N)
+    up to the first step whose token it left unnamed (-1); the oracle runs teacher-forced on the prompt and the
     engine's own tokens, a prefill of the prompt then a decode step per token as the engine ran them
     (:meth:`ReferenceRuns.decoded_logits`), so a stream that parts from the oracle's or stops at EOS is still
     compared where it went. Only ids the engine returned are compared (the oracle has every id); ``top_n``: the
@@ -799,13 +803,21 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     ids = {str(p["id"]): [int(t) for t in p["prompt_ids"]] for p in prompts}
     rids = [rid for rid in ids if streams.get(rid, {}).get("tokens")]
     prompt_lp: dict[str, list] = {}
-    if getattr(eng, "offers_prompt_logprobs", False):
+    ask = (eng.prompt_logprobs if getattr(eng, "offers_prompt_logprobs", False)
+           else eng.prefix_logprobs if getattr(eng, "probes_prompt_logprobs", False) else None)
+    if ask is not None:
         for k, rid in ((k, rid) for k, rid in enumerate(ids) if rid in rids):
             try:
-                prompt_lp[rid] = eng.prompt_logprobs(ids[rid], top_n)
+                prompt_lp[rid] = ask(ids[rid], top_n)
             except EngineFailure as e:
                 raise e.at(index=k)
-    forced = [list(streams[rid]["tokens"][:-1]) for rid in rids]
+    # a step whose token the engine left unnamed (-1: llama-server's gaps, a text the oracle cannot name) ends
+    # what can be followed: its log-probs still count, the context after it is unknown
+    last = {}
+    for rid in rids:
+        toks = list(streams[rid]["tokens"])
+        last[rid] = toks.index(-1) if -1 in toks else len(toks) - 1
+    forced = [list(streams[rid]["tokens"][:last[rid]]) for rid in rids]
     emulated = runs.decoded_logits(approx, [ids[rid] for rid in rids], forced)
     jittered = runs.decoded_logits((*approx, "jitter"), [ids[rid] for rid in rids], forced)
     out = {"agreeing_prefix": 0, "positions": 0, "reference_agreeing": 0, "per_prompt": {},
@@ -815,10 +827,11 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
         compared: list[tuple[int, dict[int, float]]] = []  # (row of the oracle's logits, the engine's log-probs)
         for i, entry in enumerate(prompt_lp.get(rid, [])):
             if entry is not None and 0 < i < len(ids[rid]):
-                compared.append((i - 1, {**dict(entry[1]), ids[rid][i]: float(entry[0])}))
+                given = {} if entry[0] is None else {ids[rid][i]: float(entry[0])}
+                compared.append((i - 1, {**dict(entry[1]), **given}))
         start = len(ids[rid]) - 1
-        compared += [(start + s, {int(k): float(v) for k, v in d.items()})
-                     for s, d in enumerate(streams[rid]["logprobs"])]
+        compared += [(start + s, {int(k): float(v) for k, v in d.items() if int(k) >= 0})
+                     for s, d in enumerate(streams[rid]["logprobs"][:last[rid] + 1])]
         theirs = [max((abs(v - lp[row, k]) for k, v in d.items()), default=None) for row, d in compared]
         itself = [max((abs(jit[row, k] - lp[row, k]) for k in d), default=None) for row, d in compared]
         agree, seen = _agreeing_run(theirs, bound)
