@@ -131,7 +131,10 @@ def test_each_fault_is_one_line_naming_command_and_request(tiny_gguf, fault, op,
 
 
 def test_timeout_stops_the_engine(tiny_gguf):
-    eng = CmdEngine(shlex.join([sys.executable, str(STUB), "--fault", "hang"]), tiny_gguf, timeout=2.0)
+    # the stub's start (a Python process importing NumPy) may take more than 2 s on a loaded machine: the hello
+    # gets the default limit, the hanging request the short one
+    eng = CmdEngine(shlex.join([sys.executable, str(STUB), "--fault", "hang"]), tiny_gguf)
+    eng.timeout = 2.0
     t0 = time.monotonic()
     with pytest.raises(CmdError, match=r"logits \(request 1\): no reply within 2 s .*G4H_CMD_TIMEOUT"):
         eng.logits(IDS)
