@@ -71,6 +71,12 @@ DIALECTS = ("llama-server", "llama-cpp-python", "vllm", "openai")
 """Known dialects; ``openai`` is the generic one: any server with OpenAI's ``/v1/completions`` (transformers serve,
 and every server none of the others names), judged on what that API promises (:meth:`OpenAIEngine._gen_generic`)."""
 
+TEXT_ONLY_DIALECTS = ("llama-cpp-python", "openai")
+"""Dialects that take no token-id prompt: a prompt goes as text, which must encode back to its ids
+(llama-cpp-python: :meth:`OpenAIEngine._lcp_text`, through the server's own tokenizer; the generic dialect:
+:meth:`OpenAIEngine._generic_text`, through ours). ``g4h parity`` without ``--prompts`` gives them its default prompt
+set as text of the model's vocabulary (:func:`harness.parity.checks.server.default_text_prompts`)."""
+
 LLAMACPP_APPROXIMATIONS = ("gelu_fp16_table", "quantized_activations")
 """What every server built on llama.cpp makes (as the ``llamacpp`` engine kind): its fp16 GELU table, and
 activations rounded to the dot-product type of quantized weights; its attention numerics depend on the dialect's

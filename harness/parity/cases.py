@@ -38,10 +38,11 @@ from ..core.mm_prompts import MM_PROMPTS, load_mm_prompts
 from ..engines import engine_kind, make_engine
 from ..engines.checked import CheckedEngine
 from ..engines.mm import ReferenceMM
+from ..engines.openai import TEXT_ONLY_DIALECTS
 from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
-from ..synth.prompts import named_for_window
+from ..synth.prompts import PROMPT_SEED, named_for_window
 from .checks import explain_pair  # noqa: F401 (registers the explanation of a failing pair: pair.ON_MEASURED)
 from .checks.drafter import drafter_checks, drafter_not_built, llamacpp_drafter_checks
 from .checks.fast import fast_checks, fast_packed_checks
@@ -53,7 +54,7 @@ from .checks.multimodal import mask_figures, mmproj_figures, oracle_figures, pre
 from .checks.oracle import oracle_rows
 from .checks.pair import GREEDY_NEW_TOKENS, ReferenceRuns, expected_sets, pair_checks
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
-from .checks.server import ServerOptions, spec_gates, with_prompt_ids
+from .checks.server import ServerOptions, default_text_prompts, spec_gates, with_prompt_ids
 from .checks.speculative import speculative_checks
 from .checks.tokenizer import tokenizer_figures
 from .result import CaseResult, fig
@@ -238,7 +239,9 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; a prompt of the user's with an id
     outside the model's vocabulary, or too long for its context with the greedy tokens, is bad input naming it
     (:func:`harness.core.cases.refuse_unfit_prompts`; :func:`harness.parity.job.run` checks it before any work);
-    the case library's set (records marked ``library``, when no ``--prompts`` was given) is cut to the model. A
+    the case library's set (records marked ``library``, when no ``--prompts`` was given) is cut to the model, and
+    made text of the model's vocabulary, of the same names and lengths, when a server of ``against`` takes text
+    prompts only (:data:`harness.engines.openai.TEXT_ONLY_DIALECTS`; :func:`_as_text`). A
     GGUF inside a built synthetic case is judged with its case's
     ``[gates]`` table. ``engine_options`` go to every engine built (each takes its own); ``server`` holds the
     options of the server checks (``openai:URL``). ``engine_options`` also hold
@@ -248,12 +251,16 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     o = engine_options or {}
     res = CaseResult(case=name or case_name(path), kind="user", model=str(path))
     gates = resolve(spec_gates(path), str(path))
-    unusable = _probe_servers(against or (), path, o, lambda m: progress(f"[{res.case}] {m}"))
+    dialects = _probe_servers(against or (), path, o, lambda m: progress(f"[{res.case}] {m}"))
+    unusable = {n for n, d in dialects.items() if d is None}
     progress(f"[{res.case}] loading with the reference")
     ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
     res.info["config"] = ref.cfg.summary()
     new_tokens = int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS))
     vocab, context = ref.cfg.vocab_size, ref.cfg.context_length
+    text_only = [n for n, d in dialects.items() if d in TEXT_ONLY_DIALECTS]
+    if text_only and prompts and all(p.get("library") for p in prompts):  # the default set, for a text-only server
+        prompts = _as_text(res, path, prompts, text_only, context - new_tokens, progress)
     usable = [p for p in with_prompt_ids(prompts, path) if not p.get("library") or
               (max(p["prompt_ids"]) < vocab and len(p["prompt_ids"]) + new_tokens <= context)]  # the library's: cut
     if not usable:
@@ -298,21 +305,42 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     return res
 
 
-def _probe_servers(names: Sequence[str], path: str, options: dict[str, Any], progress: Progress) -> set[str]:
+def _probe_servers(names: Sequence[str], path: str, options: dict[str, Any],
+                   progress: Progress) -> dict[str, str | None]:
     """Ask every ``openai:URL`` engine of ``names`` whether it can be used (which server answers, its model list:
     :class:`harness.engines.openai.OpenAIEngine`) before any reference work, so that a URL that cannot be used is
-    said at once, not after minutes of reference forwards. Returns the names that cannot be used (their pair then
-    says why, exit 2); the reference work leaves their checks out."""
-    bad = set()
+    said at once, not after minutes of reference forwards. Returns each such name's dialect, None for one that
+    cannot be used (its pair then says why, exit 2; the reference work leaves its checks out)."""
+    dialects: dict[str, str | None] = {}
     for name in names:
         if engine_kind(name) != "openai":
             continue
         try:
-            make_engine(name, path, **options)
+            dialects[name] = make_engine(name, path, **options).dialect
         except Exception as e:  # noqa: BLE001 (the pair reports it, with its kind: bad input or engine failure)
-            bad.add(name)
+            dialects[name] = None
             progress(f"{name}: cannot be used: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    return bad
+    return dialects
+
+
+def _as_text(res: CaseResult, path: str, prompts: Sequence[dict[str, Any]], servers: Sequence[str], room: int,
+             progress: Progress) -> list[dict[str, Any]]:
+    """The case library's default prompts that fit ``room`` tokens, as text of the model's vocabulary of the same
+    names and lengths (:func:`harness.parity.checks.server.default_text_prompts`), for ``servers``, which take text
+    prompts only; ``info["default_prompts"]`` says so, with the prompts no such text was found for.
+
+    Raises:
+        InputError: no tokenizer in the model, or no default prompt has such a text (``--prompts`` is named)."""
+    progress(f"[{res.case}] {servers[0]} takes text prompts only: the default prompts as text of this model's "
+             "vocabulary")
+    out, left = default_text_prompts([p for p in prompts if len(p["prompt_ids"]) <= room], path)
+    if not out:
+        raise InputError(f"{servers[0]} takes text prompts only, and no default prompt that fits {path} has a text "
+                         "of its vocabulary whose ids survive the text round trip: give --prompts FILE.jsonl with "
+                         "{\"text\": ...} lines")
+    res.info["default_prompts"] = {"form": "text", "why": f"{', '.join(servers)}: takes text prompts only",
+                                   "seed": PROMPT_SEED, "left_out": left}
+    return out
 
 
 def gemma3_case(progress: Progress, weights: str | None = None) -> CaseResult:

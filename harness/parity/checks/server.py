@@ -69,6 +69,7 @@ from ...core.progress import counter
 from ...core.workers import EngineFailure
 from ...engines.base import TOP_N
 from ...engines.openai import OpenAIEngine, ServerError, ServerGenerated, end_of_generation_ids
+from ...synth.prompts import PROMPT_SEED, text_pieces, text_prompt
 from ...tokenizer.files import load_tokenizer_metadata
 from ..compare import generation_figures
 from ..result import Figure, fig
@@ -202,8 +203,45 @@ def with_prompt_ids(prompts: Sequence[dict[str, Any]], path: str | Path) -> list
     if not any("text" in p and "prompt_ids" not in p for p in prompts):
         return list(prompts)
     tok = _our_tokenizer(path)
-    return [p if "prompt_ids" in p else {**p, "prompt_ids": tok.encode(p["text"], add_bos=True, parse_special=True)}
-            for p in prompts]
+    return [p if "prompt_ids" in p else {**p, "prompt_ids": text_ids(tok, p["text"])} for p in prompts]
+
+
+def text_ids(tok: GGUFTokenizer, text: str) -> list[int]:
+    """Our ids of a text prompt: BOS added, special-token text parsed (as a server tokenizes a text prompt). The one
+    text-to-ids path of the prompts: :func:`with_prompt_ids`, :func:`default_text_prompts`."""
+    return tok.encode(text, add_bos=True, parse_special=True)
+
+
+def default_text_prompts(prompts: Sequence[dict[str, Any]], path: str | Path,
+                         seed: int = PROMPT_SEED) -> tuple[list[dict[str, Any]], list[str]]:
+    """The case library's default prompts as text, for a server that takes text prompts only
+    (:data:`harness.engines.openai.TEXT_ONLY_DIALECTS`): each record keeps its id, note and marks and gets a text of
+    as many tokens, built from the model's own vocabulary so that its ids survive the round trip ids -> text -> ids
+    (:func:`harness.synth.prompts.text_prompt`, ``seed``), with ``prompt_ids`` its ids (:func:`text_ids`). The
+    server's tokenizer then judges each text (``server.tokenizer``, where the dialect has one).
+
+    An empty text (the BOS-only prompt) is left out: llama-cpp-python answers an empty prompt with log-prob lists
+    shorter than its tokens (6 entries for 8 tokens, ``usage.completion_tokens`` 8, on the synthetic ``31b`` GGUF),
+    which the client cannot place, and OpenAI's API has no use for one.
+
+    Returns:
+        ``(records, left_out)``: the text records, and the ids of the prompts left out (no such text found, or an
+        empty one).
+
+    Raises:
+        InputError: no tokenizer in the model (the path is named).
+    """
+    tok = _our_tokenizer(path)
+    pieces = text_pieces(tok.tokens, tok.types)
+    out, left = [], []
+    for p in prompts:
+        text = text_prompt(tok, lambda t: text_ids(tok, t), len(p["prompt_ids"]), seed, pieces=pieces)
+        if not text:
+            left.append(str(p["id"]))
+            continue
+        rec = {k: v for k, v in p.items() if k not in ("prompt_ids", "where")}
+        out.append({**rec, "text": text, "prompt_ids": text_ids(tok, text)})
+    return out, left
 
 
 # --------------------------------------------------------------------------- the reference's streams
