@@ -130,7 +130,8 @@ class FastEngine:
         self._plan(1, 0, 1, dtype, weights)
         self.model = share.model if share is not None else FastModel(cfg, W, device, dtype,
                                                                      keep_quantized=weights == "packed")
-        self._held = self.memory_plan.breakdown["weights"]  # built now: later plans do not count them again
+        built = self.memory_plan.breakdown
+        self._held = built["weights"] + built["packed weights"]  # built now: later plans ask only for what is new
         self.cfg = cfg
         self.batched = batched
         self.dtype = dtype
