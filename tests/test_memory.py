@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -18,6 +19,8 @@ from harness.core.cases import builtin_specs
 from harness.core.paths import REPO_ROOT
 from harness.engines import make_engine
 from harness.engines.fast import FastEngine
+from harness.parity import run as run_parity
+from harness.parity.checks.pair import GREEDY_NEW_TOKENS
 from harness.synth.scale import write_scale_gguf
 from reference.errors import InputError
 from reference.weights import load_model
@@ -249,6 +252,30 @@ def test_a_loaded_packed_engine_does_not_count_its_packed_weights_twice(monkeypa
     with pytest.raises(memory.NotEnoughMemory) as e:
         eng.logits([2, 5, 7])
     assert "\n" not in str(e.value) and "not enough memory for the fast float32 packed engine" in str(e.value)
+
+
+def test_oracle_fast_stops_before_any_pair_when_its_largest_call_cannot_fit(wide_vocab_gguf, tmp_path, monkeypatch):
+    """``--oracle fast``: the oracle plans the job's largest call (the longest prompt and its greedy tokens) once it
+    is loaded; a machine with room for the reference, the oracle's weights and a one-token call, but not for that
+    call, stops the case with one line before any pair's engine starts (issue 38: the refusal came after minutes
+    of work)."""
+    prompt = [2 + 7 * i for i in range(256)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "prompt_ids": prompt}) + "\n")
+    ref = make_engine("reference", wide_vocab_gguf).memory_plan
+    eng = make_engine("fast", wide_vocab_gguf, device="cpu", dtype="float32")
+    load = eng.memory_plan
+    eng.plan_ahead(len(prompt) + GREEDY_NEW_TOKENS)
+    call = eng.memory_plan
+    room = max(p.need_bytes - p.already_bytes for p in (ref, load)) + 10**6
+    assert room < call.need_bytes - call.already_bytes  # the long prompt's logits: what does not fit
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(room / memory.GB))
+    stub = shlex.join([sys.executable, str(REPO_ROOT / "tests" / "cmd_stub.py")])
+    data, status = run_parity(models=[str(wide_vocab_gguf)], against=[f"cmd:{stub}"], out=str(tmp_path / "out"),
+                              prompts=prompts, quiet=True, oracle="fast")
+    case = data["cases"][0]
+    assert status == 2 and case["checks"] == [], case
+    assert "not enough memory for the fast float32 packed engine" in case["error"], case["error"]
 
 
 def test_packed_weights_held_and_mapped_count_once(monkeypatch):

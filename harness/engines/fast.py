@@ -145,6 +145,12 @@ class FastEngine:
                                           dtype=dtype or self.dtype, weights=weights or self.weights,
                                           device=self._device_name, held=self._held)
 
+    def plan_ahead(self, tokens: int) -> None:
+        """Plan now the largest call a job will make, a prefill of ``tokens`` positions with its greedy or forced
+        tokens counted in (:meth:`prompt_runs` plans the same), so that a job that cannot make it stops before
+        its work rather than after (:class:`harness.core.memory.NotEnoughMemory`, one line)."""
+        self._plan(max(tokens, 1), 0, 1)
+
     @memory.guarded
     def logits(self, ids: Sequence[int], trace: TraceFn | None = None, chunk: int | None = None) -> np.ndarray:
         """float32 logits as float64 ``[T, V]`` (one-shot prefill, or in chunks of ``chunk``)."""
