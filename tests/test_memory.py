@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -17,6 +18,9 @@ from harness.core import memory
 from harness.core.cases import builtin_specs
 from harness.core.paths import REPO_ROOT
 from harness.engines import make_engine
+from harness.engines.fast import FastEngine
+from harness.parity import run as run_parity
+from harness.parity.checks.pair import GREEDY_NEW_TOKENS
 from harness.synth.scale import write_scale_gguf
 from reference.errors import InputError
 from reference.weights import load_model
@@ -223,6 +227,67 @@ def test_a_loaded_engine_does_not_count_its_weights_twice(monkeypatch):
     monkeypatch.setenv(memory.AVAILABLE_ENV, str(left / memory.GB))
     eng.logits([2, 5, 7])
     assert eng.memory_plan.fits and eng.memory_plan.already_bytes >= weights
+
+
+@pytest.mark.parametrize("stem, form", [("31b", "Q4_0"), ("26b-a4b", "Q8_0"), ("e2b", "Q8_0")])
+def test_a_loaded_packed_engine_does_not_count_its_packed_weights_twice(monkeypatch, stem, form):
+    """The fast engine with its quantized matrices packed (``--oracle fast``'s float32 oracle, issue 38: its plan
+    of a call asked for the 31B's 17.3 GB of packed weights a second time): after loading, its packed weights are
+    held like its dense ones, for its own calls and for an engine that shares its model; a call asks only for
+    what is new, and a machine with less than that still stops it with one line."""
+    built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == stem))
+    eng = make_engine("fast", built.gguf[form], device="cpu", weights="packed")
+    first = eng.memory_plan
+    weights = first.breakdown["weights"] + first.breakdown["packed weights"]
+    assert first.breakdown["packed weights"] > 10**5  # more than the margin below: counted twice, it does not fit
+    left = first.need_bytes - weights - first.already_bytes + 10**5
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(left / memory.GB))
+    eng.logits([2, 5, 7])
+    assert eng.memory_plan.fits and eng.memory_plan.already_bytes >= weights
+    cfg, W = load_model(built.gguf[form], cache_bytes=0)
+    twin = FastEngine.from_model(cfg, W, device="cpu", weights="packed", share=eng)
+    assert twin.memory_plan.fits and twin.model is eng.model
+    new = eng.memory_plan.need_bytes - eng.memory_plan.already_bytes
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str((new - 10**4) / memory.GB))
+    with pytest.raises(memory.NotEnoughMemory) as e:
+        eng.logits([2, 5, 7])
+    assert "\n" not in str(e.value) and "not enough memory for the fast float32 packed engine" in str(e.value)
+
+
+def test_oracle_fast_stops_before_any_pair_when_its_largest_call_cannot_fit(wide_vocab_gguf, tmp_path, monkeypatch):
+    """``--oracle fast``: the oracle plans the job's largest call (the longest prompt and its greedy tokens) once it
+    is loaded; a machine with room for the reference, the oracle's weights and a one-token call, but not for that
+    call, stops the case with one line before any pair's engine starts (issue 38: the refusal came after minutes
+    of work)."""
+    prompt = [2 + 7 * i for i in range(256)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "prompt_ids": prompt}) + "\n")
+    ref = make_engine("reference", wide_vocab_gguf).memory_plan
+    eng = make_engine("fast", wide_vocab_gguf, device="cpu", dtype="float32")
+    load = eng.memory_plan
+    eng.plan_ahead(len(prompt) + GREEDY_NEW_TOKENS)
+    call = eng.memory_plan
+    room = max(p.need_bytes - p.already_bytes for p in (ref, load)) + 10**6
+    assert room < call.need_bytes - call.already_bytes  # the long prompt's logits: what does not fit
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(room / memory.GB))
+    stub = shlex.join([sys.executable, str(REPO_ROOT / "tests" / "cmd_stub.py")])
+    data, status = run_parity(models=[str(wide_vocab_gguf)], against=[f"cmd:{stub}"], out=str(tmp_path / "out"),
+                              prompts=prompts, quiet=True, oracle="fast")
+    case = data["cases"][0]
+    assert status == 2 and case["checks"] == [], case
+    assert "not enough memory for the fast float32 packed engine" in case["error"], case["error"]
+
+
+def test_packed_weights_held_and_mapped_count_once(monkeypatch):
+    """Against ``RLIMIT_AS`` the packed weights mapped from the file are already in the address space; a loaded
+    engine's held weights include the same bytes, which count once."""
+    info = _e2b_info()
+    monkeypatch.setattr(memory, "available_memory", lambda *a, **k: (10**12, "RLIMIT_AS"))
+    b = memory.plan("fast", info, weights="packed").breakdown
+    assert b["packed weights"] > 0
+    held = b["weights"] + b["packed weights"]
+    p = memory.plan("fast", info, weights="packed", held=held)
+    assert p.already_bytes == b["runtime"] + held < p.need_bytes
 
 
 @pytest.mark.slow

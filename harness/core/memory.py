@@ -499,13 +499,14 @@ def _need(engine: str, info: ModelInfo, o: dict[str, Any]) -> tuple[int, dict[st
     """``(need, breakdown, already)``: ``already`` is the part of the need this process holds or has mapped
     before the engine allocates anything: the runtime of an engine that runs in this process (it is
     running), against ``RLIMIT_AS`` the packed weights mapped from the file, and what the engine says it
-    holds already (option ``held``: weights built, a cache filled)."""
+    holds already (option ``held``: weights built, a cache filled). A loaded fast engine's ``held`` weights
+    include its packed ones, the bytes ``RLIMIT_AS`` counts as mapped: they count once."""
     terms, mapped = _terms(engine, info, o)
     if o["source"] == "RLIMIT_AS" and engine in ("fast", "transformers"):
         terms["threads (address space)"] = THREAD_ADDRESS_BYTES * _threads_to_start(o["held"] > 0)
     in_process = engine != "llamacpp" and not o["fresh"]
-    already = (terms["runtime"] if in_process else 0) + (mapped if o["source"] == "RLIMIT_AS" else 0)
-    already = min(sum(terms.values()), already + int(o["held"]))
+    mapped = mapped if o["source"] == "RLIMIT_AS" else 0
+    already = min(sum(terms.values()), (terms["runtime"] if in_process else 0) + max(mapped, int(o["held"])))
     return sum(terms.values()), terms, already
 
 
@@ -559,10 +560,10 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
             ``layer_held`` (reference: a layer-outer pass, :func:`reference.batch.forward_chains`, which holds
             every tensor of one layer at once; then ``tokens`` counts the tokens of every call),
             ``device`` (``cpu`` or ``cuda[:N]``), ``held`` (bytes of the need the engine holds already:
-            a loaded engine that plans its next call passes its built weights or filled cache, which
-            are then no longer counted as still to allocate), ``fresh`` (True: the engine will run in a
-            new process, as ``g4h inspect`` plans it: its runtime is still to allocate, and against
-            ``RLIMIT_AS`` the whole limit is its own).
+            a loaded engine that plans its next call passes its built weights, packed ones included, or its
+            filled cache, which are then no longer counted as still to allocate), ``fresh`` (True: the
+            engine will run in a new process, as ``g4h inspect`` plans it: its runtime is still to allocate,
+            and against ``RLIMIT_AS`` the whole limit is its own).
 
     Returns:
         A :class:`MemoryPlan`. Where each term comes from (``breakdown`` keys):

@@ -130,7 +130,8 @@ class FastEngine:
         self._plan(1, 0, 1, dtype, weights)
         self.model = share.model if share is not None else FastModel(cfg, W, device, dtype,
                                                                      keep_quantized=weights == "packed")
-        self._held = self.memory_plan.breakdown["weights"]  # built now: later plans do not count them again
+        built = self.memory_plan.breakdown
+        self._held = built["weights"] + built["packed weights"]  # built now: later plans ask only for what is new
         self.cfg = cfg
         self.batched = batched
         self.dtype = dtype
@@ -143,6 +144,12 @@ class FastEngine:
         self.memory_plan = memory.require("fast", self._info, tokens=tokens, new_tokens=new_tokens, batch=batch,
                                           dtype=dtype or self.dtype, weights=weights or self.weights,
                                           device=self._device_name, held=self._held)
+
+    def plan_ahead(self, tokens: int) -> None:
+        """Plan now the largest call a job will make, a prefill of ``tokens`` positions with its greedy or forced
+        tokens counted in (:meth:`prompt_runs` plans the same), so that a job that cannot make it stops before
+        its work rather than after (:class:`harness.core.memory.NotEnoughMemory`, one line)."""
+        self._plan(max(tokens, 1), 0, 1)
 
     @memory.guarded
     def logits(self, ids: Sequence[int], trace: TraceFn | None = None, chunk: int | None = None) -> np.ndarray:
