@@ -9,7 +9,9 @@ other path is a 404 (the server checks are opted out where it is used). With ``t
 decoding does not: each step's logit of a token already in the context divided by X (multiplied when negative;
 llama.cpp's ``penalty_repeat``, src/llama-sampling.cpp ``llama_sampler_penalties_apply``), the banned ids at -inf
 (a ``logit_bias`` of -inf), the argmax taken and the log-probs of those processed logits reported (as vLLM's
-``logprobs_mode`` ``processed_logprobs``): a fault only in decoding, on a server that gives no logits.
+``logprobs_mode`` ``processed_logprobs``): a fault only in decoding, on a server that gives no logits. With
+``raw_logprobs`` as well, the log-probs reported are those of the logits before the penalty and the ban (as
+llama-server's ``n_probs`` and vLLM's default ``raw_logprobs``): its token is then not the top-1 of its own log-probs.
 """
 
 from __future__ import annotations
@@ -26,23 +28,31 @@ from harness.engines.base import Generated
 from harness.engines.reference import ReferenceEngine
 
 
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    return z - z.max() - np.log(np.exp(z - z.max()).sum())
+
+
 def decoded(ref: ReferenceEngine, prompt: list[int], n: int, top_n: int, repeat_penalty: float | None,
-            ban: Iterable[int]) -> Generated:
+            ban: Iterable[int], raw_logprobs: bool = False) -> Generated:
     """Greedy decoding of ``n`` tokens on the reference's logits after a repetition penalty and a ban (module
-    docstring), with the top-``top_n`` log-probs of the processed logits."""
+    docstring), with the top-``top_n`` log-probs of the processed logits, or of the logits before them
+    (``raw_logprobs``); ``own``: each step's log-prob of its token, among them or not."""
     ids, g, banned = list(prompt), Generated(), sorted(set(int(b) for b in ban))
-    g.tokens, g.top = [], []
+    g.tokens, g.top, g.own = [], [], []
     for _ in range(n):
-        z = np.array(ref.logits(ids)[-1], dtype=np.float64)
+        raw = np.array(ref.logits(ids)[-1], dtype=np.float64)
+        z = raw.copy()
         if repeat_penalty:
             seen = np.unique(ids)
             z[seen] = np.where(z[seen] > 0, z[seen] / repeat_penalty, z[seen] * repeat_penalty)
         z[banned] = -np.inf
-        lp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        tok = int(np.argmax(z))
+        lp = _log_softmax(raw if raw_logprobs else z)
         best = np.argsort(-lp, kind="stable")[:top_n]
-        g.tokens.append(int(best[0]))
+        g.tokens.append(tok)
+        g.own.append(float(lp[tok]))
         g.top.append([(int(i), float(lp[i])) for i in best])
-        ids.append(int(best[0]))
+        ids.append(tok)
     return g
 
 
@@ -50,11 +60,11 @@ class ReferenceServer:
     """``with ReferenceServer(gguf, perturb=0.01) as s: ... s.url``: see the module docstring."""
 
     def __init__(self, gguf: str | Path, perturb: float = 0.0, token_only: bool = False,
-                 repeat_penalty: float | None = None, ban: Iterable[int] = ()) -> None:
+                 repeat_penalty: float | None = None, ban: Iterable[int] = (), raw_logprobs: bool = False) -> None:
         srv = self
         self.ref = ReferenceEngine(gguf)
         self.perturb, self.token_only = float(perturb), token_only
-        self.repeat_penalty, self.ban = repeat_penalty, tuple(ban)
+        self.repeat_penalty, self.ban, self.raw_logprobs = repeat_penalty, tuple(ban), raw_logprobs
         self.lock = threading.Lock()  # the reference is not thread-safe
 
         class Handler(BaseHTTPRequestHandler):
@@ -94,13 +104,14 @@ class ReferenceServer:
         prompt = [int(t) for t in req["prompt"]]
         with self.lock:
             if self.repeat_penalty or self.ban:
-                g = decoded(self.ref, prompt, n, max(1, top_n), self.repeat_penalty, self.ban)
+                g = decoded(self.ref, prompt, n, max(1, top_n), self.repeat_penalty, self.ban, self.raw_logprobs)
             else:
                 (g,) = self.ref.generate_full([prompt], n, top_n=max(1, top_n))
+        own = getattr(g, "own", None) or [dict(s)[t] for t, s in zip(g.tokens, g.top)]
         steps = [] if self.token_only or not top_n else [
-            {"id": t, "logprob": dict(s)[t] + self.perturb,
+            {"id": t, "logprob": mine + self.perturb,
              "top_logprobs": [{"id": i, "logprob": lp + self.perturb} for i, lp in s]}
-            for t, s in zip(g.tokens, g.top)]
+            for t, s, mine in zip(g.tokens, g.top, own)]
         return {"content": "", "tokens": list(g.tokens), "tokens_predicted": len(g.tokens), "stop": True,
                 "stop_type": "limit", "completion_probabilities": steps}
 

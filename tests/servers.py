@@ -374,7 +374,8 @@ def llama_cpp_python_server_gemma3(gemma3_gguf, tmp_path_factory) -> Iterator[Se
 COMPLETION_PATHS = ("/completion", "/v1/completions", "/completions")
 
 #: Modes of :class:`FaultStub` that need an upstream server, each one fault.
-PROXY_MODES = ("perturb", "swap", "ignore-eos", "sample", "crash", "drop", "early-stop")
+PROXY_MODES = ("perturb", "swap", "ignore-eos", "sample", "crash", "drop", "early-stop", "stream-drop", "stream-dup",
+               "stream-error")
 
 
 class FaultStub:
@@ -402,7 +403,12 @@ class FaultStub:
     * ``early-stop``: a non-streamed completion answer longer than ``step`` ends there, as if the server had stopped
       at EOS (llama-server: ``stop_type`` ``eos``, the tokens and entries cut; the legacy shape: ``finish_reason``
       ``stop``, the lists and text cut), without the EOS id: a server that ends a generation early (llama-server's
-      entries are cut at ``step`` too: give a ``step`` before which every step is reported).
+      entries are cut at ``step`` too: give a ``step`` before which every step is reported);
+    * ``stream-drop``, ``stream-dup``, ``stream-error``: in a streamed completion answer (server-sent events) whose
+      events carrying text (``choices[0].text`` or ``content`` not empty) number more than ``step``, the one at
+      ``step`` is dropped, sent twice, or replaced by an error event ``{"error": "injected fault"}`` that ends the
+      stream (a server whose stream loses a chunk, repeats one, or breaks where its answer without streaming is
+      whole).
 
     ``altered`` lists what was changed, in arrival order: ``{"prompt", "step", "was", "now"}`` per altered answer
     (``swap``, ``drop``), ``{"prompt", "ignore_eos"}`` / ``{"prompt", "temperature"}`` per altered request,
@@ -517,6 +523,8 @@ class FaultStub:
             with self._lock:
                 self.altered.append({"prompt": request.get("prompt"), "temperature": self.temperature})
             return self.forward(h, json.dumps(request).encode())
+        if completion and request.get("stream") and self.mode.startswith("stream-"):
+            return self._alter_stream(h, body, request)
         if not completion or request.get("stream") or self.mode not in ("perturb", "swap", "drop", "early-stop"):
             return self.forward(h, body)
         status, ans = self._upstream_json(h, body)
@@ -528,6 +536,36 @@ class FaultStub:
             with self._lock:
                 self.altered.append({"prompt": request.get("prompt"), **change})
         h._send(200, json.dumps(ans).encode())
+
+    def _alter_stream(self, h, body: bytes, request: dict) -> None:
+        """A streamed answer of ``upstream`` with its text event at ``step`` dropped, doubled or made an error that
+        ends the stream (``stream-drop``, ``stream-dup``, ``stream-error``)."""
+        req = urllib.request.Request(self.upstream + h.path, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            lines = r.read().split(b"\n")
+
+        def text_of(line: bytes) -> str:
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                return ""
+            with contextlib.suppress(ValueError, AttributeError, IndexError, TypeError, KeyError):
+                ev = json.loads(line[5:])
+                return (ev["choices"][0].get("text") if ev.get("choices") else ev.get("content")) or ""
+            return ""
+
+        texts = [k for k, line in enumerate(lines) if text_of(line)]
+        if len(texts) > self.step:
+            k = texts[self.step]
+            was = text_of(lines[k])
+            if self.mode == "stream-drop":
+                lines[k] = b""
+            elif self.mode == "stream-dup":
+                lines.insert(k, lines[k])
+            else:
+                lines[k:] = [b'data: {"error": "injected fault"}', b""]
+            with self._lock:
+                self.altered.append({"prompt": request.get("prompt"), "step": self.step, "was": was,
+                                     "now": self.mode})
+        h._send(200, b"\n".join(lines), "text/event-stream")
 
     # ------------------------------------------------------------------ answer rewrites (llama-server's
     # /completion shape, or the legacy OpenAI shape of llama-cpp-python and vLLM)

@@ -13,7 +13,9 @@ by ``g4h parity``; the pair fails, and its explanation must say what the engine 
   generation (a broken KV cache would do that): said to be in its generation path, no decoding rule named;
 * the same, where the engine gives no logits (``--ops generate``; a server of llama-server's dialect,
   tests/refserver.py, with a repetition penalty or a banned token): judged by its own top-N log-probs along its
-  stream, said to be in decoding, with the request, the step and the rule;
+  stream, said to be in decoding, with the request, the step and the rule; the same servers reporting the log-probs
+  of the logits before those rules (llama-server's and vLLM's default): not greedy as asked, an engine failure whose
+  line says the same finding as its explanation;
 * ``--oracle fast``: the variant with a fast form is explained with fast, the one without with the reference.
 """
 
@@ -221,3 +223,44 @@ def test_a_server_with_a_fault_in_decoding_is_said_so(lab, prompts_file, tmp_pat
         assert d["what"].startswith(f"a token banned: token {banned} is not among its top-"), d["what"]
     else:
         assert "a repeated token's logit lowered" in d["what"] and "repetition penalty" in d["what"], d["what"]
+
+
+@pytest.mark.parametrize("fault", ["repeat-penalty", "ban"])
+def test_a_server_reporting_log_probs_before_its_decoding_rules_is_not_greedy_and_says_what_differs(
+        lab, prompts_file, tmp_path, fault):
+    """The servers above reporting the log-probs of the logits before the penalty and the ban (llama-server's
+    ``n_probs``, vLLM's default ``raw_logprobs``): the token each gives is not the top-1 of its own log-probs, so it
+    did not decode greedily as asked: an engine failure (exit 1), whose line says what differs in decoding, the same
+    finding as the pair's explanation (before: "not greedy decoding" alone, and no explanation)."""
+    model = lab["lab-dense"]
+    prompts = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    shortest = min(prompts, key=lambda p: len(p["prompt_ids"]))
+    (g,) = ReferenceEngine(model).generate_full([shortest["prompt_ids"]], NEW_TOKENS)
+    step, banned = next((k, t) for k, t in enumerate(g.tokens)
+                        if k and t not in shortest["prompt_ids"] + g.tokens[:k])
+    options = {"repeat_penalty": 1.5} if fault == "repeat-penalty" else {"ban": [banned]}
+    with ReferenceServer(model, raw_logprobs=True, **options) as srv:
+        data, status = run_parity(models=[str(model)], against=[f"openai:{srv.url}/v1"], quiet=True,
+                                  out=str(tmp_path), prompts=prompts_file,
+                                  server=ServerOptions(skip=("server-batch", "server-stream", "server-stop",
+                                                             "server-template"), max_new_tokens=NEW_TOKENS),
+                                  engine_options={"declare": ["approximations=none", "kv_cache=f32"]})
+    assert status == 1, data["verdict"]
+    (runs,) = [c for c in data["cases"][0]["checks"] if c.get("engine_failure")]
+    assert runs["gate"].endswith(".runs") and not runs["pass"]
+    e = runs["explanation"]
+    d = e["decoding"]
+    assert (runs["request"], runs["step"]) == (d["request"], d["step"]) and e["status"] == "decoding"
+    assert e["line"] == f"in decoding, not in the logits: {d['line']}"
+    assert d["line"].startswith(f"request {d['request']} step {d['step']}: it gave {d['ours']}, the reference's "
+                                f"greedy token there is {d['oracle']} (no logits were given"), d["line"]
+    assert d["spread"] <= DEFAULT_GATES["reference~openai.max_abs_logprob"].limit and d["ours"] != d["oracle"]
+    assert runs["got"].endswith(f"not greedy decoding (temperature 0), which was asked; in decoding, not in the "
+                                f"logits: {d['what']}"), runs["got"]
+    taken = f"token {d['oracle']} is the top-1 of its own log-probs at "
+    if fault == "ban":
+        assert (d["request"], d["step"], d["oracle"]) == (shortest["id"], step, banned), e["line"]
+        assert d["what"].startswith(f"token {banned} passed over after its log-probs were taken: {taken}"), d["what"]
+    else:
+        assert d["what"].startswith(f"a repeated token's logit lowered after its log-probs were taken: {taken}")
+        assert f"token {d['oracle']} occurs in the context" in d["what"], d["what"]

@@ -123,6 +123,65 @@ def test_generic_ids_follow_the_oracle_while_the_text_does(eos_model):
     assert eng._generic_ids("a t260b", 5, 5, "stop", None, None) == [-1]  # no oracle stream: nothing named
 
 
+def _answer(text: str, tokens: list[int], error: str | None = None):
+    from harness.engines.openai import ServerGenerated
+
+    g = ServerGenerated()
+    g.text, g.tokens, g.stream_error = text, list(tokens), error
+    g.top = [[] for _ in tokens]
+    return g
+
+
+def test_a_stream_broken_at_bytes_that_are_no_utf8_is_not_judged_and_any_other_break_fails():
+    """``server.stream~nostream.same_tokens`` on the generic dialect (text only), with what transformers serve 5.23
+    streamed on the EOS model: where the answer without streaming shows U+FFFD (bytes that are no UTF-8) and the
+    stream broke there with an error, or ended without only such characters, its text before that the answer's (a
+    U+FFFD standing for any character), the request is not judged, with the reason; an error anywhere else, a stream
+    whose text is not the answer's, and the same streams on a dialect that names steps by id, fail; the figure is
+    taken over the requests judged."""
+    from harness.parity.checks.server import ServerOptions, stream_figures, unstreamable
+
+    fffd = "\ufffd"
+    whole = _answer(f"{fffd * 4} t296 t320", [99, 96, 61, 157, 296, 320, EOS_ID])  # "_", "\\", "9", 0x99, ...
+    held = "Invalid prefix encountered while decoding stream. Token ID: 296, Expected prefix: '9'"
+    why = unstreamable(_answer("_\\9", [99, 96, 61], held), whole)
+    assert why is not None and why.startswith("not judged: ") and held in why and "U+FFFD at character 3" in why
+    for streamed in ("_\\9 t296", f"{fffd * 4} t29"):  # past the bad bytes
+        assert unstreamable(_answer(streamed, [99, -1], held), whole) is None, streamed
+    assert unstreamable(_answer(" t296", [296], held), _answer(f"x{fffd}", [5, 157])) is None  # not its text
+    assert unstreamable(_answer("_\\9", [99, 96, 61], held), _answer("_\\9 t296", [99, 96, 61, 296])) is None
+    all_bad = _answer(fffd * 5, [157, 158, 159, 160, 161, EOS_ID])
+    assert unstreamable(_answer("", [EOS_ID]), all_bad).startswith("not judged: its stream ended without the last 5")
+    assert unstreamable(_answer("", [EOS_ID]), _answer(f"{fffd} t296", [157, 296, EOS_ID])) is None
+
+    class Streams:  # the engine's streamed answers by prompt
+        def __init__(self, answers, dialect="openai"):
+            self.answers, self.dialect = answers, dialect
+
+        def complete(self, ids, n, top_n, stream=False, gaps=False):
+            assert stream and gaps
+            return self.answers[tuple(ids)]
+
+    ok = _answer(" t423 t496", [423, 496, EOS_ID])
+    prompts = {"bad": [1, 5], "fine": [1, 6], "zzz": [1, 7]}
+    alone = {"bad": whole, "fine": ok, "zzz": all_bad}
+    broken = {(1, 5): _answer("_\\9", [99, 96, 61], held), (1, 6): _answer(" t423 t496", [423, 496, EOS_ID]),
+              (1, 7): _answer("", [EOS_ID])}
+    (f,) = stream_figures(Streams(broken), ["bad", "fine", "zzz"], prompts, alone, ServerOptions())
+    rows = {r["request"]: r for r in f.detail["rows"]}
+    assert f.measured == 1.0 and f.detail["not_judged"] == ["bad", "zzz"] and rows["bad"]["not_judged"] == why
+    assert rows["fine"]["ok"] and "informational_reason" not in f.detail
+    (f,) = stream_figures(Streams(broken), ["bad"], prompts, alone, ServerOptions())
+    assert f.measured != f.measured and f.detail["informational_reason"].startswith("no request's stream could be "
+                                                                                      "judged: not judged: ")
+    (f,) = stream_figures(Streams(broken, "llama-server"), ["bad", "fine", "zzz"], prompts, alone, ServerOptions())
+    assert f.measured == 1.0 - 2 / 3 and "not_judged" not in f.detail
+    (f,) = stream_figures(Streams({**broken, (1, 6): _answer(" t423", [423], "injected fault")}), ["bad", "fine"],
+                          prompts, alone, ServerOptions())
+    assert f.measured == 0.0 and f.detail["why"] == ("request fine the stream carries an error instead of choices: "
+                                                     "injected fault")
+
+
 # --------------------------------------------------------------------------- real servers, prompts reaching EOS
 
 
@@ -192,14 +251,18 @@ def test_transformers_serve_is_judged_by_the_generic_dialect(eos_model, tmp_path
     want = reaching(reference_streams(hf, HF_TEXTS))
     assert len(want) >= 2 and any(v > 0 for v in want.values())
     prompts = prompt_file(tmp_path, HF_TEXTS)
-    # transformers serve's stream breaks on byte tokens that are no UTF-8 (its DecodeStream: "Invalid prefix
-    # encountered"): test_transformers_serve_stream_error_is_named; the other checks run here
     skip = ("--skip", "server-stream")
     with _running(transformers_serve_process, hf, tmp_path_factory, "transformers-serve-eos") as srv:
-        rc, data, out = parity(tmp_path, "--model", str(hf), "--against", f"openai:{srv.url}/v1", "--prompts", prompts,
-                               *skip)
+        rc, data, out = parity(tmp_path, "--model", str(hf), "--against", f"openai:{srv.url}/v1", "--prompts", prompts)
         assert rc == 0, out[-2500:]
         got = checks(data)
+        # its stream breaks on byte tokens that are no UTF-8 (its DecodeStream: "Invalid prefix encountered") or
+        # holds them back to the end: those requests are not judged, with the reason; the others are, and pass
+        stream = got["server.stream~nostream.same_tokens"]
+        assert stream["pass"] and stream["measured"] == 1.0 and 0 < len(stream["not_judged"]) < len(HF_TEXTS), stream
+        rows = {r["request"]: r for r in stream["rows"]}
+        assert all(rows[r]["not_judged"].startswith("not judged: its stream ") for r in stream["not_judged"])
+        assert any("Invalid prefix encountered" in rows[r]["not_judged"] for r in stream["not_judged"]), rows
         assert "(openai, model None)" in got["reference~openai.runs"]["engine"]
         rows = {r["request"]: r for r in got["reference~openai.greedy"]["streams_detail"]}
         for rid, step in want.items():
@@ -217,6 +280,32 @@ def test_transformers_serve_is_judged_by_the_generic_dialect(eos_model, tmp_path
                                *skip, "--skip", "server-batch", "--max-new-tokens", "16")
     assert rc == 1, out[-1500:]
     assert not checks(data)["reference~openai.greedy"]["pass"]
+
+
+@pytest.mark.parametrize("mode", ["stream-drop", "stream-dup", "stream-error"])
+def test_a_wrong_stream_on_the_generic_dialect_still_fails(eos_model, tmp_path_factory, tmp_path, mode):
+    """transformers serve behind a proxy that drops, repeats or replaces by an error event the second text chunk of
+    every stream (the first for ``stream-error``: "ok" streams two, and its text is valid UTF-8): the stream check
+    fails (exit 1), naming a request whose stream is not what it answers without streaming; a stream broken at bytes
+    that are no UTF-8 is the only one it does not judge."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai", reason="pip install 'transformers[serving]'")
+    _, hf = eos_model
+    prompts = prompt_file(tmp_path, HF_TEXTS)
+    with _running(transformers_serve_process, hf, tmp_path_factory, f"transformers-serve-{mode}") as srv, \
+            FaultStub(mode, upstream=srv.url, step=0 if mode == "stream-error" else 1) as proxy:
+        rc, data, out = parity(tmp_path, "--model", str(hf), "--against", f"openai:{proxy.url}/v1", "--prompts",
+                               prompts, "--skip", "server-batch", "--skip", "server-stop")
+    assert rc == 1, out[-1500:]
+    assert proxy.altered, "the proxy altered no stream"
+    got = checks(data)
+    stream = got["server.stream~nostream.same_tokens"]
+    assert not stream["pass"] and stream["measured"] < 1.0, stream
+    assert got["reference~openai.greedy"]["pass"]  # the answers without streaming are right
+    bad = {r["request"]: r["why"] for r in stream["rows"] if r["ok"] is False}
+    assert "ok" in bad, stream["rows"]
+    if mode == "stream-error":
+        assert bad["ok"] == "the stream carries an error instead of choices: injected fault"
 
 
 # --------------------------------------------------------------------------- servers that cannot be used

@@ -77,6 +77,9 @@ class EngineFailure(RuntimeError):
         index: the prompt's place in the batch the engine was given (its caller maps it to ``request``).
         partial: the token ids the engine returned for that prompt before the fault was found, when any (its
             caller compares them with the reference to name ``step``).
+        decoding: for a greedy stream whose token is not the top-1 of the engine's own log-probs, what differs in
+            decoding there when its log-probs are the oracle's (a dict with ``request``, ``step``, ``what``, ``line``:
+            :func:`harness.parity.explain.decoding_by_logprobs`), else None.
     """
 
     request: Any = None
@@ -84,6 +87,7 @@ class EngineFailure(RuntimeError):
     last_error: str | None = None
     index: int | None = None
     partial: list[int] | None = None
+    decoding: dict[str, Any] | None = None
 
     def at(self, **where: Any) -> "EngineFailure":
         """Record where the fault happened (``request``, ``step``, ``last_error``, ``index``, ``partial``); a value

@@ -118,6 +118,8 @@ class ServerGenerated(Generated):
         pieces: llama-cpp-python: each step's own text as its log-probs name it (the token decoded alone, bytes
             that are no whole UTF-8 character dropped); empty for the other dialects.
         finish_reason: ``"length"`` (``max_new_tokens`` reached) or ``"stop"`` (EOS or a stop string).
+        stream_error: the message of an error event that ended a stream read for the stream check (``gaps``; the
+            generic dialect), the text and steps before it kept; None otherwise.
     """
 
     def __init__(self) -> None:
@@ -127,6 +129,7 @@ class ServerGenerated(Generated):
         self.text = ""
         self.pieces: list[str] = []
         self.finish_reason: str | None = None
+        self.stream_error: str | None = None
 
 
 def parse_url(spec: str) -> tuple[str, str]:
@@ -802,8 +805,9 @@ class OpenAIEngine:
                 -inf bias but reports the log-probs of the raw logits, where they may stay the top-1). False (the
                 default, as users run servers): stop there (``finish_reason`` ``stop``), the stream ending with the
                 end-of-generation id (:meth:`_end_with_eog`). llama-cpp-python always stops at EOS.
-            gaps: llama-server streams: steps it left out (text not yet complete UTF-8) get the token id -1 and are
-                listed in ``missing``, instead of raising.
+            gaps: a stream as the stream check reads it: llama-server's steps it left out (text not yet complete
+                UTF-8) get the token id -1 and are listed in ``missing``, instead of raising; on the generic dialect an
+                error event ends the stream, its message in ``stream_error``, the text before it kept.
 
         Raises:
             ServerFailure, ServerError: as :meth:`generate_full`, except the greedy and length checks.
@@ -1073,6 +1077,9 @@ class OpenAIEngine:
             if isinstance(part, dict) and "error" in part and "choices" not in part:  # an error event mid-stream
                 err = part["error"]
                 msg = " ".join(str(err.get("message") if isinstance(err, dict) else err).split())[:300]
+                if stream and gaps:  # the stream check judges it against the answer without streaming
+                    g.stream_error = msg
+                    break
                 raise ServerFailure(f"{url}: the {'stream' if stream else 'answer'} carries an error instead of "
                                     f"choices: {msg}").at(last_error=msg)
             choice = _first_choice(url, part)

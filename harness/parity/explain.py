@@ -612,83 +612,150 @@ class TextSubject:
 
     def _decoding_by_logprobs(self, o: Observed, ref: dict[str, Any], i: int, base: Trial) -> dict[str, Any] | None:
         """:meth:`decoding` for an engine that gives no logits, only top-N log-probs along its stream (a server, a
-        ``cmd:`` engine that only generates), its stream parting from the oracle's at step ``i``: in decoding when
-        at step ``i`` its log-probs of at least two tokens no decoding rule touches (neither in the context nor the
-        oracle's token) differ from the oracle's by one shift of the normaliser, within the pair's ``max_abs_logprob``
-        limit (at the earlier steps too, on the tokens both list: a rule that lowers the context's tokens moves the
-        normaliser at every step): the model computes the oracle's numbers there, and the oracle's token was lowered,
-        banned or passed over after them (:meth:`_what`). None otherwise (no log-probs at that step; numbers that
-        differ: a fault in the logits, which the search is for)."""
-        lps = o.stream.get("logprobs") or []
-        own = lps[i] if i < len(lps) and lps[i] else {}
+        ``cmd:`` engine that only generates), its stream parting from the oracle's at step ``i``: the oracle's logits
+        at its context there, whose top-1 must be the oracle's token, read by :func:`decoding_by_logprobs` (the
+        oracle's log-probs at the steps before, where both streams are the same, for the earlier steps)."""
         limit = self._logprob_limit(o.prompt_id)
-        if not own or limit is None:
+        lps = o.stream.get("logprobs") or []
+        if limit is None or not (i < len(lps) and lps[i]):
             return None
-        ours, want, tok = list(o.stream["tokens"]), int(ref["tokens"][i]), int(o.stream["tokens"][i])
-        before = []  # each earlier step's spread of (its log-prob - the oracle's) over the untouched tokens both list
-        for k, (a, b) in enumerate(zip(lps[:i], ref["logprobs"][:i])):
-            seen = set(int(c) for c in o.ids) | set(ours[:k])
-            d = [a[t] - b[t] for t in set(a or {}) & set(b or {}) if t not in seen and a[t] > -np.inf < b[t]]
-            before += [max(d) - min(d)] if d else []
-        if before and not max(before) <= limit:
-            return None
-        context = list(o.ids) + ours[:i]
+        context = list(o.ids) + list(o.stream["tokens"][:i])
         with self._engine(()) as (eng, _):
             z = np.asarray(eng.logits(context), dtype=np.float64)[-1]
-        if int(np.argmax(z)) != want:
+        if int(np.argmax(z)) != int(ref["tokens"][i]):
             return None
-        lz = z - z.max() - np.log(np.sum(np.exp(z - z.max())))
-        touched = set(int(c) for c in context) | {want}
-        shift = [own[k] - lz[k] for k in own if k not in touched and own[k] > -np.inf]
-        if len(shift) < 2 or not max(shift) - min(shift) <= limit:
-            return None
-        what = self._what(o, i, tok, want, context, z)
-        if what.startswith(GENERATION_PATH):
-            return None
-        spread = max(shift) - min(shift)
-        worst = max(before, default=0.0)
-        line = (f"request {o.prompt_id} step {i}: it gave {tok}, the {base.oracle}'s greedy token there is {want} "
-                f"(no logits were given: its own log-probs agree with the {base.oracle}'s on the {len(shift)} tokens "
-                f"it lists that no decoding rule touches, up to one shift of the normaliser (spread {spread:.3g}), "
-                f"and so at the {i} steps before (spread at most {worst:.3g})); {what}")
-        return {"request": o.prompt_id, "step": i, "ours": tok, "oracle": want, "what": what, "evidence": "log-probs",
-                "spread_before": worst, "spread": spread, "kind": "decoding", "line": line}
+        return decoding_by_logprobs(o.prompt_id, o.ids, o.stream, i, z, limit, base.oracle, ref["logprobs"][:i])
 
     def _what(self, o: Observed, i: int, tok: int, want: int, context: Sequence[int], z: np.ndarray) -> str:
-        """What differs in decoding at step ``i`` (see :meth:`decoding`); ``z``: the oracle's logits there. It starts
-        with :data:`GENERATION_PATH` when the log-probs it reported there differ from those logits beyond a change
-        of the context's tokens and the oracle's token (one shift of the normaliser): its generation computes other
-        logits than its forward (a KV cache, a decode path), which is no decoding rule."""
-        lz = z - z.max() - np.log(np.sum(np.exp(z - z.max())))
+        """What differs in decoding at step ``i`` (see :meth:`decoding`): :func:`decoding_difference` of the
+        log-probs the engine reported there, at the pair's ``max_abs_logprob`` limit; ``z``: the oracle's logits."""
         lps = o.stream.get("logprobs") or []
         own = lps[i] if i < len(lps) and lps[i] else {}
-        repeated = want in context
-        where = f"token {want} occurs in the context (position {list(context).index(want)})" if repeated else ""
-        if not own:
-            return (f"its log-probs at that step were not given; {where}: a repeated token's logit lowered (a "
-                    "repetition penalty)?" if repeated else
-                    "its log-probs at that step were not given: a token banned, a logit bias or sampling")
-        if tok in own and own[tok] < max(own.values()):
-            return f"sampling: its token {tok} is not the top-1 of its own log-probs (temperature 0 was asked)"
-        touched = set(int(c) for c in context) | {want}
-        shift = [own[k] - lz[k] for k in own if k not in touched and own[k] > -np.inf]
-        if len(shift) >= 2 and max(shift) - min(shift) > self._limit("max_abs_logprob"):
-            return (f"{GENERATION_PATH}: the log-probs it reported there differ from its own forward's on tokens no "
-                    f"decoding rule touches (spread {max(shift) - min(shift):.3g} over {len(shift)} tokens outside the "
-                    "context): its generation computes other logits than its forward (its KV cache, its decode path)")
-        theirs = own.get(want)
-        if theirs is None or not theirs > -np.inf:
-            state = f"not among its top-{len(own)} log-probs" if theirs is None else "at log-prob -inf"
-            if repeated and theirs is None:
-                return (f"a repeated token's logit lowered: token {want} is {state} where the logits give it "
-                        f"log-prob {lz[want]:.4g} (their top-1), and {where} (a repetition penalty)")
-            return (f"a token banned: token {want} is {state} where the logits give it log-prob {lz[want]:.4g} (their "
-                    "top-1)")
-        if repeated:
-            return (f"a repeated token's logit lowered: token {want} at log-prob {theirs:.4g} where the logits give "
-                    f"log-prob {lz[want]:.4g}, and {where} (a repetition penalty)")
-        return (f"token {want}'s log-prob lowered in decoding: {theirs:.4g} where the logits give log-prob "
-                f"{lz[want]:.4g} (a logit bias)")
+        return decoding_difference(own, tok, want, context, z, self._limit("max_abs_logprob"))
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    return z - z.max() - np.log(np.sum(np.exp(z - z.max())))
+
+
+def _untouched_shift(own: Mapping[int, float], lz: np.ndarray, touched: set[int]) -> list[float]:
+    """``own[k] - lz[k]`` over the listed ids no decoding rule touches (not in ``touched``) and not at -inf."""
+    return [own[k] - lz[k] for k in own if k not in touched and own[k] > -np.inf]
+
+
+def decoding_difference(own: Mapping[int, float], tok: int, want: int, context: Sequence[int], z: np.ndarray,
+                        limit: float) -> str:
+    """What differs in decoding at a step where an engine gave ``tok`` and the oracle's logits ``z`` (``[V]``, at the
+    engine's context ``context``) give ``want``, read from the log-probs the engine reported there (``own``: id ->
+    log-prob, its top-N; empty when it reported none). ``limit``: the pair's ``max_abs_logprob`` limit. One phrase:
+
+    - its token is not the top-1 of its own log-probs, whose top-1 is ``want`` at the log-prob the logits give (up to
+      the shift of the normaliser seen on the tokens no rule touches): its log-probs were taken before its decoding
+      rules (llama-server's ``n_probs``, vLLM's default ``raw_logprobs``), and ``want`` was passed over after them: a
+      repeated token's logit lowered when ``want`` occurs in the context (a repetition penalty), else a token banned
+      or a logit bias; sampling looks the same from there, and is named beside them;
+    - otherwise not the top-1 of its own log-probs: sampling;
+    - the reported log-probs differ from the logits on the tokens no rule touches (outside the context and
+      ``want``) by more than one shift of the normaliser: it starts with :data:`GENERATION_PATH` (its generation
+      computes other logits than its forward: no decoding rule);
+    - ``want`` missing from its top-N or at -inf: banned (or, when it occurs in the context, a repeated token's
+      logit lowered); present but lower than the logits give: a repeated token's logit lowered (in the context: a
+      repetition penalty), else a logit bias.
+    """
+    lz = _log_softmax(np.asarray(z, dtype=np.float64))
+    repeated = want in context
+    where = f"token {want} occurs in the context (position {list(context).index(want)})" if repeated else ""
+    if not own:
+        return (f"its log-probs at that step were not given; {where}: a repeated token's logit lowered (a "
+                "repetition penalty)?" if repeated else
+                "its log-probs at that step were not given: a token banned, a logit bias or sampling")
+    touched = set(int(c) for c in context) | {want}
+    shift = _untouched_shift(own, lz, touched)
+    spread = max(shift) - min(shift) if len(shift) >= 2 else 0.0
+    theirs = own.get(want)
+    if tok not in own or own[tok] < max(own.values()):
+        top = max(own, key=lambda k: own[k])
+        level = float(np.median(shift)) if shift else 0.0
+        if top == want and spread <= limit and abs(theirs - lz[want] - level) <= limit:
+            taken = (f"token {want} is the top-1 of its own log-probs at {theirs:.4g}, as the logits give "
+                     f"({lz[want]:.4g}): they were taken before its decoding rules; it gave {tok}")
+            if repeated:
+                return (f"a repeated token's logit lowered after its log-probs were taken: {taken}, and {where} (a "
+                        "repetition penalty, or sampling)")
+            return (f"token {want} passed over after its log-probs were taken: {taken}, and token {want} is not in "
+                    "the context (a token banned, a logit bias, or sampling)")
+        return f"sampling: its token {tok} is not the top-1 of its own log-probs (temperature 0 was asked)"
+    if spread > limit:
+        return (f"{GENERATION_PATH}: the log-probs it reported there differ from its own forward's on tokens no "
+                f"decoding rule touches (spread {spread:.3g} over {len(shift)} tokens outside the context): its "
+                "generation computes other logits than its forward (its KV cache, its decode path)")
+    if theirs is None or not theirs > -np.inf:
+        state = f"not among its top-{len(own)} log-probs" if theirs is None else "at log-prob -inf"
+        if repeated and theirs is None:
+            return (f"a repeated token's logit lowered: token {want} is {state} where the logits give it "
+                    f"log-prob {lz[want]:.4g} (their top-1), and {where} (a repetition penalty)")
+        return (f"a token banned: token {want} is {state} where the logits give it log-prob {lz[want]:.4g} (their "
+                "top-1)")
+    if repeated:
+        return (f"a repeated token's logit lowered: token {want} at log-prob {theirs:.4g} where the logits give "
+                f"log-prob {lz[want]:.4g}, and {where} (a repetition penalty)")
+    return (f"token {want}'s log-prob lowered in decoding: {theirs:.4g} where the logits give log-prob "
+            f"{lz[want]:.4g} (a logit bias)")
+
+
+def decoding_by_logprobs(request: str, ids: Sequence[int], stream: Mapping[str, Any], i: int, z: np.ndarray,
+                         limit: float, oracle: str = "reference",
+                         before: Sequence[Mapping[int, float]] = ()) -> dict[str, Any] | None:
+    """Whether an engine that gives no logits, only top-N log-probs along its greedy stream, diverges at step ``i``
+    in decoding, and what differs there.
+
+    Args:
+        request: the prompt's id (named in the line).
+        ids: the prompt's token ids.
+        stream: the engine's greedy stream (``tokens``, ``logprobs``: per step ``{id: log-prob}``).
+        i: the step where its token is not the oracle's greedy token there.
+        z: the oracle's logits ``[V]`` at the engine's context of step ``i`` (``ids`` and its tokens before ``i``);
+            their top-1 is the oracle's token.
+        limit: the pair's ``max_abs_logprob`` limit (with the effect of the declared approximations).
+        oracle: the oracle's name in the line (``reference``, ``fast``).
+        before: the oracle's top-N log-probs at the steps before ``i`` at the same contexts (where the oracle's
+            stream is the engine's), compared too.
+
+    Returns:
+        None unless, at step ``i``, its log-probs of at least two tokens no decoding rule touches (neither in the
+        context nor the oracle's token) differ from the oracle's by one shift of the normaliser within ``limit``, and
+        so at the steps ``before`` on the untouched tokens both list (a rule that lowers the context's tokens moves
+        the normaliser at every step): the model computes the oracle's numbers there, and the oracle's token was
+        lowered, banned or passed over after them (:func:`decoding_difference`). Else ``{"request", "step", "ours",
+        "oracle", "what", "evidence": "log-probs", "spread_before", "spread", "kind": "decoding", "line"}``.
+    """
+    lps = stream.get("logprobs") or []
+    own = lps[i] if i < len(lps) and lps[i] else {}
+    if not own:
+        return None
+    ours = [int(t) for t in stream["tokens"]]
+    want, tok = int(np.argmax(z)), ours[i]
+    spreads = []  # each earlier step's spread of (its log-prob - the oracle's) over the untouched tokens both list
+    for k, (a, b) in enumerate(zip(lps[:i], before)):
+        seen = set(int(c) for c in ids) | set(ours[:k])
+        d = [a[t] - b[t] for t in set(a or {}) & set(b or {}) if t not in seen and a[t] > -np.inf < b[t]]
+        spreads += [max(d) - min(d)] if d else []
+    if spreads and not max(spreads) <= limit:
+        return None
+    context = [int(c) for c in ids] + ours[:i]
+    shift = _untouched_shift(own, _log_softmax(np.asarray(z, dtype=np.float64)), set(context) | {want})
+    if len(shift) < 2 or not max(shift) - min(shift) <= limit:
+        return None
+    what = decoding_difference(own, tok, want, context, z, limit)
+    if what.startswith(GENERATION_PATH):
+        return None
+    spread, worst = max(shift) - min(shift), max(spreads, default=0.0)
+    line = (f"request {request} step {i}: it gave {tok}, the {oracle}'s greedy token there is {want} "
+            f"(no logits were given: its own log-probs agree with the {oracle}'s on the {len(shift)} tokens "
+            f"it lists that no decoding rule touches, up to one shift of the normaliser (spread {spread:.3g}), "
+            f"and so at the {min(i, len(before))} steps before (spread at most {worst:.3g})); {what}")
+    return {"request": request, "step": i, "ours": tok, "oracle": want, "what": what, "evidence": "log-probs",
+            "spread_before": worst, "spread": spread, "kind": "decoding", "line": line}
 
 
 def explain_text(ref: Any, observed: Sequence[Observed], pair: str, gates: Mapping[str, Gate] = DEFAULT_GATES,

@@ -50,6 +50,7 @@ from ...engines.reference import ReferenceEngine
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
 from ..compare import generation_figures, logit_figures
+from ..explain import decoding_by_logprobs
 from ..result import Figure, fig, one_line
 from ..skips import skipped
 from .oracle_pass import reference_pass
@@ -380,12 +381,18 @@ def failure_place(request: Any, step: int | None) -> str | None:
 
 def engine_failed(pair: str, e: EngineFailure) -> Figure:
     """The failing ``<pair>.runs`` figure of an engine failure: its one line, the request, the step and the engine's
-    own last error line where known (``first_divergence`` is ``request R step S``)."""
+    own last error line where known (``first_divergence`` is ``request R step S``); a stream that is not greedy
+    where that is a fault in decoding (the failure's ``decoding``, :func:`_not_greedy_failure`) also gives the pair
+    its ``explanation``, in the form :mod:`.explain_pair` gives one."""
     where = failure_place(e.request, e.step)
     line = one_line(e)
+    found = e.decoding
+    said = {} if found is None else {"explanation": {
+        "status": "decoding", "line": f"in decoding, not in the logits: {found['line']}", "decoding": found,
+        "first_point": f"request {found['request']} step {found['step']}"}}
     return _runs(pair, False, got=line, engine_failure=True, request=e.request, step=e.step,
                  last_error=e.last_error, first_divergence=where,
-                 why=f"ENGINE FAILED{' at ' + where if where else ''}: {line}")
+                 why=f"ENGINE FAILED{' at ' + where if where else ''}: {line}", **said)
 
 
 def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Sequence[dict[str, Any]],
@@ -683,6 +690,33 @@ def _not_greedy(streams: dict[str, dict[str, Any]]) -> tuple[str, int, int, int,
     return None
 
 
+def _not_greedy_failure(runs: ReferenceRuns, eng: Any, kind: str, approx: tuple[str, ...],
+                        prompts: Sequence[dict[str, Any]], ours: dict[str, dict[str, Any]],
+                        oracle: dict[str, dict[str, Any]], bad: tuple[str, int, int, int, float], limit: float
+                        ) -> EngineProtocolError:
+    """The engine failure of a stream whose token is not the top-1 of the engine's own log-probs (``bad``, from
+    :func:`_not_greedy`): it did not decode greedily as asked (exit 1), said with what differs in decoding there, as
+    the explanation says it (:func:`harness.parity.explain.decoding_by_logprobs`, on the oracle's logits at its
+    context and its log-probs at the steps before where the streams are the same; ``limit``: the pair's
+    ``max_abs_logprob`` limit): when its log-probs are the oracle's, the failure carries that finding as
+    ``decoding`` (:func:`engine_failed` makes it the pair's explanation). A server that applies a repetition
+    penalty, a ban or a logit bias after taking its log-probs (llama-server's ``n_probs``, vLLM's default
+    ``raw_logprobs``) lands here."""
+    rid, i, tok, best, lp = bad
+    p = next(p for p in prompts if str(p["id"]) == rid)
+    stream, theirs = ours[rid], oracle[rid]
+    context = [int(t) for t in p["prompt_ids"]] + [int(t) for t in stream["tokens"][:i]]
+    z = runs.raw_logits(approx, context)[-1]
+    same = next((k for k, (a, b) in enumerate(zip(stream["tokens"], theirs["tokens"])) if a != b), i)
+    found = decoding_by_logprobs(rid, p["prompt_ids"], stream, i, z, limit, runs.name,
+                                 theirs["logprobs"][:min(i, same)])
+    line = (f"{getattr(eng, 'name', kind)}: token {tok} is not the top-1 of its own log-probs ({best} at {lp:.6g}): "
+            "not greedy decoding (temperature 0), which was asked")
+    e = EngineProtocolError(line if found is None else f"{line}; in decoding, not in the logits: {found['what']}")
+    e.decoding = found
+    return e.at(request=rid, step=i)
+
+
 def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
                      progress: Progress, case: str, approx: tuple[str, ...],
                      new_tokens: int = GREEDY_NEW_TOKENS, top_n: int = TOP_N,
@@ -754,10 +788,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                 out += figs
                 bad = _not_greedy(ours_g)
                 if bad is not None:  # a greedy engine never picks a token below its own top-1: it samples, or lies
-                    rid, i, tok, best, lp = bad
-                    raise EngineProtocolError(
-                        f"{getattr(eng, 'name', kind)}: token {tok} is not the top-1 of its own log-probs ({best} at "
-                        f"{lp:.6g}): not greedy decoding (temperature 0), which was asked").at(request=rid, step=i)
+                    raise _not_greedy_failure(runs, eng, kind, approx, gen_prompts, ours_g, base_g, bad, lp_limit)
     return out
 
 

@@ -483,7 +483,12 @@ def stream_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, l
     never complete a character, where the whole answer shows U+FFFD). llama-cpp-python streams each token's text
     decoded alone (``errors="ignore"``): its stream must give the steps' own texts (:attr:`ServerGenerated.pieces`),
     and where the whole text holds a character whose bytes span tokens the row notes the difference.
+
+    On the generic dialect (text only), a stream that ends in an error event fails, and so does one of another length,
+    except where the reason is the protocol's (:func:`unstreamable`): that request is "not judged", with the reason,
+    and the figure is taken over the others (informational when none is left).
     """
+    text_only = getattr(eng, "dialect", None) == "openai"
     rows = []
     worst = 0.0
     for rid in order:
@@ -491,7 +496,14 @@ def stream_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, l
                    gaps=True)
         a = alone[rid]
         bad = note = None
-        if len(s.tokens) != len(a.tokens):
+        why = unstreamable(s, a) if text_only and (s.stream_error is not None or len(s.tokens) != len(a.tokens)) \
+            else None
+        if why is not None:
+            rows.append({"request": rid, "ok": None, "steps_named": sum(t != -1 for t in s.tokens), "not_judged": why})
+            continue
+        if s.stream_error is not None:
+            bad = f"the stream carries an error instead of choices: {s.stream_error}"
+        elif len(s.tokens) != len(a.tokens):
             bad = f"{len(s.tokens)} steps streamed, {len(a.tokens)} without streaming"
         else:
             i = next((i for i, (x, y) in enumerate(zip(s.tokens, a.tokens)) if x != -1 and x != y), None)
@@ -509,12 +521,47 @@ def stream_figures(eng: OpenAIEngine, order: Sequence[str], prompts: dict[str, l
             worst = max([worst] + [abs(v - db[t]) for t, v in sa if t in db])
         rows.append({"request": rid, "ok": bad is None, "steps_named": sum(t != -1 for t in s.tokens),
                      **({"why": bad} if bad else {}), **({"note": note} if note else {})})
-    faults = [r for r in rows if not r["ok"]]
+    faults = [r for r in rows if r["ok"] is False]
+    judged = [r for r in rows if r["ok"] is not None]
+    skipped_rows = [r for r in rows if r["ok"] is None]
     why = f"request {faults[0]['request']} {faults[0]['why']}" if faults else None
-    return [fig("server.stream~nostream.same_tokens", 1.0 - len(faults) / max(1, len(rows)), None,
-                requests=len(rows), max_abs_logprob=worst, rows=rows[:20],
+    said = {"not_judged": [r["request"] for r in skipped_rows]} if skipped_rows else {}
+    if rows and not judged:
+        said["informational_reason"] = f"no request's stream could be judged: {skipped_rows[0]['not_judged']}"
+    return [fig("server.stream~nostream.same_tokens", 1.0 - len(faults) / len(judged) if judged else float("nan"),
+                None, requests=len(rows), max_abs_logprob=worst, rows=rows[:20], **said,
                 **({"why": why, "first_divergence": why} if why else {}))]
 
+
+def unstreamable(s: ServerGenerated, a: ServerGenerated) -> str | None:
+    """Why the stream ``s`` of a request on the generic dialect (text only: its steps are named from the text) cannot
+    be compared token by token with the same request's answer without streaming ``a``, where the reason is the
+    protocol's; None where it is the server's fault (a stream that must then fail).
+
+    The protocol's reason: ``a``'s text holds U+FFFD (bytes of its tokens that are no UTF-8, which the server's decoder
+    replaced), a stream sends text chunks (JSON strings), which cannot carry such bytes, and the stream's text agrees
+    with ``a``'s (a U+FFFD of ``a`` standing for any one character, as decoders differ there: HF's ``ByteFallback``
+    shows every byte of a bad run as U+FFFD, valid ones included) as far as it goes, and stops where ``a``'s next
+    character is a U+FFFD: broken there by an error event (``s.stream_error``; transformers serve 5.23: its tokenizers
+    ``DecodeStream`` raises "Invalid prefix encountered while decoding stream" on a run of byte tokens that is no
+    UTF-8), or ended without ``a``'s last characters, all U+FFFD (bytes held back that never complete a character).
+    Seen on transformers serve 5.23 (docs/server-dialects.md).
+    """
+    bad = a.text.find("\ufffd")
+    n = len(s.text)
+    if bad < 0 or n > len(a.text) or not all(x == y or y == "\ufffd" for x, y in zip(s.text, a.text)):
+        return None
+    rest = a.text[n:]
+    if s.stream_error is not None and rest.startswith("\ufffd"):
+        return (f"not judged: its stream broke with an error ({s.stream_error}) after {n} characters, where its "
+                f"answer without streaming holds bytes that are no UTF-8 (U+FFFD at character {n} of "
+                f"{len(a.text)}): a stream of text chunks cannot carry them, and the text it streamed before is that "
+                "answer's")
+    if s.stream_error is None and rest and set(rest) == {"\ufffd"}:
+        return (f"not judged: its stream ended without the last {len(rest)} characters of its answer without "
+                "streaming, all bytes that are no UTF-8 (U+FFFD there): a stream of text chunks cannot carry them, "
+                "so the steps that gave them cannot be named from its text; the text it streamed is that answer's")
+    return None
 
 def _stop_verdict(tokens: Sequence[int], finish: str | None, o: OracleStream, stop_at: int | None,
                   eos_ids: set[int], n: int) -> tuple[str, str]:
