@@ -386,7 +386,8 @@ Q8_AGREEING_WHY = (
     "jittered reference on the same tokens, positions and ids (harness.parity.checks.pair.stream_agreement). "
     "Measured, e2b Q8_0, six text prompts, 8 new tokens, servers with their defaults: llama-server 36 positions "
     "against the jittered reference's 6, llama-cpp-python's server passing; the first half of blk.1.ffn_down's "
-    "rows x1.02: 0 on both (tests/test_quantized_servers.py)")
+    "rows x1.02: 0 (tests/test_quantized_servers.py). Judged where the jittered reference agrees on at least one "
+    "position per stream (fewer: no resolution, reported; e2b F16 on llama-server, 2 over 6, was a false alarm)")
 
 _Q8_WHY = ("an engine that rounds its activations (quantized_activations, llama.cpp's dot-product types) on a file "
            "with quantized or 16-bit matrices, against the reference that rounds them the same way "
