@@ -36,7 +36,7 @@ from reference.files import is_stream, kind_of
 from .. import synth
 from ..core.cases import DRAFTER_SUFFIX, MODELS_DIR, builtin_drafter_specs, builtin_specs
 from ..core.io import OutputError, check_output
-from ..engines import ENGINES
+from ..core.engine_kinds import KINDS
 from ..synth.drafter import ensure_drafter_built
 
 INT64_MAX = 2**63 - 1
@@ -235,7 +235,7 @@ def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference"
                    help=".gguf file, HF model folder, or a case: a built-in name (e2b, 26b-a4b ...) or a spec .toml "
                         "(built and cached on first use)")
     p.add_argument("--engine", default=default_engine,
-                   help=" | ".join([*ENGINES, "cmd:'COMMAND ...' (docs/engine-protocol.md)", "openai:URL (a server)"]))
+                   help=" | ".join(k.usage for k in KINDS))
     p.add_argument("--device", default=None, type=Device(),
                    help="fast engine: cpu | cuda[:N] (default: cuda when present)")
     p.add_argument("--dtype", dest="dtype_engine", choices=DTYPES, default=None,

@@ -9,6 +9,7 @@ from pathlib import Path
 from reference.errors import InputError
 
 from ..core.cases import PROMPTS
+from ..core.engine_kinds import default_against
 from ..core.paths import default_reports_dir
 from ..engines import split_engines
 from ..engines.base import TOP_N
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "reference on the group's highest-precision file")
     p.add_argument("--against", action="append", default=None, metavar="ENGINE[,ENGINE...]",
                    help="engines to sweep (repeatable, or a comma list): fast, llamacpp, reference, transformers, "
-                        "cmd:'COMMAND ...'. Default: fast,llamacpp")
+                        "cmd:'COMMAND ...'. Default: " + ",".join(default_against("gguf")))
     p.add_argument("--base", default=None, metavar="FILE", type=ModelArg(),
                    help="the file of its group the reference runs on (default: the highest precision: most bits per "
                         "weight, then F32 > F16 > BF16)")
@@ -158,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         types = [t for t in args.quantize.split(",") if t.strip()]
         models += make_quants(models, types, where, args.imatrix, args.imatrix_text,
                               say=(lambda m: None) if args.quiet else (lambda m: print(f"g4h sweep: {m}")))
-    against = [n for text in args.against for n in split_engines(text)] if args.against else ["fast", "llamacpp"]
+    against = ([n for text in args.against for n in split_engines(text)] if args.against
+               else list(default_against("gguf")))  # a GGUF's default engines (the registry rows' default_for)
     eopts = {k: v for k, v in {"device": args.device, "dtype": args.dtype_engine, "weights": args.weights}.items()
              if v is not None}
     opts = SweepOptions(against=against, prompts=args.prompts, base=args.base, new_tokens=args.max_new_tokens,

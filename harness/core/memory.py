@@ -37,6 +37,8 @@ from reference.config import ModelConfig, cut_layers, expected_tensors
 from reference.errors import InputError
 from reference.weights import DEFAULT_CACHE_BYTES, READ_ELEMENTS, block_bounds, load_model
 
+from .engine_kinds import KIND, planned_kinds
+
 GB = 10**9
 
 #: Resident bytes of a process that has imported what each engine needs, before any model, rounded up.
@@ -61,7 +63,9 @@ _UNPACKED = ("F32", "F16", "BF16", "F64")
 _BLOCK_TYPES = {t.name: GGML_QUANT_SIZES[t] for t in GGML_QUANT_SIZES}
 """GGUF type name -> (elements, bytes) per block (gguf-py's table)."""
 
-ENGINES = ("reference", "fast", "transformers", "llamacpp")
+ENGINES = planned_kinds()
+"""The engines whose memory is planned: the registry rows with a ``memory_rule`` (:mod:`harness.core.engine_kinds`);
+each names its rule in :data:`PLAN_RULES`."""
 
 #: Test hook: GB (10^9 bytes) that :func:`available_memory` reports instead of measuring.
 AVAILABLE_ENV = "G4H_MEMORY_AVAILABLE_GB"
@@ -301,8 +305,8 @@ class MemoryPlan:
         if self.advice:
             text += "; try " + " or ".join(self.advice)
         else:
-            knobs = {"reference": "--ref-cache-gb or --layers", "fast": "--weights, --dtype or --layers",
-                     "transformers": "--layers"}.get(self.engine)
+            rule = _rule_of(self.engine)
+            knobs = rule.knobs if rule else None
             text += (f"; no {knobs} setting fits either: free memory or use a machine with more" if knobs else
                      "; try a smaller model file (a lower-bit quantization), or free memory")
         return text
@@ -451,17 +455,59 @@ def _llamacpp_terms(info: ModelInfo, tokens: int, context: int) -> tuple[dict[st
     return terms, 0
 
 
+@dataclass(frozen=True)
+class PlanRule:
+    """How one kind of engine is planned (:data:`PLAN_RULES`; a registry row names its rule: ``memory_rule``).
+
+    Attributes:
+        terms: ``(info, options) -> (breakdown, mapped bytes)``, the terms of :func:`plan`'s docstring.
+        shown: the options a plan reports (:attr:`MemoryPlan.options`).
+        knobs: the options that change the need, for the line that says none of their settings fits (None: the
+            engine runs the file as it is).
+        oom_advice: what an allocation failure's line suggests when the plan gave no advice.
+        torch: the engine runs torch: planned on its device, and it starts torch threads (``RLIMIT_AS``).
+        in_process: the engine runs in the harness's own process (its runtime is running already; the llama.cpp
+            engine runs in a worker process).
+    """
+
+    terms: Callable[[ModelInfo, dict[str, Any]], tuple[dict[str, int], int]]
+    shown: tuple[str, ...]
+    knobs: str | None = None
+    oom_advice: tuple[str, ...] = ("--layers N",)
+    torch: bool = False
+    in_process: bool = True
+
+
+PLAN_RULES: dict[str, PlanRule] = {
+    "reference": PlanRule(
+        lambda info, o: _reference_terms(info, o["tokens"], o["context"], o["forwards"], o["cache_bytes"],
+                                         o["layer_held"]),
+        ("tokens", "new_tokens", "cache_bytes", "forwards"), "--ref-cache-gb or --layers",
+        ("a smaller --ref-cache-gb", "--layers N")),
+    "fast": PlanRule(
+        lambda info, o: _fast_terms(info, o["tokens"], o["context"], o["dtype"], o["weights"], o["batch"],
+                                    o["device"]),
+        ("tokens", "new_tokens", "batch", "dtype", "weights", "device"), "--weights, --dtype or --layers",
+        ("--weights packed", "--dtype bfloat16", "--layers N"), torch=True),
+    "transformers": PlanRule(lambda info, o: _transformers_terms(info, o["tokens"], o["context"]),
+                             ("tokens", "new_tokens", "device"), "--layers", torch=True),
+    "llamacpp": PlanRule(lambda info, o: _llamacpp_terms(info, o["tokens"], o["context"]), ("tokens", "new_tokens"),
+                         in_process=False),
+}
+"""Memory-plan rule name -> :class:`PlanRule` (the registry rows' ``memory_rule``)."""
+
+
+def _rule_of(engine: str) -> PlanRule | None:
+    """The plan rule of engine kind ``engine`` (its registry row's ``memory_rule``), None for one without."""
+    row = KIND.get(engine)
+    return PLAN_RULES.get(row.memory_rule) if row is not None and row.memory_rule else None
+
+
 def _terms(engine: str, info: ModelInfo, o: dict[str, Any]) -> tuple[dict[str, int], int]:
-    tokens, context = o["tokens"], o["context"]
-    if engine == "reference":
-        return _reference_terms(info, tokens, context, o["forwards"], o["cache_bytes"], o["layer_held"])
-    if engine == "fast":
-        return _fast_terms(info, tokens, context, o["dtype"], o["weights"], o["batch"], o["device"])
-    if engine == "transformers":
-        return _transformers_terms(info, tokens, context)
-    if engine == "llamacpp":
-        return _llamacpp_terms(info, tokens, context)
-    raise InputError(f"memory plan: unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
+    rule = _rule_of(engine)
+    if rule is None:
+        raise InputError(f"memory plan: unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
+    return rule.terms(info, o)
 
 
 def _options(engine: str, info: ModelInfo, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -476,10 +522,8 @@ def _options(engine: str, info: ModelInfo, options: Mapping[str, Any]) -> dict[s
     o["forwards"] = o["forwards"] or 1 + o["new_tokens"]
     if o["dtype"] not in DTYPE_BYTES:
         raise InputError(f"memory plan: dtype {o['dtype']!r}: expected one of {', '.join(DTYPE_BYTES)}")
-    keep = {"reference": ("tokens", "new_tokens", "cache_bytes", "forwards"),
-            "fast": ("tokens", "new_tokens", "batch", "dtype", "weights", "device"),
-            "transformers": ("tokens", "new_tokens", "device"), "llamacpp": ("tokens", "new_tokens")}
-    o["shown"] = {k: o[k] for k in keep.get(engine, ())}
+    rule = _rule_of(engine)
+    o["shown"] = {k: o[k] for k in (rule.shown if rule else ())}
     return o
 
 
@@ -502,9 +546,10 @@ def _need(engine: str, info: ModelInfo, o: dict[str, Any]) -> tuple[int, dict[st
     holds already (option ``held``: weights built, a cache filled). A loaded fast engine's ``held`` weights
     include its packed ones, the bytes ``RLIMIT_AS`` counts as mapped: they count once."""
     terms, mapped = _terms(engine, info, o)
-    if o["source"] == "RLIMIT_AS" and engine in ("fast", "transformers"):
+    rule = _rule_of(engine)
+    if o["source"] == "RLIMIT_AS" and rule.torch:
         terms["threads (address space)"] = THREAD_ADDRESS_BYTES * _threads_to_start(o["held"] > 0)
-    in_process = engine != "llamacpp" and not o["fresh"]
+    in_process = rule.in_process and not o["fresh"]
     mapped = mapped if o["source"] == "RLIMIT_AS" else 0
     already = min(sum(terms.values()), (terms["runtime"] if in_process else 0) + max(mapped, int(o["held"])))
     return sum(terms.values()), terms, already
@@ -603,8 +648,9 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
         TypeError: an unknown option.
     """
     o = _options(engine, info, options)
-    avail, source = available_memory(o["device"] if engine in ("fast", "transformers") else "cpu",
-                                     own_process=engine != "llamacpp" and not o["fresh"])
+    rule = _rule_of(engine)
+    avail, source = available_memory(o["device"] if rule and rule.torch else "cpu",
+                                     own_process=(rule is None or rule.in_process) and not o["fresh"])
     o["source"] = source
     need, terms, already = _need(engine, info, o)
     fits = _fits(need, already, avail)
@@ -650,8 +696,8 @@ def failure_line(engine: Any, exc: BaseException) -> str:
         return (f"out of memory in the {getattr(engine, 'engine', 'engine')} engine ({what}); try --weights packed, "
                 "a smaller --ref-cache-gb, --layers N or --dtype bfloat16")
     avail = "unknown" if p.available_bytes is None else f"{p.available_bytes / GB:.1f} GB"
-    advice = p.advice or {"reference": ["a smaller --ref-cache-gb", "--layers N"],
-                          "fast": ["--weights packed", "--dtype bfloat16", "--layers N"]}.get(p.engine, ["--layers N"])
+    rule = _rule_of(p.engine)
+    advice = p.advice or list(rule.oom_advice if rule else ("--layers N",))
     return (f"{p.model}: out of memory in the {p.engine} engine ({what}): the estimate was "
             f"{p.need_bytes / GB:.1f} GB, {avail} available ({p.available_from}); try " + " or ".join(advice))
 

@@ -1,6 +1,7 @@
 """Engines: everything that can run Gemma 4, behind one small protocol (:mod:`.base`).
 
-The registry :data:`ENGINES` names each engine's module and class; :func:`make_engine` imports the
+The registry (:mod:`harness.core.engine_kinds`, one row per engine kind) names each engine's module and class
+(:data:`ENGINES`, :data:`ENGINE_SCHEMES` are read from it); :func:`make_engine` imports the
 module only when that engine is asked for (pip's ``commands_dict`` pattern), so asking for the
 reference never imports torch, and nothing imports llama-cpp-python in the harness's own process.
 
@@ -31,6 +32,7 @@ from typing import Any, NamedTuple
 
 from reference.errors import InputError
 
+from ..core.engine_kinds import KINDS, plain_kinds, scheme_kinds
 from .base import Engine, EngineCrashed, EngineUnavailable, Generated, TraceFn
 from .checked import CheckedEngine
 
@@ -39,39 +41,23 @@ __all__ = ["ENGINES", "ENGINE_SCHEMES", "Engine", "EngineCrashed", "EngineUnavai
 
 
 class EngineEntry(NamedTuple):
-    """One row of the registry: where the engine lives, and what it is in one line."""
+    """Where an engine lives, and what it is in one line (from its registry row,
+    :class:`harness.core.engine_kinds.EngineKind`)."""
 
     module: str
     cls: str
     summary: str
 
 
-ENGINES: dict[str, EngineEntry] = {
-    "reference": EngineEntry("harness.engines.reference", "ReferenceEngine", "float64 NumPy reference"),
-    "transformers": EngineEntry("harness.engines.transformers", "TransformersEngine",
-                                "HF transformers fp32 eager (HF folders; Gemma 3 GGUFs)"),
-    "fast": EngineEntry("harness.engines.fast", "FastEngine", "torch fast path (--device, --dtype, --weights)"),
-    "llamacpp": EngineEntry("harness.engines.llamacpp", "LlamaCppEngine",
-                            "llama.cpp via llama-cpp-python, in a worker subprocess (GGUF only)"),
-}
-"""Engine name -> :class:`EngineEntry`."""
+ENGINES: dict[str, EngineEntry] = {k.name: EngineEntry(k.module, k.cls, k.summary) for k in plain_kinds()}
+"""Engine name -> :class:`EngineEntry` (from the registry rows, :data:`harness.core.engine_kinds.KINDS`)."""
 
-ENGINE_SCHEMES: dict[str, EngineEntry] = {
-    "cmd": EngineEntry("harness.engines.cmd", "CmdEngine",
-                       "any program speaking the subprocess protocol (docs/engine-protocol.md): cmd:'COMMAND ...'"),
-    "openai": EngineEntry("harness.engines.openai", "OpenAIEngine",
-                          "a model behind an OpenAI-compatible server (generate only): openai:http://HOST:PORT/v1"),
-}
+ENGINE_SCHEMES: dict[str, EngineEntry] = {k.name: EngineEntry(k.module, k.cls, k.summary) for k in scheme_kinds()}
 """Scheme -> :class:`EngineEntry` for engine names ``<scheme>:<argument>``. The class is built as
 ``cls(argument, model_path, **options)``."""
 
-#: Keyword options each engine takes from the command line (others are not passed to it).
-ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "reference": ("cache_gb", "layers"),
-    "fast": ("device", "dtype", "batched", "weights", "layers"),
-    "transformers": ("layers",),
-    "openai": ("server_model", "server_timeout", "check_greedy", "declare", "dialect"),
-}
+#: Keyword options each engine takes from the command line (others are not passed to it): the rows' ``options``.
+ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {k.name: k.options for k in KINDS if k.options}
 
 
 def engine_kind(name: str) -> str:

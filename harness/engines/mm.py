@@ -37,11 +37,12 @@ from reference.mm_model import (
 )
 from reference.model import TraceFn
 
+from ..core.engine_kinds import KIND, multimodal_kinds
 from .base import EngineUnavailable, Generated
 from .checked import CheckedEngine
 
-MM_ENGINES = ("reference", "fast", "transformers")
-"""The engines that take images and audio."""
+MM_ENGINES = multimodal_kinds()
+"""The engines that take images and audio (the registry rows with ``multimodal``: reference, transformers, fast)."""
 
 
 def check_rows(prompt: MultimodalPrompt, rows: Sequence[np.ndarray]) -> None:
@@ -62,6 +63,11 @@ class ReferenceMM:
 
     def __init__(self, mm: MultimodalModel):
         self.mm = mm
+
+    @classmethod
+    def for_model(cls, mm: MultimodalModel, device: str | None = None, dtype: str | None = None) -> "ReferenceMM":
+        """The engine over ``mm`` (:func:`make_mm_engine`; ``device`` and ``dtype`` do not apply: float64, CPU)."""
+        return cls(mm)
 
     def soft_tokens(self, prompt: MultimodalPrompt, trace: TraceFn | None = None) -> list[np.ndarray]:
         """float64 ``[n_soft, h]`` per item."""
@@ -102,17 +108,12 @@ def make_mm_engine(name: str, mm: MultimodalModel, device: str | None = None, dt
 
 
 def _make_mm_engine(name: str, mm: MultimodalModel, device: str | None, dtype: str | None):
-    if name == "reference":
-        return ReferenceMM(mm)
-    if name == "fast":
-        return importlib.import_module("harness.engines.mm_fast").FastMM(mm, device, dtype or "float32")
-    if name == "transformers":
-        if mm.mmproj is not None or not os.path.isdir(mm.source):
-            raise EngineUnavailable(f"{mm.source}: the transformers engine needs the HF folder (it cannot read a "
-                                    "Gemma 4 GGUF or an mmproj)")
-        return importlib.import_module("harness.engines.mm_transformers").TransformersMM(mm.source, dtype or "float32")
-    raise EngineUnavailable(f"engine {name!r} does not take images or audio (multimodal engines: "
-                            f"{', '.join(MM_ENGINES)})")
+    row = KIND.get(name)
+    if row is None or row.scheme or row.multimodal is None:
+        raise EngineUnavailable(f"engine {name!r} does not take images or audio (multimodal engines: "
+                                f"{', '.join(MM_ENGINES)})")
+    module, cls = row.multimodal.split(":")
+    return getattr(importlib.import_module(module), cls).for_model(mm, device, dtype)  # the torch ones imported here
 
 
 def open_mm(path: str | os.PathLike, mmproj: str | os.PathLike | None = None) -> MultimodalModel:

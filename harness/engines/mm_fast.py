@@ -37,6 +37,11 @@ class FastMM:
         self.aw = None if mm.audio is None else EncoderWeights(mm.audio[1], dev, dt)
         self.name = f"fast-{dev.type}-{dtype}"
 
+    @classmethod
+    def for_model(cls, mm: MultimodalModel, device: str | None = None, dtype: str | None = None) -> "FastMM":
+        """The engine over ``mm`` (:func:`harness.engines.mm.make_mm_engine`; ``dtype`` None: float32)."""
+        return cls(mm, device, dtype or "float32")
+
     def encode(self, item, trace: TraceFn | None = None):
         """One item's soft tokens, float32 torch ``[n_soft, h]``."""
         if item.kind == "image":

@@ -14,7 +14,7 @@ import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.gemma4 import modeling_gemma4 as mg
 
-from reference.mm_model import MultimodalPrompt, item_prefix, prefixed
+from reference.mm_model import MultimodalModel, MultimodalPrompt, item_prefix, prefixed
 from reference.model import TraceFn
 
 from .base import EngineUnavailable, Generated
@@ -57,6 +57,19 @@ class TransformersMM:
     Raises:
         EngineUnavailable: not an HF folder.
     """
+
+    @classmethod
+    def for_model(cls, mm: MultimodalModel, device: str | None = None, dtype: str | None = None) -> "TransformersMM":
+        """The engine over ``mm``'s HF folder (:func:`harness.engines.mm.make_mm_engine`; ``device`` does not apply:
+        the CPU; ``dtype`` None: float32).
+
+        Raises:
+            EngineUnavailable: ``mm`` is a GGUF or has an mmproj (transformers reads neither).
+        """
+        if mm.mmproj is not None or not os.path.isdir(mm.source):
+            raise EngineUnavailable(f"{mm.source}: the transformers engine needs the HF folder (it cannot read a "
+                                    "Gemma 4 GGUF or an mmproj)")
+        return cls(mm.source, dtype or "float32")
 
     def __init__(self, path: str | os.PathLike, dtype: str = "float32"):
         if not os.path.isdir(path):

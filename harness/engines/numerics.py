@@ -35,6 +35,8 @@ from typing import Any, ContextManager, Iterable, Mapping
 from reference.activation_quants import VEC_DOT_TYPE
 from reference.errors import InputError
 
+from ..core.engine_kinds import KINDS
+
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 """What an engine may say it computes in."""
 
@@ -148,11 +150,9 @@ DIALECT_NUMERICS: dict[str, Numerics] = {
 }
 """What a server of each dialect computes when started with its defaults (``--declare`` changes it)."""
 
-KIND_NUMERICS: dict[str, Numerics] = {
-    "llamacpp": Numerics("float32", "float32", _LLAMACPP,
-                         "the llamacpp engine: F32 KV cache, flash attention off", "llama.cpp"),
-}
-"""The numerics of the built-in engine kinds that make approximations."""
+KIND_NUMERICS: dict[str, Numerics] = {k.name: Numerics(*k.numerics) for k in KINDS if k.numerics is not None}
+"""The numerics of the built-in engine kinds that make approximations (their registry rows' ``numerics``,
+:data:`harness.core.engine_kinds.KINDS`: ``llamacpp``, F32 KV cache, flash attention off)."""
 
 
 def emulable_types(types) -> list[str]:

@@ -31,6 +31,7 @@ from reference.errors import InputError
 from reference.mm_model import load_multimodal
 
 from .. import synth
+from ..core import engine_kinds
 from ..core.cases import drafter_spec_for, refuse_unfit_prompts
 from ..core.gates import resolve
 from ..core.hf_assistant import AssistantUnavailable
@@ -220,7 +221,7 @@ def default_against(path: str | Path, oracle: str = "reference") -> list[str]:
     """The engines a user's model is compared with when ``--against`` is not given: what can read it, the oracle
     aside. A GGUF: ``fast`` and ``llamacpp`` (a missing llama.cpp fails the case unless ``--skip llamacpp``); an HF
     folder: ``fast`` and ``transformers`` (llama.cpp reads only GGUF)."""
-    names = ["fast", "transformers"] if Path(path).is_dir() else ["fast", "llamacpp"]
+    names = engine_kinds.default_against("hf" if Path(path).is_dir() else "gguf")  # the registry rows' default_for
     return [n for n in names if n != oracle]
 
 
@@ -290,7 +291,8 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
         for name in names:
             kind = engine_kind(name)
             seen[kind] = seen.get(kind, 0) + 1
-            opted = "llamacpp" if kind == "llamacpp" and skipped(skip, "llamacpp") else None
+            opt_out = getattr(engine_kinds.KIND.get(kind), "skip", None)  # the --skip name of its kind (llamacpp)
+            opted = opt_out if opt_out and skipped(skip, opt_out) else None
             first = len(res.checks)
             res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted,
                                   options=engine_options, extra=server, number=seen[kind]), gates)

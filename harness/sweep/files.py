@@ -165,7 +165,7 @@ def _engine_table(info: Inspection) -> dict[str, dict[str, Any]]:
         if r.engine == "fast" and (r.dtype != "float32" or r.weights not in (None, "packed")):
             continue
         reason = r.reason
-        if r.engine == "llamacpp" and reason == INSTALL_MSG:
+        if reason == INSTALL_MSG:  # the llama.cpp engine's "not installed" (harness.engines.llamacpp)
             # whether llama-cpp-python is installed is a fact of the node that runs the task, not of the driver
             out[r.engine] = {"can_run": True, "reason": None}
             continue

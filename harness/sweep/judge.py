@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..core.engine_kinds import KINDS
 from ..core.gates import DEFAULT_GATES, Gate
 from ..core.kld import kld_stats
 from .tasks import _stack
@@ -30,7 +31,7 @@ FAILED = frozenset({"crashed", "oom", "timeout", "no_base", "error"})
 
 #: Engine kinds that round the activations of quantized (and 16-bit) matrix products (parity's
 #: ``harness.engines.numerics.KIND_NUMERICS``: llama.cpp's CPU backend); a ``cmd:`` engine says so in its ``hello``.
-QUANTIZED_ACTIVATION_KINDS = frozenset({"llamacpp"})
+QUANTIZED_ACTIVATION_KINDS = frozenset(k.name for k in KINDS if k.quantizes_activations)
 #: Stored types of matrices that no engine rounds activations for.
 EXACT_TYPES = frozenset({"F32", "F64", "float32", "float64"})
 

@@ -29,6 +29,7 @@ from ray import exceptions as rex
 from reference.errors import InputError
 
 from ..core.cases import PROMPTS
+from ..core.engine_kinds import default_against, planned_kinds
 from ..core.memory import GB, plan
 from ..core.paths import default_reports_dir
 from ..engines import check_engine_name, engine_kind
@@ -40,8 +41,9 @@ from .progress import Progress
 from .report import write_outputs
 from .store import RunDir, key_of, new_run_dir
 
-DEFAULT_ENGINES = ("fast", "llamacpp")
-"""Engines swept when ``--against`` is not given."""
+DEFAULT_ENGINES = default_against("gguf")
+"""Engines swept when ``--against`` is not given: a GGUF's default engines (the registry rows' ``default_for``:
+fast, llamacpp)."""
 
 
 @dataclass
@@ -157,7 +159,7 @@ def _threads(opts: SweepOptions, alive: Sequence[cluster.Node]) -> int:
 def _memory_need(engine: str, f: SweepFile, gp: list[dict[str, Any]], opts: SweepOptions) -> int | None:
     """Bytes the engine's memory plan needs for this file and prompt set (None for an engine without a plan)."""
     kind = engine_kind(engine)
-    if f.facts is None or kind not in ("reference", "fast", "transformers", "llamacpp"):
+    if f.facts is None or kind not in planned_kinds():
         return None
     o: dict[str, Any] = {"tokens": max(len(p["prompt_ids"]) for p in gp), "new_tokens": opts.new_tokens,
                          "fresh": True}

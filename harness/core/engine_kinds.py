@@ -1,0 +1,141 @@
+"""The engine registry: one row per engine kind, data only.
+
+Every fact the harness keeps about an engine kind is in its :class:`EngineKind` row here, and every place that
+needs one reads the row: :mod:`harness.engines` (which class to build, the options it takes, the names the CLI
+offers), :mod:`harness.engines.numerics` (:data:`~harness.engines.numerics.KIND_NUMERICS`), :mod:`harness.engines.mm`
+(the engines that take images and audio), :mod:`harness.core.memory` (which plan rule estimates the engine),
+:func:`harness.parity.cases.default_against`, ``g4h sweep``'s default engines and its judge.
+
+The rows live in ``harness.core`` (the lowest layer of the harness: ``pyproject.toml`` ``[tool.importlinter]``) so
+that the memory planner, which may not import :mod:`harness.engines`, reads the same rows. This module imports
+nothing of the harness and builds nothing: a row names its classes by module path, imported by
+:func:`harness.engines.make_engine` only when that engine is asked for.
+
+A plain kind (``reference``, ``fast`` ...) is also the engine's name; a *scheme* kind (``cmd``, ``openai``) is
+named ``<scheme>:<argument>`` (``cmd:'./eng --threads 4'``, ``openai:http://127.0.0.1:8080/v1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORMS = ("gguf", "hf")
+"""File forms a ``--model`` may take: a ``.gguf`` file, an HF model folder (``config.json`` and safetensors)."""
+
+GIVES = ("traces", "logits", "logprobs")
+"""What an engine may return: trace points (per-layer activations), full logits, top-N log-probabilities of a
+greedy continuation."""
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One engine kind.
+
+    Attributes:
+        name: the kind (``llamacpp``); for a plain kind the engine name too, for a scheme kind the scheme (``cmd``).
+        module: the module of its engine class (imported only when the engine is built).
+        cls: its engine class, built as ``cls(path, **options)`` (plain) or ``cls(argument, path, **options)``
+            (scheme).
+        summary: one line for ``--help`` and error messages; a scheme kind's ends in ``: <how it is written>``.
+        usage: how ``--engine`` help writes it.
+        scheme: True when the kind is named ``<scheme>:<argument>``.
+        forms: the file forms (:data:`FORMS`) it reads; a scheme kind reads what its program or server reads (the
+            harness hands the path over, or keeps it for the reference).
+        options: the keyword options it takes from the command line (others are not passed to it).
+        numerics: its fixed declared numerics as :class:`harness.engines.numerics.Numerics` fields ``(dtype,
+            kv_cache, approximations, source, vec_dot_types)``, for a built-in kind that makes approximations; None:
+            it computes in its own ``dtype`` exactly, or (``declares``) says at run time what it computes.
+        declares: where an engine of this kind declares its numerics at run time (None: it does not).
+        multimodal: ``module:Class`` of its multimodal engine (a ``for_model(mm, device, dtype)`` class method),
+            None when it does not take images and audio.
+        memory_rule: the rule of :data:`harness.core.memory.PLAN_RULES` that estimates its memory (None: the
+            engine is another program, whose memory the harness does not plan).
+        default_for: the file forms for which it is compared by default when ``--against`` is not given
+            (:func:`default_against`).
+        gives: what it returns (:data:`GIVES`); a ``cmd:`` engine answers, of these, what its ``hello`` lists.
+        skip: the ``g4h parity --skip`` name that opts it out (None: it cannot be opted out by name).
+    """
+
+    name: str
+    module: str
+    cls: str
+    summary: str
+    usage: str
+    scheme: bool = False
+    forms: tuple[str, ...] = FORMS
+    options: tuple[str, ...] = ()
+    numerics: tuple | None = None
+    declares: str | None = None
+    multimodal: str | None = None
+    memory_rule: str | None = None
+    default_for: tuple[str, ...] = ()
+    gives: tuple[str, ...] = GIVES
+    skip: str | None = None
+
+    @property
+    def quantizes_activations(self) -> bool | None:
+        """Whether it rounds the activations of quantized matrix products (``quantized_activations`` in its fixed
+        numerics): True, False, or None when it declares its numerics at run time (then it may)."""
+        if self.numerics is not None:
+            return "quantized_activations" in self.numerics[2]
+        return None if self.declares else False
+
+
+KINDS: tuple[EngineKind, ...] = (
+    EngineKind("reference", "harness.engines.reference", "ReferenceEngine", "float64 NumPy reference", "reference",
+               options=("cache_gb", "layers"), multimodal="harness.engines.mm:ReferenceMM", memory_rule="reference"),
+    EngineKind("transformers", "harness.engines.transformers", "TransformersEngine",
+               "HF transformers fp32 eager (HF folders; Gemma 3 GGUFs)", "transformers",
+               forms=("hf", "gguf"),  # a GGUF only for Gemma 3 (harness/inspect/runnable.py says why not for Gemma 4)
+               options=("layers",), multimodal="harness.engines.mm_transformers:TransformersMM",
+               memory_rule="transformers", default_for=("hf",)),
+    EngineKind("fast", "harness.engines.fast", "FastEngine", "torch fast path (--device, --dtype, --weights)", "fast",
+               options=("device", "dtype", "batched", "weights", "layers"),
+               multimodal="harness.engines.mm_fast:FastMM", memory_rule="fast", default_for=("gguf", "hf")),
+    EngineKind("llamacpp", "harness.engines.llamacpp", "LlamaCppEngine",
+               "llama.cpp via llama-cpp-python, in a worker subprocess (GGUF only)", "llamacpp",
+               forms=("gguf",),
+               numerics=("float32", "float32", ("gelu_fp16_table", "quantized_activations"),
+                         "the llamacpp engine: F32 KV cache, flash attention off", "llama.cpp"),
+               memory_rule="llamacpp", default_for=("gguf",), skip="llamacpp"),
+    EngineKind("cmd", "harness.engines.cmd", "CmdEngine",
+               "any program speaking the subprocess protocol (docs/engine-protocol.md): cmd:'COMMAND ...'",
+               "cmd:'COMMAND ...' (docs/engine-protocol.md)", scheme=True, declares="hello"),
+    EngineKind("openai", "harness.engines.openai", "OpenAIEngine",
+               "a model behind an OpenAI-compatible server (generate only): openai:http://HOST:PORT/v1",
+               "openai:URL (a server)", scheme=True,
+               options=("server_model", "server_timeout", "check_greedy", "declare", "dialect"),
+               declares="dialect defaults or --declare", gives=("logprobs",)),
+)
+"""Every engine kind: the plain ones first, in the order ``--help`` and error messages list them, then the schemes."""
+
+KIND: dict[str, EngineKind] = {k.name: k for k in KINDS}
+"""Kind name -> its row."""
+
+
+def plain_kinds() -> tuple[EngineKind, ...]:
+    """The kinds named by their name alone."""
+    return tuple(k for k in KINDS if not k.scheme)
+
+
+def scheme_kinds() -> tuple[EngineKind, ...]:
+    """The kinds named ``<scheme>:<argument>``."""
+    return tuple(k for k in KINDS if k.scheme)
+
+
+def multimodal_kinds() -> tuple[str, ...]:
+    """The kinds that take images and audio."""
+    return tuple(k.name for k in KINDS if k.multimodal)
+
+
+def planned_kinds() -> tuple[str, ...]:
+    """The kinds whose memory the harness plans (:mod:`harness.core.memory`)."""
+    return tuple(k.name for k in KINDS if k.memory_rule)
+
+
+def default_against(form: str) -> tuple[str, ...]:
+    """The kinds a model of file form ``form`` is compared with when ``--against`` is not given: those whose
+    ``default_for`` holds it, the ones that read every form first (the torch twin), then the form's own engine
+    (``gguf``: ``fast``, ``llamacpp``; ``hf``: ``fast``, ``transformers``)."""
+    rows = [k for k in KINDS if form in k.default_for]
+    return tuple(k.name for k in sorted(rows, key=lambda k: -len(k.default_for)))

@@ -1,0 +1,152 @@
+"""The engine registry (harness/core/engine_kinds.py): every row complete, and every former list read from it.
+
+Before the registry an engine's facts were kept in eight places (``harness.engines.ENGINES``/``ENGINE_SCHEMES``/
+``ENGINE_OPTIONS``, ``harness.engines.mm.MM_ENGINES`` and its if-chain, ``harness.core.memory.ENGINES`` and its
+if-chains, ``harness.engines.numerics.KIND_NUMERICS``, ``harness.parity.cases.default_against``, the sweep's default
+engines, the ``--engine`` help); each is checked here to be the rows' reading, and the user-visible texts to be what
+they were.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from harness import engines
+from harness.core import engine_kinds as ek
+from harness.core import gates, memory
+from harness.engines import mm, numerics
+from harness.engines.base import EngineUnavailable
+from harness.parity.cases import default_against
+from harness.parity.skips import SKIPS
+from reference.errors import InputError
+
+
+def _defines(module: str, cls: str) -> bool:
+    """Whether ``module``'s source defines class ``cls`` (read, not imported: the torch engines stay unimported)."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, module
+    tree = ast.parse(Path(spec.origin).read_text())
+    return any(isinstance(n, ast.ClassDef) and n.name == cls for n in tree.body)
+
+
+@pytest.mark.parametrize("row", ek.KINDS, ids=lambda r: r.name)
+def test_every_row_is_complete(row):
+    assert row.name and row.summary and row.usage
+    assert _defines(row.module, row.cls), f"{row.module} defines no class {row.cls}"
+    assert row.forms and set(row.forms) <= set(ek.FORMS)
+    assert set(row.default_for) <= set(row.forms)
+    assert row.gives and set(row.gives) <= set(ek.GIVES)
+    assert all(isinstance(o, str) and o for o in row.options)
+    if row.scheme:  # its summary ends in how it is written, which the "nothing after cmd:" error quotes
+        assert row.summary.rsplit(": ", 1)[-1].startswith(f"{row.name}:")
+        assert row.usage.startswith(f"{row.name}:")
+    else:
+        assert row.usage == row.name
+    if row.numerics is not None:
+        n = numerics.Numerics(*row.numerics)
+        assert n.dtype in numerics.DTYPES and n.kv in numerics.KV_CACHE_TYPES and n.source
+        assert set(n.approximations) <= set(numerics.APPROXIMATIONS)
+        assert n.vec_dot_types in (None, *numerics.VEC_DOT_TABLES)
+    assert not (row.numerics is not None and row.declares), "fixed numerics or declared ones, not both"
+    if row.multimodal is not None:
+        module, cls = row.multimodal.split(":")
+        assert _defines(module, cls)
+        source = Path(importlib.util.find_spec(module).origin).read_text()
+        assert "def for_model(" in source  # the one constructor make_mm_engine calls
+    if row.memory_rule is not None:
+        assert row.memory_rule in memory.PLAN_RULES
+    if row.skip is not None:
+        assert row.skip in SKIPS
+
+
+def test_names_are_unique_and_plain_before_schemes():
+    names = [k.name for k in ek.KINDS]
+    assert len(names) == len(set(names)) and set(ek.KIND) == set(names)
+    assert [k.scheme for k in ek.KINDS] == sorted(k.scheme for k in ek.KINDS)
+
+
+def test_engine_registry_lists_are_the_rows():
+    assert list(engines.ENGINES) == [k.name for k in ek.KINDS if not k.scheme]
+    assert list(engines.ENGINE_SCHEMES) == [k.name for k in ek.KINDS if k.scheme]
+    for k in ek.KINDS:
+        entry = engines.ENGINES.get(k.name) or engines.ENGINE_SCHEMES[k.name]
+        assert (entry.module, entry.cls, entry.summary) == (k.module, k.cls, k.summary)
+        assert engines.ENGINE_OPTIONS.get(k.name, ()) == k.options
+    assert set(engines.ENGINES) == {"reference", "transformers", "fast", "llamacpp"}
+    assert set(engines.ENGINE_SCHEMES) == {"cmd", "openai"}
+
+
+def test_engine_help_and_unknown_engine_message_unchanged():
+    import argparse
+
+    from harness.cli._args import add_model_args
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    help_text = next(a.help for a in p._actions if a.dest == "engine")
+    assert help_text == ("reference | transformers | fast | llamacpp | cmd:'COMMAND ...' (docs/engine-protocol.md) | "
+                         "openai:URL (a server)")
+    with pytest.raises(EngineUnavailable) as e:
+        engines.check_engine_name("nope")
+    assert str(e.value) == ("unknown engine 'nope' (available: reference, transformers, fast, llamacpp, cmd:..., "
+                            "openai:...)")
+    with pytest.raises(EngineUnavailable) as e:
+        engines.check_engine_name("cmd: ")
+    assert str(e.value) == "engine 'cmd: ': nothing after cmd: (expected cmd:'COMMAND ...')"
+
+
+def test_multimodal_engines_are_the_rows():
+    assert mm.MM_ENGINES == ek.multimodal_kinds() == tuple(k.name for k in ek.KINDS if k.multimodal)
+    assert set(mm.MM_ENGINES) == {"reference", "fast", "transformers"}
+    for name in ("llamacpp", "cmd", "openai", "nope"):
+        with pytest.raises(EngineUnavailable, match=rf"engine '{name}' does not take images or audio \(multimodal "
+                                                    r"engines: reference, transformers, fast\)"):
+            mm.make_mm_engine(name, None)
+
+
+def test_memory_plan_engines_are_the_rows():
+    assert memory.ENGINES == ek.planned_kinds() == tuple(k.name for k in ek.KINDS if k.memory_rule)
+    assert set(memory.ENGINES) == {"reference", "fast", "transformers", "llamacpp"}
+    assert {k.memory_rule for k in ek.KINDS if k.memory_rule} == set(memory.PLAN_RULES)  # no rule unused
+    # the rules' flags, as the if-chains had them: torch engines plan on their device; llama.cpp runs apart
+    assert {n for n, r in memory.PLAN_RULES.items() if r.torch} == {"fast", "transformers"}
+    assert {n for n, r in memory.PLAN_RULES.items() if not r.in_process} == {"llamacpp"}
+    with pytest.raises(InputError, match=r"memory plan: unknown engine 'cmd' \(expected one of reference, "
+                                         r"transformers, fast, llamacpp\)"):
+        memory._terms("cmd", None, {})
+
+
+def test_numerics_are_the_rows():
+    assert numerics.KIND_NUMERICS == {k.name: numerics.Numerics(*k.numerics) for k in ek.KINDS if k.numerics}
+    n = numerics.KIND_NUMERICS["llamacpp"]
+    assert (n.dtype, n.kv_cache, n.approximations, n.vec_dot_types) == (
+        "float32", "float32", ("gelu_fp16_table", "quantized_activations"), "llama.cpp")
+    assert {k.name for k in ek.KINDS if k.quantizes_activations} == {"llamacpp"}
+    assert {k.name for k in ek.KINDS if k.quantizes_activations is None} == {"cmd", "openai"}  # declared at run time
+    # core/gates.py keeps its own order of the q8 pairs (the order of docs/gates.md): the same kinds as the rows'
+    q8 = {g.split("~", 1)[1].split("_q8", 1)[0] for g in gates.DEFAULT_GATES
+          if g.startswith("reference~") and "_q8" in g}
+    assert q8 == {k.name for k in ek.KINDS if k.quantizes_activations is not False}
+
+
+def test_sweep_judge_reads_the_rows():
+    pytest.importorskip("ray")
+    from harness.sweep import judge, run
+
+    assert judge.QUANTIZED_ACTIVATION_KINDS == frozenset({"llamacpp"})
+    assert run.DEFAULT_ENGINES == ek.default_against("gguf") == ("fast", "llamacpp")
+
+
+def test_default_against_is_the_rows(tmp_path):
+    assert ek.default_against("gguf") == ("fast", "llamacpp")
+    assert ek.default_against("hf") == ("fast", "transformers")
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"")
+    assert default_against(f) == ["fast", "llamacpp"]
+    assert default_against(tmp_path) == ["fast", "transformers"]
+    assert default_against(f, oracle="fast") == ["llamacpp"]
+    assert default_against(tmp_path, oracle="fast") == ["transformers"]
