@@ -21,7 +21,6 @@ from harness.core import gates, memory
 from harness.engines import mm, numerics
 from harness.engines.base import EngineUnavailable
 from harness.parity.cases import default_against
-from harness.parity.skips import SKIPS
 from reference.errors import InputError
 
 
@@ -59,8 +58,6 @@ def test_every_row_is_complete(row):
         assert "def for_model(" in source  # the one constructor make_mm_engine calls
     if row.memory_rule is not None:
         assert row.memory_rule in memory.PLAN_RULES
-    if row.skip is not None:
-        assert row.skip in SKIPS
 
 
 def test_names_are_unique_and_plain_before_schemes():
@@ -150,3 +147,16 @@ def test_default_against_is_the_rows(tmp_path):
     assert default_against(tmp_path) == ["fast", "transformers"]
     assert default_against(f, oracle="fast") == ["llamacpp"]
     assert default_against(tmp_path, oracle="fast") == ["transformers"]
+
+
+def test_transformers_multimodal_refuses_a_gguf_as_before(tmp_path):
+    """The check the if-chain made before it built transformers' engine, now :meth:`TransformersMM.for_model`."""
+    from types import SimpleNamespace
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"")
+    for mm_model in (SimpleNamespace(source=str(f), mmproj=None), SimpleNamespace(source=str(tmp_path), mmproj="p")):
+        with pytest.raises(EngineUnavailable) as e:
+            mm.make_mm_engine("transformers", mm_model)
+        assert str(e.value) == (f"{mm_model.source}: the transformers engine needs the HF folder (it cannot read a "
+                                "Gemma 4 GGUF or an mmproj)")

@@ -53,7 +53,6 @@ class EngineKind:
         default_for: the file forms for which it is compared by default when ``--against`` is not given
             (:func:`default_against`).
         gives: what it returns (:data:`GIVES`); a ``cmd:`` engine answers, of these, what its ``hello`` lists.
-        skip: the ``g4h parity --skip`` name that opts it out (None: it cannot be opted out by name).
     """
 
     name: str
@@ -70,7 +69,6 @@ class EngineKind:
     memory_rule: str | None = None
     default_for: tuple[str, ...] = ()
     gives: tuple[str, ...] = GIVES
-    skip: str | None = None
 
     @property
     def quantizes_activations(self) -> bool | None:
@@ -97,7 +95,7 @@ KINDS: tuple[EngineKind, ...] = (
                forms=("gguf",),
                numerics=("float32", "float32", ("gelu_fp16_table", "quantized_activations"),
                          "the llamacpp engine: F32 KV cache, flash attention off", "llama.cpp"),
-               memory_rule="llamacpp", default_for=("gguf",), skip="llamacpp"),
+               memory_rule="llamacpp", default_for=("gguf",)),
     EngineKind("cmd", "harness.engines.cmd", "CmdEngine",
                "any program speaking the subprocess protocol (docs/engine-protocol.md): cmd:'COMMAND ...'",
                "cmd:'COMMAND ...' (docs/engine-protocol.md)", scheme=True, declares="hello"),

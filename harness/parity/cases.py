@@ -291,8 +291,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
         for name in names:
             kind = engine_kind(name)
             seen[kind] = seen.get(kind, 0) + 1
-            opt_out = getattr(engine_kinds.KIND.get(kind), "skip", None)  # the --skip name of its kind (llamacpp)
-            opted = opt_out if opt_out and skipped(skip, opt_out) else None
+            opted = "llamacpp" if kind == "llamacpp" and skipped(skip, "llamacpp") else None
             first = len(res.checks)
             res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted,
                                   options=engine_options, extra=server, number=seen[kind]), gates)

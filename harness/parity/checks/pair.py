@@ -39,7 +39,6 @@ import numpy as np
 from reference import batch
 from reference.errors import InputError
 
-from ...core.engine_kinds import KIND
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit
 from ...core.kld import kld_stats
 from ...core.metrics import log_softmax
@@ -442,8 +441,7 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
     try:
         eng = make_engine(name, path, **(options or {}))
     except EngineUnavailable as e:
-        opt_out = getattr(KIND.get(kind), "skip", None)  # the --skip name of its kind (llamacpp)
-        hint = f"; or opt out: g4h parity --skip {opt_out}" if opt_out else ""
+        hint = "; or opt out: g4h parity --skip llamacpp" if kind == "llamacpp" else ""
         return [_runs(pair, False, got=f"not run: {e}{hint}")]
     except EngineFailure as e:  # it crashed loading the model, or broke its protocol at its handshake
         return [engine_failed(pair, e)]
@@ -531,7 +529,7 @@ def expected_sets(names: Sequence[str], skip: Sequence[str] = ()) -> list[tuple[
     computed when asked); kinds in ``skip`` are left out."""
     kinds = [engine_kind(n) for n in names]
     return sorted({KIND_NUMERICS[k].emulation() if k in KIND_NUMERICS else () for k in kinds
-                   if not (getattr(KIND.get(k), "skip", None) and skipped(skip, KIND[k].skip))})
+                   if not (k == "llamacpp" and skipped(skip, "llamacpp"))})
 
 
 def _can(eng: Any, op: str) -> bool:
