@@ -160,3 +160,21 @@ def test_transformers_multimodal_refuses_a_gguf_as_before(tmp_path):
             mm.make_mm_engine("transformers", mm_model)
         assert str(e.value) == (f"{mm_model.source}: the transformers engine needs the HF folder (it cannot read a "
                                 "Gemma 4 GGUF or an mmproj)")
+
+
+def test_help_texts_read_the_rows_unchanged():
+    import argparse
+
+    from harness.cli import parity as cli_parity
+
+    p = argparse.ArgumentParser()
+    cli_parity.add_arguments(p)
+    against = next(a.help for a in p._actions if a.dest == "against")
+    assert against.endswith("Default: every engine that can read the model (a GGUF: fast, llamacpp; an HF folder: "
+                            "fast, transformers)")
+    pytest.importorskip("ray")
+    from harness.cli import sweep as cli_sweep
+
+    p = argparse.ArgumentParser()
+    cli_sweep.add_arguments(p)
+    assert next(a.help for a in p._actions if a.dest == "against").endswith("Default: fast,llamacpp")

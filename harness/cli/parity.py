@@ -8,6 +8,7 @@ import os
 from reference.errors import InputError
 
 from ..core.cases import PROMPTS
+from ..core.engine_kinds import default_against
 from ..core.io import write_text_atomic
 from ..core.text import for_terminal
 from ..engines import split_engines
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engines the reference is compared with on --model (repeatable, or a comma list): reference, "
                         "fast, transformers, llamacpp, cmd:'COMMAND ...' (docs/engine-protocol.md), openai:URL (a "
                         "server: docs/server-dialects.md). Default: every engine that can read the model (a GGUF: "
-                        "fast, llamacpp; an HF folder: fast, transformers)")
+                        f"{', '.join(default_against('gguf'))}; an HF folder: {', '.join(default_against('hf'))})")
     p.add_argument("--oracle", choices=ORACLES, default="reference",
                    help="with --model: the oracle side of every pair: reference (float64, the default) or fast (the "
                         "torch engine in fp32, on CUDA when present: much faster on a big model; pairs fast~ENGINE, "
