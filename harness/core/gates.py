@@ -496,6 +496,13 @@ def effect_limit(gate: Gate, effect: float, power: int = 1) -> float:
     return max(gate.limit, EFFECT_FACTOR ** power * float(effect))
 
 
+def pair_name(kind: str, dtype: str | None = None, oracle: str = "reference") -> str:
+    """``<oracle>~<kind>`` (``reference~llamacpp``), with ``_bf16`` for an engine that computes in 16 bits: the
+    name of an engine's pair with the oracle, in ``g4h parity`` (``harness/parity/checks/pair.py``) and in
+    ``g4h sweep`` (an engine on the group's base file against the base, ``harness/sweep/judge.py``)."""
+    return f"{oracle}~{kind}" + ("_bf16" if dtype in ("bfloat16", "float16") else "")
+
+
 def with_effect(gate: Gate, effect: float, power: int = 1) -> Gate:
     """``gate`` at :func:`effect_limit`, its reason saying so (unchanged when the effect does not raise it)."""
     limit = effect_limit(gate, effect, power)
