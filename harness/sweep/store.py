@@ -221,8 +221,9 @@ def base_to_npz(base: dict[str, Any]) -> bytes:
     layers = base.get("layers") or {}
     emulated = base.get("emulated") or {}
     meta = {k: v for k, v in base.items() if k not in ("logits", "layers", "emulated")}
-    meta.update(schema=BASE_SCHEMA, logits=[str(k) for k in logits], layers=[int(k) for k in layers],
-                emulated=[[str(name), [str(k) for k in z]] for name, z in emulated.items()])
+    meta.update(schema=BASE_SCHEMA, logits=[str(k) for k in logits], layers=[int(k) for k in layers])
+    if "emulated" in base:
+        meta["emulated"] = [[str(name), [str(k) for k in z]] for name, z in emulated.items()]
     arrays = {f"logits_{i}": np.asarray(v, dtype=np.float64) for i, v in enumerate(logits.values())}
     arrays.update({f"layer_{i}": np.asarray(v, dtype=np.float32) for i, v in enumerate(layers.values())})
     arrays.update({f"emulated_{j}_{i}": np.asarray(v, dtype=np.float64)
@@ -302,6 +303,7 @@ def base_from_npz(z: Any, f: Path) -> dict[str, Any]:
             raise InputError(f"--resume {f}: member layer_{i}: expected float [T, hidden], got {a.dtype} {a.shape}")
         layers[layer] = np.asarray(a, dtype=np.float32)
     emulated: dict[str, dict[str, np.ndarray]] = {}
+    kept = "emulated" in meta  # a base written before the sweep emulated declared numerics has none
     for j, (name, pids) in enumerate(meta.pop("emulated", [])):
         emulated[name] = {}
         for i, pid in enumerate(pids):
@@ -310,4 +312,4 @@ def base_from_npz(z: Any, f: Path) -> dict[str, Any]:
                 raise InputError(f"--resume {f}: member emulated_{j}_{i}: expected finite float [T, V]")
             emulated[name][pid] = np.asarray(a, dtype=np.float64)
     meta.pop("schema")
-    return {**meta, "logits": logits, "layers": layers, "emulated": emulated}
+    return {**meta, "logits": logits, "layers": layers, **({"emulated": emulated} if kept else {})}
