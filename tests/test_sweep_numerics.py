@@ -79,6 +79,16 @@ layer_scalar_low = 0.5
 layer_scalar_high = 1.5
 """
 
+#: A second MoE shape of its own: hidden 128, 4 experts top-1 routing, 3 layers, linear gain 1.8. The GELU table moves it
+#: less (mean KLD 8.3e-7): it passed before too, and must still pass.
+SPEC_NARROW = (SPEC.replace("hidden_size = 192", "hidden_size = 128").replace("intermediate_size = 768",
+                                                                               "intermediate_size = 512")
+               .replace("num_experts = 6", "num_experts = 4").replace("top_k_experts = 2", "top_k_experts = 1")
+               .replace("moe_intermediate_size = 160", "moe_intermediate_size = 96")
+               .replace("num_attention_heads = 3", "num_attention_heads = 2").replace("seed = 20261206", "seed = 20261208")
+               .replace("linear_gain = 1.6", "linear_gain = 1.8")
+               .replace("hidden 192, 6 experts top-2", "hidden 128, 4 experts top-1"))
+
 STUB = f"cmd:{sys.executable} {REPO_ROOT / 'tests' / 'cmd_stub.py'}"
 
 
@@ -161,12 +171,22 @@ def test_an_engine_on_the_base_file_is_judged_by_its_parity_gate():
 # --------------------------------------------------------------------------- on Ray
 
 
-@pytest.fixture(scope="module")
-def moe_f32():
+def _needs():
     if os.environ.get("G4H_SKIP_LLAMACPP") == "1":
         pytest.skip("opted out with G4H_SKIP_LLAMACPP=1")
     pytest.importorskip("ray", reason="g4h sweep needs Ray: pip install 'gemma4-harness[sweep]'")
+
+
+@pytest.fixture(scope="module")
+def moe_f32():
+    _needs()
     return models.build("sweep-moe-gelu", SPEC).gguf["F32"]
+
+
+@pytest.fixture(scope="module")
+def moe_narrow_f32():
+    _needs()
+    return models.build("sweep-moe-narrow", SPEC_NARROW).gguf["F32"]
 
 
 def _sweep(path, engines, tmp_path):
@@ -175,31 +195,40 @@ def _sweep(path, engines, tmp_path):
     return run_sweep([str(path)], opts, out=tmp_path)
 
 
-def test_llamacpp_on_an_f32_moe_passes_with_its_gelu_table_emulated(moe_f32, tmp_path):
-    data, status = _sweep(moe_f32, ["fast", "llamacpp"], tmp_path)
+@pytest.mark.parametrize("model, hot", [("moe_f32", True), ("moe_narrow_f32", False)])
+def test_llamacpp_on_an_f32_moe_passes_with_its_gelu_table_emulated(model, hot, request, tmp_path):
+    data, status = _sweep(request.getfixturevalue(model), ["fast", "llamacpp"], tmp_path)
     assert status == 0, (data["agreements"], [r.get("against_base") for r in data["rows"]])
     (pair,) = data["agreements"]
-    # the fixed fp32 gate alone would fail here: the GELU table's own effect is far above it
-    assert pair["gate"] == "sweep~engines.mean_kld" and pair["mean_kld"] > DEFAULT_GATES[pair["gate"]].limit
-    assert pair["passed"] and pair["effect"] > 1e-5 and pair["emulated"] == ["exact", "gelu_fp16_table"]
+    assert pair["gate"] == "sweep~engines.mean_kld" and pair["passed"] and not pair["informational"]
+    assert pair["emulated"] == ["exact", "gelu_fp16_table"] and pair["effect"] > 0
+    if hot:  # the fixed fp32 gate alone fails here (issue 33): the GELU table's own effect is far above it
+        assert pair["mean_kld"] > DEFAULT_GATES[pair["gate"]].limit and pair["effect"] > 1e-5
     llama = next(r for r in data["rows"] if r["engine"] == "llamacpp")
     v = {x["gate"]: x for x in llama["against_base"]}
     kld = v["reference~llamacpp.mean_kld"]
     assert kld["passed"] and kld["emulated"] == ["gelu_fp16_table"]
     # with the table emulated, what is left is fp32 rounding: within the fp32 bound itself
-    assert kld["measured"] <= DEFAULT_GATES["reference~llamacpp.mean_kld"].limit < llama["mean_kld"]
+    assert kld["measured"] <= DEFAULT_GATES["reference~llamacpp.mean_kld"].limit
+    assert kld["measured"] < llama["mean_kld"]  # the table explains most of what separates llama.cpp from the base
     fast = next(r for r in data["rows"] if r["engine"] == "fast")
     assert all(x["passed"] and x["emulated"] == [] for x in fast["against_base"])
 
 
-def test_a_wrong_engine_still_fails(moe_f32, tmp_path):
-    wrong = f"{STUB} --perturb-layer 1"
+@pytest.mark.parametrize("fault", ["--perturb-layer 1", "--scale-rows 1"])
+def test_a_wrong_engine_still_fails(moe_f32, fault, tmp_path):
+    """Noise on one layer's ffn_down, or x1.02 on half of its rows (a fault Gemma's norms do not cancel): the wrong
+    engine fails against the base (exit 1), llama.cpp beside it passes."""
+    wrong = f"{STUB} {fault}"
     data, status = _sweep(moe_f32, ["llamacpp", wrong], tmp_path)
     assert status == 1
     bad = next(r for r in data["rows"] if r["engine"] == wrong)
     assert bad["status"] == "ok"
     assert not next(x for x in bad["against_base"] if x["gate"] == "reference~cmd.mean_kld")["passed"]
-    (pair,) = data["agreements"]
-    assert not pair["passed"], pair  # llama.cpp's GELU table raises the pair's limit, not past a wrong layer
+    if fault.startswith("--perturb"):
+        (pair,) = data["agreements"]
+        assert not pair["passed"], pair  # llama.cpp's GELU table raises the pair's limit, not past a wrong layer
+    # (x1.02: the pair with llama.cpp measures 6.4e-5, inside 4 x the table's effect, 1.6e-3: the effect rule's reach;
+    # the engine's own row against the base, 4.7e-4 against 1e-5, is what catches it)
     llama = next(r for r in data["rows"] if r["engine"] == "llamacpp")
     assert all(x["passed"] for x in llama["against_base"])
