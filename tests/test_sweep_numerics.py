@@ -160,6 +160,13 @@ def test_an_engine_on_the_base_file_is_judged_by_its_parity_gate():
     kld = next(x for x in q if x["gate"] == "reference~llamacpp_q8x.mean_kld")
     assert kld["passed"] and kld["limit"] == pytest.approx(2e-3) and "not emulated" in kld["why"]
     assert all(x["informational"] for x in judge.base_verdict(row, {"Q8_0": 9}, None, effects))
+    # fast in bfloat16: parity has no reference~fast_bf16 pair: reported, with the reason (the cross-engine gate judges)
+    bf = _row("fast", is_base=True, emulation=[], numerics={"dtype": "bfloat16"}, mean_kld=2e-4, max_abs_logit=0.4)
+    assert all(x["informational"] and "16-bit" in x["why"] for x in judge.base_verdict(bf, {"F32": 9}, None, {}))
+    # a cmd: engine in 16 bits: parity's reference~cmd_bf16 gates
+    cb = _row(STUB, "cmd", is_base=True, emulation=[], numerics={"dtype": "bfloat16"}, mean_kld=2e-4, max_abs_logit=0.4)
+    v16 = {x["gate"]: x for x in judge.base_verdict(cb, {"F32": 9}, None, {})}
+    assert v16["reference~cmd_bf16.mean_kld"]["passed"] and not v16["reference~cmd_bf16.mean_kld"]["informational"]
     # a row on another file, or one that did not run, is not judged against the base
     assert judge.base_verdict(dict(row, is_base=False), {"F32": 9}, None, effects) == []
     # a cmd: engine's declaration no kind predicted: reported, with the reason
