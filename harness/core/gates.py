@@ -496,6 +496,13 @@ def effect_limit(gate: Gate, effect: float, power: int = 1) -> float:
     return max(gate.limit, EFFECT_FACTOR ** power * float(effect))
 
 
+def pair_name(kind: str, dtype: str | None = None, oracle: str = "reference") -> str:
+    """``<oracle>~<kind>`` (``reference~llamacpp``), with ``_bf16`` for an engine that computes in 16 bits: the
+    name of an engine's pair with the oracle, in ``g4h parity`` (``harness/parity/checks/pair.py``) and in
+    ``g4h sweep`` (an engine on the group's base file against the base, ``harness/sweep/judge.py``)."""
+    return f"{oracle}~{kind}" + ("_bf16" if dtype in ("bfloat16", "float16") else "")
+
+
 def with_effect(gate: Gate, effect: float, power: int = 1) -> Gate:
     """``gate`` at :func:`effect_limit`, its reason saying so (unchanged when the effect does not raise it)."""
     limit = effect_limit(gate, effect, power)
@@ -682,7 +689,11 @@ SWEEP_GATES: dict[str, Gate] = {g.name: g for g in [
          "two engines on the same file, neither rounding its activations (or a file of F32 matrices only): each "
          "computes the file's own weights in fp32, so only fp32 rounding separates them (as engine~oracle.mean_kld: "
          "1e-8..5e-7 measured; llama.cpp and fast on e4b-wide F32: 9.2e-7 with llama.cpp's fp16 GELU table in it); a "
-         "dequantization or formula fault in one of them moves the pair by the file's damage, 1e-3 or more"),
+         "dequantization or formula fault in one of them moves the pair by the file's damage, 1e-3 or more. When the "
+         "two declare different emulable approximations (llama.cpp's GELU table, fast none), max(this, 4 x their "
+         "effect: the mean KLD between the float64 base under the one and under the other, EFFECT_FACTOR), as "
+         "g4h parity raises its gates (an F32 MoE model with linear gain 1.6: the table alone moves the pair by "
+         "3.9e-4)"),
     Gate("sweep~engines_bf16.mean_kld", 1e-3, "le",
          "two engines on the same file, one computing in 16 bits (a cmd: engine's hello dtype): as "
          "engine_bf16~oracle.mean_kld"),

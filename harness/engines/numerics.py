@@ -155,6 +155,42 @@ KIND_NUMERICS: dict[str, Numerics] = {k.name: Numerics(*k.numerics) for k in KIN
 :data:`harness.core.engine_kinds.KINDS`: ``llamacpp``, F32 KV cache, flash attention off)."""
 
 
+EXACT_TYPES = frozenset({"F32", "F64", "float32", "float64"})
+"""Stored matrix types whose products no engine rounds the activations of (``quantized_activations`` acts on the
+others)."""
+
+
+def engine_numerics(eng: Any, kind: str) -> Numerics:
+    """What the engine computes: its own declaration (``eng.numerics``: a ``cmd:`` engine's ``hello``, a server's
+    dialect defaults or ``--declare``), else its kind's (:data:`KIND_NUMERICS`), else its ``dtype`` with no
+    approximations. Read by ``g4h parity`` (``harness/parity/checks/pair.py``) and ``g4h sweep``
+    (``harness/sweep/tasks.py``) alike."""
+    own = getattr(eng, "numerics", None)
+    if isinstance(own, Numerics):
+        return own
+    if kind in KIND_NUMERICS:
+        return KIND_NUMERICS[kind]
+    dtype = str(getattr(eng, "dtype", None) or "float32").replace("torch.", "")
+    return Numerics(dtype if dtype in DTYPES else "float32")
+
+
+def effective(approx: Iterable[str], types: Iterable[str]) -> tuple[str, ...]:
+    """The emulation key ``approx`` (:meth:`Numerics.emulation`) as it acts on a model whose matrices are stored as
+    ``types``: ``quantized_activations`` rounds the inputs of quantized and 16-bit matrices only, so on a file with
+    none (every matrix in :data:`EXACT_TYPES`: an F32 file) it is left out (kept, it would change nothing but the
+    RMSNorms, llama.cpp's float32 steps, whose fp32 roundings move the other emulations' roundings off the ones they
+    were judged with: ``harness/parity/checks/pair.py``, ``ReferenceRuns.effective``)."""
+    approx = tuple(approx)
+    if "quantized_activations" in approx and not set(types) - EXACT_TYPES:
+        return tuple(a for a in approx if a != "quantized_activations")
+    return approx
+
+
+def key_name(key: Iterable[str]) -> str:
+    """An emulation key as one string (``gelu_fp16_table+kv_cache=float16``; ``exact`` for none), for JSON."""
+    return "+".join(key) or "exact"
+
+
 def emulable_types(types) -> list[str]:
     """Of the GGML weight types ``types``, those llama.cpp's table (:data:`reference.activation_quants.VEC_DOT_TYPE`)
     does not hold: :func:`harness.engines.llamacpp.numerics.linear_input_quantized` cannot emulate them. Sorted."""

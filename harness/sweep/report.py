@@ -172,9 +172,20 @@ def _agreement_table(agreements: Sequence[dict[str, Any]]) -> str:
     body = [{"file": a["label"], "bpw": a["bpw"], "engines": " vs ".join(a["engines"]), "gate": a["gate"],
              "measured": _g(a.get("measured")), "limit": _g(a["limit"]), "mean KLD": _g(a["mean_kld"]),
              "same top %": _g(a["same_top_p_pct"], 4), "max |Δlogit|": _g(a["max_abs_logit"]),
-             "verdict": "info" if a.get("informational") else "PASS" if a["passed"] else "FAIL"}
+             "verdict": "info" if a.get("informational") else "PASS" if a["passed"] else "FAIL",
+             "why": a.get("why") or ""}
             for a in sorted(agreements, key=lambda a: -a["bpw"])]
     return dataframe_markdown(pd.DataFrame(body), right=("measured", "limit", "mean KLD", "same top %"))
+
+
+def _base_table(rows: Sequence[dict[str, Any]]) -> str:
+    body = [{"file": r["label"], "engine": r["engine"], "gate": v["gate"],
+             "emulated": ", ".join(v.get("emulated") or []) or "nothing", "measured": _g(v.get("measured")),
+             "effect": _g(v.get("effect")), "limit": _g(v.get("limit")),
+             "verdict": "info" if v.get("informational") else "PASS" if v["passed"] else "FAIL",
+             "why": v.get("why") or ""}
+            for r in rows for v in r.get("against_base") or ()]
+    return dataframe_markdown(pd.DataFrame(body), right=("measured", "effect", "limit"))
 
 
 def _file_table(files: Sequence[SweepFile]) -> str:
@@ -222,6 +233,8 @@ def write_outputs(rd: Any, groups: Sequence[Group], bad: Sequence[SweepFile], gp
                     "sensitivity": sens.get(g.name), "plots": plots[g.name]} for g in groups],
         "files": [f.as_dict() for f in files], "skipped": list(skipped),
         "summary": {"rows": len(rows), "ok": sum(r["status"] == "ok" for r in rows), "failed": len(failed),
+                    "against_base_failed": sum(not v["passed"] and not v["informational"] for r in rows
+                                               for v in r.get("against_base") or ()),
                     "declared_not_run": sum(r["status"] == "not_run" and bool(r.get("declared")) for r in rows),
                     "agreements": len(agreements), "disagreements": sum(not a["passed"] for a in agreements)},
         "rows": list(rows), "agreements": list(agreements), "damage_inversions": damage_inversions(rows),
@@ -260,6 +273,12 @@ def _markdown(data: dict[str, Any], groups: Sequence[Group], bad: Sequence[Sweep
         p = plots[g.name]
         lines += [f"![KLD against bits per weight]({p['kld']})" if p["kld"] else "", "",
                   f"![first-divergence layer]({p['divergence']})" if p["divergence"] else "", ""]
+        judged = [r for r in mine if r.get("against_base")]
+        if judged:
+            lines += ["### Engines on the base file against the base", "",
+                      "Judged as `g4h parity` judges the pair: the reference makes the approximations each engine "
+                      "declares, each figure gated at max(limit, 2 x their effect) (4 x for a KLD).", "",
+                      _base_table(judged), ""]
         ag = [a for a in agreements if a.get("group") == g.name]
         if ag:
             lines += ["### Engines against each other, per file", "", _agreement_table(ag), ""]

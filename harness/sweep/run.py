@@ -104,9 +104,9 @@ def _started(tracker: Any, key: str) -> None:
 
 
 @ray.remote(max_retries=0)
-def _base_task(tracker, key, path, prompts, new_tokens, top_n, threads, options):
+def _base_task(tracker, key, path, prompts, new_tokens, top_n, threads, options, emulations):
     _started(tracker, key)
-    return tasks.base_run(path, prompts, new_tokens, top_n, threads, options=options)
+    return tasks.base_run(path, prompts, new_tokens, top_n, threads, options=options, emulations=emulations)
 
 
 @ray.remote(max_retries=0)
@@ -201,8 +201,13 @@ class _Sweep:
         self.records = rd.records()
         self.tasks: dict[str, _Task] = {}
         self.base_refs: dict[str, Any] = {}
+        # the emulations each group's base is computed under (the declared numerics of the engines' kinds)
+        self.emulations = {g.name: tasks.predicted_emulations(opts.against, g.base.types) for g in groups}
         self.base_keys = {g.name: key_of("base", g.base.key, prompt_sets.digest(gprompts[g.name]), opts.new_tokens,
-                                         opts.top_n) for g in groups}
+                                         opts.top_n, *([[list(k) for k in self.emulations[g.name]]]
+                                                       if self.emulations[g.name] else []))
+                          for g in groups}
+        self.effects: dict[str, dict[str, dict[str, float]]] = {}
         self.sens: dict[str, float | None] = {}
         self.logits_refs: dict[str, Any] = {}
 
@@ -233,6 +238,7 @@ class _Sweep:
             base = self.rd.load_base(bkey)
             if base is not None:
                 self.base_refs[g.name] = ray.put(base)
+                self.effects[g.name] = base.get("effects") or {}
             else:
                 t = _Task("base", bkey, g, g.base, "reference", threads,
                           _memory_need("reference", g.base, gp, self.opts))
@@ -240,13 +246,15 @@ class _Sweep:
                     self._base_failed(g, "oom", _no_node(t.memory, most_mem, "reference"))
                     continue
                 t.ref = _base_task.options(num_cpus=threads, memory=t.memory or None).remote(
-                    tracker, bkey, g.base.path, gp, self.opts.new_tokens, self.opts.top_n, threads, {})
+                    tracker, bkey, g.base.path, gp, self.opts.new_tokens, self.opts.top_n, threads, {},
+                    self.emulations[g.name])
                 self.tasks[bkey] = t
                 self.base_refs[g.name] = t.ref
             skey = key_of("sensitivity", bkey)
             if skey in self.records and self.records[skey]["status"] == "ok":
                 self.sens[g.name] = self.records[skey]["mean_kld"]
-            elif len(self.opts.against) > 1:
+            elif len(self.opts.against) > 1 or (set(g.base.types) - judge.EXACT_TYPES and any(
+                    engine_kind(e) in judge.QUANTIZED_ACTIVATION_KINDS for e in self.opts.against)):
                 t = _Task("sensitivity", skey, g, g.base, "fast", threads, _memory_need("fast", g.base, gp, self.opts))
                 if not (t.memory and t.memory > most_mem):
                     t.ref = _sensitivity_task.options(num_cpus=threads, memory=t.memory or None).remote(
@@ -321,6 +329,7 @@ class _Sweep:
                 self._base_failed(t.group, status, reason)
             else:
                 self.rd.save_base(t.key, value)
+                self.effects[t.group.name] = value.get("effects") or {}
             return
         if t.kind == "sensitivity":
             rec = value if error is None else dict(zip(("status", "reason"),
@@ -375,7 +384,8 @@ class _Sweep:
                     la, lb = logits[a["key"]], logits[b["key"]]
                     if la is None or lb is None:
                         continue
-                    fig = judge.agreement(a, b, la, lb, self.gprompts[g.name], f.types, self.sens.get(g.name))
+                    fig = judge.agreement(a, b, la, lb, self.gprompts[g.name], f.types, self.sens.get(g.name),
+                                          self.effects.get(g.name))
                     self.record({"kind": "agreement", "key": akey, "group": g.name, "file": f.path,
                                  "label": f.label, "bpw": f.bpw, **fig})
             self._drop_pending(keys)
@@ -405,6 +415,13 @@ class _Sweep:
         keys = [key_of("row", f.key, e) for f in self.bad for e in self.opts.against]
         keys += [self.row_key(g, f, e) for g in self.groups for f in g.files for e in self.opts.against]
         rows = [self.records[k] for k in keys if k in self.records]
+        base_types = {g.name: g.base.types for g in self.groups}
+        for r in rows:  # an engine on its group's base file, against the base (judged here: the yardstick comes last)
+            if r.get("is_base") and r.get("group") in base_types:
+                y = self.records.get(key_of("sensitivity", self.base_keys[r["group"]])) or {}
+                r["against_base"] = judge.base_verdict(r, base_types[r["group"]],
+                                                       y.get("mean_kld") if y.get("status") == "ok" else None,
+                                                       self.effects.get(r["group"]))
         ok = [r["key"] for r in rows if r["status"] == "ok"]
         pairs = {key_of("agreement", a, b) for i, a in enumerate(ok) for b in ok[i + 1:]}
         pairs |= {key_of("agreement", b, a) for i, a in enumerate(ok) for b in ok[i + 1:]}

@@ -213,15 +213,21 @@ class RunDir:
 
 def base_to_npz(base: dict[str, Any]) -> bytes:
     """A group's base (:func:`harness.sweep.tasks.base_run`) as NPZ bytes: ``logits_<i>`` float64 ``[T, V]`` per
-    prompt, ``layer_<i>`` float32 ``[T, hidden]`` per traced layer, and ``meta``: uint8, the UTF-8 JSON of the rest
+    prompt, ``layer_<i>`` float32 ``[T, hidden]`` per traced layer, ``emulated_<j>_<i>`` float64 ``[T, V]`` per
+    emulation key and scored prompt (``meta``'s ``emulated``: ``[[key name, [prompt ids]]]``), and ``meta``: uint8, the UTF-8 JSON of the rest
     (``schema``, the prompt ids and layer indices in member order, greedy streams, file, timings). No object arrays:
     it loads with ``allow_pickle=False``."""
     logits = base.get("logits") or {}
     layers = base.get("layers") or {}
-    meta = {k: v for k, v in base.items() if k not in ("logits", "layers")}
+    emulated = base.get("emulated") or {}
+    meta = {k: v for k, v in base.items() if k not in ("logits", "layers", "emulated")}
     meta.update(schema=BASE_SCHEMA, logits=[str(k) for k in logits], layers=[int(k) for k in layers])
+    if "emulated" in base:
+        meta["emulated"] = [[str(name), [str(k) for k in z]] for name, z in emulated.items()]
     arrays = {f"logits_{i}": np.asarray(v, dtype=np.float64) for i, v in enumerate(logits.values())}
     arrays.update({f"layer_{i}": np.asarray(v, dtype=np.float32) for i, v in enumerate(layers.values())})
+    arrays.update({f"emulated_{j}_{i}": np.asarray(v, dtype=np.float64)
+                   for j, z in enumerate(emulated.values()) for i, v in enumerate(z.values())})
     arrays["meta"] = np.frombuffer(json.dumps(to_jsonable(meta), allow_nan=False).encode("utf-8"), dtype=np.uint8)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
@@ -261,7 +267,13 @@ def _base_meta(z: Any, f: Path) -> dict[str, Any]:
                         for s in g["top"])
         if not ok:
             raise bad(f"meta key 'greedy' prompt {pid!r}: expected {{'tokens': [int], 'top': [[int]]}}")
+    emulated = meta.get("emulated", [])
+    if not isinstance(emulated, list) or not all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], list)
+            and all(isinstance(i, str) for i in e[1]) for e in emulated):
+        raise bad("meta key 'emulated': expected a list of [key name, [prompt ids]]")
     want = {"meta"} | {f"logits_{i}" for i in range(len(ids))} | {f"layer_{i}" for i in range(len(layers))}
+    want |= {f"emulated_{j}_{i}" for j, (_, pids) in enumerate(emulated) for i in range(len(pids))}
     if set(z.files) != want:
         raise bad(f"members {sorted(z.files)}: expected {sorted(want)}")
     return meta
@@ -290,5 +302,14 @@ def base_from_npz(z: Any, f: Path) -> dict[str, Any]:
         if a.ndim != 2 or a.dtype.kind != "f":
             raise InputError(f"--resume {f}: member layer_{i}: expected float [T, hidden], got {a.dtype} {a.shape}")
         layers[layer] = np.asarray(a, dtype=np.float32)
+    emulated: dict[str, dict[str, np.ndarray]] = {}
+    kept = "emulated" in meta  # a base written before the sweep emulated declared numerics has none
+    for j, (name, pids) in enumerate(meta.pop("emulated", [])):
+        emulated[name] = {}
+        for i, pid in enumerate(pids):
+            a = z[f"emulated_{j}_{i}"]
+            if a.ndim != 2 or a.dtype.kind != "f" or not np.isfinite(a).all():
+                raise InputError(f"--resume {f}: member emulated_{j}_{i}: expected finite float [T, V]")
+            emulated[name][pid] = np.asarray(a, dtype=np.float64)
     meta.pop("schema")
-    return {**meta, "logits": logits, "layers": layers}
+    return {**meta, "logits": logits, "layers": layers, **({"emulated": emulated} if kept else {})}

@@ -43,6 +43,7 @@ from ..core.memory import NotEnoughMemory, is_out_of_memory
 from ..core.metrics import greedy_agreement, rel_l2
 from ..core.workers import EngineFailure
 from ..engines import EngineUnavailable, engine_kind, make_engine
+from ..engines.numerics import KIND_NUMERICS, effective, emulate, engine_numerics, key_name
 
 #: The trace point whose per-layer error locates the first divergence: the residual stream after each layer.
 TRACE_POINT = "l_out"
@@ -50,6 +51,29 @@ TRACE_POINT = "l_out"
 #: KLD statistics kept in a row (the rest of llama-perplexity's set is in ``results.json`` under ``kld``).
 ROW_KLD = ("mean_kld", "mean_kld_unc", "kld_p99_0", "kld_p99_9", "maximum_kld", "median_kld", "same_top_p_pct",
            "same_top_p_pct_unc", "rms_dp_pct", "mean_ppl_ratio", "mean_ln_ppl_ratio")
+
+
+NOT_EMULATED_IN_SWEEP = ("quantized_activations",)
+"""Declared approximations the sweep's base does not make (``g4h parity`` emulates them; the sweep judges a file with
+quantized or 16-bit matrices on the 8-bit yardstick instead, ``harness/sweep/judge.py``)."""
+
+
+def sweep_emulation(emulation: Sequence[str], types: Sequence[str] | dict[str, int]) -> tuple[str, ...]:
+    """The emulation key the sweep's base makes for an engine whose declared numerics call for ``emulation``
+    (:meth:`harness.engines.numerics.Numerics.emulation`, as ``g4h parity`` makes it) on a file whose matrices are
+    stored as ``types``: the same key as parity's (:func:`harness.engines.numerics.effective`), less
+    :data:`NOT_EMULATED_IN_SWEEP`."""
+    return tuple(a for a in effective(emulation, types) if a not in NOT_EMULATED_IN_SWEEP)
+
+
+def predicted_emulations(engines: Sequence[str], types: Sequence[str] | dict[str, int]) -> list[tuple[str, ...]]:
+    """The emulation keys (:func:`sweep_emulation`) the base must be computed under for the engines named, as far as
+    their kinds tell before they start (:data:`harness.engines.numerics.KIND_NUMERICS`: llama.cpp's fp16 GELU table);
+    a ``cmd:`` engine declares its numerics at its handshake, and a key no kind predicts is not in the base (the
+    figures that need it say so). Empty keys (the exact base) are left out; sorted."""
+    keys = {sweep_emulation(KIND_NUMERICS[k].emulation(), types) for k in map(engine_kind, engines)
+            if k in KIND_NUMERICS}
+    return sorted(k for k in keys if k)
 
 
 def set_threads(n: int) -> None:
@@ -130,7 +154,8 @@ def _capture(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], traced: dic
 
 
 def base_run(path: str, prompts: Sequence[dict[str, Any]], new_tokens: int, top_n: int, threads: int,
-             engine: str = "reference", options: dict[str, Any] | None = None) -> dict[str, Any]:
+             engine: str = "reference", options: dict[str, Any] | None = None,
+             emulations: Sequence[Sequence[str]] = ()) -> dict[str, Any]:
     """The float64 reference (or ``engine``) on the base file: the base of every measurement of its group.
 
     Args:
@@ -140,10 +165,16 @@ def base_run(path: str, prompts: Sequence[dict[str, Any]], new_tokens: int, top_
         top_n: log-probs kept per greedy step (vLLM's N).
         threads: CPU threads (the CPUs the task declared).
         engine, options: the oracle engine (default the float64 reference) and its options.
+        emulations: emulation keys (:func:`predicted_emulations`): the logits of every scored prompt are computed
+            again under each (:func:`harness.engines.numerics.emulate`, as ``g4h parity``'s reference makes them),
+            to judge an engine that declares those approximations against what it should compute.
 
     Returns:
         ``{"file", "engine", "logits": {prompt id: float64 [T, V]}, "trace_prompt": id, "layers": {layer: float32
-        [T, hidden]}, "greedy": {id: {"tokens", "top"}}, "seconds", "peak_rss_gb", "where"}``.
+        [T, hidden]}, "greedy": {id: {"tokens", "top"}}, "emulated": {key name: {prompt id: float64 [T, V]}},
+        "effects": {"A|B": {"mean_kld", "max_abs_logit"}}, "seconds", "peak_rss_gb", "where"}``; ``effects`` holds,
+        for every ordered pair of the computed keys (``exact`` for none: :func:`harness.engines.numerics.key_name`),
+        the figures of the base under ``B`` against the base under ``A`` (:func:`emulation_effects`).
 
     Raises:
         InputError, EngineFailure: the reference cannot run on the base (the whole group then fails, with this reason).
@@ -154,13 +185,38 @@ def base_run(path: str, prompts: Sequence[dict[str, Any]], new_tokens: int, top_
     try:
         traced = trace_prompt(prompts)
         logits, layers, greedy = _capture(eng, engine_kind(engine), prompts, traced, new_tokens, top_n)
+        emulated: dict[str, dict[str, np.ndarray]] = {}
+        for key in emulations:
+            with emulate(tuple(key)):
+                emulated[key_name(key)] = {str(p["id"]): np.asarray(eng.logits(p["prompt_ids"]), dtype=np.float64)
+                                           for p in scored(prompts)}
     finally:
         close = getattr(eng, "close", None)
         if close is not None:
             close()
     return {"file": path, "engine": engine, "logits": logits, "trace_prompt": str(traced["id"]), "layers": layers or {},
-            "greedy": greedy, "seconds": round(time.perf_counter() - t0, 3), "peak_rss_gb": _peak_rss_gb(),
-            "where": where()}
+            "greedy": greedy, "emulated": emulated, "effects": emulation_effects(logits, emulated, prompts),
+            "seconds": round(time.perf_counter() - t0, 3), "peak_rss_gb": _peak_rss_gb(), "where": where()}
+
+
+def emulation_effects(exact: dict[str, np.ndarray], emulated: dict[str, dict[str, np.ndarray]],
+                      prompts: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """How far the emulations move the base: for every ordered pair ``A|B`` of ``exact`` and the keys of
+    ``emulated`` (``A != B``), llama-perplexity's mean KLD of the base under ``B`` against the base under ``A`` and
+    the max |Δlogit| over the scored positions. ``exact|K`` (and ``K|exact``) is the *effect* of the emulations of
+    ``K`` that ``g4h parity`` raises its limits by (:func:`harness.core.gates.effect_limit`); ``K|L`` the effect
+    between two engines that declare different ones (:func:`harness.sweep.judge.agreement`)."""
+    sets = {"exact": exact, **emulated}
+    if len(sets) < 2 or not scored(prompts):
+        return {}
+    stacked = {k: _stack(v, prompts) for k, v in sets.items()}
+    out = {}
+    for a, (za, toks) in stacked.items():
+        for b, (zb, _) in stacked.items():
+            if a != b:
+                out[f"{a}|{b}"] = {"mean_kld": float(kld_stats(zb, za, toks).mean_kld),
+                                   "max_abs_logit": float(np.max(np.abs(zb - za)))}
+    return out
 
 
 # --------------------------------------------------------------------------- measurement
@@ -225,8 +281,11 @@ def greedy_figures(ours: dict[str, dict[str, Any]], base: dict[str, dict[str, An
 
 
 def measure(logits: dict[str, np.ndarray], layers: dict[int, np.ndarray] | None, greedy: dict[str, dict[str, Any]],
-            base: dict[str, Any], prompts: Sequence[dict[str, Any]], top_n: int) -> dict[str, Any]:
-    """The figures of one engine's outputs against the base (see the module docstring)."""
+            base: dict[str, Any], prompts: Sequence[dict[str, Any]], top_n: int, on_base: bool = False
+            ) -> dict[str, Any]:
+    """The figures of one engine's outputs against the base (see the module docstring); ``on_base``: the engine ran
+    the base file itself, so its figures against the base under each emulation (``vs_emulated``, by key name) are
+    kept too, for :func:`harness.sweep.judge.base_verdict`."""
     out: dict[str, Any] = {}
     if logits and scored(prompts):
         ours, toks = _stack(logits, prompts)
@@ -242,6 +301,12 @@ def measure(logits: dict[str, np.ndarray], layers: dict[int, np.ndarray] | None,
             out["kld"] = stats
             out.update({k: stats[k] for k in ROW_KLD})
             out["max_abs_logit"] = float(np.max(np.abs(ours - ref)))
+            if on_base:  # the same weights as the base: against the base under each emulation it was computed with
+                out["vs_emulated"] = {}
+                for name, z in (base.get("emulated") or {}).items():
+                    emu, _ = _stack(z, prompts)
+                    out["vs_emulated"][name] = {"mean_kld": float(kld_stats(ours, emu, toks).mean_kld),
+                                                "max_abs_logit": float(np.max(np.abs(ours - emu)))}
     errs = layer_errors(layers, base.get("layers") or {})
     out["layer_rel_l2"] = errs
     out["first_divergence_layer"] = first_divergence(errs)
@@ -267,11 +332,14 @@ def engine_run(path: str, engine: str, prompts: Sequence[dict[str, Any]], base: 
     try:
         eng = make_engine(engine, path, **(options or {}))
         dtype = getattr(eng, "dtype", None)  # what it computes in, as it says (fast --dtype, a cmd: engine's hello)
+        numerics = engine_numerics(eng, engine_kind(engine))  # what g4h parity reads: hello, kind, dtype
         row.update(dtype=dtype if isinstance(dtype, str) else None,
-                   approximations=list(getattr(eng, "approximations", None) or ()))
+                   approximations=list(getattr(eng, "approximations", None) or numerics.approximations),
+                   numerics=numerics.as_dict(), emulation=list(numerics.emulation()))
         traced = next(p for p in prompts if str(p["id"]) == base["trace_prompt"])
         logits, layers, greedy = _capture(eng, engine_kind(engine), prompts, traced, new_tokens, top_n)
-        row.update(measure(logits, layers, greedy, base, prompts, top_n))
+        row.update(measure(logits, layers, greedy, base, prompts, top_n,
+                           on_base=os.path.realpath(path) == os.path.realpath(base["file"])))
         if "nonfinite" in row:
             row.update(status="crashed", reason=f"engine output: {row.pop('nonfinite')}")
     except EngineUnavailable as e:

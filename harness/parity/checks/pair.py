@@ -39,13 +39,14 @@ import numpy as np
 from reference import batch
 from reference.errors import InputError
 
-from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit
+from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, pair_name
 from ...core.kld import kld_stats
 from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
 from ...engines import EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
-from ...engines.numerics import KIND_NUMERICS, Numerics, emulable_types, emulate, sum_rounded_types
+from ...engines.numerics import (KIND_NUMERICS, Numerics, emulable_types, emulate, engine_numerics, effective,
+                                 sum_rounded_types)
 from ...engines.reference import ReferenceEngine
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
@@ -104,9 +105,6 @@ ORACLES = ("reference", "fast")
 faster on a big model; itself held to the reference by the ``reference~fast`` gates)."""
 
 
-def pair_name(kind: str, dtype: str | None = None, oracle: str = "reference") -> str:
-    """``<oracle>~<kind>`` (``reference~llamacpp``), with ``_bf16`` for an engine that computes in 16 bits."""
-    return f"{oracle}~{kind}" + ("_bf16" if dtype in SIXTEEN_BIT else "")
 
 
 class ReferenceRuns:
@@ -243,9 +241,7 @@ class ReferenceRuns:
         RMSNorms (llama.cpp's float32 steps, there for the int8 ties), and those fp32 roundings move the fp16 GELU
         table's and KV cache's roundings off the ones the other emulations were judged with (measured: llama-cpp-python
         on the F32 odd-h88-v515-gqa shape, max |dlogprob| 0.0062 -> 0.021 against a limit that fell 0.047 -> 0.020)."""
-        if "quantized_activations" in approx and not self.unemulated_types():
-            return tuple(a for a in approx if a != "quantized_activations")
-        return tuple(approx)
+        return effective(approx, self.unemulated_types())  # shared with g4h sweep (harness/sweep/tasks.py)
 
     def unemulated_types(self) -> list[str]:
         """The stored types of the model's matrices that are neither F32 nor float64 (``Q8_0``, ``F16`` ...):
@@ -470,19 +466,6 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
     numerics = engine_numerics(eng, kind)
     return [_runs(pair, True, approximations=list(numerics.approximations), numerics=numerics.as_dict(),
                   **about)] + out
-
-
-def engine_numerics(eng: Any, kind: str) -> Numerics:
-    """What the engine computes: its own declaration (``eng.numerics``: a ``cmd:`` engine's ``hello``, a server's
-    dialect defaults or ``--declare``), else its kind's (:data:`harness.engines.numerics.KIND_NUMERICS`), else its
-    ``dtype`` with no approximations."""
-    own = getattr(eng, "numerics", None)
-    if isinstance(own, Numerics):
-        return own
-    if kind in KIND_NUMERICS:
-        return KIND_NUMERICS[kind]
-    dtype = str(getattr(eng, "dtype", None) or "float32").replace("torch.", "")
-    return Numerics(dtype if dtype in ("float64", "float32", "bfloat16", "float16") else "float32")
 
 
 def numerics_lines(checks: Sequence[dict[str, Any]]) -> list[str]:
