@@ -3,7 +3,9 @@
 request, the step and what differs, and exits 1, for
 
 * a ``cmd:`` engine with exact logits (or none: ``--ops generate``) whose greedy decoding bans a token
-  (tests/cmd_stub.py ``--ban``) or applies a repetition penalty;
+  (tests/cmd_stub.py ``--ban``) or applies a repetition penalty, reporting the log-probs after those rules or before
+  them (``--raw-logprobs``: not greedy by its own numbers, judged by the pair as a server's stream is, not failed in
+  the protocol first; ``g4h parity`` says the same);
 * a server without logits (tests/refserver.py, llama-server's dialect) whose greedy decoding applies a repetition
   penalty, bans a token, or does either after taking its log-probs (``raw_logprobs``: its token is then not the top-1
   of its own log-probs, said as the parity job says it, with the same explanation);
@@ -34,6 +36,7 @@ from harness.core.cases import PROMPTS, load_prompts
 from harness.core.gates import DEFAULT_GATES
 from harness.engines.reference import ReferenceEngine
 from harness.parity.explain import decoding_by_shift
+from harness.parity.job import run as run_parity
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 LAB_PROMPTS = ("len1-bos", "len5", "len16-window")
@@ -147,6 +150,45 @@ def test_a_cmd_engine_with_a_repetition_penalty_is_said_to_be_in_decoding(models
     d = _said_in_decoding(rc, printed, e)
     assert "a repeated token's logit lowered" in d["what"] and "repetition penalty" in d["what"], d["what"]
     assert d["ours"] != d["oracle"]
+
+
+@pytest.mark.parametrize("shape", ["lab-dense", "tiny"])
+@pytest.mark.parametrize("ops", [(), ("--ops", "generate")], ids=["logits", "streams-only"])
+def test_a_cmd_engine_reporting_log_probs_before_its_decoding_rules_is_said_to_be_in_decoding(
+        models, capsys, tmp_path, shape, ops):
+    """A ban (with logits) or a repetition penalty (streams only) applied after the log-probs were taken (``--raw-
+    logprobs``): its token is not the top-1 of its own log-probs. The engine no longer fails the protocol before
+    anything is explained (``check_greedy``): not greedy, said, and in decoding, what differs said (before: "engine
+    failed: ... (not greedy)" and no explanation)."""
+    model, prompts, _ = models[shape]
+    request, step, banned = _first_new(model, models[shape][2])
+    rule = ("--repeat-penalty", "1.5") if ops else ("--ban", str(banned))
+    rc, printed, e = _explain(capsys, tmp_path, model, prompts, _stub(*ops, *rule, "--raw-logprobs"))
+    d = _said_in_decoding(rc, printed, e)
+    assert "they were taken before its decoding rules" in d["what"], d["what"]
+    assert e["not_greedy"].startswith(f"request {d['request']} step {d['step']}: token {d['ours']} is not the top-1 "
+                                      f"of its own log-probs ({d['oracle']} at "), e["not_greedy"]
+    if not ops:
+        assert (d["request"], d["step"], d["oracle"]) == (request, step, banned)
+        assert d["what"].startswith(f"token {banned} passed over after its log-probs were taken"), d["what"]
+
+
+def test_g4h_parity_says_the_same_of_that_cmd_engine(models, tmp_path):
+    """``g4h parity`` on the same engine (repetition penalty after its log-probs): an engine failure (exit 1) at the
+    request and step, whose line ends with what differs in decoding, the pair's explanation saying the same (as
+    for a server: tests/test_explain_claims.py)."""
+    model, prompts, _ = models["tiny"]
+    data, status = run_parity(models=[str(model)], against=[_stub("--repeat-penalty", "1.5", "--raw-logprobs")],
+                              quiet=True, out=str(tmp_path), prompts=prompts)
+    assert status == 1, data["verdict"]
+    (runs,) = [c for c in data["cases"][0]["checks"] if c.get("engine_failure")]
+    e = runs["explanation"]
+    d = e["decoding"]
+    assert runs["gate"] == "reference~cmd.runs" and e["status"] == "decoding"
+    assert (runs["request"], runs["step"]) == (d["request"], d["step"])
+    assert runs["got"].endswith(f"not greedy decoding (temperature 0), which was asked; in decoding, not in the "
+                                f"logits: {d['what']}"), runs["got"]
+    assert "a repeated token's logit lowered after its log-probs were taken" in d["what"], d["what"]
 
 
 @pytest.mark.parametrize("shape", ["lab-dense", "lab-moe", "tiny"])

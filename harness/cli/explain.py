@@ -4,7 +4,9 @@ variant (``docs/spec-variants.md``) that makes the reference agree with it (:mod
 The engine's logits (and trace) where it gives them, and its greedy streams where it generates (with its logits along
 its own stream), are judged and explained as the parity job's explanation judges a failing pair
 (:func:`harness.parity.explain.explain_text`, one path): a divergence only in decoding (the logits agree, the streams
-part) is said to be in decoding, with the request and the step, and exits 1.
+part) is said to be in decoding, with the request and the step, and exits 1. A server's stream whose token is not
+the top-1 of its own log-probs is judged as ``g4h parity`` judges it (:func:`harness.parity.checks.pair._not_greedy`:
+not greedy, an engine failure, exit 1), said above its explanation.
 
 ::
 

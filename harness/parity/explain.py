@@ -27,7 +27,10 @@ A divergence only in generation (the engine's own logits agree with the referenc
 greedy stream parts from the reference's) is not searched: it is said to be in decoding, with the request, the step
 and what differs there (:meth:`TextSubject.decoding`). An engine that gives no logits (a server) is judged by the
 top-N log-probs along its stream: those agreeing with the reference's up to the parting step and, there, on every
-token no decoding rule touches, the oracle's token lowered, missing or passed over is decoding too.
+token no decoding rule touches, the oracle's token lowered, missing or passed over is decoding too. A stream that is
+the oracle's token for token while its log-probs are not is decoding when, at every step, they are the oracle's up to
+one shift of the normaliser on the untouched tokens and what moved it is in sight (tokens lowered) or is one token
+whose probability, taken out, gives that shift at every step (a ban): :func:`decoding_by_shift`.
 """
 
 from __future__ import annotations
@@ -571,7 +574,9 @@ class TextSubject:
         when it already occurs in the context, a repeated token's logit lowered); present but lower than its logits
         give (a repeated token's logit lowered, when it occurs in the context: a repetition penalty; else a logit
         bias). Returns ``{"request", "step", "ours", "oracle", "what", "max_abs_logit", "kind", "line"}`` (``kind``:
-        ``decoding``, or ``generation`` for a generation path that computes other logits).
+        ``decoding``, or ``generation`` for a generation path that computes other logits). When no stream parts,
+        the prompts whose log-probs fail are read by :meth:`_decoding_by_shift` (a rule that only moved the
+        normaliser).
         """
         if base.passed or base.error is not None:
             return None
