@@ -834,9 +834,12 @@ def decoding_by_shift(request: str, ids: Sequence[int], stream: Mapping[str, Any
     Returns:
         None unless every step with log-probs is, by :func:`_lowered`, the oracle's log-probs after a rule that only
         lowers (at each, the listed tokens outside the context agree with the oracle's up to one shift of the
-        normaliser), and at least one step differs beyond ``limit`` with its lowered tokens seen. Else ``{"request",
-        "step" (the step that differs most), "ours", "oracle" (its token there, both the same), "what", "evidence":
-        "log-probs", "shift", "spread", "kind": "decoding", "line"}``.
+        normaliser), at least one step differs beyond ``limit``, and what moved the normaliser is named: the lowered
+        tokens in sight at a step that differs (the step that differs most among them is quoted), or, with none in
+        sight, the one token not listed at any step whose oracle probability ``p``, taken out, gives each step's
+        shift ``-log(1 - p)`` within the spread of the log-probs themselves (a ban; none or several: None). Else
+        ``{"request", "step", "ours", "oracle" (its token there, both the same), "what", "evidence": "log-probs",
+        "shift", "spread", "kind": "decoding", "line"}``.
     """
     lps = stream.get("logprobs") or []
     ours = [int(t) for t in stream["tokens"]]
