@@ -4,7 +4,8 @@ protocol, with every fault the harness must name on request.
     python tests/cmd_stub.py [--fault KIND [--fault-op OP] [--fault-after N]] [--perturb-layer L] [--perturb X]
                               [--dtype D] [--approx A] [--kv-cache T] [--token-only] [--no-tensors] [--linger]
                               [--spec VARIANT[,VARIANT]] [--scale-rows L] [--serve-model PATH]
-                              [--repeat-penalty X] [--generate-noise S] [--ops OP[,OP]]
+                              [--repeat-penalty X] [--ban ID[,ID]] [--raw-logprobs] [--generate-noise S]
+                              [--ops OP[,OP]]
 
 It answers ``hello``, ``logits`` (float32 ``.npy``), ``generate``, ``trace`` (a ``g4h-trace`` file, with the
 tensors unless ``--no-tensors``) and ``tokenize`` (one id per byte, a stand-in). ``--perturb-layer L`` adds
@@ -19,9 +20,11 @@ variant does that). ``--serve-model PATH`` answers with the reference of another
 names (a server that runs the wrong model). ``--repeat-penalty X``: its logits are exact, its greedy decoding is not:
 each step's logit of a token already in the context is divided by X (multiplied when negative; llama.cpp's
 ``penalty_repeat``, src/llama-sampling.cpp ``llama_sampler_penalties_apply``) before the argmax, and the log-probs
-it reports are those of the penalised logits. ``--generate-noise S``: its logits are exact, its generation's are not
-(Gaussian noise of scale S on every logit of every step, a fixed seed: what a broken KV cache or decode path gives),
-greedy on them, their log-probs reported. ``--ops OP[,OP]``: the operations its ``hello`` offers (default
+it reports are those of the penalised logits. ``--ban ID[,ID]``: the same with those ids at -inf (a ``logit_bias`` of
+-inf), alone or beside the penalty; ``--raw-logprobs`` with either: the log-probs reported are those of the logits
+before them (llama-server's ``n_probs``, vLLM's default ``raw_logprobs``). ``--generate-noise S``: its logits are
+exact, its generation's are not (Gaussian noise of scale S on every logit of every step, a fixed seed: what a broken
+KV cache or decode path gives), greedy on them, their log-probs reported. ``--ops OP[,OP]``: the operations its ``hello`` offers (default
 ``logits,generate,trace,tokenize``; ``generate`` alone: an engine judged by its greedy streams, as a server is).
 Faults (:data:`FAULTS`), applied to the first ``--fault-op`` request (default ``logits``; ``any``: every request
 but ``hello``) after ``--fault-after N`` of them were answered (default 0; ``die`` with ``--fault-op any
@@ -116,23 +119,28 @@ def noisy(ref, prompt, n: int, top_n: int, scale: float, seed: int = 5):
     return g
 
 
-def penalised(ref, prompt, n: int, top_n: int, penalty: float):
+def penalised(ref, prompt, n: int, top_n: int, penalty: float | None, ban=(), raw: bool = False):
     """Greedy decoding with a repetition penalty: each step's logits of the tokens already in the context divided
-    by ``penalty`` (multiplied when negative), the argmax taken, the top-``top_n`` log-probs of the penalised logits
-    reported."""
+    by ``penalty`` (multiplied when negative), the ``ban`` ids at -inf, the argmax taken, the top-``top_n``
+    log-probs of the processed logits reported (of the logits before them with ``raw``)."""
     from harness.engines.base import Generated
 
     ids, g = list(prompt), Generated()
     g.tokens, g.top = [], []
     for _ in range(n):
-        z = np.array(ref.logits(ids)[-1], dtype=np.float64)
-        seen = np.unique(ids)
-        z[seen] = np.where(z[seen] > 0, z[seen] / penalty, z[seen] * penalty)
-        lp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        raw_z = np.array(ref.logits(ids)[-1], dtype=np.float64)
+        z = raw_z.copy()
+        if penalty:
+            seen = np.unique(ids)
+            z[seen] = np.where(z[seen] > 0, z[seen] / penalty, z[seen] * penalty)
+        z[list(ban)] = -np.inf
+        tok = int(np.argmax(z))
+        shown = raw_z if raw else z
+        lp = shown - shown.max() - np.log(np.exp(shown - shown.max()).sum())
         best = np.argsort(-lp, kind="stable")[:top_n]
-        g.tokens.append(int(best[0]))
+        g.tokens.append(tok)
         g.top.append([(int(i), float(lp[i])) for i in best])
-        ids.append(int(best[0]))
+        ids.append(tok)
     return g
 
 
@@ -201,6 +209,9 @@ def main() -> int:
     p.add_argument("--scale-rows", type=int, default=None, help="x1.02 on half the rows of blk.L.ffn_down.weight")
     p.add_argument("--serve-model", default=None, help="answer with this model, whatever the harness names")
     p.add_argument("--repeat-penalty", type=float, default=None, help="a repetition penalty in greedy decoding")
+    p.add_argument("--ban", default=None, help="these token ids (comma list) at -inf in greedy decoding")
+    p.add_argument("--raw-logprobs", action="store_true",
+                   help="with --repeat-penalty / --ban: report the log-probs of the logits before them")
     p.add_argument("--generate-noise", type=float, default=None, help="noise on generation's logits only")
     p.add_argument("--ops", default="logits,generate,trace,tokenize", help="the operations hello offers")
     a = p.parse_args()
@@ -275,8 +286,9 @@ def serve(a: argparse.Namespace) -> int:
             if a.generate_noise is not None:
                 gens = [noisy(ref, p, req["max_new_tokens"], max(6, req["top_n"]), a.generate_noise)
                         for p in req["prompts"]]
-            if a.repeat_penalty is not None:
-                gens = [penalised(ref, p, req["max_new_tokens"], max(6, req["top_n"]), a.repeat_penalty)
+            if a.repeat_penalty is not None or a.ban:
+                gens = [penalised(ref, p, req["max_new_tokens"], max(6, req["top_n"]), a.repeat_penalty,
+                                  [int(b) for b in a.ban.split(",")] if a.ban else (), a.raw_logprobs)
                         for p in req["prompts"]]
             for g in gens:
                 toks = [s[1][0] for s in g.top] if fault == "not-greedy" else g.tokens

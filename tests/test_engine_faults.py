@@ -82,14 +82,15 @@ def prompts_file(tmp_path) -> Path:
 
 def test_cmd_engine_that_samples(tiny_gguf, prompts_file, tmp_path, capsys):
     """It decodes by sampling (its tokens drawn from its own distribution, its reported top log-probs honest): its
-    first token that is not its own top-1 is named."""
+    first token that is not its own top-1 is named, judged by the pair as a server's stream is (not greedy, and what
+    differs in decoding where its log-probs are the reference's)."""
     rc, printed, data, report = parity(tmp_path, capsys, "--model", str(tiny_gguf), "--against",
                                        stub("--fault", "sample", "--fault-op", "generate"),
                                        "--prompts", str(prompts_file))
     runs = next(c for c in data["cases"][0]["checks"] if c["gate"] == "reference~cmd.runs")
     line = assert_engine_failure(rc, printed, report, "tiny.gguf", "reference~cmd", runs["request"], runs["step"])
     assert runs["request"] in ("t3", "t5", "t9") and isinstance(runs["step"], int)
-    assert "is not the most probable of its own top log-probs" in line and "(not greedy)" in line
+    assert "is not the top-1 of its own log-probs" in line and "not greedy decoding (temperature 0)" in line
 
 
 def test_cmd_engine_that_crashes_after_n_requests(tiny_gguf, prompts_file, tmp_path, capsys):

@@ -4,7 +4,9 @@ variant (``docs/spec-variants.md``) that makes the reference agree with it (:mod
 The engine's logits (and trace) where it gives them, and its greedy streams where it generates (with its logits along
 its own stream), are judged and explained as the parity job's explanation judges a failing pair
 (:func:`harness.parity.explain.explain_text`, one path): a divergence only in decoding (the logits agree, the streams
-part) is said to be in decoding, with the request and the step, and exits 1.
+part) is said to be in decoding, with the request and the step, and exits 1. A server's stream whose token is not
+the top-1 of its own log-probs is judged as ``g4h parity`` judges it (:func:`harness.parity.checks.pair._not_greedy`:
+not greedy, an engine failure, exit 1), said above its explanation.
 
 ::
 
@@ -38,7 +40,7 @@ from ..engines.reference import ReferenceEngine
 from ..engines.variants import family, parse_spec
 from ..parity.checks.explain_pair import observe
 from ..engines.base import TOP_N
-from ..parity.checks.pair import engine_numerics, pair_name
+from ..parity.checks.pair import _not_greedy, engine_numerics, pair_name
 from ..parity.checks.server import load_user_prompts, with_prompt_ids
 from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, Observed, TextSubject, budget_seconds, explain_text
 from ..parity.explain_mm import MMReference, explain_mm
@@ -108,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(args, Path(path), ref.cfg.vocab_size, ref.cfg.context_length)
     kind = engine_kind(args.engine)
     t0 = time.perf_counter()
-    eng = make_engine(args.engine, path, **engine_options(args))
+    # a server's token that is not its own top-1 is judged here, as the parity job judges it (not a raised failure
+    # before anything is explained): its explanation says what differs in decoding
+    eng = make_engine(args.engine, path, **{**engine_options(args), "check_greedy": False})
     try:
         pair = pair_name(kind, getattr(eng, "dtype", None) if kind != "fast" else None)
         if f"{pair}.max_abs_logit" not in DEFAULT_GATES:
@@ -130,18 +134,24 @@ def run(args: argparse.Namespace) -> int:
                   for o in observed}
     failing = sorted((o for o in observed if not per_prompt[o.prompt_id].passed), key=lambda o: len(o.ids))
     t_base = time.perf_counter() - t1
+    bad = _not_greedy({o.prompt_id: o.stream for o in observed if o.stream is not None})
+    if bad is not None:  # not greedy as asked: its prompt is explained first (what differs in decoding there)
+        failing.sort(key=lambda o: o.prompt_id != bad[0])
     if failing:  # the parity job's explanation of a failing pair, on the same shortest failing prompts
         expl = explain_text(ref, failing[:MAX_PROMPTS], pair, gates, numerics, budget, top_n=TOP_N,
                             variants=candidates)
     else:
         expl = Explanation("nothing_to_explain", next(iter(per_prompt.values())), budget_s=budget)
-    _print(expl, args, pair, len(prompts), len(failing), t_engine, t_base)
+    not_greedy = None if bad is None else (f"request {bad[0]} step {bad[1]}: token {bad[2]} is not the top-1 of its "
+                                           f"own log-probs ({bad[3]} at {bad[4]:.6g}): not greedy decoding "
+                                           "(temperature 0), which was asked")
+    _print(expl, args, pair, len(prompts), len(failing), t_engine, t_base, not_greedy)
     if args.json:
         write_json_atomic(args.json, {"kind": "explain", "model": str(path), "engine": args.engine, "pair": pair,
                                       "prompts": len(prompts), "failing_prompts": [o.prompt_id for o in failing],
                                       "seconds": {"engine": t_engine, "baseline": t_base, "explain": expl.seconds},
-                                      **expl.as_dict()})
-    return 0 if expl.status == "nothing_to_explain" else 1
+                                      **expl.as_dict(), **({"not_greedy": not_greedy} if not_greedy else {})})
+    return 0 if expl.status == "nothing_to_explain" and bad is None else 1
 
 
 def _run_mm(args: argparse.Namespace, budget: float) -> int:
@@ -169,9 +179,12 @@ def _run_mm(args: argparse.Namespace, budget: float) -> int:
     return 0 if expl.status == "nothing_to_explain" else 1
 
 
-def _print(expl, args, pair: str, n_prompts: int, n_failing: int, t_engine: float, t_base: float) -> None:
+def _print(expl, args, pair: str, n_prompts: int, n_failing: int, t_engine: float, t_base: float,
+           not_greedy: str | None = None) -> None:
     out = sys.stdout
     print(f"g4h explain: {args.engine} on {args.model} ({pair}): {n_failing} of {n_prompts} prompts diverge", file=out)
+    if not_greedy:
+        print(f"  engine failed: {not_greedy}", file=out)
     if expl.status != "nothing_to_explain":
         print(f"  first diverging point: {expl.first_point or 'none traced'}", file=out)
         shown = [*expl.explained_by, *[t for t in expl.candidates if not t.passed]][:8]

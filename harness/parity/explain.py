@@ -27,7 +27,10 @@ A divergence only in generation (the engine's own logits agree with the referenc
 greedy stream parts from the reference's) is not searched: it is said to be in decoding, with the request, the step
 and what differs there (:meth:`TextSubject.decoding`). An engine that gives no logits (a server) is judged by the
 top-N log-probs along its stream: those agreeing with the reference's up to the parting step and, there, on every
-token no decoding rule touches, the oracle's token lowered, missing or passed over is decoding too.
+token no decoding rule touches, the oracle's token lowered, missing or passed over is decoding too. A stream that is
+the oracle's token for token while its log-probs are not is decoding when, at every step, they are the oracle's up to
+one shift of the normaliser on the untouched tokens and what moved it is in sight (tokens lowered) or is one token
+whose probability, taken out, gives that shift at every step (a ban): :func:`decoding_by_shift`.
 """
 
 from __future__ import annotations
@@ -571,12 +574,15 @@ class TextSubject:
         when it already occurs in the context, a repeated token's logit lowered); present but lower than its logits
         give (a repeated token's logit lowered, when it occurs in the context: a repetition penalty; else a logit
         bias). Returns ``{"request", "step", "ours", "oracle", "what", "max_abs_logit", "kind", "line"}`` (``kind``:
-        ``decoding``, or ``generation`` for a generation path that computes other logits).
+        ``decoding``, or ``generation`` for a generation path that computes other logits). When no stream parts,
+        the prompts whose log-probs fail are read by :meth:`_decoding_by_shift` (a rule that only moved the
+        normaliser).
         """
         if base.passed or base.error is not None:
             return None
         if not base.failing or any(g.rsplit(".", 1)[-1] not in GENERATION_METRICS for g in base.failing):
             return None
+        same = []  # the prompts whose streams do not part: a rule that only moves the log-probs (shift)
         for o in self.observed:
             ref = self.ref_streams.get(o.prompt_id)
             if o.stream is None or ref is None:
@@ -584,6 +590,7 @@ class TextSubject:
             ours, theirs = list(o.stream["tokens"]), list(ref["tokens"])
             i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
             if i is None:
+                same.append(o)
                 continue
             if o.forced is None:  # no logits (a server): what its own log-probs along its stream say, if anything
                 return self._decoding_by_logprobs(o, ref, i, base)
@@ -608,7 +615,29 @@ class TextSubject:
                     f"{gap:.3g}); {what}")
             return {"request": o.prompt_id, "step": i, "ours": tok, "oracle": want, "what": what,
                     "max_abs_logit": gap, "kind": kind, "line": line}
+        for o in same:
+            found = self._decoding_by_shift(o, base)
+            if found is not None:
+                return found
         return None
+
+    def _decoding_by_shift(self, o: Observed, base: Trial) -> dict[str, Any] | None:
+        """:meth:`decoding` for a stream that is the oracle's token for token while its log-probs are not: the
+        oracle's logits teacher-forced along its stream (one forward), read by :func:`decoding_by_shift`; where the
+        engine gives logits (:attr:`Observed.forced`), they must agree with the oracle's there too."""
+        limit = self._logprob_limit(o.prompt_id)
+        ours = [int(t) for t in o.stream["tokens"]]
+        ours = ours[:ours.index(-1)] if -1 in ours else ours  # a token left unnamed ends what can be followed
+        if limit is None or not ours:
+            return None
+        start = len(o.ids) - 1
+        with self._engine(()) as (eng, _):
+            z = np.asarray(eng.logits(list(o.ids) + ours[:-1]), dtype=np.float64)[start:]
+        if o.forced is not None:
+            zf = np.asarray(o.forced, dtype=np.float64)[start:start + len(z)]
+            if zf.shape != z.shape or not float(np.max(np.abs(zf - z))) <= self._limit("max_abs_logit"):
+                return None
+        return decoding_by_shift(o.prompt_id, o.ids, o.stream, z, limit, base.oracle)
 
     def _decoding_by_logprobs(self, o: Observed, ref: dict[str, Any], i: int, base: Trial) -> dict[str, Any] | None:
         """:meth:`decoding` for an engine that gives no logits, only top-N log-probs along its stream (a server, a
@@ -756,6 +785,120 @@ def decoding_by_logprobs(request: str, ids: Sequence[int], stream: Mapping[str, 
             f"and so at the {min(i, len(before))} steps before (spread at most {worst:.3g})); {what}")
     return {"request": request, "step": i, "ours": tok, "oracle": want, "what": what, "evidence": "log-probs",
             "spread_before": worst, "spread": spread, "kind": "decoding", "line": line}
+
+
+def _lowered(own: Mapping[int, float], z: np.ndarray, context: set[int], limit: float
+             ) -> tuple[float, float, int, list[int], list[int]] | None:
+    """Whether the log-probs ``own`` (id -> log-prob, an engine's top-N at one step) are the oracle's logits ``z``
+    after a decoding rule that only lowers logits: on the listed tokens outside ``context`` one shift ``s >= 0`` of
+    the normaliser (spread within ``limit``, at least two tokens), no listed token above its log-prob plus ``s``, and
+    the mass the visible lowered tokens lost (the context's tokens listed lower than that; the oracle's tokens that
+    rank above a listed one and are missing or at -inf) no more than ``s`` accounts for (``1 - exp(-s)``, within
+    ``limit`` in log space). Returns ``(s, spread, untouched tokens, lowered, missing)`` (the two lists may be
+    empty: the step agrees up to the shift), or None."""
+    lz = _log_softmax(np.asarray(z, dtype=np.float64))
+    listed = {int(t): float(v) for t, v in own.items() if int(t) >= 0 and v > -np.inf}
+    shift = [listed[t] - lz[t] for t in listed if t not in context]
+    if len(shift) < 2 or not listed:
+        return None
+    s, spread = float(np.median(shift)), float(max(shift) - min(shift))
+    if not (spread <= limit and s >= -limit) or any(listed[t] > lz[t] + s + limit for t in listed):
+        return None
+    floor = min(listed.values())
+    lowered = sorted(t for t in listed if listed[t] < lz[t] + s - limit)
+    ranked = np.argsort(-lz, kind="stable")[:len(own) + len(lowered)]
+    missing = [int(t) for t in ranked if int(t) not in listed and lz[t] + s > floor + limit]
+    lost = sum(np.exp(lz[t]) - np.exp(listed[t] - s) for t in lowered)
+    lost += sum(max(0.0, np.exp(lz[t]) - np.exp(floor - s)) for t in missing)
+    if not lost < 1 or not -np.log1p(-lost) <= max(s, 0.0) + limit:
+        return None
+    return s, spread, len(shift), lowered, missing
+
+
+def decoding_by_shift(request: str, ids: Sequence[int], stream: Mapping[str, Any], z: np.ndarray, limit: float,
+                      oracle: str = "reference") -> dict[str, Any] | None:
+    """Whether an engine whose greedy stream is the oracle's token for token, and whose log-probs along it are not
+    (``max_abs_logprob`` fails, the tokens agree), diverges in decoding: a rule that lowers some logits (a token
+    banned, a repetition penalty, a logit bias) after its forward, before the log-probs it reports, moves the
+    normaliser of every step where the lowered tokens had mass, without ever parting the streams.
+
+    Args:
+        request: the prompt's id (named in the line).
+        ids: the prompt's token ids.
+        stream: the engine's greedy stream (``tokens``, ``logprobs``: per step ``{id: log-prob}``).
+        z: the oracle's logits ``[n, V]`` at each step's context (the prompt and the stream's tokens before it:
+            teacher-forced along the engine's own stream, which is the oracle's).
+        limit: the pair's ``max_abs_logprob`` limit (with the effect of the declared approximations).
+        oracle: the oracle's name in the line.
+
+    Returns:
+        None unless every step with log-probs is, by :func:`_lowered`, the oracle's log-probs after a rule that only
+        lowers (at each, the listed tokens outside the context agree with the oracle's up to one shift of the
+        normaliser), at least one step differs beyond ``limit``, and what moved the normaliser is named: the lowered
+        tokens in sight at a step that differs (the step that differs most among them is quoted), or, with none in
+        sight, the one token not listed at any step whose oracle probability ``p``, taken out, gives each step's
+        shift ``-log(1 - p)`` within the spread of the log-probs themselves (a ban; none or several: None). Else
+        ``{"request", "step", "ours", "oracle" (its token there, both the same), "what", "evidence": "log-probs",
+        "shift", "spread", "kind": "decoding", "line"}``.
+    """
+    lps = stream.get("logprobs") or []
+    ours = [int(t) for t in stream["tokens"]]
+    steps = []  # (step, max |Δlogprob|, what _lowered found, the oracle's log-probs) of each step with log-probs
+    for k, own in enumerate(lps[:len(z)]):
+        if not own:
+            continue
+        lz = _log_softmax(np.asarray(z[k], dtype=np.float64))
+        dev = max((abs(v - lz[int(t)]) for t, v in own.items() if int(t) >= 0 and v > -np.inf), default=0.0)
+        found = _lowered(own, z[k], set(int(c) for c in ids) | set(ours[:k]), limit)
+        if found is None and dev > limit:
+            return None  # a step no rule that only lowers logits gives
+        steps.append((k, dev, found, lz))
+    apart = [st for st in steps if st[1] > limit]
+    if not apart or any(st[2] is None for st in apart):
+        return None
+    k, dev, (s, spread, n, lowered, missing), lz = max(apart, key=lambda st: st[1])
+    ctx = [int(c) for c in ids] + ours[:k]
+    top = len(lps[k])
+    said = []
+    seen = [st for st in apart if st[2][3] or st[2][4]]
+    if seen:  # the lowered tokens are in sight at the step that differs most (else at another one)
+        k, dev, (s, spread, n, lowered, missing), lz = max(seen, key=lambda st: st[1])
+        ctx = [int(c) for c in ids] + ours[:k]
+        top = len(lps[k])
+        for t in missing:
+            where = f", in the context (position {ctx.index(t)}): a repeated token's logit lowered" if t in ctx else ""
+            said.append(f"token {t} missing from its top-{top} where the logits give it log-prob {lz[t]:.4g}{where}")
+        for t in lowered:
+            said.append(f"token {t} at log-prob {lps[k][t]:.4g} where the logits give {lz[t]:.4g} (+ the shift), in "
+                        f"the context (position {ctx.index(t)}): a repeated token's logit lowered")
+        touched = [*missing, *lowered]
+        rule = ("a repetition penalty" if all(t in ctx for t in touched) else
+                "a token banned or a logit bias" if not any(t in ctx for t in touched) else
+                "a token banned or a logit bias, and a repetition penalty")
+        what = f"{'; '.join(said)} ({rule})"
+    else:  # only the normaliser moved: the one token whose probability, taken out, moves it so at every step
+        noise = max(st[2][1] for st in steps if st[2] is not None) + 1e-12  # the log-probs' own spread
+        fits = np.ones(len(lz), dtype=bool)
+        for kk, _, f, lzk in steps:
+            if f is None:
+                continue
+            p = np.exp(lzk)
+            fits &= np.abs(-np.log1p(-np.minimum(p, 1 - 1e-16)) - f[0]) <= noise
+            fits[[int(t) for t, v in lps[kk].items() if int(t) >= 0 and v > -np.inf]] = False  # listed: not banned
+        if int(fits.sum()) != 1:
+            return None
+        t = int(np.argmax(fits))
+        where = f"; it occurs in the context (position {ctx.index(t)})" if t in ctx else ""
+        what = (f"a token banned: token {t}'s probability is taken out at every step (it is never among its top-{top}; "
+                f"at step {k} the logits give it {np.exp(lz[t]):.4g}, and the normaliser moved by "
+                f"{s:.4g} = -log(1 - {np.exp(lz[t]):.4g}), no other token fitting every step within the spread "
+                f"{noise:.3g} of its log-probs){where}")
+    line = (f"request {request} step {k}: its tokens are the {oracle}'s, its log-probs are not (max |Δlogprob| "
+            f"{dev:.3g}); they agree with the {oracle}'s on the {n} tokens it lists that no decoding rule touches, up "
+            f"to one shift of the normaliser ({s:.3g}, spread {spread:.3g}), at every step of its stream; {what}")
+    tok = ours[k] if k < len(ours) else None
+    return {"request": request, "step": k, "ours": tok, "oracle": tok, "what": what, "evidence": "log-probs",
+            "shift": s, "spread": spread, "kind": "decoding", "line": line}
 
 
 def explain_text(ref: Any, observed: Sequence[Observed], pair: str, gates: Mapping[str, Gate] = DEFAULT_GATES,
