@@ -407,11 +407,13 @@ Q8_LOCAL_WHY = (
     "roundings an engine's sums can flip and not the exact ties of inputs both sides compute bit for bit), worst "
     "over the points; 2 as for an emulated approximation (EFFECT_FACTOR: the engine and the null each one such "
     "distance from the reference). 1e-4: fp32 accumulation against float64 leaves a median of 1e-7 (measured, "
-    "correct llamacpp engine: 9.5e-8 e2b Q8_0, Q4_0 and F16, 1.7e-7 the real Gemma 3 270M Q4_K_M; the null 1.5e-7 "
-    "to 2.4e-7), so 1e-4 is a factor ~500 above it; a flip moves few positions and leaves the median where it was. "
-    "A fault moves every position: the first half of one matrix's rows x1.02 gave 1.4e-2 (e2b, ffn_out of its layer) "
-    "and 1.8e-2 (Gemma 3), one block's scale x1.5 2e-2 and 8e-3, two rows swapped 0.08-0.15 and 2.7e-3 "
-    "(docs/quantized-activations.md). Blind by design to a fault that moves fewer than half of the positions of a "
+    "correct llamacpp engine, tests/quant_matrix.py: 9.6e-8 on e2b Q8_0, Q4_0 and F16, 9.9e-8 on 31b Q4_K_M, "
+    "1.2e-7 on the real Gemma 3 270M Q4_K_M; the null 1.5e-7 to 2.1e-7), so 1e-4 lies ~1000 x above it; a flip "
+    "moves few positions and leaves the median where it was. A fault moves every position: the first half of one "
+    "matrix's rows x1.02 gave 1.4e-2 (e2b, 31b) and 1.8e-2 (Gemma 3, Q6_K) at the ffn_out of its layer, one "
+    "block's scale x1.5 1.7e-2 to 2.1e-2 and 7.6e-3 (Gemma 3, Q4_K), two rows swapped 0.10, 1.3e-2 (31b) and "
+    "1.9e-3 (Gemma 3, Q5_0): the smallest 18 x above the limit (docs/quantized-activations.md). Blind by design "
+    "to a fault that moves fewer than half of the positions of a "
     "point (one MoE expert's matrix, one embedding row): the median is what makes it immune to flips")
 
 _Q8_WHY = ("an engine that rounds its activations (quantized_activations, llama.cpp's dot-product types) on a file "

@@ -79,7 +79,8 @@ Q8_REPORTED_WHY = (
     "sporadically, an int8 rounding that the engine's fp32 activation takes the other way (an activation within fp32 "
     "noise of a rounding midpoint); one such flip moves everything after it by as much as the rounding itself does "
     "(measured: e2b Q8_0 max |dlogit| 0.35, Gemma 3 270M Q4_K_M 8.4), so the worst figure says nothing about a fault. "
-    "Gated instead: agreeing_positions (a fault moves every position; a flip only those after it)")
+    "Gated instead: local_median where the engine gives its tensors (each layer re-seeded from the engine's stream), "
+    "else agreeing_positions (a fault moves every position; a flip only those after it)")
 
 Q8_METRICS = ("max_abs_logit", "mean_kld", "same_top1_decisive", "greedy", "max_abs_logprob", "layer_rel_l2")
 """The metrics judged by ``<pair>_q8.*`` when the engine's quantized activations are emulated on a quantized file."""
@@ -620,13 +621,19 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
     """Judge the figures of an engine that rounds its activations (``quantized_activations``) on a file with
     quantized or 16-bit matrices (``types``).
 
+    Emulated with the engine's tensors (its traces: the ``<pair>_q8.local_median`` figures of each prompt, with
+    ``_errors``): they are pooled into the one gate of the pair (:func:`local_figure`: each layer judged on its own
+    against the reference re-seeded from the engine's stream), and ``agreeing_positions`` is reported
+    (:data:`LOCAL_JUDGES`; its jittered count is not computed).
+
     Emulated (``gap`` None): each figure is judged by ``<pair>_q8.<metric>`` (``harness/core/gates.py``), not by the
     effect of the emulations (kept in the detail as ``effect_not_applied``: the rounding moves the figures by far
     more than a fault does). What the emulation leaves is fp32 accumulation and sporadic int8 rounding flips; the
     worst-value figures are reported, and ``<pair>_q8.agreeing_positions`` is gated: the positions in each prompt's
     leading run within the fp32 bound, over those of the emulating reference against itself with its inputs
     perturbed in their last bits (``jitter``: what the flips alone do on this model and prompt). When that reference
-    agrees on no position (flips too dense), the figure is reported and the mean KLD is gated as below. An engine
+    agrees on fewer positions than one per prompt (flips too dense: no resolution), the figure is reported and the
+    mean KLD is gated as below. An engine
     without logits (a server) is counted on its greedy streams' log-probs instead (:func:`stream_agreement`, in the
     ``max_abs_logprob`` figure's detail): the same gate, the same ratio; flips too dense there leave the greedy
     streams to gate alone (no logits, no KLD).
