@@ -22,7 +22,7 @@ callback (:func:`no_trace`) records nothing.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -498,8 +498,22 @@ def check_generation(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int)
                               f"{context_key(cfg)} = {cfg.context_length}")
 
 
+def reseed(given: np.ndarray, shape: tuple[int, ...], il: int) -> np.ndarray:
+    """The stream that enters layer ``il`` of a re-seeded forward (:func:`forward`'s ``layer_inputs``): ``given``
+    as float64, checked against the stream's ``shape`` [T, h].
+
+    Raises:
+        ValueError: ``given`` is not of that shape.
+    """
+    x = np.asarray(given, dtype=np.float64)
+    if x.shape != tuple(shape):
+        raise ValueError(f"layer_inputs[{il}]: shape {list(x.shape)}, expected {list(shape)}")
+    return x
+
+
 def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = None,
-            trace: TraceFn | None = None, mm: Injection | None = None) -> np.ndarray:
+            trace: TraceFn | None = None, mm: Injection | None = None,
+            layer_inputs: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
     """Logits for every new position; appends to ``cache`` when given.
 
     Args:
@@ -521,6 +535,17 @@ def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = Non
             placeholder count other than the number of rows; an image block continued from the
             previous call (a bidirectional block must be in one call: its first token attends to its
             last).
+        layer_inputs: ``{layer index: [T, h] array}``: the residual stream that enters those layers, in
+            place of the previous layer's output (a *re-seeded* forward, teacher-forced per layer: each
+            such layer computes from another engine's stream, its ``l_out`` of the layer before; the
+            index L, the number of layers, replaces the stream that enters the final norm and the head).
+            The per-layer embeddings (PLE) still come from this forward's own embedding; the KV cache,
+            and the K/V a shared layer reads from its donor, follow from the re-seeded streams. None: the
+            plain forward. Used by ``harness/parity/checks/pair.py`` (``local_rel_l2``) to judge each
+            layer of an engine on its own.
+
+    Raises:
+        ValueError: a ``layer_inputs`` array that is not ``[T, h]``.
 
     Source: transformers ``Gemma4ForCausalLM.forward``, ``Gemma4Model.forward`` (the merge).
     """
@@ -547,10 +572,14 @@ def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = Non
     q_block = vision_blocks(cfg, mm)  # [T] or None
     blocks = None if q_block is None else (q_block, np.concatenate([np.full(cache.n_past, -1), q_block]))
     for layer in cfg.layers:
+        if layer_inputs is not None and layer.index in layer_inputs:
+            x = reseed(layer_inputs[layer.index], x.shape, layer.index)
         x = decoder_layer(cfg, layer, W, x, positions, k_pos, cache,
                           None if ple is None else ple[:, layer.index], trace, blocks if layer.is_sliding else None)
     cache.pos = k_pos
     cache.open_block = q_block is not None and bool(q_block[-1] >= 0)
+    if layer_inputs is not None and cfg.n_layer in layer_inputs:  # the stream that enters the final norm
+        x = reseed(layer_inputs[cfg.n_layer], x.shape, cfg.n_layer)
     x = rms_norm(x, W["output_norm.weight"], cfg.rms_eps)
     trace("result_norm", -1, x)
     logits = lm_head(cfg, W, x)

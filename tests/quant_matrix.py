@@ -82,7 +82,11 @@ def run_one(runs, engine: str, served: Path, model: Path, prompts, log: Path) ->
     greedy = next((v for g, v in r["gates"].items() if g.endswith(".greedy")), None)
     failing = sorted(g for g, v in r["gates"].items() if v["fail"])
     d = agree["detail"] if agree else {}
+    local = next((v for g, v in r["gates"].items() if g.endswith("_q8.local_median")), None)
+    ld = local["detail"] if local else {}
     return {"exit": 0 if r["passed"] else 1, "seconds": round(time.monotonic() - t0),
+            "local": None if local is None else local["worst"], "local_null": ld.get("null"),
+            "local_limit": ld.get("limit"), "first_divergence": ld.get("first_divergence"),
             "agreeing": None if agree is None else agree["worst"],
             "counts": [d.get("agreeing"), d.get("reference_agreeing"), d.get("positions")] if d else None,
             "agreeing_informational": bool(d.get("informational_reason")), "failing": failing,
@@ -130,17 +134,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(rows: list[dict]) -> str:
     """The markdown table of the matrix's rows."""
-    lines = ["| file | copy | engine | exit | agreeing_positions (engine / jittered reference, of positions) "
-             "| greedy | outcome |", "|---|---|---|---|---|---|---|"]
+    lines = ["| file | copy | engine | exit | local_median (null; first diverging point) "
+             "| agreeing_positions (engine / jittered reference, of positions) | greedy | outcome |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r.get("counts")
-        fig = ("-" if r.get("agreeing") is None else
+        fig = ("-" if r.get("agreeing") is None or r["agreeing"] != r["agreeing"] else
                f"{r['agreeing']:.3g} ({c[0]} / {c[1]}, of {c[2]})" if c else f"{r['agreeing']:.3g}")
         if r.get("agreeing_informational"):
             fig += " (reported: flips too dense)"
         g = r.get("greedy")
+        loc = ("-" if r.get("local") is None else
+               f"{r['local']:.3g} ({r['local_null']:.2g}; {r.get('first_divergence') or '-'})")
         lines.append(f"| {r['file']} | {r['fault'] if r['fault'] == 'correct' else r['what']} | {r['engine']} | "
-                     f"{r['exit'] if r['exit'] is not None else 'error: ' + r.get('error', '')} | {fig} | "
+                     f"{r['exit'] if r['exit'] is not None else 'error: ' + r.get('error', '')} | {loc} | {fig} | "
                      f"{'-' if g is None else f'{g:.3g}'} | {r['outcome']} |")
     return "\n".join(lines)
 

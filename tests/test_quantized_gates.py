@@ -6,7 +6,8 @@ The fast tests check the plumbing: the weights' GGML type reaches the product, F
 experts and the tied head are, the many-forwards path gives the one-by-one path's bits, and an engine whose rounding
 cannot be emulated is judged on its KLD with the reason said. The slow ones run the real ``llamacpp`` engine on
 synthetic GGUFs (Q8_0, and a Q4_K_M made by llama-quantize) and on faulty copies (the first half of one matrix's
-rows scaled by 1.02, :mod:`quant_faults`): every correct file passes, every faulty one fails.
+rows scaled by 1.02, :mod:`quant_faults`): every correct file passes, every faulty one fails (tests/test_local_gate.py:
+the same on small shapes, naming the layer).
 """
 
 from __future__ import annotations
@@ -220,13 +221,15 @@ def _pairs(path: Path, faults: list[str], tmp_path: Path) -> dict[str, dict]:
 @pytest.mark.slow
 def test_llamacpp_q8_0_correct_passes_faults_fail(tmp_path):
     """e2b in Q8_0 (and its F16 fallbacks): the correct file passes; a 2 % scale of half the rows of an FFN down,
-    an attention output or an FFN gate matrix fails, on agreeing_positions."""
+    an attention output or an FFN gate matrix fails, on local_median (the engine's traces: each layer judged on its
+    own), naming the faulty matrix's layer."""
     got = _pairs(_case("e2b", "Q8_0"), ["blk.3.ffn_down.weight", "blk.1.attn_output.weight",
                                         "blk.5.ffn_gate.weight"], tmp_path)
     assert got["correct"]["passed"], got["correct"]
     for t in ("blk.3.ffn_down.weight", "blk.1.attn_output.weight", "blk.5.ffn_gate.weight"):
         assert not got[t]["passed"], t
-        assert got[t]["gates"]["reference~llamacpp_q8.agreeing_positions"]["fail"], t
+        local = got[t]["gates"]["reference~llamacpp_q8.local_median"]
+        assert local["fail"] and local["detail"]["first_layer"] == int(t.split(".")[1]), (t, local)
 
 
 @pytest.mark.slow

@@ -286,6 +286,8 @@ def emulate(key: Iterable[str]) -> ContextManager:
         stack.enter_context(emulations.quantized_activations_numerics())
     if "jitter" in key:  # after the rounding it perturbs the input of (harness/parity/checks/pair.py)
         stack.enter_context(emulations.jitter_numerics())
+    if "jitter_sums" in key:  # the fp32 sums' last bits, the null of the re-seeded per-layer comparison
+        stack.enter_context(emulations.jitter_sums_numerics())
     if "quantized_activations_q8" in key:  # the yardstick where the engine's rounding cannot be emulated
         stack.enter_context(emulations.coarse_q8_numerics())
     kv = next((k.split("=", 1)[1] for k in key if k.startswith("kv_cache=")), None)

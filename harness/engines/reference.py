@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -97,10 +97,11 @@ class ReferenceEngine:
                                           held=getattr(self.weights, "cached_bytes", 0))  # cached: allocated
 
     @memory.guarded
-    def logits(self, ids: Sequence[int], trace: TraceFn | None = None) -> np.ndarray:
-        """float64 ``[T, V]``; see :func:`reference.model.forward`."""
+    def logits(self, ids: Sequence[int], trace: TraceFn | None = None,
+               layer_inputs: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
+        """float64 ``[T, V]``; see :func:`reference.model.forward` (``layer_inputs``: a re-seeded forward)."""
         self._plan(len(ids), 0)
-        return ref_model.forward(self.cfg, self.weights, ids, trace=trace)
+        return ref_model.forward(self.cfg, self.weights, ids, trace=trace, layer_inputs=layer_inputs)
 
     @memory.guarded
     def logits_chains(self, chains: Sequence[Chain],

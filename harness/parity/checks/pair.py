@@ -80,10 +80,40 @@ Q8_REPORTED_WHY = (
     "sporadically, an int8 rounding that the engine's fp32 activation takes the other way (an activation within fp32 "
     "noise of a rounding midpoint); one such flip moves everything after it by as much as the rounding itself does "
     "(measured: e2b Q8_0 max |dlogit| 0.35, Gemma 3 270M Q4_K_M 8.4), so the worst figure says nothing about a fault. "
-    "Gated instead: agreeing_positions (a fault moves every position; a flip only those after it)")
+    "Gated instead: local_median where the engine gives its tensors (each layer re-seeded from the engine's stream), "
+    "else agreeing_positions (a fault moves every position; a flip only those after it)")
 
 Q8_METRICS = ("max_abs_logit", "mean_kld", "same_top1_decisive", "greedy", "max_abs_logprob", "layer_rel_l2")
 """The metrics judged by ``<pair>_q8.*`` when the engine's quantized activations are emulated on a quantized file."""
+
+LOCAL_POINTS = (("inp_scaled", "inp_per_layer"), ("attn_out", "ffn_mlp", "ffn_moe", "ffn_out", "per_layer_embd_out",
+                                                   "l_out"), ("result_norm", "result_output"))
+"""The trace points ``local_median`` compares: before the layers (layer -1), in every layer, after them (layer -1)."""
+
+
+def local_errors(ours: Trace, seeded: Trace, null: Trace, n_layer: int) -> dict[tuple[str, int], tuple[np.ndarray,
+                                                                                                      np.ndarray]]:
+    """Per trace point ``(point, layer)`` in trace order: the per-position relative L2 of the engine's tensor against
+    the re-seeded reference's (:meth:`ReferenceRuns.reseeded`), and of the jittered re-seeded reference's (the null)
+    against the same, each float64 ``[T]`` (``||a_t - b_t|| / ||b_t||``; a row of zeros on the reference side: 0
+    when the other row is zeros too, else inf). Points that either side lacks, or holds in another shape, are left
+    out."""
+    before, every, after = LOCAL_POINTS
+    keys = ([(p, -1) for p in before] + [(p, il) for il in range(n_layer) for p in every]
+            + [(p, -1) for p in after])
+    out = {}
+    for point, layer in keys:
+        a, b, j = ours.tensor(point, layer), seeded.tensor(point, layer), null.tensor(point, layer)
+        if a is None or b is None or j is None or a.shape != b.shape or not a.ndim:
+            continue
+        a, b, j = (np.asarray(x, dtype=np.float64).reshape(x.shape[0], -1) for x in (a, b, j))
+        nb = np.linalg.norm(b, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            errs = [np.where(nb > 0, np.linalg.norm(x - b, axis=1) / nb,
+                             np.where(np.linalg.norm(x, axis=1) > 0, np.inf, 0.0)) for x in (a, j)]
+        out[(point, layer)] = (np.nan_to_num(errs[0], nan=np.inf), np.nan_to_num(errs[1], nan=np.inf))
+    return out
+
 
 SIXTEEN_BIT = ("bfloat16", "float16")
 
@@ -262,6 +292,33 @@ class ReferenceRuns:
                 z = self.oracle.logits(prompt["prompt_ids"], trace=w)
             self._logits[key] = (z, w.trace())
         return self._logits[key]
+
+    def reseeded(self, approx: tuple[str, ...], prompt: dict[str, Any], engine: Trace) -> tuple[Trace, Trace] | None:
+        """The reference's traces (tensors kept) of one prompt under ``approx``, re-seeded from the engine's trace:
+        each layer L > 0 enters with the engine's ``l_out`` of layer L - 1, and the final norm with its last layer's
+        (``layer_inputs`` of :func:`reference.model.forward`), so that each layer is computed from what the engine's
+        own layer took and a difference cannot carry from one layer to the next; then the same with every product's
+        input jittered in its last bits (``(*approx, "jitter")``: what the int8 rounding flips alone leave, the null
+        of ``local_rel_l2``). The first layer enters with the engine's ``inp_scaled`` where it traced it. Two
+        forwards, not kept (another engine's trace is another seed). None when the oracle
+        is not the reference or the engine's trace lacks an ``l_out`` tensor of the prompt's shape."""
+        if self.oracle is not self.ref:
+            return None
+        n, T, h = self.ref.cfg.n_layer, len(prompt["prompt_ids"]), self.ref.cfg.hidden_size
+        first = engine.tensor("inp_scaled", -1)  # the first layer's input too, where traced: its fp32 bits
+        seeds = {0: first} if first is not None and first.shape == (T, h) else {}
+        for il in range(n):
+            t = engine.tensor("l_out", il)
+            if t is None or t.shape != (T, h):
+                return None
+            seeds[il + 1] = t
+        out = []
+        for a in (approx, (*approx, "jitter_sums")):
+            w = TraceWriter(self.name, prompt["prompt_ids"], dtype="float64", keep_tensors=True)
+            with self.numerics(a):
+                self.ref.logits(prompt["prompt_ids"], trace=w, layer_inputs=seeds)
+            out.append(w.trace())
+        return out[0], out[1]
 
     def raw_logits(self, approx: tuple[str, ...], ids: Sequence[int]) -> np.ndarray:
         """The oracle's logits ``[T, V]`` (float64) of ``ids``, not kept, under ``approx``."""
@@ -547,13 +604,19 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
     """Judge the figures of an engine that rounds its activations (``quantized_activations``) on a file with
     quantized or 16-bit matrices (``types``).
 
+    Emulated with the engine's tensors (its traces: the ``<pair>_q8.local_median`` figures of each prompt, with
+    ``_errors``): they are pooled into the one gate of the pair (:func:`local_figure`: each layer judged on its own
+    against the reference re-seeded from the engine's stream), and ``agreeing_positions`` is reported
+    (:data:`LOCAL_JUDGES`; its jittered count is not computed).
+
     Emulated (``gap`` None): each figure is judged by ``<pair>_q8.<metric>`` (``harness/core/gates.py``), not by the
     effect of the emulations (kept in the detail as ``effect_not_applied``: the rounding moves the figures by far
     more than a fault does). What the emulation leaves is fp32 accumulation and sporadic int8 rounding flips; the
     worst-value figures are reported, and ``<pair>_q8.agreeing_positions`` is gated: the positions in each prompt's
     leading run within the fp32 bound, over those of the emulating reference against itself with its inputs
     perturbed in their last bits (``jitter``: what the flips alone do on this model and prompt). When that reference
-    agrees on no position (flips too dense), the figure is reported and the mean KLD is gated as below. An engine
+    agrees on fewer positions than one per prompt (flips too dense: no resolution), the figure is reported and the
+    mean KLD is gated as below. An engine
     without logits (a server) is counted on its greedy streams' log-probs instead (:func:`stream_agreement`, in the
     ``max_abs_logprob`` figure's detail): the same gate, the same ratio; flips too dense there leave the greedy
     streams to gate alone (no logits, no KLD).
@@ -565,6 +628,10 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
     head = pair + "."
     by_id = {str(p["id"]): p for p in prompts}
     dense = None
+    seeded = [f for f in figures if f.gate == f"{pair}_q8.local_median" and "_errors" in f.detail]
+    if seeded:  # the engine's tensor traces, each layer judged on its own: the gate of the emulated pair
+        figures[:] = [f for f in figures if not any(f is g for g in seeded)]
+        figures.append(local_figure(pair, seeded))
     if gap is None:
         logit = [f for f in figures if f.gate == head + "max_abs_logit" and "agreeing_prefix" in f.detail]
         streams = [f for f in figures if f.gate == head + "max_abs_logprob" and "agreeing_prefix" in f.detail]
@@ -573,7 +640,7 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
             own = DEFAULT_GATES[head + "max_abs_logit"].limit
             agree, total = sum(f.detail["agreeing_prefix"] for f in logit), sum(f.detail["positions"] for f in logit)
             itself = 0  # the emulating reference against itself with its inputs perturbed in their last bits
-            for f in logit:
+            for f in (() if seeded else logit):  # reported beside local_median: not worth a forward per prompt
                 p = by_id[str(f.prompt)]
                 base = runs.logits(approx, p)[0]
                 moved = np.max(np.abs(runs.raw_logits((*approx, "jitter"), p["prompt_ids"]) - base), axis=1)
@@ -583,7 +650,10 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
                           per_prompt={str(f.prompt): [f.detail["agreeing_prefix"], f.detail["positions"]]
                                       for f in logit})
             instead = "the mean KLD is gated against the 8-bit yardstick instead"
-            floor = 1
+            # a count of leading runs under one position per prompt has no resolution (as for streams below):
+            # measured, e2b F16 through the llamacpp engine, the jittered reference 2 over 6 prompts and the correct
+            # engine 0 (a false alarm)
+            floor = len(logit)
         elif streams:  # an engine without logits: its greedy streams' log-probs (stream_agreement)
             f = streams[0]
             own = DEFAULT_GATES[head + "max_abs_logprob"].limit
@@ -596,7 +666,11 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
             # a count of leading runs under one position per stream has no resolution: measured, the e2b F16 file
             # on llama-server, the jittered reference 2 over 6 streams and the correct server 0 (a false alarm)
             floor = len(f.detail["per_prompt"])
-        if detail is not None:
+        if detail is not None and seeded:  # reported: the per-layer figure judges
+            detail["reference_agreeing"] = None
+            figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
+                               informational_reason=LOCAL_JUDGES))
+        elif detail is not None:
             if itself < floor:
                 dense = (f"{'no position' if itself == 0 else f'{itself} position(s) over {floor} streams'} of the "
                          f"emulating reference agree(s) with itself within {own:g} once its inputs move in their last "
@@ -636,6 +710,44 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
                             quantized_activations=f"not emulated: {gap}")
         else:
             f.detail["informational_reason"] = why
+
+
+LOCAL_JUDGES = ("reported, not gated: the engine gave its tensors, and local_median judges each layer on its own "
+                "(re-seeded from the engine's stream, so that an int8 rounding flip cannot carry into the layers after "
+                "it)")
+"""Why ``agreeing_positions`` is reported where ``local_median`` gates the pair."""
+
+
+def local_figure(pair: str, per_prompt: Sequence[Figure]) -> Figure:
+    """``<pair>_q8.local_median``: for each trace point (point, layer), the median over every position of every
+    prompt of the engine's per-position relative L2 against the emulating reference re-seeded from the engine's
+    own stream (:meth:`ReferenceRuns.reseeded`, :func:`local_errors`, in each figure of ``per_prompt`` as
+    ``_errors``); the figure is the worst point's, judged at ``max(floor, 2 x effect)`` where the effect is the
+    worst point's median of the null (the jittered re-seeded reference against the re-seeded one: what the
+    emulation leaves). Why the median: a fault in a matrix moves every position that uses it, by the same relative
+    amount; an int8 rounding flip moves one position (and, through its keys and values, the later ones by less),
+    and flips are rare, so the median over positions is the emulation's fp32 agreement unless a fault moves most
+    positions. Names the first point in trace order beyond the limit (``first_divergence``, ``point@layer``)."""
+    pooled: dict[tuple[str, int], tuple[list, list]] = {}
+    for f in per_prompt:
+        for k, (e, j) in f.detail["_errors"].items():
+            pooled.setdefault(k, ([], []))
+            pooled[k][0].append(e)
+            pooled[k][1].append(j)
+    rows = [(k, float(np.median(np.concatenate(e))), float(np.median(np.concatenate(j))), int(sum(map(len, e))))
+            for k, (e, j) in pooled.items()]
+    worst = max(rows, key=lambda r: r[1] if r[1] == r[1] else float("inf"))
+    null = max(r[2] for r in rows)
+    limit = effect_limit(DEFAULT_GATES[f"{pair}_q8.local_median"], null)
+    first = next((r for r in rows if not r[1] <= limit), None)
+    where = None if first is None else f"{first[0][0]}@{first[0][1]}"
+    said = {} if first is None else {"why": (
+        f"first diverging layer {first[0][1]} ({where}): the median relative L2 over {first[3]} positions is "
+        f"{first[1]:.3g}, beyond {limit:.3g} (the emulation itself leaves {first[2]:.3g} there)")}
+    return fig(f"{pair}_q8.local_median", worst[1], None, worst_point=f"{worst[0][0]}@{worst[0][1]}",
+               first_divergence=where, first_layer=None if first is None else first[0][1], effect=null,
+               null=null, prompts=len(per_prompt), points=len(rows), **said,
+               per_point=[[k[0], k[1], e, j] for k, e, j, _ in rows])
 
 
 def _naming(e: EngineFailure, prompts: Sequence[dict[str, Any]], oracle: dict[str, dict] | None = None,
@@ -742,6 +854,10 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
             if ours_trace is not None:
                 exact_trace = runs.logits((), p)[1] if approx else None
                 out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit, exact_trace))
+                seeded = runs.reseeded(approx, p, ours_trace) if "quantized_activations" in approx else None
+                errors = None if seeded is None else local_errors(ours_trace, *seeded, runs.ref.cfg.n_layer)
+                if errors:  # pooled over the prompts by _quantized_gates
+                    out.append(fig(f"{pair}_q8.local_median", float("nan"), p["id"], _errors=errors))
         if _can(eng, "generate"):
             context = runs.ref.cfg.context_length
             gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]

@@ -1,0 +1,103 @@
+"""The per-layer gate of an emulated pair whose engine gives its tensors (``<pair>_q8.local_median``,
+harness/parity/checks/pair.py ``local_figure``; docs/quantized-activations.md): the emulating reference re-seeded
+from the engine's own stream (``layer_inputs`` of :func:`reference.model.forward`), so an int8 rounding flip cannot
+carry into the later layers, while a fault in a matrix shows at its own layer.
+
+The fast tests: a re-seeded forward fed its own stream is the forward, bit for bit (Gemma 4 with PLE and KV sharing,
+and a plain shape); the real ``llamacpp`` engine on small quantized files of varied shapes passes, and a copy with the
+first half of one matrix's rows x1.02 fails with its layer named.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import reference.model as rm
+from harness.traces.format import TraceWriter
+from reference.weights import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ggml_lib import need_llamacpp  # noqa: E402
+
+SHAPES = Path(__file__).parent / "shapes"
+
+VARIANTS = {
+    # odd-h72-v300 widened to whole Q8_0 blocks: 4 layers, one KV head, a tied head; attention outputs stay F16
+    "h96-q8_0": ("odd-h72-v300.toml", {"hidden_size": 96, "intermediate_size": 160}, "Q8_0"),
+    # odd-h100-v389-ple in Q4_0: PLE (its rows of 8 in F16), a KV-shared tail, a double-wide MLP, an untied head
+    "h128-ple-q4_0": ("odd-h100-v389-ple.toml", {"hidden_size": 128, "intermediate_size": 192}, "Q4_0"),
+}
+
+
+def _built(variant: str, tmp_path: Path) -> tuple[Path, Path]:
+    """The F32 and quantized GGUFs of a :data:`VARIANTS` shape (built by ``g4h synth``'s builder, cached)."""
+    from harness.synth import ensure_built
+
+    base, changes, qtype = VARIANTS[variant]
+    text = (SHAPES / base).read_text()
+    text = re.sub(r"^qtypes = .*$", f'qtypes = ["F32", "{qtype}"]', text, count=1, flags=re.M)
+    for key, value in changes.items():
+        text, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, count=1, flags=re.M)
+        assert n == 1, key
+    spec = tmp_path / f"local-{variant}.toml"
+    spec.write_text(text)
+    built = ensure_built(spec).gguf
+    return Path(built["F32"]), Path(built[qtype])
+
+
+@pytest.mark.parametrize("shape", ["odd-h100-v389-ple.toml", "odd-h72-v300.toml"])
+def test_reseeded_with_its_own_stream_is_the_forward(shape):
+    """Each layer fed the reference's own ``l_out`` of the layer before (and the first its own ``inp_scaled``) gives
+    the plain forward's logits bit for bit: the re-seeding replaces the stream and nothing else (PLE, the KV cache,
+    a shared layer's donor K/V follow). A stream of another shape is refused."""
+    from harness.synth import ensure_built
+
+    cfg, W = load_model(ensure_built(SHAPES / shape).gguf["F32"])
+    ids = [3, 17, 42, 5, 99, 7, 11, 2, 64, 23, 31, 8, 77, 1]
+    w = TraceWriter("ref", ids, keep_tensors=True)
+    plain = rm.forward(cfg, W, ids, trace=w)
+    tr = w.trace()
+    seeds = {0: tr.tensor("inp_scaled", -1), **{il + 1: tr.tensor("l_out", il) for il in range(cfg.n_layer)}}
+    assert np.array_equal(rm.forward(cfg, W, ids, layer_inputs=seeds), plain)
+    moved = dict(seeds)
+    moved[2] = seeds[2] * 1.01  # a different stream into layer 2 changes that layer, not the one before
+    w2 = TraceWriter("ref", ids, keep_tensors=True)
+    rm.forward(cfg, W, ids, trace=w2, layer_inputs=moved)
+    assert np.array_equal(w2.trace().tensor("l_out", 1), tr.tensor("l_out", 1))
+    assert not np.array_equal(w2.trace().tensor("l_out", 2), tr.tensor("l_out", 2))
+    with pytest.raises(ValueError, match=r"layer_inputs\[1\]"):
+        rm.forward(cfg, W, ids, layer_inputs={1: seeds[1][:-1]})
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_llamacpp_local_gate_passes_correct_names_faulty_layer(variant, tmp_path):
+    """The ``llamacpp`` engine on a small quantized file passes ``local_median`` (within its floor, far below it), and
+    on a copy whose ``blk.1.ffn_down`` has the first half of its rows x1.02 fails it, naming layer 1 (its ``ffn_out``)
+    as the first diverging point; ``agreeing_positions`` is reported beside it."""
+    from quant_faults import make_fault
+    from quant_pairs import judge, prompts_for
+
+    from harness.engines.reference import ReferenceEngine
+    from harness.parity.checks.pair import ReferenceRuns
+
+    need_llamacpp()
+    _, path = _built(variant, tmp_path)
+    runs = ReferenceRuns(ReferenceEngine(path))
+    assert runs.unemulated_types()  # quantized or 16-bit matrices: the emulated pair
+    prompts = prompts_for(path, runs.ref.cfg)[:4]
+    gate = "reference~llamacpp_q8.local_median"
+    good = judge(runs, path, prompts, n_tokens=2)
+    assert good["passed"], {g: v["worst"] for g, v in good["gates"].items() if v["fail"]}
+    local = good["gates"][gate]
+    assert local["worst"] < local["limit"] / 10 and local["detail"]["first_divergence"] is None, local
+    assert good["gates"]["reference~llamacpp_q8.agreeing_positions"]["informational"]
+    bad_file, _ = make_fault("rows", path, tmp_path / "rows.gguf", "blk.1.ffn_down.weight")
+    bad = judge(runs, bad_file, prompts, n_tokens=2)
+    local = bad["gates"][gate]
+    assert not bad["passed"] and local["fail"], local
+    assert local["detail"]["first_layer"] == 1 and local["detail"]["first_divergence"] == "ffn_out@1", local
