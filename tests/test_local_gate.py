@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import reference.model as rm
-from harness.traces.format import TraceWriter
-from reference.weights import load_model
+import gemma4_harness.reference.model as rm
+from gemma4_harness.harness.traces.format import TraceWriter
+from gemma4_harness.reference.weights import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggml_lib import need_llamacpp  # noqa: E402
@@ -36,7 +36,7 @@ VARIANTS = {
 
 def _built(variant: str, tmp_path: Path) -> tuple[Path, Path]:
     """The F32 and quantized GGUFs of a :data:`VARIANTS` shape (built by ``g4h synth``'s builder, cached)."""
-    from harness.synth import ensure_built
+    from gemma4_harness.harness.synth import ensure_built
 
     base, changes, qtype = VARIANTS[variant]
     text = (SHAPES / base).read_text()
@@ -55,7 +55,7 @@ def test_reseeded_with_its_own_stream_is_the_forward(shape):
     """Each layer fed the reference's own ``l_out`` of the layer before (and the first its own ``inp_scaled``) gives
     the plain forward's logits bit for bit: the re-seeding replaces the stream and nothing else (PLE, the KV cache,
     a shared layer's donor K/V follow). A stream of another shape is refused."""
-    from harness.synth import ensure_built
+    from gemma4_harness.harness.synth import ensure_built
 
     cfg, W = load_model(ensure_built(SHAPES / shape).gguf["F32"])
     ids = [3, 17, 42, 5, 99, 7, 11, 2, 64, 23, 31, 8, 77, 1]
@@ -82,8 +82,8 @@ def test_llamacpp_local_gate_passes_correct_names_faulty_layer(variant, tmp_path
     from quant_faults import make_fault
     from quant_pairs import judge, prompts_for
 
-    from harness.engines.reference import ReferenceEngine
-    from harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
 
     need_llamacpp()
     _, path = _built(variant, tmp_path)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -403,7 +403,7 @@ Q8_LOCAL_WHY = (
     "reference; the figure is the worst point's, and the first point beyond the limit names the first diverging "
     "layer (harness.parity.checks.pair.local_figure). The limit is max(1e-4, 2 x the null): the null is the same "
     "median for the re-seeded reference with every product's output moved in its last bits (jitter_sums, "
-    "harness.engines.llamacpp.numerics.jitter_sums_numerics: a model of fp32 sums in another order, which flips the "
+    "gemma4_harness.harness.engines.llamacpp.numerics.jitter_sums_numerics: a model of fp32 sums in another order, which flips the "
     "roundings an engine's sums can flip and not the exact ties of inputs both sides compute bit for bit), worst "
     "over the points; 2 as for an emulated approximation (EFFECT_FACTOR: the engine and the null each one such "
     "distance from the reference). 1e-4: fp32 accumulation against float64 leaves a median of 1e-7 (measured, "
@@ -745,7 +745,7 @@ DEFAULT_GATES.update(SWEEP_GATES)
 GATE_TABLES = ("summary", "full")
 """The generated tables (:func:`gate_table`): ``summary`` (one row per pair) and ``full`` (one row per gate and per
 op bound, with its reason), both in docs/gates.md, the one document that holds them (README.md links it). A
-document holds one between ``<!-- gates:NAME -->`` and ``<!-- /gates:NAME -->``; ``python -m harness.core.gates
+document holds one between ``<!-- gates:NAME -->`` and ``<!-- /gates:NAME -->``; ``python -m gemma4_harness.harness.core.gates
 --write`` rewrites them (in docs/gates.md, or in the files named), ``tests/test_docs.py`` holds them equal to this
 module and in that one place."""
 
@@ -820,10 +820,10 @@ def with_gate_tables(text: str) -> str:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """``python -m harness.core.gates --markdown [summary|full]`` prints a table; ``--write [FILE...]`` rewrites the
+    """``python -m gemma4_harness.harness.core.gates --markdown [summary|full]`` prints a table; ``--write [FILE...]`` rewrites the
     marked tables of each file (default docs/gates.md, :data:`GATES_DOC`). Returns the exit status (2: a file that
     cannot be read or holds no marked table)."""
-    p = argparse.ArgumentParser(prog="python -m harness.core.gates", description=_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m gemma4_harness.harness.core.gates", description=_main.__doc__)
     p.add_argument("--markdown", choices=GATE_TABLES, nargs="?", const="summary", default=None,
                    help="print this table (default summary)")
     p.add_argument("--write", nargs="*", default=None, metavar="FILE",
