@@ -3,13 +3,15 @@
 The rule lives here, in the lowest layer that needs it (:mod:`fast.shapes` reads the shape files,
 :mod:`fast.cpu_kernels` caches its compiled kernels); :mod:`harness.core.paths` re-exports it.
 
-* :data:`IMPORT_ROOT`: the folder holding the import packages ``reference``, ``fast`` and ``harness``: the
-  repository in a clone (or an editable install), ``site-packages`` in an installed wheel. Nothing is ever
-  written there.
+* :data:`IMPORT_ROOT`: the folder holding the packages ``reference``, ``fast`` and ``harness`` (imported as
+  ``gemma4_harness.reference``, ...): the repository in a clone (or an editable install),
+  ``site-packages/gemma4_harness`` in an installed wheel. Nothing is ever written there.
+* :data:`SEARCH_ROOT`: the folder holding the ``gemma4_harness`` package (the same repository in a clone,
+  ``site-packages`` when installed): first on a worker process's ``PYTHONPATH``, and its folder.
 * :data:`CASES_DIR`: the case library (model specs, prompt sets, shapes, tokenizer corpora, the chat
   template, the carried Gemma 3 tokenizer). In a clone it is ``<repo>/cases``; a built wheel or sdist install
-  carries its own copy inside the package, ``harness/_cases`` (the build step of ``setup.py`` copies every
-  file of ``cases/`` there), and that copy wins when present.
+  carries its own copy inside the package, ``gemma4_harness/harness/_cases`` (the build step of ``setup.py``
+  copies every file of ``cases/`` there), and that copy wins when present.
 * :func:`user_cache_dir`: ``$XDG_CACHE_HOME/gemma4-harness``, else ``~/.cache/gemma4-harness``.
 * :func:`cache_root`: the project cache (built synthetic checkpoints, the assembled real Gemma 3 GGUF, the
   derived tokenizer files, compiled CPU kernels): an explicit folder, else ``$G4H_CACHE``, else
@@ -24,7 +26,12 @@ import os
 from pathlib import Path
 
 IMPORT_ROOT = Path(__file__).resolve().parents[1]
-"""The folder holding the import packages (the repository in a clone, ``site-packages`` when installed)."""
+"""The folder holding the three packages (the repository in a clone, ``site-packages/gemma4_harness`` when
+installed)."""
+
+SEARCH_ROOT = IMPORT_ROOT if (IMPORT_ROOT / "gemma4_harness" / "__init__.py").is_file() else IMPORT_ROOT.parent
+"""The folder holding the ``gemma4_harness`` package (the repository in a clone, ``site-packages`` when installed):
+what a worker process puts first on its ``PYTHONPATH`` and runs in, so that it imports this checkout or install."""
 
 BUNDLED_CASES_DIR = IMPORT_ROOT / "harness" / "_cases"
 """Where a wheel carries the case library (``setup.py``'s build step copies ``cases/`` there)."""

@@ -125,7 +125,7 @@ def _run_limited(args: list[str], headroom_mb: int, limit: str = "AS") -> subpro
     has after its imports + headroom."""
     code = textwrap.dedent(f"""
         import resource, sys
-        import numpy, gguf, reference, gemma4_harness.harness.engines.reference, gemma4_harness.harness.cli.logits
+        import numpy, gguf, gemma4_harness.reference, gemma4_harness.harness.engines.reference, gemma4_harness.harness.cli.logits
         from gemma4_harness.harness.cli import main
         a = numpy.ones((256, 256))
         (a @ a).sum()  # OpenBLAS starts its threads and buffers now: under the limit their failure is a crash

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BUILD_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "reference", "fast", "harness", "cases")
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "gemma4_harness", "reference", "fast", "harness",
+                "cases")
 
 
 def _files_under(root: Path) -> set[str]:
@@ -61,17 +62,21 @@ def test_wheel_holds_the_case_library_kernel_sources_and_entry_points(wheel):
     cases = _files_under(REPO / "cases")
     assert {"data/gemma3-tokenizer/tokenizer.model", "tokenizer/gemma4_chat_template.jinja",
             "prompts/synthetic.jsonl", "models/e2b.toml", "shapes/e2b.toml"} <= cases
-    missing = sorted(f for f in cases if f"harness/_cases/{f}" not in names)
+    missing = sorted(f for f in cases if f"gemma4_harness/harness/_cases/{f}" not in names)
     assert not missing, f"files of cases/ missing from the wheel: {missing[:10]}"
-    extra = sorted(n for n in names if n.startswith("harness/_cases/") and n[len("harness/_cases/"):] not in cases)
+    bundled = "gemma4_harness/harness/_cases/"
+    extra = sorted(n for n in names if n.startswith(bundled) and n[len(bundled):] not in cases)
     assert not extra, f"files in the wheel's case library that cases/ does not hold: {extra[:10]}"
     csrc = {p.name for p in (REPO / "fast" / "csrc").iterdir() if p.suffix in (".c", ".h")}
     assert {"linear_quant.c", "linear_f32.c", "workpool.h"} <= csrc
-    assert {f"fast/csrc/{n}" for n in csrc} <= names
+    assert {f"gemma4_harness/fast/csrc/{n}" for n in csrc} <= names
     meta = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     entry = zipfile.ZipFile(wheel).read(meta).decode()
-    assert "g4h = harness.cli:main" in entry and "[pytest11]" in entry and "gemma4_harness.harness.pytest_plugin" in entry
+    assert "g4h = gemma4_harness.harness.cli:main" in entry and "[pytest11]" in entry and "gemma4_harness.harness.pytest_plugin" in entry
     assert not any(n.startswith(("tests/", "reports/", "docs/")) for n in names)
+    # one top-level import name (docs/architecture.md, "One import name"): nothing an engine repository's own
+    # harness/, reference/ or fast/ folder could shadow
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"gemma4_harness"}
 
 
 def _listing(*roots: Path) -> dict[str, tuple[int, int]]:
@@ -117,11 +122,12 @@ def test_installed_wheel_runs_from_an_empty_folder_and_writes_nothing_in_its_env
     def run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
         return subprocess.run(list(args), cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
 
-    where = run("python", "-c", "import harness, gemma4_harness.fast.paths as p; print(harness.__file__); print(p.CASES_DIR); "
+    where = run("python", "-c", "import gemma4_harness.harness as h, gemma4_harness.fast.paths as p; print(h.__file__); "
+                "print(p.CASES_DIR); "
                 "print(p.cache_root())")
     assert where.returncode == 0, where.stderr
     pkg, cases, cache = where.stdout.split()
-    assert Path(pkg).is_relative_to(site) and Path(cases) == site / "harness" / "_cases", where.stdout
+    assert Path(pkg).is_relative_to(site) and Path(cases) == site / "gemma4_harness" / "harness" / "_cases", where.stdout
     assert Path(cache) == home / ".cache" / "gemma4-harness"
 
     before = _listing(venv, *map(Path, shared))

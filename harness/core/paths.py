@@ -2,9 +2,11 @@
 
 The rule is :mod:`fast.paths` (the lowest layer that needs it), re-exported here:
 
-* :data:`REPO_ROOT`: the folder holding the import packages (the repository in a clone, ``site-packages`` when
-  installed from a wheel); read only.
-* :data:`CASES_DIR`: the case library, the package's own copy when installed (``harness/_cases``), else the
+* :data:`REPO_ROOT`: the folder holding the import packages (the repository in a clone, ``site-packages/gemma4_harness``
+  when installed from a wheel); read only.
+* :data:`SEARCH_ROOT`: the folder holding the ``gemma4_harness`` package (the repository in a clone,
+  ``site-packages`` when installed): a worker process's first ``PYTHONPATH`` entry and its folder.
+* :data:`CASES_DIR`: the case library, the package's own copy when installed (``gemma4_harness/harness/_cases``), else the
   clone's ``cases/``.
 * :func:`cache_root`: the project's own cache, ``$G4H_CACHE`` or the user cache directory (built synthetic
   checkpoints, the assembled real Gemma 3 GGUF, derived tokenizer files, compiled CPU kernels).
@@ -20,13 +22,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gemma4_harness.fast.paths import CASES_DIR, IMPORT_ROOT, cache_root, user_cache_dir
+from gemma4_harness.fast.paths import CASES_DIR, IMPORT_ROOT, SEARCH_ROOT, cache_root, user_cache_dir
 
 REPO_ROOT = IMPORT_ROOT
-"""The folder holding ``harness/``, ``fast/`` and ``reference/``: the repository in a clone, ``site-packages``
-when installed (read only)."""
+"""The folder holding ``harness/``, ``fast/`` and ``reference/``: the repository in a clone,
+``site-packages/gemma4_harness`` when installed (read only)."""
 
-__all__ = ["CASES_DIR", "REPO_ROOT", "cache_root", "default_reports_dir", "user_cache_dir"]
+__all__ = ["CASES_DIR", "REPO_ROOT", "SEARCH_ROOT", "cache_root", "default_reports_dir", "user_cache_dir"]
 
 
 def default_reports_dir() -> Path:

@@ -59,7 +59,7 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
 
-from .paths import REPO_ROOT
+from .paths import SEARCH_ROOT
 
 
 class EngineFailure(RuntimeError):
@@ -157,14 +157,15 @@ def _describe_rc(rc: int) -> str:
 
 
 def worker_env() -> dict[str, str]:
-    """The environment of a llama.cpp worker process: this one's, plus the import root first on ``PYTHONPATH``
-    (:data:`harness.core.paths.REPO_ROOT`, so ``python -m harness.<worker>`` imports this checkout or install)
-    and ``GGML_NO_BACKTRACE=1`` (an abort prints its assert line and never attaches a debugger). Workers run
-    in the import root as their folder (``python -m`` puts its folder first on ``sys.path``: the user's folder
-    could shadow ``harness``) and write nothing there: every file they write has an absolute path."""
+    """The environment of a llama.cpp worker process: this one's, plus the folder holding ``gemma4_harness``
+    first on ``PYTHONPATH`` (:data:`harness.core.paths.SEARCH_ROOT`, so ``python -m gemma4_harness.harness.<worker>``
+    imports this checkout or install) and ``GGML_NO_BACKTRACE=1`` (an abort prints its assert line and never
+    attaches a debugger). Workers run in that folder (``python -m`` puts its folder first on ``sys.path``: the
+    user's folder could shadow ``gemma4_harness``) and write nothing there: every file they write has an absolute
+    path."""
     env = dict(os.environ)
     env["GGML_NO_BACKTRACE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([str(SEARCH_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
 
@@ -355,7 +356,7 @@ def _popen(argv: Sequence[str], **popen: Any) -> subprocess.Popen:
 
 
 def _popen_kwargs() -> dict[str, Any]:
-    return {"env": worker_env(), "cwd": str(REPO_ROOT)}
+    return {"env": worker_env(), "cwd": str(SEARCH_ROOT)}
 
 
 def start_child(argv: Sequence[str], **popen: Any) -> subprocess.Popen:
@@ -474,7 +475,7 @@ def _start_watchdog() -> subprocess.Popen:
     group does not reach it), reading folder registrations on its stdin."""
     return subprocess.Popen([sys.executable, "-m", "gemma4_harness.harness.core.workers"], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=worker_env(), cwd=str(REPO_ROOT))
+                            env=worker_env(), cwd=str(SEARCH_ROOT))
 
 
 def _tell_watchdog(line: str) -> None:

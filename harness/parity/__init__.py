@@ -24,4 +24,4 @@ def __getattr__(name: str) -> Any:
     try:
         return getattr(job, name)
     except AttributeError:
-        raise AttributeError(f"module 'harness.parity' has no attribute {name!r}") from None
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from gemma4_harness.reference.errors import InputError
 
 from ..core.memory import GB, available_memory
-from ..core.paths import REPO_ROOT
+from ..core.paths import SEARCH_ROOT
 
 #: Object store of each local node unless told otherwise: the base logits of a group (prompts x positions x
 #: vocabulary x 8 bytes: 0.2 GB for 100 positions of a 262,144-token vocabulary) and the engines' logits in flight.
@@ -102,10 +102,10 @@ class LocalCluster:
         """
         self._tmp = tempfile.mkdtemp(prefix="g4h-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
         env = dict(os.environ, RAY_AUTH_MODE="disabled")
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONPATH"] = os.pathsep.join([str(SEARCH_ROOT), *filter(None, [env.get("PYTHONPATH")])])
         self._keeper = subprocess.Popen([sys.executable, "-m", "gemma4_harness.harness.sweep.keeper"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                        start_new_session=True, env=env, cwd=str(REPO_ROOT))
+                                        start_new_session=True, env=env, cwd=str(SEARCH_ROOT))
         assert self._keeper.stdin is not None and self._keeper.stdout is not None
         self._keeper.stdin.write(json.dumps({"nodes": self.spec, "temp_dir": self._tmp,
                                              "python": sys.executable}) + "\n")

@@ -100,8 +100,8 @@ def active() -> tuple[str, ...]:
 
 
 def _override_name(v: Variant) -> str:
-    f = v.override
-    return f"`{f.__module__}.{f.__name__}`" if f is not None else "(none)"
+    f = v.override  # named by its place in the repository, without the gemma4_harness. prefix
+    return f"`{f.__module__.removeprefix('gemma4_harness.')}.{f.__name__}`" if f is not None else "(none)"
 
 
 def _cell(text: str) -> str:
