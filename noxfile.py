@@ -17,7 +17,7 @@ Arguments after ``--`` go to ``g4h parity`` / ``pytest`` unchanged.
 (``~/.cache/gemma4-harness/llama.cpp-0.3.36-<key>/``, or under ``$XDG_CACHE_HOME``),
 building it and ``llama-server`` there first when absent (one CMake build of the
 llama.cpp the sdist vendors, ~6-9 minutes on 2 cores; ``python -m
-harness.engines.llamacpp.build``). The llama.cpp, tokenizer-worker and server tests fail
+gemma4_harness.harness.engines.llamacpp.build``). The llama.cpp, tokenizer-worker and server tests fail
 when it is missing; ``G4H_SKIP_LLAMACPP=1`` is the one opt-out.
 """
 
@@ -66,9 +66,9 @@ def parity(session: nox.Session) -> None:
 
 
 def _install_llamacpp(session: nox.Session) -> None:
-    """llama-cpp-python from the user cache (built there first when absent: ``python -m harness.engines.llamacpp.build``)."""
-    session.run("python", "-m", "harness.engines.llamacpp.build")  # builds if needed; prints where everything is
-    wheel = session.run("python", "-m", "harness.engines.llamacpp.build", "--print-wheel", silent=True).strip().splitlines()[-1]
+    """llama-cpp-python from the user cache (built there first when absent: ``python -m gemma4_harness.harness.engines.llamacpp.build``)."""
+    session.run("python", "-m", "gemma4_harness.harness.engines.llamacpp.build")  # builds if needed; prints where everything is
+    wheel = session.run("python", "-m", "gemma4_harness.harness.engines.llamacpp.build", "--print-wheel", silent=True).strip().splitlines()[-1]
     session.install(wheel)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.activation_quants import QK8_0, QK_K, VEC_DOT_TYPE
+from gemma4_harness.reference.activation_quants import QK8_0, QK_K, VEC_DOT_TYPE
 
 __all__ = ["VEC_DOT_TYPE", "q8_0", "q8_1", "q8_K", "f16", "bf16", "round_activations"]
 

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from reference.audio import FIXED_NORM_EPS, AudioConfig
-from reference.errors import InputError
-from reference.model import TraceFn
+from gemma4_harness.reference.audio import FIXED_NORM_EPS, AudioConfig
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.model import TraceFn
 
 from .model import linear, rms_norm, softcap
 

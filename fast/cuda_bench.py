@@ -1,9 +1,9 @@
 """Micro-benchmark of the fused Triton kernels: GB/s of packed weights read, against dequantize-then-multiply.
 
-Run on a GPU: ``python -m fast.cuda_bench`` (defaults: Q8_0 and Q4_K; E4B's FFN
+Run on a GPU: ``python -m gemma4_harness.fast.cuda_bench`` (defaults: Q8_0 and Q4_K; E4B's FFN
 matrices 10240 x 2560 and 2560 x 10240, 31B's 21504 x 5376 and 5376 x 21504, the
 262144 x 2560 LM head; ``M`` = 1, 8, 64; float32 ``x``). Smoke test on the CPU, through
-Triton's interpreter, at tiny sizes: ``TRITON_INTERPRET=1 python -m fast.cuda_bench
+Triton's interpreter, at tiny sizes: ``TRITON_INTERPRET=1 python -m gemma4_harness.fast.cuda_bench
 --device cpu --smoke`` (``tests/test_cuda_kernels.py`` runs it; its figures mean nothing).
 
 What it measures, per (type, matrix, ``M``):
@@ -135,7 +135,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: prints the device, the probe and the table. Returns 0, or 2 (after saying why) when the
     fused kernels are not available (no CUDA device, no triton, ``--device cpu`` without ``TRITON_INTERPRET=1``)."""
-    ap = argparse.ArgumentParser(prog="python -m fast.cuda_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m gemma4_harness.fast.cuda_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cuda (default), or cpu with TRITON_INTERPRET=1 (smoke test only)")
     ap.add_argument("--types", default="Q8_0,Q4_K", help="comma-separated GGUF types (default Q8_0,Q4_K)")

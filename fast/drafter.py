@@ -17,8 +17,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from reference.drafter import UNBOUND, DrafterConfig
-from reference.model import TraceFn
+from gemma4_harness.reference.drafter import UNBOUND, DrafterConfig
+from gemma4_harness.reference.model import TraceFn
 
 from .kvcache import PagedKVCache
 from .model import FastModel, SeqStep, StepBatch, linear, rms_norm

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from reference.errors import PromptError
-from reference.model import check_generation, check_prompt
-from reference.multimodal import Injection, check_injection, pad_id
+from gemma4_harness.reference.errors import PromptError
+from gemma4_harness.reference.model import check_generation, check_prompt
+from gemma4_harness.reference.multimodal import Injection, check_injection, pad_id
 
 from . import cpu_kernels
 from .model import FastModel, SeqStep

@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from reference.config import ModelConfig
-from reference.errors import PromptError
+from gemma4_harness.reference.config import ModelConfig
+from gemma4_harness.reference.errors import PromptError
 
 DeriveK = Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
 

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from reference.config import LayerSpec, ModelConfig
-from reference.errors import InputError
-from reference.model import TraceFn, check_prompt, rope_inv_freq
-from reference.multimodal import Injection, check_injection, pad_id
+from gemma4_harness.reference.config import LayerSpec, ModelConfig
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.model import TraceFn, check_prompt, rope_inv_freq
+from gemma4_harness.reference.multimodal import Injection, check_injection, pad_id
 
 from . import cpu_kernels, quant_kernels
 from .kvcache import PagedKVCache

@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from reference.config import ModelConfig
-from reference.errors import PromptError
-from reference.multimodal import MM_TYPE_IMAGE, MM_TYPE_VIDEO, Injection
-from reference.multimodal import block_ids as _block_ids_np
+from gemma4_harness.reference.config import ModelConfig
+from gemma4_harness.reference.errors import PromptError
+from gemma4_harness.reference.multimodal import MM_TYPE_IMAGE, MM_TYPE_VIDEO, Injection
+from gemma4_harness.reference.multimodal import block_ids as _block_ids_np
 
 
 def llm_input_ids(ids: torch.Tensor, placeholder: torch.Tensor, pad: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Micro-benchmark of the packed CPU kernels: GB/s of packed weights read, against the torch path and a read probe.
 
-Run: ``python -m fast.quant_bench`` (defaults: Q8_0 and Q4_K, E2B's FFN matrices
+Run: ``python -m gemma4_harness.fast.quant_bench`` (defaults: Q8_0 and Q4_K, E2B's FFN matrices
 6144 x 1536 and 1536 x 6144 and its 262144 x 1536 LM head, ``M`` = 1 and 8,
 torch's thread count). ``pytest --bench -m bench -s -k quant_kernels`` runs the
 same and prints the table.
@@ -142,7 +142,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: prints the machine, the probe and the table. Returns 0."""
-    ap = argparse.ArgumentParser(prog="python -m fast.quant_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m gemma4_harness.fast.quant_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q8_0,Q4_K", help="comma-separated GGUF types (default Q8_0,Q4_K)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--rows", default="1,8", help="values of M (default 1,8)")

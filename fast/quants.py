@@ -85,7 +85,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from reference.errors import ModelFileError
+from gemma4_harness.reference.errors import ModelFileError
 
 from . import cuda_kernels, quant_kernels
 

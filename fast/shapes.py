@@ -45,8 +45,8 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from reference.config import ModelConfig, config_from_hf, expected_tensors, kv_donors
-from reference.errors import InputError
+from gemma4_harness.reference.config import ModelConfig, config_from_hf, expected_tensors, kv_donors
+from gemma4_harness.reference.errors import InputError
 
 from .paths import CASES_DIR
 from .quants import QuantizedTensor, block_layout

@@ -31,8 +31,8 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from reference.errors import InputError, PromptError
-from reference.model import check_prompt
+from gemma4_harness.reference.errors import InputError, PromptError
+from gemma4_harness.reference.model import check_prompt
 
 from .drafter import FastDrafter
 from .engine import Engine, Request, Result

@@ -44,8 +44,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from reference.config import LayerSpec
-from reference.errors import InputError
+from gemma4_harness.reference.config import LayerSpec
+from gemma4_harness.reference.errors import InputError
 
 from . import cpu_kernels
 from .model import FastModel, linear, rms_norm, rope_angles, rope_full_tables

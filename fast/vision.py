@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from reference.model import TraceFn
-from reference.vision import CLIP_BOUND_SUFFIXES, VisionConfig, check_patches
+from gemma4_harness.reference.model import TraceFn
+from gemma4_harness.reference.vision import CLIP_BOUND_SUFFIXES, VisionConfig, check_patches
 
 from .model import ATTENTION_BLOCK, apply_rope, gelu_tanh, linear, rms_norm, rope_angles
 

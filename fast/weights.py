@@ -24,9 +24,9 @@ import warnings
 import numpy as np
 import torch
 
-from reference.config import ModelConfig
-from reference.errors import InputError
-from reference.weight_check import CarryWarning, check_weights, max_abs_for
+from gemma4_harness.reference.config import ModelConfig
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.weight_check import CarryWarning, check_weights, max_abs_for
 
 from . import quants
 from .carry import carry_problems

@@ -201,7 +201,7 @@ class G4HEngineCrashed(Exception):
 
 def parse_argv(argv: list[str]) -> Any:
     """``g4h parity ARGV`` parsed (an ``argparse.Namespace``), its one-line error as :class:`G4HBadInput`."""
-    from harness.cli import build_parser  # lazy: torch and numpy only when a run is asked for
+    from gemma4_harness.harness.cli import build_parser  # lazy: torch and numpy only when a run is asked for
 
     err = io.StringIO()
     try:
@@ -219,10 +219,10 @@ def run_parity(argv: list[str]) -> ParityRun:
         G4HBadInput: an option or an input it refuses before running (exit 2 of ``g4h parity``), one line.
         G4HEngineCrashed: the job itself stopped in an engine (exit 1 of ``g4h parity``), one line.
     """
-    from harness.cli import _quiet_libraries  # lazy (as above)
-    from harness.cli.parity import execute  # lazy (as above)
-    from harness.core.workers import EngineCrashed  # lazy (as above)
-    from reference.errors import InputError  # lazy (as above)
+    from gemma4_harness.harness.cli import _quiet_libraries  # lazy (as above)
+    from gemma4_harness.harness.cli.parity import execute  # lazy (as above)
+    from gemma4_harness.harness.core.workers import EngineCrashed  # lazy (as above)
+    from gemma4_harness.reference.errors import InputError  # lazy (as above)
 
     args = parse_argv(argv)
     _quiet_libraries()
@@ -305,7 +305,7 @@ class Plan:
 def _planned_pairs(names: list[str], oracle: str) -> list[tuple[str, str, int]]:
     """``(item name, engine, number)`` of each engine of ``names``, numbered per kind as the job numbers them
     (:func:`harness.parity.checks.pair.pair_checks`)."""
-    from harness.engines import engine_kind  # lazy (as above)
+    from gemma4_harness.harness.engines import engine_kind  # lazy (as above)
 
     out, seen = [], {}
     for name in names:
@@ -327,13 +327,13 @@ def plan_job(config: pytest.Config) -> Plan | None:
     argv = _command_line_argv(config)
     if argv is None:
         return None
-    from harness.core.cases import PROMPTS  # lazy (as above)
-    from harness.engines import check_engine_name, split_engines  # lazy (as above)
-    from harness.parity.cases import case_names, default_against  # lazy (as above)
-    from harness.parity.checks.server import load_user_prompts  # lazy (as above)
-    from harness.parity.job import check_oracle  # lazy (as above)
-    from harness.parity.skips import check_skip  # lazy (as above)
-    from reference.errors import InputError  # lazy (as above)
+    from gemma4_harness.harness.core.cases import PROMPTS  # lazy (as above)
+    from gemma4_harness.harness.engines import check_engine_name, split_engines  # lazy (as above)
+    from gemma4_harness.harness.parity.cases import case_names, default_against  # lazy (as above)
+    from gemma4_harness.harness.parity.checks.server import load_user_prompts  # lazy (as above)
+    from gemma4_harness.harness.parity.job import check_oracle  # lazy (as above)
+    from gemma4_harness.harness.parity.skips import check_skip  # lazy (as above)
+    from gemma4_harness.reference.errors import InputError  # lazy (as above)
 
     args = parse_argv(argv)
     try:
@@ -376,7 +376,7 @@ class Narrowed:
 def narrow(plan: Plan, selected: list[PlannedItem]) -> Narrowed:
     """The arguments that run only what ``selected`` needs: its models and, when every selected model has the
     same engines, its engines (all of them when only :data:`CACHED` items are selected)."""
-    from harness.parity.cases import case_names, default_against  # lazy (as above)
+    from gemma4_harness.harness.parity.cases import case_names, default_against  # lazy (as above)
 
     identity = Narrowed(plan.argv, {it.case: it.case for it in plan.items},
                         {(it.engine, it.number): it.number for it in plan.items if it.engine})

@@ -76,7 +76,7 @@ def make_files(tmp: Path) -> dict[str, str]:
     f["prompts"] = str(tmp / "p.jsonl")
     (tmp / "t.txt").write_text("hello world\nsecond line\n")
     f["text"] = str(tmp / "t.txt")
-    from harness.tokenizer.build import write_vocab_gguf
+    from gemma4_harness.harness.tokenizer.build import write_vocab_gguf
 
     f["tokenizer"] = str(write_vocab_gguf(tmp / "vocab.gguf", {  # a small vocabulary: loads in milliseconds
         "tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": ["a", "b", "ab"] + BYTES,
@@ -85,7 +85,7 @@ def make_files(tmp: Path) -> dict[str, str]:
 
     np.save(tmp / "a.npy", np.zeros((3, 32)))
     f["npy"] = str(tmp / "a.npy")
-    from harness.cli import main
+    from gemma4_harness.harness.cli import main
 
     main(["trace", "--model", f["tiny"], "--prompt-ids", f["prompt"], "--out", str(tmp / "tr.jsonl")])
     f["trace"] = str(tmp / "tr.jsonl")
@@ -205,7 +205,7 @@ def argv_with(base: list[str], action: argparse.Action, value: str) -> list[str]
 
 def probes(f: dict[str, str], commands: list[str] | None = None) -> list[tuple[list[str], Probe]]:
     """Every (argv, probe) of every command's every option."""
-    from harness.cli import COMMANDS, build_parser
+    from gemma4_harness.harness.cli import COMMANDS, build_parser
 
     out = []
     b = bases(f)
@@ -229,7 +229,7 @@ def _parse_refusal(argv: list[str]) -> tuple[int, str] | None:
     import contextlib
     import io
 
-    from harness.cli import build_parser
+    from gemma4_harness.harness.cli import build_parser
 
     err = io.StringIO()
     try:
@@ -251,7 +251,7 @@ def _child(argv: list[str], err_path: str) -> None:  # pragma: no cover - in the
         import torch
 
         torch.set_num_threads(1)
-        from harness.cli import main
+        from gemma4_harness.harness.cli import main
 
         rc = main(argv)
     except SystemExit as e:

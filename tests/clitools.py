@@ -11,11 +11,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args: str, extra_path: Path | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
-    """``python -m harness.cli ARGS`` from the repo root (text mode, output captured)."""
+    """``python -m gemma4_harness.harness.cli ARGS`` from the repo root (text mode, output captured)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(p) for p in (extra_path, REPO_ROOT) if p] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=REPO_ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", *args], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -44,9 +44,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, wherever the test runs from
-from harness.engines.reference import ReferenceEngine  # noqa: E402
-from harness.engines.variants import parse_spec, under  # noqa: E402
-from harness.traces.format import TraceWriter  # noqa: E402
+from gemma4_harness.harness.engines.reference import ReferenceEngine  # noqa: E402
+from gemma4_harness.harness.engines.variants import parse_spec, under  # noqa: E402
+from gemma4_harness.harness.traces.format import TraceWriter  # noqa: E402
 
 FAULTS = {
     "malformed": "answer a line that is not JSON",
@@ -104,7 +104,7 @@ def noisy(ref, prompt, n: int, top_n: int, scale: float, seed: int = 5):
     """Greedy decoding on the reference's logits plus Gaussian noise of ``scale`` on every logit of every step (a
     fixed seed), the top-``top_n`` log-probs of the noisy logits reported: a generation path that computes other
     logits than the forward."""
-    from harness.engines.base import Generated
+    from gemma4_harness.harness.engines.base import Generated
 
     rng = np.random.default_rng(seed)
     ids, g = list(prompt), Generated()
@@ -123,7 +123,7 @@ def penalised(ref, prompt, n: int, top_n: int, penalty: float | None, ban=(), ra
     """Greedy decoding with a repetition penalty: each step's logits of the tokens already in the context divided
     by ``penalty`` (multiplied when negative), the ``ban`` ids at -inf, the argmax taken, the top-``top_n``
     log-probs of the processed logits reported (of the logits before them with ``raw``)."""
-    from harness.engines.base import Generated
+    from gemma4_harness.harness.engines.base import Generated
 
     ids, g = list(prompt), Generated()
     g.tokens, g.top = [], []
@@ -175,7 +175,7 @@ class Perturbed:
 def sampled(ref, prompt, n: int, top_n: int, temperature: float = 1.0, seed: int = 7):
     """A stream of ``n`` tokens each drawn from the reference's softmax (at ``temperature``, a fixed seed), with the
     reference's top-``top_n`` ``(id, logprob)`` at each step's context: what a sampling engine reports."""
-    from harness.engines.base import Generated
+    from gemma4_harness.harness.engines.base import Generated
 
     rng = np.random.default_rng(seed)
     ids, g = list(prompt), Generated()

@@ -197,7 +197,7 @@ def tiny_gguf(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def built():
     """The gemma4-type test tokenizer (GGUF + tokenizer.json), built once into the cache."""
-    from harness.tokenizer.build import build_gemma4_test_tokenizer
+    from gemma4_harness.harness.tokenizer.build import build_gemma4_test_tokenizer
 
     return build_gemma4_test_tokenizer()
 
@@ -205,7 +205,7 @@ def built():
 @pytest.fixture(scope="session")
 def g4(built):
     """Ours on the gemma4-type GGUF."""
-    from harness.tokenizer.engines import cached_tok_engine
+    from gemma4_harness.harness.tokenizer.engines import cached_tok_engine
 
     return cached_tok_engine("ours", str(built.gguf), True, None).tok
 

@@ -77,9 +77,9 @@ def _tokenizer_json(tokens: list[str], types: list[int], bos: int, unk: int) -> 
 
 def eos_case(root: Path, gain: float = EOS_GAIN) -> tuple[Path, Path]:
     """Write the model under ``root`` (if not there yet): ``(gguf, hf_folder)``."""
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
-    from reference.tokenizer import read_gguf_metadata
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
+    from gemma4_harness.reference.tokenizer import read_gguf_metadata
 
     case = synth.ensure_built(MODELS_DIR / "31b.toml")
     root.mkdir(parents=True, exist_ok=True)

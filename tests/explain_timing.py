@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout
 
-from harness.core.cases import builtin_specs  # noqa: E402
-from harness.core.paths import cache_root  # noqa: E402
-from harness.engines.reference import ReferenceEngine  # noqa: E402
-from harness.engines.variants import family  # noqa: E402
-from harness.parity.job import run as run_parity  # noqa: E402
-from harness.synth import ensure_built  # noqa: E402
+from gemma4_harness.harness.core.cases import builtin_specs  # noqa: E402
+from gemma4_harness.harness.core.paths import cache_root  # noqa: E402
+from gemma4_harness.harness.engines.reference import ReferenceEngine  # noqa: E402
+from gemma4_harness.harness.engines.variants import family  # noqa: E402
+from gemma4_harness.harness.parity.job import run as run_parity  # noqa: E402
+from gemma4_harness.harness.synth import ensure_built  # noqa: E402
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 

@@ -52,7 +52,7 @@ def field_prompts() -> list[dict]:
 def server(kind: str, gguf: Path, log: Path) -> ServerProcess:
     """A server of ``kind`` on ``gguf`` with its defaults (host and port aside)."""
     if kind == "llama-server":
-        from harness.engines.llamacpp.build import ensure_built
+        from gemma4_harness.harness.engines.llamacpp.build import ensure_built
 
         return ServerProcess(kind, [str(ensure_built().server), "-m", str(gguf)],
                              lambda h, p: ["--host", h, "--port", str(p)], "/health", log, env=child_env())
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("extra", nargs="*", help="more g4h parity options (after --)")
     a = p.parse_args(argv)
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
 
     models = [(s.stem, s) for s in SHAPES] + [(n, MODELS_DIR / f"{n}.toml") for n in BUILTIN]
     models.append(("gemma3-270m", None))
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, status = [], 0
     for name, spec in models:
         if spec is None:
-            from harness.core.realdata import gemma3_270m_gguf
+            from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
             gguf = gemma3_270m_gguf()
         else:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = out / f"{name}-{kind}"
             t0 = time.monotonic()
             with server(kind, gguf, out / f"{name}-{kind}.log") as srv:
-                cmd = [sys.executable, "-m", "harness.cli", "parity", "--model", str(gguf), "--against",
+                cmd = [sys.executable, "-m", "gemma4_harness.harness.cli", "parity", "--model", str(gguf), "--against",
                        f"openai:{srv.url}/v1", "--out", str(run_dir), "--quiet", *args, *(QUICK if a.quick else []),
                        *a.extra]
                 rc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).returncode

@@ -73,12 +73,12 @@ class Outcome:
 
 def logits_of(path: str | os.PathLike, engine: str) -> np.ndarray:
     """Load ``path`` and return the engine's logits of :data:`PROMPT` (float64 ``[T, vocab]``)."""
-    from reference import forward, load_model
+    from gemma4_harness.reference import forward, load_model
 
     cfg, W = load_model(path)
     if engine == "reference":
         return np.asarray(forward(cfg, W, PROMPT), dtype=np.float64)
-    from fast.model import FastModel
+    from gemma4_harness.fast.model import FastModel
 
     dtype = engine.partition(":")[2] or "float32"  # fast, fast:bfloat16, fast:float16
     return FastModel(cfg, W, "cpu", dtype).logits(PROMPT).double().numpy()
@@ -100,7 +100,7 @@ def _child(conn, path: str, engine: str) -> None:
 
         torch.set_num_threads(1)
     out = io.StringIO()
-    from reference.errors import InputError
+    from gemma4_harness.reference.errors import InputError
 
     with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
             contextlib.redirect_stderr(out):
@@ -167,7 +167,7 @@ def cli_logits(path: str | os.PathLike, engine: str, work: Path, timeout: float)
     prompt.write_text(json.dumps(PROMPT))
     out.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "harness.cli", "logits", "--model", str(path), "--engine", engine,
+    return subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", "logits", "--model", str(path), "--engine", engine,
                            *(["--device", "cpu"] if engine == "fast" else []), "--prompt-ids", str(prompt),
                            "--out", str(out), "--out-dtype", "float64"],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
@@ -218,8 +218,8 @@ def write_bases(out_dir: str | os.PathLike, names: tuple[str, ...] | None = None
     """
     from conftest import write_tiny_gguf
 
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -360,10 +360,10 @@ def _engine_child(conn, path: str, spec: str, compare: bool = False) -> None:
 
     torch.set_num_threads(1)
     out = io.StringIO()
-    from harness.core.workers import EngineOutputError
-    from harness.engines import make_engine
-    from reference.errors import InputError
-    from reference.weight_check import CarryWarning
+    from gemma4_harness.harness.core.workers import EngineOutputError
+    from gemma4_harness.harness.engines import make_engine
+    from gemma4_harness.reference.errors import InputError
+    from gemma4_harness.reference.weight_check import CarryWarning
 
     name, _, dtype = spec.partition(":")
     with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
@@ -523,7 +523,7 @@ def write_big_e2b(path: str | os.PathLike, n_layer: int | None = None) -> Path:
     """Write a Gemma 4 E2B-shaped Q8_0 GGUF (``cases/shapes/e2b.toml``: 262144-token vocabulary, PLE, 35 layers,
     4.9 GB) with random weights through :func:`harness.synth.scale.write_scale_gguf`; ``n_layer`` keeps the
     first layers only. Streams the data: memory stays ~100 MB."""
-    from harness.synth.scale import write_scale_gguf
+    from gemma4_harness.harness.synth.scale import write_scale_gguf
 
     return write_scale_gguf("e2b", path, layers=n_layer, fmt="q8_0")
 
@@ -533,9 +533,9 @@ def measure_big(path: str | os.PathLike) -> dict:
     and the resident memory after them (private, and of the mapped file)."""
     import gguf
 
-    from reference import load_model
-    from reference.gguf_check import check_gguf
-    from reference.weight_check import MAX_ABS_FP16, check_weights
+    from gemma4_harness.reference import load_model
+    from gemma4_harness.reference.gguf_check import check_gguf
+    from gemma4_harness.reference.weight_check import MAX_ABS_FP16, check_weights
 
     out = {"bytes": os.path.getsize(path)}
     steps = (("gguf.GGUFReader", lambda: gguf.GGUFReader(str(path))), ("check_gguf", lambda: check_gguf(path)),

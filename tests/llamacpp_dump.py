@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, wherever the test runs from
-from harness.engines.llamacpp.worker import GGMLTensor  # noqa: E402
+from gemma4_harness.harness.engines.llamacpp.worker import GGMLTensor  # noqa: E402
 
 
 def gelu_table(out: str) -> None:

@@ -86,9 +86,9 @@ def measure_one(engine: str, n_tokens: int, case: str, threads: int) -> dict:
     """One forward of ``n_tokens`` through ``engine`` on ``case``, in this process (see the module docstring)."""
     import numpy as np
 
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
-    from reference import load_model
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
+    from gemma4_harness.reference import load_model
 
     built = synth.ensure_built(MODELS_DIR / f"{case}.toml")
     cfg, W = load_model(built.gguf["F32"])
@@ -97,7 +97,7 @@ def measure_one(engine: str, n_tokens: int, case: str, threads: int) -> dict:
     layer_s: dict[str, float] = defaultdict(float)
     attention_s: dict[str, float] = defaultdict(float)
     if engine == "reference":
-        import reference.model as rm
+        import gemma4_harness.reference.model as rm
 
         rm.decoder_layer = _timed(rm.decoder_layer, layer_s, lambda cfg, layer, *a, **k: _kind(layer))
         rm.attention = _timed(rm.attention, attention_s,
@@ -108,7 +108,7 @@ def measure_one(engine: str, n_tokens: int, case: str, threads: int) -> dict:
     else:
         import torch
 
-        from fast.model import FastModel
+        from gemma4_harness.fast.model import FastModel
 
         torch.set_num_threads(threads)
         FastModel.decoder_layer = _timed(FastModel.decoder_layer, layer_s, lambda self, layer, *a, **k: _kind(layer))

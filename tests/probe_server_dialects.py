@@ -149,7 +149,7 @@ def determinism(base: str, kind: str, prompts: list, n: int) -> dict:
     def compare(xs, ys) -> dict:
         """Counts over the prompts; log-prob differences only on steps before the streams part (same context), and
         for each parting the top-1 margin there (alone) and whether vLLM's rule (harness.core.metrics) still passes."""
-        from harness.core.metrics import greedy_agreement
+        from gemma4_harness.harness.core.metrics import greedy_agreement
 
         diffs, partings = [], []
         for a, b in zip(xs, ys):
@@ -204,9 +204,9 @@ def main() -> int:
     ap.add_argument("--model", choices=("synth", "gemma3"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from harness import synth
-    from harness.core.cases import MODELS_DIR, load_prompts
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR, load_prompts
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     synth_model = synth.ensure_built(MODELS_DIR / f"{servers.SYNTH_CASE}.toml").gguf["F32"]
     prompts = sorted((p["prompt_ids"] for p in load_prompts()), key=len)

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import servers  # noqa: E402  (after the sys.path lines)
 
-from harness import synth  # noqa: E402
-from harness.cli import main as g4h  # noqa: E402
-from harness.core.cases import builtin_specs  # noqa: E402
-from harness.core.paths import CASES_DIR  # noqa: E402
+from gemma4_harness.harness import synth  # noqa: E402
+from gemma4_harness.harness.cli import main as g4h  # noqa: E402
+from gemma4_harness.harness.core.cases import builtin_specs  # noqa: E402
+from gemma4_harness.harness.core.paths import CASES_DIR  # noqa: E402
 
 TEMPLATE = CASES_DIR / "tokenizer" / "gemma4_chat_template.jinja"
 

@@ -48,16 +48,16 @@ def model_file(name: str, work: Path) -> Path:
     """The GGUF of table row ``name`` (built, quantized or assembled on first use)."""
     case, qtype = FILES[name]
     if case is None:
-        from harness.core.realdata import gemma3_270m_gguf
+        from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
         return Path(gemma3_270m_gguf())
-    from harness.core.cases import resolve_spec
-    from harness.synth import ensure_built
+    from gemma4_harness.harness.core.cases import resolve_spec
+    from gemma4_harness.harness.synth import ensure_built
 
     built = ensure_built(resolve_spec(case)).gguf
     if qtype in built:
         return Path(built[qtype])
-    from harness.engines.llamacpp.tools import quantize
+    from gemma4_harness.harness.engines.llamacpp.tools import quantize
 
     dst = work / f"{name}.gguf"
     return dst if dst.is_file() else quantize(built["F32"], dst, qtype, threads=1)
@@ -96,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault", action="append", choices=FAULTS, default=None)
     p.add_argument("--out", default="reports/quant-matrix")
     a = p.parse_args(argv)
-    from harness.engines.reference import ReferenceEngine
-    from harness.parity.checks.pair import ReferenceRuns
-    from harness.parity.checks.server import with_prompt_ids
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.parity.checks.server import with_prompt_ids
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

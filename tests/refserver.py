@@ -24,8 +24,8 @@ from typing import Iterable
 
 import numpy as np
 
-from harness.engines.base import Generated
-from harness.engines.reference import ReferenceEngine
+from gemma4_harness.harness.engines.base import Generated
+from gemma4_harness.harness.engines.reference import ReferenceEngine
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:

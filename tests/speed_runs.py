@@ -9,7 +9,7 @@ Not part of the test suite (tens of minutes, gigabytes); run it by hand on an id
 
 ``--part verdict``: ``g4h parity --model M --against llamacpp`` (reference oracle, then ``--oracle fast``) on the
 E2B-shape Q8_0 file (``g4h synth --shape e2b --format q8_0``, written into ``--work`` when missing), then the same
-job on the 31B and 26B-A4B shapes cut to 8 layers. Each run is a fresh process (``python -m harness.cli``) with
+job on the 31B and 26B-A4B shapes cut to 8 layers. Each run is a fresh process (``python -m gemma4_harness.harness.cli``) with
 ``OMP_NUM_THREADS`` = ``--threads``, sampled from outside every 0.1 s: per phase (a phase starts at each progress
 line of the job, or at the first call of an oracle or engine function the child marks: :data:`MARKS`) the wall
 time, the CPU time of the whole process tree (llama.cpp's workers included) and the peak resident memory of the
@@ -46,12 +46,12 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Functions the child marks as phases when first entered (module, attribute path, phase name); absent ones
 #: are skipped, so the same marks serve an older tree.
 MARKS = (
-    ("harness.parity.checks.pair", "ReferenceRuns.logits", "oracle logits"),
-    ("harness.parity.checks.pair", "ReferenceRuns.generations", "oracle greedy"),
-    ("harness.parity.checks.pair", "ReferenceRuns.prefetch", "oracle, all checks in one pass"),
-    ("harness.parity.cases", "cached_vs_uncached", "reference cached~uncached"),
-    ("harness.engines.llamacpp", "LlamaCppEngine.logits_many", "llamacpp logits + trace"),
-    ("harness.engines.llamacpp", "LlamaCppEngine.generate_full", "llamacpp greedy"),
+    ("gemma4_harness.harness.parity.checks.pair", "ReferenceRuns.logits", "oracle logits"),
+    ("gemma4_harness.harness.parity.checks.pair", "ReferenceRuns.generations", "oracle greedy"),
+    ("gemma4_harness.harness.parity.checks.pair", "ReferenceRuns.prefetch", "oracle, all checks in one pass"),
+    ("gemma4_harness.harness.parity.cases", "cached_vs_uncached", "reference cached~uncached"),
+    ("gemma4_harness.harness.engines.llamacpp", "LlamaCppEngine.logits_many", "llamacpp logits + trace"),
+    ("gemma4_harness.harness.engines.llamacpp", "LlamaCppEngine.generate_full", "llamacpp greedy"),
 )
 PHASE_TAG = "g4h-phase: "
 
@@ -83,7 +83,7 @@ def child(tree: str, argv: list[str]) -> int:
         obj = getattr(m, owner, None) if owner else m
         if obj is not None and hasattr(obj, fn_name):
             setattr(obj, fn_name, wrap(getattr(obj, fn_name), name))
-    from harness.cli import main
+    from gemma4_harness.harness.cli import main
 
     return int(main(argv) or 0)
 
@@ -222,7 +222,7 @@ def ensure_file(work: Path, shape: str, layers: int | None, fmt: str = "q8_0") -
     """The shape's GGUF in ``work`` (written once, with ``g4h synth``'s writer)."""
     path = work / (f"{shape}-q8_0.gguf" if layers is None else f"{shape}-l{layers}-{fmt}.gguf")
     if not path.exists():
-        from harness.synth.scale import write_scale_gguf
+        from gemma4_harness.harness.synth.scale import write_scale_gguf
 
         t = time.perf_counter()
         write_scale_gguf(shape, path, layers=layers, fmt=fmt)
@@ -236,7 +236,7 @@ def ensure_q4_k_m(work: Path, shape: str, layers: int) -> Path:
     ``llama-quantize`` (built beside ``llama-server`` on first use), as a user makes one."""
     path = work / f"{shape}-l{layers}-q4_k_m.gguf"
     if not path.exists():
-        from harness.engines.llamacpp.tools import ensure_tools
+        from gemma4_harness.harness.engines.llamacpp.tools import ensure_tools
 
         f16 = ensure_file(work, shape, layers, fmt="f16")
         t = time.perf_counter()
@@ -270,7 +270,7 @@ def bench_runs(work: Path, tree: Path, reps: int) -> list[dict[str, Any]]:
     out = []
     sys.path.insert(0, str(tree))
     e2b4, e2b4k = ensure_file(work, "e2b", 4), ensure_q4_k_m(work, "e2b", 4)
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     for model in (e2b4, e2b4k, gemma3_270m_gguf()):
         for threads in (1, 2):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness import synth
-from harness.core.paths import cache_root
-from harness.engines.llamacpp import tools
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.core.paths import cache_root
+from gemma4_harness.harness.engines.llamacpp import tools
 
 #: The eight types of the issue's table, every family of llama-quantize: legacy, K-quants (S/M mixes), i-quant.
 TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K", "IQ4_XS")

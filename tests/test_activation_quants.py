@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-import fast.activation_quants as fq
-import reference.activation_quants as rq
+import gemma4_harness.fast.activation_quants as fq
+import gemma4_harness.reference.activation_quants as rq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggml_lib import load_ggml  # noqa: E402

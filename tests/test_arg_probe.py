@@ -9,7 +9,7 @@ import argparse
 import pytest
 from arg_probe import CHEAP, FAILURES, run_probe, summary
 
-from harness.cli import COMMANDS, build_parser
+from gemma4_harness.harness.cli import COMMANDS, build_parser
 
 
 def _option_count() -> int:

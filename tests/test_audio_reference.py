@@ -20,12 +20,12 @@ import pytest
 import torch
 import transformers
 
-from harness.core import gates
-from harness.core.gates import DEFAULT_GATES as G
-from harness.synth.mm_audio import TINY_IDS, make_tiny_audio_hf, write_audio_mmproj
-from reference import audio as A
-from reference import audio_features as AF
-from reference.audio_weights import (
+from gemma4_harness.harness.core import gates
+from gemma4_harness.harness.core.gates import DEFAULT_GATES as G
+from gemma4_harness.harness.synth.mm_audio import TINY_IDS, make_tiny_audio_hf, write_audio_mmproj
+from gemma4_harness.reference import audio as A
+from gemma4_harness.reference import audio_features as AF
+from gemma4_harness.reference.audio_weights import (
     CLIP_BOUNDS,
     gguf_to_hf_audio,
     hf_to_gguf_audio,
@@ -33,7 +33,7 @@ from reference.audio_weights import (
     load_audio_hf,
     load_audio_mmproj,
 )
-from reference.errors import ConfigError, InputError, ModelFileError, PromptError
+from gemma4_harness.reference.errors import ConfigError, InputError, ModelFileError, PromptError
 
 # --------------------------------------------------------------------------- tolerances
 # The gates and bounds of harness/core/gates.py, which give the reasons.
@@ -457,7 +457,7 @@ def test_mmproj_missing_tensor_is_named(tiny, tmp_path):
     import gguf
     from gguf import GGUFValueType as VT
 
-    from harness.synth.mm_audio import audio_mmproj_metadata
+    from gemma4_harness.harness.synth.mm_audio import audio_mmproj_metadata
 
     _, cfg, W, _ = tiny
     w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "clip")

@@ -3,7 +3,7 @@
 ``g4h logits --model PATH --engine reference --prompt-ids FILE.json --out FILE.npy``
 on bad input must print exactly one non-empty line on stderr that names the
 offending file, key, tensor or token id, exit with code 2, and never show a
-traceback. The CLI runs in a subprocess (``python -m harness.cli``) from the
+traceback. The CLI runs in a subprocess (``python -m gemma4_harness.harness.cli``) from the
 repository root, as a user would run it.
 """
 
@@ -52,7 +52,7 @@ def test_valid_tiny_gguf_gives_logits(tiny_gguf, prompt, tmp_path):
     assert logits.shape == (5, TINY["vocab"])
     assert np.all(np.isfinite(logits))
     # Same numbers as the reference called in-process.
-    from reference import forward, load_model
+    from gemma4_harness.reference import forward, load_model
 
     cfg, weights = load_model(tiny_gguf)
     np.testing.assert_allclose(logits, forward(cfg, weights, [2, 5, 7, 11, 13]), rtol=1e-6, atol=1e-6)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.parity import baseline as bl
+from gemma4_harness.harness.parity import baseline as bl
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,7 +119,7 @@ def test_cli_bad_baseline_is_one_line_exit_2(tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "parity", "--case", "e2b", "--no-real", "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", "parity", "--case", "e2b", "--no-real", "--quiet",
                            "--out", str(tmp_path), "--baseline", str(tmp_path / "bad.json")],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -129,8 +129,8 @@ def test_cli_bad_baseline_is_one_line_exit_2(tmp_path):
 
 @pytest.mark.slow
 def test_parity_is_deterministic_and_baseline_round_trips(tmp_path, monkeypatch):
-    import harness.parity as parity
-    from harness.core.cases import load_prompts
+    import gemma4_harness.harness.parity as parity
+    from gemma4_harness.harness.core.cases import load_prompts
 
     short = [p for p in load_prompts() if p["id"] in ("len5", "len17-window+1")]
     assert len(short) == 2

@@ -17,15 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import synth
-from harness.core.cases import PROMPTS, builtin_specs
-from harness.engines.llamacpp.numerics import llamacpp_numerics
-from harness.traces.format import TraceWriter
-from reference import batch as B
-from reference import model as M
-from reference.batch import Chain, forward_chains, linear_rows, lm_head_many, row_bounds, rows_split_exact
-from reference.errors import PromptError
-from reference.weights import load_model
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.core.cases import PROMPTS, builtin_specs
+from gemma4_harness.harness.engines.llamacpp.numerics import llamacpp_numerics
+from gemma4_harness.harness.traces.format import TraceWriter
+from gemma4_harness.reference import batch as B
+from gemma4_harness.reference import model as M
+from gemma4_harness.reference.batch import Chain, forward_chains, linear_rows, lm_head_many, row_bounds, rows_split_exact
+from gemma4_harness.reference.errors import PromptError
+from gemma4_harness.reference.weights import load_model
 
 CASES = ("e2b", "26b-a4b", "edge-keqv-shared-donor", "edge-no-softcap")
 

@@ -14,15 +14,15 @@ import os
 
 import pytest
 
-from harness.core.paths import REPO_ROOT
+from gemma4_harness.harness.core.paths import REPO_ROOT
 
 BENCH_SPEC = REPO_ROOT / "cases" / "bench" / "e4b-1024.toml"
 
 
 def _bench(model: str, engines: str) -> dict:
-    from harness.cli import bench as bench_cli
-    from harness.cli import build_parser
-    from harness.core.paths import default_reports_dir
+    from gemma4_harness.harness.cli import bench as bench_cli
+    from gemma4_harness.harness.cli import build_parser
+    from gemma4_harness.harness.core.paths import default_reports_dir
 
     argv = ["bench", "--model", model, "--engines", engines, "--dtype", "float32,bfloat16",
             "--batch", os.environ.get("G4H_BENCH_BATCH", "1,2,4,8"), "--pp", os.environ.get("G4H_BENCH_PP", "64"),
@@ -46,7 +46,7 @@ def test_bench_model_cpu():
 @pytest.mark.slow
 def test_bench_gemma3_270m_gguf_cpu():
     """The real Gemma 3 270M Q4_K_M GGUF: the same engines (transformers through its GGUF loader)."""
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     data = _bench(str(gemma3_270m_gguf()), "fast,transformers,llamacpp,reference")
     assert any(r["mean_tok_s"] for r in data["rows"] if r["engine"] == "fast")

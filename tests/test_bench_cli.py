@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from clitools import assert_one_line_error, run_cli
 
-from harness.bench import run as B
-from harness.engines.base import bench_ids
-from harness import synth
-from harness.core.cases import MODELS_DIR
-from harness.bench.report import compare_baseline, read_baseline
-from reference import load_model
-from reference.errors import InputError
+from gemma4_harness.harness.bench import run as B
+from gemma4_harness.harness.engines.base import bench_ids
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.core.cases import MODELS_DIR
+from gemma4_harness.harness.bench.report import compare_baseline, read_baseline
+from gemma4_harness.reference import load_model
+from gemma4_harness.reference.errors import InputError
 
 CASE = MODELS_DIR / "e4b.toml"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -175,9 +175,9 @@ def test_bad_model_and_baseline_one_line(tmp_path):
 
 def test_missing_engine_is_skipped_with_install_hint(monkeypatch, tmp_path):
     """An engine that is not installed is listed as skipped with how to install it; the others still run."""
-    import harness.engines.llamacpp as lc
-    from harness.cli import bench as bench_cli
-    from harness.engines.base import EngineUnavailable
+    import gemma4_harness.harness.engines.llamacpp as lc
+    from gemma4_harness.harness.cli import bench as bench_cli
+    from gemma4_harness.harness.engines.base import EngineUnavailable
 
     def missing():
         raise EngineUnavailable(lc.INSTALL_MSG)
@@ -193,7 +193,7 @@ def test_missing_engine_is_skipped_with_install_hint(monkeypatch, tmp_path):
 
 def bench_cli_args(out: Path, **kw):
     """Parsed ``g4h bench`` arguments for an in-process run."""
-    from harness.cli import build_parser
+    from gemma4_harness.harness.cli import build_parser
 
     argv = ["bench", "--model", str(CASE), "--engines", kw.get("engines", "fast"), "--pp", "0", "--tg", "1",
             "--reps", "1", "--warmup", "0", "--out", str(out)]

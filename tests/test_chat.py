@@ -16,8 +16,8 @@ import hypothesis
 import hypothesis.strategies
 import pytest
 
-from reference import chat, chat_parse
-from reference.errors import InputError
+from gemma4_harness.reference import chat, chat_parse
+from gemma4_harness.reference.errors import InputError
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",

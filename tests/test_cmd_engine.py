@@ -19,16 +19,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.cli import main as g4h
-from harness.core.gates import DEFAULT_GATES
-from harness.core.workers import EngineCrashed, EngineFailure
-from harness.engines import EngineUnavailable, engine_kind, make_engine, split_engines
-from harness.engines.cmd import CmdCrashed, CmdEngine, CmdError, command_argv
-from harness.engines.reference import ReferenceEngine
-from harness.parity import run as run_parity
-from harness.parity.checks.server import ServerOptions
-from harness.traces.format import read_trace
-from reference.errors import InputError
+from gemma4_harness.harness.cli import main as g4h
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.workers import EngineCrashed, EngineFailure
+from gemma4_harness.harness.engines import EngineUnavailable, engine_kind, make_engine, split_engines
+from gemma4_harness.harness.engines.cmd import CmdCrashed, CmdEngine, CmdError, command_argv
+from gemma4_harness.harness.engines.reference import ReferenceEngine
+from gemma4_harness.harness.parity import run as run_parity
+from gemma4_harness.harness.parity.checks.server import ServerOptions
+from gemma4_harness.harness.traces.format import read_trace
+from gemma4_harness.reference.errors import InputError
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 IDS = [2, 5, 9, 11, 3, 7, 30, 1]
@@ -153,7 +153,7 @@ def test_child_dies_with_its_parent(tiny_gguf, tmp_path):
     """A harness process killed without closing the engine leaves no engine behind (PR_SET_PDEATHSIG), even an
     engine that does not exit when its stdin closes (``--linger``)."""
     code = (f"import sys, os; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
-            f"from harness.engines import make_engine\n"
+            f"from gemma4_harness.harness.engines import make_engine\n"
             f"e = make_engine({stub('--linger')!r}, {str(tiny_gguf)!r})\n"
             f"print(e.proc.pid, flush=True)\n"
             f"os._exit(0)\n")
@@ -313,8 +313,8 @@ def test_quantized_activations_are_reported_not_gated_on_quantized_files_only(tm
     cannot emulate its rounding) is held to the fp32 bounds on an F32 file; on a Q8_0 file its figures are reported
     with the reason, and its mean KLD is gated at 2 x the 8-bit yardstick (reference~cmd_q8x.mean_kld): the stub
     perturbs layer 0, far more than an 8-bit rounding moves the model, so it fails there."""
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
 
     built = synth.ensure_built(MODELS_DIR / "26b-a4b.toml")
     prompts = tmp_path / "p.jsonl"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reference.config import (
+from gemma4_harness.reference.config import (
     ConfigError,
     config_from_gguf,
     config_from_hf,

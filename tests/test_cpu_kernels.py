@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from fast import cpu_kernels as ck
+from gemma4_harness.fast import cpu_kernels as ck
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

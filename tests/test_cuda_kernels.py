@@ -18,7 +18,7 @@ tile):
 * calls the kernel does not take return None.
 
 What the interpreter cannot show: the GPU's summation order inside a tile, its code generation (e.g. that the
-IEEE ``tl.dot`` stays off the tensor cores) and its speed; ``python -m fast.cuda_bench`` on a GPU measures the last.
+IEEE ``tl.dot`` stays off the tensor cores) and its speed; ``python -m gemma4_harness.fast.cuda_bench`` on a GPU measures the last.
 
 Weights: random bytes with finite fp16 scale fields (:func:`fast.quant_bench.packed_pool`'s recipe, with random
 scales), so every nibble, int8 and 6-bit scale/min pattern occurs.
@@ -37,9 +37,9 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from fast import cuda_bench
-from fast import cuda_kernels as ck
-from fast.quants import QuantizedTensor, linear
+from gemma4_harness.fast import cuda_bench
+from gemma4_harness.fast import cuda_kernels as ck
+from gemma4_harness.fast.quants import QuantizedTensor, linear
 
 SCALE_OFFSETS = {"Q8_0": (0,), "Q4_K": (0, 2)}  # byte offsets of the fp16 fields in a block (GGML block_* structs)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,8 +124,8 @@ def test_rows_of_the_real_gemma3_gguf():
     against the float64 product with ``gguf.quants.dequantize``'s values."""
     import gguf
 
-    from harness.core.realdata import gemma3_270m_gguf
-    from reference.gguf_check import check_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.reference.gguf_check import check_gguf
 
     gf = check_gguf(gemma3_270m_gguf())  # the checked parser: tests/test_gguf_check.py holds it equal to GGUFReader
     for name, tname in (("Q8_0", "token_embd.weight"), ("Q4_K", "blk.0.attn_output.weight")):
@@ -197,7 +197,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from fast import cuda_kernels as ck
-from fast.quants import QuantizedTensor, linear
+from gemma4_harness.fast.quants import QuantizedTensor, linear
 
 dev = sys.argv[1]
 torch.backends.cuda.matmul.allow_tf32 = True  # must not matter: the kernel's dot is IEEE float32 whatever torch says
@@ -222,7 +222,7 @@ for name in ("Q8_0", "Q4_K"):
         for m in (1, 3, 8, 17):
             assert torch.equal(ck.linear(xd[:m], qt.raw, name, k), full[:m]), (name, dtype, m)
         assert torch.equal(ck.linear(xd[40:41], qt.raw, name, k), full[40:41]), (name, dtype)
-        if dev == "cuda":  # fast.quants.linear takes the fused kernel on CUDA
+        if dev == "cuda":  # gemma4_harness.fast.quants.linear takes the fused kernel on CUDA
             assert torch.equal(linear(xd[:5], qt), full[:5]), (name, dtype)
 print("ok")
 """
@@ -252,7 +252,7 @@ def test_the_compiled_kernels_on_the_gpu():
 
 
 def test_the_bench_smoke_mode_runs_on_the_cpu():
-    """``python -m fast.cuda_bench --device cpu --smoke`` through :func:`fast.cuda_bench.run`: every row and field,
+    """``python -m gemma4_harness.fast.cuda_bench --device cpu --smoke`` through :func:`fast.cuda_bench.run`: every row and field,
     finite positive figures (no timing asserted)."""
     rows = cuda_bench.run(["Q8_0", "Q4_K"], list(cuda_bench.SMOKE_SHAPES), [1, 3], device="cpu", smoke=True)
     assert [(r["type"], r["M"]) for r in rows] == [(t, m) for t in ("Q8_0", "Q4_K") for _ in cuda_bench.SMOKE_SHAPES

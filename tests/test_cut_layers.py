@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from harness import synth
-from harness.cli import main
-from harness.core.cases import builtin_specs
-from harness.core.gates import DEFAULT_GATES
-from harness.engines import make_engine
-from reference.errors import InputError
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.cli import main
+from gemma4_harness.harness.core.cases import builtin_specs
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.engines import make_engine
+from gemma4_harness.reference.errors import InputError
 
 PROMPT = [2, 17, 230, 45, 9, 301, 77, 12, 5, 140]
 

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 from refserver import ReferenceServer
 
-from harness.cli import main as g4h
-from harness.engines import make_engine
-from harness.engines.cmd import CmdError
-from harness.engines.numerics import DIALECT_NUMERICS, Numerics, declare, parse_declare
-from harness.parity import run as run_parity
-from harness.parity.checks.server import ServerOptions
-from harness.parity.compare import generation_figures
-from reference.errors import InputError
+from gemma4_harness.harness.cli import main as g4h
+from gemma4_harness.harness.engines import make_engine
+from gemma4_harness.harness.engines.cmd import CmdError
+from gemma4_harness.harness.engines.numerics import DIALECT_NUMERICS, Numerics, declare, parse_declare
+from gemma4_harness.harness.parity import run as run_parity
+from gemma4_harness.harness.parity.checks.server import ServerOptions
+from gemma4_harness.harness.parity.compare import generation_figures
+from gemma4_harness.reference.errors import InputError
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 SHAPES = Path(__file__).resolve().parent / "shapes"
@@ -146,7 +146,7 @@ def test_fp32_server_declared_exact(tmp_path, perturb, status):
     """A server of llama-server's dialect that computes exactly, declared so (``--declare approximations=none
     --declare kv_cache=f32``): held to the fp32 bounds; its log-probs 1e-2 off fail ``max_abs_logprob`` (limit
     1e-3), naming the request and step."""
-    from harness import synth
+    from gemma4_harness.harness import synth
 
     gguf = synth.ensure_built(SHAPES / "odd-h56-v333-mha7.toml").gguf["F32"]
     prompts = tmp_path / "p.jsonl"
@@ -206,7 +206,7 @@ def test_token_only_engine_right_and_wrong(tiny_gguf, prompts_file, tmp_path):
 
 def test_token_only_server(tmp_path):
     """A server that reports no log-probs: the greedy check compares ids; the log-prob figure is not measured."""
-    from harness import synth
+    from gemma4_harness.harness import synth
 
     gguf = synth.ensure_built(SHAPES / "odd-h56-v333-mha7.toml").gguf["F32"]
     prompts = tmp_path / "p.jsonl"

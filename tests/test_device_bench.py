@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clitools import assert_one_line_error, run_cli
-from harness.cli.device_bench import FULL, SMOKE, headline
+from gemma4_harness.harness.cli.device_bench import FULL, SMOKE, headline
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.core import gates
-from harness.parity import skips
+from gemma4_harness.harness.core import gates
+from gemma4_harness.harness.parity import skips
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,14 +75,14 @@ def test_every_repository_path_named_exists():
 
 def test_gate_tables_in_the_documents_are_generated_from_gates_py():
     """docs/gates.md holds both tables, :func:`harness.core.gates.gate_table`'s character for character, and no other
-    document holds one (README.md links it; rewrite them with ``python -m harness.core.gates --write``)."""
+    document holds one (README.md links it; rewrite them with ``python -m gemma4_harness.harness.core.gates --write``)."""
     held: dict[str, set[str]] = {}
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for kind, table in gates.gate_tables_in(doc.read_text(encoding="utf-8")).items():
             held.setdefault(kind, set()).add(doc.name)
             assert table == gates.gate_table(kind), (
                 f"{doc.relative_to(ROOT)}: the {kind} gate table differs from harness/core/gates.py; run "
-                f"python -m harness.core.gates --write {doc.relative_to(ROOT)}")
+                f"python -m gemma4_harness.harness.core.gates --write {doc.relative_to(ROOT)}")
     assert held == {"summary": {"gates.md"}, "full": {"gates.md"}}
 
 
@@ -112,7 +112,7 @@ def test_gate_tables_are_rewritten_between_their_markers(tmp_path):
 
 
 def test_skip_table_in_the_docs_is_generated_from_skips_py():
-    """docs/usage.md holds :func:`harness.parity.skips.skip_table` (``python -m harness.parity.skips`` prints it)."""
+    """docs/usage.md holds :func:`harness.parity.skips.skip_table` (``python -m gemma4_harness.harness.parity.skips`` prints it)."""
     assert skips.skip_table() in (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
 
 

@@ -17,16 +17,16 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from fast.drafter import FastDrafter
-from fast.model import FastModel
-from harness.core.cases import MODELS_DIR, builtin_drafter_specs, builtin_specs, drafter_spec_for, load_prompts
-from harness.core.gates import DEFAULT_GATES
-from harness.parity.checks.drafter import fast_state, fast_vs_reference, gguf_vs_hf, reference_vs_transformers
-from harness.synth.drafter import ensure_drafter_built, load_drafter_spec
-from reference import drafter as R
-from reference.drafter_weights import load_drafter
-from reference.errors import ConfigError, InputError, ModelFileError
-from reference.weights import load_model
+from gemma4_harness.fast.drafter import FastDrafter
+from gemma4_harness.fast.model import FastModel
+from gemma4_harness.harness.core.cases import MODELS_DIR, builtin_drafter_specs, builtin_specs, drafter_spec_for, load_prompts
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.parity.checks.drafter import fast_state, fast_vs_reference, gguf_vs_hf, reference_vs_transformers
+from gemma4_harness.harness.synth.drafter import ensure_drafter_built, load_drafter_spec
+from gemma4_harness.reference import drafter as R
+from gemma4_harness.reference.drafter_weights import load_drafter
+from gemma4_harness.reference.errors import ConfigError, InputError, ModelFileError
+from gemma4_harness.reference.weights import load_model
 
 PROMPTS = load_prompts()
 SHORT_LONG = [p for p in PROMPTS if p["id"] in ("len5", "len17-window+1", "len48-3xwindow")]
@@ -58,7 +58,7 @@ def test_the_patch_is_applied_only_where_transformers_cannot_construct_an_assist
     import transformers
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
-    from harness.core import hf_assistant as H
+    from gemma4_harness.harness.core import hf_assistant as H
 
     built = ensure_drafter_built(MODELS_DIR / "edge-no-softcap-assistant.toml")
     raw = json.loads((built.hf_dir / "config.json").read_text())
@@ -102,7 +102,7 @@ def test_the_patch_is_applied_only_where_transformers_cannot_construct_an_assist
 
 @pytest.mark.slow
 def test_reference_drafter_matches_transformers(pair):
-    from harness.engines.assistant import HFAssistantOracle
+    from gemma4_harness.harness.engines.assistant import HFAssistantOracle
 
     built, tcfg, TW, d, DW = pair
     oracle = HFAssistantOracle(built.target.hf_dir, built.hf_dir)
@@ -129,7 +129,7 @@ def test_reference_drafter_matches_transformers(pair):
 def test_transformers_drafter_sees_w_plus_1_sliding_keys_where_the_specification_sees_w_minus_1():
     """A recorded difference (reference/drafter.py): given a sliding store longer than the window, transformers'
     drafter attends to its last W+1 keys; llama.cpp and this specification to the W-1 before the position."""
-    from harness.engines.assistant import FULL, SLIDING, HFAssistantOracle
+    from gemma4_harness.harness.engines.assistant import FULL, SLIDING, HFAssistantOracle
 
     built = ensure_drafter_built(MODELS_DIR / "e2b-assistant.toml")
     tcfg, TW = load_model(built.target.gguf["F32"])

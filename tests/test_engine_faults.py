@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 from servers import FaultStub, free_port
 
-from harness.cli import main
-from harness.core.gates import resolve
-from harness.parity.compare import generation_figures
-from harness.parity.report import render_markdown, summarize
-from harness.parity.result import CaseResult
-from reference.errors import InputError
+from gemma4_harness.harness.cli import main
+from gemma4_harness.harness.core.gates import resolve
+from gemma4_harness.harness.parity.compare import generation_figures
+from gemma4_harness.harness.parity.report import render_markdown, summarize
+from gemma4_harness.harness.parity.result import CaseResult
+from gemma4_harness.reference.errors import InputError
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 
@@ -277,7 +277,7 @@ def test_a_gate_that_measured_nothing_is_not_a_pass():
 def test_a_token_the_server_cannot_name_is_an_engine_failure():
     """llama-cpp-python names tokens by their text; a byte token's text is ``''`` (what a sampling server landed on
     in the field). The client cannot say which token that was: an engine failure naming the step, not bad input."""
-    from harness.engines.openai import OpenAIEngine, ServerFailure
+    from gemma4_harness.harness.engines.openai import OpenAIEngine, ServerFailure
 
     eng = object.__new__(OpenAIEngine)  # the two tokenizer calls answered as llama-cpp-python answers them
     eng._text_id, eng._id_text = {}, {}
@@ -310,9 +310,9 @@ def test_text_prompts_without_ids_against_a_failing_server(llama_server, synth_g
 def test_a_prompt_id_of_another_type_is_bad_input(tmp_path, line, why):
     """Ids name requests in reports and key results: a string or an integer, one line naming the file and line
     otherwise (an unhashable id used to crash the reader); ``1`` and ``"1"`` are one id."""
-    from harness.core.cases import load_prompts
-    from harness.parity.checks.server import load_user_prompts
-    from reference.errors import PromptError
+    from gemma4_harness.harness.core.cases import load_prompts
+    from gemma4_harness.harness.parity.checks.server import load_user_prompts
+    from gemma4_harness.reference.errors import PromptError
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt_ids": [2, 5]}\n' + line + "\n")

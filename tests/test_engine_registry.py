@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from harness import engines
-from harness.core import engine_kinds as ek
-from harness.core import gates, memory
-from harness.engines import mm, numerics
-from harness.engines.base import EngineUnavailable
-from harness.parity.cases import default_against
-from reference.errors import InputError
+from gemma4_harness.harness import engines
+from gemma4_harness.harness.core import engine_kinds as ek
+from gemma4_harness.harness.core import gates, memory
+from gemma4_harness.harness.engines import mm, numerics
+from gemma4_harness.harness.engines.base import EngineUnavailable
+from gemma4_harness.harness.parity.cases import default_against
+from gemma4_harness.reference.errors import InputError
 
 
 def _defines(module: str, cls: str) -> bool:
@@ -80,7 +80,7 @@ def test_engine_registry_lists_are_the_rows():
 def test_engine_help_and_unknown_engine_message_unchanged():
     import argparse
 
-    from harness.cli._args import add_model_args
+    from gemma4_harness.harness.cli._args import add_model_args
 
     p = argparse.ArgumentParser()
     add_model_args(p)
@@ -132,7 +132,7 @@ def test_numerics_are_the_rows():
 
 def test_sweep_judge_reads_the_rows():
     pytest.importorskip("ray")
-    from harness.sweep import judge, run
+    from gemma4_harness.harness.sweep import judge, run
 
     assert judge.QUANTIZED_ACTIVATION_KINDS == frozenset({"llamacpp"})
     assert run.DEFAULT_ENGINES == ek.default_against("gguf") == ("fast", "llamacpp")
@@ -165,7 +165,7 @@ def test_transformers_multimodal_refuses_a_gguf_as_before(tmp_path):
 def test_help_texts_read_the_rows_unchanged():
     import argparse
 
-    from harness.cli import parity as cli_parity
+    from gemma4_harness.harness.cli import parity as cli_parity
 
     p = argparse.ArgumentParser()
     cli_parity.add_arguments(p)
@@ -173,7 +173,7 @@ def test_help_texts_read_the_rows_unchanged():
     assert against.endswith("Default: every engine that can read the model (a GGUF: fast, llamacpp; an HF folder: "
                             "fast, transformers)")
     pytest.importorskip("ray")
-    from harness.cli import sweep as cli_sweep
+    from gemma4_harness.harness.cli import sweep as cli_sweep
 
     p = argparse.ArgumentParser()
     cli_sweep.add_arguments(p)

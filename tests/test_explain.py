@@ -19,18 +19,18 @@ import numpy as np
 import pytest
 from variant_lab import build
 
-import reference.drafter as rd
-from harness.cli import main as g4h_main
-from harness.core.cases import MODELS_DIR, PROMPTS, load_prompts
-from harness.core.gates import DEFAULT_GATES
-from harness.engines.reference import ReferenceEngine
-from harness.engines.variants import VARIANTS, family, under
-from harness.parity.checks.server import ServerOptions
-from harness.parity.explain import Observed, Trial, search
-from harness.parity.explain_mm import DraftObserved, MMReference, explain_drafter, explain_mm
-from harness.parity.job import run as run_parity
-from harness.traces.format import TraceWriter
-from reference.multimodal import Injection
+import gemma4_harness.reference.drafter as rd
+from gemma4_harness.harness.cli import main as g4h_main
+from gemma4_harness.harness.core.cases import MODELS_DIR, PROMPTS, load_prompts
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.engines.reference import ReferenceEngine
+from gemma4_harness.harness.engines.variants import VARIANTS, family, under
+from gemma4_harness.harness.parity.checks.server import ServerOptions
+from gemma4_harness.harness.parity.explain import Observed, Trial, search
+from gemma4_harness.harness.parity.explain_mm import DraftObserved, MMReference, explain_drafter, explain_mm
+from gemma4_harness.harness.parity.job import run as run_parity
+from gemma4_harness.harness.traces.format import TraceWriter
+from gemma4_harness.reference.multimodal import Injection
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 LOGIT_GATE = DEFAULT_GATES["reference~cmd.max_abs_logit"].limit  # what an fp32 engine is held to
@@ -304,9 +304,9 @@ def test_multimodal_variants_are_explained_by_exactly_themselves(lab):
 
 
 def test_drafter_variants_are_explained_by_exactly_themselves():
-    from harness.synth.drafter import ensure_drafter_built
-    from reference.drafter_weights import load_drafter
-    from reference.weights import load_model
+    from gemma4_harness.harness.synth.drafter import ensure_drafter_built
+    from gemma4_harness.reference.drafter_weights import load_drafter
+    from gemma4_harness.reference.weights import load_model
 
     built = ensure_drafter_built(MODELS_DIR / "e2b-assistant.toml")  # built by test_drafter.py too (cached)
     target, TW = load_model(built.target.gguf["F32"])
@@ -336,7 +336,7 @@ def test_g4h_explain_takes_images(g4h, tmp_path):
     """``g4h explain --image``: the fast engine on the built multimodal case agrees with the reference (its soft
     tokens and the decoder with the reference's): nothing to explain, exit 0; the merge's variants are the ones
     considered (``not_applicable`` names them where they cannot act)."""
-    from harness.core.mm_prompts import make_image, write_png
+    from gemma4_harness.harness.core.mm_prompts import make_image, write_png
 
     write_png(tmp_path / "i.png", make_image(72, 120, 1))
     (tmp_path / "p.json").write_text("[2, 10, 500, 11]")
@@ -358,7 +358,7 @@ def test_real_llamacpp_is_explained_by_its_default_softcap(g4h, prompts_file):
 
 
 def test_the_fast_twin_follows_the_multimodal_variants_it_has_a_form_of(lab):
-    from fast.model import FastModel
+    from gemma4_harness.fast.model import FastModel
 
     mm = _mm_model(lab)
     bound = DEFAULT_GATES["reference~fast.max_abs_logit"].limit
@@ -382,7 +382,7 @@ def test_g4h_explain_judges_a_declaring_engine_at_the_pairs_limits(g4h, tmp_path
     (harness.parity.checks.pair.declared_effects, pair_near_tie), so it exits 0 (before: 1, a false alarm where
     parity passes); at the fp32 limits (``--tol``, which no effect raises) the same engine stands apart, so the
     effect is what decides. Half of one matrix's rows x1.02 (``--scale-rows``) still exits 1."""
-    from harness import synth
+    from gemma4_harness.harness import synth
 
     gguf = synth.ensure_built(Path(__file__).resolve().parent / "shapes" / "odd-h88-v515-gqa.toml").gguf["F32"]
     prompts = tmp_path / "p.jsonl"

@@ -29,12 +29,12 @@ import pytest
 from refserver import ReferenceServer
 from variant_lab import build
 
-from harness.core.cases import PROMPTS, load_prompts
-from harness.core.gates import DEFAULT_GATES
-from harness.engines.reference import ReferenceEngine
-from harness.engines.variants import VARIANTS, family
-from harness.parity.checks.server import ServerOptions
-from harness.parity.job import run as run_parity
+from gemma4_harness.harness.core.cases import PROMPTS, load_prompts
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.engines.reference import ReferenceEngine
+from gemma4_harness.harness.engines.variants import VARIANTS, family
+from gemma4_harness.harness.parity.checks.server import ServerOptions
+from gemma4_harness.harness.parity.job import run as run_parity
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 PROMPT_IDS = ("len1-bos", "len5", "len16-window", "len17-window+1")

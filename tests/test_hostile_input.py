@@ -48,8 +48,8 @@ def test_token_id_that_is_a_list(tiny_gguf, tmp_path):
 def test_transformers_engine_ids_out_of_range_and_too_long(tmp_path):
     """The transformers engine checks ids and length itself (it would index out of range, or run past its
     positions and exit 0)."""
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
 
     built = synth.ensure_built(MODELS_DIR / "e2b.toml")
     vocab = built.spec.config["vocab_size"]
@@ -183,8 +183,8 @@ def test_transformers_engine_checks_its_weights(tmp_path, value, says):
 
     from safetensors.numpy import load_file, save_file
 
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
 
     hf = shutil.copytree(synth.ensure_built(MODELS_DIR / "e2b.toml").hf_dir, tmp_path / "hf")
     tensors = load_file(hf / "model.safetensors")
@@ -201,8 +201,8 @@ def test_transformers_engine_checks_its_weights(tmp_path, value, says):
 def test_transformers_engine_generation_beyond_the_context(tmp_path):
     """Generation included: prompt + --max-new-tokens past the context is refused before any step (transformers
     would run past its positions)."""
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
 
     built = synth.ensure_built(MODELS_DIR / "e2b.toml")
     context = json.loads((built.hf_dir / "config.json").read_text())["max_position_embeddings"]

@@ -34,7 +34,7 @@ sh -c 'sleep 1000 & sleep 1000' &
 HARNESS = """
 import os, sys
 sys.path.insert(0, {root!r})
-from harness.engines import make_engine
+from gemma4_harness.harness.engines import make_engine
 e = make_engine({spec!r}, {model!r})
 print("ready", flush=True)
 for _ in range({n}):

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from harness.sweep.store import RunDir, base_from_npz, base_to_npz
-from reference.errors import InputError
+from gemma4_harness.harness.sweep.store import RunDir, base_from_npz, base_to_npz
+from gemma4_harness.reference.errors import InputError
 
 KEY = "0123456789abcdef"
 
@@ -44,7 +44,7 @@ def _run_folder(tmp_path: Path) -> Path:
 
 def _g4h(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True, env=env, check=False,
+    return subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", *args], capture_output=True, text=True, env=env, check=False,
                           timeout=120)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.core.text import for_json, for_markdown, for_markdown_code, for_terminal, for_xml, visible
+from gemma4_harness.harness.core.text import for_json, for_markdown, for_markdown_code, for_terminal, for_xml, visible
 
 ENGINE = Path(__file__).resolve().parent / "hostile_engine.py"
 sys.path.insert(0, str(ENGINE.parent))
@@ -56,7 +56,7 @@ def test_an_engine_with_hostile_error_text(tiny_gguf, tmp_path):
     junit = tmp_path / "junit.xml"
     out = tmp_path / "runs"
     spec = f"cmd:{sys.executable} {ENGINE}"
-    p = subprocess.run([sys.executable, "-m", "harness.cli", "parity", "--model", str(tiny_gguf), "--against", spec,
+    p = subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", "parity", "--model", str(tiny_gguf), "--against", spec,
                         "--out", str(out), "--junit", str(junit)], capture_output=True, timeout=300, check=False,
                        cwd=str(ENGINE.parents[1]))
     stdout, stderr = p.stdout.decode("utf-8"), p.stderr.decode("utf-8")  # strict: the terminal gets UTF-8
@@ -81,7 +81,7 @@ def test_an_engine_with_hostile_error_text(tiny_gguf, tmp_path):
 
 @pytest.mark.parametrize("text", ["`a|b`", "x\ud800y", "\x1b]8;;http://x\x07link\x1b]8;;\x07", "]]>", "\x00"])
 def test_markdown_table_cell_keeps_the_table(text):
-    from harness.parity.report import _table
+    from gemma4_harness.harness.parity.report import _table
     table = _table([{"a": text, "b": "z"}], ["a", "b"])
     lines = table.strip().splitlines()
     assert len(lines) == 3 and not RAW.search(table)

@@ -27,10 +27,10 @@ from conftest import write_tiny_gguf
 from gguf_mutate import read_layout
 from safetensors import safe_open
 
-from harness.core import memory
-from harness.core.cases import builtin_specs
-from harness.engines.llamacpp import INSTALL_MSG
-from harness.inspect import (
+from gemma4_harness.harness.core import memory
+from gemma4_harness.harness.core.cases import builtin_specs
+from gemma4_harness.harness.engines.llamacpp import INSTALL_MSG
+from gemma4_harness.harness.inspect import (
     ESTIMATE_TOKENS,
     FAST_DTYPES,
     FAST_TYPES,
@@ -42,10 +42,10 @@ from harness.inspect import (
     inspect_model,
     llamacpp_donors,
 )
-from harness.synth import ensure_built, text_config
-from reference.config import config_from_hf
-from reference.errors import InputError, ModelFileError
-from reference.weights import load_model
+from gemma4_harness.harness.synth import ensure_built, text_config
+from gemma4_harness.reference.config import config_from_hf
+from gemma4_harness.reference.errors import InputError, ModelFileError
+from gemma4_harness.reference.weights import load_model
 
 CASES = builtin_specs()  # the target cases (a drafter spec, *-assistant.toml, builds only beside its target)
 VT = gguf.GGUFValueType
@@ -137,9 +137,9 @@ def e2b():
 
 
 def test_copied_constants_match_their_sources():
-    from fast.quants import SUPPORTED
-    from harness.cli._args import DTYPES
-    from harness.engines.fast import WEIGHT_MODES
+    from gemma4_harness.fast.quants import SUPPORTED
+    from gemma4_harness.harness.cli._args import DTYPES
+    from gemma4_harness.harness.engines.fast import WEIGHT_MODES
     assert FAST_TYPES == SUPPORTED
     assert FAST_WEIGHT_MODES == WEIGHT_MODES
     assert FAST_DTYPES == DTYPES
@@ -246,7 +246,7 @@ def test_memory_column_says_when_a_setting_does_not_fit(monkeypatch):
 
 @pytest.mark.slow
 def test_real_gemma3_270m():
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     path = gemma3_270m_gguf()
     info = inspect_model(path)
@@ -300,7 +300,7 @@ def test_type_without_dequantizer_is_unusable(tmp_path, e2b):
     p = only(info, "tensor_type")
     assert p.severity == "unusable" and p.where == "blk.0.attn_q.weight" and "Q8_1" in p.message
     assert "file_check" not in codes(info)  # check_gguf knows its layout; only the dequantizer is missing
-    from harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
     with pytest.raises(InputError, match="Q8_1"):  # the reference indeed cannot read it
         ReferenceEngine(path).logits([2, 5, 7])
 
@@ -315,8 +315,8 @@ def test_tq2_0_is_usable_but_not_by_the_fast_engine(tmp_path, e2b):
     for r in info.engines:
         if r.engine == "fast":
             assert not r.can_run and "TQ2_0" in r.reason
-    from harness.engines.fast import FastEngine
-    from harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.engines.fast import FastEngine
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
     assert np.isfinite(ReferenceEngine(path).logits([2, 5, 7])).all()
     with pytest.raises(InputError, match="TQ2_0"):
         FastEngine(path, device="cpu")
@@ -456,8 +456,8 @@ def test_llamacpp_rows_agree_with_llamacpp(tmp_path):
     """Where inspect says llama.cpp runs a built-in case, it does; where it says llama.cpp aborts, it does."""
     if not LLAMACPP:
         pytest.skip("opted out with G4H_SKIP_LLAMACPP=1")
-    from harness.core.workers import EngineCrashed
-    from harness.engines.llamacpp import LlamaCppEngine
+    from gemma4_harness.harness.core.workers import EngineCrashed
+    from gemma4_harness.harness.engines.llamacpp import LlamaCppEngine
     for name in ("e2b", "edge-keqv-shared-donor"):
         path = ensure_built(REPO_ROOT / "cases" / "models" / f"{name}.toml").gguf["F32"]
         info = inspect_model(path)
@@ -572,6 +572,6 @@ def test_every_json_field_is_documented(tmp_path):
 
 
 def test_g4h_help_lists_inspect():
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "--help"], cwd=REPO_ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", "--help"], cwd=REPO_ROOT, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60)
     assert "inspect" in proc.stdout

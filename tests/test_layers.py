@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from harness.core.paths import REPO_ROOT
+from gemma4_harness.harness.core.paths import REPO_ROOT
 
 PACKAGES = ("reference", "fast", "harness")
 
@@ -49,7 +49,7 @@ def test_an_added_cycle_is_caught(tmp_path):
         shutil.copytree(REPO_ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     paths = tmp_path / "harness" / "core" / "paths.py"
-    paths.write_text(paths.read_text() + "\n\ndef _upward():\n    from harness.cli import main  # noqa\n")
+    paths.write_text(paths.read_text() + "\n\ndef _upward():\n    from gemma4_harness.harness.cli import main  # noqa\n")
     proc = _lint(tmp_path)
     assert proc.returncode != 0, proc.stdout
     assert "BROKEN" in proc.stdout and "harness.core.paths -> harness.cli" in proc.stdout, proc.stdout

@@ -1,6 +1,6 @@
 """The ``llamacpp`` engine (llama.cpp through llama-cpp-python, in a worker subprocess).
 
-llama-cpp-python has no wheel on PyPI; ``python -m harness.engines.llamacpp.build`` builds it into
+llama-cpp-python has no wheel on PyPI; ``python -m gemma4_harness.harness.engines.llamacpp.build`` builds it into
 the user cache and ``nox -s tests`` installs it from there. Without it these tests fail; the one
 opt-out is ``G4H_SKIP_LLAMACPP=1``, which skips them, each saying so.
 """
@@ -17,18 +17,18 @@ if os.environ.get("G4H_SKIP_LLAMACPP", "") not in ("", "0"):
     pytest.skip("opted out with G4H_SKIP_LLAMACPP=1", allow_module_level=True)
 import llama_cpp  # noqa: E402, F401  (missing: nox -s tests installs it from the build cache)
 
-from harness import synth  # noqa: E402
-from harness.core.cases import (
+from gemma4_harness.harness import synth  # noqa: E402
+from gemma4_harness.harness.core.cases import (
     MODELS_DIR,  # noqa: E402
     load_prompts,  # noqa: E402
 )
-from harness.core.gates import DEFAULT_GATES, resolve  # noqa: E402
-from harness.core.workers import EngineCrashed  # noqa: E402
-from harness.engines import EngineUnavailable, make_engine  # noqa: E402
-from harness.engines.llamacpp import INSTALL_MSG, LlamaCppEngine  # noqa: E402
-from harness.engines.reference import ReferenceEngine  # noqa: E402
-from harness.parity.checks.llamacpp import check_synthetic  # noqa: E402
-from reference.errors import InputError, PromptError  # noqa: E402
+from gemma4_harness.harness.core.gates import DEFAULT_GATES, resolve  # noqa: E402
+from gemma4_harness.harness.core.workers import EngineCrashed  # noqa: E402
+from gemma4_harness.harness.engines import EngineUnavailable, make_engine  # noqa: E402
+from gemma4_harness.harness.engines.llamacpp import INSTALL_MSG, LlamaCppEngine  # noqa: E402
+from gemma4_harness.harness.engines.reference import ReferenceEngine  # noqa: E402
+from gemma4_harness.harness.parity.checks.llamacpp import check_synthetic  # noqa: E402
+from gemma4_harness.reference.errors import InputError, PromptError  # noqa: E402
 
 PROMPTS = load_prompts()
 LONGEST = max(PROMPTS, key=lambda p: len(p["prompt_ids"]))["prompt_ids"]
@@ -163,7 +163,7 @@ TOK_BYTES = [f"<0x{i:02X}>" for i in range(256)]
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     """A small gemma4-type vocabulary GGUF llama.cpp loads: specials, a marker, a few merges, 256 byte tokens."""
-    from harness.tokenizer.build import write_vocab_gguf
+    from gemma4_harness.harness.tokenizer.build import write_vocab_gguf
 
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "a", "b", "ab", "▁", "▁a"] + TOK_BYTES
     return write_vocab_gguf(tmp_path_factory.mktemp("tokvocab") / "small.gguf", {
@@ -178,7 +178,7 @@ def small_vocab(tmp_path_factory):
 def aborting_vocab(tmp_path_factory):
     """A llama-type vocabulary without byte tokens: it loads, but tokenizing throws std::out_of_range in llama.cpp
     (``byte_to_token``), which ends in ``std::terminate`` -> abort."""
-    from harness.tokenizer.build import write_vocab_gguf
+    from gemma4_harness.harness.tokenizer.build import write_vocab_gguf
 
     return write_vocab_gguf(tmp_path_factory.mktemp("tokvocab") / "noscores.gguf", {
         "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.token_type": [1, 1]})
@@ -190,7 +190,7 @@ TOK_TEXTS = ["ab ab", "<|turn>ab<bos>", "", "a\nb", "é日本😀", "<|turn><|tu
 #: engine ran in-process before it had a worker) on the same texts and flags.
 _CHILD = r"""
 import json, os, sys
-from harness.tokenizer.engines import make_tok_engine
+from gemma4_harness.harness.tokenizer.engines import make_tok_engine
 path, texts = sys.argv[1], json.loads(sys.argv[2])
 out = {"pid": os.getpid()}
 for ps in (True, False):
@@ -241,7 +241,7 @@ def test_tokenizer_engine_runs_in_a_worker_with_the_old_results(small_vocab):
 def test_tokenizer_worker_is_one_child_process(small_vocab):
     import os
 
-    from harness.tokenizer.engines import make_tok_engine
+    from gemma4_harness.harness.tokenizer.engines import make_tok_engine
 
     eng = make_tok_engine("llamacpp", small_vocab)
     pid = eng.worker_pid
@@ -257,7 +257,7 @@ def test_tokenizer_worker_abort_is_engine_crashed(aborting_vocab, small_vocab):
     import os
     import signal
 
-    from harness.tokenizer.engines import make_tok_engine
+    from gemma4_harness.harness.tokenizer.engines import make_tok_engine
 
     crashing = make_tok_engine("llamacpp", aborting_vocab)
     with pytest.raises(EngineCrashed) as ei:
@@ -278,7 +278,7 @@ def test_tokenizer_worker_abort_is_engine_crashed(aborting_vocab, small_vocab):
 
 
 def test_tokenizer_unloadable_file_is_engine_crashed(tmp_path, small_vocab):
-    from harness.tokenizer.engines import make_tok_engine
+    from gemma4_harness.harness.tokenizer.engines import make_tok_engine
 
     bad = tmp_path / "truncated.gguf"
     data = small_vocab.read_bytes()
@@ -296,9 +296,9 @@ def test_tokenizer_crash_is_reported_and_the_run_goes_on(aborting_vocab, small_v
 
     from clitools import assert_one_line_error, run_cli
 
-    from harness.tokenizer.checks import Ctx, run_check
-    from harness.tokenizer.corpus import compare_engines
-    from harness.tokenizer.engines import make_tok_engine
+    from gemma4_harness.harness.tokenizer.checks import Ctx, run_check
+    from gemma4_harness.harness.tokenizer.corpus import compare_engines
+    from gemma4_harness.harness.tokenizer.engines import make_tok_engine
 
     def crashing(ctx) -> dict:
         compare_engines(make_tok_engine("ours", small_vocab), make_tok_engine("llamacpp", aborting_vocab), ["ab"])
@@ -322,8 +322,8 @@ def test_tokenizer_crash_is_reported_and_the_run_goes_on(aborting_vocab, small_v
 #: A parent that keeps llama.cpp busy: the tokenizer worker up, and one model worker after another.
 _BUSY_PARENT = r"""
 import sys
-from harness.engines.llamacpp import LlamaCppEngine
-from harness.tokenizer.engines import make_tok_engine
+from gemma4_harness.harness.engines.llamacpp import LlamaCppEngine
+from gemma4_harness.harness.tokenizer.engines import make_tok_engine
 tok = make_tok_engine("llamacpp", sys.argv[2])
 print(tok.worker_pid, flush=True)
 eng = LlamaCppEngine(sys.argv[1], n_ctx=1024, threads=1)
@@ -345,7 +345,7 @@ def test_killed_parent_leaves_no_llamacpp_worker_and_no_temp_dir(passing, small_
 
     from test_workers import children_of, process_gone, wait_until
 
-    from harness.core.workers import worker_env
+    from gemma4_harness.harness.core.workers import worker_env
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -374,7 +374,7 @@ def test_worker_threads_follow_omp_num_threads(monkeypatch):
     share of the CPUs), else on every CPU this process may use."""
     import os
 
-    from harness.engines.llamacpp.worker import default_threads
+    from gemma4_harness.harness.engines.llamacpp.worker import default_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert default_threads() == 3

@@ -16,8 +16,8 @@ import pytest
 from clitools import REPO_ROOT
 from servers import require_llamacpp
 
-from harness.engines.llamacpp import build as lb
-from reference.errors import InputError
+from gemma4_harness.harness.engines.llamacpp import build as lb
+from gemma4_harness.reference.errors import InputError
 
 
 def test_cache_dir_follows_xdg(monkeypatch, tmp_path):
@@ -37,7 +37,7 @@ def test_key_is_stable_and_follows_the_flags(monkeypatch, tmp_path):
 
 def _run_cli(env_over: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **env_over)
-    return subprocess.run([sys.executable, "-m", "harness.engines.llamacpp.build", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gemma4_harness.harness.engines.llamacpp.build", *args], capture_output=True, text=True,
                           env=env, cwd=REPO_ROOT, timeout=120)
 
 

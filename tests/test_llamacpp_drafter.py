@@ -11,10 +11,10 @@ pytest.importorskip(
     "llama_cpp",
     reason="llama-cpp-python not installed (pip install 'gemma4-harness[llamacpp]'; builds from source, ~5 min)")
 
-from harness.core.cases import MODELS_DIR, load_prompts  # noqa: E402
-from harness.core.gates import DEFAULT_GATES  # noqa: E402
-from harness.parity.checks.drafter import llamacpp_drafter_checks  # noqa: E402
-from harness.synth.drafter import ensure_drafter_built  # noqa: E402
+from gemma4_harness.harness.core.cases import MODELS_DIR, load_prompts  # noqa: E402
+from gemma4_harness.harness.core.gates import DEFAULT_GATES  # noqa: E402
+from gemma4_harness.harness.parity.checks.drafter import llamacpp_drafter_checks  # noqa: E402
+from gemma4_harness.harness.synth.drafter import ensure_drafter_built  # noqa: E402
 
 PROMPTS = [p for p in load_prompts() if p["id"] in ("len5", "len17-window+1", "len48-3xwindow")]
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from servers import require_llamacpp
 
-from harness.bench import BenchOptions, bench
-from harness.bench.run import BenchPlan
-from harness.core.workers import EngineCrashed
-from harness.engines.llamacpp import LlamaCppEngine
-from harness.engines.llamacpp import build as lb
+from gemma4_harness.harness.bench import BenchOptions, bench
+from gemma4_harness.harness.bench.run import BenchPlan
+from gemma4_harness.harness.core.workers import EngineCrashed
+from gemma4_harness.harness.engines.llamacpp import LlamaCppEngine
+from gemma4_harness.harness.engines.llamacpp import build as lb
 
 
 def test_native_key_is_its_own_and_names_the_cpu(monkeypatch, tmp_path):
@@ -33,7 +33,7 @@ def test_native_key_is_its_own_and_names_the_cpu(monkeypatch, tmp_path):
 
 def test_only_a_bench_engine_with_a_gguf_builds_it(monkeypatch, tmp_path):
     """The build is asked for by the bench's llamacpp-native alone, and only once it has a file to run."""
-    import harness.bench.models as bm
+    import gemma4_harness.harness.bench.models as bm
 
     called = []
     monkeypatch.setattr(bm, "ensure_native_built", lambda *a, **k: called.append(1) or tmp_path)
@@ -58,8 +58,8 @@ def _stand_in(cache: Path) -> Path:
 def test_the_worker_loads_the_named_libraries(tmp_path):
     if not require_llamacpp():
         pytest.skip("opted out with G4H_SKIP_LLAMACPP=1")
-    from harness import synth
-    from harness.core.cases import builtin_specs
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import builtin_specs
 
     gguf = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b")).gguf["Q8_0"]
     lib = _stand_in(tmp_path)
@@ -74,9 +74,9 @@ def test_the_worker_loads_the_named_libraries(tmp_path):
 def test_bench_times_both_builds_side_by_side(monkeypatch, tmp_path):
     if not require_llamacpp():
         pytest.skip("opted out with G4H_SKIP_LLAMACPP=1")
-    import harness.bench.models as bm
-    from harness import synth
-    from harness.core.cases import builtin_specs
+    import gemma4_harness.harness.bench.models as bm
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import builtin_specs
 
     gguf = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b")).gguf["Q8_0"]
     lib = _stand_in(tmp_path / "cache")

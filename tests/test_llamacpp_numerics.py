@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import reference.model as rm
-from harness.engines.llamacpp.numerics import (
+import gemma4_harness.reference.model as rm
+from gemma4_harness.harness.engines.llamacpp.numerics import (
     FA_TILE_Q,
     attention_flash_fp16,
     attention_kv_rounded,
@@ -62,7 +62,7 @@ def test_table_lookup_clamps_and_rounds():
 
 
 def test_context_swaps_the_reference_gelu_and_restores_it(tiny_gguf):
-    from reference import load_model
+    from gemma4_harness.reference import load_model
 
     cfg, W = load_model(tiny_gguf)
     ids = [2, 5, 9, 4, 7]
@@ -83,7 +83,7 @@ def test_attention_over_an_f16_cache_is_llamacpps(tmp_path, flash):
     cache: the emulation (``attn_fp16_operands`` without flash attention; the flash kernel's fp16 accumulator with
     it) agrees to float32 rounding (< 1e-6), where the exact attention over the same Q, K, V is off by > 1e-4."""
     need_llamacpp()
-    from harness import synth
+    from gemma4_harness.harness import synth
 
     gguf = synth.ensure_built(SHAPES / "odd-h72-v300.toml").gguf["F32"]
     ids = [2, 169, 23, 254, 172, 81, 60, 73, 157, 146, 110]  # 11 rows: flash attention's one-chunk kernel
@@ -104,7 +104,7 @@ def test_attention_over_an_f16_cache_is_llamacpps(tmp_path, flash):
 
 
 def test_attention_numerics_swaps_and_restores(tiny_gguf):
-    from reference import load_model
+    from gemma4_harness.reference import load_model
 
     cfg, W = load_model(tiny_gguf)
     ids = [2, 5, 9, 4, 7, 11, 3]
@@ -126,8 +126,8 @@ def test_fast_twin_follows_the_attention_emulation(tiny_gguf, kw):
     """``--oracle fast``: the fast engine in fp32 under the same attention emulation as the reference follows it: off
     by a fraction of what the emulation moves (fp32 inputs one bit apart decide some fp16 roundings the other
     way: ~1e-6 with a rounded cache, up to ~3e-4 through the flash kernel's fp16 accumulator)."""
-    from harness.engines import make_engine
-    from harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.engines import make_engine
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
 
     ids = [2, 5, 9, 4, 7, 11, 3, 8, 13]
     ref, fast = ReferenceEngine(tiny_gguf), make_engine("fast", tiny_gguf, device="cpu")

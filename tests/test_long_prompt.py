@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-import fast.model as fm
-import reference.model as rm
+import gemma4_harness.fast.model as fm
+import gemma4_harness.reference.model as rm
 
 H, HKV, D, WINDOW = 2, 1, 8, 16
 

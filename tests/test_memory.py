@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 from clitools import assert_one_line_error
 
-from harness import synth
-from harness.core import memory
-from harness.core.cases import builtin_specs
-from harness.core.paths import REPO_ROOT
-from harness.engines import make_engine
-from harness.engines.fast import FastEngine
-from harness.parity import run as run_parity
-from harness.parity.checks.pair import GREEDY_NEW_TOKENS
-from harness.synth.scale import write_scale_gguf
-from reference.errors import InputError
-from reference.weights import load_model
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.core import memory
+from gemma4_harness.harness.core.cases import builtin_specs
+from gemma4_harness.harness.core.paths import REPO_ROOT
+from gemma4_harness.harness.engines import make_engine
+from gemma4_harness.harness.engines.fast import FastEngine
+from gemma4_harness.harness.parity import run as run_parity
+from gemma4_harness.harness.parity.checks.pair import GREEDY_NEW_TOKENS
+from gemma4_harness.harness.synth.scale import write_scale_gguf
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.weights import load_model
 
 #: E2B with a real vocabulary under one tiny layer (``[config]`` overrides): 18 MB at Q8_0, while the logits
 #: of :data:`PROMPT` alone need hundreds of MB.
@@ -64,7 +64,7 @@ def test_plan_terms_sum_and_read_no_tensor():
 def test_reference_estimate_scales_with_the_model_not_the_file():
     """The E2B shape at full size: the reference's estimate stays within a few GB (it streams), the fast
     engine's dequantized fp32 weights are ~4 bytes per parameter."""
-    from fast.shapes import RandomWeights, load_shape, param_counts
+    from gemma4_harness.fast.shapes import RandomWeights, load_shape, param_counts
 
     cfg = load_shape("e2b")
     info = memory.ModelInfo.from_loaded("e2b", cfg, RandomWeights(cfg))
@@ -125,8 +125,8 @@ def _run_limited(args: list[str], headroom_mb: int, limit: str = "AS") -> subpro
     has after its imports + headroom."""
     code = textwrap.dedent(f"""
         import resource, sys
-        import numpy, gguf, reference, harness.engines.reference, harness.cli.logits
-        from harness.cli import main
+        import numpy, gguf, reference, gemma4_harness.harness.engines.reference, gemma4_harness.harness.cli.logits
+        from gemma4_harness.harness.cli import main
         a = numpy.ones((256, 256))
         (a @ a).sum()  # OpenBLAS starts its threads and buffers now: under the limit their failure is a crash
         field = {{"AS": "VmSize:", "DATA": "VmData:"}}[{limit!r}]
@@ -294,14 +294,14 @@ def test_packed_weights_held_and_mapped_count_once(monkeypatch):
 def test_ulimit_v_stops_the_fast_engine_with_one_line(wide_vocab_gguf, tmp_path):
     """``ulimit -v`` in the shell that starts ``g4h``: the fast engine's plan reads the limit (RLIMIT_AS) and
     stops with one line before it builds its weights."""
-    probe = subprocess.run([sys.executable, "-c", "import torch, harness.cli, harness.cli.logits, harness.engines.fast;"
+    probe = subprocess.run([sys.executable, "-c", "import torch, gemma4_harness.harness.cli, gemma4_harness.harness.cli.logits, gemma4_harness.harness.engines.fast;"
                             "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmSize:')][0])"],
                            capture_output=True, text=True, cwd=REPO_ROOT, timeout=300, check=True)
     limit_kb = int(probe.stdout.strip()) + 150 * 1024  # what the imports take, and 150 MB
     ids = tmp_path / "ids.json"
     ids.write_text(str(PROMPT))
     out = tmp_path / "out.npy"
-    cmd = (f"ulimit -v {limit_kb} && exec {shlex.quote(sys.executable)} -m harness.cli logits --model "
+    cmd = (f"ulimit -v {limit_kb} && exec {shlex.quote(sys.executable)} -m gemma4_harness.harness.cli logits --model "
            f"{shlex.quote(str(wide_vocab_gguf))} --engine fast --device cpu --prompt-ids {ids} --out {out}")
     proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     line = assert_one_line_error(proc, str(wide_vocab_gguf))

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from harness.core import kld as K
-from harness.core import metrics as M
+from gemma4_harness.harness.core import kld as K
+from gemma4_harness.harness.core import metrics as M
 
 FAST = settings(max_examples=60, deadline=None)
 

@@ -15,24 +15,24 @@ import numpy as np
 import pytest
 from clitools import run_cli
 
-from fast.model import FastModel
-from harness.core.gates import DEFAULT_GATES
-from harness.core.mm_prompts import MM_MODELS_DIR, load_mm_prompts, make_clip, make_image, write_png, write_wav
-from harness.engines.llamacpp.mtmd import mtmd_soft_tokens, processed_rgb
-from harness.engines.llamacpp.numerics import llamacpp_mm_numerics
-from harness.engines.mm import ReferenceMM
-from harness.parity.cases import multimodal_case
-from harness.parity.checks.multimodal import prepared
-from harness.selftest import mutants as M
-from harness.selftest import run_selftest
-from harness.synth.mm_case import builtin_mm_specs, ensure_mm_built, load_mm_spec
-from harness.synth.spec import SpecError
-from harness.traces.format import canonical_key
-from reference import audio_features as AF
-from reference.errors import ConfigError, PromptError
-from reference.gguf_check import check_gguf
-from reference.mm_model import MediaItem, expand, load_multimodal, token_ids_from_vocab
-from reference.multimodal import MultimodalTokenIds
+from gemma4_harness.fast.model import FastModel
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.mm_prompts import MM_MODELS_DIR, load_mm_prompts, make_clip, make_image, write_png, write_wav
+from gemma4_harness.harness.engines.llamacpp.mtmd import mtmd_soft_tokens, processed_rgb
+from gemma4_harness.harness.engines.llamacpp.numerics import llamacpp_mm_numerics
+from gemma4_harness.harness.engines.mm import ReferenceMM
+from gemma4_harness.harness.parity.cases import multimodal_case
+from gemma4_harness.harness.parity.checks.multimodal import prepared
+from gemma4_harness.harness.selftest import mutants as M
+from gemma4_harness.harness.selftest import run_selftest
+from gemma4_harness.harness.synth.mm_case import builtin_mm_specs, ensure_mm_built, load_mm_spec
+from gemma4_harness.harness.synth.spec import SpecError
+from gemma4_harness.harness.traces.format import canonical_key
+from gemma4_harness.reference import audio_features as AF
+from gemma4_harness.reference.errors import ConfigError, PromptError
+from gemma4_harness.reference.gguf_check import check_gguf
+from gemma4_harness.reference.mm_model import MediaItem, expand, load_multimodal, token_ids_from_vocab
+from gemma4_harness.reference.multimodal import MultimodalTokenIds
 
 G = DEFAULT_GATES
 TOK = MultimodalTokenIds(image_token_id=500, audio_token_id=501, video_token_id=502, boi_token_id=503,
@@ -89,7 +89,7 @@ def test_prompt_set_and_media_files(tmp_path):
     prompts = load_mm_prompts()
     assert {"image", "two-images", "audio", "image-audio", "long-audio"} <= {p["id"] for p in prompts}
     x = make_clip(0.25, 3)
-    from reference.audio_features import read_wav
+    from gemma4_harness.reference.audio_features import read_wav
 
     back, rate = read_wav(write_wav(tmp_path / "a.wav", x))
     assert rate == 16000 and np.abs(back - x).max() <= 0.5 / 32768 + 1e-12
@@ -182,7 +182,7 @@ def test_cli_logits_trace_generate_with_image_and_audio(case, tmp_path):
 @pytest.mark.slow
 def test_cli_multimodal_bad_input_is_one_line(case, tmp_path, capsys):
     """In process (``harness.cli.main``, the entry point ``g4h`` runs): exit 2 and one ``g4h: error:`` line."""
-    from harness.cli import main
+    from gemma4_harness.harness.cli import main
 
     write_png(tmp_path / "i.png", make_image(72, 120, 1))
     write_wav(tmp_path / "a44.wav", make_clip(0.5, 4, rate=44100), rate=44100)
@@ -216,9 +216,9 @@ def test_float64_oracle_agrees_to_1e_10(case):
     oracle's rounding: the formulas are the same, not merely close."""
     import importlib
 
-    from harness.parity.checks.multimodal import exact_softplus_audio
+    from gemma4_harness.harness.parity.checks.multimodal import exact_softplus_audio
 
-    mt = importlib.import_module("harness.engines.mm_transformers")
+    mt = importlib.import_module("gemma4_harness.harness.engines.mm_transformers")
     hf = load_multimodal(case.hf_dir)
     pr = prepared(hf, next(p for p in load_mm_prompts() if p["id"] == "image-audio"))
     ours = ReferenceMM(exact_softplus_audio(hf, case.hf_dir)).logits(pr)
@@ -240,7 +240,7 @@ def test_llamacpp_mtmd_matches_and_an_abort_is_one_line(case):
     rgb = processed_rgb(pr.items[0].image, hf.vision[0].patch_size)
     with llamacpp_mm_numerics():
         ref = ReferenceMM(hf).soft_tokens(pr)[0]
-    from harness.core.metrics import cosine
+    from gemma4_harness.harness.core.metrics import cosine
 
     good = mtmd_soft_tokens(case.gguf, case.mmproj_gelu, [("image", rgb)])
     quick = mtmd_soft_tokens(case.gguf, case.mmproj, [("image", rgb)])
@@ -248,7 +248,7 @@ def test_llamacpp_mtmd_matches_and_an_abort_is_one_line(case):
     assert G["llamacpp~reference.mm_vision_cosine"].check(cosine(good["embeds"][0], ref))
     assert not G["llamacpp~reference.mm_vision_cosine"].check(cosine(quick["embeds"][0], ref))
     other = ensure_mm_built(MM_MODELS_DIR / "mm-varied.toml")
-    from harness.core.workers import EngineCrashed
+    from gemma4_harness.harness.core.workers import EngineCrashed
 
     with pytest.raises(EngineCrashed) as e:
         mtmd_soft_tokens(other.gguf, other.mmproj, [("audio", make_clip(1.0, 1))])

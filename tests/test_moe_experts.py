@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import synth
-from harness.core.cases import PROMPTS, builtin_specs
-from harness.engines.llamacpp.numerics import quantized_activations_numerics
-from harness.traces.format import TraceWriter
-from reference import model as M
-from reference.batch import Chain, forward_chains
-from reference.weights import GGMLArray, load_model
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.core.cases import PROMPTS, builtin_specs
+from gemma4_harness.harness.engines.llamacpp.numerics import quantized_activations_numerics
+from gemma4_harness.harness.traces.format import TraceWriter
+from gemma4_harness.reference import model as M
+from gemma4_harness.reference.batch import Chain, forward_chains
+from gemma4_harness.reference.weights import GGMLArray, load_model
 
 CASE = next(p for p in builtin_specs() if p.stem == "26b-a4b")
 # (seed, experts, experts per token, expert width): the built-in case, then two others

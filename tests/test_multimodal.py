@@ -22,28 +22,28 @@ from PIL import Image
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.gemma4.modeling_gemma4 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
 
-from fast import audio as FA
-from fast import vision as FV
-from fast.engine import Engine, Request
-from fast.mm_weights import EncoderWeights
-from fast.model import FastModel, SeqStep
-from fast.multimodal import chunk_end
-from harness.core.gates import DEFAULT_GATES
-from harness.core.kld import kld_stats
-from harness.core.metrics import cosine, rel_l2
-from harness.synth.mm_audio import TINY_IDS
-from harness.synth.mm_model import build_tiny_mm_hf
-from reference import audio_features as AF
-from reference import load_model
-from reference import model as RM
-from reference.audio import encode_audio
-from reference.audio_weights import load_audio_hf
-from reference.config import config_from_hf
-from reference.errors import ConfigError, PromptError
-from reference.image_processing import ImageProcessorConfig, preprocess_image
-from reference.mm_weights import load_vision
-from reference.multimodal import Injection, MultimodalTokenIds, block_ids, layout_prompt, make_injection
-from reference.vision import encode_image
+from gemma4_harness.fast import audio as FA
+from gemma4_harness.fast import vision as FV
+from gemma4_harness.fast.engine import Engine, Request
+from gemma4_harness.fast.mm_weights import EncoderWeights
+from gemma4_harness.fast.model import FastModel, SeqStep
+from gemma4_harness.fast.multimodal import chunk_end
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.kld import kld_stats
+from gemma4_harness.harness.core.metrics import cosine, rel_l2
+from gemma4_harness.harness.synth.mm_audio import TINY_IDS
+from gemma4_harness.harness.synth.mm_model import build_tiny_mm_hf
+from gemma4_harness.reference import audio_features as AF
+from gemma4_harness.reference import load_model
+from gemma4_harness.reference import model as RM
+from gemma4_harness.reference.audio import encode_audio
+from gemma4_harness.reference.audio_weights import load_audio_hf
+from gemma4_harness.reference.config import config_from_hf
+from gemma4_harness.reference.errors import ConfigError, PromptError
+from gemma4_harness.reference.image_processing import ImageProcessorConfig, preprocess_image
+from gemma4_harness.reference.mm_weights import load_vision
+from gemma4_harness.reference.multimodal import Injection, MultimodalTokenIds, block_ids, layout_prompt, make_injection
+from gemma4_harness.reference.vision import encode_image
 
 G = DEFAULT_GATES
 TOK = MultimodalTokenIds(**TINY_IDS)

@@ -15,10 +15,10 @@ import pytest
 from servers import FaultStub as Stub  # the server fixtures come from the servers plugin (conftest.py)
 from servers import free_port, get_json
 
-from harness.core.gates import DEFAULT_GATES
-from harness.core.metrics import greedy_agreement
-from harness.core.workers import EngineCrashed, EngineFailure
-from harness.engines.openai import (
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.metrics import greedy_agreement
+from gemma4_harness.harness.core.workers import EngineCrashed, EngineFailure
+from gemma4_harness.harness.engines.openai import (
     DOWN_HINT,
     OpenAIEngine,
     ServerCrashed,
@@ -27,7 +27,7 @@ from harness.engines.openai import (
     parse_url,
     utf8_cut,
 )
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 N_NEW = 8
 #: |Δ logprob| allowed between two llama.cpp fp32 runs of one greedy step that differ only in summation order
@@ -38,7 +38,7 @@ LOGPROB_FP32_ORDER_TOL = 2 * DEFAULT_GATES["llamacpp~reference.max_abs_logit"].l
 
 
 def _prompts():
-    from harness.core.cases import load_prompts
+    from gemma4_harness.harness.core.cases import load_prompts
 
     return [p["prompt_ids"] for p in load_prompts() if len(p["prompt_ids"]) >= 5]
 
@@ -62,7 +62,7 @@ def _steps(g):
 def test_llama_server_greedy_matches_the_llamacpp_worker(llama_server_f32, synth_gguf):
     """Same llama.cpp, same settings (F32 KV, no flash attention, plain kernels): through HTTP, 4 requests in flight,
     the server's greedy tokens equal the in-process worker's, and so does every top-5 the server reports."""
-    from harness.engines.llamacpp import LlamaCppEngine
+    from gemma4_harness.harness.engines.llamacpp import LlamaCppEngine
 
     prompts = _prompts()
     got = OpenAIEngine(llama_server_f32.url, concurrency=4).generate_full(prompts, N_NEW)
@@ -136,7 +136,7 @@ def test_llama_server_tokens_and_template(llama_server_gemma3):
 
 @pytest.mark.slow
 def test_llama_server_real_gemma3_continues(llama_server_gemma3):
-    from harness.parity.checks.gemma3_real import PROMPTS
+    from gemma4_harness.harness.parity.checks.gemma3_real import PROMPTS
 
     eng = OpenAIEngine(llama_server_gemma3.url)
     for name, text, expected in PROMPTS:

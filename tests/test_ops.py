@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from fast import audio as fa
-from fast import model as fm
-from fast import multimodal as fmm
-from fast import vision as fv
-from harness.core.gates import OP_BOUNDS
-from harness.core.metrics import nmse_sum
-from reference import audio as ra
-from reference import model as rm
-from reference import multimodal as rmm
-from reference import vision as rv
-from reference.audio import AudioConfig
+from gemma4_harness.fast import audio as fa
+from gemma4_harness.fast import model as fm
+from gemma4_harness.fast import multimodal as fmm
+from gemma4_harness.fast import vision as fv
+from gemma4_harness.harness.core.gates import OP_BOUNDS
+from gemma4_harness.harness.core.metrics import nmse_sum
+from gemma4_harness.reference import audio as ra
+from gemma4_harness.reference import model as rm
+from gemma4_harness.reference import multimodal as rmm
+from gemma4_harness.reference import vision as rv
+from gemma4_harness.reference.audio import AudioConfig
 
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
 TWINS = {"model": (rm, fm), "multimodal": (rmm, fmm), "vision": (rv, fv), "audio": (ra, fa)}
@@ -454,8 +454,8 @@ def test_rms_norm_gives_its_defined_bits_on_the_cpu_and_the_fused_formulas_elsew
     result the same alone and among others, and within a few float32 ulps of the float64 reference. Where the
     kernel does not apply (on a GPU; here the kernel switched off), torch's fused F.rms_norm: the bits of
     ``x * rsqrt(mean(x**2) + eps) * w`` written out in float32."""
-    from fast import cpu_kernels
-    from fast.model import rms_norm
+    from gemma4_harness.fast import cpu_kernels
+    from gemma4_harness.fast.model import rms_norm
 
     assert cpu_kernels.rms_norm_f32(torch.ones(1, 8), None, 1e-6) is not None, "the row kernels did not build"
     g = torch.Generator().manual_seed(0)
@@ -488,8 +488,8 @@ def test_softcap_on_the_cpu_is_within_one_ulp_of_the_correctly_rounded_value():
     every result is the correctly rounded float32 or, within 1e-13 of a rounding boundary, one ulp from it: checked
     over logit-sized rows and 33 decades of magnitude on both signs, for caps that are and are not powers of two.
     -0 stays -0, NaN stays NaN and +-Inf gives +-cap, as torch's ``tanh(x / cap) * cap`` does."""
-    from fast import cpu_kernels
-    from fast.model import softcap
+    from gemma4_harness.fast import cpu_kernels
+    from gemma4_harness.fast.model import softcap
 
     g = torch.Generator().manual_seed(1)
     mags = np.logspace(-30, 3, 20001)
@@ -511,7 +511,7 @@ def test_argmax_on_the_cpu_is_torchs_and_flags_every_non_finite_value():
     """The one-pass greedy pick of the CPU decode loop (``fast.cpu_kernels.argmax_f32``) gives torch's argmax (the
     first largest value) on rows of several lengths, ties included, and reports a row that holds a NaN or +-Inf
     anywhere (first, last, in the tail past the 16 lanes)."""
-    from fast import cpu_kernels
+    from gemma4_harness.fast import cpu_kernels
 
     g = torch.Generator().manual_seed(2)
     for rows, n in [(1, 262144), (3, 1000), (2, 17), (4, 5), (8, 4099)]:

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import synth
-from harness.core.cases import PROMPTS, builtin_specs
-from harness.engines.reference import ReferenceEngine
-from harness.parity.checks import pair
-from harness.parity.checks.oracle_pass import reference_pass
-from harness.parity.checks.pair import ReferenceRuns, expected_sets
-from harness.parity.checks.reference import cached_vs_uncached
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.core.cases import PROMPTS, builtin_specs
+from gemma4_harness.harness.engines.reference import ReferenceEngine
+from gemma4_harness.harness.parity.checks import pair
+from gemma4_harness.harness.parity.checks.oracle_pass import reference_pass
+from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, expected_sets
+from gemma4_harness.harness.parity.checks.reference import cached_vs_uncached
 
 GELU = ("gelu_fp16_table",)
 
@@ -65,7 +65,7 @@ def test_prefetch_under_the_server_dialects_emulations_equals_the_lazy_path():
     """The emulations of llama-server's and llama-cpp-python's defaults (f16 KV cache, flash attention or fp16
     operands: :data:`harness.engines.numerics.DIALECT_NUMERICS`) swap the reference's attention; the many-forwards
     path calls it through the module too, so the figures are the lazy path's."""
-    from harness.engines.numerics import DIALECT_NUMERICS
+    from gemma4_harness.harness.engines.numerics import DIALECT_NUMERICS
 
     ref = _ref()
     prompts = _prompts(2)
@@ -83,7 +83,7 @@ def test_prefetch_under_the_server_dialects_emulations_equals_the_lazy_path():
 def test_prefetch_under_a_spec_variant_equals_the_lazy_path(variant):
     """Under ``--spec`` the reference's functions are replaced; where the many-forwards path does one's work itself
     (:data:`reference.batch.REWRITTEN`) it steps aside, elsewhere it calls the replacement: the lazy path's bits."""
-    from harness.engines.variants import VARIANTS, under
+    from gemma4_harness.harness.engines.variants import VARIANTS, under
 
     ref = _ref("26b-a4b")
     prompts = _prompts(3)
@@ -142,8 +142,8 @@ def test_fast_oracle_prefetch_runs_each_prompt_once_per_set(case, monkeypatch):
     together); it gives the lazy path's
     logits and traces bit for bit, the lazy path's streams (their log-probs within the batched~solo gate: the lazy
     one prefills in chunks), and the log-prob effect of full forwards over prompt and stream (same gate, x2)."""
-    from harness.core.gates import resolve
-    from harness.engines.fast import FastEngine
+    from gemma4_harness.harness.core.gates import resolve
+    from gemma4_harness.harness.engines.fast import FastEngine
 
     spec = next(p for p in builtin_specs() if p.stem == case)
     oracle = FastEngine(synth.ensure_built(spec).gguf["Q8_0"], dtype="float32")
@@ -185,7 +185,7 @@ def test_fast_oracle_prefetch_runs_each_prompt_once_per_set(case, monkeypatch):
 
 def test_user_parity_reads_the_prefetched_outputs(monkeypatch, tmp_path):
     """The pairs ask for nothing the prefetch did not compute: no reference forward runs after it."""
-    from harness.parity import run as run_parity
+    from gemma4_harness.harness.parity import run as run_parity
 
     built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b"))
     prompts = tmp_path / "p.jsonl"
@@ -223,7 +223,7 @@ def test_an_engine_declaring_its_own_emulations_gets_them_in_passes(monkeypatch,
     import shlex
     import sys
 
-    from harness.parity import run as run_parity
+    from gemma4_harness.harness.parity import run as run_parity
 
     built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b"))
     prompts = tmp_path / "p.jsonl"
@@ -242,7 +242,7 @@ def test_an_engine_declaring_its_own_emulations_gets_them_in_passes(monkeypatch,
 
 
 def _same_weights(path):
-    from reference.weights import load_model
+    from gemma4_harness.reference.weights import load_model
 
     ref = ReferenceEngine(path, cache_gb=0)  # matrices through the packed C kernels
     _, plain = load_model(path, cache_bytes=0)  # gguf.quants
@@ -273,6 +273,6 @@ def test_the_reference_engine_reads_gguf_quants_values():
 
 @pytest.mark.slow
 def test_the_reference_engine_reads_gguf_quants_values_of_the_real_k_quants():
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     assert {"Q8_0", "Q5_0", "Q4_K", "Q6_K"} <= _same_weights(gemma3_270m_gguf())

@@ -14,15 +14,15 @@ import json
 
 import pytest
 
-from harness.cli import main as g4h
-from harness.core import hf_assistant
-from harness.core.cases import MODELS_DIR, load_prompts
-from harness.core.gates import resolve
-from harness.parity import cases as parity_cases
-from harness.parity.checks.oracle import oracle_rows
-from harness.parity.drift import drift_section, first_moved_point, oracle_drift
-from harness.parity.job import exit_status, verdict
-from harness.parity.result import CaseResult, fig
+from gemma4_harness.harness.cli import main as g4h
+from gemma4_harness.harness.core import hf_assistant
+from gemma4_harness.harness.core.cases import MODELS_DIR, load_prompts
+from gemma4_harness.harness.core.gates import resolve
+from gemma4_harness.harness.parity import cases as parity_cases
+from gemma4_harness.harness.parity.checks.oracle import oracle_rows
+from gemma4_harness.harness.parity.drift import drift_section, first_moved_point, oracle_drift
+from gemma4_harness.harness.parity.job import exit_status, verdict
+from gemma4_harness.harness.parity.result import CaseResult, fig
 
 PROMPTS = [p for p in load_prompts() if p["id"] in ("len5", "len17-window+1")]
 
@@ -46,7 +46,7 @@ def test_oracle_rows_keep_an_oracle_problem_in_its_row():
 def test_an_oracle_that_cannot_run_fails_only_its_own_rows(monkeypatch):
     """edge-no-softcap with transformers unable to load the target and to construct the assistant: the two
     ``runs`` rows fail with their reasons, every other check runs as before, FAIL (exit 1), not BAD INPUT."""
-    from harness.synth.drafter import ensure_drafter_built
+    from gemma4_harness.harness.synth.drafter import ensure_drafter_built
 
     ensure_drafter_built(MODELS_DIR / "edge-no-softcap-assistant.toml")  # built (cached) before the oracle breaks
     real_make = parity_cases.make_engine
@@ -82,7 +82,7 @@ def test_a_drafter_transformers_cannot_write_is_its_row_and_the_case_goes_on(mon
     """The synthetic drafter is written through transformers' own class: when this transformers cannot construct
     it, the writer refuses in one line and the case's drafter row says so (the speculative checks with the other
     drafters still run)."""
-    from harness.synth import drafter as synth_drafter
+    from gemma4_harness.harness.synth import drafter as synth_drafter
 
     def refuse():
         raise hf_assistant.AssistantUnavailable("transformers 9.9 cannot construct Gemma4AssistantForCausalLM: x")

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from gguf_mutate import read_layout
 
-from harness.cli import main as g4h
-from harness.core.finite import FiniteTrace, ModelOverflow, check_logits
-from harness.core.workers import EngineOutputError
-from harness.engines import make_engine
-from harness.engines.checked import CheckedEngine
-from harness.traces.format import TraceWriter
-from reference.weight_check import CarryWarning
+from gemma4_harness.harness.cli import main as g4h
+from gemma4_harness.harness.core.finite import FiniteTrace, ModelOverflow, check_logits
+from gemma4_harness.harness.core.workers import EngineOutputError
+from gemma4_harness.harness.engines import make_engine
+from gemma4_harness.harness.engines.checked import CheckedEngine
+from gemma4_harness.harness.traces.format import TraceWriter
+from gemma4_harness.reference.weight_check import CarryWarning
 
 NAN_STUB = Path(__file__).resolve().parent / "cmd_nan_stub.py"
 
@@ -107,7 +107,7 @@ def test_cmd_engine_located_through_its_trace_file(tiny_gguf, tmp_path, capsys):
 
 
 def test_parity_fails_the_engine_with_the_point(tiny_gguf, tmp_path):
-    from harness.parity import run as run_parity
+    from gemma4_harness.harness.parity import run as run_parity
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt_ids": [2, 5, 7, 11]}\n')
@@ -159,7 +159,7 @@ def test_reference_overflow_is_bad_input_and_checks_are_exact():
 def test_the_reference_many_forwards_are_checked_too():
     """``logits_chains`` (the parity job's passes, :mod:`harness.parity.checks.oracle_pass`) goes through the same
     check: a non-finite trace point stops it at the point, non-finite logits name the forward."""
-    from reference.batch import Chain
+    from gemma4_harness.reference.batch import Chain
 
     class Overflowing:
         name = "reference"

@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 from servers import require_llamacpp
 
-from harness import synth
-from harness.cli import main as g4h
-from harness.core.cases import MODELS_DIR
-from harness.core.gates import DEFAULT_GATES
-from harness.core.paths import REPO_ROOT
-from harness.engines.base import EngineUnavailable
-from harness.parity import run as run_parity
-from harness.parity.cases import default_against
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.cli import main as g4h
+from gemma4_harness.harness.core.cases import MODELS_DIR
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.paths import REPO_ROOT
+from gemma4_harness.harness.engines.base import EngineUnavailable
+from gemma4_harness.harness.parity import run as run_parity
+from gemma4_harness.harness.parity.cases import default_against
 
 CASE = "26b-a4b"
 EXAMPLE = REPO_ROOT / "examples" / "llamacpp_engine.py"
@@ -75,7 +75,7 @@ def assert_not_run(data: dict, pair: str, why: str) -> None:
 def test_missing_llamacpp_fails_the_run_unless_opted_out(tiny_gguf, tmp_path, monkeypatch):
     """The default on a GGUF asks for llama.cpp; when it is missing the run is not a PASS (exit 1, the verdict
     names the check that did not run); --skip llamacpp opts out (informational)."""
-    import harness.engines.llamacpp as lcp
+    import gemma4_harness.harness.engines.llamacpp as lcp
 
     def missing():
         raise EngineUnavailable(lcp.INSTALL_MSG)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from harness.parity import run as run_parity
+from gemma4_harness.harness.parity import run as run_parity
 
 
 def _figures(data: dict) -> list:
@@ -34,7 +34,7 @@ def test_jobs_give_the_same_results_in_the_same_order(make_tiny_gguf, tmp_path):
 
 
 def test_longest_first_starts_the_longest_and_the_unknown_first():
-    from harness.parity.job import longest_first
+    from gemma4_harness.harness.parity.job import longest_first
 
     plan = [(None, name, "synthetic", name) for name in ("a", "b", "new", "c")]
     assert longest_first(plan, {"a": 5.0, "b": 40.0, "c": 12.5}) == [2, 1, 3, 0]
@@ -44,7 +44,7 @@ def test_longest_first_starts_the_longest_and_the_unknown_first():
 def test_default_jobs_for_the_library_and_for_user_models():
     import os
 
-    from harness.parity.job import default_jobs
+    from gemma4_harness.harness.parity.job import default_jobs
 
     cpus = len(os.sched_getaffinity(0))
     assert 1 <= default_jobs(11, builtin=True) <= min(cpus, 11)  # never more workers than CPUs or cases
@@ -55,6 +55,6 @@ def test_default_jobs_for_the_library_and_for_user_models():
 def test_an_empty_plan_runs_nothing():
     """Filters that leave no case (``--case mm-varied --skip multimodal --no-real``) give no results, not a pool of
     zero workers."""
-    from harness.parity.job import run_cases
+    from gemma4_harness.harness.parity.job import run_cases
 
     assert run_cases([], {}, 1, threads=1) == [] and run_cases([], {}, 2) == []

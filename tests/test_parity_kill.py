@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 from test_workers import wait_until
 
-from harness.core.workers import worker_env
+from gemma4_harness.harness.core.workers import worker_env
 
 #: Runs ``g4h parity`` in-process; argv: stop step, model, out folder.
 _CHILD = r"""
 import sys, time
-import harness.core.io as io
-import harness.parity.job as parity
-import harness.parity.report as report
-from harness.cli import main
+import gemma4_harness.harness.core.io as io
+import gemma4_harness.harness.parity.job as parity
+import gemma4_harness.harness.parity.report as report
+from gemma4_harness.harness.cli import main
 
 stop, model, out = sys.argv[1:4]
 
@@ -139,7 +139,7 @@ def kill_and_count(models: list[Path], out: Path, delay: float, wait: float = SU
 
     token = uuid.uuid4().hex
     env = dict(worker_env(), G4H_KILL_PROBE=token)
-    argv = [sys.executable, "-m", "harness.cli", "parity", *[a for m in models for a in ("--model", str(m))],
+    argv = [sys.executable, "-m", "gemma4_harness.harness.cli", "parity", *[a for m in models for a in ("--model", str(m))],
             "--against", "fast", "--jobs", "2", "--quiet", "--out", str(out)]
     child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     spawned = wait_until(lambda: child.poll() is not None or any(

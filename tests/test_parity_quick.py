@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import main
-from harness.core.cases import load_prompts
-from harness.parity.cases import case_name, case_names
-from harness.parity.job import QUICK_NEW_TOKENS, QUICK_PROMPTS, quick_prompts
+from gemma4_harness.harness.cli import main
+from gemma4_harness.harness.core.cases import load_prompts
+from gemma4_harness.harness.parity.cases import case_name, case_names
+from gemma4_harness.harness.parity.job import QUICK_NEW_TOKENS, QUICK_PROMPTS, quick_prompts
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.parity.report import render_markdown, summarize
+from gemma4_harness.harness.parity.report import render_markdown, summarize
 
 
 def _check(measured, ok, info=False, reason=""):
@@ -56,8 +56,8 @@ import re  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from harness.core.metrics import kld_histogram  # noqa: E402
-from harness.parity.report import (kld_hists, merge_kld_hists, pair_slug, per_layer_frame,  # noqa: E402
+from gemma4_harness.harness.core.metrics import kld_histogram  # noqa: E402
+from gemma4_harness.harness.parity.report import (kld_hists, merge_kld_hists, pair_slug, per_layer_frame,  # noqa: E402
                                    write_parity_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -186,9 +186,9 @@ def test_kld_histogram_fixed_grid_and_merge():
 
 
 def test_fast_checks_carry_per_layer_and_kld_data(tiny_gguf):
-    from fast.model import FastModel
-    from harness.parity.checks.fast import chunked_vs_oneshot, fast_vs_reference, kld_values, max_per_point
-    from reference import load_model
+    from gemma4_harness.fast.model import FastModel
+    from gemma4_harness.harness.parity.checks.fast import chunked_vs_oneshot, fast_vs_reference, kld_values, max_per_point
+    from gemma4_harness.reference import load_model
 
     cfg, w = load_model(tiny_gguf)
     fm = FastModel(cfg, w, "cpu", "float32")
@@ -211,9 +211,9 @@ def test_fast_checks_carry_per_layer_and_kld_data(tiny_gguf):
 def test_gemma3_fast_comparison_carries_kld_hist(tiny_gguf):
     """The real-Gemma-3 fast~reference rows (harness.parity.checks.gemma3_real) carry a per-position KLD histogram;
     run here on the tiny model with a stand-in tokenizer."""
-    from harness.parity.checks.gemma3_real import PROMPTS, _compare_fast
-    from reference import load_model
-    from reference.model import forward
+    from gemma4_harness.harness.parity.checks.gemma3_real import PROMPTS, _compare_fast
+    from gemma4_harness.reference import load_model
+    from gemma4_harness.reference.model import forward
 
     class Tok:
         def encode(self, text, add_bos=True):
@@ -231,7 +231,7 @@ def test_gemma3_fast_comparison_carries_kld_hist(tiny_gguf):
 
 
 def test_run_gemma3_passes_the_kld_hist_to_its_check(monkeypatch):
-    import harness.parity.cases as cases
+    import gemma4_harness.harness.parity.cases as cases
 
     hist = kld_histogram([1e-9, 2e-9, 0.0])
     fake = {"prompts": [], "transformers": {"available": False, "reason": "test"},
@@ -247,7 +247,7 @@ def test_run_gemma3_passes_the_kld_hist_to_its_check(monkeypatch):
 def test_junit_xml_one_testcase_per_check_failures_named():
     import xml.etree.ElementTree as ET
 
-    from harness.parity.report import junit_xml
+    from gemma4_harness.harness.parity.report import junit_xml
 
     failing = dict(_check(0.0, False), got="not_run", why="llamacpp: not installed")
     data = {"status": 1, "created_utc": "x", "cases": [
@@ -271,8 +271,8 @@ def test_junit_xml_one_testcase_per_check_failures_named():
 def test_g4h_parity_prints_its_verdict_table_once(monkeypatch, tmp_path, capsys):
     """``g4h parity`` prints the verdict table and the explanation lines once (``execute`` prints nothing, ``run``
     prints them); the job itself is replaced by a fixed result, so only the printing is under test."""
-    from harness.cli import build_parser
-    from harness.cli import parity as cli_parity
+    from gemma4_harness.harness.cli import build_parser
+    from gemma4_harness.harness.cli import parity as cli_parity
 
     data = {"verdict": "FAIL", "run_dir": str(tmp_path), "cases": [{"case": "tiny-case", "error": None, "info": {},
             "checks": [_check(0.0, False) | {"explanation": {"line": "explained by spec variant X"}}]}]}

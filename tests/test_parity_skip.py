@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.parity import add_arguments
-from harness.parity import skips
-from harness.parity.job import QUICK_LEAVES_OUT
-from harness.pytest_plugin import G4HBadInput, parse_argv
-from harness.tokenizer.checks import CHECKS, tokenizer_checks
-from reference.errors import InputError
+from gemma4_harness.harness.cli.parity import add_arguments
+from gemma4_harness.harness.parity import skips
+from gemma4_harness.harness.parity.job import QUICK_LEAVES_OUT
+from gemma4_harness.harness.pytest_plugin import G4HBadInput, parse_argv
+from gemma4_harness.harness.tokenizer.checks import CHECKS, tokenizer_checks
+from gemma4_harness.reference.errors import InputError
 from tests.clitools import assert_one_line_error, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.core import progress
-from harness.core.progress import Display, activate, counter, duration, eta
+from gemma4_harness.harness.core import progress
+from gemma4_harness.harness.core.progress import Display, activate, counter, duration, eta
 
 
 class _Tty(io.StringIO):
@@ -100,7 +100,7 @@ def test_quiet_shows_nothing_and_a_worker_copy_draws_plain_lines(monkeypatch):
 def _parity(tmp: Path, model: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp / f"out{len(list(tmp.glob('out*')))}"
     env = {**os.environ, progress.EVERY_ENV: "0"}
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "parity", "--model", str(model), "--against",
+    proc = subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", "parity", "--model", str(model), "--against",
                            "fast", "--max-new-tokens", "3", "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=900, env=env)
     return proc, json.loads(next(out.glob("*/results.json")).read_text())
@@ -108,9 +108,9 @@ def _parity(tmp: Path, model: Path, *extra: str) -> tuple[subprocess.CompletedPr
 
 @pytest.mark.slow
 def test_parity_shows_progress_in_a_log_and_none_with_quiet_and_the_results_do_not_change(tmp_path):
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
-    from harness.parity.baseline import strip_volatile
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness.parity.baseline import strip_volatile
 
     gguf = synth.ensure_built(MODELS_DIR / "e2b.toml").gguf["F32"]
     shown, with_display = _parity(tmp_path, gguf)

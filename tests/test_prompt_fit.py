@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from variant_lab import build
 
-from harness.cli import main
-from harness.core.cases import refuse_unfit_prompts
-from harness.parity.checks.server import load_user_prompts, with_prompt_ids
-from reference.errors import InputError, PromptError
+from gemma4_harness.harness.cli import main
+from gemma4_harness.harness.core.cases import refuse_unfit_prompts
+from gemma4_harness.harness.parity.checks.server import load_user_prompts, with_prompt_ids
+from gemma4_harness.reference.errors import InputError, PromptError
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
 ENGINE = f"cmd:'{sys.executable} {STUB}'"  # the reference behind the protocol: a correct engine
@@ -101,7 +101,7 @@ def test_g4h_explain_refuses_the_same_prompts(model, tmp_path, capsys):
 
 
 def test_a_sweeps_prompt_set_refuses_a_prompt_that_does_not_fit(model, tmp_path):
-    from harness.sweep import prompts
+    from gemma4_harness.harness.sweep import prompts
 
     f = _file(tmp_path, *OOV)
     with pytest.raises(InputError, match=rf"^{f}:3: prompt 'oov': token id 600 is outside the vocabulary"):
@@ -152,8 +152,8 @@ def test_bos_in_text_passes_llama_servers_tokenizer_check(request, which, tmp_pa
     adds a space prefix: after a special token too) and on the real Gemma 3 270M GGUF (and there a text run after a
     special token that starts with a space too; on the synthetic vocabulary that is the documented leading-space
     difference, docs/server-dialects.md)."""
-    from harness.engines import make_engine
-    from harness.parity.checks.server import tokenizer_figures
+    from gemma4_harness.harness.engines import make_engine
+    from gemma4_harness.harness.parity.checks.server import tokenizer_figures
 
     srv = request.getfixturevalue(which)
     model = request.getfixturevalue("synth_gguf" if which == "llama_server" else "gemma3_gguf")

@@ -32,9 +32,9 @@ from gguf import GGMLQuantizationType as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fast import cpu_kernels
-from fast import quant_kernels as qk
-from fast.quants import QuantizedTensor, dequantize, linear
+from gemma4_harness.fast import cpu_kernels
+from gemma4_harness.fast import quant_kernels as qk
+from gemma4_harness.fast.quants import QuantizedTensor, dequantize, linear
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TYPES = list(qk.TYPES)
@@ -355,9 +355,9 @@ def test_from_gguf_without_copy_is_a_view_of_the_mapped_file(tmp_path):
 def test_bench_packed_kernels_gbs():
     """GB/s of the packed kernels at M = 1 and 8 on E2B's matrices, beside the torch path and a read probe.
 
-    Prints the table of ``python -m fast.quant_bench`` (figures, no asserts on them).
+    Prints the table of ``python -m gemma4_harness.fast.quant_bench`` (figures, no asserts on them).
     """
-    from fast import quant_bench
+    from gemma4_harness.fast import quant_bench
 
     rows = quant_bench.run(["Q8_0", "Q4_K"], list(quant_bench.SHAPES), [1, 8], l2=True)
     print(f"\nread probe {rows[0]['probe']:.1f} GB/s, threads {torch.get_num_threads()}\n{quant_bench.table(rows)}")
@@ -377,11 +377,11 @@ def test_packed_fast_model_on_the_real_gemma3_gguf():
     Isolation: a sequence decoding next to one neighbour and then next to another (same lengths,
     same arrivals) gets bit-identical logits at every step.
     """
-    from fast.engine import Engine, Request
-    from fast.model import FastModel
-    from harness.core.gates import resolve
-    from harness.core.realdata import gemma3_270m_gguf
-    from reference import load_model
+    from gemma4_harness.fast.engine import Engine, Request
+    from gemma4_harness.fast.model import FastModel
+    from gemma4_harness.harness.core.gates import resolve
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.reference import load_model
 
     cfg, w = load_model(gemma3_270m_gguf())
     packed = FastModel(cfg, w, "cpu", "float32", keep_quantized=True)
@@ -411,8 +411,8 @@ def test_packed_fast_model_on_the_real_gemma3_gguf():
 
 
 def _e2b_gguf(qtype: str) -> str:
-    from harness import synth
-    from harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
 
     return str(synth.ensure_built(MODELS_DIR / "e2b.toml").gguf[qtype])
 
@@ -421,9 +421,9 @@ def _e2b_gguf(qtype: str) -> str:
 def test_fast_engine_keeps_a_quantized_gguf_packed_by_default():
     """``--weights`` absent: packed (views of the mapped file) for a quantized GGUF, dequantized for an F32 one;
     ``dequantized`` decodes every matrix at load; anything else is refused in one line."""
-    from harness.core.gates import resolve
-    from harness.engines.fast import FastEngine
-    from reference.errors import InputError
+    from gemma4_harness.harness.core.gates import resolve
+    from gemma4_harness.harness.engines.fast import FastEngine
+    from gemma4_harness.reference.errors import InputError
 
     q8 = FastEngine(_e2b_gguf("Q8_0"), device="cpu")
     assert q8.weights == "packed"
@@ -445,9 +445,9 @@ def test_fast_engine_keeps_a_quantized_gguf_packed_by_default():
 def test_parity_fast_packed_check_on_a_built_in_case():
     """The parity figure fast packed vs reference on the same quantized file: inside the fast~reference gate,
     and no figure for an F16 file (nothing in it is kept packed)."""
-    from harness.core.gates import resolve
-    from harness.engines.reference import ReferenceEngine
-    from harness.parity.checks.fast import fast_packed_checks
+    from gemma4_harness.harness.core.gates import resolve
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.fast import fast_packed_checks
 
     prompt = {"id": "short", "prompt_ids": [2, 17, 301, 5, 99, 410, 7]}
     files = {q: _e2b_gguf(q) for q in ("Q8_0", "F16")}

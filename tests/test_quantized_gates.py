@@ -17,18 +17,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import reference.activation_quants as rq
-import reference.model as rm
-from harness.engines.numerics import KIND_NUMERICS, Numerics, emulate
-from reference.weights import GGMLArray, load_model
+import gemma4_harness.reference.activation_quants as rq
+import gemma4_harness.reference.model as rm
+from gemma4_harness.harness.engines.numerics import KIND_NUMERICS, Numerics, emulate
+from gemma4_harness.reference.weights import GGMLArray, load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggml_lib import need_llamacpp  # noqa: E402
 
 
 def _case(name: str, qtype: str) -> Path:
-    from harness.core.cases import resolve_spec
-    from harness.synth import ensure_built
+    from gemma4_harness.harness.core.cases import resolve_spec
+    from gemma4_harness.harness.synth import ensure_built
 
     return Path(ensure_built(resolve_spec(name)).gguf[qtype])
 
@@ -85,9 +85,9 @@ def test_moe_experts_round_each_product():
 def test_many_forwards_give_the_one_by_one_bits_under_the_emulation():
     """The parity job's prefetch (reference/batch.py: per-chain rounding and norms) against the lazy path, on a
     quantized file, with llama.cpp's numerics emulated and without."""
-    from harness.core.cases import load_prompts
-    from harness.engines.reference import ReferenceEngine
-    from harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.core.cases import load_prompts
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
 
     path = _case("e2b", "Q8_0")
     ref = ReferenceEngine(path)
@@ -103,8 +103,8 @@ def test_many_forwards_give_the_one_by_one_bits_under_the_emulation():
 
 
 def test_what_cannot_be_emulated_is_said():
-    from harness.engines.reference import ReferenceEngine
-    from harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
 
     runs = ReferenceRuns(ReferenceEngine(_case("e2b", "Q8_0")))
     types = runs.unemulated_types()
@@ -127,12 +127,12 @@ class StreamsOnly:
     engine = "streams-only"
 
     def __init__(self, path: Path) -> None:
-        from harness.engines.reference import ReferenceEngine
+        from gemma4_harness.harness.engines.reference import ReferenceEngine
 
         self.ref = ReferenceEngine(path)
 
     def generate_full(self, prompts, max_new_tokens, top_n=5):
-        from harness.engines.llamacpp.numerics import jitter_numerics
+        from gemma4_harness.harness.engines.llamacpp.numerics import jitter_numerics
 
         with emulate(self.numerics.emulation()), jitter_numerics(seed=7):
             return self.ref.generate_full(prompts, max_new_tokens, top_n=top_n)
@@ -147,10 +147,10 @@ def test_log_probs_only_engine_is_gated_on_its_streams(fault, tmp_path):
     from quant_faults import make_fault
     from quant_pairs import prompts_for
 
-    from harness.core.gates import DEFAULT_GATES
-    from harness.engines.reference import ReferenceEngine
-    from harness.parity.checks.pair import ReferenceRuns, _measure
-    from harness.parity.result import CaseResult
+    from gemma4_harness.harness.core.gates import DEFAULT_GATES
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, _measure
+    from gemma4_harness.harness.parity.result import CaseResult
 
     path = _case("e2b", "Q8_0")
     runs = ReferenceRuns(ReferenceEngine(path))
@@ -204,8 +204,8 @@ def _pairs(path: Path, faults: list[str], tmp_path: Path) -> dict[str, dict]:
     from quant_faults import scale_rows
     from quant_pairs import judge, prompts_for
 
-    from harness.engines.reference import ReferenceEngine
-    from harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
 
     need_llamacpp()
     ref = ReferenceEngine(path)
@@ -233,7 +233,7 @@ def test_llamacpp_q8_0_correct_passes_faults_fail(tmp_path):
 def test_llamacpp_q4_k_m_correct_passes_faults_fail(tmp_path):
     """31b quantized by llama-quantize to Q4_K_M (Q4_K, Q6_K, Q5_0, Q8_0 matrices): the correct file passes; the
     fault in a Q4_K matrix and in a Q5_0 one fails."""
-    from harness.engines.llamacpp.tools import quantize
+    from gemma4_harness.harness.engines.llamacpp.tools import quantize
 
     need_llamacpp()
     path = quantize(_case("31b", "F32"), tmp_path / "31b-Q4_K_M.gguf", "Q4_K_M", threads=1)

@@ -21,16 +21,16 @@ from field_servers import TEXTS, server
 from quant_faults import make_fault
 from servers import _need_llama_cpp_python_server, _unavailable
 
-from harness.parity import run as run_parity
-from harness.parity.checks.server import ServerOptions
+from gemma4_harness.harness.parity import run as run_parity
+from gemma4_harness.harness.parity.checks.server import ServerOptions
 
 OPTIONS = dict(skip=("server-batch", "server-stream", "server-stop"), max_new_tokens=8)
 GATE = "reference~openai_q8.agreeing_positions"
 
 
 def _gguf(case: str, qtype: str) -> Path:
-    from harness.core.cases import resolve_spec
-    from harness.synth import ensure_built
+    from gemma4_harness.harness.core.cases import resolve_spec
+    from gemma4_harness.harness.synth import ensure_built
 
     return Path(ensure_built(resolve_spec(case)).gguf[qtype])
 
@@ -39,7 +39,7 @@ def _judge(kind: str, served: Path, model: Path, tmp_path: Path) -> tuple[int, d
     """``g4h parity --model MODEL --against openai:URL`` with a server of ``kind`` on ``served``, the texts of
     field_servers.py as prompts (llama-cpp-python takes text only): the exit status and the checks by gate."""
     if kind == "llama-server":
-        from harness.engines.llamacpp.build import BuildError, ensure_built
+        from gemma4_harness.harness.engines.llamacpp.build import BuildError, ensure_built
 
         try:
             ensure_built()

@@ -9,14 +9,14 @@ import shutil
 import numpy as np
 import pytest
 
-from harness import synth
-from harness.core.cases import MODELS_DIR
-from harness.engines.reference import ReferenceEngine
-from harness.engines.transformers import TransformersEngine
-from harness.core.gates import DEFAULT_GATES
-from harness.core.cases import builtin_specs, load_prompts
-from harness.traces import TraceRecorder, layer_errors
-from reference import KVCache, forward, load_model
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.core.cases import MODELS_DIR
+from gemma4_harness.harness.engines.reference import ReferenceEngine
+from gemma4_harness.harness.engines.transformers import TransformersEngine
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.cases import builtin_specs, load_prompts
+from gemma4_harness.harness.traces import TraceRecorder, layer_errors
+from gemma4_harness.reference import KVCache, forward, load_model
 
 SPECS = [p.stem for p in builtin_specs()]
 PROMPTS = load_prompts()
@@ -147,7 +147,7 @@ def test_multimodal_checkpoint_loads_its_text_part(tmp_path):
 def test_hf_folder_with_a_missing_weight_is_bad_input(tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from reference.errors import ModelFileError
+    from gemma4_harness.reference.errors import ModelFileError
 
     built = synth.ensure_built(MODELS_DIR / "e2b.toml")
     d = tmp_path / "m"

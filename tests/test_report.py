@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.core import io as report
-from harness.core.io import (
+from gemma4_harness.harness.core import io as report
+from gemma4_harness.harness.core.io import (
     dumps_json,
     markdown_table,
     run_timestamp,

@@ -9,14 +9,14 @@ import gguf
 import numpy as np
 import pytest
 
-from fast.shapes import load_shape, shape_names
-from harness.cli import main
-from harness.core import memory
-from harness.core.paths import REPO_ROOT
-from harness.synth.scale import FORMATS, shape_raw_config, write_scale_gguf
-from reference import model as M
-from reference.config import config_from_hf
-from reference.weights import load_model
+from gemma4_harness.fast.shapes import load_shape, shape_names
+from gemma4_harness.harness.cli import main
+from gemma4_harness.harness.core import memory
+from gemma4_harness.harness.core.paths import REPO_ROOT
+from gemma4_harness.harness.synth.scale import FORMATS, shape_raw_config, write_scale_gguf
+from gemma4_harness.reference import model as M
+from gemma4_harness.reference.config import config_from_hf
+from gemma4_harness.reference.weights import load_model
 
 #: E2B made small (``[config]`` overrides of ``cases/shapes/e2b.toml``), cut to 7 layers: PLE, two KV-shared
 #: layers with the double-wide MLP, both layer types.
@@ -47,7 +47,7 @@ def test_fixture_writes_the_shape_in_each_format(tmp_path, fmt):
 
 def test_blocks_quantize_like_the_whole_tensor(tmp_path, monkeypatch):
     """Writing in blocks of rows gives the bytes of quantizing each tensor whole."""
-    import harness.synth.scale as scale
+    import gemma4_harness.harness.synth.scale as scale
 
     whole = _small(tmp_path / "whole.gguf", "q4_0")
     monkeypatch.setattr(scale, "BLOCK_ELEMENTS", 64 * 3)  # three rows of 64 per block
@@ -85,7 +85,7 @@ def test_e2b_scale_file_runs_through_the_streaming_reference(tmp_path):
     ids = tmp_path / "ids.json"
     ids.write_text(str([2 + 997 * i for i in range(16)]))
     out = tmp_path / "out.npy"
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "logits", "--model", str(path), "--engine",
+    proc = subprocess.Popen([sys.executable, "-m", "gemma4_harness.harness.cli", "logits", "--model", str(path), "--engine",
                              "reference", "--prompt-ids", str(ids), "--out", str(out)], cwd=REPO_ROOT,
                             stderr=subprocess.PIPE, text=True)
     with memory.PeakMemory(proc.pid, interval=0.02) as pm:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import selftest
+from gemma4_harness.harness import selftest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["len17-window+1", "len48-3xwindow"]
@@ -27,9 +27,9 @@ def test_each_mutant_overrides_one_block_function(tiny_gguf):
     input through decoder_layer, which it does not change), and the override is live."""
     import inspect
 
-    from fast.model import FastModel
-    from harness.selftest import mutants as M
-    from reference import load_model
+    from gemma4_harness.fast.model import FastModel
+    from gemma4_harness.harness.selftest import mutants as M
+    from gemma4_harness.reference import load_model
 
     fault = {M.AttnScale: {"attend"}, M.ExpertsSwiGLU: {"moe_experts"}, M.RouterPrenormed: {"moe_route"},
              M.RouterRMSNormed: {"moe_route"}, M.PleTokenUnscaled: {"ple_token"},
@@ -89,7 +89,7 @@ def test_every_mutant_detected_with_the_right_first_point(tmp_path):
 def test_cli_selftest_bad_case_is_one_line_exit_2():
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "selftest", "--case", "no-such-case", "--quiet"],
+    proc = subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", "selftest", "--case", "no-such-case", "--quiet"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "no-such-case" in lines[0], proc.stderr

@@ -38,7 +38,7 @@ HF_TEXTS = {"hello": "hello world", "cat": "The cat sat", "zzz": "zzz", "123": "
 
 def parity(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "parity", *args, "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", "parity", *args, "--out", str(out)],
                           capture_output=True, text=True, timeout=1500)
     found = sorted(out.glob("*/results.json"))
     return proc.returncode, (json.loads(found[-1].read_text()) if found else {}), proc.stdout + proc.stderr
@@ -61,8 +61,8 @@ def eos_model(tmp_path_factory) -> tuple[Path, Path]:
 
 def reference_streams(model: Path, texts: dict[str, str], n: int = 8) -> dict[str, list[int]]:
     """The reference's greedy streams of the text prompts (EOS not stopping them)."""
-    from harness.engines import make_engine
-    from harness.parity.checks.server import _our_tokenizer
+    from gemma4_harness.harness.engines import make_engine
+    from gemma4_harness.harness.parity.checks.server import _our_tokenizer
 
     tok = _our_tokenizer(model)
     ref = make_engine("reference", str(model))
@@ -78,7 +78,7 @@ def reaching(streams: dict[str, list[int]]) -> dict[str, int]:
 
 
 def test_end_of_generation_ids(tmp_path, eos_model):
-    from harness.engines.openai import end_of_generation_ids
+    from gemma4_harness.harness.engines.openai import end_of_generation_ids
 
     gguf, hf = eos_model
     assert end_of_generation_ids(gguf) == {EOS_ID} == end_of_generation_ids(hf)
@@ -90,7 +90,7 @@ def test_end_of_generation_ids(tmp_path, eos_model):
 
 
 def test_text_agrees_as_decoders_render_bytes():
-    from harness.engines.openai import _text_agrees
+    from gemma4_harness.harness.engines.openai import _text_agrees
 
     fffd = "\ufffd"
     assert _text_agrees(b"_\\9\x99", fffd * 4 + " t296")  # HF ByteFallback: a bad run is all U+FFFD
@@ -102,7 +102,7 @@ def test_text_agrees_as_decoders_render_bytes():
 
 
 def _generic(gguf: Path, hint: list[int], top: list[dict[int, float]] | None = None):
-    from harness.engines.openai import OpenAIEngine
+    from gemma4_harness.harness.engines.openai import OpenAIEngine
 
     eng = OpenAIEngine.__new__(OpenAIEngine)
     eng.path, eng.dialect, eng.hints = gguf, "openai", {}
@@ -124,7 +124,7 @@ def test_generic_ids_follow_the_oracle_while_the_text_does(eos_model):
 
 
 def _answer(text: str, tokens: list[int], error: str | None = None):
-    from harness.engines.openai import ServerGenerated
+    from gemma4_harness.harness.engines.openai import ServerGenerated
 
     g = ServerGenerated()
     g.text, g.tokens, g.stream_error = text, list(tokens), error
@@ -139,7 +139,7 @@ def test_a_stream_broken_at_bytes_that_are_no_utf8_is_not_judged_and_any_other_b
     U+FFFD standing for any character), the request is not judged, with the reason; an error anywhere else, a stream
     whose text is not the answer's, and the same streams on a dialect that names steps by id, fail; the figure is
     taken over the requests judged."""
-    from harness.parity.checks.server import ServerOptions, stream_figures, unstreamable
+    from gemma4_harness.harness.parity.checks.server import ServerOptions, stream_figures, unstreamable
 
     fffd = "\ufffd"
     whole = _answer(f"{fffd * 4} t296 t320", [99, 96, 61, 157, 296, 320, EOS_ID])  # "_", "\\", "9", 0x99, ...
@@ -324,11 +324,11 @@ def test_server_down_says_what_to_look_at_before_reference_work(synth_gguf, tmp_
 
 
 def test_vocabulary_mismatch_is_named(eos_model, synth_gguf, tmp_path_factory, tmp_path):
-    from harness import synth
+    from gemma4_harness.harness import synth
 
     shape = Path(__file__).parent / "shapes" / "odd-h72-v300.toml"
     other = synth.ensure_built(shape).gguf["F32"]  # a vocabulary of 300 tokens
-    from reference.tokenizer import read_gguf_metadata
+    from gemma4_harness.reference.tokenizer import read_gguf_metadata
 
     n_other = len(read_gguf_metadata(other)["tokenizer.ggml.tokens"])
     n_ours = len(read_gguf_metadata(synth_gguf)["tokenizer.ggml.tokens"])
@@ -341,7 +341,7 @@ def test_vocabulary_mismatch_is_named(eos_model, synth_gguf, tmp_path_factory, t
 
 
 def test_prompt_names_follow_the_models_window():
-    from harness.synth.prompts import PROMPT_LAYOUT, WINDOW_NAMED, layout_name, make_prompts, named_for_window
+    from gemma4_harness.harness.synth.prompts import PROMPT_LAYOUT, WINDOW_NAMED, layout_name, make_prompts, named_for_window
 
     assert [layout_name(n, 16) for _, n, _ in PROMPT_LAYOUT] == [pid for pid, _, _ in PROMPT_LAYOUT]
     default = [{**p, WINDOW_NAMED: True} for p in make_prompts()]  # g4h parity --model without --prompts
@@ -356,11 +356,11 @@ def test_prompt_names_follow_the_models_window():
 def test_default_prompt_names_on_a_model_of_another_window(tmp_path):
     """g4h parity --model M (the default prompt set) on the odd-h72-v300 shape, whose window is 8: no prompt is named
     for a window of 16."""
-    from harness import synth
+    from gemma4_harness.harness import synth
 
     model = synth.ensure_built(Path(__file__).parent / "shapes" / "odd-h72-v300.toml").gguf["F32"]
     rc, data, out = parity(tmp_path, "--model", str(model), "--against", "reference", "--quick")
-    from harness.synth.prompts import PROMPT_LAYOUT, layout_name
+    from gemma4_harness.harness.synth.prompts import PROMPT_LAYOUT, layout_name
 
     names = {c.get("prompt") for c in data["cases"][0]["checks"]} - {None}
     assert rc == 0 and names and names <= {layout_name(n, 8) for _, n, _ in PROMPT_LAYOUT}, (names, out[-800:])
@@ -372,7 +372,7 @@ def test_fp16_emulation_overflows_like_llamacpp_without_a_warning():
 
     import numpy as np
 
-    from harness.engines.llamacpp.numerics import fp16
+    from gemma4_harness.harness.engines.llamacpp.numerics import fp16
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

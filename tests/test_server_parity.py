@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 from servers import FaultStub, free_port, running_llama_server
 
-from harness.cli import main
-from harness.core.cases import MODELS_DIR, load_prompts
-from harness.engines import EngineUnavailable, check_engine_name, engine_class, engine_kind, make_engine
-from harness.engines.openai import DOWN_HINT, OpenAIEngine, ServerError
-from harness.parity.checks.server import (
+from gemma4_harness.harness.cli import main
+from gemma4_harness.harness.core.cases import MODELS_DIR, load_prompts
+from gemma4_harness.harness.engines import EngineUnavailable, check_engine_name, engine_class, engine_kind, make_engine
+from gemma4_harness.harness.engines.openai import DOWN_HINT, OpenAIEngine, ServerError
+from gemma4_harness.harness.parity.checks.server import (
     CHAT_CASES,
     ServerOptions,
     _our_tokenizer,
     load_user_prompts,
     template_figures,
 )
-from reference.errors import InputError, PromptError
+from gemma4_harness.reference.errors import InputError, PromptError
 
 #: The checks a broken-server run keeps (the others opted out, to keep those runs short).
 ONLY_GREEDY = ["--skip", "server-batch", "--skip", "server-stream", "--skip", "server-stop", "--skip",
@@ -260,7 +260,7 @@ def test_swapped_token_fails_naming_request_step_and_tokens(llama_server, synth_
 @pytest.fixture(scope="module")
 def e2b_server(tmp_path_factory):
     """llama-server on ``e2b``, whose greedy continuation of one built-in prompt reaches EOS."""
-    from harness import synth
+    from gemma4_harness.harness import synth
 
     gguf = synth.ensure_built(MODELS_DIR / "e2b.toml").gguf["F32"]
     with running_llama_server(gguf, tmp_path_factory, "llama-server-e2b") as s:

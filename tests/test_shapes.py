@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fast import shapes
-from fast.model import FastModel, FastWeights, SeqStep
-from reference.config import expected_tensors
-from reference.errors import InputError
+from gemma4_harness.fast import shapes
+from gemma4_harness.fast.model import FastModel, FastWeights, SeqStep
+from gemma4_harness.reference.config import expected_tensors
+from gemma4_harness.reference.errors import InputError
 
 NAMES = ["e2b", "e4b", "26b-a4b", "31b"]
 

@@ -9,18 +9,18 @@ import pytest
 import torch
 from clitools import assert_one_line_error, run_cli
 
-from fast.drafter import FastDrafter
-from fast.engine import Engine, Request
-from fast.model import FastModel, SeqStep
-from fast.speculative import ModelProposer, OracleProposer, PartialProposer, RandomProposer, SpecEngine
-from harness.cli import main
-from harness.core.cases import MODELS_DIR, load_prompts
-from harness.core.gates import DEFAULT_GATES
-from harness.parity.checks.speculative import compare_streams, scenarios, speculative_checks
-from harness.synth.drafter import ensure_drafter_built
-from reference import drafter as R
-from reference.drafter_weights import load_drafter
-from reference.weights import load_model
+from gemma4_harness.fast.drafter import FastDrafter
+from gemma4_harness.fast.engine import Engine, Request
+from gemma4_harness.fast.model import FastModel, SeqStep
+from gemma4_harness.fast.speculative import ModelProposer, OracleProposer, PartialProposer, RandomProposer, SpecEngine
+from gemma4_harness.harness.cli import main
+from gemma4_harness.harness.core.cases import MODELS_DIR, load_prompts
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.parity.checks.speculative import compare_streams, scenarios, speculative_checks
+from gemma4_harness.harness.synth.drafter import ensure_drafter_built
+from gemma4_harness.reference import drafter as R
+from gemma4_harness.reference.drafter_weights import load_drafter
+from gemma4_harness.reference.weights import load_model
 
 PROMPTS = load_prompts()
 
@@ -190,8 +190,8 @@ def test_generate_cli_in_a_subprocess(tmp_path):
 
 def test_bench_times_speculation_beside_the_plain_engine(tmp_path):
     """The rows, the speed-up ratio and the acceptance table exist (no timing is asserted)."""
-    from harness.bench import BenchOptions, bench
-    from harness.bench.run import BenchPlan
+    from gemma4_harness.harness.bench import BenchOptions, bench
+    from gemma4_harness.harness.bench.run import BenchPlan
 
     plan = BenchPlan(engines=["fast"], pp=0, tg=6, reps=1, warmup=0)
     opts = BenchOptions(model=str(MODELS_DIR / "edge-no-softcap.toml"), engines=["fast"], plan=plan,

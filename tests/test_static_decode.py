@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from fast import shapes
-from fast.model import FastModel, moe_experts
-from fast.model import moe_experts_static as static_moe
-from fast.static_decode import StaticDecoder, kv_bytes
-from harness import synth
-from harness.bench import BenchOptions, bench
-from harness.bench.run import BenchPlan
-from harness.core.cases import MODELS_DIR
-from harness.core.gates import resolve
-from harness.parity.checks.fast import static_vs_paged
-from reference import load_model
-from reference.errors import InputError
+from gemma4_harness.fast import shapes
+from gemma4_harness.fast.model import FastModel, moe_experts
+from gemma4_harness.fast.model import moe_experts_static as static_moe
+from gemma4_harness.fast.static_decode import StaticDecoder, kv_bytes
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.bench import BenchOptions, bench
+from gemma4_harness.harness.bench.run import BenchPlan
+from gemma4_harness.harness.core.cases import MODELS_DIR
+from gemma4_harness.harness.core.gates import resolve
+from gemma4_harness.harness.parity.checks.fast import static_vs_paged
+from gemma4_harness.reference import load_model
+from gemma4_harness.reference.errors import InputError
 
 
 def _model(name: str, dtype: str = "float32") -> tuple[object, FastModel]:
@@ -158,7 +158,7 @@ def test_bench_times_fast_graph_beside_fast(tmp_path):
 def test_fast_and_fast_graph_share_one_built_model():
     """The bench's fast and fast-graph of one dtype hold one built model (one copy of a 31B model on the device,
     and both read the same bytes); another dtype gets its own."""
-    from harness.bench.models import ModelSource, make_bench_engines
+    from gemma4_harness.harness.bench.models import ModelSource, make_bench_engines
 
     src = ModelSource(None, "e2b", "cpu", 1, 0, None, 512)
     fast = make_bench_engines("fast", src, ["float32", "bfloat16"], "cpu", None)

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from harness import synth
-from harness.core.cases import PROMPTS, builtin_specs
-from reference import model as M
-from reference.config import cut_layers
-from reference.errors import ConfigError, ModelFileError
-from reference.lazy_tensors import SafetensorsFile, safetensors_folder
-from reference.weights import block_bounds, load_model
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.core.cases import PROMPTS, builtin_specs
+from gemma4_harness.reference import model as M
+from gemma4_harness.reference.config import cut_layers
+from gemma4_harness.reference.errors import ConfigError, ModelFileError
+from gemma4_harness.reference.lazy_tensors import SafetensorsFile, safetensors_folder
+from gemma4_harness.reference.weights import block_bounds, load_model
 
 
 class WholeTables:
@@ -79,7 +79,7 @@ def test_streaming_is_bit_identical_on_every_builtin_case(spec):
 
 @pytest.mark.slow
 def test_streaming_is_bit_identical_on_the_real_gemma3_gguf():
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     path = gemma3_270m_gguf()
     cfg, _ = load_model(path, cache_bytes=0)

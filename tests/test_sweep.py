@@ -26,12 +26,12 @@ pytest.importorskip("ray", reason="g4h sweep needs Ray: pip install 'gemma4-harn
 import sweep_models as models  # noqa: E402
 from ray import exceptions as rex  # noqa: E402
 
-from harness.core.paths import REPO_ROOT  # noqa: E402
-from harness.sweep import cluster  # noqa: E402
-from harness.sweep.files import describe, group_files  # noqa: E402
-from harness.sweep.progress import Progress  # noqa: E402
-from harness.sweep.run import SweepOptions, _Sweep, dead_row, run_sweep  # noqa: E402
-from harness.sweep.store import ROWS, RunDir  # noqa: E402
+from gemma4_harness.harness.core.paths import REPO_ROOT  # noqa: E402
+from gemma4_harness.harness.sweep import cluster  # noqa: E402
+from gemma4_harness.harness.sweep.files import describe, group_files  # noqa: E402
+from gemma4_harness.harness.sweep.progress import Progress  # noqa: E402
+from gemma4_harness.harness.sweep.run import SweepOptions, _Sweep, dead_row, run_sweep  # noqa: E402
+from gemma4_harness.harness.sweep.store import ROWS, RunDir  # noqa: E402
 
 STUB = f"cmd:{sys.executable} {REPO_ROOT / 'tests' / 'cmd_stub.py'}"
 
@@ -219,7 +219,7 @@ def _ray_processes_of(tmp_dir_prefix: str) -> list[int]:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find Ray's processes")
 def test_the_local_cluster_lives_and_dies_with_the_command(files, prompt_file, tmp_path):
     before = set(Path("/tmp").glob("g4h-ray-*"))
-    cmd = [sys.executable, "-m", "harness.cli", "sweep", str(files["quants"]["Q4_0"]), "--prompts", str(prompt_file),
+    cmd = [sys.executable, "-m", "gemma4_harness.harness.cli", "sweep", str(files["quants"]["Q4_0"]), "--prompts", str(prompt_file),
            "--max-new-tokens", "2", "--out", str(tmp_path), "--cpus", "1", "--against"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     p = subprocess.run(cmd + ["fast"], capture_output=True, text=True, timeout=600, env=env)

@@ -20,10 +20,10 @@ if os.environ.get("G4H_SWEEP_E2B") != "1":
     pytest.skip("the real-size sweep takes ~11 minutes on 2 cores: G4H_SWEEP_E2B=1 runs it", allow_module_level=True)
 pytest.importorskip("ray", reason="g4h sweep needs Ray: pip install 'gemma4-harness[sweep]'")
 
-from harness.core.paths import cache_root  # noqa: E402
-from harness.engines.llamacpp import tools  # noqa: E402
-from harness.sweep.run import SweepOptions, run_sweep  # noqa: E402
-from harness.synth.scale import write_scale_gguf  # noqa: E402
+from gemma4_harness.harness.core.paths import cache_root  # noqa: E402
+from gemma4_harness.harness.engines.llamacpp import tools  # noqa: E402
+from gemma4_harness.harness.sweep.run import SweepOptions, run_sweep  # noqa: E402
+from gemma4_harness.harness.synth.scale import write_scale_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import sweep_models as models
-from harness.core.gates import DEFAULT_GATES, EFFECT_FACTOR
-from harness.core.paths import REPO_ROOT
-from harness.engines.numerics import KIND_NUMERICS, effective
-from harness.sweep import judge, tasks
-from harness.sweep.store import base_from_npz, base_to_npz
+from gemma4_harness.harness.core.gates import DEFAULT_GATES, EFFECT_FACTOR
+from gemma4_harness.harness.core.paths import REPO_ROOT
+from gemma4_harness.harness.engines.numerics import KIND_NUMERICS, effective
+from gemma4_harness.harness.sweep import judge, tasks
+from gemma4_harness.harness.sweep.store import base_from_npz, base_to_npz
 
 SPEC = """description = "g4h sweep numerics tests: an F32 MoE shape of its own (hidden 192, 6 experts top-2)"
 seed = 20261206
@@ -197,7 +197,7 @@ def moe_narrow_f32():
 
 
 def _sweep(path, engines, tmp_path):
-    from harness.sweep.run import SweepOptions, run_sweep
+    from gemma4_harness.harness.sweep.run import SweepOptions, run_sweep
     opts = SweepOptions(against=engines, new_tokens=4, quiet=True, task_timeout=600.0, cpus=2)
     return run_sweep([str(path)], opts, out=tmp_path)
 

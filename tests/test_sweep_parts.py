@@ -19,11 +19,11 @@ import pytest
 import sweep_models as models
 from rich.console import Console
 
-from harness.core.gates import DEFAULT_GATES, SWEEP_DIVERGENCE_REL_L2
-from harness.engines.llamacpp import tools
-from harness.sweep import files, judge, prompts, tasks
-from harness.sweep.progress import Progress
-from reference.errors import InputError
+from gemma4_harness.harness.core.gates import DEFAULT_GATES, SWEEP_DIVERGENCE_REL_L2
+from gemma4_harness.harness.engines.llamacpp import tools
+from gemma4_harness.harness.sweep import files, judge, prompts, tasks
+from gemma4_harness.harness.sweep.progress import Progress
+from gemma4_harness.reference.errors import InputError
 
 if os.environ.get("G4H_SKIP_LLAMACPP") == "1":
     pytest.skip("opted out with G4H_SKIP_LLAMACPP=1 (llama-quantize is part of the llama.cpp build)",
@@ -245,7 +245,7 @@ def test_quantize_every_family_and_an_imatrix_type(case_a, tmp_path):
 
 def test_g4h_quantize_and_sweep_bad_input_are_one_line(tmp_path, case_a):
     def g4h(*args):
-        return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", *args], capture_output=True, text=True,
                               timeout=300)
     p = g4h("quantize", str(case_a.gguf["F32"]), "--types", "Q4_K_M,Q9", "--out-dir", str(tmp_path))
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Q9" in p.stderr

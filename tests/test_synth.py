@@ -13,9 +13,9 @@ import pytest
 import torch
 import transformers
 
-from harness import synth
-from harness.core.cases import builtin_specs, load_prompts
-from reference.names import gguf_to_hf, hf_to_gguf
+from gemma4_harness.harness import synth
+from gemma4_harness.harness.core.cases import builtin_specs, load_prompts
+from gemma4_harness.reference.names import gguf_to_hf, hf_to_gguf
 
 BUILTIN = {p.stem: p for p in builtin_specs()}
 REQUIRED = ("e2b", "e4b", "31b", "26b-a4b")
@@ -417,7 +417,7 @@ def test_the_builtin_plan_still_tests_untied_heads():
     """e4b ties its head as released E4B does; untied heads stay in the built-in parity plan (every case of
     ``cases/models/`` runs in ``g4h parity``): e4b-wide (PLE, KV sharing, hidden 512) and edge-no-softcap, whose
     checkpoints carry ``lm_head.weight`` / ``output.weight``."""
-    from harness.core.cases import builtin_specs
+    from gemma4_harness.harness.core.cases import builtin_specs
 
     untied = {p.stem for p in builtin_specs() if not synth.load_spec(p).config["tie_word_embeddings"]}
     assert {"e4b-wide", "edge-no-softcap"} <= untied and "e4b" not in untied
@@ -524,7 +524,7 @@ def test_prompt_file_matches_generator():
 
 
 def test_cli_builds_and_prints(tmp_path, capsys):
-    from harness.cli import main
+    from gemma4_harness.harness.cli import main
 
     spec_path = _write(tmp_path, MINIMAL_SPEC, "tiny.toml")
     rc = main(["synth", "--cache", str(tmp_path / "c"), str(spec_path)])

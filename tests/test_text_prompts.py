@@ -32,7 +32,7 @@ from servers import (  # noqa: F401
     synth_gguf,
 )
 
-from harness.synth.prompts import PROMPT_LAYOUT, PROMPT_SEED, text_pieces, text_prompt
+from gemma4_harness.harness.synth.prompts import PROMPT_LAYOUT, PROMPT_SEED, text_pieces, text_prompt
 
 REAL_SPM = Path(__file__).resolve().parents[1] / "cases" / "data" / "gemma3-tokenizer" / "tokenizer.model"
 BYTES = [f"<0x{i:02X}>" for i in range(256)]
@@ -49,7 +49,7 @@ class _Keys:
 
 
 def _synthetic(vocab_size: int, special_tokens=None, **extra) -> dict:
-    from harness.synth.gguf import add_tokenizer_keys
+    from gemma4_harness.harness.synth.gguf import add_tokenizer_keys
 
     keys = _Keys()
     add_tokenizer_keys(keys, vocab_size, special_tokens)
@@ -81,7 +81,7 @@ def _gemma4_toy() -> dict:
 
 
 def _gemma3_real() -> dict:
-    from harness.tokenizer.files import load_tokenizer_metadata
+    from gemma4_harness.harness.tokenizer.files import load_tokenizer_metadata
 
     return load_tokenizer_metadata(REAL_SPM)
 
@@ -98,7 +98,7 @@ VOCABULARIES = {
 
 @pytest.fixture(scope="module", params=sorted(VOCABULARIES))
 def vocabulary(request):
-    from reference.tokenizer import GGUFTokenizer
+    from gemma4_harness.reference.tokenizer import GGUFTokenizer
 
     tok = GGUFTokenizer(VOCABULARIES[request.param](), request.param)
     return request.param, tok, text_pieces(tok.tokens, tok.types)
@@ -106,7 +106,7 @@ def vocabulary(request):
 
 @pytest.mark.parametrize("seed", [PROMPT_SEED, 1, 29])
 def test_every_default_text_prompt_round_trips_to_its_ids(vocabulary, seed):
-    from harness.parity.checks.server import text_ids
+    from gemma4_harness.harness.parity.checks.server import text_ids
 
     name, tok, pieces = vocabulary
     encode = lambda t: text_ids(tok, t)  # noqa: E731 (the run's one text-to-ids path)
@@ -125,9 +125,9 @@ def test_a_length_no_text_has_is_refused_not_approximated():
     """The synthetic vocabulary with its space prefix spells the ``▁`` in front of a text as three byte tokens: no text
     of its pieces is 2 or 3 tokens long (BOS, then at least those three; special-token names, which are not drawn,
     aside), and none is made up."""
-    from reference.tokenizer import GGUFTokenizer
+    from gemma4_harness.reference.tokenizer import GGUFTokenizer
 
-    from harness.parity.checks.server import text_ids
+    from gemma4_harness.harness.parity.checks.server import text_ids
 
     tok = GGUFTokenizer(_synthetic(300), "synthetic-300")
     assert text_ids(tok, " ") == [2, 4 + 0xE2, 4 + 0x96, 4 + 0x81]
@@ -135,9 +135,9 @@ def test_a_length_no_text_has_is_refused_not_approximated():
 
 
 def test_default_text_prompts_keep_names_lengths_and_marks(synth_gguf):
-    from harness.core.cases import PROMPTS
-    from harness.parity.checks.server import default_text_prompts, load_user_prompts, with_prompt_ids
-    from harness.synth.prompts import WINDOW_NAMED, named_for_window
+    from gemma4_harness.harness.core.cases import PROMPTS
+    from gemma4_harness.harness.parity.checks.server import default_text_prompts, load_user_prompts, with_prompt_ids
+    from gemma4_harness.harness.synth.prompts import WINDOW_NAMED, named_for_window
 
     ids = [{**p, "library": True, WINDOW_NAMED: True} for p in load_user_prompts(PROMPTS)]
     texts, left = default_text_prompts(ids, synth_gguf)
@@ -156,7 +156,7 @@ def test_default_text_prompts_keep_names_lengths_and_marks(synth_gguf):
 
 def parity(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "parity", *args, "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "gemma4_harness.harness.cli", "parity", *args, "--out", str(out)],
                           capture_output=True, text=True, timeout=1500)
     found = sorted(out.glob("*/results.json"))
     return proc.returncode, (json.loads(found[-1].read_text()) if found else {}), proc.stdout + proc.stderr

@@ -30,7 +30,7 @@ import sentencepiece
 from clitools import assert_one_line_error
 from clitools import run_cli as _run_cli
 
-from reference.errors import ConfigError, InputError
+from gemma4_harness.reference.errors import ConfigError, InputError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REAL_DIR = REPO_ROOT / "cases" / "data" / "gemma3-tokenizer"  # carried by the project (README there)
@@ -47,7 +47,7 @@ FRAGMENTS = [" ", "  ", "    ", "\n", "\n\n", "\n\n\n\n", "\t", "\r\n", "<0x41>"
 
 def _real_json() -> Path:
     """The Gemma 3 tokenizer.json, derived from the carried tokenizer.model on first use (then cached)."""
-    from harness.tokenizer.build import gemma3_tokenizer_files
+    from gemma4_harness.harness.tokenizer.build import gemma3_tokenizer_files
 
     return gemma3_tokenizer_files()["json"]
 
@@ -68,7 +68,7 @@ def test_carried_tokenizer_files_are_intact():
 @pytest.fixture(scope="module")
 def hf4(built):
     """HF tokenizers on the matching tokenizer.json as encode functions: (markers parsed, markers as text)."""
-    from harness.tokenizer.engines import cached_tok_engine
+    from gemma4_harness.harness.tokenizer.engines import cached_tok_engine
 
     parse = cached_tok_engine("hf", str(built.json), False, True)
     text = cached_tok_engine("hf", str(built.json), False, False)
@@ -77,14 +77,14 @@ def hf4(built):
 
 @pytest.fixture(scope="module")
 def corpus():
-    from harness.tokenizer.corpus import load_corpus
+    from gemma4_harness.harness.tokenizer.corpus import load_corpus
 
     return load_corpus()
 
 
 @pytest.fixture(scope="module")
 def gemma3_gguf():
-    from harness.core.realdata import gemma3_270m_gguf
+    from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     return gemma3_270m_gguf()
 
@@ -109,7 +109,7 @@ BYTES = [f"<0x{i:02X}>" for i in range(256)]
 
 def toy(merges, extra_tokens=()):
     """A small gemma4-type vocabulary: specials, a few pieces, 256 byte tokens."""
-    from reference.tokenizer import GGUFTokenizer
+    from gemma4_harness.reference.tokenizer import GGUFTokenizer
 
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", '<|"|>', "\n", "\n\n", "a", "b", "c", "ab", "bc",
               "abc", "▁", "▁a", "a\n", "<", "|", ">", "t", "u", "r", "n"] + list(extra_tokens) + BYTES
@@ -167,8 +167,8 @@ BOS_TEXTS = ("<bos>hello world", "<bos><start_of_turn>user\nhi<end_of_turn>\n", 
 
 
 def _ours_on(path) -> "object":
-    from harness.tokenizer.files import load_tokenizer_metadata
-    from reference.tokenizer import GGUFTokenizer
+    from gemma4_harness.harness.tokenizer.files import load_tokenizer_metadata
+    from gemma4_harness.reference.tokenizer import GGUFTokenizer
 
     return GGUFTokenizer(load_tokenizer_metadata(path), source=str(path))
 
@@ -179,7 +179,7 @@ def test_bos_in_text_as_transformers_has_it():
     (BOS asked, special text parsed, as the harness reads ``{"text"}`` prompts) gives the same ids."""
     from transformers import PreTrainedTokenizerFast
 
-    from harness.tokenizer.build import gemma3_tokenizer_files
+    from gemma4_harness.harness.tokenizer.build import gemma3_tokenizer_files
 
     files = gemma3_tokenizer_files()
     hf = PreTrainedTokenizerFast(tokenizer_file=str(files["json"]))
@@ -204,7 +204,7 @@ def test_bos_in_text_as_llamacpp_has_it(gemma3_gguf):
 
 
 def test_add_bos_follows_the_file():
-    from reference.tokenizer import GGUFTokenizer
+    from gemma4_harness.reference.tokenizer import GGUFTokenizer
 
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "a"] + BYTES
     m = _meta(tokens, [3, 3, 3, 3, 1] + [6] * 256, model="llama", **{"tokenizer.ggml.add_bos_token": False})
@@ -227,7 +227,7 @@ def test_add_bos_follows_the_file():
      "bos_token_id = 7 is not a token id"),
 ])
 def test_bad_metadata_is_one_clear_error(meta, match):
-    from reference.tokenizer import GGUFTokenizer
+    from gemma4_harness.reference.tokenizer import GGUFTokenizer
 
     with pytest.raises(ConfigError, match=match) as err:
         GGUFTokenizer(meta, "x.gguf")
@@ -238,8 +238,8 @@ def test_bad_metadata_is_one_clear_error(meta, match):
 
 
 def test_built_vocabulary_layout(built, g4):
-    from harness.tokenizer.build import GEMMA4_SPECIALS
-    from reference.tokenizer import CONTROL, USER_DEFINED, read_gguf_metadata
+    from gemma4_harness.harness.tokenizer.build import GEMMA4_SPECIALS
+    from gemma4_harness.reference.tokenizer import CONTROL, USER_DEFINED, read_gguf_metadata
 
     assert built.gguf.parent.parent.name == "tok" and built.gguf.parent.name.startswith("gemma4-test-")
     assert g4.model == "gemma4" and g4.vocab_size == 262_144 and g4.n_merges == 514_906
@@ -258,7 +258,7 @@ def test_built_vocabulary_layout(built, g4):
 
 
 def test_build_is_cached_and_deterministic(built):
-    from harness.tokenizer.build import build_gemma4_test_tokenizer, gemma4_test_metadata, tokenizer_json_document
+    from gemma4_harness.harness.tokenizer.build import build_gemma4_test_tokenizer, gemma4_test_metadata, tokenizer_json_document
 
     mtime = built.gguf.stat().st_mtime_ns
     again = build_gemma4_test_tokenizer()
@@ -338,7 +338,7 @@ def test_gemma4_hypothesis_parity_10000(g4, hf4):
 
 
 def test_gemma3_gguf_vs_sentencepiece_on_corpus(gemma3_gguf, sp, corpus):
-    from harness.tokenizer.engines import cached_tok_engine
+    from gemma4_harness.harness.tokenizer.engines import cached_tok_engine
 
     tok = cached_tok_engine("ours", str(gemma3_gguf), True, None).tok
     assert tok.model == "llama"
@@ -349,8 +349,8 @@ def test_gemma3_gguf_vs_sentencepiece_on_corpus(gemma3_gguf, sp, corpus):
 
 
 def test_gemma3_spm_metadata_engine(sp, corpus):
-    from harness.tokenizer.corpus import compare_engines
-    from harness.tokenizer.engines import cached_tok_engine
+    from gemma4_harness.harness.tokenizer.corpus import compare_engines
+    from gemma4_harness.harness.tokenizer.engines import cached_tok_engine
 
     ours = cached_tok_engine("ours", str(REAL_SPM), True, None)
     assert ours.tok.model == "llama" and ours.tok.add_space_prefix is False
@@ -359,7 +359,7 @@ def test_gemma3_spm_metadata_engine(sp, corpus):
 
 
 def test_gemma3_llama_parse_special_modes(gemma3_gguf):
-    from harness.tokenizer.engines import cached_tok_engine
+    from gemma4_harness.harness.tokenizer.engines import cached_tok_engine
 
     tok = cached_tok_engine("ours", str(gemma3_gguf), True, None).tok
     s = "<start_of_turn>user<bos>"
@@ -372,7 +372,7 @@ def test_gemma3_llama_parse_special_modes(gemma3_gguf):
 
 
 def test_corpus_format(corpus, tmp_path):
-    from harness.tokenizer.corpus import load_corpus, unescape
+    from gemma4_harness.harness.tokenizer.corpus import load_corpus, unescape
 
     assert unescape(r"a\nb\tc\\n\u00e9\U0001F600\d") == "a\nb\tc\\né😀\\d"
     names = {c.source.split(":")[0] for c in corpus}
@@ -388,8 +388,8 @@ def test_corpus_format(corpus, tmp_path):
 
 
 def test_engine_selection_errors(tmp_path):
-    from harness.tokenizer.engines import TokEngineUnavailable as EngineUnavailable
-    from harness.tokenizer.engines import make_tok_engine
+    from gemma4_harness.harness.tokenizer.engines import TokEngineUnavailable as EngineUnavailable
+    from gemma4_harness.harness.tokenizer.engines import make_tok_engine
 
     with pytest.raises(InputError, match="unknown tokenizer engine"):
         make_tok_engine("nope", tmp_path)
@@ -423,7 +423,7 @@ def text_file(tmp_path):
 
 
 def test_cli_bad_tokenizer_files(tmp_path, text_file, make_tiny_gguf):
-    from harness.tokenizer.build import write_vocab_gguf
+    from gemma4_harness.harness.tokenizer.build import write_vocab_gguf
 
     out = tmp_path / "ids.jsonl"
     no_tok = make_tiny_gguf("model.gguf")  # a model GGUF without tokenizer keys
@@ -444,7 +444,7 @@ def test_cli_bad_tokenizer_files(tmp_path, text_file, make_tiny_gguf):
 
 
 def test_cli_engine_errors(tmp_path, text_file):
-    from harness.tokenizer.build import write_vocab_gguf
+    from gemma4_harness.harness.tokenizer.build import write_vocab_gguf
 
     g = write_vocab_gguf(tmp_path / "v.gguf", {
         "tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": ["a", "b", "ab"] + BYTES,
@@ -474,7 +474,7 @@ def test_cli_tokenize_and_tokcheck(built, g4, tmp_path):
     proc = run_cli("tokenize", "--tokenizer", str(built.gguf), "--engine", "ours", "--text-file", str(corpus),
                    "--out", str(out), "--escapes", "--special", "parse")
     assert proc.returncode == 0, proc.stderr
-    from harness.tokenizer.corpus import load_corpus
+    from gemma4_harness.harness.tokenizer.corpus import load_corpus
 
     rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
     want = [c.text for c in load_corpus(corpus)]
@@ -503,7 +503,7 @@ def test_cli_tokcheck_reports_differences(tmp_path):
 
 @pytest.mark.slow
 def test_tokenizer_checks_report():
-    from harness.tokenizer.checks import tokenizer_checks
+    from gemma4_harness.harness.tokenizer.checks import tokenizer_checks
 
     rep = tokenizer_checks(n_random=300)
     json.dumps(rep)

@@ -14,20 +14,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.traces import compare as tc
-from harness.traces import format as tf
-from harness.traces import llama_dump as td
-from reference.errors import InputError
+from gemma4_harness.harness.traces import compare as tc
+from gemma4_harness.harness.traces import format as tf
+from gemma4_harness.harness.traces import llama_dump as td
+from gemma4_harness.reference.errors import InputError
 from clitools import assert_one_line_error, run_cli
-from harness.traces.compare import DivergenceRule
-from harness.traces.format import TraceWriter
+from gemma4_harness.harness.traces.compare import DivergenceRule
+from gemma4_harness.harness.traces.format import TraceWriter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [2, 5, 7, 11, 13, 17, 19, 23, 29, 30]  # 10 tokens: > 6 rows, so eval-callback text elides rows
 
 
 def reference_trace(model: Path, ids=PROMPT, keep: bool = True) -> TraceWriter:
-    from reference import forward, load_model
+    from gemma4_harness.reference import forward, load_model
 
     cfg, W = load_model(model)
     w = TraceWriter("reference", ids, case="tiny", model=str(model), dtype="float64", keep_tensors=keep)

@@ -15,15 +15,15 @@ import pytest
 from clitools import REPO_ROOT, assert_one_line_error, run_cli
 from variant_lab import build
 
-import reference.drafter as rd
-import reference.model as rm
-from harness.core.gates import DEFAULT_GATES as G
-from harness.core.gates import effect_limit
-from harness.engines.reference import ReferenceEngine
-from harness.engines.variants import ENV, FAMILIES, KINDS, VARIANTS, family, markdown, parse_spec, under
-from harness.traces.compare import DivergenceRule, compare
-from harness.traces.format import TraceWriter
-from reference.errors import InputError
+import gemma4_harness.reference.drafter as rd
+import gemma4_harness.reference.model as rm
+from gemma4_harness.harness.core.gates import DEFAULT_GATES as G
+from gemma4_harness.harness.core.gates import effect_limit
+from gemma4_harness.harness.engines.reference import ReferenceEngine
+from gemma4_harness.harness.engines.variants import ENV, FAMILIES, KINDS, VARIANTS, family, markdown, parse_spec, under
+from gemma4_harness.harness.traces.compare import DivergenceRule, compare
+from gemma4_harness.harness.traces.format import TraceWriter
+from gemma4_harness.reference.errors import InputError
 
 PROJECTS = ("transformers 5.23", "llama.cpp", "gemma 4.0.1")
 IDS = [2, 100, 200, 300, 17, 45, 99, 301, 302, 5, 6]  # longer than the lab's window of 4
@@ -36,7 +36,7 @@ def lab(tmp_path_factory) -> dict[str, Path]:
 
 def test_docs_spec_variants_is_generated_from_the_catalogue():
     text = (REPO_ROOT / "docs" / "spec-variants.md").read_text(encoding="utf-8")
-    assert text == markdown(), "stale: python -m harness.engines.variants > docs/spec-variants.md"
+    assert text == markdown(), "stale: python -m gemma4_harness.harness.engines.variants > docs/spec-variants.md"
 
 
 def test_every_variant_is_complete_data():
@@ -113,7 +113,7 @@ def test_the_fast_twin_follows_each_variant_it_has_a_form_of(lab, model):
     (:func:`harness.core.gates.effect_limit`: twice the table's own effect on the model), the bound the fast twin is
     held to when it stands in for the reference with the same emulation (``--oracle fast``): rounding to fp16 after
     an fp32 GELU flips the odd value by one fp16 step against the float64 one."""
-    from harness.engines.fast import FastEngine
+    from gemma4_harness.harness.engines.fast import FastEngine
 
     ref = ReferenceEngine(lab[model])
     for v in family("text"):
@@ -163,9 +163,9 @@ def test_a_worker_process_takes_the_parents_spec(lab):
     """The parity job's case workers are spawned: :data:`ENV` carries ``--spec`` to them
     (:func:`harness.engines.variants.activate_from_env`)."""
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "import reference.model as rm\n"
+            "import gemma4_harness.reference.model as rm\n"
             "f = rm.forward\n"
-            "from harness.engines.variants import activate_from_env\n"
+            "from gemma4_harness.harness.engines.variants import activate_from_env\n"
             "print(activate_from_env(), rm.forward is not f)\n") % str(REPO_ROOT)
     env = dict(os.environ, **{ENV: "head_tied,window_inclusive"})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -10,28 +10,28 @@ import json
 import numpy as np
 import pytest
 
-from harness.core.gates import DEFAULT_GATES as G
-from reference import vision
-from reference.errors import ConfigError, InputError, ModelFileError, PromptError
-from reference.image_processing import (
+from gemma4_harness.harness.core.gates import DEFAULT_GATES as G
+from gemma4_harness.reference import vision
+from gemma4_harness.reference.errors import ConfigError, InputError, ModelFileError, PromptError
+from gemma4_harness.reference.image_processing import (
     ImageProcessorConfig,
     check_budget,
     load_image,
     preprocess_image,
     preprocess_video,
 )
-from reference.mm_weights import (
+from gemma4_harness.reference.mm_weights import (
     check_matches_text,
     hf_to_canonical,
     load_mmproj,
     load_vision,
 )
-from reference.multimodal import (
+from gemma4_harness.reference.multimodal import (
     MultimodalTokenIds,
     expand_image_placeholders,
     video_frame_block,
 )
-from reference.vision import VisionConfig, encode_image
+from gemma4_harness.reference.vision import VisionConfig, encode_image
 
 # --------------------------------------------------------------------------- tolerances
 # Bounds used here: the gates and bounds of harness/core/gates.py, which give the reasons.
@@ -159,7 +159,7 @@ def tiny(request, tmp_path_factory):
     import torch
     from transformers import Gemma4ForConditionalGeneration
 
-    from harness.synth.mm_vision import build_tiny_hf
+    from gemma4_harness.harness.synth.mm_vision import build_tiny_hf
 
     d = build_tiny_hf(tmp_path_factory.mktemp(request.param), clipped=request.param == "clipped", seed=7)
     model = Gemma4ForConditionalGeneration.from_pretrained(d, attn_implementation="eager",
@@ -345,7 +345,7 @@ def test_clip_bounds_bite(tiny, monkeypatch):
 def test_hf_folder_and_mmproj_load_identical_arrays(tiny, tmp_path):
     from safetensors import safe_open
 
-    from harness.synth.mm_vision import write_mmproj
+    from gemma4_harness.harness.synth.mm_vision import write_mmproj
 
     d, _, cfg, W = tiny
     mm_cfg, mm_W = load_mmproj(write_mmproj(d, tmp_path / "mmproj.gguf"))
@@ -446,8 +446,8 @@ def test_mmproj_that_is_not_gemma4v(tmp_path, tiny_gguf):
 
 @pytest.mark.slow
 def test_mmproj_must_match_the_text_model(tiny, tmp_path):
-    from harness.synth.mm_vision import write_mmproj
-    from reference.weights import load_hf
+    from gemma4_harness.harness.synth.mm_vision import write_mmproj
+    from gemma4_harness.reference.weights import load_hf
 
     d, _, _, _ = tiny
     text_cfg, _ = load_hf(d)

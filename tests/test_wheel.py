@@ -70,7 +70,7 @@ def test_wheel_holds_the_case_library_kernel_sources_and_entry_points(wheel):
     assert {f"fast/csrc/{n}" for n in csrc} <= names
     meta = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     entry = zipfile.ZipFile(wheel).read(meta).decode()
-    assert "g4h = harness.cli:main" in entry and "[pytest11]" in entry and "harness.pytest_plugin" in entry
+    assert "g4h = harness.cli:main" in entry and "[pytest11]" in entry and "gemma4_harness.harness.pytest_plugin" in entry
     assert not any(n.startswith(("tests/", "reports/", "docs/")) for n in names)
 
 
@@ -117,7 +117,7 @@ def test_installed_wheel_runs_from_an_empty_folder_and_writes_nothing_in_its_env
     def run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
         return subprocess.run(list(args), cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
 
-    where = run("python", "-c", "import harness, fast.paths as p; print(harness.__file__); print(p.CASES_DIR); "
+    where = run("python", "-c", "import harness, gemma4_harness.fast.paths as p; print(harness.__file__); print(p.CASES_DIR); "
                 "print(p.cache_root())")
     assert where.returncode == 0, where.stderr
     pkg, cases, cache = where.stdout.split()

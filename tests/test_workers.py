@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.core.workers import worker_env
+from gemma4_harness.harness.core.workers import worker_env
 
 #: How long the kernel, the watchdog and the reaping of orphans may take after the kill.
 SETTLE_S = 10.0
@@ -64,7 +64,7 @@ def start_parent(code: str, tmp: Path) -> subprocess.Popen:
 
 PARENT = """
 import time
-from harness.core import workers
+from gemma4_harness.harness.core import workers
 d = workers.temp_dir("g4h-test-")
 (d / "data.bin").write_bytes(b"x" * 1000)
 w = workers.start_worker("timeit", ["-n", "1", "-r", "1", "import time; time.sleep(120)"])
@@ -90,7 +90,7 @@ def test_killed_parent_leaves_no_worker_and_no_temp_dir(tmp_path):
 
 def test_temp_dir_removed_at_a_normal_exit_and_kept_until_then(tmp_path):
     code = """
-from harness.core import workers
+from gemma4_harness.harness.core import workers
 kept, left = workers.temp_dir("g4h-kept-"), workers.temp_dir("g4h-left-")
 workers.remove_temp_dir(kept)
 print(kept.exists(), left.exists(), flush=True)
@@ -105,7 +105,7 @@ def test_forked_child_does_not_take_its_parents_folders(tmp_path):
     """A forked child's exit removes its own folders only; the parent's stay until the parent ends."""
     code = """
 import os, time
-from harness.core import workers
+from gemma4_harness.harness.core import workers
 mine = workers.temp_dir("g4h-parent-")
 pid = os.fork()
 if pid == 0:
@@ -125,7 +125,7 @@ print(sorted(p.name.split("-")[1] for p in mine.parent.iterdir()), flush=True)
 
 CMD_PARENT = """
 import shlex, sys, time
-from harness.engines.cmd import CmdEngine
+from gemma4_harness.harness.engines.cmd import CmdEngine
 eng = CmdEngine(shlex.join([sys.executable, {stub!r}, "--linger"]), {model!r})
 eng.logits([2, 3, 4])  # the engine has written into its scratch folder
 print(eng.workdir, eng.proc.pid, flush=True)

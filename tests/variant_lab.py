@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.synth import load_spec, make_weights, write_gguf
+from gemma4_harness.harness.synth import load_spec, make_weights, write_gguf
 
 #: The built-in cases' weight scales (cases/models/e2b.toml): norms, router and scalars away from 1.
 COMMON_INIT = """

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.gates import SPEED_RATIO_MARGIN
 from ..core.io import staged_run_dir

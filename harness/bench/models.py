@@ -17,10 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from fast import shapes
-from reference import load_model
-from reference.errors import InputError
-from reference.weights import DEFAULT_CACHE_BYTES
+from gemma4_harness.fast import shapes
+from gemma4_harness.reference import load_model
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.weights import DEFAULT_CACHE_BYTES
 
 from .. import synth
 from ..core.cases import MODELS_DIR

@@ -31,8 +31,8 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from reference.errors import InputError
-from reference.files import read_json
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import read_json
 
 from ..core.io import write_json_atomic, write_text_atomic
 

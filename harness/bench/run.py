@@ -42,8 +42,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from reference.config import expected_tensors
-from reference.errors import InputError
+from gemma4_harness.reference.config import expected_tensors
+from gemma4_harness.reference.errors import InputError
 
 from ..core.workers import EngineCrashed
 from ..engines.base import Benchable

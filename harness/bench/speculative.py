@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from fast.engine import Request
-from fast.speculative import SpecEngine
-from reference.errors import InputError
+from gemma4_harness.fast.engine import Request
+from gemma4_harness.fast.speculative import SpecEngine
+from gemma4_harness.reference.errors import InputError
 
 from ..engines.base import bench_ids
 from ..engines.fast import FastEngine

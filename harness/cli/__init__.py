@@ -26,8 +26,8 @@ import sys
 import warnings
 from typing import NamedTuple
 
-from reference.errors import InputError
-from reference.weight_check import CarryWarning
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.weight_check import CarryWarning
 
 from ..core.memory import failure_line, is_out_of_memory
 from ..core.text import for_terminal
@@ -43,28 +43,28 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "logits": Command("harness.cli.logits", "logits of every position of a prompt, [T, vocab], to .npy"),
-    "generate": Command("harness.cli.generate", "greedy continuations of a JSONL prompt set"),
-    "trace": Command("harness.cli.trace", "checksum trace of one prompt (JSONL), optionally with a tensor dump"),
-    "diff": Command("harness.cli.diff", "compare two traces and name the first diverging point"),
-    "parity": Command("harness.cli.parity", "compare engines on the case library and apply the gates"),
-    "selftest": Command("harness.cli.selftest",
+    "logits": Command("gemma4_harness.harness.cli.logits", "logits of every position of a prompt, [T, vocab], to .npy"),
+    "generate": Command("gemma4_harness.harness.cli.generate", "greedy continuations of a JSONL prompt set"),
+    "trace": Command("gemma4_harness.harness.cli.trace", "checksum trace of one prompt (JSONL), optionally with a tensor dump"),
+    "diff": Command("gemma4_harness.harness.cli.diff", "compare two traces and name the first diverging point"),
+    "parity": Command("gemma4_harness.harness.cli.parity", "compare engines on the case library and apply the gates"),
+    "selftest": Command("gemma4_harness.harness.cli.selftest",
                         "inject known faults into a copy of the fast path; check they are caught"),
-    "bench": Command("harness.cli.bench", "throughput (pp/tg tokens/s, batch and depth sweep, roofline share)"),
-    "compare": Command("harness.cli.compare", "compare logits (.npy) or greedy outputs (.jsonl) an engine wrote"),
-    "explain": Command("harness.cli.explain", "name the spec variant (docs/spec-variants.md) that explains where an "
+    "bench": Command("gemma4_harness.harness.cli.bench", "throughput (pp/tg tokens/s, batch and depth sweep, roofline share)"),
+    "compare": Command("gemma4_harness.harness.cli.compare", "compare logits (.npy) or greedy outputs (.jsonl) an engine wrote"),
+    "explain": Command("gemma4_harness.harness.cli.explain", "name the spec variant (docs/spec-variants.md) that explains where an "
                        "engine diverges"),
-    "tokenize": Command("harness.cli.tokenize", "token ids of each line of a text file, to JSONL"),
-    "tokcheck": Command("harness.cli.tokcheck", "texts whose token ids differ between two tokenizer engines"),
-    "synth": Command("harness.cli.synth", "build synthetic cases (HF safetensors + GGUFs) and print their paths"),
-    "device-check": Command("harness.cli.device_check", "the fast path on CUDA against the reference, to JSON"),
-    "device-bench": Command("harness.cli.device_bench",
+    "tokenize": Command("gemma4_harness.harness.cli.tokenize", "token ids of each line of a text file, to JSONL"),
+    "tokcheck": Command("gemma4_harness.harness.cli.tokcheck", "texts whose token ids differ between two tokenizer engines"),
+    "synth": Command("gemma4_harness.harness.cli.synth", "build synthetic cases (HF safetensors + GGUFs) and print their paths"),
+    "device-check": Command("gemma4_harness.harness.cli.device_check", "the fast path on CUDA against the reference, to JSON"),
+    "device-bench": Command("gemma4_harness.harness.cli.device_bench",
                             "the GPU speed figures in one run: graphs, fused kernels, roofline (--smoke: on the CPU)"),
-    "sweep": Command("harness.cli.sweep", "every quantization of a model on every engine against one float64 base, "
+    "sweep": Command("gemma4_harness.harness.cli.sweep", "every quantization of a model on every engine against one float64 base, "
                      "on Ray: KLD, greedy and first-divergence per file, a report and plots"),
-    "quantize": Command("harness.cli.quantize", "make GGUF quantizations with llama.cpp's llama-quantize (built into "
+    "quantize": Command("gemma4_harness.harness.cli.quantize", "make GGUF quantizations with llama.cpp's llama-quantize (built into "
                         "the user cache), K-quants and importance-matrix types included"),
-    "inspect": Command("harness.cli.inspect", "what a GGUF file or HF folder holds, its problems, and which engines "
+    "inspect": Command("gemma4_harness.harness.cli.inspect", "what a GGUF file or HF folder holds, its problems, and which engines "
                        "can run it"),
 }
 """Sub-command name -> :class:`Command`."""

@@ -1,4 +1,4 @@
-"""``python -m harness.cli``: the same as ``g4h``."""
+"""``python -m gemma4_harness.harness.cli``: the same as ``g4h``."""
 
 import sys
 

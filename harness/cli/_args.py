@@ -30,8 +30,8 @@ import os
 import stat
 from pathlib import Path
 
-from reference.errors import InputError
-from reference.files import is_stream, kind_of
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import is_stream, kind_of
 
 from .. import synth
 from ..core.cases import DRAFTER_SUFFIX, MODELS_DIR, builtin_drafter_specs, builtin_specs

@@ -13,8 +13,8 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from reference.errors import InputError
-from reference.mm_model import MM_TOKEN_TYPES, MultimodalModel, MultimodalPrompt, prepare_prompt
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.mm_model import MM_TOKEN_TYPES, MultimodalModel, MultimodalPrompt, prepare_prompt
 
 from ..core.cases import MODELS_DIR
 from ..core.mm_prompts import MM_MODELS_DIR
@@ -64,7 +64,7 @@ def resolve_mm_model(model: str, engine: str, mmproj: str | None) -> tuple[Path,
     spec = p if p.suffix == ".toml" else MM_MODELS_DIR / f"{model}.toml"
     if spec.is_file():
         # the builder needs transformers and torch: imported only when a case is asked for
-        built = importlib.import_module("harness.synth.mm_case").ensure_mm_built(spec)
+        built = importlib.import_module("gemma4_harness.harness.synth.mm_case").ensure_mm_built(spec)
         if engine == "transformers":
             return built.hf_dir, None, built.mspec.max_soft_tokens
         return built.gguf, Path(mmproj) if mmproj else built.mmproj, built.mspec.max_soft_tokens

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fast.shapes import PACKED_TYPES
-from reference.errors import InputError
+from gemma4_harness.fast.shapes import PACKED_TYPES
+from gemma4_harness.reference.errors import InputError
 
 from ..bench import BenchOptions, bench
 from ..bench.report import summary_lines

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import load_prompts, read_prompt_ids
 from ..core.finite import describe, first_nonfinite

@@ -52,9 +52,9 @@ from typing import Any, Callable
 
 import torch
 
-from fast import cuda_bench, cuda_kernels, shapes
-from fast.model import FastModel
-from reference.errors import InputError
+from gemma4_harness.fast import cuda_bench, cuda_kernels, shapes
+from gemma4_harness.fast.model import FastModel
+from gemma4_harness.reference.errors import InputError
 
 from ..bench import BenchOptions, bench
 from ..bench.run import BenchPlan

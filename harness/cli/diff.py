@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.gates import DIFF_TOL, Gate
 from ..core.io import write_json_atomic

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import PROMPTS, load_prompts, read_prompt_ids, refuse_unfit_prompts
 from ..core.gates import DEFAULT_GATES

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from reference.errors import InputError, PromptError
+from gemma4_harness.reference.errors import InputError, PromptError
 
 from ..core.cases import load_prompts, read_prompt_ids
 from ..core.io import write_text_atomic

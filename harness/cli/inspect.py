@@ -14,7 +14,7 @@ import argparse
 import json
 from typing import Any, Sequence
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..inspect import Inspection, inspect_model, unreadable_dict
 from ._args import InFile

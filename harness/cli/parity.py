@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import PROMPTS
 from ..core.engine_kinds import default_against

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..engines.llamacpp import tools
 from ._args import Count, InFile, OutDir

@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import PROMPTS
 from ..core.engine_kinds import default_against

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import builtin_specs, load_prompts, resolve_spec
 from ..synth import ensure_built, logit_stats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.io import write_text_atomic
 from ..tokenizer.corpus import compare_engines, format_diff, load_corpus

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from reference.errors import InputError
-from reference.files import read_text
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import read_text
 
 from ..core.io import write_text_atomic
 from ..tokenizer.corpus import unescape

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import read_prompt_ids
 from ..core.workers import temp_folder

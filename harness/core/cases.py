@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from reference.errors import InputError, PromptError
-from reference.files import read_text
+from gemma4_harness.reference.errors import InputError, PromptError
+from gemma4_harness.reference.files import read_text
 
 from .paths import CASES_DIR
 

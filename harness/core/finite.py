@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from reference.errors import ModelFileError
+from gemma4_harness.reference.errors import ModelFileError
 
 from .workers import EngineOutputError
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -717,7 +717,7 @@ DEFAULT_GATES.update(SWEEP_GATES)
 GATE_TABLES = ("summary", "full")
 """The generated tables (:func:`gate_table`): ``summary`` (one row per pair) and ``full`` (one row per gate and per
 op bound, with its reason), both in docs/gates.md, the one document that holds them (README.md links it). A
-document holds one between ``<!-- gates:NAME -->`` and ``<!-- /gates:NAME -->``; ``python -m harness.core.gates
+document holds one between ``<!-- gates:NAME -->`` and ``<!-- /gates:NAME -->``; ``python -m gemma4_harness.harness.core.gates
 --write`` rewrites them (in docs/gates.md, or in the files named), ``tests/test_docs.py`` holds them equal to this
 module and in that one place."""
 
@@ -792,10 +792,10 @@ def with_gate_tables(text: str) -> str:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """``python -m harness.core.gates --markdown [summary|full]`` prints a table; ``--write [FILE...]`` rewrites the
+    """``python -m gemma4_harness.harness.core.gates --markdown [summary|full]`` prints a table; ``--write [FILE...]`` rewrites the
     marked tables of each file (default docs/gates.md, :data:`GATES_DOC`). Returns the exit status (2: a file that
     cannot be read or holds no marked table)."""
-    p = argparse.ArgumentParser(prog="python -m harness.core.gates", description=_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m gemma4_harness.harness.core.gates", description=_main.__doc__)
     p.add_argument("--markdown", choices=GATE_TABLES, nargs="?", const="summary", default=None,
                    help="print this table (default summary)")
     p.add_argument("--write", nargs="*", default=None, metavar="FILE",

@@ -34,8 +34,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from reference.errors import InputError
-from reference.files import kind_of
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import kind_of
 
 from .paths import default_reports_dir
 from .text import for_json

@@ -33,9 +33,9 @@ from typing import Any, Callable, Mapping
 
 from gguf import GGML_QUANT_SIZES
 
-from reference.config import ModelConfig, cut_layers, expected_tensors
-from reference.errors import InputError
-from reference.weights import DEFAULT_CACHE_BYTES, READ_ELEMENTS, block_bounds, load_model
+from gemma4_harness.reference.config import ModelConfig, cut_layers, expected_tensors
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.weights import DEFAULT_CACHE_BYTES, READ_ELEMENTS, block_bounds, load_model
 
 from .engine_kinds import KIND, planned_kinds
 

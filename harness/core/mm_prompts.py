@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from reference.errors import InputError
-from reference.files import read_text
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import read_text
 
 from .paths import CASES_DIR
 

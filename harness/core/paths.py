@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fast.paths import CASES_DIR, IMPORT_ROOT, cache_root, user_cache_dir
+from gemma4_harness.fast.paths import CASES_DIR, IMPORT_ROOT, cache_root, user_cache_dir
 
 REPO_ROOT = IMPORT_ROOT
 """The folder holding ``harness/``, ``fast/`` and ``reference/``: the repository in a clone, ``site-packages``

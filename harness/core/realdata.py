@@ -25,7 +25,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from .paths import cache_root
 

@@ -470,9 +470,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def _start_watchdog() -> subprocess.Popen:
-    """``python -m harness.core.workers`` in its own session (a Ctrl-C or a kill of the harness's process
+    """``python -m gemma4_harness.harness.core.workers`` in its own session (a Ctrl-C or a kill of the harness's process
     group does not reach it), reading folder registrations on its stdin."""
-    return subprocess.Popen([sys.executable, "-m", "harness.core.workers"], stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "gemma4_harness.harness.core.workers"], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env=worker_env(), cwd=str(REPO_ROOT))
 

@@ -30,7 +30,7 @@ import importlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.engine_kinds import KINDS, plain_kinds, scheme_kinds
 from .base import Engine, EngineCrashed, EngineUnavailable, Generated, TraceFn

@@ -25,8 +25,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from reference.errors import InputError
-from reference.model import TraceFn
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.model import TraceFn
 
 from ..core.workers import EngineCrashed
 

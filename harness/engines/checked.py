@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from reference.errors import InputError
-from reference.files import read_text
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import read_text
 
 from ..core.finite import (
     FiniteTrace,
@@ -198,7 +198,7 @@ class CheckedEngine:
 def _is_nonfinite_logits(e: BaseException) -> bool:
     """``e`` is :class:`fast.engine.NonFiniteLogits` (looked up, not imported: checking the reference must not
     import torch)."""
-    cls = getattr(sys.modules.get("fast.engine"), "NonFiniteLogits", None)
+    cls = getattr(sys.modules.get("gemma4_harness.fast.engine"), "NonFiniteLogits", None)
     return cls is not None and isinstance(e, cls)
 
 

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.workers import (
     EngineCrashed,

@@ -9,11 +9,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from fast import cpu_kernels
-from fast.drafter import FastDrafter
-from fast.engine import PromptRun, Request, all_finite, generate, prompt_runs
-from fast.model import FastModel, SeqStep
-from fast.speculative import (
+from gemma4_harness.fast import cpu_kernels
+from gemma4_harness.fast.drafter import FastDrafter
+from gemma4_harness.fast.engine import PromptRun, Request, all_finite, generate, prompt_runs
+from gemma4_harness.fast.model import FastModel, SeqStep
+from gemma4_harness.fast.speculative import (
                               ModelProposer,
                               OracleProposer,
                               PartialProposer,
@@ -23,11 +23,11 @@ from fast.speculative import (
                               SpecResult,
                               plain_continuations,
 )
-from fast.static_decode import StaticDecoder
-from reference.drafter import bind
-from reference.drafter_weights import load_drafter
-from reference.errors import InputError
-from reference.weights import load_model
+from gemma4_harness.fast.static_decode import StaticDecoder
+from gemma4_harness.reference.drafter import bind
+from gemma4_harness.reference.drafter_weights import load_drafter
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.weights import load_model
 
 from ..core import memory
 from ..core.workers import EngineOutputError

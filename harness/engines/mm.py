@@ -25,9 +25,9 @@ from typing import Sequence
 
 import numpy as np
 
-from reference import model as RM
-from reference.errors import PromptError
-from reference.mm_model import (
+from gemma4_harness.reference import model as RM
+from gemma4_harness.reference.errors import PromptError
+from gemma4_harness.reference.mm_model import (
     MultimodalModel,
     MultimodalPrompt,
     encode_item,
@@ -35,7 +35,7 @@ from reference.mm_model import (
     load_multimodal,
     prefixed,
 )
-from reference.model import TraceFn
+from gemma4_harness.reference.model import TraceFn
 
 from ..core.engine_kinds import KIND, multimodal_kinds
 from .base import EngineUnavailable, Generated

@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fast import audio as FA
-from fast import vision as FV
-from fast.engine import generate
-from fast.mm_weights import EncoderWeights
-from fast.model import FastModel, resolve_dtype
-from reference.mm_model import MultimodalModel, MultimodalPrompt, item_prefix, prefixed
-from reference.model import TraceFn
+from gemma4_harness.fast import audio as FA
+from gemma4_harness.fast import vision as FV
+from gemma4_harness.fast.engine import generate
+from gemma4_harness.fast.mm_weights import EncoderWeights
+from gemma4_harness.fast.model import FastModel, resolve_dtype
+from gemma4_harness.reference.mm_model import MultimodalModel, MultimodalPrompt, item_prefix, prefixed
+from gemma4_harness.reference.model import TraceFn
 
 from .mm import check_rows
 

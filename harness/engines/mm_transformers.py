@@ -14,8 +14,8 @@ import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.gemma4 import modeling_gemma4 as mg
 
-from reference.mm_model import MultimodalModel, MultimodalPrompt, item_prefix, prefixed
-from reference.model import TraceFn
+from gemma4_harness.reference.mm_model import MultimodalModel, MultimodalPrompt, item_prefix, prefixed
+from gemma4_harness.reference.model import TraceFn
 
 from .base import EngineUnavailable, Generated
 from .mm import check_rows

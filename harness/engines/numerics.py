@@ -32,8 +32,8 @@ import importlib
 from dataclasses import dataclass, replace
 from typing import Any, ContextManager, Iterable, Mapping
 
-from reference.activation_quants import VEC_DOT_TYPE
-from reference.errors import InputError
+from gemma4_harness.reference.activation_quants import VEC_DOT_TYPE
+from gemma4_harness.reference.errors import InputError
 
 from ..core.engine_kinds import KINDS
 

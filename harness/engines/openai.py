@@ -56,10 +56,10 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from reference.chat import EOS as EOS_TEXT
-from reference.chat import TURN_CLOSE
-from reference.errors import InputError
-from reference.tokenizer import BYTE, CONTROL, NORMAL, USER_DEFINED, read_gguf_metadata, tokenizer_from_gguf
+from gemma4_harness.reference.chat import EOS as EOS_TEXT
+from gemma4_harness.reference.chat import TURN_CLOSE
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.tokenizer import BYTE, CONTROL, NORMAL, USER_DEFINED, read_gguf_metadata, tokenizer_from_gguf
 
 from ..core.progress import counter
 from ..core.workers import EngineCrashed, EngineFailure, EngineProtocolError

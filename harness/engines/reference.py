@@ -10,12 +10,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from fast import quant_kernels
-from reference import model as ref_model
-from reference.batch import Chain, forward_chains
-from reference.errors import InputError
-from reference.model import check_generation
-from reference.weights import DEFAULT_CACHE_BYTES, load_model
+from gemma4_harness.fast import quant_kernels
+from gemma4_harness.reference import model as ref_model
+from gemma4_harness.reference.batch import Chain, forward_chains
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.model import check_generation
+from gemma4_harness.reference.weights import DEFAULT_CACHE_BYTES, load_model
 
 from ..core import memory
 from .base import TOP_N, Generated, TraceFn, bench_ids

@@ -23,10 +23,10 @@ from transformers import AutoConfig, Gemma3ForCausalLM, Gemma4Config, Gemma4ForC
 from transformers.initialization import no_init_weights
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from reference.errors import InputError, ModelFileError, PromptError
-from reference.names import gguf_to_hf
-from reference.weight_check import check_values
-from reference.weights import load_model, read_hf_config
+from gemma4_harness.reference.errors import InputError, ModelFileError, PromptError
+from gemma4_harness.reference.names import gguf_to_hf
+from gemma4_harness.reference.weight_check import check_values
+from gemma4_harness.reference.weights import load_model, read_hf_config
 
 from ..core import memory
 from .base import DTYPE_BYTES, TOP_N, EngineUnavailable, Generated, TraceFn, bench_ids

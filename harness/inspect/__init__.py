@@ -65,7 +65,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from reference.errors import InputError, ModelFileError
+from gemma4_harness.reference.errors import InputError, ModelFileError
 
 from ..core import memory
 from .common import compact_names, shared_kv_tensors

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping
 import gguf
 import numpy as np
 
-from reference.config import ModelConfig, expected_tensors, optional_tensors, unread_tensors
+from gemma4_harness.reference.config import ModelConfig, expected_tensors, optional_tensors, unread_tensors
 
 from .model import UNUSABLE, WARNING, Inspection, Problem, TensorType
 

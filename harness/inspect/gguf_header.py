@@ -19,10 +19,10 @@ from typing import Any, Mapping
 import gguf
 import numpy as np
 
-from reference.config import ModelConfig, attach_rope_freqs, config_from_gguf
-from reference.errors import InputError, ModelFileError
-from reference.files import open_regular
-from reference.gguf_check import check_gguf
+from gemma4_harness.reference.config import ModelConfig, attach_rope_freqs, config_from_gguf
+from gemma4_harness.reference.errors import InputError, ModelFileError
+from gemma4_harness.reference.files import open_regular
+from gemma4_harness.reference.gguf_check import check_gguf
 
 from ..engines.llamacpp import LLAMA_CPP_PYTHON_VERSION
 from .common import (

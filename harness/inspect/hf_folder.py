@@ -8,11 +8,11 @@ from typing import Any, Mapping
 import numpy as np
 from safetensors import safe_open
 
-from reference.config import ModelConfig, config_from_hf
-from reference.errors import InputError
-from reference.files import read_json
-from reference.names import hf_to_gguf
-from reference.weights import read_hf_config
+from gemma4_harness.reference.config import ModelConfig, config_from_hf
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import read_json
+from gemma4_harness.reference.names import hf_to_gguf
+from gemma4_harness.reference.weights import read_hf_config
 
 from .common import (
     count_params,

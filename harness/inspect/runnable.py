@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from reference.config import ModelConfig
+from gemma4_harness.reference.config import ModelConfig
 
 from ..engines.llamacpp import INSTALL_MSG, LLAMA_CPP_PYTHON_VERSION
 from .model import UNUSABLE, EngineRow, Inspection

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fast.carry import carry_problems
-from reference.errors import InputError
-from reference.weight_check import MAX_ABS_FP16, MAX_ABS_FP32, check_weights
-from reference.weights import load_model
+from gemma4_harness.fast.carry import carry_problems
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.weight_check import MAX_ABS_FP16, MAX_ABS_FP32, check_weights
+from gemma4_harness.reference.weights import load_model
 
 from .common import named_in, one_line
 from .model import UNUSABLE, WARNING, Inspection, Problem

@@ -37,8 +37,8 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from reference.errors import InputError
-from reference.files import read_json
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import read_json
 
 from ..core.io import dataframe_markdown, write_json_atomic
 from .result import RESULTS_VERSION

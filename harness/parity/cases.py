@@ -22,13 +22,13 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fast.drafter import FastDrafter
-from fast.model import FastModel
-from fast.speculative import ModelProposer
-from reference.drafter import bind
-from reference.drafter_weights import load_drafter
-from reference.errors import InputError
-from reference.mm_model import load_multimodal
+from gemma4_harness.fast.drafter import FastDrafter
+from gemma4_harness.fast.model import FastModel
+from gemma4_harness.fast.speculative import ModelProposer
+from gemma4_harness.reference.drafter import bind
+from gemma4_harness.reference.drafter_weights import load_drafter
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.mm_model import load_multimodal
 
 from .. import synth
 from ..core import engine_kinds
@@ -400,7 +400,7 @@ def multimodal_case(spec_path: Path, progress: Progress, skip: tuple[str, ...] =
     progress(f"[{ms.name}] the vision mask: the last image soft token perturbed")
     res.apply(mask_figures(hf_mm, prompts, {"reference": ReferenceMM(hf_mm)}), gates)
     res.apply(oracle_rows("mm.transformers.runs", lambda: mask_figures(hf_mm, prompts, {"transformers": importlib.
-              import_module("harness.engines.mm_transformers").TransformersMM(built.hf_dir)})), gates)
+              import_module("gemma4_harness.harness.engines.mm_transformers").TransformersMM(built.hf_dir)})), gates)
     kinds = [k for k, tower in (("vision", hf_mm.vision), ("audio", hf_mm.audio)) if tower is not None]
     if skipped(skip, "llamacpp"):
         res.apply([fig(f"llamacpp~reference.mm_{k}_runs", 0.0, "mtmd", got="opted out",

@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from reference.errors import InputError
-from reference.files import open_regular, read_text
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import open_regular, read_text
 
 from ..core.gates import NEAR_TIE_MARGIN, resolve
 from ..core.kld import kld_stats

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fast.model import FastModel
-from reference import forward, load_model
+from gemma4_harness.fast.model import FastModel
+from gemma4_harness.reference import forward, load_model
 
 from ..core import kld, metrics
 from ..core.cases import load_prompts

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.gates import DEFAULT_GATES, Gate, effect_limit, gate_for, with_effect
 from ..engines.fast import FastEngine

@@ -18,9 +18,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-import reference.drafter as rd
-import reference.model as rm
-from reference.errors import InputError
+import gemma4_harness.reference.drafter as rd
+import gemma4_harness.reference.model as rm
+from gemma4_harness.reference.errors import InputError
 
 from ..core.gates import DEFAULT_GATES, Gate
 from ..engines.variants import Variant, family, under

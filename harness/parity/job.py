@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from reference.errors import InputError
-from reference.weights import load_model
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.weights import load_model
 
 from ..core.cases import PROMPTS, builtin_specs, load_prompts, refuse_unfit_prompts
 from ..core.io import staged_run_dir, write_json_atomic

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.gates import Gate, gate_for, with_effect
 from ..core.workers import EngineFailure

@@ -3,7 +3,7 @@
 The argument parser takes its choices and its help text from :data:`SKIPPABLE`, :func:`check_skip` refuses any
 other name (the pytest plugin's ``--g4h-skip`` and :func:`harness.parity.job.run`), the checks ask
 :func:`skipped` (which refuses a name the list lacks), and docs/usage.md holds :func:`skip_table` (printed by
-``python -m harness.parity.skips``; ``tests/test_docs.py`` holds it equal). A tokenizer check's own name
+``python -m gemma4_harness.harness.parity.skips``; ``tests/test_docs.py`` holds it equal). A tokenizer check's own name
 (:data:`harness.tokenizer.checks.CHECKS`) opts that check out; ``llamacpp`` is both, and means llama.cpp everywhere.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 

@@ -37,12 +37,12 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from fast.model import FastModel
-from reference import model as ref_model
-from reference.config import ModelConfig
-from reference.errors import InputError
-from reference.mm_model import MultimodalModel, MultimodalPrompt, load_multimodal, prepare_prompt
-from reference.weights import load_model
+from gemma4_harness.fast.model import FastModel
+from gemma4_harness.reference import model as ref_model
+from gemma4_harness.reference.config import ModelConfig
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.mm_model import MultimodalModel, MultimodalPrompt, load_multimodal, prepare_prompt
+from gemma4_harness.reference.weights import load_model
 
 from .. import synth
 from ..core.cases import builtin_specs, load_prompts

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fast import audio as FA
-from fast import vision as FV
-from fast.model import FastModel, StepBatch, attention, embed_rows, linear, rms_norm
-from fast.multimodal import merge_embeddings
-from reference import audio_features as AF
-from reference.config import LayerSpec, ModelConfig
+from gemma4_harness.fast import audio as FA
+from gemma4_harness.fast import vision as FV
+from gemma4_harness.fast.model import FastModel, StepBatch, attention, embed_rows, linear, rms_norm
+from gemma4_harness.fast.multimodal import merge_embeddings
+from gemma4_harness.reference import audio_features as AF
+from gemma4_harness.reference.config import LayerSpec, ModelConfig
 
 _rope_2d = FV.rope_2d  # bound at import: a mutant swaps the module's name while it runs
 _magnitude_spectrum = AF.magnitude_spectrum

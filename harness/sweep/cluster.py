@@ -28,7 +28,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.memory import GB, available_memory
 from ..core.paths import REPO_ROOT
@@ -103,7 +103,7 @@ class LocalCluster:
         self._tmp = tempfile.mkdtemp(prefix="g4h-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
         env = dict(os.environ, RAY_AUTH_MODE="disabled")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-        self._keeper = subprocess.Popen([sys.executable, "-m", "harness.sweep.keeper"], stdin=subprocess.PIPE,
+        self._keeper = subprocess.Popen([sys.executable, "-m", "gemma4_harness.harness.sweep.keeper"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                         start_new_session=True, env=env, cwd=str(REPO_ROOT))
         assert self._keeper.stdin is not None and self._keeper.stdout is not None

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core import memory
 from ..engines.llamacpp import INSTALL_MSG

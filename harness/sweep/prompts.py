@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from reference.errors import InputError, PromptError
-from reference.tokenizer import GGUFTokenizer
+from gemma4_harness.reference.errors import InputError, PromptError
+from gemma4_harness.reference.tokenizer import GGUFTokenizer
 
 from ..core.cases import refuse_unfit_prompts
 from ..tokenizer.files import load_tokenizer_metadata

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import ray
 from ray import exceptions as rex
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import PROMPTS
 from ..core.engine_kinds import default_against, planned_kinds

@@ -34,8 +34,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from reference.errors import InputError
-from reference.files import open_regular
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import open_regular
 
 from ..core.io import dumps_json, run_timestamp, to_jsonable, write_bytes_atomic, write_json_atomic
 

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from reference.errors import InputError, PromptError
+from gemma4_harness.reference.errors import InputError, PromptError
 
 from ..core.gates import SWEEP_DIVERGENCE_REL_L2
 from ..core.kld import kld_stats
@@ -429,7 +429,7 @@ def sensitivity_run(path: str, prompts: Sequence[dict[str, Any]], base: dict[str
     out: dict[str, Any] = {"status": "ok", "reason": None}
     try:
         eng = make_engine("fast", path, dtype="float32", weights="dequantized")
-        fm = sys.modules["fast.model"]  # the module whose products the engine runs (loaded by it)
+        fm = sys.modules["gemma4_harness.fast.model"]  # the module whose products the engine runs (loaded by it)
         plain = fm.linear
         fm.linear = lambda x, w: plain(round_activations_q8(x), w)
         try:

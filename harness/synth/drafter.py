@@ -39,9 +39,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from reference.drafter import DrafterConfig, drafter_config_from_hf, drafter_expected_tensors
-from reference.drafter_weights import gguf_to_drafter_hf
-from reference.errors import ConfigError
+from gemma4_harness.reference.drafter import DrafterConfig, drafter_config_from_hf, drafter_expected_tensors
+from gemma4_harness.reference.drafter_weights import gguf_to_drafter_hf
+from gemma4_harness.reference.errors import ConfigError
 
 from ..core.hf_assistant import assistant_construction
 from .cache import BuiltCase, _cache_root, _versions, build_atomically, ensure_built

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 from safetensors import safe_open
 
-from reference.names import gguf_to_hf
+from gemma4_harness.reference.names import gguf_to_hf
 
 from .spec import Spec, text_config
 

@@ -40,8 +40,8 @@ import torch
 from gguf import GGUFValueType as VT
 from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
-from reference.audio import AudioConfig
-from reference.audio_weights import expected_audio_tensors
+from gemma4_harness.reference.audio import AudioConfig
+from gemma4_harness.reference.audio_weights import expected_audio_tensors
 
 #: Tiny audio encoder used by the tests (Gemma4AudioConfig fields).
 TINY_AUDIO = {

@@ -60,10 +60,10 @@ from transformers import (
     Gemma4VisionConfig,
 )
 
-from reference.audio_weights import expected_audio_tensors, load_audio_hf
-from reference.image_processing import SUPPORTED_SOFT_TOKENS
-from reference.mm_model import TOKEN_STRINGS
-from reference.names import gguf_to_hf
+from gemma4_harness.reference.audio_weights import expected_audio_tensors, load_audio_hf
+from gemma4_harness.reference.image_processing import SUPPORTED_SOFT_TOKENS
+from gemma4_harness.reference.mm_model import TOKEN_STRINGS
+from gemma4_harness.reference.names import gguf_to_hf
 
 from ..core.mm_prompts import MM_MODELS_DIR
 from ..core.paths import cache_root

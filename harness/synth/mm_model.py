@@ -36,7 +36,7 @@ from transformers import (
     Gemma4VisionConfig,
 )
 
-from reference.names import gguf_to_hf
+from gemma4_harness.reference.names import gguf_to_hf
 
 from .mm_audio import TINY_AUDIO, TINY_IDS, randomise_audio_tower
 from .mm_vision import TINY_VISION, randomise_vision_tower

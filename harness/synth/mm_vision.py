@@ -32,7 +32,7 @@ from transformers import (
 )
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ClippableLinear
 
-from reference.image_processing import ImageProcessorConfig
+from gemma4_harness.reference.image_processing import ImageProcessorConfig
 
 # Tiny vision tower (k = 3 as llama.cpp hard-codes it; head_dim = hidden / heads as llama.cpp assumes).
 TINY_VISION: dict[str, Any] = {

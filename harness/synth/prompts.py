@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from reference.tokenizer import BYTE, NORMAL
+from gemma4_harness.reference.tokenizer import BYTE, NORMAL
 
 from .gguf import BOS_ID, BYTE_BASE
 

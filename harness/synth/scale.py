@@ -26,9 +26,9 @@ from typing import Any, Callable, Mapping
 import gguf
 import numpy as np
 
-from fast.shapes import RandomWeights, load_shape, load_shape_spec
-from reference.config import ModelConfig
-from reference.errors import InputError
+from gemma4_harness.fast.shapes import RandomWeights, load_shape, load_shape_spec
+from gemma4_harness.reference.config import ModelConfig
+from gemma4_harness.reference.errors import InputError
 
 from .gguf import add_keys, gguf_tensor_type
 from .weights import rope_freqs, tensor_shapes

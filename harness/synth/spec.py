@@ -64,8 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reference.config import ModelConfig, config_from_hf
-from reference.errors import InputError
+from gemma4_harness.reference.config import ModelConfig, config_from_hf
+from gemma4_harness.reference.errors import InputError
 
 #: GGUF tensor types :func:`write_gguf` and :func:`ensure_built` produce.
 QTYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0")

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from reference.config import expected_tensors
+from gemma4_harness.reference.config import expected_tensors
 
 from .spec import FULL, Spec, text_config
 

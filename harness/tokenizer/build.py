@@ -56,8 +56,8 @@ from typing import Any
 
 import gguf
 
-from reference.errors import InputError
-from reference.tokenizer import BYTE, CONTROL, NORMAL, SPACE, UNKNOWN, USER_DEFINED
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.tokenizer import BYTE, CONTROL, NORMAL, SPACE, UNKNOWN, USER_DEFINED
 
 from ..core.paths import CASES_DIR, cache_root
 from .files import BYTE_TOKEN_RE, read_json

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from reference import chat
-from reference.errors import InputError
-from reference.tokenizer import NORMAL, SPACE, read_gguf_metadata
+from gemma4_harness.reference import chat
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.tokenizer import NORMAL, SPACE, read_gguf_metadata
 
 from ..core.realdata import REAL_EXTRA, gemma3_270m_gguf
 from .build import build_gemma4_test_tokenizer, gemma3_tokenizer_files

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from reference.errors import InputError
-from reference.files import read_text
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import read_text
 
 from ..core.paths import CASES_DIR
 from .engines import TokEngine, is_engine_crash

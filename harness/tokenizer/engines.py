@@ -9,7 +9,7 @@ Every engine has ``encode(text) -> ids``, ``decode(ids) -> text`` and
 | ``hf`` | tokenizer.json | HF ``tokenizers`` |
 | ``spm`` | tokenizer.model | ``sentencepiece`` |
 | ``transformers-gguf`` | .gguf | transformers' own GGUF -> tokenizer conversion (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``) |
-| ``llamacpp`` | .gguf | llama.cpp's tokenizer through ``llama-cpp-python``, vocabulary only, in a worker subprocess (``python -m harness.engines.llamacpp.tokworker``) |
+| ``llamacpp`` | .gguf | llama.cpp's tokenizer through ``llama-cpp-python``, vocabulary only, in a worker subprocess (``python -m gemma4_harness.harness.engines.llamacpp.tokworker``) |
 
 ``encode_many(texts)`` encodes a batch (the ``llamacpp`` engine sends it to its
 worker in a few requests instead of one per text).
@@ -57,8 +57,8 @@ import weakref
 from pathlib import Path
 from typing import Sequence
 
-from reference.errors import InputError
-from reference.tokenizer import GGUFTokenizer
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.tokenizer import GGUFTokenizer
 
 from ..core.workers import EngineCrashed, crash_error, start_worker, stop_child
 from .files import load_tokenizer_metadata, tokenizer_kind
@@ -287,7 +287,7 @@ class TransformersGGUFEngine(TokEngine):
 class LlamaCppEngine(TokEngine):
     """llama.cpp's tokenizer (``llama-cpp-python``, vocabulary only) in one long-lived worker subprocess.
 
-    The worker is ``python -m harness.engines.llamacpp.tokworker FILE.gguf`` (protocol: that module's docstring),
+    The worker is ``python -m gemma4_harness.harness.engines.llamacpp.tokworker FILE.gguf`` (protocol: that module's docstring),
     started here and kept for the engine's life: llama.cpp can abort the whole process on a bad
     vocabulary, so it never runs in this one. Texts go to it in batches of :attr:`BATCH`. The calls and
     flags are those of ``Llama.tokenize(text, add_bos=False, special=parse_special is not False)`` and
@@ -336,7 +336,7 @@ class LlamaCppEngine(TokEngine):
 
     def _start(self) -> dict:
         self._stderr = tempfile.TemporaryFile()
-        self._proc = start_worker("harness.engines.llamacpp.tokworker", [str(self.path.resolve())],
+        self._proc = start_worker("gemma4_harness.harness.engines.llamacpp.tokworker", [str(self.path.resolve())],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
         return self._exchange(None)
 

@@ -20,10 +20,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from reference import files
-from reference.errors import InputError
-from reference.files import open_regular
-from reference.tokenizer import BYTE, CONTROL, NORMAL, SPACE, USER_DEFINED, read_gguf_metadata
+from gemma4_harness.reference import files
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import open_regular
+from gemma4_harness.reference.tokenizer import BYTE, CONTROL, NORMAL, SPACE, USER_DEFINED, read_gguf_metadata
 
 MAX_TOKENIZER_BYTES = 1 << 30
 """The most a tokenizer file may hold (1 GiB; Gemma's tokenizer.json is 33 MB)."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from reference.model import TraceFn
+from gemma4_harness.reference.model import TraceFn
 
 from ..core.metrics import rel_l2
 from .format import INPUT_POINTS, KNOWN_POINTS, LAYER_POINTS, OUTPUT_POINTS

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ..core import metrics
 from ..core.gates import DIFF_TOL

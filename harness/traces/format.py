@@ -40,8 +40,8 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save
 
-from reference.errors import InputError
-from reference.files import read_bytes
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import read_bytes
 
 from ..core.io import to_jsonable, write_bytes_atomic, write_text_atomic
 

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from reference.errors import InputError
-from reference.files import read_bytes
+from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.files import read_bytes
 
 from .format import (
     KNOWN_POINTS,

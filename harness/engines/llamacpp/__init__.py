@@ -3,7 +3,7 @@
 llama.cpp is an oracle next to HF transformers (``docs/design.md``, "Engines"). It aborts the whole
 process on some layouts (its KV-donor rule differs from transformers' on unusual layer layouts and
 ends in a ``GGML_ASSERT``), so every llama.cpp call happens in ``python -m
-harness.engines.llamacpp.worker`` (:mod:`.worker`): one process per call, fed one JSON request on
+gemma4_harness.harness.engines.llamacpp.worker`` (:mod:`.worker`): one process per call, fed one JSON request on
 stdin, answering with ``result.json`` and ``.npy`` files in a temporary folder. A non-zero exit or a
 signal becomes :class:`~harness.core.workers.EngineCrashed` whose one line is the worker's last
 meaningful stderr line (for an abort, the ``GGML_ASSERT`` text), and the harness goes on with the
@@ -39,8 +39,8 @@ from typing import Any, Sequence
 import numpy as np
 from gguf import LlamaFileType
 
-from reference.errors import PromptError
-from reference.gguf_check import check_gguf
+from gemma4_harness.reference.errors import PromptError
+from gemma4_harness.reference.gguf_check import check_gguf
 
 from ...core.workers import EngineCrashed, crash_error, crash_line, remove_temp_dir, run_worker, temp_dir
 from ..base import TOP_N, EngineUnavailable, Generated, TraceFn, bench_ids
@@ -139,7 +139,7 @@ class LlamaCppEngine:
                "eval_cb": not all(j["op"] == "bench" for j in jobs)}
         t0 = time.perf_counter()
         try:
-            proc = run_worker("harness.engines.llamacpp.worker", input=json.dumps(req), timeout=self.timeout)
+            proc = run_worker("gemma4_harness.harness.engines.llamacpp.worker", input=json.dumps(req), timeout=self.timeout)
         except subprocess.TimeoutExpired:
             _rmtree(out_dir)
             raise EngineCrashed(f"engine crashed: llama.cpp worker ran past {self.timeout:.0f} s "

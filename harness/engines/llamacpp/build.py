@@ -37,7 +37,7 @@ waits and then reuses the result, and an interrupted build never leaves a
 half-filled cache folder.
 
 Public API: :func:`ensure_built` (-> :class:`LlamaCppBuild`), :func:`cache_dir`,
-:func:`build_key`, :class:`BuildError`; CLI ``python -m harness.engines.llamacpp.build
+:func:`build_key`, :class:`BuildError`; CLI ``python -m gemma4_harness.harness.engines.llamacpp.build
 [--print-path | --print-wheel] [--force]``.
 """
 
@@ -65,8 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fast.cpu_identity import cpu_model
-from reference.errors import InputError
+from gemma4_harness.fast.cpu_identity import cpu_model
+from gemma4_harness.reference.errors import InputError
 
 #: The llama-cpp-python release whose vendored llama.cpp is built (harness/engines/llamacpp/worker.py mirrors
 #: its structs).
@@ -636,12 +636,12 @@ def _build_native(root: Path, cache: Path, jobs: int | None, sdist: Path | None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m harness.engines.llamacpp.build [--print-path | --print-wheel] [--force]``: build if needed, say where.
+    """``python -m gemma4_harness.harness.engines.llamacpp.build [--print-path | --print-wheel] [--force]``: build if needed, say where.
 
     Returns (as exit status): 0 when the build is there; 2 with one line on stderr when it cannot be made
     (:class:`BuildError`).
     """
-    ap = argparse.ArgumentParser(prog="python -m harness.engines.llamacpp.build", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m gemma4_harness.harness.engines.llamacpp.build", description=__doc__.splitlines()[0])
     ap.add_argument("--print-path", action="store_true", help="print only the build folder")
     ap.add_argument("--print-wheel", action="store_true", help="print only the llama-cpp-python wheel's path")
     ap.add_argument("--force", action="store_true", help="rebuild even when a build is cached")

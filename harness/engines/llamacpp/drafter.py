@@ -25,7 +25,7 @@ def _run(target: Path, drafter: Path, jobs: list[dict[str, Any]], n_ctx: int, th
     req = {"target": str(target), "drafter": str(drafter), "n_ctx": n_ctx, "threads": threads,
            "out_dir": str(out_dir), "jobs": jobs}
     try:
-        proc = run_worker("harness.engines.llamacpp.drafter_worker", input=json.dumps(req), timeout=timeout)
+        proc = run_worker("gemma4_harness.harness.engines.llamacpp.drafter_worker", input=json.dumps(req), timeout=timeout)
     except subprocess.TimeoutExpired:
         _rmtree(out_dir)
         raise EngineCrashed(f"engine crashed: llama.cpp drafter worker ran past {timeout:.0f} s") from None

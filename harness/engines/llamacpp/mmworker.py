@@ -1,7 +1,7 @@
 """The llama.cpp multimodal worker: llama.cpp's mtmd encoders in their own process.
 
 Started by :func:`harness.engines.llamacpp.mtmd.mtmd_soft_tokens` as ``python -m
-harness.engines.llamacpp.mmworker``; reads one JSON request on stdin, writes ``result.json`` and ``.npy`` files
+gemma4_harness.harness.engines.llamacpp.mmworker``; reads one JSON request on stdin, writes ``result.json`` and ``.npy`` files
 into ``out_dir`` and exits 0; any other exit (an abort inside llama.cpp, a signal) is a crash the parent names
 from stderr (:func:`harness.core.workers.crash_error`).
 

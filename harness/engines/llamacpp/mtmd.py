@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from reference.image_processing import ImageInput
+from gemma4_harness.reference.image_processing import ImageInput
 
 from ...core.workers import EngineCrashed, crash_error, run_worker
 
@@ -68,7 +68,7 @@ def mtmd_soft_tokens(model: str | os.PathLike, mmproj: str | os.PathLike, items:
         req = {"model": str(model), "mmproj": str(mmproj), "threads": threads, "out_dir": str(out_dir),
                "image_min_tokens": image_min_tokens, "image_max_tokens": image_max_tokens, "items": req_items}
         try:
-            proc = run_worker("harness.engines.llamacpp.mmworker", input=json.dumps(req), timeout=timeout)
+            proc = run_worker("gemma4_harness.harness.engines.llamacpp.mmworker", input=json.dumps(req), timeout=timeout)
         except subprocess.TimeoutExpired:
             raise EngineCrashed(f"engine crashed: llama.cpp mtmd worker ran past {timeout:.0f} s "
                                 f"on {Path(mmproj).name}") from None

@@ -18,13 +18,13 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-import fast.activation_quants as fq
-import fast.model as fm
-import reference.audio as ra
-import reference.activation_quants as rq
-from reference.activation_quants import round_activations
-import reference.model as rm
-import reference.vision as rv
+import gemma4_harness.fast.activation_quants as fq
+import gemma4_harness.fast.model as fm
+import gemma4_harness.reference.audio as ra
+import gemma4_harness.reference.activation_quants as rq
+from gemma4_harness.reference.activation_quants import round_activations
+import gemma4_harness.reference.model as rm
+import gemma4_harness.reference.vision as rv
 
 _exact_attention = rm.attention  # and attention_numerics this one
 _exact_attention_fast = fm.attention

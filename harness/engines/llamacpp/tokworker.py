@@ -3,7 +3,7 @@
 llama.cpp aborts the whole process on some vocabularies (a ``GGML_ASSERT``, an
 uncaught C++ exception), so :class:`harness.tokenizer.engines.LlamaCppEngine` never
 loads it in the harness process. It starts ``python -m
-harness.engines.llamacpp.tokworker MODEL.gguf`` once per engine; the worker loads the
+gemma4_harness.harness.engines.llamacpp.tokworker MODEL.gguf`` once per engine; the worker loads the
 vocabulary only (``vocab_only``, no weights, no context) and then answers
 requests until its stdin closes. Unlike :mod:`harness.engines.llamacpp.worker` (one
 process per batch of model jobs) it stays up, because a corpus check asks for
@@ -44,7 +44,7 @@ import os
 import sys
 from typing import Any, BinaryIO
 
-from harness.engines.llamacpp.worker import LoadError, _Log
+from gemma4_harness.harness.engines.llamacpp.worker import LoadError, _Log
 
 
 class BadRequest(Exception):
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        sys.stderr.write("usage: python -m harness.engines.llamacpp.tokworker MODEL.gguf\n")
+        sys.stderr.write("usage: python -m gemma4_harness.harness.engines.llamacpp.tokworker MODEL.gguf\n")
         return 2
     # The answers go to a private copy of stdout; fd 1 itself now writes to stderr.
     out = os.fdopen(os.dup(1), "wb")

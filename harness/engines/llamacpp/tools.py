@@ -25,7 +25,7 @@ The cache key of the build (:func:`.build.build_key`) is unchanged: a cache buil
 existed gets the tools added in place; any build variant (another key: extra CMake flags) gets its own.
 
 Public API: :func:`ensure_tools` (-> :class:`LlamaCppTools`), :func:`quantize`, :func:`make_imatrix`,
-:data:`QUANT_TYPES`, :data:`IMATRIX_TYPES`; CLI ``python -m harness.engines.llamacpp.tools [--print-path]``.
+:data:`QUANT_TYPES`, :data:`IMATRIX_TYPES`; CLI ``python -m gemma4_harness.harness.engines.llamacpp.tools [--print-path]``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from . import build as _build
 
@@ -391,11 +391,11 @@ def make_imatrix(model: str | os.PathLike, text: str | os.PathLike, dst: str | o
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m harness.engines.llamacpp.tools [--print-path] [--force]``: build the tools if needed, say where.
+    """``python -m gemma4_harness.harness.engines.llamacpp.tools [--print-path] [--force]``: build the tools if needed, say where.
 
     Returns (as exit status): 0 when they are there; 2 with one line on stderr when they cannot be made.
     """
-    ap = argparse.ArgumentParser(prog="python -m harness.engines.llamacpp.tools", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m gemma4_harness.harness.engines.llamacpp.tools", description=__doc__.splitlines()[0])
     ap.add_argument("--print-path", action="store_true", help="print only the folder holding the tools")
     ap.add_argument("--force", action="store_true", help="compile them again even when present")
     args = ap.parse_args(argv)

@@ -2,7 +2,7 @@
 
 llama.cpp aborts the whole process on some model layouts (a ``GGML_ASSERT``
 that calls ``abort()``), so :mod:`harness.engines.llamacpp` never loads it in the
-harness process. It starts ``python -m harness.engines.llamacpp.worker``, writes one
+harness process. It starts ``python -m gemma4_harness.harness.engines.llamacpp.worker``, writes one
 request as JSON on its stdin and reads ``<out_dir>/result.json`` (plus the
 ``.npy`` files it names) once the worker has exited with status 0. Any other
 exit status or a signal is a crash; the parent names it from the worker's

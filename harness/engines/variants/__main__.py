@@ -1,4 +1,4 @@
-"""``python -m harness.engines.variants``: print ``docs/spec-variants.md``
+"""``python -m gemma4_harness.harness.engines.variants``: print ``docs/spec-variants.md``
 (:func:`harness.engines.variants.markdown`)."""
 
 import sys

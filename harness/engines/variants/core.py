@@ -29,11 +29,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from reference.config import ModelConfig
-from reference.errors import InputError
+from gemma4_harness.reference.config import ModelConfig
+from gemma4_harness.reference.errors import InputError
 
-FAST = "fast.model"
-FAST_MODEL = "fast.model:FastModel"
+FAST = "gemma4_harness.fast.model"
+FAST_MODEL = "gemma4_harness.fast.model:FastModel"
 """The fast twin's module and class, as :class:`Patch` targets (imported when applied)."""
 
 ENV = "G4H_SPEC"
@@ -143,7 +143,7 @@ def config_patch(transform: Callable[[ModelConfig], ModelConfig]) -> tuple[Patch
             return orig(transform(cfg), *a, **kw)
         return run
 
-    return (Patch("reference.model", "forward", forward),)
+    return (Patch("gemma4_harness.reference.model", "forward", forward),)
 
 
 def fast_config_patch(transform: Callable[[ModelConfig], ModelConfig]) -> tuple[Patch, ...]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import reference.drafter as rd
-from reference.model import softcap
+import gemma4_harness.reference.drafter as rd
+from gemma4_harness.reference.model import softcap
 
 from .core import Patch, Source, Variant
 

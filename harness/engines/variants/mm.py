@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-import reference.model as rm
-from reference.multimodal import pad_id as _pad_id
+import gemma4_harness.reference.model as rm
+from gemma4_harness.reference.multimodal import pad_id as _pad_id
 
 from .core import FAST_MODEL, Patch, Source, Variant
 

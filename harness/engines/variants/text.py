@@ -17,8 +17,8 @@ import math
 
 import numpy as np
 
-import reference.model as rm
-from reference.config import ModelConfig
+import gemma4_harness.reference.model as rm
+from gemma4_harness.reference.config import ModelConfig
 
 from .core import FAST, FAST_MODEL, Patch, Source, Variant, config_variant, replace_layers
 
@@ -30,7 +30,7 @@ HF_MODEL = "models/gemma4/modeling_gemma4.py"
 LC_MODEL = "src/models/gemma4.cpp"
 JAX_MODULES = "gemma/gm/nn/gemma4/_modules.py"
 SELFTEST = "harness/selftest/mutants.py"
-NUMERICS = "harness.engines.llamacpp.numerics"
+NUMERICS = "gemma4_harness.harness.engines.llamacpp.numerics"
 """llama.cpp's approximations (imported when the GELU-table variant runs: the module imports torch)."""
 
 # --------------------------------------------------------------------------- where a variant first shows

@@ -32,11 +32,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from fast.drafter import FastDrafter
-from fast.model import FastModel, SeqStep
-from reference import drafter as ref_drafter
-from reference.drafter_weights import load_drafter
-from reference.weights import load_model
+from gemma4_harness.fast.drafter import FastDrafter
+from gemma4_harness.fast.model import FastModel, SeqStep
+from gemma4_harness.reference import drafter as ref_drafter
+from gemma4_harness.reference.drafter_weights import load_drafter
+from gemma4_harness.reference.weights import load_model
 
 from ...core.workers import EngineCrashed
 from ...engines.assistant import FULL, SLIDING, HFAssistantOracle

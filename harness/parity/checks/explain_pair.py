@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from reference.errors import InputError
+from gemma4_harness.reference.errors import InputError
 
 from ...core.gates import DEFAULT_GATES
 from ...core.workers import EngineCrashed, temp_folder

@@ -19,12 +19,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from fast.engine import Engine, Request
-from fast.model import FastModel, SeqStep
-from fast.quants import QuantizedTensor
-from fast.static_decode import StaticDecoder
-from reference import model as ref_model
-from reference.weights import load_model
+from gemma4_harness.fast.engine import Engine, Request
+from gemma4_harness.fast.model import FastModel, SeqStep
+from gemma4_harness.fast.quants import QuantizedTensor
+from gemma4_harness.fast.static_decode import StaticDecoder
+from gemma4_harness.reference import model as ref_model
+from gemma4_harness.reference.weights import load_model
 
 from ...core import kld, metrics
 from ...traces import ConcatRecorder, TraceRecorder, layer_errors

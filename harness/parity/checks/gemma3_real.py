@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from fast.engine import generate
-from fast.model import FastModel
-from reference.model import forward, greedy_generate
-from reference.tokenizer import tokenizer_from_gguf
-from reference.weights import load_model
+from gemma4_harness.fast.engine import generate
+from gemma4_harness.fast.model import FastModel
+from gemma4_harness.reference.model import forward, greedy_generate
+from gemma4_harness.reference.tokenizer import tokenizer_from_gguf
+from gemma4_harness.reference.weights import load_model
 
 from ...core.metrics import kld_histogram, kld_per_position, rel_l2
 from ...core.realdata import gemma3_270m_gguf

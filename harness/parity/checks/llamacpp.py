@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from reference.tokenizer import tokenizer_from_gguf
+from gemma4_harness.reference.tokenizer import tokenizer_from_gguf
 
 from ...core.gates import NEAR_TIE_MARGIN
 from ...core.kld import kld_stats

@@ -30,12 +30,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from safetensors import safe_open
 
-from fast.engine import Engine, Request
-from reference import audio_features as AF
-from reference.audio_weights import gguf_to_hf_audio
-from reference.image_processing import preprocess_image
-from reference.mm_model import MultimodalModel, MultimodalPrompt, prepare_prompt
-from reference.multimodal import MM_TYPE_IMAGE
+from gemma4_harness.fast.engine import Engine, Request
+from gemma4_harness.reference import audio_features as AF
+from gemma4_harness.reference.audio_weights import gguf_to_hf_audio
+from gemma4_harness.reference.image_processing import preprocess_image
+from gemma4_harness.reference.mm_model import MultimodalModel, MultimodalPrompt, prepare_prompt
+from gemma4_harness.reference.multimodal import MM_TYPE_IMAGE
 
 from ...core import metrics
 from ...core.mm_prompts import make_clip, make_image, prompt_media, resolve_ids
@@ -163,7 +163,7 @@ def exact_softplus_audio(mm: MultimodalModel, hf_dir: Path) -> MultimodalModel:
 def oracle_figures(mm: MultimodalModel, hf_dir: Path, prompts: Sequence[dict[str, Any]],
                    progress: Progress, name: str) -> list[Figure]:
     """Reference against transformers fp32 (every stage) and float64 (soft tokens, every trace point, logits)."""
-    mt = importlib.import_module("harness.engines.mm_transformers")
+    mt = importlib.import_module("gemma4_harness.harness.engines.mm_transformers")
     out: list[Figure] = []
     ref = ReferenceMM(mm)
     hf32 = mt.TransformersMM(hf_dir, "float32")

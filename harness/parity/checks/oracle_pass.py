@@ -27,7 +27,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
-from reference.batch import Chain
+from gemma4_harness.reference.batch import Chain
 
 from ...core.progress import counter
 from ...engines.base import Generated

@@ -36,8 +36,8 @@ from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import numpy as np
 
-from reference import batch
-from reference.errors import InputError
+from gemma4_harness.reference import batch
+from gemma4_harness.reference.errors import InputError
 
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, pair_name
 from ...core.kld import kld_stats

@@ -54,11 +54,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from reference.chat import BOS as BOS_TEXT
-from reference.chat import render
-from reference.errors import InputError, PromptError
-from reference.files import read_text
-from reference.tokenizer import BYTE, NORMAL, GGUFTokenizer, read_gguf_metadata
+from gemma4_harness.reference.chat import BOS as BOS_TEXT
+from gemma4_harness.reference.chat import render
+from gemma4_harness.reference.errors import InputError, PromptError
+from gemma4_harness.reference.files import read_text
+from gemma4_harness.reference.tokenizer import BYTE, NORMAL, GGUFTokenizer, read_gguf_metadata
 
 from ... import synth
 from ...core.cases import MAX_PROMPT_BYTES, PROMPTS, prompt_id

@@ -27,9 +27,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from fast.engine import Engine, Request, Result
-from fast.model import FastModel
-from fast.speculative import OracleProposer, PartialProposer, Proposer, RandomProposer, SpecEngine
+from gemma4_harness.fast.engine import Engine, Request, Result
+from gemma4_harness.fast.model import FastModel
+from gemma4_harness.fast.speculative import OracleProposer, PartialProposer, Proposer, RandomProposer, SpecEngine
 
 from ...core.gates import NEAR_TIE_MARGIN
 from ..result import Figure, fig
