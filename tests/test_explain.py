@@ -372,3 +372,28 @@ def test_the_fast_twin_follows_the_multimodal_variants_it_has_a_form_of(lab):
                 want = mm.logits(ids)
                 assert np.max(np.abs(np.asarray(fm.logits(list(ids), mm=inj).double()) - want)) <= bound, v.name
                 assert np.max(np.abs(want - plain[ids])) > bound, v.name  # the variant changed something
+
+
+@pytest.mark.parametrize("ops", [(), ("--ops", "generate")], ids=["logits+trace", "streams-only"])
+def test_g4h_explain_judges_a_declaring_engine_at_the_pairs_limits(g4h, tmp_path, ops):
+    """An engine declaring llama.cpp's GELU table and an f16 KV cache that computes exactly (cmd_stub: one effect
+    from the emulating reference, as tests/test_declared_numerics.py has it) on the F32 odd-h88-v515-gqa shape:
+    ``g4h explain`` raises each limit by the effect of the declared approximations as ``g4h parity`` does
+    (harness.parity.checks.pair.declared_effects, pair_near_tie), so it exits 0 (before: 1, a false alarm where
+    parity passes); at the fp32 limits (``--tol``, which no effect raises) the same engine stands apart, so the
+    effect is what decides. Half of one matrix's rows x1.02 (``--scale-rows``) still exits 1."""
+    from gemma4_harness.harness import synth
+
+    gguf = synth.ensure_built(Path(__file__).resolve().parent / "shapes" / "odd-h88-v515-gqa.toml").gguf["F32"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"g{len(ids)}", "prompt_ids": ids}) + "\n"
+                               for ids in ([2, 40, 311, 7, 199], [2, 13, 500, 77, 256, 91, 8, 430, 61, 5, 388, 17, 3])))
+    declared = f"cmd:'{sys.executable} {STUB} {' '.join(ops)} --approx gelu_fp16_table --kv-cache float16"
+    run = ("explain", "--model", str(gguf), "--prompts", str(prompts), "--explain-budget", "5")
+    proc = g4h(*run, "--engine", declared + "'")
+    assert proc.returncode == 0 and "nothing to explain" in proc.stdout, proc.stdout
+    fp32 = DEFAULT_GATES["reference~cmd.max_abs_logprob" if ops else "reference~cmd.max_abs_logit"].limit
+    proc = g4h(*run, "--engine", declared + "'", "--tol", f"{fp32:g}")
+    assert proc.returncode == 1 and "0 of 2 prompts diverge" not in proc.stdout, proc.stdout
+    proc = g4h(*run, "--engine", declared + " --scale-rows 1'")
+    assert proc.returncode == 1 and "nothing to explain" not in proc.stdout, proc.stdout

@@ -5,8 +5,13 @@ The engine's logits (and trace) where it gives them, and its greedy streams wher
 its own stream), are judged and explained as the parity job's explanation judges a failing pair
 (:func:`harness.parity.explain.explain_text`, one path): a divergence only in decoding (the logits agree, the streams
 part) is said to be in decoding, with the request and the step, and exits 1. A server's stream whose token is not
-the top-1 of its own log-probs is judged as ``g4h parity`` judges it (:func:`harness.parity.checks.pair._not_greedy`:
-not greedy, an engine failure, exit 1), said above its explanation.
+the top-1 of its own log-probs is judged as ``g4h parity`` judges it (:func:`harness.parity.checks.pair.not_greedy`:
+not greedy, an engine failure, exit 1), said above its explanation. An engine that declares approximations (a
+``cmd:`` engine's hello, llama-server's f16 KV cache, the ``llamacpp`` engine's GELU table) is judged at the pair's
+limits: the reference makes them, and each figure's limit is raised by their effect on this model and prompt as the
+pair raises it (:func:`harness.parity.checks.pair.declared_effects`, the near-tie margin by
+:func:`harness.parity.checks.pair.pair_near_tie`), so a correct engine that ``g4h parity`` passes is not a
+divergence here. ``--tol`` replaces those limits on the figures it names.
 
 ::
 
@@ -40,7 +45,8 @@ from ..engines.reference import ReferenceEngine
 from ..engines.variants import family, parse_spec
 from ..parity.checks.explain_pair import observe
 from ..engines.base import TOP_N
-from ..parity.checks.pair import _not_greedy, engine_numerics, pair_name
+from ..parity.checks.pair import (GREEDY_NEW_TOKENS, ReferenceRuns, declared_effects, engine_numerics, not_greedy,
+                                  pair_name, pair_near_tie)
 from ..parity.checks.server import load_user_prompts, with_prompt_ids
 from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, Observed, TextSubject, budget_seconds, explain_text
 from ..parity.explain_mm import MMReference, explain_mm
@@ -83,12 +89,16 @@ def _prompts(args: argparse.Namespace, path: Path, vocab: int, context: int) -> 
     return usable
 
 
+TOL_METRICS = ("max_abs_logit", "layer_rel_l2", "max_abs_logprob")
+"""The figures whose limit ``--tol`` replaces (the effect of declared approximations no longer raises it)."""
+
+
 def _gates(pair: str, tol: float | None) -> dict:
     gates = dict(DEFAULT_GATES)
     if tol is None:
         return gates
     why = f"--tol {tol:g} (g4h explain)"
-    for metric in ("max_abs_logit", "layer_rel_l2", "max_abs_logprob"):
+    for metric in TOL_METRICS:
         name = f"{pair}.{metric}"
         if name in gates:
             gates[name] = dataclasses.replace(gates[name], limit=tol, reason=why, informational=False)
@@ -123,35 +133,58 @@ def run(args: argparse.Namespace) -> int:
         if close is not None:
             close()
     t_engine = time.perf_counter() - t0
-    approx = engine_numerics(eng, kind).emulation()  # what the engine declares, the reference makes too
+    runs = ReferenceRuns(ref)
+    approx = runs.effective(engine_numerics(eng, kind).emulation())  # what the engine declares, the reference makes
 
     def numerics() -> contextlib.AbstractContextManager:
         return emulate(approx)
 
     gates = _gates(pair, args.tol)
     t1 = time.perf_counter()
-    per_prompt = {o.prompt_id: TextSubject(ref, [o], pair, gates, numerics, top_n=TOP_N).measure((), full=True)
+    effects, near_tie = _effects(runs, approx, pair, prompts, observed, args.tol)
+    per_prompt = {o.prompt_id: TextSubject(ref, [o], pair, gates, numerics, top_n=TOP_N, effects=effects,
+                                           near_tie=near_tie).measure((), full=True)
                   for o in observed}
     failing = sorted((o for o in observed if not per_prompt[o.prompt_id].passed), key=lambda o: len(o.ids))
     t_base = time.perf_counter() - t1
-    bad = _not_greedy({o.prompt_id: o.stream for o in observed if o.stream is not None})
+    bad = not_greedy({o.prompt_id: o.stream for o in observed if o.stream is not None})
     if bad is not None:  # not greedy as asked: its prompt is explained first (what differs in decoding there)
         failing.sort(key=lambda o: o.prompt_id != bad[0])
     if failing:  # the parity job's explanation of a failing pair, on the same shortest failing prompts
         expl = explain_text(ref, failing[:MAX_PROMPTS], pair, gates, numerics, budget, top_n=TOP_N,
-                            variants=candidates)
+                            variants=candidates, effects=effects, near_tie=near_tie)
     else:
         expl = Explanation("nothing_to_explain", next(iter(per_prompt.values())), budget_s=budget)
-    not_greedy = None if bad is None else (f"request {bad[0]} step {bad[1]}: token {bad[2]} is not the top-1 of its "
+    greedy_fault = None if bad is None else (f"request {bad[0]} step {bad[1]}: token {bad[2]} is not the top-1 of its "
                                            f"own log-probs ({bad[3]} at {bad[4]:.6g}): not greedy decoding "
                                            "(temperature 0), which was asked")
-    _print(expl, args, pair, len(prompts), len(failing), t_engine, t_base, not_greedy)
+    _print(expl, args, pair, len(prompts), len(failing), t_engine, t_base, greedy_fault)
     if args.json:
         write_json_atomic(args.json, {"kind": "explain", "model": str(path), "engine": args.engine, "pair": pair,
                                       "prompts": len(prompts), "failing_prompts": [o.prompt_id for o in failing],
                                       "seconds": {"engine": t_engine, "baseline": t_base, "explain": expl.seconds},
-                                      **expl.as_dict(), **({"not_greedy": not_greedy} if not_greedy else {})})
+                                      **expl.as_dict(), **({"not_greedy": greedy_fault} if greedy_fault else {})})
     return 0 if expl.status == "nothing_to_explain" and bad is None else 1
+
+
+def _effects(runs: ReferenceRuns, approx: tuple[str, ...], pair: str, prompts: list[dict], observed: list[Observed],
+             tol: float | None) -> tuple[dict, float | None]:
+    """The effects of the declared approximations ``approx`` on the figures this engine gives (logits, a trace,
+    greedy streams: what ``observed`` holds) and the pair's near-tie margin, as ``g4h parity`` measures them
+    (:func:`harness.parity.checks.pair.declared_effects`, :func:`harness.parity.checks.pair.pair_near_tie`); with
+    ``--tol``, none on the figures it sets (:data:`TOL_METRICS`): the user's limit is the limit."""
+    by_id = {o.prompt_id: o for o in observed}
+    context = runs.ref.cfg.context_length
+    streams = [p for p in prompts if by_id[str(p["id"])].stream is not None
+               and len(p["prompt_ids"]) + GREEDY_NEW_TOKENS <= context]
+    if approx:  # the reference's forwards with and without them, in as few passes over the weights as it can
+        runs.prefetch([approx], prompts, GREEDY_NEW_TOKENS, TOP_N, greedy=bool(streams))
+    effects = declared_effects(runs, approx, pair, [p for p in prompts if by_id[str(p["id"])].logits is not None],
+                               traced=[o.prompt_id for o in observed if o.trace is not None], streams=streams)
+    near_tie = pair_near_tie(pair, effects)
+    if tol is not None:
+        effects = {k: v for k, v in effects.items() if k[0] not in TOL_METRICS}
+    return effects, near_tie
 
 
 def _run_mm(args: argparse.Namespace, budget: float) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 
 from gemma4_harness.reference.errors import InputError
 
-from ...core.gates import DEFAULT_GATES, effect_limit
+from ...core.gates import DEFAULT_GATES
 from ...core.workers import EngineCrashed, temp_folder
 from ...engines.base import TOP_N
 from ...traces.format import TraceWriter
@@ -36,7 +36,7 @@ from .pair import (
     _read_engine_trace,
     as_streams,
     engine_numerics,
-    near_tie_margin,
+    pair_near_tie,
 )
 
 
@@ -136,10 +136,7 @@ def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Seq
         return
     approx = getattr(runs, "effective", tuple)(engine_numerics(eng, kind).emulation())  # the declared approximations
     eff = effects(figures)
-    lp_gate = DEFAULT_GATES.get(f"{pair}.max_abs_logprob")  # the pair's near-tie margin is taken from it too
-    near_tie = None
-    if lp_gate is not None:
-        near_tie = near_tie_margin(effect_limit(lp_gate, eff.get(("max_abs_logprob", None), (0.0, 1))[0]))
+    near_tie = pair_near_tie(pair, eff)
     try:
         expl = explain_text(runs.ref, observed, pair, gates, numerics=lambda: runs.numerics(approx),
                             budget_s=budget, top_n=TOP_N, effects=eff, near_tie=near_tie,

@@ -32,7 +32,7 @@ invariance, for instance).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import numpy as np
 
@@ -562,6 +562,62 @@ def near_tie_margin(logprob_limit: float) -> float:
     return max(NEAR_TIE_MARGIN, 2.0 * logprob_limit)
 
 
+def pair_near_tie(pair: str, effects: Mapping[tuple[str, str | None], tuple[float, int]]) -> float | None:
+    """The near-tie margin an explanation of ``pair`` judges greedy streams with: :func:`near_tie_margin` of the
+    pair's ``max_abs_logprob`` limit raised by the effect of the declared approximations on the log-probs
+    (``effects``, :func:`declared_effects`); None when the pair has no such gate. The parity job's explanation
+    (:mod:`.explain_pair`) and ``g4h explain`` (``harness/cli/explain.py``) both take it from here."""
+    lp_gate = DEFAULT_GATES.get(f"{pair}.max_abs_logprob")
+    if lp_gate is None:
+        return None
+    return near_tie_margin(effect_limit(lp_gate, effects.get(("max_abs_logprob", None), (0.0, 1))[0]))
+
+
+def logit_effect(runs: ReferenceRuns, approx: tuple[str, ...], p: dict[str, Any]) -> tuple[float, float]:
+    """How far the emulations ``approx`` move the oracle's logits of prompt ``p``: ``(max |Δlogit|, mean KLD)`` of
+    the oracle with them against the oracle without them; ``(0, 0)`` without emulations. The effect that raises the
+    pair's ``max_abs_logit`` and ``mean_kld`` gates (:func:`harness.core.gates.effect_limit`)."""
+    if not approx:
+        return 0.0, 0.0
+    base, exact = runs.logits(approx, p)[0], runs.logits((), p)[0]
+    return float(np.max(np.abs(base - exact))), float(kld_stats(exact, base).mean_kld)
+
+
+def trace_effect(base: Trace, exact: Trace, tol: float) -> float:
+    """How far the emulations move the oracle's trace points: the worst relative L2 (or checksum bound) of the
+    oracle's trace with them (``base``) against without them (``exact``); ``tol``: the comparison's tolerance (the
+    pair's ``layer_rel_l2`` limit). The effect that raises that gate."""
+    moved = compare(base, exact, DivergenceRule(tol=tol)).rows
+    return max((r.err for r in moved if r.err == r.err), default=0.0)
+
+
+def declared_effects(runs: ReferenceRuns, approx: tuple[str, ...], pair: str, prompts: Sequence[dict[str, Any]],
+                     traced: Sequence[str] = (), streams: Sequence[dict[str, Any]] = (),
+                     new_tokens: int = GREEDY_NEW_TOKENS, top_n: int = TOP_N
+                     ) -> dict[tuple[str, str | None], tuple[float, int]]:
+    """``(metric, prompt id or None) -> (effect, power)``: the effects of the emulations ``approx`` that the
+    pair's figures carry (as :func:`.explain_pair.effects` reads them back), without measuring the engine: per prompt
+    of ``prompts`` (the engine gives logits) on ``max_abs_logit`` and ``mean_kld`` (:func:`logit_effect`), per prompt
+    id in ``traced`` (the engine gives a trace) on ``layer_rel_l2`` (:func:`trace_effect`), and over the greedy
+    streams of ``new_tokens`` of ``streams`` (the prompts the engine generates on) on ``max_abs_logprob``
+    (:meth:`ReferenceRuns.logprob_effect`). Empty without emulations. ``g4h explain`` judges at the pair's limits
+    with them."""
+    if not approx:
+        return {}
+    out: dict[tuple[str, str | None], tuple[float, int]] = {}
+    layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit if f"{pair}.layer_rel_l2" in DEFAULT_GATES else 1e-3
+    for p in prompts:
+        pid = str(p["id"])
+        logit, kld = logit_effect(runs, approx, p)
+        out[("max_abs_logit", pid)], out[("mean_kld", pid)] = (logit, 1), (kld, 2)
+        if pid in set(map(str, traced)):
+            out[("layer_rel_l2", pid)] = (trace_effect(runs.logits(approx, p)[1], runs.logits((), p)[1],
+                                                       layer_limit), 1)
+    if streams:
+        out[("max_abs_logprob", None)] = (runs.logprob_effect(approx, streams, new_tokens, top_n)[0], 1)
+    return out
+
+
 def expected_sets(names: Sequence[str], skip: Sequence[str] = ()) -> list[tuple[str, ...]]:
     """The emulation keys (:meth:`harness.engines.numerics.Numerics.emulation`) the pairs of ``names`` will ask the
     reference for, as far as the engines' kinds tell before they start (:data:`harness.engines.numerics.KIND_NUMERICS`;
@@ -775,7 +831,7 @@ def _naming(e: EngineFailure, prompts: Sequence[dict[str, Any]], oracle: dict[st
     return e
 
 
-def _not_greedy(streams: dict[str, dict[str, Any]]) -> tuple[str, int, int, int, float] | None:
+def not_greedy(streams: dict[str, dict[str, Any]]) -> tuple[str, int, int, int, float] | None:
     """The first (request, step) whose token is not the top-1 of the engine's own log-probs there (a tie with it is
     greedy): ``(request, step, token, top-1 id, top-1 log-prob)``; None when every step is greedy (steps without
     log-probs are not judged)."""
@@ -795,7 +851,7 @@ def _not_greedy_failure(runs: ReferenceRuns, eng: Any, kind: str, approx: tuple[
                         oracle: dict[str, dict[str, Any]], bad: tuple[str, int, int, int, float], limit: float
                         ) -> EngineProtocolError:
     """The engine failure of a stream whose token is not the top-1 of the engine's own log-probs (``bad``, from
-    :func:`_not_greedy`): it did not decode greedily as asked (exit 1), said with what differs in decoding there, as
+    :func:`not_greedy`): it did not decode greedily as asked (exit 1), said with what differs in decoding there, as
     the explanation says it (:func:`harness.parity.explain.decoding_by_logprobs`, on the oracle's logits at its
     context and its log-probs at the steps before where the streams are the same; ``limit``: the pair's
     ``max_abs_logprob`` limit): when its log-probs are the oracle's, the failure carries that finding as
@@ -890,7 +946,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                     except EngineFailure as e:
                         raise _naming(e, gen_prompts)
                 out += figs
-                bad = _not_greedy(ours_g)
+                bad = not_greedy(ours_g)
                 if bad is not None:  # a greedy engine never picks a token below its own top-1: it samples, or lies
                     raise _not_greedy_failure(runs, eng, kind, approx, gen_prompts, ours_g, base_g, bad, lp_limit)
     return out
@@ -1020,8 +1076,7 @@ def _logit_figures(runs: ReferenceRuns, ours: np.ndarray, base: np.ndarray, appr
     own = limit  # the gate's limit before any effect raises it
     if approx:  # the oracle (reference or fast) without the emulation
         exact, _ = runs.logits((), p)
-        effect = float(np.max(np.abs(base - exact)))
-        e_kld = float(kld_stats(exact, base).mean_kld)
+        effect, e_kld = logit_effect(runs, approx, p)
         limit = max(limit, effect_limit(DEFAULT_GATES[f"{pair}.max_abs_logit"], effect))
     figs = logit_figures(ours, base, pair, p["id"], near_tie=near_tie_margin(limit))
     pos, tok = figs[0].detail["max_abs_logit_at"]
@@ -1049,8 +1104,7 @@ def _layer_figure(ours: Trace, base: Trace, pair: str, p: dict[str, Any], limit:
     (:func:`harness.core.gates.effect_limit`)."""
     effect = None
     if exact is not None:
-        moved = compare(base, exact, DivergenceRule(tol=limit)).rows
-        effect = max((r.err for r in moved if r.err == r.err), default=0.0)
+        effect = trace_effect(base, exact, limit)
         limit = max(limit, effect_limit(DEFAULT_GATES[f"{pair}.layer_rel_l2"], effect))
     res = compare(ours, base, DivergenceRule(tol=limit))
     if not res.rows:
