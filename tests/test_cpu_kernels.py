@@ -60,7 +60,7 @@ def test_falls_back_when_it_does_not_apply(x, w):
 
 
 def test_can_be_switched_off():
-    code = "from fast import cpu_kernels as ck; print(ck.status())"
+    code = "from gemma4_harness.fast import cpu_kernels as ck; print(ck.status())"
     env = dict(os.environ, G4H_CPU_KERNEL="0", PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "(False, 'disabled by G4H_CPU_KERNEL=0')"

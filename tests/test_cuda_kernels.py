@@ -196,7 +196,7 @@ import sys
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-from fast import cuda_kernels as ck
+from gemma4_harness.fast import cuda_kernels as ck
 from gemma4_harness.fast.quants import QuantizedTensor, linear
 
 dev = sys.argv[1]

@@ -68,12 +68,15 @@ def wheel(source, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def deps(tmp_path_factory) -> Path:
     """This environment's installed packages, as links, without this project's own install: the entries of every
-    folder on ``sys.path`` but the standard library's and this clone's (the first of a name wins, as on import)."""
+    folder on ``sys.path`` but the standard library's and this clone's sources (a virtualenv inside the clone, as
+    nox makes it under ``.nox/``, is an environment: its site-packages count; the first of a name wins, as on
+    import)."""
     farm = tmp_path_factory.mktemp("deps")
     stdlib = [Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib")]
     for entry in sys.path:
         folder = Path(entry or ".").resolve()
-        if not folder.is_dir() or folder.is_relative_to(REPO) or folder == farm or any(
+        ours = folder.is_relative_to(REPO) and "site-packages" not in folder.parts
+        if not folder.is_dir() or ours or folder == farm or any(
                 folder.is_relative_to(s) and "site-packages" not in folder.parts for s in stdlib):
             continue
         for item in folder.iterdir():

@@ -313,7 +313,7 @@ def test_the_c_entry_points_reject_bad_shapes():
 
 
 def test_can_be_switched_off():
-    code = ("from fast import quant_kernels as qk, quants; import torch; print(qk.status()); "
+    code = ("from gemma4_harness.fast import quant_kernels as qk, quants; import torch; print(qk.status()); "
             "qt = quants.QuantizedTensor(torch.zeros(2, 34, dtype=torch.uint8), 'Q8_0', (2, 32)); "
             "print(qk.linear(torch.zeros(1, 32), qt.raw, 'Q8_0', 32), qt.linear(torch.ones(1, 32)).tolist())")
     env = dict(os.environ, G4H_CPU_KERNEL="0", PYTHONPATH=REPO)
