@@ -101,3 +101,25 @@ def test_llamacpp_local_gate_passes_correct_names_faulty_layer(variant, tmp_path
     local = bad["gates"][gate]
     assert not bad["passed"] and local["fail"], local
     assert local["detail"]["first_layer"] == 1 and local["detail"]["first_divergence"] == "ffn_out@1", local
+
+
+@pytest.mark.slow
+def test_g4h_parity_on_a_quantized_file_writes_its_report_with_the_local_gate(tmp_path):
+    """``g4h parity --model Q --against llamacpp`` end to end on a quantized file: the local gate's figure goes
+    through results.json, the report and its per-layer plot (a figure whose ``per_point`` rows had a fourth column
+    once ended the run with a traceback in ``report.per_layer_frame``, after every check had passed)."""
+    import json
+    import subprocess
+
+    need_llamacpp()
+    _, path = _built("h96-q8_0", tmp_path)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "gemma4_harness", "parity", "--model", str(path), "--against",
+                           "llamacpp", "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (results,) = out.glob("*-parity/results.json")
+    checks = [c for case in json.loads(results.read_text())["cases"] for c in case.get("checks", [])]
+    local = [c for c in checks if c["gate"].endswith("_q8.local_median")]
+    assert local and all(c["pass"] and len(row) == 3 for c in local for row in c["per_point"]), local[:1]
+    assert (results.parent / "report.md").is_file()

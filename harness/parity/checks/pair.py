@@ -803,7 +803,8 @@ def local_figure(pair: str, per_prompt: Sequence[Figure]) -> Figure:
     return fig(f"{pair}_q8.local_median", worst[1], None, worst_point=f"{worst[0][0]}@{worst[0][1]}",
                first_divergence=where, first_layer=None if first is None else first[0][1], effect=null,
                null=null, prompts=len(per_prompt), points=len(rows), **said,
-               per_point=[[k[0], k[1], e, j] for k, e, j, _ in rows])
+               per_point=[[k[0], k[1], e] for k, e, _, _ in rows],  # [point, layer, rel_l2] as every figure's
+               null_per_point=[[k[0], k[1], j] for k, _, j, _ in rows])
 
 
 def _naming(e: EngineFailure, prompts: Sequence[dict[str, Any]], oracle: dict[str, dict] | None = None,
