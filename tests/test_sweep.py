@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -218,15 +220,17 @@ def _ray_processes_of(tmp_dir_prefix: str) -> list[int]:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find Ray's processes")
 def test_the_local_cluster_lives_and_dies_with_the_command(files, prompt_file, tmp_path):
-    before = set(Path("/tmp").glob("g4h-ray-*"))
+    # a parent folder of this test's own (Ray's RAY_TMPDIR, short for Ray's socket paths): a sweep of another
+    # test running beside this one under xdist makes its g4h-ray-* folder in /tmp, not here (CI's stop 42 failure)
+    parent = Path(tempfile.mkdtemp(prefix="g4ht", dir="/tmp"))
     cmd = [sys.executable, "-m", "gemma4_harness.harness.cli", "sweep", str(files["quants"]["Q4_0"]), "--prompts", str(prompt_file),
            "--max-new-tokens", "2", "--out", str(tmp_path), "--cpus", "1", "--against"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = str(parent)
     p = subprocess.run(cmd + ["fast"], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "local Ray cluster: 1 node(s)" in p.stderr and "PASS (exit 0)" in p.stdout
-    made = set(Path("/tmp").glob("g4h-ray-*")) - before
-    assert not made  # its temporary folder went with it
+    assert not list(parent.iterdir())  # its temporary folder went with it
     # killed outright mid-run: the keeper still stops every Ray process it started
     proc = subprocess.Popen(cmd + [f"{STUB} --fault hang"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
@@ -239,7 +243,7 @@ def test_the_local_cluster_lives_and_dies_with_the_command(files, prompt_file, t
                 break
             seen += line
         assert "submitted" in seen, seen
-        tmp_dirs = set(Path("/tmp").glob("g4h-ray-*")) - before
+        tmp_dirs = set(parent.glob("g4h-ray-*"))
         assert len(tmp_dirs) == 1 and _ray_processes_of(str(next(iter(tmp_dirs))))
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
@@ -251,6 +255,7 @@ def test_the_local_cluster_lives_and_dies_with_the_command(files, prompt_file, t
     finally:
         if proc.poll() is None:
             proc.kill()
+        shutil.rmtree(parent, ignore_errors=True)
 
 
 def test_dead_task_reasons_name_what_killed_it():

@@ -100,7 +100,10 @@ class LocalCluster:
         Raises:
             ClusterError: ``ray start`` failed or took longer than :data:`START_TIMEOUT_S`.
         """
-        self._tmp = tempfile.mkdtemp(prefix="g4h-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        # Ray's own variable for where its temporary folders go (``ray._private.utils.get_user_temp_dir``); /tmp by
+        # default rather than $TMPDIR because Ray's Unix sockets live inside and their paths must stay short
+        parent = os.environ.get("RAY_TMPDIR") or ("/tmp" if os.path.isdir("/tmp") else None)
+        self._tmp = tempfile.mkdtemp(prefix="g4h-ray-", dir=parent)
         env = dict(os.environ, RAY_AUTH_MODE="disabled")
         env["PYTHONPATH"] = os.pathsep.join([str(SEARCH_ROOT), *filter(None, [env.get("PYTHONPATH")])])
         self._keeper = subprocess.Popen([sys.executable, "-m", "gemma4_harness.harness.sweep.keeper"], stdin=subprocess.PIPE,
