@@ -118,8 +118,78 @@ def test_g4h_parity_on_a_quantized_file_writes_its_report_with_the_local_gate(tm
                            "llamacpp", "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # no spurious warning: llama-cpp-python's two /dev/null files, left open for good, ended every such run with
+    # "sys:1: ResourceWarning" (harness/cli/__init__.py, _warnings_shown)
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
     (results,) = out.glob("*-parity/results.json")
     checks = [c for case in json.loads(results.read_text())["cases"] for c in case.get("checks", [])]
     local = [c for c in checks if c["gate"].endswith("_q8.local_median")]
     assert local and all(c["pass"] and len(row) == 3 for c in local for row in c["per_point"]), local[:1]
     assert (results.parent / "report.md").is_file()
+
+
+@pytest.mark.slow
+def test_a_quantized_pair_is_explained_by_the_same_local_gate(tmp_path):
+    """Where an engine that rounds its activations is judged by ``local_median`` (a quantized file), the explanation
+    is judged by it too, re-seeded under each trial's variants. ``g4h parity`` on a Q8_0 file without
+    ``final_logit_softcapping`` (llama.cpp applies 30 where the file says nothing: the known disagreement
+    ``softcap_default_30``): explained by that variant. The engine on a copy with half of one matrix's rows x1.02,
+    against the reference of the correct file: explained by no variant, its layer named. Judged by the plain gates
+    instead, no variant could pass on a quantized file (the int8 flips alone exceed them): the first read "no known
+    variant explains it" before."""
+    import json
+    import subprocess
+
+    from quant_faults import make_fault
+    from quant_pairs import prompts_for
+
+    from gemma4_harness.harness.core.gates import DEFAULT_GATES
+    from gemma4_harness.harness.engines import make_engine
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.explain_pair import explain_failing_pair
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, _measure
+    from gemma4_harness.harness.parity.result import CaseResult
+    from gemma4_harness.harness.synth import ensure_built
+
+    need_llamacpp()
+    base, changes, qtype = VARIANTS["h96-q8_0"]
+    text = (SHAPES / base).read_text()
+    text, n = re.subn(r"^final_logit_softcapping = .*\n", "", text, count=1, flags=re.M)
+    assert n == 1
+    text = re.sub(r"^qtypes = .*$", f'qtypes = ["F32", "{qtype}"]', text, count=1, flags=re.M)
+    for key, value in changes.items():
+        text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, count=1, flags=re.M)
+    spec = tmp_path / "local-nosoftcap.toml"
+    spec.write_text(text)
+    nosoftcap = Path(ensure_built(spec).gguf[qtype])
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "gemma4_harness", "parity", "--model", str(nosoftcap), "--against",
+                           "llamacpp", "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (results,) = out.glob("*-parity/results.json")
+    checks = [c for case in json.loads(results.read_text())["cases"] for c in case.get("checks", [])]
+    local = next(c for c in checks if c["gate"] == "reference~llamacpp_q8.local_median")
+    assert not local["pass"] and local["first_divergence"] == "result_output@-1", local
+    (expl,) = [c["explanation"] for c in checks if isinstance(c.get("explanation"), dict)]
+    assert expl["status"] == "explained" and expl["line"].startswith("explained by softcap_default_30:"), expl["line"]
+    assert "median rel. L2 re-seeded" in expl["line"], expl["line"]
+
+    _, good = _built("h96-q8_0", tmp_path)
+    rows, _ = make_fault("rows", good, tmp_path / "rows.gguf", "blk.1.ffn_down.weight")
+    runs = ReferenceRuns(ReferenceEngine(good))
+    prompts = prompts_for(good, runs.ref.cfg)[:4]
+    eng = make_engine("llamacpp", rows)
+    try:
+        figs: list = []
+        _measure(runs, eng, "llamacpp", "reference~llamacpp", prompts, lambda m: None, "q", 2, out=figs)
+        res = CaseResult(case="q", kind="user", model=str(rows))
+        res.apply(figs, DEFAULT_GATES)
+        assert not res.passed
+        explain_failing_pair(runs, eng, "llamacpp", "reference~llamacpp", prompts, figs, lambda m: None, "q")
+    finally:
+        close = getattr(eng, "close", None)  # the in-process engine has nothing to close
+        if close:
+            close()
+    (expl,) = [f.detail["explanation"] for f in figs if "explanation" in f.detail]
+    assert expl["status"] == "unexplained" and expl["line"].startswith("no known variant explains it"), expl["line"]
+    assert expl["baseline"]["first_divergence"] == "ffn_out@1", expl["baseline"]

@@ -136,14 +136,44 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     held: list[warnings.WarningMessage] = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("default")
-        warnings.showwarning = functools.partial(_show_or_hold, held)
+    with _warnings_shown(functools.partial(_show_or_hold, held)):
         status = _run(args)
     if status == 0:
         for w in held:
             print(f"g4h: warning: {w.category.__name__}: {w.message}", file=sys.stderr)
     return status
+
+
+@contextlib.contextmanager
+def _warnings_shown(show):
+    """Every warning shown once per place (the ``default`` action), through ``show``, while the command runs; then
+    the filters as they were.
+
+    CPython's ``_warnings`` keeps the filter list it read at the last warning, and at shutdown, with the ``warnings``
+    module gone, it judges the warnings of module teardown by that list. Read while ``default`` was in force (here, or
+    in a library's :class:`warnings.catch_warnings` copy), it shows ResourceWarnings: llama-cpp-python's
+    ``llama_cpp/_utils.py`` leaves two files on ``/dev/null`` open for good, and every ``g4h`` run that loaded it
+    ended with ``sys:1: ResourceWarning``. So the one filter is added to, and removed from, the list itself, and a
+    warning nobody sees (:class:`_FiltersRead`) makes ``_warnings`` read the list as it is again."""
+    entry = ("default", None, Warning, None, 0)
+    shown = warnings.showwarning
+    warnings.filters.insert(0, entry)
+    warnings._filters_mutated()  # type: ignore[attr-defined]  # what simplefilter itself calls
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+        with contextlib.suppress(ValueError):
+            warnings.filters.remove(entry)
+        warnings._filters_mutated()  # type: ignore[attr-defined]
+        warnings.filterwarnings("ignore", category=_FiltersRead)
+        warnings.warn(_FiltersRead())
+
+
+class _FiltersRead(Warning):
+    """Never shown: issued once a command ends so that CPython's ``_warnings`` reads the filters (see
+    :func:`_warnings_shown`)."""
 
 
 def _show_or_hold(held: list, message, category, filename, lineno, file=None, line=None) -> None:

@@ -43,7 +43,7 @@ from ..engines.mm import ReferenceMM
 from ..engines.numerics import emulate
 from ..engines.reference import ReferenceEngine
 from ..engines.variants import family, parse_spec
-from ..parity.checks.explain_pair import observe
+from ..parity.checks.explain_pair import observe, reseeded_errors
 from ..engines.base import TOP_N
 from ..parity.checks.pair import (GREEDY_NEW_TOKENS, ReferenceRuns, declared_effects, engine_numerics, not_greedy,
                                   pair_name, pair_near_tie)
@@ -142,8 +142,10 @@ def run(args: argparse.Namespace) -> int:
     gates = _gates(pair, args.tol)
     t1 = time.perf_counter()
     effects, near_tie = _effects(runs, approx, pair, prompts, observed, args.tol)
+    # an engine rounding its activations on a quantized file: judged as parity judges it, by the re-seeded median
+    local = reseeded_errors(runs, approx) if f"{pair}_q8.local_median" in DEFAULT_GATES else None
     per_prompt = {o.prompt_id: TextSubject(ref, [o], pair, gates, numerics, top_n=TOP_N, effects=effects,
-                                           near_tie=near_tie).measure((), full=True)
+                                           near_tie=near_tie, local=local).measure((), full=True)
                   for o in observed}
     failing = sorted((o for o in observed if not per_prompt[o.prompt_id].passed), key=lambda o: len(o.ids))
     t_base = time.perf_counter() - t1
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         failing.sort(key=lambda o: o.prompt_id != bad[0])
     if failing:  # the parity job's explanation of a failing pair, on the same shortest failing prompts
         expl = explain_text(ref, failing[:MAX_PROMPTS], pair, gates, numerics, budget, top_n=TOP_N,
-                            variants=candidates, effects=effects, near_tie=near_tie)
+                            variants=candidates, effects=effects, near_tie=near_tie, local=local)
     else:
         expl = Explanation("nothing_to_explain", next(iter(per_prompt.values())), budget_s=budget)
     greedy_fault = None if bad is None else (f"request {bad[0]} step {bad[1]}: token {bad[2]} is not the top-1 of its "

@@ -70,11 +70,17 @@ pair that cuts the residual tenfold is the answer (llama.cpp's fp16 GELU table b
 MAX_PROMPTS = 3
 """Failing prompts an explanation must hold on (the shortest ones: cheapest first)."""
 
-METRICS = ("max_abs_logit", "max_abs_logprob", "layer_rel_l2")
-"""The headline figure of a trial, the first the subject measures: max |Δlogit|, else max |Δ log-prob| (greedy
-streams), else the worst relative L2 over the trace points."""
+METRICS = ("local_median", "max_abs_logit", "max_abs_logprob", "layer_rel_l2")
+"""The headline figure of a trial, the first the subject measures: the re-seeded per-layer median where the pair is
+judged by it (an engine rounding its activations on a quantized file: ``<pair>_q8.local_median``), else max |Δlogit|,
+else max |Δ log-prob| (greedy streams), else the worst relative L2 over the trace points."""
 
-LABELS = {"max_abs_logit": "max |Δlogit|", "max_abs_logprob": "max |Δlogprob|", "layer_rel_l2": "worst rel. L2"}
+LABELS = {"local_median": "median rel. L2 re-seeded", "max_abs_logit": "max |Δlogit|",
+          "max_abs_logprob": "max |Δlogprob|", "layer_rel_l2": "worst rel. L2"}
+
+LOCAL_JUDGED = ("judged by local_median: the engine rounds its activations (quantized_activations) and an int8 "
+                "rounding flip carries from layer to layer (harness/parity/checks/pair.py, local_figure)")
+"""Why the plain logit and layer figures of a trial are informational where the pair is judged by local_median."""
 
 GENERATION_PATH = "in its generation path"
 """How :meth:`TextSubject.decoding` starts ``what`` when the engine's generation computes other logits than its forward
@@ -413,6 +419,12 @@ class TextSubject:
         oracle: the job's oracle when it is not the reference (``--oracle fast``: the fast engine in fp32): the
             baseline runs on it, a trial under variants that all have a fast form on a fast engine built under them
             over the reference's weights, any other on the float64 reference (slower, the same rule).
+        local: where the pair is judged by ``<pair>_q8.local_median`` (an engine that rounds its activations, on a
+            quantized file): ``Observed -> errors`` (:func:`harness.parity.checks.pair.local_errors` of the
+            reference re-seeded from the engine's trace, under the numerics and the trial's variants), or None when
+            it cannot be computed. A trial is then judged as the pair is: the median pooled over the prompts tried
+            (:func:`harness.parity.checks.pair.local_figure`) gates, its first point beyond the limit is the first
+            divergence, and the plain logit and layer figures are informational (:data:`LOCAL_JUDGED`).
     """
 
     family = "text"
@@ -420,8 +432,10 @@ class TextSubject:
     def __init__(self, ref: Any, observed: Sequence[Observed], pair: str, gates: Mapping[str, Gate] = DEFAULT_GATES,
                  numerics: Callable[[], Any] | None = None, top_n: int = 5, layer_tol: float | None = None,
                  effects: Mapping[tuple[str, str | None], tuple[float, int]] | None = None,
-                 near_tie: float | None = None, oracle: Any = None) -> None:
+                 near_tie: float | None = None, oracle: Any = None,
+                 local: Callable[[Observed], dict | None] | None = None) -> None:
         self.ref, self.pair, self.gates, self.top_n = ref, pair, gates, top_n
+        self.local = local
         self.observed = sorted(observed, key=lambda o: len(o.ids))
         self.numerics = numerics
         lim = gates.get(f"{pair}.layer_rel_l2")
@@ -431,6 +445,7 @@ class TextSubject:
         self.near_tie = near_tie
         self.oracle = oracle
         self.measured: dict[str, set[str]] | None = None  # prompt -> the metrics measured without variants
+        self.measured_local = False  # the trial without variants measured local_median
         self.ref_streams: dict[str, dict[str, Any]] = {}  # prompt -> the oracle's stream without variants
 
     @contextlib.contextmanager
@@ -473,8 +488,11 @@ class TextSubject:
             f.detail.update(effect=float(e[0]), effect_power=int(e[1]))
         return f
 
-    def _one(self, eng: Any, o: Observed, t: Trial) -> list[Figure]:
+    def _one(self, eng: Any, o: Observed, t: Trial, local: list[Figure] | None = None) -> list[Figure]:
         figs: list[Figure] = []
+        errors = self.local(o) if self.local is not None and o.trace is not None and local is not None else None
+        if errors:  # judged by the re-seeded median, pooled over the prompts by measure()
+            local.append(Figure(f"{self.pair}_q8.local_median", float("nan"), o.prompt_id, {"_errors": errors}))
         if o.logits is not None or o.trace is not None:
             w = TraceWriter(t.oracle, o.ids, dtype="float64", keep_tensors=True) if o.trace is not None else None
             z = np.asarray(eng.logits(o.ids, trace=w), dtype=np.float64)
@@ -487,9 +505,12 @@ class TextSubject:
                 res = compare(o.trace, w.trace(), DivergenceRule(tol=self.layer_tol))
                 errs = [r.err for r in res.rows if r.err == r.err]
                 figs.append(Figure(f"{self.pair}.layer_rel_l2", max(errs) if errs else float("nan"), o.prompt_id))
-                if res.first is not None and t.first_key is None:
+                if res.first is not None and t.first_key is None and not errors:
                     t.first_divergence = res.first.where
                     t.first_key = canonical_key(res.first.point, res.first.layer)
+            if errors:
+                for f in figs:
+                    f.detail["informational_reason"] = LOCAL_JUDGED
         if o.stream is not None:
             g = eng.generate_full([o.ids], len(o.stream["tokens"]), top_n=self.top_n)[0]
             base = {o.prompt_id: {"tokens": list(g.tokens), "top": [[i for i, _ in s] for s in g.top],
@@ -503,6 +524,28 @@ class TextSubject:
             if t.first_divergence is None and gen and gen[0].detail.get("first_divergence"):
                 t.first_divergence = f"greedy {gen[0].detail['first_divergence']}"  # no trace point: no scope
         return [self._effect(f, o.prompt_id) for f in figs]
+
+    def _judge_local(self, t: Trial, local: list[Figure], under_variants: bool) -> None:
+        """The trial's ``local_median`` (pooled over the prompts it tried) into ``t``: its value, its first point
+        beyond the limit as the first divergence, a failure when beyond; under variants, a failure when the trial
+        without them measured it and this one cannot (never a pass for what is not computed)."""
+        if not local:
+            if under_variants and self.measured_local:
+                t.unmeasured.append("local_median not measured (the reference could not be re-seeded)")
+                if "(figures not measured)" not in t.failing:
+                    t.failing.append("(figures not measured)")
+            return
+        from .checks.pair import local_figure  # the pair's own pooling and limit (imported late: it imports us)
+
+        f = local_figure(self.pair, local)
+        if not under_variants:
+            self.measured_local = True
+        t.figures["local_median"] = float(f.measured)
+        where = f.detail.get("first_divergence")
+        if where:
+            point, layer = where.rsplit("@", 1)
+            t.first_divergence, t.first_key = where, canonical_key(point, int(layer))
+        t.failing += [g for g in judge_figures([f], self.gates) if g not in t.failing]
 
     def _logprob_limit(self, prompt_id: str) -> float | None:
         """The pair's ``max_abs_logprob`` limit on ``prompt_id``, with the effect of the declared approximations
@@ -523,11 +566,12 @@ class TextSubject:
         streams that agree by vLLM's rule but part at step 0 compare no number: that reproduces nothing)."""
         t = Trial(tuple(v.name for v in variants))
         t0 = time.perf_counter()
+        local: list[Figure] = []
         try:
             with self._engine(variants) as (eng, name):
                 t.oracle = name
                 for o in self.observed:
-                    figs = self._one(eng, o, t)
+                    figs = self._one(eng, o, t, local)
                     t.prompts.append(o.prompt_id)
                     got: set[str] = set()
                     why_not: dict[str, str] = {}
@@ -552,6 +596,8 @@ class TextSubject:
                                 t.failing.append(bad)
                     if t.failing and not full:
                         break
+                if self.local is not None:
+                    self._judge_local(t, local, bool(variants))
         except InputError as e:  # the variant cannot run on this model (one line)
             t.error = str(e).splitlines()[0]
             t.failing = ["(reference could not run)"]
@@ -905,11 +951,12 @@ def explain_text(ref: Any, observed: Sequence[Observed], pair: str, gates: Mappi
                  numerics: Callable[[], Any] | None = None, budget_s: float | None = None, top_n: int = 5,
                  layer_tol: float | None = None, variants: Sequence[Variant] | None = None,
                  effects: Mapping[tuple[str, str | None], tuple[float, int]] | None = None,
-                 near_tie: float | None = None, oracle: Any = None) -> Explanation:
+                 near_tie: float | None = None, oracle: Any = None,
+                 local: Callable[[Observed], dict | None] | None = None) -> Explanation:
     """:func:`search` over the text variants (or ``variants``) for the engine's answers ``observed``
     (:class:`TextSubject` for the other arguments); a divergence only in generation is not searched: the
     explanation's status is ``decoding`` (:meth:`TextSubject.decoding`)."""
-    subject = TextSubject(ref, observed, pair, gates, numerics, top_n, layer_tol, effects, near_tie, oracle)
+    subject = TextSubject(ref, observed, pair, gates, numerics, top_n, layer_tol, effects, near_tie, oracle, local)
     t0 = time.perf_counter()
     base = subject.measure((), full=True)
     budget = budget_seconds(budget_s)

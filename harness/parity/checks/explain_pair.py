@@ -6,8 +6,10 @@ spec variants (:mod:`harness.engines.variants`) within the budget (``--explain-b
 first failing figure's ``explanation`` (``results.json``; the report's first section quotes its line).
 
 The explanation is judged as the pair is: the case's gate table (``runs.gates``, set by the job), the effect of the
-engine's declared approximations on each figure, the pair's near-tie margin, and the job's oracle (``--oracle fast``:
-fast where the variant has a fast form). When only greedy streams fail, the engine is asked for its streams too (and,
+engine's declared approximations on each figure, the pair's near-tie margin, the job's oracle (``--oracle fast``:
+fast where the variant has a fast form), and, where the pair is judged by ``<pair>_q8.local_median`` (an engine that
+rounds its activations, on a quantized file), that median of the reference re-seeded from the engine's trace under
+each trial's variants. When only greedy streams fail, the engine is asked for its streams too (and,
 where it gives logits, its logits along its own stream): a divergence in decoding is said so, not searched.
 
 Registered in :data:`harness.parity.checks.pair.ON_MEASURED` on import (:mod:`harness.parity.cases` imports it).
@@ -16,7 +18,7 @@ Registered in :data:`harness.parity.checks.pair.ON_MEASURED` on import (:mod:`ha
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -36,6 +38,7 @@ from .pair import (
     _read_engine_trace,
     as_streams,
     engine_numerics,
+    local_errors,
     pair_near_tie,
 )
 
@@ -111,6 +114,21 @@ def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: 
     return out
 
 
+def reseeded_errors(runs: Any, approx: tuple[str, ...]) -> Callable[[Observed], dict | None] | None:
+    """``Observed -> errors``: the per-position errors of the engine's trace against the reference re-seeded from it
+    under ``approx`` (:meth:`~harness.parity.checks.pair.ReferenceRuns.reseeded`,
+    :func:`~harness.parity.checks.pair.local_errors`), None for an answer without a trace; what
+    :class:`~harness.parity.explain.TextSubject` judges by where the pair is judged by ``<pair>_q8.local_median``.
+    None when ``approx`` does not round activations (no such gate)."""
+    if "quantized_activations" not in approx:
+        return None
+
+    def errors(o: Observed) -> dict | None:
+        seeded = None if o.trace is None else runs.reseeded(approx, {"prompt_ids": o.ids}, o.trace)
+        return None if seeded is None else local_errors(o.trace, *seeded, runs.ref.cfg.n_layer)
+    return errors
+
+
 def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
                          figures: list[Figure], progress, case: str) -> None:
     """When one of ``figures`` fails: the explanation (module docstring) into the first failing figure's detail.
@@ -137,10 +155,12 @@ def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Seq
     approx = getattr(runs, "effective", tuple)(engine_numerics(eng, kind).emulation())  # the declared approximations
     eff = effects(figures)
     near_tie = pair_near_tie(pair, eff)
+    # judged, as the pair was, by the re-seeded median where the pair was
+    local = reseeded_errors(runs, approx) if any(f.gate == f"{pair}_q8.local_median" for f in figures) else None
     try:
         expl = explain_text(runs.ref, observed, pair, gates, numerics=lambda: runs.numerics(approx),
                             budget_s=budget, top_n=TOP_N, effects=eff, near_tie=near_tie,
-                            oracle=None if runs.oracle is runs.ref else runs.oracle)
+                            oracle=None if runs.oracle is runs.ref else runs.oracle, local=local)
     except Exception as e:  # the explanation is a hint beside the pair's figures: it never takes them down
         first.detail["explanation"] = {"status": "not_run", "line": f"not explained: {type(e).__name__}: "
                                        f"{str(e).splitlines()[0] if str(e) else ''}"}
