@@ -449,9 +449,9 @@ def _q8_gates(pair: str) -> list[Gate]:
                     "this model and prompt: the yardstick, harness.engines.llamacpp.numerics.coarse_q8_numerics). "
                     "Why 2: an engine with its own 8-bit rounding stands about one yardstick from the exact model "
                     "(the sweep measured 0.45..1.0 x, sweep~engines_q8.mean_kld_ratio; llama.cpp on a 31b-shaped "
-                    "Q5_K_M, whose Q5_1 products are not emulated: 1.56 x); a fault must move the model by about "
-                    "an 8-bit rounding of the whole model to be seen here (a 1.02 scale of half of one matrix's "
-                    "rows is not: missed on 31b Q5_K_M). The other figures of such a pair are reported, not gated"))
+                    "Q5_K_M, measured before its Q5_1 products were emulated: 1.56 x); a fault must move the model "
+                    "by about an 8-bit rounding of the whole model to be seen here (a 1.02 scale of half of one "
+                    "matrix's rows is not: it was missed on 31b Q5_K_M judged this way). The other figures of such a pair are reported, not gated"))
     return out
 
 
