@@ -20,6 +20,10 @@ occurs in the block (the scalar one takes the first element of largest magnitude
 that holds both ``+amax`` and ``-amax``, the negative first. ``tests/test_activation_quants.py`` compares every
 function here with the built library, bit for bit.
 
+One product is not a function of the rounded row alone: Q4_1 / Q5_1 weights (dot-product type Q8_1) multiply each
+block's minimum by the activation block's stored sum ``s``, an fp16 rounding; :func:`q8_1_sum_correction` is what that
+adds to the rounded row's product (the weights' minima from their stored blocks, :func:`block_minima`).
+
 Every function takes float64 values of any shape whose last axis is the row (a multiple of the block size), rounds
 them to float32 first (llama.cpp's activations are F32), and returns float64 of the same shape.
 """

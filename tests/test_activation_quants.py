@@ -237,7 +237,7 @@ def test_one_product_per_weight_type(ggml, wtype):
         x_hat = rq.round_activations(x.astype(np.float64), wtype)
         ours = float(x_hat @ w_deq)
         if vtype == "Q8_1":  # the weights' minima times the fp16 block sums (test_q8_1_products_are_exact_...)
-            ours += float(rq.q8_1_sum_correction(x.astype(np.float64), rq.block_minima(wq[None], wtype))[0, 0])
+            ours += float(rq.q8_1_sum_correction(x.astype(np.float64), rq.block_minima(wq[None], wtype))[0])
         bound = fp32_bound(x_hat, w_deq, block)
         gap = abs(float(s[0]) - ours)
         assert gap <= bound, f"{wtype} seed {seed}: |ggml - ours| = {gap:.3g} > bound {bound:.3g}"
@@ -252,13 +252,15 @@ def test_one_product_per_weight_type(ggml, wtype):
 
 
 def _q8_1_rows(n: int, seed: int) -> np.ndarray:
-    """Activation rows of ``n`` values for the Q8_1 products: the finite adversarial rows (a row whose block scale
-    overflows fp16 gives a non-finite product on both sides and is tested apart), random rows of heavy tails, and
-    rows of one sign (the block sums are large, so their fp16 rounding in ``block_q8_1.s`` is too). [rows, n]."""
+    """Activation rows of ``n`` values for the Q8_1 products: the adversarial rows whose blocks' ``d`` and ``s`` are
+    finite (a block scale or block sum beyond fp16's range gives a non-finite product on both sides: tested apart),
+    random rows of heavy tails, and rows of one sign (the block sums are large, so their fp16 rounding in
+    ``block_q8_1.s`` is too). [rows, n]."""
     rng = np.random.default_rng(seed)
     adv = adversarial_rows(n, seed)
     with np.errstate(all="ignore"):
-        finite = np.isfinite(rq.quantize_q8_1(adv.astype(np.float64))[0].astype(np.float64)).all(axis=1)
+        d, s, _ = rq.quantize_q8_1(adv.astype(np.float64))
+    finite = np.isfinite(d.astype(np.float64)).all(axis=1) & np.isfinite(s.astype(np.float64)).all(axis=1)
     rand = (rng.standard_normal((4, n)) * np.exp(rng.standard_normal((4, n)))).astype(np.float32)
     pos = rng.uniform(0.5, 1.5, (4, n)).astype(np.float32) * np.array([[1.0], [-1.0], [300.0], [1e-3]], np.float32)
     return np.concatenate([adv[finite], rand, pos])
@@ -314,12 +316,20 @@ def test_q8_1_products_are_exact_with_the_block_sums(ggml, wtype, n, out):
           f" old path: max {gap_old.max():.3g} (worst / bound {np.max(gap_old / np.maximum(bound, 1e-300)):.3g})")
 
 
-def test_q8_1_product_of_an_overflowing_scale_is_not_finite_on_both_sides(ggml):
-    """A row whose block maximum is beyond fp16's range times 127 (its ``d`` infinite): llama.cpp's product is not
-    finite, and neither is the reference's (the emulation does not invent a finite value)."""
+@pytest.mark.parametrize("what", ["scale", "sum"])
+def test_q8_1_product_of_an_overflowing_block_is_not_finite_on_both_sides(ggml, what):
+    """A block whose maximum is beyond fp16's range times 127 (``d`` infinite), or whose values are all large and
+    of one sign (``d`` finite, ``s = fp16(d * sum(q))`` beyond 65504: from a block maximum of about 2000 up): llama.cpp's
+    Q4_1 product is not finite (``m * s``), and neither is the reference's (the emulation does not invent a finite
+    value where the engine has none)."""
     base, cpu = ggml
     n, t = 64, GGML_TYPES["Q4_1"]
-    x = (np.random.default_rng(3).standard_normal(n) * 1e30).astype(np.float32)
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(n) * 1e30 if what == "scale" else rng.uniform(2500.0, 3000.0, n)).astype(np.float32)
+    with np.errstate(all="ignore"):
+        d, s_x, _ = rq.quantize_q8_1(x.astype(np.float64))
+    assert np.isinf(d.astype(np.float64)).any() if what == "scale" else \
+        (np.isfinite(d.astype(np.float64)).all() and np.isinf(s_x.astype(np.float64)).any())
     w = _q8_1_weights(n, 3, seed=5)[1]
     wq = np.zeros(base.ggml_row_size(t, n), dtype=np.uint8)
     base.ggml_quantize_chunk(t, w.ctypes.data, wq.ctypes.data, 0, 1, n, None)
@@ -328,9 +338,11 @@ def test_q8_1_product_of_an_overflowing_scale_is_not_finite_on_both_sides(ggml):
                                                              _from_float(ggml, "Q8_1", x).ctypes.data, 0, 1)
     w_deq = gguf.quants.dequantize(wq, gguf.GGMLQuantizationType(t)).astype(np.float64).ravel()
     with np.errstate(all="ignore"):
-        ours = rq.round_activations(x.astype(np.float64), "Q4_1") @ w_deq + \
-            rq.q8_1_sum_correction(x.astype(np.float64), rq.block_minima(wq[None], "Q4_1"))[0]
+        plain = rq.round_activations(x.astype(np.float64), "Q4_1") @ w_deq
+        ours = plain + rq.q8_1_sum_correction(x.astype(np.float64), rq.block_minima(wq[None], "Q4_1"))[0]
     assert not np.isfinite(s[0]) and not np.isfinite(ours)
+    if what == "sum":
+        assert np.isfinite(plain)  # the old emulation gave a finite value where llama.cpp has none
 
 
 def test_q8_1_sum_gap_fast_twin_agrees():
