@@ -451,7 +451,8 @@ def _q8_gates(pair: str) -> list[Gate]:
                     "(the sweep measured 0.45..1.0 x, sweep~engines_q8.mean_kld_ratio; llama.cpp on a 31b-shaped "
                     "Q5_K_M, measured before its Q5_1 products were emulated: 1.56 x); a fault must move the model "
                     "by about an 8-bit rounding of the whole model to be seen here (a 1.02 scale of half of one "
-                    "matrix's rows is not: it was missed on 31b Q5_K_M judged this way). The other figures of such a pair are reported, not gated"))
+                    "matrix's rows is not: it was missed on 31b Q5_K_M judged this way). The other figures of "
+                    "such a pair are reported, not gated"))
     return out
 
 
