@@ -212,7 +212,8 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
     Gate("server.stop.max_tokens", 1.0, "ge",
          "max_tokens must give exactly that many tokens (finish_reason length) unless EOS comes first"),
     Gate("server.stop.string", 1.0, "ge",
-         "with a stop string taken from the oracle's continuation, the server must stop there: finish_reason stop, "
+         "with a stop string taken from the oracle's continuation, where the server's own stream agrees with it (a "
+         "parting of the streams is the greedy gate's to judge), the server must stop there: finish_reason stop, "
          "the text cut just before the string"),
     Gate("server.stop.eos", 1.0, "ge",
          "with EOS not ignored, the server must stop where the oracle's greedy stream reaches EOS and nowhere else "

@@ -22,7 +22,7 @@ This module adds the checks only a server has (:data:`harness.parity.checks.pair
    check's answers); per request: identical tokens, agreement only by the greedy rule, or a fault.
 3. **streaming** (``server.stream~nostream.same_tokens``): each prompt streamed against its alone answer.
 4. **stop and EOS** (``server.stop.max_tokens``, ``.string``, ``.eos``): ``max_tokens`` 1 and 3; a stop string
-   taken from the reference's continuation; EOS not ignored, at every place where the reference's greedy choice is
+   taken from the reference's continuation, where the server's own stream agrees with it; EOS not ignored, at every place where the reference's greedy choice is
    EOS (inside a prompt or in a continuation) and on prompts where it never is.
 5. **prompt log-probs** (``server.prompt_logprobs``), where the dialect offers them (vLLM, llama-cpp-python):
    the log-probs of the prompt's own tokens and the top-5 at each position against the reference's.
