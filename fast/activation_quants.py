@@ -13,7 +13,8 @@ import torch
 
 from gemma4_harness.reference.activation_quants import QK8_0, QK_K, VEC_DOT_TYPE
 
-__all__ = ["VEC_DOT_TYPE", "q8_0", "q8_1", "q8_K", "f16", "bf16", "round_activations"]
+__all__ = ["VEC_DOT_TYPE", "q8_0", "q8_1", "q8_1_sum_gap", "q8_1_sum_correction", "q8_K", "f16", "bf16",
+           "round_activations"]
 
 
 def _rows(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -45,6 +46,31 @@ def q8_1(x: torch.Tensor) -> torch.Tensor:
     """:func:`reference.activation_quants.q8_1` in torch (the values of :func:`q8_0`). [..., n] -> float64 [..., n].
     Source: ``quantize_row_q8_1``, ``arch/x86/quants.c``."""
     return q8_0(x)
+
+
+def q8_1_sum_gap(x: torch.Tensor) -> torch.Tensor:
+    """:func:`reference.activation_quants.q8_1_sum_gap` in torch: per block of 32, ``s - d16 * sum(qs)``, ``s =
+    fp16(fp32(amax/127) * sum)`` over the int32 values before they are packed (int32 wraparound). [..., n] ->
+    float64 [..., n/32]. Source: ``quantize_row_q8_1``, ``arch/x86/quants.c``; ``block_q8_1``, ``ggml-common.h``."""
+    b = _rows(x, QK8_0)
+    amax = b.abs().amax(dim=-1)
+    inv = torch.where(amax != 0, torch.tensor(127.0, dtype=torch.float32, device=b.device) / amax,
+                      torch.zeros_like(amax))
+    v = torch.round(b * inv[..., None])
+    ok = torch.isfinite(v) & (v.abs() < 2.0**31)
+    i32 = torch.where(ok, v, torch.full_like(v, -(2.0**31))).to(torch.int64).sum(dim=-1)
+    i32 = ((i32 + 2**31) % 2**32) - 2**31  # int32 wraparound
+    s = ((amax / 127.0) * i32.to(torch.float32)).to(torch.float16).to(torch.float64)
+    d = (amax / 127.0).to(torch.float16).to(torch.float64)
+    return s - d * v.clamp(-128, 127).where(ok, torch.full_like(v, -128.0)).to(torch.float64).sum(dim=-1)
+
+
+def q8_1_sum_correction(x: torch.Tensor, minima: torch.Tensor) -> torch.Tensor:
+    """:func:`reference.activation_quants.q8_1_sum_correction` in torch: ``q8_1_sum_gap(x) @ minima.T``, what a
+    Q4_1 / Q5_1 product of llama.cpp adds to the rounded row's product with the dequantized weight. [..., n],
+    [out, n/32] -> float64 [..., out]. Source: ``ggml_vec_dot_q4_1_q8_1`` / ``ggml_vec_dot_q5_1_q8_1``,
+    ``ggml/src/ggml-cpu/arch/x86/quants.c``."""
+    return q8_1_sum_gap(x) @ minima.to(device=x.device, dtype=torch.float64).T
 
 
 def q8_K(x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,10 @@ occurs in the block (the scalar one takes the first element of largest magnitude
 that holds both ``+amax`` and ``-amax``, the negative first. ``tests/test_activation_quants.py`` compares every
 function here with the built library, bit for bit.
 
+One product is not a function of the rounded row alone: Q4_1 / Q5_1 weights (dot-product type Q8_1) multiply each
+block's minimum by the activation block's stored sum ``s``, an fp16 rounding; :func:`q8_1_sum_correction` is what that
+adds to the rounded row's product (the weights' minima from their stored blocks, :func:`block_minima`).
+
 Every function takes float64 values of any shape whose last axis is the row (a multiple of the block size), rounds
 them to float32 first (llama.cpp's activations are F32), and returns float64 of the same shape.
 """
@@ -149,12 +153,65 @@ def q8_0(x: np.ndarray) -> np.ndarray:
 
 def q8_1(x: np.ndarray) -> np.ndarray:
     """An activation row as the Q8_1 dot products (Q4_1, Q5_1 weights) see it: its values are those of
-    :func:`q8_0` (the block sum ``s`` multiplies the weights' minimum, which a float64 product with the dequantized
-    weight gives as ``sum(d * qs) * m``, to fp16 rounding of ``s``). [..., n] -> [..., n]. Source:
-    ``quantize_row_q8_1``, ``arch/x86/quants.c``."""
+    :func:`q8_0`. The block sum ``s`` multiplies the weights' minimum, which a float64 product with the dequantized
+    weight gives as ``m * sum(d * qs)``: :func:`q8_1_sum_correction` adds the fp16 rounding of ``s`` that this
+    row cannot carry. [..., n] -> [..., n]. Source: ``quantize_row_q8_1``, ``arch/x86/quants.c``."""
     d, _, qs = quantize_q8_1(x)
     with np.errstate(all="ignore"):  # an infinite scale times 0
         return (qs.astype(np.float64) * d.astype(np.float64)[..., None]).reshape(np.shape(x))
+
+
+BLOCK_MIN_OFFSET: dict[str, tuple[int, int]] = {"Q4_1": (20, 2), "Q5_1": (24, 2)}
+"""Weight types whose dot product takes the activation block's sum (vec_dot Q8_1) -> (bytes per block of 32, byte
+offset of the block's fp16 minimum ``m``): ``block_q4_1`` is ``d, m, qs[16]``, ``block_q5_1`` is ``d, m, qh[4],
+qs[16]`` (``ggml/src/ggml-common.h``)."""
+
+
+def block_minima(stored: np.ndarray, weight_type: str) -> np.ndarray:
+    """The fp16 minimum ``m`` of every block of a Q4_1 / Q5_1 weight, from its stored bytes, as float64.
+    uint8 [..., bytes per row] -> [..., row / 32].
+
+    Raises:
+        KeyError: a type without a block minimum in :data:`BLOCK_MIN_OFFSET`.
+    """
+    size, at = BLOCK_MIN_OFFSET[weight_type]
+    b = np.asarray(stored, dtype=np.uint8)
+    b = b.reshape(*b.shape[:-1], b.shape[-1] // size, size)
+    return np.ascontiguousarray(b[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float64)
+
+
+def q8_1_sum_gap(x: np.ndarray) -> np.ndarray:
+    """Per block of 32, what the Q8_1 block's stored sum ``s`` (:func:`quantize_q8_1`: ``fp16(fp32(amax/127) *
+    sum(q))``) differs by from the block sum of the rounded row :func:`q8_1` (``d16 * sum(qs)``, exact in float64):
+    ``s - d16 * sum(qs)``. [..., n] -> float64 [..., n/32], n a multiple of 32. Source: ``quantize_row_q8_1``,
+    ``ggml/src/ggml-cpu/arch/x86/quants.c``; ``block_q8_1`` (``ggml/src/ggml-common.h``: ``s``, ``ggml_half``,
+    "d * sum(qs[i])")."""
+    d, s, qs = quantize_q8_1(x)
+    with np.errstate(all="ignore"):  # an infinite scale (amax beyond fp16's range): the row is infinite too
+        return s.astype(np.float64) - d.astype(np.float64) * qs.astype(np.float64).sum(axis=-1)
+
+
+def q8_1_sum_correction(x: np.ndarray, minima: np.ndarray) -> np.ndarray:
+    """What a Q4_1 / Q5_1 product of llama.cpp adds to the float64 product of the rounded row (:func:`q8_1`) with
+    the exactly dequantized weight: ``sum_b m[o, b] * (s_b - d16_b * sum(qs_b))`` (:func:`q8_1_sum_gap`).
+
+    llama.cpp's dot product of a weight row (blocks ``d_w, m, q_w``) with a Q8_1 row (blocks ``d, s, qs``) is, per
+    block, ``d_w * d * sum(q_w * qs) + m * s`` (``ggml_vec_dot_q4_1_q8_1`` / ``ggml_vec_dot_q5_1_q8_1``: in
+    ``ggml/src/ggml-cpu/arch/x86/quants.c`` the AVX2 path adds ``m * s`` into ``summs`` per block and the scaled
+    integer sums into an FMA accumulator, then ``hsum(acc) + summs``; the scalar ``..._generic`` in
+    ``ggml/src/ggml-cpu/quants.c`` sums ``d_w*d*sumi + m*s`` per block; all in fp32). The dequantized weight is
+    ``d_w * q_w + m``, so the rounded row times it gives ``m * d16 * sum(qs)`` where llama.cpp takes ``m * s``: this
+    adds the difference, leaving fp32 accumulation only (``tests/test_activation_quants.py``).
+
+    Args:
+        x: the product's input, float64 [..., n] (rounded to float32 first, as :func:`quantize_q8_1` does).
+        minima: the weight's block minima, float64 [out, n/32] (:func:`block_minima`).
+
+    Returns:
+        float64 [..., out].
+    """
+    with np.errstate(all="ignore"):
+        return q8_1_sum_gap(x) @ np.asarray(minima, dtype=np.float64).T
 
 
 def q8_K(x: np.ndarray) -> np.ndarray:

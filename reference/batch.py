@@ -233,7 +233,10 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray],
     parts: list[list[np.ndarray]] = [[] for _ in xs]
     for block in W.row_blocks(name):
         ins = xs if numerics is None else [_input(n, x, block) for n, x in zip(numerics, xs)]
-        for part, y in zip(parts, linear_many(ins, block)):
+        ys = linear_many(ins, block)
+        if numerics is not None:
+            ys = _offset(numerics, xs, block, ys)
+        for part, y in zip(parts, ys):
             part.append(y)
     out = []
     for i in range(len(parts)):
@@ -247,6 +250,19 @@ def _input(numerics: Callable[[], ContextManager], x: np.ndarray, w: np.ndarray)
     """:func:`reference.model.linear_input` of ``x`` for ``w`` under ``numerics`` (a chain's emulations)."""
     with numerics():
         return m.linear_input(x, w)
+
+
+def _offset(numerics: Sequence[Callable[[], ContextManager]], xs: Sequence[np.ndarray], w: np.ndarray,
+            ys: list[np.ndarray]) -> list[np.ndarray]:
+    """Each product ``ys[i]`` of ``xs[i]`` (its input as :func:`_input` took it) with ``w``, plus
+    :func:`reference.model.linear_offset` of ``xs[i]`` under ``numerics[i]`` where that gives one (llama.cpp's
+    Q4_1 / Q5_1 block sums): what :func:`reference.model.linear` adds, in the same order. [T_i, out] each."""
+    out = []
+    for n, x, y in zip(numerics, xs, ys):
+        with n():
+            extra = m.linear_offset(x, w)
+        out.append(y if extra is None else y + extra)
+    return out
 
 
 # --------------------------------------------------------------------------- a layer, operation by operation
@@ -366,7 +382,8 @@ def _layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]]) -> None
 
     def lin(xs, name):  # each call's input as its chain's numerics take it (llama.cpp's quantized activations)
         w = W[b + name]
-        return linear_many([_input(chain.numerics, x, w) for (chain, _), x in zip(group, xs)], w)
+        ys = linear_many([_input(chain.numerics, x, w) for (chain, _), x in zip(group, xs)], w)
+        return _offset([chain.numerics for chain, _ in group], xs, w, ys)
 
     def norm(ys, name):  # each call's RMSNorm under its chain's numerics (llama.cpp's float32 norm, say)
         w = None if name is None else W[b + name]

@@ -85,9 +85,31 @@ def linear_input(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x
 
 
+def linear_offset(x: np.ndarray, w: np.ndarray) -> np.ndarray | None:
+    """What a matrix product with ``w`` adds to its rounded input's product beyond the input itself: nothing (None).
+    [..., in], [out, in] -> [..., out] or None.
+
+    The other op an emulation may replace: llama.cpp's Q4_1 / Q5_1 products multiply each weight block's minimum by
+    an fp16 rounding of the activation block's sum, which no rounding of the input row carries
+    (:func:`harness.engines.llamacpp.numerics.linear_offset_quantized`). Every product of this module adds it.
+    """
+    return None
+
+
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T`` (``x`` through :func:`linear_input`). [T, in], [out, in] -> [T, out]."""
-    return linear_input(x, w) @ w.T
+    """``x @ w.T`` (``x`` through :func:`linear_input`, plus :func:`linear_offset` where one is given).
+    [T, in], [out, in] -> [T, out]."""
+    y = linear_input(x, w) @ w.T
+    extra = linear_offset(x, w)
+    return y if extra is None else y + extra
+
+
+def _matvec(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``w @ x`` for one vector (an expert's product): :func:`linear` in the other order, the same hooks.
+    [out, in], [in] -> [out]."""
+    y = w @ linear_input(x, w)
+    extra = linear_offset(x, w)
+    return y if extra is None else y + extra
 
 
 def rope_inv_freq(layer: LayerSpec) -> np.ndarray:
@@ -218,8 +240,8 @@ def expert_ffn(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.n
     [h], [2F, h], [h, F] -> [h]. Source: transformers ``Gemma4TextExperts``.
     """
     F = w_down.shape[1]
-    gu = w_gate_up @ linear_input(x, w_gate_up)  # [2F]
-    return w_down @ linear_input(gelu_tanh(gu[:F]) * gu[F:], w_down)
+    gu = _matvec(w_gate_up, x)  # [2F]
+    return _matvec(w_down, gelu_tanh(gu[:F]) * gu[F:])
 
 
 def moe_experts(x: np.ndarray, w_gate_up, w_down, idx: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import gguf
 import numpy as np
 
+from .activation_quants import BLOCK_MIN_OFFSET, block_minima
 from .config import (
     ModelConfig,
     attach_rope_freqs,
@@ -92,14 +93,38 @@ class GGMLArray(np.ndarray):
     of any arithmetic is a plain ndarray (only the stored tensor is typed). The values are the float64 ones."""
 
     ggml_type: str | None = None
+    block_min: np.ndarray | None = None
+    """Q4_1 / Q5_1 only: each block's fp16 minimum ``m`` from the stored bytes, float64 ``[..., in / 32]`` (the
+    array's shape but the last axis), which llama.cpp's Q8_1 dot product multiplies by the activation block's sum
+    (:func:`reference.activation_quants.q8_1_sum_correction`). Kept by a selection of whole rows or experts
+    (``w[a:b]``, ``w[e]``), dropped by any other view (``.T``, a column slice), where it would not match."""
 
     def __array_finalize__(self, obj) -> None:
         if obj is not None:
             self.ggml_type = getattr(obj, "ggml_type", None)
+        self.block_min = None
+
+    def __getitem__(self, key):
+        out = super().__getitem__(key)
+        if self.block_min is not None and isinstance(out, GGMLArray) and _rows_only(key, self.ndim):
+            mins = self.block_min[key]
+            if mins.shape[:-1] == out.shape[:-1]:
+                out.block_min = mins
+        return out
 
     def __array_wrap__(self, arr, context=None, return_scalar=False):
         arr = np.asarray(arr).view(np.ndarray)
         return arr[()] if return_scalar else arr
+
+
+def _rows_only(key, ndim: int) -> bool:
+    """Whether an index ``key`` of an array of ``ndim`` dimensions selects along the leading axes only (an int, a
+    slice, an integer array, or a tuple of fewer than ``ndim`` of those): the last axis, the row, stays whole."""
+    parts = key if isinstance(key, tuple) else (key,)
+    if len(parts) >= ndim:
+        return False
+    return all(isinstance(p, (int, np.integer, slice)) or (isinstance(p, np.ndarray) and p.dtype.kind in "iu")
+               for p in parts)
 
 
 class Weights(Mapping):
@@ -160,12 +185,18 @@ class Weights(Mapping):
 
     # ------------------------------------------------------------------ reads
 
-    def _typed(self, name: str, arr: np.ndarray) -> np.ndarray:
-        """``arr`` (tensor ``name`` or rows of it) as a :class:`GGMLArray` view of its stored type, for a GGUF."""
+    def _typed(self, name: str, arr: np.ndarray, index: slice | int | None = None) -> np.ndarray:
+        """``arr`` (tensor ``name``, or its rows ``index`` of the first axis) as a :class:`GGMLArray` view of its
+        stored type, for a GGUF; a Q4_1 / Q5_1 matrix with its blocks' minima from the stored bytes
+        (:attr:`GGMLArray.block_min`)."""
         if not self.ggml_typed:
             return arr
+        lazy = self._lazy[name]
         out = arr.view(GGMLArray)
-        out.ggml_type = self._lazy[name].dtype
+        out.ggml_type = lazy.dtype
+        if lazy.dtype in BLOCK_MIN_OFFSET and lazy.stored is not None and arr.ndim >= 2:
+            stored = lazy.stored if index is None else lazy.stored[index]
+            out.block_min = block_minima(stored, lazy.dtype).reshape(*arr.shape[:-1], arr.shape[-1] // 32)
         return out
 
     @contextlib.contextmanager
@@ -255,7 +286,7 @@ class Weights(Mapping):
             return
         self._seen.add(name)
         for a, b in block_bounds(*shape):
-            yield self._typed(name, self._read_rows(name, slice(a, b)))
+            yield self._typed(name, self._read_rows(name, slice(a, b)), slice(a, b))
         self._checked.add(name)
 
     def experts(self, name: str, chosen: np.ndarray) -> dict[int, np.ndarray]:
@@ -291,7 +322,7 @@ class Weights(Mapping):
                 arr.setflags(write=False)
                 if self._held is not None:
                     self._held[key] = arr
-            out[e] = self._typed(name, arr)
+            out[e] = self._typed(name, arr, e)
         return out
 
     def fill_cache(self) -> int:

@@ -134,3 +134,30 @@ def make_fault(kind: str, src: str | Path, dst: str | Path, tensor: str) -> tupl
         path, where = swap_rows(src, dst, tensor)
         return path, f"{tensor} {where} swapped"
     raise ValueError(f"unknown fault {kind!r} (known: {', '.join(FAULTS)})")
+
+
+def requantize(src: Path, dst: Path, qtype: str) -> Path:
+    """A copy of the F32 GGUF ``src`` whose matrices of whole blocks are stored in ``qtype`` (quantized by
+    ``gguf.quants``: Q4_1 and Q5_1, which ``g4h synth`` does not write and the fast tests cannot wait for
+    llama-quantize to be built for); 1-D tensors and matrices of rows that are not whole blocks stay F32."""
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        w.add_key_value(name, f.contents(), f.types[0],
+                        sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    q = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[q][0]
+    for t in r.tensors:
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, f"{src}: {t.name} is not F32"
+        arr = np.array(t.data, dtype=np.float32)
+        if arr.ndim >= 2 and arr.shape[-1] % block == 0:
+            w.add_tensor(t.name, gguf.quants.quantize(arr, q), raw_dtype=q)
+        else:
+            w.add_tensor(t.name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

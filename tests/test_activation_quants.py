@@ -8,8 +8,10 @@ llama-cpp-python loads):
   subnormals, one outlier per block, a negative maximum, both signs of the maximum; and the scalar reference
   (``ggml_quantize_chunk``: ``quantize_row_q8_0_ref``, ``roundf``) shown to differ from it on ties;
 * one dot product per weight type (the library's ``vec_dot`` on the library's own quantized row and the library's
-  converted activation) against the float64 product of our rounded activation with the exact dequantized weight,
-  within the fp32 accumulation bound :func:`fp32_bound` derives.
+  converted activation) against the float64 product of our rounded activation with the exact dequantized weight
+  (for Q4_1 / Q5_1 plus the weights' minima times the fp16 rounding of the Q8_1 block sums), within the fp32
+  accumulation bound :func:`fp32_bound` derives; and Q4_1 / Q5_1 matrix products of varied shapes on adversarial
+  rows, which the row rounding alone misses.
 """
 
 from __future__ import annotations
@@ -201,17 +203,6 @@ def fp32_bound(x_hat: np.ndarray, w: np.ndarray, block: int) -> float:
     return (k + 6) * U * 2.0 * float(np.sum(wb.max(axis=1) * xb.sum(axis=1)))
 
 
-def q8_1_sum_bound(x: np.ndarray, w: np.ndarray) -> float:
-    """What the emulation leaves on a Q4_1/Q5_1 product beyond fp32: llama.cpp multiplies each weight block's
-    minimum ``m`` by the activation block's ``s = fp16(d32 * sum(q))`` (``block_q8_1``), where the float64 product
-    with the rounded row takes ``d16 * sum(q)``: per block ``|m| * |s - d16 * sum(q)|``, with ``|m| <= max|w_b|``.
-    The row rounding cannot carry it (it is a property of the block sum, not of any element)."""
-    d, s, qs = rq.quantize_q8_1(x.astype(np.float64))
-    total = qs.astype(np.float64).sum(axis=-1)
-    gap = np.abs(s.astype(np.float64) - d.astype(np.float64) * total)
-    return float(np.sum(np.abs(w).reshape(-1, 32).max(axis=1) * gap))
-
-
 def _quantize_weight(ggml, wtype: str, w: np.ndarray) -> np.ndarray:
     """One weight row in ``wtype`` as llama.cpp's quantizer writes it (``ggml_quantize_chunk``)."""
     base, _ = ggml
@@ -245,7 +236,9 @@ def test_one_product_per_weight_type(ggml, wtype):
         VEC_DOT(tr.vec_dot)(n, s.ctypes.data, 0, wq.ctypes.data, 0, xq.ctypes.data, 0, 1)
         x_hat = rq.round_activations(x.astype(np.float64), wtype)
         ours = float(x_hat @ w_deq)
-        bound = fp32_bound(x_hat, w_deq, block) + (q8_1_sum_bound(x, w_deq) if vtype == "Q8_1" else 0.0)
+        if vtype == "Q8_1":  # the weights' minima times the fp16 block sums (test_q8_1_products_are_exact_...)
+            ours += float(rq.q8_1_sum_correction(x.astype(np.float64), rq.block_minima(wq[None], wtype))[0])
+        bound = fp32_bound(x_hat, w_deq, block)
         gap = abs(float(s[0]) - ours)
         assert gap <= bound, f"{wtype} seed {seed}: |ggml - ours| = {gap:.3g} > bound {bound:.3g}"
         worst = max(worst, gap / bound)
@@ -253,3 +246,119 @@ def test_one_product_per_weight_type(ggml, wtype):
             plain = abs(float(s[0]) - float(x.astype(np.float64) @ w_deq))
             assert plain > bound, f"{wtype}: the unrounded product is already within the bound ({plain:.3g})"
     print(f"{wtype}: worst |ggml - ours| / bound = {worst:.3g}")
+
+
+# --------------------------------------------------------------------------- Q4_1 / Q5_1: the Q8_1 block sums
+
+
+def _q8_1_rows(n: int, seed: int) -> np.ndarray:
+    """Activation rows of ``n`` values for the Q8_1 products: the adversarial rows whose blocks' ``d`` and ``s`` are
+    finite (a block scale or block sum beyond fp16's range gives a non-finite product on both sides: tested apart),
+    random rows of heavy tails, and rows of one sign (the block sums are large, so their fp16 rounding in
+    ``block_q8_1.s`` is too). [rows, n]."""
+    rng = np.random.default_rng(seed)
+    adv = adversarial_rows(n, seed)
+    with np.errstate(all="ignore"):
+        d, s, _ = rq.quantize_q8_1(adv.astype(np.float64))
+    finite = np.isfinite(d.astype(np.float64)).all(axis=1) & np.isfinite(s.astype(np.float64)).all(axis=1)
+    rand = (rng.standard_normal((4, n)) * np.exp(rng.standard_normal((4, n)))).astype(np.float32)
+    pos = rng.uniform(0.5, 1.5, (4, n)).astype(np.float32) * np.array([[1.0], [-1.0], [300.0], [1e-3]], np.float32)
+    return np.concatenate([adv[finite], rand, pos])
+
+
+def _q8_1_weights(n: int, out: int, seed: int) -> np.ndarray:
+    """Weight rows: small random, and offset ones (the block minimum ``m`` far from 0, so ``m * s`` matters),
+    one row constant per block (``d = 0``). float32 [out, n]."""
+    rng = np.random.default_rng(seed + 1)
+    w = rng.standard_normal((out, n)) * 0.05
+    w[1::3] += 0.2
+    w[2::3] -= 0.3
+    w[-1] = np.repeat(rng.standard_normal(n // 32), 32) * 0.1
+    return w.astype(np.float32)
+
+
+@pytest.mark.parametrize("wtype", ["Q4_1", "Q5_1"])
+@pytest.mark.parametrize("n, out", [(32, 4), (96, 7), (1024, 9), (2816, 5)])
+def test_q8_1_products_are_exact_with_the_block_sums(ggml, wtype, n, out):
+    """A Q4_1 / Q5_1 matrix product, each output the library's ``vec_dot`` of a weight row (the library's
+    quantization) with the library's Q8_1 row, against the reference's: the rounded row times the exactly
+    dequantized weight plus :func:`reference.activation_quants.q8_1_sum_correction` (the block minima read from the
+    stored bytes, :func:`reference.activation_quants.block_minima`), within :func:`fp32_bound` on every output,
+    on adversarial and one-signed rows and shapes of 1 to 88 blocks. Without the correction (the old emulation) the
+    one-signed rows lie beyond the bound: the test fails on the old path."""
+    base, cpu = ggml
+    t = GGML_TYPES[wtype]
+    xs = _q8_1_rows(n, seed=n)
+    w = _q8_1_weights(n, out, seed=n)
+    wq = np.zeros(base.ggml_row_size(t, n) * out, dtype=np.uint8)
+    base.ggml_quantize_chunk(t, w.ctypes.data, wq.ctypes.data, 0, out, n, None)
+    wq = wq.reshape(out, -1)
+    w_deq = gguf.quants.dequantize(wq, gguf.GGMLQuantizationType(t)).astype(np.float64).reshape(out, n)
+    mins = rq.block_minima(wq, wtype)
+    assert mins.shape == (out, n // 32)
+    vec_dot = VEC_DOT(cpu.ggml_get_type_traits_cpu(t).contents.vec_dot)
+    theirs = np.zeros((len(xs), out))
+    for i, x in enumerate(xs):
+        xq = _from_float(ggml, "Q8_1", x)
+        for o in range(out):
+            s = np.zeros(1, dtype=np.float32)
+            vec_dot(n, s.ctypes.data, 0, np.ascontiguousarray(wq[o]).ctypes.data, 0, xq.ctypes.data, 0, 1)
+            theirs[i, o] = s[0]
+    x64 = xs.astype(np.float64)
+    x_hat = rq.round_activations(x64, wtype)
+    old = x_hat @ w_deq.T
+    ours = old + rq.q8_1_sum_correction(x64, mins)
+    bound = np.array([[fp32_bound(x_hat[i], w_deq[o], 32) for o in range(out)] for i in range(len(xs))])
+    gap, gap_old = np.abs(theirs - ours), np.abs(theirs - old)
+    floor = np.maximum(bound, 1e-300)  # a row of zeros: bound and gaps 0
+    ratio, ratio_old = np.max(gap / floor), np.max(gap_old / floor)
+    assert np.all(gap <= bound), f"{wtype} n={n}: worst |ggml - ours| / bound = {ratio:.3g}"
+    assert np.any(gap_old > bound), f"{wtype} n={n}: the old path is within the bound everywhere"
+    print(f"{wtype} n={n}: max |ggml - ours| = {gap.max():.3g} (worst / bound {ratio:.3g}); old path: max "
+          f"{gap_old.max():.3g} (worst / bound {ratio_old:.3g})")
+
+
+@pytest.mark.parametrize("what", ["scale", "sum"])
+def test_q8_1_product_of_an_overflowing_block_is_not_finite_on_both_sides(ggml, what):
+    """A block whose maximum is beyond fp16's range times 127 (``d`` infinite), or whose values are all large and
+    of one sign (``d`` finite, ``s = fp16(d * sum(q))`` beyond 65504: from a block maximum of about 2000 up):
+    llama.cpp's Q4_1 product is not finite (``m * s``), and neither is the reference's (the emulation does not invent
+    a finite value where the engine has none)."""
+    base, cpu = ggml
+    n, t = 64, GGML_TYPES["Q4_1"]
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(n) * 1e30 if what == "scale" else rng.uniform(2500.0, 3000.0, n)).astype(np.float32)
+    with np.errstate(all="ignore"):
+        d, s_x, _ = rq.quantize_q8_1(x.astype(np.float64))
+    assert np.isinf(d.astype(np.float64)).any() if what == "scale" else \
+        (np.isfinite(d.astype(np.float64)).all() and np.isinf(s_x.astype(np.float64)).any())
+    w = _q8_1_weights(n, 3, seed=5)[1]
+    wq = np.zeros(base.ggml_row_size(t, n), dtype=np.uint8)
+    base.ggml_quantize_chunk(t, w.ctypes.data, wq.ctypes.data, 0, 1, n, None)
+    s = np.zeros(1, dtype=np.float32)
+    VEC_DOT(cpu.ggml_get_type_traits_cpu(t).contents.vec_dot)(n, s.ctypes.data, 0, wq.ctypes.data, 0,
+                                                             _from_float(ggml, "Q8_1", x).ctypes.data, 0, 1)
+    w_deq = gguf.quants.dequantize(wq, gguf.GGMLQuantizationType(t)).astype(np.float64).ravel()
+    with np.errstate(all="ignore"):
+        plain = rq.round_activations(x.astype(np.float64), "Q4_1") @ w_deq
+        ours = plain + rq.q8_1_sum_correction(x.astype(np.float64), rq.block_minima(wq[None], "Q4_1"))[0]
+    assert not np.isfinite(s[0]) and not np.isfinite(ours)
+    if what == "sum":
+        assert np.isfinite(plain)  # the old emulation gave a finite value where llama.cpp has none
+
+
+def test_q8_1_sum_gap_fast_twin_agrees():
+    """The torch twin's block-sum gap is the reference's bit for bit (adversarial rows, non-finite ones included),
+    and its correction the reference's to float64 rounding."""
+    rng = np.random.default_rng(7)
+    for n in (32, 96, 512):
+        x = adversarial_rows(n, seed=n).astype(np.float64)
+        with np.errstate(all="ignore"):
+            ours = rq.q8_1_sum_gap(x)
+            twin = fq.q8_1_sum_gap(torch.from_numpy(x)).numpy()
+        assert np.array_equal(ours, twin, equal_nan=True), n
+        mins = rng.standard_normal((5, n // 32))
+        fin = np.isfinite(ours).all(axis=1)
+        a = rq.q8_1_sum_correction(x[fin], mins)
+        b = fq.q8_1_sum_correction(torch.from_numpy(x[fin]), torch.from_numpy(mins)).numpy()
+        assert np.allclose(a, b, rtol=1e-12, atol=0.0)

@@ -31,6 +31,10 @@ VARIANTS = {
     "h96-q8_0": ("odd-h72-v300.toml", {"hidden_size": 96, "intermediate_size": 160}, "Q8_0"),
     # odd-h100-v389-ple in Q4_0: PLE (its rows of 8 in F16), a KV-shared tail, a double-wide MLP, an untied head
     "h128-ple-q4_0": ("odd-h100-v389-ple.toml", {"hidden_size": 128, "intermediate_size": 192}, "Q4_0"),
+    # the same two shapes in the types whose dot product takes the Q8_1 block sums (requantized from F32 by
+    # gguf.quants: quant_faults.requantize); the other matrices stay F32
+    "h96-q4_1": ("odd-h72-v300.toml", {"hidden_size": 96, "intermediate_size": 160}, "Q4_1"),
+    "h128-ple-q5_1": ("odd-h100-v389-ple.toml", {"hidden_size": 128, "intermediate_size": 192}, "Q5_1"),
 }
 
 
@@ -38,15 +42,21 @@ def _built(variant: str, tmp_path: Path) -> tuple[Path, Path]:
     """The F32 and quantized GGUFs of a :data:`VARIANTS` shape (built by ``g4h synth``'s builder, cached)."""
     from gemma4_harness.harness.synth import ensure_built
 
+    from quant_faults import requantize
+
     base, changes, qtype = VARIANTS[variant]
+    written = qtype not in ("Q4_1", "Q5_1")  # g4h synth writes the others
     text = (SHAPES / base).read_text()
-    text = re.sub(r"^qtypes = .*$", f'qtypes = ["F32", "{qtype}"]', text, count=1, flags=re.M)
+    text = re.sub(r"^qtypes = .*$", f'qtypes = ["F32", "{qtype}"]' if written else 'qtypes = ["F32"]', text,
+                  count=1, flags=re.M)
     for key, value in changes.items():
         text, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, count=1, flags=re.M)
         assert n == 1, key
     spec = tmp_path / f"local-{variant}.toml"
     spec.write_text(text)
     built = ensure_built(spec).gguf
+    if not written:
+        return Path(built["F32"]), requantize(Path(built["F32"]), tmp_path / f"{variant}.gguf", qtype)
     return Path(built["F32"]), Path(built[qtype])
 
 

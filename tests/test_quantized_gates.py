@@ -115,7 +115,88 @@ def test_what_cannot_be_emulated_is_said():
     assert "vec_dot_types" in runs.emulation_gap(unsaid, types)
     assert unsaid.emulation() == ()
     assert "no dot-product type is known for XQ9" in runs.emulation_gap(KIND_NUMERICS["llamacpp"], ["XQ9"])
-    assert "Q5_1: llama.cpp multiplies" in runs.emulation_gap(KIND_NUMERICS["llamacpp"], ["Q5_1", "Q8_0"])
+    assert runs.emulation_gap(KIND_NUMERICS["llamacpp"], ["Q5_1", "Q4_1", "Q8_0"]) is None  # the block sums too
+
+
+@pytest.fixture(scope="module")
+def q4_1_moe(tmp_path_factory) -> Path:
+    """odd-h48-v777-moe widened to whole blocks of 32 (hidden 64, experts of 32), its matrices in Q4_1
+    (:func:`quant_faults.requantize`): dense matrices, expert stacks and the tied head carry block minima."""
+    import re
+
+    from quant_faults import requantize
+
+    from gemma4_harness.harness.synth import ensure_built
+
+    tmp = tmp_path_factory.mktemp("q4_1")
+    text = (Path(__file__).parent / "shapes" / "odd-h48-v777-moe.toml").read_text()
+    for key, value in {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32}.items():
+        text, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, count=1, flags=re.M)
+        assert n == 1, key
+    spec = tmp / "q4_1-moe.toml"
+    spec.write_text(text)
+    return requantize(Path(ensure_built(spec).gguf["F32"]), tmp / "q4_1-moe.gguf", "Q4_1")
+
+
+def test_q4_1_weights_carry_their_block_minima(q4_1_moe):
+    """A Q4_1 matrix read from a GGUF carries each block's stored minimum (whole tensor, a row block of the head, an
+    expert of a stack), kept by whole-row selections and dropped by other views."""
+    _, W = load_model(q4_1_moe)
+    name = "blk.0.attn_q.weight"
+    w = W[name]
+    assert w.ggml_type == "Q4_1" and w.block_min.shape == (w.shape[0], w.shape[1] // 32)
+    assert np.array_equal(w.block_min, rq.block_minima(W.stored(name), "Q4_1"))
+    # each block's dequantized values are d * q + m with q >= 0: none lies below its block's m (d >= 0 here)
+    assert np.all(np.asarray(w).reshape(w.shape[0], -1, 32).min(axis=-1) >= w.block_min)
+    assert np.array_equal(w[2:5].block_min, w.block_min[2:5]) and np.array_equal(w[3].block_min, w.block_min[3])
+    assert w.T.block_min is None and w[:, :32].block_min is None and w[..., :32].block_min is None
+    head = next(iter(W.row_blocks("token_embd.weight")))
+    assert np.array_equal(head.block_min, rq.block_minima(W.stored("token_embd.weight")[:head.shape[0]], "Q4_1"))
+    stack = "blk.0.ffn_gate_up_exps.weight"
+    assert W.raw_dtype(stack) == "Q4_1"
+    e3 = W.experts(stack, np.array([3, 1]))[3]
+    assert np.array_equal(e3.block_min, rq.block_minima(W.stored(stack)[3], "Q4_1"))
+    assert np.array_equal(W[stack][3].block_min, e3.block_min)  # the cached stack's view: the same minima
+
+
+def test_q4_1_products_add_the_block_sums(q4_1_moe):
+    """Under the emulation a Q4_1 product is the rounded row's product plus the Q8_1 block sums' correction
+    (:func:`reference.activation_quants.q8_1_sum_correction`), in a dense product and in an expert's; outside the
+    emulation, nothing is added; a Q4_1 weight without minima is refused, not silently computed without them."""
+    _, W = load_model(q4_1_moe)
+    w = W["blk.0.attn_q.weight"]
+    x = np.random.default_rng(0).uniform(0.5, 1.5, (3, w.shape[1]))
+    with emulate(("quantized_activations",)):
+        got = rm.linear(x, w)
+        with pytest.raises(ValueError, match="minima"):
+            rm.linear(x, _typed(np.ones((4, w.shape[1])), "Q4_1"))
+        gu = W["blk.0.ffn_gate_up_exps.weight"][1]
+        down = W["blk.0.ffn_down_exps.weight"][1]
+        expert = rm.expert_ffn(x[0], gu, down)
+    plain = rq.q8_1(x) @ np.asarray(w).T
+    assert np.array_equal(got, plain + rq.q8_1_sum_correction(x, w.block_min))
+    assert not np.array_equal(got, plain)
+    g = np.asarray(gu) @ rq.q8_1(x[0]) + rq.q8_1_sum_correction(x[0], gu.block_min)
+    h = rm.gelu_tanh(g[:down.shape[1]]) * g[down.shape[1]:]
+    assert np.array_equal(expert, np.asarray(down) @ rq.q8_1(h) + rq.q8_1_sum_correction(h, down.block_min))
+    assert np.array_equal(rm.linear(x, w), x @ np.asarray(w).T)  # outside: the exact product
+
+
+def test_many_forwards_give_the_one_by_one_bits_on_q4_1(q4_1_moe):
+    """The parity job's prefetch (reference/batch.py, which adds the block sums after its stacked products) gives
+    the lazy path's logits bit for bit on a Q4_1 file with experts, under llama.cpp's numerics."""
+    from gemma4_harness.harness.core.cases import load_prompts
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+
+    ref = ReferenceEngine(q4_1_moe)
+    prompts = [p for p in load_prompts() if max(p["prompt_ids"]) < ref.cfg.vocab_size][:3]
+    approx = KIND_NUMERICS["llamacpp"].emulation()
+    lazy, ahead = ReferenceRuns(ref), ReferenceRuns(ref)
+    assert lazy.emulation_gap(KIND_NUMERICS["llamacpp"], lazy.unemulated_types()) is None
+    ahead.prefetch([approx], prompts, new_tokens=2, top_n=3)
+    for p in prompts:
+        assert np.array_equal(lazy.logits(approx, p)[0], ahead.logits(approx, p)[0]), p["id"]
 
 
 class StreamsOnly:

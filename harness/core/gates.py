@@ -212,7 +212,8 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
     Gate("server.stop.max_tokens", 1.0, "ge",
          "max_tokens must give exactly that many tokens (finish_reason length) unless EOS comes first"),
     Gate("server.stop.string", 1.0, "ge",
-         "with a stop string taken from the oracle's continuation, the server must stop there: finish_reason stop, "
+         "with a stop string taken from the oracle's continuation, where the server's own stream agrees with it (a "
+         "parting of the streams is the greedy gate's to judge), the server must stop there: finish_reason stop, "
          "the text cut just before the string"),
     Gate("server.stop.eos", 1.0, "ge",
          "with EOS not ignored, the server must stop where the oracle's greedy stream reaches EOS and nowhere else "
@@ -449,9 +450,10 @@ def _q8_gates(pair: str) -> list[Gate]:
                     "this model and prompt: the yardstick, harness.engines.llamacpp.numerics.coarse_q8_numerics). "
                     "Why 2: an engine with its own 8-bit rounding stands about one yardstick from the exact model "
                     "(the sweep measured 0.45..1.0 x, sweep~engines_q8.mean_kld_ratio; llama.cpp on a 31b-shaped "
-                    "Q5_K_M, whose Q5_1 products are not emulated: 1.56 x); a fault must move the model by about "
-                    "an 8-bit rounding of the whole model to be seen here (a 1.02 scale of half of one matrix's "
-                    "rows is not: missed on 31b Q5_K_M). The other figures of such a pair are reported, not gated"))
+                    "Q5_K_M, measured before its Q5_1 products were emulated: 1.56 x); a fault must move the model "
+                    "by about an 8-bit rounding of the whole model to be seen here (a 1.02 scale of half of one "
+                    "matrix's rows is not: it was missed on 31b Q5_K_M judged this way). The other figures of "
+                    "such a pair are reported, not gated"))
     return out
 
 

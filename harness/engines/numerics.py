@@ -197,14 +197,6 @@ def emulable_types(types) -> list[str]:
     return sorted(t for t in set(types) if t not in VEC_DOT_TYPE)
 
 
-def sum_rounded_types(types) -> list[str]:
-    """Of the GGML weight types ``types``, those whose dot product is Q8_1 (Q4_1, Q5_1): llama.cpp multiplies the
-    weight block's minimum by ``block_q8_1.s``, an fp16 rounding of the activation block's sum, where the product of
-    the rounded row with the dequantized weight takes the exact sum; a relative 2^-11 of that term, on every
-    position, which the row rounding cannot carry (``tests/test_activation_quants.py`` bounds it). Sorted."""
-    return sorted(t for t in set(types) if VEC_DOT_TYPE.get(t) == "Q8_1")
-
-
 def check_declaration(dtype: Any, kv_cache: Any, approximations: Any, where: str,
                       vec_dot_types: Any = None) -> Numerics:
     """A :class:`Numerics` from declared values, checked.

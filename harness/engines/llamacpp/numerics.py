@@ -147,6 +147,24 @@ def linear_input_quantized(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return round_activations(x, getattr(w, "ggml_type", None))
 
 
+def linear_offset_quantized(x: np.ndarray, w: np.ndarray) -> np.ndarray | None:
+    """:func:`reference.model.linear_offset` as llama.cpp's Q4_1 / Q5_1 products add it: each weight block's minimum
+    times the fp16 rounding of the Q8_1 activation block's sum, less what the rounded row's product already holds
+    (:func:`reference.activation_quants.q8_1_sum_correction`, the minima the GGUF's weight carries:
+    :attr:`reference.weights.GGMLArray.block_min`); None for every other type. [..., in], [out, in] -> [..., out].
+
+    Raises:
+        ValueError: a Q4_1 / Q5_1 weight without its blocks' minima (a view that is not whole rows: not a product
+            the reference makes).
+    """
+    if rq.VEC_DOT_TYPE.get(getattr(w, "ggml_type", None) or "", "") != "Q8_1":
+        return None
+    mins = getattr(w, "block_min", None)
+    if mins is None:
+        raise ValueError(f"a {w.ggml_type} weight {w.shape} without its blocks' minima: its product cannot be emulated")
+    return rq.q8_1_sum_correction(x, mins)
+
+
 def rms_norm_fp32(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """:func:`reference.model.rms_norm` in llama.cpp's float32 steps (``ggml_compute_forward_rms_norm_f32`` and its
     fusion with the weight's ``mul``, ``ggml/src/ggml-cpu/ops.cpp``): ``sum`` of the float32 squares in double,
@@ -173,18 +191,19 @@ def quantized_activations_numerics() -> Iterator[None]:
     """While inside, every matrix product of the reference takes its input as llama.cpp does
     (:func:`linear_input_quantized` swapped into :func:`reference.model.linear_input`): each product whose weight is
     stored quantized or in 16 bits gets its input row rounded to that weight's dot-product type (Q8_0, Q8_1, Q8_K,
-    F16, BF16), then is computed in float64 with the exact dequantized weight; every RMSNorm runs in llama.cpp's
+    F16, BF16), then is computed in float64 with the exact dequantized weight, plus, for Q4_1 / Q5_1 weights, the
+    fp16 rounding of the Q8_1 block sums (:func:`linear_offset_quantized`); every RMSNorm runs in llama.cpp's
     float32 steps (:func:`rms_norm_fp32`: the rounding of the product after it depends on those bits). What is left
     against llama.cpp is its fp32 accumulation, and the int8 roundings its fp32 activations take the other way
     where they differ from ours in the last bits (rare, but each moves one value by one step). The fast twin is not
     swapped (``--oracle fast`` cannot emulate it: see ``harness/parity/checks/pair.py``). Restores on exit (not
     thread-safe)."""
-    original, norm = rm.linear_input, rm.rms_norm
-    rm.linear_input, rm.rms_norm = linear_input_quantized, rms_norm_fp32
+    original, offset, norm = rm.linear_input, rm.linear_offset, rm.rms_norm
+    rm.linear_input, rm.linear_offset, rm.rms_norm = linear_input_quantized, linear_offset_quantized, rms_norm_fp32
     try:
         yield
     finally:
-        rm.linear_input, rm.rms_norm = original, norm
+        rm.linear_input, rm.linear_offset, rm.rms_norm = original, offset, norm
 
 
 JITTER = 2.0 ** -22
@@ -200,17 +219,23 @@ def jitter_numerics(seed: int = 0) -> Iterator[None]:
     perturbed shows what those flips alone do on this model and prompt (``harness/parity/checks/pair.py``,
     ``agreeing_positions``). Restores on exit (not thread-safe)."""
     rng = np.random.default_rng(seed)
-    inner = rm.linear_input
+    inner, inner_offset = rm.linear_input, rm.linear_offset
+    last: list = [None, None, None]  # (x, w, perturbed x) of the latest input
 
     def jittered(x, w):
-        x = np.asarray(x, dtype=np.float64)
-        return inner(x * (1.0 + JITTER * rng.uniform(-1.0, 1.0, x.shape)), w)
+        xp = np.asarray(x, dtype=np.float64) * (1.0 + JITTER * rng.uniform(-1.0, 1.0, np.shape(x)))
+        last[:] = [x, w, xp]
+        return inner(xp, w)
 
-    rm.linear_input = jittered
+    def jittered_offset(x, w):  # the same perturbed input as the product's rounding (every product asks both)
+        return inner_offset(last[2] if last[0] is x and last[1] is w else x, w)
+
+    rm.linear_input, rm.linear_offset = jittered, jittered_offset
     try:
         yield
     finally:
-        rm.linear_input = inner
+        rm.linear_input, rm.linear_offset = inner, inner_offset
+        last.clear()
 
 
 @contextlib.contextmanager

@@ -45,8 +45,7 @@ from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
 from ...engines import EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
-from ...engines.numerics import (KIND_NUMERICS, Numerics, emulable_types, emulate, engine_numerics, effective,
-                                 sum_rounded_types)
+from ...engines.numerics import KIND_NUMERICS, Numerics, emulable_types, emulate, engine_numerics, effective
 from ...engines.reference import ReferenceEngine
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
@@ -258,10 +257,6 @@ class ReferenceRuns:
         unknown = emulable_types(types)
         if unknown:
             return f"no dot-product type is known for {'/'.join(unknown)}"
-        summed = sum_rounded_types(types)
-        if summed:
-            return (f"{'/'.join(summed)}: llama.cpp multiplies each weight block's minimum by an fp16 rounding of the "
-                    "activation block's sum (block_q8_1.s), which a rounding of the row cannot carry")
         return None
 
     def effective(self, approx: tuple[str, ...]) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ This module adds the checks only a server has (:data:`harness.parity.checks.pair
    check's answers); per request: identical tokens, agreement only by the greedy rule, or a fault.
 3. **streaming** (``server.stream~nostream.same_tokens``): each prompt streamed against its alone answer.
 4. **stop and EOS** (``server.stop.max_tokens``, ``.string``, ``.eos``): ``max_tokens`` 1 and 3; a stop string
-   taken from the reference's continuation; EOS not ignored, at every place where the reference's greedy choice is
+   taken from the reference's continuation, where the server's own stream agrees with it; EOS not ignored, at every place where the reference's greedy choice is
    EOS (inside a prompt or in a continuation) and on prompts where it never is.
 5. **prompt log-probs** (``server.prompt_logprobs``), where the dialect offers them (vLLM, llama-cpp-python):
    the log-probs of the prompt's own tokens and the top-5 at each position against the reference's.
@@ -632,7 +632,13 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
         pieces = [_token_bytes(tok, t) for t in o.tokens[:limit]]
         plain = next((k for k, p in enumerate(pieces) if p is None), len(pieces))  # the server's text is known so far
         whole = b"".join(pieces[:plain])
-        for k in range(1, plain):
+        # the stop word is a token the server's own stream (alone, no stop) gave too: where that stream parts from the
+        # oracle's the greedy gate judges it (a near-tie, a top-N pair, or a fault), and a stop word from beyond it
+        # would judge the same parting again, without that rule (on e2b Q4_1, llama-server: a top-N parting at step
+        # 3, the stop word picked at step 3, a false alarm here)
+        parted = _first_difference(alone[rid].tokens, o.tokens[:limit])
+        agreed = min(len(alone[rid].tokens), plain) if parted is None else min(parted, plain)
+        for k in range(1, agreed):
             word = pieces[k]
             before = b"".join(pieces[:k])
             if len(word.strip()) < 2 or whole.find(word) != len(before):
@@ -662,7 +668,8 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
             break
     out.append(_stop_figure("server.stop.string", rows) if rows else
                fig("server.stop.string", float("nan"), None, not_measured="no continuation of the reference holds a "
-                   "plain-text token to use as a stop string (this model's greedy tokens are byte or special tokens)"))
+                   "plain-text token to use as a stop string where the server's own stream agrees with it (this "
+                   "model's greedy tokens are byte or special tokens, or the streams part at once)"))
 
     # EOS: prompt prefixes whose next greedy token is EOS, continuations that reach EOS, and some that never do.
     rows = []
