@@ -29,8 +29,9 @@ import pytest
 from refserver import ReferenceServer
 from variant_lab import build
 
-from gemma4_harness.harness.core.cases import PROMPTS, load_prompts
+from gemma4_harness.harness.core.cases import PROMPTS
 from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.engines.reference import ReferenceEngine
 from gemma4_harness.harness.engines.variants import VARIANTS, family
 from gemma4_harness.harness.parity.checks.server import ServerOptions
