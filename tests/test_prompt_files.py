@@ -34,11 +34,11 @@ def test_both_forms_with_and_without_their_optional_keys(tmp_path):
     ]
 
 
-def test_a_utf8_bom_and_a_last_line_without_newline_are_read(tmp_path):
+def test_a_utf8_bom_crlf_a_line_separator_in_a_text_and_no_last_newline_are_read(tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_bytes(b'\xef\xbb\xbf{"prompt_ids": [2, 3]}\n{"text": "\xc3\xa9t\xc3\xa9"}')
+    f.write_bytes(b'\xef\xbb\xbf{"prompt_ids": [2, 3]}\r\n{"text": "a\xe2\x80\xa8b"}\n{"text": "\xc3\xa9t\xc3\xa9"}')
     assert [(p["id"], p.get("prompt_ids"), p.get("text")) for p in load_prompts(f)] == \
-        [(1, [2, 3], None), (2, None, "été")]
+        [(1, [2, 3], None), (2, None, "a\u2028b"), (3, None, "été")]  # U+2028 is JSON text, not a line end
 
 
 #: One wrong line each (line 2 of the file; line 1 is a good prompt), and the start of what the refusal says

@@ -107,7 +107,7 @@ def load_prompts(path: str | os.PathLike = PROMPTS, *, ids_only: bool = False) -
                 f"{TEXT_FORM} or {IDS_FORM} (one of them, non-empty)") + f", {OPTIONAL}"
     out: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
-    for n, line in enumerate(_read(path).splitlines(), 1):
+    for n, line in enumerate(_read(path).split("\n"), 1):  # JSONL lines: a U+2028 inside a text is no line end
         if not line.strip():
             continue
         where = f"{path}:{n}"
