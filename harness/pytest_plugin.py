@@ -328,9 +328,9 @@ def plan_job(config: pytest.Config) -> Plan | None:
     if argv is None:
         return None
     from gemma4_harness.harness.core.cases import PROMPTS  # lazy (as above)
+    from gemma4_harness.harness.core.prompts import load_prompts  # lazy (as above)
     from gemma4_harness.harness.engines import check_engine_name, split_engines  # lazy (as above)
     from gemma4_harness.harness.parity.cases import case_names, default_against  # lazy (as above)
-    from gemma4_harness.harness.parity.checks.server import load_user_prompts  # lazy (as above)
     from gemma4_harness.harness.parity.job import check_oracle  # lazy (as above)
     from gemma4_harness.harness.parity.skips import check_skip  # lazy (as above)
     from gemma4_harness.reference.errors import InputError  # lazy (as above)
@@ -348,7 +348,7 @@ def plan_job(config: pytest.Config) -> Plan | None:
                 raise InputError(f"--g4h-against: {e}") from None
         check_skip(tuple(args.skip))
         check_oracle(args.oracle, args.model, against)
-        load_user_prompts(args.prompts or PROMPTS)
+        load_prompts(args.prompts or PROMPTS)
     except InputError as e:
         raise G4HBadInput(str(e).splitlines()[0]) from None
     extra = shlex.split(config.getoption("g4h_args") or "")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -208,6 +211,42 @@ def g4(built):
     from gemma4_harness.harness.tokenizer.engines import cached_tok_engine
 
     return cached_tok_engine("ours", str(built.gguf), True, None).tok
+
+
+# --------------------------------------------------------------------------- the wheel (test_wheel, test_namespace)
+
+
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "gemma4_harness", "reference", "fast",
+                "harness", "cases")
+"""What a build of the distribution reads, relative to the repository root."""
+
+
+@pytest.fixture(scope="session")
+def wheel_source(tmp_path_factory) -> Path:
+    """A copy of :data:`BUILD_INPUTS` (Python caches, a built case library and egg-info left out), so that a build or
+    an editable install writes nothing into the clone."""
+    src = tmp_path_factory.mktemp("src")
+    root = Path(__file__).resolve().parent.parent
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "_cases", "*.egg-info")
+    for name in BUILD_INPUTS:
+        p = root / name
+        if p.is_dir():
+            shutil.copytree(p, src / name, ignore=ignore)
+        else:
+            shutil.copy2(p, src / name)
+    return src
+
+
+@pytest.fixture(scope="session")
+def wheel(wheel_source, tmp_path_factory) -> Path:
+    """The wheel, built from :func:`wheel_source` without build isolation (this environment's setuptools) and
+    without an index."""
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-q", "-w", str(out), str(wheel_source)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (whl,) = out.glob("gemma4_harness-*.whl")
+    return whl
 
 
 # --------------------------------------------------------------------------- pytest --bench

@@ -205,7 +205,8 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from gemma4_harness.harness import synth
-    from gemma4_harness.harness.core.cases import MODELS_DIR, load_prompts
+    from gemma4_harness.harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness.core.prompts import load_prompts
     from gemma4_harness.harness.core.realdata import gemma3_270m_gguf
 
     synth_model = synth.ensure_built(MODELS_DIR / f"{servers.SYNTH_CASE}.toml").gguf["F32"]

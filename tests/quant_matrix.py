@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from gemma4_harness.harness.engines.reference import ReferenceEngine
     from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
-    from gemma4_harness.harness.parity.checks.server import with_prompt_ids
+    from gemma4_harness.harness.tokenizer.prompt_ids import with_prompt_ids
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

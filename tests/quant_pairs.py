@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant_faults import scale_rows  # noqa: E402
 
-from gemma4_harness.harness.core.cases import load_prompts  # noqa: E402
 from gemma4_harness.harness.core.gates import DEFAULT_GATES  # noqa: E402
+from gemma4_harness.harness.core.prompts import load_prompts  # noqa: E402
 from gemma4_harness.harness.engines import engine_kind, make_engine  # noqa: E402
 from gemma4_harness.harness.engines.reference import ReferenceEngine  # noqa: E402
 from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, _measure, engine_numerics, pair_name  # noqa: E402

@@ -130,7 +130,7 @@ def test_cli_bad_baseline_is_one_line_exit_2(tmp_path):
 @pytest.mark.slow
 def test_parity_is_deterministic_and_baseline_round_trips(tmp_path, monkeypatch):
     import gemma4_harness.harness.parity as parity
-    from gemma4_harness.harness.core.cases import load_prompts
+    from gemma4_harness.harness.core.prompts import load_prompts
 
     short = [p for p in load_prompts() if p["id"] in ("len5", "len17-window+1")]
     assert len(short) == 2

@@ -19,8 +19,9 @@ from safetensors.numpy import load_file, save_file
 
 from gemma4_harness.fast.drafter import FastDrafter
 from gemma4_harness.fast.model import FastModel
-from gemma4_harness.harness.core.cases import MODELS_DIR, builtin_drafter_specs, builtin_specs, drafter_spec_for, load_prompts
+from gemma4_harness.harness.core.cases import MODELS_DIR, builtin_drafter_specs, builtin_specs, drafter_spec_for
 from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.parity.checks.drafter import fast_state, fast_vs_reference, gguf_vs_hf, reference_vs_transformers
 from gemma4_harness.harness.synth.drafter import ensure_drafter_built, load_drafter_spec
 from gemma4_harness.reference import drafter as R

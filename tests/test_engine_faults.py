@@ -187,7 +187,7 @@ def test_dead_url_is_bad_input(tiny_gguf, prompts_file, tmp_path, capsys):
 
 
 #: Every prompt-file form README.md and docs document for ``g4h parity --model M --prompts FILE``
-#: (harness/parity/checks/server.py load_user_prompts), as lines of a JSONL file.
+#: (harness/core/prompts.py load_prompts), as lines of a JSONL file.
 PROMPT_FORMS = {
     "text-no-id": ['{"text": "Hello world"}', '{"text": "The cat sat"}'],
     "text-string-id": ['{"id": "greeting", "text": "Hello world"}'],
@@ -310,18 +310,17 @@ def test_text_prompts_without_ids_against_a_failing_server(llama_server, synth_g
 def test_a_prompt_id_of_another_type_is_bad_input(tmp_path, line, why):
     """Ids name requests in reports and key results: a string or an integer, one line naming the file and line
     otherwise (an unhashable id used to crash the reader); ``1`` and ``"1"`` are one id."""
-    from gemma4_harness.harness.core.cases import load_prompts
-    from gemma4_harness.harness.parity.checks.server import load_user_prompts
+    from gemma4_harness.harness.core.prompts import load_prompts
     from gemma4_harness.reference.errors import PromptError
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt_ids": [2, 5]}\n' + line + "\n")
-    for reader in (load_user_prompts, load_prompts):
-        if reader is load_prompts and '"text"' in line:
+    for ids_only in (False, True):
+        if ids_only and '"text"' in line:
             continue
         with pytest.raises(PromptError) as ei:
-            reader(f)
+            load_prompts(f, ids_only=ids_only)
         assert str(ei.value) == f"{f}:2: {why}"
     f.write_text('{"prompt_ids": [2, 5]}\n{"id": "1", "prompt_ids": [2, 6]}\n')  # line 1's id is 1
     with pytest.raises(PromptError, match=r":2: duplicate id '1'"):
-        load_user_prompts(f)
+        load_prompts(f)

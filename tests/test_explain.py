@@ -21,8 +21,9 @@ from variant_lab import build
 
 import gemma4_harness.reference.drafter as rd
 from gemma4_harness.harness.cli import main as g4h_main
-from gemma4_harness.harness.core.cases import MODELS_DIR, PROMPTS, load_prompts
+from gemma4_harness.harness.core.cases import MODELS_DIR, PROMPTS
 from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.engines.reference import ReferenceEngine
 from gemma4_harness.harness.engines.variants import VARIANTS, family, under
 from gemma4_harness.harness.parity.checks.server import ServerOptions

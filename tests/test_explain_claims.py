@@ -29,8 +29,9 @@ import pytest
 from refserver import ReferenceServer
 from variant_lab import build
 
-from gemma4_harness.harness.core.cases import PROMPTS, load_prompts
+from gemma4_harness.harness.core.cases import PROMPTS
 from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.engines.reference import ReferenceEngine
 from gemma4_harness.harness.engines.variants import VARIANTS, family
 from gemma4_harness.harness.parity.checks.server import ServerOptions
@@ -196,26 +197,38 @@ def test_a_fault_in_decoding_is_seen_from_log_probs_alone(faults):
     assert "a repeated token's logit lowered" in d["what"] and f"token {d['oracle']} occurs in the context" in d["what"]
 
 
+def _decoding_fault_run(model: Path, prompts_file: Path, out: Path, fault: str,
+                        **server: object) -> tuple[dict, dict, int, int]:
+    """``g4h parity`` of ``model`` against a server of llama-server's dialect (tests/refserver.py, exact logits,
+    ``server`` its other options) whose greedy decoding applies ``fault``: a repetition penalty of 1.5, or a ban on
+    the token the reference's greedy stream of the shortest prompt gives first at a step where it is not in the
+    context. The run must fail (status 1).
+
+    Returns:
+        ``(results, the shortest prompt, that step, that token)``.
+    """
+    shortest = min(load_prompts(prompts_file), key=lambda p: len(p["prompt_ids"]))
+    (g,) = ReferenceEngine(model).generate_full([shortest["prompt_ids"]], NEW_TOKENS)
+    step, banned = next((k, t) for k, t in enumerate(g.tokens)
+                        if k and t not in shortest["prompt_ids"] + g.tokens[:k])
+    options = {"repeat_penalty": 1.5} if fault == "repeat-penalty" else {"ban": [banned]}
+    with ReferenceServer(model, **server, **options) as srv:
+        data, status = run_parity(models=[str(model)], against=[f"openai:{srv.url}/v1"], quiet=True,
+                                  out=str(out), prompts=prompts_file,
+                                  server=ServerOptions(skip=("server-batch", "server-stream", "server-stop",
+                                                             "server-template"), max_new_tokens=NEW_TOKENS),
+                                  engine_options={"declare": ["approximations=none", "kv_cache=f32"]})
+    assert status == 1, data["verdict"]
+    return data, shortest, step, banned
+
+
 @pytest.mark.parametrize("fault", ["repeat-penalty", "ban"])
 def test_a_server_with_a_fault_in_decoding_is_said_so(lab, prompts_file, tmp_path, fault):
     """A server of llama-server's dialect whose logits are exact (the float64 reference, declared exact) and whose
     greedy decoding applies a repetition penalty of 1.5, or bans the token the reference's greedy stream of the
     shortest prompt gives first at a step where it is not in the context: the pair fails, and the explanation says
     in decoding, the request and the step, and what the rule did."""
-    model = lab["lab-dense"]
-    prompts = [json.loads(line) for line in prompts_file.read_text().splitlines()]
-    shortest = min(prompts, key=lambda p: len(p["prompt_ids"]))
-    (g,) = ReferenceEngine(model).generate_full([shortest["prompt_ids"]], NEW_TOKENS)
-    step, banned = next((k, t) for k, t in enumerate(g.tokens)
-                        if k and t not in shortest["prompt_ids"] + g.tokens[:k])
-    options = {"repeat_penalty": 1.5} if fault == "repeat-penalty" else {"ban": [banned]}
-    with ReferenceServer(model, **options) as srv:
-        data, status = run_parity(models=[str(model)], against=[f"openai:{srv.url}/v1"], quiet=True,
-                                  out=str(tmp_path), prompts=prompts_file,
-                                  server=ServerOptions(skip=("server-batch", "server-stream", "server-stop",
-                                                             "server-template"), max_new_tokens=NEW_TOKENS),
-                                  engine_options={"declare": ["approximations=none", "kv_cache=f32"]})
-    assert status == 1, data["verdict"]
+    data, shortest, step, banned = _decoding_fault_run(lab["lab-dense"], prompts_file, tmp_path, fault)
     (e,) = [c["explanation"] for c in data["cases"][0]["checks"] if "explanation" in c]
     d = _said_in_decoding(e)
     if fault == "ban":
@@ -232,20 +245,8 @@ def test_a_server_reporting_log_probs_before_its_decoding_rules_is_not_greedy_an
     ``n_probs``, vLLM's default ``raw_logprobs``): the token each gives is not the top-1 of its own log-probs, so it
     did not decode greedily as asked: an engine failure (exit 1), whose line says what differs in decoding, the same
     finding as the pair's explanation (before: "not greedy decoding" alone, and no explanation)."""
-    model = lab["lab-dense"]
-    prompts = [json.loads(line) for line in prompts_file.read_text().splitlines()]
-    shortest = min(prompts, key=lambda p: len(p["prompt_ids"]))
-    (g,) = ReferenceEngine(model).generate_full([shortest["prompt_ids"]], NEW_TOKENS)
-    step, banned = next((k, t) for k, t in enumerate(g.tokens)
-                        if k and t not in shortest["prompt_ids"] + g.tokens[:k])
-    options = {"repeat_penalty": 1.5} if fault == "repeat-penalty" else {"ban": [banned]}
-    with ReferenceServer(model, raw_logprobs=True, **options) as srv:
-        data, status = run_parity(models=[str(model)], against=[f"openai:{srv.url}/v1"], quiet=True,
-                                  out=str(tmp_path), prompts=prompts_file,
-                                  server=ServerOptions(skip=("server-batch", "server-stream", "server-stop",
-                                                             "server-template"), max_new_tokens=NEW_TOKENS),
-                                  engine_options={"declare": ["approximations=none", "kv_cache=f32"]})
-    assert status == 1, data["verdict"]
+    data, shortest, step, banned = _decoding_fault_run(lab["lab-dense"], prompts_file, tmp_path, fault,
+                                                       raw_logprobs=True)
     (runs,) = [c for c in data["cases"][0]["checks"] if c.get("engine_failure")]
     assert runs["gate"].endswith(".runs") and not runs["pass"]
     e = runs["explanation"]

@@ -32,8 +32,9 @@ from refserver import ReferenceServer
 from variant_lab import build
 
 from gemma4_harness.harness.cli import main as g4h_main
-from gemma4_harness.harness.core.cases import PROMPTS, load_prompts
+from gemma4_harness.harness.core.cases import PROMPTS
 from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.engines.reference import ReferenceEngine
 from gemma4_harness.harness.parity.explain import decoding_by_shift
 from gemma4_harness.harness.parity.job import run as run_parity

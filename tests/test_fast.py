@@ -8,10 +8,10 @@ import torch
 from gemma4_harness.fast.engine import Engine, Request
 from gemma4_harness.fast.model import FastModel
 from gemma4_harness.harness import synth
-from gemma4_harness.harness.core.cases import MODELS_DIR
-from gemma4_harness.harness.parity.checks.fast import batched_vs_solo, chunked_vs_oneshot, fast_vs_reference, kld_over
+from gemma4_harness.harness.core.cases import MODELS_DIR, builtin_specs
 from gemma4_harness.harness.core.gates import resolve
-from gemma4_harness.harness.core.cases import builtin_specs, load_prompts
+from gemma4_harness.harness.core.prompts import load_prompts
+from gemma4_harness.harness.parity.checks.fast import batched_vs_solo, chunked_vs_oneshot, fast_vs_reference, kld_over
 from gemma4_harness.reference import load_model
 
 SPECS = [p.stem for p in builtin_specs()]

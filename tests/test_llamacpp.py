@@ -18,11 +18,9 @@ if os.environ.get("G4H_SKIP_LLAMACPP", "") not in ("", "0"):
 import llama_cpp  # noqa: E402, F401  (missing: nox -s tests installs it from the build cache)
 
 from gemma4_harness.harness import synth  # noqa: E402
-from gemma4_harness.harness.core.cases import (
-    MODELS_DIR,  # noqa: E402
-    load_prompts,  # noqa: E402
-)
+from gemma4_harness.harness.core.cases import MODELS_DIR  # noqa: E402
 from gemma4_harness.harness.core.gates import DEFAULT_GATES, resolve  # noqa: E402
+from gemma4_harness.harness.core.prompts import load_prompts  # noqa: E402
 from gemma4_harness.harness.core.workers import EngineCrashed  # noqa: E402
 from gemma4_harness.harness.engines import EngineUnavailable, make_engine  # noqa: E402
 from gemma4_harness.harness.engines.llamacpp import INSTALL_MSG, LlamaCppEngine  # noqa: E402

@@ -11,8 +11,9 @@ pytest.importorskip(
     "llama_cpp",
     reason="llama-cpp-python not installed (pip install 'gemma4-harness[llamacpp]'; builds from source, ~5 min)")
 
-from gemma4_harness.harness.core.cases import MODELS_DIR, load_prompts  # noqa: E402
+from gemma4_harness.harness.core.cases import MODELS_DIR  # noqa: E402
 from gemma4_harness.harness.core.gates import DEFAULT_GATES  # noqa: E402
+from gemma4_harness.harness.core.prompts import load_prompts  # noqa: E402
 from gemma4_harness.harness.parity.checks.drafter import llamacpp_drafter_checks  # noqa: E402
 from gemma4_harness.harness.synth.drafter import ensure_drafter_built  # noqa: E402
 

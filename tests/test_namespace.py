@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -29,8 +28,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 STUB = REPO / "tests" / "cmd_stub.py"
-BUILD_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "gemma4_harness", "reference", "fast",
-                "harness", "cases")
 OURS = ("gemma4_harness", "harness", "reference", "fast", "__editable__")
 
 
@@ -39,30 +36,6 @@ def _clean_env(**extra: str) -> dict[str, str]:
            and k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(extra)
     return env
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    """A copy of the files a build reads (nothing is written into the clone)."""
-    src = tmp_path_factory.mktemp("src")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "_cases", "*.egg-info")
-    for name in BUILD_INPUTS:
-        p = REPO / name
-        if p.is_dir():
-            shutil.copytree(p, src / name, ignore=ignore)
-        else:
-            shutil.copy2(p, src / name)
-    return src
-
-
-@pytest.fixture(scope="module")
-def wheel(source, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                           "-q", "-w", str(out), str(source)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (whl,) = out.glob("gemma4_harness-*.whl")
-    return whl
 
 
 @pytest.fixture(scope="module")
@@ -99,14 +72,15 @@ def _venv(where: Path, deps: Path, *install: str) -> Path:
 
 
 @pytest.fixture(scope="module", params=["wheel", "editable"])
-def installed(request, source, deps, tmp_path_factory) -> tuple[str, Path, Path]:
-    """(kind, the virtualenv's bin folder, where its gemma4_harness.harness must come from)."""
+def installed(request, wheel_source, deps, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(kind, the virtualenv's bin folder, where its gemma4_harness.harness must come from); the wheel and the build
+    inputs are tests/conftest.py's (``wheel``, ``wheel_source``)."""
     where = tmp_path_factory.mktemp(f"venv-{request.param}")
     if request.param == "wheel":
         whl = request.getfixturevalue("wheel")
         bin_ = _venv(where, deps, str(whl))
         return request.param, bin_, where
-    return request.param, _venv(where, deps, "-e", str(source)), source
+    return request.param, _venv(where, deps, "-e", str(wheel_source)), wheel_source
 
 
 @pytest.fixture()

@@ -38,7 +38,7 @@ LOGPROB_FP32_ORDER_TOL = 2 * DEFAULT_GATES["llamacpp~reference.max_abs_logit"].l
 
 
 def _prompts():
-    from gemma4_harness.harness.core.cases import load_prompts
+    from gemma4_harness.harness.core.prompts import load_prompts
 
     return [p["prompt_ids"] for p in load_prompts() if len(p["prompt_ids"]) >= 5]
 

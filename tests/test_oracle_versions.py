@@ -16,8 +16,9 @@ import pytest
 
 from gemma4_harness.harness.cli import main as g4h
 from gemma4_harness.harness.core import hf_assistant
-from gemma4_harness.harness.core.cases import MODELS_DIR, load_prompts
+from gemma4_harness.harness.core.cases import MODELS_DIR
 from gemma4_harness.harness.core.gates import resolve
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.parity import cases as parity_cases
 from gemma4_harness.harness.parity.checks.oracle import oracle_rows
 from gemma4_harness.harness.parity.drift import drift_section, first_moved_point, oracle_drift

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gemma4_harness.harness.cli import main
-from gemma4_harness.harness.core.cases import load_prompts
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.parity.cases import case_name, case_names
 from gemma4_harness.harness.parity.job import QUICK_NEW_TOKENS, QUICK_PROMPTS, quick_prompts
 

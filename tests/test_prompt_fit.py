@@ -1,5 +1,5 @@
 """No prompt dropped in silence (issue 35): every prompt of ``g4h parity --model M --prompts FILE`` is judged or
-refused, before any engine work, with its file, line and reason (harness/core/cases.py refuse_unfit_prompts). An id
+refused, before any engine work, with its file, line and reason (harness/core/prompts.py refuse_unfit_prompts). An id
 outside the vocabulary, a prompt longer than the context, a prompt that fits the context but not the greedy tokens
 after it: bad input (exit 2, one line naming the prompt), never left out of a check. The same for ``g4h explain
 --prompts`` and a sweep's prompt set. A ``{"text"}`` prompt starting with ``<bos>`` gets the added BOS too, as
@@ -18,8 +18,8 @@ import pytest
 from variant_lab import build
 
 from gemma4_harness.harness.cli import main
-from gemma4_harness.harness.core.cases import refuse_unfit_prompts
-from gemma4_harness.harness.parity.checks.server import load_user_prompts, with_prompt_ids
+from gemma4_harness.harness.core.prompts import load_prompts, refuse_unfit_prompts
+from gemma4_harness.harness.tokenizer.prompt_ids import with_prompt_ids
 from gemma4_harness.reference.errors import InputError, PromptError
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"
@@ -105,11 +105,11 @@ def test_a_sweeps_prompt_set_refuses_a_prompt_that_does_not_fit(model, tmp_path)
 
     f = _file(tmp_path, *OOV)
     with pytest.raises(InputError, match=rf"^{f}:3: prompt 'oov': token id 600 is outside the vocabulary"):
-        prompts.for_model(prompts.load(f), model, vocab=VOCAB, context=CONTEXT, new_tokens=4, source=f)
+        prompts.for_model(load_prompts(f), model, vocab=VOCAB, context=CONTEXT, new_tokens=4, source=f)
 
 
-#: Every documented prompt-file form (README.md "Your own prompts"; harness/parity/checks/server.py
-#: load_user_prompts), each judged: exit 0 against a correct engine, every prompt a figure.
+#: Every documented prompt-file form (README.md "Your own prompts"; harness/core/prompts.py load_prompts), each
+#: judged: exit 0 against a correct engine, every prompt a figure.
 FORMS = ['{"text": "hello world"}', '{"id": "named", "text": "the cat sat"}', '{"prompt_ids": [2, 5, 6, 7]}',
          '{"id": 7, "prompt_ids": [2, 9, 10], "note": "a note"}', '', '{"id": "bos", "text": "<bos>hello"}']
 
@@ -128,7 +128,7 @@ def test_bos_in_text_is_the_added_bos_and_the_texts_own(model, tmp_path):
     """``{"text": "<bos>hello"}``: ``[2, 2, ...]`` as llama-server's /tokenize and transformers give it; the
     text's own line is kept beside the ids."""
     f = _file(tmp_path, '{"id": "bos", "text": "<bos>hello"}', '{"id": "plain", "text": "hello"}')
-    got = {p["id"]: p for p in with_prompt_ids(load_user_prompts(f), model)}
+    got = {p["id"]: p for p in with_prompt_ids(load_prompts(f), model)}
     assert got["bos"]["prompt_ids"][:2] == [2, 2] and got["bos"]["prompt_ids"][2:] == got["plain"]["prompt_ids"][1:]
     assert got["bos"]["where"] == f"{f}:1"
 
@@ -159,7 +159,7 @@ def test_bos_in_text_passes_llama_servers_tokenizer_check(request, which, tmp_pa
     model = request.getfixturevalue("synth_gguf" if which == "llama_server" else "gemma3_gguf")
     texts = BOS_TEXTS + (["hello <bos> world"] if which == "llama_server_gemma3" else [])
     f = _file(tmp_path, *(json.dumps({"id": f"t{i}", "text": t}) for i, t in enumerate(texts)))
-    ours = with_prompt_ids(load_user_prompts(f), model)
+    ours = with_prompt_ids(load_prompts(f), model)
     eng = make_engine(f"openai:{srv.url}/v1", model, server_timeout=30.0)
     try:
         (fig,) = tokenizer_figures(eng, [(p["id"], p["text"], p["prompt_ids"]) for p in ours])

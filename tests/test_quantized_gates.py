@@ -86,7 +86,7 @@ def test_moe_experts_round_each_product():
 def test_many_forwards_give_the_one_by_one_bits_under_the_emulation():
     """The parity job's prefetch (reference/batch.py: per-chain rounding and norms) against the lazy path, on a
     quantized file, with llama.cpp's numerics emulated and without."""
-    from gemma4_harness.harness.core.cases import load_prompts
+    from gemma4_harness.harness.core.prompts import load_prompts
     from gemma4_harness.harness.engines.reference import ReferenceEngine
     from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from gemma4_harness.harness import synth
-from gemma4_harness.harness.core.cases import MODELS_DIR
+from gemma4_harness.harness.core.cases import MODELS_DIR, builtin_specs
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.engines.reference import ReferenceEngine
 from gemma4_harness.harness.engines.transformers import TransformersEngine
-from gemma4_harness.harness.core.gates import DEFAULT_GATES
-from gemma4_harness.harness.core.cases import builtin_specs, load_prompts
 from gemma4_harness.harness.traces import TraceRecorder, layer_errors
 from gemma4_harness.reference import KVCache, forward, load_model
 

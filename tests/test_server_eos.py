@@ -62,11 +62,11 @@ def eos_model(tmp_path_factory) -> tuple[Path, Path]:
 def reference_streams(model: Path, texts: dict[str, str], n: int = 8) -> dict[str, list[int]]:
     """The reference's greedy streams of the text prompts (EOS not stopping them)."""
     from gemma4_harness.harness.engines import make_engine
-    from gemma4_harness.harness.parity.checks.server import _our_tokenizer
+    from gemma4_harness.harness.tokenizer.prompt_ids import model_tokenizer, text_ids
 
-    tok = _our_tokenizer(model)
+    tok = model_tokenizer(model)
     ref = make_engine("reference", str(model))
-    ids = [tok.encode(t, add_bos=True, parse_special=True) for t in texts.values()]
+    ids = [text_ids(tok, t) for t in texts.values()]
     return {k: g.tokens for k, g in zip(texts, ref.generate_full(ids, n))}
 
 

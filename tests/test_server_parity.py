@@ -18,16 +18,16 @@ import pytest
 from servers import FaultStub, free_port, running_llama_server
 
 from gemma4_harness.harness.cli import main
-from gemma4_harness.harness.core.cases import MODELS_DIR, load_prompts
+from gemma4_harness.harness.core.cases import MODELS_DIR
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.engines import EngineUnavailable, check_engine_name, engine_class, engine_kind, make_engine
 from gemma4_harness.harness.engines.openai import DOWN_HINT, OpenAIEngine, ServerError
 from gemma4_harness.harness.parity.checks.server import (
     CHAT_CASES,
     ServerOptions,
-    _our_tokenizer,
-    load_user_prompts,
     template_figures,
 )
+from gemma4_harness.harness.tokenizer.prompt_ids import model_tokenizer
 from gemma4_harness.reference.errors import InputError, PromptError
 
 #: The checks a broken-server run keeps (the others opted out, to keep those runs short).
@@ -84,13 +84,13 @@ def test_engine_name_with_a_server_down(synth_gguf):
 def test_server_prompt_file(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"text": "Hello"}\n\n{"id": "b", "prompt_ids": [2, 5]}\n')
-    assert load_user_prompts(f) == [{"id": 1, "text": "Hello", "where": f"{f}:1"},
-                                    {"id": "b", "prompt_ids": [2, 5], "where": f"{f}:3"}]
+    assert load_prompts(f) == [{"id": 1, "text": "Hello", "note": "", "where": f"{f}:1"},
+                               {"id": "b", "prompt_ids": [2, 5], "note": "", "where": f"{f}:3"}]
     for bad, why in (('{"text": ""}', "expected"), ('{"text": "a", "prompt_ids": [2]}', "one of them"),
                      ('{"prompt_ids": [2, true]}', "expected"), ("[1]", "expected"), ("{", "not valid JSON")):
         f.write_text(bad + "\n")
         with pytest.raises(PromptError, match=why) as ei:
-            load_user_prompts(f)
+            load_prompts(f)
         assert str(ei.value).startswith(f"{f}:1: ")
     with pytest.raises(InputError, match="--concurrency 0: expected >= 1"):
         ServerOptions(concurrency=0).check()
@@ -178,7 +178,7 @@ def test_logits_and_trace_refused_generate_works(llama_server, synth_gguf, tmp_p
 
 
 def test_chat_template_against_real_servers(llama_server, llama_server_chat, synth_gguf):
-    tok = _our_tokenizer(synth_gguf)
+    tok = model_tokenizer(synth_gguf)
     (good,) = template_figures(OpenAIEngine(llama_server_chat.url), tok)
     assert good.measured == 1.0 and good.detail["chats"] == 2 * len(CHAT_CASES)
     (bad,) = template_figures(OpenAIEngine(llama_server.url), tok)  # no template in the file: ChatML

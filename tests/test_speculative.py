@@ -14,8 +14,9 @@ from gemma4_harness.fast.engine import Engine, Request
 from gemma4_harness.fast.model import FastModel, SeqStep
 from gemma4_harness.fast.speculative import ModelProposer, OracleProposer, PartialProposer, RandomProposer, SpecEngine
 from gemma4_harness.harness.cli import main
-from gemma4_harness.harness.core.cases import MODELS_DIR, load_prompts
+from gemma4_harness.harness.core.cases import MODELS_DIR
 from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.parity.checks.speculative import compare_streams, scenarios, speculative_checks
 from gemma4_harness.harness.synth.drafter import ensure_drafter_built
 from gemma4_harness.reference import drafter as R

@@ -20,6 +20,7 @@ import sweep_models as models
 from rich.console import Console
 
 from gemma4_harness.harness.core.gates import DEFAULT_GATES, SWEEP_DIVERGENCE_REL_L2
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.engines.llamacpp import tools
 from gemma4_harness.harness.sweep import files, judge, prompts, tasks
 from gemma4_harness.harness.sweep.progress import Progress
@@ -101,20 +102,20 @@ def test_an_unusable_file_joins_no_group_and_keeps_its_problem(case_a, tmp_path)
 def test_prompts_by_ids_or_text_kept_inside_the_model(case_a, tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text('{"id": "a", "prompt_ids": [2, 10, 700]}\n{"prompt_ids": [2, 5, 6]}\n\n{"text": "hello world"}\n')
-    raw = prompts.load(p)
-    assert [r["id"] for r in raw] == ["a", "2", "4"]
+    raw = load_prompts(p)
+    assert [r["id"] for r in raw] == ["a", 2, 4]  # as written, or the line number
     with pytest.raises(InputError, match=rf"^{p}:1: prompt 'a': token id 700 is outside the vocabulary"):
         prompts.for_model(raw, case_a.gguf["F32"], vocab=512, context=4096, new_tokens=4, source=p)  # never dropped
-    with pytest.raises(InputError, match=rf"^{p}:2: prompt '2': 3 tokens and 4 new tokens"):
+    with pytest.raises(InputError, match=rf"^{p}:2: prompt 2: 3 tokens and 4 new tokens"):
         prompts.for_model(raw[1:], case_a.gguf["F32"], vocab=512, context=6, new_tokens=4, source=p)
     kept = prompts.for_model(raw[1:], case_a.gguf["F32"], vocab=512, context=4096, new_tokens=4, source=p)
-    assert [r["id"] for r in kept] == ["2", "4"]
+    assert [r["id"] for r in kept] == ["2", "4"]  # the sweep keys its rows by the id as text
     assert kept[1]["prompt_ids"][0] == 2 and len(kept[1]["prompt_ids"]) > 2  # BOS, then the text's tokens
     for bad in ('{"prompt_ids": []}', '{"text": 3}', '{"prompt_ids": [1], "text": "x"}', "nope",
                 '{"id": 1, "prompt_ids": [1]}\n{"id": 1, "prompt_ids": [2]}'):
         p.write_text(bad + "\n")
         with pytest.raises(InputError, match=str(p)):
-            prompts.load(p)
+            load_prompts(p)
     assert prompts.digest(kept) != prompts.digest(kept[:1])
 
 

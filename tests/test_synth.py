@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from gemma4_harness.harness import synth
-from gemma4_harness.harness.core.cases import builtin_specs, load_prompts
+from gemma4_harness.harness.core.cases import PROMPTS, builtin_specs
+from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.reference.names import gguf_to_hf, hf_to_gguf
 
 BUILTIN = {p.stem: p for p in builtin_specs()}
@@ -511,8 +512,9 @@ def test_lost_race_uses_winner(tmp_path, monkeypatch):
 
 
 def test_prompt_file_matches_generator():
-    recs = load_prompts()
-    assert recs == synth.make_prompts()
+    recs = load_prompts(ids_only=True)
+    assert [r["where"] for r in recs] == [f"{PROMPTS}:{n}" for n in range(1, len(recs) + 1)]
+    assert [{k: v for k, v in r.items() if k != "where"} for r in recs] == synth.make_prompts()
     lengths = [len(r["prompt_ids"]) for r in recs]
     assert lengths == [1, 5, 15, 16, 17, 32, 48, 83]
     for r in recs:

@@ -106,7 +106,7 @@ def vocabulary(request):
 
 @pytest.mark.parametrize("seed", [PROMPT_SEED, 1, 29])
 def test_every_default_text_prompt_round_trips_to_its_ids(vocabulary, seed):
-    from gemma4_harness.harness.parity.checks.server import text_ids
+    from gemma4_harness.harness.tokenizer.prompt_ids import text_ids
 
     name, tok, pieces = vocabulary
     encode = lambda t: text_ids(tok, t)  # noqa: E731 (the run's one text-to-ids path)
@@ -125,9 +125,8 @@ def test_a_length_no_text_has_is_refused_not_approximated():
     """The synthetic vocabulary with its space prefix spells the ``▁`` in front of a text as three byte tokens: no text
     of its pieces is 2 or 3 tokens long (BOS, then at least those three; special-token names, which are not drawn,
     aside), and none is made up."""
+    from gemma4_harness.harness.tokenizer.prompt_ids import text_ids
     from gemma4_harness.reference.tokenizer import GGUFTokenizer
-
-    from gemma4_harness.harness.parity.checks.server import text_ids
 
     tok = GGUFTokenizer(_synthetic(300), "synthetic-300")
     assert text_ids(tok, " ") == [2, 4 + 0xE2, 4 + 0x96, 4 + 0x81]
@@ -135,11 +134,12 @@ def test_a_length_no_text_has_is_refused_not_approximated():
 
 
 def test_default_text_prompts_keep_names_lengths_and_marks(synth_gguf):
-    from gemma4_harness.harness.core.cases import PROMPTS
-    from gemma4_harness.harness.parity.checks.server import default_text_prompts, load_user_prompts, with_prompt_ids
+    from gemma4_harness.harness.core.prompts import load_prompts
+    from gemma4_harness.harness.parity.checks.server import default_text_prompts
     from gemma4_harness.harness.synth.prompts import WINDOW_NAMED, named_for_window
+    from gemma4_harness.harness.tokenizer.prompt_ids import with_prompt_ids
 
-    ids = [{**p, "library": True, WINDOW_NAMED: True} for p in load_user_prompts(PROMPTS)]
+    ids = [{**p, "library": True, WINDOW_NAMED: True} for p in load_prompts()]
     texts, left = default_text_prompts(ids, synth_gguf)
     assert left == ["len1-bos"]  # BOS alone: an empty text, left out
     ids = [p for p in ids if p["id"] != "len1-bos"]

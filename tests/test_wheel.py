@@ -2,7 +2,8 @@
 empty folder without writing inside its environment.
 
 The wheel is built from a copy of the files a build reads (``pyproject.toml``, ``setup.py``, ``MANIFEST.in``, the
-three packages, ``cases/``), so the test writes nothing into the clone. The slow test installs it into a fresh
+three packages, ``cases/``: tests/conftest.py's ``wheel``, which tests/test_namespace.py installs too), so the test
+writes nothing into the clone. The slow test installs it into a fresh
 virtualenv whose dependencies come from this test environment's ``site-packages`` (one path line in a ``.pth``:
 pip resolves nothing and downloads nothing, and ``pip check`` still proves the wheel's requirements are met; the
 editable install of this clone is not on that path, because a ``.pth`` file inside a directory added by a path
@@ -15,7 +16,6 @@ Gemma 3 and tokenizer cases take minutes of CPU; the wheel's copy of their data 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,8 +25,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BUILD_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "gemma4_harness", "reference", "fast", "harness",
-                "cases")
 
 
 def _files_under(root: Path) -> set[str]:
@@ -36,25 +34,6 @@ def _files_under(root: Path) -> set[str]:
         dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
         out |= {Path(dirpath, f).relative_to(root).as_posix() for f in files if not f.startswith(".")}
     return out
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel, built without build isolation (setuptools of this environment) from a copy of the build inputs."""
-    src = tmp_path_factory.mktemp("src")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "_cases")
-    for name in BUILD_INPUTS:
-        p = REPO / name
-        if p.is_dir():
-            shutil.copytree(p, src / name, ignore=ignore)
-        else:
-            shutil.copy2(p, src / name)
-    out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                           "-q", "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (whl,) = out.glob("gemma4_harness-*.whl")
-    return whl
 
 
 def test_wheel_holds_the_case_library_kernel_sources_and_entry_points(wheel):

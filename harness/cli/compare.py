@@ -20,9 +20,9 @@ import numpy as np
 
 from gemma4_harness.reference.errors import InputError
 
-from ..core.cases import load_prompts, read_prompt_ids
 from ..core.finite import describe, first_nonfinite
 from ..core.io import write_json_atomic
+from ..core.prompts import load_prompts, read_prompt_ids
 from ..core.workers import EngineOutputError
 from ..engines import make_engine
 from ..engines.reference import ReferenceEngine
@@ -64,7 +64,7 @@ def _oracle_side(args: argparse.Namespace, kind: str, n_new: int | None):
         return engine.logits(read_prompt_ids(args.prompt_ids))
     if not args.prompts:
         raise InputError("g4h compare: --against on generations needs --prompts")
-    prompts = load_prompts(Path(args.prompts))
+    prompts = load_prompts(args.prompts, ids_only=True)
     gens = engine.generate_full([p["prompt_ids"] for p in prompts], n_new)
     return {str(p["id"]): {"tokens": g.tokens, "top": [[i for i, _ in s] for s in g.top],
                            "logprobs": [dict(s) for s in g.top]} for p, g in zip(prompts, gens)}
@@ -137,7 +137,7 @@ def _explain(args: argparse.Namespace, kind: str, pair: str, ours):
         ids = read_prompt_ids(args.prompt_ids)
         observed = [Observed(Path(args.prompt_ids).stem, list(ids), logits=ours)]
     else:
-        prompts = {str(p["id"]): list(p["prompt_ids"]) for p in load_prompts(Path(args.prompts))}
+        prompts = {str(p["id"]): list(p["prompt_ids"]) for p in load_prompts(args.prompts, ids_only=True)}
         observed = sorted((Observed(rid, prompts[rid], stream=s) for rid, s in ours.items() if rid in prompts),
                           key=lambda o: len(o.ids))[:MAX_PROMPTS]
     return explain_text(ref, observed, pair, budget_s=budget, top_n=args.top_n)

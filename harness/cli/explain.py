@@ -35,9 +35,10 @@ import numpy as np
 
 from gemma4_harness.reference.errors import InputError
 
-from ..core.cases import PROMPTS, load_prompts, read_prompt_ids, refuse_unfit_prompts
+from ..core.cases import PROMPTS
 from ..core.gates import DEFAULT_GATES
 from ..core.io import write_json_atomic
+from ..core.prompts import load_prompts, read_prompt_ids, refuse_unfit_prompts
 from ..engines import engine_kind, make_engine
 from ..engines.mm import ReferenceMM
 from ..engines.numerics import emulate
@@ -47,9 +48,9 @@ from ..parity.checks.explain_pair import observe, reseeded_errors
 from ..engines.base import TOP_N
 from ..parity.checks.pair import (GREEDY_NEW_TOKENS, ReferenceRuns, declared_effects, engine_numerics, not_greedy,
                                   pair_name, pair_near_tie)
-from ..parity.checks.server import load_user_prompts, with_prompt_ids
 from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, Observed, TextSubject, budget_seconds, explain_text
 from ..parity.explain_mm import MMReference, explain_mm
+from ..tokenizer.prompt_ids import with_prompt_ids
 from ..traces.format import TraceWriter
 from ._args import InFile, Number, OutFile, add_model_args, check_out_file, engine_options, resolve_model
 from ._mm import add_mm_args, mm_requested, open_mm_prompt
@@ -80,10 +81,11 @@ def _prompts(args: argparse.Namespace, path: Path, vocab: int, context: int) -> 
     if args.prompt_ids:
         return [{"id": Path(args.prompt_ids).stem, "prompt_ids": read_prompt_ids(args.prompt_ids)}]
     if args.prompts:  # the user's: every one used, or refused naming it (never dropped)
-        prompts = with_prompt_ids(load_user_prompts(args.prompts), path)
+        prompts = with_prompt_ids(load_prompts(args.prompts), path)
         refuse_unfit_prompts(prompts, vocab, context, 0, str(path), args.prompts)
         return prompts
-    usable = [p for p in load_prompts(PROMPTS) if max(p["prompt_ids"]) < vocab]  # the built-in set, cut to the model
+    usable = [p for p in load_prompts(PROMPTS, ids_only=True)  # the built-in set, cut to the model
+              if max(p["prompt_ids"]) < vocab]
     if not usable:
         raise InputError(f"{PROMPTS}: no prompt within the model's vocabulary of {vocab}")
     return usable

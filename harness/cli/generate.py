@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from gemma4_harness.reference.errors import InputError, PromptError
 
-from ..core.cases import load_prompts, read_prompt_ids
 from ..core.io import write_text_atomic
+from ..core.prompts import load_prompts, read_prompt_ids
 from ..engines import make_engine
 from ..engines.base import TOP_N
 from ._args import (
@@ -80,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         _, prompt, engine = open_mm_prompt(args, read_prompt_ids(args.prompt_ids))
         prompts, gens = [("prompt", prompt.ids)], [engine.generate_full(prompt, args.max_new_tokens)]
     else:
-        prompts = ([(p["id"], p["prompt_ids"]) for p in load_prompts(Path(args.prompts))] if args.prompts else
+        prompts = ([(p["id"], p["prompt_ids"]) for p in load_prompts(args.prompts, ids_only=True)] if args.prompts else
                    [("prompt", read_prompt_ids(args.prompt_ids))])
         engine = make_engine(args.engine, resolve_model(args.model, args.engine), **engine_options(args))
         ids = [p for _, p in prompts]

@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 
-from ..core.cases import read_prompt_ids
 from ..core.io import save_npy_atomic
+from ..core.prompts import read_prompt_ids
 from ..engines import make_engine
 from ._args import InFile, OutFile, add_model_args, check_out_file, engine_options, resolve_model
 from ._mm import add_mm_args, mm_requested, open_mm_prompt

@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "weight, then F32 > F16 > BF16)")
     p.add_argument("--prompts", default=str(PROMPTS), metavar="FILE.jsonl", type=InFile(streams=True),
                    help='prompt set, {"prompt_ids": [...]} or {"text": "..."} a line, optional "id" (default: '
-                        "cases/prompts/synthetic.jsonl; each group keeps the prompts inside its vocabulary)")
+                        "cases/prompts/synthetic.jsonl; every prompt must fit every group's vocabulary and context, "
+                        "one that does not is bad input naming its line)")
     p.add_argument("--max-new-tokens", type=Count(0, 1 << 16), default=8, metavar="N",
                    help="tokens of each greedy stream (default 8; 0: no greedy figures)")
     p.add_argument("--top-n", type=Count(1, 1 << 16), default=TOP_N, metavar="N",

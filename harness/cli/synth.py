@@ -8,7 +8,8 @@ import time
 
 from gemma4_harness.reference.errors import InputError
 
-from ..core.cases import builtin_specs, load_prompts, resolve_spec
+from ..core.cases import builtin_specs, resolve_spec
+from ..core.prompts import load_prompts
 from ..synth import ensure_built, logit_stats
 from ..synth.scale import FORMATS, write_scale_gguf
 from ._args import Count, OutDir, OutFile, check_out_file
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.layers is not None or args.out is not None:
         raise InputError("g4h synth: --layers and --out go with --shape")
     paths = [resolve_spec(s) for s in args.specs] or builtin_specs()
-    prompts = [r["prompt_ids"] for r in load_prompts()] if args.stats else []
+    prompts = [r["prompt_ids"] for r in load_prompts(ids_only=True)] if args.stats else []
     for p in paths:
         t0 = time.perf_counter()
         case = ensure_built(p, args.cache)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gemma4_harness.reference.errors import InputError
 
-from ..core.cases import read_prompt_ids
+from ..core.prompts import read_prompt_ids
 from ..core.workers import temp_folder
 from ..engines import make_engine
 from ..traces.format import TraceWriter, load_dump, read_trace, write_trace

@@ -32,10 +32,11 @@ from gemma4_harness.reference.mm_model import load_multimodal
 
 from .. import synth
 from ..core import engine_kinds
-from ..core.cases import drafter_spec_for, refuse_unfit_prompts
+from ..core.cases import drafter_spec_for
 from ..core.gates import resolve
 from ..core.hf_assistant import AssistantUnavailable
 from ..core.mm_prompts import MM_PROMPTS, load_mm_prompts
+from ..core.prompts import refuse_unfit_prompts
 from ..engines import engine_kind, make_engine
 from ..engines.checked import CheckedEngine
 from ..engines.mm import ReferenceMM
@@ -44,6 +45,7 @@ from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
 from ..synth.prompts import PROMPT_SEED, named_for_window
+from ..tokenizer.prompt_ids import with_prompt_ids
 from .checks import explain_pair  # noqa: F401 (registers the explanation of a failing pair: pair.ON_MEASURED)
 from .checks.drafter import drafter_checks, drafter_not_built, llamacpp_drafter_checks
 from .checks.fast import fast_checks, fast_packed_checks
@@ -55,7 +57,7 @@ from .checks.multimodal import mask_figures, mmproj_figures, oracle_figures, pre
 from .checks.oracle import oracle_rows
 from .checks.pair import GREEDY_NEW_TOKENS, ReferenceRuns, expected_sets, pair_checks
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
-from .checks.server import ServerOptions, default_text_prompts, spec_gates, with_prompt_ids
+from .checks.server import ServerOptions, default_text_prompts, spec_gates
 from .checks.speculative import speculative_checks
 from .checks.tokenizer import tokenizer_figures
 from .result import CaseResult, fig
@@ -239,7 +241,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
 
     Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; a prompt of the user's with an id
     outside the model's vocabulary, or too long for its context with the greedy tokens, is bad input naming it
-    (:func:`harness.core.cases.refuse_unfit_prompts`; :func:`harness.parity.job.run` checks it before any work);
+    (:func:`harness.core.prompts.refuse_unfit_prompts`; :func:`harness.parity.job.run` checks it before any work);
     the case library's set (records marked ``library``, when no ``--prompts`` was given) is cut to the model, and
     made text of the model's vocabulary, of the same names and lengths, when a server of ``against`` takes text
     prompts only (:data:`harness.engines.openai.TEXT_ONLY_DIALECTS`; :func:`_as_text`). A

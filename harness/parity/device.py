@@ -25,8 +25,8 @@ from gemma4_harness.fast.model import FastModel
 from gemma4_harness.reference import forward, load_model
 
 from ..core import kld, metrics
-from ..core.cases import load_prompts
 from ..core.io import write_text_atomic
+from ..core.prompts import load_prompts
 from .checks.fast import batched_vs_solo, static_vs_paged
 
 
@@ -63,7 +63,7 @@ def check_file(path: str, prompts, device: str) -> dict:
 def device_check(ggufs: list[str], out: str, device: str = "cuda", n_prompts: int = 8) -> dict:
     """Run :func:`check_file` on each GGUF with the first ``n_prompts`` synthetic prompts; write ``out``
     (JSON, atomically) and return it. A file that fails is recorded with its error and the next one runs."""
-    prompts = load_prompts()[:n_prompts]
+    prompts = load_prompts(ids_only=True)[:n_prompts]
     res = {"torch": torch.__version__, "python": platform.python_version(),
            "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "files": []}
     for g in ggufs:

@@ -35,20 +35,22 @@ import torch
 from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.weights import load_model
 
-from ..core.cases import PROMPTS, builtin_specs, load_prompts, refuse_unfit_prompts
+from ..core.cases import PROMPTS, builtin_specs
 from ..core.io import staged_run_dir, write_json_atomic
-from ..core.progress import Display, activate
 from ..core.paths import cache_root
+from ..core.progress import Display, activate
+from ..core.prompts import load_prompts, refuse_unfit_prompts
 from ..core.workers import process_pool
 from ..engines import check_engine_name
 from ..engines.variants import activate_from_env, active
 from ..synth.mm_case import builtin_mm_specs
 from ..synth.prompts import WINDOW_NAMED
+from ..tokenizer.prompt_ids import with_prompt_ids
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
 from .cases import case_names, gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
 from .checks.pair import ORACLES
-from .checks.server import ServerOptions, load_user_prompts, with_prompt_ids
+from .checks.server import ServerOptions
 from .drift import oracle_drift as compute_drift
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
@@ -230,9 +232,9 @@ def _run_planned(plan_args: dict[str, Any], index: int) -> CaseResult:
 
 def check_user_prompts(prompts: list[dict[str, Any]], models: list[str], new_tokens: int, source: Any) -> None:
     """Every prompt of the user's set judged against each model before any engine work
-    (:func:`harness.core.cases.refuse_unfit_prompts`: an id outside the vocabulary, or a prompt that leaves no room
+    (:func:`harness.core.prompts.refuse_unfit_prompts`: an id outside the vocabulary, or a prompt that leaves no room
     for ``new_tokens`` in the context, is bad input naming its line, never dropped). Text prompts are tokenized with
-    the model's tokenizer as the pairs will (:func:`harness.parity.checks.server.with_prompt_ids`). A model that
+    the model's tokenizer as the pairs will (:func:`harness.tokenizer.prompt_ids.with_prompt_ids`). A model that
     cannot be read is left to its case (its own bad input, said there).
 
     Raises:
@@ -380,7 +382,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         write_baseline: also write this run's deterministic part
             (:func:`harness.parity.baseline.strip_volatile`) here.
         regression_factor: how many times worse a figure may get than in the baseline.
-        prompts: the prompt set (JSONL, :func:`harness.core.cases.load_prompts`).
+        prompts: the prompt set (JSONL, :func:`harness.core.prompts.load_prompts`; token ids only without ``models``).
         skip: checks the user opts out of (:data:`harness.parity.skips.SKIPPABLE`); a check that
             cannot run and was not opted out fails the run.
         slow: also run the slow checks (transformers' GGUF tokenizer conversion).
@@ -388,7 +390,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             ``server_timeout`` for ``openai:URL``; ``cache_gb`` (``--ref-cache-gb``) and ``layers`` (``--layers``),
             which the reference takes too).
         server: options of the server checks of an ``openai:URL`` engine (:class:`ServerOptions`). With ``models``
-            the prompt set may also hold ``{"text"}`` lines (:func:`harness.parity.checks.server.load_user_prompts`).
+            the prompt set may also hold ``{"text"}`` lines.
         weights: the fast engine's GGUF weight mode (``packed``/``dequantized``; None: packed for a quantized
             GGUF, :func:`harness.engines.fast.default_weight_mode`). Built-in cases check fast packed on every
             quantized GGUF (:func:`harness.parity.checks.fast.fast_packed_checks`) unless ``dequantized``.
@@ -438,7 +440,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     if quick and (baseline or write_baseline):
         raise InputError("--quick runs a few short prompts: it cannot be compared with a baseline or written as one "
                          "(leave out --quick, or --baseline / --write-baseline)")
-    prompt_set = load_user_prompts(prompts) if models else load_prompts(prompts)
+    prompt_set = load_prompts(prompts, ids_only=not models)
     if models and Path(prompts) == Path(PROMPTS):  # the default set: named by each model's own window (user_case)
         prompt_set = [{**p, WINDOW_NAMED: True} for p in prompt_set]
     quick_note, user_skip = "", skip

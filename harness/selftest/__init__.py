@@ -45,10 +45,11 @@ from gemma4_harness.reference.mm_model import MultimodalModel, MultimodalPrompt,
 from gemma4_harness.reference.weights import load_model
 
 from .. import synth
-from ..core.cases import builtin_specs, load_prompts
+from ..core.cases import builtin_specs
 from ..core.gates import DEFAULT_GATES, resolve
 from ..core.io import markdown_table, staged_run_dir, write_json_atomic, write_text_atomic
 from ..core.mm_prompts import load_mm_prompts, prompt_media, resolve_ids
+from ..core.prompts import load_prompts
 from ..engines.mm import ReferenceMM
 from ..engines.mm_fast import FastMM
 from ..synth.mm_case import builtin_mm_specs, ensure_mm_built, load_mm_spec
@@ -214,7 +215,7 @@ def run_selftest(cases: Sequence[str] | None = None, prompt_ids: Sequence[str] |
         known_text, known_mm = {s.stem: s for s in specs}, {s.stem: s for s in mm_specs}
         specs = [known_text[c] for c in cases if c in known_text]  # in the order asked for
         mm_specs = [known_mm[c] for c in cases if c in known_mm]
-    prompts = load_prompts()
+    prompts = load_prompts(ids_only=True)
     mut_runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in MUTANTS + EQUIVALENT + MM_MUTANTS}
     controls = []
     rules = {}

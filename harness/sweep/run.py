@@ -32,6 +32,7 @@ from ..core.cases import PROMPTS
 from ..core.engine_kinds import default_against, planned_kinds
 from ..core.memory import GB, plan
 from ..core.paths import default_reports_dir
+from ..core.prompts import load_prompts
 from ..engines import check_engine_name, engine_kind
 from ..engines.base import TOP_N
 from . import cluster, judge, tasks
@@ -514,7 +515,7 @@ def plan_sweep(models: Sequence[str], opts: SweepOptions, say: Callable[[str], N
     if not files:
         raise InputError("no decoder among the models named (only mmproj files?)")
     groups, bad = group_files(files, opts.base)
-    raw = prompt_sets.load(opts.prompts)
+    raw = load_prompts(opts.prompts)
     gp = {g.name: prompt_sets.for_model(raw, g.base.path, g.base.vocab, g.base.context, opts.new_tokens, opts.prompts)
           for g in groups}
     return groups, bad, gp, skipped

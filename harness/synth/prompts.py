@@ -1,7 +1,7 @@
 """The synthetic prompt set (``cases/prompts/synthetic.jsonl``): how it was made, so a test can remake it.
 
 Prompts are BOS then byte-token ids (valid in every spec's vocabulary), with lengths around and at
-multiples of the built-in cases' sliding window (16). :func:`harness.core.cases.load_prompts` reads
+multiples of the built-in cases' sliding window (16). :func:`harness.core.prompts.load_prompts` reads
 the committed file.
 
 Random byte tokens are rarely UTF-8, so a server that takes text prompts only (llama-cpp-python's, the generic
@@ -143,7 +143,7 @@ def text_prompt(tok: Any, encode: Callable[[str], list[int]], n: int, seed: int 
     Args:
         tok: the model's tokenizer (:class:`reference.tokenizer.GGUFTokenizer`: ``tokens``, ``types``, ``bos_id``,
             ``decode``).
-        encode: text -> the ids the run uses (:func:`harness.parity.checks.server.text_ids`: BOS added, special-token
+        encode: text -> the ids the run uses (:func:`harness.tokenizer.prompt_ids.text_ids`: BOS added, special-token
             text parsed).
         n: the length in tokens (BOS included); seed: the draws' seed.
         pieces: :func:`text_pieces` of ``tok`` (made here when None; pass it to make several prompts).

@@ -74,7 +74,7 @@ def check_synthetic(built_case, prompts: Iterable[Any], *, threads: int | None =
 
     Args:
         built_case: a :class:`harness.synth.BuiltCase` (``ensure_built``).
-        prompts: prompt records (``{"id", "prompt_ids"}``, e.g. :func:`harness.core.cases.load_prompts`) or id lists.
+        prompts: prompt records (``{"id", "prompt_ids"}``, e.g. :func:`harness.core.prompts.load_prompts`) or id lists.
         threads: llama.cpp CPU threads.
         n_ubatch: llama.cpp physical batch (default: the whole prompt in one ubatch).
         trace: also compare the trace points on the longest prompt and name the first that diverges.

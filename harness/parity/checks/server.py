@@ -57,11 +57,9 @@ import pandas as pd
 from gemma4_harness.reference.chat import BOS as BOS_TEXT
 from gemma4_harness.reference.chat import render
 from gemma4_harness.reference.errors import InputError, PromptError
-from gemma4_harness.reference.files import read_text
 from gemma4_harness.reference.tokenizer import BYTE, NORMAL, GGUFTokenizer, read_gguf_metadata
 
 from ... import synth
-from ...core.cases import MAX_PROMPT_BYTES, PROMPTS, prompt_id
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, gate_for
 from ...core.io import dataframe_markdown
 from ...core.metrics import log_softmax
@@ -70,7 +68,7 @@ from ...core.workers import EngineFailure
 from ...engines.base import TOP_N
 from ...engines.openai import OpenAIEngine, ServerError, ServerGenerated, end_of_generation_ids
 from ...synth.prompts import PROMPT_SEED, text_pieces, text_prompt
-from ...tokenizer.files import load_tokenizer_metadata
+from ...tokenizer.prompt_ids import model_tokenizer, text_ids
 from ..compare import generation_figures
 from ..result import Figure, fig
 from ..skips import skipped
@@ -83,8 +81,7 @@ from .pair import (
     numerics_lines,
 )
 
-__all__ = ["REQUIRABLE", "ServerOptions", "load_user_prompts", "report_lines", "server_checks",
-           "spec_gates", "with_prompt_ids"]
+__all__ = ["REQUIRABLE", "ServerOptions", "report_lines", "server_checks", "spec_gates"]
 
 REQUIRABLE = ("server-template", "server-prompt-logprobs")
 """Server checks a dialect may not offer (llama-cpp-python has no chat-template endpoint, llama-server no prompt
@@ -155,69 +152,13 @@ class ServerOptions:
             raise InputError(f"--require {bad[0]!r}: expected one of {', '.join(REQUIRABLE)}")
 
 
-def load_user_prompts(path: str | Path = PROMPTS) -> list[dict[str, Any]]:
-    """Read a user's prompt file: one JSON object a line, ``{"text": "..."}`` or ``{"prompt_ids": [int, ...]}``,
-    each with an optional ``"id"``, a string or an integer (default: the line number); other keys (``"note"``) are
-    ignored. Blank lines are skipped.
-
-    Returns:
-        ``[{"id", "text", "where"} | {"id", "prompt_ids", "where"}, ...]`` in file order (``where``: ``FILE:LINE``;
-        :func:`with_prompt_ids` tokenizes texts).
-
-    Raises:
-        PromptError: unreadable or non-UTF-8 file, a line that is neither form, an id that is neither a string nor
-            an integer, a duplicate id (ids are compared as text: ``1`` and ``"1"`` are one id), no prompt.
-    """
-    path = Path(path)
-    lines = read_text(path, max_bytes=MAX_PROMPT_BYTES, error=PromptError).splitlines()
-    out, seen = [], set()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            raise PromptError(f"{path}:{n}: not valid JSON") from None
-        ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
-        text = obj.get("text") if isinstance(obj, dict) else None
-        good_ids = isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-        if (ids is None) == (text is None) or (text is not None and not (isinstance(text, str) and text)) or \
-                (ids is not None and not good_ids):
-            raise PromptError(f"{path}:{n}: expected {{\"text\": \"...\"}} or {{\"prompt_ids\": [int, ...]}} "
-                              "(one of them, non-empty), with an optional \"id\"")
-        pid = prompt_id(obj, n, path, seen)
-        out.append({"id": pid, "text": text, "where": f"{path}:{n}"} if text is not None else
-                   {"id": pid, "prompt_ids": ids, "where": f"{path}:{n}"})
-    if not out:
-        raise PromptError(f"{path}: no prompts")
-    return out
-
-
-def with_prompt_ids(prompts: Sequence[dict[str, Any]], path: str | Path) -> list[dict[str, Any]]:
-    """The prompts with ``prompt_ids`` for each: a ``{"text"}`` prompt gets our tokenizer's ids of the model at
-    ``path`` (BOS added, special-token text parsed) and keeps its text (the server's tokenizer check reads it).
-
-    Raises:
-        InputError: text prompts, and no tokenizer in the model (the path is named).
-    """
-    if not any("text" in p and "prompt_ids" not in p for p in prompts):
-        return list(prompts)
-    tok = _our_tokenizer(path)
-    return [p if "prompt_ids" in p else {**p, "prompt_ids": text_ids(tok, p["text"])} for p in prompts]
-
-
-def text_ids(tok: GGUFTokenizer, text: str) -> list[int]:
-    """Our ids of a text prompt: BOS added, special-token text parsed (as a server tokenizes a text prompt). The one
-    text-to-ids path of the prompts: :func:`with_prompt_ids`, :func:`default_text_prompts`."""
-    return tok.encode(text, add_bos=True, parse_special=True)
-
-
 def default_text_prompts(prompts: Sequence[dict[str, Any]], path: str | Path,
                          seed: int = PROMPT_SEED) -> tuple[list[dict[str, Any]], list[str]]:
     """The case library's default prompts as text, for a server that takes text prompts only
     (:data:`harness.engines.openai.TEXT_ONLY_DIALECTS`): each record keeps its id, note and marks and gets a text of
     as many tokens, built from the model's own vocabulary so that its ids survive the round trip ids -> text -> ids
-    (:func:`harness.synth.prompts.text_prompt`, ``seed``), with ``prompt_ids`` its ids (:func:`text_ids`). The
+    (:func:`harness.synth.prompts.text_prompt`, ``seed``), with ``prompt_ids`` its ids
+    (:func:`harness.tokenizer.prompt_ids.text_ids`, the one text-to-ids path). The
     server's tokenizer then judges each text (``server.tokenizer``, where the dialect has one).
 
     An empty text (the BOS-only prompt) is left out: llama-cpp-python answers an empty prompt with log-prob lists
@@ -231,7 +172,7 @@ def default_text_prompts(prompts: Sequence[dict[str, Any]], path: str | Path,
     Raises:
         InputError: no tokenizer in the model (the path is named).
     """
-    tok = _our_tokenizer(path)
+    tok = model_tokenizer(path)
     pieces = text_pieces(tok.tokens, tok.types)
     out, left = [], []
     for p in prompts:
@@ -324,19 +265,6 @@ def spec_gates(path: str | Path) -> dict[str, Any] | None:
     return None
 
 
-def _our_tokenizer(path: str | Path) -> GGUFTokenizer:
-    """Our tokenizer of the model: the GGUF's vocabulary, or an HF folder's ``tokenizer.json``.
-
-    Raises:
-        InputError: no tokenizer there (the path is named).
-    """
-    p = Path(path)
-    src = p / "tokenizer.json" if p.is_dir() else p
-    if not src.is_file():
-        raise InputError(f"{p}: no tokenizer.json in this folder (the text prompts and chat checks need one)")
-    return GGUFTokenizer(load_tokenizer_metadata(src), source=str(src))
-
-
 def _states_template(path: str | Path) -> bool:
     """Whether the model states its chat template: a GGUF's ``tokenizer.chat_template``, an HF folder's
     ``chat_template`` in ``tokenizer_config.json`` or a ``chat_template.jinja`` beside it."""
@@ -401,7 +329,7 @@ def _opted_out(gate: str, name: str) -> Figure:
 
 def tokenizer_figures(eng: OpenAIEngine, texts: Sequence[tuple[Any, str, list[int]]]) -> list[Figure]:
     """``server.tokenizer``: each text through the server's tokenizer (BOS added, special markers parsed) against
-    ``ids``, our tokenizer's (:func:`with_prompt_ids`)."""
+    ``ids``, our tokenizer's (:func:`harness.tokenizer.prompt_ids.with_prompt_ids`)."""
     rows = []
     for pid, text, mine in texts:
         theirs = _named(pid, eng.tokenize, text, add_special=True)
@@ -764,7 +692,7 @@ def template_figures(eng: OpenAIEngine, tok: GGUFTokenizer) -> list[Figure]:
         for name, messages in CHAT_CASES:
             n += 1
             text = render(messages, add_generation_prompt=True, enable_thinking=thinking, bos=False)
-            ours = tok.encode(text, add_bos=True, parse_special=True)
+            ours = text_ids(tok, text)
             theirs, their_text = _named(f"chat {name!r}", eng.chat_ids, messages, enable_thinking=thinking)
             shown = None if their_text is None else their_text.removeprefix(BOS_TEXT)
             if theirs == ours and shown in (None, text):
@@ -826,7 +754,7 @@ def server_checks(eng: OpenAIEngine, runs: ReferenceRuns, prompts: Sequence[dict
     n = opts.max_new_tokens
     out: list[Figure] = []
     texts = [(p["id"], p["text"], list(p["prompt_ids"])) for p in prompts if "text" in p]
-    tok = _our_tokenizer(path)
+    tok = model_tokenizer(path)
     if texts and eng.dialect == "openai":
         why = ("not offered by the generic OpenAI dialect: no tokenizer endpoint (the texts are sent as text; the ids "
                "the server evaluates are not seen)")
@@ -902,7 +830,7 @@ def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> li
 
 
 EXTRA_CHECKS["openai"] = server_checks
-OpenAIEngine.local_tokenizer_of = staticmethod(_our_tokenizer)  # the generic dialect's texts (a layer below cannot)
+OpenAIEngine.local_tokenizer_of = staticmethod(model_tokenizer)  # the generic dialect's texts (a layer below cannot)
 
 
 # --------------------------------------------------------------------------- the report
