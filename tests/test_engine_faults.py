@@ -277,15 +277,14 @@ def test_a_gate_that_measured_nothing_is_not_a_pass():
 def test_a_token_the_server_cannot_name_is_an_engine_failure():
     """llama-cpp-python names tokens by their text; a byte token's text is ``''`` (what a sampling server landed on
     in the field). The client cannot say which token that was: an engine failure naming the step, not bad input."""
-    from gemma4_harness.harness.engines.openai import OpenAIEngine, ServerFailure
+    from gemma4_harness.harness.engines.openai import LlamaCppPython, OpenAIEngine, ServerFailure
 
-    eng = object.__new__(OpenAIEngine)  # the two tokenizer calls answered as llama-cpp-python answers them
-    eng._text_id, eng._id_text = {}, {}
-    eng.tokenize = lambda text, add_special=True: {"The": [651], "": []}.get(text, [651, 7])
-    eng.detokenize = lambda ids: {651: "The"}.get(ids[0], "?")
+    lcp = LlamaCppPython(object.__new__(OpenAIEngine))  # the two tokenizer calls answered as llama-cpp-python does
+    lcp.tokenize = lambda text, add_special=True: {"The": [651], "": []}.get(text, [651, 7])
+    lcp.detokenize = lambda ids: {651: "The"}.get(ids[0], "?")
     with pytest.raises(ServerFailure, match=r"names step 1's token only by the text '', which is no single token") \
             as ei:
-        eng._lcp_ids("http://x/v1/completions", ["The", ""])
+        lcp.ids("http://x/v1/completions", ["The", ""])
     assert ei.value.step == 1 and not isinstance(ei.value, InputError)
 
 
