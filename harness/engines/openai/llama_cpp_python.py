@@ -10,6 +10,7 @@ go as the server's own detokenization of the ids, checked to tokenize back to th
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Mapping, Sequence
 
 from gemma4_harness.reference.errors import InputError
@@ -36,6 +37,7 @@ class LlamaCppPython(Dialect):
         self._text_id: dict[str, int | None] = {}  # token text -> id
         self._id_text: dict[int, str] = {}
         self._texts: dict[str, int] | None = None  # the model file's unique token texts
+        self._texts_lock = threading.Lock()
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         """``/extras/tokenize`` always adds BOS: without ``add_special`` that BOS is dropped."""
@@ -241,29 +243,35 @@ class LlamaCppPython(Dialect):
     def _vocab_texts(self) -> dict[str, int]:
         """Text -> id for every token of the model file (a GGUF) whose text, as llama.cpp renders one token without
         specials (a normal piece with ``▁`` as a space, a byte token's byte where it is a whole UTF-8 character; a
-        user-defined piece as it is), is non-empty and no other token's; empty for another model form."""
-        if self._texts is None:
-            self._texts = {}
-            path = getattr(self.eng, "path", None)
-            if path is not None and str(path).endswith(".gguf"):
-                try:
-                    tok = tokenizer_from_gguf(path)
-                except InputError:
-                    return self._texts
-                seen: dict[str, int | None] = {}
-                for i, (t, ty) in enumerate(zip(tok.tokens, tok.types)):
-                    if ty == NORMAL:
-                        text = t.replace("\u2581", " ")
-                    elif ty == BYTE and len(t) == 6 and t.startswith("<0x"):
-                        text = bytes([int(t[3:5], 16)]).decode("utf-8", "ignore")
-                    elif ty == USER_DEFINED:
-                        text = t
-                    else:
-                        continue
-                    if text:
-                        seen[text] = None if text in seen else i
-                self._texts = {k: v for k, v in seen.items() if v is not None}
+        user-defined piece as it is), is non-empty and no other token's; empty for another model form. Read once,
+        under a lock: a request in flight that asks while another reads it waits for the whole table."""
+        with self._texts_lock:
+            if self._texts is None:
+                self._texts = self._read_vocab_texts()
         return self._texts
+
+    def _read_vocab_texts(self) -> dict[str, int]:
+        """:meth:`_vocab_texts`, read from the model file."""
+        path = getattr(self.eng, "path", None)
+        if path is None or not str(path).endswith(".gguf"):
+            return {}
+        try:
+            tok = tokenizer_from_gguf(path)
+        except InputError:
+            return {}
+        seen: dict[str, int | None] = {}
+        for i, (t, ty) in enumerate(zip(tok.tokens, tok.types)):
+            if ty == NORMAL:
+                text = t.replace("\u2581", " ")
+            elif ty == BYTE and len(t) == 6 and t.startswith("<0x"):
+                text = bytes([int(t[3:5], 16)]).decode("utf-8", "ignore")
+            elif ty == USER_DEFINED:
+                text = t
+            else:
+                continue
+            if text:
+                seen[text] = None if text in seen else i
+        return {k: v for k, v in seen.items() if v is not None}
 
     def prompt_logprobs(self, ids: list[int], top_n: int) -> list[tuple[float, list[tuple[int, float]]] | None]:
         url = self.eng.base + "/completions"
