@@ -40,7 +40,6 @@ class ServerGenerated(Generated):
         self.stream_error: str | None = None
 
 
-
 class Dialect:
     """One server dialect: the requests it takes and how its answers read back, for one engine.
 
