@@ -277,16 +277,48 @@ def test_a_gate_that_measured_nothing_is_not_a_pass():
 def test_a_token_the_server_cannot_name_is_an_engine_failure():
     """llama-cpp-python names tokens by their text; a byte token's text is ``''`` (what a sampling server landed on
     in the field). The client cannot say which token that was: an engine failure naming the step, not bad input."""
-    from gemma4_harness.harness.engines.openai import OpenAIEngine, ServerFailure
+    from gemma4_harness.harness.engines.openai import LlamaCppPython, OpenAIEngine, ServerFailure
 
-    eng = object.__new__(OpenAIEngine)  # the two tokenizer calls answered as llama-cpp-python answers them
-    eng._text_id, eng._id_text = {}, {}
-    eng.tokenize = lambda text, add_special=True: {"The": [651], "": []}.get(text, [651, 7])
-    eng.detokenize = lambda ids: {651: "The"}.get(ids[0], "?")
+    lcp = LlamaCppPython(object.__new__(OpenAIEngine))  # the two tokenizer calls answered as llama-cpp-python does
+    lcp.tokenize = lambda text, add_special=True: {"The": [651], "": []}.get(text, [651, 7])
+    lcp.detokenize = lambda ids: {651: "The"}.get(ids[0], "?")
     with pytest.raises(ServerFailure, match=r"names step 1's token only by the text '', which is no single token") \
             as ei:
-        eng._lcp_ids("http://x/v1/completions", ["The", ""])
+        lcp.ids("http://x/v1/completions", ["The", ""])
     assert ei.value.step == 1 and not isinstance(ei.value, InputError)
+
+
+def test_requests_in_flight_wait_for_the_whole_table_of_token_texts(monkeypatch):
+    """llama-cpp-python's text -> id table read from the model file (for texts its tokenizer does not produce alone) is
+    built once, for every request in flight: one that asks while another builds it gets the whole table, not an
+    empty one that names a token of the model "no single token" (an engine failure on a correct server)."""
+    import concurrent.futures as cf
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from gemma4_harness.harness.engines.openai import LlamaCppPython, OpenAIEngine
+    from gemma4_harness.harness.engines.openai import llama_cpp_python
+    from gemma4_harness.reference.tokenizer import CONTROL, NORMAL
+
+    reading = threading.Event()
+
+    def slow_vocabulary(path):  # a GGUF's vocabulary takes a while to read
+        reading.set()
+        time.sleep(0.5)
+        return SimpleNamespace(tokens=["<pad>", "\u2581t495"], types=[CONTROL, NORMAL])
+
+    monkeypatch.setattr(llama_cpp_python, "tokenizer_from_gguf", slow_vocabulary)
+    eng = object.__new__(OpenAIEngine)
+    eng.path = "model.gguf"
+    lcp = LlamaCppPython(eng)  # its tokenizer spells " t495" with two tokens; its detokenizer names token 1 so
+    lcp.tokenize = lambda text, add_special=True: [7, 8]
+    lcp.detokenize = lambda ids: {1: " t495"}.get(ids[0], "?")
+    with cf.ThreadPoolExecutor(2) as ex:
+        first = ex.submit(lcp.id_of, " t495")
+        assert reading.wait(10)
+        second = ex.submit(lcp.id_of, " t495")
+        assert (first.result(), second.result()) == (1, 1)
 
 
 def test_text_prompts_without_ids_against_a_failing_server(llama_server, synth_gguf, tmp_path, capsys):

@@ -85,7 +85,7 @@ def test_missing_steps_follow_the_complete_utf8_rule(llama_server):
     (g,) = eng.generate_full([max(_prompts(), key=len)], 16)
     text, cut = b"", []
     for i, t in enumerate(g.tokens):
-        text += eng._pieces[t]
+        text += eng.server.pieces[t]
         if utf8_cut(text):
             cut.append(i)
     assert g.missing == cut

@@ -102,25 +102,25 @@ def test_text_agrees_as_decoders_render_bytes():
 
 
 def _generic(gguf: Path, hint: list[int], top: list[dict[int, float]] | None = None):
-    from gemma4_harness.harness.engines.openai import OpenAIEngine
+    from gemma4_harness.harness.engines.openai import Generic, OpenAIEngine
 
     eng = OpenAIEngine.__new__(OpenAIEngine)
-    eng.path, eng.dialect, eng.hints = gguf, "openai", {}
-    return eng, hint, top or [{} for _ in hint]
+    eng.path, eng.hints = gguf, {}
+    return Generic(eng), hint, top or [{} for _ in hint]
 
 
 def test_generic_ids_follow_the_oracle_while_the_text_does(eos_model):
     gguf, _ = eos_model
     t260, t261 = 260, 261  # fillers "▁t260", "▁t261"
     a, b = 4 + ord("a"), 4 + ord("b")
-    eng, hint, top = _generic(gguf, [a, t260, b, EOS_ID, a], [{a: -0.1}, {t260: -0.2, t261: -1.0}, {b: -0.1},
+    gen, hint, top = _generic(gguf, [a, t260, b, EOS_ID, a], [{a: -0.1}, {t260: -0.2, t261: -1.0}, {b: -0.1},
                                                               {EOS_ID: -0.1, a: -2.0}, {a: -0.1}])
-    assert eng._generic_ids("a t260b", 5, None, "stop", hint, top) == [a, t260, b]  # then EOS (_end_with_eog)
+    assert gen.ids("a t260b", 5, None, "stop", hint, top) == [a, t260, b]  # then EOS (_end_with_eog)
     # the server took the oracle's runner-up at step 1: named by the oracle's top-N
-    assert eng._generic_ids("a t261b", 5, None, "stop", hint, top)[:2] == [a, t261]
+    assert gen.ids("a t261b", 5, None, "stop", hint, top)[:2] == [a, t261]
     # a text no candidate explains: -1 at that step, the rest unknown up to the count of a length finish
-    assert eng._generic_ids("a zzz", 5, 5, "length", hint, top) == [a, -1, -1, -1, -1]
-    assert eng._generic_ids("a t260b", 5, 5, "stop", None, None) == [-1]  # no oracle stream: nothing named
+    assert gen.ids("a zzz", 5, 5, "length", hint, top) == [a, -1, -1, -1, -1]
+    assert gen.ids("a t260b", 5, 5, "stop", None, None) == [-1]  # no oracle stream: nothing named
 
 
 def _answer(text: str, tokens: list[int], error: str | None = None):

@@ -100,7 +100,7 @@ KINDS: tuple[EngineKind, ...] = (
                "any program speaking the subprocess protocol (docs/engine-protocol.md): cmd:'COMMAND ...'",
                "cmd:'COMMAND ...' (docs/engine-protocol.md)", scheme=True, declares="hello",
                options=("check_greedy",)),
-    EngineKind("openai", "gemma4_harness.harness.engines.openai", "OpenAIEngine",
+    EngineKind("openai", "gemma4_harness.harness.engines.openai.engine", "OpenAIEngine",
                "a model behind an OpenAI-compatible server (generate only): openai:http://HOST:PORT/v1",
                "openai:URL (a server)", scheme=True,
                options=("server_model", "server_timeout", "check_greedy", "declare", "dialect"),
