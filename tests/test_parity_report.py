@@ -285,3 +285,24 @@ def test_g4h_parity_prints_its_verdict_table_once(monkeypatch, tmp_path, capsys)
     assert out.count("tiny-case") == 2, out  # one table row, one explanation line
     assert sum("tokenizer.check" in ln and "FAIL" in ln for ln in out.splitlines()) == 1, out
     assert out.count("explained by spec variant X") == 1, out
+
+
+def test_a_pass_whose_fault_figure_had_no_resolution_says_so():
+    """A quantized server's ``agreeing_positions`` where int8 rounding flips are too dense to judge by positions is
+    reported, not gated; the run may pass on its other gates, and its verdict line then names the figure that could
+    not judge (a rows x1.02 fault on the real Gemma 3 270M Q4_K_M behind llama-server passed with "PASS: every gate
+    passed" and nothing else on the line: the field table of issue 35)."""
+    from gemma4_harness.harness.core.gates import DEFAULT_GATES
+    from gemma4_harness.harness.parity.job import exit_status, verdict
+    from gemma4_harness.harness.parity.result import CaseResult, fig
+
+    res = CaseResult(case="m.gguf", kind="user", model="m.gguf")
+    res.apply([fig("reference~openai.greedy", 1.0, None),
+               fig("reference~openai_q8.agreeing_positions", float("nan"), None, informational_reason="too dense",
+                   no_resolution="the greedy streams gate alone")], DEFAULT_GATES)
+    assert exit_status([res]) == 0
+    line = verdict([res], 0)
+    assert line.startswith("PASS:") and "no resolution: m.gguf/reference~openai_q8.agreeing_positions" in line, line
+    res = CaseResult(case="m.gguf", kind="user", model="m.gguf")
+    res.apply([fig("reference~openai.greedy", 1.0, None)], DEFAULT_GATES)
+    assert "no resolution" not in verdict([res], 0)

@@ -317,6 +317,10 @@ def verdict(results: list[CaseResult], status: int, opted_out: tuple[str, ...] =
     if unmeasured:  # a gate that measured nothing is no pass: named
         where += (f"; not measured: {', '.join(unmeasured[:3])}{', ...' if len(unmeasured) > 3 else ''} "
                   "(see report)")
+    blind = sorted({f"{r.case}/{c['gate']}" for r in results for c in r.checks if c.get("no_resolution")})
+    if blind:  # the fault-sensitive figure could not judge here: a pass must not read as if it had
+        where += (f"; no resolution: {', '.join(blind[:3])}{', ...' if len(blind) > 3 else ''} (int8 rounding "
+                  "flips too dense to judge by positions; see report)")
     if opt_in:  # checks a default run leaves out (e.g. --slow ones): named, never silent
         where += f"; not run unless asked: {', '.join(opt_in[:4])}{', ...' if len(opt_in) > 4 else ''} (see report)"
     if status == 2:

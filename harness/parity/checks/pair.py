@@ -728,7 +728,7 @@ def _quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind
                          "bits: int8 rounding flips are too dense on this model to judge by positions; "
                          f"{instead}")
                 figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
-                                   informational_reason=dense))
+                                   informational_reason=dense, no_resolution=instead))
             else:
                 figures.append(fig(f"{pair}_q8.agreeing_positions", agree / itself, None, **detail))
     for f in figures:
