@@ -26,6 +26,7 @@ from servers import _need_llama_cpp_python_server, _running, llama_cpp_python_pr
 from variant_lab import build
 
 from gemma4_harness.harness.cli import main
+from gemma4_harness.harness.parity.checks.pair import GREEDY_NEW_TOKENS
 from gemma4_harness.harness.tokenizer.prompt_ids import model_tokenizer
 
 QUICK = ["--skip", "server-batch", "--skip", "server-stream", "--skip", "server-stop", "--skip", "server-template",
@@ -98,6 +99,17 @@ def test_a_prompt_that_fits_the_server_still_passes(small_llama_server, synth_gg
                     "--prompts", str(f))
     assert rc == 0, line
     assert line.startswith("PASS"), line
+
+
+def test_a_prompt_that_fills_the_server_context_exactly_passes(small_llama_server, synth_gguf, long_text, tmp_path,
+                                                               capsys):
+    """No false alarm at the edge: prompt and new tokens exactly the slot's context. llama-server generates until
+    ``prompt.n_tokens() + 1 >= n_ctx`` (``server-context.cpp`` ``process_token``), that is every asked token here."""
+    ids = model_tokenizer(synth_gguf).encode(long_text)[:SERVER_CTX - GREEDY_NEW_TOKENS]  # --max-new-tokens' default
+    f = _prompts(tmp_path, {"id": "edge", "prompt_ids": ids})
+    rc, line = _g4h(capsys, tmp_path, "--model", str(synth_gguf), "--against", f"openai:{small_llama_server.url}/v1",
+                    "--prompts", str(f))
+    assert rc == 0, line
 
 
 def test_llama_cpp_python_context_400_is_bad_input_naming_the_prompt(synth_gguf, long_text, tmp_path_factory,

@@ -53,6 +53,7 @@ from .vllm import Vllm
 
 __all__ = [
     "DIALECTS", "DIALECT_CLASSES", "DOWN_HINT", "END_OF_TURN_TEXTS", "LLAMACPP_APPROXIMATIONS", "TEXT_ONLY_DIALECTS",
-    "Dialect", "Generic", "Http", "LlamaCppPython", "LlamaServer", "OpenAIEngine", "ServerContextExceeded", "ServerCrashed", "ServerError",
-    "ServerFailure", "ServerGenerated", "Vllm", "detect_dialect", "end_of_generation_ids", "parse_url", "utf8_cut",
+    "Dialect", "Generic", "Http", "LlamaCppPython", "LlamaServer", "OpenAIEngine", "ServerContextExceeded",
+    "ServerCrashed", "ServerError", "ServerFailure", "ServerGenerated", "Vllm", "detect_dialect",
+    "end_of_generation_ids", "parse_url", "utf8_cut",
 ]

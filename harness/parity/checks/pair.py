@@ -46,8 +46,8 @@ from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
 from ...engines import EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
 from ...engines.numerics import KIND_NUMERICS, Numerics, emulable_types, emulate, engine_numerics, effective
-from ...engines.reference import ReferenceEngine
 from ...engines.openai.http import SERVER_CONTEXT_HINT, ServerContextExceeded
+from ...engines.reference import ReferenceEngine
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
 from ..compare import generation_figures, logit_figures
