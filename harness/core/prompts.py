@@ -145,7 +145,7 @@ def read_prompt_ids(path: str | os.PathLike) -> list[int]:
 
 
 def refuse_unfit_prompts(prompts: list[dict[str, Any]], vocab: int, context: int, new_tokens: int, model: str,
-                         source: str | os.PathLike) -> None:
+                         source: str | os.PathLike, hint: str = "") -> None:
     """Judge every prompt the user gave against the model it runs on, before any engine work: a prompt is never
     dropped in silence, it is used or the run is refused naming it.
 
@@ -155,6 +155,7 @@ def refuse_unfit_prompts(prompts: list[dict[str, Any]], vocab: int, context: int
         vocab: the model's vocabulary size; context: its context length in tokens; new_tokens: the greedy tokens
             asked after each prompt (``--max-new-tokens``); model: the model, as named in the message.
         source: the prompt file (named when a record has no ``where``).
+        hint: what to do, said after the line where given (a server's context: how to start it with a larger one).
 
     Raises:
         PromptError: the first prompt with a token id outside ``[0, vocab)``, or longer than ``context - new_tokens``
@@ -174,4 +175,4 @@ def refuse_unfit_prompts(prompts: list[dict[str, Any]], vocab: int, context: int
                        "tokens)")
     if bad:
         more = f" ({len(bad) - 1} more prompt(s) do not fit either)" if len(bad) > 1 else ""
-        raise PromptError(bad[0] + more)
+        raise PromptError(bad[0] + more + (f"; {hint}" if hint else ""))

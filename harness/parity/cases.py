@@ -41,6 +41,7 @@ from ..engines import engine_kind, make_engine
 from ..engines.checked import CheckedEngine
 from ..engines.mm import ReferenceMM
 from ..engines.openai import TEXT_ONLY_DIALECTS
+from ..engines.openai.http import SERVER_CONTEXT_HINT
 from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
@@ -254,22 +255,29 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     o = engine_options or {}
     res = CaseResult(case=name or case_name(path), kind="user", model=str(path))
     gates = resolve(spec_gates(path), str(path))
-    dialects = _probe_servers(against or (), path, o, lambda m: progress(f"[{res.case}] {m}"))
+    contexts: dict[str, tuple[str, int]] = {}  # openai:URL -> (its URL, the context it says it has)
+    dialects = _probe_servers(against or (), path, o, lambda m: progress(f"[{res.case}] {m}"), contexts)
     unusable = {n for n, d in dialects.items() if d is None}
     progress(f"[{res.case}] loading with the reference")
     ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
     res.info["config"] = ref.cfg.summary()
     new_tokens = int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS))
     vocab, context = ref.cfg.vocab_size, ref.cfg.context_length
+    fit = min([context] + [n for _, n in contexts.values()])  # the smallest context a prompt goes through
     text_only = [n for n, d in dialects.items() if d in TEXT_ONLY_DIALECTS]
     if text_only and prompts and all(p.get("library") for p in prompts):  # the default set, for a text-only server
-        prompts = _as_text(res, path, prompts, text_only, context - new_tokens, progress)
+        prompts = _as_text(res, path, prompts, text_only, fit - new_tokens, progress)
     usable = [p for p in with_prompt_ids(prompts, path) if not p.get("library") or
-              (max(p["prompt_ids"]) < vocab and len(p["prompt_ids"]) + new_tokens <= context)]  # the library's: cut
+              (max(p["prompt_ids"]) < vocab and len(p["prompt_ids"]) + new_tokens <= fit)]  # the library's: cut
     if not usable:
         raise InputError(f"no prompt of the case library's set fits {path} (ids below {vocab}, at most "
-                         f"{context - new_tokens} tokens); give --prompts")
+                         f"{fit - new_tokens} tokens{'' if fit == context else ': a server has a smaller context'}); "
+                         "give --prompts")
     refuse_unfit_prompts(usable, vocab, context, new_tokens, str(path), "the prompt set")  # the user's: all, or none
+    for url, n_ctx in contexts.values():  # and each server's own context, where it says one (llama-server's /props)
+        if n_ctx < context:
+            refuse_unfit_prompts(usable, vocab, n_ctx, new_tokens, f"the server at {url} (its /props n_ctx)",
+                                 "the prompt set", hint=SERVER_CONTEXT_HINT)
     window = ref.cfg.sliding_window if any(layer.is_sliding for layer in ref.cfg.layers) else None
     usable = named_for_window(usable, window)  # the synthetic set's names, by this model's own window
     names = list(against) if against else default_against(path, oracle)
@@ -309,18 +317,23 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     return res
 
 
-def _probe_servers(names: Sequence[str], path: str, options: dict[str, Any],
-                   progress: Progress) -> dict[str, str | None]:
+def _probe_servers(names: Sequence[str], path: str, options: dict[str, Any], progress: Progress,
+                   contexts: dict[str, tuple[str, int]] | None = None) -> dict[str, str | None]:
     """Ask every ``openai:URL`` engine of ``names`` whether it can be used (which server answers, its model list:
     :class:`harness.engines.openai.OpenAIEngine`) before any reference work, so that a URL that cannot be used is
     said at once, not after minutes of reference forwards. Returns each such name's dialect, None for one that
-    cannot be used (its pair then says why, exit 2; the reference work leaves its checks out)."""
+    cannot be used (its pair then says why, exit 2; the reference work leaves its checks out). ``contexts``, when
+    given, gets ``name -> (URL, context)`` for each server that says its context (``OpenAIEngine.context``), so
+    that the prompts are judged against it before any reference work."""
     dialects: dict[str, str | None] = {}
     for name in names:
         if engine_kind(name) != "openai":
             continue
         try:
-            dialects[name] = make_engine(name, path, **options).dialect
+            eng = make_engine(name, path, **options)
+            dialects[name] = eng.dialect
+            if contexts is not None and getattr(eng, "context", None):
+                contexts[name] = (eng.base, int(eng.context))
         except Exception as e:  # noqa: BLE001 (the pair reports it, with its kind: bad input or engine failure)
             dialects[name] = None
             progress(f"{name}: cannot be used: {str(e).splitlines()[0] if str(e) else type(e).__name__}")

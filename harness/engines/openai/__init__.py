@@ -45,7 +45,7 @@ from .engine import (
     parse_url,
 )
 from .generic import Generic, _text_agrees  # noqa: F401 (tests/test_server_eos.py reads it here)
-from .http import Http, ServerCrashed, ServerError, ServerFailure
+from .http import Http, ServerContextExceeded, ServerCrashed, ServerError, ServerFailure
 from .llama_cpp_python import LlamaCppPython
 from .llama_server import LlamaServer, utf8_cut
 from .model_file import END_OF_TURN_TEXTS, end_of_generation_ids
@@ -53,6 +53,7 @@ from .vllm import Vllm
 
 __all__ = [
     "DIALECTS", "DIALECT_CLASSES", "DOWN_HINT", "END_OF_TURN_TEXTS", "LLAMACPP_APPROXIMATIONS", "TEXT_ONLY_DIALECTS",
-    "Dialect", "Generic", "Http", "LlamaCppPython", "LlamaServer", "OpenAIEngine", "ServerCrashed", "ServerError",
-    "ServerFailure", "ServerGenerated", "Vllm", "detect_dialect", "end_of_generation_ids", "parse_url", "utf8_cut",
+    "Dialect", "Generic", "Http", "LlamaCppPython", "LlamaServer", "OpenAIEngine", "ServerContextExceeded",
+    "ServerCrashed", "ServerError", "ServerFailure", "ServerGenerated", "Vllm", "detect_dialect",
+    "end_of_generation_ids", "parse_url", "utf8_cut",
 ]

@@ -86,6 +86,11 @@ class Dialect:
         """The server's text of ``ids`` (:meth:`OpenAIEngine.detokenize`)."""
         raise NotImplementedError
 
+    def context(self) -> int | None:
+        """The context a request may fill (prompt and new tokens) where the server says it, asked once while the
+        server is being found out; None (the default) where it does not say (llama-cpp-python, vLLM, generic)."""
+        return None
+
     def apply_template(self, messages: Sequence[dict[str, str]]) -> str:
         """The templated text of ``messages`` (:meth:`OpenAIEngine.apply_template`); only llama-server offers it."""
         raise ServerError(f"{self.eng.root}: {self.name} offers no endpoint that returns the templated text")

@@ -21,7 +21,7 @@ from ..numerics import DIALECT_NUMERICS, parse_declare
 from ..numerics import declare as declare_numerics
 from .dialect import Dialect, ServerGenerated
 from .generic import Generic
-from .http import Http, ServerCrashed, ServerError, ServerFailure, bad_shape
+from .http import Http, ServerContextExceeded, ServerCrashed, ServerError, ServerFailure, bad_shape
 from .llama_cpp_python import LlamaCppPython
 from .llama_server import LlamaServer
 from .model_file import end_of_generation_ids, vocab_size
@@ -152,6 +152,10 @@ class OpenAIEngine:
             kept, so the pair check and ``server.prompt_logprobs`` send one request per prompt.
         probes_prompt_logprobs: whether :meth:`prefix_logprobs` stands in for it (llama-server: ids in, top-N of
             each generated step out, nothing for the prompt).
+        context: the context a request may fill (prompt and new tokens), in tokens, where the server says it
+            (:meth:`Dialect.context`: llama-server's ``/props``, per slot), else None; ``g4h parity`` judges the
+            prompts against it before any reference work. A request past it that the server refuses with HTTP 400
+            is :class:`ServerContextExceeded` (exit 2).
 
     Raises:
         ServerError: the server is down, slow, answers an error or an unexpected shape, or is no known dialect
@@ -182,6 +186,7 @@ class OpenAIEngine:
                     raise
                 self.model_list = {"error": str(e)}  # transformers serve lists only its hub cache (a 500 without one)
             self.model = server_model or model or self._model_name()
+            self.context = self.server.context()
         except EngineFailure as e:  # an answer of another shape before it served: not a server this client can use
             raise ServerError(str(e)) from None
         except ServerError as e:
@@ -358,6 +363,9 @@ class OpenAIEngine:
                                      bool(gaps))
             if not ignore_eos and not stop:
                 self._end_with_eog(g, ids, int(max_new_tokens))
+        except ServerContextExceeded as e:  # the prompt is longer than the server's context: named by its caller
+            e.prompt_ids = ids
+            raise
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as e:
             # A reply of the right outline whose values are not what they should be (a token id "12x", a step that
             # is a string): the server broke its protocol, as with any other malformed reply (exit 1, one line).
@@ -471,7 +479,11 @@ class OpenAIEngine:
         """
         key = (tuple(int(t) for t in ids), int(top_n))
         if key not in self._prompt_lp:
-            self._prompt_lp[key] = self.server.prompt_logprobs(list(key[0]), int(top_n))
+            try:
+                self._prompt_lp[key] = self.server.prompt_logprobs(list(key[0]), int(top_n))
+            except ServerContextExceeded as e:
+                e.prompt_ids = list(key[0])
+                raise
         return self._prompt_lp[key]
 
 

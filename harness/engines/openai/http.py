@@ -43,6 +43,35 @@ class ServerError(InputError):
     exit 2."""
 
 
+CONTEXT_EXCEEDED = ("maximum context length is", "exceeds the available context size")
+"""How a server words an HTTP 400 for a request longer than its context: llama-cpp-python (and vLLM, in OpenAI's
+wording) "This model's maximum context length is N tokens, however you requested ..." (``llama_cpp/server/errors.py``
+``ErrorResponseFormatters.context_length_exceeded``, from ``Llama._create_completion``'s "Requested tokens (N)
+exceed context window of M"); llama-server "request (N tokens) exceeds the available context size (M tokens), try
+increasing it" (``tools/server/server-context.cpp``, ``ERROR_TYPE_EXCEED_CONTEXT_SIZE``, HTTP 400)."""
+
+SERVER_CONTEXT_HINT = ("start the server with a larger context (llama-server -c N, per slot: each of its --parallel P "
+                       "slots gets N/P unless --kv-unified; llama-cpp-python --n_ctx N), or shorten or drop the prompt")
+"""What to do about a prompt longer than the server's context (said after the line that names it)."""
+
+
+class ServerContextExceeded(ServerError):
+    """The server refused a request as longer than its context (HTTP 400 in one of its :data:`CONTEXT_EXCEEDED`
+    wordings): the prompt does not fit that server as it was started, the user's input for that server (exit 2),
+    not a fault of the engine. Any other HTTP 400 stays a :class:`ServerFailure`.
+
+    Attributes:
+        message: the server's own message.
+        prompt_ids: the ids of the prompt sent (set by :meth:`OpenAIEngine.complete`), so that its caller can name
+            the prompt by its file and line; None where not known.
+    """
+
+    def __init__(self, line: str, message: str) -> None:
+        super().__init__(line)
+        self.message = message
+        self.prompt_ids: list[int] | None = None
+
+
 class ServerFailure(EngineProtocolError):
     """A request the server should serve failed once it was serving (one line, with the URL): an HTTP error
     status, no answer within the timeout, malformed JSON or another shape, a token it cannot name, a step that is
@@ -180,6 +209,8 @@ class Http:
             e.file = io.BytesIO(raw)  # what _error_message reads: the bounded body
             e.__dict__.pop("read", None)
             message = _error_message(e)
+            if self.serving and e.code == 400 and any(w in message for w in CONTEXT_EXCEEDED):
+                raise ServerContextExceeded(f"{url}: HTTP 400: {message}", message) from None
             raise self.error(f"{url}: HTTP {e.code}: {message}", last_error=message) from None
         except urllib.error.URLError as e:
             raise self._transport(url, e.reason) from None

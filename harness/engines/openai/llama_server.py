@@ -43,6 +43,22 @@ class LlamaServer(Dialect):
         super().__init__(eng)
         self.pieces: dict[int, bytes] = {}
 
+    def context(self) -> int | None:
+        """``GET /props``' ``default_generation_settings.n_ctx``: the context of one slot (``server_context::
+        n_ctx_slot`` in ``tools/server/server-context.cpp``: ``llama_n_ctx_seq``, which is ``-c`` divided by
+        ``--parallel`` unless ``--kv-unified``, capped by the model's training context); a request whose prompt
+        fills it is refused (HTTP 400, "exceeds the available context size"). None where it is not a positive
+        integer, or ``/props`` answers an HTTP error (a server that does not say)."""
+        try:
+            ans = self.eng.http.call(self.eng.root + "/props")
+        except ServerError as e:
+            if "HTTP " not in str(e):
+                raise  # down or silent: not a server this client can use
+            return None
+        settings = ans.get("default_generation_settings") if isinstance(ans, dict) else None
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+        return n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else None
+
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         url = self.eng.root + "/tokenize"
         body = {"content": text, "add_special": add_special, "parse_special": True}

@@ -46,6 +46,7 @@ from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
 from ...engines import EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
 from ...engines.numerics import KIND_NUMERICS, Numerics, emulable_types, emulate, engine_numerics, effective
+from ...engines.openai.http import SERVER_CONTEXT_HINT, ServerContextExceeded
 from ...engines.reference import ReferenceEngine
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
@@ -472,6 +473,24 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
     return figures if number == 1 else [_numbered(f, number) for f in figures]
 
 
+def _too_long_for_server(e: InputError, prompts: Sequence[dict[str, Any]]) -> str:
+    """The line of ``e``; for a request a server refused as longer than its context
+    (:class:`harness.engines.openai.ServerContextExceeded`, a server that does not say its context up front), the
+    prompt named by its file and line and its token count before the server's own message, and what to do."""
+    if not isinstance(e, ServerContextExceeded):
+        return str(e)
+    sent = e.prompt_ids
+    p = next((p for p in prompts if sent is not None and list(p["prompt_ids"]) == sent), None)
+    if p is None and sent is not None:  # a request built from a prompt (a prefix of it): the longest such prompt
+        p = max((p for p in prompts if list(p["prompt_ids"][:len(sent)]) == sent), default=None,
+                key=lambda p: len(p["prompt_ids"]))
+    what = "a request" if sent is None else f"a request of {len(sent)} prompt tokens"
+    if p is not None:
+        what = (f"{p['where'] + ': ' if p.get('where') else ''}prompt {p['id']!r} ({len(p['prompt_ids'])} tokens"
+                f"{', its text tokenized' if 'text' in p else ''})")
+    return f"{what} does not fit the server's context: the server refused it: {e}; {SERVER_CONTEXT_HINT}"
+
+
 def _numbered(f: Figure, number: int) -> Figure:
     """``f`` under its gate's numbered name: ``#N`` after the pair (``reference~cmd#2.runs``) or after the first
     part of an engine's own check (``server#2.stop.eos``)."""
@@ -508,8 +527,8 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
         return [_runs(pair, False, got=f"not run: {e}")] + out
     except EngineFailure as e:
         return [engine_failed(pair, e)] + out
-    except InputError as e:
-        return [_runs(pair, False, got=str(e), bad_input=True)] + out
+    except InputError as e:  # a server's context exceeded: the prompt named (:func:`_too_long_for_server`)
+        return [_runs(pair, False, got=_too_long_for_server(e, prompts), bad_input=True)] + out
     finally:
         close = getattr(eng, "close", None)
         if close is not None:

@@ -66,7 +66,7 @@ from ...core.metrics import log_softmax
 from ...core.progress import counter
 from ...core.workers import EngineFailure
 from ...engines.base import TOP_N
-from ...engines.openai import OpenAIEngine, ServerError, ServerGenerated, end_of_generation_ids
+from ...engines.openai import OpenAIEngine, ServerContextExceeded, ServerError, ServerGenerated, end_of_generation_ids
 from ...synth.prompts import PROMPT_SEED, text_pieces, text_prompt
 from ...tokenizer.prompt_ids import model_tokenizer, text_ids
 from ..compare import generation_figures
@@ -608,6 +608,8 @@ def stop_figures(eng: OpenAIEngine, tok: GGUFTokenizer, eos_ids: set[int], order
             g = _named(f"{rid}[:{j + 1}] (EOS not ignored)", eng.complete, prompts[rid][:j + 1], 4, top_n,
                        ignore_eos=False)
         except ServerError as e:  # a text-only dialect: a prefix cut inside a character has no text to send
+            if isinstance(e, ServerContextExceeded):
+                raise  # longer than the server's context: the user's input, the pair says so (exit 2)
             unsendable.append(f"{rid}[:{j + 1}]: {e}")
             continue
         got = [t for t in g.tokens if t not in eos_ids] if g.finish_reason == "stop" else g.tokens
