@@ -185,7 +185,7 @@ def test_q4_1_products_add_the_block_sums(q4_1_moe):
 def test_many_forwards_give_the_one_by_one_bits_on_q4_1(q4_1_moe):
     """The parity job's prefetch (reference/batch.py, which adds the block sums after its stacked products) gives
     the lazy path's logits bit for bit on a Q4_1 file with experts, under llama.cpp's numerics."""
-    from gemma4_harness.harness.core.cases import load_prompts
+    from gemma4_harness.harness.core.prompts import load_prompts
     from gemma4_harness.harness.engines.reference import ReferenceEngine
     from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
 

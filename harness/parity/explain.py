@@ -82,6 +82,18 @@ LOCAL_JUDGED = ("judged by local_median: the engine rounds its activations (quan
                 "rounding flip carries from layer to layer (harness/parity/checks/pair.py, local_figure)")
 """Why the plain logit and layer figures of a trial are informational where the pair is judged by local_median."""
 
+
+@dataclass(frozen=True)
+class LocalJudge:
+    """How a pair judged by ``<pair>_q8.local_median`` judges a trial (given by the pair's checks, which this module
+    does not import): ``errors`` maps an answer with a trace to its per-point errors against the reference re-seeded
+    from it (:func:`harness.parity.checks.pair.local_errors`; None where it cannot be computed), ``pool`` maps
+    ``(pair, per-prompt figures holding "_errors")`` to the pooled figure (:func:`harness.parity.checks.pair.local_figure`:
+    the median per point, its limit, its first point beyond it)."""
+
+    errors: Callable[["Observed"], dict | None]
+    pool: Callable[[str, Sequence[Figure]], Figure]
+
 GENERATION_PATH = "in its generation path"
 """How :meth:`TextSubject.decoding` starts ``what`` when the engine's generation computes other logits than its forward
 (the explanation's ``kind`` is then ``generation``, its line "in generation, not in the logits: ...")."""
@@ -420,11 +432,10 @@ class TextSubject:
             baseline runs on it, a trial under variants that all have a fast form on a fast engine built under them
             over the reference's weights, any other on the float64 reference (slower, the same rule).
         local: where the pair is judged by ``<pair>_q8.local_median`` (an engine that rounds its activations, on a
-            quantized file): ``Observed -> errors`` (:func:`harness.parity.checks.pair.local_errors` of the
-            reference re-seeded from the engine's trace, under the numerics and the trial's variants), or None when
-            it cannot be computed. A trial is then judged as the pair is: the median pooled over the prompts tried
-            (:func:`harness.parity.checks.pair.local_figure`) gates, its first point beyond the limit is the first
-            divergence, and the plain logit and layer figures are informational (:data:`LOCAL_JUDGED`).
+            quantized file): its :class:`LocalJudge` (the errors computed under the numerics and the trial's
+            variants). A trial is then judged as the pair is: the median pooled over the prompts tried gates, its
+            first point beyond the limit is the first divergence, and the plain logit and layer figures are
+            informational (:data:`LOCAL_JUDGED`).
     """
 
     family = "text"
@@ -433,7 +444,7 @@ class TextSubject:
                  numerics: Callable[[], Any] | None = None, top_n: int = 5, layer_tol: float | None = None,
                  effects: Mapping[tuple[str, str | None], tuple[float, int]] | None = None,
                  near_tie: float | None = None, oracle: Any = None,
-                 local: Callable[[Observed], dict | None] | None = None) -> None:
+                 local: LocalJudge | None = None) -> None:
         self.ref, self.pair, self.gates, self.top_n = ref, pair, gates, top_n
         self.local = local
         self.observed = sorted(observed, key=lambda o: len(o.ids))
@@ -490,7 +501,7 @@ class TextSubject:
 
     def _one(self, eng: Any, o: Observed, t: Trial, local: list[Figure] | None = None) -> list[Figure]:
         figs: list[Figure] = []
-        errors = self.local(o) if self.local is not None and o.trace is not None and local is not None else None
+        errors = self.local.errors(o) if self.local is not None and o.trace is not None and local is not None else None
         if errors:  # judged by the re-seeded median, pooled over the prompts by measure()
             local.append(Figure(f"{self.pair}_q8.local_median", float("nan"), o.prompt_id, {"_errors": errors}))
         if o.logits is not None or o.trace is not None:
@@ -535,9 +546,7 @@ class TextSubject:
                 if "(figures not measured)" not in t.failing:
                     t.failing.append("(figures not measured)")
             return
-        from .checks.pair import local_figure  # the pair's own pooling and limit (imported late: it imports us)
-
-        f = local_figure(self.pair, local)
+        f = self.local.pool(self.pair, local)
         if not under_variants:
             self.measured_local = True
         t.figures["local_median"] = float(f.measured)
@@ -952,7 +961,7 @@ def explain_text(ref: Any, observed: Sequence[Observed], pair: str, gates: Mappi
                  layer_tol: float | None = None, variants: Sequence[Variant] | None = None,
                  effects: Mapping[tuple[str, str | None], tuple[float, int]] | None = None,
                  near_tie: float | None = None, oracle: Any = None,
-                 local: Callable[[Observed], dict | None] | None = None) -> Explanation:
+                 local: LocalJudge | None = None) -> Explanation:
     """:func:`search` over the text variants (or ``variants``) for the engine's answers ``observed``
     (:class:`TextSubject` for the other arguments); a divergence only in generation is not searched: the
     explanation's status is ``decoding`` (:meth:`TextSubject.decoding`)."""

@@ -18,7 +18,7 @@ Registered in :data:`harness.parity.checks.pair.ON_MEASURED` on import (:mod:`ha
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -28,7 +28,8 @@ from ...core.gates import DEFAULT_GATES
 from ...core.workers import EngineCrashed, temp_folder
 from ...engines.base import TOP_N
 from ...traces.format import TraceWriter
-from ..explain import GENERATION_METRICS, MAX_PROMPTS, Observed, budget_seconds, explain_text, judge_figures
+from ..explain import (GENERATION_METRICS, MAX_PROMPTS, LocalJudge, Observed, budget_seconds, explain_text,
+                       judge_figures)
 from ..result import Figure
 from .pair import (
     GREEDY_NEW_TOKENS,
@@ -39,6 +40,7 @@ from .pair import (
     as_streams,
     engine_numerics,
     local_errors,
+    local_figure,
     pair_near_tie,
 )
 
@@ -114,19 +116,20 @@ def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: 
     return out
 
 
-def reseeded_errors(runs: Any, approx: tuple[str, ...]) -> Callable[[Observed], dict | None] | None:
-    """``Observed -> errors``: the per-position errors of the engine's trace against the reference re-seeded from it
+def reseeded_errors(runs: Any, approx: tuple[str, ...]) -> LocalJudge | None:
+    """What :class:`~harness.parity.explain.TextSubject` judges by where the pair is judged by
+    ``<pair>_q8.local_median``: the per-position errors of the engine's trace against the reference re-seeded from it
     under ``approx`` (:meth:`~harness.parity.checks.pair.ReferenceRuns.reseeded`,
-    :func:`~harness.parity.checks.pair.local_errors`), None for an answer without a trace; what
-    :class:`~harness.parity.explain.TextSubject` judges by where the pair is judged by ``<pair>_q8.local_median``.
-    None when ``approx`` does not round activations (no such gate)."""
+    :func:`~harness.parity.checks.pair.local_errors`; None for an answer without a trace), pooled as the pair pools
+    them (:func:`~harness.parity.checks.pair.local_figure`). None when ``approx`` does not round activations (no such
+    gate)."""
     if "quantized_activations" not in approx:
         return None
 
     def errors(o: Observed) -> dict | None:
         seeded = None if o.trace is None else runs.reseeded(approx, {"prompt_ids": o.ids}, o.trace)
         return None if seeded is None else local_errors(o.trace, *seeded, runs.ref.cfg.n_layer)
-    return errors
+    return LocalJudge(errors, local_figure)
 
 
 def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
