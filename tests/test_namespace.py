@@ -66,7 +66,9 @@ def _venv(where: Path, deps: Path, *install: str) -> Path:
     (site / "g4h_test_dependencies.pth").write_text(f"{deps}\n")
     proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(where / "bin" / "python"), "install",
                            "--no-index", "--no-deps", "--no-build-isolation", "-q", *install],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=_clean_env())
+    # (without PYTHONPATH: a checkout on it holds gemma4_harness.egg-info, and pip, run under the new interpreter,
+    # took that for an installed gemma4-harness and installed nothing)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return where / "bin"
 
