@@ -44,7 +44,7 @@ from ..engines.mm import ReferenceMM
 from ..engines.numerics import emulate
 from ..engines.reference import ReferenceEngine
 from ..engines.variants import family, parse_spec
-from ..parity.checks.explain_pair import observe, reseeded_errors
+from ..parity.checks.explain_pair import local_judge, observe
 from ..engines.base import TOP_N
 from ..parity.checks.pair import (GREEDY_NEW_TOKENS, ReferenceRuns, declared_effects, engine_numerics, not_greedy,
                                   pair_name, pair_near_tie)
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     effects, near_tie = _effects(runs, approx, pair, prompts, observed, args.tol)
     # an engine rounding its activations on a quantized file: judged as parity judges it, by the re-seeded median
-    local = reseeded_errors(runs, approx) if f"{pair}_q8.local_median" in DEFAULT_GATES else None
+    local = local_judge(runs, approx) if f"{pair}_q8.local_median" in DEFAULT_GATES else None
     per_prompt = {o.prompt_id: TextSubject(ref, [o], pair, gates, numerics, top_n=TOP_N, effects=effects,
                                            near_tie=near_tie, local=local).measure((), full=True)
                   for o in observed}

@@ -87,9 +87,9 @@ LOCAL_JUDGED = ("judged by local_median: the engine rounds its activations (quan
 class LocalJudge:
     """How a pair judged by ``<pair>_q8.local_median`` judges a trial (given by the pair's checks, which this module
     does not import): ``errors`` maps an answer with a trace to its per-point errors against the reference re-seeded
-    from it (:func:`harness.parity.checks.pair.local_errors`; None where it cannot be computed), ``pool`` maps
-    ``(pair, per-prompt figures holding "_errors")`` to the pooled figure (:func:`harness.parity.checks.pair.local_figure`:
-    the median per point, its limit, its first point beyond it)."""
+    from it (:meth:`harness.parity.checks.pair.ReferenceRuns.local_errors`; None where it cannot be computed),
+    ``pool`` maps ``(pair, per-prompt figures holding "_errors")`` to the pooled figure
+    (:func:`harness.parity.checks.pair.local_figure`: the median per point, its limit, its first point beyond it)."""
 
     errors: Callable[["Observed"], dict | None]
     pool: Callable[[str, Sequence[Figure]], Figure]

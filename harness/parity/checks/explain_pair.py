@@ -39,7 +39,6 @@ from .pair import (
     _read_engine_trace,
     as_streams,
     engine_numerics,
-    local_errors,
     local_figure,
     pair_near_tie,
 )
@@ -116,19 +115,17 @@ def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: 
     return out
 
 
-def reseeded_errors(runs: Any, approx: tuple[str, ...]) -> LocalJudge | None:
+def local_judge(runs: Any, approx: tuple[str, ...]) -> LocalJudge | None:
     """What :class:`~harness.parity.explain.TextSubject` judges by where the pair is judged by
     ``<pair>_q8.local_median``: the per-position errors of the engine's trace against the reference re-seeded from it
-    under ``approx`` (:meth:`~harness.parity.checks.pair.ReferenceRuns.reseeded`,
-    :func:`~harness.parity.checks.pair.local_errors`; None for an answer without a trace), pooled as the pair pools
-    them (:func:`~harness.parity.checks.pair.local_figure`). None when ``approx`` does not round activations (no such
-    gate)."""
+    under ``approx`` (:meth:`~harness.parity.checks.pair.ReferenceRuns.local_errors`; None for an answer without a
+    trace), pooled as the pair pools them (:func:`~harness.parity.checks.pair.local_figure`). None when ``approx``
+    does not round activations (no such gate)."""
     if "quantized_activations" not in approx:
         return None
 
     def errors(o: Observed) -> dict | None:
-        seeded = None if o.trace is None else runs.reseeded(approx, {"prompt_ids": o.ids}, o.trace)
-        return None if seeded is None else local_errors(o.trace, *seeded, runs.ref.cfg.n_layer)
+        return None if o.trace is None else runs.local_errors(approx, {"prompt_ids": o.ids}, o.trace)
     return LocalJudge(errors, local_figure)
 
 
@@ -159,7 +156,7 @@ def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Seq
     eff = effects(figures)
     near_tie = pair_near_tie(pair, eff)
     # judged, as the pair was, by the re-seeded median where the pair was
-    local = reseeded_errors(runs, approx) if any(f.gate == f"{pair}_q8.local_median" for f in figures) else None
+    local = local_judge(runs, approx) if any(f.gate == f"{pair}_q8.local_median" for f in figures) else None
     try:
         expl = explain_text(runs.ref, observed, pair, gates, numerics=lambda: runs.numerics(approx),
                             budget_s=budget, top_n=TOP_N, effects=eff, near_tie=near_tie,

@@ -316,6 +316,15 @@ class ReferenceRuns:
             out.append(w.trace())
         return out[0], out[1]
 
+    def local_errors(self, approx: tuple[str, ...], prompt: dict[str, Any], engine: Trace
+                     ) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] | None:
+        """:func:`local_errors` of the engine's trace ``engine`` of ``prompt`` against the reference re-seeded from
+        it under ``approx`` (:meth:`reseeded`): what ``<pair>_q8.local_median`` pools, in the pair and in its
+        explanation's trials. None when ``approx`` does not round activations (no such figure) or the trace cannot
+        re-seed the reference."""
+        seeded = self.reseeded(approx, prompt, engine) if "quantized_activations" in approx else None
+        return None if seeded is None else local_errors(engine, *seeded, self.ref.cfg.n_layer)
+
     def raw_logits(self, approx: tuple[str, ...], ids: Sequence[int]) -> np.ndarray:
         """The oracle's logits ``[T, V]`` (float64) of ``ids``, not kept, under ``approx``."""
         with self.numerics(approx):
@@ -925,8 +934,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
             if ours_trace is not None:
                 exact_trace = runs.logits((), p)[1] if approx else None
                 out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit, exact_trace))
-                seeded = runs.reseeded(approx, p, ours_trace) if "quantized_activations" in approx else None
-                errors = None if seeded is None else local_errors(ours_trace, *seeded, runs.ref.cfg.n_layer)
+                errors = runs.local_errors(approx, p, ours_trace)
                 if errors:  # pooled over the prompts by _quantized_gates
                     out.append(fig(f"{pair}_q8.local_median", float("nan"), p["id"], _errors=errors))
         if _can(eng, "generate"):
