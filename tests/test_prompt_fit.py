@@ -11,6 +11,7 @@ The model is tests/variant_lab.py's ``lab-dense`` (vocabulary 512, context 256).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -92,6 +93,24 @@ def test_a_prompt_that_fits_the_context_but_not_the_new_tokens_is_bad_input(mode
     assert f"{f}:1: prompt 'edge': 250 tokens and 8 new tokens" in line, line
     rc, out, err = _parity(capsys, tmp_path, model, f, "--max-new-tokens", "6")
     assert rc == 0, out + err
+
+
+@pytest.mark.parametrize("before", [None, "7"])
+def test_explain_budget_is_set_for_the_run_only(model, tmp_path, capsys, monkeypatch, before):
+    """``g4h parity --explain-budget`` sets the budget for its own run (its case workers read it from the
+    environment) and leaves the caller's environment as it was: run in-process (the pytest plugin, a test), a
+    budget of 0 left behind once took every later run's explanation away (CI, stop 43)."""
+    from gemma4_harness.harness.parity.explain import BUDGET_ENV
+
+    if before is None:
+        monkeypatch.delenv(BUDGET_ENV, raising=False)
+    else:
+        monkeypatch.setenv(BUDGET_ENV, before)
+    f = _file(tmp_path, *OOV)
+    _bad_input(*_parity(capsys, tmp_path, model, f))  # refused inside the run, after the budget was set
+    rc, out, err = _parity(capsys, tmp_path, model, _file(tmp_path, OOV[0]))
+    assert rc == 0, out + err
+    assert os.environ.get(BUDGET_ENV) == before
 
 
 def test_g4h_explain_refuses_the_same_prompts(model, tmp_path, capsys):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from collections.abc import Iterator
 
 from gemma4_harness.reference.errors import InputError
 
@@ -42,40 +44,40 @@ from ._args import (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h parity``."""
     p.add_argument("--model", action="append", default=None, type=ModelArg(),
-                   help="a user model (.gguf or HF folder); repeatable. Default: the built-in cases")
+                      help="a user model (.gguf or HF folder); repeatable. Default: the built-in cases")
     p.add_argument("--against", action="append", default=None, metavar="ENGINE[,ENGINE...]",
-                   help="engines the reference is compared with on --model (repeatable, or a comma list): reference, "
+                      help="engines the reference is compared with on --model (repeatable, or a comma list): reference, "
                         "fast, transformers, llamacpp, cmd:'COMMAND ...' (docs/engine-protocol.md), openai:URL (a "
                         "server: docs/server-dialects.md). Default: every engine that can read the model (a GGUF: "
                         f"{', '.join(default_against('gguf'))}; an HF folder: {', '.join(default_against('hf'))})")
     p.add_argument("--oracle", choices=ORACLES, default="reference",
-                   help="with --model: the oracle side of every pair: reference (float64, the default) or fast (the "
+                      help="with --model: the oracle side of every pair: reference (float64, the default) or fast (the "
                         "torch engine in fp32, on CUDA when present: much faster on a big model; pairs fast~ENGINE, "
                         "the same bounds; the reference's cached-vs-uncached check is left out)")
     p.add_argument("--top-n", type=Count(1), default=TOP_N, metavar="N",
-                   help=f"with --model: vLLM's N: log-probs asked per step of every greedy stream; a divergent "
+                      help=f"with --model: vLLM's N: log-probs asked per step of every greedy stream; a divergent "
                         f"token passes when each side's token is in the other's top-N (default {TOP_N})")
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl", type=InFile(streams=True),
-                   help='with --model: the prompt set, {"prompt_ids": [...]} or {"text": "..."} per line, optional '
+                      help='with --model: the prompt set, {"prompt_ids": [...]} or {"text": "..."} per line, optional '
                         '"id" (default: cases/prompts/synthetic.jsonl, restricted to the model\'s vocabulary)')
     p.add_argument("--max-new-tokens", type=Count(1), default=None,
-                   help=f"with --model: tokens of each greedy stream (default {GREEDY_NEW_TOKENS}; "
+                      help=f"with --model: tokens of each greedy stream (default {GREEDY_NEW_TOKENS}; "
                         f"{QUICK_NEW_TOKENS} with --quick)")
     p.add_argument("--quick", action="store_true",
-                   help=f"for iterating on an engine: the {QUICK_PROMPTS} shortest prompts, greedy streams of "
+                      help=f"for iterating on an engine: the {QUICK_PROMPTS} shortest prompts, greedy streams of "
                         f"{QUICK_NEW_TOKENS} tokens, a server's batch check with {QUICK_SERVER_REQUESTS} requests; "
                         f"the built-in library without {', '.join(QUICK_LEAVES_OUT)}. The verdict says quick; no "
                         "baseline")
     s = p.add_argument_group("server checks (--against openai:URL)")
     add_server_args(s)
     s.add_argument("--batch-requests", type=Count(1, 1 << 16), default=None,
-                   help=f"batch invariance: this many requests with staggered starts (default 16; "
+                      help=f"batch invariance: this many requests with staggered starts (default 16; "
                         f"{QUICK_SERVER_REQUESTS} with --quick)")
     s.add_argument("--concurrency", type=Count(1, 1 << 12), default=None,
-                   help=f"batch invariance: at most this many in flight (default 8; {QUICK_SERVER_REQUESTS} with "
+                      help=f"batch invariance: at most this many in flight (default 8; {QUICK_SERVER_REQUESTS} with "
                         f"--quick)")
     s.add_argument("--require", action="append", default=[], metavar="CHECK",
-                   help="fail when the server does not offer this check (repeatable): server-template (llama-cpp-python"
+                      help="fail when the server does not offer this check (repeatable): server-template (llama-cpp-python"
                         " has no chat-template endpoint), server-prompt-logprobs (llama-server has no prompt "
                         "log-probs). Without it such a check is reported as \"not offered by <dialect>\" and does not "
                         "fail the run")
@@ -83,35 +85,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--case", action="append", default=None, help="only this built-in case (repeatable)")
     p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M GGUF and the tokenizer checks")
     p.add_argument("--skip", action="append", default=[], metavar="CHECK", choices=list(SKIPPABLE),
-                   help=skip_help())
+                      help=skip_help())
     p.add_argument("--slow", action="store_true",
-                   help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per "
+                      help="also run the slow checks (transformers' own GGUF tokenizer conversion, about a minute per "
                         "file)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--jobs", type=Count(1, 1 << 12), default=None, metavar="N",
-                   help="run N cases at once. Built-in cases: each in a process of its own on one CPU thread, so "
+                      help="run N cases at once. Built-in cases: each in a process of its own on one CPU thread, so "
                         "the figures are the same whatever N (default: one per CPU, at most one per 7 GB of "
                         "memory). --model: N > 1 runs each model in a process of its own with its share of the "
                         "CPUs (default 1: here, on every thread). The results come in the same order")
     p.add_argument("--weights", choices=("packed", "dequantized"), default=None,
-                   help="the fast engine's GGUF weights: kept packed (the packed kernels on the CPU) or dequantized "
+                      help="the fast engine's GGUF weights: kept packed (the packed kernels on the CPU) or dequantized "
                         "at load (default: packed for a quantized GGUF; built-in cases also check fast packed on "
                         "every quantized file unless dequantized)")
     p.add_argument("--baseline", default=None, type=InFile(streams=True),
-                   help="earlier results.json (or --write-baseline file): exit 1 on a regression against it")
+                      help="earlier results.json (or --write-baseline file): exit 1 on a regression against it")
     p.add_argument("--write-baseline", default=None, type=OutFile(),
-                   help="also write this run as a baseline to this file")
+                      help="also write this run as a baseline to this file")
     p.add_argument("--junit-xml", default=None, metavar="FILE", type=OutFile(),
-                   help="also write the results as JUnit XML (one test case per check), for a CI system")
+                      help="also write the results as JUnit XML (one test case per check), for a CI system")
     p.add_argument("--explain-budget", type=Number(0.0), default=None, metavar="SECONDS",
-                   help="with --model: seconds spent naming the spec variant that explains each failing pair "
+                      help="with --model: seconds spent naming the spec variant that explains each failing pair "
                         "(docs/spec-variants.md; default 60, 0: off)")
     p.add_argument("--oracle-drift", default=None, type=InFile(), metavar="PINNED_RESULTS",
-                   help="results.json of a run with another oracle version (the pinned transformers): report every "
+                      help="results.json of a run with another oracle version (the pinned transformers): report every "
                         "figure that moved between it and this run, with its first diverging point (nox -s "
                         "oracle-latest); the exit status stays the gates'")
     p.add_argument("--regression-factor", type=Number(1, 1e12), default=10.0,
-                   help="a figure this many times worse than the baseline is a regression (default 10)")
+                      help="a figure this many times worse than the baseline is a regression (default 10)")
     add_scale_args(p)
 
 
@@ -163,27 +165,47 @@ def execute(args: argparse.Namespace) -> tuple[dict, int]:
     against = [n for text in args.against for n in split_engines(text)] if args.against else None
     parse_declare(args.declare or ())  # a bad --declare is one line before any work
     quick = bool(args.quick)
-
-    def pick(given, full, fast):
-        return given if given is not None else (fast if quick else full)
-
-    if args.explain_budget is not None:  # read by the explanation hook, in this process and in the case workers
-        os.environ[BUDGET_ENV] = str(budget_seconds(args.explain_budget))
-    data, status = run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
-                              case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
-                              write_baseline=args.write_baseline, regression_factor=args.regression_factor,
-                              skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
-                              engine_options=engine_options(args), weights=args.weights, oracle=args.oracle,
-                              jobs=args.jobs, quick=quick, oracle_drift=args.oracle_drift,
-                              server=ServerOptions(
-                                  max_new_tokens=pick(args.max_new_tokens, GREEDY_NEW_TOKENS, QUICK_NEW_TOKENS),
-                                  top_n=args.top_n,
-                                  batch_requests=pick(args.batch_requests, 16, QUICK_SERVER_REQUESTS),
-                                  concurrency=pick(args.concurrency, 8, QUICK_SERVER_REQUESTS),
-                                  require=tuple(args.require)))
+    # the budget is read by the explanation hook, in this process and in the case workers: set for the run only (a
+    # caller in the same process, the pytest plugin or a test, keeps its own)
+    budget = None if args.explain_budget is None else str(budget_seconds(args.explain_budget))
+    with _env(BUDGET_ENV, budget):
+        data, status = _run(args, against, quick)
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))
     return data, status
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None) -> Iterator[None]:
+    """While inside, ``os.environ[name]`` is ``value`` (unchanged when None); restored on exit."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def _run(args: argparse.Namespace, against: list[str] | None, quick: bool) -> tuple[dict, int]:
+    def pick(given, full, fast):
+        return given if given is not None else (fast if quick else full)
+
+    return run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
+                      case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
+                      write_baseline=args.write_baseline, regression_factor=args.regression_factor,
+                      skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
+                      engine_options=engine_options(args), weights=args.weights, oracle=args.oracle,
+                      jobs=args.jobs, quick=quick, oracle_drift=args.oracle_drift,
+                      server=ServerOptions(
+                          max_new_tokens=pick(args.max_new_tokens, GREEDY_NEW_TOKENS, QUICK_NEW_TOKENS),
+                          top_n=args.top_n,
+                          batch_requests=pick(args.batch_requests, 16, QUICK_SERVER_REQUESTS),
+                          concurrency=pick(args.concurrency, 8, QUICK_SERVER_REQUESTS),
+                          require=tuple(args.require)))
 
 
 def run(args: argparse.Namespace) -> int:
