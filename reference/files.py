@@ -20,6 +20,7 @@ file and what was expected.
 
 from __future__ import annotations
 
+import codecs
 import errno
 import json
 import os
@@ -206,8 +207,9 @@ def decode_utf8(data: bytes, label: str, error: type[InputError] = InputError) -
     """``data`` as UTF-8 text (a leading BOM dropped), or one line naming the first invalid byte."""
     try:
         return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise error(f"{label}: not UTF-8 text (invalid byte 0x{data[e.start]:02x} at offset {e.start})") from None
+    except UnicodeDecodeError as e:  # its offset counts from after the BOM the codec dropped: the file's, here
+        at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
+        raise error(f"{label}: not UTF-8 text (invalid byte 0x{data[at]:02x} at offset {at})") from None
 
 
 def read_text(path: str | os.PathLike, what: str = "", *, max_bytes: int = MAX_TEXT_BYTES, streams: bool = True,

@@ -88,6 +88,9 @@ def test_reader_takes_a_regular_file_and_a_pipe_and_refuses_the_rest(tmp_path, f
     (tmp_path / "bad.txt").write_bytes(b"ok\xff")
     with pytest.raises(InputError, match=r"not UTF-8 text \(invalid byte 0xff at offset 2\)"):
         read_text(tmp_path / "bad.txt")
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfok\xff")  # the offset is the file's, the BOM counted
+    with pytest.raises(InputError, match=r"not UTF-8 text \(invalid byte 0xff at offset 5\)"):
+        read_text(tmp_path / "bom.txt")
 
 
 def test_a_model_at_a_fifo_or_device_is_refused_at_once(fifo, tmp_path):
