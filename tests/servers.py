@@ -495,6 +495,11 @@ class FaultStub:
             h.connection.shutdown(socket.SHUT_RDWR)
 
     def answer(self, h, body: bytes) -> None:
+        completion = h.path in COMPLETION_PATHS
+        if completion:
+            with self._lock:
+                self.requests += 1
+                n = self.requests
         if self.mode == "500":
             return h._send(500, b'{"error": {"code": 500, "message": "boom: out of memory", "type": "server_error"}}')
         if self.mode == "malformed":
@@ -505,14 +510,9 @@ class FaultStub:
         if self.mode == "shape":  # ids where log-probs should be
             return h._send(200, b'{"content": "x", "tokens": [5, 6], "tokens_predicted": 2, '
                                 b'"completion_probabilities": [{"id": 5}, {"id": 6}]}')
-        completion = h.path in COMPLETION_PATHS
         request = json.loads(body or b"{}")
-        if completion:
-            with self._lock:
-                self.requests += 1
-                n = self.requests
-            if self.mode == "crash" and (self.crashed or n > self.after):
-                return self._die(h)
+        if completion and self.mode == "crash" and (self.crashed or n > self.after):
+            return self._die(h)
         if self.mode == "ignore-eos" and h.path == "/completion" and not request.get("ignore_eos"):
             request["ignore_eos"] = True  # a server that never stops at EOS
             with self._lock:

@@ -223,6 +223,16 @@ def test_bad_answers_are_one_line(mode, expected):
         assert ei.value.last_error == "boom: out of memory"
 
 
+def test_the_first_failed_request_ends_the_batch():
+    """A request that fails is the batch's answer: the requests not yet sent are not sent (``Executor.map``'s
+    iterator cancels the futures not yet started when it is left by an exception), so a server failing every
+    request is asked once, not 16 times, before the failure is reported."""
+    with Stub("500") as stub:
+        with pytest.raises(ServerFailure):
+            OpenAIEngine(stub.url, concurrency=1).generate_full([[2, 5]] * 16, 2)
+    assert 1 <= stub.requests <= 2, stub.requests  # the one that failed, and one the worker may have taken already
+
+
 @pytest.mark.slow
 def test_perturbed_logprobs_come_through_and_are_caught(llama_server_gemma3):
     """The client reports what the server says: a 0.1 shift of every log-prob arrives intact, and is beyond the
