@@ -135,8 +135,12 @@ class FakeServer:
     """llama-server's discovery answers (``/props`` without ``n_ctx``: a server that does not say its context),
     then every completion refused with HTTP 400 and ``message``."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, vllm_max_model_len: int | None = None) -> None:
         body = json.dumps({"error": {"code": 400, "message": message, "type": "invalid_request_error"}}).encode()
+        vllm = vllm_max_model_len is not None  # vLLM instead: no /props, its /version, its model card
+        card = {"id": "fake", "owned_by": "vllm", "max_model_len": vllm_max_model_len} if vllm else \
+            {"id": "fake", "owned_by": "llamacpp"}
+        models = json.dumps({"object": "list", "data": [card]}).encode()
 
         class H(BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -151,8 +155,11 @@ class FakeServer:
 
             def do_GET(self):
                 if self.path == "/props":
-                    return self._send(200, b'{"default_generation_settings": {}}')
-                return self._send(200, b'{"object": "list", "data": [{"id": "fake", "owned_by": "llamacpp"}]}')
+                    return self._send(404, b'{"detail": "Not Found"}') if vllm else \
+                        self._send(200, b'{"default_generation_settings": {}}')
+                if self.path == "/version" and vllm:
+                    return self._send(200, b'{"version": "0.0.0"}')
+                return self._send(200, models)
 
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -195,3 +202,21 @@ def test_another_400_stays_an_engine_failure(lab, tmp_path, capsys):
         rc, line = _g4h(capsys, tmp_path, "--model", str(lab), "--against", srv.url, "--prompts", str(f))
     assert rc == 1, line
     assert "ENGINE FAILED" in line and "HTTP 400: invalid 'n_probs'" in line, line
+
+
+# vLLM's wording (OpenAI's), quoted by srvctx from vllm/entrypoints/openai/serving_engine.py's input validation
+VLLM_400 = ("This model's maximum context length is 32 tokens. However, you requested 48 tokens (40 in the messages, "
+            "8 in the completion). Please reduce the length of the messages or completion.")
+
+
+def test_vllm_says_its_context_in_its_model_card_and_the_prompt_is_refused_up_front(lab, tmp_path, capsys):
+    """vLLM lists ``max_model_len`` in ``/v1/models``: a prompt longer than it is refused before any reference work
+    (no check run), naming the server's context and where it said it."""
+    f = _prompts(tmp_path, {"id": "p", "prompt_ids": [2] + list(range(10, 49))})
+    with FakeServer(VLLM_400, vllm_max_model_len=32) as srv:
+        rc, line = _g4h(capsys, tmp_path, "--model", str(lab), "--against", srv.url, "--prompts", str(f))
+    assert rc == 2, line
+    assert f"{f}:1: prompt 'p'" in line and "(its /v1/models max_model_len) (32 tokens" in line, line
+    checks = [c for r in tmp_path.glob("runs*/*/results.json") for case in json.loads(r.read_text())["cases"]
+              for c in case["checks"]]
+    assert not checks, checks

@@ -255,7 +255,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     o = engine_options or {}
     res = CaseResult(case=name or case_name(path), kind="user", model=str(path))
     gates = resolve(spec_gates(path), str(path))
-    contexts: dict[str, tuple[str, int]] = {}  # openai:URL -> (its URL, the context it says it has)
+    contexts: dict[str, tuple[str, int, str]] = {}  # openai:URL -> (its URL, the context it says, where it says it)
     dialects = _probe_servers(against or (), path, o, lambda m: progress(f"[{res.case}] {m}"), contexts)
     unusable = {n for n, d in dialects.items() if d is None}
     progress(f"[{res.case}] loading with the reference")
@@ -263,7 +263,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     res.info["config"] = ref.cfg.summary()
     new_tokens = int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS))
     vocab, context = ref.cfg.vocab_size, ref.cfg.context_length
-    fit = min([context] + [n for _, n in contexts.values()])  # the smallest context a prompt goes through
+    fit = min([context] + [n for _, n, _ in contexts.values()])  # the smallest context a prompt goes through
     text_only = [n for n, d in dialects.items() if d in TEXT_ONLY_DIALECTS]
     if text_only and prompts and all(p.get("library") for p in prompts):  # the default set, for a text-only server
         prompts = _as_text(res, path, prompts, text_only, fit - new_tokens, progress)
@@ -274,9 +274,9 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
                          f"{fit - new_tokens} tokens{'' if fit == context else ': a server has a smaller context'}); "
                          "give --prompts")
     refuse_unfit_prompts(usable, vocab, context, new_tokens, str(path), "the prompt set")  # the user's: all, or none
-    for url, n_ctx in contexts.values():  # and each server's own context, where it says one (llama-server's /props)
+    for url, n_ctx, said in contexts.values():  # and each server's own context, where it says one
         if n_ctx < context:
-            refuse_unfit_prompts(usable, vocab, n_ctx, new_tokens, f"the server at {url} (its /props n_ctx)",
+            refuse_unfit_prompts(usable, vocab, n_ctx, new_tokens, f"the server at {url} (its {said})",
                                  "the prompt set", hint=SERVER_CONTEXT_HINT)
     window = ref.cfg.sliding_window if any(layer.is_sliding for layer in ref.cfg.layers) else None
     usable = named_for_window(usable, window)  # the synthetic set's names, by this model's own window
@@ -318,13 +318,13 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
 
 
 def _probe_servers(names: Sequence[str], path: str, options: dict[str, Any], progress: Progress,
-                   contexts: dict[str, tuple[str, int]] | None = None) -> dict[str, str | None]:
+                   contexts: dict[str, tuple[str, int, str]] | None = None) -> dict[str, str | None]:
     """Ask every ``openai:URL`` engine of ``names`` whether it can be used (which server answers, its model list:
     :class:`harness.engines.openai.OpenAIEngine`) before any reference work, so that a URL that cannot be used is
     said at once, not after minutes of reference forwards. Returns each such name's dialect, None for one that
     cannot be used (its pair then says why, exit 2; the reference work leaves its checks out). ``contexts``, when
-    given, gets ``name -> (URL, context)`` for each server that says its context (``OpenAIEngine.context``), so
-    that the prompts are judged against it before any reference work."""
+    given, gets ``name -> (URL, context, where it said it)`` for each server that says its context
+    (``OpenAIEngine.context``), so that the prompts are judged against it before any reference work."""
     dialects: dict[str, str | None] = {}
     for name in names:
         if engine_kind(name) != "openai":
@@ -333,7 +333,7 @@ def _probe_servers(names: Sequence[str], path: str, options: dict[str, Any], pro
             eng = make_engine(name, path, **options)
             dialects[name] = eng.dialect
             if contexts is not None and getattr(eng, "context", None):
-                contexts[name] = (eng.base, int(eng.context))
+                contexts[name] = (eng.base, int(eng.context), eng.server.context_said)
         except Exception as e:  # noqa: BLE001 (the pair reports it, with its kind: bad input or engine failure)
             dialects[name] = None
             progress(f"{name}: cannot be used: {str(e).splitlines()[0] if str(e) else type(e).__name__}")

@@ -86,9 +86,12 @@ class Dialect:
         """The server's text of ``ids`` (:meth:`OpenAIEngine.detokenize`)."""
         raise NotImplementedError
 
+    context_said = ""
+    """Where :meth:`context` reads the server's context (named in a refusal: ``/props n_ctx``)."""
+
     def context(self) -> int | None:
         """The context a request may fill (prompt and new tokens) where the server says it, asked once while the
-        server is being found out; None (the default) where it does not say (llama-cpp-python, vLLM, generic)."""
+        server is being found out; None (the default) where it does not say (llama-cpp-python, generic)."""
         return None
 
     def apply_template(self, messages: Sequence[dict[str, str]]) -> str:

@@ -153,9 +153,9 @@ class OpenAIEngine:
         probes_prompt_logprobs: whether :meth:`prefix_logprobs` stands in for it (llama-server: ids in, top-N of
             each generated step out, nothing for the prompt).
         context: the context a request may fill (prompt and new tokens), in tokens, where the server says it
-            (:meth:`Dialect.context`: llama-server's ``/props``, per slot), else None; ``g4h parity`` judges the
-            prompts against it before any reference work. A request past it that the server refuses with HTTP 400
-            is :class:`ServerContextExceeded` (exit 2).
+            (:meth:`Dialect.context`: llama-server's ``/props``, per slot; vLLM's ``/v1/models``), else None;
+            ``g4h parity`` judges the prompts against it before any reference work. A request past it that the
+            server refuses with HTTP 400 is :class:`ServerContextExceeded` (exit 2).
 
     Raises:
         ServerError: the server is down, slow, answers an error or an unexpected shape, or is no known dialect

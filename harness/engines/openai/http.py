@@ -51,7 +51,8 @@ exceed context window of M"); llama-server "request (N tokens) exceeds the avail
 increasing it" (``tools/server/server-context.cpp``, ``ERROR_TYPE_EXCEED_CONTEXT_SIZE``, HTTP 400)."""
 
 SERVER_CONTEXT_HINT = ("start the server with a larger context (llama-server -c N, per slot: each of its --parallel P "
-                       "slots gets N/P unless --kv-unified; llama-cpp-python --n_ctx N), or shorten or drop the prompt")
+                       "slots gets N/P unless --kv-unified; llama-cpp-python --n_ctx N; vLLM --max-model-len N), or "
+                       "shorten or drop the prompt")
 """What to do about a prompt longer than the server's context (said after the line that names it)."""
 
 

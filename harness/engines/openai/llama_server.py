@@ -43,6 +43,8 @@ class LlamaServer(Dialect):
         super().__init__(eng)
         self.pieces: dict[int, bytes] = {}
 
+    context_said = "/props n_ctx"
+
     def context(self) -> int | None:
         """``GET /props``' ``default_generation_settings.n_ctx``: the context of one slot (``server_context::
         n_ctx_slot`` in ``tools/server/server-context.cpp``: ``llama_n_ctx_seq``, which is ``-c`` divided by

@@ -18,6 +18,20 @@ class Vllm(Dialect):
     offers_prompt_logprobs = True
     names_its_stop = True
 
+    context_said = "/v1/models max_model_len"
+
+    def context(self) -> int | None:
+        """``GET /v1/models``' ``max_model_len`` of the model served (its entry whose ``id`` is the model sent, else
+        the first): the most tokens a request may hold, prompt and completion together (``ModelCard.max_model_len``
+        in ``vllm/entrypoints/openai/protocol.py``, from ``--max-model-len``); a longer request is refused with HTTP
+        400 ("This model's maximum context length is N tokens ..."). None where the list does not say (vLLM
+        releases before the field) or says something other than a positive integer."""
+        data = self.eng.model_list.get("data") if isinstance(self.eng.model_list, dict) else None
+        cards = [c for c in data if isinstance(c, dict)] if isinstance(data, list) else []
+        card = next((c for c in cards if c.get("id") == self.eng.model), cards[0] if cards else {})
+        n = card.get("max_model_len")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         url = self.eng.root + "/tokenize"
         body = {"model": self.eng.model, "prompt": text, "add_special_tokens": add_special}
