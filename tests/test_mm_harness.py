@@ -29,7 +29,7 @@ from gemma4_harness.harness.synth.mm_case import builtin_mm_specs, ensure_mm_bui
 from gemma4_harness.harness.synth.spec import SpecError
 from gemma4_harness.harness.traces.format import canonical_key
 from gemma4_harness.reference import audio_features as AF
-from gemma4_harness.reference.errors import ConfigError, PromptError
+from gemma4_harness.reference.errors import ConfigError, InputError, PromptError
 from gemma4_harness.reference.gguf_check import check_gguf
 from gemma4_harness.reference.mm_model import MediaItem, expand, load_multimodal, token_ids_from_vocab
 from gemma4_harness.reference.multimodal import MultimodalTokenIds
@@ -101,6 +101,12 @@ def test_prompt_set_and_media_files(tmp_path):
     with pytest.raises(Exception) as e:
         load_mm_prompts(tmp_path / "p.jsonl")
     assert "1 <|image|>" in str(e.value) and "0 images" in str(e.value)
+    # the prompt files' one line reader (harness/core/prompts.py jsonl_objects): a U+2028 inside a note is no line end
+    (tmp_path / "p.jsonl").write_text('{"id": "x", "prompt_ids": [2, 5], "note": "a\u2028b"}\n', encoding="utf-8")
+    assert [(p["id"], p["note"]) for p in load_mm_prompts(tmp_path / "p.jsonl")] == [("x", "a\u2028b")]
+    (tmp_path / "p.jsonl").write_text('{"id": "x", "prompt_ids": [2, 5]}\n[1]\n')
+    with pytest.raises(InputError, match=rf"^{tmp_path / 'p.jsonl'}:2: expected {{\"id\""):
+        load_mm_prompts(tmp_path / "p.jsonl")
 
 
 def test_each_multimodal_mutant_changes_one_thing():

@@ -18,7 +18,6 @@ transformers' float32 front end and our float64 one agree to ~1e-6). :func:`writ
 
 from __future__ import annotations
 
-import json
 import os
 import wave
 from pathlib import Path
@@ -28,9 +27,9 @@ import numpy as np
 from PIL import Image
 
 from gemma4_harness.reference.errors import InputError
-from gemma4_harness.reference.files import read_text
 
 from .paths import CASES_DIR
+from .prompts import jsonl_objects
 
 MM_PROMPTS = CASES_DIR / "prompts" / "multimodal.jsonl"
 """The default multimodal prompt set."""
@@ -40,6 +39,10 @@ MM_MODELS_DIR = CASES_DIR / "models" / "multimodal"
 
 PLACEHOLDERS = {"<|image|>": "image_token_id", "<|audio|>": "audio_token_id"}
 """Placeholder strings a prompt may hold, and the id each stands for."""
+
+MM_FORM = ('{"id": "...", "prompt_ids": [int >= 0 or "<|image|>" or "<|audio|>", ...], "images": [{"height", '
+           '"width", "seed"}, ...], "audio": [{"seconds", "seed"}, ...]}')
+"""What a line of a multimodal prompt set holds (named where a line is not JSON)."""
 
 SAMPLE_RATE = 16000
 
@@ -98,17 +101,9 @@ def load_mm_prompts(path: str | os.PathLike = MM_PROMPTS) -> list[dict[str, Any]
         InputError: an unreadable file or a bad line (one line naming the file, line and field).
     """
     p = Path(path)
-    lines = read_text(p, "prompt set").splitlines()
     out, seen = [], set()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{p}:{n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("id"), str) or obj["id"] in seen:
+    for _, where, obj in jsonl_objects(p, MM_FORM):
+        if not isinstance(obj.get("id"), str) or obj["id"] in seen:
             raise InputError(f"{where}: expected an object with a unique string id")
         ids = obj.get("prompt_ids")
         if not isinstance(ids, list) or not ids or any(

@@ -27,6 +27,7 @@ import codecs
 import json
 import os
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from gemma4_harness.reference.errors import PromptError
@@ -85,6 +86,27 @@ def _prompt_id(obj: dict[str, Any], where: str, line: int, seen: dict[str, int])
     return pid
 
 
+def jsonl_objects(path: str | os.PathLike, expected: str) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """The JSON objects of a prompt file, one a line: ``(line number, "FILE:LINE", object)``; blank lines skipped.
+    Lines end at ``\n`` only (a U+2028 inside a JSON string is no line end, as :meth:`str.splitlines` would take
+    it). The reader of every prompt grammar: :func:`load_prompts` and the multimodal set's
+    (:func:`harness.core.mm_prompts.load_mm_prompts`).
+
+    Raises:
+        PromptError: unreadable, not UTF-8 (the line and offset named), a line that is not JSON or not an object:
+            ``FILE:LINE: ...; expected <expected>``.
+    """
+    path = Path(path)
+    for n, line in enumerate(_read(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        obj = _json(line, where, expected)
+        if not isinstance(obj, dict):
+            raise PromptError(f"{where}: expected {expected}")
+        yield n, where, obj
+
+
 def load_prompts(path: str | os.PathLike = PROMPTS, *, ids_only: bool = False) -> list[dict[str, Any]]:
     """Read a prompt file in the one grammar of this module's docstring.
 
@@ -107,13 +129,7 @@ def load_prompts(path: str | os.PathLike = PROMPTS, *, ids_only: bool = False) -
                 f"{TEXT_FORM} or {IDS_FORM} (one of them, non-empty)") + f", {OPTIONAL}"
     out: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
-    for n, line in enumerate(_read(path).split("\n"), 1):  # JSONL lines: a U+2028 inside a text is no line end
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        obj = _json(line, where, expected)
-        if not isinstance(obj, dict):
-            raise PromptError(f"{where}: expected {expected}")
+    for n, where, obj in jsonl_objects(path, expected):
         ids, text = obj.get("prompt_ids"), obj.get("text")
         is_text = "text" in obj
         if (is_text and ids_only) or is_text == ("prompt_ids" in obj) or \
