@@ -243,7 +243,7 @@ def test_a_drafter_bound_to_the_wrong_store_layer_fails_the_gates():
     other_sliding = max(L.index for L in tcfg.layers if L.has_kv and L.is_sliding and L.index != d.text.layers[0].kv_donor)
     wrong = dataclasses.replace(d, text=dataclasses.replace(d.text, layers=(
         dataclasses.replace(d.text.layers[0], kv_donor=other_sliding),) + d.text.layers[1:]))
-    gate = DEFAULT_GATES["drafter.fast~reference.max_abs"]
+    gate = DEFAULT_GATES["drafter.reference~fast.max_abs"]
     fm = FastModel(tcfg, TW, "cpu", "float32")
     fd = FastDrafter(wrong, DW, fm)
     ids = LONG["prompt_ids"]

@@ -69,7 +69,7 @@ def test_an_oracle_that_cannot_run_fails_only_its_own_rows(monkeypatch):
     assert not drafter_runs["pass"] and "cannot construct Gemma4AssistantForCausalLM" in drafter_runs["got"]
     assert "reference~transformers.max_abs_logit" not in rows and "drafter.reference~transformers.max_abs" not in rows
     for gate in ("reference.gguf_f32~safetensors.max_abs_logit", "fast~reference.max_abs_logit",
-                 "drafter.gguf_f32~safetensors.max_abs", "drafter.fast~reference.max_abs",
+                 "drafter.gguf_f32~safetensors.max_abs", "drafter.reference~fast.max_abs",
                  "speculative.lossless.same_tokens", "speculative.model.drafted"):
         assert gate in rows and all(c["pass"] for c in res.checks if c["gate"] == gate), gate
     failing = {c["gate"] for c in res.checks if not c["pass"] and not c.get("informational")}

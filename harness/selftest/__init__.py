@@ -5,7 +5,7 @@ overriding one of :class:`fast.model.FastModel`'s block functions in a subclass 
 building it from an altered config, weights or RoPE table; ``fast/`` itself is never
 modified). The selftest traces the mutant and the float64
 reference on the built-in synthetic cases, compares the traces with the
-fast~reference gates (per trace point cosine >= 0.99999, max |Δlogit| <= 1e-3 at
+reference~fast gates (per trace point relative L2 <= 1e-3, max |Δlogit| <= 1e-3 at
 ``result_output``; :data:`harness.core.gates.DEFAULT_GATES`) through
 :func:`harness.traces.compare.compare`, and checks that
 
@@ -67,11 +67,11 @@ MM_SELFTEST_PROMPTS = ("image-audio", "two-images")
 
 
 def fast_reference_rule(gates: dict | None = None) -> DivergenceRule:
-    """The fast~reference gates as a :class:`harness.DivergenceRule`: per-point cosine and
-    max |Δlogit| at ``result_output`` (defaults from :data:`harness.core.gates.DEFAULT_GATES`)."""
+    """The reference~fast gates as a :class:`harness.DivergenceRule`: per-point relative L2 (``layer_rel_l2``)
+    and max |Δlogit| at ``result_output`` (defaults from :data:`harness.core.gates.DEFAULT_GATES`)."""
     g = gates or DEFAULT_GATES
-    return DivergenceRule(tol=None, min_cosine=g["fast~reference.layer_cosine"].limit,
-                                 max_abs={"result_output": g["fast~reference.max_abs_logit"].limit})
+    return DivergenceRule(tol=g["reference~fast.layer_rel_l2"].limit,
+                          max_abs={"result_output": g["reference~fast.max_abs_logit"].limit})
 
 
 def trace_fast(fm: FastModel, ids: Sequence[int], case: str, engine: str) -> Trace:
@@ -318,7 +318,7 @@ def render_report(data: dict[str, Any]) -> str:
              f"**{verdict}** (created {data['created_utc']}; cases {', '.join(data['cases'])})", "",
              f"Each mutant is one fault injected into the fast path (fp32, CPU) by overriding one function; its traces "
              f"are compared "
-             f"with the float64 reference's under the fast~reference gates ({rule}). *first point* is the first "
+             f"with the float64 reference's under the reference~fast gates ({rule}). *first point* is the first "
              f"(point, layer) in trace order that breaks a gate.", "",
              markdown_table(mutant_table(data), ["mutant", "cases", "detected", "first point", "expected", "result"]),
              "", "## Faults", ""]
