@@ -133,7 +133,7 @@ def fast_state(fm: FastModel, ids: Sequence[int], extra: int) -> tuple[Any, int,
     return cache, slot, int(torch.argmax(logits[-1])), h[-1:]
 
 
-def fast_vs_reference(d, DW, tcfg, TW, fm: FastModel, prompts: Sequence[dict[str, Any]]) -> list[Figure]:
+def reference_vs_fast(d, DW, tcfg, TW, fm: FastModel, prompts: Sequence[dict[str, Any]]) -> list[Figure]:
     """The fast drafter against the reference drafter, per prompt (module docstring)."""
     fd = FastDrafter(d, DW, fm)
     out = []
@@ -191,7 +191,7 @@ def drafter_checks(built, prompts: Sequence[dict[str, Any]], info: dict[str, Any
     figs, facts = gguf_vs_hf(d_hf, DW_hf, d_gguf, DW_gguf, tcfg, TW, prompts)
     info["drafter"].update(facts)
     out += figs
-    out += fast_vs_reference(d_hf, DW_hf, tcfg, TW, FastModel(tcfg, TW, "cpu", "float32"), prompts)
+    out += reference_vs_fast(d_hf, DW_hf, tcfg, TW, FastModel(tcfg, TW, "cpu", "float32"), prompts)
     return out
 
 
