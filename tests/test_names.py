@@ -27,9 +27,9 @@ def test_numbered_and_unknown_names():
 def test_case_toml_with_an_old_key_is_refused_naming_the_new_one():
     ov = {"fast_bf16~reference.same_top1": {"informational": True, "reason": "narrow"}}
     with pytest.raises(InputError) as ei:
-        resolve(ov, "cases/models/x.toml")
+        resolve(ov, "my-case.toml")
     msg = str(ei.value)
-    assert msg.startswith("cases/models/x.toml: [gates] fast_bf16~reference.same_top1: renamed "
+    assert msg.startswith("my-case.toml: [gates] fast_bf16~reference.same_top1: renamed "
                           "reference~fast_bf16.same_top1_decisive") and "\n" not in msg
     assert resolve({"reference~fast_bf16.same_top1_decisive": ov["fast_bf16~reference.same_top1"]},
                    "x")["reference~fast_bf16.same_top1_decisive"].informational
