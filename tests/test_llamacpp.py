@@ -65,8 +65,8 @@ def _llamacpp_pair(built, prompts) -> list[dict]:
     path = built.gguf["F32"]
     runs = ReferenceRuns(CheckedEngine(ReferenceEngine(path), "reference"))
     res = CaseResult(case=built.spec.name, kind="synthetic", model=str(path))
-    res.apply(pair_checks(runs, "llamacpp", path, prompts, lambda m: None, built.spec.name, options={"threads": THREADS}),
-              resolve(built.spec.gates, str(built.spec.path)))
+    figs = pair_checks(runs, "llamacpp", path, prompts, lambda m: None, built.spec.name, options={"threads": THREADS})
+    res.apply(figs, resolve(built.spec.gates, str(built.spec.path)))
     return res.checks
 
 

@@ -587,6 +587,17 @@ ratio cancels only in part, because two engines are never measured at the same i
 above that noise and still catches a kernel falling back to a slow path (typically 2x or more)."""
 
 
+SELFTEST_MIN_COSINE = 0.99999
+"""``g4h selftest``'s bound on each trace point of a mutant of the fast path against the reference (with
+``reference~fast.max_abs_logit`` at ``result_output``): a cosine, not the pair's relative L2 (``layer_rel_l2``),
+because the selftest also checks that its mathematically equivalent mutants stay within the rule, and one of them
+scales an intermediate by a constant that the next RMSNorm removes (``ple_no_inv_sqrt2``: ``inp_per_layer`` x
+sqrt(2), cosine 1, relative L2 0.41): a relative-L2 rule would flag the point, not the model. fp32 against float64
+leaves a relative L2 of at most 2.0e-6 at any point of the built-in text cases (reference~fast.layer_rel_l2, full parity
+run), a cosine of about 1 - 2e-12; every mutant that is a fault breaks the rule at the point it must first show at
+(tests/test_selftest.py, harness/selftest/mutants.py)."""
+
+
 DIFF_TOL = 1e-3
 """``g4h diff``'s default bound on the relative error of a trace point (rel L2 with tensor dumps on
 both sides, else the checksum lower bound of :func:`harness.traces.compare.checksum_error`).
@@ -598,8 +609,8 @@ or more. A bf16 or quantized engine needs a wider ``--tol``, chosen by whoever r
 
 NEAR_TIE_MARGIN = 2 * DEFAULT_GATES["engine~oracle.max_abs_logit"].limit
 """A reference top-1 margin below this is a near-tie: two engines each inside the max-|Δlogit| gate of
-an fp32 engine against the oracle (engine~oracle, 2e-2) may legitimately order the two best tokens differently there, so a
-flip at such a position is reported as a near-tie, not a fault."""
+an fp32 engine against the oracle (engine~oracle, 2e-2) may legitimately order the two best tokens
+differently there, so a flip at such a position is reported as a near-tie, not a fault."""
 
 
 MEL_F32_EMULATION_MAX_ABS = 2e-6
