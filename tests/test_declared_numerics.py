@@ -97,7 +97,7 @@ def test_hello_declares_kv_cache(tiny_gguf):
 
 def test_fp32_engine_declaring_nothing_is_held_to_fp32_bounds(tiny_gguf, prompts_file, tmp_path):
     """An fp32 engine that declares no approximation: its pair is gated at the fp32 bounds (1e-3 on logits and
-    log-probs, the fast~reference bound), and the same engine off by 1e-2 fails them, naming where."""
+    log-probs, the reference~fast bound), and the same engine off by 1e-2 fails them, naming where."""
     data, status = run_parity(models=[str(tiny_gguf)], against=[stub()], out=str(tmp_path), prompts=prompts_file,
                               quiet=True, server=ONLY_PAIR)
     assert status == 0, data["verdict"]

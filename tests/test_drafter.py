@@ -22,7 +22,8 @@ from gemma4_harness.fast.model import FastModel
 from gemma4_harness.harness.core.cases import MODELS_DIR, builtin_drafter_specs, builtin_specs, drafter_spec_for
 from gemma4_harness.harness.core.gates import DEFAULT_GATES
 from gemma4_harness.harness.core.prompts import load_prompts
-from gemma4_harness.harness.parity.checks.drafter import fast_state, fast_vs_reference, gguf_vs_hf, reference_vs_transformers
+from gemma4_harness.harness.parity.checks.drafter import (fast_state, gguf_vs_hf, reference_vs_fast,
+                                                            reference_vs_transformers)
 from gemma4_harness.harness.synth.drafter import ensure_drafter_built, load_drafter_spec
 from gemma4_harness.reference import drafter as R
 from gemma4_harness.reference.drafter_weights import load_drafter
@@ -170,7 +171,7 @@ def test_gguf_and_hf_drafters_agree(pair):
 
 def test_fast_drafter_matches_reference(pair):
     _, tcfg, TW, d, DW = pair
-    for f in fast_vs_reference(d, DW, tcfg, TW, FastModel(tcfg, TW, "cpu", "float32"), SHORT_LONG[::2]):
+    for f in reference_vs_fast(d, DW, tcfg, TW, FastModel(tcfg, TW, "cpu", "float32"), SHORT_LONG[::2]):
         assert DEFAULT_GATES[f.gate].check(f.measured), (f.prompt, f.measured)
         assert f.detail["same_drafts"]
 
@@ -243,7 +244,7 @@ def test_a_drafter_bound_to_the_wrong_store_layer_fails_the_gates():
     other_sliding = max(L.index for L in tcfg.layers if L.has_kv and L.is_sliding and L.index != d.text.layers[0].kv_donor)
     wrong = dataclasses.replace(d, text=dataclasses.replace(d.text, layers=(
         dataclasses.replace(d.text.layers[0], kv_donor=other_sliding),) + d.text.layers[1:]))
-    gate = DEFAULT_GATES["drafter.fast~reference.max_abs"]
+    gate = DEFAULT_GATES["drafter.reference~fast.max_abs"]
     fm = FastModel(tcfg, TW, "cpu", "float32")
     fd = FastDrafter(wrong, DW, fm)
     ids = LONG["prompt_ids"]

@@ -11,7 +11,13 @@ from gemma4_harness.harness import synth
 from gemma4_harness.harness.core.cases import MODELS_DIR, builtin_specs
 from gemma4_harness.harness.core.gates import resolve
 from gemma4_harness.harness.core.prompts import load_prompts
-from gemma4_harness.harness.parity.checks.fast import batched_vs_solo, chunked_vs_oneshot, fast_vs_reference, kld_over
+from gemma4_harness.harness.engines.checked import CheckedEngine
+from gemma4_harness.harness.engines.reference import ReferenceEngine
+from gemma4_harness.harness.parity.cases import synthetic_case, user_case
+from gemma4_harness.harness.parity.checks.fast import batched_vs_solo, chunked_vs_oneshot
+from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, pair_checks
+from gemma4_harness.harness.parity.job import quick_prompts
+from gemma4_harness.harness.parity.result import CaseResult
 from gemma4_harness.reference import load_model
 
 SPECS = [p.stem for p in builtin_specs()]
@@ -23,44 +29,72 @@ def case(request):
     spec = synth.load_spec(MODELS_DIR / f"{request.param}.toml")
     built = synth.ensure_built(spec.path)
     cfg, w = load_model(built.gguf["F32"])
-    return spec, cfg, w, FastModel(cfg, w, "cpu", "float32")
+    return spec, cfg, w, FastModel(cfg, w, "cpu", "float32"), built
+
+
+def _fast_pair(spec, built, dtype: str) -> list[dict]:
+    """The checks of the pair pipeline (what a built-in case and ``--model`` both run) for fast in ``dtype`` on the
+    case's F32 GGUF, judged by the case's gates."""
+    path = built.gguf["F32"]
+    runs = ReferenceRuns(CheckedEngine(ReferenceEngine(path), "reference"))
+    res = CaseResult(case=spec.name, kind="synthetic", model=str(path))
+    res.apply(pair_checks(runs, "fast", path, PROMPTS, lambda m: None, spec.name,
+                          options={"device": "cpu", "dtype": dtype}), resolve(spec.gates, spec.name))
+    return res.checks
 
 
 def test_fast_fp32_matches_reference(case):
-    spec, cfg, w, fm = case
-    gates = resolve(spec.gates, spec.name)
-    for row in fast_vs_reference(fm, cfg, w, PROMPTS):
-        assert gates["fast~reference.max_abs_logit"].check(row["max_abs_logit"]), row["id"]
-        assert gates["fast~reference.layer_cosine"].check(row["min_cosine"]), (row["id"], row["worst_point"])
-        assert row["n_points"] >= 3 * cfg.n_layer
+    spec, cfg, _, _, built = case
+    checks = _fast_pair(spec, built, "float32")
+    assert {c["gate"] for c in checks} == {f"reference~fast.{m}" for m in (
+        "runs", "max_abs_logit", "mean_kld", "same_top1_decisive", "layer_rel_l2", "greedy", "max_abs_logprob")}
+    bad = [(c["gate"], c["prompt"], c["measured"], c.get("first_divergence")) for c in checks if not c["pass"]]
+    assert not bad
+    layers = [c for c in checks if c["gate"] == "reference~fast.layer_rel_l2"]
+    assert len(layers) == len(PROMPTS)
+    assert all(len(c["per_point"]) >= 3 * cfg.n_layer for c in layers)
 
 
-def test_fast_bf16_kld(case, record_property):
+def test_fast_bf16_pair(case, record_property):
     """Gated where the case gates bf16; on the narrow cases a measurement that is reported (the test passes
     and records the figure), with the case's reason for not gating it."""
-    spec, cfg, w, _ = case
-    gates = resolve(spec.gates, spec.name)
-    kld = kld_over(fast_vs_reference(FastModel(cfg, w, "cpu", "bfloat16"), cfg, w, PROMPTS))
-    assert 0 < kld.mean_kld < float("inf")  # bf16 really ran in bf16, and nothing overflowed
-    g_kld, g_top = gates["fast_bf16~reference.mean_kld"], gates["fast_bf16~reference.same_top1"]
-    record_property("bf16_mean_kld", kld.mean_kld)
-    record_property("bf16_same_top1_pct", kld.same_top_p_pct)
-    if g_kld.informational:
-        print(f"{spec.name}: bf16 mean KLD {kld.mean_kld:.2e}, same top-1 {kld.same_top_p_pct:.1f} % "
-              f"(reported, not gated: {g_kld.reason})")
-        return
-    assert g_kld.check(kld.mean_kld)
-    assert g_top.check(kld.same_top_p_pct / 100)
+    spec, _, _, _, built = case
+    checks = _fast_pair(spec, built, "bfloat16")
+    kld = [c for c in checks if c["gate"] == "reference~fast_bf16.mean_kld"]
+    assert len(kld) == len(PROMPTS)
+    assert all(0 < c["measured"] < float("inf") for c in kld)  # bf16 really ran in bf16, and nothing overflowed
+    record_property("bf16_mean_kld", max(c["measured"] for c in kld))
+    for c in checks:
+        if c.get("informational"):
+            print(f"{spec.name}: {c['gate']} {c['prompt']}: {c['measured']:.3g} (reported, not gated: {c['reason']})")
+        else:
+            assert c["pass"], (c["gate"], c["prompt"], c["measured"], c["limit"])
 
 
 def test_bf16_gate_is_enforced_somewhere():
-    assert any(not synth.load_spec(p).gates.get("fast_bf16~reference.mean_kld", {}).get("informational")
+    assert any(not synth.load_spec(p).gates.get("reference~fast_bf16.mean_kld", {}).get("informational")
                for p in builtin_specs())
+
+
+def test_builtin_case_and_model_measure_fast_alike():
+    """One pair pipeline: a built-in case and ``g4h parity --model`` on the same F32 GGUF give the same
+    ``reference~fast.*`` figures, bit for bit (the same function, :func:`harness.parity.cases.pairs`)."""
+    spec = MODELS_DIR / "e2b.toml"
+    prompts = quick_prompts(PROMPTS, 2)
+    built = synth.ensure_built(spec)
+    builtin = synthetic_case(spec, prompts, lambda m: None, skip=("speculative", "llamacpp"), weights="dequantized")
+    model = user_case(str(built.gguf["F32"]), ["fast"], prompts, lambda m: None,
+                      engine_options={"device": "cpu", "dtype": "float32"})
+
+    def fast(res):
+        return [(c["gate"], c["prompt"], c["measured"]) for c in res.checks if c["gate"].startswith("reference~fast.")]
+
+    assert fast(builtin) and fast(builtin) == fast(model)
 
 
 @pytest.mark.slow
 def test_batched_equals_solo_and_neighbours_are_isolated(case):
-    spec, cfg, w, fm = case
+    spec, cfg, w, fm, _ = case
     gates = resolve(spec.gates, spec.name)
     r = batched_vs_solo(fm)
     assert r["max_batch_seen"] >= 4 and r["retired_mid_batch"], r
@@ -72,7 +106,7 @@ def test_batched_equals_solo_and_neighbours_are_isolated(case):
 
 @pytest.mark.slow
 def test_chunked_prefill_and_prefix_decode_equal_one_shot(case):
-    spec, cfg, w, fm = case
+    spec, cfg, w, fm, _ = case
     gate = resolve(spec.gates, spec.name)["fast.chunked~oneshot.max_abs_logit"]
     longest = max(PROMPTS, key=lambda p: len(p["prompt_ids"]))["prompt_ids"]
     for variant, v in chunked_vs_oneshot(fm, longest).items():
@@ -80,7 +114,7 @@ def test_chunked_prefill_and_prefix_decode_equal_one_shot(case):
 
 
 def test_cache_memory_layout(case):
-    _, cfg, w, fm = case
+    _, cfg, w, fm, _ = case
     cache = fm.new_cache(max_seqs=2, max_tokens=100)
     slot = cache.alloc()
     ids = list(range(4, 4 + 90))
@@ -172,7 +206,7 @@ def test_prompt_runs_continue_from_each_prompts_own_cache(case):
     the teacher-forced rows are a full forward's over the prompt and those tokens (same gate)."""
     from gemma4_harness.fast.engine import generate, prompt_runs
 
-    spec, cfg, w, fm = case
+    spec, cfg, w, fm, _ = case
     gate = resolve(spec.gates, spec.name)["fast.batched~solo.max_abs_logit"].limit
     prompts = [p["prompt_ids"] for p in PROMPTS if len(p["prompt_ids"]) + 5 <= cfg.context_length][:5]
     runs = prompt_runs(fm, prompts, new_tokens=5, top_n=4, max_batch=3)

@@ -19,13 +19,15 @@ import llama_cpp  # noqa: E402, F401  (missing: nox -s tests installs it from th
 
 from gemma4_harness.harness import synth  # noqa: E402
 from gemma4_harness.harness.core.cases import MODELS_DIR  # noqa: E402
-from gemma4_harness.harness.core.gates import DEFAULT_GATES, resolve  # noqa: E402
+from gemma4_harness.harness.core.gates import resolve  # noqa: E402
 from gemma4_harness.harness.core.prompts import load_prompts  # noqa: E402
 from gemma4_harness.harness.core.workers import EngineCrashed  # noqa: E402
 from gemma4_harness.harness.engines import EngineUnavailable, make_engine  # noqa: E402
+from gemma4_harness.harness.engines.checked import CheckedEngine  # noqa: E402
 from gemma4_harness.harness.engines.llamacpp import INSTALL_MSG, LlamaCppEngine  # noqa: E402
 from gemma4_harness.harness.engines.reference import ReferenceEngine  # noqa: E402
-from gemma4_harness.harness.parity.checks.llamacpp import check_synthetic  # noqa: E402
+from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, pair_checks  # noqa: E402
+from gemma4_harness.harness.parity.result import CaseResult  # noqa: E402
 from gemma4_harness.reference.errors import InputError, PromptError  # noqa: E402
 
 PROMPTS = load_prompts()
@@ -57,18 +59,30 @@ def test_logits_shape_and_finite(passing):
     assert np.isfinite(z).all()
 
 
+def _llamacpp_pair(built, prompts) -> list[dict]:
+    """The checks of the pair pipeline (what a built-in case and ``--model`` both run) for llama.cpp on the case's
+    F32 GGUF, judged by the case's gates."""
+    path = built.gguf["F32"]
+    runs = ReferenceRuns(CheckedEngine(ReferenceEngine(path), "reference"))
+    res = CaseResult(case=built.spec.name, kind="synthetic", model=str(path))
+    figs = pair_checks(runs, "llamacpp", path, prompts, lambda m: None, built.spec.name, options={"threads": THREADS})
+    res.apply(figs, resolve(built.spec.gates, str(built.spec.path)))
+    return res.checks
+
+
 def test_gates_on_passing_case(passing):
-    rows = check_synthetic(passing, PROMPTS, threads=THREADS)
-    summary = rows[-1]
-    assert summary["prompt"] == "all" and "error" not in summary
-    assert len(rows) == len(PROMPTS) + 1
-    gates = resolve(passing.spec.gates, str(passing.spec.path))
-    for name in ("mean_kld", "same_top1", "max_abs_logit"):
-        g = gates[f"llamacpp~reference.{name}"]
-        assert g.limit == DEFAULT_GATES[f"llamacpp~reference.{name}"].limit
-        assert g.check(summary[name]), (name, summary[name], g)
-    assert summary["trace"]["first_divergence"] is None, summary["trace"]
-    assert not summary["trace"]["missing"], summary["trace"]["missing"]
+    checks = _llamacpp_pair(passing, PROMPTS)
+    assert [c["measured"] for c in checks if c["gate"] == "reference~llamacpp.runs"] == [1.0]
+    bad = [(c["gate"], c["prompt"], c["measured"], c["limit"]) for c in checks if not c["pass"]]
+    assert not bad
+    for metric in ("max_abs_logit", "mean_kld", "same_top1_decisive", "layer_rel_l2"):
+        got = [c for c in checks if c["gate"] == f"reference~llamacpp.{metric}"]
+        assert len(got) == len(PROMPTS), metric
+        assert not any(c.get("informational") for c in got), metric
+    # the fp16 GELU table is emulated (the gate is raised by its measured effect), the exact figure kept beside
+    kld = [c for c in checks if c["gate"] == "reference~llamacpp.max_abs_logit"]
+    assert all(c["emulated"] == ["gelu_fp16_table"] and "vs_exact_reference" in c for c in kld)
+    assert all(c["first_divergence"] is None for c in checks if c["gate"] == "reference~llamacpp.layer_rel_l2")
 
 
 def test_trace_points_line_up_with_reference(passing):
@@ -119,10 +133,9 @@ def test_kv_donor_layout_abort_is_engine_crashed():
     msg = str(ei.value)
     assert msg.startswith("engine crashed: ") and "GGML_ASSERT" in msg and "\n" not in msg
     assert "llama-kv-cache.cpp" in msg  # source path shortened to the file name
-    # check_synthetic names the crash in its result instead of raising, so a run goes on with the next case.
-    rows = check_synthetic(case, PROMPTS[:2], threads=THREADS, trace=False)
-    assert len(rows) == 1 and rows[0]["error"] == msg
-    assert rows[0]["error_kind"] == "engine"
+    # the pair names the crash in a failing .runs figure instead of raising, so a run goes on with the next case.
+    (runs,) = [c for c in _llamacpp_pair(case, PROMPTS[:2]) if c["gate"] == "reference~llamacpp.runs"]
+    assert runs["measured"] == 0.0 and runs["engine_failure"] and msg.removeprefix("engine crashed: ") in runs["got"]
 
 
 @pytest.mark.slow

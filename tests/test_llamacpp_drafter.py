@@ -26,7 +26,7 @@ def test_llamacpp_drafts_what_the_reference_drafts_and_its_speculation_is_lossle
     figs = llamacpp_drafter_checks(ensure_drafter_built(MODELS_DIR / f"{name}-assistant.toml"), PROMPTS,
                                    lambda m: None, name)
     gates = {f.gate for f in figs}
-    assert {"drafter.llamacpp.runs", "drafter.llamacpp~reference.same_drafts", "drafter.llamacpp~reference.max_abs",
+    assert {"drafter.llamacpp.runs", "drafter.reference~llamacpp.same_drafts", "drafter.reference~llamacpp.max_abs",
             "speculative.llamacpp.lossless"} <= gates
     for f in figs:
         assert DEFAULT_GATES[f.gate].check(f.measured), (f.gate, f.prompt, f.measured, f.detail)

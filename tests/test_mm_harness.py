@@ -251,8 +251,8 @@ def test_llamacpp_mtmd_matches_and_an_abort_is_one_line(case):
     good = mtmd_soft_tokens(case.gguf, case.mmproj_gelu, [("image", rgb)])
     quick = mtmd_soft_tokens(case.gguf, case.mmproj, [("image", rgb)])
     assert good["non_causal"] is True
-    assert G["llamacpp~reference.mm_vision_cosine"].check(cosine(good["embeds"][0], ref))
-    assert not G["llamacpp~reference.mm_vision_cosine"].check(cosine(quick["embeds"][0], ref))
+    assert G["reference~llamacpp.mm_vision_cosine"].check(cosine(good["embeds"][0], ref))
+    assert not G["reference~llamacpp.mm_vision_cosine"].check(cosine(quick["embeds"][0], ref))
     other = ensure_mm_built(MM_MODELS_DIR / "mm-varied.toml")
     from gemma4_harness.harness.core.workers import EngineCrashed
 
@@ -271,8 +271,8 @@ def test_multimodal_parity_case_passes_every_gate(record_property):
               "reference~transformers.mm_encoder_layer_rel_l2", "reference~transformers_f64.mm_max_abs_logit",
               "reference.mmproj~hf.max_abs_logit", "fast.chunked~oneshot.max_abs_logit",
               "fast.batched~solo.same_tokens",
-              "mm.bidirectional.sliding_layer_change", "llamacpp~reference.mm_vision_cosine",
-              "llamacpp~reference.mm_audio_cosine"):
+              "mm.bidirectional.sliding_layer_change", "reference~llamacpp.mm_vision_cosine",
+              "reference~llamacpp.mm_audio_cosine"):
         assert g in gates, g
     n_pre = sum(c["gate"].startswith("reference~hf_processor") and str(c["prompt"]).startswith("pre/")
                 for c in res.checks)

@@ -30,7 +30,7 @@ from gemma4_harness.fast.model import FastModel, SeqStep
 from gemma4_harness.fast.multimodal import chunk_end
 from gemma4_harness.harness.core.gates import DEFAULT_GATES
 from gemma4_harness.harness.core.kld import kld_stats
-from gemma4_harness.harness.core.metrics import cosine, rel_l2
+from gemma4_harness.harness.core.metrics import rel_l2
 from gemma4_harness.harness.synth.mm_audio import TINY_IDS
 from gemma4_harness.harness.synth.mm_model import build_tiny_mm_hf
 from gemma4_harness.reference import audio_features as AF
@@ -379,15 +379,15 @@ def test_fast_encoders_match_the_reference(tiny, record_property):
         encode_image(tiny.vcfg, tiny.VW, im.pixel_values, im.position_ids,
                      trace=lambda p, il, a, d=theirs: d.__setitem__((p, il), a))
         assert set(ours) == set(theirs)
-        worst = min(cosine(ours[k], theirs[k]) for k in theirs)
-        assert G["fast~reference.layer_cosine"].check(worst)
+        worst = max(rel_l2(ours[k], theirs[k]) for k in theirs)
+        assert G["reference~fast.layer_rel_l2"].check(worst)
         record_property(f"image{i}_max_abs", float(np.abs(fv.double().numpy() - tiny.img[i]).max()))
     for i, (f, m) in enumerate(tiny.clips):
         ours, theirs = {}, {}
         fa = FA.encode_audio(tiny.acfg, aw, f, m, trace=lambda p, il, a, d=ours: d.__setitem__((p, il), a))
         encode_audio(tiny.acfg, tiny.AW, f, m, trace=lambda p, il, a, d=theirs: d.__setitem__((p, il), a))
         assert set(ours) == set(theirs)
-        assert G["fast~reference.layer_cosine"].check(min(cosine(ours[k], theirs[k]) for k in theirs))
+        assert G["reference~fast.layer_rel_l2"].check(max(rel_l2(ours[k], theirs[k]) for k in theirs))
         record_property(f"clip{i}_max_abs", float(np.abs(fa.double().numpy() - tiny.aud[i]).max()))
 
 
@@ -397,9 +397,9 @@ def test_fast_fp32_matches_reference(tiny, fast32, parts):
     ref, rrec = ref_run(tiny, ids, inj)
     frec: dict = {}
     fast = fast32.logits(ids, trace=lambda p, il, a: frec.__setitem__((p, il), a), mm=inj).double().numpy()
-    assert G["fast~reference.max_abs_logit"].check(np.abs(fast - ref).max())
+    assert G["reference~fast.max_abs_logit"].check(np.abs(fast - ref).max())
     assert set(frec) == set(rrec)
-    assert G["fast~reference.layer_cosine"].check(min(cosine(frec[k], rrec[k]) for k in rrec))
+    assert G["reference~fast.layer_rel_l2"].check(max(rel_l2(frec[k], rrec[k]) for k in rrec))
 
 
 @pytest.mark.slow
@@ -474,4 +474,4 @@ def test_batched_mixed_prompts_equal_solo(tiny, fast32, record_property):
     # the first generated token's logits are the reference's last row
     for r in reqs:
         ref = RM.forward(tiny.cfg, tiny.W, r.prompt, mm=r.mm)[-1]
-        assert G["fast~reference.max_abs_logit"].check(np.abs(bat[r.id].logits[0] - ref).max()), r.id
+        assert G["reference~fast.max_abs_logit"].check(np.abs(bat[r.id].logits[0] - ref).max()), r.id

@@ -68,8 +68,8 @@ def test_an_oracle_that_cannot_run_fails_only_its_own_rows(monkeypatch):
     assert not ref_runs["pass"] and "Unrecognized configuration class" in ref_runs["got"]
     assert not drafter_runs["pass"] and "cannot construct Gemma4AssistantForCausalLM" in drafter_runs["got"]
     assert "reference~transformers.max_abs_logit" not in rows and "drafter.reference~transformers.max_abs" not in rows
-    for gate in ("reference.gguf_f32~safetensors.max_abs_logit", "fast~reference.max_abs_logit",
-                 "drafter.gguf_f32~safetensors.max_abs", "drafter.fast~reference.max_abs",
+    for gate in ("reference.gguf_f32~safetensors.max_abs_logit", "reference~fast.max_abs_logit",
+                 "drafter.gguf_f32~safetensors.max_abs", "drafter.reference~fast.max_abs",
                  "speculative.lossless.same_tokens", "speculative.model.drafted"):
         assert gate in rows and all(c["pass"] for c in res.checks if c["gate"] == gate), gate
     failing = {c["gate"] for c in res.checks if not c["pass"] and not c.get("informational")}
@@ -125,7 +125,7 @@ def test_drift_lists_moved_figures_with_their_first_diverging_point():
     pinned = results("5.23.0", [
         check("reference~transformers.max_abs_logit", 3e-5),
         check("reference~transformers.layer_rel_l2", 6e-7, per_point=list(reversed(PROFILE))),
-        check("fast~reference.max_abs_logit", 2e-5),
+        check("reference~fast.max_abs_logit", 2e-5),
         check("drafter.store_kv.reference~transformers.max_abs", float("nan"), prompt=None, got="not run",
               informational=True),
         check("reference~transformers.runs", 1.0, prompt=None),
@@ -133,19 +133,19 @@ def test_drift_lists_moved_figures_with_their_first_diverging_point():
     newest = results("5.24.0", [
         check("reference~transformers.max_abs_logit", 3e-5),
         check("reference~transformers.layer_rel_l2", 9e-7, per_point=moved),
-        check("fast~reference.max_abs_logit", 2.5e-5),
+        check("reference~fast.max_abs_logit", 2.5e-5),
         check("drafter.store_kv.reference~transformers.max_abs", 5e-6, prompt=None),
         check("drafter.reference~transformers.runs", 1.0, prompt=None, construction="native"),
         check("speculative.model.drafted", 1000.0, prompt=None)])
     d = oracle_drift(pinned, newest, "pinned/results.json")
     assert (d["pinned"], d["newest"], d["compared"]) == ("5.23.0", "5.24.0", 5)
     rows = {r["gate"]: r for r in d["moved"]}
-    assert set(rows) == {"reference~transformers.layer_rel_l2", "fast~reference.max_abs_logit",
+    assert set(rows) == {"reference~transformers.layer_rel_l2", "reference~fast.max_abs_logit",
                          "drafter.store_kv.reference~transformers.max_abs"}
     layer = rows["reference~transformers.layer_rel_l2"]
     assert layer["first_diverging_point"] == "attn_out@1" and layer["oracle"]
     assert layer["rel_change"] == pytest.approx(1 / 3)
-    assert not rows["fast~reference.max_abs_logit"]["oracle"]  # moved outside the oracle: said, not hidden
+    assert not rows["reference~fast.max_abs_logit"]["oracle"]  # moved outside the oracle: said, not hidden
     store = rows["drafter.store_kv.reference~transformers.max_abs"]
     assert store["pinned"] != store["pinned"] and store["newest"] == 5e-6 and "not run -> None" in store["got"]
     assert [r["gate"] for r in d["only_newest"]] == ["speculative.model.drafted"]

@@ -59,6 +59,7 @@ import pytest  # noqa: E402
 from gemma4_harness.harness.core.metrics import kld_histogram  # noqa: E402
 from gemma4_harness.harness.parity.report import (kld_hists, merge_kld_hists, pair_slug, per_layer_frame,  # noqa: E402
                                    write_parity_report)
+from gemma4_harness.harness.parity.result import RESULTS_VERSION  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -75,18 +76,19 @@ def _case(name, kld_scale):
     return {"case": name, "kind": "synthetic", "model": "m", "error": None, "info": {}, "checks": [
         _layer_check("reference~transformers.layer_rel_l2", "p1", [1e-7, 2e-7, 4e-7]),
         _layer_check("reference~transformers.layer_rel_l2", "p2", [3e-7, 1e-7, 5e-7]),
-        _layer_check("fast~reference.layer_cosine", "p1", [1e-7, 1e-6, 1e-5]),
+        _layer_check("reference~fast.layer_rel_l2", "p1", [1e-7, 1e-6, 1e-5]),
         _layer_check("fast.chunked~oneshot.max_abs_logit", "p1", [0.0, 0.0, 1e-8], variant="chunk=window"),
-        {**_layer_check("fast_bf16~reference.mean_kld", None, [1e-3, 2e-3, 4e-3]), "kld_hist": hist},
+        {**_layer_check("reference~fast_bf16.mean_kld", None, [1e-3, 2e-3, 4e-3]), "kld_hist": hist},
         {"gate": "fast.batched~solo.same_tokens", "prompt": None, "measured": 1.0, "limit": 1.0, "op": "ge",
          "pass": True},
-        {"gate": "llamacpp~reference.max_abs_logit", "prompt": None, "measured": 1e-3, "limit": 2e-2, "op": "le",
+        {"gate": "reference~llamacpp.max_abs_logit", "prompt": None, "measured": 1e-3, "limit": 2e-2, "op": "le",
          "pass": True, "per_point": [["l_out", 0, 1e-6], ["l_out", 1, "NaN"], ["attn_out", 1, 1e-5]]},
     ]}
 
 
 def _data():
-    return {"version": 1, "kind": "parity", "status": 0, "created_utc": "2025-01-01T00:00:00Z", "seconds": 1.0,
+    return {"version": RESULTS_VERSION, "kind": "parity", "status": 0, "created_utc": "2025-01-01T00:00:00Z",
+            "seconds": 1.0,
             "cases": [_case("e2b", 1e-4), _case("e4b", 1e-3),
                       {"case": "broken", "kind": "synthetic", "model": "m", "error": "engine crashed: X",
                        "info": {}, "checks": []}]}
@@ -109,8 +111,8 @@ def _table_rows(text, header_start, after=""):
 def test_pngs_are_written_valid_and_linked(tmp_path):
     data = _data()
     write_parity_report(tmp_path, data)
-    pairs = ["reference~transformers", "fast~reference", "fast.chunked~oneshot", "fast_bf16~reference",
-             "llamacpp~reference"]
+    pairs = ["reference~transformers", "reference~fast", "fast.chunked~oneshot", "reference~fast_bf16",
+             "reference~llamacpp"]
     names = [f"layer_error-{pair_slug(p)}.png" for p in pairs] + ["kld_hist.png"]
     assert "layer_error-reference_vs_transformers.png" in names
     files = sorted(p.name for p in tmp_path.iterdir())
@@ -135,9 +137,9 @@ def test_report_tables_have_the_right_rows(tmp_path):
     assert summary[-1][:2] == ["broken", "(case could not run)"] and summary[-1][4] == "ERROR"
     assert {r[4] for r in summary[:-1]} == {"PASS"}
     layers = _table_rows(report, "| pair ", after="## Per-layer error")
-    assert [(r[0], r[1]) for r in layers] == [(p, c) for p in ("reference~transformers", "fast~reference",
-                                                               "fast.chunked~oneshot", "fast_bf16~reference",
-                                                               "llamacpp~reference") for c in ("e2b", "e4b")]
+    assert [(r[0], r[1]) for r in layers] == [(p, c) for p in ("reference~transformers", "reference~fast",
+                                                               "fast.chunked~oneshot", "reference~fast_bf16",
+                                                               "reference~llamacpp") for c in ("e2b", "e4b")]
     ref = layers[0]
     # largest over the two prompts per layer: 3e-7, 2e-7, 5e-7
     assert ref[2:] == ["3", "3e-07", "5e-07", "5e-07", "1.67"]
@@ -145,8 +147,8 @@ def test_report_tables_have_the_right_rows(tmp_path):
     assert chunked[3] == "0" and chunked[6] == ""  # bit-identical first layer: no growth factor
     assert layers[8][2] == "1"  # llama.cpp: the NaN layer is left out; l_out preferred over attn_out
     kld = _table_rows(report, "| pair ", after="## Per-position KLD")
-    assert [(r[0], r[1], r[2], r[3]) for r in kld] == [("fast_bf16~reference", "e2b", "201", "1"),
-                                                       ("fast_bf16~reference", "e4b", "201", "1")]
+    assert [(r[0], r[1], r[2], r[3]) for r in kld] == [("reference~fast_bf16", "e2b", "201", "1"),
+                                                       ("reference~fast_bf16", "e4b", "201", "1")]
     details = _table_rows(report, "| gate ")
     assert len(details) == 7 and details[0][0] == "reference~transformers.layer_rel_l2"
 
@@ -182,23 +184,31 @@ def test_kld_histogram_fixed_grid_and_merge():
     with pytest.raises(ValueError):
         merge_kld_hists([h, {**h, "bins_per_decade": 2}])
     groups = kld_hists(_data())
-    assert list(groups) == [("fast_bf16~reference", "e2b"), ("fast_bf16~reference", "e4b")]
+    assert list(groups) == [("reference~fast_bf16", "e2b"), ("reference~fast_bf16", "e4b")]
 
 
 def test_fast_checks_carry_per_layer_and_kld_data(tiny_gguf):
+    """The pair pipeline's figures carry what the report plots: ``layer_rel_l2`` its ``per_point`` (every layer's
+    ``l_out``), ``mean_kld`` its per-position KLD histogram; the chunked check its per-point errors per variant."""
     from gemma4_harness.fast.model import FastModel
-    from gemma4_harness.harness.parity.checks.fast import chunked_vs_oneshot, fast_vs_reference, kld_values, max_per_point
+    from gemma4_harness.harness.engines.checked import CheckedEngine
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.fast import chunked_vs_oneshot
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, pair_checks
     from gemma4_harness.reference import load_model
 
     cfg, w = load_model(tiny_gguf)
     fm = FastModel(cfg, w, "cpu", "float32")
     prompts = [{"id": "a", "prompt_ids": [2, 5, 6, 7, 8, 9, 10]}, {"id": "b", "prompt_ids": [2, 11, 12]}]
-    rows = fast_vs_reference(fm, cfg, w, prompts)
-    assert all({"l_out"} <= {p for p, _, _ in r["per_point"]} for r in rows)
-    worst = {(p, layer): v for p, layer, v in max_per_point(rows)}
-    assert worst[("l_out", 1)] == max(v for r in rows for p, layer, v in r["per_point"] if (p, layer) == ("l_out", 1))
-    kld = kld_values(rows)
-    assert kld.shape == (10,) and np.all(kld >= 0)
+    runs = ReferenceRuns(CheckedEngine(ReferenceEngine(tiny_gguf), "reference"))
+    figs = pair_checks(runs, "fast", tiny_gguf, prompts, lambda m: None, "tiny", options={"device": "cpu"})
+    layers = [f for f in figs if f.gate == "reference~fast.layer_rel_l2"]
+    assert [f.prompt for f in layers] == ["a", "b"]
+    for f in layers:
+        assert {layer for p, layer, _ in f.detail["per_point"] if p == "l_out"} == set(range(cfg.n_layer))
+        assert f.measured == max(v for _, _, v in f.detail["per_point"])
+    kld = [f for f in figs if f.gate == "reference~fast.mean_kld"]
+    assert [f.detail["kld_hist"]["n"] for f in kld] == [7, 3]
     ids = list(range(2, 14))
     per_point: dict = {}
     plain = chunked_vs_oneshot(fm, ids)
@@ -209,7 +219,7 @@ def test_fast_checks_carry_per_layer_and_kld_data(tiny_gguf):
 
 
 def test_gemma3_fast_comparison_carries_kld_hist(tiny_gguf):
-    """The real-Gemma-3 fast~reference rows (harness.parity.checks.gemma3_real) carry a per-position KLD histogram;
+    """The real-Gemma-3 reference~fast rows (harness.parity.checks.gemma3_real) carry a per-position KLD histogram;
     run here on the tiny model with a stand-in tokenizer."""
     from gemma4_harness.harness.parity.checks.gemma3_real import PROMPTS, _compare_fast
     from gemma4_harness.reference import load_model
@@ -239,9 +249,9 @@ def test_run_gemma3_passes_the_kld_hist_to_its_check(monkeypatch):
                                   "kld_hist": hist}]}}
     monkeypatch.setattr(cases, "run_gemma3_real", lambda packed=True: fake)
     res = cases.gemma3_case(lambda msg: None)
-    (chk,) = [c for c in res.checks if c["gate"] == "fast~reference.max_abs_logit"]
+    (chk,) = [c for c in res.checks if c["gate"] == "reference~fast.max_abs_logit"]
     assert chk["kld_hist"] == hist
-    assert list(kld_hists({"cases": [res.__dict__]})) == [("fast~reference", "gemma3-270m-real")]
+    assert list(kld_hists({"cases": [res.__dict__]})) == [("reference~fast", "gemma3-270m-real")]
 
 
 def test_junit_xml_one_testcase_per_check_failures_named():

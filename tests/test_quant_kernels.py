@@ -373,7 +373,7 @@ def test_packed_fast_model_on_the_real_gemma3_gguf():
     """FastModel(keep_quantized) on the CPU: views of the mapped file, dense-path logits, neighbour isolation.
 
     The packed path differs from the dense one (whole-tensor dequantization, then ``linear_f32`` /
-    ``F.linear``) only in summation order, so the fast~reference logit gate applies between them.
+    ``F.linear``) only in summation order, so the reference~fast logit gate applies between them.
     Isolation: a sequence decoding next to one neighbour and then next to another (same lengths,
     same arrivals) gets bit-identical logits at every step.
     """
@@ -396,7 +396,7 @@ def test_packed_fast_model_on_the_real_gemma3_gguf():
     dense = FastModel(cfg, w, "cpu", "float32").logits(ids)
     got = packed.logits(ids)
     gates = resolve({}, "gemma3-270m")
-    assert gates["fast~reference.max_abs_logit"].check(float((got - dense).abs().max()))
+    assert gates["reference~fast.max_abs_logit"].check(float((got - dense).abs().max()))
     assert torch.equal(got.argmax(-1), dense.argmax(-1))
 
     def serve(neighbour):
@@ -434,7 +434,7 @@ def test_fast_engine_keeps_a_quantized_gguf_packed_by_default():
     assert dense.weights == "dequantized"
     assert all(isinstance(t, torch.Tensor) for t in dense.model.w.t.values())
     ids = [2, 17, 301, 5, 99, 410]
-    gate = resolve({}, "e2b")["fast~reference.max_abs_logit"]  # packed vs dequantized: summation order only
+    gate = resolve({}, "e2b")["reference~fast.max_abs_logit"]  # packed vs dequantized: summation order only
     assert gate.check(float(np.max(np.abs(q8.logits(ids) - dense.logits(ids)))))
     assert FastEngine(_e2b_gguf("F32"), device="cpu").weights == "dequantized"
     with pytest.raises(InputError, match="--weights"):
@@ -443,7 +443,7 @@ def test_fast_engine_keeps_a_quantized_gguf_packed_by_default():
 
 @needs_kernel
 def test_parity_fast_packed_check_on_a_built_in_case():
-    """The parity figure fast packed vs reference on the same quantized file: inside the fast~reference gate,
+    """The parity figure fast packed vs reference on the same quantized file: inside the reference~fast gate,
     and no figure for an F16 file (nothing in it is kept packed)."""
     from gemma4_harness.harness.core.gates import resolve
     from gemma4_harness.harness.engines.reference import ReferenceEngine
@@ -453,6 +453,6 @@ def test_parity_fast_packed_check_on_a_built_in_case():
     files = {q: _e2b_gguf(q) for q in ("Q8_0", "F16")}
     ref = {q: ReferenceEngine(p).logits(prompt["prompt_ids"]) for q, p in files.items()}
     figs = fast_packed_checks(files, prompt, ref)
-    assert [(f.gate, f.prompt) for f in figs] == [("fast~reference.max_abs_logit", "short@Q8_0-packed")]
+    assert [(f.gate, f.prompt) for f in figs] == [("reference~fast.max_abs_logit", "short@Q8_0-packed")]
     assert figs[0].detail["packed_types"] == ["Q8_0"] and figs[0].detail["same_top1"] == 1.0
-    assert resolve({}, "e2b")["fast~reference.max_abs_logit"].check(figs[0].measured)
+    assert resolve({}, "e2b")["reference~fast.max_abs_logit"].check(figs[0].measured)

@@ -160,9 +160,11 @@ def test_an_engine_on_the_base_file_is_judged_by_its_parity_gate():
     kld = next(x for x in q if x["gate"] == "reference~llamacpp_q8x.mean_kld")
     assert kld["passed"] and kld["limit"] == pytest.approx(2e-3) and "not emulated" in kld["why"]
     assert all(x["informational"] for x in judge.base_verdict(row, {"Q8_0": 9}, None, effects))
-    # fast in bfloat16: parity has no reference~fast_bf16 pair: reported, with the reason (the cross-engine gate judges)
+    # fast in bfloat16: parity's reference~fast_bf16 gates (the pair a built-in case measures too)
     bf = _row("fast", is_base=True, emulation=[], numerics={"dtype": "bfloat16"}, mean_kld=2e-4, max_abs_logit=0.4)
-    assert all(x["informational"] and "16-bit" in x["why"] for x in judge.base_verdict(bf, {"F32": 9}, None, {}))
+    vbf = {x["gate"]: x for x in judge.base_verdict(bf, {"F32": 9}, None, {})}
+    assert vbf["reference~fast_bf16.mean_kld"]["passed"] and not vbf["reference~fast_bf16.mean_kld"]["informational"]
+    assert not judge.base_verdict(dict(bf, mean_kld=5e-3), {"F32": 9}, None, {})[0]["passed"]
     # a cmd: engine in 16 bits: parity's reference~cmd_bf16 gates
     cb = _row(STUB, "cmd", is_base=True, emulation=[], numerics={"dtype": "bfloat16"}, mean_kld=2e-4, max_abs_logit=0.4)
     v16 = {x["gate"]: x for x in judge.base_verdict(cb, {"F32": 9}, None, {})}

@@ -19,6 +19,8 @@ from typing import Any
 
 from gemma4_harness.reference.errors import InputError
 
+from .names import old_gate_line
+
 
 @dataclass(frozen=True)
 class Gate:
@@ -62,14 +64,6 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "the same float32 weights through two loaders must give bit-identical float64 logits"),
     Gate("reference.gguf_quant~gguf_quants.max_abs_weight", 0.0, "le",
          "our loader must dequantize exactly as gguf.quants.dequantize does"),
-    Gate("fast~reference.max_abs_logit", 1e-3, "le",
-         "torch fp32 vs float64: fp32 rounding (~1e-5 here) with 100x room for kernels that sum in another order"),
-    Gate("fast~reference.layer_cosine", 0.99999, "ge",
-         "per trace point cosine of fp32 vs float64; a formula fault drops it below 0.999"),
-    Gate("fast_bf16~reference.mean_kld", 1e-3, "le",
-         "bf16 weights and activations: llama-perplexity mean KLD of ~1e-4 is typical for 16-bit formats"),
-    Gate("fast_bf16~reference.same_top1", 0.99, "ge",
-         "bf16 may flip near-ties only; the synthetic cases keep median top-1 margins near 1"),
     Gate("fast.batched~solo.same_tokens", 1.0, "ge",
          "continuous batching must not change any greedy token (fp32)"),
     Gate("fast.batched~solo.max_abs_logit", 1e-4, "le",
@@ -128,20 +122,20 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
     Gate("mm.causal.first_image_token_change", 0.0, "le",
          "a causal model (no use_bidirectional_attention, or mm_token_type_ids not given): no later soft token may "
          "reach the first image token on any layer; the masked weight is exactly 0"),
-    Gate("llamacpp~reference.mm_vision_runs", 1.0, "ge",
+    Gate("reference~llamacpp.mm_vision_runs", 1.0, "ge",
          "llama.cpp's mtmd must load the text GGUF and the mmproj and encode every image; an abort inside llama.cpp "
          "(a worker subprocess) is that engine failing the case"),
-    Gate("llamacpp~reference.mm_audio_runs", 1.0, "ge",
+    Gate("reference~llamacpp.mm_audio_runs", 1.0, "ge",
          "llama.cpp's mtmd must encode every audio clip; an abort is that engine failing the case"),
-    Gate("llamacpp~reference.mm_vision_cosine", 0.99999, "ge",
+    Gate("reference~llamacpp.mm_vision_cosine", 0.99999, "ge",
          "llama.cpp's projected image soft tokens (mtmd, F32 mmproj with clip.use_gelu = true) against the reference "
          "with llama.cpp's F16 im2col and fp16 GELU table emulated: cosine >= 1 - 4e-10 measured; the mmproj as the "
          "converter writes it (no clip.use_gelu: gelu_quick) gives 0.99978..0.99996, pooling or RoPE faults far less"),
-    Gate("llamacpp~reference.mm_audio_cosine", 0.9999, "ge",
+    Gate("reference~llamacpp.mm_audio_cosine", 0.9999, "ge",
          "llama.cpp's projected audio soft tokens against the reference (conv F16 im2col emulated): 0.9999927 (7 s) "
          "..0.9999969 (1 s) measured, a gap the emulation does not close and the clip callback cannot localise "
          "(llama.cpp's float32 mel front end is a graph input it does not report); 0.9999 sits 10x above it"),
-    Gate("llamacpp~reference.mm_soft_token_max_abs", 0.05, "le",
+    Gate("reference~llamacpp.mm_soft_token_max_abs", 0.05, "le",
          "reported beside the cosines, not gated: soft tokens of magnitude ~3 move by 2e-4 (vision, emulated) to "
          "2e-2 (audio)", informational=True),
     Gate("reference~hf_processor.max_abs_pixel", 2.0**-25, "le",
@@ -158,18 +152,6 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "the same change on the first sliding layer, the last soft token 7.5 windows later: 2.2e-2 measured on "
          "the tiny multimodal model; an engine that ignores the vision mask (vLLM #40106) or drops it for an "
          "image longer than the window (vLLM PR #47217) gives exactly 0"),
-    Gate("llamacpp~reference.mean_kld", 1e-5, "le",
-         "llama.cpp on CPU (F32 weights and KV cache, flash attention off) vs the float64 reference with "
-         "llama.cpp's fp16 GELU table emulated (harness.engines.llamacpp.numerics.llamacpp_numerics): fp32 rounding leaves "
-         "KLD 1e-8..5e-7; a formula or layout fault gives > 1e-3. Figures vs the exact GELU are reported beside"),
-    Gate("llamacpp~reference.same_top1", 1.0, "ge",
-         "llama.cpp F32 must pick the (fp16-GELU-table) reference's argmax at every position; without the "
-         "table emulated, a near-tie (margin 0.003 on 26b-a4b) flips, which the report shows beside"),
-    Gate("llamacpp~reference.max_abs_logit", 2e-2, "le",
-         "fp32 rounding through the layers, measured up to 1.6e-2 on the small cases with llama.cpp's fp16 "
-         "GELU table emulated in the reference (up to 2.7e-2 without); a formula fault moves logits by > 1e-1"),
-    Gate("llamacpp~reference.runs", 1.0, "ge",
-         "llama.cpp must load our GGUF and run it; an abort inside llama.cpp is that engine failing the case"),
     Gate("engine~oracle.max_abs_logit", 2e-2, "le",
          "an fp32 engine against the oracle's logits (g4h compare, server and cmd engines): fp32 rounding through the "
          "layers plus approximations such as llama.cpp's fp16 GELU table reach 1.6e-2 on the small cases; a formula "
@@ -188,7 +170,7 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "reported for a 16-bit engine, not gated: bf16 moves logits by 1e-2..1 on the small cases; the KLD and "
          "top-1 gates judge it", informational=True),
     Gate("engine_bf16~oracle.mean_kld", 1e-3, "le",
-         "a 16-bit engine: mean KLD of ~1e-4 is typical for 16-bit formats (as fast_bf16~reference)"),
+         "a 16-bit engine: mean KLD of ~1e-4 is typical for 16-bit formats (as reference~fast_bf16)"),
     Gate("engine_bf16~oracle.same_top1_decisive", 0.99, "ge",
          "a 16-bit engine may flip a few decisive positions on narrow models; more is a fault"),
     Gate("engine_bf16~oracle.greedy", 1.0, "ge",
@@ -246,18 +228,18 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
     Gate("drafter.gguf_f32~safetensors.max_abs", 0.0, "le",
          "the same float32 drafter weights through the GGUF and safetensors loaders (full head on both sides) must "
          "give bit-identical float64 drafts"),
-    Gate("drafter.fast~reference.max_abs", 1e-4, "le",
+    Gate("drafter.reference~fast.max_abs", 1e-4, "le",
          "fast fp32 drafter over the fast target's cache vs the float64 reference over its own: fp32 rounding of "
          "target and drafter (~1e-5 here); a wrong store layer or missing input moves logits by > 1e-1"),
     Gate("drafter.llamacpp.runs", 1.0, "ge",
          "llama.cpp must load the gemma4-assistant GGUF beside its target (ctx_other) and draft; an abort is "
          "that engine failing the case"),
-    Gate("drafter.llamacpp~reference.same_drafts", 1.0, "ge",
+    Gate("drafter.reference~llamacpp.same_drafts", 1.0, "ge",
          "llama.cpp's drafter must propose the reference drafter's tokens (full head on both sides, fp16 GELU "
          "table emulated): a drafter reading the wrong KV group proposes others"),
-    Gate("drafter.llamacpp~reference.max_abs", 2e-2, "le",
+    Gate("drafter.reference~llamacpp.max_abs", 2e-2, "le",
          "llama.cpp F32 drafter logits and h_next vs the reference with llama.cpp's fp16 GELU table: fp32 rounding "
-         "through target and drafter (measured up to 8e-3), the bound of llamacpp~reference.max_abs_logit"),
+         "through target and drafter (measured up to 8e-3), the bound of engine~oracle.max_abs_logit"),
     Gate("speculative.llamacpp.lossless", 1.0, "ge",
          "speculative greedy decoding inside llama.cpp (its drafter, verify, llama_memory_seq_rm rollback) must "
          "return llama.cpp's own plain greedy tokens"),
@@ -312,7 +294,7 @@ _DECLARED = ("; an engine that declares approximations (docs/engine-protocol.md,
              "max(this, 2 x their effect on this model, measured on the same figure: EFFECT_FACTOR)")
 
 _FP32_OWN = {
-    "max_abs_logit": (1e-3, "fp32 rounding, the bound of fast~reference (measured ~1e-5 on the small cases, 3e-4 "
+    "max_abs_logit": (1e-3, "fp32 rounding, the bound of reference~fast (measured ~1e-5 on the small cases, 3e-4 "
                             "on the real Gemma 3 270M, 2e-5..4e-5 for a third-party fp32 engine); a logit off by "
                             "1e-2 fails" + _DECLARED),
     "max_abs_logprob": (1e-3, "the same fp32 rounding as the logits (max_abs_logit)" + _DECLARED),
@@ -328,11 +310,15 @@ PAIR_GATES: list[Gate] = [
                  **{m: (0.0, "the same float64 code on the same weights and ids must give bit-identical results")
                     for m in ("max_abs_logit", "mean_kld", "max_abs_logprob", "layer_rel_l2")}),
     *_pair_gates("reference~fast", "the torch fast path in fp32",
-                 max_abs_logit=(1e-3, "as fast~reference: fp32 rounding (~1e-5 on the small cases, 3e-4 on the real "
+                 max_abs_logit=(1e-3, "fp32 rounding (~1e-5 on the small cases, 3e-4 on the real "
                                       "Gemma 3 270M) with room for kernels that sum in another order"),
                  max_abs_logprob=(1e-3, "the same rounding as its logits (reference~fast.max_abs_logit)"),
                  layer_rel_l2=(1e-3, "fp32 vs float64 per trace point stays near 1e-6 (g4h diff's default DIFF_TOL); "
                                      "a formula fault moves a point by 1e-2 or more")),
+    *_pair_gates("reference~fast_bf16", "the torch fast path in bf16 (weights and activations; --dtype bfloat16)",
+                 bf16=True, layer_rel_l2=(5e-2, "per trace point of a 16-bit engine: bf16 rounding (unit roundoff "
+                                                "3.9e-3) through a few operations; a formula fault moves a point by "
+                                                "1e-1 or more")),
     # reference~transformers.max_abs_logit, .layer_rel_l2 and .runs are above (the built-in cases use them too)
     Gate("reference~transformers.mean_kld", 1e-5, "le",
          "HF transformers fp32 eager: fp32 vs float64 leaves KLD near 1e-12 (bound as engine~oracle.mean_kld); a "
@@ -572,13 +558,15 @@ def resolve(overrides: Mapping[str, Any] | None, where: str) -> dict[str, Gate]:
         name -> :class:`Gate`.
 
     Raises:
-        InputError: an unknown gate name, or an override without a reason, or with neither a limit
+        InputError: an unknown gate name (a name of results version 1: the line names the new one,
+            :func:`harness.core.names.old_gate_line`), or an override without a reason, or with neither a limit
             nor ``informational = true``.
     """
     gates = dict(DEFAULT_GATES)
     for name, ov in (overrides or {}).items():
         if name not in gates:
-            raise InputError(f"{where}: [gates] {name}: unknown gate (known: {', '.join(sorted(gates))})")
+            raise InputError(old_gate_line(name, where)
+                             or f"{where}: [gates] {name}: unknown gate (known: {', '.join(sorted(gates))})")
         ok = isinstance(ov, Mapping) and str(ov.get("reason", "")).strip() and (
             "limit" in ov or ov.get("informational") is True)
         if not ok:
@@ -599,19 +587,30 @@ ratio cancels only in part, because two engines are never measured at the same i
 above that noise and still catches a kernel falling back to a slow path (typically 2x or more)."""
 
 
+SELFTEST_MIN_COSINE = 0.99999
+"""``g4h selftest``'s bound on each trace point of a mutant of the fast path against the reference (with
+``reference~fast.max_abs_logit`` at ``result_output``): a cosine, not the pair's relative L2 (``layer_rel_l2``),
+because the selftest also checks that its mathematically equivalent mutants stay within the rule, and one of them
+scales an intermediate by a constant that the next RMSNorm removes (``ple_no_inv_sqrt2``: ``inp_per_layer`` x
+sqrt(2), cosine 1, relative L2 0.41): a relative-L2 rule would flag the point, not the model. fp32 against float64
+leaves a relative L2 of at most 2.0e-6 at any point of the built-in text cases (reference~fast.layer_rel_l2, full parity
+run), a cosine of about 1 - 2e-12; every mutant that is a fault breaks the rule at the point it must first show at
+(tests/test_selftest.py, harness/selftest/mutants.py)."""
+
+
 DIFF_TOL = 1e-3
 """``g4h diff``'s default bound on the relative error of a trace point (rel L2 with tensor dumps on
 both sides, else the checksum lower bound of :func:`harness.traces.compare.checksum_error`).
 
 Why 1e-3: fp32 rounding against the float64 reference stays near 1e-6 per point on the built-in
-cases (the same margin as ``fast~reference.max_abs_logit``); a formula fault moves a point by 1e-2
+cases (the same margin as ``reference~fast.max_abs_logit``); a formula fault moves a point by 1e-2
 or more. A bf16 or quantized engine needs a wider ``--tol``, chosen by whoever runs the diff."""
 
 
-NEAR_TIE_MARGIN = 2 * DEFAULT_GATES["llamacpp~reference.max_abs_logit"].limit
+NEAR_TIE_MARGIN = 2 * DEFAULT_GATES["engine~oracle.max_abs_logit"].limit
 """A reference top-1 margin below this is a near-tie: two engines each inside the max-|Δlogit| gate of
-llama.cpp against the reference (2e-2) may legitimately order the two best tokens differently there, so a
-flip at such a position is reported as a near-tie, not a fault."""
+an fp32 engine against the oracle (engine~oracle, 2e-2) may legitimately order the two best tokens
+differently there, so a flip at such a position is reported as a near-tie, not a fault."""
 
 
 MEL_F32_EMULATION_MAX_ABS = 2e-6

@@ -41,6 +41,7 @@ from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.files import read_json
 
 from ..core.io import dataframe_markdown, write_json_atomic
+from ..core.names import upgrade_results
 from .result import RESULTS_VERSION
 
 DEFAULT_FACTOR = 10.0
@@ -84,10 +85,11 @@ def strip_volatile(obj: Any) -> Any:
 
 
 def load_baseline(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a baseline: a parity ``results.json`` or a file written by :func:`write_baseline`.
+    """Read a baseline: a parity ``results.json`` or a file written by :func:`write_baseline`, of this version or an
+    earlier one (its gates renamed as this version names them: :func:`harness.core.names.upgrade_results`).
 
     Raises:
-        InputError: unreadable, not JSON, not parity results (``kind``), another ``version``, or no
+        InputError: unreadable, not JSON, not parity results (``kind``), a version this g4h does not read, or no
             ``cases`` list. One line, naming the file.
     """
     p = Path(path)
@@ -98,8 +100,10 @@ def load_baseline(path: str | os.PathLike) -> dict[str, Any]:
         raise InputError(f"{p}: cannot read baseline: {why} (expected a parity results.json)") from None
     if not isinstance(data, dict) or data.get("kind") != "parity":
         raise InputError(f"{p}: not a parity results file (expected \"kind\": \"parity\")")
-    if data.get("version") != RESULTS_VERSION:
-        raise InputError(f"{p}: parity results version {data.get('version')!r}; this g4h reads {RESULTS_VERSION}")
+    version = data.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= RESULTS_VERSION:
+        raise InputError(f"{p}: parity results version {version!r}; this g4h reads 1 to {RESULTS_VERSION}")
+    data = upgrade_results(data, version)  # an earlier version's gate names read as this one's
     cases = data.get("cases")
     if not isinstance(cases, list) or not all(isinstance(c, dict) and isinstance(c.get("case"), str)
                                               and isinstance(c.get("checks", []), list) for c in cases):

@@ -1,9 +1,11 @@
 """The kinds of case a parity run holds, each a short list of checks whose figures are gated here.
 
 * :func:`synthetic_case`: a built-in spec (``cases/models/*.toml``), built into HF safetensors and
-  GGUFs of every file type: reference vs transformers, the reference against itself, the quantized
-  loaders, fast vs reference, the case's drafter (``<name>-assistant.toml``) and speculative decoding with
-  every drafter, llama.cpp vs reference;
+  GGUFs of every file type: the pairs of ``--model`` on its F32 GGUF (:data:`BUILTIN_PAIRS`: ``reference~fast``,
+  ``reference~fast_bf16``, ``reference~llamacpp``, through :func:`pairs`), then what only a built-in case checks:
+  reference vs transformers, the reference against itself, the quantized loaders, fast packed on the quantized
+  files, fast batched/static/chunked, the case's drafter (``<name>-assistant.toml``) and speculative decoding with
+  every drafter;
 * :func:`user_case`: a user's model (``--model``): the reference against each engine of ``--against``
   (default: every engine that can read it; a server, ``openai:URL``, adds the server checks of
   :mod:`.checks.server`) and against itself;
@@ -51,7 +53,6 @@ from .checks import explain_pair  # noqa: F401 (registers the explanation of a f
 from .checks.drafter import drafter_checks, drafter_not_built, llamacpp_drafter_checks
 from .checks.fast import fast_checks, fast_packed_checks
 from .checks.gemma3_real import gemma3_figures, run_gemma3_real
-from .checks.llamacpp import llamacpp_checks
 from .checks.multimodal import fast_figures as mm_fast_figures
 from .checks.multimodal import llamacpp_figures as mm_llamacpp_figures
 from .checks.multimodal import mask_figures, mmproj_figures, oracle_figures, preprocessing_figures, usable
@@ -99,10 +100,50 @@ def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress:
         progress(f"[{spec.name}] fast packed vs reference on the quantized GGUFs")
         longest = max(prompts, key=lambda p: len(p["prompt_ids"]))
         res.apply(fast_packed_checks(quantized, longest, quant_logits), gates)
-    res.apply(fast_checks(ref_gguf.cfg, ref_gguf.weights, prompts, res.info, progress, spec.name), gates)
+    runs = ReferenceRuns(CheckedEngine(ref_gguf, "reference"))
+    runs.gates = gates  # the explanation of a failing pair is judged by the case's gates, as the pair is
+    engines = [(name, {"device": "cpu", **opts}) for name, opts in BUILTIN_PAIRS]
+    pairs(res, gates, runs, engines, built.gguf["F32"], prompts, progress, skip, prefetch=True)
+    res.apply(fast_checks(ref_gguf.cfg, ref_gguf.weights, prompts, progress, spec.name), gates)
     _speculative(res, gates, spec_path, ref_gguf, prompts, progress, spec.name, skipped(skip, "speculative"))
-    _llamacpp(res, gates, built, prompts, progress, spec.name, skipped(skip, "llamacpp"))
+    if not skipped(skip, "llamacpp") and importlib.util.find_spec("llama_cpp") is not None:
+        drafter = _drafter(res, gates, drafter_spec_for(built.spec.path), progress, spec.name)
+        if drafter is not None:
+            res.apply(llamacpp_drafter_checks(drafter, prompts, progress, spec.name), gates)
     return res
+
+
+BUILTIN_PAIRS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("fast", {"dtype": "float32"}), ("fast", {"dtype": "bfloat16"}), ("llamacpp", {}))
+"""The engines a built-in case's F32 GGUF is measured with, each through the pair pipeline of ``--model``
+(:func:`pairs`): fast in fp32 (``reference~fast``) and in bf16 (``reference~fast_bf16``) on the CPU, and llama.cpp
+(``reference~llamacpp``; missing or ``--skip llamacpp``: a failing or opted-out ``.runs``, as for ``--model``)."""
+
+
+def pairs(res: CaseResult, gates, runs: ReferenceRuns, engines: Sequence[tuple[str, dict[str, Any] | None]],
+          path: str | Path, prompts: Sequence[dict[str, Any]], progress: Progress, skip: tuple[str, ...] = (),
+          server: ServerOptions | None = None, prefetch: bool = False) -> None:
+    """The oracle ``runs`` against each engine of ``engines`` (``(name, options)``) on the model at ``path``, one
+    pair after another (:func:`harness.parity.checks.pair.pair_checks`; an engine that cannot run is a failing
+    ``<oracle>~<kind>.runs`` figure and the next pair still runs; a second engine of one kind and dtype is the pair
+    ``<oracle>~<kind>#2``), each check marked with the engine it is of (``against``: the pytest plugin's items).
+    The one path of built-in cases and ``--model``. ``prefetch``: first compute the reference forwards every pair
+    will ask, in as few passes over the weights as they allow (:meth:`ReferenceRuns.prefetch`)."""
+    if prefetch:
+        runs.prefetch(expected_sets([n for n, _ in engines], skip), prompts,
+                      int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)), (server or ServerOptions()).top_n,
+                      cached=res.kind == "user", progress=lambda m: progress(f"[{res.case}] {m}"))
+    seen: dict[tuple[str, Any], int] = {}
+    for name, options in engines:
+        kind = engine_kind(name)
+        key = (kind, (options or {}).get("dtype"))
+        seen[key] = seen.get(key, 0) + 1
+        opted = "llamacpp" if kind == "llamacpp" and skipped(skip, "llamacpp") else None
+        first = len(res.checks)
+        res.apply(pair_checks(runs, name, path, prompts, progress, res.case, opted_out=opted, options=options,
+                              extra=server, number=seen[key]), gates)
+        for c in res.checks[first:]:
+            c["against"] = name
 
 
 def _speculative(res: CaseResult, gates, spec_path: Path, ref_gguf, prompts, progress: Progress, name: str,
@@ -138,22 +179,6 @@ def _drafter(res: CaseResult, gates, dspec: Path | None, progress: Progress, nam
         if not any(c["gate"] == "drafter.reference~transformers.runs" for c in res.checks):
             res.apply(drafter_not_built(dspec.stem, e), gates)
         return None
-
-
-def _llamacpp(res: CaseResult, gates, built, prompts, progress: Progress, name: str, opted_out: bool) -> None:
-    """llama.cpp vs the reference. Not installed is a failing ``llamacpp~reference.runs`` figure (a check that
-    cannot run is not a pass), unless the user opted out with ``--skip llamacpp``."""
-    if opted_out:
-        res.apply([fig("llamacpp~reference.runs", 0.0, None, got="opted out",
-                       informational_reason="opted out with --skip llamacpp")], gates)
-    elif importlib.util.find_spec("llama_cpp") is None:
-        res.apply([fig("llamacpp~reference.runs", 0.0, None,
-                       got=f"not run: {LLAMACPP_MISSING}; or opt out: g4h parity --skip llamacpp")], gates)
-    else:
-        res.apply(llamacpp_checks(built, prompts, progress, name), gates)
-        drafter = _drafter(res, gates, drafter_spec_for(built.spec.path), progress, name)
-        if drafter is not None:
-            res.apply(llamacpp_drafter_checks(drafter, prompts, progress, name), gates)
 
 
 GENERIC_DIRS = frozenset({"hf", "gguf", "model", "models", "weights", "checkpoint", "checkpoints", "snapshots",
@@ -296,17 +321,8 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
         runs.prefetch(expected_sets([n for n in names if n not in unusable], skip), usable,
                       int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)), res.info["top_n"], cached=True,
                       progress=lambda m: progress(f"[{res.case}] {m}"))
-    seen: dict[str, int] = {}
     try:
-        for name in names:
-            kind = engine_kind(name)
-            seen[kind] = seen.get(kind, 0) + 1
-            opted = "llamacpp" if kind == "llamacpp" and skipped(skip, "llamacpp") else None
-            first = len(res.checks)
-            res.apply(pair_checks(runs, name, path, usable, progress, res.case, opted_out=opted,
-                                  options=engine_options, extra=server, number=seen[kind]), gates)
-            for c in res.checks[first:]:  # which --against engine a check is of (the pytest plugin's items)
-                c["against"] = name
+        pairs(res, gates, runs, [(n, engine_options) for n in names], path, usable, progress, skip, server)
     finally:
         if oracle_engine is not None:
             oracle_engine.close()
@@ -418,10 +434,10 @@ def multimodal_case(spec_path: Path, progress: Progress, skip: tuple[str, ...] =
               import_module("gemma4_harness.harness.engines.mm_transformers").TransformersMM(built.hf_dir)})), gates)
     kinds = [k for k, tower in (("vision", hf_mm.vision), ("audio", hf_mm.audio)) if tower is not None]
     if skipped(skip, "llamacpp"):
-        res.apply([fig(f"llamacpp~reference.mm_{k}_runs", 0.0, "mtmd", got="opted out",
+        res.apply([fig(f"reference~llamacpp.mm_{k}_runs", 0.0, "mtmd", got="opted out",
                        informational_reason="opted out with --skip llamacpp") for k in kinds], gates)
     elif importlib.util.find_spec("llama_cpp") is None:
-        res.apply([fig(f"llamacpp~reference.mm_{k}_runs", 0.0, "mtmd",
+        res.apply([fig(f"reference~llamacpp.mm_{k}_runs", 0.0, "mtmd",
                        got=f"not run: {LLAMACPP_MISSING}; or opt out: g4h parity --skip llamacpp") for k in kinds],
                   gates)
     else:

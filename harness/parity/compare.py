@@ -28,7 +28,7 @@ from gemma4_harness.reference.files import open_regular, read_text
 
 from ..core.gates import NEAR_TIE_MARGIN, resolve
 from ..core.kld import kld_stats
-from ..core.metrics import greedy_agreement, top1_margin
+from ..core.metrics import greedy_agreement, kld_histogram, kld_per_position, top1_margin
 from .result import CaseResult, Figure, fig
 
 PRECISIONS = {"fp32": "engine~oracle", "bf16": "engine_bf16~oracle"}
@@ -85,7 +85,8 @@ def load_generations(path: str | Path) -> dict[str, dict[str, Any]]:
 
 def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any = None,
                   near_tie: float = NEAR_TIE_MARGIN) -> list[Figure]:
-    """Figures of one logits comparison: ``<pair>.max_abs_logit``, ``.mean_kld``, ``.same_top1_decisive``
+    """Figures of one logits comparison: ``<pair>.max_abs_logit``, ``.mean_kld`` (with its per-position histogram,
+    ``kld_hist``, for the report's plot), ``.same_top1_decisive``
     (positions whose oracle top-1 margin is at least ``near_tie``: default
     :data:`~harness.core.gates.NEAR_TIE_MARGIN`, more for an engine whose declared approximations widen its bounds,
     :func:`harness.parity.checks.pair.near_tie_margin`).
@@ -106,7 +107,8 @@ def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any =
     return [fig(f"{pair}.max_abs_logit", float(d.max()), prompt, positions=int(ours.shape[0]),
                 max_abs_logit_at=[int(at[0]), int(at[1])]),
             fig(f"{pair}.mean_kld", float(st.mean_kld), prompt, positions=int(st.n), kld_p99=st.kld_p99_0,
-                max_kld=st.maximum_kld, same_top1=float(st.same_top_p_pct) / 100.0),
+                max_kld=st.maximum_kld, same_top1=float(st.same_top_p_pct) / 100.0,
+                kld_hist=kld_histogram(kld_per_position(ours, oracle))),
             fig(f"{pair}.same_top1_decisive", same_decisive, prompt, near_ties=int((~decisive).sum()),
                 top1_flips=flips[:20])]
 

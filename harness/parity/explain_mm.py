@@ -7,7 +7,7 @@ decoder; the catalogue is :mod:`harness.engines.variants`).
   decoder's (a text fault shows on a multimodal prompt too).
 * Drafter: one draft round per prompt (:func:`reference.drafter.after_prefill`, :func:`reference.drafter.draft`);
   the engine's step logits are compared while its drafted tokens agree with the reference's, by the gate of
-  llama.cpp's drafter against the reference (``drafter.llamacpp~reference.max_abs``, for any fp32 drafter).
+  llama.cpp's drafter against the reference (``drafter.reference~llamacpp.max_abs``, for any fp32 drafter).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..core.gates import DEFAULT_GATES, Gate
 from ..engines.variants import Variant, family, under
 from .explain import DEFAULT_BUDGET_S, Explanation, Observed, TextSubject, Trial, budget_seconds, search
 
-DRAFTER_GATE = "drafter.llamacpp~reference.max_abs"
+DRAFTER_GATE = "drafter.reference~llamacpp.max_abs"
 """The gate a drafter engine's step logits are judged by (an fp32 drafter against the float64 reference)."""
 
 

@@ -9,14 +9,13 @@ KLD histogram; then details per prompt. Tables are pandas DataFrames rendered wi
 Plots (matplotlib, Agg canvas, written atomically):
 
 * ``layer_error-<pair>.png`` for every pair whose checks carry ``per_point`` data
-  (reference~transformers, fast~reference, fast_bf16~reference,
-  fast.chunked~oneshot, llamacpp~reference where llama.cpp ran): the relative L2
+  (reference~transformers, reference~fast, reference~fast_bf16,
+  fast.chunked~oneshot, reference~llamacpp where llama.cpp ran): the relative L2
   at each layer's output (``l_out``) against the layer index, log y, one line
   per case (the largest over the pair's prompts / variants);
 * ``kld_hist.png``: the per-position KLD of every check that carries a
-  ``kld_hist`` (:func:`harness.core.metrics.kld_histogram`: fast_bf16~reference, fast~reference on
-  the real Gemma 3 GGUF, llamacpp~reference when its check hands the values
-  over), log x, one panel per pair and one line per case.
+  ``kld_hist`` (:func:`harness.core.metrics.kld_histogram`: every pair's ``mean_kld``, reference~fast on
+  the real Gemma 3 GGUF), log x, one panel per pair and one line per case.
 """
 
 from __future__ import annotations
@@ -52,13 +51,11 @@ PLOT_FLOOR = 1e-18
 LAYER_GATES: dict[str, tuple[float, str]] = {
     "reference~transformers": (DEFAULT_GATES["reference~transformers.layer_rel_l2"].limit,
                                "rel. L2 <= {:g}".format(DEFAULT_GATES["reference~transformers.layer_rel_l2"].limit)),
-    "fast~reference": (math.sqrt(2 * (1 - DEFAULT_GATES["fast~reference.layer_cosine"].limit)),
-                       "cosine >= {:g} (drawn as the rel. L2 it allows)".format(
-                           DEFAULT_GATES["fast~reference.layer_cosine"].limit)),
+    "reference~fast": (DEFAULT_GATES["reference~fast.layer_rel_l2"].limit,
+                       "rel. L2 <= {:g}".format(DEFAULT_GATES["reference~fast.layer_rel_l2"].limit)),
 }
 """The gate line drawn on a pair's per-layer plot (default gates; a case override is in the tables): the
-rel. L2 bound, or for a cosine bound the rel. L2 it allows between vectors of equal norm,
-``sqrt(2 (1 - cos))``."""
+rel. L2 bound."""
 
 DETAIL_KEYS = ("tokens", "same_top1", "worst_point", "max_abs_logit_at", "worst_at", "qtype", "variant", "positions",
                "steps", "request", "step", "expected", "got", "last_error")

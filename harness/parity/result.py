@@ -18,8 +18,9 @@ from gemma4_harness.reference.errors import InputError
 from ..core.gates import Gate, gate_for, with_effect
 from ..core.workers import EngineFailure
 
-RESULTS_VERSION = 1
-"""Version of ``results.json`` (``kind`` ``parity``)."""
+RESULTS_VERSION = 2
+"""Version of ``results.json`` (``kind`` ``parity``). 2: every engine-vs-oracle figure named ``<oracle>~<engine>``
+with the pair pipeline's metrics (a version 1 file still compares: :func:`harness.core.names.upgrade_results`)."""
 
 
 @dataclass

@@ -5,8 +5,9 @@ overriding one of :class:`fast.model.FastModel`'s block functions in a subclass 
 building it from an altered config, weights or RoPE table; ``fast/`` itself is never
 modified). The selftest traces the mutant and the float64
 reference on the built-in synthetic cases, compares the traces with the
-fast~reference gates (per trace point cosine >= 0.99999, max |Δlogit| <= 1e-3 at
-``result_output``; :data:`harness.core.gates.DEFAULT_GATES`) through
+selftest's rule (per trace point cosine >= 0.99999, :data:`harness.core.gates.SELFTEST_MIN_COSINE`; max |Δlogit|
+<= 1e-3 at ``result_output``, the ``reference~fast.max_abs_logit`` gate of
+:data:`harness.core.gates.DEFAULT_GATES`) through
 :func:`harness.traces.compare.compare`, and checks that
 
 * the unmutated fast path passes every gate (the *control*: a mutant's detection is then
@@ -46,7 +47,7 @@ from gemma4_harness.reference.weights import load_model
 
 from .. import synth
 from ..core.cases import builtin_specs
-from ..core.gates import DEFAULT_GATES, resolve
+from ..core.gates import DEFAULT_GATES, SELFTEST_MIN_COSINE, resolve
 from ..core.io import markdown_table, staged_run_dir, write_json_atomic, write_text_atomic
 from ..core.mm_prompts import load_mm_prompts, prompt_media, resolve_ids
 from ..core.prompts import load_prompts
@@ -67,11 +68,12 @@ MM_SELFTEST_PROMPTS = ("image-audio", "two-images")
 
 
 def fast_reference_rule(gates: dict | None = None) -> DivergenceRule:
-    """The fast~reference gates as a :class:`harness.DivergenceRule`: per-point cosine and
-    max |Δlogit| at ``result_output`` (defaults from :data:`harness.core.gates.DEFAULT_GATES`)."""
+    """The selftest's rule as a :class:`harness.DivergenceRule`: per-point cosine
+    (:data:`harness.core.gates.SELFTEST_MIN_COSINE`, why not the pair's relative L2 there) and max |Δlogit| at
+    ``result_output`` (``reference~fast.max_abs_logit``, from ``gates`` or :data:`harness.core.gates.DEFAULT_GATES`)."""
     g = gates or DEFAULT_GATES
-    return DivergenceRule(tol=None, min_cosine=g["fast~reference.layer_cosine"].limit,
-                                 max_abs={"result_output": g["fast~reference.max_abs_logit"].limit})
+    return DivergenceRule(tol=None, min_cosine=SELFTEST_MIN_COSINE,
+                          max_abs={"result_output": g["reference~fast.max_abs_logit"].limit})
 
 
 def trace_fast(fm: FastModel, ids: Sequence[int], case: str, engine: str) -> Trace:
@@ -318,7 +320,7 @@ def render_report(data: dict[str, Any]) -> str:
              f"**{verdict}** (created {data['created_utc']}; cases {', '.join(data['cases'])})", "",
              f"Each mutant is one fault injected into the fast path (fp32, CPU) by overriding one function; its traces "
              f"are compared "
-             f"with the float64 reference's under the fast~reference gates ({rule}). *first point* is the first "
+             f"with the float64 reference's under the selftest's rule ({rule}). *first point* is the first "
              f"(point, layer) in trace order that breaks a gate.", "",
              markdown_table(mutant_table(data), ["mutant", "cases", "detected", "first point", "expected", "result"]),
              "", "## Faults", ""]

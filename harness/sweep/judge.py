@@ -112,7 +112,7 @@ def base_verdict(row: dict[str, Any], types: dict[str, int] | Sequence[str], sen
         else:
             v["measured"] = row.get(metric)
         gate = DEFAULT_GATES.get(v["gate"])
-        if gate is None:  # fast --dtype bfloat16: parity has no reference~fast_bf16 pair (nor one for every kind)
+        if gate is None:  # a kind parity has no pair for (nor one for every kind)
             v.update(informational=True, why=f"g4h parity has no gate {v['gate']}"
                      + (" (a 16-bit engine: the cross-engine 16-bit gate judges it)" if sixteen else "")
                      + ": reported, not gated")

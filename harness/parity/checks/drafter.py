@@ -16,9 +16,9 @@ from it at that position. Figures (none gated here; :mod:`harness.parity.result`
   ``h_prev`` against the reference's ``result_norm``: the two agree on which layers a drafter reads;
 * ``drafter.gguf_f32~safetensors.max_abs``: the ``gemma4-assistant`` GGUF against the HF folder (the full head
   on both sides: a GGUF has no centroid head, as in llama.cpp);
-* ``drafter.fast~reference.max_abs``: the fast drafter over the fast target's cache against the reference
+* ``drafter.reference~fast.max_abs``: the fast drafter over the fast target's cache against the reference
   drafter over the reference target's cache (the reference's draft tokens fed to both);
-* with llama.cpp (:func:`llamacpp_drafter_checks`): ``drafter.llamacpp.runs``, ``drafter.llamacpp~reference.
+* with llama.cpp (:func:`llamacpp_drafter_checks`): ``drafter.llamacpp.runs``, ``drafter.reference~llamacpp.
   same_drafts`` and ``.max_abs`` (llama.cpp's ``gemma4-assistant`` drafter against the reference's GGUF drafter,
   with llama.cpp's fp16 GELU table emulated), and ``speculative.llamacpp.lossless`` (speculative greedy decoding
   inside llama.cpp against its own plain greedy decoding).
@@ -133,7 +133,7 @@ def fast_state(fm: FastModel, ids: Sequence[int], extra: int) -> tuple[Any, int,
     return cache, slot, int(torch.argmax(logits[-1])), h[-1:]
 
 
-def fast_vs_reference(d, DW, tcfg, TW, fm: FastModel, prompts: Sequence[dict[str, Any]]) -> list[Figure]:
+def reference_vs_fast(d, DW, tcfg, TW, fm: FastModel, prompts: Sequence[dict[str, Any]]) -> list[Figure]:
     """The fast drafter against the reference drafter, per prompt (module docstring)."""
     fd = FastDrafter(d, DW, fm)
     out = []
@@ -151,7 +151,7 @@ def fast_vs_reference(d, DW, tcfg, TW, fm: FastModel, prompts: Sequence[dict[str
                 flog.append(lg[0].double().cpu().numpy())
                 fhs.append(fh[0].double().cpu().numpy())
         err = max(_max_abs(logits, flog), _max_abs(hs, fhs))
-        out.append(fig("drafter.fast~reference.max_abs", err, p["id"], same_first_token=ftok == tok,
+        out.append(fig("drafter.reference~fast.max_abs", err, p["id"], same_first_token=ftok == tok,
                        same_drafts=[int(np.argmax(x)) for x in flog] == toks))
     return out
 
@@ -191,7 +191,7 @@ def drafter_checks(built, prompts: Sequence[dict[str, Any]], info: dict[str, Any
     figs, facts = gguf_vs_hf(d_hf, DW_hf, d_gguf, DW_gguf, tcfg, TW, prompts)
     info["drafter"].update(facts)
     out += figs
-    out += fast_vs_reference(d_hf, DW_hf, tcfg, TW, FastModel(tcfg, TW, "cpu", "float32"), prompts)
+    out += reference_vs_fast(d_hf, DW_hf, tcfg, TW, FastModel(tcfg, TW, "cpu", "float32"), prompts)
     return out
 
 
@@ -216,9 +216,9 @@ def llamacpp_drafter_checks(built, prompts: Sequence[dict[str, Any]], progress, 
             cache, tok, h = ref_drafter.after_prefill(tcfg, TW, p["prompt_ids"])
             toks, logits, hs = ref_drafter.draft(d, DW, tcfg, TW, cache, tok, h, N_DRAFT)
         same = [a == b for a, b in zip(toks, r["drafts"])]
-        out.append(fig("drafter.llamacpp~reference.same_drafts", float(np.mean(same)) if r["token"] == tok else 0.0,
+        out.append(fig("drafter.reference~llamacpp.same_drafts", float(np.mean(same)) if r["token"] == tok else 0.0,
                        p["id"], drafts=r["drafts"], reference=toks, same_first_token=r["token"] == tok))
-        out.append(fig("drafter.llamacpp~reference.max_abs", max(_max_abs(r["logits"], logits),
+        out.append(fig("drafter.reference~llamacpp.max_abs", max(_max_abs(r["logits"], logits),
                                                                  _max_abs(r["h_next"], hs)), p["id"],
                        h_prev_max_abs=float(np.max(np.abs(r["h"] - h)))))
     bad = [p["id"] for p, s in zip(prompts, spec) if s["tokens"] != s["plain"]]

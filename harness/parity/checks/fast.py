@@ -1,7 +1,7 @@
-"""Checks of the fast path against the reference, shared by ``g4h parity`` and the tests.
+"""Checks of the fast path that only a built-in case makes, shared by ``g4h parity`` and the tests (fast in fp32
+and bf16 against the reference is the pair pipeline of ``--model``: ``reference~fast``, ``reference~fast_bf16``,
+:mod:`.pair`, run by :func:`harness.parity.cases.synthetic_case`).
 
-* :func:`fast_vs_reference`: logits and per-trace-point cosine (fp32), or the
-  llama-perplexity KLD set (bf16), against the float64 reference.
 * :func:`batched_vs_solo`: 8 requests of mixed lengths (some longer than three
   windows), staggered arrivals, one retiring mid-batch, served by one continuous
   batch and one at a time; plus neighbour isolation (same shapes, other
@@ -23,60 +23,11 @@ from gemma4_harness.fast.engine import Engine, Request
 from gemma4_harness.fast.model import FastModel, SeqStep
 from gemma4_harness.fast.quants import QuantizedTensor
 from gemma4_harness.fast.static_decode import StaticDecoder
-from gemma4_harness.reference import model as ref_model
 from gemma4_harness.reference.weights import load_model
 
-from ...core import kld, metrics
+from ...core import metrics
 from ...traces import ConcatRecorder, TraceRecorder, layer_errors
 from ..result import Figure, fig
-
-
-def fast_vs_reference(fm: FastModel, cfg, W, prompts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per prompt: max |Δlogit|, same-top-1, min cosine over trace points (first one below 0.99999 named),
-    relative L2 per trace point (``per_point``: ``[[point, layer, rel_l2], ...]``, for the report's
-    per-layer plots), and the logits of both sides (for KLD over the whole set)."""
-    rows = []
-    for p in prompts:
-        ra, fa = TraceRecorder(), TraceRecorder()
-        ref = ref_model.forward(cfg, W, p["prompt_ids"], trace=ra)
-        fast = fm.logits(p["prompt_ids"], trace=fa).double().cpu().numpy()
-        cos = [(k, metrics.cosine(fa.points[k], ra.points[k])) for k in ra.points if k in fa.points]
-        worst = min(cos, key=lambda kv: kv[1])
-        first_low = next((k for k, c in cos if c < 0.99999), None)
-        at = np.unravel_index(int(np.argmax(np.abs(fast - ref))), fast.shape)
-        rows.append({"id": p["id"], "tokens": len(p["prompt_ids"]), "max_abs_logit": metrics.max_abs_err(fast, ref),
-                     "max_abs_logit_at": [int(at[0]), int(at[1])],
-                     "same_top1": metrics.top1_agreement(fast, ref), "min_cosine": worst[1],
-                     "worst_point": f"{worst[0][0]}@{worst[0][1]}",
-                     "first_divergence": None if first_low is None else f"{first_low[0]}@{first_low[1]}",
-                     "n_points": len(cos),
-                     "per_point": [[r["point"], r["layer"], r["rel_l2"]] for r in layer_errors(fa, ra)],
-                     "_ref": ref, "_fast": fast})
-    return rows
-
-
-def kld_over(rows: list[dict[str, Any]]) -> kld.KLDStats:
-    """llama-perplexity KLD statistics over every position of every prompt (reference = base)."""
-    ours = np.concatenate([r["_fast"] for r in rows])
-    base = np.concatenate([r["_ref"] for r in rows])
-    return kld.kld_stats(ours, base)
-
-
-def kld_values(rows: list[dict[str, Any]]) -> np.ndarray:
-    """Per-position KLD (reference = base) over every position of every prompt, in prompt order."""
-    return metrics.kld_per_position(np.concatenate([r["_fast"] for r in rows]),
-                                    np.concatenate([r["_ref"] for r in rows]))
-
-
-def max_per_point(rows: list[dict[str, Any]]) -> list[list[Any]]:
-    """The largest relative L2 of each trace point over the prompts of :func:`fast_vs_reference`,
-    as ``[[point, layer, rel_l2], ...]`` in first-seen order."""
-    worst: dict[tuple[str, int], float] = {}
-    for r in rows:
-        for point, layer, v in r.get("per_point", []):
-            key = (point, layer)
-            worst[key] = max(worst.get(key, v), v)
-    return [[p, layer, v] for (p, layer), v in worst.items()]
 
 
 def batch_scenario(window: int, vocab: int, seed: int = 0) -> list[Request]:
@@ -200,29 +151,14 @@ def chunked_vs_oneshot(fm: FastModel, ids: Sequence[int],
     return out
 
 
-def fast_checks(cfg, W, prompts: Sequence[dict[str, Any]], info: dict[str, Any], progress, name: str) -> list[Figure]:
-    """fast fp32 and bf16 vs the reference, batched vs solo, chunked vs one-shot (CPU).
+def fast_checks(cfg, W, prompts: Sequence[dict[str, Any]], progress, name: str) -> list[Figure]:
+    """fast fp32 batched vs solo, static vs paged, chunked vs one-shot (CPU).
 
-    Figures: ``fast~reference.max_abs_logit`` and ``.layer_cosine`` per prompt;
-    ``fast_bf16~reference.mean_kld`` and ``.same_top1`` over all positions; ``fast.batched~solo.*`` and
-    ``fast.neighbour_isolation.max_abs_logit``; ``fast.static~paged.*``; ``fast.chunked~oneshot.max_abs_logit`` per variant on the
-    longest prompt. The bf16 KLD set goes to ``info["bf16_kld"]``.
+    Figures: ``fast.batched~solo.*`` and ``fast.neighbour_isolation.max_abs_logit``; ``fast.static~paged.*``;
+    ``fast.chunked~oneshot.max_abs_logit`` per variant on the longest prompt.
     """
     out = []
-    progress(f"[{name}] fast fp32 / bf16 vs reference")
     fm32 = FastModel(cfg, W, "cpu", "float32")
-    for r in fast_vs_reference(fm32, cfg, W, prompts):
-        out.append(fig("fast~reference.max_abs_logit", r["max_abs_logit"], r["id"], tokens=r["tokens"],
-                       same_top1=r["same_top1"], max_abs_logit_at=r["max_abs_logit_at"]))
-        out.append(fig("fast~reference.layer_cosine", r["min_cosine"], r["id"], worst_point=r["worst_point"],
-                       first_divergence=r["first_divergence"], per_point=r["per_point"]))
-    rows16 = fast_vs_reference(FastModel(cfg, W, "cpu", "bfloat16"), cfg, W, prompts)
-    kld = kld_over(rows16)
-    out.append(fig("fast_bf16~reference.mean_kld", kld.mean_kld, None, positions=kld.n, kld_p99=kld.kld_p99_0,
-                   max_kld=kld.maximum_kld, kld_hist=metrics.kld_histogram(kld_values(rows16)),
-                   per_point=max_per_point(rows16)))
-    out.append(fig("fast_bf16~reference.same_top1", kld.same_top_p_pct / 100.0, None, positions=kld.n))
-    info["bf16_kld"] = {k: v for k, v in kld.as_dict().items() if v is not None}
     progress(f"[{name}] fast batched vs solo, chunked vs one-shot")
     bs = batched_vs_solo(fm32)
     out.append(fig("fast.batched~solo.same_tokens", bs["same_tokens"]))
@@ -251,9 +187,9 @@ def fast_packed_checks(quantized: dict[str, str], prompt: dict[str, Any],
         ref_logits: file type -> the reference's float64 logits ``[T, V]`` of ``prompt`` on that file
             (from :func:`harness.parity.checks.reference.quantized_loaders`).
 
-    Figures: ``fast~reference.max_abs_logit`` per file type that has packed matrices (F16/BF16 files have
+    Figures: ``reference~fast.max_abs_logit`` per file type that has packed matrices (F16/BF16 files have
     none: their matrices are dequantized at load), item ``<prompt>@<type>-packed``, gated by the same
-    fast~reference gate as the F32 file (the weights are the same exact values on both sides).
+    reference~fast gate as the F32 file's pair (the weights are the same exact values on both sides).
     """
     out = []
     for qname, path in sorted(quantized.items()):
@@ -266,7 +202,7 @@ def fast_packed_checks(quantized: dict[str, str], prompt: dict[str, Any],
             continue
         got = fm.logits(prompt["prompt_ids"]).double().numpy()
         ref = ref_logits[qname]
-        out.append(fig("fast~reference.max_abs_logit", metrics.max_abs_err(got, ref), f"{prompt['id']}@{qname}-packed",
+        out.append(fig("reference~fast.max_abs_logit", metrics.max_abs_err(got, ref), f"{prompt['id']}@{qname}-packed",
                        tokens=len(prompt["prompt_ids"]), weights="packed", qtype=qname, packed_types=packed,
                        same_top1=metrics.top1_agreement(got, ref)))
     return out

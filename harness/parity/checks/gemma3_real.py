@@ -187,7 +187,7 @@ def _compare_fast(cfg, W, sequences, ref_runs, tok, packed: bool = True) -> dict
 def gemma3_figures(out: MutableMapping[str, Any], info: dict[str, Any]) -> list[Figure]:
     """The measurements of :func:`run_gemma3_real` as figures for the parity job.
 
-    Figures: ``gemma3_real.continuation`` per prompt; ``fast~reference.max_abs_logit`` per prompt (with its
+    Figures: ``gemma3_real.continuation`` per prompt; ``reference~fast.max_abs_logit`` per prompt (with its
     KLD histogram); with transformers available, ``reference~transformers.max_abs_logit`` and
     ``.layer_rel_l2`` (worst ``l_out``) per prompt, and ``reference~transformers.runs`` (0 when transformers'
     GGUF path failed, which fails the case).
@@ -197,7 +197,7 @@ def gemma3_figures(out: MutableMapping[str, Any], info: dict[str, Any]) -> list[
         figs.append(fig("gemma3_real.continuation", 1.0 if item.get("pass") else 0.0, item.get("name"),
                         expected=item.get("expected"), got=item.get("continuation")))
     for item in out.get("fast", {}).get("prompts", []):
-        figs.append(fig("fast~reference.max_abs_logit", item["max_abs_logit_diff"], item["name"],
+        figs.append(fig("reference~fast.max_abs_logit", item["max_abs_logit_diff"], item["name"],
                         tokens=item["n_tokens"], same_top1=item["top1_agreement"],
                         **({"kld_hist": item["kld_hist"]} if "kld_hist" in item else {})))
     hf = out.get("transformers", {})

@@ -38,6 +38,7 @@ from gemma4_harness.reference.mm_model import MultimodalModel, MultimodalPrompt,
 from gemma4_harness.reference.multimodal import MM_TYPE_IMAGE
 
 from ...core import metrics
+from ...core.gates import DEFAULT_GATES
 from ...core.mm_prompts import make_clip, make_image, prompt_media, resolve_ids
 from ...engines.llamacpp.mtmd import mtmd_soft_tokens, processed_rgb
 from ...engines.llamacpp.numerics import llamacpp_mm_numerics
@@ -254,10 +255,13 @@ def _image_span(pr: MultimodalPrompt) -> tuple[int, int] | None:
 
 def fast_figures(mm: MultimodalModel, prompts: Sequence[dict[str, Any]], text_prompts: Sequence[dict[str, Any]],
                  progress: Progress, name: str) -> list[Figure]:
-    """Fast fp32 against the reference (logits; cosine at every trace point, the encoders' included); chunked
+    """Fast fp32 against the reference (logits; relative L2 at every trace point, the encoders' included, named as
+    the pair pipeline names them: ``reference~fast.max_abs_logit``, ``.layer_rel_l2`` with ``first_divergence``
+    beyond the default gate; a point the fast side lacks fails the figure (inf)); chunked
     prefill with a nominal boundary inside the first image against one shot; one continuous batch of every
     multimodal prompt among ``text_prompts`` (3 slots, staggered arrivals, prefill chunks of 16) against solo runs."""
     out: list[Figure] = []
+    layer_limit = DEFAULT_GATES["reference~fast.layer_rel_l2"].limit
     ref, fast = ReferenceMM(mm), FastMM(mm, "cpu", "float32")
     reqs, solo_ref = [], {}
     for p in prompts:
@@ -265,12 +269,15 @@ def fast_figures(mm: MultimodalModel, prompts: Sequence[dict[str, Any]], text_pr
         pr = prepared(mm, p)
         ta, tb = TraceRecorder(), TraceRecorder()
         r, f = ref.logits(pr, trace=ta), fast.logits(pr, trace=tb)
-        cos = [(k, metrics.cosine(tb.points[k], ta.points[k])) for k in ta.points if k in tb.points]
-        worst = min(cos, key=lambda kv: kv[1])
-        out.append(fig("fast~reference.max_abs_logit", metrics.max_abs_err(f, r), p["id"], tokens=len(pr.ids),
+        rows = layer_errors(tb, ta)
+        worst = max(rows, key=lambda e: e["rel_l2"] if e["rel_l2"] == e["rel_l2"] else float("inf"))
+        first = next((e for e in rows if not e["rel_l2"] <= layer_limit), None)
+        out.append(fig("reference~fast.max_abs_logit", metrics.max_abs_err(f, r), p["id"], tokens=len(pr.ids),
                        same_top1=metrics.top1_agreement(f, r)))
-        out.append(fig("fast~reference.layer_cosine", worst[1] if len(cos) == len(ta.points) else 0.0, p["id"],
-                       worst_point=f"{worst[0][0]}@{worst[0][1]}", n_points=len(cos)))
+        out.append(fig("reference~fast.layer_rel_l2", worst["rel_l2"] if len(rows) == len(ta.points) else float("inf"),
+                       p["id"], worst_point=f"{worst['point']}@{worst['layer']}", n_points=len(rows),
+                       first_divergence=None if first is None else f"{first['point']}@{first['layer']}",
+                       per_point=[[e["point"], e["layer"], e["rel_l2"]] for e in rows]))
         span = _image_span(pr)
         if span is not None and mm.cfg.use_bidirectional_attention == "vision" and pr.use_types:
             chunk = max(2, (span[1] - span[0]) // 3)
@@ -290,7 +297,7 @@ def fast_figures(mm: MultimodalModel, prompts: Sequence[dict[str, Any]], text_pr
     out.append(fig("fast.batched~solo.same_tokens", 1.0 if same else 0.0, None, requests=len(reqs)))
     out.append(fig("fast.batched~solo.max_abs_logit", diff, None, requests=len(reqs)))
     first = max(metrics.max_abs_err(bat[k].logits[0], solo_ref[k][-1]) for k in solo_ref)
-    out.append(fig("fast~reference.max_abs_logit", first, "batched/first-token", variant="batched first token"))
+    out.append(fig("reference~fast.max_abs_logit", first, "batched/first-token", variant="batched first token"))
     return out
 
 
@@ -354,7 +361,7 @@ def llamacpp_figures(mm: MultimodalModel, built, prompts: Sequence[dict[str, Any
     other).
 
     Gated on the mmproj with ``clip.use_gelu = true`` against the reference with llama.cpp's numerics emulated
-    (:func:`harness.engines.llamacpp.numerics.llamacpp_mm_numerics`): ``llamacpp~reference.mm_vision_cosine`` /
+    (:func:`harness.engines.llamacpp.numerics.llamacpp_mm_numerics`): ``reference~llamacpp.mm_vision_cosine`` /
     ``mm_audio_cosine`` (per item), ``mm_soft_token_max_abs`` (informational), ``mm_vision_runs`` /
     ``mm_audio_runs`` (an abort inside llama.cpp is a failing figure with its one line). Reported beside
     (informational): the mmproj as llama.cpp's converter writes it (no ``clip.use_gelu``: llama.cpp's vision MLP
@@ -375,7 +382,7 @@ def llamacpp_figures(mm: MultimodalModel, built, prompts: Sequence[dict[str, Any
                  for _, _, it in entries]
         variants = [("gelu", built.mmproj_gelu), ("converter", built.mmproj)] if kind == "image" else \
             [("gelu", built.mmproj)]
-        runs = f"llamacpp~reference.mm_{'vision' if kind == 'image' else 'audio'}_runs"
+        runs = f"reference~llamacpp.mm_{'vision' if kind == 'image' else 'audio'}_runs"
         for variant, mmproj in variants:
             progress(f"[{name}] llama.cpp mtmd ({kind}, {variant} mmproj) on {len(entries)} items")
             try:
@@ -390,7 +397,7 @@ def llamacpp_figures(mm: MultimodalModel, built, prompts: Sequence[dict[str, Any
                            **({} if variant == "gelu" else {"informational_reason": "the converter's mmproj"})))
             for (pid, i, it), got, trace in zip(entries, res["embeds"], res["traces"]):
                 label = f"{pid}/{kind}{i}"
-                gate = f"llamacpp~reference.mm_{'vision' if kind == 'image' else 'audio'}_cosine"
+                gate = f"reference~llamacpp.mm_{'vision' if kind == 'image' else 'audio'}_cosine"
                 emu_tr = TraceRecorder()
                 exact = ref.soft_tokens(_one(it))[0]
                 with llamacpp_mm_numerics():
@@ -404,10 +411,10 @@ def llamacpp_figures(mm: MultimodalModel, built, prompts: Sequence[dict[str, Any
                                             "vision MLP runs gelu_quick, the model gelu_tanh)"}
                 out.append(fig(gate, metrics.cosine(got, emu), label, variant=f"{variant} mmproj, numerics emulated",
                                **extra))
-                out.append(fig("llamacpp~reference.mm_soft_token_max_abs", metrics.max_abs_err(got, emu), label,
+                out.append(fig("reference~llamacpp.mm_soft_token_max_abs", metrics.max_abs_err(got, emu), label,
                                variant=f"{variant} mmproj, numerics emulated",
                                **({} if variant == "gelu" else extra)))
-                out.append(fig("llamacpp~reference.mm_soft_token_max_abs", metrics.max_abs_err(got, exact), label,
+                out.append(fig("reference~llamacpp.mm_soft_token_max_abs", metrics.max_abs_err(got, exact), label,
                                variant=f"{variant} mmproj, exact reference",
                                informational_reason="the exact reference, beside the emulated one"))
                 if trace:  # llama.cpp's vision points against the emulated reference's: where a difference starts

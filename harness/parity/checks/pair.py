@@ -523,7 +523,7 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
         return [engine_failed(pair, e)]
     except InputError as e:  # it cannot be used as given: a command that cannot start, a server that is down
         return [_runs(pair, False, got=str(e), bad_input=True)]
-    pair = pair_name(kind, engine_numerics(eng, kind).dtype if kind != "fast" else None, runs.name)
+    pair = pair_name(kind, engine_numerics(eng, kind).dtype, runs.name)
     out: list[Figure] = []  # the figures measured so far: kept when the engine fails later
     try:
         _measure(runs, eng, kind, pair, prompts, progress, case,
