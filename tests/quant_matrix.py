@@ -87,6 +87,9 @@ def run_one(runs, engine: str, served: Path, model: Path, prompts, log: Path) ->
     return {"exit": 0 if r["passed"] else 1, "seconds": round(time.monotonic() - t0),
             "local": None if local is None else local["worst"], "local_null": ld.get("null"),
             "local_limit": ld.get("limit"), "first_divergence": ld.get("first_divergence"),
+            # the point with the most positions beyond the limit: [point@layer, engine's, null's, flips explain]
+            "local_moved": max(([f"{q}@{il}", b, nb, m] for q, il, b, nb, m in ld.get("moved_per_point") or ()),
+                               key=lambda r: r[1], default=None),
             "agreeing": None if agree is None else agree["worst"],
             "counts": [d.get("agreeing"), d.get("reference_agreeing"), d.get("positions")] if d else None,
             "agreeing_informational": bool(d.get("informational_reason")), "failing": failing,

@@ -416,8 +416,9 @@ Q8_LOCAL_WHY = (
     "1.9e-3 (Gemma 3, Q5_0): the smallest 18 x above the limit (docs/quantized-activations.md). The median alone "
     "is blind to a fault that moves fewer than half of a point's positions (one MoE expert's matrix: only the "
     "positions routed to it move; measured, odd-h48-v777-moe widened to h64, 5 experts top-2, 217 positions: the "
-    "first half of one expert's ffn_down_exps rows x1.02 moved 63 to 122 positions by 1e-3..1e-2 and passed at a "
-    "median of 1.1e-7 in 3 of 4 copies, Q8_0 and Q4_0). So each point is judged at the rank the flips allow, not "
+    "first half of one expert's ffn_down_exps rows x1.02 (one copy per expert of blk.1 and blk.2) moved 31 to 134 "
+    "positions by 1e-3..1e-2 and passed at a median of ~1e-7 in 7 of the 10 copies, in Q8_0 and in Q4_0: "
+    "tests/quant_experts.py). So each point is judged at the rank the flips allow, not "
     "at the median: the positions beyond the limit are counted for the engine and for the null; a flip is a rare, "
     "independent event at a point, so the null's count n bounds the flips' rate (Poisson, upper bound at "
     "Q8_LOCAL_ALPHA), an engine with twice that rate (EFFECT_FACTOR, as above) exceeds m positions with "
@@ -426,8 +427,8 @@ Q8_LOCAL_WHY = (
     "for n = 0, 44 for 1, 64 for 5 (harness.parity.checks.pair.flips_explained). Measured, correct llamacpp engine, "
     "the 8 synthetic prompts (217 positions): at most 4 positions beyond the limit at any point (the null 0 to 5) on "
     "the MoE shape in Q8_0 and Q4_0 and the four shapes of tests/test_local_gate.py; one expert's rows x1.02 in "
-    "blk.1 or blk.2 (20 copies): 63 to 134 positions at its ffn_moe, caught in 18; the other 2 (an expert routed "
-    "to 31 and 36 of the 217 positions) are below the resolution m = 36 - more prompts or positions raise it, as "
+    "blk.1 or blk.2 (20 copies): caught in 18 (63 to 134 positions at its ffn_moe); the other 2 (an expert "
+    "routed to 31 and 36 of the 217 positions) are below the resolution m = 36 - more prompts or positions raise it, as "
     "a fault's count grows with them and m does not (tests/test_local_gate.py)")
 
 Q8_LOCAL_ALPHA = 1e-4
