@@ -860,7 +860,7 @@ def local_figure(pair: str, per_prompt: Sequence[Figure]) -> Figure:
     said = {} if first is None else {"why": (
         f"first diverging layer {first[0][1]} ({where}): {first[4]} of {first[3]} positions beyond {limit:.3g}, "
         f"where rounding flips explain at most {first[6]} (the emulation itself leaves {first[5]} beyond it, a "
-        f"median of {first[2]:.3g}); the {first[6] + 1}th largest relative L2 is {first[1]:.3g}")}
+        f"median of {first[2]:.3g}); the relative L2 of rank {first[6] + 1} from the top is {first[1]:.3g}")}
     return fig(f"{pair}_q8.local_median", worst[1], None, worst_point=f"{worst[0][0]}@{worst[0][1]}",
                first_divergence=where, first_layer=None if first is None else first[0][1], effect=null,
                null=null, prompts=len(per_prompt), points=len(rows), **said,
