@@ -8,9 +8,9 @@ docs/quantized-activations.md.
     python tests/quant_matrix.py [--file NAME ...] [--engine llamacpp|llama-server|llama-cpp-python ...]
                                  [--fault rows|block|swap ...] [--out DIR]
 
-Files (:data:`FILES`): the synthetic e2b as written by ``g4h synth`` (F32, F16, BF16, Q8_0, Q4_0), the synthetic
-31b quantized by llama-quantize (Q5_0, Q4_K_S, Q6_K, Q4_K_M: its rows of 256 take K-quants), the real Gemma 3 270M
-Q4_K_M. Prompts: the texts of tests/field_servers.py (llama-cpp-python takes text only), our tokenizer's ids for
+Files (:data:`FILES`): the synthetic e2b as written by ``g4h synth`` (F32, F16, BF16, Q8_0, Q4_0) and quantized by
+llama-quantize (Q4_1, Q5_1, IQ4_NL), the synthetic 31b quantized by llama-quantize (Q5_0, Q4_K_S, Q6_K, Q4_K_M,
+Q3_K_S, Q5_K_S: its rows of 256 take K-quants), the real Gemma 3 270M Q4_K_M. Prompts: the texts of tests/field_servers.py (llama-cpp-python takes text only), our tokenizer's ids for
 every engine; 8 greedy tokens. Prints one line per run and the markdown table; writes ``DIR/matrix.json``. Exit
 status: 0 when every correct run passed and every faulty one failed.
 """
@@ -34,6 +34,8 @@ from quant_pairs import judge  # noqa: E402
 FILES = {"e2b-F32": ("e2b", "F32"), "e2b-F16": ("e2b", "F16"), "e2b-BF16": ("e2b", "BF16"),
          "e2b-Q8_0": ("e2b", "Q8_0"), "e2b-Q4_0": ("e2b", "Q4_0"), "31b-Q5_0": ("31b", "Q5_0"),
          "31b-Q4_K_S": ("31b", "Q4_K_S"), "31b-Q6_K": ("31b", "Q6_K"), "31b-Q4_K_M": ("31b", "Q4_K_M"),
+         "e2b-Q4_1": ("e2b", "Q4_1"), "e2b-Q5_1": ("e2b", "Q5_1"), "e2b-IQ4_NL": ("e2b", "IQ4_NL"),
+         "31b-Q3_K_S": ("31b", "Q3_K_S"), "31b-Q5_K_S": ("31b", "Q5_K_S"),
          "gemma3-270m-Q4_K_M": (None, None)}
 """Table name -> (synthetic case, type: written by g4h synth, else by llama-quantize from the case's F32 file);
 ``(None, None)``: the real Gemma 3 270M Q4_K_M."""
