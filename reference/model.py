@@ -561,7 +561,8 @@ def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = Non
             place of the previous layer's output (a *re-seeded* forward, teacher-forced per layer: each
             such layer computes from another engine's stream, its ``l_out`` of the layer before; the
             index L, the number of layers, replaces the stream that enters the final norm and the head).
-            The per-layer embeddings (PLE) still come from this forward's own embedding; the KV cache,
+            The per-layer embeddings' context part (PLE) is projected from ``layer_inputs[0]`` where given (the
+            engine's own embedding, which its projection took), else from this forward's embedding; the KV cache,
             and the K/V a shared layer reads from its donor, follow from the re-seeded streams. None: the
             plain forward. Used by ``harness/parity/checks/pair.py`` (``local_rel_l2``) to judge each
             layer of an engine on its own.
@@ -589,7 +590,10 @@ def forward(cfg: ModelConfig, W, ids: Sequence[int], cache: KVCache | None = Non
     trace("inp_scaled", -1, x)
     ple = None
     if cfg.ple_dim:
-        ple = per_layer_inputs(cfg, W, ids, x)  # [T, L, P]
+        # re-seeded with the engine's embedding: its PLE projection took that one too (its fp32 bits decide the
+        # int8 rounding of the projection's input where an engine rounds it)
+        seeded = layer_inputs is not None and 0 in layer_inputs
+        ple = per_layer_inputs(cfg, W, ids, reseed(layer_inputs[0], x.shape, 0) if seeded else x)  # [T, L, P]
         trace("inp_per_layer", -1, ple)
     q_block = vision_blocks(cfg, mm)  # [T] or None
     blocks = None if q_block is None else (q_block, np.concatenate([np.full(cache.n_past, -1), q_block]))

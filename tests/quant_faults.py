@@ -4,7 +4,9 @@ matrix's shape (Gemma's norms cancel a uniform scale of a whole matrix, not thes
 * :func:`scale_rows`: the first half of one matrix's rows scaled by a factor (1.02);
 * :func:`scale_block`: one block of one row scaled by :data:`BLOCK_FACTOR` (its fp16 scale ``d``, and ``dmin``
   where the type has one; a float row's values of that block);
-* :func:`swap_rows`: two rows swapped (their bytes: exact in every type).
+* :func:`swap_rows`: two rows swapped (their bytes: exact in every type);
+* :func:`scale_expert_rows`: the first half of one MoE expert's rows of a stacked expert matrix
+  (``ffn_down_exps``) scaled by 1.02: only the positions routed to that expert move.
 
 A quantized row is scaled through its blocks' fp16 scales (``d``, and ``dmin`` where the type has one: every value
 of such a block is a linear function of them), so the values become ``factor`` times theirs to fp16 rounding of the
@@ -26,7 +28,7 @@ BLOCK_FACTOR = 1.5
 """The scale of :func:`scale_block`'s one block: what one flipped bit does to an fp16 scale whose mantissa is 1.0
 (its top mantissa bit: x1.5); the smallest corruption of a stored byte that is not a rounding-sized change."""
 
-FAULTS = ("rows", "block", "swap")
+FAULTS = ("rows", "block", "swap", "expert")
 """The fault kinds of :func:`make_fault`."""
 
 
@@ -122,6 +124,28 @@ def swap_rows(src: str | Path, dst: str | Path, tensor: str) -> tuple[Path, str]
     return dst, f"rows 0 and {j}"
 
 
+def scale_expert_rows(src: str | Path, dst: str | Path, tensor: str, expert: int = 0,
+                      factor: float = 1.02) -> tuple[Path, str]:
+    """Copy ``src`` to ``dst`` with the first half of the rows of expert ``expert`` of the stacked expert matrix
+    ``tensor`` (``[n_expert, out, in]``, ``blk.N.ffn_down_exps.weight``) scaled by ``factor``; the other experts
+    untouched. Returns ``(dst, "expert E rows 0..R-1")``.
+
+    Raises:
+        KeyError: no such tensor. ValueError: not a stack of experts (fewer than 3 dimensions), no such expert, or
+        a type without a known scale layout.
+    """
+    dst = Path(dst)
+    shutil.copyfile(src, dst)
+    r, t = _tensor(dst, tensor)
+    data = t.data
+    if data.ndim != 3 or not 0 <= expert < data.shape[0]:
+        raise ValueError(f"{tensor}: no expert {expert} in a tensor of shape {tuple(data.shape)}")
+    half = data.shape[1] // 2
+    _scale(data[expert], t.tensor_type.name, t.tensor_type, slice(0, half), factor)
+    r.data.flush()
+    return dst, f"expert {expert} rows 0..{half - 1}"
+
+
 def make_fault(kind: str, src: str | Path, dst: str | Path, tensor: str) -> tuple[Path, str]:
     """One faulty copy of ``src`` at ``dst``: ``kind`` one of :data:`FAULTS` in ``tensor``. Returns ``(dst, what)``,
     ``what`` a short description for tables (``blk.3.ffn_down.weight rows x1.02``)."""
@@ -133,6 +157,9 @@ def make_fault(kind: str, src: str | Path, dst: str | Path, tensor: str) -> tupl
     if kind == "swap":
         path, where = swap_rows(src, dst, tensor)
         return path, f"{tensor} {where} swapped"
+    if kind == "expert":
+        path, where = scale_expert_rows(src, dst, tensor)
+        return path, f"{tensor} {where} x1.02"
     raise ValueError(f"unknown fault {kind!r} (known: {', '.join(FAULTS)})")
 
 

@@ -8,9 +8,9 @@ docs/quantized-activations.md.
     python tests/quant_matrix.py [--file NAME ...] [--engine llamacpp|llama-server|llama-cpp-python ...]
                                  [--fault rows|block|swap ...] [--out DIR]
 
-Files (:data:`FILES`): the synthetic e2b as written by ``g4h synth`` (F32, F16, BF16, Q8_0, Q4_0), the synthetic
-31b quantized by llama-quantize (Q5_0, Q4_K_S, Q6_K, Q4_K_M: its rows of 256 take K-quants), the real Gemma 3 270M
-Q4_K_M. Prompts: the texts of tests/field_servers.py (llama-cpp-python takes text only), our tokenizer's ids for
+Files (:data:`FILES`): the synthetic e2b as written by ``g4h synth`` (F32, F16, BF16, Q8_0, Q4_0) and quantized by
+llama-quantize (Q4_1, Q5_1, IQ4_NL), the synthetic 31b quantized by llama-quantize (Q5_0, Q4_K_S, Q6_K, Q4_K_M,
+Q3_K_S, Q5_K_S: its rows of 256 take K-quants), the real Gemma 3 270M Q4_K_M. Prompts: the texts of tests/field_servers.py (llama-cpp-python takes text only), our tokenizer's ids for
 every engine; 8 greedy tokens. Prints one line per run and the markdown table; writes ``DIR/matrix.json``. Exit
 status: 0 when every correct run passed and every faulty one failed.
 """
@@ -34,6 +34,8 @@ from quant_pairs import judge  # noqa: E402
 FILES = {"e2b-F32": ("e2b", "F32"), "e2b-F16": ("e2b", "F16"), "e2b-BF16": ("e2b", "BF16"),
          "e2b-Q8_0": ("e2b", "Q8_0"), "e2b-Q4_0": ("e2b", "Q4_0"), "31b-Q5_0": ("31b", "Q5_0"),
          "31b-Q4_K_S": ("31b", "Q4_K_S"), "31b-Q6_K": ("31b", "Q6_K"), "31b-Q4_K_M": ("31b", "Q4_K_M"),
+         "e2b-Q4_1": ("e2b", "Q4_1"), "e2b-Q5_1": ("e2b", "Q5_1"), "e2b-IQ4_NL": ("e2b", "IQ4_NL"),
+         "31b-Q3_K_S": ("31b", "Q3_K_S"), "31b-Q5_K_S": ("31b", "Q5_K_S"),
          "gemma3-270m-Q4_K_M": (None, None)}
 """Table name -> (synthetic case, type: written by g4h synth, else by llama-quantize from the case's F32 file);
 ``(None, None)``: the real Gemma 3 270M Q4_K_M."""
@@ -87,6 +89,9 @@ def run_one(runs, engine: str, served: Path, model: Path, prompts, log: Path) ->
     return {"exit": 0 if r["passed"] else 1, "seconds": round(time.monotonic() - t0),
             "local": None if local is None else local["worst"], "local_null": ld.get("null"),
             "local_limit": ld.get("limit"), "first_divergence": ld.get("first_divergence"),
+            # the point with the most positions beyond the limit: [point@layer, engine's, null's, flips explain]
+            "local_moved": max(([f"{q}@{il}", b, nb, m] for q, il, b, nb, m in ld.get("moved_per_point") or ()),
+                               key=lambda r: r[1], default=None),
             "agreeing": None if agree is None else agree["worst"],
             "counts": [d.get("agreeing"), d.get("reference_agreeing"), d.get("positions")] if d else None,
             "agreeing_informational": bool(d.get("informational_reason")), "failing": failing,
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--file", action="append", choices=list(FILES), default=None)
     p.add_argument("--engine", action="append", choices=ENGINES, default=None)
-    p.add_argument("--fault", action="append", choices=FAULTS, default=None)
+    # the faults of dense matrices (TENSORS): an expert's fault is tests/quant_experts.py's
+    p.add_argument("--fault", action="append", choices=[f for f in FAULTS if f != "expert"], default=None)
     p.add_argument("--out", default="reports/quant-matrix")
     a = p.parse_args(argv)
     from gemma4_harness.harness.engines.reference import ReferenceEngine
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = ReferenceRuns(ReferenceEngine(model))
         prompts = with_prompt_ids([{"id": f"text{i}", "text": t} for i, t in enumerate(TEXTS)], model)
         copies = [("correct", "-", model)]
-        for kind, tensor in zip(a.fault or FAULTS, TENSORS):
+        for kind, tensor in zip(a.fault or FAULTS[:3], TENSORS):
             path, what = make_fault(kind, model, out / f"{name}-{kind}.gguf", tensor)
             copies.append((kind, f"{what} ({tensor_type(model, tensor)})", path))
         for kind, what, path in copies:

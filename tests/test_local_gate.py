@@ -5,7 +5,8 @@ carry into the later layers, while a fault in a matrix shows at its own layer.
 
 The fast tests: a re-seeded forward fed its own stream is the forward, bit for bit (Gemma 4 with PLE and KV sharing,
 and a plain shape); the real ``llamacpp`` engine on small quantized files of varied shapes passes, and a copy with the
-first half of one matrix's rows x1.02 fails with its layer named.
+first half of one matrix's rows x1.02 fails with its layer named; so do one block's scale and two rows swapped in
+Q4_1/Q5_1 (Q8_1 dot products), and a fault in one MoE expert (a minority of the positions).
 """
 
 from __future__ import annotations
@@ -38,13 +39,23 @@ VARIANTS = {
 }
 
 
+MOE = {
+    # odd-h48-v777-moe widened to whole blocks: 5 experts top-2 (and the dense MLP beside them), k_eq_v full layer
+    "h64-moe-q8_0": ("odd-h48-v777-moe.toml", {"hidden_size": 64, "intermediate_size": 96,
+                                               "moe_intermediate_size": 64}, "Q8_0"),
+    "h64-moe-q4_0": ("odd-h48-v777-moe.toml", {"hidden_size": 64, "intermediate_size": 96,
+                                               "moe_intermediate_size": 64}, "Q4_0"),
+}
+
+
 def _built(variant: str, tmp_path: Path) -> tuple[Path, Path]:
-    """The F32 and quantized GGUFs of a :data:`VARIANTS` shape (built by ``g4h synth``'s builder, cached)."""
+    """The F32 and quantized GGUFs of a :data:`VARIANTS` or :data:`MOE` shape (built by ``g4h synth``'s builder,
+    cached)."""
     from gemma4_harness.harness.synth import ensure_built
 
     from quant_faults import requantize
 
-    base, changes, qtype = VARIANTS[variant]
+    base, changes, qtype = {**VARIANTS, **MOE}[variant]
     written = qtype not in ("Q4_1", "Q5_1")  # g4h synth writes the others
     text = (SHAPES / base).read_text()
     text = re.sub(r"^qtypes = .*$", f'qtypes = ["F32", "{qtype}"]' if written else 'qtypes = ["F32"]', text,
@@ -82,6 +93,11 @@ def test_reseeded_with_its_own_stream_is_the_forward(shape):
     assert not np.array_equal(w2.trace().tensor("l_out", 2), tr.tensor("l_out", 2))
     with pytest.raises(ValueError, match=r"layer_inputs\[1\]"):
         rm.forward(cfg, W, ids, layer_inputs={1: seeds[1][:-1]})
+    if cfg.ple_dim:  # the PLE projection takes the given embedding (an engine's: its own fp32 bits), as layer 0 does
+        w3 = TraceWriter("ref", ids, keep_tensors=True)
+        rm.forward(cfg, W, ids, trace=w3, layer_inputs={**seeds, 0: seeds[0] * 1.01})
+        assert not np.array_equal(w3.trace().tensor("inp_per_layer", -1), tr.tensor("inp_per_layer", -1))
+        assert np.array_equal(w3.trace().tensor("inp_scaled", -1), tr.tensor("inp_scaled", -1))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -111,6 +127,81 @@ def test_llamacpp_local_gate_passes_correct_names_faulty_layer(variant, tmp_path
     local = bad["gates"][gate]
     assert not bad["passed"] and local["fail"], local
     assert local["detail"]["first_layer"] == 1 and local["detail"]["first_divergence"] == "ffn_out@1", local
+
+
+@pytest.mark.parametrize("variant", ["h96-q4_1", "h128-ple-q5_1"])
+def test_llamacpp_local_gate_names_block_and_swap_faults_with_q8_1_dot_products(variant, tmp_path):
+    """Q4_1/Q5_1 (their products take Q8_1 activations with block sums): a copy of the file with one block's scale
+    (d and m) x1.5 in ``blk.1.ffn_down``, and one with two of its rows swapped, each fail ``local_median`` through
+    the ``llamacpp`` engine, naming layer 1 (its ``ffn_out``); the correct file passes (the test above)."""
+    from quant_faults import make_fault
+    from quant_pairs import judge, prompts_for
+
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+
+    need_llamacpp()
+    _, path = _built(variant, tmp_path)
+    runs = ReferenceRuns(ReferenceEngine(path))
+    prompts = prompts_for(path, runs.ref.cfg)[:4]
+    for kind in ("block", "swap"):
+        bad_file, what = make_fault(kind, path, tmp_path / f"{kind}.gguf", "blk.1.ffn_down.weight")
+        bad = judge(runs, bad_file, prompts, n_tokens=2)
+        local = bad["gates"]["reference~llamacpp_q8.local_median"]
+        assert not bad["passed"] and local["fail"], (what, local)
+        assert local["detail"]["first_layer"] == 1 and local["detail"]["first_divergence"] == "ffn_out@1", (what, local)
+
+
+@pytest.mark.parametrize("variant", list(MOE))
+def test_llamacpp_local_gate_names_a_fault_in_one_moe_expert(variant, tmp_path):
+    """A fault in one expert moves only the positions routed to it: the first half of expert 0's rows of
+    ``blk.2.ffn_down_exps`` x1.02 moves fewer than half of the 217 positions of the synthetic prompts at ``ffn_moe@2``
+    (so a median over positions would pass it), and ``local_median``, judged at the rank the flips allow, fails,
+    naming layer 2; the correct file passes with at most as many positions beyond the limit as flips explain."""
+    from quant_faults import make_fault
+    from quant_pairs import judge, prompts_for
+
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+
+    need_llamacpp()
+    _, path = _built(variant, tmp_path)
+    runs = ReferenceRuns(ReferenceEngine(path))
+    prompts = prompts_for(path, runs.ref.cfg)  # all of them: the resolution grows with the positions
+    gate = "reference~llamacpp_q8.local_median"
+    good = judge(runs, path, prompts, n_tokens=2)
+    assert good["passed"], {g: v["worst"] for g, v in good["gates"].items() if v["fail"]}
+    local = good["gates"][gate]
+    assert local["detail"]["first_divergence"] is None
+    assert all(b <= m for _, _, b, _, m in local["detail"]["moved_per_point"]), local["detail"]["moved_per_point"]
+    bad_file, what = make_fault("expert", path, tmp_path / "expert.gguf", "blk.2.ffn_down_exps.weight")
+    bad = judge(runs, bad_file, prompts, n_tokens=2)
+    local = bad["gates"][gate]
+    assert not bad["passed"] and local["fail"], (what, local)
+    assert local["detail"]["first_layer"] == 2 and local["detail"]["first_divergence"] == "ffn_moe@2", local
+    positions = sum(len(p["prompt_ids"]) for p in prompts)
+    (moved,) = [b for p, il, b, _, _ in local["detail"]["moved_per_point"] if (p, il) == ("ffn_moe", 2)]
+    assert 0 < moved < positions / 2, (moved, positions)  # a minority: the median alone is blind to it
+
+
+def test_flips_explained_is_the_poisson_bound_it_says():
+    """:func:`flips_explained`: for a null count n, the rate u whose P(X <= n) is alpha, and the least m whose
+    P(X > m) under twice that rate is at most alpha (and m - 1 is not); growing with n."""
+    import math
+
+    from gemma4_harness.harness.core.gates import EFFECT_FACTOR, Q8_LOCAL_ALPHA
+    from gemma4_harness.harness.parity.checks.pair import _poisson_cdf, flips_explained
+
+    ms = [flips_explained(n) for n in range(8)]
+    assert ms == sorted(ms) and len(set(ms)) == len(ms), ms
+    for n, m in enumerate(ms):
+        lo, hi = 0.0, 100.0
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _poisson_cdf(n, mid) > Q8_LOCAL_ALPHA else (lo, mid)
+        lam = EFFECT_FACTOR * hi
+        tail = 1.0 - sum(math.exp(-lam) * lam**i / math.factorial(i) for i in range(m + 1))
+        assert tail <= Q8_LOCAL_ALPHA * (1 + 1e-9) and 1.0 - _poisson_cdf(m - 1, lam) > Q8_LOCAL_ALPHA, (n, m)
 
 
 @pytest.mark.slow

@@ -31,6 +31,8 @@ invariance, for instance).
 
 from __future__ import annotations
 
+import functools
+import math
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
@@ -39,7 +41,7 @@ import numpy as np
 from gemma4_harness.reference import batch
 from gemma4_harness.reference.errors import InputError
 
-from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, pair_name
+from ...core.gates import DEFAULT_GATES, EFFECT_FACTOR, NEAR_TIE_MARGIN, Q8_LOCAL_ALPHA, effect_limit, pair_name
 from ...core.kld import kld_stats
 from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
@@ -797,37 +799,75 @@ LOCAL_JUDGES = ("reported, not gated: the engine gave its tensors, and local_med
 """Why ``agreeing_positions`` is reported where ``local_median`` gates the pair."""
 
 
+def _poisson_cdf(k: int, lam: float) -> float:
+    """P(X <= k) for X Poisson of mean ``lam`` (0 for k < 0)."""
+    if k < 0:
+        return 0.0
+    if lam <= 0:
+        return 1.0
+    return min(1.0, sum(math.exp(-lam + i * math.log(lam) - math.lgamma(i + 1)) for i in range(k + 1)))
+
+
+@functools.lru_cache(maxsize=None)
+def flips_explained(n_null: int, alpha: float = Q8_LOCAL_ALPHA) -> int:
+    """The most positions of a trace point that int8 rounding flips explain in the engine's errors, given that the
+    null (the jittered re-seeded reference) has ``n_null`` beyond the same limit: the upper bound ``u`` of a Poisson
+    rate that gives at most ``n_null`` with probability ``alpha``, then the least ``m`` that a Poisson count of mean
+    ``EFFECT_FACTOR * u`` exceeds with probability at most ``alpha`` (Q8_LOCAL_WHY in harness/core/gates.py).
+    0 -> 36, 1 -> 44, 5 -> 64 at alpha 1e-4."""
+    lo, hi = 0.0, n_null + 10.0 * math.sqrt(n_null + 1) + 50.0
+    for _ in range(100):  # bisection: the cdf falls as the rate grows
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _poisson_cdf(n_null, mid) > alpha else (lo, mid)
+    lam = EFFECT_FACTOR * hi
+    m, cdf = 0, math.exp(-lam)
+    while 1.0 - cdf > alpha:  # the cdf summed term by term
+        m += 1
+        cdf += math.exp(-lam + m * math.log(lam) - math.lgamma(m + 1))
+    return m
+
+
 def local_figure(pair: str, per_prompt: Sequence[Figure]) -> Figure:
-    """``<pair>_q8.local_median``: for each trace point (point, layer), the median over every position of every
-    prompt of the engine's per-position relative L2 against the emulating reference re-seeded from the engine's
-    own stream (:meth:`ReferenceRuns.reseeded`, :func:`local_errors`, in each figure of ``per_prompt`` as
-    ``_errors``); the figure is the worst point's, judged at ``max(floor, 2 x effect)`` where the effect is the
-    worst point's median of the null (the jittered re-seeded reference against the re-seeded one: what the
-    emulation leaves). Why the median: a fault in a matrix moves every position that uses it, by the same relative
-    amount; an int8 rounding flip moves one position (and, through its keys and values, the later ones by less),
-    and flips are rare, so the median over positions is the emulation's fp32 agreement unless a fault moves most
-    positions. Names the first point in trace order beyond the limit (``first_divergence``, ``point@layer``)."""
+    """``<pair>_q8.local_median``: for each trace point (point, layer), the per-position relative L2 of the engine
+    against the emulating reference re-seeded from the engine's own stream (:meth:`ReferenceRuns.reseeded`,
+    :func:`local_errors`, in each figure of ``per_prompt`` as ``_errors``), over every position of every prompt,
+    taken at the rank flips allow. The limit is ``max(floor, 2 x effect)``, the effect the worst point's median of
+    the null (the jittered re-seeded reference against the re-seeded one: what the emulation leaves). Per point,
+    the null's positions beyond that limit give ``m`` (:func:`flips_explained`: the most that int8 rounding flips
+    explain), and the point's figure is its (m+1)-th largest error, at most the median's rank: beyond the limit
+    exactly when more than ``m`` positions are. A fault in a matrix moves every position that uses it by a like
+    relative amount: most positions, or for one MoE expert the minority routed to it; a flip moves one position
+    (and, through its keys and values, the later ones by less), and flips are rare. The figure is the worst
+    point's; names the first point in trace order beyond the limit (``first_divergence``, ``point@layer``)."""
     pooled: dict[tuple[str, int], tuple[list, list]] = {}
     for f in per_prompt:
         for k, (e, j) in f.detail["_errors"].items():
             pooled.setdefault(k, ([], []))
             pooled[k][0].append(e)
             pooled[k][1].append(j)
-    rows = [(k, float(np.median(np.concatenate(e))), float(np.median(np.concatenate(j))), int(sum(map(len, e))))
-            for k, (e, j) in pooled.items()]
-    worst = max(rows, key=lambda r: r[1] if r[1] == r[1] else float("inf"))
-    null = max(r[2] for r in rows)
+    pooled_e = {k: (np.concatenate(e), np.concatenate(j)) for k, (e, j) in pooled.items()}
+    null = max(float(np.median(j)) for _, j in pooled_e.values())
     limit = effect_limit(DEFAULT_GATES[f"{pair}_q8.local_median"], null)
+    rows = []  # (key, figure, null median, positions, beyond, null beyond, flips explained)
+    for k, (e, j) in pooled_e.items():
+        beyond, null_beyond = int(np.sum(~(e <= limit))), int(np.sum(~(j <= limit)))
+        m = min(flips_explained(null_beyond), (e.size - 1) // 2)
+        value = float(-np.sort(-np.nan_to_num(e, nan=np.inf))[m])  # the (m+1)-th largest
+        rows.append((k, value, float(np.median(j)), int(e.size), beyond, null_beyond, m))
+    worst = max(rows, key=lambda r: r[1] if r[1] == r[1] else float("inf"))
     first = next((r for r in rows if not r[1] <= limit), None)
     where = None if first is None else f"{first[0][0]}@{first[0][1]}"
     said = {} if first is None else {"why": (
-        f"first diverging layer {first[0][1]} ({where}): the median relative L2 over {first[3]} positions is "
-        f"{first[1]:.3g}, beyond {limit:.3g} (the emulation itself leaves {first[2]:.3g} there)")}
+        f"first diverging layer {first[0][1]} ({where}): {first[4]} of {first[3]} positions beyond {limit:.3g}, "
+        f"where rounding flips explain at most {first[6]} (the emulation itself leaves {first[5]} beyond it, a "
+        f"median of {first[2]:.3g}); the relative L2 of rank {first[6] + 1} from the top is {first[1]:.3g}")}
     return fig(f"{pair}_q8.local_median", worst[1], None, worst_point=f"{worst[0][0]}@{worst[0][1]}",
                first_divergence=where, first_layer=None if first is None else first[0][1], effect=null,
                null=null, prompts=len(per_prompt), points=len(rows), **said,
-               per_point=[[k[0], k[1], e] for k, e, _, _ in rows],  # [point, layer, rel_l2] as every figure's
-               null_per_point=[[k[0], k[1], j] for k, _, j, _ in rows])
+               per_point=[[k[0], k[1], v] for k, v, *_ in rows],  # [point, layer, rel_l2] as every figure's
+               null_per_point=[[k[0], k[1], j] for k, _, j, *_ in rows],
+               # [point, layer, positions beyond the limit, the null's, flips explained] where any moved
+               moved_per_point=[[k[0], k[1], b, nb, m] for k, _, _, _, b, nb, m in rows if b or nb])
 
 
 def _naming(e: EngineFailure, prompts: Sequence[dict[str, Any]], oracle: dict[str, dict] | None = None,
