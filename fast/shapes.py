@@ -45,7 +45,8 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from gemma4_harness.reference.config import ModelConfig, config_from_hf, expected_tensors, kv_donors
+from gemma4_harness.reference.config import ModelConfig, expected_tensors, kv_donors
+from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.errors import InputError
 
 from .paths import CASES_DIR

@@ -43,7 +43,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .config import ModelConfig, attach_rope_freqs, config_from_gguf, config_from_hf, expected_tensors
+from .config import ModelConfig, expected_tensors
+from .config_gguf import attach_rope_freqs, config_from_gguf
+from .config_hf import config_from_hf
 from .errors import ConfigError, PromptError
 from .model import KVCache, TraceFn, decoder_layer, embed, forward, linear, no_trace, rms_norm
 

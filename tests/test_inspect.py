@@ -43,7 +43,7 @@ from gemma4_harness.harness.inspect import (
     llamacpp_donors,
 )
 from gemma4_harness.harness.synth import ensure_built, text_config
-from gemma4_harness.reference.config import config_from_hf
+from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.errors import InputError, ModelFileError
 from gemma4_harness.reference.weights import load_model
 

@@ -15,7 +15,7 @@ from gemma4_harness.harness.core import memory
 from gemma4_harness.harness.core.paths import REPO_ROOT
 from gemma4_harness.harness.synth.scale import FORMATS, shape_raw_config, write_scale_gguf
 from gemma4_harness.reference import model as M
-from gemma4_harness.reference.config import config_from_hf
+from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.weights import load_model
 
 #: E2B made small (``[config]`` overrides of ``cases/shapes/e2b.toml``), cut to 7 layers: PLE, two KV-shared

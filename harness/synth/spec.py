@@ -64,7 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemma4_harness.reference.config import ModelConfig, config_from_hf
+from gemma4_harness.reference.config import ModelConfig
+from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.errors import InputError
 
 #: GGUF tensor types :func:`write_gguf` and :func:`ensure_built` produce.
