@@ -50,7 +50,8 @@ from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.errors import InputError
 
 from .paths import CASES_DIR
-from .quants import QuantizedTensor, block_layout
+from .quant_blocks import block_layout
+from .quants import QuantizedTensor
 
 #: Folder of the shipped shape files (``cases/shapes``: the clone's, or the installed package's own copy).
 SHAPES_DIR = CASES_DIR / "shapes"

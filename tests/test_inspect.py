@@ -137,7 +137,7 @@ def e2b():
 
 
 def test_copied_constants_match_their_sources():
-    from gemma4_harness.fast.quants import SUPPORTED
+    from gemma4_harness.fast.quant_blocks import SUPPORTED
     from gemma4_harness.harness.cli._args import DTYPES
     from gemma4_harness.harness.engines.fast import WEIGHT_MODES
     assert FAST_TYPES == SUPPORTED

@@ -48,7 +48,7 @@ Exit status (:attr:`Inspection.exit_code`): 0 usable, 1 usable with warnings, 2 
 Engines: ``reference`` (float64), ``fast`` for each dtype and, for GGUF, each weight mode, ``transformers``
 (fp32) and ``llamacpp``. An unusable file runs on none (the harness compares every engine with the
 reference, which refuses it). Otherwise each engine's own limits apply: the fast path decodes
-:data:`FAST_TYPES` only (:data:`fast.quants.SUPPORTED`); transformers reads HF folders and Gemma 3 GGUFs,
+:data:`FAST_TYPES` only (:data:`fast.quant_blocks.SUPPORTED`); transformers reads HF folders and Gemma 3 GGUFs,
 not Gemma 4 GGUFs; llama.cpp needs a GGUF, llama-cpp-python installed, a ``tokenizer.ggml.model`` key and type ids its
 ggml knows (:data:`LLAMACPP_TYPE_IDS`), and its KV donor rule must give each shared layer a cache of
 the right shape (:func:`llamacpp_donors`). The memory column of each row that can run is its memory plan
