@@ -145,7 +145,7 @@ def load_shape(name_or_path: str | Path, *, layers: int | None = None, vocab_siz
             the file states.
 
     Returns:
-        The config, built by :func:`reference.config.config_from_hf` (so derived
+        The config, built by :func:`reference.config_hf.config_from_hf` (so derived
         per-layer facts follow transformers' rules); ``source`` names the file.
 
     Raises:

@@ -115,7 +115,7 @@ def _check_centroids(vocab: int, n_centroids: int, top_k: int, source: str) -> N
 def drafter_config_from_hf(raw: Mapping[str, Any], source: str) -> DrafterConfig:
     """The drafter config from an HF ``config.json`` (``model_type`` ``gemma4_assistant``).
 
-    The per-layer table comes from :func:`reference.config.config_from_hf` on ``text_config`` read as an
+    The per-layer table comes from :func:`reference.config_hf.config_from_hf` on ``text_config`` read as an
     unshared decoder (transformers forces ``num_kv_shared_layers = num_hidden_layers``; here every layer is
     made Q-only instead).
 
@@ -155,7 +155,7 @@ def drafter_config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tupl
                              rope_freqs: np.ndarray | None = None) -> DrafterConfig:
     """The drafter config from a ``gemma4-assistant`` GGUF's key/values and tensor table.
 
-    The ``gemma4-assistant.*`` keys are the ``gemma4.*`` keys of :func:`reference.config.config_from_gguf` plus
+    The ``gemma4-assistant.*`` keys are the ``gemma4.*`` keys of :func:`reference.config_gguf.config_from_gguf` plus
     ``embedding_length_out`` (H_t) and ``nextn_predict_layers`` (= ``block_count``); the per-layer table is
     derived there, from the keys read as an unshared ``gemma4`` decoder. A GGUF carries no centroid-head
     hyper-parameters (llama.cpp's converter drops ``masked_embedding.*``), so a GGUF drafter always uses the

@@ -16,7 +16,7 @@ Problems (``code``: severity):
   type id ``gguf`` does not know, a bad padding byte, a key of the wrong GGUF type), the rest of the
   report is filled from a plain listing of the header (:func:`.gguf_header._list_gguf`); otherwise the file is
   *unreadable* and :func:`inspect_model` raises.
-* ``config``: unusable. :func:`reference.config.config_from_gguf` / ``config_from_hf`` /
+* ``config``: unusable. :func:`reference.config_gguf.config_from_gguf` / ``config_from_hf`` /
   ``attach_rope_freqs`` refuse the metadata (their message).
 * ``tensors``: unusable. A tensor the decoder reads is missing or mis-shaped, or the file has a decoder
   tensor the config does not read (:func:`reference.config.unread_tensors`), as the loader refuses them.
