@@ -1,6 +1,6 @@
 """What the server checks (:mod:`.server`) share: their options (:class:`ServerOptions`), the reference's streams they
-compare a server with (:class:`OracleStream`, :func:`oracle_streams`), and how a figure says a request failed, a check
-was not run or is not offered by the dialect.
+compare a server with (:class:`OracleStream`, :func:`oracle_streams`), and how a failing request is named and a check the
+dialect does not offer is reported.
 """
 
 from __future__ import annotations
@@ -145,10 +145,6 @@ def named(request: Any, call: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         return call(*args, **kw)
     except EngineFailure as e:
         raise e.at(request=request)
-
-
-def not_run(gate: str, why: str) -> Figure:
-    return fig(gate, 0.0, None, got=f"not run: {why}", why=f"not run: {why}")
 
 
 def not_offered(gate: str, dialect: str, what: str, name: str, required: bool) -> Figure:
