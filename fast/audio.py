@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gemma4_harness.reference.audio import FIXED_NORM_EPS, AudioConfig
+from gemma4_harness.reference.audio import FIXED_NORM_EPS
+from gemma4_harness.reference.audio_config import AudioConfig
 from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.model import TraceFn
 

@@ -45,11 +45,13 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from gemma4_harness.reference.config import ModelConfig, config_from_hf, expected_tensors, kv_donors
+from gemma4_harness.reference.config import ModelConfig, expected_tensors, kv_donors
+from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.errors import InputError
 
 from .paths import CASES_DIR
-from .quants import QuantizedTensor, block_layout
+from .quant_blocks import block_layout
+from .quants import QuantizedTensor
 
 #: Folder of the shipped shape files (``cases/shapes``: the clone's, or the installed package's own copy).
 SHAPES_DIR = CASES_DIR / "shapes"
@@ -143,7 +145,7 @@ def load_shape(name_or_path: str | Path, *, layers: int | None = None, vocab_siz
             the file states.
 
     Returns:
-        The config, built by :func:`reference.config.config_from_hf` (so derived
+        The config, built by :func:`reference.config_hf.config_from_hf` (so derived
         per-layer facts follow transformers' rules); ``source`` names the file.
 
     Raises:

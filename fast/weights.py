@@ -29,6 +29,7 @@ from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.weight_check import CarryWarning, check_weights, max_abs_for
 
 from . import quants
+from .quant_blocks import SUPPORTED
 from .carry import carry_problems
 
 MAX_CARRY_WARNINGS = 5
@@ -99,7 +100,7 @@ class FastWeights:
     @staticmethod
     def _from_gguf(W, name: str, device: torch.device, target: torch.dtype, keep_quantized: bool):
         qtype = W.raw_dtype(name)
-        if qtype not in quants.SUPPORTED:
+        if qtype not in SUPPORTED:
             raise InputError(f"{W.source}: tensor {name}: type {qtype} is not supported by fast dequantization")
         if keep_quantized and qtype not in ("F16", "BF16") and (
                 len(W.shape(name)) == 2 or len(W.shape(name)) == 3 and device.type == "cpu"):

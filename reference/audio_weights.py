@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .audio import AudioConfig
+from .audio_config import AudioConfig
 from .errors import ConfigError, ModelFileError
 from .gguf_check import check_gguf
 from .lazy_tensors import LazyTensor, safetensors_folder

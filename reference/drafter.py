@@ -43,7 +43,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .config import ModelConfig, attach_rope_freqs, config_from_gguf, config_from_hf, expected_tensors
+from .config import ModelConfig, expected_tensors
+from .config_gguf import attach_rope_freqs, config_from_gguf
+from .config_hf import config_from_hf
 from .errors import ConfigError, PromptError
 from .model import KVCache, TraceFn, decoder_layer, embed, forward, linear, no_trace, rms_norm
 
@@ -113,7 +115,7 @@ def _check_centroids(vocab: int, n_centroids: int, top_k: int, source: str) -> N
 def drafter_config_from_hf(raw: Mapping[str, Any], source: str) -> DrafterConfig:
     """The drafter config from an HF ``config.json`` (``model_type`` ``gemma4_assistant``).
 
-    The per-layer table comes from :func:`reference.config.config_from_hf` on ``text_config`` read as an
+    The per-layer table comes from :func:`reference.config_hf.config_from_hf` on ``text_config`` read as an
     unshared decoder (transformers forces ``num_kv_shared_layers = num_hidden_layers``; here every layer is
     made Q-only instead).
 
@@ -153,7 +155,7 @@ def drafter_config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tupl
                              rope_freqs: np.ndarray | None = None) -> DrafterConfig:
     """The drafter config from a ``gemma4-assistant`` GGUF's key/values and tensor table.
 
-    The ``gemma4-assistant.*`` keys are the ``gemma4.*`` keys of :func:`reference.config.config_from_gguf` plus
+    The ``gemma4-assistant.*`` keys are the ``gemma4.*`` keys of :func:`reference.config_gguf.config_from_gguf` plus
     ``embedding_length_out`` (H_t) and ``nextn_predict_layers`` (= ``block_count``); the per-layer table is
     derived there, from the keys read as an unshared ``gemma4`` decoder. A GGUF carries no centroid-head
     hyper-parameters (llama.cpp's converter drops ``masked_embedding.*``), so a GGUF drafter always uses the

@@ -37,7 +37,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .audio import AudioConfig, encode_audio
+from .audio import encode_audio
+from .audio_config import AudioConfig
 from .audio_features import MelConfig, extract_features, load_audio, mel_config_from_folder
 from .audio_weights import check_text_width, load_audio_hf, load_audio_mmproj
 from .config import ModelConfig

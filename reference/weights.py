@@ -26,16 +26,9 @@ import gguf
 import numpy as np
 
 from .activation_quants import BLOCK_MIN_OFFSET, block_minima
-from .config import (
-    ModelConfig,
-    attach_rope_freqs,
-    config_from_gguf,
-    config_from_hf,
-    cut_layers,
-    expected_tensors,
-    optional_tensors,
-    unread_tensors,
-)
+from .config import ModelConfig, cut_layers, expected_tensors, optional_tensors, unread_tensors
+from .config_gguf import attach_rope_freqs, config_from_gguf
+from .config_hf import config_from_hf
 from .errors import ConfigError, ModelFileError
 from .files import read_json
 from .gguf_check import GGUFFile, check_gguf

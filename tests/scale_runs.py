@@ -6,7 +6,7 @@ Not part of the test suite (minutes and gigabytes); run by hand, one at a time o
     python tests/scale_runs.py --work /tmp/g4h-scale --only e2b-ref,e2b-flat
 
 Each run is ``g4h logits`` in a fresh process (``python -m gemma4_harness.harness.cli``), sampled from outside by
-:class:`harness.core.memory.PeakMemory` every 20 ms: wall time, peak ``VmRSS`` and peak ``RssAnon``
+:class:`harness.core.memory_machine.PeakMemory` every 20 ms: wall time, peak ``VmRSS`` and peak ``RssAnon``
 (private memory, without the page cache of the mapped model file). The files are written with
 :func:`harness.synth.scale.write_scale_gguf` into ``--work`` and removed at the end (``--keep`` keeps
 them). Output: one JSON object per run on stdout.
@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gemma4_harness.harness.core.memory import PeakMemory  # noqa: E402
+from gemma4_harness.harness.core.memory_machine import PeakMemory  # noqa: E402
 from gemma4_harness.harness.synth.scale import write_scale_gguf  # noqa: E402
 
 PROMPT = [2] + [(7919 * i) % 262000 + 100 for i in range(1, 16)]  # 16 tokens

@@ -5,14 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gemma4_harness.reference.config import (
-    ConfigError,
-    config_from_gguf,
-    config_from_hf,
-    expected_tensors,
-    kv_donors,
-    proportional_freq_factors,
-)
+from gemma4_harness.reference.config import ConfigError, expected_tensors, kv_donors, proportional_freq_factors
+from gemma4_harness.reference.config_gguf import config_from_gguf
+from gemma4_harness.reference.config_hf import config_from_hf
 
 S, F = True, False
 

@@ -27,7 +27,7 @@ from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.engines.reference import ReferenceEngine
 from gemma4_harness.harness.engines.variants import VARIANTS, family, under
 from gemma4_harness.harness.parity.checks.server import ServerOptions
-from gemma4_harness.harness.parity.explain import Observed, Trial, search
+from gemma4_harness.harness.parity.explain_search import Observed, Trial, search
 from gemma4_harness.harness.parity.explain_mm import DraftObserved, MMReference, explain_drafter, explain_mm
 from gemma4_harness.harness.parity.job import run as run_parity
 from gemma4_harness.harness.traces.format import TraceWriter

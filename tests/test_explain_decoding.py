@@ -10,7 +10,7 @@ request, the step and what differs, and exits 1, for
   penalty, bans a token, or does either after taking its log-probs (``raw_logprobs``: its token is then not the top-1
   of its own log-probs, said as the parity job says it, with the same explanation);
 * a ban of a token that is never the greedy one: the streams never part, only the normaliser of the log-probs moves
-  (:func:`harness.parity.explain.decoding_by_shift`: the one token whose probability, taken out, moves it so at every
+  (:func:`harness.parity.explain_decoding.decoding_by_shift`: the one token whose probability, taken out, moves it so at every
   step).
 
 And never "in decoding" where it is not: a correct engine of each kind passes (exit 0, nothing to explain), and a
@@ -36,7 +36,7 @@ from gemma4_harness.harness.core.cases import PROMPTS
 from gemma4_harness.harness.core.gates import DEFAULT_GATES
 from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.engines.reference import ReferenceEngine
-from gemma4_harness.harness.parity.explain import decoding_by_shift
+from gemma4_harness.harness.parity.explain_decoding import decoding_by_shift
 from gemma4_harness.harness.parity.job import run as run_parity
 
 STUB = Path(__file__).resolve().parent / "cmd_stub.py"

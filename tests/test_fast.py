@@ -235,7 +235,7 @@ def test_moe_expert_stacks_stay_packed_on_the_cpu(fmt):
     the packed kernels), the memory plan counts them as packed, and the logits and streams are the dequantized
     engine's within fp32 rounding (the batched~solo bound: the same products, other accumulation orders)."""
     from gemma4_harness.fast.quants import QuantizedTensor
-    from gemma4_harness.harness.core import memory
+    from gemma4_harness.harness.core import memory, memory_rules
     from gemma4_harness.harness.engines.fast import FastEngine
 
     spec = synth.load_spec(MODELS_DIR / "26b-a4b.toml")
@@ -247,7 +247,7 @@ def test_moe_expert_stacks_stay_packed_on_the_cpu(fmt):
     assert not any(isinstance(dense.model.w[n], QuantizedTensor) for n in stacks)
     info = memory.model_info(path)
     on_cpu = memory.plan("fast", info, weights="packed", device="cpu").breakdown
-    on_gpu = memory._fast_terms(info, 16, 16, "float32", "packed", 1, device="cuda")[0]  # no GPU needed to plan
+    on_gpu = memory_rules._fast_terms(info, 16, 16, "float32", "packed", 1, device="cuda")[0]  # no GPU needed to plan
     experts = sum(t.nbytes for n, t in info.tensors.items() if n.endswith("_exps.weight"))
     assert on_cpu["packed weights"] - on_gpu["packed weights"] == experts > 0
     for p in PROMPTS[:4]:

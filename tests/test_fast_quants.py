@@ -32,7 +32,8 @@ from hypothesis.extra import numpy as hnp
 
 import gemma4_harness.fast.quants as fq
 from gemma4_harness.fast import quant_kernels
-from gemma4_harness.fast.quants import SUPPORTED, QuantizedTensor, dequantize, linear
+from gemma4_harness.fast.quant_blocks import SUPPORTED, block_layout
+from gemma4_harness.fast.quants import QuantizedTensor, dequantize, linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -146,7 +147,7 @@ def test_supported_set():
     assert SUPPORTED == frozenset(
         {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
     for name in SUPPORTED:
-        assert fq.block_layout(name) == _sizes(name)
+        assert block_layout(name) == _sizes(name)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -212,7 +212,7 @@ def test_every_hf_config_key_of_every_type_is_one_line_or_taken(tmp_path):
 
     from gemma4_harness.harness import synth
     from gemma4_harness.harness.core.cases import MODELS_DIR
-    from gemma4_harness.reference.config import config_from_hf
+    from gemma4_harness.reference.config_hf import config_from_hf
 
     src = synth.ensure_built(MODELS_DIR / "e2b.toml").hf_dir
     raw = json.loads((src / "config.json").read_text())

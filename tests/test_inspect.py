@@ -27,7 +27,7 @@ from conftest import write_tiny_gguf
 from gguf_mutate import read_layout
 from safetensors import safe_open
 
-from gemma4_harness.harness.core import memory
+from gemma4_harness.harness.core import memory_machine
 from gemma4_harness.harness.core.cases import builtin_specs
 from gemma4_harness.harness.engines.llamacpp import INSTALL_MSG
 from gemma4_harness.harness.inspect import (
@@ -43,7 +43,7 @@ from gemma4_harness.harness.inspect import (
     llamacpp_donors,
 )
 from gemma4_harness.harness.synth import ensure_built, text_config
-from gemma4_harness.reference.config import config_from_hf
+from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.errors import InputError, ModelFileError
 from gemma4_harness.reference.weights import load_model
 
@@ -137,7 +137,7 @@ def e2b():
 
 
 def test_copied_constants_match_their_sources():
-    from gemma4_harness.fast.quants import SUPPORTED
+    from gemma4_harness.fast.quant_blocks import SUPPORTED
     from gemma4_harness.harness.cli._args import DTYPES
     from gemma4_harness.harness.engines.fast import WEIGHT_MODES
     assert FAST_TYPES == SUPPORTED
@@ -233,13 +233,13 @@ def test_memory_column_says_when_a_setting_does_not_fit(monkeypatch):
     every runnable row says so, with that figure as what is available, and the file's own verdict is unchanged."""
     path = ensure_built(next(p for p in CASES if p.stem == "e2b")).gguf["Q8_0"]
     before = inspect_model(path).exit_code
-    monkeypatch.setenv(memory.AVAILABLE_ENV, "0.05")
+    monkeypatch.setenv(memory_machine.AVAILABLE_ENV, "0.05")
     proc = run_cli("inspect", str(path), "--json")
     doc = json.loads(proc.stdout)
     assert proc.returncode == doc["exit_code"] == before, proc.stderr
     runnable = [r for r in doc["engines"] if r["can_run"]]
     assert runnable and all(not r["memory"]["fits"] and r["memory"]["available_bytes"] == 50_000_000
-                            and r["memory"]["available_from"] == memory.AVAILABLE_ENV for r in runnable), runnable
+                            and r["memory"]["available_from"] == memory_machine.AVAILABLE_ENV for r in runnable), runnable
     text = run_cli("inspect", str(path))
     assert text.stdout.count("does not fit") == len(runnable), text.stdout
 
@@ -501,7 +501,7 @@ def test_compact_names():
 
 def _cli_json(path: Path, code: int) -> dict:
     with pytest.MonkeyPatch.context() as mp:  # the memory column against a fixed figure: both runs see the same
-        mp.setenv(memory.AVAILABLE_ENV, "8")
+        mp.setenv(memory_machine.AVAILABLE_ENV, "8")
         proc = run_cli("inspect", str(path), "--json")
         assert proc.returncode == code, proc.stderr
         doc = json.loads(proc.stdout)

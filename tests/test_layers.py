@@ -26,9 +26,9 @@ LAZY_OK = ("torch", "transformers", "llama_cpp", "tokenizers", "sentencepiece", 
 
 #: The pytest plugin is loaded by every pytest run where the package is installed, this repository's own included
 #: (before its conftest sets the thread variables numpy and torch read at import): it imports the project itself
-#: only when a run is asked for (harness/pytest_plugin.py), with a comment on each such line; and pytest-xdist's
+#: only when a run is asked for (harness/pytest_plugin/), with a comment on each such line; and pytest-xdist's
 #: scheduler only inside xdist's own hook (registered only when xdist is loaded).
-LAZY_SELF = {"harness/pytest_plugin.py": ("gemma4_harness", "xdist")}
+LAZY_SELF = {f"harness/pytest_plugin/{m}.py": ("gemma4_harness", "xdist") for m in ("__init__", "plan", "run")}
 
 
 def _lint(root: Path, view: Path) -> subprocess.CompletedProcess:

@@ -17,14 +17,15 @@ from clitools import REPO_ROOT
 from servers import require_llamacpp
 
 from gemma4_harness.harness.engines.llamacpp import build as lb
+from gemma4_harness.harness.engines.llamacpp import build_steps, pins
 from gemma4_harness.reference.errors import InputError
 
 
 def test_cache_dir_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert lb.cache_dir() == tmp_path / "gemma4-harness"
+    assert pins.cache_dir() == tmp_path / "gemma4-harness"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert lb.cache_dir() == Path.home() / ".cache" / "gemma4-harness"
+    assert pins.cache_dir() == Path.home() / ".cache" / "gemma4-harness"
 
 
 def test_key_is_stable_and_follows_the_flags(monkeypatch, tmp_path):
@@ -57,7 +58,7 @@ def test_missing_cmake_is_one_line_and_exit_2(tmp_path):
 def test_missing_compiler_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-g4h")
     with pytest.raises(lb.BuildError) as ei:
-        lb._check_tools()
+        build_steps.check_tools()
     msg = str(ei.value)
     assert isinstance(ei.value, InputError) and "\n" not in msg
     assert msg == ("cannot build llama.cpp: no C++ compiler found (looked for no-such-compiler-g4h; install one, "
@@ -65,11 +66,11 @@ def test_missing_compiler_is_one_line(tmp_path, monkeypatch):
 
 
 def test_bad_sdist_is_refused_and_leaves_nothing(tmp_path):
-    fake = tmp_path / lb.SDIST_NAME
+    fake = tmp_path / pins.SDIST_NAME
     fake.write_bytes(b"not the sdist")
     with pytest.raises(lb.BuildError, match=r"SHA-256 [0-9a-f]{64} is not the one PyPI publishes"):
-        lb.fetch_sdist(tmp_path / "cache", fake)
-    assert not (tmp_path / "cache" / "sdist" / lb.SDIST_NAME).exists()
+        build_steps.fetch_sdist(tmp_path / "cache", fake)
+    assert not (tmp_path / "cache" / "sdist" / pins.SDIST_NAME).exists()
 
 
 def _record_ok(whl: Path) -> dict[str, bytes]:
@@ -97,7 +98,7 @@ def test_add_files_to_wheel_rewrites_record_and_tag(tmp_path):
     lib = tmp_path / "libx.so"
     lib.write_bytes(b"\x7fELF fake")
     dst = tmp_path / "pkg-1.0-py3-none-linux_x86_64.whl"
-    lb.add_files_to_wheel(src, dst, {"pkg/lib/libx.so": lib}, tag="py3-none-linux_x86_64")
+    build_steps.add_files_to_wheel(src, dst, {"pkg/lib/libx.so": lib}, tag="py3-none-linux_x86_64")
     files = _record_ok(dst)
     assert files["pkg/lib/libx.so"] == b"\x7fELF fake" and files["pkg/__init__.py"] == b"x = 1\n"
     wheel = files["pkg-1.0.dist-info/WHEEL"].decode().splitlines()
@@ -109,7 +110,7 @@ def test_lock_excludes_a_second_holder(tmp_path):
     lock = tmp_path / "x.lock"
     probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
              "sys.exit(0 if fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB) is None else 1)")
-    with lb._Lock(lock):
+    with build_steps.BuildLock(lock):
         busy = subprocess.run([sys.executable, "-c", probe, str(lock)], capture_output=True, text=True)
         assert busy.returncode != 0 and "BlockingIOError" in busy.stderr
     assert subprocess.run([sys.executable, "-c", probe, str(lock)]).returncode == 0

@@ -20,15 +20,16 @@ from gemma4_harness.harness.bench.run import BenchPlan
 from gemma4_harness.harness.core.workers import EngineCrashed
 from gemma4_harness.harness.engines.llamacpp import LlamaCppEngine
 from gemma4_harness.harness.engines.llamacpp import build as lb
+from gemma4_harness.harness.engines.llamacpp import native
 
 
 def test_native_key_is_its_own_and_names_the_cpu(monkeypatch, tmp_path):
-    root = lb.native_build_root(tmp_path)
+    root = native.native_build_root(tmp_path)
     assert root.parent == tmp_path and "-native-" in root.name and root != lb.build_root([], tmp_path)
-    assert "-DGGML_NATIVE=ON" in lb.NATIVE_FLAGS and "-DGGML_NATIVE=OFF" not in lb.NATIVE_FLAGS
-    monkeypatch.setattr(lb, "cpu_model", lambda: "model name: another CPU\nflags: sse2")
-    assert lb.native_build_root(tmp_path) != root  # a cache shared between machines: one build per CPU
-    assert lb.native_lib_dir(tmp_path) is None
+    assert "-DGGML_NATIVE=ON" in native.NATIVE_FLAGS and "-DGGML_NATIVE=OFF" not in native.NATIVE_FLAGS
+    monkeypatch.setattr(native, "cpu_model", lambda: "model name: another CPU\nflags: sse2")
+    assert native.native_build_root(tmp_path) != root  # a cache shared between machines: one build per CPU
+    assert native.native_lib_dir(tmp_path) is None
 
 
 def test_only_a_bench_engine_with_a_gguf_builds_it(monkeypatch, tmp_path):
@@ -46,7 +47,7 @@ def test_only_a_bench_engine_with_a_gguf_builds_it(monkeypatch, tmp_path):
 def _stand_in(cache: Path) -> Path:
     """The portable build's libraries in the native variant's folder, with a stamp: what ensure_native_built finds."""
     portable = lb.ensure_built()
-    root = lb.native_build_root(cache)
+    root = native.native_build_root(cache)
     (root / "lib").mkdir(parents=True)
     libs = sorted(p.name for p in portable.lib_dir.iterdir() if p.name.startswith(("libllama", "libggml")))
     for name in libs:
@@ -63,7 +64,7 @@ def test_the_worker_loads_the_named_libraries(tmp_path):
 
     gguf = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b")).gguf["Q8_0"]
     lib = _stand_in(tmp_path)
-    assert lb.ensure_native_built(tmp_path) == lib  # found: no build
+    assert native.ensure_native_built(tmp_path) == lib  # found: no build
     assert LlamaCppEngine(gguf, lib_dir=lib).info()["n_vocab"] > 0
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -14,7 +14,7 @@ import pytest
 from clitools import assert_one_line_error
 
 from gemma4_harness.harness import synth
-from gemma4_harness.harness.core import memory
+from gemma4_harness.harness.core import memory, memory_machine, memory_rules
 from gemma4_harness.harness.core.cases import builtin_specs
 from gemma4_harness.harness.core.paths import REPO_ROOT
 from gemma4_harness.harness.engines import make_engine
@@ -85,7 +85,7 @@ def test_line_is_one_line_with_need_available_and_advice():
 def test_advice_names_options_that_fit(monkeypatch):
     info = _e2b_info()
     need = memory.plan("fast", info).need_bytes
-    runtime = memory.RUNTIME_BYTES["fast"]
+    runtime = memory_rules.RUNTIME_BYTES["fast"]
     monkeypatch.setattr(memory, "available_memory", lambda *a, **k: (need - runtime - 1, "MemAvailable"))
     p = memory.plan("fast", info)
     assert not p.fits and p.advice
@@ -197,7 +197,7 @@ def test_the_test_hook_decides_whether_each_engine_loads(monkeypatch):
     engine before it loads, with one line naming the need, what is available and what to try; plenty lets
     the same engines load."""
     built = synth.ensure_built(next(p for p in builtin_specs() if p.stem == "e2b"))
-    monkeypatch.setenv(memory.AVAILABLE_ENV, "0")
+    monkeypatch.setenv(memory_machine.AVAILABLE_ENV, "0")
     for name, path, opts in _engines_of(built):
         with pytest.raises(memory.NotEnoughMemory) as e:
             make_engine(name, path, **opts)
@@ -206,11 +206,11 @@ def test_the_test_hook_decides_whether_each_engine_loads(monkeypatch):
         assert re.search(r"it needs about \d+\.\d GB \(", line), line
         assert re.search(r"\d+\.\d GB available \(G4H_MEMORY_AVAILABLE_GB\)", line), line
         assert "; try " in line or "; no " in line, line
-    monkeypatch.setenv(memory.AVAILABLE_ENV, "1000")
+    monkeypatch.setenv(memory_machine.AVAILABLE_ENV, "1000")
     for name, path, opts in _engines_of(built):
         eng = make_engine(name, path, **opts)
-        assert eng.memory_plan.fits and eng.memory_plan.available_from == memory.AVAILABLE_ENV
-    monkeypatch.setenv(memory.AVAILABLE_ENV, "lots")
+        assert eng.memory_plan.fits and eng.memory_plan.available_from == memory_machine.AVAILABLE_ENV
+    monkeypatch.setenv(memory_machine.AVAILABLE_ENV, "lots")
     with pytest.raises(InputError, match="G4H_MEMORY_AVAILABLE_GB"):
         memory.available_memory()
 
@@ -224,7 +224,7 @@ def test_a_loaded_engine_does_not_count_its_weights_twice(monkeypatch):
     first = eng.memory_plan
     # What is left once the weights are built: the plan's need less the weights and the runtime, and a little.
     left = first.need_bytes - weights - first.already_bytes + 10**5
-    monkeypatch.setenv(memory.AVAILABLE_ENV, str(left / memory.GB))
+    monkeypatch.setenv(memory_machine.AVAILABLE_ENV, str(left / memory.GB))
     eng.logits([2, 5, 7])
     assert eng.memory_plan.fits and eng.memory_plan.already_bytes >= weights
 
@@ -241,14 +241,14 @@ def test_a_loaded_packed_engine_does_not_count_its_packed_weights_twice(monkeypa
     weights = first.breakdown["weights"] + first.breakdown["packed weights"]
     assert first.breakdown["packed weights"] > 10**5  # more than the margin below: counted twice, it does not fit
     left = first.need_bytes - weights - first.already_bytes + 10**5
-    monkeypatch.setenv(memory.AVAILABLE_ENV, str(left / memory.GB))
+    monkeypatch.setenv(memory_machine.AVAILABLE_ENV, str(left / memory.GB))
     eng.logits([2, 5, 7])
     assert eng.memory_plan.fits and eng.memory_plan.already_bytes >= weights
     cfg, W = load_model(built.gguf[form], cache_bytes=0)
     twin = FastEngine.from_model(cfg, W, device="cpu", weights="packed", share=eng)
     assert twin.memory_plan.fits and twin.model is eng.model
     new = eng.memory_plan.need_bytes - eng.memory_plan.already_bytes
-    monkeypatch.setenv(memory.AVAILABLE_ENV, str((new - 10**4) / memory.GB))
+    monkeypatch.setenv(memory_machine.AVAILABLE_ENV, str((new - 10**4) / memory.GB))
     with pytest.raises(memory.NotEnoughMemory) as e:
         eng.logits([2, 5, 7])
     assert "\n" not in str(e.value) and "not enough memory for the fast float32 packed engine" in str(e.value)
@@ -269,7 +269,7 @@ def test_oracle_fast_stops_before_any_pair_when_its_largest_call_cannot_fit(wide
     call = eng.memory_plan
     room = max(p.need_bytes - p.already_bytes for p in (ref, load)) + 10**6
     assert room < call.need_bytes - call.already_bytes  # the long prompt's logits: what does not fit
-    monkeypatch.setenv(memory.AVAILABLE_ENV, str(room / memory.GB))
+    monkeypatch.setenv(memory_machine.AVAILABLE_ENV, str(room / memory.GB))
     stub = shlex.join([sys.executable, str(REPO_ROOT / "tests" / "cmd_stub.py")])
     data, status = run_parity(models=[str(wide_vocab_gguf)], against=[f"cmd:{stub}"], out=str(tmp_path / "out"),
                               prompts=prompts, quiet=True, oracle="fast")
@@ -310,7 +310,7 @@ def test_ulimit_v_stops_the_fast_engine_with_one_line(wide_vocab_gguf, tmp_path)
 
 
 def test_peak_memory_sees_an_allocation():
-    with memory.PeakMemory(interval=0.001) as pm:
+    with memory_machine.PeakMemory(interval=0.001) as pm:
         before = pm.peak_anon
         a = np.ones(50_000_000)  # 400 MB, touched
         a.sum()

@@ -38,7 +38,7 @@ from gemma4_harness.reference import load_model
 from gemma4_harness.reference import model as RM
 from gemma4_harness.reference.audio import encode_audio
 from gemma4_harness.reference.audio_weights import load_audio_hf
-from gemma4_harness.reference.config import config_from_hf
+from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.errors import ConfigError, PromptError
 from gemma4_harness.reference.image_processing import ImageProcessorConfig, preprocess_image
 from gemma4_harness.reference.mm_weights import load_vision

@@ -113,7 +113,8 @@ def test_the_wheels_only_top_level_name_is_gemma4_harness(wheel):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"gemma4_harness"}, sorted(tops)
     assert {"gemma4_harness/__init__.py", "gemma4_harness/__main__.py", "gemma4_harness/harness/__init__.py",
             "gemma4_harness/reference/__init__.py", "gemma4_harness/fast/__init__.py",
-            "gemma4_harness/harness/pytest_plugin.py"} <= set(names)
+            "gemma4_harness/harness/pytest_plugin/__init__.py", "gemma4_harness/harness/pytest_plugin/plan.py",
+            "gemma4_harness/harness/pytest_plugin/run.py"} <= set(names)
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from gemma4_harness.reference import audio as ra
 from gemma4_harness.reference import model as rm
 from gemma4_harness.reference import multimodal as rmm
 from gemma4_harness.reference import vision as rv
-from gemma4_harness.reference.audio import AudioConfig
+from gemma4_harness.reference.audio_config import AudioConfig
 
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
 TWINS = {"model": (rm, fm), "multimodal": (rmm, fmm), "vision": (rv, fv), "audio": (ra, fa)}

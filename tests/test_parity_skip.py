@@ -12,7 +12,7 @@ import pytest
 from gemma4_harness.harness.cli.parity import add_arguments
 from gemma4_harness.harness.parity import skips
 from gemma4_harness.harness.parity.job import QUICK_LEAVES_OUT
-from gemma4_harness.harness.pytest_plugin import G4HBadInput, parse_argv
+from gemma4_harness.harness.pytest_plugin.run import G4HBadInput, parse_argv
 from gemma4_harness.harness.tokenizer.checks import CHECKS, tokenizer_checks
 from gemma4_harness.reference.errors import InputError
 from tests.clitools import assert_one_line_error, run_cli

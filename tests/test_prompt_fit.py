@@ -100,7 +100,7 @@ def test_explain_budget_is_set_for_the_run_only(model, tmp_path, capsys, monkeyp
     """``g4h parity --explain-budget`` sets the budget for its own run (its case workers read it from the
     environment) and leaves the caller's environment as it was: run in-process (the pytest plugin, a test), a
     budget of 0 left behind once took every later run's explanation away (CI, stop 43)."""
-    from gemma4_harness.harness.parity.explain import BUDGET_ENV
+    from gemma4_harness.harness.parity.explain_search import BUDGET_ENV
 
     if before is None:
         monkeypatch.delenv(BUDGET_ENV, raising=False)
@@ -172,7 +172,7 @@ def test_bos_in_text_passes_llama_servers_tokenizer_check(request, which, tmp_pa
     special token that starts with a space too; on the synthetic vocabulary that is the documented leading-space
     difference, docs/server-dialects.md)."""
     from gemma4_harness.harness.engines import make_engine
-    from gemma4_harness.harness.parity.checks.server import tokenizer_figures
+    from gemma4_harness.harness.parity.checks.server_prompt import tokenizer_figures
 
     srv = request.getfixturevalue(which)
     model = request.getfixturevalue("synth_gguf" if which == "llama_server" else "gemma3_gguf")

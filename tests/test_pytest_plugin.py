@@ -1,4 +1,4 @@
-"""The pytest plugin (``harness/pytest_plugin.py``, entry point ``pytest11``), as an engine author's CI runs it:
+"""The pytest plugin (``harness/pytest_plugin/``, entry point ``pytest11``), as an engine author's CI runs it:
 ``python -m pytest`` in a folder of their own, the plugin loaded from the installed package.
 
 The items (one per engine pair of the job, and the reference's own cached-vs-uncached check) are known before any

@@ -11,11 +11,11 @@ import pytest
 
 from gemma4_harness.fast.shapes import load_shape, shape_names
 from gemma4_harness.harness.cli import main
-from gemma4_harness.harness.core import memory
+from gemma4_harness.harness.core import memory, memory_machine
 from gemma4_harness.harness.core.paths import REPO_ROOT
 from gemma4_harness.harness.synth.scale import FORMATS, shape_raw_config, write_scale_gguf
 from gemma4_harness.reference import model as M
-from gemma4_harness.reference.config import config_from_hf
+from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.weights import load_model
 
 #: E2B made small (``[config]`` overrides of ``cases/shapes/e2b.toml``), cut to 7 layers: PLE, two KV-shared
@@ -88,7 +88,7 @@ def test_e2b_scale_file_runs_through_the_streaming_reference(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "gemma4_harness.harness.cli", "logits", "--model", str(path), "--engine",
                              "reference", "--prompt-ids", str(ids), "--out", str(out)], cwd=REPO_ROOT,
                             stderr=subprocess.PIPE, text=True)
-    with memory.PeakMemory(proc.pid, interval=0.02) as pm:
+    with memory_machine.PeakMemory(proc.pid, interval=0.02) as pm:
         _, err = proc.communicate(timeout=1200)
     assert proc.returncode == 0, err
     logits = np.load(out)

@@ -139,7 +139,8 @@ def test_a_stream_broken_at_bytes_that_are_no_utf8_is_not_judged_and_any_other_b
     U+FFFD standing for any character), the request is not judged, with the reason; an error anywhere else, a stream
     whose text is not the answer's, and the same streams on a dialect that names steps by id, fail; the figure is
     taken over the requests judged."""
-    from gemma4_harness.harness.parity.checks.server import ServerOptions, stream_figures, unstreamable
+    from gemma4_harness.harness.parity.checks.server import ServerOptions
+    from gemma4_harness.harness.parity.checks.server_generation import stream_figures, unstreamable
 
     fffd = "\ufffd"
     whole = _answer(f"{fffd * 4} t296 t320", [99, 96, 61, 157, 296, 320, EOS_ID])  # "_", "\\", "9", 0x99, ...

@@ -22,11 +22,8 @@ from gemma4_harness.harness.core.cases import MODELS_DIR
 from gemma4_harness.harness.core.prompts import load_prompts
 from gemma4_harness.harness.engines import EngineUnavailable, check_engine_name, engine_class, engine_kind, make_engine
 from gemma4_harness.harness.engines.openai import DOWN_HINT, OpenAIEngine, ServerError
-from gemma4_harness.harness.parity.checks.server import (
-    CHAT_CASES,
-    ServerOptions,
-    template_figures,
-)
+from gemma4_harness.harness.parity.checks.server import ServerOptions
+from gemma4_harness.harness.parity.checks.server_prompt import CHAT_CASES, template_figures
 from gemma4_harness.harness.tokenizer.prompt_ids import model_tokenizer
 from gemma4_harness.reference.errors import InputError, PromptError
 

@@ -27,7 +27,8 @@ from ..core.workers import EngineOutputError
 from ..engines import make_engine
 from ..engines.reference import ReferenceEngine
 from ..parity.compare import PRECISIONS, generation_figures, judge, load_generations, load_logits, logit_figures
-from ..parity.explain import MAX_PROMPTS, Observed, budget_seconds, explain_text
+from ..parity.explain import explain_text
+from ..parity.explain_search import MAX_PROMPTS, Observed, budget_seconds
 from ..parity.report import short_table
 from ._args import Count, InFile, Number, OutFile, add_model_args, engine_options, resolve_model
 

@@ -11,7 +11,8 @@ from gemma4_harness.reference.errors import InputError
 from ..core.gates import DIFF_TOL, Gate
 from ..core.io import write_json_atomic
 from ..engines.reference import ReferenceEngine
-from ..parity.explain import Observed, budget_seconds, explain_text
+from ..parity.explain import explain_text
+from ..parity.explain_search import Observed, budget_seconds
 from ..traces.compare import DivergenceRule, compare, render_diff
 from ..traces.format import read_trace
 from ._args import InFile, Number, OutFile, resolve_model

@@ -48,7 +48,8 @@ from ..parity.checks.explain_pair import local_judge, observe
 from ..engines.base import TOP_N
 from ..parity.checks.pair import (GREEDY_NEW_TOKENS, ReferenceRuns, declared_effects, engine_numerics, not_greedy,
                                   pair_name, pair_near_tie)
-from ..parity.explain import LABELS, MAX_PROMPTS, Explanation, Observed, TextSubject, budget_seconds, explain_text
+from ..parity.explain import TextSubject, explain_text
+from ..parity.explain_search import LABELS, MAX_PROMPTS, Explanation, Observed, budget_seconds
 from ..parity.explain_mm import MMReference, explain_mm
 from ..tokenizer.prompt_ids import with_prompt_ids
 from ..traces.format import TraceWriter

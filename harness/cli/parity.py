@@ -19,7 +19,7 @@ from ..engines.numerics import parse_declare
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
 from ..parity.drift import drift_rows, only_summary
-from ..parity.explain import BUDGET_ENV, budget_seconds
+from ..parity.explain_search import BUDGET_ENV, budget_seconds
 from ..parity.explain_report import explanation_lines
 from ..parity.job import QUICK_LEAVES_OUT, QUICK_NEW_TOKENS, QUICK_PROMPTS, QUICK_SERVER_REQUESTS
 from ..parity.job import run as run_parity

@@ -1,52 +1,35 @@
-"""Memory: what an engine will need for a model, what this machine has, and a clear stop when it is short.
+"""Memory: what an engine will need for a model, against what this machine has, and a clear stop when it is short.
 
-* :func:`model_info` / :meth:`ModelInfo.from_loaded`: the facts an estimate needs, from the config and
-  the GGUF tensor table or the safetensors headers only (no tensor is read).
+* :func:`model_info` / :meth:`~.memory_facts.ModelInfo.from_loaded`: the facts an estimate needs, from the config
+  and the GGUF tensor table or the safetensors headers only (no tensor is read: :mod:`.memory_facts`).
 * :func:`plan` -> :class:`MemoryPlan`: the bytes one engine needs for that model, dtype, weight mode
-  and context, term by term, against :func:`available_memory`; :meth:`MemoryPlan.line` says it in one
-  line with what to try. ``g4h inspect`` calls :func:`plan` once per engine.
+  and context, term by term (its rule in :data:`.memory_rules.PLAN_RULES`), against
+  :func:`.memory_machine.available_memory`; :meth:`MemoryPlan.line` says it in one line with what to try.
+  ``g4h inspect`` calls :func:`plan` once per engine.
 * :func:`require` raises :class:`NotEnoughMemory` (an :class:`~reference.errors.InputError`: one line,
   exit 2) when the plan does not fit; :func:`guarded` turns an allocation failure inside an engine
   method (``MemoryError``, numpy's ``_ArrayMemoryError``, torch's ``OutOfMemoryError`` or CPU
   allocator ``RuntimeError``) into the same kind of line.
-* :class:`PeakMemory`: peak ``VmRSS`` and ``RssAnon`` of a process, sampled from ``/proc/<pid>/status``
-  by a background thread (benchmarks and the scale measurements).
+* What the machine has and the peak a process used (:class:`~.memory_machine.PeakMemory`, benchmarks and the scale
+  measurements): :mod:`.memory_machine`.
 
 Units: bytes; ``GB`` = 10^9 bytes in every message.
-
-Test hook: ``G4H_MEMORY_AVAILABLE_GB`` (:data:`AVAILABLE_ENV`), when set, replaces what
-:func:`available_memory` measures (CPU and CUDA alike), so a test can make a plan fail or pass on any
-machine. It is meant for tests; a user who sets it gets plans against the figure given.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
-import resource
-import threading
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from gguf import GGML_QUANT_SIZES
-
-from gemma4_harness.reference.config import ModelConfig, cut_layers, expected_tensors
 from gemma4_harness.reference.errors import InputError
-from gemma4_harness.reference.weights import DEFAULT_CACHE_BYTES, READ_ELEMENTS, block_bounds, load_model
+from gemma4_harness.reference.weights import DEFAULT_CACHE_BYTES, load_model
 
 from .engine_kinds import KIND, planned_kinds
-
-GB = 10**9
-
-#: Resident bytes of a process that has imported what each engine needs, before any model, rounded up.
-#: Measured (``VmRSS`` after ``import harness.engines.<engine>``; CPython 3.11, numpy 2, torch 2.13 CPU,
-#: transformers 5.23): reference 0.04 GB, fast 0.23 GB, transformers 0.35 GB. The llama.cpp worker is a
-#: second process with llama-cpp-python's libraries: not measured here, taken as 0.3 GB.
-RUNTIME_BYTES = {"reference": int(0.1 * GB), "fast": int(0.3 * GB), "transformers": int(0.5 * GB),
-                 "llamacpp": int(0.3 * GB)}
+from .memory_facts import GB, ModelInfo
+from .memory_machine import available_memory
+from .memory_rules import DTYPE_BYTES, PLAN_RULES, UNPACKED, PlanRule
 
 #: Address space one more torch intra-op (OpenMP) thread takes: its 8 MiB stack, the 64 MiB malloc arena glibc
 #: reserves for it, OpenMP's own. Measured: ``VmSize`` grows by 96 MiB at torch's first parallel op with one
@@ -55,97 +38,14 @@ RUNTIME_BYTES = {"reference": int(0.1 * GB), "fast": int(0.3 * GB), "transformer
 #: ``except`` can catch.
 THREAD_ADDRESS_BYTES = 100 * 2**20
 
-#: Bytes per element of the fast engine's compute dtypes.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-
-#: GGML types the fast engine keeps packed with ``--weights packed`` (plain float types are not packed).
-_UNPACKED = ("F32", "F16", "BF16", "F64")
-_BLOCK_TYPES = {t.name: GGML_QUANT_SIZES[t] for t in GGML_QUANT_SIZES}
-"""GGUF type name -> (elements, bytes) per block (gguf-py's table)."""
 
 ENGINES = planned_kinds()
 """The engines whose memory is planned: the registry rows with a ``memory_rule`` (:mod:`harness.core.engine_kinds`);
 each names its rule in :data:`PLAN_RULES`."""
 
-#: Test hook: GB (10^9 bytes) that :func:`available_memory` reports instead of measuring.
-AVAILABLE_ENV = "G4H_MEMORY_AVAILABLE_GB"
-
 
 class NotEnoughMemory(InputError):
     """The engine would not fit in the memory available (or an allocation failed): one line, exit 2."""
-
-
-# --------------------------------------------------------------------------- the model's facts
-
-
-@dataclass(frozen=True)
-class TensorFacts:
-    """One tensor of the file as the engines will read it: numpy shape, stored type, stored bytes."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-    @property
-    def elements(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a memory estimate needs to know of a model, read without any tensor data.
-
-    Attributes:
-        path: the file or folder.
-        form: ``gguf`` or ``hf``.
-        cfg: the config (after ``--layers``, when given).
-        tensors: canonical name -> :class:`TensorFacts`, the tensors the decoder reads.
-        file_bytes: size of the file (GGUF) or of every ``*.safetensors`` (HF folder).
-    """
-
-    path: str
-    form: str
-    cfg: ModelConfig
-    tensors: Mapping[str, TensorFacts]
-    file_bytes: int
-
-    @classmethod
-    def from_loaded(cls, path: str | os.PathLike, cfg: ModelConfig, W: Any) -> "ModelInfo":
-        """From an opened model (``reference.weights.load_model``'s ``(cfg, W)``, or shape-only random
-        weights): shapes and stored types from ``W``, stored bytes from the GGUF view or the dtype."""
-        p = Path(path)
-        tensors = {}
-        for name in W:
-            shape = tuple(W.shape(name))
-            stored = W.stored(name) if hasattr(W, "stored") else None
-            dtype = W.raw_dtype(name) if hasattr(W, "raw_dtype") else "F32"
-            if stored is not None:
-                nbytes = int(stored.nbytes)
-            elif dtype in _BLOCK_TYPES:  # random packed blocks of a shape-only model (fast.shapes.RandomWeights)
-                bs, ts = _BLOCK_TYPES[dtype]
-                nbytes = math.prod(shape) // bs * ts
-            else:
-                nbytes = math.prod(shape) * {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(dtype, 4)
-            tensors[name] = TensorFacts(shape, dtype, nbytes)
-        if p.is_dir():
-            size = sum(f.stat().st_size for f in p.glob("*.safetensors"))
-        else:
-            size = p.stat().st_size if p.is_file() else 0
-        return cls(str(p), "hf" if p.is_dir() else "gguf", cfg, tensors, size)
-
-    def cut(self, n: int) -> "ModelInfo":
-        """The same model cut to its first ``n`` layers (:func:`reference.config.cut_layers`), for advice."""
-        cfg = cut_layers(self.cfg, n)
-        keep = expected_tensors(cfg)
-        tensors = {}
-        for name, t in self.tensors.items():
-            if name in keep or (not name.startswith("blk.") and name not in ("per_layer_token_embd.weight",
-                                                                              "per_layer_model_proj.weight")):
-                want = keep.get(name, t.shape)
-                scale = math.prod(want) / max(1, t.elements)
-                tensors[name] = TensorFacts(tuple(want), t.dtype, int(t.nbytes * scale))
-        return ModelInfo(self.path, self.form, cfg, tensors, self.file_bytes)
 
 
 def model_info(path: str | os.PathLike, layers: int | None = None) -> ModelInfo:
@@ -156,107 +56,6 @@ def model_info(path: str | os.PathLike, layers: int | None = None) -> ModelInfo:
     """
     cfg, W = load_model(path, layers=layers, cache_bytes=0)
     return ModelInfo.from_loaded(path, cfg, W)
-
-
-# --------------------------------------------------------------------------- what is available
-
-
-def _meminfo(field_name: str) -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _status(field_name: str, pid: int | str = "self") -> int | None:
-    """A ``kB`` field of ``/proc/<pid>/status`` in bytes (``VmRSS``, ``RssAnon``, ``VmSize`` ...)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def _cgroup_headroom() -> int | None:
-    """Bytes this process's memory cgroup may still grow by (v2 ``memory.max``, v1 ``memory.limit_in_bytes``)."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        ctrl, rel = parts[1], parts[2].lstrip("/")
-        if ctrl == "":  # v2
-            base = Path("/sys/fs/cgroup") / rel
-            limit_f, used_f = base / "memory.max", base / "memory.current"
-        elif "memory" in ctrl.split(","):  # v1
-            base = Path("/sys/fs/cgroup/memory") / rel
-            limit_f, used_f = base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"
-        else:
-            continue
-        try:
-            limit = limit_f.read_text().strip()
-            used = int(used_f.read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit != "max" and int(limit) < 1 << 60:
-            return max(0, int(limit) - used)
-    return None
-
-
-def available_memory(device: str = "cpu", own_process: bool = True) -> tuple[int | None, str]:
-    """Bytes an engine can still allocate, and where that figure comes from.
-
-    CPU: the least of ``MemAvailable`` (``/proc/meminfo``: free memory plus reclaimable caches), the
-    memory cgroup's headroom (limit minus usage) and, when ``RLIMIT_AS`` is set, the address space
-    left (the limit minus this process's ``VmSize``; for an engine in a fresh worker process,
-    ``own_process=False``, the whole limit). CUDA: free device memory (``torch.cuda.mem_get_info``).
-
-    With ``$G4H_MEMORY_AVAILABLE_GB`` set (:data:`AVAILABLE_ENV`, a test hook) that figure is returned
-    instead of any measurement.
-
-    Returns:
-        ``(bytes or None when nothing can be read, "MemAvailable" | "cgroup limit" | "RLIMIT_AS" |
-        "free CUDA memory" | "G4H_MEMORY_AVAILABLE_GB")``.
-
-    Raises:
-        InputError: ``$G4H_MEMORY_AVAILABLE_GB`` is not a number >= 0.
-    """
-    forced = os.environ.get(AVAILABLE_ENV)
-    if forced is not None:
-        try:
-            gb = float(forced)
-        except ValueError:
-            gb = -1.0
-        if not gb >= 0:
-            raise InputError(f"${AVAILABLE_ENV} = {forced!r}: expected a number of GB >= 0")
-        return int(gb * GB), AVAILABLE_ENV
-    if device.startswith("cuda"):
-        import torch  # heavy: only for a CUDA plan
-
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free), "free CUDA memory"
-    found: list[tuple[int, str]] = []
-    avail = _meminfo("MemAvailable")
-    if avail is not None:
-        found.append((avail, "MemAvailable"))
-    cg = _cgroup_headroom()
-    if cg is not None:
-        found.append((cg, "cgroup limit"))
-    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        used = (_status("VmSize") or 0) if own_process else 0
-        found.append((max(0, soft - used), "RLIMIT_AS"))
-    if not found:
-        return None, "unknown"
-    return min(found)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -317,184 +116,6 @@ class MemoryPlan:
                 "breakdown": dict(self.breakdown), "already_bytes": self.already_bytes,
                 "available_bytes": self.available_bytes, "available_from": self.available_from,
                 "fits": self.fits, "advice": list(self.advice)}
-
-
-def _f64(t: TensorFacts) -> int:
-    return 8 * t.elements
-
-
-#: Tables the reference reads in parts (rows of the prompt's tokens; the head in blocks), never whole.
-_READ_IN_PARTS = ("token_embd.weight", "per_layer_token_embd.weight", "output.weight")
-
-
-def _layer_groups(info: ModelInfo) -> list[list[TensorFacts]]:
-    """Tensors the reference holds at the same time: each matrix alone (``ffn_block`` reads the FFN's
-    three one at a time), a MoE layer's two expert stacks together (``moe_experts`` takes both); tables
-    read in parts are not among them."""
-    T = info.tensors
-    groups: list[list[TensorFacts]] = [[t] for n, t in T.items() if len(t.shape) == 2 and n not in _READ_IN_PARTS]
-    for L in info.cfg.layers:
-        b = f"blk.{L.index}."
-        groups.append([T[b + n + ".weight"] for n in ("ffn_gate_up_exps", "ffn_down_exps") if b + n + ".weight" in T])
-    return [g for g in groups if g]
-
-
-def _in_use(group: list[TensorFacts]) -> int:
-    """float64 bytes of a group, plus the float32 temporaries of reading its largest tensor (a matrix is read
-    :data:`reference.weights.READ_ELEMENTS` at a time; an expert stack whole)."""
-    big = max(group, key=lambda t: t.elements)
-    temp = 8 * (big.elements if len(big.shape) > 2 else min(big.elements, READ_ELEMENTS))
-    return sum(_f64(t) for t in group) + temp
-
-
-def _kv_bytes(cfg: ModelConfig, context: int, elem: int, window_bound: bool, batch: int = 1) -> int:
-    """K and V of every layer that owns them for ``context`` tokens (sliding layers: at most the window
-    when ``window_bound``; one tensor on a layer without V projection)."""
-    total = 0
-    for L in cfg.layers:
-        if not L.has_kv:
-            continue
-        s = min(context, cfg.sliding_window) if (window_bound and L.is_sliding) else context
-        total += s * L.n_kv_head * L.head_dim * (2 if L.has_v_proj else 1) * elem
-    return total * batch
-
-
-def _head_name(cfg: ModelConfig) -> str:
-    return "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
-
-
-def _layer_sets(info: ModelInfo) -> list[list[TensorFacts]]:
-    """Tensors a layer-outer pass (:func:`reference.batch.forward_chains`) holds at once: every tensor of one
-    layer, or the tensors read whole outside the layers (the PLE projection)."""
-    sets: dict[str, list[TensorFacts]] = {}
-    for n, t in info.tensors.items():
-        if n in _READ_IN_PARTS:
-            continue
-        sets.setdefault(n.split(".")[1] if n.startswith("blk.") else "", []).append(t)
-    return list(sets.values())
-
-
-def _reference_terms(info: ModelInfo, tokens: int, context: int, forwards: int, cache_bytes: int,
-                     layer_held: bool = False) -> tuple[dict[str, int], int]:
-    cfg, T = info.cfg, info.tensors
-    h, V = cfg.hidden_size, cfg.vocab_size
-    working = max((_in_use(g) for g in (_layer_sets(info) if layer_held else _layer_groups(info))), default=0)
-    cacheable = sum(_f64(t) for n, t in T.items() if n != "per_layer_token_embd.weight")
-    head = T[_head_name(cfg)]
-    block = max(b - a for a, b in block_bounds(head.shape[0], head.shape[1]))
-    ple = cfg.ple_dim * cfg.n_layer
-    heads = max((L.n_head for L in cfg.layers), default=1)
-    terms = {
-        "runtime": RUNTIME_BYTES["reference"],
-        "weight cache": min(cache_bytes, cacheable) if forwards > 1 else 0,
-        "weights in use": working,
-        "LM head block": 16 * block * h,  # float64, and gguf's two float32 arrays while it is read
-        "logits": 3 * 8 * tokens * V,  # the blocks' products, their concatenation, the softcap
-        "KV cache": _kv_bytes(cfg, context, 8, window_bound=False),
-        "activations": 8 * tokens * (6 * h + 3 * ple + 3 * heads * context),
-    }
-    return terms, 0
-
-
-def _fast_terms(info: ModelInfo, tokens: int, context: int, dtype: str, weights: str, batch: int,
-                device: str = "cpu") -> tuple[dict[str, int], int]:
-    cfg = info.cfg
-    elem = DTYPE_BYTES[dtype]
-    dense = packed = 0
-    biggest = 0
-    ranks = (2, 3) if str(device).startswith("cpu") else (2,)  # expert stacks stay packed on the CPU only
-    for t in info.tensors.values():
-        keep_packed = weights == "packed" and info.form == "gguf" and len(t.shape) in ranks \
-            and t.dtype not in _UNPACKED
-        if keep_packed:
-            packed += t.nbytes
-            continue
-        dense += t.elements * (4 if len(t.shape) == 1 else elem)
-        # While a tensor is converted (fast.weights.FastWeights): a copy of its GGUF bytes, and its float32
-        # form when the target is another dtype (or when a float array is copied before it is cast).
-        copied = t.nbytes if info.form == "gguf" and t.dtype != "F32" else 0
-        biggest = max(biggest, copied + (4 * t.elements if elem != 4 or copied == 0 else 0))
-    terms = {
-        "runtime": RUNTIME_BYTES["fast"],
-        "weights": dense,
-        "packed weights": packed,
-        "largest tensor in conversion": biggest,
-        "KV cache": _kv_bytes(cfg, context, 4, window_bound=True, batch=batch),
-        "logits": (4 + 8) * tokens * batch * cfg.vocab_size,  # float32 on the device, float64 for the caller
-        "activations": 4 * tokens * batch * (8 * cfg.hidden_size + 3 * cfg.ple_dim * cfg.n_layer),
-    }
-    return terms, packed if info.form == "gguf" else 0
-
-
-def _transformers_terms(info: ModelInfo, tokens: int, context: int) -> tuple[dict[str, int], int]:
-    cfg = info.cfg
-    params = sum(t.elements for t in info.tensors.values())
-    biggest = max((t.nbytes + 4 * t.elements for t in info.tensors.values()), default=0)
-    heads = max((L.n_head for L in cfg.layers), default=1)
-    terms = {
-        "runtime": RUNTIME_BYTES["transformers"],
-        "weights": 4 * params,
-        "largest tensor in conversion": biggest,
-        "KV cache": _kv_bytes(cfg, context, 4, window_bound=True),
-        "logits": 2 * 4 * tokens * cfg.vocab_size,
-        "activations": 4 * tokens * (8 * cfg.hidden_size + 3 * heads * context + 3 * cfg.ple_dim * cfg.n_layer),
-    }
-    return terms, 0
-
-
-def _llamacpp_terms(info: ModelInfo, tokens: int, context: int) -> tuple[dict[str, int], int]:
-    cfg = info.cfg
-    terms = {
-        "runtime": RUNTIME_BYTES["llamacpp"],
-        "model file (mapped)": info.file_bytes,
-        "KV cache": _kv_bytes(cfg, context, 4, window_bound=False),
-        "logits": 4 * tokens * cfg.vocab_size,
-        "compute buffer": 4 * min(tokens, 512) * (4 * cfg.hidden_size + max(L.n_ff for L in cfg.layers)
-                                                   + cfg.vocab_size),
-    }
-    return terms, 0
-
-
-@dataclass(frozen=True)
-class PlanRule:
-    """How one kind of engine is planned (:data:`PLAN_RULES`; a registry row names its rule: ``memory_rule``).
-
-    Attributes:
-        terms: ``(info, options) -> (breakdown, mapped bytes)``, the terms of :func:`plan`'s docstring.
-        shown: the options a plan reports (:attr:`MemoryPlan.options`).
-        knobs: the options that change the need, for the line that says none of their settings fits (None: the
-            engine runs the file as it is).
-        oom_advice: what an allocation failure's line suggests when the plan gave no advice.
-        torch: the engine runs torch: planned on its device, and it starts torch threads (``RLIMIT_AS``).
-        in_process: the engine runs in the harness's own process (its runtime is running already; the llama.cpp
-            engine runs in a worker process).
-    """
-
-    terms: Callable[[ModelInfo, dict[str, Any]], tuple[dict[str, int], int]]
-    shown: tuple[str, ...]
-    knobs: str | None = None
-    oom_advice: tuple[str, ...] = ("--layers N",)
-    torch: bool = False
-    in_process: bool = True
-
-
-PLAN_RULES: dict[str, PlanRule] = {
-    "reference": PlanRule(
-        lambda info, o: _reference_terms(info, o["tokens"], o["context"], o["forwards"], o["cache_bytes"],
-                                         o["layer_held"]),
-        ("tokens", "new_tokens", "cache_bytes", "forwards"), "--ref-cache-gb or --layers",
-        ("a smaller --ref-cache-gb", "--layers N")),
-    "fast": PlanRule(
-        lambda info, o: _fast_terms(info, o["tokens"], o["context"], o["dtype"], o["weights"], o["batch"],
-                                    o["device"]),
-        ("tokens", "new_tokens", "batch", "dtype", "weights", "device"), "--weights, --dtype or --layers",
-        ("--weights packed", "--dtype bfloat16", "--layers N"), torch=True),
-    "transformers": PlanRule(lambda info, o: _transformers_terms(info, o["tokens"], o["context"]),
-                             ("tokens", "new_tokens", "device"), "--layers", torch=True),
-    "llamacpp": PlanRule(lambda info, o: _llamacpp_terms(info, o["tokens"], o["context"]), ("tokens", "new_tokens"),
-                         in_process=False),
-}
-"""Memory-plan rule name -> :class:`PlanRule` (the registry rows' ``memory_rule``)."""
 
 
 def _rule_of(engine: str) -> PlanRule | None:
@@ -568,7 +189,7 @@ def _advice(engine: str, info: ModelInfo, o: dict[str, Any], avail: int, source:
         return _fits(need, already, avail)
 
     if engine == "fast" and info.form == "gguf" and o["weights"] == "dequantized" and any(
-            len(t.shape) == 2 and t.dtype not in _UNPACKED for t in info.tensors.values()) \
+            len(t.shape) == 2 and t.dtype not in UNPACKED for t in info.tensors.values()) \
             and fits_with(weights="packed"):
         out.append("--weights packed")
     if engine == "fast" and o["dtype"] == "float32" and fits_with(dtype="bfloat16"):
@@ -720,71 +341,3 @@ def guarded(method: Callable) -> Callable:
 
     return wrapper
 
-
-# --------------------------------------------------------------------------- measuring
-
-
-class PeakMemory:
-    """Peak resident memory of a process, sampled from ``/proc/<pid>/status`` by a background thread.
-
-    ``peak_rss`` is the largest ``VmRSS`` seen (all resident pages, mapped files included) and
-    ``peak_anon`` the largest ``RssAnon`` (private memory: what the process allocated, not the
-    page cache of a mapped model file). Both are also read once at start and stop, so a run
-    shorter than the interval still has figures. Use as a context manager::
-
-        with PeakMemory() as pm:
-            run()
-        pm.peak_anon, pm.peak_rss   # bytes
-
-    Args:
-        pid: the process (default this one).
-        interval: seconds between samples (default 0.01).
-    """
-
-    def __init__(self, pid: int | str = "self", interval: float = 0.01):
-        self.pid = pid
-        self.interval = interval
-        self.peak_rss = 0
-        self.peak_anon = 0
-        self.seconds = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._t0 = 0.0
-
-    def sample(self) -> None:
-        """Read the fields once and keep the maxima."""
-        rss, anon = _status("VmRSS", self.pid), _status("RssAnon", self.pid)
-        self.peak_rss = max(self.peak_rss, rss or 0)
-        self.peak_anon = max(self.peak_anon, anon or 0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
-    def start(self) -> "PeakMemory":
-        """Start sampling."""
-        self._t0 = time.perf_counter()
-        self.sample()
-        self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> "PeakMemory":
-        """Stop sampling (one last sample)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.sample()
-        self.seconds = time.perf_counter() - self._t0
-        return self
-
-    def __enter__(self) -> "PeakMemory":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def as_dict(self) -> dict[str, float]:
-        """``{"wall_s", "peak_rss_gb", "peak_anon_gb"}`` (GB = 10^9 bytes)."""
-        return {"wall_s": round(self.seconds, 2), "peak_rss_gb": round(self.peak_rss / GB, 3),
-                "peak_anon_gb": round(self.peak_anon / GB, 3)}

@@ -16,7 +16,7 @@ Problems (``code``: severity):
   type id ``gguf`` does not know, a bad padding byte, a key of the wrong GGUF type), the rest of the
   report is filled from a plain listing of the header (:func:`.gguf_header._list_gguf`); otherwise the file is
   *unreadable* and :func:`inspect_model` raises.
-* ``config``: unusable. :func:`reference.config.config_from_gguf` / ``config_from_hf`` /
+* ``config``: unusable. :func:`reference.config_gguf.config_from_gguf` / ``config_from_hf`` /
   ``attach_rope_freqs`` refuse the metadata (their message).
 * ``tensors``: unusable. A tensor the decoder reads is missing or mis-shaped, or the file has a decoder
   tensor the config does not read (:func:`reference.config.unread_tensors`), as the loader refuses them.
@@ -48,7 +48,7 @@ Exit status (:attr:`Inspection.exit_code`): 0 usable, 1 usable with warnings, 2 
 Engines: ``reference`` (float64), ``fast`` for each dtype and, for GGUF, each weight mode, ``transformers``
 (fp32) and ``llamacpp``. An unusable file runs on none (the harness compares every engine with the
 reference, which refuses it). Otherwise each engine's own limits apply: the fast path decodes
-:data:`FAST_TYPES` only (:data:`fast.quants.SUPPORTED`); transformers reads HF folders and Gemma 3 GGUFs,
+:data:`FAST_TYPES` only (:data:`fast.quant_blocks.SUPPORTED`); transformers reads HF folders and Gemma 3 GGUFs,
 not Gemma 4 GGUFs; llama.cpp needs a GGUF, llama-cpp-python installed, a ``tokenizer.ggml.model`` key and type ids its
 ggml knows (:data:`LLAMACPP_TYPE_IDS`), and its KV donor rule must give each shared layer a cache of
 the right shape (:func:`llamacpp_donors`). The memory column of each row that can run is its memory plan

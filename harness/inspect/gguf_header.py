@@ -19,7 +19,8 @@ from typing import Any, Mapping
 import gguf
 import numpy as np
 
-from gemma4_harness.reference.config import ModelConfig, attach_rope_freqs, config_from_gguf
+from gemma4_harness.reference.config import ModelConfig
+from gemma4_harness.reference.config_gguf import attach_rope_freqs, config_from_gguf
 from gemma4_harness.reference.errors import InputError, ModelFileError
 from gemma4_harness.reference.files import open_regular
 from gemma4_harness.reference.gguf_check import check_gguf

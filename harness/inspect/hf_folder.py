@@ -8,7 +8,8 @@ from typing import Any, Mapping
 import numpy as np
 from safetensors import safe_open
 
-from gemma4_harness.reference.config import ModelConfig, config_from_hf
+from gemma4_harness.reference.config import ModelConfig
+from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.files import read_json
 from gemma4_harness.reference.names import hf_to_gguf

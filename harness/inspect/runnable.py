@@ -1,6 +1,6 @@
 """Which engine settings can run an inspected file, why not, and the differences each will show.
 
-Each engine's own limits: the fast path decodes :data:`FAST_TYPES` only (:data:`fast.quants.SUPPORTED`);
+Each engine's own limits: the fast path decodes :data:`FAST_TYPES` only (:data:`fast.quant_blocks.SUPPORTED`);
 transformers reads HF folders and Gemma 3 GGUFs, not Gemma 4 GGUFs; llama.cpp needs a GGUF, llama-cpp-python
 installed, a ``tokenizer.ggml.model`` key and type ids its ggml knows (:data:`LLAMACPP_TYPE_IDS`), and its KV
 donor rule must give each shared layer a cache of the right shape (:func:`llamacpp_donors`).
@@ -18,7 +18,7 @@ from .model import UNUSABLE, EngineRow, Inspection
 FAST_DTYPES = ("float32", "bfloat16", "float16")
 """Compute dtypes of the fast engine (``--dtype``)."""
 
-#: GGUF tensor types the fast engine decodes: :data:`fast.quants.SUPPORTED`, copied here so that inspecting a
+#: GGUF tensor types the fast engine decodes: :data:`fast.quant_blocks.SUPPORTED`, copied here so that inspecting a
 #: file does not import torch (3-5 s, longer than the header of a 33 GB file takes); tests/test_inspect.py
 #: checks that the copy equals the original.
 FAST_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",

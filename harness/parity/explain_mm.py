@@ -24,7 +24,8 @@ from gemma4_harness.reference.errors import InputError
 
 from ..core.gates import DEFAULT_GATES, Gate
 from ..engines.variants import Variant, family, under
-from .explain import DEFAULT_BUDGET_S, Explanation, Observed, TextSubject, Trial, budget_seconds, search
+from .explain import TextSubject
+from .explain_search import DEFAULT_BUDGET_S, Explanation, Observed, Trial, budget_seconds, search
 
 DRAFTER_GATE = "drafter.reference~llamacpp.max_abs"
 """The gate a drafter engine's step logits are judged by (an fp32 drafter against the float64 reference)."""

@@ -6,7 +6,7 @@ tensor names of :mod:`reference.names`; :func:`~.hf.write_hf` writes those array
 transformers' own ``Gemma4TextConfig`` / ``Gemma4ForCausalLM`` and :func:`~.gguf.write_gguf` through
 ``gguf.GGUFWriter`` with llama.cpp's ``gemma4`` keys. :func:`~.cache.ensure_built` caches the result
 per spec file and builder version. The per-layer table comes from one place,
-:func:`reference.config.config_from_hf` (:func:`~.spec.text_config`).
+:func:`reference.config_hf.config_from_hf` (:func:`~.spec.text_config`).
 
 Modules: :mod:`.spec` (format and parser), :mod:`.weights`, :mod:`.hf`, :mod:`.gguf`, :mod:`.cache`,
 :mod:`.prompts` (how ``cases/prompts/synthetic.jsonl`` was made).

@@ -40,7 +40,7 @@ import torch
 from gguf import GGUFValueType as VT
 from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
-from gemma4_harness.reference.audio import AudioConfig
+from gemma4_harness.reference.audio_config import AudioConfig
 from gemma4_harness.reference.audio_weights import expected_audio_tensors
 
 #: Tiny audio encoder used by the tests (Gemma4AudioConfig fields).

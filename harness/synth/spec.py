@@ -64,7 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemma4_harness.reference.config import ModelConfig, config_from_hf
+from gemma4_harness.reference.config import ModelConfig
+from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.errors import InputError
 
 #: GGUF tensor types :func:`write_gguf` and :func:`ensure_built` produce.
@@ -299,7 +300,7 @@ def _validate_config(p: Path, cfg: dict[str, Any]) -> None:
 
 
 def text_config(spec: Spec) -> ModelConfig:
-    """The spec's model config with its per-layer table, derived by :func:`reference.config.config_from_hf`.
+    """The spec's model config with its per-layer table, derived by :func:`reference.config_hf.config_from_hf`.
 
     This is the one derivation of the per-layer facts (layer type, head_dim, KV heads, donor, FFN
     width, V projection) that every engine reads; the weight and GGUF writers read it too, so a spec

@@ -1,6 +1,6 @@
 """The parity job's explanation of a failing pair (``g4h parity --model M --against E``): once the pair's figures are
 measured and one fails its gate, the engine is asked again for its answers on the (at most
-:data:`harness.parity.explain.MAX_PROMPTS`) shortest failing prompts: logits and a trace where it gives them, greedy
+:data:`harness.parity.explain_search.MAX_PROMPTS`) shortest failing prompts: logits and a trace where it gives them, greedy
 streams otherwise (a server). :func:`harness.parity.explain.explain_text` re-runs the float64 reference under the
 spec variants (:mod:`harness.engines.variants`) within the budget (``--explain-budget``), and the result goes into the
 first failing figure's ``explanation`` (``results.json``; the report's first section quotes its line).
@@ -28,8 +28,8 @@ from ...core.gates import DEFAULT_GATES
 from ...core.workers import EngineCrashed, temp_folder
 from ...engines.base import TOP_N
 from ...traces.format import TraceWriter
-from ..explain import (GENERATION_METRICS, MAX_PROMPTS, LocalJudge, Observed, budget_seconds, explain_text,
-                       judge_figures)
+from ..explain import GENERATION_METRICS, LocalJudge, explain_text
+from ..explain_search import MAX_PROMPTS, Observed, budget_seconds, judge_figures
 from ..result import Figure
 from .pair import (
     GREEDY_NEW_TOKENS,
@@ -53,7 +53,7 @@ def _gating_failure(f: Figure, gates=DEFAULT_GATES) -> bool:
 def failing_prompts(figures: Sequence[Figure], prompts: Sequence[dict[str, Any]], gates=DEFAULT_GATES
                     ) -> list[dict[str, Any]]:
     """The prompts of the figures that fail their gate, shortest first, at most
-    :data:`~harness.parity.explain.MAX_PROMPTS`: a greedy figure's streams that are faults; every prompt when only a
+    :data:`~harness.parity.explain_search.MAX_PROMPTS`: a greedy figure's streams that are faults; every prompt when only a
     figure over all of them fails and names none."""
     failing = [f for f in figures if _gating_failure(f, gates)]
     if not failing:

@@ -30,372 +30,24 @@ Without ``--g4h-model`` the plugin adds its options and its fixture and nothing 
 the standard library and pytest (torch and numpy are imported only when a run is asked for, so that a suite that
 sets thread variables before importing them, as this repository's does, is not affected). Under pytest-xdist a
 model's items run on one worker (:class:`_XdistController`), so the job runs once.
+
+Here: the hooks, the collector, the items and the fixture; the run and its checks are :mod:`.run`, the items planned
+from the options and the job narrowed to the selected ones :mod:`.plan`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import math
 import shlex
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
+from .plan import CACHED, Narrowed, PlannedItem, command_line_argv, narrow, plan_job
+from .run import G4HBadInput, G4HEngineCrashed, ParityCheck, ParityRun, checks_of, fmt, parity_argv, run_parity
+
 PREFIX = "g4h"
 """First word of every item's report line (``g4h <case> <pair>``)."""
-
-
-@dataclass(frozen=True)
-class ParityCheck:
-    """One check of a parity run, as ``results.json`` holds it.
-
-    Attributes:
-        case: the case (the model's file name on a user's model).
-        gate: ``<pair>.<metric>`` (:data:`harness.core.gates.DEFAULT_GATES`).
-        prompt: the prompt id, or None for a figure over several.
-        measured, limit, op: the figure, its gate's limit and ``le`` / ``ge``.
-        passed: within the gate; informational: reported, not gating (``reason`` says why).
-        detail: every other field of the check (``first_divergence``, ``why``, ``qtype``, ``variant`` ...).
-    """
-
-    case: str
-    gate: str
-    prompt: Any
-    measured: float
-    limit: float | None
-    op: str | None
-    passed: bool
-    informational: bool
-    reason: str
-    detail: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    @property
-    def opted_out(self) -> bool:
-        """The user left the check out (``--skip``), or it is one a default run leaves out."""
-        return str(self.detail.get("got", "")).replace("_", " ") == "opted out"
-
-    @property
-    def first_divergence(self) -> str | None:
-        """Where the engine first leaves the oracle (a trace point ``point@layer``, ``logits@position N``, a
-        stream step), when the check names it."""
-        fd = self.detail.get("first_divergence")
-        if isinstance(fd, dict):  # llama.cpp's trace comparison: {point, layer, rel_l2}
-            return f"{fd.get('point')}@{fd.get('layer')}"
-        return None if fd in (None, "") else str(fd)
-
-    def label(self) -> str:
-        """``<gate>[<prompt>/<qtype>/<variant>]``: the item's name within its case."""
-        parts = [str(self.detail[k]) if k in self.detail else None for k in ("qtype", "variant")]
-        parts = [str(self.prompt) if self.prompt not in (None, "") else None] + parts
-        inside = "/".join(p for p in parts if p)
-        return f"{self.gate}[{inside}]" if inside else self.gate
-
-    def message(self, report: str | None = None) -> str:
-        """The failure message: the check, its figure against its gate, the first divergence, the engine's reason
-        and the report."""
-        where = f"{self.case}: {self.gate}" + (f" on prompt {self.prompt}" if self.prompt not in (None, "") else "")
-        op = "<=" if self.op == "le" else ">="
-        lines = [f"g4h parity check failed: {where}",
-                 f"  measured {_fmt(self.measured)}, gate {op} {_fmt(self.limit)}"]
-        if self.first_divergence:
-            lines.append(f"  first divergence: {self.first_divergence}")
-        for key in ("why", "got"):
-            value = self.detail.get(key)
-            if isinstance(value, str) and value and value != self.first_divergence:
-                lines.append(f"  {key}: {value}")
-                break
-        if report:
-            lines.append(f"  report: {report}")
-        return "\n".join(lines)
-
-
-def _fmt(x: Any) -> str:
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return f"{x:.6g}" if math.isfinite(x) else str(x)
-    return str(x)
-
-
-def _checks(results: dict[str, Any]) -> list[ParityCheck]:
-    out = []
-    for case in results.get("cases", []):
-        for c in case.get("checks", []):
-            known = {"gate", "prompt", "measured", "limit", "op", "pass", "informational", "reason"}
-            measured = c.get("measured")
-            out.append(ParityCheck(case=str(case["case"]), gate=str(c["gate"]), prompt=c.get("prompt"),
-                                   measured=float(measured) if isinstance(measured, (int, float)) else math.nan,
-                                   limit=c.get("limit"), op=c.get("op"), passed=bool(c.get("pass")),
-                                   informational=bool(c.get("informational")), reason=str(c.get("reason") or ""),
-                                   detail={k: v for k, v in c.items() if k not in known}))
-    return out
-
-
-@dataclass
-class ParityRun:
-    """A finished ``g4h parity`` run.
-
-    Attributes:
-        argv: the ``g4h parity`` arguments it ran with.
-        results: ``results.json`` as a dict; status: the exit status ``g4h parity`` gives (0, 1 or 2);
-        verdict: its one-line verdict; report: the run's ``report.md``.
-    """
-
-    argv: list[str]
-    results: dict[str, Any]
-    status: int
-    verdict: str
-    report: Path
-
-    @property
-    def checks(self) -> list[ParityCheck]:
-        """Every check, in report order."""
-        return _checks(self.results)
-
-    @property
-    def case_errors(self) -> dict[str, str]:
-        """Cases that could not run: case -> its one-line error."""
-        return {c["case"]: c["error"] for c in self.results.get("cases", []) if c.get("error")}
-
-    @property
-    def failures(self) -> list[ParityCheck]:
-        """The gating checks beyond their gate (the ones that make the run fail)."""
-        return [c for c in self.checks if not c.passed and not c.informational]
-
-    @property
-    def passed(self) -> bool:
-        """Exit status 0: every gate passed, every case ran."""
-        return self.status == 0
-
-    def check(self, gate: str, prompt: Any = None, case: str | None = None) -> ParityCheck:
-        """The one check of ``gate`` (on ``prompt``, in ``case``).
-
-        Raises:
-            LookupError: none, or more than one, matches.
-        """
-        found = [c for c in self.checks if c.gate == gate and (prompt is None or c.prompt == prompt)
-                 and (case is None or c.case == case)]
-        if len(found) != 1:
-            raise LookupError(f"{len(found)} checks of gate {gate!r}" + (f" on prompt {prompt!r}" if prompt else ""))
-        return found[0]
-
-    def assert_passed(self) -> None:
-        """Raise AssertionError with the verdict and every failure's message unless the run passed."""
-        if self.passed:
-            return
-        parts = [f"g4h parity: {self.verdict} (exit {self.status})"]
-        parts += [f"{case}: could not run: {err}" for case, err in self.case_errors.items()]
-        parts += [c.message() for c in self.failures]
-        parts.append(f"report: {self.report}")
-        raise AssertionError("\n".join(parts))
-
-
-class G4HBadInput(Exception):
-    """``g4h parity`` refused its input before any case ran (one line, as ``g4h: error: ...``)."""
-
-
-class G4HEngineCrashed(Exception):
-    """The job stopped in an engine (a worker process that died): one line naming where."""
-
-
-def parse_argv(argv: list[str]) -> Any:
-    """``g4h parity ARGV`` parsed (an ``argparse.Namespace``), its one-line error as :class:`G4HBadInput`."""
-    from gemma4_harness.harness.cli import build_parser  # lazy: torch and numpy only when a run is asked for
-
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return build_parser("parity").parse_args(["parity", *argv])
-    except SystemExit:
-        line = next((ln for ln in reversed(err.getvalue().splitlines()) if ln.strip()), "invalid options")
-        raise G4HBadInput(f"g4h parity {shlex.join(argv)}: {line.split('error: ', 1)[-1]}") from None
-
-
-def run_parity(argv: list[str]) -> ParityRun:
-    """Run ``g4h parity ARGV`` in this process and return the run.
-
-    Raises:
-        G4HBadInput: an option or an input it refuses before running (exit 2 of ``g4h parity``), one line.
-        G4HEngineCrashed: the job itself stopped in an engine (exit 1 of ``g4h parity``), one line.
-    """
-    from gemma4_harness.harness.cli import _quiet_libraries  # lazy (as above)
-    from gemma4_harness.harness.cli.parity import execute  # lazy (as above)
-    from gemma4_harness.harness.core.workers import EngineCrashed  # lazy (as above)
-    from gemma4_harness.reference.errors import InputError  # lazy (as above)
-
-    args = parse_argv(argv)
-    _quiet_libraries()
-    try:
-        results, status = execute(args)
-    except InputError as e:
-        raise G4HBadInput(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    except EngineCrashed as e:
-        raise G4HEngineCrashed(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    return ParityRun(argv=list(argv), results=results, status=status, verdict=results["verdict"],
-                     report=Path(results["run_dir"]) / "report.md")
-
-
-def _argv(model: str | list[str] | None = None, against: str | list[str] | None = None, prompts: str | None = None,
-          oracle: str | None = None, skip: list[str] | tuple[str, ...] = (), out: str | None = None,
-          args: str | list[str] = ()) -> list[str]:
-    """``g4h parity`` arguments from the plugin's options (or the fixture's keywords)."""
-    argv: list[str] = []
-    for m in [model] if isinstance(model, (str, Path)) else (model or []):
-        argv += ["--model", str(m)]
-    for a in [against] if isinstance(against, str) else (against or []):
-        argv += ["--against", a]
-    if prompts:
-        argv += ["--prompts", str(prompts)]
-    if oracle:
-        argv += ["--oracle", oracle]
-    for s in skip:
-        argv += ["--skip", s]
-    if out:
-        argv += ["--out", str(out)]
-    argv += shlex.split(args) if isinstance(args, str) else list(args)
-    return argv
-
-
-# --------------------------------------------------------------------------- the plan: items before any run
-
-CACHED = "reference.cached~uncached"
-"""The item of the reference's own cached-vs-uncached check (a ``--oracle reference`` run)."""
-
-
-@dataclass(frozen=True)
-class PlannedItem:
-    """One item the command line's job will give a verdict on, known before any engine runs.
-
-    Attributes:
-        model_index, model: the ``--model``'s place and path as given; case: its case name in the job
-            (:func:`harness.parity.cases.case_names`).
-        name: ``<oracle>~<kind>`` (``#N`` for the Nth engine of a kind), or :data:`CACHED`.
-        engine: the ``--against`` engine of the pair (None for :data:`CACHED`); number: its place among the
-            engines of its kind (``engine_number`` of its checks).
-    """
-
-    model_index: int
-    model: str
-    case: str
-    name: str
-    engine: str | None
-    number: int = 1
-
-
-@dataclass
-class Plan:
-    """The command line's job: its arguments and the items it will give (:func:`plan_job`).
-
-    Attributes:
-        argv: the ``g4h parity`` arguments; base: the same without ``--model`` / ``--against`` (None when
-            ``--g4h-args`` names those, so that the run cannot be narrowed to the selected items);
-        models: the ``--model`` paths; against: the ``--against`` engines (None: each model's default);
-        oracle: ``reference`` or ``fast``; items: in job order.
-    """
-
-    argv: list[str]
-    base: list[str] | None
-    models: list[str]
-    against: list[str] | None
-    oracle: str
-    items: list[PlannedItem]
-
-
-def _planned_pairs(names: list[str], oracle: str) -> list[tuple[str, str, int]]:
-    """``(item name, engine, number)`` of each engine of ``names``, numbered per kind as the job numbers them
-    (:func:`harness.parity.checks.pair.pair_checks`)."""
-    from gemma4_harness.harness.engines import engine_kind  # lazy (as above)
-
-    out, seen = [], {}
-    for name in names:
-        kind = engine_kind(name)
-        seen[kind] = seen.get(kind, 0) + 1
-        n = seen[kind]
-        out.append((f"{oracle}~{kind}" + (f"#{n}" if n > 1 else ""), name, n))
-    return out
-
-
-def plan_job(config: pytest.Config) -> Plan | None:
-    """The command line's job (None without ``--g4h-model``), checked as ``g4h parity`` checks it before any work:
-    its options, the models, the engine names, ``--skip``, ``--oracle`` and the prompt set. Imports the harness,
-    runs nothing.
-
-    Raises:
-        G4HBadInput: bad input, one line.
-    """
-    argv = _command_line_argv(config)
-    if argv is None:
-        return None
-    from gemma4_harness.harness.core.cases import PROMPTS  # lazy (as above)
-    from gemma4_harness.harness.core.prompts import load_prompts  # lazy (as above)
-    from gemma4_harness.harness.engines import check_engine_name, split_engines  # lazy (as above)
-    from gemma4_harness.harness.parity.cases import case_names, default_against  # lazy (as above)
-    from gemma4_harness.harness.parity.job import check_oracle  # lazy (as above)
-    from gemma4_harness.harness.parity.skips import check_skip  # lazy (as above)
-    from gemma4_harness.reference.errors import InputError  # lazy (as above)
-
-    args = parse_argv(argv)
-    try:
-        for m in args.model:
-            if not Path(m).exists():
-                raise InputError(f"--g4h-model {m}: no such file or folder (a .gguf file or an HF model folder)")
-        against = [n for text in args.against for n in split_engines(text)] if args.against else None
-        for name in against or ():
-            try:
-                check_engine_name(name)
-            except InputError as e:
-                raise InputError(f"--g4h-against: {e}") from None
-        check_skip(tuple(args.skip))
-        check_oracle(args.oracle, args.model, against)
-        load_prompts(args.prompts or PROMPTS)
-    except InputError as e:
-        raise G4HBadInput(str(e).splitlines()[0]) from None
-    extra = shlex.split(config.getoption("g4h_args") or "")
-    narrowable = not any(t.startswith(("--model", "--against")) for t in extra)
-    base = _argv(None, None, config.getoption("g4h_prompts"), config.getoption("g4h_oracle"),
-                 config.getoption("g4h_skip"), config.getoption("g4h_out"), extra) if narrowable else None
-    items = []
-    for i, (model, case) in enumerate(zip(args.model, case_names(args.model))):
-        for name, engine, n in _planned_pairs(against or default_against(model, args.oracle), args.oracle):
-            items.append(PlannedItem(i, model, case, name, engine, n))
-        if args.oracle == "reference":
-            items.append(PlannedItem(i, model, case, CACHED, None))
-    return Plan(argv=argv, base=base, models=list(args.model), against=against, oracle=args.oracle, items=items)
-
-
-@dataclass
-class Narrowed:
-    """The job run for some of the plan's items: its arguments and how its cases and pairs map to the plan's."""
-
-    argv: list[str]
-    cases: dict[str, str]  # the run's case name -> the plan's
-    engines: dict[tuple[str, int], int]  # (engine, the run's number) -> the plan's number
-
-
-def narrow(plan: Plan, selected: list[PlannedItem]) -> Narrowed:
-    """The arguments that run only what ``selected`` needs: its models and, when every selected model has the
-    same engines, its engines (all of them when only :data:`CACHED` items are selected)."""
-    from gemma4_harness.harness.parity.cases import case_names, default_against  # lazy (as above)
-
-    identity = Narrowed(plan.argv, {it.case: it.case for it in plan.items},
-                        {(it.engine, it.number): it.number for it in plan.items if it.engine})
-    if plan.base is None or {(it.model_index, it.name) for it in selected} == \
-            {(it.model_index, it.name) for it in plan.items}:
-        return identity
-    indices = sorted({it.model_index for it in selected})
-    models = [plan.models[i] for i in indices]
-    lists = {tuple(plan.against or default_against(m, plan.oracle)) for m in models}
-    wanted = {(it.engine, it.number) for it in selected if it.engine}
-    engines, engine_map = None, identity.engines
-    if len(lists) == 1 and wanted:
-        sel = [(name, n) for _, name, n in _planned_pairs(list(next(iter(lists))), plan.oracle) if (name, n) in wanted]
-        engines = [name for name, _ in sel]
-        engine_map = {(name, new_n): orig_n for (_, name, new_n), (_, orig_n) in
-                      zip(_planned_pairs(engines, plan.oracle), sel)}
-    argv = _argv(models, engines if engines is not None else plan.against, args=plan.base)
-    by_case = {it.model_index: it.case for it in plan.items}
-    return Narrowed(argv, dict(zip(case_names(models), (by_case[i] for i in indices))), engine_map)
 
 
 # --------------------------------------------------------------------------- pytest hooks
@@ -582,7 +234,7 @@ class ParityItem(pytest.Item):
             if orig_case != it.case:
                 continue
             error = case.get("error") or None
-            for c, raw in zip(_checks({"cases": [case]}), case.get("checks", [])):
+            for c, raw in zip(checks_of({"cases": [case]}), case.get("checks", [])):
                 engine = raw.get("against")
                 if engine is None:
                     name, number = (CACHED, 1) if c.gate.startswith(CACHED + ".") else (None, 1)
@@ -620,8 +272,8 @@ class ParityItem(pytest.Item):
         self.user_properties += [("checks", str(len(mine))), ("failed", str(len(failed)))]
         for c in failed:
             fd = c.first_divergence
-            self.user_properties.append((f"FAIL {c.label()}", f"measured {_fmt(c.measured)}, gate "
-                                         f"{'<=' if c.op == 'le' else '>='} {_fmt(c.limit)}"
+            self.user_properties.append((f"FAIL {c.label()}", f"measured {fmt(c.measured)}, gate "
+                                         f"{'<=' if c.op == 'le' else '>='} {fmt(c.limit)}"
                                          + (f", first divergence {fd}" if fd else "")))
         for c in mine:  # reported beside the verdict, never gating: a finding or a check the engine does not offer
             if c.informational and not c.passed and not c.opted_out:
@@ -644,15 +296,6 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     """Note the g4h items left after ``-k``, ``-m``, ``--lf`` and node ids: the job runs for them only."""
     if config.stash.get(PLAN, None) is not None:
         config.stash[SELECTED] = [i.planned for i in items if isinstance(i, ParityItem)]
-
-
-def _command_line_argv(config: pytest.Config) -> list[str] | None:
-    models = config.getoption("g4h_model")
-    if not models:
-        return None
-    return _argv(models, config.getoption("g4h_against"), config.getoption("g4h_prompts"),
-                 config.getoption("g4h_oracle"), config.getoption("g4h_skip"), config.getoption("g4h_out"),
-                 config.getoption("g4h_args"))
 
 
 def _cached_run(config: pytest.Config, argv: list[str]) -> ParityRun:
@@ -699,11 +342,11 @@ def g4h_parity(pytestconfig: pytest.Config) -> Callable[..., ParityRun]:
             prompts: str | None = None, oracle: str | None = None, skip: list[str] | tuple[str, ...] = (),
             out: str | None = None, args: str | list[str] = ()) -> ParityRun:
         if model is None:
-            argv = _command_line_argv(pytestconfig)
+            argv = command_line_argv(pytestconfig)
             if argv is None:
                 pytest.fail("g4h_parity(): no model given and no --g4h-model on the command line", pytrace=False)
         else:
-            argv = _argv(model, against, prompts, oracle, skip, out or pytestconfig.getoption("g4h_out"), args)
+            argv = parity_argv(model, against, prompts, oracle, skip, out or pytestconfig.getoption("g4h_out"), args)
         try:
             return _cached_run(pytestconfig, argv)
         except G4HBadInput as e:
