@@ -5,9 +5,11 @@ every prompt's forwards under every approximation set, the greedy streams, the c
 into one group of prompts per alive node (contiguous, in the prompt set's order: :func:`groups`), and each group is
 one Ray task on its node (:func:`_group_pass`) that loads the reference from the model's path (the same path on
 every node: a node without the file is bad input naming the node and the path) and runs the same passes on its
-prompts. A prompt's figures do not depend on which prompts share its pass (:mod:`reference.batch`: bit for bit the
-one-by-one path's), so the merged :class:`.checks.oracle_pass.PassResult` (:func:`merge`, in prompt order) is
-what one machine computes.
+prompts, on as many BLAS threads as this process's reference would use (:func:`blas_threads`: the last bits of a
+float64 product depend on how many threads split it). A prompt's figures do not depend on which prompts share its
+pass (:mod:`reference.batch`: bit for bit the one-by-one path's), so the merged
+:class:`.checks.oracle_pass.PassResult` (:func:`merge`, in prompt order) is what one machine computes, where the
+nodes run the same numpy and BLAS build on the same kind of CPU (a BLAS picks its kernels by CPU model).
 
 A node lost mid-run: its task is retried by Ray (:data:`MAX_RETRIES`, on another node when its own is gone: the
 node affinity is soft). When it cannot be, :class:`ClusterLost` carries the reason, and the case fails every
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, Callable, ContextManager, Sequence
 
 from gemma4_harness.reference.errors import InputError
@@ -49,6 +52,9 @@ MAX_RETRIES = 2
 #: finds the file missing (and makes it: the retry runs), or holding ``always`` (every attempt).
 #: tests/test_parity_address.py sets it before its cluster starts (the nodes' workers inherit it).
 DIE_ENV = "G4H_TEST_PARITY_TASK_EXIT"
+#: The variables numpy's BLAS reads its thread count from (OpenBLAS's own first; the order of
+#: :func:`harness.parity.job._thread_env`'s).
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 #: Seconds :func:`open_cluster` waits for the head's port to accept a connection.
 CONNECT_TIMEOUT_S = 10.0
 SWEEP_EXTRA = "pip install 'gemma4-harness[sweep]'"
@@ -95,6 +101,15 @@ def close_cluster() -> None:
     """Detach from the cluster (:func:`open_cluster`), when attached."""
     if cluster is not None:
         cluster.disconnect()
+
+
+def blas_threads() -> int:
+    """The BLAS threads a reference forward of this process runs on: the thread variables where set (as
+    :func:`harness.parity.job.run_cases` sets them for its workers), else every CPU this process may use."""
+    for name in THREAD_VARIABLES:
+        if (os.environ.get(name) or "").isdigit() and int(os.environ[name]) > 0:
+            return int(os.environ[name])
+    return len(os.sched_getaffinity(0))
 
 
 def groups(n_prompts: int, n_nodes: int) -> list[range]:
@@ -190,17 +205,21 @@ def _spread(address: str, path: str, options: dict[str, Any], sets: Sequence[tup
     split = groups(len(prompts), len(alive))
     progress(f"reference: the passes of {len(prompts)} prompt(s) on {len(split)} node(s) of the Ray cluster at "
              f"{address} ({', '.join(str(len(g)) for g in split)} prompt(s) each)")
+    # the BLAS threads of this process on every node: a float64 product's last bits depend on how many threads
+    # split it (measured: e4b-wide Q8_0, nodes of 1 CPU with 1 thread each moved mean_kld 1.35932e-12 -> 1.35927e-12)
+    threads = blas_threads()
+    env = {"env_vars": {name: str(threads) for name in THREAD_VARIABLES}}
     task = ray.remote(max_retries=MAX_RETRIES)(_group_pass)
     pending = []
     for g, node in zip(split, alive):
         part = [prompts[i] for i in g]
         ids = {str(p["id"]) for p in part}
         gen = [p for p in gen_prompts if str(p["id"]) in ids]
-        ref = task.options(num_cpus=cpus,
+        ref = task.options(num_cpus=cpus, runtime_env=env,
                            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=True)).remote(
             path, options, list(sets), part, list(gen_sets), gen, new_tokens, top_n, cached)
         pending.append((g, node, ref))
-    parts = []
+    parts, t0 = [], time.perf_counter()
     for g, node, ref in pending:
         what = f"prompts {g.start + 1}-{g.stop} of {len(prompts)}, sent to Ray node {node.short} ({node.host})"
         try:
@@ -215,6 +234,7 @@ def _spread(address: str, path: str, options: dict[str, Any], sets: Sequence[tup
         if "input_error" in got:
             raise InputError(got["input_error"])
         parts.append(got["result"])
+    progress(f"reference: the passes on {len(split)} node(s) done in {time.perf_counter() - t0:.1f} s")
     return merge(parts, sets, prompts, gen_sets)
 
 
