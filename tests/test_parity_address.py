@@ -29,8 +29,6 @@ from gemma4_harness.harness.core import cluster  # noqa: E402
 from gemma4_harness.harness.core.keeper import session_members  # noqa: E402
 from gemma4_harness.harness.parity import remote  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
 #: Five prompts of 1 to 19 tokens: groups of 3 and 2 on two nodes.
 PROMPTS = [[2], [2, 127, 198, 237, 126], [2, 169, 23, 254, 172, 81, 60, 73, 157, 146, 110, 83, 140, 11, 48],
            [2, 40, 41], [2] + [(7 * i + 3) % 380 + 4 for i in range(18)]]
@@ -102,6 +100,7 @@ def here(model, prompt_file, tmp_path_factory):
     return data
 
 
+@pytest.mark.slow
 def test_two_nodes_give_the_figures_of_one_machine(model, prompt_file, two_nodes, here, tmp_path, capsys):
     rc, data, err = _parity(capsys, model, prompt_file, tmp_path, "--address", two_nodes)
     assert rc == 0, data.get("verdict")
@@ -110,6 +109,7 @@ def test_two_nodes_give_the_figures_of_one_machine(model, prompt_file, two_nodes
     assert _cases(data) == _cases(here)
 
 
+@pytest.mark.slow
 def test_a_task_whose_worker_dies_is_retried_with_the_same_figures(model, prompt_file, two_nodes, here, flag,
                                                                     tmp_path, capsys):
     flag.unlink()  # the first task to start dies (and makes the file again): Ray runs it again
@@ -118,6 +118,7 @@ def test_a_task_whose_worker_dies_is_retried_with_the_same_figures(model, prompt
     assert _cases(data) == _cases(here)
 
 
+@pytest.mark.slow
 def test_a_task_that_dies_every_time_fails_the_pairs_with_the_reason(model, prompt_file, two_nodes, flag, tmp_path,
                                                                      capsys):
     flag.write_text("always")
@@ -133,6 +134,7 @@ def test_a_task_that_dies_every_time_fails_the_pairs_with_the_reason(model, prom
     assert [c["gate"] for c in case["checks"]] == ["reference~fast.runs"]  # nothing of a partial pass
 
 
+@pytest.mark.slow
 def test_a_head_started_apart_through_ray_address(model, prompt_file, here, tmp_path, capsys, monkeypatch):
     # its own temporary folder, short (Ray's Unix socket paths inside must stay under 108 bytes)
     tmp = tempfile.mkdtemp(prefix="r", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
@@ -176,3 +178,19 @@ def test_groups_split_the_prompts_in_order():
     assert [list(g) for g in remote.groups(5, 2)] == [[0, 1, 2], [3, 4]]
     assert [list(g) for g in remote.groups(2, 4)] == [[0], [1]]
     assert [list(g) for g in remote.groups(7, 3)] == [[0, 1, 2], [3, 4], [5, 6]]
+
+
+def test_a_node_without_the_model_file_says_so(tmp_path):
+    got = remote._group_pass(str(tmp_path / "absent.gguf"), {}, [()], [{"id": "p", "prompt_ids": [2]}], [], [], 1, 1,
+                             False)
+    assert set(got) == {"missing"} and got["missing"]  # the node's host name; the driver names node and path
+
+
+def test_the_tasks_run_on_the_drivers_blas_threads(monkeypatch):
+    for name in remote.THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert remote.blas_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert remote.blas_threads() == 3
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")  # OpenBLAS reads its own first
+    assert remote.blas_threads() == 1

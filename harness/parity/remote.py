@@ -226,8 +226,11 @@ def _spread(address: str, path: str, options: dict[str, Any], sets: Sequence[tup
             got = ray.get(ref)
         except Exception as e:  # a node or worker lost beyond the retries, a task that raised there
             lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            _cancel([r for _, _, r in pending])
             raise ClusterLost(f"the reference's passes of {what} did not complete (tried {MAX_RETRIES + 1} "
                               f"times): {type(e).__name__}: {lines[-1][:300] if lines else ''}") from None
+        if "missing" in got or "input_error" in got:
+            _cancel([r for _, _, r in pending])
         if "missing" in got:
             raise InputError(f"Ray node {node.short} ({got['missing']}): the model {path} is not there (every node "
                              "reads the model from the same path: copy it there, or mount a shared store)")
@@ -236,6 +239,15 @@ def _spread(address: str, path: str, options: dict[str, Any], sets: Sequence[tup
         parts.append(got["result"])
     progress(f"reference: the passes on {len(split)} node(s) done in {time.perf_counter() - t0:.1f} s")
     return merge(parts, sets, prompts, gen_sets)
+
+
+def _cancel(refs: Sequence[Any]) -> None:
+    """Stop the groups' tasks still running (the job stops: their work would be thrown away)."""
+    for r in refs:
+        try:
+            ray.cancel(r, force=True)
+        except Exception:  # done already, or its node gone: nothing to stop
+            pass
 
 
 def lost_figures(names: Sequence[str], reason: str) -> list[Figure]:
