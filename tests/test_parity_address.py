@@ -1,8 +1,9 @@
 """``g4h parity --address`` (:mod:`harness.parity.remote`): the reference's passes on a Ray cluster, one group of
 prompts per node, give the results of a run on this machine (the ``cases`` of results.json compared, less the
-timings and the cluster's address); a task whose worker dies is retried and the figures are the same; one that dies
-every time fails every pair's ``.runs`` with the reason (exit 1, no figure of a partial pass); an address where no
-cluster answers is bad input (exit 2, one line).
+timings and the cluster's address); a task whose worker dies, or whose node is killed mid-run (its raylet and
+workers), is run again and the figures are the same; one that dies every time fails every pair's ``.runs`` with
+the reason (exit 1, no figure of a partial pass); an address where no cluster answers is bad input (exit 2, one
+line).
 
 The model is tests/variant_lab.py's ``lab-dense`` (vocabulary 512, context 256), against the fast engine.
 """
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +80,21 @@ def _parity(capsys, model, prompt_file, out: Path, *extra: str) -> tuple[int, di
     return rc, (json.loads(runs[-1].read_text()) if runs else {}), err
 
 
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2:].split()[1])
+
+
 def _cases(data: dict) -> list[dict]:
     """The figures of every case, less what differs between runs of the same job (timings, the cluster)."""
     out = []
@@ -132,6 +149,49 @@ def test_a_task_that_dies_every_time_fails_the_pairs_with_the_reason(model, prom
     assert [c["gate"] for c in runs] == ["reference~fast.runs"] and runs[0]["pass"] is False, runs
     assert "did not complete (tried 3 times)" in runs[0]["got"], runs[0]
     assert [c["gate"] for c in case["checks"]] == ["reference~fast.runs"]  # nothing of a partial pass
+
+
+@pytest.mark.slow
+def test_a_node_killed_mid_run_has_its_task_run_again_elsewhere(model, prompt_file, here, tmp_path, capsys):
+    """The raylet of the node this process is not attached to is killed while both groups' tasks run: its task is
+    run again on the node left, and the figures are the same."""
+    import ray
+
+    flag = tmp_path / "wait"
+    flag.write_text("wait")
+    saved = os.environ.get(remote.DIE_ENV)
+    os.environ[remote.DIE_ENV] = str(flag)
+    try:
+        with cluster.LocalCluster(nodes=2, cpus=2, object_store_bytes=200 * 2**20) as c:
+            got: dict = {}
+            job = threading.Thread(target=lambda: got.update(zip(("rc", "data", "err"), _parity(
+                capsys, model, prompt_file, tmp_path / "out", "--address", c.address))))
+            job.start()
+            started = Path(f"{flag}.started")
+            deadline = time.monotonic() + 300
+            while (not started.exists() or len(started.read_text().split()) < 2) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert len(started.read_text().split()) == 2, "both groups' tasks should have started"
+            mine = ray.get_runtime_context().get_node_id()
+            other = next(n for n in ray.nodes() if n["Alive"] and n["NodeID"] != mine)
+            # that node's raylet (its command line names its socket) and its workers (its children), no other process
+            arg = f"--raylet_socket_name={other['RayletSocketName']}".encode()
+            ours = session_members(os.getsid(c._keeper.pid))
+            (raylet,) = [pid for pid in ours if arg in _cmdline(pid)]
+            node = [raylet] + [pid for pid in ours if _parent(pid) == raylet]
+            waiting = {int(x) for x in started.read_text().split()}
+            assert len(waiting & set(node)) == 1, (node, waiting)  # one group's task runs there, now lost
+            for pid in node:
+                os.kill(pid, signal.SIGKILL)
+            flag.write_text("")  # the task left (and the one run again) go on
+            job.join(600)
+            assert got["rc"] == 0, got["data"].get("verdict")
+            assert _cases(got["data"]) == _cases(here)
+    finally:
+        if saved is None:
+            os.environ.pop(remote.DIE_ENV, None)
+        else:
+            os.environ[remote.DIE_ENV] = saved
 
 
 @pytest.mark.slow

@@ -49,8 +49,9 @@ except ModuleNotFoundError as e:  # Ray is an optional dependency: without it, -
 #: Times Ray runs a group's task again after its worker or node died (a task that raised is not retried).
 MAX_RETRIES = 2
 #: Test-only: a file; a task whose environment names it exits at once (``os._exit``, as on a lost node) when it
-#: finds the file missing (and makes it: the retry runs), or holding ``always`` (every attempt).
-#: tests/test_parity_address.py sets it before its cluster starts (the nodes' workers inherit it).
+#: finds the file missing (and makes it: the retry runs), or holding ``always`` (every attempt); holding ``wait``,
+#: it adds its process id to ``<file>.started`` and waits until the file says otherwise (while a test kills a
+#: node). tests/test_parity_address.py sets it before its cluster starts (the nodes' workers inherit it).
 DIE_ENV = "G4H_TEST_PARITY_TASK_EXIT"
 #: The variables numpy's BLAS reads its thread count from (OpenBLAS's own first; the order of
 #: :func:`harness.parity.job._thread_env`'s).
@@ -154,8 +155,16 @@ def _die_if_told() -> None:
     except FileExistsError:
         pass
     with open(flag) as f:
-        if f.read().strip() == "always":
-            os._exit(1)
+        how = f.read().strip()
+    if how == "always":
+        os._exit(1)
+    if how == "wait":
+        with open(flag + ".started", "a") as f:
+            f.write(f"{os.getpid()}\n")
+        while how == "wait":
+            time.sleep(0.2)
+            with open(flag) as f:
+                how = f.read().strip()
 
 
 def _group_pass(path: str, options: dict[str, Any], sets: Sequence[tuple[str, ...]],
