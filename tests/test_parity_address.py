@@ -240,10 +240,18 @@ def test_groups_split_the_prompts_in_order():
     assert [list(g) for g in remote.groups(7, 3)] == [[0, 1, 2], [3, 4], [5, 6]]
 
 
-def test_a_node_without_the_model_file_says_so(tmp_path):
-    got = remote._group_pass(str(tmp_path / "absent.gguf"), {}, [()], [{"id": "p", "prompt_ids": [2]}], [], [], 1, 1,
-                             False)
-    assert set(got) == {"missing"} and got["missing"]  # the node's host name; the driver names node and path
+@pytest.mark.slow
+def test_a_node_without_the_model_file_says_so(two_nodes, tmp_path):
+    import ray
+
+    cluster.connect(two_nodes)
+    try:
+        got = ray.get(ray.remote(remote._group_pass).remote(str(tmp_path / "absent.gguf"), {}, [()],
+                                                            [{"id": "p", "prompt_ids": [2]}], [], [], 1, 1, False))
+    finally:
+        cluster.disconnect()
+    assert set(got) == {"missing", "node"} and got["missing"]  # its host: the driver names the node and the path
+    assert len(got["node"]) == 8  # the node it ran on (8 hex digits, as reports name nodes)
 
 
 def test_the_tasks_run_on_the_drivers_blas_threads(monkeypatch):

@@ -170,11 +170,11 @@ def _die_if_told() -> None:
 def _group_pass(path: str, options: dict[str, Any], sets: Sequence[tuple[str, ...]],
                 prompts: Sequence[dict[str, Any]], gen_sets: Sequence[tuple[str, ...]],
                 gen_prompts: Sequence[dict[str, Any]], new_tokens: int, top_n: int, cached: bool) -> dict[str, Any]:
-    """One group's pass work, on the node it runs on: ``{"result": PassResult}``, or ``{"missing": host}`` when the
+    """One group's pass work, on the node it runs on: ``{"result": PassResult}``, or ``{"missing": host, "node": id}`` when the
     model is not at ``path`` there, or ``{"input_error": line}`` when the reference refuses it (an overflow)."""
     _die_if_told()
     if not os.path.isfile(path) and not os.path.isdir(path):
-        return {"missing": socket.gethostname()}
+        return {"missing": socket.gethostname(), "node": ray.get_runtime_context().get_node_id()[:8]}
     try:
         ref = CheckedEngine(ReferenceEngine(path, cache_gb=options.get("cache_gb"), layers=options.get("layers")),
                             "reference")
@@ -219,7 +219,7 @@ def _spread(address: str, path: str, options: dict[str, Any], sets: Sequence[tup
     threads = blas_threads()
     env = {"env_vars": {name: str(threads) for name in THREAD_VARIABLES}}
     task = ray.remote(max_retries=MAX_RETRIES)(_group_pass)
-    pending = []
+    pending, t0 = [], time.perf_counter()
     for g, node in zip(split, alive):
         part = [prompts[i] for i in g]
         ids = {str(p["id"]) for p in part}
@@ -228,7 +228,7 @@ def _spread(address: str, path: str, options: dict[str, Any], sets: Sequence[tup
                            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=True)).remote(
             path, options, list(sets), part, list(gen_sets), gen, new_tokens, top_n, cached)
         pending.append((g, node, ref))
-    parts, t0 = [], time.perf_counter()
+    parts = []
     for g, node, ref in pending:
         what = f"prompts {g.start + 1}-{g.stop} of {len(prompts)}, sent to Ray node {node.short} ({node.host})"
         try:
@@ -241,7 +241,7 @@ def _spread(address: str, path: str, options: dict[str, Any], sets: Sequence[tup
         if "missing" in got or "input_error" in got:
             _cancel([r for _, _, r in pending])
         if "missing" in got:
-            raise InputError(f"Ray node {node.short} ({got['missing']}): the model {path} is not there (every node "
+            raise InputError(f"Ray node {got['node']} ({got['missing']}): the model {path} is not there (every node "
                              "reads the model from the same path: copy it there, or mount a shared store)")
         if "input_error" in got:
             raise InputError(got["input_error"])
