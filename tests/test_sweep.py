@@ -1,5 +1,5 @@
 """``g4h sweep`` on Ray: two nodes on this machine (two ``ray start`` processes, through
-:class:`harness.sweep.cluster.LocalCluster`), eight llama-quantize types of one tiny model and a second model on
+:class:`harness.core.cluster.LocalCluster`), eight llama-quantize types of one tiny model and a second model on
 fast and llama.cpp, dead tasks as rows, a wrong engine caught and a right one passed, resuming, and no Ray process
 outliving the command.
 
@@ -29,7 +29,7 @@ import sweep_models as models  # noqa: E402
 from ray import exceptions as rex  # noqa: E402
 
 from gemma4_harness.harness.core.paths import REPO_ROOT  # noqa: E402
-from gemma4_harness.harness.sweep import cluster  # noqa: E402
+from gemma4_harness.harness.core import cluster  # noqa: E402
 from gemma4_harness.harness.sweep.files import describe, group_files  # noqa: E402
 from gemma4_harness.harness.sweep.progress import Progress  # noqa: E402
 from gemma4_harness.harness.sweep.run import SweepOptions, _Sweep, dead_row, run_sweep  # noqa: E402

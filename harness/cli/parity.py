@@ -54,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="with --model: the oracle side of every pair: reference (float64, the default) or fast (the "
                         "torch engine in fp32, on CUDA when present: much faster on a big model; pairs fast~ENGINE, "
                         "the same bounds; the reference's cached-vs-uncached check is left out)")
+    p.add_argument("--address", default=None, metavar="HOST:PORT",
+                      help="with --model and the reference as the oracle: run the reference's passes (prompt "
+                        "forwards, greedy streams, cached-vs-uncached chains) on this Ray cluster, one group of "
+                        "prompts per node, each node reading the model from the same path (default: RAY_ADDRESS when "
+                        "set; docs/cluster.md). The figures are those of a run on this machine")
     p.add_argument("--top-n", type=Count(1), default=TOP_N, metavar="N",
                       help=f"with --model: vLLM's N: log-probs asked per step of every greedy stream; a divergent "
                         f"token passes when each side's token is in the other's top-N (default {TOP_N})")
@@ -194,7 +199,9 @@ def _run(args: argparse.Namespace, against: list[str] | None, quick: bool) -> tu
     def pick(given, full, fast):
         return given if given is not None else (fast if quick else full)
 
-    return run_parity(models=args.model, against=against, out=args.out, real=not args.no_real,
+    # the sweep's rule (g4h sweep): --address, else RAY_ADDRESS; Ray's variable is read only where a cluster can serve
+    address = args.address or (os.environ.get("RAY_ADDRESS") if args.model and args.oracle == "reference" else None)
+    return run_parity(models=args.model, against=against, out=args.out, real=not args.no_real, address=address or None,
                       case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                       write_baseline=args.write_baseline, regression_factor=args.regression_factor,
                       skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,

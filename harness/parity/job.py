@@ -51,6 +51,7 @@ from .baseline import write_baseline as _write_baseline
 from .cases import case_names, gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
 from .checks.pair import ORACLES
 from .checks.server import ServerOptions
+from . import remote
 from .drift import oracle_drift as compute_drift
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
@@ -369,7 +370,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
         server: ServerOptions | None = None, weights: str | None = None,
         oracle: str = "reference", jobs: int | None = None, quick: bool = False,
-        oracle_drift: str | None = None) -> tuple[dict[str, Any], int]:
+        oracle_drift: str | None = None, address: str | None = None) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -414,6 +415,10 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         oracle_drift: the ``results.json`` of a run with another oracle version (the pinned one): the figures
             that moved between it and this run are reported (:func:`harness.parity.drift.oracle_drift`,
             ``results["oracle_drift"]``, the report's "Oracle drift" section); the exit status stays the gates'.
+        address: ``HOST:PORT`` of a Ray cluster: with ``models`` and the reference as the oracle, the reference's
+            pass work of each model runs on the cluster's nodes, one group of prompts per node
+            (:mod:`harness.parity.remote`); the figures are those of a run without it. Attached once here (an
+            unreachable address is bad input before any work), detached at the end.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -431,6 +436,9 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     if isinstance(against, str):
         against = [against]
     check_oracle(oracle, models, against)
+    if address and (not models or oracle != "reference"):
+        raise InputError(f"--address {address}: the cluster runs the float64 reference's passes of a --model; "
+                         "not with the built-in cases or --oracle fast")
     for name in against or ():
         try:
             check_engine_name(name)
@@ -473,13 +481,21 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     t0 = time.perf_counter()
     builtin = not models
     jobs = default_jobs(len(plan), builtin) if jobs is None else int(jobs)
-    with activate(progress):  # the counters of long phases (reference passes, server requests) draw on it
-        if builtin:
-            results = run_cases(plan, plan_args, jobs, threads=CASE_THREADS,
-                                order=longest_first(plan, _read_seconds()))
-            _keep_seconds(results)
-        else:
-            results = run_cases(plan, plan_args, jobs)
+    if address:
+        nodes = remote.open_cluster(address)
+        engine_options["cluster"] = address  # the reference's passes go there (user_case); engines take no such key
+        progress(f"Ray cluster at {address}: {nodes} alive node(s)")
+    try:
+        with activate(progress):  # the counters of long phases (reference passes, server requests) draw on it
+            if builtin:
+                results = run_cases(plan, plan_args, jobs, threads=CASE_THREADS,
+                                    order=longest_first(plan, _read_seconds()))
+                _keep_seconds(results)
+            else:
+                results = run_cases(plan, plan_args, jobs)
+    finally:
+        if address:
+            remote.close_cluster()
     status = exit_status(results)
     data = {"version": RESULTS_VERSION, "kind": "parity",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

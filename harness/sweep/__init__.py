@@ -12,9 +12,9 @@ wrong. The design (``docs/sweep.md``):
   agreement, the first-divergence layer), the group's 8-bit yardstick (:func:`.tasks.sensitivity_run`).
 * :mod:`.run`: the sweep on Ray: the base through the object store, one task per (file, engine) declaring the CPUs
   and memory of its engine's memory plan, dead tasks as rows, resumable (:mod:`.store`), cluster started locally or
-  reached with ``--address`` (:mod:`.cluster`, :mod:`.keeper`), progress shown (:mod:`.progress`).
+  reached with ``--address`` (:mod:`harness.core.cluster`, :mod:`harness.core.keeper`, shared with ``g4h parity --address``), progress shown (:mod:`.progress`).
 * :mod:`.judge`: statuses, the cross-engine gates, the exit status. :mod:`.report`: ``results.json``, ``sweep.csv``,
   ``report.md``, the plots.
 
-Ray is imported only by :mod:`.run` and :mod:`.cluster` (``pip install 'gemma4-harness[sweep]'``).
+Ray is imported only by :mod:`.run` and :mod:`harness.core.cluster` (``pip install 'gemma4-harness[sweep]'``).
 """

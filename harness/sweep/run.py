@@ -35,7 +35,8 @@ from ..core.paths import default_reports_dir
 from ..core.prompts import load_prompts
 from ..engines import check_engine_name, engine_kind
 from ..engines.base import TOP_N
-from . import cluster, judge, tasks
+from ..core import cluster
+from . import judge, tasks
 from . import prompts as prompt_sets
 from .files import Group, SweepFile, describe, find_models, group_files
 from .progress import Progress

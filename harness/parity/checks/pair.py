@@ -161,6 +161,8 @@ class ReferenceRuns:
         self._cached: dict[str, tuple[int, np.ndarray]] = {}
         self._forced: dict[tuple[tuple[str, ...], int, str], np.ndarray] = {}
         self.passes = 0
+        #: what runs :meth:`prefetch`'s passes: here, or on a Ray cluster (``--address``: :mod:`..remote`)
+        self.pass_work: Callable[..., Any] = reference_pass
 
     def prefetch(self, sets: Sequence[tuple[str, ...]], prompts: Sequence[dict[str, Any]], new_tokens: int,
                  top_n: int = TOP_N, cached: bool = False, progress: Progress = lambda m: None,
@@ -195,7 +197,7 @@ class ReferenceRuns:
         cached = cached and any(str(p["id"]) not in self._cached for p in prompts if len(p["prompt_ids"]) > 1)
         if not need and not cached:
             return
-        res = reference_pass(self.ref, need, prompts, gen_sets, gen_prompts, new_tokens, top_n, cached, self.numerics,
+        res = self.pass_work(self.ref, need, prompts, gen_sets, gen_prompts, new_tokens, top_n, cached, self.numerics,
                              progress)
         self._logits.update(res.logits)
         self._cached.update(res.cached)

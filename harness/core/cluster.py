@@ -1,4 +1,6 @@
-"""Where a sweep runs: a Ray cluster started for the command (:class:`LocalCluster`) or an existing one (``--address``).
+"""Where ``g4h sweep`` and ``g4h parity --address`` run: a Ray cluster started for the command (:class:`LocalCluster`)
+or an existing one (``--address``). Here in ``core`` because both use it (:mod:`harness.sweep.run`,
+:mod:`harness.parity.remote`).
 
 * :class:`LocalCluster` starts ``nodes`` Ray nodes on this machine through the keeper process
   (:mod:`.keeper`), each with its share of the CPUs and of the memory, and a bounded object store; when the
@@ -8,7 +10,7 @@
   run (the harness's version there, whether llama-cpp-python and torch import) before the sweep submits work.
 
 Ray is an optional dependency (``pip install 'gemma4-harness[sweep]'``): this module imports it at the top, and
-``g4h sweep`` checks for it before importing this module.
+``g4h sweep`` and ``g4h parity --address`` check for it before importing this module.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class LocalCluster:
         self._tmp = tempfile.mkdtemp(prefix="g4h-ray-", dir=parent)
         env = dict(os.environ, RAY_AUTH_MODE="disabled")
         env["PYTHONPATH"] = os.pathsep.join([str(SEARCH_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-        self._keeper = subprocess.Popen([sys.executable, "-m", "gemma4_harness.harness.sweep.keeper"], stdin=subprocess.PIPE,
+        self._keeper = subprocess.Popen([sys.executable, "-m", "gemma4_harness.harness.core.keeper"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                         start_new_session=True, env=env, cwd=str(SEARCH_ROOT))
         assert self._keeper.stdin is not None and self._keeper.stdout is not None

@@ -1,6 +1,6 @@
 """The keeper of a local Ray cluster: starts its nodes, and stops every process of them when its parent goes.
 
-``python -m gemma4_harness.harness.sweep.keeper`` is started by :class:`harness.sweep.cluster.LocalCluster` in a session of its
+``python -m gemma4_harness.harness.core.keeper`` is started by :class:`harness.core.cluster.LocalCluster` in a session of its
 own (``start_new_session``), with a pipe on its stdin. It reads one JSON line (the nodes to start), runs ``ray
 start --head`` and one ``ray start --address`` per further node (each in this session: Ray's daemons, raylets,
 agents and worker processes inherit it), answers one JSON line on stdout (``{"address": "HOST:PORT"}`` or
