@@ -23,7 +23,7 @@ from quant_pairs import judge, prompts_for  # noqa: E402
 from test_local_gate import MOE, _built  # noqa: E402
 
 from gemma4_harness.harness.engines.reference import ReferenceEngine  # noqa: E402
-from gemma4_harness.harness.parity.checks.pair import ReferenceRuns  # noqa: E402
+from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns  # noqa: E402
 
 GATE = "reference~llamacpp_q8.local_median"
 

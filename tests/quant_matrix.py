@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="reports/quant-matrix")
     a = p.parse_args(argv)
     from gemma4_harness.harness.engines.reference import ReferenceEngine
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
     from gemma4_harness.harness.tokenizer.prompt_ids import with_prompt_ids
 
     out = Path(a.out)

@@ -22,7 +22,8 @@ from gemma4_harness.harness.core.gates import DEFAULT_GATES  # noqa: E402
 from gemma4_harness.harness.core.prompts import load_prompts  # noqa: E402
 from gemma4_harness.harness.engines import engine_kind, make_engine  # noqa: E402
 from gemma4_harness.harness.engines.reference import ReferenceEngine  # noqa: E402
-from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, _measure, engine_numerics, pair_name  # noqa: E402
+from gemma4_harness.harness.parity.checks.pair import _measure, engine_numerics, pair_name  # noqa: E402
+from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns  # noqa: E402
 from gemma4_harness.harness.parity.result import CaseResult  # noqa: E402
 
 

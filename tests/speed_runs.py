@@ -46,9 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Functions the child marks as phases when first entered (module, attribute path, phase name); absent ones
 #: are skipped, so the same marks serve an older tree.
 MARKS = (
-    ("gemma4_harness.harness.parity.checks.pair", "ReferenceRuns.logits", "oracle logits"),
-    ("gemma4_harness.harness.parity.checks.pair", "ReferenceRuns.generations", "oracle greedy"),
-    ("gemma4_harness.harness.parity.checks.pair", "ReferenceRuns.prefetch", "oracle, all checks in one pass"),
+    ("gemma4_harness.harness.parity.checks.reference_runs", "ReferenceRuns.logits", "oracle logits"),
+    ("gemma4_harness.harness.parity.checks.reference_runs", "ReferenceRuns.generations", "oracle greedy"),
+    ("gemma4_harness.harness.parity.checks.reference_runs", "ReferenceRuns.prefetch", "oracle, all checks in one pass"),
     ("gemma4_harness.harness.parity.cases", "cached_vs_uncached", "reference cached~uncached"),
     ("gemma4_harness.harness.engines.llamacpp", "LlamaCppEngine.logits_many", "llamacpp logits + trace"),
     ("gemma4_harness.harness.engines.llamacpp", "LlamaCppEngine.generate_full", "llamacpp greedy"),

@@ -15,7 +15,8 @@ from gemma4_harness.harness.engines.checked import CheckedEngine
 from gemma4_harness.harness.engines.reference import ReferenceEngine
 from gemma4_harness.harness.parity.cases import synthetic_case, user_case
 from gemma4_harness.harness.parity.checks.fast import batched_vs_solo, chunked_vs_oneshot
-from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, pair_checks
+from gemma4_harness.harness.parity.checks.pair import pair_checks
+from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 from gemma4_harness.harness.parity.job import quick_prompts
 from gemma4_harness.harness.parity.result import CaseResult
 from gemma4_harness.reference import load_model

@@ -26,7 +26,8 @@ from gemma4_harness.harness.engines import EngineUnavailable, make_engine  # noq
 from gemma4_harness.harness.engines.checked import CheckedEngine  # noqa: E402
 from gemma4_harness.harness.engines.llamacpp import INSTALL_MSG, LlamaCppEngine  # noqa: E402
 from gemma4_harness.harness.engines.reference import ReferenceEngine  # noqa: E402
-from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, pair_checks  # noqa: E402
+from gemma4_harness.harness.parity.checks.pair import pair_checks  # noqa: E402
+from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns  # noqa: E402
 from gemma4_harness.harness.parity.result import CaseResult  # noqa: E402
 from gemma4_harness.reference.errors import InputError, PromptError  # noqa: E402
 

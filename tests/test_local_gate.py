@@ -1,5 +1,5 @@
 """The per-layer gate of an emulated pair whose engine gives its tensors (``<pair>_q8.local_median``,
-harness/parity/checks/pair.py ``local_figure``; docs/quantized-activations.md): the emulating reference re-seeded
+harness/parity/checks/quantized.py ``local_figure``; docs/quantized-activations.md): the emulating reference re-seeded
 from the engine's own stream (``layer_inputs`` of :func:`reference.model.forward`), so an int8 rounding flip cannot
 carry into the later layers, while a fault in a matrix shows at its own layer.
 
@@ -109,7 +109,7 @@ def test_llamacpp_local_gate_passes_correct_names_faulty_layer(variant, tmp_path
     from quant_pairs import judge, prompts_for
 
     from gemma4_harness.harness.engines.reference import ReferenceEngine
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 
     need_llamacpp()
     _, path = _built(variant, tmp_path)
@@ -138,7 +138,7 @@ def test_llamacpp_local_gate_names_block_and_swap_faults_with_q8_1_dot_products(
     from quant_pairs import judge, prompts_for
 
     from gemma4_harness.harness.engines.reference import ReferenceEngine
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 
     need_llamacpp()
     _, path = _built(variant, tmp_path)
@@ -162,7 +162,7 @@ def test_llamacpp_local_gate_names_a_fault_in_one_moe_expert(variant, tmp_path):
     from quant_pairs import judge, prompts_for
 
     from gemma4_harness.harness.engines.reference import ReferenceEngine
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 
     need_llamacpp()
     _, path = _built(variant, tmp_path)
@@ -190,7 +190,7 @@ def test_flips_explained_is_the_poisson_bound_it_says():
     import math
 
     from gemma4_harness.harness.core.gates import EFFECT_FACTOR, Q8_LOCAL_ALPHA
-    from gemma4_harness.harness.parity.checks.pair import _poisson_cdf, flips_explained
+    from gemma4_harness.harness.parity.checks.quantized import flips_explained, poisson_cdf
 
     ms = [flips_explained(n) for n in range(8)]
     assert ms == sorted(ms) and len(set(ms)) == len(ms), ms
@@ -198,10 +198,10 @@ def test_flips_explained_is_the_poisson_bound_it_says():
         lo, hi = 0.0, 100.0
         for _ in range(200):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if _poisson_cdf(n, mid) > Q8_LOCAL_ALPHA else (lo, mid)
+            lo, hi = (mid, hi) if poisson_cdf(n, mid) > Q8_LOCAL_ALPHA else (lo, mid)
         lam = EFFECT_FACTOR * hi
         tail = 1.0 - sum(math.exp(-lam) * lam**i / math.factorial(i) for i in range(m + 1))
-        assert tail <= Q8_LOCAL_ALPHA * (1 + 1e-9) and 1.0 - _poisson_cdf(m - 1, lam) > Q8_LOCAL_ALPHA, (n, m)
+        assert tail <= Q8_LOCAL_ALPHA * (1 + 1e-9) and 1.0 - poisson_cdf(m - 1, lam) > Q8_LOCAL_ALPHA, (n, m)
 
 
 @pytest.mark.slow
@@ -248,7 +248,8 @@ def test_a_quantized_pair_is_explained_by_the_same_local_gate(tmp_path):
     from gemma4_harness.harness.engines import make_engine
     from gemma4_harness.harness.engines.reference import ReferenceEngine
     from gemma4_harness.harness.parity.checks.explain_pair import explain_failing_pair
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, _measure
+    from gemma4_harness.harness.parity.checks.pair import _measure
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
     from gemma4_harness.harness.parity.result import CaseResult
     from gemma4_harness.harness.synth import ensure_built
 

@@ -16,7 +16,8 @@ from gemma4_harness.harness.core.cases import PROMPTS, builtin_specs
 from gemma4_harness.harness.engines.reference import ReferenceEngine
 from gemma4_harness.harness.parity.checks import pair
 from gemma4_harness.harness.parity.checks.oracle_pass import reference_pass
-from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, expected_sets
+from gemma4_harness.harness.parity.checks.pair import expected_sets
+from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 from gemma4_harness.harness.parity.checks.reference import cached_vs_uncached
 
 GELU = ("gelu_fp16_table",)

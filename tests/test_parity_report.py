@@ -194,7 +194,8 @@ def test_fast_checks_carry_per_layer_and_kld_data(tiny_gguf):
     from gemma4_harness.harness.engines.checked import CheckedEngine
     from gemma4_harness.harness.engines.reference import ReferenceEngine
     from gemma4_harness.harness.parity.checks.fast import chunked_vs_oneshot
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, pair_checks
+    from gemma4_harness.harness.parity.checks.pair import pair_checks
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
     from gemma4_harness.reference import load_model
 
     cfg, w = load_model(tiny_gguf)

@@ -1,5 +1,5 @@
 """An engine that rounds its activations (``quantized_activations``) on a quantized file: the reference emulates the
-rounding (harness/engines/llamacpp/numerics.py) and the pair is gated (harness/parity/checks/pair.py, the
+rounding (harness/engines/llamacpp/numerics.py) and the pair is gated (harness/parity/checks/quantized.py, the
 ``<pair>_q8`` gates of harness/core/gates.py); docs/quantized-activations.md.
 
 The fast tests check the plumbing: the weights' GGML type reaches the product, F32 weights are not rounded, MoE
@@ -88,7 +88,7 @@ def test_many_forwards_give_the_one_by_one_bits_under_the_emulation():
     quantized file, with llama.cpp's numerics emulated and without."""
     from gemma4_harness.harness.core.prompts import load_prompts
     from gemma4_harness.harness.engines.reference import ReferenceEngine
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 
     path = _case("e2b", "Q8_0")
     ref = ReferenceEngine(path)
@@ -105,7 +105,7 @@ def test_many_forwards_give_the_one_by_one_bits_under_the_emulation():
 
 def test_what_cannot_be_emulated_is_said():
     from gemma4_harness.harness.engines.reference import ReferenceEngine
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 
     runs = ReferenceRuns(ReferenceEngine(_case("e2b", "Q8_0")))
     types = runs.unemulated_types()
@@ -187,7 +187,7 @@ def test_many_forwards_give_the_one_by_one_bits_on_q4_1(q4_1_moe):
     the lazy path's logits bit for bit on a Q4_1 file with experts, under llama.cpp's numerics."""
     from gemma4_harness.harness.core.prompts import load_prompts
     from gemma4_harness.harness.engines.reference import ReferenceEngine
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 
     ref = ReferenceEngine(q4_1_moe)
     prompts = [p for p in load_prompts() if max(p["prompt_ids"]) < ref.cfg.vocab_size][:3]
@@ -223,7 +223,7 @@ class StreamsOnly:
 @pytest.mark.parametrize("fault", ["correct", "rows", "block", "swap"])
 def test_log_probs_only_engine_is_gated_on_its_streams(fault, tmp_path):
     """An engine without logits (:class:`StreamsOnly`, judged as a ``cmd:`` engine is) on e2b Q8_0: its greedy streams'
-    log-probs give ``agreeing_positions`` (harness/parity/checks/pair.py ``stream_agreement``); the correct file
+    log-probs give ``agreeing_positions`` (harness/parity/checks/quantized.py ``stream_agreement``); the correct file
     passes, each fault of :mod:`quant_faults` in an FFN down matrix fails there, with the same positions counted on
     the jittered reference."""
     from quant_faults import make_fault
@@ -231,7 +231,8 @@ def test_log_probs_only_engine_is_gated_on_its_streams(fault, tmp_path):
 
     from gemma4_harness.harness.core.gates import DEFAULT_GATES
     from gemma4_harness.harness.engines.reference import ReferenceEngine
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns, _measure
+    from gemma4_harness.harness.parity.checks.pair import _measure
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
     from gemma4_harness.harness.parity.result import CaseResult
 
     path = _case("e2b", "Q8_0")
@@ -287,7 +288,7 @@ def _pairs(path: Path, faults: list[str], tmp_path: Path) -> dict[str, dict]:
     from quant_pairs import judge, prompts_for
 
     from gemma4_harness.harness.engines.reference import ReferenceEngine
-    from gemma4_harness.harness.parity.checks.pair import ReferenceRuns
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 
     need_llamacpp()
     ref = ReferenceEngine(path)

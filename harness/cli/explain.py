@@ -46,8 +46,9 @@ from ..engines.reference import ReferenceEngine
 from ..engines.variants import family, parse_spec
 from ..parity.checks.explain_pair import local_judge, observe
 from ..engines.base import TOP_N
-from ..parity.checks.pair import (GREEDY_NEW_TOKENS, ReferenceRuns, declared_effects, engine_numerics, not_greedy,
-                                  pair_name, pair_near_tie)
+from ..parity.checks.pair import (GREEDY_NEW_TOKENS, declared_effects, engine_numerics, not_greedy, pair_name,
+                                  pair_near_tie)
+from ..parity.checks.reference_runs import ReferenceRuns
 from ..parity.explain import TextSubject, explain_text
 from ..parity.explain_search import LABELS, MAX_PROMPTS, Explanation, Observed, budget_seconds
 from ..parity.explain_mm import MMReference, explain_mm

@@ -370,7 +370,7 @@ Q8_AGREEING_WHY = (
     "(llama-server), its top-N for one token after each prefix, then each generated step, whose top-N "
     "log-probs agree with the emulating reference's for the same ids (on the engine's own tokens: a prefill, then a "
     "decode step per token, as it ran them) within the fp32 log-prob bound (1e-3), over the same count for the "
-    "jittered reference on the same tokens, positions and ids (harness.parity.checks.pair.stream_agreement). "
+    "jittered reference on the same tokens, positions and ids (harness.parity.checks.quantized.stream_agreement). "
     "Measured, e2b Q8_0, six text prompts, 8 new tokens, servers with their defaults: llama-server 36 positions "
     "against the jittered reference's 6, llama-cpp-python's server passing; the first half of blk.1.ffn_down's "
     "rows x1.02: 0 (tests/test_quantized_servers.py). Judged where the jittered reference agrees on at least one "
@@ -388,7 +388,7 @@ Q8_LOCAL_WHY = (
     "rounding flip cannot carry from one layer into the next, while a fault in a matrix moves its own layer fully. "
     "Per trace point: the median over every position of every prompt of the per-position relative L2 against that "
     "reference; the figure is the worst point's, and the first point beyond the limit names the first diverging "
-    "layer (harness.parity.checks.pair.local_figure). The limit is max(1e-4, 2 x the null): the null is the same "
+    "layer (harness.parity.checks.quantized.local_figure). The limit is max(1e-4, 2 x the null): the null is the same "
     "median for the re-seeded reference with every product's output moved in its last bits (jitter_sums, "
     "gemma4_harness.harness.engines.llamacpp.numerics.jitter_sums_numerics: a model of fp32 sums in another order, which flips the "
     "roundings an engine's sums can flip and not the exact ties of inputs both sides compute bit for bit), worst "
@@ -410,12 +410,12 @@ Q8_LOCAL_WHY = (
     "Q8_LOCAL_ALPHA), an engine with twice that rate (EFFECT_FACTOR, as above) exceeds m positions with "
     "probability under Q8_LOCAL_ALPHA, and the point's figure is its (m+1)-th largest error: beyond the limit "
     "exactly when more than m positions are (m capped at the median's rank, so never below the median). m is 36 "
-    "for n = 0, 44 for 1, 64 for 5 (harness.parity.checks.pair.flips_explained). Measured, correct llamacpp engine, "
-    "the 8 synthetic prompts (217 positions): at most 4 positions beyond the limit at any point (the null 0 to 5) on "
-    "the MoE shape in Q8_0 and Q4_0 and the four shapes of tests/test_local_gate.py; one expert's rows x1.02 in "
-    "blk.1 or blk.2 (20 copies): caught in 18 (63 to 134 positions at its ffn_moe); the other 2 (an expert "
-    "routed to 31 and 36 of the 217 positions) are below the resolution m = 36 - more prompts or positions raise it, as "
-    "a fault's count grows with them and m does not (tests/test_local_gate.py)")
+    "for n = 0, 44 for 1, 64 for 5 (harness.parity.checks.quantized.flips_explained). Measured, correct llamacpp "
+    "engine, the 8 synthetic prompts (217 positions): at most 4 positions beyond the limit at any point (the null 0 to "
+    "5) on the MoE shape in Q8_0 and Q4_0 and the four shapes of tests/test_local_gate.py; one expert's rows x1.02 in "
+    "blk.1 or blk.2 (20 copies): caught in 18 (63 to 134 positions at its ffn_moe); the other 2 (an expert routed to "
+    "31 and 36 of the 217 positions) are below the resolution m = 36 - more prompts or positions raise it, as a "
+    "fault's count grows with them and m does not (tests/test_local_gate.py)")
 
 Q8_LOCAL_ALPHA = 1e-4
 """The tail probability of ``local_median``'s count of flips (see :data:`Q8_LOCAL_WHY`): the upper bound of the

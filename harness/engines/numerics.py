@@ -76,7 +76,7 @@ class Numerics:
             ``--declare``...).
         vec_dot_types: with ``quantized_activations``, whose dot-product types the engine rounds to: ``llama.cpp``
             (:data:`reference.activation_quants.VEC_DOT_TYPE`, llama.cpp's CPU backend), or None when it did not
-            say (then the rounding cannot be emulated: see ``harness/parity/checks/pair.py``).
+            say (then the rounding cannot be emulated: see ``harness/parity/checks/quantized.py``).
     """
 
     dtype: str = "float32"
@@ -179,7 +179,7 @@ def effective(approx: Iterable[str], types: Iterable[str]) -> tuple[str, ...]:
     ``types``: ``quantized_activations`` rounds the inputs of quantized and 16-bit matrices only, so on a file with
     none (every matrix in :data:`EXACT_TYPES`: an F32 file) it is left out (kept, it would change nothing but the
     RMSNorms, llama.cpp's float32 steps, whose fp32 roundings move the other emulations' roundings off the ones they
-    were judged with: ``harness/parity/checks/pair.py``, ``ReferenceRuns.effective``)."""
+    were judged with: ``harness/parity/checks/reference_runs.py``, ``ReferenceRuns.effective``)."""
     approx = tuple(approx)
     if "quantized_activations" in approx and not set(types) - EXACT_TYPES:
         return tuple(a for a in approx if a != "quantized_activations")
@@ -276,7 +276,7 @@ def emulate(key: Iterable[str]) -> ContextManager:
         stack.enter_context(llamacpp_numerics())
     if "quantized_activations" in key:
         stack.enter_context(emulations.quantized_activations_numerics())
-    if "jitter" in key:  # after the rounding it perturbs the input of (harness/parity/checks/pair.py)
+    if "jitter" in key:  # after the rounding it perturbs the input of (harness/parity/checks/quantized.py)
         stack.enter_context(emulations.jitter_numerics())
     if "jitter_sums" in key:  # the fp32 sums' last bits, the null of the re-seeded per-layer comparison
         stack.enter_context(emulations.jitter_sums_numerics())

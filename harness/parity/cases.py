@@ -58,7 +58,8 @@ from .checks.multimodal import fast_figures as mm_fast_figures
 from .checks.multimodal import llamacpp_figures as mm_llamacpp_figures
 from .checks.multimodal import mask_figures, mmproj_figures, oracle_figures, preprocessing_figures, usable
 from .checks.oracle import oracle_rows
-from .checks.pair import GREEDY_NEW_TOKENS, ReferenceRuns, expected_sets, pair_checks
+from .checks.pair import GREEDY_NEW_TOKENS, expected_sets, pair_checks
+from .checks.reference_runs import ReferenceRuns
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
 from .checks.server import ServerOptions, default_text_prompts, spec_gates
 from .checks.speculative import speculative_checks

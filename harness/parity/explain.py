@@ -59,7 +59,7 @@ from .result import Figure
 
 
 LOCAL_JUDGED = ("judged by local_median: the engine rounds its activations (quantized_activations) and an int8 "
-                "rounding flip carries from layer to layer (harness/parity/checks/pair.py, local_figure)")
+                "rounding flip carries from layer to layer (harness/parity/checks/quantized.py, local_figure)")
 """Why the plain logit and layer figures of a trial are informational where the pair is judged by local_median."""
 
 
@@ -67,9 +67,10 @@ LOCAL_JUDGED = ("judged by local_median: the engine rounds its activations (quan
 class LocalJudge:
     """How a pair judged by ``<pair>_q8.local_median`` judges a trial (given by the pair's checks, which this module
     does not import): ``errors`` maps an answer with a trace to its per-point errors against the reference re-seeded
-    from it (:meth:`harness.parity.checks.pair.ReferenceRuns.local_errors`; None where it cannot be computed),
+    from it (:meth:`harness.parity.checks.reference_runs.ReferenceRuns.local_errors`; None where it cannot be computed),
     ``pool`` maps ``(pair, per-prompt figures holding "_errors")`` to the pooled figure
-    (:func:`harness.parity.checks.pair.local_figure`: the median per point, its limit, its first point beyond it)."""
+    (:func:`harness.parity.checks.quantized.local_figure`: the median per point, its limit, its first point beyond
+    it)."""
 
     errors: Callable[["Observed"], dict | None]
     pool: Callable[[str, Sequence[Figure]], Figure]

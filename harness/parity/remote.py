@@ -1,15 +1,15 @@
 """``g4h parity --address HOST:PORT`` (or ``RAY_ADDRESS``): the float64 reference's pass work on a Ray cluster.
 
-What :meth:`.checks.pair.ReferenceRuns.prefetch` asks of the reference (:func:`.checks.oracle_pass.reference_pass`:
-every prompt's forwards under every approximation set, the greedy streams, the cached-vs-uncached chains) is split
-into one group of prompts per alive node (contiguous, in the prompt set's order: :func:`groups`), and each group is
-one Ray task on its node (:func:`_group_pass`) that loads the reference from the model's path (the same path on
-every node: a node without the file is bad input naming the node and the path) and runs the same passes on its
-prompts, on as many BLAS threads as this process's reference would use (:func:`blas_threads`: the last bits of a
-float64 product depend on how many threads split it). A prompt's figures do not depend on which prompts share its
-pass (:mod:`reference.batch`: bit for bit the one-by-one path's), so the merged
-:class:`.checks.oracle_pass.PassResult` (:func:`merge`, in prompt order) is what one machine computes, where the
-nodes run the same numpy and BLAS build on the same kind of CPU (a BLAS picks its kernels by CPU model).
+What :meth:`.checks.reference_runs.ReferenceRuns.prefetch` asks of the reference
+(:func:`.checks.oracle_pass.reference_pass`: every prompt's forwards under every approximation set, the greedy streams,
+the cached-vs-uncached chains) is split into one group of prompts per alive node (contiguous, in the prompt set's order:
+:func:`groups`), and each group is one Ray task on its node (:func:`_group_pass`) that loads the reference from the
+model's path (the same path on every node: a node without the file is bad input naming the node and the path) and runs
+the same passes on its prompts, on as many BLAS threads as this process's reference would use (:func:`blas_threads`: the
+last bits of a float64 product depend on how many threads split it). A prompt's figures do not depend on which prompts
+share its pass (:mod:`reference.batch`: bit for bit the one-by-one path's), so the merged
+:class:`.checks.oracle_pass.PassResult` (:func:`merge`, in prompt order) is what one machine computes, where the nodes
+run the same numpy and BLAS build on the same kind of CPU (a BLAS picks its kernels by CPU model).
 
 A node lost mid-run: its task is retried by Ray (:data:`MAX_RETRIES`, on another node when its own is gone: the
 node affinity is soft). When it cannot be, :class:`ClusterLost` carries the reason, and the case fails every

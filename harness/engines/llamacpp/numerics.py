@@ -196,8 +196,8 @@ def quantized_activations_numerics() -> Iterator[None]:
     float32 steps (:func:`rms_norm_fp32`: the rounding of the product after it depends on those bits). What is left
     against llama.cpp is its fp32 accumulation, and the int8 roundings its fp32 activations take the other way
     where they differ from ours in the last bits (rare, but each moves one value by one step). The fast twin is not
-    swapped (``--oracle fast`` cannot emulate it: see ``harness/parity/checks/pair.py``). Restores on exit (not
-    thread-safe)."""
+    swapped (``--oracle fast`` cannot emulate it: see ``harness/parity/checks/reference_runs.py``). Restores on exit
+    (not thread-safe)."""
     original, offset, norm = rm.linear_input, rm.linear_offset, rm.rms_norm
     rm.linear_input, rm.linear_offset, rm.rms_norm = linear_input_quantized, linear_offset_quantized, rms_norm_fp32
     try:
@@ -216,7 +216,7 @@ def jitter_numerics(seed: int = 0) -> Iterator[None]:
     """Inside :func:`quantized_activations_numerics`: every product's input is first multiplied by ``1 + JITTER * u``
     (``u`` uniform in [-1, 1], a fixed-seed stream), so that the int8 roundings near a midpoint go the other way as
     they do in an engine whose fp32 values differ from ours in their last bits. The reference against itself so
-    perturbed shows what those flips alone do on this model and prompt (``harness/parity/checks/pair.py``,
+    perturbed shows what those flips alone do on this model and prompt (``harness/parity/checks/quantized.py``,
     ``agreeing_positions``). Restores on exit (not thread-safe)."""
     rng = np.random.default_rng(seed)
     inner, inner_offset = rm.linear_input, rm.linear_offset
@@ -245,7 +245,7 @@ def jitter_sums_numerics(seed: int = 0) -> Iterator[None]:
     in fp32 in another order. Unlike :func:`jitter_numerics` it leaves the inputs that the engine computes exactly
     as we do bit for bit (a layer's first RMSNorm of a stream both sides share, the first layer's norm of a quantized
     embedding row, whose exact .5 ties are common) where they are, so it flips only the roundings an engine's fp32
-    sums can flip: the null of the re-seeded, per-layer comparison (``harness/parity/checks/pair.py``,
+    sums can flip: the null of the re-seeded, per-layer comparison (``harness/parity/checks/quantized.py``,
     ``local_rel_l2``). Measured on e2b Q8_0 (re-seeded from the llamacpp engine's stream): the input jitter moved
     the first layer by 1.9e-2 (its ties), where the engine itself stays within 1e-3. Restores on exit (not
     thread-safe)."""
@@ -282,7 +282,7 @@ def round_coarse_q8(x, weight_type: str | None = "Q8_0"):
 def coarse_q8_numerics() -> Iterator[None]:
     """While inside, the reference rounds the input of every product with a quantized or 16-bit weight by
     :func:`round_coarse_q8`, and the fast twin (which keeps no weight type) the input of every product: how far an
-    8-bit activation rounding of unknown types moves this model (the yardstick of ``harness/parity/checks/pair.py``
+    8-bit activation rounding of unknown types moves this model (the yardstick of ``harness/parity/checks/quantized.py``
     for an engine whose rounding cannot be emulated; ``harness.sweep.tasks.sensitivity_run`` measures the same
     way). Restores on exit (not thread-safe)."""
     original, original_fast = rm.linear_input, fm.linear

@@ -37,11 +37,11 @@ from .pair import (
     _can,
     _logits_many,
     _read_engine_trace,
-    as_streams,
     engine_numerics,
-    local_figure,
     pair_near_tie,
 )
+from .quantized import local_figure
+from .reference_runs import as_streams
 
 
 def _gating_failure(f: Figure, gates=DEFAULT_GATES) -> bool:
@@ -118,9 +118,9 @@ def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: 
 def local_judge(runs: Any, approx: tuple[str, ...]) -> LocalJudge | None:
     """What :class:`~harness.parity.explain.TextSubject` judges by where the pair is judged by
     ``<pair>_q8.local_median``: the per-position errors of the engine's trace against the reference re-seeded from it
-    under ``approx`` (:meth:`~harness.parity.checks.pair.ReferenceRuns.local_errors`; None for an answer without a
-    trace), pooled as the pair pools them (:func:`~harness.parity.checks.pair.local_figure`). None when ``approx``
-    does not round activations (no such gate)."""
+    under ``approx`` (:meth:`~harness.parity.checks.reference_runs.ReferenceRuns.local_errors`; None for an answer
+    without a trace), pooled as the pair pools them (:func:`~harness.parity.checks.quantized.local_figure`). None when
+    ``approx`` does not round activations (no such gate)."""
     if "quantized_activations" not in approx:
         return None
 

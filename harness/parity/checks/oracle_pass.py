@@ -5,7 +5,7 @@ On a real-size quantized model each reference forward is mostly the read of the 
 float64), and the checks ask for many: every prompt's logits and trace under each set of approximations the
 engines declare (exact, llama.cpp's fp16 GELU table), the greedy streams of every prompt, and the cached-vs-
 uncached check (half the prompt, then the rest one token at a time). Run one after another (as
-:class:`.pair.ReferenceRuns` would), that is one forward per prompt per set, one per greedy step per prompt,
+:class:`.reference_runs.ReferenceRuns` would), that is one forward per prompt per set, one per greedy step per prompt,
 and one per token of every second half. Here:
 
 * pass 1 (:func:`reference.batch.forward_chains`): every prompt under every set, and every cached-vs-uncached

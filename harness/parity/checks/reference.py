@@ -52,7 +52,8 @@ def cached_vs_uncached(ref: ReferenceEngine, prompt: dict[str, Any], full: np.nd
                        cached: tuple[int, np.ndarray] | None = None) -> list[Figure]:
     """``reference.cached~uncached.max_abs_logit``: a prefill of half the prompt then one-token decode steps,
     against one forward (``full``, computed when not given; ``cached``: ``(prefill, logits)`` of the steps computed
-    already, :meth:`harness.parity.checks.pair.ReferenceRuns.cached_logits`). Nothing for a one-token prompt."""
+    already, :meth:`harness.parity.checks.reference_runs.ReferenceRuns.cached_logits`). Nothing for a one-token
+    prompt."""
     ids = prompt["prompt_ids"]
     if len(ids) < 2:
         return []

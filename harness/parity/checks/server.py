@@ -67,12 +67,12 @@ from ..result import Figure, fig
 from ..skips import skipped
 from .pair import (
     EXTRA_CHECKS,
-    QUANTIZED_ACTIVATIONS,
-    ReferenceRuns,
     engine_numerics,
     near_tie_margin,
     numerics_lines,
 )
+from .quantized import QUANTIZED_ACTIVATIONS
+from .reference_runs import ReferenceRuns
 from .server_base import ServerOptions, named, not_offered, oracle_streams
 from .server_generation import batch_figures, stop_figures, stream_figures
 from .server_prompt import prompt_logprob_figures, template_figures, tokenizer_figures
@@ -253,7 +253,7 @@ def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> li
     """Figures judged against the oracle's numbers or streams (prompt log-probs; stop and EOS, whose streams part from
     the oracle's where the server's rounding decides a token the other way) of a server that rounds activations for
     quantized weights, on such a file: judged as they are when the oracle emulates the rounding, else informational
-    with the reason the pair's own figures carry (:data:`harness.parity.checks.pair.QUANTIZED_ACTIVATIONS`)."""
+    with the reason the pair's own figures carry (:data:`harness.parity.checks.quantized.QUANTIZED_ACTIVATIONS`)."""
     types = runs.unemulated_types() if "quantized_activations" in getattr(eng, "approximations", ()) else []
     gap = runs.emulation_gap(engine_numerics(eng, "openai"), types) if types else None
     if gap is not None:

@@ -17,7 +17,7 @@ from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure
 from ...engines.base import TOP_N
 from ..result import Figure, fig
-from .pair import ReferenceRuns
+from .reference_runs import ReferenceRuns
 
 
 REQUIRABLE = ("server-template", "server-prompt-logprobs")

@@ -1,0 +1,328 @@
+"""Judging an engine that rounds its activations (``quantized_activations``) on a quantized or 16-bit file.
+
+llama.cpp's CPU backend rounds each matrix product's input to the weight type's dot-product type
+(docs/quantized-activations.md). Where the reference emulates that rounding, what is left is fp32 accumulation and
+sporadic int8 rounding flips, so the worst-value figures are reported and the pair is gated instead by
+``<pair>_q8.local_median`` (each layer against the reference re-seeded from the engine's own stream:
+:func:`.reference_runs.local_errors`, :func:`local_figure`, :func:`flips_explained`) where the engine gives its tensors,
+else by ``<pair>_q8.agreeing_positions`` (the leading run of positions within the fp32 bound against the jittered
+reference's; for an engine with log-probs only, :func:`stream_agreement`). Where it cannot emulate it
+(:data:`QUANTIZED_ACTIVATIONS`), the figures are informational and the mean KLD is gated against the 8-bit yardstick
+(:data:`YARDSTICK`). :func:`quantized_gates` applies all of this to a pair's figures (:mod:`.pair` calls it); the gates
+and their reasons are in ``harness/core/gates.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from ...core.gates import DEFAULT_GATES, EFFECT_FACTOR, Q8_LOCAL_ALPHA, effect_limit
+from ...core.kld import kld_stats
+from ...core.metrics import log_softmax
+from ...core.workers import EngineFailure
+from ...engines.base import TOP_N
+from ..result import Figure, fig
+from .reference_runs import ReferenceRuns
+
+QUANTIZED_ACTIVATIONS = (
+    "{engine} rounds the activations of matrix products with {types} weights to their dot-product type "
+    "(quantized_activations), which the reference cannot emulate here: {why}. Reported, not gated; the pair's mean "
+    "KLD is gated instead, at 2 x the KLD an 8-bit rounding of every such product's input causes on this model "
+    "(the yardstick, {pair}_q8x.mean_kld)")
+"""The reason a pair's figures (all but its mean KLD) are informational when the engine declares
+``quantized_activations``, the file holds quantized or 16-bit matrices, and the rounding cannot be emulated
+(:meth:`ReferenceRuns.emulation_gap`)."""
+
+YARDSTICK = ("quantized_activations_q8",)
+"""The emulation key of the yardstick: every quantized product's input rounded to 8 bits
+(:func:`harness.engines.llamacpp.numerics.coarse_q8_numerics`)."""
+
+Q8_REPORTED = ("max_abs_logit", "mean_kld", "max_abs_logprob", "layer_rel_l2")
+"""The figures of an emulated pair that are reported, not gated (:data:`Q8_REPORTED_WHY`)."""
+
+Q8_REPORTED_WHY = (
+    "reported, not gated: with the quantized activations emulated, what is left is fp32 accumulation (~1e-6) and, "
+    "sporadically, an int8 rounding that the engine's fp32 activation takes the other way (an activation within fp32 "
+    "noise of a rounding midpoint); one such flip moves everything after it by as much as the rounding itself does "
+    "(measured: e2b Q8_0 max |dlogit| 0.35, Gemma 3 270M Q4_K_M 8.4), so the worst figure says nothing about a fault. "
+    "Gated instead: local_median where the engine gives its tensors (each layer re-seeded from the engine's stream), "
+    "else agreeing_positions (a fault moves every position; a flip only those after it)")
+
+Q8_METRICS = ("max_abs_logit", "mean_kld", "same_top1_decisive", "greedy", "max_abs_logprob", "layer_rel_l2")
+"""The metrics judged by ``<pair>_q8.*`` when the engine's quantized activations are emulated on a quantized file."""
+
+
+def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind: str, types: Sequence[str],
+                    gap: str | None, prompts: Sequence[dict[str, Any]], approx: tuple[str, ...] = ()) -> None:
+    """Judge the figures of an engine that rounds its activations (``quantized_activations``) on a file with
+    quantized or 16-bit matrices (``types``).
+
+    Emulated with the engine's tensors (its traces: the ``<pair>_q8.local_median`` figures of each prompt, with
+    ``_errors``): they are pooled into the one gate of the pair (:func:`local_figure`: each layer judged on its own
+    against the reference re-seeded from the engine's stream), and ``agreeing_positions`` is reported
+    (:data:`LOCAL_JUDGES`; its jittered count is not computed).
+
+    Emulated (``gap`` None): each figure is judged by ``<pair>_q8.<metric>`` (``harness/core/gates.py``), not by the
+    effect of the emulations (kept in the detail as ``effect_not_applied``: the rounding moves the figures by far
+    more than a fault does). What the emulation leaves is fp32 accumulation and sporadic int8 rounding flips; the
+    worst-value figures are reported, and ``<pair>_q8.agreeing_positions`` is gated: the positions in each prompt's
+    leading run within the fp32 bound, over those of the emulating reference against itself with its inputs
+    perturbed in their last bits (``jitter``: what the flips alone do on this model and prompt). When that reference
+    agrees on fewer positions than one per prompt (flips too dense: no resolution), the figure is reported and the
+    mean KLD is gated as below. An engine
+    without logits (a server) is counted on its greedy streams' log-probs instead (:func:`stream_agreement`, in the
+    ``max_abs_logprob`` figure's detail): the same gate, the same ratio; flips too dense there leave the greedy
+    streams to gate alone (no logits, no KLD).
+
+    Not emulated (``gap`` says why): every figure is informational with the reason
+    (:data:`QUANTIZED_ACTIVATIONS`), except the mean KLD, judged by ``<pair>_q8x.mean_kld`` at 2 x the KLD the
+    yardstick rounding (:data:`YARDSTICK`) causes on the same prompt, so a fault larger than an 8-bit rounding
+    still fails."""
+    head = pair + "."
+    by_id = {str(p["id"]): p for p in prompts}
+    dense = None
+    seeded = [f for f in figures if f.gate == f"{pair}_q8.local_median" and "_errors" in f.detail]
+    if seeded:  # the engine's tensor traces, each layer judged on its own: the gate of the emulated pair
+        figures[:] = [f for f in figures if not any(f is g for g in seeded)]
+        figures.append(local_figure(pair, seeded))
+    if gap is None:
+        logit = [f for f in figures if f.gate == head + "max_abs_logit" and "agreeing_prefix" in f.detail]
+        streams = [f for f in figures if f.gate == head + "max_abs_logprob" and "agreeing_prefix" in f.detail]
+        detail: dict[str, Any] | None = None
+        if logit:
+            own = DEFAULT_GATES[head + "max_abs_logit"].limit
+            agree, total = sum(f.detail["agreeing_prefix"] for f in logit), sum(f.detail["positions"] for f in logit)
+            itself = 0  # the emulating reference against itself with its inputs perturbed in their last bits
+            for f in (() if seeded else logit):  # reported beside local_median: not worth a forward per prompt
+                p = by_id[str(f.prompt)]
+                base = runs.logits(approx, p)[0]
+                moved = np.max(np.abs(runs.raw_logits((*approx, "jitter"), p["prompt_ids"]) - base), axis=1)
+                apart = np.nonzero(~(moved <= own))[0]
+                itself += int(apart[0]) if apart.size else int(moved.size)
+            detail = dict(positions=total, agreeing=agree, reference_agreeing=itself, on="logits",
+                          per_prompt={str(f.prompt): [f.detail["agreeing_prefix"], f.detail["positions"]]
+                                      for f in logit})
+            instead = "the mean KLD is gated against the 8-bit yardstick instead"
+            # a count of leading runs under one position per prompt has no resolution (as for streams below):
+            # measured, e2b F16 through the llamacpp engine, the jittered reference 2 over 6 prompts and the correct
+            # engine 0 (a false alarm)
+            floor = len(logit)
+        elif streams:  # an engine without logits: its greedy streams' log-probs (stream_agreement)
+            f = streams[0]
+            own = DEFAULT_GATES[head + "max_abs_logprob"].limit
+            agree, itself = f.detail["agreeing_prefix"], f.detail["reference_agreeing"]
+            detail = dict(positions=f.detail["positions"], agreeing=agree, reference_agreeing=itself,
+                          on=("log-probs along the greedy streams (prompt positions where offered or probed by "
+                              "prefix, then each step)"),
+                          per_prompt=f.detail["per_prompt"])
+            instead = "the greedy streams gate alone"
+            # a count of leading runs under one position per stream has no resolution: measured, the e2b F16 file
+            # on llama-server, the jittered reference 2 over 6 streams and the correct server 0 (a false alarm)
+            floor = len(f.detail["per_prompt"])
+        if detail is not None and seeded:  # reported: the per-layer figure judges
+            detail["reference_agreeing"] = None
+            figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
+                               informational_reason=LOCAL_JUDGES))
+        elif detail is not None:
+            if itself < floor:
+                dense = (f"{'no position' if itself == 0 else f'{itself} position(s) over {floor} streams'} of the "
+                         f"emulating reference agree(s) with itself within {own:g} once its inputs move in their last "
+                         "bits: int8 rounding flips are too dense on this model to judge by positions; "
+                         f"{instead}")
+                figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
+                                   informational_reason=dense, no_resolution=instead))
+            else:
+                figures.append(fig(f"{pair}_q8.agreeing_positions", agree / itself, None, **detail))
+    for f in figures:
+        if not f.gate.startswith(head) or f.gate[len(head):] not in Q8_METRICS:
+            continue
+        metric = f.gate[len(head):]
+        if gap is None and dense is not None and metric == "mean_kld" and str(f.prompt) in by_id:
+            p = by_id[str(f.prompt)]
+            yard = float(kld_stats(runs.logits((), p)[0], runs.logits(YARDSTICK, p)[0]).mean_kld)
+            f.gate = f"{pair}_q8x.mean_kld"
+            f.detail.pop("effect", None)
+            f.detail.update(effect=yard, effect_power=1, yardstick=yard, quantized_activations=f"emulated; {dense}")
+            continue
+        if gap is None:
+            f.gate = f"{pair}_q8.{metric}"
+            if "effect" in f.detail:
+                f.detail["effect_not_applied"] = f.detail.pop("effect")
+                f.detail.pop("effect_power", None)
+            f.detail["quantized_activations"] = f"emulated ({'/'.join(types)})"
+            if metric in Q8_REPORTED:
+                f.detail["informational_reason"] = Q8_REPORTED_WHY
+            continue
+        why = QUANTIZED_ACTIVATIONS.format(engine=kind, types="/".join(types), why=gap, pair=pair)
+        p = by_id.get(str(f.prompt))
+        if metric == "mean_kld" and p is not None:
+            exact = runs.logits((), p)[0]
+            yard = float(kld_stats(exact, runs.logits(YARDSTICK, p)[0]).mean_kld)
+            f.gate = f"{pair}_q8x.mean_kld"
+            f.detail.update(effect=yard + float(f.detail.get("effect") or 0.0), effect_power=1, yardstick=yard,
+                            quantized_activations=f"not emulated: {gap}")
+        else:
+            f.detail["informational_reason"] = why
+
+
+LOCAL_JUDGES = ("reported, not gated: the engine gave its tensors, and local_median judges each layer on its own "
+                "(re-seeded from the engine's stream, so that an int8 rounding flip cannot carry into the layers after "
+                "it)")
+"""Why ``agreeing_positions`` is reported where ``local_median`` gates the pair."""
+
+
+def poisson_cdf(k: int, lam: float) -> float:
+    """P(X <= k) for X Poisson of mean ``lam`` (0 for k < 0)."""
+    if k < 0:
+        return 0.0
+    if lam <= 0:
+        return 1.0
+    return min(1.0, sum(math.exp(-lam + i * math.log(lam) - math.lgamma(i + 1)) for i in range(k + 1)))
+
+
+@functools.lru_cache(maxsize=None)
+def flips_explained(n_null: int, alpha: float = Q8_LOCAL_ALPHA) -> int:
+    """The most positions of a trace point that int8 rounding flips explain in the engine's errors, given that the
+    null (the jittered re-seeded reference) has ``n_null`` beyond the same limit: the upper bound ``u`` of a Poisson
+    rate that gives at most ``n_null`` with probability ``alpha``, then the least ``m`` that a Poisson count of mean
+    ``EFFECT_FACTOR * u`` exceeds with probability at most ``alpha`` (Q8_LOCAL_WHY in harness/core/gates.py).
+    0 -> 36, 1 -> 44, 5 -> 64 at alpha 1e-4."""
+    lo, hi = 0.0, n_null + 10.0 * math.sqrt(n_null + 1) + 50.0
+    for _ in range(100):  # bisection: the cdf falls as the rate grows
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if poisson_cdf(n_null, mid) > alpha else (lo, mid)
+    lam = EFFECT_FACTOR * hi
+    m, cdf = 0, math.exp(-lam)
+    while 1.0 - cdf > alpha:  # the cdf summed term by term
+        m += 1
+        cdf += math.exp(-lam + m * math.log(lam) - math.lgamma(m + 1))
+    return m
+
+
+def local_figure(pair: str, per_prompt: Sequence[Figure]) -> Figure:
+    """``<pair>_q8.local_median``: for each trace point (point, layer), the per-position relative L2 of the engine
+    against the emulating reference re-seeded from the engine's own stream (:meth:`ReferenceRuns.reseeded`,
+    :func:`.reference_runs.local_errors`, in each figure of ``per_prompt`` as ``_errors``), over every position of every
+    prompt, taken at the rank flips allow. The limit is ``max(floor, 2 x effect)``, the effect the worst point's median
+    of the null (the jittered re-seeded reference against the re-seeded one: what the emulation leaves). Per point, the
+    null's positions beyond that limit give ``m`` (:func:`flips_explained`: the most that int8 rounding flips explain),
+    and the point's figure is its (m+1)-th largest error, at most the median's rank: beyond the limit exactly when more
+    than ``m`` positions are. A fault in a matrix moves every position that uses it by a like relative amount: most
+    positions, or for one MoE expert the minority routed to it; a flip moves one position (and, through its keys and
+    values, the later ones by less), and flips are rare. The figure is the worst point's; names the first point in trace
+    order beyond the limit (``first_divergence``, ``point@layer``)."""
+    pooled: dict[tuple[str, int], tuple[list, list]] = {}
+    for f in per_prompt:
+        for k, (e, j) in f.detail["_errors"].items():
+            pooled.setdefault(k, ([], []))
+            pooled[k][0].append(e)
+            pooled[k][1].append(j)
+    pooled_e = {k: (np.concatenate(e), np.concatenate(j)) for k, (e, j) in pooled.items()}
+    null = max(float(np.median(j)) for _, j in pooled_e.values())
+    limit = effect_limit(DEFAULT_GATES[f"{pair}_q8.local_median"], null)
+    rows = []  # (key, figure, null median, positions, beyond, null beyond, flips explained)
+    for k, (e, j) in pooled_e.items():
+        beyond, null_beyond = int(np.sum(~(e <= limit))), int(np.sum(~(j <= limit)))
+        m = min(flips_explained(null_beyond), (e.size - 1) // 2)
+        value = float(-np.sort(-np.nan_to_num(e, nan=np.inf))[m])  # the (m+1)-th largest
+        rows.append((k, value, float(np.median(j)), int(e.size), beyond, null_beyond, m))
+    worst = max(rows, key=lambda r: r[1] if r[1] == r[1] else float("inf"))
+    first = next((r for r in rows if not r[1] <= limit), None)
+    where = None if first is None else f"{first[0][0]}@{first[0][1]}"
+    said = {} if first is None else {"why": (
+        f"first diverging layer {first[0][1]} ({where}): {first[4]} of {first[3]} positions beyond {limit:.3g}, "
+        f"where rounding flips explain at most {first[6]} (the emulation itself leaves {first[5]} beyond it, a "
+        f"median of {first[2]:.3g}); the relative L2 of rank {first[6] + 1} from the top is {first[1]:.3g}")}
+    return fig(f"{pair}_q8.local_median", worst[1], None, worst_point=f"{worst[0][0]}@{worst[0][1]}",
+               first_divergence=where, first_layer=None if first is None else first[0][1], effect=null,
+               null=null, prompts=len(per_prompt), points=len(rows), **said,
+               per_point=[[k[0], k[1], v] for k, v, *_ in rows],  # [point, layer, rel_l2] as every figure's
+               null_per_point=[[k[0], k[1], j] for k, _, j, *_ in rows],
+               # [point, layer, positions beyond the limit, the null's, flips explained] where any moved
+               moved_per_point=[[k[0], k[1], b, nb, m] for k, _, _, _, b, nb, m in rows if b or nb])
+
+
+def _agreeing_run(diffs: Sequence[float | None], bound: float) -> tuple[int, int]:
+    """``(leading run, positions)`` of per-position differences: the positions before the first one above ``bound``,
+    and the positions counted; None (a position one side left without log-probs) is neither."""
+    run, seen, apart = 0, 0, False
+    for d in diffs:
+        if d is None:
+            continue
+        seen += 1
+        apart = apart or not d <= bound
+        run += not apart
+    return run, seen
+
+
+def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]],
+                     streams: dict[str, dict[str, Any]], bound: float, top_n: int = TOP_N) -> dict[str, Any]:
+    """For an engine that gives log-probs, not logits (a server, a ``cmd:`` engine without ``logits``) and rounds its
+    activations (``quantized_activations`` in ``approx``, emulated): per greedy stream, the leading run of positions
+    whose returned log-probs agree with the emulating oracle's for the same ids within ``bound`` (the fp32 bound of
+    ``max_abs_logprob``), and the same run for the emulating oracle against itself jittered
+    (``(*approx, "jitter")``, :func:`harness.engines.llamacpp.numerics.jitter_numerics`) on the same tokens, positions
+    and ids. The positions: the prompt's where the engine reports prompt log-probs (``offers_prompt_logprobs``,
+    :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the top-N) or where it
+    gives them for one token after each prefix (``probes_prompt_logprobs``, llama-server: the top-N; without the
+    prompt's positions its streams start where an int8 flip has had a whole prompt to spread, and the jittered
+    reference agreed on none of them on e2b Q8_0), then every generated step with log-probs (the engine's top-N)
+    up to the first step whose token it left unnamed (-1); the oracle runs teacher-forced on the prompt and the
+    engine's own tokens, a prefill of the prompt then a decode step per token as the engine ran them
+    (:meth:`ReferenceRuns.decoded_logits`), so a stream that parts from the oracle's or stops at EOS is still
+    compared where it went. Only ids the engine returned are compared (the oracle has every id); ``top_n``: the
+    log-probs asked per prompt position.
+
+    Returns:
+        ``agreeing_prefix``, ``positions`` and ``reference_agreeing`` summed over the streams, ``per_prompt``
+        ``{id: [agreeing, positions, reference_agreeing]}``, ``agreement_on`` (``log-probs``: what
+        :func:`quantized_gates` reads).
+
+    Raises:
+        EngineFailure: the engine failed a prompt log-probs request (its ``index`` in ``prompts``).
+    """
+    ids = {str(p["id"]): [int(t) for t in p["prompt_ids"]] for p in prompts}
+    rids = [rid for rid in ids if streams.get(rid, {}).get("tokens")]
+    prompt_lp: dict[str, list] = {}
+    ask = (eng.prompt_logprobs if getattr(eng, "offers_prompt_logprobs", False)
+           else eng.prefix_logprobs if getattr(eng, "probes_prompt_logprobs", False) else None)
+    if ask is not None:
+        for k, rid in ((k, rid) for k, rid in enumerate(ids) if rid in rids):
+            try:
+                prompt_lp[rid] = ask(ids[rid], top_n)
+            except EngineFailure as e:
+                raise e.at(index=k)
+    # a step whose token the engine left unnamed (-1: llama-server's gaps, a text the oracle cannot name) ends
+    # what can be followed: its log-probs still count, the context after it is unknown
+    last = {}
+    for rid in rids:
+        toks = list(streams[rid]["tokens"])
+        last[rid] = toks.index(-1) if -1 in toks else len(toks) - 1
+    forced = [list(streams[rid]["tokens"][:last[rid]]) for rid in rids]
+    emulated = runs.decoded_logits(approx, [ids[rid] for rid in rids], forced)
+    jittered = runs.decoded_logits((*approx, "jitter"), [ids[rid] for rid in rids], forced)
+    out = {"agreeing_prefix": 0, "positions": 0, "reference_agreeing": 0, "per_prompt": {},
+           "agreement_on": "log-probs"}
+    for rid, z, zj in zip(rids, emulated, jittered):
+        lp, jit = log_softmax(z), log_softmax(zj)
+        compared: list[tuple[int, dict[int, float]]] = []  # (row of the oracle's logits, the engine's log-probs)
+        for i, entry in enumerate(prompt_lp.get(rid, [])):
+            if entry is not None and 0 < i < len(ids[rid]):
+                given = {} if entry[0] is None else {ids[rid][i]: float(entry[0])}
+                compared.append((i - 1, {**dict(entry[1]), **given}))
+        start = len(ids[rid]) - 1
+        compared += [(start + s, {int(k): float(v) for k, v in d.items() if int(k) >= 0})
+                     for s, d in enumerate(streams[rid]["logprobs"][:last[rid] + 1])]
+        theirs = [max((abs(v - lp[row, k]) for k, v in d.items()), default=None) for row, d in compared]
+        itself = [max((abs(jit[row, k] - lp[row, k]) for k in d), default=None) for row, d in compared]
+        agree, seen = _agreeing_run(theirs, bound)
+        own, _ = _agreeing_run(itself, bound)
+        out["per_prompt"][rid] = [agree, seen, own]
+        out["agreeing_prefix"] += agree
+        out["positions"] += seen
+        out["reference_agreeing"] += own
+    return out

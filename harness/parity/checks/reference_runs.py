@@ -1,0 +1,346 @@
+"""The oracle's outputs on one model, computed once and shared by every pair (:class:`ReferenceRuns`).
+
+The reference (or the fast engine in fp32 under ``--oracle fast``) under each approximation set a pair asks for: logits
+and traces per prompt, greedy streams, the cached-vs-uncached logits, the teacher-forced logits of the log-prob effect,
+and the reference re-seeded from an engine's own trace with the per-point errors against it (:func:`local_errors`, which
+``local_median`` pools: :func:`.quantized.local_figure`). :meth:`ReferenceRuns.prefetch` computes what the pairs will
+ask in as few passes over the weights as it can (:func:`.oracle_pass.reference_pass`); :mod:`.pair` measures the engines
+against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Sequence
+
+import numpy as np
+
+from gemma4_harness.reference import batch
+
+from ...core.metrics import log_softmax
+from ...engines.base import TOP_N
+from ...engines.numerics import Numerics, emulable_types, emulate, effective
+from ...engines.reference import ReferenceEngine
+from ...traces.format import Trace, TraceWriter
+from .oracle_pass import reference_pass
+
+Progress = Callable[[str], None]
+
+LOCAL_POINTS = (("inp_scaled", "inp_per_layer"), ("attn_out", "ffn_mlp", "ffn_moe", "ffn_out", "per_layer_embd_out",
+                                                   "l_out"), ("result_norm", "result_output"))
+"""The trace points ``local_median`` compares: before the layers (layer -1), in every layer, after them (layer -1)."""
+
+
+def local_errors(ours: Trace, seeded: Trace, null: Trace, n_layer: int) -> dict[tuple[str, int], tuple[np.ndarray,
+                                                                                                      np.ndarray]]:
+    """Per trace point ``(point, layer)`` in trace order: the per-position relative L2 of the engine's tensor against
+    the re-seeded reference's (:meth:`ReferenceRuns.reseeded`), and of the jittered re-seeded reference's (the null)
+    against the same, each float64 ``[T]`` (``||a_t - b_t|| / ||b_t||``; a row of zeros on the reference side: 0
+    when the other row is zeros too, else inf). Points that either side lacks, or holds in another shape, are left
+    out."""
+    before, every, after = LOCAL_POINTS
+    keys = ([(p, -1) for p in before] + [(p, il) for il in range(n_layer) for p in every]
+            + [(p, -1) for p in after])
+    out = {}
+    for point, layer in keys:
+        a, b, j = ours.tensor(point, layer), seeded.tensor(point, layer), null.tensor(point, layer)
+        if a is None or b is None or j is None or a.shape != b.shape or not a.ndim:
+            continue
+        a, b, j = (np.asarray(x, dtype=np.float64).reshape(x.shape[0], -1) for x in (a, b, j))
+        nb = np.linalg.norm(b, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            errs = [np.where(nb > 0, np.linalg.norm(x - b, axis=1) / nb,
+                             np.where(np.linalg.norm(x, axis=1) > 0, np.inf, 0.0)) for x in (a, j)]
+        out[(point, layer)] = (np.nan_to_num(errs[0], nan=np.inf), np.nan_to_num(errs[1], nan=np.inf))
+    return out
+
+
+class ReferenceRuns:
+    """The oracle's outputs on one model, computed once per approximation set and shared by every pair.
+
+    Args:
+        ref: the reference engine of the model (its config and stored weight types are read from it).
+        oracle: the engine whose outputs are the oracle side: None for ``ref`` itself, or a fast engine in fp32
+            (``--oracle fast``); it makes the emulations of :data:`harness.engines.numerics.EMULATED` too. Its
+            ``engine`` attribute names the pairs.
+
+    Attributes:
+        name: the oracle's name in pair names (``reference``, or the oracle engine's ``engine``: ``fast``).
+    """
+
+    def __init__(self, ref: ReferenceEngine, oracle: Any = None) -> None:
+        self.ref = ref
+        self.oracle = ref if oracle is None else oracle
+        self.name = "reference" if oracle is None else oracle.engine
+        self._logits: dict[tuple[tuple[str, ...], str], tuple[np.ndarray, Trace]] = {}
+        self._gens: dict[tuple[tuple[str, ...], int, int], dict[str, dict[str, Any]]] = {}
+        self._cached: dict[str, tuple[int, np.ndarray]] = {}
+        self._forced: dict[tuple[tuple[str, ...], int, str], np.ndarray] = {}
+        self.passes = 0
+        #: what runs :meth:`prefetch`'s passes: here, or on a Ray cluster (``--address``: :mod:`..remote`)
+        self.pass_work: Callable[..., Any] = reference_pass
+
+    def prefetch(self, sets: Sequence[tuple[str, ...]], prompts: Sequence[dict[str, Any]], new_tokens: int,
+                 top_n: int = TOP_N, cached: bool = False, progress: Progress = lambda m: None,
+                 greedy: bool = True) -> None:
+        """Compute ahead, in as few passes over the weights as the checks allow
+        (:func:`.oracle_pass.reference_pass`), what the pairs will ask: the logits and traces of every prompt under
+        each approximation set in ``sets`` and exact (the figures against the exact reference beside an emulated
+        pair's), the greedy streams of ``new_tokens`` under each set in ``sets``, and with ``cached`` the
+        cached-vs-uncached logits (:meth:`cached_logits`); ``greedy=False``: no streams. What is already there is
+        not computed again (a set whose streams are asked runs its prompts' forwards again: the streams continue
+        them). Later calls of
+        :meth:`logits` and :meth:`generations` read them; what was not prefetched is computed when asked, as
+        before. Nothing is done when the oracle is not the reference (``--oracle fast``), or when a ``--spec``
+        variant replaces a function the many-forwards path does the work of (:func:`reference.batch.replaced`).
+
+        The values are the ones the one-by-one path gives, bit for bit (:mod:`reference.batch`).
+        """
+        if self.oracle is not self.ref and not hasattr(self.oracle, "prompt_runs"):
+            return
+        if self.oracle is self.ref and batch.replaced():  # a --spec variant overrides what the many-forwards path does
+            progress(f"reference: forwards one by one ({', '.join(batch.replaced())} replaced by --spec)")
+            return
+        context = self.ref.cfg.context_length
+        gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
+        asked = list(dict.fromkeys(self.effective(tuple(a)) for a in sets))
+        gen_sets = [a for a in asked if (a, new_tokens, top_n) not in self._gens] if gen_prompts and greedy else []
+        need = [a for a in dict.fromkeys([(), *asked])
+                if a in gen_sets or any((a, str(p["id"])) not in self._logits for p in prompts)]
+        if self.oracle is not self.ref:
+            self._prefetch_oracle(need, prompts, gen_sets, gen_prompts, new_tokens, top_n)
+            return
+        cached = cached and any(str(p["id"]) not in self._cached for p in prompts if len(p["prompt_ids"]) > 1)
+        if not need and not cached:
+            return
+        res = self.pass_work(self.ref, need, prompts, gen_sets, gen_prompts, new_tokens, top_n, cached, self.numerics,
+                             progress)
+        self._logits.update(res.logits)
+        self._cached.update(res.cached)
+        for approx, gens in res.generations.items():
+            self._gens[(approx, new_tokens, top_n)] = as_streams(gen_prompts, gens)
+        self.passes += res.passes
+
+    def _prefetch_oracle(self, need: Sequence[tuple[str, ...]], prompts: Sequence[dict[str, Any]],
+                         gen_sets: Sequence[tuple[str, ...]], gen_prompts: Sequence[dict[str, Any]], new_tokens: int,
+                         top_n: int) -> None:
+        """:meth:`prefetch` with an oracle that is not the reference (``--oracle fast``), through its
+        ``prompt_runs`` (one prefill per prompt and set): the traced logits of each set of ``need``; from the same
+        caches the greedy streams of a set of ``gen_sets``; and from the exact prompts' caches the log-prob
+        effect's teacher-forced logits along the first emulated set's streams (:meth:`logprob_effect`). The
+        emulated sets run first, so that the exact one can follow their streams. One by one, the same work took
+        four prefills of each prompt, a head over every prompt position of the forced forward, and a decode step
+        per prompt and token."""
+        gen_ids = {str(p["id"]) for p in gen_prompts}
+        along = next((a for a in gen_sets if a), None)
+        for a in [a for a in need if a] + [a for a in need if not a]:
+            streaming, forcing = a in gen_sets, not a and along is not None and a not in gen_sets
+            todo = [p for p in prompts if streaming or forcing or (a, str(p["id"])) not in self._logits]
+            follow = self._gens.get((along, new_tokens, top_n), {}) if forcing else {}
+            parts = {"stream": [p for p in todo if streaming and str(p["id"]) in gen_ids],
+                     "forced": [p for p in todo if str(p["id"]) in follow],
+                     "plain": [p for p in todo if not (streaming and str(p["id"]) in gen_ids)
+                               and str(p["id"]) not in follow]}
+            for how, part in parts.items():
+                if not part:
+                    continue
+                tokens = [follow[str(p["id"])]["tokens"][:-1] for p in part] if how == "forced" else None
+                traces = [TraceWriter(self.name, p["prompt_ids"], dtype="float32", keep_tensors=True) for p in part]
+                with self.numerics(a):
+                    runs = self.oracle.prompt_runs([list(p["prompt_ids"]) for p in part], traces=traces,
+                                                   new_tokens=new_tokens if how == "stream" else 0, forced=tokens,
+                                                   top_n=top_n)
+                for p, w, run in zip(part, traces, runs):
+                    self._logits[(a, str(p["id"]))] = (run.logits.double().cpu().numpy(), w.trace())
+                    if how == "forced":
+                        self._forced[(along, new_tokens, str(p["id"]))] = torch_rows(
+                            [run.logits[-1:]] + ([] if run.forced is None else [run.forced]))
+                if how == "stream":
+                    self._gens[(a, new_tokens, top_n)] = as_streams(part, [run.stream for run in runs])
+
+    def cached_logits(self, prompt: dict[str, Any]) -> tuple[int, np.ndarray] | None:
+        """``(prefill, float64 [T, V])``: the prompt's cached-vs-uncached logits when :meth:`prefetch` computed
+        them (a prefill of ``prefill`` tokens, then one token per forward), else None."""
+        return self._cached.get(str(prompt["id"]))
+
+    def numerics(self, approx: Sequence[str]) -> ContextManager:
+        """The reference under the emulations ``approx`` (:meth:`harness.engines.numerics.Numerics.emulation`)."""
+        return emulate(approx)
+
+    def emulation_gap(self, numerics: Numerics, types: Sequence[str]) -> str | None:
+        """Why the oracle cannot emulate the quantized activations of an engine with ``numerics`` on matrices of
+        ``types`` (:meth:`unemulated_types`), or None when it can (the reference as the oracle, the engine's
+        dot-product types llama.cpp's, every type in llama.cpp's table)."""
+        if self.name != "reference":
+            return f"the {self.name} oracle does not emulate it (the default oracle, the reference, does)"
+        if numerics.vec_dot_types is None:
+            return "the engine does not say whose dot-product types it rounds to (vec_dot_types)"
+        unknown = emulable_types(types)
+        if unknown:
+            return f"no dot-product type is known for {'/'.join(unknown)}"
+        return None
+
+    def effective(self, approx: tuple[str, ...]) -> tuple[str, ...]:
+        """``approx`` (an emulation key, :meth:`harness.engines.numerics.Numerics.emulation`) as it acts on this
+        model: ``quantized_activations`` rounds the inputs of quantized and 16-bit matrices only, so on a file with
+        none (:meth:`unemulated_types` empty: an F32 file) it is left out. Kept, it would change nothing but the
+        RMSNorms (llama.cpp's float32 steps, there for the int8 ties), and those fp32 roundings move the fp16 GELU
+        table's and KV cache's roundings off the ones the other emulations were judged with (measured: llama-cpp-python
+        on the F32 odd-h88-v515-gqa shape, max |dlogprob| 0.0062 -> 0.021 against a limit that fell 0.047 -> 0.020)."""
+        return effective(approx, self.unemulated_types())  # shared with g4h sweep (harness/sweep/tasks.py)
+
+    def unemulated_types(self) -> list[str]:
+        """The stored types of the model's matrices that are neither F32 nor float64 (``Q8_0``, ``F16`` ...):
+        where an engine with ``quantized_activations`` rounds its activations."""
+        w = self.ref.weights
+        raw = getattr(w, "raw_dtype", None)
+        if raw is None:
+            return []
+        return sorted({raw(n) for n in w if len(w.shape(n)) >= 2} - {"F32", "float32", "float64"})
+
+    def logits(self, approx: tuple[str, ...], prompt: dict[str, Any]) -> tuple[np.ndarray, Trace]:
+        """The oracle's logits ``[T, V]`` as float64 and the trace (tensors kept) of one prompt, under ``approx``."""
+        key = (approx, str(prompt["id"]))
+        if key not in self._logits:
+            w = TraceWriter(self.name, prompt["prompt_ids"], dtype="float64" if self.name == "reference" else "float32",
+                            keep_tensors=True)
+            with self.numerics(approx):
+                z = self.oracle.logits(prompt["prompt_ids"], trace=w)
+            self._logits[key] = (z, w.trace())
+        return self._logits[key]
+
+    def reseeded(self, approx: tuple[str, ...], prompt: dict[str, Any], engine: Trace) -> tuple[Trace, Trace] | None:
+        """The reference's traces (tensors kept) of one prompt under ``approx``, re-seeded from the engine's trace:
+        each layer L > 0 enters with the engine's ``l_out`` of layer L - 1, and the final norm with its last layer's
+        (``layer_inputs`` of :func:`reference.model.forward`), so that each layer is computed from what the engine's
+        own layer took and a difference cannot carry from one layer to the next; then the same with every product's
+        input jittered in its last bits (``(*approx, "jitter")``: what the int8 rounding flips alone leave, the null
+        of ``local_rel_l2``). The first layer enters with the engine's ``inp_scaled`` where it traced it. Two
+        forwards, not kept (another engine's trace is another seed). None when the oracle
+        is not the reference or the engine's trace lacks an ``l_out`` tensor of the prompt's shape."""
+        if self.oracle is not self.ref:
+            return None
+        n, T, h = self.ref.cfg.n_layer, len(prompt["prompt_ids"]), self.ref.cfg.hidden_size
+        first = engine.tensor("inp_scaled", -1)  # the first layer's input too, where traced: its fp32 bits
+        seeds = {0: first} if first is not None and first.shape == (T, h) else {}
+        for il in range(n):
+            t = engine.tensor("l_out", il)
+            if t is None or t.shape != (T, h):
+                return None
+            seeds[il + 1] = t
+        out = []
+        for a in (approx, (*approx, "jitter_sums")):
+            w = TraceWriter(self.name, prompt["prompt_ids"], dtype="float64", keep_tensors=True)
+            with self.numerics(a):
+                self.ref.logits(prompt["prompt_ids"], trace=w, layer_inputs=seeds)
+            out.append(w.trace())
+        return out[0], out[1]
+
+    def local_errors(self, approx: tuple[str, ...], prompt: dict[str, Any], engine: Trace
+                     ) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] | None:
+        """:func:`local_errors` of the engine's trace ``engine`` of ``prompt`` against the reference re-seeded from
+        it under ``approx`` (:meth:`reseeded`): what ``<pair>_q8.local_median`` pools, in the pair and in its
+        explanation's trials. None when ``approx`` does not round activations (no such figure) or the trace cannot
+        re-seed the reference."""
+        seeded = self.reseeded(approx, prompt, engine) if "quantized_activations" in approx else None
+        return None if seeded is None else local_errors(engine, *seeded, self.ref.cfg.n_layer)
+
+    def raw_logits(self, approx: tuple[str, ...], ids: Sequence[int]) -> np.ndarray:
+        """The oracle's logits ``[T, V]`` (float64) of ``ids``, not kept, under ``approx``."""
+        with self.numerics(approx):
+            return np.asarray(self.oracle.logits(list(ids)), dtype=np.float64)
+
+    def raw_logits_many(self, approx: tuple[str, ...], seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """:meth:`raw_logits` of every sequence of ``seqs``: with the reference as the oracle, in one pass over
+        the weights (:func:`reference.batch.forward_chains`, bit for bit the same), else one forward each."""
+        if self.oracle is not self.ref or not hasattr(self.ref, "logits_chains") or batch.replaced() or not seqs:
+            return [self.raw_logits(approx, ids) for ids in seqs]
+        chains = [batch.Chain([list(ids)], numerics=lambda: self.numerics(approx)) for ids in seqs]
+        self.passes += 1
+        return [np.asarray(z[0], dtype=np.float64) for z in self.ref.logits_chains(chains)]
+
+    def decoded_logits(self, approx: tuple[str, ...], prompts: Sequence[Sequence[int]],
+                       tokens: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """The reference's logits (float64 ``[len(prompt) + len(tokens), V]``) of each prompt and its tokens computed
+        as an engine computes a stream: a prefill of the prompt, then one decode step per token, under ``approx``
+        (llama.cpp's flash attention takes another kernel below 64 query rows: one forward over the whole sequence
+        would not be what the engine ran). With the reference as the oracle only; in one pass over the weights
+        (:func:`reference.batch.forward_chains`) unless ``approx`` jitters (its random stream is the one-by-one
+        path's) or a ``--spec`` variant replaces what that path does."""
+        if "jitter" in approx or batch.replaced() or not prompts:
+            out = []
+            for ids, toks in zip(prompts, tokens):
+                with self.numerics(approx):
+                    out.append(np.asarray(self.ref.logits_cached(list(ids) + list(toks), len(ids)), dtype=np.float64))
+            return out
+        chains = [batch.Chain([list(ids)] + [[int(t)] for t in toks], numerics=lambda: self.numerics(approx))
+                  for ids, toks in zip(prompts, tokens)]
+        self.passes += 1
+        return [np.concatenate([np.asarray(z, dtype=np.float64) for z in calls])
+                for calls in self.ref.logits_chains(chains)]
+
+    def generations(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
+                    top_n: int = TOP_N) -> dict[str, dict]:
+        """The oracle's greedy streams of ``n`` tokens with the top-``top_n`` log-probs of every step, as
+        :func:`harness.parity.compare.load_generations` returns them, under ``approx``."""
+        key = (approx, n, top_n)
+        if key not in self._gens:
+            with self.numerics(approx):
+                gens = self.oracle.generate_full([p["prompt_ids"] for p in prompts], n, top_n=top_n)
+            self._gens[key] = as_streams(prompts, gens)
+        return self._gens[key]
+
+    def logprob_effect(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], n: int,
+                       top_n: int = TOP_N) -> tuple[float, str | None]:
+        """How far the emulations ``approx`` move the oracle's greedy log-probs: for each prompt, the stream under
+        ``approx`` (:meth:`generations`) and the exact oracle's log-probs of the same tokens in the same contexts
+        (one forward over the prompt and the stream, teacher-forced), max |Δ| over every step's top-``top_n``.
+        Returns ``(effect, where)``; ``(0, None)`` without emulations."""
+        if not approx:
+            return 0.0, None
+        key = ("effect", approx, n, top_n, tuple(str(p["id"]) for p in prompts))
+        if key not in self._gens:
+            gens = self.generations(approx, prompts, n, top_n)
+            worst, where = 0.0, None
+            streams = [(p, gens[str(p["id"])]) for p in prompts if gens[str(p["id"])]["tokens"]]
+            for (p, g), z in zip(streams, self._forced_rows(approx, n, streams)):
+                lp = log_softmax(z)
+                for i, d in enumerate(g["logprobs"]):
+                    row = lp[i]
+                    for t, v in d.items():
+                        if abs(v - row[t]) > worst:
+                            worst = abs(v - row[t])
+                            where = f"request {p['id']} step {i} token {t}: {v:.6g} with, {row[t]:.6g} without"
+            self._gens[key] = (worst, where)
+        return self._gens[key]
+
+
+    def _forced_rows(self, approx: tuple[str, ...], n: int,
+                     streams: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> list[np.ndarray]:
+        """The exact oracle's logits (float64 ``[len(tokens), V]``) of each stream's steps, teacher-forced: the
+        prompt's last position, then one position per stream token but the last. What :meth:`prefetch` computed,
+        else a forward of the prompt and the stream (the reference: in one pass over the weights,
+        :meth:`raw_logits_many`; an oracle with ``prompt_runs``: from one prefill each, no trace)."""
+        out: list[np.ndarray | None] = [self._forced.get((approx, n, str(p["id"]))) for p, _ in streams]
+        missing = [k for k, z in enumerate(out) if z is None]
+        if hasattr(self.oracle, "prompt_runs") and self.oracle is not self.ref:
+            runs = self.oracle.prompt_runs([list(streams[k][0]["prompt_ids"]) for k in missing],
+                                           forced=[streams[k][1]["tokens"][:-1] for k in missing])
+            for k, run in zip(missing, runs):
+                out[k] = torch_rows([run.logits[-1:]] + ([] if run.forced is None else [run.forced]))
+            return out
+        full = self.raw_logits_many((), [list(streams[k][0]["prompt_ids"]) + streams[k][1]["tokens"][:-1]
+                                         for k in missing])
+        for k, z in zip(missing, full):
+            out[k] = z[len(streams[k][0]["prompt_ids"]) - 1:]
+        return out
+
+
+def torch_rows(parts: Sequence[Any]) -> np.ndarray:
+    """Row blocks of an oracle's torch logits, stacked as one float64 array."""
+    return np.concatenate([t.double().cpu().numpy() for t in parts])
+
+
+def as_streams(prompts: Sequence[dict[str, Any]], gens: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """Generated objects (``tokens``, ``top``) keyed by prompt id, in the form the greedy rule reads."""
+    return {str(p["id"]): {"tokens": list(g.tokens), "top": [[i for i, _ in s] for s in g.top],
+                           "logprobs": [dict(s) for s in g.top]} for p, g in zip(prompts, gens)}
