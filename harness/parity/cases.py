@@ -49,7 +49,6 @@ from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
 from ..synth.prompts import PROMPT_SEED, named_for_window
 from ..tokenizer.prompt_ids import with_prompt_ids
-from . import remote
 from .checks import explain_pair  # noqa: F401 (registers the explanation of a failing pair: pair.ON_MEASURED)
 from .checks.drafter import drafter_checks, drafter_not_built, llamacpp_drafter_checks
 from .checks.fast import fast_checks, fast_packed_checks
@@ -64,6 +63,7 @@ from .checks.reference import cached_vs_uncached, compare_pair, quantized_loader
 from .checks.server import ServerOptions, default_text_prompts, spec_gates
 from .checks.speculative import speculative_checks
 from .checks.tokenizer import tokenizer_figures
+from .remote import ClusterLost, lost_figures, spreader
 from .result import CaseResult, fig
 from .skips import skipped
 
@@ -321,14 +321,14 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     runs.gates = gates  # the explanation of a failing pair is judged by the case's gates, as the pair is
     if oracle_engine is None:  # every check's reference forwards, in as few passes over the weights as they allow
         if o.get("cluster"):  # on the nodes of a Ray cluster (g4h parity --address)
-            runs.pass_work = remote.spreader(o["cluster"], path, o)
+            runs.pass_work = spreader(o["cluster"], path, o)
             res.info["cluster"] = {"address": o["cluster"]}
         try:
             runs.prefetch(expected_sets([n for n in names if n not in unusable], skip), usable,
                           int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)), res.info["top_n"], cached=True,
                           progress=lambda m: progress(f"[{res.case}] {m}"))
-        except remote.ClusterLost as e:  # no figure of a partial pass: every pair fails its .runs with the reason
-            res.apply(remote.lost_figures(names, str(e)), gates)
+        except ClusterLost as e:  # no figure of a partial pass: every pair fails its .runs with the reason
+            res.apply(lost_figures(names, str(e)), gates)
             return res
     try:
         pairs(res, gates, runs, [(n, engine_options) for n in names], path, usable, progress, skip, server)

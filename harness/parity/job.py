@@ -51,8 +51,8 @@ from .baseline import write_baseline as _write_baseline
 from .cases import case_names, gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
 from .checks.pair import ORACLES
 from .checks.server import ServerOptions
-from . import remote
 from .drift import oracle_drift as compute_drift
+from .remote import close_cluster, open_cluster
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
 from .skips import SKIPS, check_skip, skipped
@@ -482,7 +482,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     builtin = not models
     jobs = default_jobs(len(plan), builtin) if jobs is None else int(jobs)
     if address:
-        nodes = remote.open_cluster(address)
+        nodes = open_cluster(address)
         engine_options["cluster"] = address  # the reference's passes go there (user_case); engines take no such key
         progress(f"Ray cluster at {address}: {nodes} alive node(s)")
     try:
@@ -495,7 +495,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
                 results = run_cases(plan, plan_args, jobs)
     finally:
         if address:
-            remote.close_cluster()
+            close_cluster()
     status = exit_status(results)
     data = {"version": RESULTS_VERSION, "kind": "parity",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
