@@ -28,6 +28,7 @@ from variant_lab import build  # noqa: E402
 
 from gemma4_harness.harness.cli import main  # noqa: E402
 from gemma4_harness.harness.core import cluster  # noqa: E402
+from gemma4_harness.harness.core.environ import THREAD_VARIABLES  # noqa: E402
 from gemma4_harness.harness.core.keeper import session_members  # noqa: E402
 from gemma4_harness.harness.parity import remote  # noqa: E402
 
@@ -255,7 +256,7 @@ def test_a_node_without_the_model_file_says_so(two_nodes, tmp_path):
 
 
 def test_the_tasks_run_on_the_drivers_blas_threads(monkeypatch):
-    for name in remote.THREAD_VARIABLES:
+    for name in THREAD_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert remote.blas_threads() == len(os.sched_getaffinity(0))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")

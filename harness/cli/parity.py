@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-from collections.abc import Iterator
 
 from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import PROMPTS
 from ..core.engine_kinds import default_against
+from ..core.environ import environ
 from ..core.io import write_text_atomic
 from ..core.text import for_terminal
 from ..engines import split_engines
@@ -173,26 +172,11 @@ def execute(args: argparse.Namespace) -> tuple[dict, int]:
     # the budget is read by the explanation hook, in this process and in the case workers: set for the run only (a
     # caller in the same process, the pytest plugin or a test, keeps its own)
     budget = None if args.explain_budget is None else str(budget_seconds(args.explain_budget))
-    with _env(BUDGET_ENV, budget):
+    with environ({BUDGET_ENV: budget}):
         data, status = _run(args, against, quick)
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))
     return data, status
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    """While inside, ``os.environ[name]`` is ``value`` (unchanged when None); restored on exit."""
-    saved = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
 
 
 def _run(args: argparse.Namespace, against: list[str] | None, quick: bool) -> tuple[dict, int]:

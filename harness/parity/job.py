@@ -28,7 +28,7 @@ import sys
 import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -36,6 +36,7 @@ from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.weights import load_model
 
 from ..core.cases import PROMPTS, builtin_specs
+from ..core.environ import THREAD_VARIABLES, environ
 from ..core.io import staged_run_dir, write_json_atomic
 from ..core.paths import cache_root
 from ..core.progress import Display, activate
@@ -158,7 +159,7 @@ def run_cases(plan: Plan, plan_args: dict[str, Any], jobs: int = 1, threads: int
         return [guard(*case) for case in plan]
     threads = threads or _threads_per_job(jobs)
     results: list[CaseResult | None] = [None] * len(plan)
-    with _thread_env(threads), process_pool(min(jobs, len(plan)), f"{__name__}:_init_worker", (threads,)) as pool:
+    with environ(dict.fromkeys(THREAD_VARIABLES, str(threads))), process_pool(min(jobs, len(plan)), f"{__name__}:_init_worker", (threads,)) as pool:
         futures = {i: pool.submit(_run_planned, plan_args, i) for i in (order or range(len(plan)))}
         for i, f in futures.items():
             try:
@@ -200,23 +201,6 @@ def _keep_seconds(results: list[CaseResult]) -> None:
 def _threads_per_job(jobs: int) -> int:
     """CPU threads for each of ``jobs`` workers: the CPUs this process may use, shared out (at least 1)."""
     return max(1, len(os.sched_getaffinity(0)) // jobs)
-
-
-@contextlib.contextmanager
-def _thread_env(threads: int) -> Iterator[None]:
-    """While inside, ``OMP_NUM_THREADS`` and the BLAS thread variables say ``threads``, so that spawned workers
-    start their OpenMP and BLAS pools at that size; restored on exit."""
-    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-    saved = {n: os.environ.get(n) for n in names}
-    os.environ.update({n: str(threads) for n in names})
-    try:
-        yield
-    finally:
-        for n, v in saved.items():
-            if v is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = v
 
 
 def _init_worker(threads: int) -> None:

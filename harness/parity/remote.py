@@ -28,6 +28,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 from gemma4_harness.reference.errors import InputError
 
+from ..core.environ import THREAD_VARIABLES
 from ..core.gates import pair_name
 from ..engines import engine_kind
 from ..engines.checked import CheckedEngine
@@ -53,9 +54,6 @@ MAX_RETRIES = 2
 #: it adds its process id to ``<file>.started`` and waits until the file says otherwise (while a test kills a
 #: node). tests/test_parity_address.py sets it before its cluster starts (the nodes' workers inherit it).
 DIE_ENV = "G4H_TEST_PARITY_TASK_EXIT"
-#: The variables numpy's BLAS reads its thread count from (OpenBLAS's own first; the order of
-#: :func:`harness.parity.job._thread_env`'s).
-THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 #: Seconds :func:`open_cluster` waits for the head's port to accept a connection.
 CONNECT_TIMEOUT_S = 10.0
 SWEEP_EXTRA = "pip install 'gemma4-harness[sweep]'"

@@ -25,12 +25,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from gemma4_harness.reference.config import ModelConfig
 from gemma4_harness.reference.errors import InputError
+
+from ...core.environ import environ
 
 FAST = "gemma4_harness.fast.model"
 FAST_MODEL = "gemma4_harness.fast.model:FastModel"
@@ -200,18 +201,8 @@ def under(variants: Sequence[Variant], fast: bool = True, env: bool = False) -> 
         missing = [v.name for v in variants if not v.fast_patches]
         if missing:
             patches.append(Patch(FAST_MODEL, "__init__", _refuse(missing)))
-    saved_env = os.environ.get(ENV)
-    if env:
-        os.environ[ENV] = ",".join(v.name for v in variants)
-    try:
-        with applied(patches):
-            yield
-    finally:
-        if env:
-            if saved_env is None:
-                os.environ.pop(ENV, None)
-            else:
-                os.environ[ENV] = saved_env
+    with environ({ENV: ",".join(v.name for v in variants) if env else None}), applied(patches):
+        yield
 
 
 def _refuse(names: Sequence[str]) -> Callable[[Any], Any]:
