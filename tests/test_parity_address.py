@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("ray", reason="g4h parity --address needs Ray: pip install 'gemma4-harness[sweep]' (a test extra)")
@@ -263,3 +264,29 @@ def test_the_tasks_run_on_the_drivers_blas_threads(monkeypatch):
     assert remote.blas_threads() == 3
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")  # OpenBLAS reads its own first
     assert remote.blas_threads() == 1
+
+
+def test_a_task_runs_the_reference_under_the_commands_spec(model):
+    """``--spec`` reaches the nodes: a group's task is handed the variants and its reference runs under them
+    (run here, without Ray: the task's function itself), as this machine's reference does. A variant of a function
+    the many-forwards path calls through the module (``rms_norm``; one of ``forward``'s own makes the pass work run
+    one by one here instead, :func:`reference.batch.replaced`) was lost on the nodes before."""
+    from gemma4_harness.harness.engines.checked import CheckedEngine
+    from gemma4_harness.harness.engines.numerics import emulate
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.engines.variants import VARIANTS, under
+    from gemma4_harness.harness.parity.checks.oracle_pass import reference_pass
+
+    prompts = [{"id": "p", "prompt_ids": PROMPTS[2]}]
+    args = ({}, [()], prompts, [], [], 1, 1, False)
+
+    def logits(got: dict) -> np.ndarray:
+        return got["result"].logits[((), "p")][0]
+
+    plain = logits(remote._group_pass(str(model), *args))
+    spec = logits(remote._group_pass(str(model), *args, spec=("norm_plus_one",)))
+    with under([VARIANTS["norm_plus_one"]], fast=False):
+        here = reference_pass(CheckedEngine(ReferenceEngine(model), "reference"), [()], prompts, [], [], 1, 1, False,
+                              emulate).logits[((), "p")][0]
+    assert np.array_equal(spec, here)
+    assert np.abs(spec - plain).max() > 1e-3  # the variant changes this model's logits: the check can fail

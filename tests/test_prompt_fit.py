@@ -11,7 +11,6 @@ The model is tests/variant_lab.py's ``lab-dense`` (vocabulary 512, context 256).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -95,22 +94,22 @@ def test_a_prompt_that_fits_the_context_but_not_the_new_tokens_is_bad_input(mode
     assert rc == 0, out + err
 
 
-@pytest.mark.parametrize("before", [None, "7"])
-def test_explain_budget_is_set_for_the_run_only(model, tmp_path, capsys, monkeypatch, before):
-    """``g4h parity --explain-budget`` sets the budget for its own run (its case workers read it from the
-    environment) and leaves the caller's environment as it was: run in-process (the pytest plugin, a test), a
-    budget of 0 left behind once took every later run's explanation away (CI, stop 43)."""
-    from gemma4_harness.harness.parity.explain_search import BUDGET_ENV
+@pytest.mark.parametrize("given, expected", [(None, 60.0), ("7", 7.0), ("0", 0.0)])
+def test_explain_budget_reaches_the_pair_as_an_argument(model, tmp_path, capsys, monkeypatch, given, expected):
+    """``g4h parity --explain-budget`` is handed to each pair's explanation as an argument (the job, the case,
+    :func:`harness.parity.cases.pairs`): nothing is left behind for a later run in the same process (the pytest
+    plugin, a test; a budget of 0 left in the environment once took every later run's explanation away, CI stop
+    43), and a value in the environment from older versions is not read."""
+    from gemma4_harness.harness.parity import cases
 
-    if before is None:
-        monkeypatch.delenv(BUDGET_ENV, raising=False)
-    else:
-        monkeypatch.setenv(BUDGET_ENV, before)
-    f = _file(tmp_path, *OOV)
-    _bad_input(*_parity(capsys, tmp_path, model, f))  # refused inside the run, after the budget was set
-    rc, out, err = _parity(capsys, tmp_path, model, _file(tmp_path, OOV[0]))
+    budgets: list[float] = []
+    monkeypatch.setattr(cases, "explain_failing_pair", lambda *a, budget_s: budgets.append(budget_s))
+    monkeypatch.setenv("G4H_EXPLAIN_BUDGET", "3")
+    extra = () if given is None else ("--explain-budget", given)
+    rc, out, err = _g4h(capsys, "parity", "--model", str(model), "--against", ENGINE, "--prompts",
+                        str(_file(tmp_path, OOV[0])), "--out", str(tmp_path / "runs"), "--quiet", *extra)
     assert rc == 0, out + err
-    assert os.environ.get(BUDGET_ENV) == before
+    assert budgets == [expected]
 
 
 def test_g4h_explain_refuses_the_same_prompts(model, tmp_path, capsys):

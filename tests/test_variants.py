@@ -20,7 +20,17 @@ import gemma4_harness.reference.model as rm
 from gemma4_harness.harness.core.gates import DEFAULT_GATES as G
 from gemma4_harness.harness.core.gates import effect_limit
 from gemma4_harness.harness.engines.reference import ReferenceEngine
-from gemma4_harness.harness.engines.variants import ENV, FAMILIES, KINDS, VARIANTS, family, markdown, parse_spec, under
+from gemma4_harness.harness.engines.variants import (
+    FAMILIES,
+    KINDS,
+    VARIANTS,
+    active,
+    family,
+    markdown,
+    parse_spec,
+    spec_context,
+    under,
+)
 from gemma4_harness.harness.traces.compare import DivergenceRule, compare
 from gemma4_harness.harness.traces.format import TraceWriter
 from gemma4_harness.reference.errors import InputError
@@ -159,16 +169,30 @@ def test_parity_under_spec_says_so_and_an_engine_following_the_rule_passes(lab, 
     assert "the reference ran under spec variants softcap_default_30" in report.split("| case", 1)[0]
 
 
-def test_a_worker_process_takes_the_parents_spec(lab):
-    """The parity job's case workers are spawned: :data:`ENV` carries ``--spec`` to them
-    (:func:`harness.engines.variants.activate_from_env`)."""
+def test_the_command_spec_is_named_while_applied_and_not_by_a_trial():
+    """``--spec`` (:func:`spec_context`) is what :func:`active` names, the parity job hands to its workers and writes
+    in ``results["spec"]``; an explanation's trial (:func:`under` without ``spec``) is not the command's."""
+    assert active() == ()
+    with spec_context("head_tied,window_inclusive"):
+        assert active() == ("head_tied", "window_inclusive")
+        with under([VARIANTS["softcap_default_30"]], fast=False):
+            assert active() == ("head_tied", "window_inclusive")
+    assert active() == ()
+
+
+def test_a_worker_process_takes_the_parents_spec_as_an_argument(lab):
+    """The parity job's case workers are spawned: their initializer is handed the parent's ``--spec``
+    (:func:`harness.parity.job._init_worker`) and applies it for the worker's life; no environment variable is read
+    (none is set here)."""
     code = ("import sys; sys.path.insert(0, %r)\n"
             "import gemma4_harness.reference.model as rm\n"
             "f = rm.forward\n"
-            "from gemma4_harness.harness.engines.variants import activate_from_env\n"
-            "print(activate_from_env(), rm.forward is not f)\n") % str(REPO_ROOT)
-    env = dict(os.environ, **{ENV: "head_tied,window_inclusive"})
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+            "from gemma4_harness.harness.engines.variants import active\n"
+            "from gemma4_harness.harness.parity.job import _init_worker\n"
+            "_init_worker(1, ('head_tied', 'window_inclusive'))\n"
+            "print(active(), rm.forward is not f)\n") % str(REPO_ROOT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("G4H_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "('head_tied', 'window_inclusive') True", out.stderr
 
 

@@ -9,7 +9,6 @@ from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import PROMPTS
 from ..core.engine_kinds import default_against
-from ..core.environ import environ
 from ..core.io import write_text_atomic
 from ..core.text import for_terminal
 from ..engines import split_engines
@@ -18,7 +17,7 @@ from ..engines.numerics import parse_declare
 from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
 from ..parity.checks.server import ServerOptions
 from ..parity.drift import drift_rows, only_summary
-from ..parity.explain_search import BUDGET_ENV, budget_seconds
+from ..parity.explain_search import budget_seconds
 from ..parity.explain_report import explanation_lines
 from ..parity.job import QUICK_LEAVES_OUT, QUICK_NEW_TOKENS, QUICK_PROMPTS, QUICK_SERVER_REQUESTS
 from ..parity.job import run as run_parity
@@ -169,11 +168,7 @@ def execute(args: argparse.Namespace) -> tuple[dict, int]:
     against = [n for text in args.against for n in split_engines(text)] if args.against else None
     parse_declare(args.declare or ())  # a bad --declare is one line before any work
     quick = bool(args.quick)
-    # the budget is read by the explanation hook, in this process and in the case workers: set for the run only (a
-    # caller in the same process, the pytest plugin or a test, keeps its own)
-    budget = None if args.explain_budget is None else str(budget_seconds(args.explain_budget))
-    with environ({BUDGET_ENV: budget}):
-        data, status = _run(args, against, quick)
+    data, status = _run(args, against, quick)
     if args.junit_xml:
         write_text_atomic(args.junit_xml, junit_xml(data))
     return data, status
@@ -191,6 +186,7 @@ def _run(args: argparse.Namespace, against: list[str] | None, quick: bool) -> tu
                       skip=tuple(args.skip), slow=args.slow, prompts=args.prompts or PROMPTS,
                       engine_options=engine_options(args), weights=args.weights, oracle=args.oracle,
                       jobs=args.jobs, quick=quick, oracle_drift=args.oracle_drift,
+                      explain_budget=budget_seconds(args.explain_budget),
                       server=ServerOptions(
                           max_new_tokens=pick(args.max_new_tokens, GREEDY_NEW_TOKENS, QUICK_NEW_TOKENS),
                           top_n=args.top_n,

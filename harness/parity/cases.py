@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -49,8 +50,8 @@ from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
 from ..synth.prompts import PROMPT_SEED, named_for_window
 from ..tokenizer.prompt_ids import with_prompt_ids
-from .checks import explain_pair  # noqa: F401 (registers the explanation of a failing pair: pair.ON_MEASURED)
 from .checks.drafter import drafter_checks, drafter_not_built, llamacpp_drafter_checks
+from .checks.explain_pair import explain_failing_pair
 from .checks.fast import fast_checks, fast_packed_checks
 from .checks.gemma3_real import gemma3_figures, run_gemma3_real
 from .checks.multimodal import fast_figures as mm_fast_figures
@@ -60,9 +61,10 @@ from .checks.oracle import oracle_rows
 from .checks.pair import GREEDY_NEW_TOKENS, expected_sets, pair_checks
 from .checks.reference_runs import ReferenceRuns
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
-from .checks.server import ServerOptions, default_text_prompts, spec_gates
+from .checks.server import ServerOptions, default_text_prompts, server_checks, spec_gates
 from .checks.speculative import speculative_checks
 from .checks.tokenizer import tokenizer_figures
+from .explain_search import DEFAULT_BUDGET_S
 from .remote import ClusterLost, lost_figures, spreader
 from .result import CaseResult, fig
 from .skips import skipped
@@ -72,11 +74,17 @@ LLAMACPP_MISSING = ("llama-cpp-python is not installed (nox sessions build it on
 
 Progress = Callable[[str], None]
 
+OWN_CHECKS = {"openai": server_checks}
+"""Engine kind -> the checks only an engine of that kind has, run on the same engine after a pair's common figures
+(:func:`harness.parity.checks.pair.pair_checks`' ``own_checks``): a server's (:mod:`.checks.server`)."""
+
 
 def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress: Progress,
-                   skip: tuple[str, ...] = (), weights: str | None = None) -> CaseResult:
+                   skip: tuple[str, ...] = (), weights: str | None = None,
+                   explain_budget: float = DEFAULT_BUDGET_S) -> CaseResult:
     """All checks of one built-in synthetic case (see the module docstring); fast packed on every quantized
-    GGUF against the reference on the same file unless ``weights`` is ``dequantized``."""
+    GGUF against the reference on the same file unless ``weights`` is ``dequantized``. ``explain_budget``: seconds
+    explaining each failing pair may take (:func:`pairs`)."""
     spec = synth.load_spec(spec_path)
     res = CaseResult(case=spec.name, kind="synthetic", model=str(spec_path), description=spec.description)
     gates = resolve(spec.gates, str(spec_path))
@@ -105,7 +113,8 @@ def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress:
     runs = ReferenceRuns(CheckedEngine(ref_gguf, "reference"))
     runs.gates = gates  # the explanation of a failing pair is judged by the case's gates, as the pair is
     engines = [(name, {"device": "cpu", **opts}) for name, opts in BUILTIN_PAIRS]
-    pairs(res, gates, runs, engines, built.gguf["F32"], prompts, progress, skip, prefetch=True)
+    pairs(res, gates, runs, engines, built.gguf["F32"], prompts, progress, skip, prefetch=True,
+          explain_budget=explain_budget)
     res.apply(fast_checks(ref_gguf.cfg, ref_gguf.weights, prompts, progress, spec.name), gates)
     _speculative(res, gates, spec_path, ref_gguf, prompts, progress, spec.name, skipped(skip, "speculative"))
     if not skipped(skip, "llamacpp") and importlib.util.find_spec("llama_cpp") is not None:
@@ -124,13 +133,17 @@ BUILTIN_PAIRS: tuple[tuple[str, dict[str, Any]], ...] = (
 
 def pairs(res: CaseResult, gates, runs: ReferenceRuns, engines: Sequence[tuple[str, dict[str, Any] | None]],
           path: str | Path, prompts: Sequence[dict[str, Any]], progress: Progress, skip: tuple[str, ...] = (),
-          server: ServerOptions | None = None, prefetch: bool = False) -> None:
+          server: ServerOptions | None = None, prefetch: bool = False,
+          explain_budget: float = DEFAULT_BUDGET_S) -> None:
     """The oracle ``runs`` against each engine of ``engines`` (``(name, options)``) on the model at ``path``, one
     pair after another (:func:`harness.parity.checks.pair.pair_checks`; an engine that cannot run is a failing
     ``<oracle>~<kind>.runs`` figure and the next pair still runs; a second engine of one kind and dtype is the pair
     ``<oracle>~<kind>#2``), each check marked with the engine it is of (``against``: the pytest plugin's items).
     The one path of built-in cases and ``--model``. ``prefetch``: first compute the reference forwards every pair
-    will ask, in as few passes over the weights as they allow (:meth:`ReferenceRuns.prefetch`)."""
+    will ask, in as few passes over the weights as they allow (:meth:`ReferenceRuns.prefetch`). Each pair runs
+    :data:`OWN_CHECKS` of its kind, and a failing one is explained within ``explain_budget`` seconds
+    (:func:`harness.parity.checks.explain_pair.explain_failing_pair`; 0: not explained)."""
+    explain = functools.partial(explain_failing_pair, budget_s=explain_budget)
     if prefetch:
         runs.prefetch(expected_sets([n for n, _ in engines], skip), prompts,
                       int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS)), (server or ServerOptions()).top_n,
@@ -143,7 +156,7 @@ def pairs(res: CaseResult, gates, runs: ReferenceRuns, engines: Sequence[tuple[s
         opted = "llamacpp" if kind == "llamacpp" and skipped(skip, "llamacpp") else None
         first = len(res.checks)
         res.apply(pair_checks(runs, name, path, prompts, progress, res.case, opted_out=opted, options=options,
-                              extra=server, number=seen[key]), gates)
+                              extra=server, number=seen[key], own_checks=OWN_CHECKS, on_measured=(explain,)), gates)
         for c in res.checks[first:]:
             c["against"] = name
 
@@ -257,7 +270,8 @@ def default_against(path: str | Path, oracle: str = "reference") -> list[str]:
 
 def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[str, Any]], progress: Progress,
               skip: tuple[str, ...] = (), engine_options: dict[str, Any] | None = None,
-              server: ServerOptions | None = None, oracle: str = "reference", name: str | None = None) -> CaseResult:
+              server: ServerOptions | None = None, oracle: str = "reference", name: str | None = None,
+              explain_budget: float = DEFAULT_BUDGET_S) -> CaseResult:
     """The oracle against each engine of ``against`` (default :func:`default_against`) on a user-supplied
     model, one pair after another (:func:`harness.parity.checks.pair.pair_checks`: an engine that cannot run
     is a failing ``reference~<kind>.runs`` figure and the next pair still runs; a second engine of one kind is the
@@ -278,7 +292,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     options of the server checks (``openai:URL``). ``engine_options`` also hold
     ``cache_gb`` (the reference's ``--ref-cache-gb``) and ``layers`` (``--layers N``, every engine; one that cannot
     cut a model fails its ``.runs`` figure saying so). ``name``: the case's name in the report (default
-    :func:`case_name`)."""
+    :func:`case_name`). ``explain_budget``: seconds explaining each failing pair may take (:func:`pairs`)."""
     o = engine_options or {}
     res = CaseResult(case=name or case_name(path), kind="user", model=str(path))
     gates = resolve(spec_gates(path), str(path))
@@ -331,7 +345,8 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
             res.apply(lost_figures(names, str(e)), gates)
             return res
     try:
-        pairs(res, gates, runs, [(n, engine_options) for n in names], path, usable, progress, skip, server)
+        pairs(res, gates, runs, [(n, engine_options) for n in names], path, usable, progress, skip, server,
+              explain_budget=explain_budget)
     finally:
         if oracle_engine is not None:
             oracle_engine.close()

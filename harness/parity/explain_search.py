@@ -7,7 +7,6 @@ judged (:func:`judge_figures`). A subject (:class:`.explain.TextSubject`, :mod:`
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -24,9 +23,6 @@ from .result import Figure
 
 DEFAULT_BUDGET_S = 60.0
 """Seconds explaining one failing pair may take by default (``--explain-budget``; 0 turns explaining off)."""
-
-BUDGET_ENV = "G4H_EXPLAIN_BUDGET"
-"""Environment variable holding ``g4h parity --explain-budget`` for the parity job's worker processes."""
 
 PAIR_SEEDS = 4
 """Singles carried into the pair search (the ones that got furthest)."""
@@ -49,12 +45,12 @@ LABELS = {"local_median": "median rel. L2 re-seeded", "max_abs_logit": "max |Δl
 
 
 def budget_seconds(value: float | None = None) -> float:
-    """The explaining budget: ``value``, else :data:`BUDGET_ENV`, else :data:`DEFAULT_BUDGET_S`.
+    """The explaining budget: ``value`` (``--explain-budget``), else :data:`DEFAULT_BUDGET_S`.
 
     Raises:
         InputError: a negative or non-numeric budget.
     """
-    raw = value if value is not None else os.environ.get(BUDGET_ENV, DEFAULT_BUDGET_S)
+    raw = value if value is not None else DEFAULT_BUDGET_S
     try:
         out = float(raw)
     except (TypeError, ValueError):

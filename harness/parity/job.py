@@ -43,7 +43,7 @@ from ..core.progress import Display, activate
 from ..core.prompts import load_prompts, refuse_unfit_prompts
 from ..core.workers import process_pool
 from ..engines import check_engine_name
-from ..engines.variants import activate_from_env, active
+from ..engines.variants import activate_spec, active
 from ..synth.mm_case import builtin_mm_specs
 from ..synth.prompts import WINDOW_NAMED
 from ..tokenizer.prompt_ids import with_prompt_ids
@@ -53,6 +53,7 @@ from .cases import case_names, gemma3_case, multimodal_case, synthetic_case, tok
 from .checks.pair import ORACLES
 from .checks.server import ServerOptions
 from .drift import oracle_drift as compute_drift
+from .explain_search import DEFAULT_BUDGET_S, budget_seconds
 from .remote import close_cluster, open_cluster
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
@@ -143,7 +144,7 @@ def default_jobs(n_cases: int, builtin: bool) -> int:
 
 
 def run_cases(plan: Plan, plan_args: dict[str, Any], jobs: int = 1, threads: int | None = None,
-              order: list[int] | None = None) -> list[CaseResult]:
+              order: list[int] | None = None, spec: tuple[str, ...] = ()) -> list[CaseResult]:
     """Run every planned case (:func:`harness.parity.result.guard`), ``jobs`` at a time; results in plan order.
 
     With ``threads`` None and ``jobs`` 1, the cases run here, one after another, on every thread. Otherwise each
@@ -153,13 +154,15 @@ def run_cases(plan: Plan, plan_args: dict[str, Any], jobs: int = 1, threads: int
     (None: the CPUs shared out, :func:`_threads_per_job`). ``order``: plan indices in the order the cases are
     started (default: plan order); the results keep plan order. A worker that dies (killed for memory, say)
     breaks the pool: the cases it had not finished run again here, one at a time, so every case still gets its
-    result or its one-line error.
+    result or its one-line error. ``spec``: the variants each worker runs the reference under for its whole life
+    (this process's ``--spec``, :func:`harness.engines.variants.active`; the cases run here are under them already).
     """
     if not plan or (threads is None and (jobs <= 1 or len(plan) <= 1)):
         return [guard(*case) for case in plan]
     threads = threads or _threads_per_job(jobs)
     results: list[CaseResult | None] = [None] * len(plan)
-    with environ(dict.fromkeys(THREAD_VARIABLES, str(threads))), process_pool(min(jobs, len(plan)), f"{__name__}:_init_worker", (threads,)) as pool:
+    with environ(dict.fromkeys(THREAD_VARIABLES, str(threads))), \
+            process_pool(min(jobs, len(plan)), f"{__name__}:_init_worker", (threads, tuple(spec))) as pool:
         futures = {i: pool.submit(_run_planned, plan_args, i) for i in (order or range(len(plan)))}
         for i, f in futures.items():
             try:
@@ -203,9 +206,10 @@ def _threads_per_job(jobs: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // jobs)
 
 
-def _init_worker(threads: int) -> None:
+def _init_worker(threads: int, spec: tuple[str, ...] = ()) -> None:
+    """A worker process's start: ``threads`` torch threads; the parent's ``--spec`` variants applied for its life."""
     torch.set_num_threads(threads)
-    activate_from_env()  # the parent's --spec: the reference under the same variants
+    activate_spec(spec)
 
 
 def _run_planned(plan_args: dict[str, Any], index: int) -> CaseResult:
@@ -237,18 +241,20 @@ def check_user_prompts(prompts: list[dict[str, Any]], models: list[str], new_tok
 def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
                prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
                slow: bool = False, engine_options: dict[str, Any] | None = None,
-               server: ServerOptions | None = None, weights: str | None = None, oracle: str = "reference") -> Plan:
+               server: ServerOptions | None = None, weights: str | None = None, oracle: str = "reference",
+               explain_budget: float = DEFAULT_BUDGET_S) -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
 
     ``options``: engine options for the user's models (``cache_gb``, ``layers``); ``oracle``: what the user's
-    models are compared with (:data:`harness.parity.checks.pair.ORACLES`).
+    models are compared with (:data:`harness.parity.checks.pair.ORACLES`); ``explain_budget``: seconds explaining
+    each failing pair may take (``--explain-budget``; 0: off).
 
     Raises:
         InputError: a ``case_filter`` name that is not a built-in case.
     """
     if models:
-        return [(lambda m=m, n=n: user_case(m, against, prompts, progress, skip, engine_options, server, oracle, n),
-                 n, "user", m)
+        return [(lambda m=m, n=n: user_case(m, against, prompts, progress, skip, engine_options, server, oracle, n,
+                                            explain_budget), n, "user", m)
                 for m, n in zip(models, case_names(models))]
     names = [s.stem for s in builtin_specs()]
     mm_names = [s.stem for s in builtin_mm_specs()]
@@ -256,8 +262,8 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
     if bad:
         raise InputError(f"--case {bad[0]!r}: no built-in case of that name (known: {', '.join(names + mm_names)})")
     specs = [s for s in builtin_specs() if not case_filter or s.stem in case_filter]
-    plan: Plan = [(lambda s=s: synthetic_case(s, prompts, progress, skip, weights), s.stem, "synthetic", str(s))
-                  for s in specs]
+    plan: Plan = [(lambda s=s: synthetic_case(s, prompts, progress, skip, weights, explain_budget), s.stem,
+                   "synthetic", str(s)) for s in specs]
     if not skipped(skip, "multimodal"):
         plan += [(lambda s=s: multimodal_case(s, progress, skip), s.stem, "multimodal", str(s))
                  for s in builtin_mm_specs() if not case_filter or s.stem in case_filter]
@@ -354,7 +360,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
         server: ServerOptions | None = None, weights: str | None = None,
         oracle: str = "reference", jobs: int | None = None, quick: bool = False,
-        oracle_drift: str | None = None, address: str | None = None) -> tuple[dict[str, Any], int]:
+        oracle_drift: str | None = None, address: str | None = None,
+        explain_budget: float = DEFAULT_BUDGET_S) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
 
     Args:
@@ -403,6 +410,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             pass work of each model runs on the cluster's nodes, one group of prompts per node
             (:mod:`harness.parity.remote`); the figures are those of a run without it. Attached once here (an
             unreachable address is bad input before any work), detached at the end.
+        explain_budget: seconds spent naming the spec variant that explains each failing pair (``--explain-budget``,
+            :func:`harness.parity.explain_search.budget_seconds`; 0: off), handed to every case as an argument.
 
     Returns:
         ``(results dict as written to results.json, exit status 0/1/2)``.
@@ -413,6 +422,10 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             (checked before anything runs).
     """
     progress = Display("g4h parity", quiet)  # a plain object: a --jobs worker gets its own (run_cases)
+    # the spec variants this process runs under (g4h --spec, applied for the whole command): each case worker is
+    # handed their names and applies them for its life; results["spec"] names them
+    spec = active()
+    explain_budget = budget_seconds(explain_budget)
     if jobs is not None and int(jobs) < 1:
         raise InputError(f"--jobs {jobs}: expected >= 1")
     skip = tuple(skip)
@@ -460,7 +473,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         engine_options["weights"] = weights
     plan_args = dict(models=models, against=against, real=real, case_filter=case_filter, prompts=prompt_set,
                      progress=progress, skip=skip, slow=slow, engine_options=engine_options, server=server,
-                     weights=weights, oracle=oracle)
+                     weights=weights, oracle=oracle, explain_budget=explain_budget)
     plan = plan_cases(**plan_args)  # bad input (an unknown --case) stops here, before any work
     t0 = time.perf_counter()
     builtin = not models
@@ -473,10 +486,10 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         with activate(progress):  # the counters of long phases (reference passes, server requests) draw on it
             if builtin:
                 results = run_cases(plan, plan_args, jobs, threads=CASE_THREADS,
-                                    order=longest_first(plan, _read_seconds()))
+                                    order=longest_first(plan, _read_seconds()), spec=spec)
                 _keep_seconds(results)
             else:
-                results = run_cases(plan, plan_args, jobs)
+                results = run_cases(plan, plan_args, jobs, spec=spec)
     finally:
         if address:
             close_cluster()
@@ -484,7 +497,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     data = {"version": RESULTS_VERSION, "kind": "parity",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "seconds": time.perf_counter() - t0, "status": status, "versions": package_versions(),
-            "cases": [r.__dict__ for r in results], **({"spec": list(active())} if active() else {})}
+            "cases": [r.__dict__ for r in results], **({"spec": list(spec)} if spec else {})}
     if base is not None:
         data["baseline"] = compare_to_baseline(data, base, str(baseline), regression_factor)
         if data["baseline"]["regressions"] and status == 0:

@@ -15,6 +15,9 @@ A node lost mid-run: its task is retried by Ray (:data:`MAX_RETRIES`, on another
 node affinity is soft). When it cannot be, :class:`ClusterLost` carries the reason, and the case fails every
 pair's ``.runs`` with it (:func:`lost_figures`): no figure of a partial pass is kept.
 
+Under ``--spec``, each task runs the reference under the same variants (:func:`spreader`'s ``spec``, handed to the
+task as an argument).
+
 The cluster plumbing is the sweep's (:mod:`harness.core.cluster`). Ray is an optional dependency: without it
 this module still imports, and ``--address`` says how to get it.
 """
@@ -34,6 +37,7 @@ from ..engines import engine_kind
 from ..engines.checked import CheckedEngine
 from ..engines.numerics import emulate
 from ..engines.reference import ReferenceEngine
+from ..engines.variants import active, parse_spec, under
 from .checks.oracle_pass import PassResult, reference_pass
 from .result import Figure, fig
 
@@ -167,34 +171,41 @@ def _die_if_told() -> None:
 
 def _group_pass(path: str, options: dict[str, Any], sets: Sequence[tuple[str, ...]],
                 prompts: Sequence[dict[str, Any]], gen_sets: Sequence[tuple[str, ...]],
-                gen_prompts: Sequence[dict[str, Any]], new_tokens: int, top_n: int, cached: bool) -> dict[str, Any]:
+                gen_prompts: Sequence[dict[str, Any]], new_tokens: int, top_n: int, cached: bool,
+                spec: Sequence[str] = ()) -> dict[str, Any]:
     """One group's pass work, on the node it runs on: ``{"result": PassResult}``, or ``{"missing": host, "node": id}`` when the
-    model is not at ``path`` there, or ``{"input_error": line}`` when the reference refuses it (an overflow)."""
+    model is not at ``path`` there, or ``{"input_error": line}`` when the reference refuses it (an overflow). ``spec``:
+    the variants of the command's ``--spec``, the reference run under them."""
     _die_if_told()
     if not os.path.isfile(path) and not os.path.isdir(path):
         return {"missing": socket.gethostname(), "node": ray.get_runtime_context().get_node_id()[:8]}
     try:
-        ref = CheckedEngine(ReferenceEngine(path, cache_gb=options.get("cache_gb"), layers=options.get("layers")),
-                            "reference")
-        return {"result": reference_pass(ref, sets, prompts, gen_sets, gen_prompts, new_tokens, top_n, cached,
-                                         emulate)}
+        with under(parse_spec(list(spec)), fast=False, spec=True):
+            ref = CheckedEngine(ReferenceEngine(path, cache_gb=options.get("cache_gb"), layers=options.get("layers")),
+                                "reference")
+            return {"result": reference_pass(ref, sets, prompts, gen_sets, gen_prompts, new_tokens, top_n, cached,
+                                             emulate)}
     except InputError as e:
         return {"input_error": str(e).splitlines()[0] if str(e) else type(e).__name__}
 
 
-def spreader(address: str, path: str, options: dict[str, Any]) -> Callable[..., PassResult]:
+def spreader(address: str, path: str, options: dict[str, Any],
+             spec: Sequence[str] | None = None) -> Callable[..., PassResult]:
     """A stand-in for :func:`.checks.oracle_pass.reference_pass` (the same arguments; ``ref`` and ``numerics``
     are not used: each node loads its own reference of ``path`` with ``options``' ``cache_gb`` and ``layers``, and
     makes the approximations as :meth:`ReferenceRuns.numerics` does) that runs the pass work on the cluster at
-    ``address`` (attached by :func:`open_cluster`, or here when this process is a ``--jobs`` worker)."""
+    ``address`` (attached by :func:`open_cluster`, or here when this process is a ``--jobs`` worker). ``spec``: the
+    variants each node's reference runs under (None: this process's ``--spec``,
+    :func:`harness.engines.variants.active`)."""
     path = os.path.abspath(str(path))
+    spec = tuple(active() if spec is None else spec)
 
     def run(ref: Any, sets: Sequence[tuple[str, ...]], prompts: Sequence[dict[str, Any]],
             gen_sets: Sequence[tuple[str, ...]], gen_prompts: Sequence[dict[str, Any]], new_tokens: int, top_n: int,
             cached: bool, numerics: Callable[[tuple[str, ...]], ContextManager],
             progress: Callable[[str], None] = lambda m: None) -> PassResult:
         return _spread(address, path, options, sets, prompts, gen_sets, gen_prompts, new_tokens, top_n, cached,
-                       progress)
+                       progress, spec)
 
     return run
 
@@ -202,7 +213,7 @@ def spreader(address: str, path: str, options: dict[str, Any]) -> Callable[..., 
 def _spread(address: str, path: str, options: dict[str, Any], sets: Sequence[tuple[str, ...]],
             prompts: Sequence[dict[str, Any]], gen_sets: Sequence[tuple[str, ...]],
             gen_prompts: Sequence[dict[str, Any]], new_tokens: int, top_n: int, cached: bool,
-            progress: Callable[[str], None]) -> PassResult:
+            progress: Callable[[str], None], spec: tuple[str, ...] = ()) -> PassResult:
     if not ray.is_initialized():
         open_cluster(address)
     alive = [n for n in cluster.nodes() if n.cpus >= 1]
@@ -224,7 +235,7 @@ def _spread(address: str, path: str, options: dict[str, Any], sets: Sequence[tup
         gen = [p for p in gen_prompts if str(p["id"]) in ids]
         ref = task.options(num_cpus=cpus, runtime_env=env,
                            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=True)).remote(
-            path, options, list(sets), part, list(gen_sets), gen, new_tokens, top_n, cached)
+            path, options, list(sets), part, list(gen_sets), gen, new_tokens, top_n, cached, spec)
         pending.append((g, node, ref))
     parts = []
     for g, node, ref in pending:

@@ -15,19 +15,18 @@ a divergence (:mod:`harness.parity.explain`).
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import sys
 from typing import Iterable, Sequence
 
 from gemma4_harness.reference.errors import InputError
 
-from .core import ENV, KINDS, Patch, Source, Variant, conflict, under
+from .core import COMMAND_SPEC, KINDS, Patch, Source, Variant, conflict, under
 from .drafter import DRAFTER_VARIANTS
 from .mm import MM_VARIANTS
 from .text import TEXT_VARIANTS
 
-__all__ = ["ENV", "FAMILIES", "KINDS", "Patch", "Source", "VARIANTS", "Variant", "activate_from_env", "active",
+__all__ = ["FAMILIES", "KINDS", "Patch", "Source", "VARIANTS", "Variant", "activate_spec", "active",
            "conflict", "family", "markdown", "parse_spec", "spec_context", "under"]
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (*TEXT_VARIANTS, *MM_VARIANTS, *DRAFTER_VARIANTS)}
@@ -67,33 +66,39 @@ def parse_spec(text: str | Sequence[str] | None, what: str = "--spec") -> tuple[
 
 
 def spec_context(text: str | Sequence[str] | None) -> contextlib.AbstractContextManager:
-    """The context a ``g4h`` command runs in for ``--spec``: the variants applied (reference and fast) and named in
-    :data:`ENV` for the processes it spawns; a no-op without ``--spec``.
+    """The context a ``g4h`` command runs in for ``--spec``: the variants applied (reference and fast) and named by
+    :func:`active` (the parity job hands them to the case workers it spawns); a no-op without ``--spec``.
 
     Raises:
         InputError: see :func:`parse_spec`.
     """
     variants = parse_spec(text)
-    return under(variants, fast=True, env=True) if variants else contextlib.nullcontext()
+    return under(variants, fast=True, spec=True) if variants else contextlib.nullcontext()
 
 
 _ACTIVE: list[contextlib.ExitStack] = []
 
 
-def activate_from_env() -> tuple[str, ...]:
-    """In a worker process: apply the variants :data:`ENV` names (set by the parent's ``--spec``) for the rest of
-    the process; returns their names (empty when none). An unknown name is ignored here: the parent checked it."""
-    names = [n for n in os.environ.get(ENV, "").split(",") if n in VARIANTS]
-    if names and not _ACTIVE:
+def activate_spec(names: Sequence[str]) -> tuple[str, ...]:
+    """In a worker process: apply the variants ``names`` (the parent's :func:`active`, handed over as an argument:
+    ``harness.parity.job``'s worker initializer) for the rest of the process, as the command's ``--spec``; returns
+    :func:`active`. Once per process: a second call applies nothing more.
+
+    Raises:
+        InputError: see :func:`parse_spec` (the parent checked the names: a caller's mistake).
+    """
+    variants = parse_spec(list(names))
+    if variants and not _ACTIVE:
         stack = contextlib.ExitStack()
-        stack.enter_context(under([VARIANTS[n] for n in names], fast=True))
+        stack.enter_context(under(variants, fast=True, spec=True))
         _ACTIVE.append(stack)
-    return tuple(names)
+    return active()
 
 
 def active() -> tuple[str, ...]:
-    """The variants this process runs the reference under (``--spec``), by :data:`ENV`."""
-    return tuple(n for n in os.environ.get(ENV, "").split(",") if n in VARIANTS)
+    """The variants this process runs the reference under for the whole command (``--spec``), by name
+    (:data:`.core.COMMAND_SPEC`)."""
+    return tuple(COMMAND_SPEC)
 
 
 # --------------------------------------------------------------------------- docs/spec-variants.md

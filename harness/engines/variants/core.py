@@ -31,16 +31,16 @@ from typing import Any, Callable, Iterator, Sequence
 from gemma4_harness.reference.config import ModelConfig
 from gemma4_harness.reference.errors import InputError
 
-from ...core.environ import environ
-
 FAST = "gemma4_harness.fast.model"
 FAST_MODEL = "gemma4_harness.fast.model:FastModel"
 """The fast twin's module and class, as :class:`Patch` targets (imported when applied)."""
 
-ENV = "G4H_SPEC"
-"""Environment variable naming the variants a process runs the reference under (``--spec``): set by
-:func:`under` while the CLI's ``--spec`` is active, so that worker processes the command spawns (the parity
-job's cases) take the same variants (:func:`activate_from_env`)."""
+COMMAND_SPEC: list[str] = []
+"""The names of the variants this process runs the reference under for a whole command (``--spec``), in the
+order given: filled by :func:`under` with ``spec`` while inside (the CLI's ``--spec``, a parity worker's
+:func:`harness.engines.variants.activate_spec`), read by :func:`harness.engines.variants.active` (the parity job
+hands them to its case workers as an argument and names them in ``results["spec"]``). The trials of an
+explanation apply variants without ``spec``: they are not the command's."""
 
 KINDS = ("disagreement", "approximation", "fault")
 """:attr:`Variant.kind`: published implementations differ; one takes a documented numerical shortcut; a known
@@ -191,18 +191,23 @@ def applied(patches: Sequence[Patch]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def under(variants: Sequence[Variant], fast: bool = True, env: bool = False) -> Iterator[None]:
+def under(variants: Sequence[Variant], fast: bool = True, spec: bool = False) -> Iterator[None]:
     """While inside, the reference (and with ``fast``, the fast twin) computes under ``variants``. With ``fast``, a
     variant without a fast form makes the fast twin refuse to build (one line, :class:`InputError`) rather than run
-    the unmodified rule. ``env``: also name them in :data:`ENV` for worker processes (``--spec``)."""
+    the unmodified rule. ``spec``: they are the command's ``--spec``: named in :data:`COMMAND_SPEC` while inside."""
     patches = [p for v in variants for p in v.reference_patches]
     if fast:
         patches += [p for v in variants for p in v.fast_patches]
         missing = [v.name for v in variants if not v.fast_patches]
         if missing:
             patches.append(Patch(FAST_MODEL, "__init__", _refuse(missing)))
-    with environ({ENV: ",".join(v.name for v in variants) if env else None}), applied(patches):
-        yield
+    names = [v.name for v in variants] if spec else []
+    with applied(patches):
+        COMMAND_SPEC.extend(names)
+        try:
+            yield
+        finally:
+            del COMMAND_SPEC[len(COMMAND_SPEC) - len(names):]
 
 
 def _refuse(names: Sequence[str]) -> Callable[[Any], Any]:

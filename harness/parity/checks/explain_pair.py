@@ -12,7 +12,8 @@ rounds its activations, on a quantized file), that median of the reference re-se
 each trial's variants. When only greedy streams fail, the engine is asked for its streams too (and,
 where it gives logits, its logits along its own stream): a divergence in decoding is said so, not searched.
 
-Registered in :data:`harness.parity.checks.pair.ON_MEASURED` on import (:mod:`harness.parity.cases` imports it).
+:func:`explain_failing_pair` is a hook of :func:`harness.parity.checks.pair.pair_checks` (``on_measured``): the parity
+job's cases hand it over with the run's budget (:func:`harness.parity.cases.pairs`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,10 @@ from ...core.workers import EngineCrashed, temp_folder
 from ...engines.base import TOP_N
 from ...traces.format import TraceWriter
 from ..explain import GENERATION_METRICS, LocalJudge, explain_text
-from ..explain_search import MAX_PROMPTS, Observed, budget_seconds, judge_figures
+from ..explain_search import DEFAULT_BUDGET_S, MAX_PROMPTS, Observed, judge_figures
 from ..result import Figure
 from .pair import (
     GREEDY_NEW_TOKENS,
-    ON_MEASURED,
     _can,
     _logits_many,
     _read_engine_trace,
@@ -83,7 +83,7 @@ def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: 
     """The engine's answers on ``prompts``: logits and its trace (a file for ``cmd:``, the callback in-process) where
     it answers them, else greedy streams of ``new_tokens`` tokens. ``streams`` (only greedy streams failed): its
     streams too where it generates, and, where it gives logits, its logits of the prompt followed by its own stream
-    (:attr:`~harness.parity.explain.Observed.forced`)."""
+    (:attr:`~harness.parity.explain_search.Observed.forced`)."""
     out = []
     batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}  # llama.cpp: one worker for all
     with temp_folder("g4h-explain-") as tmp:
@@ -130,13 +130,14 @@ def local_judge(runs: Any, approx: tuple[str, ...]) -> LocalJudge | None:
 
 
 def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
-                         figures: list[Figure], progress, case: str) -> None:
-    """When one of ``figures`` fails: the explanation (module docstring) into the first failing figure's detail.
+                         figures: list[Figure], progress, case: str, budget_s: float = DEFAULT_BUDGET_S) -> None:
+    """When one of ``figures`` fails: the explanation (module docstring) into the first failing figure's detail,
+    within ``budget_s`` seconds (``--explain-budget``; 0: nothing is done).
 
     An engine that fails while asked again (it crashed, broke the protocol) leaves ``explanation`` saying so;
     the pair's own figures already say what went wrong.
     """
-    budget = budget_seconds()
+    budget = float(budget_s)
     gates = getattr(runs, "gates", DEFAULT_GATES)
     chosen = failing_prompts(figures, prompts, gates)
     if budget <= 0 or not chosen:
@@ -168,5 +169,3 @@ def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Seq
     first.detail["explanation"] = expl.as_dict()
     progress(f"[{case}] {pair}: {expl.line()} ({expl.seconds:.1f} s)")
 
-
-ON_MEASURED.append(explain_failing_pair)

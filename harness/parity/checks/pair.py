@@ -25,8 +25,9 @@ An engine that declares known approximations (llama.cpp's fp16 GELU table, a 16-
 :func:`engine_numerics`, from a ``cmd:`` engine's ``hello``, a server's dialect defaults or ``--declare``) is gated
 against a reference that makes the same approximations (:func:`harness.engines.numerics.emulate`); the figures
 against the exact reference are kept beside (``vs_exact_reference``).
-:data:`EXTRA_CHECKS` lets an engine kind add checks of its own on the same engine (a server's batch
-invariance, for instance).
+The caller hands :func:`pair_checks` what runs beside the common figures: ``own_checks``, the checks an engine kind
+adds on the same engine (a server's batch invariance, for instance: :data:`harness.parity.cases.OWN_CHECKS`), and
+``on_measured``, hooks called once the figures are measured (the explanation of a failing pair).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ...engines.openai.http import SERVER_CONTEXT_HINT, ServerContextExceeded
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
 from ..compare import generation_figures, logit_figures
-from ..explain import decoding_by_logprobs
+from ..explain_decoding import decoding_by_logprobs
 from ..result import Figure, fig, one_line
 from ..skips import skipped
 from .quantized import quantized_gates, stream_agreement
@@ -57,19 +58,16 @@ from .reference_runs import ReferenceRuns, as_streams
 GREEDY_NEW_TOKENS = 8
 """Tokens each greedy stream runs for the ``.greedy`` check (prompts with room for them in the context)."""
 
-SIXTEEN_BIT = ("bfloat16", "float16")
-
 Progress = Callable[[str], None]
 
-EXTRA_CHECKS: dict[str, Callable[..., list[Figure]]] = {}
+OwnChecks = Mapping[str, Callable[..., list[Figure]]]
 """Engine kind -> ``fn(engine, ref_runs, prompts, pair, progress, extra) -> figures``: more checks on the same
-engine, run after the common ones (their gates must exist); ``extra`` is :func:`pair_checks`' ``extra``. Filled by
-the module of those checks (:mod:`.server` registers ``openai``)."""
+engine, run after the common ones (their gates must exist); ``extra`` is :func:`pair_checks`' ``extra``."""
 
-ON_MEASURED: list[Callable[..., None]] = []
+OnMeasured = Callable[..., None]
 """Called once a pair's figures are measured, with the engine still open: ``fn(runs, eng, kind, pair, prompts,
-figures, progress, case)`` may add detail to ``figures`` (:mod:`.explain_pair` names the spec variant that explains a
-failing pair). Filled by the module of the hook."""
+figures, progress, case)`` may add detail to ``figures`` (:func:`.explain_pair.explain_failing_pair` names the spec
+variant that explains a failing pair)."""
 
 
 ORACLES = ("reference", "fast")
@@ -105,7 +103,8 @@ def engine_failed(pair: str, e: EngineFailure) -> Figure:
 
 def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Sequence[dict[str, Any]],
                 progress: Progress, case: str, opted_out: str | None = None, options: dict[str, Any] | None = None,
-                extra: Any = None, number: int = 1) -> list[Figure]:
+                extra: Any = None, number: int = 1, own_checks: OwnChecks | None = None,
+                on_measured: Sequence[OnMeasured] = ()) -> list[Figure]:
     """The reference against engine ``name`` on the model at ``path`` (see the module docstring).
 
     Args:
@@ -114,7 +113,7 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
         prompts: prompt records within the model's vocabulary.
         opted_out: the ``--skip`` name that opts this engine out, when the user gave it (informational).
         options: keywords for :func:`harness.engines.make_engine` (each engine takes its own).
-        extra: options of the kind's :data:`EXTRA_CHECKS` (a server's :class:`.server.ServerOptions`); its
+        extra: options of the kind's ``own_checks`` (a server's :class:`.server_base.ServerOptions`); its
             ``max_new_tokens``, when it has one, sets the length of the greedy streams (default
             :data:`GREEDY_NEW_TOKENS`), and its ``top_n`` vLLM's N (log-probs per step; default
             :data:`harness.engines.base.TOP_N`).
@@ -122,13 +121,16 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
         number: this engine's place among the engines of its kind in the run: from 2 on, its pair and its own
             checks' gates carry the number (``reference~openai#2.greedy``, ``server#2.stop.eos``), judged by the
             unnumbered gates (:func:`harness.core.gates.gate_for`).
+        own_checks: the checks an engine kind adds on the same engine (:data:`OwnChecks`; none by default).
+        on_measured: hooks called once the common figures are measured (:data:`OnMeasured`; none by default).
 
     Returns:
         Figures for the gates ``<oracle>~<kind>.*`` (``runs.name``: ``reference~<kind>``, or ``fast~<kind>``
         with ``--oracle fast``); never raises for a failing engine (that is a ``.runs`` figure of 0).
     """
     kind = engine_kind(name)
-    figures = _pair_checks(runs, name, kind, path, prompts, progress, case, opted_out, options, extra)
+    figures = _pair_checks(runs, name, kind, path, prompts, progress, case, opted_out, options, extra,
+                           own_checks or {}, on_measured)
     return figures if number == 1 else [_numbered(f, number) for f in figures]
 
 
@@ -159,7 +161,7 @@ def _numbered(f: Figure, number: int) -> Figure:
 
 def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, prompts: Sequence[dict[str, Any]],
                  progress: Progress, case: str, opted_out: str | None, options: dict[str, Any] | None,
-                 extra: Any) -> list[Figure]:
+                 extra: Any, own_checks: OwnChecks, on_measured: Sequence[OnMeasured]) -> list[Figure]:
     pair = pair_name(kind, oracle=runs.name)
     if opted_out:
         return [_runs(pair, False, got="opted out", informational_reason=f"opted out with --skip {opted_out}")]
@@ -178,10 +180,10 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
     try:
         _measure(runs, eng, kind, pair, prompts, progress, case,
                  int(getattr(extra, "max_new_tokens", GREEDY_NEW_TOKENS)), int(getattr(extra, "top_n", TOP_N)), out)
-        for hook in ON_MEASURED:
+        for hook in on_measured:
             hook(runs, eng, kind, pair, prompts, out, progress, case)
-        if kind in EXTRA_CHECKS:
-            out += EXTRA_CHECKS[kind](eng, runs, prompts, pair, progress, extra)
+        if kind in own_checks:
+            out += own_checks[kind](eng, runs, prompts, pair, progress, extra)
     except EngineUnavailable as e:
         return [_runs(pair, False, got=f"not run: {e}")] + out
     except EngineFailure as e:
@@ -376,7 +378,7 @@ def _not_greedy_failure(runs: ReferenceRuns, eng: Any, kind: str, approx: tuple[
                         ) -> EngineProtocolError:
     """The engine failure of a stream whose token is not the top-1 of the engine's own log-probs (``bad``, from
     :func:`not_greedy`): it did not decode greedily as asked (exit 1), said with what differs in decoding there, as
-    the explanation says it (:func:`harness.parity.explain.decoding_by_logprobs`, on the oracle's logits at its
+    the explanation says it (:func:`harness.parity.explain_decoding.decoding_by_logprobs`, on the oracle's logits at its
     context and its log-probs at the steps before where the streams are the same; ``limit``: the pair's
     ``max_abs_logprob`` limit): when its log-probs are the oracle's, the failure carries that finding as
     ``decoding`` (:func:`engine_failed` makes it the pair's explanation). A server that applies a repetition

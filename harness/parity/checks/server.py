@@ -11,7 +11,7 @@ GELU table, an f16 KV cache and flash attention; llama-cpp-python with the table
 makes those approximations too, and each figure is gated at ``max(fp32 bound, 2 x their effect on this model)``
 (:data:`harness.core.gates.EFFECT_FACTOR`).
 
-This module adds the checks only a server has (:data:`harness.parity.checks.pair.EXTRA_CHECKS` ``["openai"]``,
+This module adds the checks only a server has (:data:`harness.parity.cases.OWN_CHECKS` ``["openai"]``,
 :func:`server_checks`), each a figure with a gate in ``harness/core/gates.py``; those of how a server reads a prompt
 (1, 5, 6) are :mod:`.server_prompt`'s, those of how it generates (2 to 4) :mod:`.server_generation`'s, what they share
 (options, the reference's streams) :mod:`.server_base`'s:
@@ -66,7 +66,6 @@ from ...tokenizer.prompt_ids import model_tokenizer, text_ids
 from ..result import Figure, fig
 from ..skips import skipped
 from .pair import (
-    EXTRA_CHECKS,
     engine_numerics,
     near_tie_margin,
     numerics_lines,
@@ -263,7 +262,6 @@ def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> li
     return figs
 
 
-EXTRA_CHECKS["openai"] = server_checks
 OpenAIEngine.local_tokenizer_of = staticmethod(model_tokenizer)  # the generic dialect's texts (a layer below cannot)
 
 
