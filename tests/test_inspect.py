@@ -29,12 +29,10 @@ from safetensors import safe_open
 
 from gemma4_harness.harness.core import memory_machine
 from gemma4_harness.harness.core.cases import builtin_specs
+from gemma4_harness.harness.core.engine_kinds import KIND
 from gemma4_harness.harness.engines.llamacpp import INSTALL_MSG
 from gemma4_harness.harness.inspect import (
     ESTIMATE_TOKENS,
-    FAST_DTYPES,
-    FAST_TYPES,
-    FAST_WEIGHT_MODES,
     SCHEMA_VERSION,
     Inspection,
     compact_names,
@@ -43,6 +41,8 @@ from gemma4_harness.harness.inspect import (
     llamacpp_donors,
 )
 from gemma4_harness.harness.synth import ensure_built, text_config
+
+FAST = KIND["fast"]  # the fast engine's registry row: its dtypes, GGUF weight modes and GGUF types
 from gemma4_harness.reference.config_hf import config_from_hf
 from gemma4_harness.reference.errors import InputError, ModelFileError
 from gemma4_harness.reference.weights import load_model
@@ -137,12 +137,9 @@ def e2b():
 
 
 def test_copied_constants_match_their_sources():
+    """The registry's copy of the fast engine's GGUF types (read without importing torch) is the decoder's own."""
     from gemma4_harness.fast.quant_blocks import SUPPORTED
-    from gemma4_harness.harness.cli._args import DTYPES
-    from gemma4_harness.harness.engines.fast import WEIGHT_MODES
-    assert FAST_TYPES == SUPPORTED
-    assert FAST_WEIGHT_MODES == WEIGHT_MODES
-    assert FAST_DTYPES == DTYPES
+    assert FAST.gguf_types == SUPPORTED
 
 
 # --------------------------------------------------------------------------- built-in cases
@@ -208,7 +205,7 @@ def test_built_in_case(spec):
         assert row(info, "reference").can_run
         assert all(r.can_run for r in info.engines if r.engine == "fast")
         assert {(r.dtype, r.weights) for r in info.engines if r.engine == "fast"} == \
-            {(d, w) for d in FAST_DTYPES for w in FAST_WEIGHT_MODES}
+            {(d, w) for d in FAST.dtypes for w in FAST.weights}
         assert not row(info, "transformers").can_run and "HF model folder" in row(info, "transformers").reason
         llama = row(info, "llamacpp")
         if LLAMACPP:  # the one layout here whose donors llama.cpp cannot serve (see test_llamacpp_rows_...)
@@ -224,7 +221,7 @@ def test_built_in_case(spec):
     assert info.n_params == n == sum(t.elements for t in info.tensor_types)
     assert set(codes(info)) == {"no_tokenizer", "chat_template_missing"}  # the synthetic folders carry no tokenizer
     assert row(info, "transformers").can_run and row(info, "reference").can_run
-    assert {(r.dtype, r.weights) for r in info.engines if r.engine == "fast"} == {(d, None) for d in FAST_DTYPES}
+    assert {(r.dtype, r.weights) for r in info.engines if r.engine == "fast"} == {(d, None) for d in FAST.dtypes}
     assert not row(info, "llamacpp").can_run and "GGUF" in row(info, "llamacpp").reason
 
 

@@ -226,7 +226,8 @@ class OutDir(ArgType):
         return path
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = next(k.dtypes for k in KINDS if "dtype" in k.options)
+"""``--dtype``: the compute dtypes of the engine that takes that option (the fast engine's registry row)."""
 
 
 def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference", model_required: bool = True) -> None:

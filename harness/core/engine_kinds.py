@@ -48,11 +48,19 @@ class EngineKind:
         declares: where an engine of this kind declares its numerics at run time (None: it does not).
         multimodal: ``module:Class`` of its multimodal engine (a ``for_model(mm, device, dtype)`` class method),
             None when it does not take images and audio.
-        memory_rule: the rule of :data:`harness.core.memory.PLAN_RULES` that estimates its memory (None: the
+        memory_rule: the rule of :data:`harness.core.memory_rules.PLAN_RULES` that estimates its memory (None: the
             engine is another program, whose memory the harness does not plan).
         default_for: the file forms for which it is compared by default when ``--against`` is not given
             (:func:`default_against`).
         gives: what it returns (:data:`GIVES`); a ``cmd:`` engine answers, of these, what its ``hello`` lists.
+        label: its name in a sentence (``llama.cpp``; default: ``name``).
+        dtypes: the compute dtypes it runs a model in, the default first (more than one: ``--dtype`` picks);
+            ``stored``: the file's own types (empty for a scheme kind: its program or server says).
+        weights: the modes it may keep a GGUF's weights in (``--weights``; empty: one way only).
+        gguf_archs: with ``gguf`` in ``forms``, the architectures whose GGUF it reads (None: every one).
+        gguf_types: the GGUF tensor types it decodes (None: every type its loader reads, or ``file_check`` says).
+        file_check: ``module:function`` of the checks of a file beyond these facts (``g4h inspect``:
+            ``function(info, cfg) -> (can_run, reason, notes)``), None when there are none.
     """
 
     name: str
@@ -69,6 +77,17 @@ class EngineKind:
     memory_rule: str | None = None
     default_for: tuple[str, ...] = ()
     gives: tuple[str, ...] = GIVES
+    label: str = ""
+    dtypes: tuple[str, ...] = ()
+    weights: tuple[str, ...] = ()
+    gguf_archs: tuple[str, ...] | None = None
+    gguf_types: frozenset[str] | None = None
+    file_check: str | None = None
+
+    @property
+    def said(self) -> str:
+        """Its name in a sentence (:attr:`label`, else :attr:`name`)."""
+        return self.label or self.name
 
     @property
     def quantizes_activations(self) -> bool | None:
@@ -79,23 +98,33 @@ class EngineKind:
         return None if self.declares else False
 
 
+FAST_GGUF_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+                             "Q5_K", "Q6_K"})
+"""GGUF tensor types the fast engine decodes: :data:`fast.quant_blocks.SUPPORTED`, copied here so that reading the
+registry (``g4h inspect``) does not import torch (3-5 s, longer than the header of a 33 GB file takes);
+tests/test_inspect.py checks that the copy equals the original."""
+
 KINDS: tuple[EngineKind, ...] = (
     EngineKind("reference", "gemma4_harness.harness.engines.reference", "ReferenceEngine", "float64 NumPy reference", "reference",
-               options=("cache_gb", "layers"), multimodal="gemma4_harness.harness.engines.mm:ReferenceMM", memory_rule="reference"),
+               options=("cache_gb", "layers"), multimodal="gemma4_harness.harness.engines.mm:ReferenceMM", memory_rule="reference",
+               dtypes=("float64",)),
     EngineKind("transformers", "gemma4_harness.harness.engines.transformers", "TransformersEngine",
                "HF transformers fp32 eager (HF folders; Gemma 3 GGUFs)", "transformers",
-               forms=("hf", "gguf"),  # a GGUF only for Gemma 3 (harness/inspect/runnable.py says why not for Gemma 4)
+               forms=("hf", "gguf"), gguf_archs=("gemma3",),  # transformers' GGUF loader has no gemma4 architecture
                options=("layers",), multimodal="gemma4_harness.harness.engines.mm_transformers:TransformersMM",
-               memory_rule="transformers", default_for=("hf",)),
+               memory_rule="transformers", default_for=("hf",), dtypes=("float32",)),
     EngineKind("fast", "gemma4_harness.harness.engines.fast", "FastEngine", "torch fast path (--device, --dtype, --weights)", "fast",
                options=("device", "dtype", "batched", "weights", "layers"),
-               multimodal="gemma4_harness.harness.engines.mm_fast:FastMM", memory_rule="fast", default_for=("gguf", "hf")),
+               multimodal="gemma4_harness.harness.engines.mm_fast:FastMM", memory_rule="fast", default_for=("gguf", "hf"),
+               dtypes=("float32", "bfloat16", "float16"), weights=("packed", "dequantized"),
+               gguf_types=FAST_GGUF_TYPES),
     EngineKind("llamacpp", "gemma4_harness.harness.engines.llamacpp", "LlamaCppEngine",
                "llama.cpp via llama-cpp-python, in a worker subprocess (GGUF only)", "llamacpp",
                forms=("gguf",),
                numerics=("float32", "float32", ("gelu_fp16_table", "quantized_activations"),
                          "the llamacpp engine: F32 KV cache, flash attention off", "llama.cpp"),
-               memory_rule="llamacpp", default_for=("gguf",)),
+               memory_rule="llamacpp", default_for=("gguf",), label="llama.cpp", dtypes=("stored",),
+               file_check="gemma4_harness.harness.engines.llamacpp.support:file_check"),
     EngineKind("cmd", "gemma4_harness.harness.engines.cmd", "CmdEngine",
                "any program speaking the subprocess protocol (docs/engine-protocol.md): cmd:'COMMAND ...'",
                "cmd:'COMMAND ...' (docs/engine-protocol.md)", scheme=True, declares="hello",

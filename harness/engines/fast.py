@@ -30,11 +30,13 @@ from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.weights import load_model
 
 from ..core import memory
+from ..core.engine_kinds import KIND
 from ..core.workers import EngineOutputError
 from .base import DTYPE_BYTES, TOP_N, TraceFn, bench_ids
 
-WEIGHT_MODES = ("packed", "dequantized")
-"""``--weights``: GGUF quantized matrices kept packed (dequantized on the fly), or dequantized at load."""
+WEIGHT_MODES = KIND["fast"].weights
+"""``--weights``: GGUF quantized matrices kept packed (dequantized on the fly), or dequantized at load (the
+registry row's :attr:`~harness.core.engine_kinds.EngineKind.weights`)."""
 
 DENSE_TYPES = ("F32", "F16", "BF16")
 """GGUF tensor types that are not block-quantized: nothing to keep packed."""

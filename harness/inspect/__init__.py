@@ -45,13 +45,15 @@ Problems (``code``: severity):
 
 Exit status (:attr:`Inspection.exit_code`): 0 usable, 1 usable with warnings, 2 unusable.
 
-Engines: ``reference`` (float64), ``fast`` for each dtype and, for GGUF, each weight mode, ``transformers``
-(fp32) and ``llamacpp``. An unusable file runs on none (the harness compares every engine with the
-reference, which refuses it). Otherwise each engine's own limits apply: the fast path decodes
-:data:`FAST_TYPES` only (:data:`fast.quant_blocks.SUPPORTED`); transformers reads HF folders and Gemma 3 GGUFs,
+Engines: every plain kind of the registry (:data:`harness.core.engine_kinds.KINDS`), one row per setting:
+``reference`` (float64), ``transformers`` (fp32), ``fast`` for each dtype and, for GGUF, each weight mode, and
+``llamacpp``. An unusable file runs on none (the harness compares every engine with the
+reference, which refuses it). Otherwise each engine's own limits apply, read from its row (:mod:`.runnable`): the
+fast path decodes
+its row's ``gguf_types`` only (:data:`fast.quant_blocks.SUPPORTED`); transformers reads HF folders and Gemma 3 GGUFs,
 not Gemma 4 GGUFs; llama.cpp needs a GGUF, llama-cpp-python installed, a ``tokenizer.ggml.model`` key and type ids its
 ggml knows (:data:`LLAMACPP_TYPE_IDS`), and its KV donor rule must give each shared layer a cache of
-the right shape (:func:`llamacpp_donors`). The memory column of each row that can run is its memory plan
+the right shape (:func:`llamacpp_donors`; :mod:`harness.engines.llamacpp.support`). The memory column of each row that can run is its memory plan
 (:func:`_memory_estimates`, :func:`harness.core.memory.plan`).
 
 The modules: :mod:`.model` (the document), :mod:`.gguf_header` and :mod:`.hf_folder`
@@ -72,10 +74,10 @@ from .common import compact_names, shared_kv_tensors
 from .gguf_header import gguf_can_dequantize, inspect_gguf
 from .hf_folder import inspect_hf
 from .model import SCHEMA_VERSION, UNUSABLE, WARNING, EngineRow, Inspection, Problem, TensorType, unreadable_dict
-from .runnable import FAST_DTYPES, FAST_TYPES, FAST_WEIGHT_MODES, LLAMACPP_TYPE_IDS, engine_rows, llamacpp_donors
+from .runnable import LLAMACPP_TYPE_IDS, engine_rows, llamacpp_donors
 from .weights import note_carry, weight_problems
 
-__all__ = ["ESTIMATE_TOKENS", "FAST_DTYPES", "FAST_TYPES", "FAST_WEIGHT_MODES", "LLAMACPP_TYPE_IDS", "SCHEMA_VERSION",
+__all__ = ["ESTIMATE_TOKENS", "LLAMACPP_TYPE_IDS", "SCHEMA_VERSION",
            "UNUSABLE", "WARNING", "EngineRow", "Inspection", "Problem", "TensorType", "compact_names", "engine_rows",
            "gguf_can_dequantize", "inspect_model", "llamacpp_donors", "shared_kv_tensors", "unreadable_dict"]
 

@@ -1,55 +1,54 @@
 """Which engine settings can run an inspected file, why not, and the differences each will show.
 
-Each engine's own limits: the fast path decodes :data:`FAST_TYPES` only (:data:`fast.quant_blocks.SUPPORTED`);
-transformers reads HF folders and Gemma 3 GGUFs, not Gemma 4 GGUFs; llama.cpp needs a GGUF, llama-cpp-python
-installed, a ``tokenizer.ggml.model`` key and type ids its ggml knows (:data:`LLAMACPP_TYPE_IDS`), and its KV
-donor rule must give each shared layer a cache of the right shape (:func:`llamacpp_donors`).
+Every fact read here is its engine's row in the registry (:data:`harness.core.engine_kinds.KINDS`; the plain
+kinds, those that read a model file themselves): the file forms it reads (``forms``; a GGUF of some
+architectures only: ``gguf_archs``, transformers has no Gemma 4 GGUF loader), its dtypes and GGUF weight modes
+(``dtypes``, ``weights``: the fast engine's settings), the GGUF tensor types it decodes (``gguf_types``), and the
+checks of a file beyond those (``file_check``: llama.cpp's, :mod:`harness.engines.llamacpp.support`).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+from typing import Callable
 
 from gemma4_harness.reference.config import ModelConfig
 
-from ..engines.llamacpp import INSTALL_MSG, LLAMA_CPP_PYTHON_VERSION
+from ..core.engine_kinds import EngineKind, plain_kinds
+from ..engines.llamacpp.support import LLAMACPP_TYPE_IDS, llamacpp_donors
 from .model import UNUSABLE, EngineRow, Inspection
 
-FAST_DTYPES = ("float32", "bfloat16", "float16")
-"""Compute dtypes of the fast engine (``--dtype``)."""
+__all__ = ["LLAMACPP_TYPE_IDS", "engine_rows", "llamacpp_donors"]
 
-#: GGUF tensor types the fast engine decodes: :data:`fast.quant_blocks.SUPPORTED`, copied here so that inspecting a
-#: file does not import torch (3-5 s, longer than the header of a 33 GB file takes); tests/test_inspect.py
-#: checks that the copy equals the original.
-FAST_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                        "Q6_K"})
-
-#: The fast engine's ``--weights`` modes (:data:`harness.engines.fast.WEIGHT_MODES`, copied for the same reason
-#: and checked the same way).
-FAST_WEIGHT_MODES = ("packed", "dequantized")
-
-#: GGML type ids the ggml of llama-cpp-python 0.3.36 reads: ``enum ggml_type`` in ``ggml/include/ggml.h``,
-#: 0..42 without the removed ids 4, 5 (Q4_2, Q4_3), 31-33 (Q4_0_4_4 ..) and 36-38 (IQ4_NL_4_4 ..).
-#: Id 42 (Q2_0) is one gguf 0.19 does not know.
-LLAMACPP_TYPE_IDS = frozenset(range(43)) - {4, 5, 31, 32, 33, 36, 37, 38}
+FORM_WORDS = {"gguf": "a GGUF file", "hf": "an HF model folder"}
 
 
-def llamacpp_donors(cfg: ModelConfig) -> dict[int, int]:
-    """The layer whose KV cache llama.cpp gives each KV-shared layer of a gemma4 model.
+def _settings(k: EngineKind, gguf_file: bool) -> list[EngineRow]:
+    """One row per setting of ``k``: each dtype, and on a GGUF each weight mode."""
+    modes = k.weights if gguf_file and k.weights else (None,)
+    return [EngineRow(k.name, d, w, True) for d in k.dtypes or ("stored",) for w in modes]
 
-    llama.cpp's rule (``llama-model.cpp``, the ``reuse`` callback for LLM_ARCH_GEMMA4): with
-    ``n_kv = n_layer - shared_kv_layers``, a layer ``il >= n_kv`` reuses layer ``n_kv - 2`` when it is a
-    sliding layer, else ``n_kv - 1``. Its sliding and full layers live in two caches
-    (``llama_kv_cache_iswa``), so a donor of the other type is not found and llama.cpp aborts
-    (``GGML_ASSERT(map_layer_ids.find(il_reuse) != ...)``, ``llama-kv-cache.cpp``; seen on the built-in
-    case ``edge-keqv-shared-donor``). transformers' rule (the last non-shared layer of the same type,
-    :func:`reference.config.kv_donors`) is the tie-breaker; the two agree on the usual layouts.
 
-    Returns:
-        shared layer index -> llama.cpp's donor (empty without shared layers).
-    """
-    n_kv = cfg.n_layer - cfg.n_kv_shared
-    return {L.index: n_kv - (2 if L.is_sliding else 1) for L in cfg.layers if L.index >= n_kv}
+def _why_not(k: EngineKind, info: Inspection) -> str | None:
+    """Why ``k`` cannot read this file by its row's facts (form, architecture, tensor types), or None."""
+    if info.format not in k.forms:
+        return f"{k.said} needs {' or '.join(FORM_WORDS[f] for f in k.forms)}"
+    if info.format == "gguf" and k.gguf_archs is not None and info.architecture not in k.gguf_archs:
+        return (f"{k.said} needs {FORM_WORDS['hf']} for a {info.architecture} model (it reads the GGUF of "
+                f"{', '.join(k.gguf_archs)} only)")
+    bad = [t for t in info.tensor_types if info.format == "gguf" and k.gguf_types is not None
+           and t.type not in k.gguf_types]
+    if bad:
+        return (f"{bad[0].count} tensors of type {bad[0].type}: {k.said} decodes {', '.join(sorted(k.gguf_types))} "
+                "only")
+    return None
+
+
+def _file_check(k: EngineKind) -> Callable[..., tuple[bool, str | None, list[str]]] | None:
+    if k.file_check is None:
+        return None
+    module, _, name = k.file_check.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def engine_rows(info: Inspection, cfg: ModelConfig | None) -> list[EngineRow]:
@@ -60,64 +59,18 @@ def engine_rows(info: Inspection, cfg: ModelConfig | None) -> list[EngineRow]:
         cfg: the model config (None when it could not be built).
 
     Returns:
-        ``reference``; ``fast`` per dtype (and per weight mode for a GGUF); ``transformers``; ``llamacpp``.
+        per plain engine kind, in the registry's order: one row per dtype (and per weight mode on a GGUF).
     """
     gguf_file = info.format == "gguf"
-    fast_settings = [(d, w) for d in FAST_DTYPES for w in (FAST_WEIGHT_MODES if gguf_file else (None,))]
-    rows = [EngineRow("reference", "float64", None, True)]
-    rows += [EngineRow("fast", d, w, True) for d, w in fast_settings]
-    rows += [EngineRow("transformers", "float32", None, True), EngineRow("llamacpp", "stored", None, True)]
+    kinds = plain_kinds()
+    rows = {k.name: _settings(k, gguf_file) for k in kinds}
     bad = next((p for p in info.problems if p.severity == UNUSABLE), None)
-    if bad is not None:
-        for r in rows:
-            r.can_run, r.reason = False, f"the file is unusable ({bad.code}: {bad.where})"
-        return rows
-    fast_bad = [t for t in info.tensor_types if gguf_file and t.type not in FAST_TYPES]
-    for r in rows:
-        if r.engine == "fast" and fast_bad:
-            r.can_run = False
-            r.reason = (f"{fast_bad[0].count} tensors of type {fast_bad[0].type}: fast dequantization decodes "
-                        f"{', '.join(sorted(FAST_TYPES))} only")
-        elif r.engine == "transformers" and gguf_file and info.architecture != "gemma3":
-            r.can_run = False
-            r.reason = "transformers needs an HF model folder for a Gemma 4 model (it cannot read a Gemma 4 GGUF)"
-        elif r.engine == "llamacpp":
-            r.can_run, r.reason, r.notes = _llamacpp_row(info, cfg)
-    return rows
-
-
-def _llamacpp_row(info: Inspection, cfg: ModelConfig | None) -> tuple[bool, str | None, list[str]]:
-    if info.format != "gguf":
-        return False, "llama.cpp needs a GGUF file", []
-    if importlib.util.find_spec("llama_cpp") is None:
-        return False, INSTALL_MSG, []
-    unknown = [t.type for t in info.tensor_types if t.type_id not in LLAMACPP_TYPE_IDS]
-    if unknown:
-        return False, f"type {unknown[0]} is not one llama.cpp {LLAMA_CPP_PYTHON_VERSION}'s ggml reads", []
-    if info.tokenizer.get("model") is None:
-        return False, "no tokenizer.ggml.model key: llama.cpp's vocabulary loader needs one", []
-    notes = []
-    if cfg is not None and cfg.arch == "gemma4":
-        n_kv = cfg.n_layer - cfg.n_kv_shared
-        if n_kv < 2:
-            return False, (f"{n_kv} non-shared layer(s): llama.cpp asserts n_layer_kv_from_start >= 2 for gemma4 "
-                           "and aborts"), []
-        if not any(L.is_sliding for L in cfg.layers):
-            return False, "no sliding layer: llama.cpp asserts one for gemma4 (its iSWA cache) and aborts", []
-        for il, d in llamacpp_donors(cfg).items():
-            L, D, T = cfg.layers[il], cfg.layers[d], cfg.layers[il].kv_donor
-            if D.is_sliding != L.is_sliding:
-                kind = {True: "sliding", False: "full"}
-                return False, (f"llama.cpp's KV donor rule gives {kind[L.is_sliding]} shared layer {il} the cache of "
-                               f"{kind[D.is_sliding]} layer {d} (transformers: layer {T}); its sliding and full caches "
-                               "are apart, so it aborts (GGML_ASSERT in llama-kv-cache.cpp)"), []
-            if (D.head_dim, D.n_kv_head) != (L.head_dim, L.n_kv_head):
-                return False, (f"llama.cpp's KV donor rule gives shared layer {il} (head_dim {L.head_dim}, "
-                               f"{L.n_kv_head} KV heads) the cache of layer {d} (head_dim {D.head_dim}, "
-                               f"{D.n_kv_head} KV heads; transformers: layer {T}): the shapes differ"), []
-            if d != T:
-                notes.append(f"shared layer {il} reads layer {d}'s KV cache in llama.cpp, layer {T}'s in "
-                             "transformers: its output differs")
-        if cfg.final_logit_softcap is None:
-            notes.append("applies a final softcap of 30 (its default) where the file has none")
-    return True, None, notes
+    for k in kinds:
+        why = f"the file is unusable ({bad.code}: {bad.where})" if bad is not None else _why_not(k, info)
+        check = _file_check(k) if why is None else None
+        can, notes = why is None, []
+        if check is not None:
+            can, why, notes = check(info, cfg)
+        for r in rows[k.name]:
+            r.can_run, r.reason, r.notes = can, why, list(notes)
+    return [r for k in kinds for r in rows[k.name]]
