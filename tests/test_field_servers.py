@@ -32,7 +32,8 @@ ID_PROMPTS = [[2, 40, 7, 99, 5], [2] + list(range(100, 116)), [2] + [5 + (7 * i)
 def _server(kind: str, gguf: Path, log: Path) -> ServerProcess:
     """A server of ``kind`` on ``gguf`` with its default numerics, :data:`THREADS` threads."""
     if kind == "llama-server":
-        from gemma4_harness.harness.engines.llamacpp.build import BuildError, ensure_built
+        from gemma4_harness.harness.engines.llamacpp.build import ensure_built
+        from gemma4_harness.harness.engines.llamacpp.pins import BuildError
 
         try:
             server = ensure_built().server

@@ -39,7 +39,8 @@ def _judge(kind: str, served: Path, model: Path, tmp_path: Path) -> tuple[int, d
     """``g4h parity --model MODEL --against openai:URL`` with a server of ``kind`` on ``served``, the texts of
     field_servers.py as prompts (llama-cpp-python takes text only): the exit status and the checks by gate."""
     if kind == "llama-server":
-        from gemma4_harness.harness.engines.llamacpp.build import BuildError, ensure_built
+        from gemma4_harness.harness.engines.llamacpp.build import ensure_built
+        from gemma4_harness.harness.engines.llamacpp.pins import BuildError
 
         try:
             ensure_built()

@@ -28,7 +28,7 @@ from ..engines import engine_class
 from ..engines.base import Benchable, EngineUnavailable
 from ..engines.fast import FastEngine
 from ..engines.llamacpp import LlamaCppBench
-from ..engines.llamacpp.build import BuildError
+from ..engines.llamacpp.pins import BuildError
 from ..engines.llamacpp.native import ensure_native_built
 from ..engines.reference import ReferenceEngine
 from .run import ENGINE_NAMES, param_count

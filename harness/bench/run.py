@@ -58,7 +58,7 @@ tested for NaN/Inf, :mod:`fast.engine`), beside ``fast`` on the same built model
 (static shapes; one CUDA graph a step on a GPU, the same static step run eagerly on the CPU). ``llamacpp``: the
 harness's portable build (``GGML_NATIVE=OFF``, the one the correctness checks use); ``llamacpp-native``: the same
 llama.cpp compiled for this CPU (``GGML_NATIVE=ON``, what a user who builds it here runs), built on first use
-(:func:`harness.engines.llamacpp.build.ensure_native_built`)."""
+(:func:`harness.engines.llamacpp.native.ensure_native_built`)."""
 
 
 # --------------------------------------------------------------------------- results

@@ -79,7 +79,7 @@ class EngineFailure(RuntimeError):
             caller compares them with the reference to name ``step``).
         decoding: for a greedy stream whose token is not the top-1 of the engine's own log-probs, what differs in
             decoding there when its log-probs are the oracle's (a dict with ``request``, ``step``, ``what``, ``line``:
-            :func:`harness.parity.explain.decoding_by_logprobs`), else None.
+            :func:`harness.parity.explain_decoding.decoding_by_logprobs`), else None.
     """
 
     request: Any = None

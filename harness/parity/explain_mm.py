@@ -59,7 +59,7 @@ class MMReference:
 def explain_mm(ref: MMReference, observed: Sequence[Observed], pair: str = "reference~fast",
                gates: Mapping[str, Gate] = DEFAULT_GATES, budget_s: float | None = None,
                variants: Sequence[Variant] | None = None) -> Explanation:
-    """:func:`~harness.parity.explain.search` for an engine's logits (and trace) on multimodal prompts, over the
+    """:func:`~harness.parity.explain_search.search` for an engine's logits (and trace) on multimodal prompts, over the
     multimodal variants then the text decoder's (or ``variants``)."""
     subject = TextSubject(ref, observed, pair, gates)
     cands = (*family("multimodal"), *family("text")) if variants is None else tuple(variants)
@@ -128,7 +128,7 @@ class DrafterSubject:
 def explain_drafter(d: Any, DW: Any, target: Any, TW: Any, observed: Sequence[DraftObserved],
                     budget_s: float | None = None, limit: float | None = None,
                     variants: Sequence[Variant] | None = None) -> Explanation:
-    """:func:`~harness.parity.explain.search` over the drafter variants (or ``variants``) for a drafter engine's
+    """:func:`~harness.parity.explain_search.search` over the drafter variants (or ``variants``) for a drafter engine's
     rounds."""
     subject = DrafterSubject(d, DW, target, TW, observed, limit)
     return search(subject.measure, family("drafter") if variants is None else variants, d,

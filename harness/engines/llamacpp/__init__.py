@@ -81,7 +81,7 @@ class LlamaCppEngine:
             that do not grant the AMX tile state (seen here: a Firecracker guest whose CPU lists amx_int8).
         timeout: seconds one worker process may run.
         lib_dir: another build of llama.cpp's libraries for the worker to load (``LLAMA_CPP_LIB_PATH``: the native
-            variant of :func:`.build.ensure_native_built`); None: the ones the installed package holds.
+            variant of :func:`.native.ensure_native_built`); None: the ones the installed package holds.
 
     Raises:
         EngineUnavailable: llama-cpp-python is not installed (:data:`INSTALL_MSG`), or ``path`` is not a file.
