@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+from http_stub import JsonHandler, StubServer
 
 from gemma4_harness.harness.engines.base import Generated
 from gemma4_harness.harness.engines.reference import ReferenceEngine
@@ -56,7 +56,7 @@ def decoded(ref: ReferenceEngine, prompt: list[int], n: int, top_n: int, repeat_
     return g
 
 
-class ReferenceServer:
+class ReferenceServer(StubServer):
     """``with ReferenceServer(gguf, perturb=0.01) as s: ... s.url``: see the module docstring."""
 
     def __init__(self, gguf: str | Path, perturb: float = 0.0, token_only: bool = False,
@@ -67,18 +67,7 @@ class ReferenceServer:
         self.repeat_penalty, self.ban, self.raw_logprobs = repeat_penalty, tuple(ban), raw_logprobs
         self.lock = threading.Lock()  # the reference is not thread-safe
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _send(self, code: int, obj) -> None:
-                body = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 if self.path == "/props":
                     return self._send(200, {"default_generation_settings": {}, "total_slots": 1})
@@ -88,15 +77,12 @@ class ReferenceServer:
                 self._send(404, {"error": {"code": 404, "message": "File Not Found"}})
 
             def do_POST(self):
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                req = json.loads(self._body() or b"{}")
                 if self.path != "/completion":
                     return self._send(404, {"error": {"code": 404, "message": "File Not Found"}})
                 self._send(200, srv.complete(req))
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        super().__init__(Handler)
 
     def complete(self, req: dict) -> dict:
         """llama-server's ``/completion`` answer: greedy tokens of the reference, each step's top-``n_probs``."""
@@ -114,11 +100,3 @@ class ReferenceServer:
             for t, s, mine in zip(g.tokens, g.top, own)]
         return {"content": "", "tokens": list(g.tokens), "tokens_predicted": len(g.tokens), "stop": True,
                 "stop_type": "limit", "completion_probabilities": steps}
-
-    def __enter__(self) -> "ReferenceServer":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()

@@ -37,11 +37,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import pytest
+from http_stub import JsonHandler, StubServer
 
 from gemma4_harness.harness.engines.llamacpp.worker import default_threads
 
@@ -279,7 +279,7 @@ def gemma3_gguf() -> Path:
 
 @contextlib.contextmanager
 def _running(make, model: Path, tmp_path_factory, name: str) -> Iterator[ServerProcess]:
-    from gemma4_harness.harness.engines.llamacpp.build import BuildError
+    from gemma4_harness.harness.engines.llamacpp.pins import BuildError
 
     log = tmp_path_factory.mktemp(name) / "server.log"
     try:
@@ -378,7 +378,7 @@ PROXY_MODES = ("perturb", "swap", "ignore-eos", "sample", "crash", "drop", "earl
                "stream-error")
 
 
-class FaultStub:
+class FaultStub(StubServer):
     """A fault-injecting HTTP server in a thread, for the tests that need a server to fail (never as a stand-in
     for a working one).
 
@@ -427,37 +427,20 @@ class FaultStub:
         self.crashed = False
         self._lock = threading.Lock()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", ctype)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up first (the timeout test)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 if stub.upstream:
                     return stub.forward(self, None)
                 if self.path == "/props":
-                    return self._send(200, b'{"default_generation_settings": {}}')
+                    return self._send(200, {"default_generation_settings": {}})
                 if self.path == "/v1/models":
-                    return self._send(200, b'{"object": "list", "data": [{"id": "stub", "owned_by": "llamacpp"}]}')
-                self._send(404, b'{"error": {"code": 404, "message": "File Not Found"}}')
+                    return self._send(200, {"object": "list", "data": [{"id": "stub", "owned_by": "llamacpp"}]})
+                self._send(404, {"error": {"code": 404, "message": "File Not Found"}})
 
             def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                stub.answer(self, body)
+                stub.answer(self, self._body())
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads, self.server.block_on_close = True, False  # a sleeping handler must not block exit
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        super().__init__(Handler, block_on_close=False)  # a sleeping handler must not block exit
 
     def forward(self, h, body: bytes | None) -> None:
         """Send the request on to ``upstream`` and relay its answer (status, type, bytes) unaltered."""
@@ -487,7 +470,7 @@ class FaultStub:
             if first:
                 self.altered.append({"crashed_at": self.requests})
         if first:
-            threading.Thread(target=self.server.shutdown, daemon=True).start()
+            self.stop()
             with contextlib.suppress(OSError):
                 self.server.socket.close()
         h.close_connection = True
@@ -501,12 +484,12 @@ class FaultStub:
                 self.requests += 1
                 n = self.requests
         if self.mode == "500":
-            return h._send(500, b'{"error": {"code": 500, "message": "boom: out of memory", "type": "server_error"}}')
+            return h._send(500, {"error": {"code": 500, "message": "boom: out of memory", "type": "server_error"}})
         if self.mode == "malformed":
             return h._send(200, b'{"content": "x", "completion_probabilities": [')
         if self.mode == "slow":
             time.sleep(self.delay)
-            return h._send(200, b"{}")
+            return h._send(200, {})
         if self.mode == "shape":  # ids where log-probs should be
             return h._send(200, b'{"content": "x", "tokens": [5, 6], "tokens_predicted": 2, '
                                 b'"completion_probabilities": [{"id": 5}, {"id": 6}]}')
@@ -529,13 +512,13 @@ class FaultStub:
             return self.forward(h, body)
         status, ans = self._upstream_json(h, body)
         if status != 200 or not isinstance(ans, dict):
-            return h._send(status, ans if isinstance(ans, bytes) else json.dumps(ans).encode())
+            return h._send(status, ans)
         change = {"perturb": self._perturb, "swap": self._swap, "drop": self._drop,
                   "early-stop": self._stop_early}[self.mode](ans)
         if change:
             with self._lock:
                 self.altered.append({"prompt": request.get("prompt"), **change})
-        h._send(200, json.dumps(ans).encode())
+        h._send(200, ans)
 
     def _alter_stream(self, h, body: bytes, request: dict) -> None:
         """A streamed answer of ``upstream`` with its text event at ``step`` dropped, doubled or made an error that
@@ -646,12 +629,3 @@ class FaultStub:
                     ans["usage"]["completion_tokens"] = k
                 return {"step": k, "was": was, "now": "stop"}
         return None
-
-    def __enter__(self) -> "FaultStub":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self.crashed:
-            self.server.shutdown()
-        self.server.server_close()

@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from http_stub import JsonHandler, StubServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,18 +27,16 @@ GOOD = {"content": "ab", "tokens": [7, 8], "tokens_predicted": 2, "stop_type": "
 FLOOD_BYTES = 1_500_000_000
 
 
-class Hostile:
-    """llama-server's discovery answers, then every POST answered by ``mode``."""
+class Hostile(StubServer):
+    """llama-server's discovery answers, then every POST answered by ``mode``; ``url``: the engine name that reaches
+    it (``openai:http://127.0.0.1:PORT/v1``)."""
 
     def __init__(self, mode: str) -> None:
         me = self
         self.mode, self.sent = mode, 0
 
-        class H(BaseHTTPRequestHandler):
+        class H(JsonHandler):
             protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
 
             def _head(self, length: int | None) -> None:
                 self.send_response(200)
@@ -48,17 +45,13 @@ class Hostile:
                     self.send_header("Content-Length", str(length))
                 self.end_headers()
 
-            def _send(self, body: bytes) -> None:
-                self._head(len(body))
-                self.wfile.write(body)
-
             def do_GET(self):
                 if self.path == "/props":
-                    return self._send(b'{"default_generation_settings": {}}')
-                return self._send(b'{"object": "list", "data": [{"id": "stub", "owned_by": "llamacpp"}]}')
+                    return self._send(200, {"default_generation_settings": {}})
+                return self._send(200, {"object": "list", "data": [{"id": "stub", "owned_by": "llamacpp"}]})
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._body()
                 good = json.dumps(GOOD).encode()
                 try:
                     if me.mode == "flood":  # a valid start, then 1.5 GB of digits: never held by this server
@@ -81,33 +74,24 @@ class Hostile:
                             self.wfile.flush()
                             time.sleep(0.2)
                     elif me.mode == "cut":
-                        self._send(good[:len(good) // 2])
+                        self._send(200, good[:len(good) // 2])
                     elif me.mode == "cut-length":  # says more than it sends, then closes
                         self._head(len(good) + 100)
                         self.wfile.write(good)
                         self.close_connection = True
                     elif me.mode == "nan":
-                        self._send(good.replace(b"-0.1", b"NaN").replace(b"-0.2", b"-Infinity"))
+                        self._send(200, good.replace(b"-0.1", b"NaN").replace(b"-0.2", b"-Infinity"))
                     elif me.mode == "drop":
-                        self._send(json.dumps({k: v for k, v in GOOD.items() if k != "tokens"}).encode())
+                        self._send(200, {k: v for k, v in GOOD.items() if k != "tokens"})
                     elif me.mode == "deep":
-                        self._send(b"[" * 200_000 + b"]" * 200_000)
+                        self._send(200, b"[" * 200_000 + b"]" * 200_000)
                     else:
-                        self._send(good)
+                        self._send(200, good)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        self.url = f"openai:http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def __enter__(self) -> Hostile:  # noqa: PYI034
-        return self
-
-    def __exit__(self, *a) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(H)
+        self.url = f"openai:{self.url}/v1"
 
 
 CLIENT = """

@@ -17,11 +17,10 @@ tests/variant_lab.py's ``lab-dense`` (vocabulary 512, context 256).
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from http_stub import JsonHandler, StubServer
 from servers import _need_llama_cpp_python_server, _running, llama_cpp_python_process, llama_server_process
 from variant_lab import build
 
@@ -131,51 +130,32 @@ def test_llama_cpp_python_context_400_is_bad_input_naming_the_prompt(synth_gguf,
 # ----------------------------------------------------------------------------------------------- fake servers
 
 
-class FakeServer:
+class FakeServer(StubServer):
     """llama-server's discovery answers (``/props`` without ``n_ctx``: a server that does not say its context),
-    then every completion refused with HTTP 400 and ``message``."""
+    then every completion refused with HTTP 400 and ``message``; ``url``: the engine name that reaches it."""
 
     def __init__(self, message: str, vllm_max_model_len: int | None = None) -> None:
-        body = json.dumps({"error": {"code": 400, "message": message, "type": "invalid_request_error"}}).encode()
+        body = {"error": {"code": 400, "message": message, "type": "invalid_request_error"}}
         vllm = vllm_max_model_len is not None  # vLLM instead: no /props, its /version, its model card
         card = {"id": "fake", "owned_by": "vllm", "max_model_len": vllm_max_model_len} if vllm else \
             {"id": "fake", "owned_by": "llamacpp"}
-        models = json.dumps({"object": "list", "data": [card]}).encode()
+        models = {"object": "list", "data": [card]}
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code: int, raw: bytes) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
+        class H(JsonHandler):
             def do_GET(self):
                 if self.path == "/props":
-                    return self._send(404, b'{"detail": "Not Found"}') if vllm else \
-                        self._send(200, b'{"default_generation_settings": {}}')
+                    return self._send(404, {"detail": "Not Found"}) if vllm else \
+                        self._send(200, {"default_generation_settings": {}})
                 if self.path == "/version" and vllm:
-                    return self._send(200, b'{"version": "0.0.0"}')
+                    return self._send(200, {"version": "0.0.0"})
                 return self._send(200, models)
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._body()
                 self._send(400, body)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        self.url = f"openai:http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def __enter__(self) -> FakeServer:  # noqa: PYI034
-        return self
-
-    def __exit__(self, *a) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(H)
+        self.url = f"openai:{self.url}/v1"
 
 
 @pytest.fixture(scope="module")
