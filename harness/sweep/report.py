@@ -188,6 +188,27 @@ def _base_table(rows: Sequence[dict[str, Any]]) -> str:
     return dataframe_markdown(pd.DataFrame(body), right=("measured", "effect", "limit"))
 
 
+def _pair_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Each row's parity pair (:func:`.tasks.pair_figures`), one line per gate: the worst figure over the prompts
+    (against its own limit), the count of checks and of those that fail."""
+    body = []
+    for r in rows:
+        by: dict[str, list[dict[str, Any]]] = {}
+        for c in r.get("checks") or ():
+            by.setdefault(c["gate"], []).append(c)
+        for gate, cs in by.items():
+            bad = [c for c in cs if not c["pass"] and not c.get("informational")]
+            up = cs[0].get("op") == "ge"  # a figure that passes at or above its limit: the worst is the least
+            worst = (min if up else max)(bad or cs, key=lambda c: c["measured"] if c["measured"] == c["measured"]
+                                         else float("-inf") if up else float("inf"))
+            body.append({"file": r["label"], "engine": r["engine"], "gate": gate, "checks": len(cs),
+                         "worst": _g(worst["measured"]), "its limit": _g(worst["limit"]),
+                         "verdict": ("FAIL" if bad else "info" if all(c.get("informational") for c in cs)
+                                     else "PASS"),
+                         "emulated": ", ".join(worst.get("emulated") or []) or ""})
+    return dataframe_markdown(pd.DataFrame(body), right=("checks", "worst", "its limit"))
+
+
 def _file_table(files: Sequence[SweepFile]) -> str:
     body = [{"file": Path(f.path).name, "type": f.label, "bpw": f.bpw, "MB": round(f.size / 1e6, 2),
              "tensor types": ", ".join(f"{t} x{n}" for t, n in f.types.items()),
@@ -235,6 +256,8 @@ def write_outputs(rd: Any, groups: Sequence[Group], bad: Sequence[SweepFile], gp
         "summary": {"rows": len(rows), "ok": sum(r["status"] == "ok" for r in rows), "failed": len(failed),
                     "against_base_failed": sum(not v["passed"] and not v["informational"] for r in rows
                                                for v in r.get("against_base") or ()),
+                    "pair_checks": sum(len(r.get("checks") or ()) for r in rows),
+                    "pair_failed": sum(len(judge.pair_failures(r)) for r in rows),
                     "declared_not_run": sum(r["status"] == "not_run" and bool(r.get("declared")) for r in rows),
                     "agreements": len(agreements), "disagreements": sum(not a["passed"] for a in agreements)},
         "rows": list(rows), "agreements": list(agreements), "damage_inversions": damage_inversions(rows),
@@ -273,6 +296,12 @@ def _markdown(data: dict[str, Any], groups: Sequence[Group], bad: Sequence[Sweep
         p = plots[g.name]
         lines += [f"![KLD against bits per weight]({p['kld']})" if p["kld"] else "", "",
                   f"![first-divergence layer]({p['divergence']})" if p["divergence"] else "", ""]
+        paired = [r for r in mine if r.get("checks")]
+        if paired:
+            lines += ["### Each engine against the reference on the same file (the g4h parity pair)", "",
+                      "`g4h parity --model FILE --against ENGINE` on the group's prompts: the float64 reference on "
+                      "the file itself, making the approximations the engine declares, gated as parity gates them "
+                      "(worst figure over the prompts per gate).", "", _pair_table(paired), ""]
         judged = [r for r in mine if r.get("against_base")]
         if judged:
             lines += ["### Engines on the base file against the base", "",

@@ -13,7 +13,7 @@ What is measured depends on what the engine answers:
   not at all, returned a stream shorter than asked or a token that is not the top-1 of its own log-probs; the
   figure names the request, the step and the engine's last error line; exit 1, "ENGINE FAILED"), or with
   ``bad_input`` when the engine cannot be used as given (a command that cannot be started, a server that is
-  down: exit 2);
+  down, its memory plan refused, then with ``out_of_memory`` too: exit 2);
 * logits, per prompt (:func:`harness.parity.compare.logit_figures`): ``.max_abs_logit`` (with the position
   and token of the worst difference), ``.mean_kld``, ``.same_top1_decisive`` (near-ties reported, not failed);
 * trace points, per prompt, when the engine traces (a callback in-process, a trace file for ``cmd:``):
@@ -40,6 +40,7 @@ from gemma4_harness.reference.errors import InputError
 
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, pair_name
 from ...core.kld import kld_stats
+from ...core.memory import NotEnoughMemory
 from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
 from ...engines import EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
@@ -105,7 +106,7 @@ def engine_failed(pair: str, e: EngineFailure) -> Figure:
 
 def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Sequence[dict[str, Any]],
                 progress: Progress, case: str, opted_out: str | None = None, options: dict[str, Any] | None = None,
-                extra: Any = None, number: int = 1) -> list[Figure]:
+                extra: Any = None, number: int = 1, also: Callable[[Any], None] | None = None) -> list[Figure]:
     """The reference against engine ``name`` on the model at ``path`` (see the module docstring).
 
     Args:
@@ -122,13 +123,17 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
         number: this engine's place among the engines of its kind in the run: from 2 on, its pair and its own
             checks' gates carry the number (``reference~openai#2.greedy``, ``server#2.stop.eos``), judged by the
             unnumbered gates (:func:`harness.core.gates.gate_for`).
+        also: called with the engine, still open, once the pair's figures are measured (before the kind's
+            :data:`EXTRA_CHECKS`): ``g4h sweep`` takes the outputs its own figures need from the engine the pair
+            measured (:func:`harness.sweep.tasks.engine_run`); its :class:`EngineFailure` or
+            :class:`EngineUnavailable` is the pair's ``.runs`` figure, as the pair's own would be.
 
     Returns:
         Figures for the gates ``<oracle>~<kind>.*`` (``runs.name``: ``reference~<kind>``, or ``fast~<kind>``
         with ``--oracle fast``); never raises for a failing engine (that is a ``.runs`` figure of 0).
     """
     kind = engine_kind(name)
-    figures = _pair_checks(runs, name, kind, path, prompts, progress, case, opted_out, options, extra)
+    figures = _pair_checks(runs, name, kind, path, prompts, progress, case, opted_out, options, extra, also)
     return figures if number == 1 else [_numbered(f, number) for f in figures]
 
 
@@ -159,7 +164,7 @@ def _numbered(f: Figure, number: int) -> Figure:
 
 def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, prompts: Sequence[dict[str, Any]],
                  progress: Progress, case: str, opted_out: str | None, options: dict[str, Any] | None,
-                 extra: Any) -> list[Figure]:
+                 extra: Any, also: Callable[[Any], None] | None = None) -> list[Figure]:
     pair = pair_name(kind, oracle=runs.name)
     if opted_out:
         return [_runs(pair, False, got="opted out", informational_reason=f"opted out with --skip {opted_out}")]
@@ -172,7 +177,8 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
     except EngineFailure as e:  # it crashed loading the model, or broke its protocol at its handshake
         return [engine_failed(pair, e)]
     except InputError as e:  # it cannot be used as given: a command that cannot start, a server that is down
-        return [_runs(pair, False, got=str(e), bad_input=True)]
+        return [_runs(pair, False, got=str(e), bad_input=True,
+                      **({"out_of_memory": True} if isinstance(e, NotEnoughMemory) else {}))]
     pair = pair_name(kind, engine_numerics(eng, kind).dtype, runs.name)
     out: list[Figure] = []  # the figures measured so far: kept when the engine fails later
     try:
@@ -180,6 +186,8 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
                  int(getattr(extra, "max_new_tokens", GREEDY_NEW_TOKENS)), int(getattr(extra, "top_n", TOP_N)), out)
         for hook in ON_MEASURED:
             hook(runs, eng, kind, pair, prompts, out, progress, case)
+        if also is not None:
+            also(eng)
         if kind in EXTRA_CHECKS:
             out += EXTRA_CHECKS[kind](eng, runs, prompts, pair, progress, extra)
     except EngineUnavailable as e:
