@@ -276,7 +276,8 @@ def _markdown(data: dict[str, Any], groups: Sequence[Group], bad: Sequence[Sweep
     s = data["summary"]
     lines = [f"# g4h sweep: {data['verdict']} (exit {data['exit_status']})", "",
              f"{s['rows']} rows ({s['ok']} ran, {s['failed']} failed, {s['declared_not_run']} out of an engine's "
-             f"declared reach), {s['agreements']} cross-engine comparisons ({s['disagreements']} disagree); "
+             f"declared reach), {s['pair_checks']} g4h parity checks of the rows' pairs ({s['pair_failed']} fail), "
+             f"{s['agreements']} cross-engine comparisons ({s['disagreements']} disagree); "
              f"{len(nodes)} Ray node(s), {data['wall_s']} s wall ({data['timing'].get('cluster_s')} s to have the "
              f"cluster, {data['timing'].get('tasks_s')} s of tasks).", ""]
     used = sorted({r["node"] for r in rows if r.get("node")})

@@ -340,7 +340,8 @@ def pair_figures(path: str, engine: str, prompts: Sequence[dict[str, Any]], new_
         path: the file.
         engine, options: the engine and its options (:func:`harness.engines.make_engine`).
         prompts: ``{"id", "prompt_ids"}`` records within the model's vocabulary.
-        new_tokens, top_n: the greedy streams' length and vLLM's N (parity's ``--max-new-tokens``, ``--top-n``).
+        new_tokens, top_n: the greedy streams' length and vLLM's N (parity's ``--max-new-tokens``, ``--top-n``);
+            ``new_tokens`` 0 (``g4h sweep --max-new-tokens 0``): no streams, so no ``.greedy`` figures.
         also: called with the engine, still open, once the pair is measured (``pair_checks``' ``also``).
 
     Returns:
@@ -355,7 +356,7 @@ def pair_figures(path: str, engine: str, prompts: Sequence[dict[str, Any]], new_
     gates = resolve(spec_gates(path), str(path))
     runs.gates = gates  # as cases.user_case: the explanation of a failing pair is judged by the same gates
     server = ServerOptions(max_new_tokens=new_tokens, top_n=top_n)
-    runs.prefetch(expected_sets([engine]), prompts, new_tokens, top_n)
+    runs.prefetch(expected_sets([engine]), prompts, new_tokens, top_n, greedy=new_tokens > 0)
     res = CaseResult(case=os.path.basename(path), kind="user", model=str(path))
     res.apply(pair_checks(runs, engine, path, prompts, lambda m: None, res.case, options=options, extra=server,
                           also=also), gates)

@@ -413,7 +413,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
     # what this pair asks of the reference that the job's prefetch could not foresee (a server's or a cmd: engine's
     # declared emulations), in one set of passes over the weights rather than a forward per prompt and step
     runs.prefetch([approx], prompts, new_tokens, top_n, progress=lambda m: progress(f"[{case}] {m}"),
-                  greedy=_can(eng, "generate"))
+                  greedy=_can(eng, "generate") and new_tokens > 0)
     layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit
     logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
     file_trace = hasattr(eng, "trace_file")
@@ -445,7 +445,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                 errors = runs.local_errors(approx, p, ours_trace)
                 if errors:  # pooled over the prompts by quantized_gates
                     out.append(fig(f"{pair}_q8.local_median", float("nan"), p["id"], _errors=errors))
-        if _can(eng, "generate"):
+        if _can(eng, "generate") and new_tokens > 0:  # 0: no streams (g4h sweep --max-new-tokens 0)
             context = runs.ref.cfg.context_length
             gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
             if gen_prompts:
