@@ -240,6 +240,21 @@ def test_a_rows_status_is_read_from_its_g4h_parity_pair(case_a):
     assert judge.exit_status([row["absent"]], []) == 2
 
 
+def test_an_earlier_stores_row_without_the_pair_is_measured_again():
+    """A run directory of an earlier sweep (results version 1: rows without their parity pair) still reads: on
+    ``--resume`` its rows that ran are measured again (their pair's figures are missing), its failed rows are kept as
+    they were (``--retry-failed`` reruns them, as before), and a row that has its pair is done."""
+    from gemma4_harness.harness.sweep.run import SweepOptions, _Sweep
+    sweep = _Sweep.__new__(_Sweep)  # the resume decision alone: no cluster, no run directory
+    sweep.opts = SweepOptions()
+    old = {"kind": "row", "status": "ok", "mean_kld": 1e-6, "against_base": []}
+    sweep.records = {"old": old, "new": dict(old, pair="reference~fast", checks=[]),
+                     "old-crashed": {"kind": "row", "status": "crashed"}, "base": {"kind": "base", "status": "ok"}}
+    assert [k for k in sweep.records if sweep.done(k)] == ["new", "old-crashed", "base"]
+    sweep.opts = SweepOptions(retry_failed=True)
+    assert not sweep.done("old-crashed") and sweep.done("new")
+
+
 # --------------------------------------------------------------------------- llama.cpp's quantizer
 
 

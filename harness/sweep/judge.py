@@ -52,8 +52,8 @@ FAILED = frozenset({"crashed", "oom", "timeout", "no_base", "error"})
 QUANTIZED_ACTIVATION_KINDS = frozenset(k for k, n in KIND_NUMERICS.items() if "quantized_activations" in n.approximations)
 
 QUANTIZED_NOT_EMULATED = (
-    "quantized_activations is not emulated in the sweep (g4h parity emulates it, harness/parity/checks/pair.py): "
-    "judged by parity's yardstick rule instead")
+    "quantized_activations is not emulated in the sweep's base (each row's g4h parity pair emulates it, "
+    "harness/parity/checks/pair.py): judged by parity's yardstick rule instead")
 """Said on every figure of an engine that rounds its activations, on a file with quantized or 16-bit matrices."""
 
 

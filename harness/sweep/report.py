@@ -2,7 +2,8 @@
 
 * ``results.json`` (``schema: g4h-sweep``, version :data:`SCHEMA_VERSION`): the verdict and exit status, the
   options, the nodes, the groups (base file, prompts, 8-bit yardstick), every file as ``g4h inspect`` read it, every
-  row (llama-perplexity's full KLD set under ``kld``), every cross-engine agreement, the wall time.
+  row (llama-perplexity's full KLD set under ``kld``; its ``g4h parity`` pair under ``pair`` and ``checks``, the
+  checks as a parity ``results.json`` holds them), every cross-engine agreement, the wall time.
 * ``sweep.csv``: one line per file x engine (:data:`CSV_COLUMNS`).
 * ``report.md``: the verdict; per group the table sorted by damage (failed rows first, then mean KLD against the
   base, largest first), the engines' agreement per file, where the damage does not follow the bits per weight, the
@@ -30,7 +31,10 @@ from ..core.io import dataframe_markdown, write_bytes_atomic
 from . import judge
 from .files import Group, SweepFile
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Version of ``results.json``. 2: every row carries its ``g4h parity`` pair (``pair``, ``checks``: the reference on
+the row's own file against the engine, :func:`harness.sweep.tasks.pair_figures`), ``against_base`` only on a row of an
+earlier store; ``summary`` counts ``pair_checks`` and ``pair_failed``. Every field of version 1 is where it was."""
 
 CSV_COLUMNS = ("group", "file", "label", "file_type", "bpw", "size", "engine", "status", "reason", "mean_kld",
                "mean_kld_unc", "kld_p99_0", "kld_p99_9", "maximum_kld", "median_kld", "same_top_p_pct",

@@ -64,8 +64,9 @@ ROW_KLD = ("mean_kld", "mean_kld_unc", "kld_p99_0", "kld_p99_9", "maximum_kld", 
 
 
 NOT_EMULATED_IN_SWEEP = ("quantized_activations",)
-"""Declared approximations the sweep's base does not make (``g4h parity`` emulates them; the sweep judges a file with
-quantized or 16-bit matrices on the 8-bit yardstick instead, ``harness/sweep/judge.py``)."""
+"""Declared approximations the sweep's base does not make (the cross-engine comparison judges a file with quantized or
+16-bit matrices on the 8-bit yardstick instead, ``harness/sweep/judge.py``); each row's ``g4h parity`` pair
+(:func:`pair_figures`) emulates them, on the row's own file, as parity does."""
 
 
 def sweep_emulation(emulation: Sequence[str], types: Sequence[str] | dict[str, int]) -> tuple[str, ...]:
