@@ -301,7 +301,8 @@ class _Sweep:
         t = _Task("row", key, g, f, engine, threads, _row_memory(engine, f, gp, self.opts))
         if t.memory and t.memory > most_mem:
             self.record({**_row_base(f, engine, g), "key": key, "status": "oom",
-                         "reason": _no_node(t.memory, most_mem, engine), "cpus": threads, "memory_gb": t.memory / GB})
+                         "reason": _no_node(t.memory, most_mem, f"{engine}'s memory plan and the reference", "'s"),
+                         "cpus": threads, "memory_gb": t.memory / GB})
             return
         t.ref, t.logits_ref = _row_task.options(num_cpus=threads, memory=t.memory or None,
                                                 scheduling_strategy="SPREAD").remote(
@@ -490,8 +491,8 @@ def _base_missing(e: BaseException) -> bool:
     return isinstance(e, rex.RayTaskError) and "_base_task" in str(getattr(e, "function_name", "") or "")
 
 
-def _no_node(need: int, most: float, engine: str) -> str:
-    return (f"needs {need / GB:.2f} GB ({engine}'s memory plan), more than any node offers (largest: {most / GB:.2f} "
+def _no_node(need: int, most: float, engine: str, plan_of: str = "'s memory plan") -> str:
+    return (f"needs {need / GB:.2f} GB ({engine}{plan_of}), more than any node offers (largest: {most / GB:.2f} "
             f"GB of Ray memory resource)")
 
 
