@@ -215,6 +215,46 @@ def test_exit_status_bad_input_then_failures():
     assert judge.exit_status([{"status": "crashed"}, {"status": "bad_input"}], []) == 2
 
 
+def test_a_rows_status_is_read_from_its_g4h_parity_pair(case_a):
+    """A row's status is what its parity pair's ``.runs`` says (one vocabulary with ``g4h parity``): an engine that
+    answers wrongly is ``ok`` with failing checks (exit 1), one that dies is ``crashed`` (parity's ENGINE FAILED), a
+    command that cannot start ``bad_input`` (parity's exit 2)."""
+    from gemma4_harness.harness.core.paths import REPO_ROOT
+    stub = f"cmd:{sys.executable} {REPO_ROOT / 'tests' / 'cmd_stub.py'}"
+    path = str(case_a.gguf["F32"])
+    pr = [{"id": "a", "prompt_ids": [2, 5, 9, 11, 40, 7]}, {"id": "b", "prompt_ids": [2, 8, 3]}]
+    base = tasks.base_run(path, pr, 2, 5, 1)
+    row = {}
+    for name in ("right", "wrong", "dies", "absent"):
+        engine = {"right": stub, "wrong": f"{stub} --perturb-layer 1", "dies": f"{stub} --fault die",
+                  "absent": "cmd:/nonexistent/engine"}[name]
+        row[name], _ = tasks.engine_run(path, engine, pr, base, 2, 5, 1)
+    assert row["right"]["status"] == "ok" and row["right"]["pair"] == "reference~cmd"
+    assert all(c["pass"] for c in row["right"]["checks"]) and judge.exit_status([row["right"]], []) == 0
+    assert row["right"]["mean_kld"] < 1e-9  # and the sweep's own figures against the base, on the same engine
+    assert row["wrong"]["status"] == "ok" and judge.pair_failures(row["wrong"])
+    assert judge.exit_status([row["wrong"]], []) == 1
+    assert row["dies"]["status"] == "crashed" and "ENGINE FAILED" in row["dies"]["reason"], row["dies"]["reason"]
+    assert row["dies"]["checks"][0]["engine_failure"] and judge.exit_status([row["dies"]], []) == 1
+    assert row["absent"]["status"] == "bad_input" and row["absent"]["checks"][0]["bad_input"]
+    assert judge.exit_status([row["absent"]], []) == 2
+
+
+def test_an_earlier_stores_row_without_the_pair_is_measured_again():
+    """A run directory of an earlier sweep (results version 1: rows without their parity pair) still reads: on
+    ``--resume`` its rows that ran are measured again (their pair's figures are missing), its failed rows are kept as
+    they were (``--retry-failed`` reruns them, as before), and a row that has its pair is done."""
+    from gemma4_harness.harness.sweep.run import SweepOptions, _Sweep
+    sweep = _Sweep.__new__(_Sweep)  # the resume decision alone: no cluster, no run directory
+    sweep.opts = SweepOptions()
+    old = {"kind": "row", "status": "ok", "mean_kld": 1e-6, "against_base": []}
+    sweep.records = {"old": old, "new": dict(old, pair="reference~fast", checks=[]),
+                     "old-crashed": {"kind": "row", "status": "crashed"}, "base": {"kind": "base", "status": "ok"}}
+    assert [k for k in sweep.records if sweep.done(k)] == ["new", "old-crashed", "base"]
+    sweep.opts = SweepOptions(retry_failed=True)
+    assert not sweep.done("old-crashed") and sweep.done("new")
+
+
 # --------------------------------------------------------------------------- llama.cpp's quantizer
 
 

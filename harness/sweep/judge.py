@@ -7,7 +7,13 @@
   ``oom`` (Ray's memory monitor killed the task, the memory plan refused, or no node has the memory the plan
   needs); ``timeout`` (ran past ``--task-timeout``); ``no_base`` (the group's base could not be computed); ``error``
   (anything else, named).
-* :func:`base_verdict`: an engine on the group's base file against the base, judged as ``g4h parity`` judges it:
+* Every row carries its parity pair (``checks``, :func:`harness.sweep.tasks.pair_figures`: the reference on the row's
+  own file against the engine, through ``g4h parity``'s pair pipeline); a failing gating check fails the sweep
+  (:func:`pair_failures`), and the row's status is read from the pair's ``.runs`` (:func:`harness.sweep.tasks.pair_status`).
+  ``timeout``, ``no_base`` and a Ray-killed task's ``oom``/``crashed`` are the sweep's own: they say what became of a
+  task, which a parity run (one process) does not have.
+* :func:`base_verdict`: a row of an earlier sweep's store (measured before the parity pair, no ``checks``) on the
+  group's base file against the base, judged as it was then, as ``g4h parity`` judges it:
   the float64 reference makes the approximations the engine declares (its :class:`~harness.engines.numerics.Numerics`,
   read by the same :func:`~harness.engines.numerics.engine_numerics`, keyed by the same
   :meth:`~harness.engines.numerics.Numerics.emulation`), the gate is the parity's ``reference~<kind>.mean_kld`` (the
@@ -46,8 +52,8 @@ FAILED = frozenset({"crashed", "oom", "timeout", "no_base", "error"})
 QUANTIZED_ACTIVATION_KINDS = frozenset(k for k, n in KIND_NUMERICS.items() if "quantized_activations" in n.approximations)
 
 QUANTIZED_NOT_EMULATED = (
-    "quantized_activations is not emulated in the sweep (g4h parity emulates it, harness/parity/checks/pair.py): "
-    "judged by parity's yardstick rule instead")
+    "quantized_activations is not emulated in the sweep's base (each row's g4h parity pair emulates it, "
+    "harness/parity/checks/pair.py): judged by parity's yardstick rule instead")
 """Said on every figure of an engine that rounds its activations, on a file with quantized or 16-bit matrices."""
 
 
@@ -225,7 +231,17 @@ def exit_status(rows: Sequence[dict[str, Any]], agreements: Sequence[dict[str, A
         return 1
     if any(not v["passed"] and not v["informational"] for r in rows for v in r.get("against_base") or ()):
         return 1
+    if any(pair_failures(r) for r in rows):
+        return 1
     return 0
+
+
+def pair_failures(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The row's parity checks (:func:`harness.sweep.tasks.pair_figures`) that fail: gating and outside their
+    limit, as ``g4h parity`` counts them (:attr:`harness.parity.result.CaseResult.passed`). A ``.runs`` of 0 is the
+    row's status already (:func:`failed`) and is not counted twice."""
+    return [c for c in row.get("checks") or () if not c["pass"] and not c.get("informational")
+            and not c["gate"].endswith(".runs")]
 
 
 def damage_key(row: dict[str, Any]) -> tuple:

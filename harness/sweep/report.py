@@ -2,7 +2,8 @@
 
 * ``results.json`` (``schema: g4h-sweep``, version :data:`SCHEMA_VERSION`): the verdict and exit status, the
   options, the nodes, the groups (base file, prompts, 8-bit yardstick), every file as ``g4h inspect`` read it, every
-  row (llama-perplexity's full KLD set under ``kld``), every cross-engine agreement, the wall time.
+  row (llama-perplexity's full KLD set under ``kld``; its ``g4h parity`` pair under ``pair`` and ``checks``, the
+  checks as a parity ``results.json`` holds them), every cross-engine agreement, the wall time.
 * ``sweep.csv``: one line per file x engine (:data:`CSV_COLUMNS`).
 * ``report.md``: the verdict; per group the table sorted by damage (failed rows first, then mean KLD against the
   base, largest first), the engines' agreement per file, where the damage does not follow the bits per weight, the
@@ -30,7 +31,10 @@ from ..core.io import dataframe_markdown, write_bytes_atomic
 from . import judge
 from .files import Group, SweepFile
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Version of ``results.json``. 2: every row carries its ``g4h parity`` pair (``pair``, ``checks``: the reference on
+the row's own file against the engine, :func:`harness.sweep.tasks.pair_figures`), ``against_base`` only on a row of an
+earlier store; ``summary`` counts ``pair_checks`` and ``pair_failed``. Every field of version 1 is where it was."""
 
 CSV_COLUMNS = ("group", "file", "label", "file_type", "bpw", "size", "engine", "status", "reason", "mean_kld",
                "mean_kld_unc", "kld_p99_0", "kld_p99_9", "maximum_kld", "median_kld", "same_top_p_pct",
@@ -188,6 +192,27 @@ def _base_table(rows: Sequence[dict[str, Any]]) -> str:
     return dataframe_markdown(pd.DataFrame(body), right=("measured", "effect", "limit"))
 
 
+def _pair_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Each row's parity pair (:func:`.tasks.pair_figures`), one line per gate: the worst figure over the prompts
+    (against its own limit), the count of checks and of those that fail."""
+    body = []
+    for r in rows:
+        by: dict[str, list[dict[str, Any]]] = {}
+        for c in r.get("checks") or ():
+            by.setdefault(c["gate"], []).append(c)
+        for gate, cs in by.items():
+            bad = [c for c in cs if not c["pass"] and not c.get("informational")]
+            up = cs[0].get("op") == "ge"  # a figure that passes at or above its limit: the worst is the least
+            worst = (min if up else max)(bad or cs, key=lambda c: c["measured"] if c["measured"] == c["measured"]
+                                         else float("-inf") if up else float("inf"))
+            body.append({"file": r["label"], "engine": r["engine"], "gate": gate, "checks": len(cs),
+                         "worst": _g(worst["measured"]), "its limit": _g(worst["limit"]),
+                         "verdict": ("FAIL" if bad else "info" if all(c.get("informational") for c in cs)
+                                     else "PASS"),
+                         "emulated": ", ".join(worst.get("emulated") or []) or ""})
+    return dataframe_markdown(pd.DataFrame(body), right=("checks", "worst", "its limit"))
+
+
 def _file_table(files: Sequence[SweepFile]) -> str:
     body = [{"file": Path(f.path).name, "type": f.label, "bpw": f.bpw, "MB": round(f.size / 1e6, 2),
              "tensor types": ", ".join(f"{t} x{n}" for t, n in f.types.items()),
@@ -235,6 +260,8 @@ def write_outputs(rd: Any, groups: Sequence[Group], bad: Sequence[SweepFile], gp
         "summary": {"rows": len(rows), "ok": sum(r["status"] == "ok" for r in rows), "failed": len(failed),
                     "against_base_failed": sum(not v["passed"] and not v["informational"] for r in rows
                                                for v in r.get("against_base") or ()),
+                    "pair_checks": sum(len(r.get("checks") or ()) for r in rows),
+                    "pair_failed": sum(len(judge.pair_failures(r)) for r in rows),
                     "declared_not_run": sum(r["status"] == "not_run" and bool(r.get("declared")) for r in rows),
                     "agreements": len(agreements), "disagreements": sum(not a["passed"] for a in agreements)},
         "rows": list(rows), "agreements": list(agreements), "damage_inversions": damage_inversions(rows),
@@ -253,7 +280,8 @@ def _markdown(data: dict[str, Any], groups: Sequence[Group], bad: Sequence[Sweep
     s = data["summary"]
     lines = [f"# g4h sweep: {data['verdict']} (exit {data['exit_status']})", "",
              f"{s['rows']} rows ({s['ok']} ran, {s['failed']} failed, {s['declared_not_run']} out of an engine's "
-             f"declared reach), {s['agreements']} cross-engine comparisons ({s['disagreements']} disagree); "
+             f"declared reach), {s['pair_checks']} g4h parity checks of the rows' pairs ({s['pair_failed']} fail), "
+             f"{s['agreements']} cross-engine comparisons ({s['disagreements']} disagree); "
              f"{len(nodes)} Ray node(s), {data['wall_s']} s wall ({data['timing'].get('cluster_s')} s to have the "
              f"cluster, {data['timing'].get('tasks_s')} s of tasks).", ""]
     used = sorted({r["node"] for r in rows if r.get("node")})
@@ -273,6 +301,12 @@ def _markdown(data: dict[str, Any], groups: Sequence[Group], bad: Sequence[Sweep
         p = plots[g.name]
         lines += [f"![KLD against bits per weight]({p['kld']})" if p["kld"] else "", "",
                   f"![first-divergence layer]({p['divergence']})" if p["divergence"] else "", ""]
+        paired = [r for r in mine if r.get("checks")]
+        if paired:
+            lines += ["### Each engine against the reference on the same file (the g4h parity pair)", "",
+                      "`g4h parity --model FILE --against ENGINE` on the group's prompts: the float64 reference on "
+                      "the file itself, making the approximations the engine declares, gated as parity gates them "
+                      "(worst figure over the prompts per gate).", "", _pair_table(paired), ""]
         judged = [r for r in mine if r.get("against_base")]
         if judged:
             lines += ["### Engines on the base file against the base", "",

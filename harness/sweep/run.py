@@ -170,6 +170,14 @@ def _memory_need(engine: str, f: SweepFile, gp: list[dict[str, Any]], opts: Swee
     return plan(kind, f.facts, **o).need_bytes
 
 
+def _row_memory(engine: str, f: SweepFile, gp: list[dict[str, Any]], opts: SweepOptions) -> int | None:
+    """Bytes a row task needs: the engine's plan and the float64 reference's on the same file, which its parity pair
+    runs in the same process (:func:`.tasks.pair_figures`); None when the engine has no plan."""
+    need = _memory_need(engine, f, gp, opts)
+    ref = _memory_need("reference", f, gp, opts)
+    return None if need is None else need + (ref or 0)
+
+
 def _row_base(f: SweepFile, engine: str, group: Group | None) -> dict[str, Any]:
     return {"kind": "row", "group": group.name if group else None, "file": f.path, "file_key": f.key,
             "label": f.label, "file_type": f.file_type, "bpw": f.bpw, "size": f.size, "engine": engine,
@@ -220,6 +228,8 @@ class _Sweep:
         rec = self.records.get(key)
         if rec is None:
             return False
+        if rec["kind"] == "row" and rec["status"] == "ok" and "checks" not in rec:
+            return False  # a row of an earlier sweep, measured before the parity pair: its pair's figures are missing
         return not (self.opts.retry_failed and rec["kind"] == "row" and judge.failed(rec))
 
     def record(self, rec: dict[str, Any]) -> None:
@@ -288,10 +298,11 @@ class _Sweep:
             self.record({**pre, "key": key})
             return
         gp = self.gprompts[g.name]
-        t = _Task("row", key, g, f, engine, threads, _memory_need(engine, f, gp, self.opts))
+        t = _Task("row", key, g, f, engine, threads, _row_memory(engine, f, gp, self.opts))
         if t.memory and t.memory > most_mem:
             self.record({**_row_base(f, engine, g), "key": key, "status": "oom",
-                         "reason": _no_node(t.memory, most_mem, engine), "cpus": threads, "memory_gb": t.memory / GB})
+                         "reason": _no_node(t.memory, most_mem, f"{engine}'s memory plan and the reference", "'s"),
+                         "cpus": threads, "memory_gb": t.memory / GB})
             return
         t.ref, t.logits_ref = _row_task.options(num_cpus=threads, memory=t.memory or None,
                                                 scheduling_strategy="SPREAD").remote(
@@ -418,8 +429,8 @@ class _Sweep:
         keys += [self.row_key(g, f, e) for g in self.groups for f in g.files for e in self.opts.against]
         rows = [self.records[k] for k in keys if k in self.records]
         base_types = {g.name: g.base.types for g in self.groups}
-        for r in rows:  # an engine on its group's base file, against the base (judged here: the yardstick comes last)
-            if r.get("is_base") and r.get("group") in base_types:
+        for r in rows:  # an earlier sweep's row (no parity pair) on its base file, judged as it was: against the base
+            if r.get("is_base") and r.get("group") in base_types and "checks" not in r:
                 y = self.records.get(key_of("sensitivity", self.base_keys[r["group"]])) or {}
                 r["against_base"] = judge.base_verdict(r, base_types[r["group"]],
                                                        y.get("mean_kld") if y.get("status") == "ok" else None,
@@ -480,8 +491,8 @@ def _base_missing(e: BaseException) -> bool:
     return isinstance(e, rex.RayTaskError) and "_base_task" in str(getattr(e, "function_name", "") or "")
 
 
-def _no_node(need: int, most: float, engine: str) -> str:
-    return (f"needs {need / GB:.2f} GB ({engine}'s memory plan), more than any node offers (largest: {most / GB:.2f} "
+def _no_node(need: int, most: float, engine: str, plan_of: str = "'s memory plan") -> str:
+    return (f"needs {need / GB:.2f} GB ({engine}{plan_of}), more than any node offers (largest: {most / GB:.2f} "
             f"GB of Ray memory resource)")
 
 

@@ -6,20 +6,24 @@
   the residual stream after every layer (``l_out``) on the *trace prompt*, and the greedy streams with their
   top-N log-probs. Its result is the base every other task is measured against (llama-perplexity's
   ``--kl-divergence-base`` file; here it travels through Ray's object store).
-* :func:`engine_run`: one engine on one file, measured against that base (:func:`measure`): llama-perplexity's
-  KLD statistics over every scored position (:func:`harness.core.kld.kld_stats`), greedy agreement by vLLM's rule
-  (:func:`harness.core.metrics.greedy_agreement`) with the first step that differs, and the relative L2 of every
-  layer's ``l_out`` against the base's on the trace prompt with the first layer beyond
-  :data:`harness.core.gates.SWEEP_DIVERGENCE_REL_L2`. It returns the row and the engine's logits (the cross-engine
-  agreement of one file compares them).
+* :func:`engine_run`: one engine on one file. First the pair of ``g4h parity --model FILE --against ENGINE``
+  (:func:`pair_figures`: the float64 reference on the same file against the engine through parity's one pair
+  pipeline, :func:`harness.parity.checks.pair.pair_checks`: the same pair name ``reference~<kind>``, metric names,
+  declared-numerics emulation and gates); then, on the same engine still open, the sweep's own figures against the
+  group's base (:func:`measure`): llama-perplexity's KLD statistics over every scored position
+  (:func:`harness.core.kld.kld_stats`), greedy agreement by vLLM's rule (:func:`harness.core.metrics.greedy_agreement`)
+  with the first step that differs, and the relative L2 of every layer's ``l_out`` against the base's on the trace
+  prompt with the first layer beyond :data:`harness.core.gates.SWEEP_DIVERGENCE_REL_L2`: the damage of the file's
+  quantization, which parity (the reference on the file itself) does not measure. It returns the row and the engine's
+  logits (the cross-engine agreement of one file compares them).
 
 Positions scored: in each prompt of ``T`` tokens, positions ``0 .. T-2`` (each has a next token, so perplexity and
 Δp are defined, as in llama-perplexity); a one-token prompt counts only in the greedy figures.
 
-A failure of the engine is a row, never an exception: ``status`` is ``not_run`` (the engine cannot run here, cannot
-read this file, or refuses a prompt), ``crashed`` (its worker died, it broke its protocol once started, or it
-answered non-finite logits), ``oom`` (its memory plan or an allocation failed) or ``error`` (anything else, with
-the exception named).
+A failure of the engine is a row, never an exception; its status is read from the pair's ``.runs`` figure
+(:func:`pair_status`, parity's words: ``not_run``, ``crashed`` for an engine failure, ``bad_input``, ``oom`` for a
+memory plan that refused); the reference failing on the file, an allocation failure and non-finite logits are said
+here (``bad_input``, ``oom``, ``crashed``), anything else is ``error`` with the exception named.
 """
 
 from __future__ import annotations
@@ -31,19 +35,26 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gemma4_harness.reference.errors import InputError, PromptError
+from gemma4_harness.reference.errors import InputError
 
-from ..core.gates import SWEEP_DIVERGENCE_REL_L2
+from ..core.gates import SWEEP_DIVERGENCE_REL_L2, resolve
 from ..core.kld import kld_stats
 from ..core.memory import NotEnoughMemory, is_out_of_memory
 from ..core.metrics import greedy_agreement, rel_l2
 from ..core.workers import EngineFailure
-from ..engines import EngineUnavailable, engine_kind, make_engine
+from ..engines import engine_kind, make_engine
+from ..engines.checked import CheckedEngine
 from ..engines.numerics import KIND_NUMERICS, effective, emulate, engine_numerics, key_name
+from ..engines.reference import ReferenceEngine
+from ..parity.cases import OWN_CHECKS
+from ..parity.checks.pair import expected_sets, pair_checks
+from ..parity.checks.reference_runs import ReferenceRuns
+from ..parity.checks.server import ServerOptions, spec_gates
+from ..parity.result import CaseResult
 
 #: The trace point whose per-layer error locates the first divergence: the residual stream after each layer.
 TRACE_POINT = "l_out"
@@ -54,8 +65,9 @@ ROW_KLD = ("mean_kld", "mean_kld_unc", "kld_p99_0", "kld_p99_9", "maximum_kld", 
 
 
 NOT_EMULATED_IN_SWEEP = ("quantized_activations",)
-"""Declared approximations the sweep's base does not make (``g4h parity`` emulates them; the sweep judges a file with
-quantized or 16-bit matrices on the 8-bit yardstick instead, ``harness/sweep/judge.py``)."""
+"""Declared approximations the sweep's base does not make (the cross-engine comparison judges a file with quantized or
+16-bit matrices on the 8-bit yardstick instead, ``harness/sweep/judge.py``); each row's ``g4h parity`` pair
+(:func:`pair_figures`) emulates them, on the row's own file, as parity does."""
 
 
 def sweep_emulation(emulation: Sequence[str], types: Sequence[str] | dict[str, int]) -> tuple[str, ...]:
@@ -316,42 +328,111 @@ def measure(logits: dict[str, np.ndarray], layers: dict[int, np.ndarray] | None,
     return out
 
 
-def engine_run(path: str, engine: str, prompts: Sequence[dict[str, Any]], base: dict[str, Any], new_tokens: int,
-               top_n: int, threads: int, options: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict]:
-    """One engine on one file, against the base (:func:`measure`).
+def pair_figures(path: str, engine: str, prompts: Sequence[dict[str, Any]], new_tokens: int, top_n: int,
+                 options: dict[str, Any] | None = None, also: Callable[[Any], None] | None = None
+                 ) -> list[dict[str, Any]]:
+    """``g4h parity --model path --against engine`` on ``prompts``: the float64 reference on ``path`` itself against
+    the engine, through the one pair pipeline (:func:`harness.parity.checks.pair.pair_checks`, as
+    :func:`harness.parity.cases.pairs` calls it), judged by the file's gates (its case's ``[gates]`` when it is a
+    built synthetic case's GGUF, :func:`harness.parity.checks.server.spec_gates`) as a parity run judges them
+    (:meth:`harness.parity.result.CaseResult.apply`): the same pair name and direction (``reference~<kind>``), metric
+    names, declared-numerics emulation (llama.cpp's GELU table, its 8-bit activations on a quantized file) and limits.
+
+    Args:
+        path: the file.
+        engine, options: the engine and its options (:func:`harness.engines.make_engine`).
+        prompts: ``{"id", "prompt_ids"}`` records within the model's vocabulary.
+        new_tokens, top_n: the greedy streams' length and vLLM's N (parity's ``--max-new-tokens``, ``--top-n``);
+            ``new_tokens`` 0 (``g4h sweep --max-new-tokens 0``): no streams, so no ``.greedy`` figures.
+        also: called with the engine, still open, once the pair is measured (``pair_checks``' ``also``).
 
     Returns:
-        ``(row, logits)``: the row (``status``, ``reason``, the figures, ``seconds``, ``peak_rss_gb``, ``where``) and
-        the engine's logits by prompt id as float32 (empty when it did not run), for the cross-engine agreement.
+        The checks as a parity ``results.json`` holds them (``gate``, ``measured``, ``limit``, ``pass`` ...), the
+        pair's ``.runs`` first.
+
+    Raises:
+        InputError: the reference cannot read ``path`` (:class:`harness.core.memory.NotEnoughMemory`: its plan does
+            not fit).
+    """
+    runs = ReferenceRuns(CheckedEngine(ReferenceEngine(path), "reference"))
+    gates = resolve(spec_gates(path), str(path))
+    runs.gates = gates  # as cases.user_case: the explanation of a failing pair is judged by the same gates
+    server = ServerOptions(max_new_tokens=new_tokens, top_n=top_n)
+    runs.prefetch(expected_sets([engine]), prompts, new_tokens, top_n, greedy=new_tokens > 0)
+    res = CaseResult(case=os.path.basename(path), kind="user", model=str(path))
+    res.apply(pair_checks(runs, engine, path, prompts, lambda m: None, res.case, options=options, extra=server,
+                          own_checks=OWN_CHECKS, also=also), gates)
+    return res.checks
+
+
+def pair_status(checks: Sequence[dict[str, Any]]) -> tuple[str, str | None]:
+    """The row's ``(status, reason)`` read from the pair's ``.runs`` check (:func:`pair_figures`), one vocabulary
+    with ``g4h parity``: ``ok`` (it ran: 1); ``oom`` (its memory plan refused, ``out_of_memory``); ``crashed``
+    (``engine_failure``: it crashed, broke its protocol, answered wrongly; parity's "ENGINE FAILED", exit 1);
+    ``bad_input`` (``bad_input``: it cannot be used as given, parity's exit 2); ``not_run`` (any other 0: not
+    installed, cannot read this file form). The statuses a sweep adds (:data:`harness.sweep.judge.STATUSES`:
+    ``timeout``, ``no_base``, ``oom`` of Ray's memory monitor, a dead Ray worker) are of tasks, which a parity run
+    does not have."""
+    runs = next((c for c in checks if c["gate"].endswith(".runs")), None)
+    if runs is None:
+        return "error", "the pair gave no .runs figure"
+    if runs["measured"] == 1.0:
+        return "ok", None
+    why = str(runs.get("why") or runs.get("got") or "did not run")
+    if runs.get("out_of_memory"):
+        return "oom", why
+    if runs.get("engine_failure"):
+        return "crashed", why
+    if runs.get("bad_input"):
+        return "bad_input", why
+    return "not_run", why
+
+
+def engine_run(path: str, engine: str, prompts: Sequence[dict[str, Any]], base: dict[str, Any], new_tokens: int,
+               top_n: int, threads: int, options: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict]:
+    """One engine on one file: the pair of ``g4h parity`` on that file (:func:`pair_figures`: ``checks``, ``pair``,
+    the row's status by :func:`pair_status`), and on the same engine, still open, the sweep's own figures against
+    the group's base (:func:`measure`: the damage of the file's quantization, llama-perplexity's statistics).
+
+    Returns:
+        ``(row, logits)``: the row (``status``, ``reason``, ``pair``, ``checks``, the figures, ``seconds``,
+        ``peak_rss_gb``, ``where``) and the engine's logits by prompt id as float32 (empty when it did not run), for
+        the cross-engine agreement.
     """
     set_threads(threads)
     t0 = time.perf_counter()
     row: dict[str, Any] = {"status": "ok", "reason": None}
     logits: dict[str, np.ndarray] = {}
-    eng = None
-    try:
-        eng = make_engine(engine, path, **(options or {}))
+    captured: dict[str, Any] = {}
+    kind = engine_kind(engine)
+
+    def capture(eng: Any) -> None:  # on the engine the pair measured: what the sweep's own figures need
         dtype = getattr(eng, "dtype", None)  # what it computes in, as it says (fast --dtype, a cmd: engine's hello)
-        numerics = engine_numerics(eng, engine_kind(engine))  # what g4h parity reads: hello, kind, dtype
+        numerics = engine_numerics(eng, kind)  # what g4h parity reads: hello, kind, dtype
         row.update(dtype=dtype if isinstance(dtype, str) else None,
                    approximations=list(getattr(eng, "approximations", None) or numerics.approximations),
                    numerics=numerics.as_dict(), emulation=list(numerics.emulation()))
         traced = next(p for p in prompts if str(p["id"]) == base["trace_prompt"])
-        logits, layers, greedy = _capture(eng, engine_kind(engine), prompts, traced, new_tokens, top_n)
-        row.update(measure(logits, layers, greedy, base, prompts, top_n,
-                           on_base=os.path.realpath(path) == os.path.realpath(base["file"])))
-        if "nonfinite" in row:
-            row.update(status="crashed", reason=f"engine output: {row.pop('nonfinite')}")
-    except EngineUnavailable as e:
-        row.update(status="not_run", reason=_line(e))
-    except NotEnoughMemory as e:
+        captured["out"] = _capture(eng, kind, prompts, traced, new_tokens, top_n)
+
+    try:
+        checks = pair_figures(path, engine, prompts, new_tokens, top_n, options, also=capture)
+        row.update(pair=checks[0]["gate"].rpartition(".")[0], checks=checks)
+        status, reason = pair_status(checks)
+        row.update(status=status, reason=reason)
+        if status == "ok" and "out" in captured:
+            logits, layers, greedy = captured["out"]
+            try:
+                row.update(measure(logits, layers, greedy, base, prompts, top_n,
+                                   on_base=os.path.realpath(path) == os.path.realpath(base["file"])))
+            except InputError as e:  # its logits do not fit the base's (another vocabulary): it broke its protocol
+                row.update(status="crashed", reason=_line(e))
+            if "nonfinite" in row:
+                row.update(status="crashed", reason=f"engine output: {row.pop('nonfinite')}")
+    except NotEnoughMemory as e:  # the reference's memory plan on this file
         row.update(status="oom", reason=_line(e))
-    except EngineFailure as e:
-        row.update(status="crashed", reason=_line(e))
-    except PromptError as e:  # a prompt this engine refuses (its context): it did not run
-        row.update(status="not_run", reason=_line(e))
-    except InputError as e:  # before the engine answered: it cannot read the file; after: it broke its protocol
-        row.update(status="not_run" if eng is None else "crashed", reason=_line(e))
+    except InputError as e:  # the reference cannot read the file (g4h inspect let it through)
+        row.update(status="bad_input", reason=f"the reference on {os.path.basename(path)}: {_line(e)}")
     except Exception as e:  # an allocation failure is a row; anything else is a row naming the exception
         if is_out_of_memory(e):
             row.update(status="oom", reason=f"out of memory: {_line(e)}")
@@ -359,13 +440,6 @@ def engine_run(path: str, engine: str, prompts: Sequence[dict[str, Any]], base: 
             tb = traceback.extract_tb(e.__traceback__)
             at = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
             row.update(status="error", reason=f"{type(e).__name__}: {_line(e)}{at}")
-    finally:
-        close = getattr(eng, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception:  # closing a dead engine: the row already says what happened
-                pass
     row.update(seconds=round(time.perf_counter() - t0, 3), peak_rss_gb=_peak_rss_gb(), where=where())
     # float32 for the cross-engine comparison: half the bytes through the store; its rounding moves a KLD by ~1e-14
     return row, ({k: v.astype(np.float32) for k, v in logits.items()} if row["status"] == "ok" else {})

@@ -13,7 +13,7 @@ What is measured depends on what the engine answers:
   not at all, returned a stream shorter than asked or a token that is not the top-1 of its own log-probs; the
   figure names the request, the step and the engine's last error line; exit 1, "ENGINE FAILED"), or with
   ``bad_input`` when the engine cannot be used as given (a command that cannot be started, a server that is
-  down: exit 2);
+  down, its memory plan refused, then with ``out_of_memory`` too: exit 2);
 * logits, per prompt (:func:`harness.parity.compare.logit_figures`): ``.max_abs_logit`` (with the position
   and token of the worst difference), ``.mean_kld``, ``.same_top1_decisive`` (near-ties reported, not failed);
 * trace points, per prompt, when the engine traces (a callback in-process, a trace file for ``cmd:``):
@@ -41,6 +41,7 @@ from gemma4_harness.reference.errors import InputError
 
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, pair_name
 from ...core.kld import kld_stats
+from ...core.memory import NotEnoughMemory
 from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
 from ...engines import EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
@@ -104,7 +105,7 @@ def engine_failed(pair: str, e: EngineFailure) -> Figure:
 def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Sequence[dict[str, Any]],
                 progress: Progress, case: str, opted_out: str | None = None, options: dict[str, Any] | None = None,
                 extra: Any = None, number: int = 1, own_checks: OwnChecks | None = None,
-                on_measured: Sequence[OnMeasured] = ()) -> list[Figure]:
+                on_measured: Sequence[OnMeasured] = (), also: Callable[[Any], None] | None = None) -> list[Figure]:
     """The reference against engine ``name`` on the model at ``path`` (see the module docstring).
 
     Args:
@@ -123,6 +124,10 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
             unnumbered gates (:func:`harness.core.gates.gate_for`).
         own_checks: the checks an engine kind adds on the same engine (:data:`OwnChecks`; none by default).
         on_measured: hooks called once the common figures are measured (:data:`OnMeasured`; none by default).
+        also: called with the engine, still open, once the pair's figures are measured (before ``own_checks``):
+            ``g4h sweep`` takes the outputs its own figures need from the engine the pair measured
+            (:func:`harness.sweep.tasks.engine_run`); its :class:`EngineFailure` or :class:`EngineUnavailable` is
+            the pair's ``.runs`` figure, as the pair's own would be.
 
     Returns:
         Figures for the gates ``<oracle>~<kind>.*`` (``runs.name``: ``reference~<kind>``, or ``fast~<kind>``
@@ -130,7 +135,7 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
     """
     kind = engine_kind(name)
     figures = _pair_checks(runs, name, kind, path, prompts, progress, case, opted_out, options, extra,
-                           own_checks or {}, on_measured)
+                           own_checks or {}, on_measured, also)
     return figures if number == 1 else [_numbered(f, number) for f in figures]
 
 
@@ -161,7 +166,8 @@ def _numbered(f: Figure, number: int) -> Figure:
 
 def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, prompts: Sequence[dict[str, Any]],
                  progress: Progress, case: str, opted_out: str | None, options: dict[str, Any] | None,
-                 extra: Any, own_checks: OwnChecks, on_measured: Sequence[OnMeasured]) -> list[Figure]:
+                 extra: Any, own_checks: OwnChecks, on_measured: Sequence[OnMeasured],
+                 also: Callable[[Any], None] | None = None) -> list[Figure]:
     pair = pair_name(kind, oracle=runs.name)
     if opted_out:
         return [_runs(pair, False, got="opted out", informational_reason=f"opted out with --skip {opted_out}")]
@@ -174,7 +180,8 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
     except EngineFailure as e:  # it crashed loading the model, or broke its protocol at its handshake
         return [engine_failed(pair, e)]
     except InputError as e:  # it cannot be used as given: a command that cannot start, a server that is down
-        return [_runs(pair, False, got=str(e), bad_input=True)]
+        return [_runs(pair, False, got=str(e), bad_input=True,
+                      **({"out_of_memory": True} if isinstance(e, NotEnoughMemory) else {}))]
     pair = pair_name(kind, engine_numerics(eng, kind).dtype, runs.name)
     out: list[Figure] = []  # the figures measured so far: kept when the engine fails later
     try:
@@ -182,6 +189,8 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
                  int(getattr(extra, "max_new_tokens", GREEDY_NEW_TOKENS)), int(getattr(extra, "top_n", TOP_N)), out)
         for hook in on_measured:
             hook(runs, eng, kind, pair, prompts, out, progress, case)
+        if also is not None:
+            also(eng)
         if kind in own_checks:
             out += own_checks[kind](eng, runs, prompts, pair, progress, extra)
     except EngineUnavailable as e:
@@ -407,7 +416,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
     # what this pair asks of the reference that the job's prefetch could not foresee (a server's or a cmd: engine's
     # declared emulations), in one set of passes over the weights rather than a forward per prompt and step
     runs.prefetch([approx], prompts, new_tokens, top_n, progress=lambda m: progress(f"[{case}] {m}"),
-                  greedy=_can(eng, "generate"))
+                  greedy=_can(eng, "generate") and new_tokens > 0)
     layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit
     logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
     file_trace = hasattr(eng, "trace_file")
@@ -439,7 +448,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                 errors = runs.local_errors(approx, p, ours_trace)
                 if errors:  # pooled over the prompts by quantized_gates
                     out.append(fig(f"{pair}_q8.local_median", float("nan"), p["id"], _errors=errors))
-        if _can(eng, "generate"):
+        if _can(eng, "generate") and new_tokens > 0:  # 0: no streams (g4h sweep --max-new-tokens 0)
             context = runs.ref.cfg.context_length
             gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
             if gen_prompts:
