@@ -76,8 +76,8 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
     mean KLD is gated as below. An engine
     without logits (a server) is counted on its greedy streams' log-probs instead (:func:`stream_agreement`, in the
     ``max_abs_logprob`` figure's detail), against the emulating reference with its fp32 sums jittered (:data:`NULL`:
-    the input jitter flips exact ties no server flips): the same gate, the same ratio; flips too dense there leave the greedy
-    streams to gate alone (no logits, no KLD).
+    the input jitter flips exact ties no server flips): the same gate, the same ratio; flips too dense there leave
+    the greedy streams to gate alone (no logits, no KLD).
 
     Not emulated (``gap`` says why): every figure is informational with the reason
     (:data:`QUANTIZED_ACTIVATIONS`), except the mean KLD, judged by ``<pair>_q8x.mean_kld`` at 2 x the KLD the
@@ -279,8 +279,9 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     whose returned log-probs agree with the emulating oracle's for the same ids within ``bound`` (the fp32 bound of
     ``max_abs_logprob``), and the same run for the emulating oracle against itself with its fp32 sums jittered
     (``(*approx, NULL)``, :data:`NULL`, :func:`harness.engines.llamacpp.numerics.jitter_sums_numerics`) on the same
-    tokens, positions and ids. The positions: the prompt's where the engine reports prompt log-probs (``offers_prompt_logprobs``,
-    :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the top-N) or where it
+    tokens, positions and ids. The positions: the prompt's where the engine reports prompt log-probs
+    (``offers_prompt_logprobs``, :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the
+    top-N) or where it
     gives them for one token after each prefix (``probes_prompt_logprobs``, llama-server: the top-N; without the
     prompt's positions its streams start where an int8 flip has had a whole prompt to spread, and the jittered
     reference agreed on none of them on e2b Q8_0), then every generated step with log-probs (the engine's top-N)
