@@ -4,7 +4,8 @@ defaults (field_servers.py: nothing but the model, host and port), serving a cor
 by ``g4h parity`` against the reference on the correct file. A server gives no logits: the pair's
 ``reference~openai_q8.agreeing_positions`` counts its greedy streams' log-probs (prompt positions where
 llama-cpp-python reports them, then each step) that agree with the emulating reference within the fp32 bound,
-against the jittered reference's count (harness/parity/checks/quantized.py ``stream_agreement``); llama-server reports
+against the count of the reference with its fp32 sums jittered (quantized.py ``stream_agreement``, ``NULL``);
+llama-server reports
 none for the prompt, so each prompt position is asked as one token after its prefix (without them its streams start
 where the jittered reference agreed on nothing: the gate was NaN, informational, and every fault passed). Every correct server
 exits 0, every faulty one 1, failing there. The wider matrix (more types, the ``llamacpp`` engine, Gemma 3 270M) is
