@@ -75,8 +75,9 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
     agrees on fewer positions than one per prompt (flips too dense: no resolution), the figure is reported and the
     mean KLD is gated as below. An engine
     without logits (a server) is counted on its greedy streams' log-probs instead (:func:`stream_agreement`, in the
-    ``max_abs_logprob`` figure's detail): the same gate, the same ratio; flips too dense there leave the greedy
-    streams to gate alone (no logits, no KLD).
+    ``max_abs_logprob`` figure's detail), against the emulating reference with its fp32 sums jittered (:data:`NULL`:
+    the input jitter flips exact ties no server flips): the same gate, the same ratio; flips too dense there leave
+    the greedy streams to gate alone (no logits, no KLD).
 
     Not emulated (``gap`` says why): every figure is informational with the reason
     (:data:`QUANTIZED_ACTIVATIONS`), except the mean KLD, judged by ``<pair>_q8x.mean_kld`` at 2 x the KLD the
@@ -246,6 +247,18 @@ def local_figure(pair: str, per_prompt: Sequence[Figure]) -> Figure:
                moved_per_point=[[k[0], k[1], b, nb, m] for k, _, _, _, b, nb, m in rows if b or nb])
 
 
+NULL = "jitter_sums"
+"""The null of :func:`stream_agreement`: the emulating reference with every product's *output* moved in its last
+fp32 bits (:func:`harness.engines.llamacpp.numerics.jitter_sums_numerics`: fp32 sums in another order, what an engine
+that rounds exactly as the emulation does still computes differently). Not the input jitter (``jitter``): that one
+also moves the inputs a server computes bit for bit as the reference does (the first layer's norm of a quantized
+embedding row, whose exact .5 ties are common), so it flips int8 roundings no correct engine flips, at the first
+prompt positions. Measured, six text prompts, 8 new tokens, the input jitter agreeing with itself on 4 positions over
+6 streams where llama-cpp-python's correct server agreed on 12 (e2b Q4_1) and 69 (IQ4_NL): a null noisier than the
+engine it judges, under the floor of one position per stream, and every fault passed (docs/quantized-activations.md).
+The same null as ``local_median``'s (:meth:`.reference_runs.ReferenceRuns.reseeded`)."""
+
+
 def _agreeing_run(diffs: Sequence[float | None], bound: float) -> tuple[int, int]:
     """``(leading run, positions)`` of per-position differences: the positions before the first one above ``bound``,
     and the positions counted; None (a position one side left without log-probs) is neither."""
@@ -264,10 +277,11 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     """For an engine that gives log-probs, not logits (a server, a ``cmd:`` engine without ``logits``) and rounds its
     activations (``quantized_activations`` in ``approx``, emulated): per greedy stream, the leading run of positions
     whose returned log-probs agree with the emulating oracle's for the same ids within ``bound`` (the fp32 bound of
-    ``max_abs_logprob``), and the same run for the emulating oracle against itself jittered
-    (``(*approx, "jitter")``, :func:`harness.engines.llamacpp.numerics.jitter_numerics`) on the same tokens, positions
-    and ids. The positions: the prompt's where the engine reports prompt log-probs (``offers_prompt_logprobs``,
-    :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the top-N) or where it
+    ``max_abs_logprob``), and the same run for the emulating oracle against itself with its fp32 sums jittered
+    (``(*approx, NULL)``, :data:`NULL`, :func:`harness.engines.llamacpp.numerics.jitter_sums_numerics`) on the same
+    tokens, positions and ids. The positions: the prompt's where the engine reports prompt log-probs
+    (``offers_prompt_logprobs``, :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the
+    top-N) or where it
     gives them for one token after each prefix (``probes_prompt_logprobs``, llama-server: the top-N; without the
     prompt's positions its streams start where an int8 flip has had a whole prompt to spread, and the jittered
     reference agreed on none of them on e2b Q8_0), then every generated step with log-probs (the engine's top-N)
@@ -304,7 +318,7 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
         last[rid] = toks.index(-1) if -1 in toks else len(toks) - 1
     forced = [list(streams[rid]["tokens"][:last[rid]]) for rid in rids]
     emulated = runs.decoded_logits(approx, [ids[rid] for rid in rids], forced)
-    jittered = runs.decoded_logits((*approx, "jitter"), [ids[rid] for rid in rids], forced)
+    jittered = runs.decoded_logits((*approx, NULL), [ids[rid] for rid in rids], forced)
     out = {"agreeing_prefix": 0, "positions": 0, "reference_agreeing": 0, "per_prompt": {},
            "agreement_on": "log-probs"}
     for rid, z, zj in zip(rids, emulated, jittered):

@@ -264,9 +264,9 @@ class ReferenceRuns:
         as an engine computes a stream: a prefill of the prompt, then one decode step per token, under ``approx``
         (llama.cpp's flash attention takes another kernel below 64 query rows: one forward over the whole sequence
         would not be what the engine ran). With the reference as the oracle only; in one pass over the weights
-        (:func:`reference.batch.forward_chains`) unless ``approx`` jitters (its random stream is the one-by-one
-        path's) or a ``--spec`` variant replaces what that path does."""
-        if "jitter" in approx or batch.replaced() or not prompts:
+        (:func:`reference.batch.forward_chains`) unless ``approx`` jitters (``jitter``, ``jitter_sums``: its random
+        stream is the one-by-one path's) or a ``--spec`` variant replaces what that path does."""
+        if any(a.startswith("jitter") for a in approx) or batch.replaced() or not prompts:
             out = []
             for ids, toks in zip(prompts, tokens):
                 with self.numerics(approx):
