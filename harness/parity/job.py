@@ -426,8 +426,9 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
                          "not with the built-in cases or --oracle fast")
     if address and jobs is not None and int(jobs) > 1:
         # untested: each --jobs worker would attach to the cluster and send its passes there at the same time
-        raise InputError(f"--jobs {jobs} with --address {address}: the cluster runs one model's reference passes at "
-                         "a time; leave out --jobs (the models run one after another, each spread over the nodes)")
+        raise InputError(f"--jobs {jobs} with --address {address} (or RAY_ADDRESS): the cluster runs one model's "
+                         "reference passes at a time; leave out --jobs (the models run one after another, each spread "
+                         "over the nodes)")
     for name in against or ():
         try:
             check_engine_name(name)
