@@ -290,3 +290,27 @@ def test_a_task_runs_the_reference_under_the_commands_spec(model):
                               emulate).logits[((), "p")][0]
     assert np.array_equal(spec, here)
     assert np.abs(spec - plain).max() > 1e-3  # the variant changes this model's logits: the check can fail
+
+
+def test_jobs_above_one_with_an_address_is_bad_input(model, prompt_file, tmp_path, capsys):
+    # refused before the cluster is reached: the address is one where nothing answers, and the line names --jobs
+    rc, data, err = _parity(capsys, model, prompt_file, tmp_path, "--address", "127.0.0.1:1", "--jobs", "2",
+                            "--quiet")
+    assert rc == 2 and not data
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].count("--jobs 2 with --address 127.0.0.1:1"), err
+
+
+def test_a_run_without_an_address_does_not_import_ray(model, prompt_file, tmp_path):
+    # a whole g4h parity job in a process of its own (this one has imported Ray): Ray is imported only where a
+    # cluster is asked for (remote._load_ray)
+    code = ("import json, sys\nfrom gemma4_harness.harness.cli import main\n"
+            f"rc = main(['parity', '--model', {str(model)!r}, '--against', 'fast', '--prompts', {str(prompt_file)!r}, "
+            f"'--quick', '--max-new-tokens', '1', '--out', {str(tmp_path)!r}, '--explain-budget', '0', '--quiet'])\n"
+            "print(json.dumps({'rc': rc, 'ray': sorted(m for m in sys.modules if m == 'ray' or "
+            "m.startswith('ray.'))[:3]}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert got.returncode == 0, got.stderr[-2000:]
+    last = json.loads(got.stdout.strip().splitlines()[-1])
+    assert last == {"rc": 0, "ray": []}, last

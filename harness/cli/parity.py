@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="with --model and the reference as the oracle: run the reference's passes (prompt "
                         "forwards, greedy streams, cached-vs-uncached chains) on this Ray cluster, one group of "
                         "prompts per node, each node reading the model from the same path (default: RAY_ADDRESS when "
-                        "set; docs/cluster.md). The figures are those of a run on this machine")
+                        "set; docs/cluster.md). The figures are those of a run on this machine. Not with --jobs > 1")
     p.add_argument("--top-n", type=Count(1), default=TOP_N, metavar="N",
                       help=f"with --model: vLLM's N: log-probs asked per step of every greedy stream; a divergent "
                         f"token passes when each side's token is in the other's top-N (default {TOP_N})")

@@ -409,7 +409,8 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         address: ``HOST:PORT`` of a Ray cluster: with ``models`` and the reference as the oracle, the reference's
             pass work of each model runs on the cluster's nodes, one group of prompts per node
             (:mod:`harness.parity.remote`); the figures are those of a run without it. Attached once here (an
-            unreachable address is bad input before any work), detached at the end.
+            unreachable address is bad input before any work), detached at the end. Not with ``jobs`` > 1 (bad
+            input: untested, each worker would send its passes to the cluster at once).
         explain_budget: seconds spent naming the spec variant that explains each failing pair (``--explain-budget``,
             :func:`harness.parity.explain_search.budget_seconds`; 0: off), handed to every case as an argument.
 
@@ -436,6 +437,11 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     if address and (not models or oracle != "reference"):
         raise InputError(f"--address {address}: the cluster runs the float64 reference's passes of a --model; "
                          "not with the built-in cases or --oracle fast")
+    if address and jobs is not None and int(jobs) > 1:
+        # untested: each --jobs worker would attach to the cluster and send its passes there at the same time
+        raise InputError(f"--jobs {jobs} with --address {address} (or RAY_ADDRESS): the cluster runs one model's "
+                         "reference passes at a time; leave out --jobs (the models run one after another, each spread "
+                         "over the nodes)")
     for name in against or ():
         try:
             check_engine_name(name)

@@ -18,8 +18,9 @@ pair's ``.runs`` with it (:func:`lost_figures`): no figure of a partial pass is 
 Under ``--spec``, each task runs the reference under the same variants (:func:`spreader`'s ``spec``, handed to the
 task as an argument).
 
-The cluster plumbing is the sweep's (:mod:`harness.core.cluster`). Ray is an optional dependency: without it
-this module still imports, and ``--address`` says how to get it.
+The cluster plumbing is the sweep's (:mod:`harness.core.cluster`). Ray is an optional dependency, imported only
+where a cluster is asked for (:func:`_load_ray`): a ``g4h parity`` run without ``--address`` does not pay for its
+import; without Ray this module still imports, and ``--address`` says how to get it.
 """
 
 from __future__ import annotations
@@ -41,15 +42,28 @@ from ..engines.variants import active, parse_spec, under
 from .checks.oracle_pass import PassResult, reference_pass
 from .result import Figure, fig
 
-try:
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+# Ray is an optional dependency, and its import takes about 0.4 s (2 s on a loaded machine): it is imported by
+# _load_ray() where a cluster is asked for (open_cluster, a group's task, _spread), not by every g4h parity run
+ray = cluster = NodeAffinitySchedulingStrategy = None  # type: ignore[assignment,misc]
 
-    from ..core import cluster
-except ModuleNotFoundError as e:  # Ray is an optional dependency: without it, --address says how to get it
-    if e.name != "ray":
-        raise
-    ray = cluster = NodeAffinitySchedulingStrategy = None  # type: ignore[assignment,misc]
+
+def _load_ray() -> bool:
+    """Import Ray and the cluster plumbing (:mod:`harness.core.cluster`) into this module, once; False when Ray is
+    not installed."""
+    global ray, cluster, NodeAffinitySchedulingStrategy
+    if ray is None:
+        try:
+            import ray as _ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as _affinity
+
+            from ..core import cluster as _cluster
+        except ModuleNotFoundError as e:  # without Ray, --address says how to get it
+            if e.name != "ray":
+                raise
+            return False
+        ray, cluster, NodeAffinitySchedulingStrategy = _ray, _cluster, _affinity
+    return True
+
 
 #: Times Ray runs a group's task again after its worker or node died (a task that raised is not retried).
 MAX_RETRIES = 2
@@ -75,7 +89,7 @@ def open_cluster(address: str) -> int:
     Raises:
         InputError: Ray is not installed, no cluster answers at ``address`` or it has no alive node (one line).
     """
-    if ray is None:
+    if not _load_ray():
         raise InputError(f"--address {address}: g4h parity reaches a cluster through Ray, which is not installed: "
                          f"{SWEEP_EXTRA}")
     _answers(address)
@@ -178,6 +192,7 @@ def _group_pass(path: str, options: dict[str, Any], sets: Sequence[tuple[str, ..
     the variants of the command's ``--spec``, the reference run under them."""
     _die_if_told()
     if not os.path.isfile(path) and not os.path.isdir(path):
+        _load_ray()  # a task runs where Ray is: this worker's copy of the module has not imported it yet
         return {"missing": socket.gethostname(), "node": ray.get_runtime_context().get_node_id()[:8]}
     try:
         with under(parse_spec(list(spec)), fast=False, spec=True):
@@ -214,7 +229,7 @@ def _spread(address: str, path: str, options: dict[str, Any], sets: Sequence[tup
             prompts: Sequence[dict[str, Any]], gen_sets: Sequence[tuple[str, ...]],
             gen_prompts: Sequence[dict[str, Any]], new_tokens: int, top_n: int, cached: bool,
             progress: Callable[[str], None], spec: tuple[str, ...] = ()) -> PassResult:
-    if not ray.is_initialized():
+    if not _load_ray() or not ray.is_initialized():
         open_cluster(address)
     alive = [n for n in cluster.nodes() if n.cpus >= 1]
     if not alive:
