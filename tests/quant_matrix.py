@@ -85,6 +85,7 @@ def run_one(runs, engine: str, served: Path, model: Path, prompts, log: Path) ->
     failing = sorted(g for g, v in r["gates"].items() if v["fail"])
     d = agree["detail"] if agree else {}
     local = next((v for g, v in r["gates"].items() if g.endswith("_q8.local_median")), None)
+    med = next((v for g, v in r["gates"].items() if g.endswith("_q8.median_abs_logprob")), None)
     ld = local["detail"] if local else {}
     return {"exit": 0 if r["passed"] else 1, "seconds": round(time.monotonic() - t0),
             "local": None if local is None else local["worst"], "local_null": ld.get("null"),
@@ -94,7 +95,14 @@ def run_one(runs, engine: str, served: Path, model: Path, prompts, log: Path) ->
                                key=lambda r: r[1], default=None),
             "agreeing": None if agree is None else agree["worst"],
             "counts": [d.get("agreeing"), d.get("reference_agreeing"), d.get("positions")] if d else None,
-            "agreeing_informational": bool(d.get("informational_reason")), "failing": failing,
+            "agreeing_informational": bool(agree and (agree["informational"] or d.get("informational_reason"))), "failing": failing,
+            # on the windows where the streams' null had no resolution: the streams' [agreeing, null, positions]
+            "agreeing_on": "windows" if "streams" in d else None, "streams": d.get("streams"),
+            # the windows asked where the streams' null had no resolution: [agreeing, null, windows]
+            "windows": (None if not d.get("windows") else
+                        [d["windows"]["agreeing"], d["windows"]["reference_agreeing"], d["windows"]["positions"]]),
+            # [engine's median |dlogprob|, the null's, gated]: where neither count has resolution (a server)
+            "median": None if med is None else [med["worst"], med["detail"].get("null"), not med["informational"]],
             "greedy": None if greedy is None else greedy["worst"]}
 
 
@@ -147,8 +155,13 @@ def table(rows: list[dict]) -> str:
         c = r.get("counts")
         fig = ("-" if r.get("agreeing") is None or r["agreeing"] != r["agreeing"] else
                f"{r['agreeing']:.3g} ({c[0]} / {c[1]}, of {c[2]})" if c else f"{r['agreeing']:.3g}")
+        if r.get("agreeing_on") == "windows":
+            fig += f" on windows (streams {r['streams'][0]} / {r['streams'][1]})"
         if r.get("agreeing_informational"):
             fig += " (reported: flips too dense)"
+        m = r.get("median")
+        if m:
+            fig += f"; median {m[0]:.2g} / {m[1]:.2g}{' gated' if m[2] else ''}"
         g = r.get("greedy")
         loc = ("-" if r.get("local") is None else
                f"{r['local']:.3g} ({r['local_null']:.2g}; {r.get('first_divergence') or '-'})")

@@ -325,3 +325,15 @@ def test_llamacpp_q4_k_m_correct_passes_faults_fail(tmp_path):
     got = _pairs(path, ["blk.2.ffn_down.weight", "blk.5.attn_output.weight"], tmp_path)
     assert got["correct"]["passed"], got["correct"]
     assert not got["blk.2.ffn_down.weight"]["passed"] and not got["blk.5.attn_output.weight"]["passed"]
+
+
+def test_window_floor_follows_the_poisson_law():
+    """The windows judge from the null's count at which a correct engine's count (Poisson of the same mean) falls
+    under 0.2 x it with probability at most 1e-4 (quantized.window_floor): 14; one fewer is not enough."""
+    import math
+
+    from gemma4_harness.harness.parity.checks.quantized import poisson_cdf, window_floor
+
+    n = window_floor()
+    assert n == 14
+    assert poisson_cdf(math.ceil(0.2 * n) - 1, n) <= 1e-4 < poisson_cdf(math.ceil(0.2 * (n - 1)) - 1, n - 1)

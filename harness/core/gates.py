@@ -383,8 +383,32 @@ Q8_AGREEING_WHY = (
     "against the jittered reference's 6, llama-cpp-python's server passing; the first half of blk.1.ffn_down's "
     "rows x1.02: 0 (tests/test_quantized_servers.py). Judged where the jittered reference agrees on at least one "
     "position per stream, or per prompt on logits (fewer: no resolution, reported; e2b F16 on llama-server, 2 over 6, "
-    "was a false alarm, and through the llamacpp engine, 2 over 6 prompts). Where the engine gives its tensors (the "
-    "llamacpp engine), reported only: local_median judges")
+    "was a false alarm, and through the llamacpp engine, 2 over 6 prompts). For a server whose streams' null is under "
+    "that floor, windows judge instead: each distinct prompt token after BOS asked as [BOS, token] for one token "
+    "(independent requests, two rows each: quantized.WINDOWS_WHY), counted the same way, judged where the null "
+    "agrees on at least window_floor() = 14 of them (a Poisson count of mean 14 falls under 0.2 x 14 with "
+    "probability under 1e-4, Q8_LOCAL_ALPHA), else median_abs_logprob judges (Q8_MEDIAN_WHY). Where the engine "
+    "gives its tensors (the llamacpp engine), reported only: local_median judges")
+
+Q8_MEDIAN_WHY = (
+    "where agreeing_positions has no resolution for a server (its null agrees on fewer positions than one per stream, "
+    "and on fewer windows [BOS, token] than the floor: harness.parity.checks.quantized.WINDOWS_WHY, window_floor), "
+    "the sizes judge: the median, over every compared position of every greedy stream, of the largest difference of "
+    "the server's log-probs from the emulating reference's on the ids it named, at max(fp32 bound, 2 x the same "
+    "median of the null (the emulating reference with its fp32 sums jittered, quantized.NULL)). Why sizes there: "
+    "rounding flips too dense to count agreeing positions are those of a fine rounding (F16, BF16: a spacing of "
+    "2^-11 or 2^-8 relative, flipped by fp32 noise at many elements of every row, each flip small), so every "
+    "position carries many of them and its difference is their sum, a noise whose size grows with the square root "
+    "of the flips' count, that is of the size of the fp32 noise that triggers them: the engine's and the null's "
+    "are the same law, a fault adds its own effect to every position, and the median ignores the sporadic large "
+    "ones. 2 (EFFECT_FACTOR, as local_median): a correct engine whose fp32 differences are up to 4 x the null's. "
+    "Measured (e2b F16, six text prompts, 8 new tokens; docs/quantized-activations.md): correct llama-server "
+    "4.4e-3 against the null's 3.35e-3 (1.31 x), llama-cpp-python 3.2e-3 against 3.4e-3 (0.95 x); the first half "
+    "of blk.1.ffn_down's rows x1.02 6.1 x, one block x1.5 21 x, two rows swapped 60 x. Its limits: it is blind "
+    "where a coarse (int8) rounding's flips are dense, each flip as large as the rounding's effect: on the real "
+    "Gemma 3 270M Q4_K_M served by llama-cpp-python, correct 1.02 x, the three faults 1.06 to 1.14 x (that case is "
+    "judged by the windows instead); and a server whose fp32 noise is more than ~4 x the null's would fail here "
+    "correct (not seen)")
 
 Q8_LOCAL_FLOOR = 1e-4
 """The least limit of ``<pair>_q8.local_median`` (see :data:`Q8_LOCAL_WHY`)."""
@@ -454,6 +478,7 @@ def _q8_gates(pair: str) -> list[Gate]:
                 informational=True) for m, limit in Q8_REPORTED.items()]
     out.append(Gate(f"{pair}_q8.agreeing_positions", Q8_AGREEING, "ge", _Q8_WHY + Q8_AGREEING_WHY))
     out.append(Gate(f"{pair}_q8.local_median", Q8_LOCAL_FLOOR, "le", _Q8_WHY + Q8_LOCAL_WHY))
+    out.append(Gate(f"{pair}_q8.median_abs_logprob", Q8_REPORTED["max_abs_logprob"], "le", _Q8_WHY + Q8_MEDIAN_WHY))
     for m in ("same_top1_decisive", "greedy"):
         g = DEFAULT_GATES[f"engine~oracle.{m}"]
         out.append(Gate(f"{pair}_q8.{m}", g.limit, g.op, _Q8_WHY + "as " + g.name + ": " + g.reason))

@@ -129,7 +129,27 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
             figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
                                informational_reason=LOCAL_JUDGES))
         elif detail is not None:
-            if itself < floor:
+            sizes = streams[0].detail if streams and not logit else None  # a server's: windows, medians
+            win = (sizes or {}).get("windows")
+            if sizes is not None:  # the sizes of the differences: gated where neither count has resolution
+                med, null_med = sizes.get("median_abs_logprob"), sizes.get("reference_median_abs_logprob")
+                judged_by_count = itself >= floor or (win is not None and win["reference_agreeing"] >= win["floor"])
+                if med is not None and null_med is not None:
+                    extra = {} if not judged_by_count else {"informational_reason": MEDIAN_REPORTED}
+                    figures.append(fig(f"{pair}_q8.median_abs_logprob", med, None, effect=null_med, null=null_med,
+                                       positions=detail["positions"], **extra))
+            if itself < floor and win is not None and win["reference_agreeing"] >= win["floor"]:
+                # the streams' leading runs have no resolution, the windows have (WINDOWS_WHY): they judge
+                figures.append(fig(f"{pair}_q8.agreeing_positions", win["agreeing"] / win["reference_agreeing"], None,
+                                   **{**detail, "positions": win["positions"], "agreeing": win["agreeing"],
+                                      "reference_agreeing": win["reference_agreeing"],
+                                      "on": "windows [BOS, token], one position each (WINDOWS_WHY)",
+                                      "streams": [agree, itself, detail["positions"]], "windows": win}))
+            elif itself < floor and sizes is not None and med is not None and med == med and null_med == null_med:
+                # neither the streams nor the windows: flips too dense to count; median_abs_logprob judges
+                figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
+                                   **({"windows": win} if win else {}), informational_reason=SIZES_JUDGE))
+            elif itself < floor:
                 dense = (f"{'no position' if itself == 0 else f'{itself} position(s) over {floor} streams'} of the "
                          f"emulating reference agree(s) with itself within {own:g} once its inputs move in their last "
                          "bits: int8 rounding flips are too dense on this model to judge by positions; "
@@ -169,6 +189,14 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
         else:
             f.detail["informational_reason"] = why
 
+
+MEDIAN_REPORTED = ("reported, not gated: agreeing_positions judges (its null has resolution, on the streams or on "
+                   "the windows)")
+"""Why ``median_abs_logprob`` is reported where the counts judge (:data:`harness.core.gates.Q8_MEDIAN_WHY`)."""
+
+SIZES_JUDGE = ("reported, not gated: the null agrees on fewer positions than one per stream and on fewer windows than "
+               "the floor (rounding flips too dense to count agreeing positions); median_abs_logprob judges")
+"""Why ``agreeing_positions`` is reported where ``median_abs_logprob`` judges."""
 
 LOCAL_JUDGES = ("reported, not gated: the engine gave its tensors, and local_median judges each layer on its own "
                 "(re-seeded from the engine's stream, so that an int8 rounding flip cannot carry into the layers after "
@@ -294,7 +322,9 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     Returns:
         ``agreeing_prefix``, ``positions`` and ``reference_agreeing`` summed over the streams, ``per_prompt``
         ``{id: [agreeing, positions, reference_agreeing]}``, ``agreement_on`` (``log-probs``: what
-        :func:`quantized_gates` reads).
+        :func:`quantized_gates` reads), ``median_abs_logprob`` and ``reference_median_abs_logprob``: the median over
+        every compared position of every stream of the engine's difference (the largest over the ids compared there)
+        and of the null's (:data:`MEDIAN_WHY`; NaN where no position was compared).
 
     Raises:
         EngineFailure: the engine failed a prompt log-probs request (its ``index`` in ``prompts``).
@@ -321,6 +351,7 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     jittered = runs.decoded_logits((*approx, NULL), [ids[rid] for rid in rids], forced)
     out = {"agreeing_prefix": 0, "positions": 0, "reference_agreeing": 0, "per_prompt": {},
            "agreement_on": "log-probs"}
+    sizes: tuple[list[float], list[float]] = ([], [])  # every compared position's difference: the engine's, the null's
     for rid, z, zj in zip(rids, emulated, jittered):
         lp, jit = log_softmax(z), log_softmax(zj)
         compared: list[tuple[int, dict[int, float]]] = []  # (row of the oracle's logits, the engine's log-probs)
@@ -339,4 +370,94 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
         out["agreeing_prefix"] += agree
         out["positions"] += seen
         out["reference_agreeing"] += own
+        for d, e in zip(theirs, itself):
+            if d is not None and e is not None:
+                sizes[0].append(float(d))
+                sizes[1].append(float(e))
+    # the sizes of the differences, for where the leading runs have no resolution (MEDIAN)
+    # (a NaN log-prob counts as an infinite difference)
+    out["median_abs_logprob"], out["reference_median_abs_logprob"] = (
+        float(np.median(np.nan_to_num(v, nan=np.inf))) if v else float("nan") for v in sizes)
+    if out["reference_agreeing"] < len(rids):  # the leading runs have no resolution: ask the windows (WINDOWS_WHY)
+        out["windows"] = window_agreement(runs, eng, approx, [ids[rid] for rid in rids], bound, top_n)
     return out
+
+
+WINDOWS = 64
+"""The most windows :func:`window_agreement` asks (the first distinct ones in prompt order): a bound on the cost of
+a long prompt set (one request and two short reference forwards each)."""
+
+WINDOWS_WHY = (
+    "windows: where the leading runs of the streams have no resolution (the null agrees on fewer positions than one "
+    "per stream: int8 rounding flips so frequent that most streams part at their first rows), each distinct prompt "
+    "token after the first (BOS) is asked again as a prompt of its own, [BOS, token], for one greedy token with its "
+    "top-N log-probs: the shortest context, whose only compared row is the one after it. Each is a request of its "
+    "own, a prefill from BOS, so a flip in one cannot carry into another (in a stream it carries, through the keys "
+    "and values, into every later row), and two rows hold the fewest int8 roundings a flip can hit. Counted as the "
+    "streams are (agreeing within the fp32 bound, the engine and the null), one position per window; judged where "
+    "the null agrees on at least WINDOW_FLOOR of them")
+
+
+def window_floor(ratio: float | None = None, alpha: float = Q8_LOCAL_ALPHA) -> int:
+    """The least count of the null's agreeing windows with which :func:`window_agreement` judges: the least ``n``
+    such that a Poisson count of mean ``n`` (a correct engine's count under the null's law: independent windows,
+    each agreeing with a small probability) falls under ``ratio * n`` (the limit of ``agreeing_positions``,
+    :data:`harness.core.gates.Q8_AGREEING`) with probability at most ``alpha`` (the rate of false alarms that
+    ``local_median`` allows, :data:`harness.core.gates.Q8_LOCAL_ALPHA`). 14 at 0.2 and 1e-4."""
+    from ...core.gates import Q8_AGREEING
+
+    ratio = Q8_AGREEING if ratio is None else ratio
+    n = 1
+    while poisson_cdf(math.ceil(ratio * n) - 1, n) > alpha:
+        n += 1
+    return n
+
+
+def window_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], prompts: Sequence[Sequence[int]],
+                     bound: float, top_n: int = TOP_N) -> dict[str, Any]:
+    """The windows of :data:`WINDOWS_WHY`: for each distinct token after the first of ``prompts`` (ids; at most
+    :data:`WINDOWS`), the prompt ``[prompt[0], token]`` asked of ``eng`` for one greedy token with its top-``top_n``
+    log-probs; whether they agree with the emulating reference's (a prefill of the two tokens,
+    :meth:`ReferenceRuns.decoded_logits` under ``approx``) within ``bound`` on the ids the engine named, and whether
+    the null's do (``(*approx, NULL)``). A window the engine cannot be asked (llama-cpp-python: ids that do not
+    survive its text round trip, an :class:`InputError`) is left out and counted in ``skipped``.
+
+    Returns:
+        ``positions`` (windows compared), ``agreeing``, ``reference_agreeing``, ``skipped``, ``floor``
+        (:func:`window_floor`), ``median_abs_logprob`` and ``reference_median_abs_logprob`` over the windows.
+
+    Raises:
+        EngineFailure: the engine failed a window's request (its ``index`` among the windows).
+    """
+    from gemma4_harness.reference.errors import InputError
+
+    wins: list[list[int]] = []
+    for ids in prompts:
+        for t in ids[1:]:
+            w = [int(ids[0]), int(t)]
+            if w not in wins and len(wins) < WINDOWS:
+                wins.append(w)
+    asked, tops, skipped = [], [], 0
+    for k, w in enumerate(wins):
+        try:
+            g = eng.generate_full([w], 1, top_n=top_n)[0]
+        except InputError:
+            skipped += 1
+            continue
+        except EngineFailure as e:
+            raise e.at(index=k)
+        if g.top and g.top[0]:
+            asked.append(w)
+            tops.append({int(i): float(v) for i, v in g.top[0] if int(i) >= 0})
+    emulated = runs.decoded_logits(approx, asked, [[] for _ in asked])
+    jittered = runs.decoded_logits((*approx, NULL), asked, [[] for _ in asked])
+    theirs, itself = [], []
+    for top, z, zj in zip(tops, emulated, jittered):
+        lp, jit = log_softmax(z[-1:])[0], log_softmax(zj[-1:])[0]
+        theirs.append(max((abs(v - lp[i]) for i, v in top.items()), default=float("nan")))
+        itself.append(max((abs(jit[i] - lp[i]) for i in top), default=float("nan")))
+    e, j = np.nan_to_num(np.array(theirs, dtype=float), nan=np.inf), np.array(itself, dtype=float)
+    return {"positions": len(asked), "agreeing": int(np.sum(e <= bound)), "reference_agreeing": int(np.sum(j <= bound)),
+            "skipped": skipped, "floor": window_floor(),
+            "median_abs_logprob": float(np.median(e)) if e.size else float("nan"),
+            "reference_median_abs_logprob": float(np.median(j)) if j.size else float("nan")}
