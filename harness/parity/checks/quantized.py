@@ -20,7 +20,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...core.gates import DEFAULT_GATES, EFFECT_FACTOR, Q8_LOCAL_ALPHA, effect_limit
+from gemma4_harness.reference.errors import InputError
+
+from ...core.gates import DEFAULT_GATES, EFFECT_FACTOR, Q8_AGREEING, Q8_LOCAL_ALPHA, effect_limit
 from ...core.kld import kld_stats
 from ...core.metrics import log_softmax
 from ...core.workers import EngineFailure
@@ -404,8 +406,6 @@ def window_floor(ratio: float | None = None, alpha: float = Q8_LOCAL_ALPHA) -> i
     each agreeing with a small probability) falls under ``ratio * n`` (the limit of ``agreeing_positions``,
     :data:`harness.core.gates.Q8_AGREEING`) with probability at most ``alpha`` (the rate of false alarms that
     ``local_median`` allows, :data:`harness.core.gates.Q8_LOCAL_ALPHA`). 14 at 0.2 and 1e-4."""
-    from ...core.gates import Q8_AGREEING
-
     ratio = Q8_AGREEING if ratio is None else ratio
     n = 1
     while poisson_cdf(math.ceil(ratio * n) - 1, n) > alpha:
@@ -429,8 +429,6 @@ def window_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     Raises:
         EngineFailure: the engine failed a window's request (its ``index`` among the windows).
     """
-    from gemma4_harness.reference.errors import InputError
-
     wins: list[list[int]] = []
     for ids in prompts:
         for t in ids[1:]:
@@ -449,8 +447,16 @@ def window_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
         if g.top and g.top[0]:
             asked.append(w)
             tops.append({int(i): float(v) for i, v in g.top[0] if int(i) >= 0})
-    emulated = runs.decoded_logits(approx, asked, [[] for _ in asked])
-    jittered = runs.decoded_logits((*approx, NULL), asked, [[] for _ in asked])
+    # the reference's rows of a window do not depend on the engine: kept on ``runs`` for the next engine judged
+    # against it (the null's one-by-one forwards cost minutes on a real model)
+    kept = runs.__dict__.setdefault("_window_rows", {})
+    todo = [w for w in asked if (approx, tuple(w)) not in kept]
+    if todo:
+        for w, z, zj in zip(todo, runs.decoded_logits(approx, todo, [[] for _ in todo]),
+                            runs.decoded_logits((*approx, NULL), todo, [[] for _ in todo])):
+            kept[(approx, tuple(w))] = (z[-1], zj[-1])
+    emulated = [kept[(approx, tuple(w))][0][None] for w in asked]
+    jittered = [kept[(approx, tuple(w))][1][None] for w in asked]
     theirs, itself = [], []
     for top, z, zj in zip(tops, emulated, jittered):
         lp, jit = log_softmax(z[-1:])[0], log_softmax(zj[-1:])[0]
