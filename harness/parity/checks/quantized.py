@@ -78,8 +78,12 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
     mean KLD is gated as below. An engine
     without logits (a server) is counted on its greedy streams' log-probs instead (:func:`stream_agreement`, in the
     ``max_abs_logprob`` figure's detail), against the emulating reference with its fp32 sums jittered (:data:`NULL`:
-    the input jitter flips exact ties no server flips): the same gate, the same ratio; flips too dense there leave
-    the greedy streams to gate alone (no logits, no KLD).
+    the input jitter flips exact ties no server flips): the same gate, the same ratio. Where that null agrees on
+    fewer positions than one per stream, the windows judge (:func:`window_agreement`, :data:`WINDOWS_WHY`: the same
+    count on ``[BOS, token]`` prompts asked one by one) when their null agrees on at least :func:`window_floor`;
+    else ``<pair>_q8.median_abs_logprob`` does (the median of the per-position differences at max(fp32 bound,
+    2 x the null's), ``Q8_MEDIAN_WHY`` in harness/core/gates.py: flips dense enough that the differences are their
+    noise, F16/BF16). The median is reported wherever a count judges.
 
     Not emulated (``gap`` says why): every figure is informational with the reason
     (:data:`QUANTIZED_ACTIVATIONS`), except the mean KLD, judged by ``<pair>_q8x.mean_kld`` at 2 x the KLD the
