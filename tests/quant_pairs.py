@@ -28,13 +28,14 @@ from gemma4_harness.harness.parity.result import CaseResult  # noqa: E402
 
 
 def judge(runs: ReferenceRuns, engine_file: str | Path, prompts, n_tokens: int = 8, engine: str = "llamacpp",
-          model: str | Path | None = None) -> dict[str, Any]:
-    """The pair ``reference~<kind of engine>`` with ``engine`` (``llamacpp``: run on ``engine_file``; ``openai:URL``:
-    a server already serving ``engine_file``, told ``model``, the reference's file) and the reference of ``runs``:
-    whether it passes, and per gate the worst figure, its limit, the worst figure against the exact reference, and
-    the last check's record (``detail``)."""
+          model: str | Path | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pair ``reference~<kind of engine>`` with ``engine`` (``llamacpp``, ``fast``: run on ``engine_file``;
+    ``openai:URL``: a server already serving ``engine_file``, told ``model``, the reference's file) and the reference
+    of ``runs``: whether it passes, and per gate the worst figure, its limit, the worst figure against the exact
+    reference, and the last check's record (``detail``). ``options``: the engine's keywords (``{"compute": "q8"}``
+    for the fast engine's llama.cpp arithmetic)."""
     kind = engine_kind(engine)
-    eng = make_engine(engine, engine_file if kind == "llamacpp" else model)
+    eng = make_engine(engine, engine_file if kind in ("llamacpp", "fast") else model, **(options or {}))
     pair = pair_name(kind, engine_numerics(eng, kind).dtype)
     try:
         figs = _measure(runs, eng, kind, pair, prompts, lambda m: None, "q", n_tokens)
