@@ -26,10 +26,14 @@
  * (every path computes the same integers and the same float operations in the same order).
  *
  * ISA paths, chosen at run time (__builtin_cpu_supports): AVX-512 VNNI (_mm512_dpbusd_epi32 over two blocks at
- * once: lanes 0-7 block b, 8-15 block b+1, the accumulator's layout), AVX2 (_mm256_maddubs_epi16 /
- * _mm256_madd_epi16, two __m256 accumulators), or plain C. g4h_q8_force_isa() caps the choice (the tests compare
- * the paths). Compiled with -ffp-contract=off: the only fused multiply-adds are the explicit ones.
- * Threads: workpool.h, runs of ~128 KB of packed rows; the caller quantizes x first.
+ * once: lanes 0-7 block b, 8-15 block b+1, the accumulator's layout; the weights' signed integers through
+ * ggml's sign trick, |w| times q with w's sign; at M >= 2 two rows of W at a time, so that each activation vector
+ * is loaded once for both), AVX2 (_mm256_maddubs_epi16 / _mm256_madd_epi16, two __m256 accumulators), or plain C.
+ * g4h_q8_force_isa() caps the choice (the tests compare the paths). Compiled with -ffp-contract=off: the only fused
+ * multiply-adds are the explicit ones.
+ * Threads: workpool.h, runs of ~128 KB of packed rows, each row whole (one sequential stream: cutting K in L1-sized
+ * chunks across the rows of a run was slower, measured at 2048 x 8192, 1 thread: M = 1 2.15 ms of CPU against
+ * 0.58, M = 8 3.73 against 2.83); the caller quantizes x first.
  */
 #include <math.h>
 #include <stdint.h>
@@ -285,12 +289,13 @@ static inline __m512i v5_decode2(int type, const uint8_t *b0, const uint8_t *b1)
     __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_srli_epi16(t0, 4), t0)),
                                    _mm256_set_m128i(_mm_srli_epi16(t1, 4), t1), 1);
     v = _mm512_and_si512(v, _mm512_set1_epi8(15));
-    if (type == 2) return v;
+    if (type == 2) return _mm512_sub_epi8(v, _mm512_set1_epi8(8)); /* n - 8, signed, as llama.cpp's bx */
     uint32_t h0, h1;
     memcpy(&h0, b0 + 2, 4);
     memcpy(&h1, b1 + 2, 4);
     __mmask64 k = (__mmask64)h0 | (__mmask64)h1 << 32;
-    return _mm512_or_si512(v, _mm512_maskz_mov_epi8(k, _mm512_set1_epi8(0x10)));
+    return _mm512_sub_epi8(_mm512_or_si512(v, _mm512_maskz_mov_epi8(k, _mm512_set1_epi8(0x10))),
+                           _mm512_set1_epi8(16)); /* (n | h << 4) - 16 */
 }
 
 static inline float v5_tree(__m512 a) {
@@ -308,14 +313,18 @@ static inline float v5_f16(const uint8_t *p) {
 }
 
 /* sums of two blocks of one activation row: 16 int32 lanes */
-static inline __m512i v5_dot2(int type, __m512i w, __m512i aw, __mmask64 neg, const int8_t *q, const int32_t *s) {
+/* |w| times q with w's sign (_mm256_sign_epi8's trick, as ggml's mul_sum_i8_pairs: w = 0 gives 0 either way):
+ * the 16 int32 lane sums of two blocks; w holds the weights' signed integers (every type) */
+static inline __m512i v5_dot2(__m512i aw, __mmask64 neg, const int8_t *q) {
     __m512i y = _mm512_loadu_si512((const void *)q);
-    if (type == 8) { /* |w| times q with w's sign: _mm256_sign_epi8's trick (w = 0 gives 0 either way) */
-        __m512i sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
-        return _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sy);
-    }
-    __m512i c = _mm512_slli_epi32(_mm512_loadu_si512((const void *)s), type == 2 ? 3 : 4);
-    return _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), c), w, y);
+    __m512i sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sy);
+}
+
+/* [d0 x 8, d1 x 8] from two consecutive floats */
+static inline __m512 v5_pair(const float *d) {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)d))));
 }
 
 #define V5_ROW(MB)                                                                                            \
@@ -332,11 +341,8 @@ static inline __m512i v5_dot2(int type, __m512i w, __m512i aw, __mmask64 neg, co
             const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(v5_f16(b0)), _mm256_set1_ps(v5_f16(b1)), 1);   \
             _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                            \
                 const long r = m0 + m;                                                                        \
-                const float *dx = x->d + r * nb + b;                                                          \
-                const __m512 dxv = _mm512_insertf32x8(_mm512_set1_ps(dx[0]), _mm256_set1_ps(dx[1]), 1);        \
-                __m512 v = _mm512_cvtepi32_ps(                                                                \
-                    v5_dot2(type, wv, aw, neg, x->q + r * K + b * QK, x->s + (r * nb + b) * 8));              \
-                a[m] = _mm512_fmadd_ps(v, _mm512_mul_ps(dw, dxv), a[m]);                                      \
+                __m512 v = _mm512_cvtepi32_ps(v5_dot2(aw, neg, x->q + r * K + b * QK));                       \
+                a[m] = _mm512_fmadd_ps(v, _mm512_mul_ps(dw, v5_pair(x->d + r * nb + b)), a[m]);               \
             }                                                                                                 \
         }                                                                                                     \
         if (b < nb) { /* the last, even block: lanes 0-7 (the AVX2 path's, in 256 bits) */                     \
@@ -377,6 +383,74 @@ static inline __m256i a5_dot(int type, __m256i w, __m256i aw, const int8_t *q, c
 V5_ROW(1) V5_ROW(2) V5_ROW(3) V5_ROW(4) V5_ROW(5) V5_ROW(6) V5_ROW(7) V5_ROW(8)
 #undef a2_decode
 #undef a2_dot
+
+/* two weight rows (w, w + rb) at once against MB activation rows: each activation vector loaded once for both
+ * (the activations, not the weights, are most of the bytes read at M >= 2); each output's operations as V5_ROW */
+#define V5_ROW2(MB)                                                                                           \
+    static void v5_row2_##MB(int type, long ts, const uint8_t *w, long rb, long nb, const xq_t *x, long K,    \
+                             long m0, float *y, long ldy) {                                                   \
+        __m512 a[MB], c[MB];                                                                                  \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) a[m] = c[m] = _mm512_setzero_ps();                \
+        long b = 0;                                                                                           \
+        for (; b + 1 < nb; b += 2) {                                                                          \
+            const uint8_t *p0 = w + b * ts, *p1 = p0 + ts, *u0 = p0 + rb, *u1 = u0 + ts;                      \
+            __m512i wv = v5_decode2(type, p0, p1), uv = v5_decode2(type, u0, u1);                             \
+            __m512i aw = _mm512_abs_epi8(wv), au = _mm512_abs_epi8(uv);                                       \
+            __mmask64 nw = _mm512_movepi8_mask(wv), nu = _mm512_movepi8_mask(uv);                             \
+            const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(v5_f16(p0)), _mm256_set1_ps(v5_f16(p1)), 1);   \
+            const __m512 du = _mm512_insertf32x8(_mm512_set1_ps(v5_f16(u0)), _mm256_set1_ps(v5_f16(u1)), 1);   \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                            \
+                const long r = m0 + m;                                                                        \
+                const __m512i y_ = _mm512_loadu_si512((const void *)(x->q + r * K + b * QK));                \
+                const __m512 dx = v5_pair(x->d + r * nb + b);                                                 \
+                __m512i sw = _mm512_mask_sub_epi8(y_, nw, _mm512_setzero_si512(), y_);                        \
+                __m512i su = _mm512_mask_sub_epi8(y_, nu, _mm512_setzero_si512(), y_);                        \
+                a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sw)), \
+                                       _mm512_mul_ps(dw, dx), a[m]);                                          \
+                c[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), au, su)), \
+                                       _mm512_mul_ps(du, dx), c[m]);                                          \
+            }                                                                                                 \
+        }                                                                                                     \
+        if (b < nb) {                                                                                         \
+            for (int h = 0; h < 2; h++) {                                                                     \
+                const uint8_t *p0 = w + h * rb + b * ts;                                                      \
+                __m256i w0 = a5_decode(type, p0), aw0 = _mm256_sign_epi8(w0, w0);                             \
+                const float d0 = v5_f16(p0);                                                                  \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                        \
+                    const long r = m0 + m;                                                                    \
+                    __m512 *t = h ? &c[m] : &a[m];                                                            \
+                    __m256 v0 = _mm256_cvtepi32_ps(                                                           \
+                        a5_dot(type, w0, aw0, x->q + r * K + b * QK, x->s + (r * nb + b) * 8));               \
+                    __m256 lo = _mm256_fmadd_ps(v0, _mm256_set1_ps(d0 * x->d[r * nb + b]),                    \
+                                                _mm512_castps512_ps256(*t));                                  \
+                    *t = _mm512_insertf32x8(*t, lo, 0);                                                       \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                                \
+            y[(m0 + m) * ldy] = v5_tree(a[m]);                                                                \
+            y[(m0 + m) * ldy + 1] = v5_tree(c[m]);                                                            \
+        }                                                                                                     \
+    }
+V5_ROW2(1) V5_ROW2(2) V5_ROW2(3) V5_ROW2(4) V5_ROW2(5) V5_ROW2(6) V5_ROW2(7) V5_ROW2(8)
+
+/* rows n and n + 1 of W (at w, w + rb) into y[., 0] and y[., 1] */
+static void row2_vnni(int type, long ts, const uint8_t *w, long rb, long nb, const xq_t *x, long K, long M, float *y,
+                      long ldy) {
+    for (long m0 = 0; m0 < M; m0 += 8) {
+        const long mb = M - m0 < 8 ? M - m0 : 8;
+        switch (mb) {
+        case 1: v5_row2_1(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
+        case 2: v5_row2_2(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
+        case 3: v5_row2_3(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
+        case 4: v5_row2_4(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
+        case 5: v5_row2_5(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
+        case 6: v5_row2_6(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
+        case 7: v5_row2_7(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
+        default: v5_row2_8(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
+        }
+    }
+}
 
 static void row_vnni(int type, long ts, const uint8_t *w, long nb, const xq_t *x, long K, long M, float *y,
                      long ldy) {
@@ -442,13 +516,20 @@ typedef struct {
     const xq_t *x;
     float *y;
     row_fn row;
+    int pairs; /* rows of W two at a time (the VNNI path, M >= 2) */
 } job_t;
 
 static void run_rows(void *p, long run, int tid) {
     job_t *j = p;
     (void)tid;
     const long n1 = (run + 1) * j->per_run < j->N ? (run + 1) * j->per_run : j->N;
-    for (long n = run * j->per_run; n < n1; n++)
+    long n = run * j->per_run;
+#if defined(Q8_X86)
+    if (j->pairs)
+        for (; n + 1 < n1; n += 2)
+            row2_vnni(j->type, j->ts, j->w + n * j->row_bytes, j->row_bytes, j->nb, j->x, j->K, j->M, j->y + n, j->N);
+#endif
+    for (; n < n1; n++)
         j->row(j->type, j->ts, j->w + n * j->row_bytes, j->nb, j->x, j->K, j->M, j->y + n, j->N);
 }
 
@@ -472,7 +553,7 @@ int g4h_q8_linear(int type, const uint8_t *w, long row_bytes, long N, long K, co
     xq.s = (int32_t *)((uint8_t *)buf + qbytes + dbytes);
     for (long m = 0; m < M; m++) quantize_row(x + m * K, K, xq.q + m * K, xq.d + m * nb, xq.s + m * nb * 8);
     job_t j = {.type = type, .ts = ts, .nb = nb, .K = K, .M = M, .N = N, .row_bytes = row_bytes, .w = w, .x = &xq,
-               .y = y, .row = row_for(best_isa())};
+               .y = y, .row = row_for(best_isa()), .pairs = best_isa() == 512 && M >= 2};
     j.per_run = 131072 / row_bytes;
     if (j.per_run < 1) j.per_run = 1;
     if ((double)N * K * (M + 3) < (double)(1 << 20)) nthreads = 1;
