@@ -273,3 +273,21 @@ def test_g4h_parity_against_fast_q8_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "reference~fast_q8.local_median" in proc.stdout
+
+
+def test_rms_norm_is_llamacpps_float32_steps_bit_for_bit():
+    """:func:`fast.q8_compute.rms_norm` gives :func:`harness.engines.llamacpp.numerics.rms_norm_fp32`'s bits (the
+    emulating reference's, llama.cpp's steps) on rows of full-mantissa float32 values and on quantized-embedding-like
+    rows of small integers times one scale: the float32 squares summed in double (squared in double instead, the
+    first layer of Gemma 3 270M Q4_K_M moved off llama.cpp's ties)."""
+    from gemma4_harness.fast import q8_compute
+    from gemma4_harness.harness.engines.llamacpp.numerics import rms_norm_fp32
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((400, 640)) * np.exp(rng.standard_normal((400, 1)))).astype(np.float32)
+    x[200:] = (rng.integers(-127, 128, (200, 640)) * np.float32(0.0137)).astype(np.float32)
+    w = (1.0 + rng.standard_normal(640) * 0.1).astype(np.float32)
+    ours = q8_compute.rms_norm(torch.from_numpy(x), torch.from_numpy(w), 1e-6).double().numpy()
+    assert np.array_equal(ours, rms_norm_fp32(x.astype(np.float64), w.astype(np.float64), 1e-6))
+    ours = q8_compute.rms_norm(torch.from_numpy(x), None, 1e-6).double().numpy()
+    assert np.array_equal(ours, rms_norm_fp32(x.astype(np.float64), None, 1e-6))
