@@ -51,7 +51,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from . import cpu_kernels
 
 __all__ = ["MAX_ROWS", "TYPES", "SOURCE", "FLAGS", "status", "isa", "disabled", "layout", "linear", "take_rows",
-           "dequantize_rows"]
+           "dequantize_rows", "Q8_SOURCE", "Q8_TYPES", "Q8_MAX_ROWS", "q8_linear", "q8_quantize", "q8_isa"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_quant.c"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC"]
@@ -217,3 +217,101 @@ def dequantize_rows(raw: torch.Tensor, qtype: str, row_len: int, start: int, sto
     _check(lib.g4h_qdequant_rows(lay[0], raw.data_ptr(), lay[1], row_len, start, stop, out.data_ptr(),
                                  cpu_kernels.threads()), f"{qtype} dequantize_rows")
     return out
+
+
+# --------------------------------------------------------------------------- --compute q8: llama.cpp's arithmetic
+
+Q8_SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_q8.c"
+"""The integer-dot-product kernels of the fast engine's ``--compute q8`` (its header gives what they compute)."""
+Q8_TYPES: dict[str, int] = {name: int(GGMLQuantizationType[name]) for name in ("Q8_0", "Q4_0", "Q5_0")}
+"""Weight types :func:`q8_linear` takes (their ``vec_dot_type`` is Q8_0); the others take the rounding emulation in
+torch (:mod:`fast.q8_compute`)."""
+Q8_MAX_ROWS = 64
+"""Largest ``M`` one call of ``g4h_q8_linear`` takes (:func:`q8_linear` cuts larger ones)."""
+
+_q8_lib = None
+_q8_state = "unloaded"  # unloaded | ready | unavailable
+
+
+def bind_q8(path: Path | str) -> ctypes.CDLL:
+    """Load a built ``linear_q8`` library and declare its functions (also used by the tests).
+
+    Raises: OSError when the file cannot be loaded; AttributeError when a symbol is missing.
+    """
+    lib = ctypes.CDLL(str(path))
+    P, L, N = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.g4h_q8_linear.argtypes = [N, P, L, L, L, P, L, P, N]
+    lib.g4h_q8_quantize.argtypes = [P, L, L, P, P]
+    lib.g4h_q8_force_isa.argtypes = [N]
+    lib.g4h_q8_isa.argtypes = []
+    for fn in (lib.g4h_q8_linear, lib.g4h_q8_quantize, lib.g4h_q8_force_isa, lib.g4h_q8_isa):
+        fn.restype = N
+    return lib
+
+
+def _q8():
+    """The loaded ``linear_q8`` library, or None (no compiler, a failed build, ``G4H_CPU_KERNEL=0``)."""
+    global _q8_lib, _q8_state
+    if _q8_state == "unloaded":
+        _q8_state = "unavailable"
+        if os.environ.get("G4H_CPU_KERNEL", "1") != "0":
+            try:
+                _q8_lib, _q8_state = bind_q8(cpu_kernels.build(source=Q8_SOURCE, flags=FLAGS, libs=LIBS)), "ready"
+            except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError):
+                pass
+    return _q8_lib if _q8_state == "ready" and not _off else None
+
+
+def q8_isa() -> int | None:
+    """The path :func:`q8_linear` takes here: 512 (AVX-512 VNNI), 256 (AVX2), 0 (plain C); None when not built."""
+    lib = _q8()
+    return None if lib is None else int(lib.g4h_q8_isa())
+
+
+def q8_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> torch.Tensor | None:
+    """``x @ W.T`` as llama.cpp's CPU backend computes it for a Q8_0 / Q4_0 / Q5_0 weight ``W`` (packed ``[N,
+    row_len]`` in ``raw``): each row of ``x`` quantized to Q8_0 blocks (``quantize_row_q8_0``, AVX path: ties to
+    even, multiplier ``127/amax``, fp16 scale), exact integer sums per block, times the two block scales in fp32,
+    summed in fp32 (``fast/csrc/linear_q8.c``). None when it does not apply (the caller emulates in torch).
+
+    Args:
+        x: float32 ``[M, row_len]`` on the CPU, any ``M >= 1`` (cut in calls of :data:`Q8_MAX_ROWS`).
+        raw: uint8 ``[N, bytes_per_row]``, contiguous, on the CPU.
+        qtype: GGUF type name, one of :data:`Q8_TYPES`.
+        row_len: ``K``, a multiple of 32.
+
+    Returns:
+        float32 ``[M, N]``, or None (another type or device, not float32, autograd, no compiler).
+    """
+    num = Q8_TYPES.get(qtype)
+    if (num is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] < 1
+            or x.shape[1] != row_len or torch.is_grad_enabled() and x.requires_grad):
+        return None
+    lay = layout(raw, qtype, row_len)
+    lib = _q8() if lay is not None else None
+    if lib is None:
+        return None
+    x = x.contiguous()
+    m, n = x.shape[0], raw.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    for a in range(0, m, Q8_MAX_ROWS):
+        b = min(m, a + Q8_MAX_ROWS)
+        _check(lib.g4h_q8_linear(num, raw.data_ptr(), lay[1], n, row_len, x[a:b].data_ptr(), b - a,
+                                 y[a:b].data_ptr(), cpu_kernels.threads()),
+               f"{qtype} q8 linear [{b - a}, {row_len}] x [{n}, {row_len}]")
+    return y
+
+
+def q8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The kernels' ``block_q8_0`` of the rows of ``x`` (float32 ``[M, K]``, K a multiple of 32, CPU):
+    ``(d float32 [M, K/32], q int8 [M, K])``, for the tests against :func:`reference.activation_quants.quantize_q8_0`.
+    None when the library is not built."""
+    lib = _q8()
+    if lib is None:
+        return None
+    x = x.to(torch.float32).contiguous()
+    m, k = x.shape
+    d = torch.empty(m, k // 32, dtype=torch.float32)
+    q = torch.empty(m, k, dtype=torch.int8)
+    _check(lib.g4h_q8_quantize(x.data_ptr(), m, k, d.data_ptr(), q.data_ptr()), "q8 quantize")
+    return d, q

@@ -4,6 +4,7 @@ file, judged as ``g4h parity`` judges the pair (``harness/parity/checks/pair.py`
 and the figures of docs/quantized-activations.md.
 
     python tests/quant_pairs.py FILE.gguf [TENSOR ...]   # llamacpp: the correct file, then one faulty copy per tensor
+    python tests/quant_pairs.py --fast-q8 FILE.gguf [TENSOR ...]   # the same, the fast engine under --compute q8
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from gemma4_harness.harness.parity.result import CaseResult  # noqa: E402
 
 
 def judge(runs: ReferenceRuns, engine_file: str | Path, prompts, n_tokens: int = 8, engine: str = "llamacpp",
-          model: str | Path | None = None) -> dict[str, Any]:
-    """The pair ``reference~<kind of engine>`` with ``engine`` (``llamacpp``: run on ``engine_file``; ``openai:URL``:
-    a server already serving ``engine_file``, told ``model``, the reference's file) and the reference of ``runs``:
-    whether it passes, and per gate the worst figure, its limit, the worst figure against the exact reference, and
-    the last check's record (``detail``)."""
+          model: str | Path | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pair ``reference~<kind of engine>`` with ``engine`` (``llamacpp``, ``fast``: run on ``engine_file``;
+    ``openai:URL``: a server already serving ``engine_file``, told ``model``, the reference's file) and the reference
+    of ``runs``: whether it passes, and per gate the worst figure, its limit, the worst figure against the exact
+    reference, and the last check's record (``detail``). ``options``: the engine's keywords (``{"compute": "q8"}``
+    for the fast engine's llama.cpp arithmetic)."""
     kind = engine_kind(engine)
-    eng = make_engine(engine, engine_file if kind == "llamacpp" else model)
+    eng = make_engine(engine, engine_file if kind in ("llamacpp", "fast") else model, **(options or {}))
     pair = pair_name(kind, engine_numerics(eng, kind).dtype)
     try:
         figs = _measure(runs, eng, kind, pair, prompts, lambda m: None, "q", n_tokens)
@@ -65,6 +67,9 @@ def prompts_for(path: str | Path, cfg, n: int | None = None) -> list[dict[str, A
 
 
 def main(argv: list[str]) -> int:
+    engine, options = "llamacpp", None
+    if argv and argv[0] == "--fast-q8":  # the fast engine under --compute q8 (llama.cpp's arithmetic)
+        engine, options, argv = "fast", {"compute": "q8"}, argv[1:]
     path, tensors = argv[0], argv[1:]
     ref = ReferenceEngine(path)
     runs = ReferenceRuns(ref)
@@ -72,7 +77,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for label, f in [("correct", path)] + [(t, scale_rows(path, Path(tmp) / f"{i}.gguf", t))
                                                for i, t in enumerate(tensors)]:
-            r = judge(runs, f, prompts)
+            r = judge(runs, f, prompts, engine=engine, options=options)
             print(f"{Path(path).name} {label}: {'PASS' if r['passed'] else 'FAIL'}")
             for g, v in r["gates"].items():
                 ex = "" if v["exact"] is None else f" (exact reference: {v['exact']:.3g})"

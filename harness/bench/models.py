@@ -104,10 +104,15 @@ def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], devic
     Raises:
         EngineUnavailable: not installed, or cannot read this model form (one line).
     """
-    if src.shape and name not in ("fast", "fast-graph", "fast-unchecked"):
+    if src.shape and name not in ("fast", "fast-graph", "fast-unchecked", "fast-q8"):
         raise EngineUnavailable(f"{name}: a shape-only model has no file; only the fast engine runs it")
-    if name in ("fast", "fast-graph", "fast-unchecked"):
+    if name in ("fast", "fast-graph", "fast-unchecked", "fast-q8"):
         twins = {b.dtype: b for b in built if isinstance(b, FastEngine)}
+        if name == "fast-q8":  # llama.cpp's arithmetic (fast.q8_compute): float32 activations only
+            engines = [FastEngine.from_model(src.cfg, src.W, device, "float32", weights=weights,
+                                             share=twins.get("float32"), compute="q8")]
+            engines[0].engine = "fast-q8"
+            return engines
         engines = [FastEngine.from_model(src.cfg, src.W, device, dt, weights=weights, static=name == "fast-graph",
                                          share=twins.get(dt))
                    for dt in dtypes]

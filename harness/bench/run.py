@@ -51,8 +51,11 @@ from ..engines.base import Benchable
 RESULT_VERSION = 1
 """Version of the bench ``results.json`` layout."""
 
-ENGINE_NAMES = ("fast", "fast-graph", "fast-unchecked", "transformers", "llamacpp", "llamacpp-native", "reference")
-"""``--engines`` names. ``fast-unchecked``: the fast engine's tg without its output check (every step's logits
+ENGINE_NAMES = ("fast", "fast-graph", "fast-unchecked", "fast-q8", "transformers", "llamacpp", "llamacpp-native",
+                "reference")
+"""``--engines`` names. ``fast-q8``: the fast engine under ``--compute q8`` (llama.cpp's arithmetic: int8
+activations and integer dot products for Q8_0/Q4_0/Q5_0 weights, :mod:`fast.q8_compute`), beside ``fast`` on the
+same built model. ``fast-unchecked``: the fast engine's tg without its output check (every step's logits
 tested for NaN/Inf, :mod:`fast.engine`), beside ``fast`` on the same built model: the check's cost on decode speed.
 ``fast-graph``: the fast engine's tg through :class:`fast.static_decode.StaticDecoder`
 (static shapes; one CUDA graph a step on a GPU, the same static step run eagerly on the CPU). ``llamacpp``: the
@@ -397,7 +400,8 @@ def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float
     and ``fast`` batch B over ``fast`` batch 1 (the batching gain); with a drafter, ``fast-spec-<dtype>`` over
     ``fast-<dtype>`` (the speed-up of speculative decoding); ``fast-graph-<dtype>`` over ``fast-<dtype>`` (static
     shapes and CUDA graphs against the paged step), and ``fast-graph`` batch B over its batch 1;
-    ``fast-unchecked-<dtype>`` over ``fast-<dtype>`` (what the output check costs: 1.01 = 1 %).
+    ``fast-unchecked-<dtype>`` over ``fast-<dtype>`` (what the output check costs: 1.01 = 1 %); ``fast-q8-<dtype>``
+    over ``fast-<dtype>`` and over the ``llamacpp`` rows, and its batch B over its batch 1.
     """
     ok = [r for r in rows if r.tok_per_s]
     by_key: dict[tuple[str, int], list[BenchRow]] = {}
@@ -407,12 +411,16 @@ def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float
     for (label, batch), group in sorted(by_key.items()):
         for num in (r for r in group if r.engine == numerator):
             for den in group:
-                if den.engine in (f"{numerator}-spec", f"{numerator}-graph", f"{numerator}-unchecked"):
+                if den.engine in (f"{numerator}-spec", f"{numerator}-graph", f"{numerator}-unchecked",
+                                  f"{numerator}-q8"):
                     if den.dtype == num.dtype:
                         out[f"{label} b{batch} {den.engine_label}/{num.engine_label}"] = den.mean / num.mean
+                    if den.engine == f"{numerator}-q8":  # llama.cpp's arithmetic against llama.cpp itself
+                        for ll in (r for r in group if r.engine.startswith("llamacpp")):
+                            out[f"{label} b{batch} {den.engine_label}/{ll.engine_label}"] = den.mean / ll.mean
                 elif den.engine != numerator and (den.engine != "transformers" or den.dtype == num.dtype):
                     out[f"{label} b{batch} {num.engine_label}/{den.engine_label}"] = num.mean / den.mean
-    batched = (numerator, f"{numerator}-graph")
+    batched = (numerator, f"{numerator}-graph", f"{numerator}-q8")
     solo = {(r.label, r.engine_label): r for r in ok if r.batch == 1 and r.engine in batched}
     for r in ok:
         base = solo.get((r.label, r.engine_label))

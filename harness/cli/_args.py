@@ -245,8 +245,20 @@ def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference"
                    help="fast engine, GGUF input: keep quantized matrices packed and dequantize on the fly (on the "
                         "CPU: views of the mapped file through the packed kernels), or dequantize them once at load "
                         "(default: packed for a quantized GGUF)")
+    add_compute_arg(p)
     add_scale_args(p)
     add_server_args(p)
+
+
+COMPUTE_HELP = ("fast engine: exact (the default: fp32 products of the exact weights) or q8 (llama.cpp's CPU "
+                "arithmetic: the input of every product with a quantized or 16-bit weight rounded to its dot-product "
+                "type, Q8_0/Q4_0/Q5_0 products as int8 integer dot products; judged against the emulating reference, "
+                "docs/quantized-activations.md)")
+
+
+def add_compute_arg(p) -> None:
+    """``--compute exact|q8``: the fast engine's arithmetic (:mod:`fast.q8_compute`)."""
+    p.add_argument("--compute", choices=("exact", "q8"), default=None, help=COMPUTE_HELP)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -281,6 +293,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine keywords from :func:`add_model_args`' options (None = the engine's default)."""
     return {"device": getattr(args, "device", None), "dtype": getattr(args, "dtype_engine", None),
             "batched": getattr(args, "batched", None), "weights": getattr(args, "weights", None),
+            "compute": getattr(args, "compute", None),
             "server_model": getattr(args, "server_model", None),
             "server_timeout": getattr(args, "server_timeout", None),
             "declare": getattr(args, "declare", None), "dialect": getattr(args, "dialect", None),

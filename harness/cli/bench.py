@@ -82,6 +82,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="reference engine: GB of dequantized float64 weights kept between forwards (default 2)")
     b.add_argument("--engines", default="fast,transformers,llamacpp,reference",
                    help="comma-separated: fast, fast-graph, fast-unchecked (tg without the output check: its cost), "
+                        "fast-q8 (the fast engine under --compute q8: llama.cpp's arithmetic), "
                         "transformers, llamacpp, reference")
     b.add_argument("--device", default="cpu", type=Device(), help="cpu | cuda[:N] (fast and transformers)")
     b.add_argument("--dtype", default="float32", help="comma-separated compute dtypes for fast and transformers")

@@ -31,6 +31,7 @@ from ._args import (
     Number,
     OutDir,
     OutFile,
+    add_compute_arg,
     add_scale_args,
     add_server_args,
     check_out_dir,
@@ -102,6 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="the fast engine's GGUF weights: kept packed (the packed kernels on the CPU) or dequantized "
                         "at load (default: packed for a quantized GGUF; built-in cases also check fast packed on "
                         "every quantized file unless dequantized)")
+    add_compute_arg(p)
     p.add_argument("--baseline", default=None, type=InFile(streams=True),
                       help="earlier results.json (or --write-baseline file): exit 1 on a regression against it")
     p.add_argument("--write-baseline", default=None, type=OutFile(),

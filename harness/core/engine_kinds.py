@@ -113,8 +113,9 @@ KINDS: tuple[EngineKind, ...] = (
                forms=("hf", "gguf"), gguf_archs=("gemma3",),  # transformers' GGUF loader has no gemma4 architecture
                options=("layers",), multimodal="gemma4_harness.harness.engines.mm_transformers:TransformersMM",
                memory_rule="transformers", default_for=("hf",), dtypes=("float32",)),
-    EngineKind("fast", "gemma4_harness.harness.engines.fast", "FastEngine", "torch fast path (--device, --dtype, --weights)", "fast",
-               options=("device", "dtype", "batched", "weights", "layers"),
+    EngineKind("fast", "gemma4_harness.harness.engines.fast", "FastEngine",
+               "torch fast path (--device, --dtype, --weights, --compute)", "fast",
+               options=("device", "dtype", "batched", "weights", "layers", "compute"),
                multimodal="gemma4_harness.harness.engines.mm_fast:FastMM", memory_rule="fast", default_for=("gguf", "hf"),
                dtypes=("float32", "bfloat16", "float16"), weights=("packed", "dequantized"),
                gguf_types=FAST_GGUF_TYPES),

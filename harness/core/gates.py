@@ -497,7 +497,9 @@ def _q8_gates(pair: str) -> list[Gate]:
     return out
 
 
-PAIR_GATES += [g for kind in ("llamacpp", "openai", "cmd") for g in _q8_gates(f"reference~{kind}")]
+PAIR_GATES += [g for kind in ("llamacpp", "openai", "cmd", "fast") for g in _q8_gates(f"reference~{kind}")]
+"""``fast``: the fast engine under ``--compute q8`` (llama.cpp's arithmetic, fast/q8_compute.py) declares
+``quantized_activations`` as llama.cpp does, and is judged by the same gates."""
 
 DEFAULT_GATES.update({g.name: g for g in PAIR_GATES})
 

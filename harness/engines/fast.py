@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Sequence
@@ -13,6 +14,7 @@ from gemma4_harness.fast import cpu_kernels
 from gemma4_harness.fast.drafter import FastDrafter
 from gemma4_harness.fast.engine import PromptRun, Request, all_finite, generate, prompt_runs
 from gemma4_harness.fast.model import FastModel, SeqStep
+from gemma4_harness.fast.q8_compute import COMPUTE_MODES, dense_types, q8_compute
 from gemma4_harness.fast.speculative import (
                               ModelProposer,
                               OracleProposer,
@@ -33,6 +35,7 @@ from ..core import memory
 from ..core.engine_kinds import KIND
 from ..core.workers import EngineOutputError
 from .base import DTYPE_BYTES, TOP_N, TraceFn, bench_ids
+from .numerics import Numerics
 
 WEIGHT_MODES = KIND["fast"].weights
 """``--weights``: GGUF quantized matrices kept packed (dequantized on the fly), or dequantized at load (the
@@ -73,6 +76,11 @@ class FastEngine:
             kernels of :mod:`fast.quant_kernels`); ``dequantized`` decodes them once at load
             (:data:`WEIGHT_MODES`); None: :func:`default_weight_mode` (packed for a quantized GGUF).
         layers: ``--layers N``: only the first N layers (:func:`reference.config.cut_layers`).
+        compute: ``--compute``: ``exact`` (the default: fp32 products of the exact weights) or ``q8``
+            (llama.cpp's CPU arithmetic: every product with a quantized or 16-bit weight takes its input rounded to
+            the weight type's dot-product type, Q8_0/Q4_0/Q5_0 products as int8 integer dot products in C;
+            :mod:`fast.q8_compute`). In ``q8`` the engine declares ``quantized_activations`` (:attr:`numerics`),
+            so the harness judges it against the emulating reference, as it judges llama.cpp.
 
     The weights are planned before they are built (:func:`harness.core.memory.require`); a plan that
     does not fit, or an allocation that fails anyway, stops with one line
@@ -93,13 +101,14 @@ class FastEngine:
 
     @memory.guarded
     def __init__(self, path: str | Path, device: str | None = None, dtype: str = "float32", batched: bool = False,
-                 weights: str | None = None, layers: int | None = None):
+                 weights: str | None = None, layers: int | None = None, compute: str | None = None):
         cfg, W = load_model(path, layers=layers, cache_bytes=0)
-        self._init(cfg, W, device, dtype, batched, weights)
+        self._init(cfg, W, device, dtype, batched, weights, compute=compute)
 
     @classmethod
     def from_model(cls, cfg, W, device: str | None = None, dtype: str = "float32", batched: bool = False,
-                   weights: str | None = None, static: bool = False, share: "FastEngine | None" = None) -> "FastEngine":
+                   weights: str | None = None, static: bool = False, share: "FastEngine | None" = None,
+                   compute: str | None = None) -> "FastEngine":
         """An engine over an already loaded ``(cfg, W)``: a file's (:func:`reference.weights.load_model`)
         or a shape-only model's random weights (:class:`fast.shapes.RandomWeights`).
 
@@ -109,12 +118,19 @@ class FastEngine:
         beside ``fast-graph``: one copy of a 31B model on the device, not two, and both read the same bytes);
         its device, dtype and weight mode must be this engine's."""
         eng = cls.__new__(cls)
-        eng._init(cfg, W, device, dtype, batched, weights, share)
+        eng._init(cfg, W, device, dtype, batched, weights, share, compute)
         if static:
             eng.engine, eng.tests, eng.static = "fast-graph", ("tg",), True
         return eng
 
-    def _init(self, cfg, W, device, dtype, batched, weights, share: "FastEngine | None" = None) -> None:
+    def _init(self, cfg, W, device, dtype, batched, weights, share: "FastEngine | None" = None,
+              compute: str | None = None) -> None:
+        compute = compute or "exact"
+        if compute not in COMPUTE_MODES:
+            raise InputError(f"--compute {compute!r}: expected one of {', '.join(COMPUTE_MODES)}")
+        if compute == "q8" and dtype != "float32":
+            raise InputError(f"--compute q8 with --dtype {dtype}: llama.cpp's arithmetic keeps float32 activations "
+                             "(leave out --dtype, or --compute exact)")
         if weights is None:
             weights = default_weight_mode(W)
         if weights not in WEIGHT_MODES:
@@ -138,7 +154,23 @@ class FastEngine:
         self.batched = batched
         self.dtype = dtype
         self.weights = weights
-        self.name = f"fast-{self.model.device.type}-{dtype}" + ("-batched" if batched else "")
+        self.compute = compute
+        self._q8_dense = dense_types(self.model, W) if compute == "q8" else {}
+        self.name = f"fast-{self.model.device.type}-{dtype}" + ("-q8" if compute == "q8" else "") + (
+            "-batched" if batched else "")
+
+    @property
+    def numerics(self) -> Numerics | None:
+        """What it declares (:func:`harness.engines.numerics.engine_numerics`): under ``--compute q8``, llama.cpp's
+        ``quantized_activations`` with llama.cpp's dot-product types (the emulating reference judges it, as it judges
+        the ``llamacpp`` engine); None otherwise (exact in its dtype)."""
+        if self.compute != "q8":
+            return None
+        return Numerics("float32", None, ("quantized_activations",), "the fast engine, --compute q8", "llama.cpp")
+
+    def _arith(self):
+        """The context its forwards run in: :func:`fast.q8_compute.q8_compute` under ``--compute q8``."""
+        return q8_compute(self._q8_dense) if self.compute == "q8" else contextlib.nullcontext()
 
     def _plan(self, tokens: int, new_tokens: int, batch: int, dtype: str | None = None,
               weights: str | None = None) -> None:
@@ -157,7 +189,8 @@ class FastEngine:
     def logits(self, ids: Sequence[int], trace: TraceFn | None = None, chunk: int | None = None) -> np.ndarray:
         """float32 logits as float64 ``[T, V]`` (one-shot prefill, or in chunks of ``chunk``)."""
         self._plan(len(ids), 0, 1)
-        return self.model.logits(ids, chunk=chunk, trace=trace).double().cpu().numpy()
+        with self._arith():
+            return self.model.logits(ids, chunk=chunk, trace=trace).double().cpu().numpy()
 
     @memory.guarded
     def prompt_runs(self, prompts: Sequence[Sequence[int]], traces: Sequence[TraceFn | None] | None = None,
@@ -170,7 +203,8 @@ class FastEngine:
         longest = max((len(p) + max(new_tokens, len(forced[k]) if forced else 0) for k, p in enumerate(prompts)),
                       default=1)
         self._plan(longest, 0, 1)
-        return prompt_runs(self.model, prompts, traces, new_tokens, forced, top_n, check_finite=self.check_output)
+        with self._arith():
+            return prompt_runs(self.model, prompts, traces, new_tokens, forced, top_n, check_finite=self.check_output)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy continuations; one continuous batch when ``batched``."""
@@ -180,8 +214,9 @@ class FastEngine:
     def generate_full(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_n: int = TOP_N):
         """Like :meth:`generate` but returns :class:`fast.engine.Result` (tokens and the top-``top_n`` logprobs)."""
         self._plan(max((len(p) for p in prompts), default=1), max_new_tokens, len(prompts) if self.batched else 1)
-        return generate(self.model, prompts, max_new_tokens, batched=self.batched, top_n=top_n,
-                        check_finite=self.check_output)
+        with self._arith():
+            return generate(self.model, prompts, max_new_tokens, batched=self.batched, top_n=top_n,
+                            check_finite=self.check_output)
 
     # ------------------------------------------------------------------ speculative decoding
 
@@ -289,6 +324,10 @@ class FastEngine:
         ``fast-graph``'s ``tg`` over the static decoder (:meth:`_static_time`)."""
         if self.static and test == "tg":
             return self._static_time(n, depth, batch)
+        with self._arith():
+            return self._bench_time(test, n, depth, batch)
+
+    def _bench_time(self, test: str, n: int, depth: int, batch: int) -> float:
         cache, slots = self._prepare(depth, batch, n)
         with torch.inference_mode():
             if test == "pp":

@@ -327,7 +327,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     oracle_engine = None
     if oracle == "fast":
         progress(f"[{res.case}] loading the oracle: fast in fp32")
-        oracle_engine = make_engine("fast", path, **{**o, "dtype": "float32", "batched": False})
+        oracle_engine = make_engine("fast", path, **{**o, "dtype": "float32", "batched": False, "compute": "exact"})
         oracle_engine.plan_ahead(max(len(p["prompt_ids"]) for p in usable) + new_tokens)  # before any pair's work
         res.info["oracle"] = {"name": "fast", "engine": oracle_engine.name, "weights": oracle_engine.weights,
                               "left_out": "reference.cached~uncached (float64 forwards)"}

@@ -1,0 +1,112 @@
+"""Micro-benchmark of the fast engine's ``--compute q8`` kernel against its exact fp32 packed kernel.
+
+Run: ``python -m gemma4_harness.fast.q8_bench`` (defaults: Q8_0 and Q4_0, a 2048 x 8192 and an 8192 x 2048 matrix,
+``M`` = 1 and 8, 1 and 2 threads, in one run). ``pytest --bench -m bench -s -k q8_bench tests/test_q8_compute.py``
+runs the same and prints the table.
+
+What it measures: seconds per product ``x @ W.T`` of ``M`` rows, for
+
+* ``exact``: :func:`fast.quant_kernels.linear` (float32 activations, the exact dequantized weights, fp32 sums);
+* ``q8``: :func:`fast.quant_kernels.q8_linear` (llama.cpp's arithmetic: the rows quantized to Q8_0, int8 integer
+  dot products, ``fast/csrc/linear_q8.c``; its ISA path printed);
+
+over a pool of copies of the matrix (``pool_mib``, cycled through so that the bytes come from memory, not from the
+last-level cache), after a warm-up call. GB/s = packed bytes / seconds per call (1e9 bytes). The load average
+(``os.getloadavg``) is printed before and after: on a shared machine the figures are indicative only. Figures go to
+stdout, never into asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from . import quant_kernels
+from .quant_bench import packed_pool
+
+SHAPES = {"2048x8192": (2048, 8192), "8192x2048": (8192, 2048)}
+"""``[N, K]``: a down-projection-like matrix (K 8192) and its transpose shape (N 8192)."""
+
+
+def _time(fn, pool, x, min_seconds: float) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) per call of ``fn(x, W)``, cycling through ``pool`` after one untimed
+    call. The CPU time is what the cores spent, a figure a busy shared machine distorts less than the wall clock
+    (with 2 threads it also counts a worker's spinning)."""
+    fn(x, pool[-1])
+    calls, t0, c0 = 0, time.perf_counter(), time.process_time()
+    while calls < len(pool) or time.perf_counter() - t0 < min_seconds:
+        fn(x, pool[calls % len(pool)])
+        calls += 1
+    return (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
+
+
+def run(types: list[str], shapes: list[str], rows: list[int], threads: list[int], pool_mib: int = 512,
+        min_seconds: float = 1.0) -> list[dict]:
+    """One dict per (type, shape, threads, M): ``exact`` and ``q8`` (wall seconds per call) and ``exact_cpu``,
+    ``q8_cpu`` (process CPU seconds per call), ``MB`` packed."""
+    out = []
+    saved = torch.get_num_threads()
+    try:
+        for qtype in types:
+            for shape in shapes:
+                n, k = SHAPES[shape]
+                pool = packed_pool(qtype, n, k, pool_mib << 20)
+                nbytes = pool[0].nbytes
+
+                def exact(x, w, k=k, qtype=qtype):
+                    return quant_kernels.linear(x, w.raw, qtype, k, w.kernel_layout)
+
+                def q8(x, w, k=k, qtype=qtype):
+                    return quant_kernels.q8_linear(x, w.raw, qtype, k)
+
+                for t in threads:
+                    torch.set_num_threads(t)
+                    for m in rows:
+                        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                        (e, ec), (q, qc) = _time(exact, pool, x, min_seconds), _time(q8, pool, x, min_seconds)
+                        out.append({"type": qtype, "shape": shape, "threads": t, "M": m, "MB": nbytes / 1e6,
+                                    "exact": e, "q8": q, "exact_cpu": ec, "q8_cpu": qc})
+                del pool
+    finally:
+        torch.set_num_threads(saved)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table of :func:`run`'s rows."""
+    lines = ["| type | matrix | threads | M | MB | exact ms | exact GB/s | q8 ms | q8 GB/s | q8 speed-up (wall) | "
+             "exact CPU ms | q8 CPU ms | q8 speed-up (CPU) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['type']} | {r['shape']} | {r['threads']} | {r['M']} | {r['MB']:.1f} | "
+                     f"{r['exact'] * 1e3:.3f} | {r['MB'] / 1e3 / r['exact']:.1f} | {r['q8'] * 1e3:.3f} | "
+                     f"{r['MB'] / 1e3 / r['q8']:.1f} | {r['exact'] / r['q8']:.2f}x | {r['exact_cpu'] * 1e3:.3f} | "
+                     f"{r['q8_cpu'] * 1e3:.3f} | {r['exact_cpu'] / r['q8_cpu']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: prints the ISA paths, the load average before and after, and the table. Returns 0."""
+    ap = argparse.ArgumentParser(prog="python -m gemma4_harness.fast.q8_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="Q8_0,Q4_0", help="comma-separated, of Q8_0, Q4_0, Q5_0 (default Q8_0,Q4_0)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--rows", default="1,8", help="values of M (default 1,8)")
+    ap.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
+    ap.add_argument("--pool-mib", type=int, default=512, help="bytes cycled through per case, MiB (default 512)")
+    ap.add_argument("--seconds", type=float, default=1.0, help="least seconds timed per figure (default 1)")
+    a = ap.parse_args(argv)
+    print(f"exact packed kernel ISA {quant_kernels.isa()}, q8 kernel ISA {quant_kernels.q8_isa()} "
+          "(512: AVX-512 VNNI for q8, AVX-512 for exact; 256: AVX2; 0: plain C)")
+    print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    rows = run(a.types.split(","), a.shapes.split(","), [int(m) for m in a.rows.split(",")],
+               [int(t) for t in a.threads.split(",")], a.pool_mib, a.seconds)
+    print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
