@@ -197,3 +197,4 @@ def test_engine_facts_outside_the_registry_are_read_from_the_rows():
                      "openai": "gguf"}
     assert ek.KIND["transformers"].reads("gguf", "gemma3") and not ek.KIND["llamacpp"].reads("hf")
     assert "local_tokenizer" in ek.KIND["openai"].options  # our tokenizer of the model: an argument (not a hook)
+

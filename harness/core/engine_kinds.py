@@ -4,7 +4,10 @@ Every fact the harness keeps about an engine kind is in its :class:`EngineKind` 
 needs one reads the row: :mod:`harness.engines` (which class to build, the options it takes, the names the CLI
 offers), :mod:`harness.engines.numerics` (:data:`~harness.engines.numerics.KIND_NUMERICS`), :mod:`harness.engines.mm`
 (the engines that take images and audio), :mod:`harness.core.memory` (which plan rule estimates the engine),
-:func:`harness.parity.cases.default_against`, ``g4h sweep``'s default engines and its judge.
+:func:`harness.parity.cases.default_against`, ``g4h sweep``'s default engines and its judge, the ``--oracle`` choices
+(:data:`ORACLES`), ``--draft-model`` (``drafts``), the ``--skip`` name that opts a kind out (``skip``), the file of a
+built case an engine runs (:meth:`EngineKind.built_file`), the memory plan's advice and the settings ``g4h inspect``
+and ``g4h sweep`` plan (``options``, ``dtypes``, ``weights``).
 
 The rows live in ``harness.core`` (the lowest layer of the harness: ``pyproject.toml`` ``[tool.importlinter]``) so
 that the memory planner, which may not import :mod:`harness.engines`, reads the same rows. This module imports
