@@ -178,3 +178,23 @@ def test_help_texts_read_the_rows_unchanged():
     p = argparse.ArgumentParser()
     cli_sweep.add_arguments(p)
     assert next(a.help for a in p._actions if a.dest == "against").endswith("Default: fast,llamacpp")
+
+
+def test_engine_facts_outside_the_registry_are_read_from_the_rows():
+    """What the modules outside the registry used to decide by the kind's name (issue 33): the oracles, the kind
+    that takes a drafter, the ``--skip`` name that opts a kind out, the file of a built case each kind runs."""
+    from gemma4_harness.harness.parity import skips
+    from gemma4_harness.harness.parity.checks import pair
+
+    assert ek.ORACLES == pair.ORACLES == ("reference", "fast")
+    assert [k.name for k in ek.KINDS if k.drafts] == ["fast"]
+    assert {k.name: k.skip for k in ek.KINDS if k.skip} == {"llamacpp": "llamacpp"}
+    assert all(k.skip in skips.SKIPS for k in ek.KINDS if k.skip)
+    assert pair.opted_out("llamacpp", ("llamacpp",)) == "llamacpp" and pair.opted_out("fast", ("llamacpp",)) is None
+    assert pair.expected_sets(["fast", "llamacpp"], ("llamacpp",)) == [()]
+    built = {k.name: k.built_file("gguf", "hf") for k in ek.KINDS}
+    assert built == {"reference": "gguf", "transformers": "hf", "fast": "gguf", "llamacpp": "gguf", "cmd": "gguf",
+                     "openai": "gguf"}
+    assert ek.KIND["transformers"].reads("gguf", "gemma3") and not ek.KIND["llamacpp"].reads("hf")
+    assert "local_tokenizer" in ek.KIND["openai"].options  # our tokenizer of the model: an argument (not a hook)
+

@@ -285,3 +285,50 @@ def test_free_port_is_free():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+# --------------------------------------------------------------------------- our tokenizer of the model: an argument
+
+_LOCAL_TOK = """
+import sys, argparse
+from gemma4_harness.harness.cli._args import engine_options
+from gemma4_harness.harness.engines import make_engine
+from gemma4_harness.harness.parity.checks import pair
+from gemma4_harness.harness.tokenizer.prompt_ids import model_tokenizer
+url, hf, caller = sys.argv[1:]
+assert "gemma4_harness.harness.parity.checks.server" not in sys.modules
+if caller == "cli":  # what every g4h command passes (harness.cli._args.engine_options)
+    eng = make_engine(f"openai:{url}/v1", hf, **{**engine_options(argparse.Namespace()), "dialect": "openai"})
+else:  # the argument as a parity pair passes it (harness.parity.checks.pair._pair_checks)
+    eng = make_engine(f"openai:{url}/v1", hf, local_tokenizer=model_tokenizer, dialect="openai")
+tok = eng.local_tok()
+print(len(tok.tokens), tok.bos_id)
+"""
+
+
+@pytest.mark.parametrize("caller", ["cli", "argument"])
+def test_generic_dialect_reads_an_hf_folders_tokenizer_without_importing_server_checks(built, tmp_path, caller):
+    """The generic dialect sends text made with our tokenizer of the model; on an HF folder that is its
+    ``tokenizer.json`` (:func:`harness.tokenizer.prompt_ids.model_tokenizer`), which the engine is given as an
+    argument (``local_tokenizer``) by the CLI and by parity's pairs. It was set on the class as a side effect of
+    importing :mod:`harness.parity.checks.server`, so a process that had not imported it (``g4h generate``,
+    ``g4h explain``, the pair module alone) refused the HF folder ("has no tokenizer this client can read")."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copy(built.json, hf / "tokenizer.json")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    with Stub("500") as stub:  # answers /v1/models; no completion is asked for
+        r = subprocess.run([sys.executable, "-c", _LOCAL_TOK, stub.url, str(hf), caller], capture_output=True,
+                           text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    vocab = len(json.loads(Path(built.json).read_text())["model"]["vocab"])
+    n, bos = r.stdout.split()
+    assert int(n) >= vocab and int(bos) >= 0

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gemma4_harness.harness.cli.parity import add_arguments
+from gemma4_harness.harness.core.engine_kinds import KINDS
 from gemma4_harness.harness.parity import skips
 from gemma4_harness.harness.parity.job import QUICK_LEAVES_OUT
 from gemma4_harness.harness.pytest_plugin.run import G4HBadInput, parse_argv
@@ -27,10 +28,14 @@ def _is_skip(node: ast.expr) -> bool:
 
 def names_read(source: str) -> set[str]:
     """The ``--skip`` names a module's checks read: the literal name of each ``skipped(skip, "name")`` call and of
-    each ``"name" in skip`` test (the spelling :func:`harness.parity.skips.skipped` replaces)."""
+    each ``"name" in skip`` test (the spelling :func:`harness.parity.skips.skipped` replaces); ``skipped(skip,
+    row.skip)`` reads the engine rows' ``skip`` names (:func:`harness.parity.checks.pair.opted_out`)."""
     out = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "skipped":
+            if ast.unparse(node.args[1]) == "row.skip":  # an engine kind's own name (its registry row's ``skip``)
+                out |= {k.skip for k in KINDS if k.skip}
+                continue
             assert isinstance(node.args[1], ast.Constant), f"skipped() with a computed name: {ast.unparse(node)}"
             out.add(node.args[1].value)
         elif (isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str)

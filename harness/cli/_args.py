@@ -36,8 +36,10 @@ from gemma4_harness.reference.files import is_stream, kind_of
 from .. import synth
 from ..core.cases import DRAFTER_SUFFIX, MODELS_DIR, builtin_drafter_specs, builtin_specs
 from ..core.io import OutputError, check_output
-from ..core.engine_kinds import KINDS
+from ..core.engine_kinds import KIND, KINDS
+from ..engines import engine_kind
 from ..synth.drafter import ensure_drafter_built
+from ..tokenizer.prompt_ids import model_tokenizer
 
 INT64_MAX = 2**63 - 1
 """The largest count any option takes: it goes to numpy and torch as an int64."""
@@ -289,15 +291,24 @@ def add_scale_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
                             "valid KV-sharing layout")
 
 
+def out_dtype(engine: str) -> str:
+    """The dtype an engine's logits and activations are written in: ``float64`` for an engine whose registry row
+    computes in float64 (the reference), else ``float32``."""
+    row = KIND.get(engine_kind(engine))
+    return "float64" if row is not None and row.dtypes[:1] == ("float64",) else "float32"
+
+
 def engine_options(args: argparse.Namespace) -> dict:
-    """The engine keywords from :func:`add_model_args`' options (None = the engine's default)."""
+    """The engine keywords from :func:`add_model_args`' options (None = the engine's default), and our tokenizer of
+    the model (``local_tokenizer``: the text prompts of a server's generic dialect)."""
     return {"device": getattr(args, "device", None), "dtype": getattr(args, "dtype_engine", None),
             "batched": getattr(args, "batched", None), "weights": getattr(args, "weights", None),
             "compute": getattr(args, "compute", None),
             "server_model": getattr(args, "server_model", None),
             "server_timeout": getattr(args, "server_timeout", None),
             "declare": getattr(args, "declare", None), "dialect": getattr(args, "dialect", None),
-            "cache_gb": getattr(args, "ref_cache_gb", None), "layers": getattr(args, "layers", None)}
+            "cache_gb": getattr(args, "ref_cache_gb", None), "layers": getattr(args, "layers", None),
+            "local_tokenizer": model_tokenizer}
 
 
 def check_out_file(path: str, what: str = "--out") -> None:
@@ -349,7 +360,8 @@ def resolve_model(model: str, engine: str) -> Path:
         raise InputError(f"{model}: a drafter (MTP assistant) spec; give it as --draft-model beside its target")
     if p.suffix == ".toml" or (MODELS_DIR / f"{model}.toml").is_file():
         built = synth.ensure_built(p if p.suffix == ".toml" else MODELS_DIR / f"{model}.toml")
-        return built.hf_dir if engine == "transformers" else built.gguf["F32"]
+        row = KIND.get(engine_kind(engine))
+        return built.gguf["F32"] if row is None else row.built_file(built.gguf["F32"], built.hf_dir)
     raise InputError(f"{model}: no such file or folder, and not a built-in case "
                      f"(known: {', '.join(s.stem for s in builtin_specs())})")
 

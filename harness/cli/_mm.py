@@ -17,6 +17,7 @@ from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.mm_model import MM_TOKEN_TYPES, MultimodalModel, MultimodalPrompt, prepare_prompt
 
 from ..core.cases import MODELS_DIR
+from ..core.engine_kinds import KIND
 from ..core.mm_prompts import MM_MODELS_DIR
 from ..engines.mm import MM_ENGINES, make_mm_engine, open_mm
 from ._args import Count, InFile
@@ -48,8 +49,8 @@ def mm_requested(args: argparse.Namespace) -> bool:
 
 def resolve_mm_model(model: str, engine: str, mmproj: str | None) -> tuple[Path, Path | None, int | None]:
     """``--model`` (and ``--mmproj``) as paths: a file or folder as given, or a built-in multimodal case
-    (``cases/models/multimodal/<name>.toml``, built on first use) as its HF folder for ``transformers`` and its
-    text GGUF with its mmproj for the other engines.
+    (``cases/models/multimodal/<name>.toml``, built on first use) as its HF folder for an engine whose registry row
+    reads no Gemma 4 GGUF (``transformers``) and its text GGUF with its mmproj for the other engines.
 
     Returns:
         ``(model, mmproj or None, image budget)``: the budget is the case's processor setting for a built-in case
@@ -65,7 +66,8 @@ def resolve_mm_model(model: str, engine: str, mmproj: str | None) -> tuple[Path,
     if spec.is_file():
         # the builder needs transformers and torch: imported only when a case is asked for
         built = importlib.import_module("gemma4_harness.harness.synth.mm_case").ensure_mm_built(spec)
-        if engine == "transformers":
+        row = KIND.get(engine)
+        if row is not None and not row.reads("gguf"):  # transformers: the HF folder (no Gemma 4 GGUF loader)
             return built.hf_dir, None, built.mspec.max_soft_tokens
         return built.gguf, Path(mmproj) if mmproj else built.mmproj, built.mspec.max_soft_tokens
     known = sorted(s.stem for s in MM_MODELS_DIR.glob("*.toml"))

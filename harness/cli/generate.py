@@ -14,6 +14,7 @@ import sys
 
 from gemma4_harness.reference.errors import InputError, PromptError
 
+from ..core.engine_kinds import KIND, KINDS
 from ..core.io import write_text_atomic
 from ..core.prompts import load_prompts, read_prompt_ids
 from ..engines import make_engine
@@ -62,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("g4h generate: give --prompts FILE.jsonl or --prompt-ids FILE.json (one of them)")
     if args.max_new_tokens < 1:
         raise PromptError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
-    if args.draft_model is not None and args.engine != "fast":
-        raise InputError(f"--draft-model: speculative decoding runs on the fast engine, not {args.engine!r}")
+    if args.draft_model is not None and not getattr(KIND.get(args.engine), "drafts", False):
+        raise InputError(f"--draft-model: speculative decoding runs on the "
+                         f"{' or '.join(k.name for k in KINDS if k.drafts)} engine, not {args.engine!r}")
     if args.draft_tokens < 1:
         raise InputError(f"--draft-tokens {args.draft_tokens}: expected >= 1")
     if args.top_n < 1:

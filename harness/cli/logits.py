@@ -11,7 +11,7 @@ import numpy as np
 from ..core.io import save_npy_atomic
 from ..core.prompts import read_prompt_ids
 from ..engines import make_engine
-from ._args import InFile, OutFile, add_model_args, check_out_file, engine_options, resolve_model
+from ._args import InFile, OutFile, add_model_args, check_out_file, engine_options, out_dtype, resolve_model
 from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         engine = make_engine(args.engine, resolve_model(args.model, args.engine), **engine_options(args))
         logits = engine.logits(ids)
-    dtype = args.dtype or ("float64" if args.engine == "reference" else "float32")
+    dtype = args.dtype or out_dtype(args.engine)
     save_npy_atomic(args.out, np.asarray(logits, dtype=dtype))
     print(f"{args.out}: logits {list(logits.shape)} {dtype}", file=sys.stderr)
     return 0

@@ -14,7 +14,7 @@ from ..core.workers import temp_folder
 from ..engines import make_engine
 from ..traces.format import TraceWriter, load_dump, read_trace, write_trace
 from ..traces.llama_dump import import_llama_dump
-from ._args import InFile, OutDir, OutFile, add_model_args, check_out_file, resolve_model
+from ._args import InFile, OutDir, OutFile, add_model_args, check_out_file, out_dtype, resolve_model
 from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 
@@ -75,7 +75,7 @@ def trace_command(model: str | None, engine: str, prompt_ids_file: str, out: str
             if dump_dir is not None and tensors is None:
                 raise InputError(f"{eng.name}: --dump-tensors: the engine wrote no tensors with its trace")
             return write_trace(out, tr.header, tr.records, tensors, dump_dir if tensors is not None else None)
-    act_dtype = "float64" if engine == "reference" else "float32"
+    act_dtype = out_dtype(engine)
     dev = getattr(getattr(eng, "model", None), "device", None)
     writer = TraceWriter(getattr(eng, "name", engine), ids, case=case or _case_name(model), model=str(model),
                          dtype=act_dtype, device=None if dev is None else str(dev),
@@ -98,7 +98,7 @@ def mm_trace_command(args: argparse.Namespace) -> Path:
     ids = read_prompt_ids(args.prompt_ids)
     _, prompt, eng = open_mm_prompt(args, ids)
     writer = TraceWriter(getattr(eng, "name", args.engine), prompt.ids, case=args.case or _case_name(args.model),
-                         model=str(args.model), dtype="float64" if args.engine == "reference" else "float32",
+                         model=str(args.model), dtype=out_dtype(args.engine),
                          keep_tensors=args.dump_tensors is not None,
                          extra={"mm_items": [{"kind": it.kind, "source": it.source, "soft_tokens": it.n_soft}
                                              for it in prompt.items],

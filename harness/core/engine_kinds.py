@@ -4,7 +4,10 @@ Every fact the harness keeps about an engine kind is in its :class:`EngineKind` 
 needs one reads the row: :mod:`harness.engines` (which class to build, the options it takes, the names the CLI
 offers), :mod:`harness.engines.numerics` (:data:`~harness.engines.numerics.KIND_NUMERICS`), :mod:`harness.engines.mm`
 (the engines that take images and audio), :mod:`harness.core.memory` (which plan rule estimates the engine),
-:func:`harness.parity.cases.default_against`, ``g4h sweep``'s default engines and its judge.
+:func:`harness.parity.cases.default_against`, ``g4h sweep``'s default engines and its judge, the ``--oracle`` choices
+(:data:`ORACLES`), ``--draft-model`` (``drafts``), the ``--skip`` name that opts a kind out (``skip``), the file of a
+built case an engine runs (:meth:`EngineKind.built_file`), the memory plan's advice and the settings ``g4h inspect``
+and ``g4h sweep`` plan (``options``, ``dtypes``, ``weights``).
 
 The rows live in ``harness.core`` (the lowest layer of the harness: ``pyproject.toml`` ``[tool.importlinter]``) so
 that the memory planner, which may not import :mod:`harness.engines`, reads the same rows. This module imports
@@ -61,6 +64,11 @@ class EngineKind:
         gguf_types: the GGUF tensor types it decodes (None: every type its loader reads, or ``file_check`` says).
         file_check: ``module:function`` of the checks of a file beyond these facts (``g4h inspect``:
             ``function(info, cfg) -> (can_run, reason, notes)``), None when there are none.
+        oracle: True when ``g4h parity --oracle`` may name it (:data:`ORACLES`: the float64 reference, the default,
+            and the fast engine in fp32).
+        drafts: True when it takes a drafter (``--draft-model``: speculative decoding).
+        skip: the ``g4h parity --skip`` name that opts every check of this kind out (:mod:`harness.parity.skips`),
+            None when it has none.
     """
 
     name: str
@@ -83,6 +91,9 @@ class EngineKind:
     gguf_archs: tuple[str, ...] | None = None
     gguf_types: frozenset[str] | None = None
     file_check: str | None = None
+    oracle: bool = False
+    drafts: bool = False
+    skip: str | None = None
 
     @property
     def said(self) -> str:
@@ -97,6 +108,15 @@ class EngineKind:
             return "quantized_activations" in self.numerics[2]
         return None if self.declares else False
 
+    def reads(self, form: str, arch: str = "gemma4") -> bool:
+        """Whether it reads a model of file form ``form`` (:data:`FORMS`) and architecture ``arch`` (a GGUF's
+        ``general.architecture``): ``form`` in :attr:`forms`, and for a GGUF ``arch`` in :attr:`gguf_archs`."""
+        return form in self.forms and (form != "gguf" or self.gguf_archs is None or arch in self.gguf_archs)
+
+    def built_file(self, gguf: object, hf_dir: object, arch: str = "gemma4") -> object:
+        """Which of a built case's files it runs: the GGUF when it reads one of ``arch``, else the HF folder."""
+        return gguf if self.reads("gguf", arch) else hf_dir
+
 
 FAST_GGUF_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
                              "Q5_K", "Q6_K"})
@@ -107,7 +127,7 @@ tests/test_inspect.py checks that the copy equals the original."""
 KINDS: tuple[EngineKind, ...] = (
     EngineKind("reference", "gemma4_harness.harness.engines.reference", "ReferenceEngine", "float64 NumPy reference", "reference",
                options=("cache_gb", "layers"), multimodal="gemma4_harness.harness.engines.mm:ReferenceMM", memory_rule="reference",
-               dtypes=("float64",)),
+               dtypes=("float64",), oracle=True),
     EngineKind("transformers", "gemma4_harness.harness.engines.transformers", "TransformersEngine",
                "HF transformers fp32 eager (HF folders; Gemma 3 GGUFs)", "transformers",
                forms=("hf", "gguf"), gguf_archs=("gemma3",),  # transformers' GGUF loader has no gemma4 architecture
@@ -118,14 +138,14 @@ KINDS: tuple[EngineKind, ...] = (
                options=("device", "dtype", "batched", "weights", "layers", "compute"),
                multimodal="gemma4_harness.harness.engines.mm_fast:FastMM", memory_rule="fast", default_for=("gguf", "hf"),
                dtypes=("float32", "bfloat16", "float16"), weights=("packed", "dequantized"),
-               gguf_types=FAST_GGUF_TYPES),
+               gguf_types=FAST_GGUF_TYPES, oracle=True, drafts=True),
     EngineKind("llamacpp", "gemma4_harness.harness.engines.llamacpp", "LlamaCppEngine",
                "llama.cpp via llama-cpp-python, in a worker subprocess (GGUF only)", "llamacpp",
                forms=("gguf",),
                numerics=("float32", "float32", ("gelu_fp16_table", "quantized_activations"),
                          "the llamacpp engine: F32 KV cache, flash attention off", "llama.cpp"),
                memory_rule="llamacpp", default_for=("gguf",), label="llama.cpp", dtypes=("stored",),
-               file_check="gemma4_harness.harness.engines.llamacpp.support:file_check"),
+               file_check="gemma4_harness.harness.engines.llamacpp.support:file_check", skip="llamacpp"),
     EngineKind("cmd", "gemma4_harness.harness.engines.cmd", "CmdEngine",
                "any program speaking the subprocess protocol (docs/engine-protocol.md): cmd:'COMMAND ...'",
                "cmd:'COMMAND ...' (docs/engine-protocol.md)", scheme=True, declares="hello",
@@ -133,13 +153,18 @@ KINDS: tuple[EngineKind, ...] = (
     EngineKind("openai", "gemma4_harness.harness.engines.openai.engine", "OpenAIEngine",
                "a model behind an OpenAI-compatible server (generate only): openai:http://HOST:PORT/v1",
                "openai:URL (a server)", scheme=True,
-               options=("server_model", "server_timeout", "check_greedy", "declare", "dialect"),
+               options=("server_model", "server_timeout", "check_greedy", "declare", "dialect", "local_tokenizer"),
                declares="dialect defaults or --declare", gives=("logprobs",)),
 )
 """Every engine kind: the plain ones first, in the order ``--help`` and error messages list them, then the schemes."""
 
 KIND: dict[str, EngineKind] = {k.name: k for k in KINDS}
 """Kind name -> its row."""
+
+ORACLES: tuple[str, ...] = tuple(k.name for k in KINDS if k.oracle)
+"""What ``g4h parity --oracle`` (and the pytest plugin's ``--g4h-oracle``) may name, the default first: the float64
+reference, or the fast engine in fp32 (much faster on a big model; itself held to the reference by the
+``reference~fast`` gates)."""
 
 
 def plain_kinds() -> tuple[EngineKind, ...]:

@@ -188,13 +188,15 @@ def _advice(engine: str, info: ModelInfo, o: dict[str, Any], avail: int, source:
         need, _, already = _need(engine, info, {**o, **change})
         return _fits(need, already, avail)
 
-    if engine == "fast" and info.form == "gguf" and o["weights"] == "dequantized" and any(
+    row = KIND[engine]  # the options it takes (its registry row): the settings worth trying
+    if "packed" in row.weights and info.form == "gguf" and o["weights"] == "dequantized" and any(
             len(t.shape) == 2 and t.dtype not in UNPACKED for t in info.tensors.values()) \
             and fits_with(weights="packed"):
         out.append("--weights packed")
-    if engine == "fast" and o["dtype"] == "float32" and fits_with(dtype="bfloat16"):
+    if "bfloat16" in row.dtypes and "dtype" in row.options and o["dtype"] == "float32" \
+            and fits_with(dtype="bfloat16"):
         out.append("--dtype bfloat16")
-    if engine == "reference" and o["forwards"] > 1 and o["cache_bytes"] > 0:
+    if "cache_gb" in row.options and o["forwards"] > 1 and o["cache_bytes"] > 0:
         for gb in (1.0, 0.5, 0.25, 0.0):
             if gb * GB < o["cache_bytes"] and fits_with(cache_bytes=int(gb * GB)):
                 out.append(f"--ref-cache-gb {gb:g}")

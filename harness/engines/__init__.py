@@ -137,7 +137,9 @@ def make_engine(name: str, path: str | Path, **options: Any) -> Engine:
         name: a plain engine name (:data:`ENGINES`) or ``<scheme>:<argument>`` (:data:`ENGINE_SCHEMES`).
         options: engine-specific keywords (:data:`ENGINE_OPTIONS`: ``device``, ``dtype``, ``batched``,
             ``weights`` for ``fast``; ``cache_gb`` for the reference; ``layers`` for reference, fast and
-            transformers; ``server_model``, ``server_timeout``, ``check_greedy`` for ``openai``; ``check_greedy`` for
+            transformers; ``server_model``, ``server_timeout``, ``check_greedy``, ``declare``, ``dialect`` and
+            ``local_tokenizer`` (``path -> tokenizer``: the generic dialect's text prompts) for ``openai``;
+            ``check_greedy`` for
             ``cmd``); None values and
             options the engine does not take are dropped, except ``layers``, which an engine that cannot cut a
             model refuses.

@@ -70,6 +70,7 @@ from typing import Any
 from gemma4_harness.reference.errors import InputError, ModelFileError
 
 from ..core import memory
+from ..core.engine_kinds import KIND
 from .common import compact_names, shared_kv_tensors
 from .gguf_header import gguf_can_dequantize, inspect_gguf
 from .hf_folder import inspect_hf
@@ -137,7 +138,7 @@ def _memory_estimates(info: Inspection, rows: list[EngineRow]) -> list[dict[str,
             out.append(None)
             continue
         options: dict[str, Any] = {"tokens": ESTIMATE_TOKENS, "new_tokens": ESTIMATE_TOKENS, "fresh": True}
-        if r.engine == "fast":
+        if "dtype" in KIND[r.engine].options:  # the row's setting (fast: each dtype and weight mode)
             options.update(dtype=r.dtype, weights=r.weights or "dequantized")
         out.append(memory.plan(r.engine, facts, **options).as_dict())
     return out

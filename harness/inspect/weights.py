@@ -13,6 +13,7 @@ from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.weight_check import MAX_ABS_FP16, MAX_ABS_FP32, check_weights
 from gemma4_harness.reference.weights import load_model
 
+from ..core.engine_kinds import KIND
 from .common import named_in, one_line
 from .model import UNUSABLE, WARNING, Inspection, Problem
 
@@ -54,5 +55,5 @@ def note_carry(info: Inspection) -> None:
     for row in info.engines:
         n = sum(1 for p in info.problems if p.code == "weight_not_carried"
                 and (f" {row.dtype} cannot carry" in p.message or p.message.endswith(f"({row.dtype})")))
-        if row.engine == "fast" and row.can_run and n:
+        if "dtype" in KIND[row.engine].options and row.can_run and n:  # an engine whose --dtype picks its dtype
             row.notes.append(f"{n} weight(s) {row.dtype} cannot carry: expect wrong or non-finite output (problems)")

@@ -49,7 +49,7 @@ from ..engines.reference import ReferenceEngine
 from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
 from ..synth.prompts import PROMPT_SEED, named_for_window
-from ..tokenizer.prompt_ids import with_prompt_ids
+from ..tokenizer.prompt_ids import model_tokenizer, with_prompt_ids
 from .checks.drafter import drafter_checks, drafter_not_built, llamacpp_drafter_checks
 from .checks.explain_pair import explain_failing_pair
 from .checks.fast import fast_checks, fast_packed_checks
@@ -58,7 +58,7 @@ from .checks.multimodal import fast_figures as mm_fast_figures
 from .checks.multimodal import llamacpp_figures as mm_llamacpp_figures
 from .checks.multimodal import mask_figures, mmproj_figures, oracle_figures, preprocessing_figures, usable
 from .checks.oracle import oracle_rows
-from .checks.pair import GREEDY_NEW_TOKENS, expected_sets, pair_checks
+from .checks.pair import GREEDY_NEW_TOKENS, expected_sets, opted_out, pair_checks
 from .checks.reference_runs import ReferenceRuns
 from .checks.reference import cached_vs_uncached, compare_pair, quantized_loaders, self_consistency
 from .checks.server import ServerOptions, default_text_prompts, server_checks, spec_gates
@@ -153,7 +153,7 @@ def pairs(res: CaseResult, gates, runs: ReferenceRuns, engines: Sequence[tuple[s
         kind = engine_kind(name)
         key = (kind, (options or {}).get("dtype"))
         seen[key] = seen.get(key, 0) + 1
-        opted = "llamacpp" if kind == "llamacpp" and skipped(skip, "llamacpp") else None
+        opted = opted_out(kind, skip)
         first = len(res.checks)
         res.apply(pair_checks(runs, name, path, prompts, progress, res.case, opted_out=opted, options=options,
                               extra=server, number=seen[key], own_checks=OWN_CHECKS, on_measured=(explain,)), gates)
@@ -370,7 +370,7 @@ def _probe_servers(names: Sequence[str], path: str, options: dict[str, Any], pro
         if engine_kind(name) != "openai":
             continue
         try:
-            eng = make_engine(name, path, **options)
+            eng = make_engine(name, path, **{"local_tokenizer": model_tokenizer, **options})
             dialects[name] = eng.dialect
             if contexts is not None and getattr(eng, "context", None):
                 contexts[name] = (eng.base, int(eng.context), eng.server.context_said)

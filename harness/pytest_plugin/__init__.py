@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 import pytest
 
+from ..core.engine_kinds import ORACLES
 from .plan import CACHED, Narrowed, PlannedItem, command_line_argv, narrow, plan_job
 from .run import G4HBadInput, G4HEngineCrashed, ParityCheck, ParityRun, checks_of, fmt, parity_argv, run_parity
 
@@ -69,7 +70,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="the engines compared with the reference: fast, transformers, llamacpp, cmd:'COMMAND ...', "
                      "openai:URL (repeatable or a comma list; default: every engine that can read the model)")
     g.addoption("--g4h-prompts", default=None, metavar="FILE.jsonl", help="the prompt set (g4h parity --prompts)")
-    g.addoption("--g4h-oracle", default=None, choices=("reference", "fast"),
+    g.addoption("--g4h-oracle", default=None, choices=ORACLES,
                 help="the oracle side of every pair (g4h parity --oracle; default reference)")
     g.addoption("--g4h-skip", action="append", default=[], metavar="CHECK",
                 help="opt a check out (g4h parity --skip; repeatable): its items are skipped")

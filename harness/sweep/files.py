@@ -27,6 +27,7 @@ from typing import Any, Iterable, Sequence
 from gemma4_harness.reference.errors import InputError
 
 from ..core import memory
+from ..core.engine_kinds import KIND
 from ..engines.llamacpp import INSTALL_MSG
 from ..inspect import UNUSABLE, Inspection, inspect_model
 
@@ -162,8 +163,9 @@ def _engine_table(info: Inspection) -> dict[str, dict[str, Any]]:
     """Engine -> can it run the file (``g4h inspect``'s rows; fast: float32 at its default weight mode)."""
     out: dict[str, dict[str, Any]] = {}
     for r in info.engines:
-        if r.engine == "fast" and (r.dtype != "float32" or r.weights not in (None, "packed")):
-            continue
+        row = KIND[r.engine]
+        if row.dtypes[1:] and (r.dtype != row.dtypes[0] or r.weights not in (None, *row.weights[:1])):
+            continue  # an engine of several settings (fast): its default one only
         reason = r.reason
         if reason == INSTALL_MSG:  # the llama.cpp engine's "not installed" (harness.engines.llamacpp)
             # whether llama-cpp-python is installed is a fact of the node that runs the task, not of the driver

@@ -29,7 +29,7 @@ from ray import exceptions as rex
 from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import PROMPTS
-from ..core.engine_kinds import default_against, planned_kinds
+from ..core.engine_kinds import KIND, default_against, planned_kinds
 from ..core.memory import GB, plan
 from ..core.paths import default_reports_dir
 from ..core.prompts import load_prompts
@@ -165,8 +165,8 @@ def _memory_need(engine: str, f: SweepFile, gp: list[dict[str, Any]], opts: Swee
         return None
     o: dict[str, Any] = {"tokens": max(len(p["prompt_ids"]) for p in gp), "new_tokens": opts.new_tokens,
                          "fresh": True}
-    if kind == "fast":
-        o.update({k: opts.engine_options[k] for k in ("dtype", "weights") if opts.engine_options.get(k)})
+    o.update({k: opts.engine_options[k] for k in ("dtype", "weights")
+              if k in KIND[kind].options and opts.engine_options.get(k)})  # the settings its row takes
     return plan(kind, f.facts, **o).need_bytes
 
 

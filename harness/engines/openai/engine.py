@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.tokenizer import CONTROL, tokenizer_from_gguf
@@ -130,6 +130,10 @@ class OpenAIEngine:
             log-probs (False where gates judge that instead: ``g4h parity``).
         declare: ``--declare KEY=VALUE`` items (or their parsed form, :func:`harness.engines.numerics.parse_declare`)
             that replace the dialect's default numerics: ``dtype=``, ``kv_cache=``, ``approximations=``.
+        local_tokenizer: ``path -> tokenizer`` of the model, with which the generic dialect makes and checks its text
+            prompts (:meth:`local_tok`; None: a GGUF's own vocabulary, and an HF folder cannot be used there). An
+            argument, not a registration: :func:`harness.tokenizer.prompt_ids.model_tokenizer` lives in a sibling
+            layer, and the callers above pass it (parity's pairs, the ``g4h`` commands).
 
     Attributes:
         path: ``path`` as given.
@@ -167,8 +171,10 @@ class OpenAIEngine:
     def __init__(self, url: str, path: Any = None, model: str | None = None, timeout: float = 120.0,
                  concurrency: int = 1, dialect: str | None = None, check_greedy: bool = True,
                  server_model: str | None = None, server_timeout: float | None = None,
-                 declare: Sequence[str] | Mapping[str, Any] | None = None) -> None:
+                 declare: Sequence[str] | Mapping[str, Any] | None = None,
+                 local_tokenizer: Callable[[Any], Any] | None = None) -> None:
         self.base, self.root = parse_url(url)
+        self.local_tokenizer = local_tokenizer
         said = declare if isinstance(declare, Mapping) else parse_declare(declare or ())  # bad input before any request
         self.http = Http(float(server_timeout) if server_timeout is not None else timeout)
         self.concurrency = max(1, int(concurrency))
@@ -425,20 +431,18 @@ class OpenAIEngine:
             return False
         return 0 <= tid < len(tok.types) and tok.types[tid] == CONTROL
 
-    local_tokenizer_of: Any = None
-    """``path -> tokenizer`` of the model the harness compares with (``encode(text, add_bos, parse_special)``,
-    ``decode``-free: ``tokens``, ``types``, ``bos_id``); set by :mod:`harness.parity.checks.server` (a layer above),
-    else a GGUF's own (:func:`reference.tokenizer.tokenizer_from_gguf`). The generic dialect sends text, made and
-    checked with it."""
-
     def local_tok(self) -> Any:
-        """The tokenizer of the model the harness compares with (:attr:`local_tokenizer_of`), made once.
+        """The tokenizer of the model the harness compares with, made once: ``local_tokenizer(path)`` where the
+        engine was given one (the ``local_tokenizer`` option: ``path -> tokenizer`` with ``encode(text, add_bos,
+        parse_special)``, ``tokens``, ``types``, ``bos_id``; :func:`harness.tokenizer.prompt_ids.model_tokenizer`,
+        passed by the layers above, which reads an HF folder's ``tokenizer.json`` too), else a GGUF's own
+        (:func:`reference.tokenizer.tokenizer_from_gguf`). The generic dialect sends text, made and checked with it.
 
         Raises:
             ServerError: the model has no tokenizer this client can read.
         """
         if getattr(self, "_tok", None) is None:
-            make = type(self).local_tokenizer_of
+            make = getattr(self, "local_tokenizer", None)
             if make is not None:
                 self._tok = make(self.path)
             elif self.path is not None and str(self.path).endswith(".gguf"):

@@ -39,6 +39,7 @@ import numpy as np
 
 from gemma4_harness.reference.errors import InputError
 
+from ...core.engine_kinds import KIND, ORACLES  # noqa: F401 (ORACLES: read here by parity.job and cli.parity)
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, pair_name
 from ...core.kld import kld_stats
 from ...core.memory import NotEnoughMemory
@@ -47,6 +48,7 @@ from ...engines import EngineUnavailable, engine_kind, make_engine
 from ...engines.base import TOP_N
 from ...engines.numerics import KIND_NUMERICS, engine_numerics
 from ...engines.openai.http import SERVER_CONTEXT_HINT, ServerContextExceeded
+from ...tokenizer.prompt_ids import model_tokenizer
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
 from ..compare import generation_figures, logit_figures
@@ -71,9 +73,13 @@ figures, progress, case)`` may add detail to ``figures`` (:func:`.explain_pair.e
 variant that explains a failing pair)."""
 
 
-ORACLES = ("reference", "fast")
-"""What ``g4h parity --oracle`` may name: the float64 reference (the default), or the fast engine in fp32 (much
-faster on a big model; itself held to the reference by the ``reference~fast`` gates)."""
+
+
+def opted_out(kind: str, skip: Sequence[str]) -> str | None:
+    """The ``--skip`` name in ``skip`` that opts engine kind ``kind`` out (its row's
+    :attr:`~harness.core.engine_kinds.EngineKind.skip`: ``llamacpp``), None when it runs."""
+    row = KIND.get(kind)
+    return row.skip if row is not None and row.skip and skipped(skip, row.skip) else None
 
 
 def _runs(pair: str, ok: bool, **detail: Any) -> Figure:
@@ -173,9 +179,10 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
         return [_runs(pair, False, got="opted out", informational_reason=f"opted out with --skip {opted_out}")]
     progress(f"[{case}] {runs.name} vs {name}")
     try:
-        eng = make_engine(name, path, **(options or {}))
+        eng = make_engine(name, path, **{"local_tokenizer": model_tokenizer, **(options or {})})
     except EngineUnavailable as e:
-        hint = "; or opt out: g4h parity --skip llamacpp" if kind == "llamacpp" else ""
+        row = KIND.get(kind)
+        hint = f"; or opt out: g4h parity --skip {row.skip}" if row is not None and row.skip else ""
         return [_runs(pair, False, got=f"not run: {e}{hint}")]
     except EngineFailure as e:  # it crashed loading the model, or broke its protocol at its handshake
         return [engine_failed(pair, e)]
@@ -309,7 +316,7 @@ def expected_sets(names: Sequence[str], skip: Sequence[str] = ()) -> list[tuple[
     computed when asked); kinds in ``skip`` are left out."""
     kinds = [engine_kind(n) for n in names]
     return sorted({KIND_NUMERICS[k].emulation() if k in KIND_NUMERICS else () for k in kinds
-                   if not (k == "llamacpp" and skipped(skip, "llamacpp"))})
+                   if opted_out(k, skip) is None})
 
 
 def _can(eng: Any, op: str) -> bool:

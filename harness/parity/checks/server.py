@@ -262,9 +262,6 @@ def _quantized(figs: list[Figure], eng: OpenAIEngine, runs: ReferenceRuns) -> li
     return figs
 
 
-OpenAIEngine.local_tokenizer_of = staticmethod(model_tokenizer)  # the generic dialect's texts (a layer below cannot)
-
-
 # --------------------------------------------------------------------------- the report
 
 
