@@ -25,6 +25,11 @@ def _share_cpus() -> None:
 
 _share_cpus()
 
+# Ray's loopback switch (harness/core/cluster.py, LOOPBACK_SWITCH), set before any test module imports Ray: the
+# clusters the tests start are bound to 127.0.0.1, and a driver whose Ray was imported without it would connect to
+# this machine's network address instead (ray._private.services.resolve_ip_for_localhost)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import numpy as np  # noqa: E402  (after _share_cpus: its BLAS threads start at import)
 import pytest  # noqa: E402
 

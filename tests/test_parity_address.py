@@ -25,13 +25,14 @@ import pytest
 
 pytest.importorskip("ray", reason="g4h parity --address needs Ray: pip install 'gemma4-harness[sweep]' (a test extra)")
 
+from ray_sockets import TCP_LISTEN, inet_sockets, off_loopback  # noqa: E402
 from variant_lab import build  # noqa: E402
 
 from gemma4_harness.harness.cli import main  # noqa: E402
 from gemma4_harness.harness.core import cluster  # noqa: E402
 from gemma4_harness.harness.core.environ import THREAD_VARIABLES  # noqa: E402
 from gemma4_harness.harness.core.keeper import session_members  # noqa: E402
-from gemma4_harness.harness.parity import remote  # noqa: E402
+from gemma4_harness.harness.parity import job, remote  # noqa: E402
 
 #: Five prompts of 1 to 19 tokens: groups of 3 and 2 on two nodes.
 PROMPTS = [[2], [2, 127, 198, 237, 126], [2, 169, 23, 254, 172, 81, 60, 73, 157, 146, 110, 83, 140, 11, 48],
@@ -198,6 +199,13 @@ def test_a_node_killed_mid_run_has_its_task_run_again_elsewhere(model, prompt_fi
 
 @pytest.mark.slow
 def test_a_head_started_apart_through_ray_address(model, prompt_file, here, tmp_path, capsys, monkeypatch):
+    """A head started apart with ``ray start --head``, bound to 127.0.0.1, reached through ``RAY_ADDRESS``: the
+    results are this machine's, and every Internet socket of the head's processes and of this driver is on the
+    loopback (tests/ray_sockets.py). ``ray start --node-ip-address=127.0.0.1`` keeps the loopback only under
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (tests/conftest.py sets it; ray/scripts/scripts.py ``start``), which also
+    leaves the "ray start --address" line out of its output: the address is read from the head's
+    ``ray_current_cluster`` file."""
+    assert os.environ.get(cluster.LOOPBACK_SWITCH) == "0"
     # its own temporary folder, short (Ray's Unix socket paths inside must stay under 108 bytes)
     tmp = tempfile.mkdtemp(prefix="r", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=tmp)
@@ -209,11 +217,24 @@ def test_a_head_started_apart_through_ray_address(model, prompt_file, here, tmp_
                             start_new_session=True)
     try:
         out, _ = head.communicate(timeout=300)
-        address = next(ln.split("'")[1] for ln in out.splitlines() if "ray start --address='" in ln)
+        assert head.returncode == 0, out
+        address = Path(tmp, "ray_current_cluster").read_text().strip()
+        assert address.startswith("127.0.0.1:"), (address, out)
         monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
         monkeypatch.setenv("RAY_ADDRESS", address)
+        socks: list = []
+        real_close = job.close_cluster
+
+        def close_after_reading_the_sockets() -> None:  # while this driver is still attached
+            socks.extend(inet_sockets(session_members(head.pid) + [os.getpid()]))
+            real_close()
+
+        monkeypatch.setattr(job, "close_cluster", close_after_reading_the_sockets)
         rc, data, err = _parity(capsys, model, prompt_file, tmp_path)
         assert rc == 0, data.get("verdict")
+        assert {s.name for s in socks if s.state == TCP_LISTEN} >= {"gcs_server", "raylet"}, socks
+        bad = off_loopback(socks)
+        assert not bad, "\n".join(bad)
         assert "on 1 node(s) of the Ray cluster" in err, err
         assert data["cases"][0]["info"]["cluster"] == {"address": address}
         assert _cases(data) == _cases(here)

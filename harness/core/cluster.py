@@ -3,8 +3,8 @@ or an existing one (``--address``). Here in ``core`` because both use it (:mod:`
 :mod:`harness.parity.remote`).
 
 * :class:`LocalCluster` starts ``nodes`` Ray nodes on this machine through the keeper process
-  (:mod:`.keeper`), each with its share of the CPUs and of the memory, and a bounded object store; when the
-  ``with`` block ends (or the command dies) the keeper stops every Ray process it started.
+  (:mod:`.keeper`), each with its share of the CPUs and of the memory, and a bounded object store, every one bound to
+  127.0.0.1; when the ``with`` block ends (or the command dies) the keeper stops every Ray process it started.
 * :func:`connect` attaches this process to a cluster (``ray.init(address=...)``); :func:`disconnect` detaches.
 * :func:`nodes` lists the alive nodes and their resources; :func:`probe` runs one task on each to learn what it can
   run (the harness's version there, whether llama-cpp-python and torch import) before the sweep submits work.
@@ -27,13 +27,24 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+#: Ray's switch for a node on its own (``ray._private.ray_constants.ENABLE_RAY_CLUSTER``, read once, when Ray is
+#: imported). Set to 0 before Ray is imported here (unless the user set it), so that a driver takes an address on
+#: 127.0.0.1 at its word: Ray otherwise replaces a loopback host with this machine's network address
+#: (``ray._private.services.resolve_ip_for_localhost``, through ``get_node_ip_address``), where a cluster bound to
+#: 127.0.0.1 (:class:`LocalCluster`, :mod:`.keeper`) does not listen. Nothing else of a driver changes: its other
+#: uses in Ray 2.60 are ``ray start``'s (the CLI, not run by a driver) and log labels.
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+os.environ.setdefault(LOOPBACK_SWITCH, "0")
 
-from gemma4_harness.reference.errors import InputError
+import ray  # noqa: E402 (after the switch above: Ray reads it when imported)
+from ray._private.services import resolve_ip_for_localhost  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from ..core.memory import GB, available_memory
-from ..core.paths import SEARCH_ROOT
+from gemma4_harness.reference.errors import InputError  # noqa: E402
+
+from ..core.keeper import LOOPBACK  # noqa: E402
+from ..core.memory import GB, available_memory  # noqa: E402
+from ..core.paths import SEARCH_ROOT  # noqa: E402
 
 #: Object store of each local node unless told otherwise: the base logits of a group (prompts x positions x
 #: vocabulary x 8 bytes: 0.2 GB for 100 positions of a 262,144-token vocabulary) and the engines' logits in flight.
@@ -112,8 +123,7 @@ class LocalCluster:
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                         start_new_session=True, env=env, cwd=str(SEARCH_ROOT))
         assert self._keeper.stdin is not None and self._keeper.stdout is not None
-        self._keeper.stdin.write(json.dumps({"nodes": self.spec, "temp_dir": self._tmp,
-                                             "python": sys.executable}) + "\n")
+        self._keeper.stdin.write(json.dumps({"nodes": self.spec, "temp_dir": self._tmp}) + "\n")
         self._keeper.stdin.flush()
         answer: list[str] = []
         reader = threading.Thread(target=lambda: answer.append(self._keeper.stdout.readline()), daemon=True)
@@ -163,6 +173,11 @@ def connect(address: str) -> None:
         ClusterError: no cluster answers there, or it refused the connection (a token it expects, another Ray
             version): one line naming the address.
     """
+    host = address.rpartition(":")[0].strip("[]")
+    if host in (LOOPBACK, "localhost") and resolve_ip_for_localhost(host) != LOOPBACK:
+        raise ClusterError(f"Ray cluster at {address}: Ray was imported before {LOOPBACK_SWITCH}=0 was set, and would "
+                           f"connect to {resolve_ip_for_localhost(host)} instead (set {LOOPBACK_SWITCH}=0 before "
+                           "importing Ray)")
     try:
         ray.init(address=address, log_to_driver=False, logging_level="ERROR", namespace="g4h-sweep",
                  configure_logging=True)

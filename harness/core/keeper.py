@@ -1,26 +1,32 @@
 """The keeper of a local Ray cluster: starts its nodes, and stops every process of them when its parent goes.
 
 ``python -m gemma4_harness.harness.core.keeper`` is started by :class:`harness.core.cluster.LocalCluster` in a session of its
-own (``start_new_session``), with a pipe on its stdin. It reads one JSON line (the nodes to start), runs ``ray
-start --head`` and one ``ray start --address`` per further node (each in this session: Ray's daemons, raylets,
-agents and worker processes inherit it), answers one JSON line on stdout (``{"address": "HOST:PORT"}`` or
-``{"error": "..."}``), then waits for its stdin to close. That happens when the command ends, normally or not (a
-``SIGKILL`` of the parent closes the pipe too). It then stops every process of its session: ``SIGTERM``, a few
-seconds' grace, ``SIGKILL``; removes the cluster's temporary folder; and exits. So no Ray process outlives the
-command or test that started the cluster.
+own (``start_new_session``), with a pipe on its stdin. It reads one JSON line (the nodes to start), starts the head
+and one node per further node through Ray's own local-cluster class (``ray.cluster_utils.Cluster``; every process in
+this session: Ray's daemons, raylets, agents and worker processes inherit it), answers one JSON line on stdout
+(``{"address": "127.0.0.1:PORT"}`` or ``{"error": "..."}``), then waits for its stdin to close. That happens when
+the command ends, normally or not (a ``SIGKILL`` of the parent closes the pipe too). It then stops every process of
+its session: ``SIGTERM``, a few seconds' grace, ``SIGKILL``; removes the cluster's temporary folder; and exits. So
+no Ray process outlives the command or test that started the cluster.
 
-Request: ``{"nodes": [{"cpus": 1, "memory": bytes | null, "object_store": bytes}, ...], "temp_dir": "/tmp/g4h-ray-x",
-"python": "/path/to/python"}``.
+Every node is bound to 127.0.0.1 (:data:`LOOPBACK`), its ``node_ip_address``, with the dashboard off: Ray's gRPC
+servers (the GCS, the raylet's node manager and object manager, the workers' and the driver's core-worker servers)
+listen on ``127.0.0.1`` when the node's address is ``127.0.0.1``, and on ``0.0.0.0``, every interface, otherwise
+(``src/ray/rpc/grpc_server.cc``, ``GrpcServer::Run``); the dashboard agent's gRPC server likewise
+(``ray/dashboard/agent.py``); the runtime-env agent listens on the node's address (``ray/_private/runtime_env/agent/
+main.py``). Not ``ray start --node-ip-address=127.0.0.1``: the CLI turns a loopback address into the machine's own
+(``ray/scripts/scripts.py`` ``start``: ``services.resolve_ip_for_localhost``) unless
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, and with that switch it refuses a further node (``ray start --address``).
+
+Request: ``{"nodes": [{"cpus": 1, "memory": bytes | null, "object_store": bytes}, ...], "temp_dir": "/tmp/g4h-ray-x"}``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,8 +34,6 @@ from typing import Any
 
 #: Seconds between SIGTERM and SIGKILL when the cluster is stopped.
 GRACE_S = 3.0
-#: Seconds one ``ray start`` may take.
-START_TIMEOUT_S = 180.0
 
 
 def session_members(sid: int) -> list[int]:
@@ -71,39 +75,38 @@ def stop_session(grace: float = GRACE_S) -> None:
             return
 
 
-def _ray(python: str, args: list[str], env: dict[str, str]) -> str:
-    """Run ``ray <args>`` (Ray's own CLI module) and return its output; RuntimeError with its last line on failure."""
-    p = subprocess.run([python, "-m", "ray.scripts.scripts", *args], capture_output=True, text=True, env=env,
-                       timeout=START_TIMEOUT_S)
-    text = p.stdout + p.stderr
-    if p.returncode != 0:
-        lines = [ln for ln in text.splitlines() if ln.strip()]
-        raise RuntimeError(f"ray {args[0]} {args[1] if len(args) > 1 else ''} failed: "
-                           f"{lines[-1].strip() if lines else p.returncode}")
-    return text
+#: The address every node of a local cluster listens and connects on: the loopback, never a network interface.
+LOOPBACK = "127.0.0.1"
 
 
-def _node_args(node: dict[str, Any], temp_dir: str) -> list[str]:
-    args = [f"--num-cpus={int(node['cpus'])}", f"--object-store-memory={int(node['object_store'])}",
-            f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+def node_args(node: dict[str, Any], temp_dir: str) -> dict[str, Any]:
+    """``ray.cluster_utils.Cluster.add_node``'s keywords (``ray._private.parameter.RayParams``) for one node of the
+    request: its CPUs, object store and memory, the cluster's temporary folder, :data:`LOOPBACK`, no dashboard."""
+    args: dict[str, Any] = {"num_cpus": int(node["cpus"]), "object_store_memory": int(node["object_store"]),
+                            "temp_dir": temp_dir, "node_ip_address": LOOPBACK, "include_dashboard": False}
     if node.get("memory"):
-        args.append(f"--memory={int(node['memory'])}")
+        args["memory"] = int(node["memory"])
     return args
 
 
 def start(req: dict[str, Any]) -> str:
-    """Start the nodes of ``req``; returns the head's address."""
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")  # a private cluster on this machine: no token to hand around
-    py, tmp = req["python"], req["temp_dir"]
-    nodes = req["nodes"]
-    out = _ray(py, ["start", "--head", "--port=0", "--include-dashboard=false", *_node_args(nodes[0], tmp)], env)
-    m = re.search(r"ray start --address='([^']+)'", out)
-    if not m:
-        raise RuntimeError("ray start --head printed no address")
-    address = m.group(1)
-    for node in nodes[1:]:
-        _ray(py, ["start", f"--address={address}", *_node_args(node, tmp)], env)
-    return address
+    """Start the nodes of ``req`` in this process's session; returns the head's address (``127.0.0.1:PORT``)."""
+    tmp = req["temp_dir"]
+    os.environ.update({
+        "RAY_AUTH_MODE": "disabled",  # a private cluster on this machine: no token to hand around
+        "RAY_USAGE_STATS_ENABLED": "0",  # what ray start --disable-usage-stats sets (ray._common.usage.usage_lib)
+        # the "current cluster" file Ray writes for ray.init(address="auto") goes to our folder, not /tmp/ray, where
+        # it would point a user's own ray.init() at this private cluster (ray._private.utils.write_ray_address)
+        "RAY_TMPDIR": tmp,
+    })
+    os.makedirs(os.path.join(tmp, "ray"), exist_ok=True)
+    from ray.cluster_utils import Cluster  # lazy: Ray is optional (the sweep extra), and only the keeper starts nodes
+
+    # shutdown_at_exit False: the keeper stops every process of its session itself (stop_session), SIGKILL included
+    c = Cluster(shutdown_at_exit=False)
+    for node in req["nodes"]:
+        c.add_node(**node_args(node, tmp))
+    return str(c.address)
 
 
 def main() -> int:
@@ -117,8 +120,9 @@ def main() -> int:
     try:
         address = start(req)
         answer: dict[str, Any] = {"address": address}
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        answer = {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 (Ray's own errors too: the parent gets one line, then we stop the session)
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        answer = {"error": f"{type(e).__name__}: {lines[-1].strip() if lines else ''}"}
     try:
         print(json.dumps(answer), flush=True)
         if "address" in answer:

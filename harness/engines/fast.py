@@ -118,7 +118,7 @@ class FastEngine:
         beside ``fast-graph``: one copy of a 31B model on the device, not two, and both read the same bytes);
         its device, dtype and weight mode must be this engine's."""
         eng = cls.__new__(cls)
-        eng._init(cfg, W, device, dtype, batched, weights, share, compute)
+        memory.guarded(cls._init)(eng, cfg, W, device, dtype, batched, weights, share, compute)  # as __init__: one line
         if static:
             eng.engine, eng.tests, eng.static = "fast-graph", ("tg",), True
         return eng

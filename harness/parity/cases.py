@@ -31,6 +31,7 @@ from gemma4_harness.fast.speculative import ModelProposer
 from gemma4_harness.reference.drafter import bind
 from gemma4_harness.reference.drafter_weights import load_drafter
 from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.weights import load_model
 from gemma4_harness.reference.mm_model import load_multimodal
 
 from .. import synth
@@ -45,7 +46,8 @@ from ..engines.checked import CheckedEngine
 from ..engines.mm import ReferenceMM
 from ..engines.openai import TEXT_ONLY_DIALECTS
 from ..engines.openai.http import SERVER_CONTEXT_HINT
-from ..engines.reference import ReferenceEngine
+from ..engines.fast import FastEngine
+from ..engines.reference import ReferenceEngine, cache_bytes, packed_rows
 from ..synth.drafter import ensure_drafter_built
 from ..synth.mm_case import ensure_mm_built, load_mm_spec
 from ..synth.prompts import PROMPT_SEED, named_for_window
@@ -279,7 +281,10 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     (:data:`harness.parity.checks.pair.ORACLES`): the fast engine in fp32 (with ``engine_options``' device and
     weight mode) stands in for the reference, the pairs are ``fast~<kind>``, and the reference's own
     cached-vs-uncached check is left out (it would run the float64 forwards ``--oracle fast`` is there to avoid;
-    ``info["oracle"]`` says so).
+    ``info["oracle"]`` says so). With ``--oracle fast`` the file is loaded once (:func:`reference.weights.load_model`)
+    for the oracle and the reference: the reference engine is made over the same weights
+    (:meth:`ReferenceEngine.from_model`, not planned: it runs no pass; what is asked of it is its config, its
+    weights' stored types and, in a failing pair's explanation, a trial's forwards, within ``--ref-cache-gb``).
 
     Text prompts (``{"text"}``) are tokenized by our tokenizer of the model; a prompt of the user's with an id
     outside the model's vocabulary, or too long for its context with the greedy tokens, is bad input naming it
@@ -299,8 +304,14 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     contexts: dict[str, tuple[str, int, str]] = {}  # openai:URL -> (its URL, the context it says, where it says it)
     dialects = _probe_servers(against or (), path, o, lambda m: progress(f"[{res.case}] {m}"), contexts)
     unusable = {n for n, d in dialects.items() if d is None}
-    progress(f"[{res.case}] loading with the reference")
-    ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
+    if oracle == "fast":  # one load of the file, for the oracle and for what is asked of the reference (see above)
+        progress(f"[{res.case}] reading the model")
+        # as ReferenceEngine(path) loads it, less the weight cache until fast is built (FastEngine(path): none)
+        loaded = load_model(path, layers=o.get("layers"), cache_bytes=0, dequantizer=packed_rows)
+        ref = ReferenceEngine.from_model(*loaded)  # not planned: --oracle fast runs no float64 pass
+    else:
+        progress(f"[{res.case}] loading with the reference")
+        ref = ReferenceEngine(path, cache_gb=o.get("cache_gb"), layers=o.get("layers"))
     res.info["config"] = ref.cfg.summary()
     new_tokens = int(getattr(server, "max_new_tokens", GREEDY_NEW_TOKENS))
     vocab, context = ref.cfg.vocab_size, ref.cfg.context_length
@@ -327,7 +338,9 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     oracle_engine = None
     if oracle == "fast":
         progress(f"[{res.case}] loading the oracle: fast in fp32")
-        oracle_engine = make_engine("fast", path, **{**o, "dtype": "float32", "batched": False, "compute": "exact"})
+        oracle_engine = CheckedEngine(FastEngine.from_model(*loaded, device=o.get("device"), dtype="float32",
+                                                            weights=o.get("weights"), compute="exact"), "fast")
+        ref.weights.cache_bytes = cache_bytes(o.get("cache_gb"))  # the reference's own budget, once fast is built
         oracle_engine.plan_ahead(max(len(p["prompt_ids"]) for p in usable) + new_tokens)  # before any pair's work
         res.info["oracle"] = {"name": "fast", "engine": oracle_engine.name, "weights": oracle_engine.weights,
                               "left_out": "reference.cached~uncached (float64 forwards)"}

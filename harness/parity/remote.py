@@ -53,10 +53,11 @@ def _load_ray() -> bool:
     global ray, cluster, NodeAffinitySchedulingStrategy
     if ray is None:
         try:
+            # the cluster plumbing first: it sets Ray's loopback switch before it imports Ray (cluster.LOOPBACK_SWITCH)
+            import gemma4_harness.harness.core.cluster as _cluster  # lazy: it imports Ray at its top
+
             import ray as _ray  # lazy: Ray is optional, and its import costs every run 0.4 to 2 s
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as _affinity  # lazy: as Ray
-
-            import gemma4_harness.harness.core.cluster as _cluster  # lazy: it imports Ray at its top
         except ModuleNotFoundError as e:  # without Ray, --address says how to get it
             if e.name != "ray":
                 raise

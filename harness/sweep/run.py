@@ -23,7 +23,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import ray
+from ..core import cluster  # first: it sets Ray's loopback switch before it imports Ray (cluster.LOOPBACK_SWITCH)
+
+import ray  # after the cluster plumbing (above), not in isort's order
 from ray import exceptions as rex
 
 from gemma4_harness.reference.errors import InputError
@@ -35,7 +37,6 @@ from ..core.paths import default_reports_dir
 from ..core.prompts import load_prompts
 from ..engines import check_engine_name, engine_kind
 from ..engines.base import TOP_N
-from ..core import cluster
 from . import judge, tasks
 from . import prompts as prompt_sets
 from .files import Group, SweepFile, describe, find_models, group_files
