@@ -393,29 +393,33 @@ def _moe(cfg: ModelConfig, layer, W, group: list[tuple[Chain, "_Call"]], a: list
     its chain's numerics, then for each expert the rows every call routed to it through
     :func:`expert_products` (each call's input and offset under its own numerics, as
     :func:`reference.model.expert_linear`; its GELU too), then each call's :func:`reference.model.expert_sum`
-    and ``post_ffw_norm_2``. [T_i, h] each -> [T_i, h] each; the same bits as ``moe_block`` call by call."""
+    and ``post_ffw_norm_2``. The experts are read one at a time and not held (:meth:`reference.weights.Weights.expert`):
+    each is used once, for every call's rows. [T_i, h] each -> [T_i, h] each; the same bits as ``moe_block`` call by call."""
     b, eps = f"blk.{layer.index}.", cfg.rms_eps
     numerics = [chain.numerics for chain, _ in group]
     route = each(lambda c, y: m.moe_route(y, W[b + "ffn_gate_inp.weight"], W[b + "ffn_gate_inp.scale"],
                                           W[b + "ffn_down_exps.scale"], cfg.n_expert_used, eps), a)
     xe = each(lambda c, y: m.rms_norm(y, W[b + "pre_ffw_norm_2.weight"], eps), a)
     chosen = np.concatenate([idx.ravel() for idx, _ in route])
-    gate_up = m.expert_weights(W, b + "ffn_gate_up_exps.weight", chosen)
-    down = m.expert_weights(W, b + "ffn_down_exps.weight", chosen)
+    one = getattr(W, "expert", None)  # one expert at a time, not held (Weights.expert): each is used once here
+
+    def expert(name, e):
+        return one(name, int(e)) if one is not None else m.expert_weights(W, name, np.array([e]))[e]
+
     ys = [np.empty(idx.shape + (x.shape[1],)) for (idx, _), x in zip(route, xe)]  # [T_i, K, h]
     for e in np.unique(chosen):
         picks = [np.nonzero(idx == e) for idx, _ in route]  # per call: (tokens ascending, slot)
         live = [i for i, (t, _) in enumerate(picks) if t.size]
         ns = [numerics[i] for i in live]
         xs = [xe[i][picks[i][0]] for i in live]
-        w = gate_up[e]
+        w = expert(b + "ffn_gate_up_exps.weight", e)
         gu = _offset(ns, xs, w, expert_products([_input(n, x, w) for n, x in zip(ns, xs)], w))
-        F = down[e].shape[1]
+        w = expert(b + "ffn_down_exps.weight", e)
+        F = w.shape[1]
         g = []
         for n, y in zip(ns, gu):
             with n():
                 g.append(m.gelu_tanh(y[:, :F]) * y[:, F:])
-        w = down[e]
         out = _offset(ns, g, w, expert_products([_input(n, x, w) for n, x in zip(ns, g)], w))
         for i, y in zip(live, out):
             ys[i][picks[i]] = y
