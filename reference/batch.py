@@ -30,6 +30,10 @@ made for all calls at once (:func:`linear_many`):
   (OpenBLAS: about 1 GB/s of float64 weights at 5 rows). Here the rows of every such call go through one product
   (:func:`linear_stacked`).
 
+* a MoE layer's experts (:func:`_moe`): every call's rows routed to an expert go through one product of tiles
+  (:func:`expert_products`, :func:`reference.model.expert_product`), the expert read alone and dropped after it
+  (:meth:`reference.weights.Weights.expert`): one read and one GEMM per expert per layer, whatever the calls.
+
 Either form gives each call's rows bit for bit as ``linear(x, w)`` alone does, where a check on this machine says
 so for the shapes at hand (:func:`rows_split_exact`, :func:`stack_exact`: which kernels a BLAS runs depends on the
 shapes and its thread count, not on the values, so one comparison per shape with random inputs and the matrix
