@@ -30,6 +30,10 @@ made for all calls at once (:func:`linear_many`):
   (OpenBLAS: about 1 GB/s of float64 weights at 5 rows). Here the rows of every such call go through one product
   (:func:`linear_stacked`).
 
+* a MoE layer's experts (:func:`_moe`): every call's rows routed to an expert go through one product of tiles
+  (:func:`expert_products`, :func:`reference.model.expert_product`), the expert read alone and dropped after it
+  (:meth:`reference.weights.Weights.expert`): one read and one GEMM per expert per layer, whatever the calls.
+
 Either form gives each call's rows bit for bit as ``linear(x, w)`` alone does, where a check on this machine says
 so for the shapes at hand (:func:`rows_split_exact`, :func:`stack_exact`: which kernels a BLAS runs depends on the
 shapes and its thread count, not on the values, so one comparison per shape with random inputs and the matrix
@@ -41,7 +45,6 @@ Shapes: T = new tokens of a call, h = hidden_size, V = vocab.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Sequence
 
@@ -116,7 +119,8 @@ class _CallCache:
         return _Prefix(self.cache.v, self.n)
 
 
-REWRITTEN = ("forward", "decoder_layer", "attention_block", "ffn_block", "gelu_ffn", "ple_block", "lm_head", "linear")
+REWRITTEN = ("forward", "decoder_layer", "attention_block", "ffn_block", "gelu_ffn", "ple_block", "lm_head", "linear",
+             "moe_block", "moe_experts", "expert_ffn", "expert_linear")
 """The functions of :mod:`reference.model` whose work :func:`forward_chains` does itself (it calls the others
 through the module, so a replacement of those is seen)."""
 
@@ -305,8 +309,7 @@ def rows_split_exact(w: np.ndarray) -> bool:
     return _split_exact[key]
 
 
-def _blas_threads() -> str:
-    return "|".join(os.environ.get(k, "") for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+_blas_threads = m._blas_threads
 
 
 def linear_rows(xs: Sequence[np.ndarray], w: np.ndarray) -> list[np.ndarray]:
@@ -359,6 +362,73 @@ def linear_many(xs: Sequence[np.ndarray], w: np.ndarray) -> list[np.ndarray]:
         for i, y in zip(idx, fn([xs[i] for i in idx], w)):
             out[i] = y
     return out
+
+
+def expert_products(xs: Sequence[np.ndarray], w: np.ndarray) -> list[np.ndarray]:
+    """:func:`reference.model.expert_product` of each ``x`` in ``xs`` (the rows of one call routed to the expert
+    ``w``, already :func:`reference.model.linear_input`'s): the one-row ones through :func:`linear_rows` (each block
+    of ``w`` once for all of them), the others in one product of their rows stacked (padded to a multiple of
+    :data:`reference.model.EXPERT_TILE`) where :func:`reference.model.tiles_exact` holds for that many rows, else
+    each alone. [n_i, in] each, [out, in] -> [n_i, out] each; the same bits as ``expert_product(x, w)``.
+
+    A row of a tile product has the same bits wherever it sits (the check), so stacking every call's rows reads
+    and packs the expert once for all of them: in the parity job's first pass, each expert once per layer.
+    """
+    out: list[np.ndarray | None] = [None] * len(xs)
+    ones = [i for i, x in enumerate(xs) if x.shape[0] == 1]
+    for i, y in zip(ones, linear_rows([xs[i] for i in ones], w)):
+        out[i] = y
+    many = [i for i, x in enumerate(xs) if x.shape[0] > 1]
+    rows = [xs[i].shape[0] for i in many]
+    total = -(-sum(rows) // m.EXPERT_TILE) * m.EXPERT_TILE
+    if len(many) < 2 or not m.tiles_exact(w, total):
+        for i in many:
+            out[i] = m.expert_product(xs[i], w)
+        return out
+    padded = np.zeros((total, w.shape[1]))
+    padded[:sum(rows)] = np.concatenate([xs[i] for i in many])
+    for i, y in zip(many, np.split((padded @ w.T)[:sum(rows)], np.cumsum(rows)[:-1])):
+        out[i] = y
+    return out
+
+
+def _moe(cfg: ModelConfig, layer, W, group: list[tuple[Chain, "_Call"]], a: list[np.ndarray], each) -> list[np.ndarray]:
+    """:func:`reference.model.moe_block` for every call (its residual ``a[i]``): each call routed and normed under
+    its chain's numerics, then for each expert the rows every call routed to it through
+    :func:`expert_products` (each call's input and offset under its own numerics, as
+    :func:`reference.model.expert_linear`; its GELU too), then each call's :func:`reference.model.expert_sum`
+    and ``post_ffw_norm_2``. The experts are read one at a time and not held (:meth:`reference.weights.Weights.expert`):
+    each is used once, for every call's rows. [T_i, h] each -> [T_i, h] each; the same bits as ``moe_block`` call by call."""
+    b, eps = f"blk.{layer.index}.", cfg.rms_eps
+    numerics = [chain.numerics for chain, _ in group]
+    route = each(lambda c, y: m.moe_route(y, W[b + "ffn_gate_inp.weight"], W[b + "ffn_gate_inp.scale"],
+                                          W[b + "ffn_down_exps.scale"], cfg.n_expert_used, eps), a)
+    xe = each(lambda c, y: m.rms_norm(y, W[b + "pre_ffw_norm_2.weight"], eps), a)
+    chosen = np.concatenate([idx.ravel() for idx, _ in route])
+    one = getattr(W, "expert", None)  # one expert at a time, not held (Weights.expert): each is used once here
+
+    def expert(name, e):
+        return one(name, int(e)) if one is not None else m.expert_weights(W, name, np.array([e]))[e]
+
+    ys = [np.empty(idx.shape + (x.shape[1],)) for (idx, _), x in zip(route, xe)]  # [T_i, K, h]
+    for e in np.unique(chosen):
+        picks = [np.nonzero(idx == e) for idx, _ in route]  # per call: (tokens ascending, slot)
+        live = [i for i, (t, _) in enumerate(picks) if t.size]
+        ns = [numerics[i] for i in live]
+        xs = [xe[i][picks[i][0]] for i in live]
+        w = expert(b + "ffn_gate_up_exps.weight", e)
+        gu = _offset(ns, xs, w, expert_products([_input(n, x, w) for n, x in zip(ns, xs)], w))
+        w = expert(b + "ffn_down_exps.weight", e)
+        F = w.shape[1]
+        g = []
+        for n, y in zip(ns, gu):
+            with n():
+                g.append(m.gelu_tanh(y[:, :F]) * y[:, F:])
+        out = _offset(ns, g, w, expert_products([_input(n, x, w) for n, x in zip(ns, g)], w))
+        for i, y in zip(live, out):
+            ys[i][picks[i]] = y
+    moe = [m.expert_sum(y, wgt) for y, (_, wgt) in zip(ys, route)]
+    return each(lambda c, y: m.rms_norm(y, W[b + "post_ffw_norm_2.weight"], eps), moe)
 
 
 def _layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]]) -> None:
@@ -414,7 +484,7 @@ def _layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]]) -> None
     mlp = lin([g * u for g, u in zip(gate, lin(fx, "ffn_up.weight"))], "ffn_down.weight")
     if layer.has_moe:
         mlp = norm(mlp, "post_ffw_norm_1.weight")
-        moe = each(lambda c, y: m.moe_block(cfg, layer, W, y), a)
+        moe = _moe(cfg, layer, W, group, a, each)
         for c, y, z in zip(calls, mlp, moe):
             c.trace("ffn_mlp", il, y)
             c.trace("ffn_moe", il, z)

@@ -22,6 +22,7 @@ callback (:func:`no_trace`) records nothing.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -100,14 +101,6 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``x @ w.T`` (``x`` through :func:`linear_input`, plus :func:`linear_offset` where one is given).
     [T, in], [out, in] -> [T, out]."""
     y = linear_input(x, w) @ w.T
-    extra = linear_offset(x, w)
-    return y if extra is None else y + extra
-
-
-def _matvec(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """``w @ x`` for one vector (an expert's product): :func:`linear` in the other order, the same hooks.
-    [out, in], [in] -> [out]."""
-    y = w @ linear_input(x, w)
     extra = linear_offset(x, w)
     return y if extra is None else y + extra
 
@@ -234,27 +227,101 @@ def moe_route(x: np.ndarray, w_router: np.ndarray, router_scale: np.ndarray, per
     return idx, top * per_expert_scale[idx]
 
 
-def expert_ffn(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """One expert's gated-GELU MLP on one token: ``down(gelu(g) * u)`` with ``[g; u] = gate_up x`` (gate first).
+#: Rows of one expert product (:func:`expert_product`): a multiple of 4, OpenBLAS's double GEMM row unroll on x86.
+EXPERT_TILE = 8
 
-    [h], [2F, h], [h, F] -> [h]. Source: transformers ``Gemma4TextExperts``.
+_tiles_exact: dict[tuple, bool] = {}
+
+
+def tiles_exact(w: np.ndarray, rows: int) -> bool:
+    """Whether ``x @ w.T`` for ``x`` of ``rows`` rows (a multiple of :data:`EXPERT_TILE`) gives every row the bits of
+    the same row moved to another place in products of :data:`EXPERT_TILE` rows each: checked once per shape, row
+    count and BLAS thread count, with ``w`` itself and a random ``x`` rolled by one row (each row lands at another
+    place in another tile). Which kernels a BLAS runs depends on the shapes and its thread count, not on the values,
+    so one comparison settles it (measured here: OpenBLAS Haswell, 1 and 2 threads, the 26B-A4B expert shapes and
+    small ones, at 8 to 256 rows, it holds; at row counts that are not a multiple of 4 it does not).
     """
+    key = (w.shape, rows, _blas_threads())
+    if key not in _tiles_exact:
+        x = np.random.default_rng(2).standard_normal((rows, w.shape[1]))
+        moved = np.roll(x, 1, axis=0)
+        tiled = np.concatenate([moved[a:a + EXPERT_TILE] @ w.T for a in range(0, rows, EXPERT_TILE)])
+        _tiles_exact[key] = bool(np.array_equal(x @ w.T, np.roll(tiled, -1, axis=0)))
+    return _tiles_exact[key]
+
+
+def _blas_threads() -> str:
+    return "|".join(os.environ.get(k, "") for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+
+
+def expert_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` for the rows one call routed to one expert (``x`` already :func:`linear_input`'s): one row alone
+    as :func:`linear` makes it (a matrix-vector product), more rows :data:`EXPERT_TILE` at a time, the last tile
+    padded with zero rows. [n, in], [out, in] -> [n, out].
+
+    Why tiles: a BLAS rounds the rows of a GEMM alike only where their count is a multiple of its unroll, so a
+    row's bits would depend on how many other rows share its product. A product of exactly :data:`EXPERT_TILE` rows
+    gives a row the same bits wherever it sits and whatever the other rows are (:func:`tiles_exact`), so each
+    token's output is its own, and the expert is read once for all its rows (one GEMM: a token's expert costs its
+    active parameters' flops, not a fresh read of the matrix per token). Several tiles go through one product where
+    :func:`tiles_exact` says that gives each row the same bits; :func:`reference.batch.expert_products` stacks many
+    calls' rows the same way. One row stays a matrix-vector product, the kernel :func:`linear` takes for it: a
+    padded tile would cost its flops 8 times and pack the whole matrix (measured here: 4x the CPU time), and
+    every one-token call of a layer-outer pass still reads the expert once (:func:`reference.batch.linear_rows`).
+    """
+    n, R = x.shape[0], EXPERT_TILE
+    if n == 1:
+        return x @ w.T
+    rows = -(-n // R) * R
+    padded = np.zeros((rows, x.shape[1]))
+    padded[:n] = x
+    if rows == R or tiles_exact(w, rows):
+        return (padded @ w.T)[:n]
+    return np.concatenate([padded[a:a + R] @ w.T for a in range(0, rows, R)])[:n]
+
+
+def expert_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """:func:`linear` for the rows routed to one expert: the product through :func:`expert_product`, the same
+    hooks (:func:`linear_input`, :func:`linear_offset`). [n, in], [out, in] -> [n, out]."""
+    y = expert_product(linear_input(x, w), w)
+    extra = linear_offset(x, w)
+    return y if extra is None else y + extra
+
+
+def expert_ffn(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    """One expert's gated-GELU MLP on the tokens routed to it: ``down(gelu(g) * u)`` with ``[g; u] = gate_up x``
+    (gate first), each product through :func:`expert_linear` (one read of the expert for all the rows).
+
+    [n, h] (or one token [h]), [2F, h], [h, F] -> [n, h] (or [h]). Source: transformers ``Gemma4TextExperts``.
+    """
+    if x.ndim == 1:
+        return expert_ffn(x[None], w_gate_up, w_down)[0]
     F = w_down.shape[1]
-    gu = _matvec(w_gate_up, x)  # [2F]
-    return _matvec(w_down, gelu_tanh(gu[:F]) * gu[F:])
+    gu = expert_linear(x, w_gate_up)  # [n, 2F]
+    return expert_linear(gelu_tanh(gu[:, :F]) * gu[:, F:], w_down)
+
+
+def expert_sum(y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Each token's chosen experts' outputs weighted and added in the order of its choices (``idx[t]``), from 0.
+    [T, K, h], [T, K] -> [T, h]. Source: transformers ``Gemma4TextExperts``."""
+    out = np.zeros((y.shape[0], y.shape[2]))
+    for k in range(y.shape[1]):
+        out += weights[:, k, None] * y[:, k]
+    return out
 
 
 def moe_experts(x: np.ndarray, w_gate_up, w_down, idx: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Weighted sum of the chosen experts' MLPs (:func:`expert_ffn`), token by token, in the order of ``idx[t]``.
+    """Weighted sum of the chosen experts' MLPs: per expert, :func:`expert_ffn` of every token that chose it (in
+    token order), then :func:`expert_sum` in the order of ``idx[t]``.
 
     [T, h], [E, 2F, h], [E, h, F], [T, K], [T, K] -> [T, h]; the stacks may be any mapping expert -> matrix that
     holds the experts of ``idx`` (:func:`expert_weights`). Source: transformers ``Gemma4TextExperts``.
     """
-    out = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for e, wgt in zip(idx[t], weights[t]):
-            out[t] += wgt * expert_ffn(x[t], w_gate_up[e], w_down[e])
-    return out
+    y = np.empty(idx.shape + (x.shape[1],))  # [T, K, h]
+    for e in np.unique(idx):
+        t, k = np.nonzero(idx == e)  # tokens ascending; a token chooses an expert at most once
+        y[t, k] = expert_ffn(x[t], w_gate_up[e], w_down[e])
+    return expert_sum(y, weights)
 
 
 def expert_weights(W, name: str, chosen: np.ndarray):

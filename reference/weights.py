@@ -318,6 +318,21 @@ class Weights(Mapping):
             out[e] = self._typed(name, arr, e)
         return out
 
+    def expert(self, name: str, e: int) -> np.ndarray:
+        """One expert of the stack ``name``: ``experts(name, [e])[e]``, except that :meth:`hold` does not keep it
+        (float64 ``[out, in]``). For a caller that multiplies every row routed to the expert at once
+        (:func:`reference.batch.expert_products`): a layer-outer pass then holds one expert at a time, not the
+        union of its calls' experts (on the 26B-A4B shape about 6 GB of float64 per layer).
+
+        Raises:
+            KeyError: unknown name. ModelFileError: a bad value in the expert.
+        """
+        held, self._held = self._held, None
+        try:
+            return self.experts(name, np.array([e]))[e]
+        finally:
+            self._held = held
+
     def fill_cache(self) -> int:
         """Read tensors in file order into the cache until the budget is full (a benchmark's warm-up).
 

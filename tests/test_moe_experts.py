@@ -183,3 +183,71 @@ def test_layer_outer_pass_equals_whole_stacks(built):
     got = forward_chains(cfg, W, [Chain(calls=[s], cache=c) for s, c in zip(steps, caches)])
     for w, g in zip(want, got):
         assert np.array_equal(w, g[0])
+
+
+class _Counted(np.ndarray):
+    """An expert's matrix that records, in ``log``, its ``tag`` and the number of input rows (1 for a vector) of
+    every matrix product it takes part in."""
+
+    def __array_finalize__(self, obj):
+        self.tag, self.log = getattr(obj, "tag", None), getattr(obj, "log", None)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if ufunc is np.matmul:
+            rows = 1 if inputs[0].ndim == 1 or isinstance(inputs[0], _Counted) else inputs[0].shape[0]
+            self.log.extend((a.tag, rows) for a in inputs if isinstance(a, _Counted))
+        return getattr(ufunc, method)(*(np.asarray(a) for a in inputs), **kwargs)
+
+
+class CountedStacks(WholeStacks):
+    """The weights with every expert of the two stacks a :class:`_Counted` matrix tagged (layer, stack, expert)."""
+
+    def __init__(self, W, cfg):
+        super().__init__(W)
+        self.log, self.stacks = [], {}
+        for layer in cfg.layers:
+            for stack in STACKS if layer.has_moe else ():
+                name = f"blk.{layer.index}.{stack}"
+                experts = {}
+                for e, arr in enumerate(np.asarray(W[name])):
+                    experts[e] = arr.view(_Counted)
+                    experts[e].tag, experts[e].log = (layer.index, stack, e), self.log
+                self.stacks[name] = experts
+
+    def __getitem__(self, name):
+        return self.stacks[name] if name in self.stacks else self.W[name]
+
+
+def test_layer_outer_pass_multiplies_each_expert_once(built, monkeypatch):
+    """In a layer-outer pass (several prompts, each prefilled then continued by one token) the rows of every call
+    that routed several tokens to an expert go through one matrix product per layer and stack, whatever the number
+    of calls and tokens (the old code made one matrix-vector product per token and expert). A call that routed one
+    token to it makes a one-row product, as the dense products of one-token calls do
+    (:func:`reference.batch.linear_rows`)."""
+    cfg, W = load_model(built.gguf["F32"], cache_bytes=0)
+    prompts = [p for p in _prompts(cfg) if len(p) > 1]
+
+    def chains():
+        return [Chain(calls=[ids[:-1], ids[-1:]]) for ids in prompts]
+
+    want = []
+    for ids in prompts:  # the same calls one forward at a time
+        cache = M.KVCache(cfg)
+        want.append([M.forward(cfg, W, ids[:-1], cache), M.forward(cfg, W, ids[-1:], cache)])
+    forward_chains(cfg, W, chains())  # the first pass makes the BLAS checks (reference.model.tiles_exact)
+    counted = CountedStacks(W, cfg)
+    routes = _record_routes(monkeypatch)
+    got = forward_chains(cfg, counted, chains())
+    for w, g in zip(want, got):
+        assert all(np.array_equal(a, b) for a, b in zip(w, g))  # the forward's bits, call by call
+    moe_layers = [layer.index for layer in cfg.layers if layer.has_moe for _ in range(2 * len(prompts))]
+    chosen = {(il, stack, int(e)) for il, idx in zip(moe_layers, routes) for stack in STACKS for e in np.unique(idx)}
+    several = {(il, stack, int(e)) for il, idx in zip(moe_layers, routes) for stack in STACKS
+               for e, n in zip(*np.unique(idx, return_counts=True)) if n > 1}
+    stacked, vectors = {}, {}
+    for tag, rows in counted.log:
+        assert tag in chosen
+        count = stacked if rows > 1 else vectors
+        count[tag] = count.get(tag, 0) + 1
+    assert several, "the prompts route several tokens of a call to one expert"
+    assert stacked == dict.fromkeys(several, 1), (len(several), sorted(vectors.items(), key=lambda kv: -kv[1])[:5])

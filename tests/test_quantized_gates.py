@@ -74,13 +74,13 @@ def test_moe_experts_round_each_product():
     down = _typed(rng.standard_normal((E, h, F)) * 0.1, "Q4_K")  # rows of 32: q8_K cannot apply
     x = rng.standard_normal(h)
     with emulate(("quantized_activations",)):
-        want_g = gu[1] @ rq.q8_0(x)
+        want_g = rm.expert_product(rq.q8_0(x)[None], np.asarray(gu[1]))[0]  # the expert's own product kernel
         with pytest.raises(ValueError, match="blocks of 256"):  # a K-quant row is whole blocks of 256 in a GGUF
             rm.expert_ffn(x, gu[1], down[1])
         down = _typed(np.asarray(down), "Q8_0")
         got = rm.expert_ffn(x, gu[1], down[1])
     g = rm.gelu_tanh(want_g[:F]) * want_g[F:]
-    assert np.array_equal(got, np.asarray(down[1]) @ rq.q8_0(g))
+    assert np.array_equal(got, rm.expert_product(rq.q8_0(g)[None], np.asarray(down[1]))[0])
 
 
 def test_many_forwards_give_the_one_by_one_bits_under_the_emulation():
@@ -176,9 +176,10 @@ def test_q4_1_products_add_the_block_sums(q4_1_moe):
     plain = rq.q8_1(x) @ np.asarray(w).T
     assert np.array_equal(got, plain + rq.q8_1_sum_correction(x, w.block_min))
     assert not np.array_equal(got, plain)
-    g = np.asarray(gu) @ rq.q8_1(x[0]) + rq.q8_1_sum_correction(x[0], gu.block_min)
+    g = rm.expert_product(rq.q8_1(x[:1]), np.asarray(gu))[0] + rq.q8_1_sum_correction(x[0], gu.block_min)
     h = rm.gelu_tanh(g[:down.shape[1]]) * g[down.shape[1]:]
-    assert np.array_equal(expert, np.asarray(down) @ rq.q8_1(h) + rq.q8_1_sum_correction(h, down.block_min))
+    assert np.array_equal(expert, rm.expert_product(rq.q8_1(h)[None], np.asarray(down))[0]
+                          + rq.q8_1_sum_correction(h, down.block_min))
     assert np.array_equal(rm.linear(x, w), x @ np.asarray(w).T)  # outside: the exact product
 
 

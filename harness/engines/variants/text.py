@@ -226,10 +226,10 @@ def _fast_route_on(norm: str):
 
 def experts_swiglu(orig):
     """:func:`reference.model.expert_ffn` gating with SiLU (SwiGLU) instead of GELU-tanh."""
-    def expert_ffn(x, w_gate_up, w_down):
+    def expert_ffn(x, w_gate_up, w_down):  # [n, h] or [h], as the original
         F = w_down.shape[1]
-        gu = w_gate_up @ x
-        return w_down @ (gu[:F] / (1.0 + np.exp(-gu[:F])) * gu[F:])
+        gu = x @ w_gate_up.T
+        return (gu[..., :F] / (1.0 + np.exp(-gu[..., :F])) * gu[..., F:]) @ w_down.T
     return expert_ffn
 
 
