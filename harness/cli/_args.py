@@ -249,6 +249,7 @@ def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference"
                         "(default: packed for a quantized GGUF)")
     add_compute_arg(p)
     add_scale_args(p)
+    add_engine_timeout_arg(p)
     add_server_args(p)
 
 
@@ -261,6 +262,16 @@ COMPUTE_HELP = ("fast engine: exact (the default: fp32 products of the exact wei
 def add_compute_arg(p) -> None:
     """``--compute exact|q8``: the fast engine's arithmetic (:mod:`fast.q8_compute`)."""
     p.add_argument("--compute", choices=("exact", "q8"), default=None, help=COMPUTE_HELP)
+
+
+def add_engine_timeout_arg(p: argparse.ArgumentParser) -> None:
+    """``--engine-timeout``: how long a llama.cpp worker, or a ``cmd:`` engine's reply, may take."""
+    p.add_argument("--engine-timeout", dest="engine_timeout", type=Number(0, 7 * 86400, lo_open=True), default=None,
+                   metavar="SECONDS",
+                   help="llamacpp engine: seconds one worker may run (default: what its work allows: 600 s, plus one "
+                        "read of the file at 1 GB/s per prefill or decode step, plus 2 operations per parameter per "
+                        "token at 5 GFLOP/s); cmd: engine: seconds allowed per reply (default $G4H_CMD_TIMEOUT or "
+                        "600)")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -306,6 +317,7 @@ def engine_options(args: argparse.Namespace) -> dict:
             "compute": getattr(args, "compute", None),
             "server_model": getattr(args, "server_model", None),
             "server_timeout": getattr(args, "server_timeout", None),
+            "timeout": getattr(args, "engine_timeout", None),
             "declare": getattr(args, "declare", None), "dialect": getattr(args, "dialect", None),
             "cache_gb": getattr(args, "ref_cache_gb", None), "layers": getattr(args, "layers", None),
             "local_tokenizer": model_tokenizer}

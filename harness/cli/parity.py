@@ -32,6 +32,7 @@ from ._args import (
     OutDir,
     OutFile,
     add_compute_arg,
+    add_engine_timeout_arg,
     add_scale_args,
     add_server_args,
     check_out_dir,
@@ -120,6 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regression-factor", type=Number(1, 1e12), default=10.0,
                       help="a figure this many times worse than the baseline is a regression (default 10)")
     add_scale_args(p)
+    add_engine_timeout_arg(p)
 
 
 def _print_baseline(data: dict, written: str | None) -> None:

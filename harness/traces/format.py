@@ -44,6 +44,7 @@ from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.files import read_bytes
 
 from ..core.io import to_jsonable, write_bytes_atomic, write_text_atomic
+from .store import TensorStore, default_store
 
 TRACE_FORMAT = "g4h-trace"
 """Value of the header's ``format`` field."""
@@ -227,7 +228,10 @@ class TraceWriter:
         dtype: dtype the engine holds the traced activations in (``float64`` for the reference,
             ``float32`` otherwise); default: the dtype of the array handed to the callback.
         device: device the engine ran on (header only).
-        keep_tensors: also keep a float64 copy of every array (for ``--dump-tensors`` or in-memory diffs).
+        keep_tensors: also keep a copy of every array (for ``--dump-tensors`` or in-memory diffs): float32 as float32,
+            any other as float64 (both exact; :meth:`Trace.tensor` reads float64), in ``store``.
+        store: where the copies are kept (:class:`harness.traces.store.TensorStore`); default this process's
+            (:func:`harness.traces.store.default_store`: in memory up to a budget, then in mapped files).
         extra: more header fields.
 
     Raises:
@@ -236,8 +240,9 @@ class TraceWriter:
 
     def __init__(self, engine: str, prompt_ids: Sequence[int], *, case: str | None = None, model: str | None = None,
                  dtype: str | None = None, device: str | None = None, keep_tensors: bool = False,
-                 extra: Mapping[str, Any] | None = None):
+                 extra: Mapping[str, Any] | None = None, store: TensorStore | None = None):
         self.engine = str(engine)
+        self.store = store
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.case = case
         self.model = model
@@ -262,7 +267,7 @@ class TraceWriter:
             "checksums": checksums(a),
         })
         if self.keep_tensors:
-            self.tensors[tensor_name(*key)] = np.array(a, dtype=np.float64, copy=True)
+            self.tensors[tensor_name(*key)] = (self.store or default_store()).keep(a)
 
     def header(self) -> dict[str, Any]:
         """The header object (``n_records`` = records so far; ``tensors`` filled in by :meth:`write`)."""

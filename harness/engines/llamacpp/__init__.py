@@ -64,6 +64,36 @@ def _import_llama_cpp():
 BENCH_CHUNK = 512
 """Tokens per ``llama_decode`` when a bench job fills its context (``depth``) before the clock starts."""
 
+DEADLINE_BASE_S = 600.0
+"""Seconds every worker may take whatever its work (start, imports, a model's first load from a cold disk)."""
+DEADLINE_READ_BYTES_S = 1e9
+"""Bytes per second at which a worker's deadline assumes it reads the model's weights: one read of the whole file per
+``llama_decode`` (a prefill ubatch or a decode step), the cost of a step on a big model. 1 GB/s is a twentieth of the
+slowest read bandwidth measured on the 2-core machine the harness is tested on (20..84 GB/s): a floor, not an
+estimate."""
+DEADLINE_FLOPS = 5e9
+"""Floating-point operations per second at which a worker's deadline assumes it computes: 2 per parameter per token
+processed. A floor: llama.cpp's CPU products run at tens of GFLOP/s per core."""
+
+
+def work_deadline(jobs: Sequence[dict[str, Any]], file_bytes: int, n_params: int) -> float:
+    """Seconds one worker may run ``jobs`` on a model of ``file_bytes`` bytes and ``n_params`` parameters before it
+    is taken for hung: :data:`DEADLINE_BASE_S`, plus one read of the file per ``llama_decode`` at
+    :data:`DEADLINE_READ_BYTES_S` (its load, each prompt's prefill, each decode step: every prompt's own when
+    unbatched), plus 2 x ``n_params`` operations per token at :data:`DEADLINE_FLOPS`. It follows the work: the fixed
+    600 s it replaces was passed by a correct llama.cpp generating 8 tokens for 16 prompts on the 31B shape (17.3 GB,
+    Q4_0), an ``ENGINE FAILED`` verdict with every measured figure within its gate. ``bench`` jobs are not
+    counted (:class:`LlamaCppBench` sets its own)."""
+    reads, tokens = 1, 0
+    for j in jobs:
+        if j["op"] == "logits":
+            reads, tokens = reads + 1, tokens + len(j["ids"])
+        elif j["op"] == "generate":
+            lens, new = [len(p) for p in j["prompts"]], int(j.get("max_new_tokens", 0))
+            steps = new if j.get("batched") else new * len(lens)
+            reads, tokens = reads + (1 if j.get("batched") else len(lens)) + steps, tokens + sum(lens) + new * len(lens)
+    return DEADLINE_BASE_S + reads * file_bytes / DEADLINE_READ_BYTES_S + tokens * 2.0 * n_params / DEADLINE_FLOPS
+
 
 class LlamaCppEngine:
     """llama.cpp (llama-cpp-python 0.3.36) on CPU, F32 KV cache, flash attention off, in a subprocess.
@@ -79,7 +109,8 @@ class LlamaCppEngine:
         extra_bufts: let llama.cpp use its extra CPU weight buffers (AMX tiles, repacked quant layouts).
             Off by default: the plain CPU kernels are the oracle, and AMX code dies of SIGILL in VMs
             that do not grant the AMX tile state (seen here: a Firecracker guest whose CPU lists amx_int8).
-        timeout: seconds one worker process may run.
+        timeout: seconds one worker process may run (``--engine-timeout``); None: what its work allows
+            (:func:`work_deadline`).
         lib_dir: another build of llama.cpp's libraries for the worker to load (``LLAMA_CPP_LIB_PATH``: the native
             variant of :func:`.native.ensure_native_built`); None: the ones the installed package holds.
 
@@ -91,7 +122,7 @@ class LlamaCppEngine:
 
     def __init__(self, path: str | os.PathLike, n_ctx: int = 1024, threads: int | None = None,
                  n_ubatch: int | None = None, swa_full: bool = False, batched: bool = False,
-                 extra_bufts: bool = False, timeout: float = 600.0, lib_dir: str | os.PathLike | None = None):
+                 extra_bufts: bool = False, timeout: float | None = None, lib_dir: str | os.PathLike | None = None):
         _import_llama_cpp()
         self.path = Path(path)
         if not self.path.is_file():
@@ -102,7 +133,8 @@ class LlamaCppEngine:
         self.swa_full = bool(swa_full)
         self.batched = bool(batched)
         self.extra_bufts = bool(extra_bufts)
-        self.timeout = float(timeout)
+        self.timeout = None if timeout is None else float(timeout)
+        self._n_params: int | None = None
         self.lib_dir = None if lib_dir is None else str(lib_dir)
         self.last_run_s = 0.0
 
@@ -137,12 +169,14 @@ class LlamaCppEngine:
                "lib_dir": self.lib_dir,
                # The eval callback (trace points) costs a Python call per graph node: off for timing-only runs.
                "eval_cb": not all(j["op"] == "bench" for j in jobs)}
+        timeout = self.deadline(jobs)
         t0 = time.perf_counter()
         try:
-            proc = run_worker("gemma4_harness.harness.engines.llamacpp.worker", input=json.dumps(req), timeout=self.timeout)
+            proc = run_worker("gemma4_harness.harness.engines.llamacpp.worker", input=json.dumps(req), timeout=timeout)
         except subprocess.TimeoutExpired:
             _rmtree(out_dir)
-            raise EngineCrashed(f"engine crashed: llama.cpp worker ran past {self.timeout:.0f} s "
+            why = "--engine-timeout" if self.timeout is not None else "the deadline its work allows"
+            raise EngineCrashed(f"engine crashed: llama.cpp worker ran past {timeout:.0f} s ({why}) "
                                 f"on {self.path.name}") from None
         finally:
             self.last_run_s = time.perf_counter() - t0
@@ -153,6 +187,15 @@ class LlamaCppEngine:
             raise crash_error(proc.stderr, proc.returncode, self.path.name)
         res = json.loads((out_dir / "result.json").read_text())
         return res["jobs"], out_dir
+
+    def deadline(self, jobs: Sequence[dict[str, Any]]) -> float:
+        """Seconds a worker running ``jobs`` may take: ``timeout`` when given, else :func:`work_deadline` on this
+        file (its size, and its parameter count from the GGUF header, read once)."""
+        if self.timeout is not None:
+            return self.timeout
+        if self._n_params is None:
+            self._n_params = sum(int(np.prod(t.dims)) for t in check_gguf(self.path).tensors.values())
+        return work_deadline(jobs, self.path.stat().st_size, self._n_params)
 
     def _check_len(self, n: int) -> None:
         if n == 0:

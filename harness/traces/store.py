@@ -1,0 +1,109 @@
+"""Where a job keeps the full tensors of its traces: in memory up to a budget, then in files it maps.
+
+A parity job keeps every traced tensor of every prompt until its pairs are compared: the oracle's (under each
+approximation set) and each engine's. At full depth that is more than the model: the 31B shape (60 layers, hidden
+5376) held 2.09 GB of the fast oracle's and 0.70 GB of llama.cpp's traced tensors per 8 layers as float64 copies
+(measured on an 8-layer cut, 16 prompts), about 21 GB at 60 layers, beside a 17.3 GB file that the oracle and
+llama.cpp both map: llama.cpp then read its weights from disk on every token (585 s of system time in a 26-minute
+run) and ran past its deadline.
+
+So a tensor is kept in its own float dtype (float32 stays float32: :meth:`Trace.tensor
+<harness.traces.format.Trace.tensor>` widens it to float64 when read, exactly), and past :data:`MEMORY_BUDGET` bytes
+of live tensors in this process it goes to an ``.npy`` file in a temporary folder (:func:`harness.core.workers.temp_dir`,
+removed however the process ends) and is read back as a read-only memory map: page cache the kernel may drop and read
+again, not anonymous memory the model's weights are paged out for. A file is removed when its map is no longer
+referenced. The values are the same bits either way.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from ..core.workers import temp_dir
+
+#: Bytes of traced tensors a process keeps in memory before it writes them to files (see the module docstring).
+#: 1 GiB: every built-in case and test stays in memory (the largest, e2b at full depth, keeps about 0.3 GB);
+#: a full-depth 26B-A4B or 31B job spills.
+MEMORY_BUDGET = 1 << 30
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+class TensorStore:
+    """Keeps arrays (:meth:`keep`) in memory while the live total is within ``budget`` bytes, else in files.
+
+    Args:
+        budget: bytes of live in-memory arrays before later ones go to files (0: every array to a file).
+        folder: where the files go; default a :func:`harness.core.workers.temp_dir` made on first use.
+
+    Attributes:
+        in_memory: bytes of kept arrays still referenced in memory.
+        spilled: bytes written to files so far (figures for a progress line or a test).
+    """
+
+    def __init__(self, budget: int = MEMORY_BUDGET, folder: str | os.PathLike | None = None) -> None:
+        self.budget = int(budget)
+        self.in_memory = 0
+        self.spilled = 0
+        self._folder = None if folder is None else Path(folder)
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self.in_memory -= nbytes
+
+    def keep(self, arr) -> np.ndarray:
+        """A copy of ``arr`` (any real array) as float32 when it is float32, else float64 (both exact), held in
+        memory or as a read-only ``np.memmap`` of an ``.npy`` file (see the module docstring).
+
+        Raises:
+            OSError: the file cannot be written (a full disk): said by the caller's own handling.
+        """
+        a = np.asarray(arr)
+        dtype = a.dtype if a.dtype in _FLOATS else np.dtype(np.float64)
+        nbytes = a.size * dtype.itemsize
+        with self._lock:
+            spill = self.in_memory + nbytes > self.budget
+            if not spill:
+                self.in_memory += nbytes
+            else:
+                if self._folder is None:
+                    self._folder = temp_dir("g4h-traces-")
+                self._n += 1
+                path = self._folder / f"{self._n}.npy"
+                self.spilled += nbytes
+        if not spill:
+            out = np.array(a, dtype=dtype, copy=True)
+            weakref.finalize(out, self._release, nbytes)
+            return out
+        np.save(path, np.ascontiguousarray(a, dtype=dtype), allow_pickle=False)
+        out = np.load(path, mmap_mode="r", allow_pickle=False)
+        weakref.finalize(out, _unlink, str(path))
+        return out
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+_default: TensorStore | None = None
+_default_lock = threading.Lock()
+
+
+def default_store() -> TensorStore:
+    """This process's store (:data:`MEMORY_BUDGET`), which :class:`harness.traces.format.TraceWriter` keeps its
+    tensors in."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = TensorStore()
+        return _default

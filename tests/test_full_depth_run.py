@@ -1,0 +1,97 @@
+"""What a full-depth job needs to finish on an ordinary machine (issue 38): the traced tensors it keeps beside the
+model (:mod:`harness.traces.store`), and a llama.cpp worker deadline that follows the work
+(:func:`harness.engines.llamacpp.work_deadline`, ``--engine-timeout``).
+
+The 31B shape at full depth (17.3 GB, Q4_0) with ``--oracle fast`` was judged ``ENGINE FAILED`` on a correct
+llama.cpp: its job held about 18 GB of traced tensors as float64 copies beside the file, llama.cpp read its weights
+from disk on every token, and its worker ran past a fixed 600 s with every measured figure within its gate.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gemma4_harness.harness.engines.llamacpp import (DEADLINE_BASE_S, DEADLINE_FLOPS, DEADLINE_READ_BYTES_S,
+                                                     work_deadline)
+from gemma4_harness.harness.traces.format import TraceWriter
+from gemma4_harness.harness.traces.store import TensorStore
+
+
+def _maps() -> str:
+    return Path("/proc/self/maps").read_text()
+
+
+def test_a_spilled_trace_is_the_same_bits_and_no_anonymous_copy(tmp_path):
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal((7, 33)).astype(np.float32), rng.standard_normal((5, 11)),
+              rng.standard_normal((4, 9)).astype(np.float16), np.arange(12, dtype=np.int32).reshape(3, 4)]
+    kept = TraceWriter("fast", [2, 3], keep_tensors=True, store=TensorStore(budget=0, folder=tmp_path))
+    held = TraceWriter("fast", [2, 3], keep_tensors=True, store=TensorStore(budget=1 << 30, folder=tmp_path))
+    for w in (kept, held):
+        for i, a in enumerate(arrays):
+            w("l_out", i, a)
+    a_tr, b_tr = kept.trace(), held.trace()
+    for i, a in enumerate(arrays):
+        want = np.asarray(a, dtype=np.float64)
+        for tr in (a_tr, b_tr):
+            got = tr.tensor("l_out", i)
+            assert got.dtype == np.float64 and np.array_equal(got, want)
+    # float32 stays float32 (exact, half the bytes); any other dtype becomes float64, as before
+    assert [kept.tensors[f"l_out.{i}"].dtype for i in range(4)] == [np.float32, np.float64, np.float64, np.float64]
+    assert all(isinstance(t, np.memmap) for t in kept.tensors.values())  # in files the kernel may drop and reread
+    assert not any(isinstance(t, np.memmap) for t in held.tensors.values())
+    files = sorted(tmp_path.glob("*.npy"))
+    assert len(files) == 4 and str(files[0]) in _maps()
+
+
+def test_files_go_when_their_tensors_go_and_the_budget_counts_live_bytes(tmp_path):
+    store = TensorStore(budget=1000, folder=tmp_path)
+    a = store.keep(np.zeros(100, np.float64))  # 800 bytes: in memory
+    assert store.in_memory == 800 and store.spilled == 0
+    b = store.keep(np.zeros(100, np.float64))  # would pass 1000: to a file
+    assert store.spilled == 800 and len(list(tmp_path.glob("*.npy"))) == 1
+    del b
+    assert not list(tmp_path.glob("*.npy"))
+    del a  # freed: the budget is free again, so a long-lived process (pytest) does not spill forever
+    assert store.in_memory == 0
+    store.keep(np.zeros(100, np.float64))
+    assert store.spilled == 800
+
+
+def test_the_deadline_follows_the_work():
+    prompts = [[2] + [7] * 19 for _ in range(16)]
+    gen = [{"op": "generate", "prompts": prompts, "max_new_tokens": 8, "batched": False, "top_n": 5}]
+    small = work_deadline(gen, 50_000_000, 25_000_000)  # a small model: about the old fixed 600 s
+    assert DEADLINE_BASE_S <= small < DEADLINE_BASE_S + 60
+    # The 31B shape (17.3 GB, 30.7e9 parameters): each of the 16 prompts' prefill and 8 decode steps reads the file
+    # once, and 448 tokens at 2 operations per parameter: the floors' time, above the ~800 s the worker was given
+    # (and killed in) when the file did not fit beside the job.
+    big = work_deadline(gen, 17_278_592_704, 30_700_000_000)
+    reads, tokens = 1 + 16 + 16 * 8, 16 * (20 + 8)
+    assert big == pytest.approx(DEADLINE_BASE_S + reads * 17_278_592_704 / DEADLINE_READ_BYTES_S
+                                + tokens * 2 * 30_700_000_000 / DEADLINE_FLOPS)
+    assert big > 3600
+    batched = [dict(gen[0], batched=True)]
+    assert work_deadline(batched, 17_278_592_704, 30_700_000_000) < big  # one decode step serves every prompt
+    logits = [{"op": "logits", "ids": p, "trace": True} for p in prompts]
+    assert work_deadline(logits, 17_278_592_704, 30_700_000_000) > work_deadline(logits[:1], 17_278_592_704,
+                                                                                30_700_000_000)
+
+
+@pytest.mark.skipif(os.environ.get("G4H_SKIP_LLAMACPP", "") not in ("", "0"), reason="opted out: G4H_SKIP_LLAMACPP=1")
+def test_engine_timeout_is_the_users_and_named(tmp_path):
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
+    gguf = synth.ensure_built(MODELS_DIR / "31b.toml").gguf["F32"]
+    r = subprocess.run([sys.executable, "-m", "gemma4_harness", "parity", "--model", str(gguf), "--against",
+                        "llamacpp", "--engine-timeout", "0.01", "--quick", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert "llama.cpp worker ran past 0 s (--engine-timeout)" in last, last
