@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault", action="append", choices=[f for f in FAULTS if f != "expert"], default=None)
     p.add_argument("--out", default="reports/quant-matrix")
     p.add_argument("--skip-correct", action="store_true", help="the faulty copies only (the correct run measured apart)")
+    p.add_argument("--correct-only", action="store_true", help="the correct file only (the false-alarm half)")
     a = p.parse_args(argv)
     from gemma4_harness.harness.engines.reference import ReferenceEngine
     from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = ReferenceRuns(ReferenceEngine(model))
         prompts = with_prompt_ids([{"id": f"text{i}", "text": t} for i, t in enumerate(TEXTS)], model)
         copies = [] if a.skip_correct else [("correct", "-", model)]
-        for kind, tensor in zip(a.fault or FAULTS[:3], TENSORS):
+        for kind, tensor in zip([] if a.correct_only else a.fault or FAULTS[:3], TENSORS):
             path, what = make_fault(kind, model, out / f"{name}-{kind}.gguf", tensor)
             copies.append((kind, f"{what} ({tensor_type(model, tensor)})", path))
         for kind, what, path in copies:
