@@ -95,3 +95,29 @@ def test_engine_timeout_is_the_users_and_named(tmp_path):
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     last = r.stdout.strip().splitlines()[-1]
     assert "llama.cpp worker ran past 0 s (--engine-timeout)" in last, last
+
+
+@pytest.mark.skipif(os.environ.get("G4H_SKIP_LLAMACPP", "") not in ("", "0"), reason="opted out: G4H_SKIP_LLAMACPP=1")
+@pytest.mark.parametrize("case", ["31b", "e2b"])
+def test_a_context_fitted_to_the_work_gives_the_same_bits(case):
+    """A worker's context is only as long as its work (rounded to 256 cells), not the engine's 1,024: the same logits,
+    traces and streams, bit for bit, on a sliding-window case whose prompts pass its window (31b: window 16, prompts of up to 32 tokens) and on a
+    KV-shared one (e2b)."""
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness.core.prompts import load_prompts
+    from gemma4_harness.harness.engines.llamacpp import LlamaCppEngine
+    gguf = synth.ensure_built(MODELS_DIR / f"{case}.toml").gguf["F32"]
+    seqs = [p["prompt_ids"] for p in load_prompts()][:6]
+    out = []
+    for fit in (True, False):
+        eng = LlamaCppEngine(gguf, threads=2, fit_context=fit)
+        many = eng.logits_many(seqs, trace=True)
+        gens = eng.generate_full(seqs, 6)
+        out.append((many, [(g.tokens, g.top) for g in gens]))
+    (a, ga), (b, gb) = out
+    assert ga == gb
+    for (za, ta), (zb, tb) in zip(a, b):
+        assert np.array_equal(za, zb)
+        assert [(p, layer) for p, layer, _ in ta] == [(p, layer) for p, layer, _ in tb]
+        assert all(np.array_equal(x, y) for (_, _, x), (_, _, y) in zip(ta, tb))

@@ -111,6 +111,8 @@ class LlamaCppEngine:
             that do not grant the AMX tile state (seen here: a Firecracker guest whose CPU lists amx_int8).
         timeout: seconds one worker process may run (``--engine-timeout``); None: what its work allows
             (:func:`work_deadline`).
+        fit_context: give each worker's context only the positions its work needs (rounded up to 256), not
+            ``n_ctx`` (False: always ``n_ctx``; the same results, more memory).
         lib_dir: another build of llama.cpp's libraries for the worker to load (``LLAMA_CPP_LIB_PATH``: the native
             variant of :func:`.native.ensure_native_built`); None: the ones the installed package holds.
 
@@ -122,7 +124,8 @@ class LlamaCppEngine:
 
     def __init__(self, path: str | os.PathLike, n_ctx: int = 1024, threads: int | None = None,
                  n_ubatch: int | None = None, swa_full: bool = False, batched: bool = False,
-                 extra_bufts: bool = False, timeout: float | None = None, lib_dir: str | os.PathLike | None = None):
+                 extra_bufts: bool = False, timeout: float | None = None, fit_context: bool = True,
+                 lib_dir: str | os.PathLike | None = None):
         _import_llama_cpp()
         self.path = Path(path)
         if not self.path.is_file():
@@ -134,6 +137,7 @@ class LlamaCppEngine:
         self.batched = bool(batched)
         self.extra_bufts = bool(extra_bufts)
         self.timeout = None if timeout is None else float(timeout)
+        self.fit_context = bool(fit_context)
         self._n_params: int | None = None
         self.lib_dir = None if lib_dir is None else str(lib_dir)
         self.last_run_s = 0.0
@@ -152,18 +156,24 @@ class LlamaCppEngine:
                 the model or run a batch.
             PromptError: the worker refused a prompt (token id out of range, empty).
         """
-        need = 1
+        need, seq = 1, 1  # tokens of the largest llama_decode; positions of the longest sequence
         for j in jobs:
             if j["op"] == "logits":
-                need = max(need, len(j["ids"]))
+                need, seq = max(need, len(j["ids"])), max(seq, len(j["ids"]))
             elif j["op"] == "generate":
                 lens = [len(p) for p in j["prompts"]]
                 need = max(need, sum(lens) if j.get("batched") else max(lens, default=1), len(lens))
+                seq = max(seq, max(lens, default=1) + int(j.get("max_new_tokens", 0)))
             elif j["op"] == "bench":
                 need = max(need, j["batch"] * (j["n"] if j["test"] == "pp" else 1),
                            j["batch"] * min(j["depth"], BENCH_CHUNK))
         out_dir = temp_dir("g4h-llamacpp-")
-        req = {"model": str(self.path), "n_ctx": self.n_ctx, "threads": self.threads,
+        bench = any(j["op"] == "bench" for j in jobs)
+        # The context the work needs, in llama.cpp's own steps of 256 cells (its KV cache pads to them), never more
+        # than n_ctx: the F32 KV cache of 1,024 positions is 2 GB on the 31B shape, beside a file that must stay in
+        # memory. The same bits: attention reads the cells in use, padded to 256, whatever the cache's size.
+        n_ctx = self.n_ctx if bench or not self.fit_context else min(self.n_ctx, -(-seq // 256) * 256)
+        req = {"model": str(self.path), "n_ctx": n_ctx, "threads": self.threads,
                "n_batch": need, "n_ubatch": min(self.n_ubatch, need) if self.n_ubatch else need,
                "swa_full": self.swa_full, "extra_bufts": self.extra_bufts, "out_dir": str(out_dir), "jobs": jobs,
                "lib_dir": self.lib_dir,

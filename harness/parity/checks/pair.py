@@ -51,6 +51,7 @@ from ...engines.openai.http import SERVER_CONTEXT_HINT, ServerContextExceeded
 from ...tokenizer.prompt_ids import model_tokenizer
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
+from ...traces.store import default_store
 from ..compare import generation_figures, logit_figures
 from ..explain_decoding import decoding_by_logprobs
 from ..result import Figure, fig, one_line
@@ -437,7 +438,8 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
             ours_trace = None
             try:
                 if str(p["id"]) in batch:
-                    ours, ours_trace = batch[str(p["id"])]
+                    ours, ours_trace = batch.pop(str(p["id"]))
+                    ours = np.asarray(ours, dtype=np.float64)
                 elif _can(eng, "trace") and not file_trace:
                     w = TraceWriter(kind, p["prompt_ids"], keep_tensors=True)
                     ours = eng.logits(p["prompt_ids"], trace=w)
@@ -506,7 +508,8 @@ def _logits_many(eng: Any, kind: str, prompts: Sequence[dict[str, Any]]) -> dict
         w = TraceWriter(kind, p["prompt_ids"], keep_tensors=True)
         for point, layer, arr in points:
             w(point, layer, arr)
-        out[str(p["id"])] = (z, w.trace())
+        z32 = z.astype(np.float32)  # llama.cpp's logits are float32: kept so (exact), widened when used
+        out[str(p["id"])] = (default_store().keep(z32) if np.array_equal(z32, z) else z, w.trace())
     return out
 
 

@@ -21,6 +21,7 @@ from ...engines.base import TOP_N
 from ...engines.numerics import Numerics, emulable_types, emulate, effective
 from ...engines.reference import ReferenceEngine
 from ...traces.format import Trace, TraceWriter
+from ...traces.store import default_store
 from .oracle_pass import reference_pass
 
 Progress = Callable[[str], None]
@@ -150,7 +151,10 @@ class ReferenceRuns:
                                                    new_tokens=new_tokens if how == "stream" else 0, forced=tokens,
                                                    top_n=top_n)
                 for p, w, run in zip(part, traces, runs):
-                    self._logits[(a, str(p["id"]))] = (run.logits.double().cpu().numpy(), w.trace())
+                    # float32 as computed, in the job's tensor store (spilled past its budget): half the bytes of a
+                    # float64 copy; logits() widens it when read, exactly
+                    self._logits[(a, str(p["id"]))] = (default_store().keep(run.logits.float().cpu().numpy()),
+                                                       w.trace())
                     if how == "forced":
                         self._forced[(along, new_tokens, str(p["id"]))] = torch_rows(
                             [run.logits[-1:]] + ([] if run.forced is None else [run.forced]))
@@ -198,7 +202,8 @@ class ReferenceRuns:
         return sorted({raw(n) for n in w if len(w.shape(n)) >= 2} - {"F32", "float32", "float64"})
 
     def logits(self, approx: tuple[str, ...], prompt: dict[str, Any]) -> tuple[np.ndarray, Trace]:
-        """The oracle's logits ``[T, V]`` as float64 and the trace (tensors kept) of one prompt, under ``approx``."""
+        """The oracle's logits ``[T, V]`` as float64 and the trace (tensors kept) of one prompt, under ``approx``
+        (a fast oracle's are kept as float32, as it computed them, and widened here)."""
         key = (approx, str(prompt["id"]))
         if key not in self._logits:
             w = TraceWriter(self.name, prompt["prompt_ids"], dtype="float64" if self.name == "reference" else "float32",
@@ -206,7 +211,8 @@ class ReferenceRuns:
             with self.numerics(approx):
                 z = self.oracle.logits(prompt["prompt_ids"], trace=w)
             self._logits[key] = (z, w.trace())
-        return self._logits[key]
+        z, trace = self._logits[key]
+        return np.asarray(z, dtype=np.float64), trace
 
     def reseeded(self, approx: tuple[str, ...], prompt: dict[str, Any], engine: Trace) -> tuple[Trace, Trace] | None:
         """The reference's traces (tensors kept) of one prompt under ``approx``, re-seeded from the engine's trace:
