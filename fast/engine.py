@@ -297,7 +297,7 @@ def prompt_runs(model: FastModel, prompts: Sequence[Sequence[int]], traces: Sequ
     for lo in range(0, len(seqs), max_batch):
         group = range(lo, min(lo + max_batch, len(seqs)))
         longest = max(len(seqs[k]) + max(new_tokens, len(n_forced[k])) for k in group)
-        cache = model.new_cache(len(group), longest)
+        cache = model.new_cache(len(group), longest, bounded=True)
         slots = [cache.alloc() for _ in group]
         with torch.inference_mode():
             runs = []

@@ -144,10 +144,12 @@ class RingStore:
     """Sliding-window storage for one layer: ``[max_seqs, W + extra, Hkv, D]``; position p at slot p % (W + extra)."""
 
     def __init__(self, window: int, n_kv: int, head_dim: int, store_k: bool, max_seqs: int, device, dtype,
-                 extra: int = 0):
+                 extra: int = 0, max_tokens: int | None = None):
         self.window = window
         self.extra = extra
-        self.capacity = window + extra
+        # A sequence of at most max_tokens tokens never wraps a ring of that many slots; reads gather by position
+        # (:meth:`read`), so the keys, their order and every result are the same as with the whole window.
+        self.capacity = window + extra if max_tokens is None else max(1, min(window + extra, max_tokens))
         shape = (max_seqs, self.capacity, n_kv, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype) if store_k else None
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -256,13 +258,17 @@ class PagedKVCache:
         page_size: tokens per page.
         ring_extra: slots a sliding layer's ring keeps beyond its window (speculative decoding: the most
             tokens a round may roll back, minus one, or more).
+        bounded: ``max_tokens`` bounds every sequence (a prefill of known prompts): a sliding layer's ring holds at
+            most that many positions, not its whole window. The 31B shape's window of 1,024 made a ring of 33.5 MB per
+            sequence and layer: 13.4 GB for the fast oracle's group of 8 prompts of about 40 tokens. A sequence that
+            outgrows it fails loudly (:meth:`RingStore.read`), never silently.
 
     Raises:
         PromptError: a step that needs more pages than the pool has.
     """
 
     def __init__(self, cfg: ModelConfig, max_seqs: int, max_tokens: int, page_size: int, device, dtype,
-                 ring_extra: int = 0):
+                 ring_extra: int = 0, bounded: bool = False):
         self.cfg = cfg
         self.max_seqs = max_seqs
         self.stores: dict[int, PagedStore | RingStore] = {}
@@ -273,7 +279,8 @@ class PagedKVCache:
             store_k = L.has_v_proj or not cfg.has_v_norm
             if L.is_sliding:
                 self.stores[L.index] = RingStore(cfg.sliding_window, L.n_kv_head, L.head_dim, store_k, max_seqs,
-                                                 device, dtype, extra=ring_extra)
+                                                 device, dtype, extra=ring_extra,
+                                                 max_tokens=max_tokens if bounded else None)
             else:
                 n_pages = max_seqs * math.ceil(max_tokens / page_size)
                 self.stores[L.index] = PagedStore(n_pages, page_size, L.n_kv_head, L.head_dim, store_k, max_seqs,

@@ -452,11 +452,13 @@ class FastModel:
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.static_shapes = False  # True inside a static-shape forward (fast.static_decode): MoE without host reads
 
-    def new_cache(self, max_seqs: int, max_tokens: int, page_size: int = 16, ring_extra: int = 0) -> PagedKVCache:
+    def new_cache(self, max_seqs: int, max_tokens: int, page_size: int = 16, ring_extra: int = 0,
+                  bounded: bool = False) -> PagedKVCache:
         """A paged KV cache for up to ``max_seqs`` sequences of up to ``max_tokens`` tokens each; sliding rings keep
-        ``ring_extra`` tokens beyond the window (for speculative rollback, :mod:`fast.kvcache`)."""
+        ``ring_extra`` tokens beyond the window (for speculative rollback, :mod:`fast.kvcache`); ``bounded``: no
+        sequence passes ``max_tokens``, so no ring is longer (:class:`fast.kvcache.PagedKVCache`)."""
         return PagedKVCache(self.cfg, max_seqs=max_seqs, max_tokens=max_tokens, page_size=page_size,
-                            device=self.device, dtype=torch.float32, ring_extra=ring_extra)
+                            device=self.device, dtype=torch.float32, ring_extra=ring_extra, bounded=bounded)
 
     def rope_tables(self, layer: LayerSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (:func:`rope_angles`) for ``positions`` of one layer, float32 ``[N, n_rot/2]``, from a
@@ -822,7 +824,7 @@ class FastModel:
             check_injection(self.cfg, mm, ids_np.shape[0])
         check_prompt(self.cfg, ids_np if mm is None else np.where(mm.placeholder, pad_id(self.cfg), ids_np))
         T = ids_np.shape[0]
-        cache = self.new_cache(1, T)
+        cache = self.new_cache(1, T, bounded=True)
         slot = cache.alloc()
         chunk = chunk or T
         out = []

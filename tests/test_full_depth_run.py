@@ -121,3 +121,54 @@ def test_a_context_fitted_to_the_work_gives_the_same_bits(case):
         assert np.array_equal(za, zb)
         assert [(p, layer) for p, layer, _ in ta] == [(p, layer) for p, layer, _ in tb]
         assert all(np.array_equal(x, y) for (_, _, x), (_, _, y) in zip(ta, tb))
+
+
+@pytest.mark.parametrize("case", ["31b", "e2b"])
+def test_rings_as_long_as_the_prompts_give_the_same_bits(case):
+    """The fast oracle's prompt runs size each sliding layer's ring by the group's longest sequence, not the whole
+    window (the 31B shape's window of 1,024 held 13.4 GB of rings for a group of 8 short prompts): the logits, traces,
+    greedy streams and teacher-forced logits are the same bits as with whole-window rings."""
+    import torch
+
+    from gemma4_harness.fast import engine as fast_engine
+    from gemma4_harness.fast.kvcache import RingStore
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness.engines.fast import FastEngine
+    gguf = synth.ensure_built(MODELS_DIR / f"{case}.toml").gguf["F32"]
+    model = FastEngine(gguf).model
+    window = model.cfg.sliding_window
+    prompts = [[2] + [5 + i for i in range(n)] for n in (0, 3, 6)]  # the longest with its stream: 15 < window 16
+    assert max(len(p) for p in prompts) + 8 < window
+
+    def run(bounded: bool):
+        made = []
+        orig = model.new_cache
+
+        def new_cache(*a, **k):
+            k["bounded"] = bounded and k.get("bounded", False)
+            made.append(orig(*a, **k))
+            return made[-1]
+        model.new_cache = new_cache
+        try:
+            traces = [TraceWriter("fast", p, keep_tensors=True) for p in prompts]
+            streams = fast_engine.prompt_runs(model, prompts, traces, new_tokens=8)
+            forced = fast_engine.prompt_runs(model, prompts, forced=[[7, 8, 9]] * 3)
+        finally:
+            del model.new_cache
+        rings = [s.capacity for c in made for s in c.stores.values() if isinstance(s, RingStore)]
+        return streams, forced, [t.trace() for t in traces], rings
+
+    (sa, fa, ta, ra), (sb, fb, tb, rb) = run(True), run(False)
+    assert max(ra) < window and set(rb) == {window}
+    for x, y in zip(sa + fa, sb + fb):
+        assert torch.equal(x.logits, y.logits)
+        assert (x.stream is None) == (y.stream is None)
+        if x.stream is not None:
+            assert x.stream.tokens == y.stream.tokens and x.stream.top == y.stream.top
+        if x.forced is not None:
+            assert torch.equal(x.forced, y.forced)
+    for x, y in zip(ta, tb):
+        assert [(r["point"], r["layer"]) for r in x.records] == [(r["point"], r["layer"]) for r in y.records]
+        assert all(np.array_equal(x.tensor(r["point"], r["layer"]), y.tensor(r["point"], r["layer"]))
+                   for r in x.records)
