@@ -393,14 +393,6 @@ static row_fn row_for(int isa) {
     return row_generic;
 }
 
-static row_fn pairs_for(int isa) {
-#if defined(Q8_X86)
-    if (isa == 512) return row2_vnni;
-#endif
-    (void)isa;
-    return NULL;
-}
-
 /* Cap the ISA path (512: VNNI, 256: AVX2, 0: plain C); returns the path now taken. For the tests. */
 int g4h_q8_force_isa(int cap) {
     isa_cap = cap;
@@ -417,7 +409,7 @@ typedef struct {
     const xq_t *x;
     float *y;
     row_fn row;
-    row_fn pairs; /* rows of W two at a time (the VNNI path, M >= 2), or NULL */
+    int pairs; /* rows of W two at a time (the VNNI path, M >= 2) */
 } job_t;
 
 static void run_rows(void *p, long run, int tid) {
@@ -425,9 +417,11 @@ static void run_rows(void *p, long run, int tid) {
     (void)tid;
     const long n1 = (run + 1) * j->per_run < j->N ? (run + 1) * j->per_run : j->N;
     long n = run * j->per_run;
+#if defined(Q8_X86)
     if (j->pairs)
         for (; n + 1 < n1; n += 2)
-            j->pairs(j->type, j->ts, j->w + n * j->row_bytes, j->row_bytes, j->nb, j->x, j->K, j->M, j->y + n, j->N);
+            row2_vnni(j->type, j->ts, j->w + n * j->row_bytes, j->row_bytes, j->nb, j->x, j->K, j->M, j->y + n, j->N);
+#endif
     for (; n < n1; n++)
         j->row(j->type, j->ts, j->w + n * j->row_bytes, j->row_bytes, j->nb, j->x, j->K, j->M, j->y + n, j->N);
 }
@@ -453,7 +447,7 @@ int g4h_q8_linear(int type, const uint8_t *w, long row_bytes, long N, long K, co
     for (long m = 0; m < M; m++) quantize_row(x + m * K, K, xq.q + m * K, xq.d + m * nb, xq.s + m * nb * 8);
     const int isa = best_isa();
     job_t j = {.type = type, .ts = ts, .nb = nb, .K = K, .M = M, .N = N, .row_bytes = row_bytes, .w = w, .x = &xq,
-               .y = y, .row = row_for(isa), .pairs = M >= 2 ? pairs_for(isa) : NULL};
+               .y = y, .row = row_for(isa), .pairs = isa == 512 && M >= 2};
     j.per_run = 131072 / row_bytes;
     if (j.per_run < 1) j.per_run = 1;
     if ((double)N * K * (M + 3) < (double)(1 << 20)) nthreads = 1;
