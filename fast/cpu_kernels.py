@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,9 +49,6 @@ MAX_ROWS = 16
 SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_f32.c"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 
-_lib = None
-_state = "unloaded"  # unloaded | ready | unavailable
-_why = ""
 _kernel_threads = 0  # > 0 inside small_step_threads()
 
 
@@ -88,9 +86,40 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
+def _compiler() -> tuple[str, str]:
+    """``(compiler, its --version output)``: ``$CC``, else ``cc``, else ``gcc``. Raises RuntimeError when there is
+    none or it does not answer."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    try:
+        return cc, subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cc}: {e}") from None
+
+
+def library_path(source: Path = SOURCE, flags: list[str] | None = None, libs: list[str] | None = None) -> Path:
+    """Where :func:`build` keeps the library of ``source``: ``<cache>/kernels/<key>/lib<stem>.so``.
+
+    The key is the SHA-256 of the source's bytes, of every header (``*.h``) beside it (what it may ``#include``, so
+    that an edited header such as ``fp16.h`` or ``workpool.h`` rebuilds every kernel that includes it), of the flags
+    and libraries, of the compiler's version and of the CPU's model and feature flags
+    (:func:`fast.cpu_identity.cpu_model`). Arguments as in :func:`build`; raises as :func:`_compiler`.
+    """
+    return _library_path(source, FLAGS if flags is None else list(flags), [] if libs is None else list(libs),
+                         _compiler()[1])
+
+
+def _library_path(source: Path, flags: list[str], libs: list[str], version: str) -> Path:
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256("\n".join([source.read_text(), *headers, " ".join(flags + libs), version,
+                                     cpu_model()]).encode()).hexdigest()
+    return _cache_dir() / key[:16] / f"lib{source.stem}.so"
+
+
 def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = None,
           libs: list[str] | None = None) -> Path:
-    """Compile a kernel source (or find it in the cache) and return the shared library's path.
+    """Compile a kernel source (or find it in the cache, :func:`library_path`) and return the shared library's path.
 
     Args:
         force: rebuild even when a cached library exists.
@@ -103,17 +132,8 @@ def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = 
     """
     flags = FLAGS if flags is None else list(flags)
     libs = [] if libs is None else list(libs)
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"{cc}: {e}") from None
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may #include
-    key = hashlib.sha256("\n".join([source.read_text(), *headers, " ".join(flags + libs), version,
-                                     cpu_model()]).encode()).hexdigest()
-    out = _cache_dir() / key[:16] / f"lib{source.stem}.so"
+    cc, version = _compiler()
+    out = _library_path(source, flags, libs, version)
     if out.is_file() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -131,21 +151,77 @@ def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = 
     return out
 
 
-def _load():
-    global _lib, _state, _why
-    if os.environ.get("G4H_CPU_KERNEL", "1") == "0":
-        _state, _why = "unavailable", "disabled by G4H_CPU_KERNEL=0"
-        return None
-    try:
-        lib = ctypes.CDLL(str(build()))
-        fn = lib.g4h_linear_f32
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-                       ctypes.c_long, ctypes.c_int]
-        fn.restype = None
-        _lib, _state = fn, "ready"
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        _state, _why = "unavailable", str(e).splitlines()[0] if str(e) else type(e).__name__
-    return _lib
+class Library:
+    """A kernel library of ``fast/csrc/``, compiled by :func:`build` and loaded with :mod:`ctypes` on first use: the
+    one loader of this module's kernels and :mod:`fast.quant_kernels`'.
+
+    Args:
+        source: the C file; flags, libs: as in :func:`build`.
+        signatures: C function name -> ``(argtypes, restype)``, declared on the loaded library (a missing symbol is
+            an ``AttributeError``: the library is then unavailable).
+
+    :meth:`get` gives the loaded library, or None when it is unavailable: no compiler, a failed build or load,
+    ``G4H_CPU_KERNEL=0`` in the environment (read at the first use), or inside :meth:`disabled`. The first failure
+    is kept (:meth:`status` says why) and not retried.
+    """
+
+    def __init__(self, source: Path, flags: list[str], libs: list[str],
+                 signatures: dict[str, tuple[list, Any]]) -> None:
+        self.source, self.flags, self.libs, self.signatures = source, flags, libs, signatures
+        self.lib: ctypes.CDLL | None = None
+        self.state = "unloaded"  # unloaded | ready | unavailable
+        self.why = ""
+        self.off = 0  # > 0 inside disabled()
+
+    def bind(self, path: Path | str) -> ctypes.CDLL:
+        """Load a built library at ``path`` and declare :attr:`signatures` on it (also used by the tests on builds
+        with other flags).
+
+        Raises: OSError when the file cannot be loaded; AttributeError when a symbol is missing.
+        """
+        lib = ctypes.CDLL(str(path))
+        for name, (args, res) in self.signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+        return lib
+
+    def _load(self) -> None:
+        # the state changes once, at the end: a thread calling get() meanwhile builds too (the cache's os.replace
+        # makes that safe), rather than taking the torch path for one call
+        if os.environ.get("G4H_CPU_KERNEL", "1") == "0":
+            self.state, self.why = "unavailable", "disabled by G4H_CPU_KERNEL=0"
+            return
+        try:
+            self.lib, self.state = self.bind(build(source=self.source, flags=self.flags, libs=self.libs)), "ready"
+        except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError) as e:
+            self.state, self.why = "unavailable", str(e).splitlines()[0] if str(e) else type(e).__name__
+
+    def get(self) -> ctypes.CDLL | None:
+        """The loaded library (built and loaded at the first call), or None where it is not available."""
+        if self.state == "unloaded":
+            self._load()
+        return self.lib if self.state == "ready" and not self.off else None
+
+    def status(self) -> tuple[bool, str]:
+        """``(available, reason)``: whether the library loads here, and why not when it does not."""
+        if self.state == "unloaded":
+            self._load()
+        return self.state == "ready", self.why
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """Within the ``with`` block :meth:`get` returns None (the callers take their torch path): for benchmarks
+        against that path, and tests. Not thread-safe."""
+        self.off += 1
+        try:
+            yield
+        finally:
+            self.off -= 1
+
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+F32 = Library(SOURCE, FLAGS, [], {"g4h_linear_f32": ([_P, _P, _P, _L, _L, _L, _I], None)})
+"""``csrc/linear_f32.c``: :func:`linear_f32`."""
 
 
 ROWS_SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_f32.c"
@@ -154,27 +230,10 @@ ROWS_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-
 """``rows_f32.c``'s flags: ``-ffp-contract=off`` so that every product rounds on its own, as its header defines;
 ``-fno-trapping-math`` lets the compiler evaluate both sides of the soft-cap's select (values are unchanged: it
 only concerns floating-point exception flags), so that the loop vectorises."""
-_rows_lib = None
-_rows_state = "unloaded"  # unloaded | ready | unavailable
-
-
-def _rows():
-    """The loaded ``rows_f32`` library with its three functions declared, or None (not built, or switched off)."""
-    global _rows_lib, _rows_state
-    if _rows_state == "unloaded":
-        _rows_state = "unavailable"
-        if os.environ.get("G4H_CPU_KERNEL", "1") != "0":
-            try:
-                lib = ctypes.CDLL(str(build(source=ROWS_SOURCE, flags=ROWS_FLAGS, libs=["-lm"])))
-                P, L = ctypes.c_void_p, ctypes.c_long
-                for fn, args, res in ((lib.g4h_rms_norm_f32, [P, P, P, L, L, ctypes.c_double], None),
-                                      (lib.g4h_softcap_f32, [P, P, L, ctypes.c_double], None),
-                                      (lib.g4h_argmax_f32, [P, L, L, P], ctypes.c_int)):
-                    fn.argtypes, fn.restype = args, res
-                _rows_lib, _rows_state = lib, "ready"
-            except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError):
-                pass
-    return _rows_lib if _rows_state == "ready" else None
+ROWS = Library(ROWS_SOURCE, ROWS_FLAGS, ["-lm"], {"g4h_rms_norm_f32": ([_P, _P, _P, _L, _L, ctypes.c_double], None),
+                                                   "g4h_softcap_f32": ([_P, _P, _L, ctypes.c_double], None),
+                                                   "g4h_argmax_f32": ([_P, _L, _L, _P], _I)})
+"""``csrc/rows_f32.c``: :func:`rms_norm_f32`, :func:`softcap_f32`, :func:`argmax_f32`."""
 
 
 def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
@@ -196,13 +255,13 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
         float32, ``x``'s shape (a new tensor), or None (not float32, not on the CPU, autograd, no compiler,
         ``G4H_CPU_KERNEL=0``). The choice depends on dtypes and devices only, never on values.
     """
-    if (_rows_state == "unavailable" or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1
+    if (ROWS.state == "unavailable" or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1
             or x.shape[-1] < 1
             or weight is not None and (weight.device.type != "cpu" or weight.dtype != torch.float32
                                        or weight.shape != (x.shape[-1],))
             or torch.is_grad_enabled() and (x.requires_grad or weight is not None and weight.requires_grad)):
         return None
-    lib = _rows()
+    lib = ROWS.get()
     if lib is None:
         return None
     x = x.contiguous()
@@ -228,10 +287,10 @@ def softcap_f32(x: torch.Tensor, cap: float) -> torch.Tensor | None:
         float32, ``x``'s shape (a new tensor), or None (not float32, not on the CPU, autograd, no compiler,
         ``G4H_CPU_KERNEL=0``). NaN stays NaN; +-Inf gives +-cap, as torch's formula does.
     """
-    if _rows_state == "unavailable" or x.device.type != "cpu" or x.dtype != torch.float32 or not cap > 0 or (
+    if ROWS.state == "unavailable" or x.device.type != "cpu" or x.dtype != torch.float32 or not cap > 0 or (
             torch.is_grad_enabled() and x.requires_grad):
         return None
-    lib = _rows()
+    lib = ROWS.get()
     if lib is None:
         return None
     x = x.contiguous()
@@ -251,10 +310,10 @@ def argmax_f32(x: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     Returns: (int64 ``[rows]``, bool) or None (not a 2-D float32 CPU tensor, rows of 2^31 or more values, no
     compiler, ``G4H_CPU_KERNEL=0``).
     """
-    if (_rows_state == "unavailable" or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+    if (ROWS.state == "unavailable" or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
             or not 0 < x.shape[1] < 2 ** 31):
         return None
-    lib = _rows()
+    lib = ROWS.get()
     if lib is None:
         return None
     x = x.contiguous()
@@ -265,9 +324,7 @@ def argmax_f32(x: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
 
 def status() -> tuple[bool, str]:
     """``(available, reason)``: whether the kernel is in use here, and why not when it is not."""
-    if _state == "unloaded":
-        _load()
-    return _state == "ready", _why
+    return F32.status()
 
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
@@ -280,18 +337,18 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     Returns:
         float32 ``[M, N]`` (a new tensor), or None.
     """
-    if _state == "unavailable":
+    if F32.state == "unavailable":
         return None
     if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
             or x.dim() != 2 or w.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != w.shape[1]
             or w.shape[1] % 16 or w.shape[0] % 2 or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return None
-    fn = _lib if _state == "ready" else _load()
-    if fn is None:
+    lib = F32.get()
+    if lib is None:
         return None
     x = x.contiguous()
     if not w.is_contiguous():
         return None
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1], threads())
+    lib.g4h_linear_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1], threads())
     return y

@@ -34,7 +34,7 @@ import time
 import torch
 
 from . import cuda_kernels, quant_kernels
-from .quant_bench import packed_pool
+from .quant_bench import case_args, ints, markdown, packed_pool, time_calls
 from .quants import QuantizedTensor, linear
 
 SHAPES = {"e4b_ffn_up": (10240, 2560), "e4b_ffn_down": (2560, 10240), "31b_ffn_up": (21504, 5376),
@@ -61,19 +61,6 @@ def read_probe(device: str, nbytes: int, reps: int = 5) -> float:
         _sync(device)
         best = min(best, time.perf_counter() - t)
     return buf.numel() * 4 / best / 1e9
-
-
-def time_calls(fn, pool: list[QuantizedTensor], x: torch.Tensor, min_seconds: float, max_calls: int) -> float:
-    """Seconds per ``fn(x, W)`` call, cycling through ``pool`` after a warm-up call (at least one pass of the pool)."""
-    fn(x, pool[-1])
-    device = x.device.type
-    _sync(device)
-    calls, t0 = 0, time.perf_counter()
-    while calls < max_calls and (calls < len(pool) or time.perf_counter() - t0 < min_seconds):
-        fn(x, pool[calls % len(pool)])
-        calls += 1
-    _sync(device)
-    return (time.perf_counter() - t0) / calls
 
 
 def _fused(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
@@ -111,8 +98,8 @@ def run(types: list[str], shapes: list[str], rows: list[int], device: str = "cud
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device=device, dtype=dtype)
                 row = {"type": qtype, "shape": f"{shape} {n}x{k}", "M": m, "MB": nbytes / 1e6, "probe": probe}
                 secs = (0.0, 1) if smoke else (min_seconds, 10_000)
-                row["fused"] = nbytes / time_calls(_fused, pool, x, *secs) / 1e9
-                row["dequant"] = nbytes / time_calls(_dequant, pool, x, *secs) / 1e9
+                row["fused"] = nbytes / time_calls(pool, x, *secs, fn=_fused, sync=lambda: _sync(device))[0] / 1e9
+                row["dequant"] = nbytes / time_calls(pool, x, *secs, fn=_dequant, sync=lambda: _sync(device))[0] / 1e9
                 row["ratio"] = row["fused"] / row["dequant"]
                 diff = (_fused(x, pool[0]).float() - _dequant(x, pool[0]).float()).abs().max()
                 row["max_abs_diff"] = float(diff)
@@ -123,13 +110,11 @@ def run(types: list[str], shapes: list[str], rows: list[int], device: str = "cud
 
 def table(rows: list[dict]) -> str:
     """Markdown table of :func:`run`'s rows."""
-    lines = ["| type | matrix | M | MB | fused GB/s | share of probe | dequant GB/s | fused/dequant | max abs diff |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['type']} | {r['shape']} | {r['M']} | {r['MB']:.4g} | {r['fused']:.4g} | "
-                     f"{r['fused'] / r['probe']:.0%} | {r['dequant']:.4g} | {r['ratio']:.3g}x | "
-                     f"{r['max_abs_diff']:.3g} |")
-    return "\n".join(lines)
+    return markdown(["type", "matrix", "M", "MB", "fused GB/s", "share of probe", "dequant GB/s", "fused/dequant",
+                     "max abs diff"],
+                    [[r["type"], r["shape"], str(r["M"]), f"{r['MB']:.4g}", f"{r['fused']:.4g}",
+                      f"{r['fused'] / r['probe']:.0%}", f"{r['dequant']:.4g}", f"{r['ratio']:.3g}x",
+                      f"{r['max_abs_diff']:.3g}"] for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,10 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gemma4_harness.fast.cuda_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cuda (default), or cpu with TRITON_INTERPRET=1 (smoke test only)")
-    ap.add_argument("--types", default="Q8_0,Q4_K", help="comma-separated GGUF types (default Q8_0,Q4_K)")
-    ap.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default all; "
-                                                   f"with --smoke: {', '.join(SMOKE_SHAPES)})")
-    ap.add_argument("--rows", default="1,8,64", help="values of M (default 1,8,64)")
+    case_args(ap, SHAPES, "Q8_0,Q4_K", "1,8,64", shape_help=f"comma-separated, of {', '.join(SHAPES)} (default all; "
+                                                             f"with --smoke: {', '.join(SMOKE_SHAPES)})")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="x's dtype")
     ap.add_argument("--pool-gib", type=float, default=0.5, help="bytes cycled through per case, GiB (default 0.5)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one call per path (CPU interpreter check)")
@@ -153,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         return 2
     shapes = a.shapes.split(",") if a.shapes else list(SMOKE_SHAPES if a.smoke else SHAPES)
-    rows = run(a.types.split(","), shapes, [int(m) for m in a.rows.split(",")], a.device, getattr(torch, a.dtype),
+    rows = run(a.types.split(","), shapes, ints(a.rows), a.device, getattr(torch, a.dtype),
                a.pool_gib, smoke=a.smoke)
     print(f"read probe: {rows[0]['probe']:.1f} GB/s" if rows else "nothing measured")
     print(table(rows))

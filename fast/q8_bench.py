@@ -20,27 +20,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
 from . import quant_kernels
-from .quant_bench import packed_pool
+from .quant_bench import case_args, ints, markdown, packed_pool, time_calls
 
 SHAPES = {"2048x8192": (2048, 8192), "8192x2048": (8192, 2048)}
 """``[N, K]``: a down-projection-like matrix (K 8192) and its transpose shape (N 8192)."""
-
-
-def _time(fn, pool, x, min_seconds: float) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) per call of ``fn(x, W)``, cycling through ``pool`` after one untimed
-    call. The CPU time is what the cores spent, a figure a busy shared machine distorts less than the wall clock
-    (with 2 threads it also counts a worker's spinning)."""
-    fn(x, pool[-1])
-    calls, t0, c0 = 0, time.perf_counter(), time.process_time()
-    while calls < len(pool) or time.perf_counter() - t0 < min_seconds:
-        fn(x, pool[calls % len(pool)])
-        calls += 1
-    return (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
 
 
 def run(types: list[str], shapes: list[str], rows: list[int], threads: list[int], pool_mib: int = 512,
@@ -66,7 +53,8 @@ def run(types: list[str], shapes: list[str], rows: list[int], threads: list[int]
                     torch.set_num_threads(t)
                     for m in rows:
                         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                        (e, ec), (q, qc) = _time(exact, pool, x, min_seconds), _time(q8, pool, x, min_seconds)
+                        (e, ec), (q, qc) = (time_calls(pool, x, min_seconds, fn=exact),
+                                            time_calls(pool, x, min_seconds, fn=q8))
                         out.append({"type": qtype, "shape": shape, "threads": t, "M": m, "MB": nbytes / 1e6,
                                     "exact": e, "q8": q, "exact_cpu": ec, "q8_cpu": qc})
                 del pool
@@ -77,23 +65,18 @@ def run(types: list[str], shapes: list[str], rows: list[int], threads: list[int]
 
 def table(rows: list[dict]) -> str:
     """Markdown table of :func:`run`'s rows."""
-    lines = ["| type | matrix | threads | M | MB | exact ms | exact GB/s | q8 ms | q8 GB/s | q8 speed-up (wall) | "
-             "exact CPU ms | q8 CPU ms | q8 speed-up (CPU) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['type']} | {r['shape']} | {r['threads']} | {r['M']} | {r['MB']:.1f} | "
-                     f"{r['exact'] * 1e3:.3f} | {r['MB'] / 1e3 / r['exact']:.1f} | {r['q8'] * 1e3:.3f} | "
-                     f"{r['MB'] / 1e3 / r['q8']:.1f} | {r['exact'] / r['q8']:.2f}x | {r['exact_cpu'] * 1e3:.3f} | "
-                     f"{r['q8_cpu'] * 1e3:.3f} | {r['exact_cpu'] / r['q8_cpu']:.2f}x |")
-    return "\n".join(lines)
+    return markdown(["type", "matrix", "threads", "M", "MB", "exact ms", "exact GB/s", "q8 ms", "q8 GB/s",
+                     "q8 speed-up (wall)", "exact CPU ms", "q8 CPU ms", "q8 speed-up (CPU)"],
+                    [[r["type"], r["shape"], str(r["threads"]), str(r["M"]), f"{r['MB']:.1f}",
+                      f"{r['exact'] * 1e3:.3f}", f"{r['MB'] / 1e3 / r['exact']:.1f}", f"{r['q8'] * 1e3:.3f}",
+                      f"{r['MB'] / 1e3 / r['q8']:.1f}", f"{r['exact'] / r['q8']:.2f}x", f"{r['exact_cpu'] * 1e3:.3f}",
+                      f"{r['q8_cpu'] * 1e3:.3f}", f"{r['exact_cpu'] / r['q8_cpu']:.2f}x"] for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: prints the ISA paths, the load average before and after, and the table. Returns 0."""
     ap = argparse.ArgumentParser(prog="python -m gemma4_harness.fast.q8_bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--types", default="Q8_0,Q4_0", help="comma-separated, of Q8_0, Q4_0, Q5_0 (default Q8_0,Q4_0)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    ap.add_argument("--rows", default="1,8", help="values of M (default 1,8)")
+    case_args(ap, SHAPES, "Q8_0,Q4_0", of=list(quant_kernels.Q8_TYPES))
     ap.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
     ap.add_argument("--pool-mib", type=int, default=512, help="bytes cycled through per case, MiB (default 512)")
     ap.add_argument("--seconds", type=float, default=1.0, help="least seconds timed per figure (default 1)")
@@ -101,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exact packed kernel ISA {quant_kernels.isa()}, q8 kernel ISA {quant_kernels.q8_isa()} "
           "(512: AVX-512 VNNI for q8, AVX-512 for exact; 256: AVX2; 0: plain C)")
     print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    rows = run(a.types.split(","), a.shapes.split(","), [int(m) for m in a.rows.split(",")],
-               [int(t) for t in a.threads.split(",")], a.pool_mib, a.seconds)
+    rows = run(a.types.split(","), a.shapes.split(","), ints(a.rows), ints(a.threads), a.pool_mib, a.seconds)
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(table(rows))
     return 0

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -75,15 +76,47 @@ def packed_pool(qtype: str, n: int, k: int, pool_bytes: int, seed: int = 0) -> l
     return [QuantizedTensor(torch.from_numpy(raw.copy()), qtype, (n, k)) for _ in range(count)]
 
 
-def time_calls(pool: list[QuantizedTensor], x: torch.Tensor, min_seconds: float,
-               max_calls: int) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) per ``linear(x, W)`` call, cycling through ``pool`` after a warm-up call."""
-    linear(x, pool[-1])
+def time_calls(pool: list[QuantizedTensor], x: torch.Tensor, min_seconds: float, max_calls: int | None = None,
+               fn: Callable[[torch.Tensor, QuantizedTensor], Any] = linear,
+               sync: Callable[[], Any] | None = None) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) per ``fn(x, W)`` call (default :func:`fast.quants.linear`), cycling
+    through ``pool`` after an untimed warm-up call: at least one pass of the pool and ``min_seconds``, at most
+    ``max_calls`` calls (None: no limit). ``sync`` (a device's ``synchronize``) is called after the warm-up and after
+    the last call, so that queued work is timed. Shared by this module, :mod:`fast.q8_bench` and
+    :mod:`fast.cuda_bench`."""
+    fn(x, pool[-1])
+    if sync is not None:
+        sync()
     calls, t0, c0 = 0, time.perf_counter(), time.process_time()
-    while calls < max_calls and (calls < len(pool) or time.perf_counter() - t0 < min_seconds):
-        linear(x, pool[calls % len(pool)])
+    while (max_calls is None or calls < max_calls) and (calls < len(pool) or time.perf_counter() - t0 < min_seconds):
+        fn(x, pool[calls % len(pool)])
         calls += 1
+    if sync is not None:
+        sync()
     return (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table of pre-formatted cells (the benches' tables; figures formatted by the caller)."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def case_args(ap: argparse.ArgumentParser, shapes: dict[str, tuple[int, int]], types: str, rows: str = "1,8",
+              shape_help: str | None = None, of: list[str] | None = None) -> None:
+    """The benches' common options: ``--types`` (default ``types``; ``of``: the types taken, for the help),
+    ``--shapes`` (names of ``shapes``, default all; or default None and ``shape_help``), ``--rows`` (values of M,
+    default ``rows``; :func:`ints` reads it)."""
+    kinds = f", of {', '.join(of)}" if of else ""
+    ap.add_argument("--types", default=types, help=f"comma-separated GGUF types{kinds} (default {types})")
+    ap.add_argument("--shapes", default=None if shape_help else ",".join(shapes),
+                    help=shape_help or f"comma-separated, of {', '.join(shapes)}")
+    ap.add_argument("--rows", default=rows, help=f"values of M (default {rows})")
+
+
+def ints(text: str) -> list[int]:
+    """``"1,8"`` -> ``[1, 8]``."""
+    return [int(v) for v in text.split(",")]
 
 
 L2_BYTES = 768 * 1024
@@ -128,24 +161,21 @@ def run(types: list[str], shapes: list[str], rows: list[int], pool_gib: float = 
 
 def table(rows: list[dict]) -> str:
     """Markdown table of :func:`run`'s rows."""
-    lines = ["| type | matrix | M | MB | packed GB/s | share of probe | per CPU-s | torch path GB/s | speed-up | "
-             "L2 GB/s | memory / L2 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    cells = []
     for r in rows:
         t, c = r.get("torch"), r.get("l2")
         old, gain = ("", "") if t is None else (f"{t:.2f}", f"{r['packed'] / t:.1f}x")
         cache, ratio = ("", "") if c is None else (f"{c:.2f}", f"{r['packed'] / c:.2f}")
-        lines.append(f"| {r['type']} | {r['shape']} | {r['M']} | {r['MB']:.1f} | {r['packed']:.2f} | "
-                     f"{r['packed'] / r['probe']:.0%} | {r['packed_cpu']:.2f} | {old} | {gain} | {cache} | {ratio} |")
-    return "\n".join(lines)
+        cells.append([r["type"], r["shape"], str(r["M"]), f"{r['MB']:.1f}", f"{r['packed']:.2f}",
+                      f"{r['packed'] / r['probe']:.0%}", f"{r['packed_cpu']:.2f}", old, gain, cache, ratio])
+    return markdown(["type", "matrix", "M", "MB", "packed GB/s", "share of probe", "per CPU-s", "torch path GB/s",
+                     "speed-up", "L2 GB/s", "memory / L2"], cells)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: prints the machine, the probe and the table. Returns 0."""
     ap = argparse.ArgumentParser(prog="python -m gemma4_harness.fast.quant_bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--types", default="Q8_0,Q4_K", help="comma-separated GGUF types (default Q8_0,Q4_K)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    ap.add_argument("--rows", default="1,8", help="values of M (default 1,8)")
+    case_args(ap, SHAPES, "Q8_0,Q4_K")
     ap.add_argument("--pool-gib", type=float, default=1.0, help="bytes cycled through per case, GiB (default 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch dequantize-then-F.linear path")
@@ -156,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ok, why = quant_kernels.status()
     print(f"packed kernels: {'ISA ' + str(quant_kernels.isa()) if ok else 'not available: ' + why}; "
           f"threads {torch.get_num_threads()}")
-    rows = run(a.types.split(","), a.shapes.split(","), [int(m) for m in a.rows.split(",")], a.pool_gib,
+    rows = run(a.types.split(","), a.shapes.split(","), ints(a.rows), a.pool_gib,
                not a.no_torch, l2=a.l2)
     print(f"read probe: {rows[0]['probe']:.1f} GB/s" if rows else "nothing measured")
     print(table(rows))

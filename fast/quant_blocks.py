@@ -39,6 +39,7 @@ Q5_K   256    176     d f16, dmin f16, scales[12], qh[32]           (d * sc) * q
                       (bit k of qh[j] = bit 4 of y[32k+j]), qs[128]
 Q6_K   256    210     ql[128] (low 4 bits), qh[64] (high 2 bits),   (d * sc) * (q - 32)
                       scales[16] int8 (per 16 elements), d f16
+IQ4_NL 32     18      d f16, qs[16] (4-bit indices, as Q4_0)        d * kvalues_iq4nl[q]
 =====  =====  ======  =====================================================================
 
 NaN: with Inf/NaN scale fields (never in a sane file) NaN positions match
@@ -237,6 +238,23 @@ def _q6_k(b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+"""IQ4_NL's 16 non-linear levels (ggml-common.h ``kvalues_iq4nl``; gguf-py's ``IQ4_NL.kvalues``)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _kvalues_iq4nl(device: torch.device) -> torch.Tensor:
+    return torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=device)
+
+
+def _iq4_nl(b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL (ggml-quants.c ``dequantize_row_iq4_nl``, gguf-py ``IQ4_NL.dequantize_blocks``): y[j] =
+    d * kvalues_iq4nl[low nibble of qs[j]], y[j + 16] = d * kvalues_iq4nl[high nibble], one float32 product each."""
+    n = b.shape[0]
+    out.view(n, 2, 16).copy_(_kvalues_iq4nl(b.device)[_nibbles(b[:, 2:18]).long()])
+    return out.mul_(_f16(b, 0))
+
+
 BLOCK_DECODERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
@@ -248,6 +266,7 @@ BLOCK_DECODERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] 
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl,
 }
 FLOAT_TYPES: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 

@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -50,8 +48,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import cpu_kernels
 
-__all__ = ["MAX_ROWS", "TYPES", "SOURCE", "FLAGS", "status", "isa", "disabled", "layout", "linear", "take_rows",
-           "dequantize_rows", "Q8_SOURCE", "Q8_TYPES", "Q8_MAX_ROWS", "q8_linear", "q8_quantize", "q8_isa"]
+__all__ = ["MAX_ROWS", "TYPES", "SOURCE", "FLAGS", "PACKED", "Q8", "bind", "bind_q8", "status", "isa", "disabled",
+           "layout", "linear", "take_rows", "dequantize_rows", "Q8_SOURCE", "Q8_TYPES", "Q8_MAX_ROWS", "q8_linear", "q8_quantize", "q8_isa"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_quant.c"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC"]
@@ -67,63 +65,29 @@ TYPES: dict[str, int] = {name: int(GGMLQuantizationType[name])
 """GGUF type name -> GGML type number, for the types the kernels decode."""
 _SIZES = {name: (num, *GGML_QUANT_SIZES[GGMLQuantizationType(num)]) for name, num in TYPES.items()}
 
-_lib = None
-_state = "unloaded"  # unloaded | ready | unavailable
-_why = ""
-_off = 0  # > 0 inside disabled()
-
-
-def bind(path: Path | str) -> ctypes.CDLL:
-    """Load a built ``linear_quant`` library and declare its functions' C signatures (also used by the tests).
-
-    Raises: OSError when the file cannot be loaded; AttributeError when a symbol is missing.
-    """
-    lib = ctypes.CDLL(str(path))
-    P, L, N = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.g4h_qlinear.argtypes = [N, P, L, L, L, P, L, P, N]
-    lib.g4h_qtake_rows.argtypes = [N, P, L, L, P, L, P, N]
-    lib.g4h_qdequant_rows.argtypes = [N, P, L, L, L, L, P, N]
-    lib.g4h_qk_isa.argtypes = []
-    for fn in (lib.g4h_qlinear, lib.g4h_qtake_rows, lib.g4h_qdequant_rows, lib.g4h_qk_isa):
-        fn.restype = N
-    return lib
-
-
-def _load():
-    global _lib, _state, _why
-    if os.environ.get("G4H_CPU_KERNEL", "1") == "0":
-        _state, _why = "unavailable", "disabled by G4H_CPU_KERNEL=0"
-        return None
-    try:
-        _lib, _state = bind(cpu_kernels.build(source=SOURCE, flags=FLAGS, libs=LIBS)), "ready"
-    except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError) as e:
-        _state, _why = "unavailable", str(e).splitlines()[0] if str(e) else type(e).__name__
-    return _lib
-
-
-def _get():
-    if _state == "unavailable" or _off:
-        return None
-    return _lib if _state == "ready" else _load()
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+PACKED = cpu_kernels.Library(SOURCE, FLAGS, LIBS, {"g4h_qlinear": ([_I, _P, _L, _L, _L, _P, _L, _P, _I], _I),
+                                                   "g4h_qtake_rows": ([_I, _P, _L, _L, _P, _L, _P, _I], _I),
+                                                   "g4h_qdequant_rows": ([_I, _P, _L, _L, _L, _L, _P, _I], _I),
+                                                   "g4h_qk_isa": ([], _I)})
+"""``csrc/linear_quant.c`` (:func:`linear`, :func:`take_rows`, :func:`dequantize_rows`)."""
+bind = PACKED.bind
+"""Load a built ``linear_quant`` library and declare its functions' C signatures (the tests use it on builds with
+other flags). Raises OSError when the file cannot be loaded, AttributeError when a symbol is missing."""
+_get = PACKED.get
 
 
 def status() -> tuple[bool, str]:
     """``(available, reason)``: whether the packed kernels are in use here, and why not when they are not."""
-    if _state == "unloaded":
-        _load()
-    return _state == "ready", _why
+    return PACKED.status()
 
 
 @contextlib.contextmanager
 def disabled():
     """Within the ``with`` block the kernels are not used (every function here returns None and the callers take
     their torch path): for benchmarks against that path, and tests. Not thread-safe."""
-    global _off
-    _off += 1
-    try:
+    with PACKED.disabled(), Q8.disabled():
         yield
-    finally:
-        _off -= 1
 
 
 def isa() -> int | None:
@@ -152,6 +116,24 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what}: packed kernel returned {rc} after the Python side accepted the arguments")
 
 
+def _product(kernel: cpu_kernels.Library, x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int,
+             max_rows: int | None, lay: tuple[int, int] | None = None):
+    """What :func:`linear` and :func:`q8_linear` check before a product (shapes, dtypes, devices, never values):
+    ``(library, layout, x made contiguous, y = an empty float32 [M, N])``, or None when ``kernel`` does not take it
+    (``x`` not a float32 ``[M, row_len]`` CPU tensor with ``1 <= M <= max_rows`` (None: any M), autograd on ``x``,
+    ``raw`` not a kernel layout, the library not available)."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] < 1
+            or max_rows is not None and x.shape[0] > max_rows or x.shape[1] != row_len
+            or torch.is_grad_enabled() and x.requires_grad):
+        return None
+    if lay is None:
+        lay = layout(raw, qtype, row_len)
+    lib = kernel.get() if lay is not None else None
+    if lib is None:
+        return None
+    return lib, lay, x.contiguous(), torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
+
+
 def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int,
            lay: tuple[int, int] | None = None) -> torch.Tensor | None:
     """``x @ dequant(W).T`` for ``W`` the packed ``[N, row_len]`` matrix in ``raw``; None when the kernel cannot.
@@ -167,17 +149,11 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int,
     Returns:
         float32 ``[M, N]`` (a new tensor), or None.
     """
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS
-            or x.shape[1] != row_len or torch.is_grad_enabled() and x.requires_grad):
+    call = _product(PACKED, x, raw, qtype, row_len, MAX_ROWS, lay)
+    if call is None:
         return None
-    if lay is None:
-        lay = layout(raw, qtype, row_len)
-    lib = _get() if lay is not None else None
-    if lib is None:
-        return None
-    x = x.contiguous()
-    m, n = x.shape[0], raw.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    lib, lay, x, y = call
+    m, n = y.shape
     _check(lib.g4h_qlinear(lay[0], raw.data_ptr(), lay[1], n, row_len, x.data_ptr(), m, y.data_ptr(),
                            cpu_kernels.threads()), f"{qtype} linear [{m}, {row_len}] x [{n}, {row_len}]")
     return y
@@ -229,42 +205,18 @@ torch (:mod:`fast.q8_compute`)."""
 Q8_MAX_ROWS = 64
 """Largest ``M`` one call of ``g4h_q8_linear`` takes (:func:`q8_linear` cuts larger ones)."""
 
-_q8_lib = None
-_q8_state = "unloaded"  # unloaded | ready | unavailable
-
-
-def bind_q8(path: Path | str) -> ctypes.CDLL:
-    """Load a built ``linear_q8`` library and declare its functions (also used by the tests).
-
-    Raises: OSError when the file cannot be loaded; AttributeError when a symbol is missing.
-    """
-    lib = ctypes.CDLL(str(path))
-    P, L, N = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.g4h_q8_linear.argtypes = [N, P, L, L, L, P, L, P, N]
-    lib.g4h_q8_quantize.argtypes = [P, L, L, P, P]
-    lib.g4h_q8_force_isa.argtypes = [N]
-    lib.g4h_q8_isa.argtypes = []
-    for fn in (lib.g4h_q8_linear, lib.g4h_q8_quantize, lib.g4h_q8_force_isa, lib.g4h_q8_isa):
-        fn.restype = N
-    return lib
-
-
-def _q8():
-    """The loaded ``linear_q8`` library, or None (no compiler, a failed build, ``G4H_CPU_KERNEL=0``)."""
-    global _q8_lib, _q8_state
-    if _q8_state == "unloaded":
-        _q8_state = "unavailable"
-        if os.environ.get("G4H_CPU_KERNEL", "1") != "0":
-            try:
-                _q8_lib, _q8_state = bind_q8(cpu_kernels.build(source=Q8_SOURCE, flags=FLAGS, libs=LIBS)), "ready"
-            except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError):
-                pass
-    return _q8_lib if _q8_state == "ready" and not _off else None
+Q8 = cpu_kernels.Library(Q8_SOURCE, FLAGS, LIBS, {"g4h_q8_linear": ([_I, _P, _L, _L, _L, _P, _L, _P, _I], _I),
+                                                 "g4h_q8_quantize": ([_P, _L, _L, _P, _P], _I),
+                                                 "g4h_q8_force_isa": ([_I], _I),
+                                                 "g4h_q8_isa": ([], _I)})
+"""``csrc/linear_q8.c`` (:func:`q8_linear`, :func:`q8_quantize`)."""
+bind_q8 = Q8.bind
+"""Load a built ``linear_q8`` library and declare its functions (also used by the tests)."""
 
 
 def q8_isa() -> int | None:
     """The path :func:`q8_linear` takes here: 512 (AVX-512 VNNI), 256 (AVX2), 0 (plain C); None when not built."""
-    lib = _q8()
+    lib = Q8.get()
     return None if lib is None else int(lib.g4h_q8_isa())
 
 
@@ -284,16 +236,11 @@ def q8_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> t
         float32 ``[M, N]``, or None (another type or device, not float32, autograd, no compiler).
     """
     num = Q8_TYPES.get(qtype)
-    if (num is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] < 1
-            or x.shape[1] != row_len or torch.is_grad_enabled() and x.requires_grad):
+    call = None if num is None else _product(Q8, x, raw, qtype, row_len, None)
+    if call is None:
         return None
-    lay = layout(raw, qtype, row_len)
-    lib = _q8() if lay is not None else None
-    if lib is None:
-        return None
-    x = x.contiguous()
-    m, n = x.shape[0], raw.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    lib, lay, x, y = call
+    m, n = y.shape
     for a in range(0, m, Q8_MAX_ROWS):
         b = min(m, a + Q8_MAX_ROWS)
         _check(lib.g4h_q8_linear(num, raw.data_ptr(), lay[1], n, row_len, x[a:b].data_ptr(), b - a,
@@ -306,7 +253,7 @@ def q8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kernels' ``block_q8_0`` of the rows of ``x`` (float32 ``[M, K]``, K a multiple of 32, CPU):
     ``(d float32 [M, K/32], q int8 [M, K])``, for the tests against :func:`reference.activation_quants.quantize_q8_0`.
     None when the library is not built."""
-    lib = _q8()
+    lib = Q8.get()
     if lib is None:
         return None
     x = x.to(torch.float32).contiguous()

@@ -163,10 +163,31 @@ def make_fault(kind: str, src: str | Path, dst: str | Path, tensor: str) -> tupl
     raise ValueError(f"unknown fault {kind!r} (known: {', '.join(FAULTS)})")
 
 
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+"""ggml-common.h ``kvalues_iq4nl``: IQ4_NL's 16 levels."""
+
+
+def quantize_iq4_nl(arr: np.ndarray) -> np.ndarray:
+    """float32 ``[..., k]`` (k a multiple of 32) -> IQ4_NL bytes ``[..., k / 32 * 18]`` (ggml-common.h
+    ``block_iq4_nl``: d fp16, qs[16], element j the low nibble of qs[j], j + 16 its high nibble), for test files
+    (gguf.quants has no IQ4_NL quantizer). d is the block's value of largest magnitude over -127 (the first guess of
+    ggml-quants.c ``quantize_row_iq4_nl_impl``; its search for a better d is left out: any finite d makes a valid
+    block), each element the level nearest x / d."""
+    b = np.asarray(arr, dtype=np.float32).reshape(-1, 32)
+    mx = b[np.arange(len(b)), np.abs(b).argmax(1)]
+    d = (mx / -127).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    scaled = np.divide(b, df, out=np.zeros_like(b), where=df != 0)
+    q = np.abs(scaled[..., None] - KVALUES_IQ4NL).argmin(-1).astype(np.uint8)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+    return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 32 * 18)
+
+
 def requantize(src: Path, dst: Path, qtype: str) -> Path:
     """A copy of the F32 GGUF ``src`` whose matrices of whole blocks are stored in ``qtype`` (quantized by
     ``gguf.quants``: Q4_1 and Q5_1, which ``g4h synth`` does not write and the fast tests cannot wait for
-    llama-quantize to be built for); 1-D tensors and matrices of rows that are not whole blocks stay F32."""
+    llama-quantize to be built for; IQ4_NL by :func:`quantize_iq4_nl`); 1-D tensors and matrices of rows that are
+    not whole blocks stay F32."""
     r = gguf.GGUFReader(str(src))
     w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
     for name, f in r.fields.items():
@@ -180,7 +201,8 @@ def requantize(src: Path, dst: Path, qtype: str) -> Path:
         assert t.tensor_type == gguf.GGMLQuantizationType.F32, f"{src}: {t.name} is not F32"
         arr = np.array(t.data, dtype=np.float32)
         if arr.ndim >= 2 and arr.shape[-1] % block == 0:
-            w.add_tensor(t.name, gguf.quants.quantize(arr, q), raw_dtype=q)
+            data = quantize_iq4_nl(arr) if qtype == "IQ4_NL" else gguf.quants.quantize(arr, q)
+            w.add_tensor(t.name, data, raw_dtype=q)
         else:
             w.add_tensor(t.name, arr)
     w.write_header_to_file()

@@ -57,6 +57,7 @@ SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
     "Q4_K": (0, 2),      # d, dmin, scales[12], qs[128]
     "Q5_K": (0, 2),      # d, dmin, scales[12], qh[32], qs[128]
     "Q6_K": (208,),      # ql[128], qh[64], scales[16], d
+    "IQ4_NL": (0,),      # d, qs[16]
 }
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": None}
 
@@ -145,7 +146,8 @@ def _edge_data(cols: int, rng: np.random.Generator) -> np.ndarray:
 
 def test_supported_set():
     assert SUPPORTED == frozenset(
-        {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
+        {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+         "IQ4_NL"})
     for name in SUPPORTED:
         assert block_layout(name) == _sizes(name)
 
@@ -200,6 +202,59 @@ def test_random_bytes_including_nan_and_inf_scales(name, device):
     assert torch.equal(torch.isnan(got), torch.isnan(ref))
     keep = ~torch.isnan(ref)
     assert torch.equal(got[keep].view(torch.int32), ref[keep].view(torch.int32))
+
+
+KVALUES_IQ4NL = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+"""ggml-common.h ``kvalues_iq4nl``, written out here (not imported) so that the test reads the format on its own."""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_iq4_nl_blocks_built_by_hand(device):
+    """IQ4_NL blocks built by hand from ggml-common.h (``block_iq4_nl``: d f16, qs[16]; y[j] the low nibble of qs[j],
+    y[j + 16] its high nibble, each an index into ``kvalues_iq4nl``; ggml-quants.c ``dequantize_row_iq4_nl``:
+    ``d * kvalues_iq4nl[q]``): every level at both nibble positions, under scales 1, -0.5, 0.1, the smallest fp16
+    subnormal, 0 and 65504. fast's decoder gives gguf.quants' values (the reference's dequantization,
+    reference/weights.py) bit for bit, and both are the formula written out in float32."""
+    ds = np.array([1.0, -0.5, 0.1, 6e-8, 0.0, 65504.0], dtype=np.float16)
+    qs = np.array([j | (15 - j) << 4 for j in range(16)], dtype=np.uint8)
+    raw = np.concatenate([np.concatenate([d.reshape(1).view(np.uint8), qs]) for d in ds]).reshape(2, 3 * 18)
+    levels = np.array(KVALUES_IQ4NL + KVALUES_IQ4NL[::-1], dtype=np.float32)
+    want = np.stack([np.float32(d) * levels for d in ds.astype(np.float32)]).reshape(2, 96)
+    ref = _ref(raw, "IQ4_NL")
+    assert np.array_equal(ref.numpy().view(np.uint32), want.view(np.uint32))
+    _assert_bit_equal(_ours(raw, "IQ4_NL", (2, 96), device), ref)
+    qt = QuantizedTensor(torch.from_numpy(raw.copy()).to(device), "IQ4_NL", (2, 96))
+    _assert_bit_equal(qt.dequantize().cpu(), ref)
+
+
+def test_an_iq4_nl_gguf_loads_in_fast_as_in_the_reference(tmp_path):
+    """The e2b case's F32 file with its matrices in IQ4_NL (tests/quant_faults.py ``requantize``): the fast engine
+    loads it (before, it refused the type), keeps the matrices packed, each decodes bit for bit to what the
+    reference's loader (gguf.quants) gives, and the logits lie within the reference~fast gate of the reference's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from quant_faults import requantize
+
+    from gemma4_harness.harness import synth
+    from gemma4_harness.harness.core.cases import MODELS_DIR
+    from gemma4_harness.harness.core.gates import resolve
+    from gemma4_harness.harness.engines.fast import FastEngine
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.reference.weights import load_gguf
+
+    path = requantize(synth.ensure_built(MODELS_DIR / "e2b.toml").gguf["F32"], tmp_path / "e2b-IQ4_NL.gguf", "IQ4_NL")
+    fast = FastEngine(str(path), device="cpu")
+    _, W = load_gguf(path)
+    packed = {n: t for n, t in fast.model.w.t.items() if isinstance(t, QuantizedTensor)}
+    assert packed and all(t.qtype.name == "IQ4_NL" for t in packed.values())
+    for name, t in packed.items():
+        _assert_bit_equal(t.dequantize(), torch.from_numpy(np.asarray(W.raw(name), dtype=np.float32)))
+    ids = [2, 17, 301, 5, 99, 410]
+    gate = resolve({}, "e2b")["reference~fast.max_abs_logit"]
+    diff = float(np.max(np.abs(fast.logits(ids) - ReferenceEngine(str(path)).logits(ids))))
+    assert gate.check(diff), diff
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q4_K", "Q6_K", "F16"])
@@ -299,7 +354,7 @@ def test_empty_tensor():
     assert out.shape == (0, 256) and out.dtype == torch.float32
 
 
-@pytest.mark.parametrize("bad", ["IQ2_XXS", "TQ1_0", "MXFP4", "Q8_1", "bogus", T.IQ4_NL, 9999])
+@pytest.mark.parametrize("bad", ["IQ2_XXS", "TQ1_0", "MXFP4", "Q8_1", "bogus", T.IQ4_XS, 9999])
 def test_unsupported_type_is_a_value_error_listing_supported(bad):
     with pytest.raises(ValueError, match=r"is not supported by fast dequantization \(supported: F32, F16, .*Q6_K"):
         dequantize(torch.zeros(64, dtype=torch.uint8), bad, (1, 32))
@@ -410,7 +465,7 @@ def test_quantized_tensor_from_numpy_and_from_gguf(tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q3_K", "F16", "BF16", "F32"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q3_K", "IQ4_NL", "F16", "BF16", "F32"])
 @pytest.mark.parametrize("chunk_rows", [None, 1, 7, 1000])
 def test_linear_matches_dense(name, chunk_rows, device):
     qt = _qt(name, rows=37, blocks_per_row=2 if _sizes(name)[0] > 1 else 96, seed=2, device=device)

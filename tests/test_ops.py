@@ -471,12 +471,8 @@ def test_rms_norm_gives_its_defined_bits_on_the_cpu_and_the_fused_formulas_elsew
             ref = rm.rms_norm(x.double().numpy(), None if weight is None else weight.double().numpy(), 1e-6)
             # x * s, then * w: two float32 roundings and the scale's own, each at most half an ulp
             assert np.max(np.abs(got.double().numpy() - ref) / np.maximum(np.abs(ref), 1e-30)) <= 1.5 * 2.0 ** -23
-            saved = cpu_kernels._rows_state
-            cpu_kernels._rows_state = "unavailable"
-            try:
+            with cpu_kernels.ROWS.disabled():
                 fused = rms_norm(x, weight, 1e-6)
-            finally:
-                cpu_kernels._rows_state = saved
             written = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
             if weight is not None:
                 written = written * weight

@@ -19,6 +19,7 @@ scale fields, as in ``tests/test_fast_quants.py``.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -274,6 +275,26 @@ def test_vector_paths_give_the_same_bits(define):
         assert lib.g4h_qdequant_rows(qk.TYPES[name], qt.raw.data_ptr(), qt.raw.shape[1], qt.row_len, 0, 23,
                                      rows.data_ptr(), 1) == 0
         _assert_bit_equal(rows, _gguf_rows(qt.raw.numpy(), name))
+
+
+@needs_kernel
+def test_an_edited_header_rebuilds_both_packed_kernels(tmp_path, monkeypatch):
+    """``fast/csrc/fp16.h`` (the fp16 conversions) is compiled into ``linear_quant.c`` and ``linear_q8.c``: the build
+    cache is keyed by its bytes (:func:`fast.cpu_kernels.library_path`), so after an edit both kernels get a new
+    library rather than the one built before (here the edit is an ``#error``: both builds then fail)."""
+    monkeypatch.setenv("G4H_CACHE", str(tmp_path / "cache"))
+    csrc = tmp_path / "csrc"
+    shutil.copytree(qk.SOURCE.parent, csrc)
+    sources = [csrc / qk.SOURCE.name, csrc / qk.Q8_SOURCE.name]
+    before = [cpu_kernels.library_path(s, qk.FLAGS, qk.LIBS) for s in sources]
+    assert before == [cpu_kernels.library_path(s, qk.FLAGS, qk.LIBS) for s in sources]  # the key is stable
+    header = csrc / "fp16.h"
+    header.write_text(header.read_text() + "\n#error fp16.h edited\n")
+    after = [cpu_kernels.library_path(s, qk.FLAGS, qk.LIBS) for s in sources]
+    assert all(a != b for a, b in zip(before, after)), (before, after)
+    for source in sources:
+        with pytest.raises(RuntimeError, match=f"failed on {source.name}"):
+            cpu_kernels.build(source=source, flags=qk.FLAGS, libs=qk.LIBS)
 
 
 # --------------------------------------------------------------------------- fallbacks and errors

@@ -47,7 +47,7 @@ def test_wheel_holds_the_case_library_kernel_sources_and_entry_points(wheel):
     extra = sorted(n for n in names if n.startswith(bundled) and n[len(bundled):] not in cases)
     assert not extra, f"files in the wheel's case library that cases/ does not hold: {extra[:10]}"
     csrc = {p.name for p in (REPO / "fast" / "csrc").iterdir() if p.suffix in (".c", ".h")}
-    assert {"linear_quant.c", "linear_f32.c", "workpool.h"} <= csrc
+    assert {"linear_quant.c", "linear_q8.c", "linear_f32.c", "rows_f32.c", "workpool.h", "fp16.h"} <= csrc
     assert {f"gemma4_harness/fast/csrc/{n}" for n in csrc} <= names
     meta = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     entry = zipfile.ZipFile(wheel).read(meta).decode()

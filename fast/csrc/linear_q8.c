@@ -28,7 +28,10 @@
  * ISA paths, chosen at run time (__builtin_cpu_supports): AVX-512 VNNI (_mm512_dpbusd_epi32 over two blocks at
  * once: lanes 0-7 block b, 8-15 block b+1, the accumulator's layout; the weights' signed integers through
  * ggml's sign trick, |w| times q with w's sign; at M >= 2 two rows of W at a time, so that each activation vector
- * is loaded once for both), AVX2 (_mm256_maddubs_epi16 / _mm256_madd_epi16, two __m256 accumulators), or plain C.
+ * is loaded once for both; one function per (rows of W, rows of x), V5_ROWS; a last odd block goes through the
+ * AVX2 path's operations on lanes 0-7, the same integers), AVX2 (_mm256_maddubs_epi16 / _mm256_madd_epi16, two __m256
+ * accumulators), or plain C. The AVX2 helpers (a2_*) are inlined into the VNNI functions (a function may inline one
+ * whose target is a subset of its own; the objects show no call).
  * g4h_q8_force_isa() caps the choice (the tests compare the paths). Compiled with -ffp-contract=off: the only fused
  * multiply-adds are the explicit ones.
  * Threads: workpool.h, runs of ~128 KB of packed rows, each row whole (one sequential stream: cutting K in L1-sized
@@ -40,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp16.h"
 #include "workpool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -49,49 +53,6 @@
 
 #define QK 32
 #define MAX_M 64
-
-/* ------------------------------------------------------------------ fp16 <-> fp32, exact and portable */
-
-static uint16_t f32_to_f16(float f) { /* round to nearest even; overflow to infinity; NaN stays NaN (quiet) */
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu, m = x & 0x7fffffu;
-    if (e == 0xffu) return (uint16_t)(sign | 0x7c00u | (m ? 0x200u | (m >> 13) : 0u));
-    int he = (int)e - 127 + 15;
-    if (he >= 31) return (uint16_t)(sign | 0x7c00u);
-    if (he <= 0) { /* fp16 subnormal (or zero): units of 2^-24 */
-        if (e == 0) return (uint16_t)sign; /* fp32 zero or subnormal: far below 2^-25 */
-        int shift = 14 - he;
-        if (shift > 24) return (uint16_t)sign;
-        m |= 0x800000u;
-        uint32_t r = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (r & 1u))) r++;
-        return (uint16_t)(sign | r);
-    }
-    uint32_t r = ((uint32_t)he << 10) | (m >> 13), rem = m & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++; /* a carry into the exponent is right (up to inf) */
-    return (uint16_t)(sign | r);
-}
-
-static float f16_to_f32(uint16_t h) {
-    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
-    if (e == 0 && m == 0) {
-        bits = s;
-    } else if (e == 0) {
-        e = 113;
-        while (!(m & 0x400u)) { m <<= 1; e--; }
-        bits = s | (e << 23) | ((m & 0x3ffu) << 13);
-    } else if (e == 31) {
-        bits = s | 0x7f800000u | (m << 13);
-    } else {
-        bits = s | ((e + 112) << 23) | (m << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline float ld_f16(const uint8_t *p) { return f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
 
 /* ------------------------------------------------------------------ the activation rows, quantized once per call */
 
@@ -109,7 +70,7 @@ static void quantize_row(const float *x, long K, int8_t *q, float *d, int32_t *s
             float a = fabsf(x[j]);
             amax = a > amax ? a : amax;
         }
-        d[b] = f16_to_f32(f32_to_f16(amax / 127.0f));
+        d[b] = g4h_f16_to_f32(g4h_f32_to_f16(amax / 127.0f));
         const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
         for (int j = 0; j < QK; j++) {
             float v = rintf(x[j] * id); /* the default rounding mode: nearest even, as _MM_ROUND_NEAREST */
@@ -151,8 +112,29 @@ static inline float tree16(const float *a) {
     return d[0] + d[1];
 }
 
-static void row_generic(int type, long ts, const uint8_t *w, long nb, const xq_t *x, long K, long M, float *y,
-                        long ldy) {
+/* A row function: rows of W from w (R of them, rb bytes apart: the VNNI path's pairs; 1 elsewhere) against the M
+ * rows of x, into y[m * ldy + r]. */
+typedef void (*row_fn)(int type, long ts, const uint8_t *w, long rb, long nb, const xq_t *x, long K, long M, float *y,
+                       long ldy);
+/* The register blocks of a path: F##MB computes MB rows of x from m0 (the same arguments as a row function, m0 for
+ * M). BLOCKS_N dispatches the rows of x to them in blocks of up to N rows, through a switch rather than a table of
+ * pointers, so that the compiler may inline the small blocks into the loop (one dispatch per row of W). */
+#define BLOCK_CALL(F, MB) F##MB(type, ts, w, rb, nb, x, K, m0, y, ldy)
+#define BLOCK_CASE(F, MB) \
+    case MB: BLOCK_CALL(F, MB); break;
+#define BLOCKS_4(F)                                                                                     \
+    for (long m0 = 0; m0 < M; m0 += 4) switch (M - m0 < 4 ? M - m0 : 4) {                              \
+        BLOCK_CASE(F, 1) BLOCK_CASE(F, 2) BLOCK_CASE(F, 3) default: BLOCK_CALL(F, 4);                   \
+        }
+#define BLOCKS_8(F)                                                                                     \
+    for (long m0 = 0; m0 < M; m0 += 8) switch (M - m0 < 8 ? M - m0 : 8) {                              \
+        BLOCK_CASE(F, 1) BLOCK_CASE(F, 2) BLOCK_CASE(F, 3) BLOCK_CASE(F, 4)                             \
+        BLOCK_CASE(F, 5) BLOCK_CASE(F, 6) BLOCK_CASE(F, 7) default: BLOCK_CALL(F, 8);                   \
+        }
+
+static void row_generic(int type, long ts, const uint8_t *w, long rb, long nb, const xq_t *x, long K, long M,
+                        float *y, long ldy) {
+    (void)rb;
     float acc[MAX_M][16];
     for (long m = 0; m < M; m++)
         for (int l = 0; l < 16; l++) acc[m][l] = 0.0f;
@@ -160,7 +142,7 @@ static void row_generic(int type, long ts, const uint8_t *w, long nb, const xq_t
         int32_t wv[QK];
         const uint8_t *blk = w + b * ts;
         const int off = decode_block(type, blk, wv);
-        const float dw = ld_f16(blk);
+        const float dw = g4h_f16_load(blk);
         const int base = (b & 1) ? 8 : 0;
         for (long m = 0; m < M; m++) {
             const int8_t *q = x->q + m * K + b * QK;
@@ -178,7 +160,7 @@ static void row_generic(int type, long ts, const uint8_t *w, long nb, const xq_t
 }
 
 #if defined(Q8_X86)
-/* ------------------------------------------------------------------ AVX2 */
+/* ------------------------------------------------------------------ AVX2 (its helpers also serve the VNNI path) */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
@@ -223,9 +205,30 @@ static inline float a2_tree(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
 }
 
+/* one block of a weight row (w: its integers, aw = |w|, dw: its scale) against the block of an activation row at
+ * q (lane sums s, scale dx): the eight lane sums times dw * dx, fused into the 8-lane accumulator acc (the header's
+ * step 2) */
+static inline __m256 a2_step(int type, __m256i w, __m256i aw, float dw, const int8_t *q, const int32_t *s, float dx,
+                             __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2_dot(type, w, aw, q, s)), _mm256_set1_ps(dw * dx), acc);
+}
+
+/* the last block b of a weight row (at blk) when nb is odd, an even block: accumulator lanes 0-7 (acc[m], for mb
+ * rows of x from m0). The AVX2 operations on every vector path: the VNNI path's v5_last passes its lanes 0-7. */
+static inline void a2_last(int type, const uint8_t *blk, const xq_t *x, long K, long nb, long b, long m0, int mb,
+                           __m256 *acc) {
+    const __m256i w0 = a2_decode(type, blk), aw0 = _mm256_sign_epi8(w0, w0);
+    const float d0 = a2_f16(blk);
+    _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++) {
+        const long r = m0 + m;
+        acc[m] = a2_step(type, w0, aw0, d0, x->q + r * K + b * QK, x->s + (r * nb + b) * 8, x->d[r * nb + b], acc[m]);
+    }
+}
+
 #define A2_ROW(MB)                                                                                            \
-    static void a2_row_##MB(int type, long ts, const uint8_t *w, long nb, const xq_t *x, long K, long m0,     \
-                            float *y, long ldy) {                                                             \
+    static void a2_row_##MB(int type, long ts, const uint8_t *w, long rb, long nb, const xq_t *x, long K,     \
+                            long m0, float *y, long ldy) {                                                    \
+        (void)rb;                                                                                             \
         __m256 e[MB], o[MB];                                                                                  \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) e[m] = o[m] = _mm256_setzero_ps();                \
         long b = 0;                                                                                           \
@@ -245,32 +248,14 @@ static inline float a2_tree(__m256 lo, __m256 hi) {
                 o[m] = _mm256_fmadd_ps(v1, _mm256_set1_ps(d1 * dx[1]), o[m]);                                 \
             }                                                                                                 \
         }                                                                                                     \
-        if (b < nb) {                                                                                         \
-            const uint8_t *b0 = w + b * ts;                                                                   \
-            __m256i w0 = a2_decode(type, b0), aw0 = _mm256_sign_epi8(w0, w0);                                 \
-            const float d0 = a2_f16(b0);                                                                      \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                            \
-                const long r = m0 + m;                                                                        \
-                __m256 v0 = _mm256_cvtepi32_ps(                                                               \
-                    a2_dot(type, w0, aw0, x->q + r * K + b * QK, x->s + (r * nb + b) * 8));                   \
-                e[m] = _mm256_fmadd_ps(v0, _mm256_set1_ps(d0 * x->d[r * nb + b]), e[m]);                      \
-            }                                                                                                 \
-        }                                                                                                     \
+        if (b < nb) a2_last(type, w + b * ts, x, K, nb, b, m0, MB, e);                                        \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] = a2_tree(e[m], o[m]);         \
     }
 A2_ROW(1) A2_ROW(2) A2_ROW(3) A2_ROW(4)
 
-static void row_avx2(int type, long ts, const uint8_t *w, long nb, const xq_t *x, long K, long M, float *y,
+static void row_avx2(int type, long ts, const uint8_t *w, long rb, long nb, const xq_t *x, long K, long M, float *y,
                      long ldy) {
-    for (long m0 = 0; m0 < M; m0 += 4) {
-        const long mb = M - m0 < 4 ? M - m0 : 4;
-        switch (mb) {
-        case 1: a2_row_1(type, ts, w, nb, x, K, m0, y, ldy); break;
-        case 2: a2_row_2(type, ts, w, nb, x, K, m0, y, ldy); break;
-        case 3: a2_row_3(type, ts, w, nb, x, K, m0, y, ldy); break;
-        default: a2_row_4(type, ts, w, nb, x, K, m0, y, ldy); break;
-        }
-    }
+    BLOCKS_4(a2_row_)
 }
 #pragma GCC pop_options
 
@@ -298,27 +283,14 @@ static inline __m512i v5_decode2(int type, const uint8_t *b0, const uint8_t *b1)
                            _mm512_set1_epi8(16)); /* (n | h << 4) - 16 */
 }
 
+/* the lane tree of the header over a 16-lane accumulator (lanes 0-7 low half, 8-15 high half) */
 static inline float v5_tree(__m512 a) {
-    __m256 lo = _mm512_castps512_ps256(a), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-    __m256 b = _mm256_add_ps(lo, hi);
-    __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-    __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+    return a2_tree(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
-static inline float v5_f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-/* sums of two blocks of one activation row: 16 int32 lanes */
-/* |w| times q with w's sign (_mm256_sign_epi8's trick, as ggml's mul_sum_i8_pairs: w = 0 gives 0 either way):
- * the 16 int32 lane sums of two blocks; w holds the weights' signed integers (every type) */
-static inline __m512i v5_dot2(__m512i aw, __mmask64 neg, const int8_t *q) {
-    __m512i y = _mm512_loadu_si512((const void *)q);
-    __m512i sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sy);
+/* the scales of two weight blocks as [d0 x 8, d1 x 8] */
+static inline __m512 v5_scales(const uint8_t *b0, const uint8_t *b1) {
+    return _mm512_insertf32x8(_mm512_set1_ps(a2_f16(b0)), _mm256_set1_ps(a2_f16(b1)), 1);
 }
 
 /* [d0 x 8, d1 x 8] from two consecutive floats */
@@ -327,153 +299,74 @@ static inline __m512 v5_pair(const float *d) {
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)d))));
 }
 
-#define V5_ROW(MB)                                                                                            \
-    static void v5_row_##MB(int type, long ts, const uint8_t *w, long nb, const xq_t *x, long K, long m0,     \
-                            float *y, long ldy) {                                                             \
-        __m512 a[MB];                                                                                         \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) a[m] = _mm512_setzero_ps();                       \
+/* y with the signs of w (neg: w's sign bits): _mm256_sign_epi8's trick, as ggml's mul_sum_i8_pairs, so that |w|
+ * times it is w times y (w = 0 gives 0 either way) */
+static inline __m512i v5_sign(__m512i y, __mmask64 neg) { return _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y); }
+
+/* two blocks of |w| (aw) against two blocks of y signed by v5_sign (sy), summed in 16 int32 lanes, times
+ * d_w * d_x (dw: v5_scales, dx: v5_pair), fused into acc */
+static inline __m512 v5_step(__m512i aw, __m512i sy, __m512 dw, __m512 dx, __m512 acc) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sy)),
+                           _mm512_mul_ps(dw, dx), acc);
+}
+
+/* a2_last on lanes 0-7 of 16-lane accumulators */
+static inline void v5_last(int type, const uint8_t *blk, const xq_t *x, long K, long nb, long b, long m0, int mb,
+                           __m512 *acc) {
+    __m256 lo[8];
+    _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++) lo[m] = _mm512_castps512_ps256(acc[m]);
+    a2_last(type, blk, x, K, nb, b, m0, mb, lo);
+    _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++) acc[m] = _mm512_insertf32x8(acc[m], lo[m], 0);
+}
+
+/* R rows of W (at w, w + rb) against MB rows of x from m0, into y[., 0 .. R-1]: blocks two at a time (lanes 0-7
+ * block b, 8-15 block b + 1); with R = 2 each activation vector is loaded once for both rows (the activations, not
+ * the weights, are most of the bytes read at M >= 2). Each output's operations do not depend on R. */
+#define V5_ROWS(R, MB)                                                                                        \
+    static void v5_rows_##R##_##MB(int type, long ts, const uint8_t *w, long rb, long nb, const xq_t *x,      \
+                                   long K, long m0, float *y, long ldy) {                                     \
+        __m512 a[R][MB];                                                                                      \
+        _Pragma("GCC unroll 2") for (int h = 0; h < R; h++)                                                   \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) a[h][m] = _mm512_setzero_ps();               \
         long b = 0;                                                                                           \
         for (; b + 1 < nb; b += 2) {                                                                          \
-            const uint8_t *b0 = w + b * ts, *b1 = b0 + ts;                                                    \
-            __m512i wv = v5_decode2(type, b0, b1);                                                            \
-            __m512i aw = _mm512_abs_epi8(wv);                                                                 \
-            __mmask64 neg = _mm512_movepi8_mask(wv);                                                          \
-            const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(v5_f16(b0)), _mm256_set1_ps(v5_f16(b1)), 1);   \
+            const uint8_t *p0 = w + b * ts, *p1 = p0 + ts, *u0 = p0 + (R - 1) * rb, *u1 = u0 + ts; /* u: R = 2 */ \
+            const __m512i wv = v5_decode2(type, p0, p1), uv = R > 1 ? v5_decode2(type, u0, u1) : wv;          \
+            const __m512i aw = _mm512_abs_epi8(wv), au = _mm512_abs_epi8(uv);                                 \
+            const __mmask64 nw = _mm512_movepi8_mask(wv), nu = _mm512_movepi8_mask(uv);                       \
+            const __m512 dw = v5_scales(p0, p1), du = v5_scales(u0, u1);                                      \
             _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                            \
                 const long r = m0 + m;                                                                        \
-                __m512 v = _mm512_cvtepi32_ps(v5_dot2(aw, neg, x->q + r * K + b * QK));                       \
-                a[m] = _mm512_fmadd_ps(v, _mm512_mul_ps(dw, v5_pair(x->d + r * nb + b)), a[m]);               \
-            }                                                                                                 \
-        }                                                                                                     \
-        if (b < nb) { /* the last, even block: lanes 0-7 (the AVX2 path's, in 256 bits) */                     \
-            const uint8_t *b0 = w + b * ts;                                                                   \
-            __m256i w0 = a2_decode(type, b0), aw0 = _mm256_sign_epi8(w0, w0);                                 \
-            const float d0 = v5_f16(b0);                                                                      \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                            \
-                const long r = m0 + m;                                                                        \
-                __m256 v0 = _mm256_cvtepi32_ps(                                                               \
-                    a2_dot(type, w0, aw0, x->q + r * K + b * QK, x->s + (r * nb + b) * 8));                   \
-                __m256 lo = _mm256_fmadd_ps(v0, _mm256_set1_ps(d0 * x->d[r * nb + b]),                        \
-                                            _mm512_castps512_ps256(a[m]));                                    \
-                a[m] = _mm512_insertf32x8(a[m], lo, 0);                                                       \
-            }                                                                                                 \
-        }                                                                                                     \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] = v5_tree(a[m]);               \
-    }
-
-/* the AVX2 helpers again, compiled for this target (a function may not inline one of another target) */
-#define a2_decode a5_decode
-#define a2_dot a5_dot
-static inline __m256i a5_decode(int type, const uint8_t *b) {
-    if (type == 8) return _mm256_loadu_si256((const __m256i *)(b + 2));
-    const uint8_t *qs = b + (type == 2 ? 2 : 6);
-    __m128i t = _mm_loadu_si128((const __m128i *)qs);
-    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(15));
-    if (type == 2) return v;
-    uint32_t qh;
-    memcpy(&qh, b + 2, 4);
-    return _mm256_or_si256(v, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10)));
-}
-static inline __m256i a5_dot(int type, __m256i w, __m256i aw, const int8_t *q, const int32_t *s) {
-    __m256i y = _mm256_loadu_si256((const __m256i *)q);
-    if (type == 8) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(y, w));
-    __m256i c = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)s), type == 2 ? 3 : 4);
-    return _mm256_dpbusd_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), c), w, y);
-}
-V5_ROW(1) V5_ROW(2) V5_ROW(3) V5_ROW(4) V5_ROW(5) V5_ROW(6) V5_ROW(7) V5_ROW(8)
-#undef a2_decode
-#undef a2_dot
-
-/* two weight rows (w, w + rb) at once against MB activation rows: each activation vector loaded once for both
- * (the activations, not the weights, are most of the bytes read at M >= 2); each output's operations as V5_ROW */
-#define V5_ROW2(MB)                                                                                           \
-    static void v5_row2_##MB(int type, long ts, const uint8_t *w, long rb, long nb, const xq_t *x, long K,    \
-                             long m0, float *y, long ldy) {                                                   \
-        __m512 a[MB], c[MB];                                                                                  \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) a[m] = c[m] = _mm512_setzero_ps();                \
-        long b = 0;                                                                                           \
-        for (; b + 1 < nb; b += 2) {                                                                          \
-            const uint8_t *p0 = w + b * ts, *p1 = p0 + ts, *u0 = p0 + rb, *u1 = u0 + ts;                      \
-            __m512i wv = v5_decode2(type, p0, p1), uv = v5_decode2(type, u0, u1);                             \
-            __m512i aw = _mm512_abs_epi8(wv), au = _mm512_abs_epi8(uv);                                       \
-            __mmask64 nw = _mm512_movepi8_mask(wv), nu = _mm512_movepi8_mask(uv);                             \
-            const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(v5_f16(p0)), _mm256_set1_ps(v5_f16(p1)), 1);   \
-            const __m512 du = _mm512_insertf32x8(_mm512_set1_ps(v5_f16(u0)), _mm256_set1_ps(v5_f16(u1)), 1);   \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                            \
-                const long r = m0 + m;                                                                        \
-                const __m512i y_ = _mm512_loadu_si512((const void *)(x->q + r * K + b * QK));                \
+                const __m512i q = _mm512_loadu_si512((const void *)(x->q + r * K + b * QK));                  \
                 const __m512 dx = v5_pair(x->d + r * nb + b);                                                 \
-                __m512i sw = _mm512_mask_sub_epi8(y_, nw, _mm512_setzero_si512(), y_);                        \
-                __m512i su = _mm512_mask_sub_epi8(y_, nu, _mm512_setzero_si512(), y_);                        \
-                a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sw)), \
-                                       _mm512_mul_ps(dw, dx), a[m]);                                          \
-                c[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), au, su)), \
-                                       _mm512_mul_ps(du, dx), c[m]);                                          \
+                const __m512i sw = v5_sign(q, nw), su = R > 1 ? v5_sign(q, nu) : sw;                           \
+                a[0][m] = v5_step(aw, sw, dw, dx, a[0][m]);                                                   \
+                if (R > 1) a[R - 1][m] = v5_step(au, su, du, dx, a[R - 1][m]);                                \
             }                                                                                                 \
         }                                                                                                     \
-        if (b < nb) {                                                                                         \
-            for (int h = 0; h < 2; h++) {                                                                     \
-                const uint8_t *p0 = w + h * rb + b * ts;                                                      \
-                __m256i w0 = a5_decode(type, p0), aw0 = _mm256_sign_epi8(w0, w0);                             \
-                const float d0 = v5_f16(p0);                                                                  \
-                _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                        \
-                    const long r = m0 + m;                                                                    \
-                    __m512 *t = h ? &c[m] : &a[m];                                                            \
-                    __m256 v0 = _mm256_cvtepi32_ps(                                                           \
-                        a5_dot(type, w0, aw0, x->q + r * K + b * QK, x->s + (r * nb + b) * 8));               \
-                    __m256 lo = _mm256_fmadd_ps(v0, _mm256_set1_ps(d0 * x->d[r * nb + b]),                    \
-                                                _mm512_castps512_ps256(*t));                                  \
-                    *t = _mm512_insertf32x8(*t, lo, 0);                                                       \
-                }                                                                                             \
-            }                                                                                                 \
-        }                                                                                                     \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                                \
-            y[(m0 + m) * ldy] = v5_tree(a[m]);                                                                \
-            y[(m0 + m) * ldy + 1] = v5_tree(c[m]);                                                            \
-        }                                                                                                     \
+        if (b < nb)                                                                                           \
+            _Pragma("GCC unroll 2") for (int h = 0; h < R; h++)                                               \
+                v5_last(type, w + h * rb + b * ts, x, K, nb, b, m0, MB, a[h]);                                \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                                  \
+            _Pragma("GCC unroll 2") for (int h = 0; h < R; h++) y[(m0 + m) * ldy + h] = v5_tree(a[h][m]);     \
     }
-V5_ROW2(1) V5_ROW2(2) V5_ROW2(3) V5_ROW2(4) V5_ROW2(5) V5_ROW2(6) V5_ROW2(7) V5_ROW2(8)
+V5_ROWS(1, 1) V5_ROWS(1, 2) V5_ROWS(1, 3) V5_ROWS(1, 4) V5_ROWS(1, 5) V5_ROWS(1, 6) V5_ROWS(1, 7) V5_ROWS(1, 8)
+V5_ROWS(2, 1) V5_ROWS(2, 2) V5_ROWS(2, 3) V5_ROWS(2, 4) V5_ROWS(2, 5) V5_ROWS(2, 6) V5_ROWS(2, 7) V5_ROWS(2, 8)
+
+static void row_vnni(int type, long ts, const uint8_t *w, long rb, long nb, const xq_t *x, long K, long M, float *y,
+                     long ldy) {
+    BLOCKS_8(v5_rows_1_)
+}
 
 /* rows n and n + 1 of W (at w, w + rb) into y[., 0] and y[., 1] */
 static void row2_vnni(int type, long ts, const uint8_t *w, long rb, long nb, const xq_t *x, long K, long M, float *y,
                       long ldy) {
-    for (long m0 = 0; m0 < M; m0 += 8) {
-        const long mb = M - m0 < 8 ? M - m0 : 8;
-        switch (mb) {
-        case 1: v5_row2_1(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
-        case 2: v5_row2_2(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
-        case 3: v5_row2_3(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
-        case 4: v5_row2_4(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
-        case 5: v5_row2_5(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
-        case 6: v5_row2_6(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
-        case 7: v5_row2_7(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
-        default: v5_row2_8(type, ts, w, rb, nb, x, K, m0, y, ldy); break;
-        }
-    }
-}
-
-static void row_vnni(int type, long ts, const uint8_t *w, long nb, const xq_t *x, long K, long M, float *y,
-                     long ldy) {
-    for (long m0 = 0; m0 < M; m0 += 8) {
-        const long mb = M - m0 < 8 ? M - m0 : 8;
-        switch (mb) {
-        case 1: v5_row_1(type, ts, w, nb, x, K, m0, y, ldy); break;
-        case 2: v5_row_2(type, ts, w, nb, x, K, m0, y, ldy); break;
-        case 3: v5_row_3(type, ts, w, nb, x, K, m0, y, ldy); break;
-        case 4: v5_row_4(type, ts, w, nb, x, K, m0, y, ldy); break;
-        case 5: v5_row_5(type, ts, w, nb, x, K, m0, y, ldy); break;
-        case 6: v5_row_6(type, ts, w, nb, x, K, m0, y, ldy); break;
-        case 7: v5_row_7(type, ts, w, nb, x, K, m0, y, ldy); break;
-        default: v5_row_8(type, ts, w, nb, x, K, m0, y, ldy); break;
-        }
-    }
+    BLOCKS_8(v5_rows_2_)
 }
 #pragma GCC pop_options
 #endif
 
 /* ------------------------------------------------------------------ dispatch, threads */
-
-typedef void (*row_fn)(int, long, const uint8_t *, long, const xq_t *, long, long, float *, long);
 
 static int isa_cap = 512;
 
@@ -530,7 +423,7 @@ static void run_rows(void *p, long run, int tid) {
             row2_vnni(j->type, j->ts, j->w + n * j->row_bytes, j->row_bytes, j->nb, j->x, j->K, j->M, j->y + n, j->N);
 #endif
     for (; n < n1; n++)
-        j->row(j->type, j->ts, j->w + n * j->row_bytes, j->nb, j->x, j->K, j->M, j->y + n, j->N);
+        j->row(j->type, j->ts, j->w + n * j->row_bytes, j->row_bytes, j->nb, j->x, j->K, j->M, j->y + n, j->N);
 }
 
 static long type_bytes(int type) { return type == 8 ? 34 : type == 2 ? 18 : type == 6 ? 22 : 0; }
@@ -552,8 +445,9 @@ int g4h_q8_linear(int type, const uint8_t *w, long row_bytes, long N, long K, co
     xq.d = (float *)((uint8_t *)buf + qbytes);
     xq.s = (int32_t *)((uint8_t *)buf + qbytes + dbytes);
     for (long m = 0; m < M; m++) quantize_row(x + m * K, K, xq.q + m * K, xq.d + m * nb, xq.s + m * nb * 8);
+    const int isa = best_isa();
     job_t j = {.type = type, .ts = ts, .nb = nb, .K = K, .M = M, .N = N, .row_bytes = row_bytes, .w = w, .x = &xq,
-               .y = y, .row = row_for(best_isa()), .pairs = best_isa() == 512 && M >= 2};
+               .y = y, .row = row_for(isa), .pairs = isa == 512 && M >= 2};
     j.per_run = 131072 / row_bytes;
     if (j.per_run < 1) j.per_run = 1;
     if ((double)N * K * (M + 3) < (double)(1 << 20)) nthreads = 1;

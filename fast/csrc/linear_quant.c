@@ -44,6 +44,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp16.h"
 #include "workpool.h"
 
 #if !defined(G4H_QK_GENERIC) && !defined(G4H_QK_NO512) && defined(__AVX512F__) && defined(__AVX512BW__) && \
@@ -58,26 +59,12 @@
 
 /* ------------------------------------------------------------------ scalars */
 
+/* the fp16 at p widened (fp16.h's exact conversion, or F16C's: the same bits) */
 static inline float f16_to_f32(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
 #if defined(ISA_AVX512) || defined(ISA_AVX2)
-    return _cvtsh_ss(h);
+    return _cvtsh_ss((uint16_t)(p[0] | (p[1] << 8)));
 #else
-    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
-    if (e == 0 && m == 0) {
-        bits = s;
-    } else if (e == 0) { /* subnormal: m * 2^-24, normalised */
-        e = 113;
-        while (!(m & 0x400u)) { m <<= 1; e--; }
-        bits = s | (e << 23) | ((m & 0x3ffu) << 13);
-    } else if (e == 31) {
-        bits = s | 0x7f800000u | (m << 13);
-    } else {
-        bits = s | ((e + 112) << 23) | (m << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return g4h_f16_load(p);
 #endif
 }
 

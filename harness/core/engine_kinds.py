@@ -119,7 +119,7 @@ class EngineKind:
 
 
 FAST_GGUF_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-                             "Q5_K", "Q6_K"})
+                             "Q5_K", "Q6_K", "IQ4_NL"})
 """GGUF tensor types the fast engine decodes: :data:`fast.quant_blocks.SUPPORTED`, copied here so that reading the
 registry (``g4h inspect``) does not import torch (3-5 s, longer than the header of a 33 GB file takes);
 tests/test_inspect.py checks that the copy equals the original."""
