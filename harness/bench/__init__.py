@@ -23,7 +23,7 @@ import torch
 
 from gemma4_harness.reference.errors import InputError
 
-from ..core.engine_kinds import BENCH, BENCH_ENGINES, KIND
+from ..core.engine_kinds import BENCH_ENGINES, KIND
 from ..core.gates import SPEED_RATIO_MARGIN
 from ..core.io import staged_run_dir
 from ..core.workers import EngineCrashed
@@ -39,6 +39,9 @@ __all__ = ["BenchOptions", "bench"]
 DRAFTED = tuple(b.name for b in BENCH_ENGINES if KIND[b.kind].drafts and not b.variant)
 """The ``--engines`` rows a drafter is timed beside (``--draft-model``): the plain engine of a kind that takes one
 (the fast engine)."""
+
+_WEIGHED = tuple(b.name for b in BENCH_ENGINES if KIND[b.kind].weights and not b.variant)
+"""The plain ``--engines`` rows whose weight mode ``results.json`` records (``fast_weights``: the fast engine)."""
 
 MAX_BATCH = 4096
 """The largest ``--batch`` accepted (the KV cache of every sequence is allocated up front)."""
@@ -156,7 +159,7 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
     data["skipped"] = skipped  # before the report is written: report.md lists them
     if builds:
         data["engine_builds"] = builds
-    modes = sorted({b.weights for b in benches if b.engine in BENCH and KIND[BENCH[b.engine].kind].weights})
+    modes = sorted({b.weights for b in benches if b.engine in _WEIGHED})
     if modes:
         data["fast_weights"] = modes[0]  # packed | dequantized (harness.engines.fast.WEIGHT_MODES)
     status = 0

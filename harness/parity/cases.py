@@ -36,7 +36,7 @@ from gemma4_harness.reference.mm_model import load_multimodal
 
 from .. import synth
 from ..core import engine_kinds
-from ..core.engine_kinds import ORACLE
+from ..core.engine_kinds import ORACLE, TWIN
 from ..core.cases import drafter_spec_for
 from ..core.gates import resolve
 from ..core.hf_assistant import AssistantUnavailable
@@ -307,7 +307,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     contexts: dict[str, tuple[str, int, str]] = {}  # openai:URL -> (its URL, the context it says, where it says it)
     dialects = _probe_servers(against or (), path, o, lambda m: progress(f"[{res.case}] {m}"), contexts)
     unusable = {n for n, d in dialects.items() if d is None}
-    if oracle != ORACLE:  # --oracle fast: one load of the file, for the oracle and what is asked of the reference
+    if oracle == TWIN:  # one load of the file, for the oracle and for what is asked of the reference (see above)
         progress(f"[{res.case}] reading the model")
         # as ReferenceEngine(path) loads it, less the weight cache until fast is built (FastEngine(path): none)
         loaded = load_model(path, layers=o.get("layers"), cache_bytes=0, dequantizer=packed_rows)
@@ -339,7 +339,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     res.info["against"] = names
     res.info["top_n"] = (server or ServerOptions()).top_n
     oracle_engine = None
-    if oracle != ORACLE:
+    if oracle == TWIN:
         progress(f"[{res.case}] loading the oracle: fast in fp32")
         oracle_engine = CheckedEngine(FastEngine.from_model(*loaded, device=o.get("device"), dtype="float32",
                                                             weights=o.get("weights"), compute="exact"), oracle)
