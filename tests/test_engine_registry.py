@@ -110,8 +110,8 @@ def test_memory_plan_engines_are_the_rows():
     assert set(memory.ENGINES) == {"reference", "fast", "transformers", "llamacpp"}
     assert {k.memory_rule for k in ek.KINDS if k.memory_rule} == set(memory.PLAN_RULES)  # no rule unused
     # the rules' flags, as the if-chains had them: torch engines plan on their device; llama.cpp runs apart
-    assert {n for n, r in memory.PLAN_RULES.items() if r.torch} == {"fast", "transformers"}
-    assert {n for n, r in memory.PLAN_RULES.items() if not r.in_process} == {"llamacpp"}
+    assert {n for n, r in memory.PLAN_RULES.items() if r.torch} == {"torch", "hf-torch"}
+    assert {n for n, r in memory.PLAN_RULES.items() if not r.in_process} == {"worker"}
     with pytest.raises(InputError, match=r"memory plan: unknown engine 'cmd' \(expected one of reference, "
                                          r"transformers, fast, llamacpp\)"):
         memory._terms("cmd", None, {})
@@ -188,7 +188,8 @@ def test_engine_facts_outside_the_registry_are_read_from_the_rows():
     from gemma4_harness.harness.parity import skips
     from gemma4_harness.harness.parity.checks import pair
 
-    assert ek.ORACLES == pair.ORACLES == ("reference", "fast")
+    assert ek.ORACLES == ("reference", "fast") and (ek.ORACLE, ek.TWIN) == ("reference", "fast")
+    assert not hasattr(pair, "ORACLES")  # read from the registry, not re-exported (parity.job, cli.parity)
     assert [k.name for k in ek.KINDS if k.drafts] == ["fast"]
     assert {k.name: k.skip for k in ek.KINDS if k.skip} == {"llamacpp": "llamacpp"}
     assert all(k.skip in skips.SKIPS for k in ek.KINDS if k.skip)
@@ -200,3 +201,38 @@ def test_engine_facts_outside_the_registry_are_read_from_the_rows():
     assert ek.KIND["transformers"].reads("gguf", "gemma3") and not ek.KIND["llamacpp"].reads("hf")
     assert "local_tokenizer" in ek.KIND["openai"].options  # our tokenizer of the model: an argument (not a hook)
 
+
+
+def test_facts_moved_into_the_rows_read_as_before():
+    """What modules outside the registry used to write out by kind name (issue 33, second pass), read from the rows
+    and equal to what they wrote: the q8 gates' kinds in their order, the built-in pairs, the server kinds' own
+    checks, the --skip names, the bench --engines names, default and drafter rows."""
+    from gemma4_harness.harness.bench import DRAFTED
+    from gemma4_harness.harness.bench.run import ENGINE_NAMES
+    from gemma4_harness.harness.cli.device_bench import DECODE_ENGINES
+    from gemma4_harness.harness.parity import cases, skips
+
+    assert ek.rounding_kinds() == ("llamacpp", "openai", "cmd", "fast")  # the order of docs/gates.md's _q8 rows
+    q8 = [g.split("~", 1)[1].split("_q8", 1)[0] for g in gates.DEFAULT_GATES if g.startswith("reference~")
+          and g.endswith("_q8.greedy")]
+    assert q8 == list(ek.rounding_kinds())
+    assert {k.name: k.rounds for k in ek.KINDS if k.rounds} == {
+        "llamacpp": "always", "openai": "by default", "cmd": "when it declares", "fast": "when asked"}
+    for k in ek.KINDS:  # rounds agrees with the numerics it declares or may declare
+        assert (k.rounds == "always") == bool(k.quantizes_activations)
+        assert (k.rounds in ("by default", "when it declares")) == (k.declares is not None)
+        assert (k.rounds == "when asked") == ("compute" in k.options)
+    assert cases.BUILTIN_PAIRS == (("fast", {"dtype": "float32"}), ("fast", {"dtype": "bfloat16"}), ("llamacpp", {}))
+    assert list(cases.OWN_CHECKS) == ["openai"] and ek.server_kinds() == ("openai",)
+    assert list(skips.SKIPS)[0] == "llamacpp" and skips.KIND_SKIPS == {
+        "llamacpp": "llama.cpp everywhere: its pairs, its drafter, its multimodal (mtmd) checks and its tokenizer check"}
+    assert ENGINE_NAMES == ("fast", "fast-graph", "fast-unchecked", "fast-q8", "transformers", "llamacpp",
+                            "llamacpp-native", "reference")
+    assert all(b.kind in ek.KIND and b.name.startswith(b.kind) for b in ek.BENCH_ENGINES)
+    assert [b.name for b in ek.BENCH_ENGINES if b.default] == ["fast", "transformers", "llamacpp", "reference"]
+    assert [b.name for b in ek.BENCH_ENGINES if b.shapes] == ["fast", "fast-graph", "fast-unchecked", "fast-q8"]
+    assert DRAFTED == ("fast",) and DECODE_ENGINES == ["fast", "fast-graph"]
+    for b in ek.BENCH_ENGINES:  # every maker is a function of harness.bench.models (read, not imported: torch)
+        module, function = b.maker.split(":")
+        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == function for n in tree.body), b.maker

@@ -85,7 +85,7 @@ def test_line_is_one_line_with_need_available_and_advice():
 def test_advice_names_options_that_fit(monkeypatch):
     info = _e2b_info()
     need = memory.plan("fast", info).need_bytes
-    runtime = memory_rules.RUNTIME_BYTES["fast"]
+    runtime = memory_rules.RUNTIME_BYTES["torch"]
     monkeypatch.setattr(memory, "available_memory", lambda *a, **k: (need - runtime - 1, "MemAvailable"))
     p = memory.plan("fast", info)
     assert not p.fits and p.advice

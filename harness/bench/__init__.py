@@ -23,6 +23,7 @@ import torch
 
 from gemma4_harness.reference.errors import InputError
 
+from ..core.engine_kinds import BENCH_ENGINES, KIND
 from ..core.gates import SPEED_RATIO_MARGIN
 from ..core.io import staged_run_dir
 from ..core.workers import EngineCrashed
@@ -34,6 +35,13 @@ from .run import ENGINE_NAMES, BenchPlan, load_average, machine_info, measure_re
 from .speculative import SpecBench, speculative_summary
 
 __all__ = ["BenchOptions", "bench"]
+
+DRAFTED = tuple(b.name for b in BENCH_ENGINES if KIND[b.kind].drafts and not b.variant)
+"""The ``--engines`` rows a drafter is timed beside (``--draft-model``): the plain engine of a kind that takes one
+(the fast engine)."""
+
+_WEIGHED = tuple(b.name for b in BENCH_ENGINES if KIND[b.kind].weights and not b.variant)
+"""The plain ``--engines`` rows whose weight mode ``results.json`` records (``fast_weights``: the fast engine)."""
 
 MAX_BATCH = 4096
 """The largest ``--batch`` accepted (the KV cache of every sequence is allocated up front)."""
@@ -91,7 +99,7 @@ def check_options(o: BenchOptions) -> None:
         raise InputError(f"{o.write_baseline}: a baseline is there already; remove it or choose another path")
     if o.device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {o.device}: torch sees no CUDA device")
-    if o.draft_model is not None and ("fast" not in o.engines or not o.plan.tg):
+    if o.draft_model is not None and (not set(DRAFTED) & set(o.engines) or not o.plan.tg):
         raise InputError("--draft-model: speculative decoding is timed against the fast engine's tg test "
                          "(needs --engines with fast and --tg > 0)")
     if o.draft_tokens < 1:
@@ -129,7 +137,7 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
             progress(f"{name}: skipped: {skipped[name]}")
     spec = []
     if o.draft_model is not None:
-        fast = next((b for b in benches if b.engine == "fast"), None)
+        fast = next((b for b in benches if b.engine in DRAFTED), None)
         if fast is not None:
             label = o.draft_label or (Path(o.draft_model).name if Path(o.draft_model).exists() else o.draft_model)
             spec = [SpecBench(fast, o.draft_model, o.draft_tokens, label)]
@@ -151,7 +159,7 @@ def bench(o: BenchOptions, progress: Callable[[str], None]) -> tuple[dict[str, A
     data["skipped"] = skipped  # before the report is written: report.md lists them
     if builds:
         data["engine_builds"] = builds
-    modes = sorted({b.weights for b in benches if b.engine == "fast"})
+    modes = sorted({b.weights for b in benches if b.engine in _WEIGHED})
     if modes:
         data["fast_weights"] = modes[0]  # packed | dequantized (harness.engines.fast.WEIGHT_MODES)
     status = 0

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,6 +25,7 @@ from gemma4_harness.reference.weights import DEFAULT_CACHE_BYTES
 
 from .. import synth
 from ..core.cases import MODELS_DIR
+from ..core.engine_kinds import BENCH, BenchEngine
 from ..engines import engine_class
 from ..engines.base import Benchable, EngineUnavailable
 from ..engines.fast import FastEngine
@@ -94,7 +96,8 @@ class ModelSource:
 def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], device: str,
                        threads: int | None, weights: str | None = None,
                        built: Sequence[Benchable] = ()) -> list[Benchable]:
-    """The engines of ``name`` to time (one per dtype where the engine takes a dtype).
+    """The engines of ``name`` to time (one per dtype where the engine takes a dtype), made by its row's ``maker``
+    (:data:`harness.core.engine_kinds.BENCH_ENGINES`).
 
     ``weights``: the fast engine's weight mode (``packed``/``dequantized``; None: packed for a quantized GGUF,
     :func:`harness.engines.fast.default_weight_mode`). ``built``: engines made already; ``fast`` and
@@ -104,45 +107,65 @@ def make_bench_engines(name: str, src: ModelSource, dtypes: Sequence[str], devic
     Raises:
         EngineUnavailable: not installed, or cannot read this model form (one line).
     """
-    if src.shape and name not in ("fast", "fast-graph", "fast-unchecked", "fast-q8"):
+    row = BENCH.get(name)
+    if row is None:
+        raise EngineUnavailable(f"unknown engine {name!r} (available: {', '.join(ENGINE_NAMES)})")
+    if src.shape and not row.shapes:
         raise EngineUnavailable(f"{name}: a shape-only model has no file; only the fast engine runs it")
-    if name in ("fast", "fast-graph", "fast-unchecked", "fast-q8"):
-        twins = {b.dtype: b for b in built if isinstance(b, FastEngine)}
-        if name == "fast-q8":  # llama.cpp's arithmetic (fast.q8_compute): float32 activations only
-            engines = [FastEngine.from_model(src.cfg, src.W, device, "float32", weights=weights,
-                                             share=twins.get("float32"), compute="q8")]
-            engines[0].engine = "fast-q8"
-            return engines
-        engines = [FastEngine.from_model(src.cfg, src.W, device, dt, weights=weights, static=name == "fast-graph",
-                                         share=twins.get(dt))
-                   for dt in dtypes]
-        if name == "fast-unchecked":  # the same engine and model, its decode loop's output check off
-            for eng in engines:
-                eng.engine, eng.tests, eng.check_output = "fast-unchecked", ("tg",), False
+    module, _, function = row.maker.partition(":")
+    return getattr(importlib.import_module(module), function)(row, src, dtypes, device, threads, weights, built)
+
+
+def fast_benches(row: BenchEngine, src: ModelSource, dtypes: Sequence[str], device: str, threads: int | None,
+                 weights: str | None, built: Sequence[Benchable]) -> list[Benchable]:
+    """The fast engine of each dtype, or of its ``row.variant`` (``graph``, ``unchecked``, ``q8``)."""
+    twins = {b.dtype: b for b in built if isinstance(b, FastEngine)}
+    if row.variant == "q8":  # llama.cpp's arithmetic (fast.q8_compute): float32 activations only
+        engines = [FastEngine.from_model(src.cfg, src.W, device, "float32", weights=weights,
+                                         share=twins.get("float32"), compute="q8")]
+        engines[0].engine = row.name
         return engines
-    if name == "transformers":
-        if src.hf_dir is None and not (src.gguf is not None and src.cfg.arch == "gemma3"):
-            raise EngineUnavailable("transformers needs an HF folder for Gemma 4 (it cannot read a Gemma 4 GGUF); "
-                                    "pass a case spec (cases/bench/*.toml) or an HF folder")
-        eng = engine_class("transformers")(src.hf_dir or src.gguf, src.cfg, layers=src.layers)  # imported when asked
-        if device != "cpu":
-            eng.model = eng.model.to(device)
-        return [eng.cast(dt) for dt in dtypes if dt != "float16"]
-    if name == "reference":
-        eng = ReferenceEngine.from_model(src.cfg, src.W)
-        eng.warm()
-        return [eng]
-    if name in ("llamacpp", "llamacpp-native"):
-        if src.gguf is None:
-            raise EngineUnavailable(f"{name} needs a GGUF file")
-        if src.layers is not None:
-            raise EngineUnavailable(f"{name} runs the file as it is: --layers cannot cut it")
-        lib_dir = None
-        if name == "llamacpp-native":
-            LlamaCppBench(src.gguf, src.cfg)  # llama-cpp-python is there before a build is started
-            try:
-                lib_dir = ensure_native_built()
-            except BuildError as e:
-                raise EngineUnavailable(f"llamacpp-native: {e}") from None
-        return [LlamaCppBench(src.gguf, src.cfg, threads=threads, lib_dir=lib_dir, engine=name)]
-    raise EngineUnavailable(f"unknown engine {name!r} (available: {', '.join(ENGINE_NAMES)})")
+    engines = [FastEngine.from_model(src.cfg, src.W, device, dt, weights=weights, static=row.variant == "graph",
+                                     share=twins.get(dt))
+               for dt in dtypes]
+    if row.variant == "unchecked":  # the same engine and model, its decode loop's output check off
+        for eng in engines:
+            eng.engine, eng.tests, eng.check_output = row.name, ("tg",), False
+    return engines
+
+
+def transformers_benches(row: BenchEngine, src: ModelSource, dtypes: Sequence[str], device: str,
+                         threads: int | None, weights: str | None, built: Sequence[Benchable]) -> list[Benchable]:
+    """transformers in each dtype of ``dtypes`` but float16 (an HF folder; a Gemma 3 GGUF through its GGUF loader)."""
+    if src.hf_dir is None and not (src.gguf is not None and src.cfg.arch == "gemma3"):
+        raise EngineUnavailable("transformers needs an HF folder for Gemma 4 (it cannot read a Gemma 4 GGUF); "
+                                "pass a case spec (cases/bench/*.toml) or an HF folder")
+    eng = engine_class(row.kind)(src.hf_dir or src.gguf, src.cfg, layers=src.layers)  # imported when asked
+    if device != "cpu":
+        eng.model = eng.model.to(device)
+    return [eng.cast(dt) for dt in dtypes if dt != "float16"]
+
+
+def reference_benches(row: BenchEngine, src: ModelSource, dtypes: Sequence[str], device: str, threads: int | None,
+                      weights: str | None, built: Sequence[Benchable]) -> list[Benchable]:
+    """The float64 reference, warmed."""
+    eng = ReferenceEngine.from_model(src.cfg, src.W)
+    eng.warm()
+    return [eng]
+
+
+def llamacpp_benches(row: BenchEngine, src: ModelSource, dtypes: Sequence[str], device: str, threads: int | None,
+                     weights: str | None, built: Sequence[Benchable]) -> list[Benchable]:
+    """llama.cpp on the GGUF as it is: the portable build, or (``native``) the one compiled for this CPU."""
+    if src.gguf is None:
+        raise EngineUnavailable(f"{row.name} needs a GGUF file")
+    if src.layers is not None:
+        raise EngineUnavailable(f"{row.name} runs the file as it is: --layers cannot cut it")
+    lib_dir = None
+    if row.variant == "native":
+        LlamaCppBench(src.gguf, src.cfg)  # llama-cpp-python is there before a build is started
+        try:
+            lib_dir = ensure_native_built()
+        except BuildError as e:
+            raise EngineUnavailable(f"{row.name}: {e}") from None
+    return [LlamaCppBench(src.gguf, src.cfg, threads=threads, lib_dir=lib_dir, engine=row.name)]

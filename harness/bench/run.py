@@ -45,23 +45,16 @@ import torch
 from gemma4_harness.reference.config import expected_tensors
 from gemma4_harness.reference.errors import InputError
 
+from ..core.engine_kinds import BENCH, BENCH_ENGINES, KIND, TWIN
 from ..core.workers import EngineCrashed
 from ..engines.base import Benchable
 
 RESULT_VERSION = 1
 """Version of the bench ``results.json`` layout."""
 
-ENGINE_NAMES = ("fast", "fast-graph", "fast-unchecked", "fast-q8", "transformers", "llamacpp", "llamacpp-native",
-                "reference")
-"""``--engines`` names. ``fast-q8``: the fast engine under ``--compute q8`` (llama.cpp's arithmetic: int8
-activations and integer dot products for Q8_0/Q4_0/Q5_0 weights, :mod:`fast.q8_compute`), beside ``fast`` on the
-same built model. ``fast-unchecked``: the fast engine's tg without its output check (every step's logits
-tested for NaN/Inf, :mod:`fast.engine`), beside ``fast`` on the same built model: the check's cost on decode speed.
-``fast-graph``: the fast engine's tg through :class:`fast.static_decode.StaticDecoder`
-(static shapes; one CUDA graph a step on a GPU, the same static step run eagerly on the CPU). ``llamacpp``: the
-harness's portable build (``GGML_NATIVE=OFF``, the one the correctness checks use); ``llamacpp-native``: the same
-llama.cpp compiled for this CPU (``GGML_NATIVE=ON``, what a user who builds it here runs), built on first use
-(:func:`harness.engines.llamacpp.native.ensure_native_built`)."""
+ENGINE_NAMES = tuple(b.name for b in BENCH_ENGINES)
+"""``--engines`` names: the rows of :data:`harness.core.engine_kinds.BENCH_ENGINES` (each with the kind it times and
+how)."""
 
 
 # --------------------------------------------------------------------------- results
@@ -391,7 +384,18 @@ def run_plan(benches: Sequence[Benchable], plan: BenchPlan,
     return [rows[key] for key in sorted(rows, key=lambda t: (t[0], t[1] != "pp", t[2], t[3]))]
 
 
-def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float]:
+def _always_rounds(engine: str) -> bool:
+    """Whether bench row ``engine`` times a kind that always rounds its activations (llama.cpp's arithmetic:
+    :attr:`harness.core.engine_kinds.EngineKind.rounds`)."""
+    return engine in BENCH and KIND[BENCH[engine].kind].rounds == "always"
+
+
+def _same_dtype(engine: str) -> bool:
+    """Whether bench row ``engine`` is set beside the fast rows of its own dtype only (``same_dtype``)."""
+    return engine in BENCH and BENCH[engine].same_dtype
+
+
+def ratios(rows: Sequence[BenchRow], numerator: str = TWIN) -> dict[str, float]:
     """Speed ratios of engines measured in the same run: ``<test> b<batch> <num>/<den>`` -> ratio.
 
     For every (test, depth, batch), every ``fast-<dtype>`` row over the other
@@ -416,9 +420,9 @@ def ratios(rows: Sequence[BenchRow], numerator: str = "fast") -> dict[str, float
                     if den.dtype == num.dtype:
                         out[f"{label} b{batch} {den.engine_label}/{num.engine_label}"] = den.mean / num.mean
                     if den.engine == f"{numerator}-q8":  # llama.cpp's arithmetic against llama.cpp itself
-                        for ll in (r for r in group if r.engine.startswith("llamacpp")):
+                        for ll in (r for r in group if _always_rounds(r.engine)):
                             out[f"{label} b{batch} {den.engine_label}/{ll.engine_label}"] = den.mean / ll.mean
-                elif den.engine != numerator and (den.engine != "transformers" or den.dtype == num.dtype):
+                elif den.engine != numerator and (not _same_dtype(den.engine) or den.dtype == num.dtype):
                     out[f"{label} b{batch} {num.engine_label}/{den.engine_label}"] = num.mean / den.mean
     batched = (numerator, f"{numerator}-graph", f"{numerator}-q8")
     solo = {(r.label, r.engine_label): r for r in ok if r.batch == 1 and r.engine in batched}

@@ -85,7 +85,7 @@ def speculative_summary(spec: Sequence[SpecBench], rows: Sequence[Any]) -> dict[
     for sb in spec:
         out.update(draft_model=sb.label, draft_tokens=sb.k)
         for (n, depth, batch), st in sorted(sb.stats.items()):
-            plain = next((r for r in rows if r.engine == "fast" and r.dtype == sb.dtype and r.test == "tg"
+            plain = next((r for r in rows if r.engine == sb.fast.engine and r.dtype == sb.dtype and r.test == "tg"
                           and r.n == n and r.depth == depth and r.batch == batch and r.tok_per_s), None)
             mine = next((r for r in rows if r.engine == sb.engine and r.dtype == sb.dtype and r.n == n
                          and r.depth == depth and r.batch == batch and r.tok_per_s), None)

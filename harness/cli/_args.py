@@ -36,7 +36,7 @@ from gemma4_harness.reference.files import is_stream, kind_of
 from .. import synth
 from ..core.cases import DRAFTER_SUFFIX, MODELS_DIR, builtin_drafter_specs, builtin_specs
 from ..core.io import OutputError, check_output
-from ..core.engine_kinds import KIND, KINDS
+from ..core.engine_kinds import KIND, KINDS, ORACLE
 from ..engines import engine_kind
 from ..synth.drafter import ensure_drafter_built
 from ..tokenizer.prompt_ids import model_tokenizer
@@ -232,7 +232,7 @@ DTYPES = next(k.dtypes for k in KINDS if "dtype" in k.options)
 """``--dtype``: the compute dtypes of the engine that takes that option (the fast engine's registry row)."""
 
 
-def add_model_args(p: argparse.ArgumentParser, default_engine: str = "reference", model_required: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, default_engine: str = ORACLE, model_required: bool = True) -> None:
     """``--model``, ``--engine``, ``--device``, ``--dtype`` and ``--weights`` (the engine options)."""
     p.add_argument("--model", required=model_required, default=None, type=ModelArg(),
                    help=".gguf file, HF model folder, or a case: a built-in name (e2b, 26b-a4b ...) or a spec .toml "

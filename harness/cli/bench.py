@@ -24,6 +24,7 @@ from gemma4_harness.reference.errors import InputError
 from ..bench import BenchOptions, bench
 from ..bench.report import summary_lines
 from ..bench.run import BenchPlan
+from ..core.engine_kinds import BENCH_ENGINES
 from ..core.gates import SPEED_RATIO_MARGIN
 from ._args import Count, Device, InFile, ModelArg, Number, OutDir, OutFile, check_out_dir, resolve_draft_model
 
@@ -80,7 +81,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="keep only the first N layers (--shape, or a model file for fast, reference and transformers)")
     b.add_argument("--ref-cache-gb", dest="ref_cache_gb", type=Number(0, 1e6), default=None, metavar="GB",
                    help="reference engine: GB of dequantized float64 weights kept between forwards (default 2)")
-    b.add_argument("--engines", default="fast,transformers,llamacpp,reference",
+    b.add_argument("--engines", default=",".join(e.name for e in BENCH_ENGINES if e.default),
                    help="comma-separated: fast, fast-graph, fast-unchecked (tg without the output check: its cost), "
                         "fast-q8 (the fast engine under --compute q8: llama.cpp's arithmetic), "
                         "transformers, llamacpp, reference")

@@ -21,6 +21,7 @@ import numpy as np
 from gemma4_harness.reference.errors import InputError
 
 from ..core.finite import describe, first_nonfinite
+from ..core.engine_kinds import ORACLE
 from ..core.io import write_json_atomic
 from ..core.prompts import load_prompts, read_prompt_ids
 from ..core.workers import EngineOutputError
@@ -133,7 +134,7 @@ def _explain(args: argparse.Namespace, kind: str, pair: str, ours):
     budget = budget_seconds(args.explain_budget)
     if not args.model or budget <= 0 or not (args.prompt_ids if kind == "logits" else args.prompts):
         return None
-    ref = ReferenceEngine(resolve_model(args.model, "reference"), cache_gb=args.ref_cache_gb, layers=args.layers)
+    ref = ReferenceEngine(resolve_model(args.model, ORACLE), cache_gb=args.ref_cache_gb, layers=args.layers)
     if kind == "logits":
         ids = read_prompt_ids(args.prompt_ids)
         observed = [Observed(Path(args.prompt_ids).stem, list(ids), logits=ours)]

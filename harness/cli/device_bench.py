@@ -58,12 +58,17 @@ from gemma4_harness.reference.errors import InputError
 
 from ..bench import BenchOptions, bench
 from ..bench.run import BenchPlan
+from ..core.engine_kinds import BENCH_ENGINES, TWIN
 from ..core.gates import resolve
 from ..core.io import staged_run_dir, write_text_atomic
 from ..parity.checks.fast import static_vs_paged
 from ._args import Device, OutDir, check_out_dir
 
 __all__ = ["DevicePlan", "device_bench", "FULL", "SMOKE", "STEPS", "add_arguments", "run"]
+
+
+DECODE_ENGINES = [b.name for b in BENCH_ENGINES if b.kind == TWIN and b.variant in ("", "graph")]
+"""The ``--engines`` rows the decode step times: the fast engine, paged and static (``fast``, ``fast-graph``)."""
 
 
 @dataclass(frozen=True)
@@ -237,7 +242,7 @@ def device_bench(out: str | None, device: str = "cuda", plan: DevicePlan = FULL,
     with staged_run_dir("device-bench", out) as run:
         base = str(run.path)
         run_step = {"static~paged": lambda: _check(plan, device), "kernels": lambda: _kernels(device, plan),
-                    "decode": lambda: {s: _bench(base, device, s, plan, ["fast", "fast-graph"], plan.batches)
+                    "decode": lambda: {s: _bench(base, device, s, plan, DECODE_ENGINES, plan.batches)
                                        for s in plan.shapes},
                     "packed decode": lambda: _packed(base, device, plan)}
         for name in STEPS:

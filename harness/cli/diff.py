@@ -9,6 +9,7 @@ from typing import Sequence
 from gemma4_harness.reference.errors import InputError
 
 from ..core.gates import DIFF_TOL, Gate
+from ..core.engine_kinds import ORACLE
 from ..core.io import write_json_atomic
 from ..engines.reference import ReferenceEngine
 from ..parity.explain import explain_text
@@ -43,7 +44,7 @@ def explain_trace(a, model: str, tol: float, budget: float | None):
     budget_s = budget_seconds(budget)
     if budget_s <= 0:
         return None
-    ref = ReferenceEngine(resolve_model(model, "reference"))
+    ref = ReferenceEngine(resolve_model(model, ORACLE))
     gates = {"diff.layer_rel_l2": Gate("diff.layer_rel_l2", tol, "le", "g4h diff --tol")}
     return explain_text(ref, [Observed(a.label, a.prompt_ids, trace=a)], "diff", gates, budget_s=budget_s,
                         layer_tol=tol)

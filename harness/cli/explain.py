@@ -36,6 +36,7 @@ import numpy as np
 from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import PROMPTS
+from ..core.engine_kinds import TWIN
 from ..core.gates import DEFAULT_GATES
 from ..core.io import write_json_atomic
 from ..core.prompts import load_prompts, read_prompt_ids, refuse_unfit_prompts
@@ -60,7 +61,7 @@ from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h explain``."""
-    add_model_args(p, default_engine="fast")
+    add_model_args(p, default_engine=TWIN)
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl", type=InFile(streams=True),
                    help='prompts, {"prompt_ids": [...]} or {"text": "..."} a line (default: '
                         "cases/prompts/synthetic.jsonl within the model's vocabulary)")
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     # before anything is explained): its explanation says what differs in decoding
     eng = make_engine(args.engine, path, **{**engine_options(args), "check_greedy": False})
     try:
-        pair = pair_name(kind, getattr(eng, "dtype", None) if kind != "fast" else None)
+        pair = pair_name(kind, getattr(eng, "dtype", None) if kind != TWIN else None)
         if f"{pair}.max_abs_logit" not in DEFAULT_GATES:
             pair = "engine~oracle"
         observed = observe(eng, kind, prompts, streams=True)  # streams too: a fault only in decoding is seen

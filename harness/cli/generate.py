@@ -14,7 +14,7 @@ import sys
 
 from gemma4_harness.reference.errors import InputError, PromptError
 
-from ..core.engine_kinds import KIND, KINDS
+from ..core.engine_kinds import KIND, KINDS, TWIN
 from ..core.io import write_text_atomic
 from ..core.prompts import load_prompts, read_prompt_ids
 from ..engines import make_engine
@@ -35,7 +35,7 @@ from ._mm import add_mm_args, mm_requested, open_mm_prompt
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``g4h generate``."""
-    add_model_args(p, default_engine="fast")
+    add_model_args(p, default_engine=TWIN)
     p.add_argument("--prompts", default=None, type=InFile(streams=True),
                    help='JSONL: {"id": ..., "prompt_ids": [...]} per line')
     p.add_argument("--prompt-ids", default=None, metavar="FILE.json", type=InFile(streams=True),

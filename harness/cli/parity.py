@@ -14,7 +14,8 @@ from ..core.text import for_terminal
 from ..engines import split_engines
 from ..engines.base import TOP_N
 from ..engines.numerics import parse_declare
-from ..parity.checks.pair import GREEDY_NEW_TOKENS, ORACLES
+from ..core.engine_kinds import ORACLE, ORACLES
+from ..parity.checks.pair import GREEDY_NEW_TOKENS
 from ..parity.checks.server import ServerOptions
 from ..parity.drift import drift_rows, only_summary
 from ..parity.explain_search import budget_seconds
@@ -50,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fast, transformers, llamacpp, cmd:'COMMAND ...' (docs/engine-protocol.md), openai:URL (a "
                         "server: docs/server-dialects.md). Default: every engine that can read the model (a GGUF: "
                         f"{', '.join(default_against('gguf'))}; an HF folder: {', '.join(default_against('hf'))})")
-    p.add_argument("--oracle", choices=ORACLES, default="reference",
+    p.add_argument("--oracle", choices=ORACLES, default=ORACLE,
                       help="with --model: the oracle side of every pair: reference (float64, the default) or fast (the "
                         "torch engine in fp32, on CUDA when present: much faster on a big model; pairs fast~ENGINE, "
                         "the same bounds; the reference's cached-vs-uncached check is left out)")
@@ -183,7 +184,7 @@ def _run(args: argparse.Namespace, against: list[str] | None, quick: bool) -> tu
         return given if given is not None else (fast if quick else full)
 
     # the sweep's rule (g4h sweep): --address, else RAY_ADDRESS; Ray's variable is read only where a cluster can serve
-    address = args.address or (os.environ.get("RAY_ADDRESS") if args.model and args.oracle == "reference" else None)
+    address = args.address or (os.environ.get("RAY_ADDRESS") if args.model and args.oracle == ORACLE else None)
     return run_parity(models=args.model, against=against, out=args.out, real=not args.no_real, address=address or None,
                       case_filter=args.case, quiet=args.quiet, baseline=args.baseline,
                       write_baseline=args.write_baseline, regression_factor=args.regression_factor,

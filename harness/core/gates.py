@@ -19,6 +19,7 @@ from typing import Any
 
 from gemma4_harness.reference.errors import InputError
 
+from .engine_kinds import ORACLE, ORACLES, rounding_kinds
 from .names import old_gate_line
 
 
@@ -497,9 +498,11 @@ def _q8_gates(pair: str) -> list[Gate]:
     return out
 
 
-PAIR_GATES += [g for kind in ("llamacpp", "openai", "cmd", "fast") for g in _q8_gates(f"reference~{kind}")]
-"""``fast``: the fast engine under ``--compute q8`` (llama.cpp's arithmetic, fast/q8_compute.py) declares
-``quantized_activations`` as llama.cpp does, and is judged by the same gates."""
+PAIR_GATES += [g for kind in rounding_kinds() for g in _q8_gates(f"{ORACLE}~{kind}")]
+"""The kinds that may round their activations (the registry rows' ``rounds``: llama.cpp always, a server by its
+dialect's defaults, a ``cmd:`` engine when it declares it, the fast engine under ``--compute q8``, llama.cpp's
+arithmetic, fast/q8_compute.py, which declares ``quantized_activations`` as llama.cpp does): each judged by the same
+gates."""
 
 DEFAULT_GATES.update({g.name: g for g in PAIR_GATES})
 
@@ -525,14 +528,14 @@ def oracle_pair_gates(oracle: str) -> list[Gate]:
         kind = pair.split("~", 1)[1]
         if metric not in PAIR_METRICS or kind == oracle:
             continue
-        other = oracle if kind == "reference" else kind
+        other = oracle if kind == ORACLE else kind
         out.append(replace(g, name=f"{oracle}~{other}.{metric}",
                            reason=f"{g.reason} [--oracle {oracle}: {oracle} fp32 stands in for the reference; "
                                   f"the bound of {g.name}]"))
     return out
 
 
-DEFAULT_GATES.update({g.name: g for g in oracle_pair_gates("fast")})
+DEFAULT_GATES.update({g.name: g for oracle in ORACLES if oracle != ORACLE for g in oracle_pair_gates(oracle)})
 
 
 _NUMBERED = re.compile(r"#\d+(?=[.~]|$)")
@@ -568,7 +571,7 @@ def effect_limit(gate: Gate, effect: float, power: int = 1) -> float:
     return max(gate.limit, EFFECT_FACTOR ** power * float(effect))
 
 
-def pair_name(kind: str, dtype: str | None = None, oracle: str = "reference") -> str:
+def pair_name(kind: str, dtype: str | None = None, oracle: str = ORACLE) -> str:
     """``<oracle>~<kind>`` (``reference~llamacpp``), with ``_bf16`` for an engine that computes in 16 bits: the
     name of an engine's pair with the oracle, in ``g4h parity`` (``harness/parity/checks/pair.py``) and in
     ``g4h sweep`` (an engine on the group's base file against the base, ``harness/sweep/judge.py``)."""

@@ -14,12 +14,13 @@ from gemma4_harness.reference.weights import READ_ELEMENTS, block_bounds
 from .memory_facts import GB, ModelInfo, TensorFacts
 
 
-#: Resident bytes of a process that has imported what each engine needs, before any model, rounded up.
-#: Measured (``VmRSS`` after ``import harness.engines.<engine>``; CPython 3.11, numpy 2, torch 2.13 CPU,
-#: transformers 5.23): reference 0.04 GB, fast 0.23 GB, transformers 0.35 GB. The llama.cpp worker is a
-#: second process with llama-cpp-python's libraries: not measured here, taken as 0.3 GB.
-RUNTIME_BYTES = {"reference": int(0.1 * GB), "fast": int(0.3 * GB), "transformers": int(0.5 * GB),
-                 "llamacpp": int(0.3 * GB)}
+#: Resident bytes of a process that has imported what each rule's engine needs, before any model, rounded up, by
+#: rule name (:data:`PLAN_RULES`). Measured (``VmRSS`` after ``import harness.engines.<engine>``; CPython 3.11,
+#: numpy 2, torch 2.13 CPU, transformers 5.23): the reference (``float64``) 0.04 GB, fast (``torch``) 0.23 GB,
+#: transformers (``hf-torch``) 0.35 GB. The llama.cpp worker (``worker``) is a second process with llama-cpp-python's
+#: libraries: not measured here, taken as 0.3 GB.
+RUNTIME_BYTES = {"float64": int(0.1 * GB), "torch": int(0.3 * GB), "hf-torch": int(0.5 * GB),
+                 "worker": int(0.3 * GB)}
 
 
 #: Bytes per element of the fast engine's compute dtypes.
@@ -95,7 +96,7 @@ def _reference_terms(info: ModelInfo, tokens: int, context: int, forwards: int, 
     ple = cfg.ple_dim * cfg.n_layer
     heads = max((L.n_head for L in cfg.layers), default=1)
     terms = {
-        "runtime": RUNTIME_BYTES["reference"],
+        "runtime": RUNTIME_BYTES["float64"],
         "weight cache": min(cache_bytes, cacheable) if forwards > 1 else 0,
         "weights in use": working,
         "LM head block": 16 * block * h,  # float64, and gguf's two float32 arrays while it is read
@@ -125,7 +126,7 @@ def _fast_terms(info: ModelInfo, tokens: int, context: int, dtype: str, weights:
         copied = t.nbytes if info.form == "gguf" and t.dtype != "F32" else 0
         biggest = max(biggest, copied + (4 * t.elements if elem != 4 or copied == 0 else 0))
     terms = {
-        "runtime": RUNTIME_BYTES["fast"],
+        "runtime": RUNTIME_BYTES["torch"],
         "weights": dense,
         "packed weights": packed,
         "largest tensor in conversion": biggest,
@@ -142,7 +143,7 @@ def _transformers_terms(info: ModelInfo, tokens: int, context: int) -> tuple[dic
     biggest = max((t.nbytes + 4 * t.elements for t in info.tensors.values()), default=0)
     heads = max((L.n_head for L in cfg.layers), default=1)
     terms = {
-        "runtime": RUNTIME_BYTES["transformers"],
+        "runtime": RUNTIME_BYTES["hf-torch"],
         "weights": 4 * params,
         "largest tensor in conversion": biggest,
         "KV cache": _kv_bytes(cfg, context, 4, window_bound=True),
@@ -155,7 +156,7 @@ def _transformers_terms(info: ModelInfo, tokens: int, context: int) -> tuple[dic
 def _llamacpp_terms(info: ModelInfo, tokens: int, context: int) -> tuple[dict[str, int], int]:
     cfg = info.cfg
     terms = {
-        "runtime": RUNTIME_BYTES["llamacpp"],
+        "runtime": RUNTIME_BYTES["worker"],
         "model file (mapped)": info.file_bytes,
         "KV cache": _kv_bytes(cfg, context, 4, window_bound=False),
         "logits": 4 * tokens * cfg.vocab_size,
@@ -189,19 +190,21 @@ class PlanRule:
 
 
 PLAN_RULES: dict[str, PlanRule] = {
-    "reference": PlanRule(
+    "float64": PlanRule(
         lambda info, o: _reference_terms(info, o["tokens"], o["context"], o["forwards"], o["cache_bytes"],
                                          o["layer_held"]),
         ("tokens", "new_tokens", "cache_bytes", "forwards"), "--ref-cache-gb or --layers",
         ("a smaller --ref-cache-gb", "--layers N")),
-    "fast": PlanRule(
+    "torch": PlanRule(
         lambda info, o: _fast_terms(info, o["tokens"], o["context"], o["dtype"], o["weights"], o["batch"],
                                     o["device"]),
         ("tokens", "new_tokens", "batch", "dtype", "weights", "device"), "--weights, --dtype or --layers",
         ("--weights packed", "--dtype bfloat16", "--layers N"), torch=True),
-    "transformers": PlanRule(lambda info, o: _transformers_terms(info, o["tokens"], o["context"]),
-                             ("tokens", "new_tokens", "device"), "--layers", torch=True),
-    "llamacpp": PlanRule(lambda info, o: _llamacpp_terms(info, o["tokens"], o["context"]), ("tokens", "new_tokens"),
-                         in_process=False),
+    "hf-torch": PlanRule(lambda info, o: _transformers_terms(info, o["tokens"], o["context"]),
+                         ("tokens", "new_tokens", "device"), "--layers", torch=True),
+    "worker": PlanRule(lambda info, o: _llamacpp_terms(info, o["tokens"], o["context"]), ("tokens", "new_tokens"),
+                       in_process=False),
 }
-"""Memory-plan rule name -> :class:`PlanRule` (the registry rows' ``memory_rule``)."""
+"""Memory-plan rule name -> :class:`PlanRule` (the registry rows' ``memory_rule``), named by what the engine runs:
+``float64`` (the NumPy reference, with its weight cache), ``torch`` (the fast engine), ``hf-torch`` (transformers'
+model in torch), ``worker`` (llama.cpp in a worker process, the file mapped)."""

@@ -45,6 +45,7 @@ from ..core.finite import (
     point_name,
 )
 from ..core.workers import EngineOutputError, temp_folder
+from ..core.engine_kinds import ORACLE
 
 WRAPPED = ("logits", "logits_many", "logits_chains", "generate_full", "generate_speculative", "trace_file")
 """The methods whose results are checked; the rest pass through untouched."""
@@ -60,7 +61,7 @@ class CheckedEngine:
 
     def __init__(self, engine: Any, kind: str) -> None:
         self.__dict__["_engine"] = engine
-        self.__dict__["_fault"] = ModelOverflow if kind == "reference" else EngineOutputError
+        self.__dict__["_fault"] = ModelOverflow if kind == ORACLE else EngineOutputError
         self.__dict__["_kind"] = kind
 
     @property
@@ -74,7 +75,7 @@ class CheckedEngine:
 
     def _label(self) -> str:
         name = getattr(self._engine, "name", None) or self._kind
-        return f"engine {name}" if self._kind != "reference" else "reference (float64)"
+        return f"engine {name}" if self._kind != ORACLE else "reference (float64)"
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._engine, name)

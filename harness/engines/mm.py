@@ -37,7 +37,7 @@ from gemma4_harness.reference.mm_model import (
 )
 from gemma4_harness.reference.model import TraceFn
 
-from ..core.engine_kinds import KIND, multimodal_kinds
+from ..core.engine_kinds import KIND, ORACLE, multimodal_kinds
 from .base import EngineUnavailable, Generated
 from .checked import CheckedEngine
 
@@ -59,7 +59,7 @@ def check_rows(prompt: MultimodalPrompt, rows: Sequence[np.ndarray]) -> None:
 class ReferenceMM:
     """The float64 reference: :mod:`reference.vision`, :mod:`reference.audio`, :func:`reference.model.forward`."""
 
-    name = "reference"
+    name = ORACLE
 
     def __init__(self, mm: MultimodalModel):
         self.mm = mm

@@ -36,6 +36,7 @@ from gemma4_harness.reference.mm_model import load_multimodal
 
 from .. import synth
 from ..core import engine_kinds
+from ..core.engine_kinds import ORACLE, TWIN
 from ..core.cases import drafter_spec_for
 from ..core.gates import resolve
 from ..core.hf_assistant import AssistantUnavailable
@@ -55,6 +56,7 @@ from ..tokenizer.prompt_ids import model_tokenizer, with_prompt_ids
 from .checks.drafter import drafter_checks, drafter_not_built, llamacpp_drafter_checks
 from .checks.explain_pair import explain_failing_pair
 from .checks.fast import fast_checks, fast_packed_checks
+from .checks.gemma3_real import ENGINE_SECTIONS as GEMMA3_SECTIONS
 from .checks.gemma3_real import gemma3_figures, run_gemma3_real
 from .checks.multimodal import fast_figures as mm_fast_figures
 from .checks.multimodal import llamacpp_figures as mm_llamacpp_figures
@@ -76,9 +78,10 @@ LLAMACPP_MISSING = ("llama-cpp-python is not installed (nox sessions build it on
 
 Progress = Callable[[str], None]
 
-OWN_CHECKS = {"openai": server_checks}
+OWN_CHECKS = {kind: server_checks for kind in engine_kinds.server_kinds()}
 """Engine kind -> the checks only an engine of that kind has, run on the same engine after a pair's common figures
-(:func:`harness.parity.checks.pair.pair_checks`' ``own_checks``): a server's (:mod:`.checks.server`)."""
+(:func:`harness.parity.checks.pair.pair_checks`' ``own_checks``): a server's (:mod:`.checks.server`; the registry
+rows' ``server``)."""
 
 
 def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress: Progress,
@@ -112,7 +115,7 @@ def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress:
         progress(f"[{spec.name}] fast packed vs reference on the quantized GGUFs")
         longest = max(prompts, key=lambda p: len(p["prompt_ids"]))
         res.apply(fast_packed_checks(quantized, longest, quant_logits), gates)
-    runs = ReferenceRuns(CheckedEngine(ref_gguf, "reference"))
+    runs = ReferenceRuns(CheckedEngine(ref_gguf, ORACLE))
     runs.gates = gates  # the explanation of a failing pair is judged by the case's gates, as the pair is
     engines = [(name, {"device": "cpu", **opts}) for name, opts in BUILTIN_PAIRS]
     pairs(res, gates, runs, engines, built.gguf["F32"], prompts, progress, skip, prefetch=True,
@@ -126,8 +129,8 @@ def synthetic_case(spec_path: Path, prompts: Sequence[dict[str, Any]], progress:
     return res
 
 
-BUILTIN_PAIRS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("fast", {"dtype": "float32"}), ("fast", {"dtype": "bfloat16"}), ("llamacpp", {}))
+BUILTIN_PAIRS: tuple[tuple[str, dict[str, Any]], ...] = tuple(
+    (k.name, {"dtype": dtype} if dtype else {}) for k in engine_kinds.KINDS for dtype in k.builtin)
 """The engines a built-in case's F32 GGUF is measured with, each through the pair pipeline of ``--model``
 (:func:`pairs`): fast in fp32 (``reference~fast``) and in bf16 (``reference~fast_bf16``) on the CPU, and llama.cpp
 (``reference~llamacpp``; missing or ``--skip llamacpp``: a failing or opted-out ``.runs``, as for ``--model``)."""
@@ -262,7 +265,7 @@ def case_names(paths: Sequence[str | Path]) -> list[str]:
     return out
 
 
-def default_against(path: str | Path, oracle: str = "reference") -> list[str]:
+def default_against(path: str | Path, oracle: str = ORACLE) -> list[str]:
     """The engines a user's model is compared with when ``--against`` is not given: what can read it, the oracle
     aside. A GGUF: ``fast`` and ``llamacpp`` (a missing llama.cpp fails the case unless ``--skip llamacpp``); an HF
     folder: ``fast`` and ``transformers`` (llama.cpp reads only GGUF)."""
@@ -272,7 +275,7 @@ def default_against(path: str | Path, oracle: str = "reference") -> list[str]:
 
 def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[str, Any]], progress: Progress,
               skip: tuple[str, ...] = (), engine_options: dict[str, Any] | None = None,
-              server: ServerOptions | None = None, oracle: str = "reference", name: str | None = None,
+              server: ServerOptions | None = None, oracle: str = ORACLE, name: str | None = None,
               explain_budget: float = DEFAULT_BUDGET_S) -> CaseResult:
     """The oracle against each engine of ``against`` (default :func:`default_against`) on a user-supplied
     model, one pair after another (:func:`harness.parity.checks.pair.pair_checks`: an engine that cannot run
@@ -304,7 +307,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     contexts: dict[str, tuple[str, int, str]] = {}  # openai:URL -> (its URL, the context it says, where it says it)
     dialects = _probe_servers(against or (), path, o, lambda m: progress(f"[{res.case}] {m}"), contexts)
     unusable = {n for n, d in dialects.items() if d is None}
-    if oracle == "fast":  # one load of the file, for the oracle and for what is asked of the reference (see above)
+    if oracle == TWIN:  # one load of the file, for the oracle and for what is asked of the reference (see above)
         progress(f"[{res.case}] reading the model")
         # as ReferenceEngine(path) loads it, less the weight cache until fast is built (FastEngine(path): none)
         loaded = load_model(path, layers=o.get("layers"), cache_bytes=0, dequantizer=packed_rows)
@@ -336,15 +339,15 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     res.info["against"] = names
     res.info["top_n"] = (server or ServerOptions()).top_n
     oracle_engine = None
-    if oracle == "fast":
+    if oracle == TWIN:
         progress(f"[{res.case}] loading the oracle: fast in fp32")
         oracle_engine = CheckedEngine(FastEngine.from_model(*loaded, device=o.get("device"), dtype="float32",
-                                                            weights=o.get("weights"), compute="exact"), "fast")
+                                                            weights=o.get("weights"), compute="exact"), oracle)
         ref.weights.cache_bytes = cache_bytes(o.get("cache_gb"))  # the reference's own budget, once fast is built
         oracle_engine.plan_ahead(max(len(p["prompt_ids"]) for p in usable) + new_tokens)  # before any pair's work
-        res.info["oracle"] = {"name": "fast", "engine": oracle_engine.name, "weights": oracle_engine.weights,
+        res.info["oracle"] = {"name": oracle, "engine": oracle_engine.name, "weights": oracle_engine.weights,
                               "left_out": "reference.cached~uncached (float64 forwards)"}
-    runs = ReferenceRuns(CheckedEngine(ref, "reference"), oracle_engine)  # its overflow: the model is unusable
+    runs = ReferenceRuns(CheckedEngine(ref, ORACLE), oracle_engine)  # its overflow: the model is unusable
     runs.gates = gates  # the explanation of a failing pair is judged by the case's gates, as the pair is
     if oracle_engine is None:  # every check's reference forwards, in as few passes over the weights as they allow
         if o.get("cluster"):  # on the nodes of a Ray cluster (g4h parity --address)
@@ -380,7 +383,7 @@ def _probe_servers(names: Sequence[str], path: str, options: dict[str, Any], pro
     (``OpenAIEngine.context``), so that the prompts are judged against it before any reference work."""
     dialects: dict[str, str | None] = {}
     for name in names:
-        if engine_kind(name) != "openai":
+        if engine_kind(name) not in engine_kinds.server_kinds():
             continue
         try:
             eng = make_engine(name, path, **{"local_tokenizer": model_tokenizer, **options})
@@ -423,7 +426,7 @@ def gemma3_case(progress: Progress, weights: str | None = None) -> CaseResult:
     out = run_gemma3_real(packed=weights != "dequantized")
     res.model = out.get("model", {}).get("path", res.model)
     res.apply(gemma3_figures(out, res.info), gates)
-    res.info.update({k: v for k, v in out.items() if k not in ("prompts", "transformers", "fast")})
+    res.info.update({k: v for k, v in out.items() if k not in ("prompts", *GEMMA3_SECTIONS)})
     return res
 
 
@@ -466,7 +469,7 @@ def multimodal_case(spec_path: Path, progress: Progress, skip: tuple[str, ...] =
     res.apply(mmproj_figures(hf_mm, gguf_mm, prompts), gates)
     res.apply(mm_fast_figures(hf_mm, prompts, MM_TEXT_PROMPTS, progress, ms.name), gates)
     progress(f"[{ms.name}] the vision mask: the last image soft token perturbed")
-    res.apply(mask_figures(hf_mm, prompts, {"reference": ReferenceMM(hf_mm)}), gates)
+    res.apply(mask_figures(hf_mm, prompts, {ORACLE: ReferenceMM(hf_mm)}), gates)
     res.apply(oracle_rows("mm.transformers.runs", lambda: mask_figures(hf_mm, prompts, {"transformers": importlib.
               import_module("gemma4_harness.harness.engines.mm_transformers").TransformersMM(built.hf_dir)})), gates)
     kinds = [k for k, tower in (("vision", hf_mm.vision), ("audio", hf_mm.audio)) if tower is not None]

@@ -48,6 +48,7 @@ import numpy as np
 from gemma4_harness.reference.errors import InputError
 
 from ..core.gates import DEFAULT_GATES, Gate, effect_limit
+from ..core.engine_kinds import ORACLE, TWIN
 from ..engines.fast import FastEngine
 from ..engines.variants import Variant, family, under
 from ..traces.compare import DivergenceRule, compare
@@ -142,16 +143,16 @@ class TextSubject:
             if self.numerics is not None:
                 stack.enter_context(self.numerics())
             if self.oracle is not None and not variants:
-                yield self.oracle, "fast"
+                yield self.oracle, TWIN
             elif self.oracle is not None and all(v.has_fast for v in variants) and \
                     (eng := self._fast_under(variants, stack)) is not None:
                 try:
-                    yield eng, "fast"
+                    yield eng, TWIN
                 finally:
                     eng.close()
             else:
                 stack.enter_context(under(variants, fast=False))
-                yield self.ref, "reference"
+                yield self.ref, ORACLE
 
     def _fast_under(self, variants: Sequence[Variant], stack: contextlib.ExitStack) -> Any:
         """A fast engine under ``variants`` (entered on ``stack``): the oracle's own model when every patch acts at

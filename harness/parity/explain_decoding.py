@@ -11,6 +11,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..core.engine_kinds import ORACLE
+
 GENERATION_PATH = "in its generation path"
 """How :meth:`.explain.TextSubject.decoding` starts ``what`` when the engine's generation computes other logits than
 its forward (the explanation's ``kind`` is then ``generation``, its line "in generation, not in the logits: ...")."""
@@ -86,7 +88,7 @@ def decoding_difference(own: Mapping[int, float], tok: int, want: int, context: 
 
 
 def decoding_by_logprobs(request: str, ids: Sequence[int], stream: Mapping[str, Any], i: int, z: np.ndarray,
-                         limit: float, oracle: str = "reference",
+                         limit: float, oracle: str = ORACLE,
                          before: Sequence[Mapping[int, float]] = ()) -> dict[str, Any] | None:
     """Whether an engine that gives no logits, only top-N log-probs along its greedy stream, diverges at step ``i``
     in decoding, and what differs there.
@@ -169,7 +171,7 @@ def _lowered(own: Mapping[int, float], z: np.ndarray, context: set[int], limit: 
 
 
 def decoding_by_shift(request: str, ids: Sequence[int], stream: Mapping[str, Any], z: np.ndarray, limit: float,
-                      oracle: str = "reference") -> dict[str, Any] | None:
+                      oracle: str = ORACLE) -> dict[str, Any] | None:
     """Whether an engine whose greedy stream is the oracle's token for token, and whose log-probs along it are not
     (``max_abs_logprob`` fails, the tokens agree), diverges in decoding: a rule that lowers some logits (a token
     banned, a repetition penalty, a logit bias) after its forward, before the log-probs it reports, moves the

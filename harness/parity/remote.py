@@ -33,6 +33,7 @@ from typing import Any, Callable, ContextManager, Sequence
 from gemma4_harness.reference.errors import InputError
 
 from ..core.environ import THREAD_VARIABLES
+from ..core.engine_kinds import ORACLE
 from ..core.gates import pair_name
 from ..engines import engine_kind
 from ..engines.checked import CheckedEngine
@@ -198,7 +199,7 @@ def _group_pass(path: str, options: dict[str, Any], sets: Sequence[tuple[str, ..
     try:
         with under(parse_spec(list(spec)), fast=False, spec=True):
             ref = CheckedEngine(ReferenceEngine(path, cache_gb=options.get("cache_gb"), layers=options.get("layers")),
-                                "reference")
+                                ORACLE)
             return {"result": reference_pass(ref, sets, prompts, gen_sets, gen_prompts, new_tokens, top_n, cached,
                                              emulate)}
     except InputError as e:
@@ -287,6 +288,6 @@ def _cancel(refs: Sequence[Any]) -> None:
 def lost_figures(names: Sequence[str], reason: str) -> list[Figure]:
     """The failing ``reference~<kind>.runs`` figure of every engine of ``names`` when the reference's pass work
     was lost on the cluster (:class:`ClusterLost`): nothing of the pair is measured."""
-    return [fig(f"{pair_name(engine_kind(n), oracle='reference')}.runs", 0.0, None,
+    return [fig(f"{pair_name(engine_kind(n), oracle=ORACLE)}.runs", 0.0, None,
                 got=f"not run: the reference's pass work on the Ray cluster failed: {reason}", cluster_failure=True)
             for n in names]

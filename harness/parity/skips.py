@@ -14,12 +14,16 @@ from collections.abc import Iterable
 
 from gemma4_harness.reference.errors import InputError
 
+from ..core.engine_kinds import KINDS
 from ..tokenizer.checks import CHECKS as TOKENIZER_CHECKS
 
-__all__ = ["SKIPS", "SKIPPABLE", "check_skip", "help_text", "skip_table", "skipped"]
+__all__ = ["KIND_SKIPS", "SKIPS", "SKIPPABLE", "check_skip", "help_text", "skip_table", "skipped"]
+
+KIND_SKIPS: dict[str, str] = {k.skip: k.skip_help for k in KINDS if k.skip}
+"""The names that opt an engine kind out everywhere (its registry row's ``skip`` and ``skip_help``): ``llamacpp``."""
 
 SKIPS: dict[str, str] = {
-    "llamacpp": "llama.cpp everywhere: its pairs, its drafter, its multimodal (mtmd) checks and its tokenizer check",
+    **KIND_SKIPS,
     "gemma3-real": "the real Gemma 3 270M GGUF's case, gemma3-270m-real",
     "tokenizer": "the tokenizer case: every tokenizer check",
     "speculative": "the drafter and speculative-decoding checks of the built-in cases",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ..core.engine_kinds import ORACLE  # imports nothing (as the plugin's __init__)
 from .run import G4HBadInput, parse_argv, parity_argv
 
 
@@ -118,7 +119,7 @@ def plan_job(config: pytest.Config) -> Plan | None:
     for i, (model, case) in enumerate(zip(args.model, case_names(args.model))):
         for name, engine, n in _planned_pairs(against or default_against(model, args.oracle), args.oracle):
             items.append(PlannedItem(i, model, case, name, engine, n))
-        if args.oracle == "reference":
+        if args.oracle == ORACLE:
             items.append(PlannedItem(i, model, case, CACHED, None))
     return Plan(argv=argv, base=base, models=list(args.model), against=against, oracle=args.oracle, items=items)
 

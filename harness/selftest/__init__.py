@@ -47,6 +47,7 @@ from gemma4_harness.reference.weights import load_model
 
 from .. import synth
 from ..core.cases import builtin_specs
+from ..core.engine_kinds import ORACLE, TWIN
 from ..core.gates import DEFAULT_GATES, SELFTEST_MIN_COSINE, resolve
 from ..core.io import markdown_table, staged_run_dir, write_json_atomic, write_text_atomic
 from ..core.mm_prompts import load_mm_prompts, prompt_media, resolve_ids
@@ -85,7 +86,7 @@ def trace_fast(fm: FastModel, ids: Sequence[int], case: str, engine: str) -> Tra
 
 def trace_reference(cfg: ModelConfig, W, ids: Sequence[int], case: str) -> Trace:
     """Trace one prompt through the float64 reference, keeping the tensors."""
-    w = TraceWriter("reference", ids, case=case, dtype="float64", keep_tensors=True)
+    w = TraceWriter(ORACLE, ids, case=case, dtype="float64", keep_tensors=True)
     ref_model.forward(cfg, W, ids, trace=w)
     return w.trace()
 
@@ -138,11 +139,11 @@ def run_mm_case(spec_path, rule: DivergenceRule, mut_runs: dict[str, list[dict[s
     prompts = [p for p in prompts if (mm.vision or not p["images"]) and (mm.audio or not p["audio"])]
     progress(f"[{ms.name}] reference traces on {len(prompts)} multimodal prompts")
     prepared = {p["id"]: _prepare(mm, p) for p in prompts}
-    refs = {pid: trace_mm(ReferenceMM(mm), pr, ms.name, "reference", "float64") for pid, pr in prepared.items()}
+    refs = {pid: trace_mm(ReferenceMM(mm), pr, ms.name, ORACLE, "float64") for pid, pr in prepared.items()}
     ctl = {"case": ms.name, "runs": []}
     control = FastMM(mm, "cpu", "float32")
     for pid, pr in prepared.items():
-        r = _run_one(trace_mm(control, pr, ms.name, "fast", "float32"), refs[pid], rule)
+        r = _run_one(trace_mm(control, pr, ms.name, TWIN, "float32"), refs[pid], rule)
         ctl["runs"].append({"prompt": pid, **r})
     ctl["pass"] = not any(r["detected"] for r in ctl["runs"])
     progress(f"[{ms.name}] control {'ok' if ctl['pass'] else 'FAILED'}; multimodal mutants")
@@ -233,7 +234,7 @@ def run_selftest(cases: Sequence[str] | None = None, prompt_ids: Sequence[str] |
         control = FastModel(cfg, W, "cpu", "float32")
         ctl = {"case": spec.name, "runs": []}
         for p in use:
-            r = _run_one(trace_fast(control, p["prompt_ids"], spec.name, "fast"), refs[p["id"]], rule)
+            r = _run_one(trace_fast(control, p["prompt_ids"], spec.name, TWIN), refs[p["id"]], rule)
             ctl["runs"].append({"prompt": p["id"], **r})
         ctl["pass"] = not any(r["detected"] for r in ctl["runs"])
         controls.append(ctl)

@@ -31,7 +31,7 @@ from ray import exceptions as rex
 from gemma4_harness.reference.errors import InputError
 
 from ..core.cases import PROMPTS
-from ..core.engine_kinds import KIND, default_against, planned_kinds
+from ..core.engine_kinds import KIND, ORACLE, TWIN, default_against, planned_kinds
 from ..core.memory import GB, plan
 from ..core.paths import default_reports_dir
 from ..core.prompts import load_prompts
@@ -175,7 +175,7 @@ def _row_memory(engine: str, f: SweepFile, gp: list[dict[str, Any]], opts: Sweep
     """Bytes a row task needs: the engine's plan and the float64 reference's on the same file, which its parity pair
     runs in the same process (:func:`.tasks.pair_figures`); None when the engine has no plan."""
     need = _memory_need(engine, f, gp, opts)
-    ref = _memory_need("reference", f, gp, opts)
+    ref = _memory_need(ORACLE, f, gp, opts)
     return None if need is None else need + (ref or 0)
 
 
@@ -253,10 +253,10 @@ class _Sweep:
                 self.base_refs[g.name] = ray.put(base)
                 self.effects[g.name] = base.get("effects") or {}
             else:
-                t = _Task("base", bkey, g, g.base, "reference", threads,
-                          _memory_need("reference", g.base, gp, self.opts))
+                t = _Task("base", bkey, g, g.base, ORACLE, threads,
+                          _memory_need(ORACLE, g.base, gp, self.opts))
                 if t.memory and t.memory > most_mem:
-                    self._base_failed(g, "oom", _no_node(t.memory, most_mem, "reference"))
+                    self._base_failed(g, "oom", _no_node(t.memory, most_mem, ORACLE))
                     continue
                 t.ref = _base_task.options(num_cpus=threads, memory=t.memory or None).remote(
                     tracker, bkey, g.base.path, gp, self.opts.new_tokens, self.opts.top_n, threads, {},
@@ -268,7 +268,7 @@ class _Sweep:
                 self.sens[g.name] = self.records[skey]["mean_kld"]
             elif len(self.opts.against) > 1 or (set(g.base.types) - judge.EXACT_TYPES and any(
                     engine_kind(e) in judge.QUANTIZED_ACTIVATION_KINDS for e in self.opts.against)):
-                t = _Task("sensitivity", skey, g, g.base, "fast", threads, _memory_need("fast", g.base, gp, self.opts))
+                t = _Task("sensitivity", skey, g, g.base, TWIN, threads, _memory_need(TWIN, g.base, gp, self.opts))
                 if not (t.memory and t.memory > most_mem):
                     t.ref = _sensitivity_task.options(num_cpus=threads, memory=t.memory or None).remote(
                         tracker, skey, g.base.path, gp, self.base_refs[g.name], threads)

@@ -42,6 +42,7 @@ import numpy as np
 from gemma4_harness.reference.errors import InputError
 
 from ..core.gates import SWEEP_DIVERGENCE_REL_L2, resolve
+from ..core.engine_kinds import ORACLE, TWIN
 from ..core.kld import kld_stats
 from ..core.memory import NotEnoughMemory, is_out_of_memory
 from ..core.metrics import greedy_agreement, rel_l2
@@ -166,7 +167,7 @@ def _capture(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], traced: dic
 
 
 def base_run(path: str, prompts: Sequence[dict[str, Any]], new_tokens: int, top_n: int, threads: int,
-             engine: str = "reference", options: dict[str, Any] | None = None,
+             engine: str = ORACLE, options: dict[str, Any] | None = None,
              emulations: Sequence[Sequence[str]] = ()) -> dict[str, Any]:
     """The float64 reference (or ``engine``) on the base file: the base of every measurement of its group.
 
@@ -354,7 +355,7 @@ def pair_figures(path: str, engine: str, prompts: Sequence[dict[str, Any]], new_
         InputError: the reference cannot read ``path`` (:class:`harness.core.memory.NotEnoughMemory`: its plan does
             not fit).
     """
-    runs = ReferenceRuns(CheckedEngine(ReferenceEngine(path), "reference"))
+    runs = ReferenceRuns(CheckedEngine(ReferenceEngine(path), ORACLE))
     gates = resolve(spec_gates(path), str(path))
     runs.gates = gates  # as cases.user_case: the explanation of a failing pair is judged by the same gates
     server = ServerOptions(max_new_tokens=new_tokens, top_n=top_n)
@@ -502,7 +503,7 @@ def sensitivity_run(path: str, prompts: Sequence[dict[str, Any]], base: dict[str
     t0 = time.perf_counter()
     out: dict[str, Any] = {"status": "ok", "reason": None}
     try:
-        eng = make_engine("fast", path, dtype="float32", weights="dequantized")
+        eng = make_engine(TWIN, path, dtype="float32", weights="dequantized")
         fm = sys.modules["gemma4_harness.fast.model"]  # the module whose products the engine runs (loaded by it)
         plain = fm.linear
         fm.linear = lambda x, w: plain(round_activations_q8(x), w)

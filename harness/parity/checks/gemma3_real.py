@@ -27,11 +27,19 @@ from gemma4_harness.reference.model import forward, greedy_generate
 from gemma4_harness.reference.tokenizer import tokenizer_from_gguf
 from gemma4_harness.reference.weights import load_model
 
+from ...core.engine_kinds import TWIN
 from ...core.metrics import kld_histogram, kld_per_position, rel_l2
 from ...core.realdata import gemma3_270m_gguf
 from ...engines.transformers import TransformersEngine
 from ...traces import TraceRecorder
 from ..result import Figure, fig, one_line
+
+FAST, HF = TWIN, TransformersEngine.engine
+"""The sections of :func:`run_gemma3_real`'s result for the engines it runs beside the reference (``fast``,
+``transformers``: :data:`ENGINE_SECTIONS`)."""
+
+ENGINE_SECTIONS = (FAST, HF)
+"""The result's per-engine sections (their prompts' figures: left out of the case's ``info``)."""
 
 RESULT_VERSION = 1
 
@@ -126,10 +134,10 @@ def run_gemma3_real(out: MutableMapping[str, Any] | None = None, *, path: str | 
         sequences.append(seq)
         ref_runs.append((logits, trace))
     res["pass"] = all(p["pass"] for p in prompts)
-    res["fast"] = _compare_fast(cfg, W, sequences, ref_runs, tok, packed)
+    res[FAST] = _compare_fast(cfg, W, sequences, ref_runs, tok, packed)
 
     if not compare_transformers:
-        res["transformers"] = {"available": False, "reason": "not requested"}
+        res[HF] = {"available": False, "reason": "not requested"}
         return res
     try:
         t = time.perf_counter()
@@ -138,10 +146,10 @@ def run_gemma3_real(out: MutableMapping[str, Any] | None = None, *, path: str | 
                          "(fp32, eager); from_pretrained(gguf_file=...) needs the accelerate package",
                 "load_s": round(time.perf_counter() - t, 3)}
     except Exception as e:  # an unavailable oracle is a finding, not a crash
-        res["transformers"] = {"available": False, "reason": one_line(e)[:300]}
+        res[HF] = {"available": False, "reason": one_line(e)[:300]}
         return res
     cmp: dict[str, Any] = {"available": True, **info, "prompts": []}
-    res["transformers"] = cmp
+    res[HF] = cmp
     for (name, _, _), seq, (ref_logits, ref_trace) in zip(PROMPTS, sequences, ref_runs):
         t = time.perf_counter()
         rec = TraceRecorder()
@@ -196,11 +204,11 @@ def gemma3_figures(out: MutableMapping[str, Any], info: dict[str, Any]) -> list[
     for item in out.get("prompts", []):
         figs.append(fig("gemma3_real.continuation", 1.0 if item.get("pass") else 0.0, item.get("name"),
                         expected=item.get("expected"), got=item.get("continuation")))
-    for item in out.get("fast", {}).get("prompts", []):
+    for item in out.get(FAST, {}).get("prompts", []):
         figs.append(fig("reference~fast.max_abs_logit", item["max_abs_logit_diff"], item["name"],
                         tokens=item["n_tokens"], same_top1=item["top1_agreement"],
                         **({"kld_hist": item["kld_hist"]} if "kld_hist" in item else {})))
-    hf = out.get("transformers", {})
+    hf = out.get(HF, {})
     for item in hf.get("prompts", []):
         figs.append(fig("reference~transformers.max_abs_logit", item["max_abs_logit_diff"], item["name"],
                         tokens=item["n_tokens"], same_top1=item["top1_agreement"]))

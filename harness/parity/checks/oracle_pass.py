@@ -30,6 +30,7 @@ import numpy as np
 from gemma4_harness.reference.batch import Chain
 
 from ...core.progress import counter
+from ...core.engine_kinds import ORACLE
 from ...engines.base import Generated
 from ...traces.format import Trace, TraceWriter
 
@@ -94,7 +95,7 @@ def reference_pass(ref: Any, sets: Sequence[tuple[str, ...]], prompts: Sequence[
     chains: list[Chain] = []
     for approx in sets:
         for p in prompts:
-            w = TraceWriter("reference", p["prompt_ids"], dtype="float64", keep_tensors=True)
+            w = TraceWriter(ORACLE, p["prompt_ids"], dtype="float64", keep_tensors=True)
             c = Chain([p["prompt_ids"]], traces=[w], numerics=lambda a=approx: numerics(a))
             full.append((approx, p, c, w))
             chains.append(c)

@@ -3,8 +3,9 @@
 Any engine can be the other side: ``fast``, ``transformers``, ``llamacpp``, ``cmd:...`` and every scheme of
 :data:`harness.engines.ENGINE_SCHEMES`. The pair is named ``reference~<kind>`` (:func:`pair_name`; a 16-bit
 engine gets ``reference~<kind>_bf16``) and its gates are ``<pair>.<metric>`` in :mod:`harness.core.gates`.
-With ``--oracle fast`` the fast engine in fp32 stands in for the reference (:data:`ORACLES`, for speed on a big
-model): the pairs are ``fast~<kind>``, judged by the same bounds (:func:`harness.core.gates.oracle_pair_gates`).
+With ``--oracle fast`` the fast engine in fp32 stands in for the reference
+(:data:`harness.core.engine_kinds.ORACLES`, for speed on a big model): the pairs are ``fast~<kind>``, judged by the
+same bounds (:func:`harness.core.gates.oracle_pair_gates`).
 What is measured depends on what the engine answers:
 
 * ``<pair>.runs``: 1 when the engine loaded the model and answered as its protocol says; 0 with the reason when
@@ -39,7 +40,7 @@ import numpy as np
 
 from gemma4_harness.reference.errors import InputError
 
-from ...core.engine_kinds import KIND, ORACLES  # noqa: F401 (ORACLES: read here by parity.job and cli.parity)
+from ...core.engine_kinds import KIND, ORACLE
 from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, pair_name
 from ...core.kld import kld_stats
 from ...core.memory import NotEnoughMemory
@@ -211,7 +212,8 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
         close = getattr(eng, "close", None)
         if close is not None:
             close()
-    about = {"engine": eng.engine, "ops": list(eng.ops)} if kind == "cmd" else {"engine": getattr(eng, "name", kind)}
+    hello = KIND[kind].declares == "hello"  # what its hello said: the program and the ops it serves (cmd:)
+    about = {"engine": eng.engine, "ops": list(eng.ops)} if hello else {"engine": getattr(eng, "name", kind)}
     numerics = engine_numerics(eng, kind)
     return [_runs(pair, True, approximations=list(numerics.approximations), numerics=numerics.as_dict(),
                   **about)] + out
@@ -350,7 +352,7 @@ def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Seque
 
 
 def _naming(e: EngineFailure, prompts: Sequence[dict[str, Any]], oracle: dict[str, dict] | None = None,
-            oracle_name: str = "reference") -> EngineFailure:
+            oracle_name: str = ORACLE) -> EngineFailure:
     """``e`` with its request named: the prompt at its ``index`` in ``prompts`` (the one prompt when there is one).
     With the ``oracle``'s streams and the tokens the engine returned (``partial``), the step is where they part
     (a dropped token shows there, not at the end of a short stream), said in the line."""

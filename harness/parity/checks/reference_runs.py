@@ -17,6 +17,7 @@ import numpy as np
 from gemma4_harness.reference import batch
 
 from ...core.metrics import log_softmax
+from ...core.engine_kinds import ORACLE
 from ...engines.base import TOP_N
 from ...engines.numerics import Numerics, emulable_types, emulate, effective
 from ...engines.reference import ReferenceEngine
@@ -71,7 +72,7 @@ class ReferenceRuns:
     def __init__(self, ref: ReferenceEngine, oracle: Any = None) -> None:
         self.ref = ref
         self.oracle = ref if oracle is None else oracle
-        self.name = "reference" if oracle is None else oracle.engine
+        self.name = ORACLE if oracle is None else oracle.engine
         self._logits: dict[tuple[tuple[str, ...], str], tuple[np.ndarray, Trace]] = {}
         self._gens: dict[tuple[tuple[str, ...], int, int], dict[str, dict[str, Any]]] = {}
         self._cached: dict[str, tuple[int, np.ndarray]] = {}
@@ -174,7 +175,7 @@ class ReferenceRuns:
         """Why the oracle cannot emulate the quantized activations of an engine with ``numerics`` on matrices of
         ``types`` (:meth:`unemulated_types`), or None when it can (the reference as the oracle, the engine's
         dot-product types llama.cpp's, every type in llama.cpp's table)."""
-        if self.name != "reference":
+        if self.name != ORACLE:
             return f"the {self.name} oracle does not emulate it (the default oracle, the reference, does)"
         if numerics.vec_dot_types is None:
             return "the engine does not say whose dot-product types it rounds to (vec_dot_types)"
@@ -206,7 +207,7 @@ class ReferenceRuns:
         (a fast oracle's are kept as float32, as it computed them, and widened here)."""
         key = (approx, str(prompt["id"]))
         if key not in self._logits:
-            w = TraceWriter(self.name, prompt["prompt_ids"], dtype="float64" if self.name == "reference" else "float32",
+            w = TraceWriter(self.name, prompt["prompt_ids"], dtype="float64" if self.name == ORACLE else "float32",
                             keep_tensors=True)
             with self.numerics(approx):
                 z = self.oracle.logits(prompt["prompt_ids"], trace=w)
