@@ -66,6 +66,7 @@ def test_oracle_fast_judges_llamacpp_by_the_emulation(variant, tmp_path, monkeyp
     gates = {c["gate"] for c in checks}
     assert not any(g.startswith("fast~llamacpp_q8x.") for g in gates), gates  # not the yardstick
     (local,) = _gated(checks, "fast~llamacpp_q8.local_median")
+    print(f"{variant} correct: local_median {local['measured']:.3g} (null {local.get('null')})")
     assert local["measured"] < local["limit"] / 10 and local.get("first_divergence") is None, local
     for metric in ("same_top1_decisive", "greedy"):
         assert _gated(checks, f"fast~llamacpp_q8.{metric}"), metric
@@ -74,6 +75,7 @@ def test_oracle_fast_judges_llamacpp_by_the_emulation(variant, tmp_path, monkeyp
     bad, what = make_fault(kind, path, tmp_path / "bad.gguf", tensor)
     status, checks = _parity(path, tmp_path / "bad", engine_file=bad, monkeypatch=monkeypatch)
     (local,) = _gated(checks, "fast~llamacpp_q8.local_median")
+    print(f"{variant} {what}: local_median {local['measured']:.3g} at {local.get('first_divergence')}, exit {status}")
     assert status == 1 and not local["pass"], (what, local)
     assert local["first_divergence"] == point, (what, local["first_divergence"])
 
