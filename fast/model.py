@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -477,7 +477,8 @@ class FastModel:
 
     def step(self, cache: PagedKVCache, seqs: Sequence[SeqStep], all_logits: bool = False,
              trace: TraceFn | None = None, rows: Sequence[int] | None = None,
-             return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             return_hidden: bool = False, layer_inputs: Mapping[int, Any] | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the new tokens of several sequences through the model, appending to their caches.
 
         Args:
@@ -489,6 +490,12 @@ class FastModel:
                 speculative verification takes every row of a drafted sequence, the last of a prefill chunk).
             return_hidden: also return the post-final-norm hidden state (``result_norm``) of those rows, which a
                 drafter reads.
+            layer_inputs: ``{layer index: [N, h] array}`` (float32 values; NumPy or torch): the residual stream
+                that enters those layers in place of the previous layer's output, the index ``n_layer`` the final
+                norm's, and the PLE context projected from ``layer_inputs[0]`` where given: a *re-seeded* step, as
+                :func:`reference.model.forward`'s ``layer_inputs`` (the per-layer gate of an emulated pair with the
+                fast oracle, ``harness/parity/checks/reference_runs.py`` ``ReferenceRuns.reseeded``). One sequence,
+                every row's logits.
 
         Without a trace, only the rows asked for (``rows``, or each sequence's last one) go through the KV-shared
         tail of the model (:meth:`_keep_rows`): the others are dead there.
@@ -498,16 +505,27 @@ class FastModel:
             ``return_hidden``, ``(logits, hidden [., h])``.
 
         Raises:
-            ValueError: a trace asked for on a batch of several sequences.
+            ValueError: a trace asked for on a batch of several sequences; ``layer_inputs`` on such a batch, without
+                ``all_logits``, or an array of another shape than ``[N, h]``.
             PromptError: a sequence's injection does not fit its tokens (see reference ``check_injection``).
         """
         if trace is not None and len(seqs) != 1:
             raise ValueError("tracing is for single-sequence steps")
+        if layer_inputs is not None and (len(seqs) != 1 or not all_logits or rows is not None):
+            raise ValueError("layer_inputs: a single-sequence step with all_logits")
         small = self.device.type == "cpu" and sum(int(s.ids.numel()) for s in seqs) <= cpu_kernels.MAX_ROWS
         with cpu_kernels.small_step_threads() if small else contextlib.nullcontext():
-            return self._step(cache, seqs, all_logits, trace, rows, return_hidden)
+            return self._step(cache, seqs, all_logits, trace, rows, return_hidden, layer_inputs)
 
-    def _step(self, cache, seqs, all_logits, trace, rows, return_hidden):
+    def _reseed(self, given: Any, like: torch.Tensor, il: int) -> torch.Tensor:
+        """A re-seeded stream (:meth:`step`'s ``layer_inputs``) as ``like``'s dtype and device, checked against its
+        shape. Source: reference ``reseed``."""
+        x = torch.as_tensor(np.asarray(given.cpu() if isinstance(given, torch.Tensor) else given, dtype=np.float32))
+        if tuple(x.shape) != tuple(like.shape):
+            raise ValueError(f"layer_inputs[{il}]: shape {list(x.shape)}, expected {list(like.shape)}")
+        return x.to(device=like.device, dtype=like.dtype)
+
+    def _step(self, cache, seqs, all_logits, trace, rows, return_hidden, layer_inputs=None):
         """:meth:`step`'s body (there, a decode-sized CPU step runs under :func:`fast.cpu_kernels.small_step_threads`)."""
         cfg, dev = self.cfg, self.device
         tr = _no_trace if trace is None else (lambda p, il, t: trace(p, il, t.detach().double().cpu().numpy()))
@@ -523,9 +541,10 @@ class FastModel:
             x = self.merge(batch, x)
         batch.blocks = [None if s.mm is None else self._blocks(s.mm) for s in seqs]
         tr("inp_scaled", -1, x)
+        seeds = layer_inputs or {}
         ple = None
-        if cfg.ple_dim:
-            ple = self.per_layer_inputs(ids, x)  # [N, L, P]
+        if cfg.ple_dim:  # re-seeded: projected from the given embedding, as the reference's forward does
+            ple = self.per_layer_inputs(ids, self._reseed(seeds[0], x, 0) if 0 in seeds else x)  # [N, L, P]
             tr("inp_per_layer", -1, ple)
         want = None if all_logits and rows is None else \
             np.asarray(list(rows) if rows is not None else batch.offsets[1:] - 1, dtype=np.int64)
@@ -535,7 +554,11 @@ class FastModel:
             if layer.index == tail and keep is not None and keep.shape[0] < x.shape[0]:
                 x, ple, batch = self._keep_rows(batch, keep, x, ple)
                 want = np.searchsorted(keep, want)
+            if layer.index in seeds:
+                x = self._reseed(seeds[layer.index], x, layer.index)
             x = self.decoder_layer(layer, x, batch, None if ple is None else ple[:, layer.index], tr)
+        if cfg.n_layer in seeds:  # the stream that enters the final norm
+            x = self._reseed(seeds[cfg.n_layer], x, cfg.n_layer)
         if want is not None and not np.array_equal(want, np.arange(x.shape[0])):
             x = x[torch.as_tensor(want, device=dev)]
         x = rms_norm(x, self.w["output_norm.weight"], cfg.rms_eps)
@@ -811,11 +834,12 @@ class FastModel:
     # ------------------------------------------------------------------ conveniences
 
     def logits(self, ids: Sequence[int], chunk: int | None = None, trace: TraceFn | None = None,
-               mm: Injection | None = None) -> torch.Tensor:
+               mm: Injection | None = None, layer_inputs: Mapping[int, Any] | None = None) -> torch.Tensor:
         """Logits of every position of one sequence (prefill in chunks of ``chunk``; None = one shot).
 
         ``mm``: the prompt's soft tokens and types (:class:`reference.multimodal.Injection`); a chunk
-        never ends inside an image block (:func:`fast.multimodal.chunk_end`).
+        never ends inside an image block (:func:`fast.multimodal.chunk_end`). ``layer_inputs``: a re-seeded
+        forward (:meth:`step`), in one shot.
         Returns: float32 ``[T, V]``. Raises: PromptError (see reference ``check_prompt`` and
         ``check_injection``).
         """
@@ -826,7 +850,7 @@ class FastModel:
         T = ids_np.shape[0]
         cache = self.new_cache(1, T, bounded=True)
         slot = cache.alloc()
-        chunk = chunk or T
+        chunk = T if layer_inputs is not None else chunk or T
         out = []
         with torch.inference_mode():
             start = 0
@@ -834,6 +858,7 @@ class FastModel:
                 end = chunk_end(self.cfg, mm, start, chunk, T)
                 part = torch.from_numpy(ids_np[start:end])
                 out.append(self.step(cache, [SeqStep(slot, part, start, None if mm is None else mm.part(start, end))],
-                                     all_logits=True, trace=trace if end - start >= T else None))
+                                     all_logits=True, trace=trace if end - start >= T else None,
+                                     layer_inputs=layer_inputs))
                 start = end
         return torch.cat(out, 0)

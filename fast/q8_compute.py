@@ -28,7 +28,7 @@ dense matrices (:func:`dense_types`).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -43,18 +43,19 @@ COMPUTE_MODES = ("exact", "q8")
 """``--compute``: ``exact`` (fp32 products of the exact weights, the default) or ``q8`` (llama.cpp's arithmetic)."""
 
 _exact_linear, _exact_rms_norm = fm.linear, fm.rms_norm
-_dense: dict[int, tuple] = {}  # id of a dense weight tensor -> (GGML type, minima), inside q8_compute
+_dense: dict[Any, tuple] = {}  # id of a dense weight tensor -> (GGML type, minima), inside q8_compute
 _minima: dict[int, torch.Tensor] = {}  # id of a Q4_1/Q5_1 QuantizedTensor's bytes -> its block minima
 
 
-def dense_types(model: "fm.FastModel", W) -> dict[int, tuple[str, torch.Tensor | None]]:
+def dense_types(model: "fm.FastModel", W) -> dict[Any, tuple]:
     """The model's dense (unpacked) matrices stored in the file in another type than F32 (F16, BF16, and with
     ``--weights dequantized`` the quantized ones), as ``{id(tensor): (GGML type, block minima or None)}``: their
     products round the input to that type's dot-product type under :func:`q8_compute`; the minima (float64 ``[N,
-    K/32]``, from the stored blocks) of a Q4_1 / Q5_1 matrix give its Q8_1 block-sum term. ``W``: the loader's
-    weights (a shape-only model's carry no types: empty). A view made later (one expert of a dense 3-D stack) is
-    another tensor and computes exactly: on the CPU the expert stacks stay packed by default."""
-    out: dict[int, tuple[str, torch.Tensor | None]] = {}
+    K/32]``, from the stored blocks) of a Q4_1 / Q5_1 matrix give its Q8_1 block-sum term; a 3-D expert stack is
+    also held as ``{("stack", its storage's address): (type, minima, its storage offset)}``. ``W``: the loader's
+    weights (a shape-only model's carry no types: empty). A view made later (one expert of a dense 3-D stack,
+    ``--weights dequantized`` on a MoE) is another tensor: :func:`linear` finds its stack by the storage it views."""
+    out: dict[Any, tuple] = {}
     if W is None or not hasattr(W, "raw_dtype") or not hasattr(W, "stored"):
         return out
     for name, t in model.w.t.items():
@@ -66,6 +67,8 @@ def dense_types(model: "fm.FastModel", W) -> dict[int, tuple[str, torch.Tensor |
                     stored = np.asarray(W.stored(name)).view(np.uint8)
                     mins = torch.from_numpy(block_minima(stored.reshape(-1, stored.shape[-1]), typ))
                 out[id(t)] = (typ, mins)
+                if t.dim() == 3:  # an expert stack: its experts are views made at call time, found by storage
+                    out[("stack", t.untyped_storage().data_ptr())] = (typ, mins, t.storage_offset())
     return out
 
 
@@ -85,6 +88,16 @@ def _rounded_product(x: torch.Tensor, w, typ: str, mins) -> torch.Tensor:
     return y
 
 
+def _expert_of(w: torch.Tensor, typ: str, mins, offset: int) -> tuple[str, torch.Tensor | None]:
+    """The GGML type and block minima of ``w``, a view of whole rows of a dense stack (one expert ``stack[e]`` of
+    ``[E, N, K]``, made at call time by :func:`fast.model.moe_experts`) whose type, minima (``[E*N, K/32]``) and
+    storage offset (elements) are :func:`dense_types`'s: the minima of the view's rows."""
+    if mins is None:
+        return typ, None
+    first = (w.storage_offset() - offset) // w.shape[-1]
+    return typ, mins[first:first + w.numel() // w.shape[-1]]
+
+
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """``x @ w.T`` as llama.cpp's CPU backend computes it (the module docstring). [N, in] -> [N, out], float32.
 
@@ -93,6 +106,9 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     """
     if isinstance(w, torch.Tensor):
         known = _dense.get(id(w))
+        if known is None and w._base is not None:  # one expert of a dense 3-D stack (a view of its storage)
+            stack = _dense.get(("stack", w.untyped_storage().data_ptr()))
+            known = None if stack is None else _expert_of(w, *stack)
         return _exact_linear(x, w) if known is None else _rounded_product(x, w, *known)
     typ = w.type_name
     if x.dim() == 2 and len(w.shape) == 2:

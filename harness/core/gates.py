@@ -485,7 +485,7 @@ def _q8_gates(pair: str) -> list[Gate]:
         out.append(Gate(f"{pair}_q8.{m}", g.limit, g.op, _Q8_WHY + "as " + g.name + ": " + g.reason))
     out.append(Gate(f"{pair}_q8x.mean_kld", 1e-5, "le",
                     "an engine that declares quantized_activations the reference cannot emulate (no vec_dot_types, "
-                    "a type outside llama.cpp's table, or --oracle fast) on a file with quantized or 16-bit "
+                    "a type outside llama.cpp's table; the fast oracle emulates it too, by its --compute q8) on a file with quantized or 16-bit "
                     "matrices: its mean KLD against the exact oracle, at max(1e-5, 2 x the KLD that rounding every "
                     "such product's input to 8 bits (Q8_K blocks of 256 where the row allows, else Q8_0) causes on "
                     "this model and prompt: the yardstick, harness.engines.llamacpp.numerics.coarse_q8_numerics). "
@@ -526,13 +526,21 @@ def oracle_pair_gates(oracle: str) -> list[Gate]:
                                                                                   "layer_rel_l2")]:
         pair, _, metric = g.name.rpartition(".")
         kind = pair.split("~", 1)[1]
-        if metric not in PAIR_METRICS or kind == oracle:
+        emulated = pair.endswith("_q8") and metric in Q8_ONLY_METRICS
+        if (metric not in PAIR_METRICS and not emulated) or kind == oracle:
             continue
         other = oracle if kind == ORACLE else kind
+        stands = (f"{oracle} stands in for the reference, its products computed as llama.cpp computes them "
+                  "(--compute q8: fast/q8_compute.py)" if pair.endswith("_q8") else
+                  f"{oracle} fp32 stands in for the reference")
         out.append(replace(g, name=f"{oracle}~{other}.{metric}",
-                           reason=f"{g.reason} [--oracle {oracle}: {oracle} fp32 stands in for the reference; "
-                                  f"the bound of {g.name}]"))
+                           reason=f"{g.reason} [--oracle {oracle}: {stands}; the bound of {g.name}]"))
     return out
+
+
+Q8_ONLY_METRICS = ("agreeing_positions", "local_median", "median_abs_logprob")
+"""The metrics only an emulated pair (``<pair>_q8``) has: :func:`oracle_pair_gates` gives them to the fast oracle's
+pairs too (it emulates ``quantized_activations`` through its ``--compute q8``)."""
 
 
 DEFAULT_GATES.update({g.name: g for oracle in ORACLES if oracle != ORACLE for g in oracle_pair_gates(oracle)})

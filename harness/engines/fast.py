@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from gemma4_harness.fast.static_decode import StaticDecoder
 from gemma4_harness.reference.drafter import bind
 from gemma4_harness.reference.drafter_weights import load_drafter
 from gemma4_harness.reference.errors import InputError
+from gemma4_harness.reference.model import check_prompt
 from gemma4_harness.reference.weights import load_model
 
 from ..core import memory
@@ -155,7 +156,8 @@ class FastEngine:
         self.dtype = dtype
         self.weights = weights
         self.compute = compute
-        self._q8_dense = dense_types(self.model, W) if compute == "q8" else {}
+        self._loaded = W  # the loader's weights: their stored types, read when a forward first computes in q8
+        self._q8_dense = dense_types(self.model, W) if compute == "q8" else None
         self.name = f"fast-{self.model.device.type}-{dtype}" + ("-q8" if compute == "q8" else "") + (
             "-batched" if batched else "")
 
@@ -170,7 +172,26 @@ class FastEngine:
 
     def _arith(self):
         """The context its forwards run in: :func:`fast.q8_compute.q8_compute` under ``--compute q8``."""
-        return q8_compute(self._q8_dense) if self.compute == "q8" else contextlib.nullcontext()
+        return self.computing(self.compute)
+
+    def computing(self, compute: str) -> contextlib.AbstractContextManager:
+        """The context in which this engine's forwards compute as ``compute`` (:data:`COMPUTE_MODES`) whatever its own
+        ``--compute``: for ``q8``, :func:`fast.q8_compute.q8_compute` with the types of this model's dense matrices
+        (:func:`fast.q8_compute.dense_types`, read once); for ``exact``, nothing (an engine built with ``q8`` still
+        computes in q8 inside its own calls). ``g4h parity --oracle fast`` runs its oracle's forwards of an
+        emulation that holds ``quantized_activations`` in it (:meth:`harness.parity.checks.reference_runs.
+        ReferenceRuns.numerics`): llama.cpp's arithmetic, the emulation the reference makes in float64.
+
+        Raises:
+            InputError: an unknown mode.
+        """
+        if compute not in COMPUTE_MODES:
+            raise InputError(f"--compute {compute!r}: expected one of {', '.join(COMPUTE_MODES)}")
+        if compute != "q8":
+            return contextlib.nullcontext()
+        if self._q8_dense is None:
+            self._q8_dense = dense_types(self.model, self._loaded)
+        return q8_compute(self._q8_dense)
 
     def _plan(self, tokens: int, new_tokens: int, batch: int, dtype: str | None = None,
               weights: str | None = None) -> None:
@@ -186,11 +207,38 @@ class FastEngine:
         self._plan(max(tokens, 1), 0, 1)
 
     @memory.guarded
-    def logits(self, ids: Sequence[int], trace: TraceFn | None = None, chunk: int | None = None) -> np.ndarray:
-        """float32 logits as float64 ``[T, V]`` (one-shot prefill, or in chunks of ``chunk``)."""
+    def logits(self, ids: Sequence[int], trace: TraceFn | None = None, chunk: int | None = None,
+               layer_inputs: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
+        """float32 logits as float64 ``[T, V]`` (one-shot prefill, or in chunks of ``chunk``). ``layer_inputs``: a
+        re-seeded forward (:meth:`fast.model.FastModel.step`; ``--oracle fast``'s per-layer gate)."""
         self._plan(len(ids), 0, 1)
         with self._arith():
-            return self.model.logits(ids, chunk=chunk, trace=trace).double().cpu().numpy()
+            return self.model.logits(ids, chunk=chunk, trace=trace,
+                                     layer_inputs=layer_inputs).double().cpu().numpy()
+
+    @memory.guarded
+    def logits_cached(self, ids: Sequence[int], prefill: int) -> np.ndarray:
+        """float32 logits as float64 ``[len(ids), V]`` computed as an engine computes a stream: a prefill of the first
+        ``prefill`` ids, then one decode step per id over the KV cache (llama.cpp's flash attention takes another
+        kernel for a call of fewer than 64 query rows: ``harness.engines.llamacpp.numerics.attention_flash_fp16``).
+        The reference's :meth:`harness.engines.reference.ReferenceEngine.logits_cached`; ``--oracle fast``'s
+        ``ReferenceRuns.decoded_logits``.
+
+        Raises:
+            PromptError: see :func:`reference.model.check_prompt`.
+        """
+        ids_np = np.asarray(list(ids), dtype=np.int64)
+        check_prompt(self.cfg, ids_np)
+        self._plan(len(ids_np), 0, 1)
+        m, prefill = self.model, max(1, min(int(prefill), len(ids_np)))
+        cache = m.new_cache(1, len(ids_np))
+        slot = cache.alloc()
+        out = []
+        with self._arith(), torch.inference_mode():
+            out.append(m.step(cache, [SeqStep(slot, torch.from_numpy(ids_np[:prefill]), 0)], all_logits=True))
+            for i in range(prefill, len(ids_np)):
+                out.append(m.step(cache, [SeqStep(slot, torch.from_numpy(ids_np[i:i + 1]), i)], all_logits=True))
+        return torch.cat(out).double().cpu().numpy()
 
     @memory.guarded
     def prompt_runs(self, prompts: Sequence[Sequence[int]], traces: Sequence[TraceFn | None] | None = None,

@@ -22,7 +22,10 @@ reference with them against the reference without them): see ``harness/core/gate
 An engine that declares nothing is held to the fp32 bounds. ``quantized_activations`` is emulated too (llama.cpp's
 activation rounding, bit for bit: ``reference/activation_quants.py``) where the engine names its dot-product types
 (``vec_dot_types``); on a file with quantized or 16-bit matrices its pair is then judged by the ``<pair>_q8`` gates,
-not by the effect (docs/quantized-activations.md).
+not by the effect (docs/quantized-activations.md). The fast oracle (``g4h parity --oracle fast``) makes every one of
+:data:`EMULATED` too: the GELU table and the attention by the fast twins that :func:`emulate` swaps into
+:mod:`fast.model`, ``quantized_activations`` by computing as its ``--compute q8`` does (``fast_q8`` of
+:func:`emulate`; docs/quantized-activations.md, "The fast oracle").
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass, replace
-from typing import Any, ContextManager, Iterable, Mapping
+from typing import Any, Callable, ContextManager, Iterable, Mapping
 
 from gemma4_harness.reference.activation_quants import VEC_DOT_TYPE
 from gemma4_harness.reference.errors import InputError
@@ -48,9 +51,9 @@ APPROXIMATIONS: dict[str, str] = {
                        "emulated with ggml's own table",
     "quantized_activations": "the activations of a matrix product with quantized or 16-bit weights are rounded to "
                              "the weights' dot-product type first (llama.cpp: Q8_0, Q8_1, Q8_K, F16, BF16); emulated "
-                             "with llama.cpp's own table and rounding (reference/activation_quants.py) where the "
-                             "engine's dot-product types are llama.cpp's (vec_dot_types) and every type of the file "
-                             "is in that table",
+                             "with llama.cpp's own table and rounding (reference/activation_quants.py; the fast "
+                             "oracle: its --compute q8, fast/q8_compute.py) where the engine's dot-product types are "
+                             "llama.cpp's (vec_dot_types) and every type of the file is in that table",
     "attn_fp16_operands": "with a 16-bit KV cache, the query and the softmax weights are rounded to the cache type "
                           "before their products with K and V (llama.cpp without flash attention: ggml_mul_mat "
                           "converts its f32 operand to the F16 cache's vec_dot type on x86); emulated",
@@ -265,9 +268,12 @@ def declare(base: Numerics, overrides: Mapping[str, Any] | None) -> Numerics:
     return replace(base, **changed, source=f"--declare {said}" + (f" over {base.source}" if base.source else ""))
 
 
-def emulate(key: Iterable[str]) -> ContextManager:
-    """The reference (and the fast twin, for the GELU table) under the emulations of ``key``
-    (:meth:`Numerics.emulation`), nested; unknown names are ignored."""
+def emulate(key: Iterable[str], fast_q8: Callable[[], ContextManager] | None = None) -> ContextManager:
+    """The reference (and the fast twin, for the GELU table and the attention) under the emulations of ``key``
+    (:meth:`Numerics.emulation`), nested; unknown names are ignored. ``fast_q8``: with ``quantized_activations`` in
+    ``key``, the context in which a fast engine computes as llama.cpp (``FastEngine.computing("q8")``,
+    :mod:`fast.q8_compute`: ``g4h parity --oracle fast``), entered beside the reference's emulation and before the
+    jitters, which then perturb its products' inputs too."""
     emulations = importlib.import_module(f"{__package__}.llamacpp.numerics")  # it imports torch: only when emulating
     attention_numerics, llamacpp_numerics = emulations.attention_numerics, emulations.llamacpp_numerics
     key = tuple(key)
@@ -276,6 +282,8 @@ def emulate(key: Iterable[str]) -> ContextManager:
         stack.enter_context(llamacpp_numerics())
     if "quantized_activations" in key:
         stack.enter_context(emulations.quantized_activations_numerics())
+        if fast_q8 is not None:
+            stack.enter_context(fast_q8())
     if "jitter" in key:  # after the rounding it perturbs the input of (harness/parity/checks/quantized.py)
         stack.enter_context(emulations.jitter_numerics())
     if "jitter_sums" in key:  # the fp32 sums' last bits, the null of the re-seeded per-layer comparison

@@ -196,8 +196,9 @@ def quantized_activations_numerics() -> Iterator[None]:
     float32 steps (:func:`rms_norm_fp32`: the rounding of the product after it depends on those bits). What is left
     against llama.cpp is its fp32 accumulation, and the int8 roundings its fp32 activations take the other way
     where they differ from ours in the last bits (rare, but each moves one value by one step). The fast twin is not
-    swapped (``--oracle fast`` cannot emulate it: see ``harness/parity/checks/reference_runs.py``). Restores on exit
-    (not thread-safe)."""
+    swapped here: the fast oracle (``--oracle fast``) computes the same rounding as llama.cpp's own arithmetic,
+    ``--compute q8`` (:mod:`fast.q8_compute`), entered beside this by :func:`harness.engines.numerics.emulate`
+    (``harness/parity/checks/reference_runs.py``, ``ReferenceRuns.numerics``). Restores on exit (not thread-safe)."""
     original, offset, norm = rm.linear_input, rm.linear_offset, rm.rms_norm
     rm.linear_input, rm.linear_offset, rm.rms_norm = linear_input_quantized, linear_offset_quantized, rms_norm_fp32
     try:
@@ -217,9 +218,12 @@ def jitter_numerics(seed: int = 0) -> Iterator[None]:
     (``u`` uniform in [-1, 1], a fixed-seed stream), so that the int8 roundings near a midpoint go the other way as
     they do in an engine whose fp32 values differ from ours in their last bits. The reference against itself so
     perturbed shows what those flips alone do on this model and prompt (``harness/parity/checks/quantized.py``,
-    ``agreeing_positions``). Restores on exit (not thread-safe)."""
+    ``agreeing_positions``). The fast twin's :func:`fast.model.linear` too (its input, float32, times the same
+    factor, rounded to float32: a few ulps), for the fast oracle computing in q8 (``g4h parity --oracle fast``;
+    entered inside :func:`fast.q8_compute.q8_compute`, so the perturbed input is what its rounding sees). Restores
+    on exit (not thread-safe)."""
     rng = np.random.default_rng(seed)
-    inner, inner_offset = rm.linear_input, rm.linear_offset
+    inner, inner_offset, inner_fast = rm.linear_input, rm.linear_offset, fm.linear
     last: list = [None, None, None]  # (x, w, perturbed x) of the latest input
 
     def jittered(x, w):
@@ -230,11 +234,15 @@ def jitter_numerics(seed: int = 0) -> Iterator[None]:
     def jittered_offset(x, w):  # the same perturbed input as the product's rounding (every product asks both)
         return inner_offset(last[2] if last[0] is x and last[1] is w else x, w)
 
-    rm.linear_input, rm.linear_offset = jittered, jittered_offset
+    def jittered_fast(x, w):
+        u = torch.from_numpy(rng.uniform(-1.0, 1.0, tuple(x.shape))).to(x.device)
+        return inner_fast((x.double() * (1.0 + JITTER * u)).to(x.dtype), w)
+
+    rm.linear_input, rm.linear_offset, fm.linear = jittered, jittered_offset, jittered_fast
     try:
         yield
     finally:
-        rm.linear_input, rm.linear_offset = inner, inner_offset
+        rm.linear_input, rm.linear_offset, fm.linear = inner, inner_offset, inner_fast
         last.clear()
 
 
@@ -248,19 +256,25 @@ def jitter_sums_numerics(seed: int = 0) -> Iterator[None]:
     sums can flip: the null of the re-seeded, per-layer comparison (``harness/parity/checks/quantized.py``,
     ``local_rel_l2``). Measured on e2b Q8_0 (re-seeded from the llamacpp engine's stream): the input jitter moved
     the first layer by 1.9e-2 (its ties), where the engine itself stays within 1e-3. Restores on exit (not
-    thread-safe)."""
+    thread-safe). The fast twin's :func:`fast.model.linear` too (its float32 output times the same factor, rounded
+    to float32), for the fast oracle computing in q8."""
     rng = np.random.default_rng(seed)
-    inner = rm.linear
+    inner, inner_fast = rm.linear, fm.linear
 
     def jittered(x, w):
         y = inner(x, w)
         return y * (1.0 + JITTER * rng.uniform(-1.0, 1.0, y.shape))
 
-    rm.linear = jittered
+    def jittered_fast(x, w):
+        y = inner_fast(x, w)
+        u = torch.from_numpy(rng.uniform(-1.0, 1.0, tuple(y.shape))).to(y.device)
+        return (y.double() * (1.0 + JITTER * u)).to(y.dtype)
+
+    rm.linear, fm.linear = jittered, jittered_fast
     try:
         yield
     finally:
-        rm.linear = inner
+        rm.linear, fm.linear = inner, inner_fast
 
 
 def round_coarse_q8(x, weight_type: str | None = "Q8_0"):

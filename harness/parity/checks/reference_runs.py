@@ -62,8 +62,10 @@ class ReferenceRuns:
     Args:
         ref: the reference engine of the model (its config and stored weight types are read from it).
         oracle: the engine whose outputs are the oracle side: None for ``ref`` itself, or a fast engine in fp32
-            (``--oracle fast``); it makes the emulations of :data:`harness.engines.numerics.EMULATED` too. Its
-            ``engine`` attribute names the pairs.
+            (``--oracle fast``); it makes the emulations of :data:`harness.engines.numerics.EMULATED` too (the
+            GELU table and the attention's by the fast twins of the reference's emulations, ``quantized_activations``
+            by its own ``--compute q8``: :meth:`numerics`), and re-seeds its forward from an engine's stream
+            (:meth:`reseeded`). Its ``engine`` attribute names the pairs.
 
     Attributes:
         name: the oracle's name in pair names (``reference``, or the oracle engine's ``engine``: ``fast``).
@@ -168,14 +170,24 @@ class ReferenceRuns:
         return self._cached.get(str(prompt["id"]))
 
     def numerics(self, approx: Sequence[str]) -> ContextManager:
-        """The reference under the emulations ``approx`` (:meth:`harness.engines.numerics.Numerics.emulation`)."""
-        return emulate(approx)
+        """The oracle under the emulations ``approx`` (:meth:`harness.engines.numerics.Numerics.emulation`): the
+        reference's (:func:`harness.engines.numerics.emulate`); with the fast oracle (``--oracle fast``) and
+        ``quantized_activations`` in ``approx``, its forwards compute as llama.cpp does too (``--compute q8``:
+        :meth:`harness.engines.fast.FastEngine.computing`, :mod:`fast.q8_compute`)."""
+        return emulate(approx, fast_q8=self._fast_q8())
+
+    def _fast_q8(self) -> Callable[[], ContextManager] | None:
+        """The fast oracle's q8 compute (:meth:`harness.engines.fast.FastEngine.computing`), or None (the reference
+        as the oracle, or an oracle that cannot)."""
+        computing = getattr(self.oracle, "computing", None) if self.oracle is not self.ref else None
+        return None if computing is None else (lambda: computing("q8"))
 
     def emulation_gap(self, numerics: Numerics, types: Sequence[str]) -> str | None:
         """Why the oracle cannot emulate the quantized activations of an engine with ``numerics`` on matrices of
-        ``types`` (:meth:`unemulated_types`), or None when it can (the reference as the oracle, the engine's
-        dot-product types llama.cpp's, every type in llama.cpp's table)."""
-        if self.name != ORACLE:
+        ``types`` (:meth:`unemulated_types`), or None when it can (the reference as the oracle, or the fast oracle,
+        which computes them as llama.cpp does: :meth:`numerics`; the engine's dot-product types llama.cpp's, every
+        type in llama.cpp's table)."""
+        if self.name != ORACLE and self._fast_q8() is None:
             return f"the {self.name} oracle does not emulate it (the default oracle, the reference, does)"
         if numerics.vec_dot_types is None:
             return "the engine does not say whose dot-product types it rounds to (vec_dot_types)"
@@ -222,9 +234,12 @@ class ReferenceRuns:
         own layer took and a difference cannot carry from one layer to the next; then the same with every product's
         input jittered in its last bits (``(*approx, "jitter")``: what the int8 rounding flips alone leave, the null
         of ``local_rel_l2``). The first layer enters with the engine's ``inp_scaled`` where it traced it. Two
-        forwards, not kept (another engine's trace is another seed). None when the oracle
-        is not the reference or the engine's trace lacks an ``l_out`` tensor of the prompt's shape."""
-        if self.oracle is not self.ref:
+        forwards, not kept (another engine's trace is another seed). The fast oracle (``--oracle fast``) re-seeds
+        its own forward the same way (:meth:`fast.model.FastModel.step`'s ``layer_inputs``), in q8 compute
+        (:meth:`numerics`). None when the oracle can do neither, or the engine's trace lacks an ``l_out`` tensor of
+        the prompt's shape."""
+        fast = self.oracle is not self.ref
+        if fast and self._fast_q8() is None:
             return None
         n, T, h = self.ref.cfg.n_layer, len(prompt["prompt_ids"]), self.ref.cfg.hidden_size
         first = engine.tensor("inp_scaled", -1)  # the first layer's input too, where traced: its fp32 bits
@@ -236,9 +251,10 @@ class ReferenceRuns:
             seeds[il + 1] = t
         out = []
         for a in (approx, (*approx, "jitter_sums")):
-            w = TraceWriter(self.name, prompt["prompt_ids"], dtype="float64", keep_tensors=True)
+            w = TraceWriter(self.name, prompt["prompt_ids"], dtype="float32" if fast else "float64",
+                            keep_tensors=True)
             with self.numerics(a):
-                self.ref.logits(prompt["prompt_ids"], trace=w, layer_inputs=seeds)
+                self.oracle.logits(prompt["prompt_ids"], trace=w, layer_inputs=seeds)
             out.append(w.trace())
         return out[0], out[1]
 
@@ -270,14 +286,17 @@ class ReferenceRuns:
         """The reference's logits (float64 ``[len(prompt) + len(tokens), V]``) of each prompt and its tokens computed
         as an engine computes a stream: a prefill of the prompt, then one decode step per token, under ``approx``
         (llama.cpp's flash attention takes another kernel below 64 query rows: one forward over the whole sequence
-        would not be what the engine ran). With the reference as the oracle only; in one pass over the weights
+        would not be what the engine ran). With the reference as the oracle, in one pass over the weights
         (:func:`reference.batch.forward_chains`) unless ``approx`` jitters (``jitter``, ``jitter_sums``: its random
-        stream is the one-by-one path's) or a ``--spec`` variant replaces what that path does."""
-        if any(a.startswith("jitter") for a in approx) or batch.replaced() or not prompts:
+        stream is the one-by-one path's) or a ``--spec`` variant replaces what that path does; with the fast oracle
+        (``--oracle fast``), its own prefill and decode steps (:meth:`harness.engines.fast.FastEngine.logits_cached`)."""
+        fast = self.oracle is not self.ref
+        if fast or any(a.startswith("jitter") for a in approx) or batch.replaced() or not prompts:
+            side = self.oracle if fast else self.ref
             out = []
             for ids, toks in zip(prompts, tokens):
                 with self.numerics(approx):
-                    out.append(np.asarray(self.ref.logits_cached(list(ids) + list(toks), len(ids)), dtype=np.float64))
+                    out.append(np.asarray(side.logits_cached(list(ids) + list(toks), len(ids)), dtype=np.float64))
             return out
         chains = [batch.Chain([list(ids)] + [[int(t)] for t in toks], numerics=lambda: self.numerics(approx))
                   for ids, toks in zip(prompts, tokens)]
