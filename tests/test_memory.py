@@ -74,6 +74,19 @@ def test_reference_estimate_scales_with_the_model_not_the_file():
     assert fast.breakdown["weights"] >= 4 * (param_counts(cfg)["total"] - 10**6)
 
 
+def test_layer_outer_pass_holds_one_expert_not_the_stacks():
+    """The 26B-A4B shape: a layer-outer pass (``layer_held``, :func:`reference.batch.forward_chains`) holds a layer's
+    dense matrices and one expert of each stack (it reads each expert alone and drops it), about 0.5 GB of float64,
+    not the layer's two stacks (6.1 GB); a forward call by call still counts the stacks (it may read every expert)."""
+    from gemma4_harness.fast.shapes import RandomWeights, load_shape
+
+    cfg = load_shape("26b-a4b")
+    info = memory.ModelInfo.from_loaded("26b-a4b", cfg, RandomWeights(cfg))
+    held = memory.plan("reference", info, tokens=650, layer_held=True, forwards=2).breakdown["weights in use"]
+    assert held < 1 * memory.GB
+    assert memory.plan("reference", info, tokens=650).breakdown["weights in use"] > 6 * memory.GB
+
+
 def test_line_is_one_line_with_need_available_and_advice():
     info = _e2b_info()
     p = memory.plan("fast", info)

@@ -226,7 +226,8 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
             ``dequantized``/``packed``), ``cache_bytes`` (reference: ``--ref-cache-gb`` in bytes),
             ``forwards`` (reference: forward passes over the weights; default ``1 + new_tokens``),
             ``layer_held`` (reference: a layer-outer pass, :func:`reference.batch.forward_chains`, which holds
-            every tensor of one layer at once; then ``tokens`` counts the tokens of every call),
+            every tensor of one layer at once, of its expert stacks one expert each; then ``tokens`` counts the
+            tokens of every call),
             ``device`` (``cpu`` or ``cuda[:N]``), ``held`` (bytes of the need the engine holds already:
             a loaded engine that plans its next call passes its built weights, packed ones included, or its
             filled cache, which are then no longer counted as still to allocate), ``fresh`` (True: the
@@ -241,7 +242,7 @@ def plan(engine: str, info: ModelInfo, **options: Any) -> MemoryPlan:
           when the weights are read more than once (a single forward caches nothing: see
           :class:`reference.weights.Weights`); ``weights in use``: the largest set of tensors the
           forward holds at once, in float64 (one matrix; a MoE layer's two expert stacks; with ``layer_held``
-          the largest layer's tensors), plus the
+          the largest layer's tensors, of its expert stacks one expert each), plus the
           float32 temporaries of reading it; ``LM head block``: one block of vocabulary rows
           (:func:`reference.weights.block_bounds`) in float64 and gguf's two float32 arrays;
           ``logits``: ``[T, V]`` float64 three times; ``KV cache``: float64 K and V of every

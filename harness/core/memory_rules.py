@@ -76,11 +76,15 @@ def _head_name(cfg: ModelConfig) -> str:
 
 def _layer_sets(info: ModelInfo) -> list[list[TensorFacts]]:
     """Tensors a layer-outer pass (:func:`reference.batch.forward_chains`) holds at once: every tensor of one
-    layer, or the tensors read whole outside the layers (the PLE projection)."""
+    layer, of a MoE layer's expert stacks one expert each (the pass reads each expert alone, uses it for every
+    call's rows and drops it: :meth:`reference.weights.Weights.expert`), or the tensors read whole outside the
+    layers (the PLE projection)."""
     sets: dict[str, list[TensorFacts]] = {}
     for n, t in info.tensors.items():
         if n in _READ_IN_PARTS:
             continue
+        if len(t.shape) == 3:  # [E, out, in]: one expert
+            t = TensorFacts(t.shape[1:], t.dtype, t.nbytes // t.shape[0])
         sets.setdefault(n.split(".")[1] if n.startswith("blk.") else "", []).append(t)
     return list(sets.values())
 
