@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 from gguf import LlamaFileType
 
-from gemma4_harness.reference.errors import PromptError
+from gemma4_harness.reference.errors import InputError, PromptError
 from gemma4_harness.reference.gguf_check import check_gguf
 
 from ...core.workers import EngineCrashed, crash_error, crash_line, remove_temp_dir, run_worker, temp_dir
@@ -204,7 +204,10 @@ class LlamaCppEngine:
         if self.timeout is not None:
             return self.timeout
         if self._n_params is None:
-            self._n_params = sum(int(np.prod(t.dims)) for t in check_gguf(self.path).tensors.values())
+            try:
+                self._n_params = sum(int(np.prod(t.dims)) for t in check_gguf(self.path).tensors.values())
+            except InputError:  # a file llama.cpp will refuse itself (its crash is the engine's failure, said)
+                self._n_params = self.path.stat().st_size * 8  # at most 8 parameters a byte (1-bit types)
         return work_deadline(jobs, self.path.stat().st_size, self._n_params)
 
     def _check_len(self, n: int) -> None:
