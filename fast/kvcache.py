@@ -150,6 +150,9 @@ class RingStore:
         # A sequence of at most max_tokens tokens never wraps a ring of that many slots; reads gather by position
         # (:meth:`read`), so the keys, their order and every result are the same as with the whole window.
         self.capacity = window + extra if max_tokens is None else max(1, min(window + extra, max_tokens))
+        #: True when the ring is shorter than the window: a sequence longer than it would overwrite positions its
+        #: queries still see, so :meth:`attend_and_append` refuses it instead.
+        self.bounded = self.capacity < window + extra
         shape = (max_seqs, self.capacity, n_kv, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype) if store_k else None
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -224,10 +227,18 @@ class RingStore:
     def attend_and_append(self, slot: int, start: int, k_new, v_new, derive_k: DeriveK):
         """Keys of positions ``[max(0, start-W+1), start + T)``; stores the last W + extra. -> ([S,Hkv,D] x2, [S]).
 
-        One new token with K stored: :meth:`_append_then_view` (the held slots as views, no copy)."""
+        One new token with K stored: :meth:`_append_then_view` (the held slots as views, no copy).
+
+        Raises:
+            ValueError: ``start`` is not the slot's length, or a ring bounded below its window (``max_tokens``)
+                would hold more than ``max_tokens`` positions.
+        """
         if start != self.length[slot]:
             raise ValueError(f"slot {slot}: step starts at {start}, cache holds {self.length[slot]}")
         W, C, T, dev = self.window, self.capacity, k_new.shape[0], self.v.device
+        if self.bounded and start + T > C:
+            raise ValueError(f"slot {slot}: {start + T} tokens do not fit a ring bounded to {C} (max_tokens) of a "
+                             f"window of {W}: it would overwrite positions the queries still see")
         if T == 1 and self.k is not None:
             return self._append_then_view(slot, start, k_new, v_new)
         lo = max(0, start - W + 1)
@@ -261,7 +272,7 @@ class PagedKVCache:
         bounded: ``max_tokens`` bounds every sequence (a prefill of known prompts): a sliding layer's ring holds at
             most that many positions, not its whole window. The 31B shape's window of 1,024 made a ring of 33.5 MB per
             sequence and layer: 13.4 GB for the fast oracle's group of 8 prompts of about 40 tokens. A sequence that
-            outgrows it fails loudly (:meth:`RingStore.read`), never silently.
+            outgrows it fails loudly (:meth:`RingStore.attend_and_append`, :meth:`RingStore.read`), never silently.
 
     Raises:
         PromptError: a step that needs more pages than the pool has.

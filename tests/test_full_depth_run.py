@@ -82,6 +82,9 @@ def test_the_deadline_follows_the_work():
     logits = [{"op": "logits", "ids": p, "trace": True} for p in prompts]
     assert work_deadline(logits, 17_278_592_704, 30_700_000_000) > work_deadline(logits[:1], 17_278_592_704,
                                                                                 30_700_000_000)
+    # a prefill in ubatches of 8 tokens: 3 llama_decode calls (3 reads of the file) for each 20-token prompt
+    chunked = work_deadline(gen, 17_278_592_704, 30_700_000_000, n_ubatch=8)
+    assert chunked - big == pytest.approx(16 * 2 * 17_278_592_704 / DEADLINE_READ_BYTES_S)
 
 
 @pytest.mark.skipif(os.environ.get("G4H_SKIP_LLAMACPP", "") not in ("", "0"), reason="opted out: G4H_SKIP_LLAMACPP=1")
@@ -94,7 +97,7 @@ def test_engine_timeout_is_the_users_and_named(tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     last = r.stdout.strip().splitlines()[-1]
-    assert "llama.cpp worker ran past 0 s (--engine-timeout)" in last, last
+    assert "llama.cpp worker ran past 0.01 s (--engine-timeout)" in last, last
 
 
 @pytest.mark.skipif(os.environ.get("G4H_SKIP_LLAMACPP", "") not in ("", "0"), reason="opted out: G4H_SKIP_LLAMACPP=1")
@@ -172,3 +175,92 @@ def test_rings_as_long_as_the_prompts_give_the_same_bits(case):
         assert [(r["point"], r["layer"]) for r in x.records] == [(r["point"], r["layer"]) for r in y.records]
         assert all(np.array_equal(x.tensor(r["point"], r["layer"]), y.tensor(r["point"], r["layer"]))
                    for r in x.records)
+
+
+@pytest.mark.parametrize("extra", [0, 2])
+def test_a_sequence_longer_than_its_bounded_ring_is_refused(extra):
+    """A ring bounded below its window (``max_tokens``) refuses the token that would overwrite a position the
+    queries still see, on the decode path and the prefill path alike, instead of attending to the wrong keys; one
+    as long as the window (unbounded) wraps as it should."""
+    import torch
+
+    from gemma4_harness.fast.kvcache import RingStore
+    window, bound = 16, 4
+
+    def kv(T):
+        return torch.ones(T, 1, 2), torch.ones(T, 1, 2)
+
+    ring = RingStore(window, 1, 2, True, 1, "cpu", torch.float32, extra=extra, max_tokens=bound)
+    assert ring.bounded and ring.capacity == bound
+    for pos in range(bound):  # decode, one token a step, up to the bound
+        ring.attend_and_append(0, pos, *kv(1), derive_k=None)
+    with pytest.raises(ValueError, match="do not fit a ring bounded to 4"):
+        ring.attend_and_append(0, bound, *kv(1), derive_k=None)
+    prefill = RingStore(window, 1, 2, True, 1, "cpu", torch.float32, extra=extra, max_tokens=bound)
+    prefill.attend_and_append(0, 0, *kv(3), derive_k=None)
+    with pytest.raises(ValueError, match="do not fit"):
+        prefill.attend_and_append(0, 3, *kv(2), derive_k=None)
+    whole = RingStore(window, 1, 2, True, 1, "cpu", torch.float32, extra=extra)
+    assert not whole.bounded
+    for pos in range(window + extra + 3):  # past the whole window: wraps
+        k, _, p = whole.attend_and_append(0, pos, *kv(1), derive_k=None)
+    assert p.tolist() == list(range(pos + 1 - window - extra, pos + 1))
+
+
+def test_a_release_while_the_store_spills_does_not_hang(tmp_path, monkeypatch):
+    """A kept array's release runs from a weakref finalizer, which the garbage collector may fire in the thread that
+    is inside :meth:`TensorStore.keep` (an allocation there starting a collection): the store must not wait on
+    itself. Here the collection is made to happen where keep makes its spill folder."""
+    import gc
+    import threading
+
+    from gemma4_harness.harness.traces import store as store_mod
+    store = TensorStore(budget=1000)
+    cycle: list = [store.keep(np.zeros(10))]  # 80 bytes in memory
+    cycle.append(cycle)  # only the collector frees it
+    del cycle
+
+    def temp_dir(prefix, dir=None):
+        gc.collect()  # the kept array's finalizer runs here, inside keep
+        return tmp_path
+    monkeypatch.setattr(store_mod, "temp_dir", temp_dir)
+    done = threading.Event()
+
+    def spill():
+        store.keep(np.zeros(200))  # 1600 bytes > the budget: to a file
+        done.set()
+    threading.Thread(target=spill, daemon=True).start()
+    assert done.wait(30), "TensorStore.keep waited on its own lock"
+    assert store.in_memory == 0 and store.spilled == 1600
+
+
+def test_a_spill_that_cannot_be_written_keeps_the_tensors_in_memory(tmp_path, capfd):
+    """A folder that cannot take the files (a full disk, here a file where the folder should be) is no failure of
+    the job: the tensors stay in memory, the same bits, and one line says why."""
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    store = TensorStore(budget=0, folder=blocked)
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal((3, 5)).astype(np.float32), rng.standard_normal(7)]
+    kept = [store.keep(a) for a in arrays]
+    assert all(not isinstance(k, np.memmap) and np.array_equal(k, a) for k, a in zip(kept, arrays))
+    assert kept[0].dtype == np.float32 and store.spilled == 0 and store.in_memory == 15 * 4 + 7 * 8
+    assert "not-a-folder" in store.spill_error
+    assert capfd.readouterr().err.count("traced tensors stay in memory") == 1
+
+
+def test_spills_go_to_disk_when_the_temporary_folder_is_memory(tmp_path, monkeypatch):
+    """Where the temporary folder is a tmpfs (its files are memory) the spill folders go to the project cache."""
+    import tempfile
+
+    from gemma4_harness.harness.traces.store import spill_parent
+    tmp = tmp_path / "tmp dir"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setenv("G4H_CACHE", str(tmp_path / "cache"))
+    mounts = tmp_path / "mounts"
+    on = str(tmp).replace(" ", "\\040")
+    for fstype, want in (("tmpfs", tmp_path / "cache" / "traces"), ("ext4", tmp)):
+        mounts.write_text(f"/dev/vda / ext4 rw 0 0\nnone {on} {fstype} rw 0 0\n")
+        assert spill_parent(mounts) == want.resolve() if fstype == "ext4" else spill_parent(mounts) == want
+    assert spill_parent(tmp_path / "no-such-table") == tmp.resolve()

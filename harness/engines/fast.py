@@ -231,7 +231,7 @@ class FastEngine:
         check_prompt(self.cfg, ids_np)
         self._plan(len(ids_np), 0, 1)
         m, prefill = self.model, max(1, min(int(prefill), len(ids_np)))
-        cache = m.new_cache(1, len(ids_np))
+        cache = m.new_cache(1, len(ids_np), bounded=True)  # rings as long as the stream, not the window
         slot = cache.alloc()
         out = []
         with self._arith(), torch.inference_mode():

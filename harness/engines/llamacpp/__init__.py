@@ -28,6 +28,7 @@ sequence). For ``g4h bench`` the worker times ``pp``/``tg`` itself (:meth:`Llama
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -76,22 +77,31 @@ DEADLINE_FLOPS = 5e9
 processed. A floor: llama.cpp's CPU products run at tens of GFLOP/s per core."""
 
 
-def work_deadline(jobs: Sequence[dict[str, Any]], file_bytes: int, n_params: int) -> float:
+def work_deadline(jobs: Sequence[dict[str, Any]], file_bytes: int, n_params: int, n_ubatch: int | None = None
+                  ) -> float:
     """Seconds one worker may run ``jobs`` on a model of ``file_bytes`` bytes and ``n_params`` parameters before it
     is taken for hung: :data:`DEADLINE_BASE_S`, plus one read of the file per ``llama_decode`` at
-    :data:`DEADLINE_READ_BYTES_S` (its load, each prompt's prefill, each decode step: every prompt's own when
-    unbatched), plus 2 x ``n_params`` operations per token at :data:`DEADLINE_FLOPS`. It follows the work: the fixed
-    600 s it replaces was passed by a correct llama.cpp generating 8 tokens for 16 prompts on the 31B shape (17.3 GB,
-    Q4_0), an ``ENGINE FAILED`` verdict with every measured figure within its gate. ``bench`` jobs are not
-    counted (:class:`LlamaCppBench` sets its own)."""
+    :data:`DEADLINE_READ_BYTES_S` (its load, each prefill ubatch: one per prompt, or one per ``n_ubatch`` tokens of
+    it when given; each decode step: every prompt's own when unbatched), plus 2 x ``n_params`` operations per token at
+    :data:`DEADLINE_FLOPS`. It follows the work: the fixed 600 s it replaces was passed by a correct llama.cpp
+    generating 8 tokens for 16 prompts on the 31B shape (17.3 GB, Q4_0), an ``ENGINE FAILED`` verdict with every
+    measured figure within its gate. ``bench`` jobs are not counted (:class:`LlamaCppBench` sets its own).
+
+    Raises:
+        KeyError: a job without ``op``, or a ``logits`` job without ``ids`` / ``generate`` without ``prompts``.
+    """
+    def prefills(n: int) -> int:
+        return -(-n // n_ubatch) if n_ubatch else 1
+
     reads, tokens = 1, 0
     for j in jobs:
         if j["op"] == "logits":
-            reads, tokens = reads + 1, tokens + len(j["ids"])
+            reads, tokens = reads + prefills(len(j["ids"])), tokens + len(j["ids"])
         elif j["op"] == "generate":
             lens, new = [len(p) for p in j["prompts"]], int(j.get("max_new_tokens", 0))
             steps = new if j.get("batched") else new * len(lens)
-            reads, tokens = reads + (1 if j.get("batched") else len(lens)) + steps, tokens + sum(lens) + new * len(lens)
+            fill = prefills(sum(lens)) if j.get("batched") else sum(prefills(n) for n in lens)
+            reads, tokens = reads + fill + steps, tokens + sum(lens) + new * len(lens)
     return DEADLINE_BASE_S + reads * file_bytes / DEADLINE_READ_BYTES_S + tokens * 2.0 * n_params / DEADLINE_FLOPS
 
 
@@ -185,8 +195,9 @@ class LlamaCppEngine:
             proc = run_worker("gemma4_harness.harness.engines.llamacpp.worker", input=json.dumps(req), timeout=timeout)
         except subprocess.TimeoutExpired:
             _rmtree(out_dir)
-            why = "--engine-timeout" if self.timeout is not None else "the deadline its work allows"
-            raise EngineCrashed(f"engine crashed: llama.cpp worker ran past {timeout:.0f} s ({why}) "
+            why = ("--engine-timeout" if self.timeout is not None
+                   else "the deadline its work allows; --engine-timeout sets another")
+            raise EngineCrashed(f"engine crashed: llama.cpp worker ran past {timeout:.4g} s ({why}) "
                                 f"on {self.path.name}") from None
         finally:
             self.last_run_s = time.perf_counter() - t0
@@ -200,15 +211,19 @@ class LlamaCppEngine:
 
     def deadline(self, jobs: Sequence[dict[str, Any]]) -> float:
         """Seconds a worker running ``jobs`` may take: ``timeout`` when given, else :func:`work_deadline` on this
-        file (its size, and its parameter count from the GGUF header, read once)."""
+        file (its size, and its parameter count from the GGUF header: :func:`header_facts`, read once a file).
+
+        Raises:
+            OSError: the file cannot be stat'ed (gone since the engine was made).
+        """
         if self.timeout is not None:
             return self.timeout
         if self._n_params is None:
             try:
-                self._n_params = sum(int(np.prod(t.dims)) for t in check_gguf(self.path).tensors.values())
+                self._n_params = header_facts(self.path)[2]
             except InputError:  # a file llama.cpp will refuse itself (its crash is the engine's failure, said)
                 self._n_params = self.path.stat().st_size * 8  # at most 8 parameters a byte (1-bit types)
-        return work_deadline(jobs, self.path.stat().st_size, self._n_params)
+        return work_deadline(jobs, self.path.stat().st_size, self._n_params, self.n_ubatch)
 
     def _check_len(self, n: int) -> None:
         if n == 0:
@@ -323,23 +338,46 @@ def _rmtree(p: Path) -> None:
 def gguf_facts(path: str | os.PathLike) -> tuple[str, dict[str, float]]:
     """A GGUF's weight type's short name, ``general.file_type`` (``Q4_K_M``, ``F32``...) or else the most common
     matrix type by elements, and tensor name -> stored bytes per element (block size included: Q8_0 is 34/32).
+    The dict is this call's own.
 
     Raises:
         ModelFileError: the file fails :func:`reference.gguf_check.check_gguf`.
     """
+    ftype, per_elem, _ = header_facts(path)
+    return ftype, dict(per_elem)
+
+
+def header_facts(path: str | os.PathLike) -> tuple[str, dict[str, float], int]:
+    """:func:`gguf_facts` and the parameter count (the elements of every tensor) of a GGUF, from its header, parsed
+    once per file as it is now (path, size, modification time): a parity job makes several engines of one file
+    (the pair's, the drafter's, the tokenizer's), and a 262,144-token vocabulary's header takes a noticeable
+    fraction of a second to parse. The dict is shared: do not change it.
+
+    Raises:
+        ModelFileError: the file fails :func:`reference.gguf_check.check_gguf` (not cached: asked again, read again).
+        OSError: the file cannot be stat'ed.
+    """
+    p = Path(path).resolve()
+    st = p.stat()
+    return _header_facts(str(p), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _header_facts(path: str, size: int, mtime_ns: int) -> tuple[str, dict[str, float], int]:
     gf = check_gguf(path)
     per_elem = {t.name: t.n_bytes / float(np.prod(t.dims)) for t in gf.tensors.values()}
+    n_params = sum(int(np.prod(t.dims)) for t in gf.tensors.values())
     ftype = gf.metadata.get("general.file_type")
     if isinstance(ftype, int):
         try:
-            return LlamaFileType(ftype).name.removeprefix("MOSTLY_").removeprefix("ALL_"), per_elem
+            return LlamaFileType(ftype).name.removeprefix("MOSTLY_").removeprefix("ALL_"), per_elem, n_params
         except ValueError:
             pass
     counts: dict[str, int] = {}
     for t in gf.tensors.values():
         if t.name.endswith(".weight") and "norm" not in t.name:
             counts[t.type_name] = counts.get(t.type_name, 0) + int(np.prod(t.dims))
-    return (max(counts, key=counts.get) if counts else "F32"), per_elem
+    return (max(counts, key=counts.get) if counts else "F32"), per_elem, n_params
 
 
 class LlamaCppBench:

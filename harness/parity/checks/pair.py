@@ -305,7 +305,7 @@ def declared_effects(runs: ReferenceRuns, approx: tuple[str, ...], pair: str, pr
         logit, kld = logit_effect(runs, approx, p)
         out[("max_abs_logit", pid)], out[("mean_kld", pid)] = (logit, 1), (kld, 2)
         if pid in set(map(str, traced)):
-            out[("layer_rel_l2", pid)] = (trace_effect(runs.logits(approx, p)[1], runs.logits((), p)[1],
+            out[("layer_rel_l2", pid)] = (trace_effect(runs.trace(approx, p), runs.trace((), p),
                                                        layer_limit), 1)
     if streams:
         out[("max_abs_logprob", None)] = (runs.logprob_effect(approx, streams, new_tokens, top_n)[0], 1)
@@ -454,7 +454,7 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                 raise _naming(e, [p])
             out += _logit_figures(runs, ours, base, approx, pair, p, logit_limit)
             if ours_trace is not None:
-                exact_trace = runs.logits((), p)[1] if approx else None
+                exact_trace = runs.trace((), p) if approx else None
                 out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit, exact_trace))
                 errors = runs.local_errors(approx, p, ours_trace)
                 if errors:  # pooled over the prompts by quantized_gates
