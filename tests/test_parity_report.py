@@ -28,6 +28,19 @@ def test_all_informational_group_is_info_not_fail():
     assert [r["result"] for r in summarize(data)] == ["INFO"]
 
 
+def test_an_informational_figure_without_a_value_shows_no_nan():
+    """An informational figure that holds no value (``agreeing_positions`` beside ``local_median``: its null is not
+    computed) shows a blank and "no value" with its reason in a PASS table, not ``nan`` and "0/1 within"; a gating
+    figure without a value still shows ``nan`` and fails."""
+    for nan in (float("nan"), "NaN"):  # in memory, and as results.json spells it
+        (r,) = summarize({"cases": [{"case": "t", "error": None, "info": {}, "checks": [
+            _check(nan, False, info=True, reason="local_median judges")]}]})
+        assert (r["worst"], r["result"]) == ("", "INFO") and r["note"].startswith("no value"), r
+        assert "local_median judges" in r["note"] and "within" not in r["note"], r
+    (r,) = summarize({"cases": [{"case": "t", "error": None, "info": {}, "checks": [_check(float("nan"), False)]}]})
+    assert (r["worst"], r["result"]) == ("nan", "FAIL")
+
+
 def test_limits_raised_per_figure_show_the_row_nearest_its_own_limit():
     """Declared approximations raise each figure's limit by its own effect: the row shows the figure nearest (or
     furthest beyond) its own limit with that limit, never a worst value beside another figure's smaller limit."""

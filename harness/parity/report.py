@@ -134,7 +134,9 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
                 if not group:
                     continue
                 worst = _worst(group, op)
-                note = f"{sum(k['pass'] for k in group)}/{len(group)} within"
+                # an informational figure with no value (a ratio whose null was not computed): no "nan", no count
+                blank = is_info and all(_num(k["measured"]) != _num(k["measured"]) for k in group)
+                note = "no value" if blank else f"{sum(k['pass'] for k in group)}/{len(group)} within"
                 limits = sorted({k["limit"] for k in group})
                 if len(limits) > 1:  # raised per figure by the effect of the engine's declared approximations
                     note += f"; limit per figure {limits[0]:.3g}..{limits[-1]:.3g}, the worst's shown"
@@ -161,7 +163,7 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
                         note += f"; {name}{why}"[:NOTE_CHARS + 40]
                 result = "INFO" if is_info else ("PASS" if ok else ("ENGINE FAILED" if engine else "FAIL"))
                 rows.append({"case": c["case"], "gate": gate,
-                             "worst": "" if engine and not is_info else f"{_num(worst['measured']):.3g}",
+                             "worst": "" if (engine and not is_info) or blank else f"{_num(worst['measured']):.3g}",
                              "limit": f"{'<=' if op == 'le' else '>='} {worst['limit']:g}", "result": result,
                              "note": note})
         if c.get("info", {}).get("skipped"):

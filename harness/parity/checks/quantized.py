@@ -65,8 +65,8 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
 
     Emulated with the engine's tensors (its traces: the ``<pair>_q8.local_median`` figures of each prompt, with
     ``_errors``): they are pooled into the one gate of the pair (:func:`local_figure`: each layer judged on its own
-    against the reference re-seeded from the engine's stream), and ``agreeing_positions`` is not measured
-    (:data:`LOCAL_JUDGES`: its jittered count is not computed; the engine's count stays in its detail).
+    against the reference re-seeded from the engine's stream), and ``agreeing_positions`` is reported
+    (:data:`LOCAL_JUDGES`; its jittered count is not computed).
 
     Emulated (``gap`` None): each figure is judged by ``<pair>_q8.<metric>`` (``harness/core/gates.py``), not by the
     effect of the emulations (kept in the detail as ``effect_not_applied``: the rounding moves the figures by far
@@ -133,7 +133,7 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
         if detail is not None and seeded:  # reported: the per-layer figure judges
             detail["reference_agreeing"] = None
             figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
-                               not_measured=LOCAL_JUDGES))
+                               informational_reason=LOCAL_JUDGES))
         elif detail is not None:
             sizes = streams[0].detail if streams and not logit else None  # a server's: windows, medians
             win = (sizes or {}).get("windows")
@@ -204,11 +204,10 @@ SIZES_JUDGE = ("reported, not gated: the null agrees on fewer positions than one
                "the floor (rounding flips too dense to count agreeing positions); median_abs_logprob judges")
 """Why ``agreeing_positions`` is reported where ``median_abs_logprob`` judges."""
 
-LOCAL_JUDGES = ("its null (the jittered reference's forward per prompt) is not run where the engine gave its tensors: "
-                "local_median judges each layer on its own (re-seeded from the engine's stream, so that an int8 "
-                "rounding flip cannot carry into the layers after it)")
-"""Why ``agreeing_positions`` is not measured (its engine's count stays in the detail) where ``local_median`` gates
-the pair: a table row ``NOT MEASURED`` with this reason, not a ``nan`` beside ``INFO``."""
+LOCAL_JUDGES = ("reported, not gated: the engine gave its tensors, and local_median judges each layer on its own "
+                "(re-seeded from the engine's stream, so that an int8 rounding flip cannot carry into the layers after "
+                "it)")
+"""Why ``agreeing_positions`` is reported where ``local_median`` gates the pair."""
 
 
 def poisson_cdf(k: int, lam: float) -> float:
