@@ -29,6 +29,7 @@ from ...core.gates import DEFAULT_GATES
 from ...core.workers import EngineCrashed, temp_folder
 from ...engines.base import TOP_N
 from ...traces.format import TraceWriter
+from ..compare import as_streams
 from ..explain import GENERATION_METRICS, LocalJudge, explain_text
 from ..explain_search import DEFAULT_BUDGET_S, MAX_PROMPTS, Observed, judge_figures
 from ..result import Figure
@@ -41,7 +42,6 @@ from .pair import (
     pair_near_tie,
 )
 from .quantized import local_figure
-from .reference_runs import as_streams
 
 
 def _gating_failure(f: Figure, gates=DEFAULT_GATES) -> bool:
