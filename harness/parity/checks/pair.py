@@ -393,6 +393,14 @@ def not_greedy(streams: dict[str, dict[str, Any]]) -> tuple[str, int, int, int, 
     return None
 
 
+def not_greedy_line(bad: tuple[str, int, int, int, float]) -> str:
+    """What a stream that is not greedy (``bad``, from :func:`not_greedy`) did, in the words of its engine failure
+    (``g4h parity``) and of ``g4h explain``: ``token T is not the top-1 of its own log-probs (B at LP): ...``."""
+    _, _, tok, best, lp = bad
+    return (f"token {tok} is not the top-1 of its own log-probs ({best} at {lp:.6g}): not greedy decoding "
+            "(temperature 0), which was asked")
+
+
 def _not_greedy_failure(runs: ReferenceRuns, eng: Any, kind: str, approx: tuple[str, ...],
                         prompts: Sequence[dict[str, Any]], ours: dict[str, dict[str, Any]],
                         oracle: dict[str, dict[str, Any]], bad: tuple[str, int, int, int, float], limit: float
@@ -413,8 +421,7 @@ def _not_greedy_failure(runs: ReferenceRuns, eng: Any, kind: str, approx: tuple[
     same = next((k for k, (a, b) in enumerate(zip(stream["tokens"], theirs["tokens"])) if a != b), i)
     found = decoding_by_logprobs(rid, p["prompt_ids"], stream, i, z, limit, runs.name,
                                  theirs["logprobs"][:min(i, same)])
-    line = (f"{getattr(eng, 'name', kind)}: token {tok} is not the top-1 of its own log-probs ({best} at {lp:.6g}): "
-            "not greedy decoding (temperature 0), which was asked")
+    line = f"{getattr(eng, 'name', kind)}: {not_greedy_line(bad)}"
     e = EngineProtocolError(line if found is None else f"{line}; in decoding, not in the logits: {found['what']}")
     e.decoding = found
     return e.at(request=rid, step=i)
@@ -431,7 +438,6 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                   greedy=_can(eng, "generate") and new_tokens > 0)
     layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit
     logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
-    file_trace = hasattr(eng, "trace_file")
     try:
         batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}
     except EngineFailure as e:
@@ -439,19 +445,8 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
     with temp_folder("g4h-pair-") as tmp:
         for p in prompts if _can(eng, "logits") else ():
             base, base_trace = runs.logits(approx, p)
-            ours_trace = None
             try:
-                if str(p["id"]) in batch:
-                    ours, ours_trace = batch.pop(str(p["id"]))
-                    ours = np.asarray(ours, dtype=np.float64)
-                elif _can(eng, "trace") and not file_trace:
-                    w = TraceWriter(kind, p["prompt_ids"], keep_tensors=True)
-                    ours = eng.logits(p["prompt_ids"], trace=w)
-                    ours_trace = w.trace()
-                else:
-                    ours = eng.logits(p["prompt_ids"])
-                if file_trace and _can(eng, "trace"):
-                    ours_trace = _read_engine_trace(eng, p, Path(tmp))
+                ours, ours_trace = engine_logits(eng, kind, p, batch, Path(tmp))
             except EngineFailure as e:
                 raise _naming(e, [p])
             out += _logit_figures(runs, ours, base, approx, pair, p, logit_limit)
@@ -515,6 +510,33 @@ def _logits_many(eng: Any, kind: str, prompts: Sequence[dict[str, Any]]) -> dict
         z32 = z.astype(np.float32)  # llama.cpp's logits are float32: kept so (exact), widened when used
         out[str(p["id"])] = (default_store().keep(z32) if np.array_equal(z32, z) else z, w.trace())
     return out
+
+
+def engine_logits(eng: Any, kind: str, p: dict[str, Any], batch: dict[str, tuple[np.ndarray, Trace]], tmp: Path
+                  ) -> tuple[np.ndarray, Trace | None]:
+    """The engine's logits ``[T, V]`` of prompt ``p`` and its trace (None where it traces nothing), asked as every
+    comparison asks (the pair's figures, :func:`.explain_pair.observe`): taken out of ``batch`` (:func:`_logits_many`,
+    float64) where it holds the prompt, else one request with the trace callback in-process, or, for an engine that
+    writes trace files (``cmd:``), the logits and then its trace file under ``tmp`` (:func:`_read_engine_trace`).
+
+    Raises:
+        EngineFailure: the engine failed the request (crashed, broke the protocol, a bad trace file).
+    """
+    pid = str(p["id"])
+    if pid in batch:
+        z, tr = batch.pop(pid)
+        return np.asarray(z, dtype=np.float64), tr
+    file_trace = hasattr(eng, "trace_file")
+    tr = None
+    if _can(eng, "trace") and not file_trace:
+        w = TraceWriter(kind, p["prompt_ids"], keep_tensors=True)
+        z = eng.logits(p["prompt_ids"], trace=w)
+        tr = w.trace()
+    else:
+        z = eng.logits(p["prompt_ids"])
+    if file_trace and _can(eng, "trace"):
+        tr = _read_engine_trace(eng, p, tmp)
+    return z, tr
 
 
 def _read_engine_trace(eng: Any, p: dict[str, Any], tmp: Path) -> Trace:
