@@ -89,7 +89,10 @@ def _metric(f: Figure) -> str:
 
 
 class TextSubject:
-    """The engine's answers on a few prompts of a text model, judged as the pair ``pair`` judges them.
+    """The engine's answers on a few prompts of a text model, judged as the pair ``pair`` judges them: measured by the
+    pair's own metric functions (:func:`.compare.prompt_logit_figures`, :func:`.compare.layer_figure`,
+    :func:`.compare.generation_figures`, the ones :func:`harness.parity.checks.pair.pair_checks` measures with), each
+    at the pair's limit raised by the effect of the engine's declared approximations there (``effects``).
 
     Args:
         ref: the reference engine of the model (:class:`harness.engines.reference.ReferenceEngine`).
