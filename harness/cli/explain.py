@@ -47,8 +47,8 @@ from ..engines.reference import ReferenceEngine
 from ..engines.variants import family, parse_spec
 from ..parity.checks.explain_pair import local_judge, observe
 from ..engines.base import TOP_N
-from ..parity.checks.pair import (GREEDY_NEW_TOKENS, declared_effects, engine_numerics, not_greedy, pair_name,
-                                  pair_near_tie)
+from ..parity.checks.pair import (GREEDY_NEW_TOKENS, declared_effects, engine_numerics, engine_pair, not_greedy,
+                                  not_greedy_line, pair_name, pair_near_tie)
 from ..parity.checks.reference_runs import ReferenceRuns
 from ..parity.explain import TextSubject, explain_text
 from ..parity.explain_search import LABELS, MAX_PROMPTS, Explanation, Observed, budget_seconds
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     # before anything is explained): its explanation says what differs in decoding
     eng = make_engine(args.engine, path, **{**engine_options(args), "check_greedy": False})
     try:
-        pair = pair_name(kind, getattr(eng, "dtype", None) if kind != TWIN else None)
+        pair = engine_pair(eng, kind)  # the pair g4h parity names (reference~fast_bf16 for fast in bf16)
         if f"{pair}.max_abs_logit" not in DEFAULT_GATES:
             pair = "engine~oracle"
         observed = observe(eng, kind, prompts, streams=True)  # streams too: a fault only in decoding is seen
@@ -162,9 +162,7 @@ def run(args: argparse.Namespace) -> int:
                             variants=candidates, effects=effects, near_tie=near_tie, local=local)
     else:
         expl = Explanation("nothing_to_explain", next(iter(per_prompt.values())), budget_s=budget)
-    greedy_fault = None if bad is None else (f"request {bad[0]} step {bad[1]}: token {bad[2]} is not the top-1 of its "
-                                           f"own log-probs ({bad[3]} at {bad[4]:.6g}): not greedy decoding "
-                                           "(temperature 0), which was asked")
+    greedy_fault = None if bad is None else f"request {bad[0]} step {bad[1]}: {not_greedy_line(bad)}"
     _print(expl, args, pair, len(prompts), len(failing), t_engine, t_base, greedy_fault)
     if args.json:
         write_json_atomic(args.json, {"kind": "explain", "model": str(path), "engine": args.engine, "pair": pair,

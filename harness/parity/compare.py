@@ -13,6 +13,14 @@ Two kinds of file, compared against an oracle's:
 The oracle side is a second file, or computed on the spot by an engine (``--against reference --model M``).
 Gates: ``engine~oracle.*`` for an fp32 engine, ``engine_bf16~oracle.*`` for a 16-bit one
 (:mod:`harness.core.gates`). Checks measure; :func:`judge` applies the gates.
+
+The metric functions here are the pair pipeline's, one set for every engine-vs-oracle comparison: ``g4h parity``'s
+pairs (:func:`harness.parity.checks.pair.pair_checks`, which ``--model``, the built-in cases' engines, ``g4h sweep``
+and the pytest plugin run), the trials of the spec-variant search (:class:`harness.parity.explain.TextSubject`:
+``g4h explain`` and the parity job's explanation of a failing pair) and ``g4h compare``: per prompt
+:func:`prompt_logit_figures` (over :func:`logit_figures`) and :func:`layer_figure`, over the greedy streams
+:func:`generation_figures` (streams in the form :func:`as_streams` gives), with the near-tie margin of
+:func:`near_tie_margin`.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from gemma4_harness.reference.files import open_regular, read_text
 from ..core.gates import NEAR_TIE_MARGIN, resolve
 from ..core.kld import kld_stats
 from ..core.metrics import greedy_agreement, kld_histogram, kld_per_position, top1_margin
+from ..traces.compare import DivergenceRule, compare
+from ..traces.format import Trace
 from .result import CaseResult, Figure, fig
 
 PRECISIONS = {"fp32": "engine~oracle", "bf16": "engine_bf16~oracle"}
@@ -89,7 +99,7 @@ def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any =
     ``kld_hist``, for the report's plot), ``.same_top1_decisive``
     (positions whose oracle top-1 margin is at least ``near_tie``: default
     :data:`~harness.core.gates.NEAR_TIE_MARGIN`, more for an engine whose declared approximations widen its bounds,
-    :func:`harness.parity.checks.pair.near_tie_margin`).
+    :func:`near_tie_margin`).
 
     Raises:
         InputError: the shapes differ.
@@ -111,6 +121,81 @@ def logit_figures(ours: np.ndarray, oracle: np.ndarray, pair: str, prompt: Any =
                 kld_hist=kld_histogram(kld_per_position(ours, oracle))),
             fig(f"{pair}.same_top1_decisive", same_decisive, prompt, near_ties=int((~decisive).sum()),
                 top1_flips=flips[:20])]
+
+
+def near_tie_margin(logprob_limit: float) -> float:
+    """The top-1 margin below which two engines may order the best tokens differently: twice the bound on a
+    log-prob difference (each side within it), at least :data:`harness.core.gates.NEAR_TIE_MARGIN`."""
+    return max(NEAR_TIE_MARGIN, 2.0 * logprob_limit)
+
+
+def prompt_logit_figures(ours: np.ndarray, base: np.ndarray, pair: str, prompt: Any, limit: float,
+                         own_limit: float | None = None, oracle_name: str = "oracle") -> list[Figure]:
+    """The logit figures of one prompt as every engine pair measures them: :func:`logit_figures` at the near-tie
+    margin of ``limit`` (:func:`near_tie_margin`), with the worst position named (``why``), the first position whose
+    max |Δlogit| is beyond ``limit`` (``first_divergence``: ``logits@position N``, None when none is), and
+    ``agreeing_prefix`` (the leading positions within ``own_limit``, the gate's limit before the effect of declared
+    approximations raised it; default ``limit``) of ``positions``.
+
+    Args:
+        ours, base: ``[T, V]`` logits of the engine and of the oracle (any float dtype; compared as given).
+        pair: the gate prefix (``reference~cmd``); prompt: the prompt id.
+        limit: the pair's ``max_abs_logit`` limit on this prompt (raised by the effect of the engine's declared
+            approximations: :func:`harness.core.gates.effect_limit`); inf where the pair has no such gate (the
+            near-tie margin is then :data:`~harness.core.gates.NEAR_TIE_MARGIN`).
+        oracle_name: the oracle's name in ``why`` (``reference``, ``fast``).
+
+    Raises:
+        InputError: the shapes differ.
+    """
+    own = limit if own_limit is None else own_limit
+    figs = logit_figures(ours, base, pair, prompt,  # no bound on the logits (no gate): the default margin
+                         near_tie=near_tie_margin(limit) if np.isfinite(limit) else NEAR_TIE_MARGIN)
+    pos, tok = figs[0].detail["max_abs_logit_at"]
+    figs[0].detail["why"] = (f"worst at position {pos} (token {tok}): {ours[pos, tok]:.6g} vs {oracle_name} "
+                             f"{base[pos, tok]:.6g}")
+    per_position = np.max(np.abs(ours - base), axis=1)
+    beyond = np.nonzero(~(per_position <= limit))[0]
+    figs[0].detail["first_divergence"] = f"logits@position {int(beyond[0])}" if beyond.size else None
+    apart = np.nonzero(~(per_position <= own))[0]
+    figs[0].detail.update(agreeing_prefix=int(apart[0]) if apart.size else int(per_position.size),
+                          positions=int(per_position.size))
+    return figs
+
+
+def layer_figure(ours: Trace, base: Trace, pair: str, prompt: Any, limit: float,
+                 effect: float | None = None) -> Figure:
+    """``<pair>.layer_rel_l2`` of one prompt as every engine pair measures it: the worst trace point (relative L2
+    with tensors on both sides, else the checksum lower bound; a point whose error is NaN is the worst, so the
+    figure is NaN and never a pass), the first point beyond ``limit`` (``first_divergence``: ``point@layer``), the
+    bases, the points only the oracle traced (``missing``) and every point's error (``per_point``); NaN with ``got``
+    when no point is in both traces.
+
+    Args:
+        ours, base: the engine's and the oracle's traces of the prompt.
+        limit: the pair's ``layer_rel_l2`` limit (raised by ``effect`` already, when there is one).
+        effect: how far the engine's declared approximations move the oracle's trace points (kept in the detail:
+            :func:`harness.parity.result.CaseResult.apply` judges the figure at that raised limit).
+    """
+    res = compare(ours, base, DivergenceRule(tol=limit))
+    if not res.rows:
+        return fig(f"{pair}.layer_rel_l2", float("nan"), prompt, got="no trace point in common with the reference",
+                   only_engine=res.only_a[:10])
+    worst = max(res.rows, key=lambda r: r.err if r.err == r.err else float("inf"))
+    first = res.first
+    return fig(f"{pair}.layer_rel_l2", worst.err, prompt, worst_point=worst.where,
+               first_divergence=None if first is None else first.where,
+               basis=sorted({r.basis for r in res.rows}),
+               **({"why": f"first divergence {first.where}: {first.why}"} if first else {}),
+               **({"effect": effect} if effect is not None else {}),
+               missing=res.only_b[:20], per_point=[[r.point, r.layer, r.err] for r in res.rows])
+
+
+def as_streams(prompts: Sequence[dict[str, Any]], gens: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """Generated objects (``tokens``, ``top``: :class:`harness.engines.base.Generated`) keyed by prompt id, in the
+    form :func:`generation_figures` reads (``{"tokens", "top": [[ids]...], "logprobs": [{id: logprob}...]}``)."""
+    return {str(p["id"]): {"tokens": list(g.tokens), "top": [[i for i, _ in s] for s in g.top],
+                           "logprobs": [dict(s) for s in g.top]} for p, g in zip(prompts, gens)}
 
 
 def generation_figures(ours: dict[str, dict[str, Any]], oracle: dict[str, dict[str, Any]], pair: str,

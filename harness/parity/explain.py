@@ -51,9 +51,8 @@ from ..core.gates import DEFAULT_GATES, Gate, effect_limit
 from ..core.engine_kinds import ORACLE, TWIN
 from ..engines.fast import FastEngine
 from ..engines.variants import Variant, family, under
-from ..traces.compare import DivergenceRule, compare
 from ..traces.format import TraceWriter, canonical_key
-from .compare import generation_figures, logit_figures
+from .compare import as_streams, generation_figures, layer_figure, prompt_logit_figures
 from .explain_decoding import GENERATION_PATH, decoding_by_logprobs, decoding_by_shift, decoding_difference
 from .explain_search import Explanation, METRICS, Observed, Trial, budget_seconds, judge_figures, search, unmeasured
 from .result import Figure
@@ -90,7 +89,10 @@ def _metric(f: Figure) -> str:
 
 
 class TextSubject:
-    """The engine's answers on a few prompts of a text model, judged as the pair ``pair`` judges them.
+    """The engine's answers on a few prompts of a text model, judged as the pair ``pair`` judges them: measured by the
+    pair's own metric functions (:func:`.compare.prompt_logit_figures`, :func:`.compare.layer_figure`,
+    :func:`.compare.generation_figures`, the ones :func:`harness.parity.checks.pair.pair_checks` measures with), each
+    at the pair's limit raised by the effect of the engine's declared approximations there (``effects``).
 
     Args:
         ref: the reference engine of the model (:class:`harness.engines.reference.ReferenceEngine`).
@@ -184,25 +186,29 @@ class TextSubject:
         if o.logits is not None or o.trace is not None:
             w = TraceWriter(t.oracle, o.ids, dtype="float64", keep_tensors=True) if o.trace is not None else None
             z = np.asarray(eng.logits(o.ids, trace=w), dtype=np.float64)
-            if o.logits is not None:
-                figs += logit_figures(o.logits, z, self.pair, o.prompt_id)
-                beyond = np.nonzero(~(np.max(np.abs(o.logits - z), axis=1) <= self._limit("max_abs_logit")))[0]
-                if beyond.size and t.first_divergence is None:
-                    t.first_divergence = f"logits@position {int(beyond[0])}"
+            if o.logits is not None:  # the pair's own figures (harness.parity.compare), at the pair's limits
+                logit = prompt_logit_figures(o.logits, z, self.pair, o.prompt_id,
+                                             self._raised("max_abs_logit", o.prompt_id),
+                                             self._limit("max_abs_logit"), t.oracle)
+                figs += logit
+                if logit[0].detail["first_divergence"] and t.first_divergence is None:
+                    t.first_divergence = logit[0].detail["first_divergence"]
             if o.trace is not None:
-                res = compare(o.trace, w.trace(), DivergenceRule(tol=self.layer_tol))
-                errs = [r.err for r in res.rows if r.err == r.err]
-                figs.append(Figure(f"{self.pair}.layer_rel_l2", max(errs) if errs else float("nan"), o.prompt_id))
-                if res.first is not None and t.first_key is None and not errors:
-                    t.first_divergence = res.first.where
-                    t.first_key = canonical_key(res.first.point, res.first.layer)
+                effect = self.effects.get(("layer_rel_l2", o.prompt_id))
+                layer = layer_figure(o.trace, w.trace(), self.pair, o.prompt_id,
+                                     self._raised("layer_rel_l2", o.prompt_id, self.layer_tol),
+                                     None if effect is None else float(effect[0]))
+                figs.append(layer)
+                where = layer.detail.get("first_divergence")
+                if where and t.first_key is None and not errors:
+                    point, at = where.rsplit("@", 1)
+                    t.first_divergence, t.first_key = where, canonical_key(point, int(at))
             if errors:
                 for f in figs:
                     f.detail["informational_reason"] = LOCAL_JUDGED
         if o.stream is not None:
-            g = eng.generate_full([o.ids], len(o.stream["tokens"]), top_n=self.top_n)[0]
-            base = {o.prompt_id: {"tokens": list(g.tokens), "top": [[i for i, _ in s] for s in g.top],
-                                  "logprobs": [dict(s) for s in g.top]}}
+            base = as_streams([{"id": o.prompt_id}],
+                              eng.generate_full([o.ids], len(o.stream["tokens"]), top_n=self.top_n))
             if not t.variants:
                 self.ref_streams[o.prompt_id] = base[o.prompt_id]
             limit = self._logprob_limit(o.prompt_id)
@@ -243,6 +249,16 @@ class TextSubject:
     def _limit(self, metric: str) -> float:
         g = self.gates.get(f"{self.pair}.{metric}")
         return g.limit if g is not None else float("inf")
+
+    def _raised(self, metric: str, prompt_id: str, base: float | None = None) -> float:
+        """The limit the pair measures ``metric`` on ``prompt_id`` at (:func:`harness.parity.checks.pair.pair_checks`
+        hands the same to :func:`.compare.prompt_logit_figures` and :func:`.compare.layer_figure`): ``base`` (default
+        the gate's limit; inf without a gate) raised by the effect of the engine's declared approximations there
+        (:func:`harness.core.gates.effect_limit`)."""
+        limit = self._limit(metric) if base is None else base
+        g = self.gates.get(f"{self.pair}.{metric}")
+        e = self.effects.get((metric, prompt_id), self.effects.get((metric, None)))
+        return limit if g is None or e is None else max(limit, effect_limit(g, float(e[0]), int(e[1])))
 
     def measure(self, variants: tuple[Variant, ...], full: bool = False) -> Trial:
         """The engine against the oracle under ``variants``, prompt by prompt, shortest first, stopping at the

@@ -64,7 +64,10 @@ class Plan:
 
 def _planned_pairs(names: list[str], oracle: str) -> list[tuple[str, str, int]]:
     """``(item name, engine, number)`` of each engine of ``names``, numbered per kind as the job numbers them
-    (:func:`harness.parity.checks.pair.pair_checks`)."""
+    (:func:`harness.parity.checks.pair.pair_checks`): the item is named as the pair is before its engine starts
+    (:func:`harness.core.gates.pair_name`; ``#N`` for the Nth engine of a kind). Its checks are the job's, found by
+    their engine and number (``ParityItem._mine``): the plugin measures nothing itself."""
+    from gemma4_harness.harness.core.gates import pair_name  # lazy (as above)
     from gemma4_harness.harness.engines import engine_kind  # lazy (as above)
 
     out, seen = [], {}
@@ -72,7 +75,7 @@ def _planned_pairs(names: list[str], oracle: str) -> list[tuple[str, str, int]]:
         kind = engine_kind(name)
         seen[kind] = seen.get(kind, 0) + 1
         n = seen[kind]
-        out.append((f"{oracle}~{kind}" + (f"#{n}" if n > 1 else ""), name, n))
+        out.append((pair_name(kind, oracle=oracle) + (f"#{n}" if n > 1 else ""), name, n))
     return out
 
 

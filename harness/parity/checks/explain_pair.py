@@ -28,7 +28,7 @@ from gemma4_harness.reference.errors import InputError
 from ...core.gates import DEFAULT_GATES
 from ...core.workers import EngineCrashed, temp_folder
 from ...engines.base import TOP_N
-from ...traces.format import TraceWriter
+from ..compare import as_streams
 from ..explain import GENERATION_METRICS, LocalJudge, explain_text
 from ..explain_search import DEFAULT_BUDGET_S, MAX_PROMPTS, Observed, judge_figures
 from ..result import Figure
@@ -36,12 +36,11 @@ from .pair import (
     GREEDY_NEW_TOKENS,
     _can,
     _logits_many,
-    _read_engine_trace,
+    engine_logits,
     engine_numerics,
     pair_near_tie,
 )
 from .quantized import local_figure
-from .reference_runs import as_streams
 
 
 def _gating_failure(f: Figure, gates=DEFAULT_GATES) -> bool:
@@ -90,22 +89,12 @@ def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: 
         for p in prompts:
             ids = list(p["prompt_ids"])
             o = Observed(str(p["id"]), ids)
-            if str(p["id"]) in batch:
-                o.logits, o.trace = batch[str(p["id"])]
-                o.logits = np.asarray(o.logits, dtype=np.float64)
-            elif _can(eng, "logits"):
-                if _can(eng, "trace") and hasattr(eng, "trace_file"):
-                    o.trace = _read_engine_trace(eng, p, Path(tmp))
-                    if o.trace.records:  # the tensor dump into memory before the scratch folder goes
-                        o.trace.tensor(o.trace.records[0]["point"], int(o.trace.records[0]["layer"]))
-                    o.logits = eng.logits(ids)
-                elif _can(eng, "trace"):
-                    w = TraceWriter(kind, ids, keep_tensors=True)
-                    o.logits = eng.logits(ids, trace=w)
-                    o.trace = w.trace()
-                else:
-                    o.logits = eng.logits(ids)
-                o.logits = np.asarray(o.logits, dtype=np.float64)
+            if _can(eng, "logits"):  # asked as the pair asks (harness.parity.checks.pair.engine_logits)
+                z, o.trace = engine_logits(eng, kind, p, batch, Path(tmp))
+                o.logits = np.asarray(z, dtype=np.float64)
+                if o.trace is not None and o.trace.records and o.trace.tensors is None:
+                    # a trace file's tensor dump into memory before the scratch folder goes
+                    o.trace.tensor(o.trace.records[0]["point"], int(o.trace.records[0]["layer"]))
             if _can(eng, "generate") and (streams or o.logits is None):
                 g = eng.generate_full([ids], new_tokens, top_n=top_n)
                 o.stream = as_streams([p], g)[str(p["id"])]

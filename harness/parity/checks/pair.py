@@ -41,7 +41,7 @@ import numpy as np
 from gemma4_harness.reference.errors import InputError
 
 from ...core.engine_kinds import KIND, ORACLE
-from ...core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN, effect_limit, pair_name
+from ...core.gates import DEFAULT_GATES, effect_limit, pair_name
 from ...core.kld import kld_stats
 from ...core.memory import NotEnoughMemory
 from ...core.workers import EngineFailure, EngineProtocolError, temp_folder
@@ -53,12 +53,13 @@ from ...tokenizer.prompt_ids import model_tokenizer
 from ...traces.compare import DivergenceRule, compare
 from ...traces.format import Trace, TraceWriter, read_trace
 from ...traces.store import default_store
-from ..compare import generation_figures, logit_figures
+from ..compare import (as_streams, generation_figures, layer_figure, logit_figures, near_tie_margin,
+                       prompt_logit_figures)
 from ..explain_decoding import decoding_by_logprobs
 from ..result import Figure, fig, one_line
 from ..skips import skipped
 from .quantized import quantized_gates, stream_agreement
-from .reference_runs import ReferenceRuns, as_streams
+from .reference_runs import ReferenceRuns
 
 GREEDY_NEW_TOKENS = 8
 """Tokens each greedy stream runs for the ``.greedy`` check (prompts with room for them in the context)."""
@@ -147,6 +148,13 @@ def pair_checks(runs: ReferenceRuns, name: str, path: str | Path, prompts: Seque
     return figures if number == 1 else [_numbered(f, number) for f in figures]
 
 
+def engine_pair(eng: Any, kind: str, oracle: str = ORACLE) -> str:
+    """The name of the pair of the open engine ``eng`` (of kind ``kind``) with ``oracle``, as every comparison names
+    it (:func:`pair_checks`, ``g4h explain``): :func:`harness.core.gates.pair_name` of the dtype the engine computes
+    in (:func:`harness.engines.numerics.engine_numerics`: ``reference~fast_bf16`` for the fast engine in bf16)."""
+    return pair_name(kind, engine_numerics(eng, kind).dtype, oracle)
+
+
 def _too_long_for_server(e: InputError, prompts: Sequence[dict[str, Any]]) -> str:
     """The line of ``e``; for a request a server refused as longer than its context
     (:class:`harness.engines.openai.ServerContextExceeded`, a server that does not say its context up front), the
@@ -191,7 +199,7 @@ def _pair_checks(runs: ReferenceRuns, name: str, kind: str, path: str | Path, pr
     except InputError as e:  # it cannot be used as given: a command that cannot start, a server that is down
         return [_runs(pair, False, got=str(e), bad_input=True,
                       **({"out_of_memory": True} if isinstance(e, NotEnoughMemory) else {}))]
-    pair = pair_name(kind, engine_numerics(eng, kind).dtype, runs.name)
+    pair = engine_pair(eng, kind, runs.name)
     out: list[Figure] = []  # the figures measured so far: kept when the engine fails later
     try:
         _measure(runs, eng, kind, pair, prompts, progress, case,
@@ -248,12 +256,6 @@ def numerics_lines(checks: Sequence[dict[str, Any]]) -> list[str]:
                 lines.append(f"| `{g}` | {k['effect']:.3g} | {k['limit']:.3g} | {top:.3g} |")
             lines.append("")
     return lines
-
-
-def near_tie_margin(logprob_limit: float) -> float:
-    """The top-1 margin below which two engines may order the best tokens differently: twice the bound on a
-    log-prob difference (each side within it), at least :data:`harness.core.gates.NEAR_TIE_MARGIN`."""
-    return max(NEAR_TIE_MARGIN, 2.0 * logprob_limit)
 
 
 def pair_near_tie(pair: str, effects: Mapping[tuple[str, str | None], tuple[float, int]]) -> float | None:
@@ -391,6 +393,14 @@ def not_greedy(streams: dict[str, dict[str, Any]]) -> tuple[str, int, int, int, 
     return None
 
 
+def not_greedy_line(bad: tuple[str, int, int, int, float]) -> str:
+    """What a stream that is not greedy (``bad``, from :func:`not_greedy`) did, in the words of its engine failure
+    (``g4h parity``) and of ``g4h explain``: ``token T is not the top-1 of its own log-probs (B at LP): ...``."""
+    _, _, tok, best, lp = bad
+    return (f"token {tok} is not the top-1 of its own log-probs ({best} at {lp:.6g}): not greedy decoding "
+            "(temperature 0), which was asked")
+
+
 def _not_greedy_failure(runs: ReferenceRuns, eng: Any, kind: str, approx: tuple[str, ...],
                         prompts: Sequence[dict[str, Any]], ours: dict[str, dict[str, Any]],
                         oracle: dict[str, dict[str, Any]], bad: tuple[str, int, int, int, float], limit: float
@@ -411,8 +421,7 @@ def _not_greedy_failure(runs: ReferenceRuns, eng: Any, kind: str, approx: tuple[
     same = next((k for k, (a, b) in enumerate(zip(stream["tokens"], theirs["tokens"])) if a != b), i)
     found = decoding_by_logprobs(rid, p["prompt_ids"], stream, i, z, limit, runs.name,
                                  theirs["logprobs"][:min(i, same)])
-    line = (f"{getattr(eng, 'name', kind)}: token {tok} is not the top-1 of its own log-probs ({best} at {lp:.6g}): "
-            "not greedy decoding (temperature 0), which was asked")
+    line = f"{getattr(eng, 'name', kind)}: {not_greedy_line(bad)}"
     e = EngineProtocolError(line if found is None else f"{line}; in decoding, not in the logits: {found['what']}")
     e.decoding = found
     return e.at(request=rid, step=i)
@@ -429,7 +438,6 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                   greedy=_can(eng, "generate") and new_tokens > 0)
     layer_limit = DEFAULT_GATES[f"{pair}.layer_rel_l2"].limit
     logit_limit = DEFAULT_GATES[f"{pair}.max_abs_logit"].limit
-    file_trace = hasattr(eng, "trace_file")
     try:
         batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}
     except EngineFailure as e:
@@ -437,19 +445,8 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
     with temp_folder("g4h-pair-") as tmp:
         for p in prompts if _can(eng, "logits") else ():
             base, base_trace = runs.logits(approx, p)
-            ours_trace = None
             try:
-                if str(p["id"]) in batch:
-                    ours, ours_trace = batch.pop(str(p["id"]))
-                    ours = np.asarray(ours, dtype=np.float64)
-                elif _can(eng, "trace") and not file_trace:
-                    w = TraceWriter(kind, p["prompt_ids"], keep_tensors=True)
-                    ours = eng.logits(p["prompt_ids"], trace=w)
-                    ours_trace = w.trace()
-                else:
-                    ours = eng.logits(p["prompt_ids"])
-                if file_trace and _can(eng, "trace"):
-                    ours_trace = _read_engine_trace(eng, p, Path(tmp))
+                ours, ours_trace = engine_logits(eng, kind, p, batch, Path(tmp))
             except EngineFailure as e:
                 raise _naming(e, [p])
             out += _logit_figures(runs, ours, base, approx, pair, p, logit_limit)
@@ -515,6 +512,33 @@ def _logits_many(eng: Any, kind: str, prompts: Sequence[dict[str, Any]]) -> dict
     return out
 
 
+def engine_logits(eng: Any, kind: str, p: dict[str, Any], batch: dict[str, tuple[np.ndarray, Trace]], tmp: Path
+                  ) -> tuple[np.ndarray, Trace | None]:
+    """The engine's logits ``[T, V]`` of prompt ``p`` and its trace (None where it traces nothing), asked as every
+    comparison asks (the pair's figures, :func:`.explain_pair.observe`): taken out of ``batch`` (:func:`_logits_many`,
+    float64) where it holds the prompt, else one request with the trace callback in-process, or, for an engine that
+    writes trace files (``cmd:``), the logits and then its trace file under ``tmp`` (:func:`_read_engine_trace`).
+
+    Raises:
+        EngineFailure: the engine failed the request (crashed, broke the protocol, a bad trace file).
+    """
+    pid = str(p["id"])
+    if pid in batch:
+        z, tr = batch.pop(pid)
+        return np.asarray(z, dtype=np.float64), tr
+    file_trace = hasattr(eng, "trace_file")
+    tr = None
+    if _can(eng, "trace") and not file_trace:
+        w = TraceWriter(kind, p["prompt_ids"], keep_tensors=True)
+        z = eng.logits(p["prompt_ids"], trace=w)
+        tr = w.trace()
+    else:
+        z = eng.logits(p["prompt_ids"])
+    if file_trace and _can(eng, "trace"):
+        tr = _read_engine_trace(eng, p, tmp)
+    return z, tr
+
+
 def _read_engine_trace(eng: Any, p: dict[str, Any], tmp: Path) -> Trace:
     """A ``cmd:`` engine's trace of one prompt, read and checked; a file that is not a trace of this prompt is
     the engine's fault (:class:`EngineProtocolError` naming the engine, the request and the file)."""
@@ -532,11 +556,11 @@ def _read_engine_trace(eng: Any, p: dict[str, Any], tmp: Path) -> Trace:
 
 def _logit_figures(runs: ReferenceRuns, ours: np.ndarray, base: np.ndarray, approx: tuple[str, ...], pair: str,
                    p: dict[str, Any], limit: float) -> list[Figure]:
-    """:func:`logit_figures` of one prompt, with the worst position named and the first position whose
-    max |Δlogit| is above the gate's limit (``logits@position N``), and, under emulations, the *effect*: how far
-    they move the oracle's logits and KLD (the oracle with them against the oracle without them), which raises the
-    gates (:func:`harness.core.gates.effect_limit`), and the same figures against the exact oracle beside
-    (``vs_exact_reference``). ``limit``: the max |Δlogit| gate's base limit."""
+    """:func:`harness.parity.compare.prompt_logit_figures` of one prompt (the worst position named, the first
+    position whose max |Δlogit| is above the gate's limit: ``logits@position N``) and, under emulations, the
+    *effect*: how far they move the oracle's logits and KLD (the oracle with them against the oracle without them),
+    which raises the gates (:func:`harness.core.gates.effect_limit`), and the same figures against the exact oracle
+    beside (``vs_exact_reference``). ``limit``: the max |Δlogit| gate's base limit."""
     effect = e_kld = 0.0
     exact = None
     own = limit  # the gate's limit before any effect raises it
@@ -544,16 +568,7 @@ def _logit_figures(runs: ReferenceRuns, ours: np.ndarray, base: np.ndarray, appr
         exact, _ = runs.logits((), p)
         effect, e_kld = logit_effect(runs, approx, p)
         limit = max(limit, effect_limit(DEFAULT_GATES[f"{pair}.max_abs_logit"], effect))
-    figs = logit_figures(ours, base, pair, p["id"], near_tie=near_tie_margin(limit))
-    pos, tok = figs[0].detail["max_abs_logit_at"]
-    figs[0].detail["why"] = (f"worst at position {pos} (token {tok}): {ours[pos, tok]:.6g} vs {runs.name} "
-                             f"{base[pos, tok]:.6g}")
-    per_position = np.max(np.abs(ours - base), axis=1)
-    beyond = np.nonzero(~(per_position <= limit))[0]
-    figs[0].detail["first_divergence"] = f"logits@position {int(beyond[0])}" if beyond.size else None
-    apart = np.nonzero(~(per_position <= own))[0]  # the leading positions within the fp32 bound itself
-    figs[0].detail.update(agreeing_prefix=int(apart[0]) if apart.size else int(per_position.size),
-                          positions=int(per_position.size))
+    figs = prompt_logit_figures(ours, base, pair, p["id"], limit, own, runs.name)
     if exact is not None:
         figs[0].detail.update(effect=effect, emulated=list(approx))
         figs[1].detail.update(effect=e_kld, effect_power=2, emulated=list(approx))
@@ -564,23 +579,11 @@ def _logit_figures(runs: ReferenceRuns, ours: np.ndarray, base: np.ndarray, appr
 
 def _layer_figure(ours: Trace, base: Trace, pair: str, p: dict[str, Any], limit: float,
                   exact: Trace | None = None) -> Figure:
-    """``<pair>.layer_rel_l2`` of one prompt: the worst trace point and the first beyond the gate's limit
-    (relative L2 with tensors on both sides, else the checksum lower bound). With ``exact`` (the oracle's trace
-    without the emulations that ``base`` makes), the effect of the emulations on the trace points raises the limit
+    """:func:`harness.parity.compare.layer_figure` of one prompt. With ``exact`` (the oracle's trace without the
+    emulations that ``base`` makes), the effect of the emulations on the trace points raises the limit
     (:func:`harness.core.gates.effect_limit`)."""
     effect = None
     if exact is not None:
         effect = trace_effect(base, exact, limit)
         limit = max(limit, effect_limit(DEFAULT_GATES[f"{pair}.layer_rel_l2"], effect))
-    res = compare(ours, base, DivergenceRule(tol=limit))
-    if not res.rows:
-        return fig(f"{pair}.layer_rel_l2", float("nan"), p["id"], got="no trace point in common with the reference",
-                   only_engine=res.only_a[:10])
-    worst = max(res.rows, key=lambda r: r.err if r.err == r.err else float("inf"))
-    first = res.first
-    return fig(f"{pair}.layer_rel_l2", worst.err, p["id"], worst_point=worst.where,
-               first_divergence=None if first is None else first.where,
-               basis=sorted({r.basis for r in res.rows}),
-               **({"why": f"first divergence {first.where}: {first.why}"} if first else {}),
-               **({"effect": effect} if effect is not None else {}),
-               missing=res.only_b[:20], per_point=[[r.point, r.layer, r.err] for r in res.rows])
+    return layer_figure(ours, base, pair, p["id"], limit, effect)

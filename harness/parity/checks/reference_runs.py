@@ -23,6 +23,7 @@ from ...engines.numerics import Numerics, emulable_types, emulate, effective
 from ...engines.reference import ReferenceEngine
 from ...traces.format import Trace, TraceWriter
 from ...traces.store import default_store
+from ..compare import as_streams
 from .oracle_pass import reference_pass
 
 Progress = Callable[[str], None]
@@ -373,8 +374,3 @@ def torch_rows(parts: Sequence[Any]) -> np.ndarray:
     """Row blocks of an oracle's torch logits, stacked as one float64 array."""
     return np.concatenate([t.double().cpu().numpy() for t in parts])
 
-
-def as_streams(prompts: Sequence[dict[str, Any]], gens: Sequence[Any]) -> dict[str, dict[str, Any]]:
-    """Generated objects (``tokens``, ``top``) keyed by prompt id, in the form the greedy rule reads."""
-    return {str(p["id"]): {"tokens": list(g.tokens), "top": [[i for i, _ in s] for s in g.top],
-                           "logprobs": [dict(s) for s in g.top]} for p, g in zip(prompts, gens)}
