@@ -186,6 +186,23 @@ def rms_norm_fp32(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.nd
     return y.astype(np.float64)
 
 
+def embed_fp32(cfg, W, ids: np.ndarray) -> np.ndarray:
+    """:func:`reference.model.embed` in llama.cpp's float32 steps: the table's rows as float32 (``ggml_get_rows``;
+    a quantized row dequantizes exactly), times ``sqrtf(n_embd)`` in float32 (``ggml_scale``, llama.cpp
+    ``src/models/gemma4.cpp``: ``inpL = ggml_scale(ctx0, inpL, sqrtf(n_embd))``, its ``inp_scaled``).
+
+    Why an emulation needs it: the PLE projection (``per_layer_model_proj``) takes ``inp_scaled`` itself as its input,
+    no norm between, so its int8 rounding decides each value on those float32 bits. A quantized embedding row makes
+    the ratios ``x_i * 127 / amax`` ratios of small integers, exact .5 ties in float64, which the float32 product
+    puts on one side or the other. Measured (h128-ple-q4_0 of tests/test_local_gate.py, Q4_0 embeddings and
+    projection): the float64 embedding moved the reference's ``inp_per_layer`` 1.1e-3 from llama.cpp's and its
+    logits 0.27 at the first position of every prompt, and a correct llama-server failed
+    ``reference~openai_q8.agreeing_positions`` (0 positions against the null's 10); the fast oracle, which computes
+    in float32, agreed with llama.cpp. [T] -> [T, h] float64 (float32 values)."""
+    rows = np.asarray(W.rows("token_embd.weight", ids), dtype=np.float64).astype(np.float32)
+    return (rows * np.sqrt(np.float32(cfg.hidden_size))).astype(np.float32).astype(np.float64)
+
+
 @contextlib.contextmanager
 def quantized_activations_numerics() -> Iterator[None]:
     """While inside, every matrix product of the reference takes its input as llama.cpp does
@@ -193,18 +210,20 @@ def quantized_activations_numerics() -> Iterator[None]:
     stored quantized or in 16 bits gets its input row rounded to that weight's dot-product type (Q8_0, Q8_1, Q8_K,
     F16, BF16), then is computed in float64 with the exact dequantized weight, plus, for Q4_1 / Q5_1 weights, the
     fp16 rounding of the Q8_1 block sums (:func:`linear_offset_quantized`); every RMSNorm runs in llama.cpp's
-    float32 steps (:func:`rms_norm_fp32`: the rounding of the product after it depends on those bits). What is left
+    float32 steps (:func:`rms_norm_fp32`: the rounding of the product after it depends on those bits), and so does
+    the scaled embedding (:func:`embed_fp32`, the PLE projection's input). What is left
     against llama.cpp is its fp32 accumulation, and the int8 roundings its fp32 activations take the other way
     where they differ from ours in the last bits (rare, but each moves one value by one step). The fast twin is not
     swapped here: the fast oracle (``--oracle fast``) computes the same rounding as llama.cpp's own arithmetic,
     ``--compute q8`` (:mod:`fast.q8_compute`), entered beside this by :func:`harness.engines.numerics.emulate`
     (``harness/parity/checks/reference_runs.py``, ``ReferenceRuns.numerics``). Restores on exit (not thread-safe)."""
-    original, offset, norm = rm.linear_input, rm.linear_offset, rm.rms_norm
+    original, offset, norm, emb = rm.linear_input, rm.linear_offset, rm.rms_norm, rm.embed
     rm.linear_input, rm.linear_offset, rm.rms_norm = linear_input_quantized, linear_offset_quantized, rms_norm_fp32
+    rm.embed = embed_fp32
     try:
         yield
     finally:
-        rm.linear_input, rm.linear_offset, rm.rms_norm = original, offset, norm
+        rm.linear_input, rm.linear_offset, rm.rms_norm, rm.embed = original, offset, norm, emb
 
 
 JITTER = 2.0 ** -22
