@@ -17,7 +17,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_local_gate import _built
 from quant_faults import make_fault
+from quant_matrix import TENSORS
 from quant_pairs import prompts_for
+from gemma4_harness.harness.core.gates import DEFAULT_GATES
+from gemma4_harness.harness.parity.checks.quantized import _agreeing_run
 from gemma4_harness.harness.engines import make_engine
 from gemma4_harness.harness.engines.fast import FastEngine
 from gemma4_harness.harness.engines.reference import ReferenceEngine
@@ -25,15 +28,17 @@ from gemma4_harness.harness.engines.numerics import KIND_NUMERICS
 from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 from gemma4_harness.reference.weights import load_model
 
-BOUND = 1e-3
+BOUND = DEFAULT_GATES["reference~llamacpp_q8.max_abs_logit"].limit  # the fp32 bound quantized_gates counts within
+
+
 def lead(a, b):
-    moved = np.max(np.abs(a - b), axis=1)
-    apart = np.nonzero(~(moved <= BOUND))[0]
-    return int(apart[0]) if apart.size else int(moved.size)
+    """The leading run of positions within BOUND, as quantized_gates counts it."""
+    return _agreeing_run(np.max(np.abs(a - b), axis=1).tolist(), BOUND)[0]
+
 
 variant, oracle = sys.argv[1], sys.argv[2]
 faults = sys.argv[3].split(",") if len(sys.argv) > 3 else ["rows", "block", "swap"]
-tensors = {"rows": "blk.1.ffn_down.weight", "block": "blk.3.attn_output.weight", "swap": "blk.2.ffn_gate.weight"}
+tensors = dict(zip(("rows", "block", "swap"), TENSORS))  # the fault matrix's matrices (tests/quant_matrix.py)
 tmp = Path(tempfile.mkdtemp(prefix="quant-nulls-")) / variant
 tmp.mkdir(parents=True, exist_ok=True)
 _, path = _built(variant, tmp)

@@ -70,8 +70,10 @@ DEADLINE_BASE_S = 600.0
 DEADLINE_READ_BYTES_S = 1e9
 """Bytes per second at which a worker's deadline assumes it reads the model's weights: one read of the whole file per
 ``llama_decode`` (a prefill ubatch or a decode step), the cost of a step on a big model. 1 GB/s is a twentieth of the
-slowest read bandwidth measured on the 2-core machine the harness is tested on (20..84 GB/s): a floor, not an
-estimate."""
+slowest memory bandwidth measured on the 2-core machine the harness is tested on (20..84 GB/s): a floor for weights
+read from memory (the page cache), not an estimate. Weights read from disk on every step (a file that does not fit
+in memory beside the job) come at the disk's speed, which may be slower: then the compute term, or
+``--engine-timeout``, has to cover it."""
 DEADLINE_FLOPS = 5e9
 """Floating-point operations per second at which a worker's deadline assumes it computes: 2 per parameter per token
 processed. A floor: llama.cpp's CPU products run at tens of GFLOP/s per core."""
