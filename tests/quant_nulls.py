@@ -1,5 +1,6 @@
 """The null of ``agreeing_positions`` on logits (harness/parity/checks/quantized.py ``quantized_gates``): the input
-jitter it uses against the sums jitter of the streams' and local_median's nulls, with the ``llamacpp`` engine's logits
+jitter it used until issue 34 against the sums jitter of the streams' and local_median's nulls (``quantized.NULL``,
+its null since), with the ``llamacpp`` engine's logits
 (its traces left out: an engine with logits only) on a file of tests/test_local_gate.py and its faulty copies
 (quant_faults.make_fault), counted as quantized_gates counts them (leading positions within the max_abs_logit fp32
 bound). Prints one JSON line; the table of docs/quantized-activations.md ("Open").

@@ -4,7 +4,9 @@ rounding (harness/engines/llamacpp/numerics.py) and the pair is gated (harness/p
 
 The fast tests check the plumbing: the weights' GGML type reaches the product, F32 weights are not rounded, MoE
 experts and the tied head are, the many-forwards path gives the one-by-one path's bits, and an engine whose rounding
-cannot be emulated is judged on its KLD with the reason said. The slow ones run the real ``llamacpp`` engine on
+cannot be emulated is judged on its KLD with the reason said; an engine with logits and no tensors (the example
+``cmd:`` engine, llama-cpp-python) on a PLE Q4_0 file is judged by ``agreeing_positions`` against the sums-jittered
+null (``quantized.NULL``), which has resolution there. The slow ones run the real ``llamacpp`` engine on
 synthetic GGUFs (Q8_0, and a Q4_K_M made by llama-quantize) and on faulty copies (the first half of one matrix's
 rows scaled by 1.02, :mod:`quant_faults`): every correct file passes, every faulty one fails (tests/test_local_gate.py:
 the same on small shapes, naming the layer).
@@ -251,6 +253,57 @@ def test_log_probs_only_engine_is_gated_on_its_streams(fault, tmp_path):
     else:
         assert not res.passed and agree.measured < 0.2, d
         assert not next(c for c in res.checks if c["gate"] == agree.gate)["pass"]
+
+
+@pytest.fixture(scope="module")
+def ple_q4_0(tmp_path_factory):
+    """The h128-ple-q4_0 file of tests/test_local_gate.py (PLE, a KV-shared tail, Q4_0), its reference runs and the
+    synthetic prompts within its vocabulary."""
+    from quant_pairs import prompts_for
+    from test_local_gate import _built
+
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
+
+    tmp = tmp_path_factory.mktemp("ple-q4_0")
+    _, path = _built("h128-ple-q4_0", tmp)
+    runs = ReferenceRuns(ReferenceEngine(path))
+    return tmp, path, runs, prompts_for(path, runs.ref.cfg)
+
+
+@pytest.mark.parametrize("fault", ["correct", "rows"])
+def test_logits_only_engine_is_judged_by_its_leading_runs_on_a_ple_q4_0_file(fault, ple_q4_0):
+    """An engine that gives logits and no tensors (examples/llamacpp_engine.py: llama-cpp-python behind the
+    subprocess protocol, declaring gelu_fp16_table and quantized_activations, with ``--declare
+    vec_dot_types=llama.cpp``) on the PLE Q4_0 shape: ``agreeing_positions`` judges it, its null the emulating
+    reference with its fp32 sums jittered (quantized.NULL), which agrees on at least one position per prompt there.
+    The input jitter agreed on none (it flips the exact .5 ties of the first layer's PLE input): the pair fell back to
+    the 8-bit yardstick, which passed this fault. The correct file passes; the first half of blk.1.ffn_down's rows
+    x1.02 fails on ``agreeing_positions``, with no leading position agreeing."""
+    from quant_faults import make_fault
+    from quant_logits_only import engine
+
+    from gemma4_harness.harness.core.gates import DEFAULT_GATES
+    from gemma4_harness.harness.parity.checks.pair import _measure
+    from gemma4_harness.harness.parity.result import CaseResult
+
+    need_llamacpp()
+    tmp, path, runs, prompts = ple_q4_0
+    served = path if fault == "correct" else make_fault("rows", path, tmp / "rows.gguf", "blk.1.ffn_down.weight")[0]
+    eng, kind = engine("cmd", served)
+    try:
+        figs = _measure(runs, eng, kind, "reference~cmd", prompts, lambda m: None, "q", 2)
+    finally:
+        eng.close()
+    res = CaseResult(case="q", kind="user", model=str(served))
+    res.apply(figs, DEFAULT_GATES)
+    (agree,) = [c for c in res.checks if c["gate"] == "reference~cmd_q8.agreeing_positions"]
+    assert not agree.get("informational") and agree["reference_agreeing"] >= len(prompts), agree
+    assert not [c for c in res.checks if c["gate"].endswith("_q8x.mean_kld")]  # no fallback to the yardstick
+    if fault == "correct":
+        assert res.passed and agree["pass"] and agree["measured"] >= 0.2, agree
+    else:
+        assert not res.passed and not agree["pass"] and agree["agreeing"] == 0, agree
 
 
 def test_faults_change_what_they_say(tmp_path):

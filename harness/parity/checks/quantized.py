@@ -5,8 +5,9 @@ llama.cpp's CPU backend rounds each matrix product's input to the weight type's 
 sporadic int8 rounding flips, so the worst-value figures are reported and the pair is gated instead by
 ``<pair>_q8.local_median`` (each layer against the reference re-seeded from the engine's own stream:
 :func:`.reference_runs.local_errors`, :func:`local_figure`, :func:`flips_explained`) where the engine gives its tensors,
-else by ``<pair>_q8.agreeing_positions`` (the leading run of positions within the fp32 bound against the jittered
-reference's; for an engine with log-probs only, :func:`stream_agreement`). Where it cannot emulate it
+else by ``<pair>_q8.agreeing_positions`` (the leading run of positions within the fp32 bound against the null's,
+the emulating reference with its fp32 sums jittered, :data:`NULL`; for an engine with log-probs only,
+:func:`stream_agreement`). Where it cannot emulate it
 (:data:`QUANTIZED_ACTIVATIONS`), the figures are informational and the mean KLD is gated against the 8-bit yardstick
 (:data:`YARDSTICK`). :func:`quantized_gates` applies all of this to a pair's figures (:mod:`.pair` calls it); the gates
 and their reasons are in ``harness/core/gates.py``.
@@ -72,15 +73,16 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
     effect of the emulations (kept in the detail as ``effect_not_applied``: the rounding moves the figures by far
     more than a fault does). What the emulation leaves is fp32 accumulation and sporadic int8 rounding flips; the
     worst-value figures are reported, and ``<pair>_q8.agreeing_positions`` is gated: the positions in each prompt's
-    leading run within the fp32 bound, over those of the emulating reference against itself with its inputs
-    perturbed in their last bits (``jitter``: what the flips alone do on this model and prompt). When that reference
-    agrees on fewer positions than one per prompt (flips too dense: no resolution), the figure is reported and the
-    mean KLD is gated as below. An engine
+    leading run within the fp32 bound, over those of the emulating reference against itself with every product's
+    fp32 output moved in its last bits (:data:`NULL`, ``jitter_sums``: what the flips alone do on this model and
+    prompt; not the input jitter, which flips exact ties no correct engine flips and, on a PLE Q4_0 file, agreed on
+    no position at all). When that reference agrees on fewer positions than one per prompt (flips too dense: no
+    resolution), the figure is reported and the mean KLD is gated as below. An engine
     without logits (a server) is counted on its greedy streams' log-probs instead (:func:`stream_agreement`, in the
-    ``max_abs_logprob`` figure's detail), against the emulating reference with its fp32 sums jittered (:data:`NULL`:
-    the input jitter flips exact ties no server flips): the same gate, the same ratio. Where that null agrees on
-    fewer positions than one per stream, the windows judge (:func:`window_agreement`, :data:`WINDOWS_WHY`: the same
-    count on ``[BOS, token]`` prompts asked one by one) when their null agrees on at least :func:`window_floor`;
+    ``max_abs_logprob`` figure's detail), against the same null: the same gate, the same ratio. Where that null
+    agrees on fewer positions than one per stream, the windows judge (:func:`window_agreement`, :data:`WINDOWS_WHY`:
+    the same count on ``[BOS, token]`` prompts asked one by one) when their null agrees on at least
+    :func:`window_floor`;
     else ``<pair>_q8.median_abs_logprob`` does (the median of the per-position differences at max(fp32 bound,
     2 x the null's), ``Q8_MEDIAN_WHY`` in harness/core/gates.py: flips dense enough that the differences are their
     noise, F16/BF16). The median is reported wherever a count judges.
@@ -103,11 +105,11 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
         if logit:
             own = DEFAULT_GATES[head + "max_abs_logit"].limit
             agree, total = sum(f.detail["agreeing_prefix"] for f in logit), sum(f.detail["positions"] for f in logit)
-            itself = 0  # the emulating reference against itself with its inputs perturbed in their last bits
+            itself = 0  # the emulating reference against itself with its fp32 sums jittered (NULL)
             for f in (() if seeded else logit):  # reported beside local_median: not worth a forward per prompt
                 p = by_id[str(f.prompt)]
                 base = runs.logits(approx, p)[0]
-                moved = np.max(np.abs(runs.raw_logits((*approx, "jitter"), p["prompt_ids"]) - base), axis=1)
+                moved = np.max(np.abs(runs.raw_logits((*approx, NULL), p["prompt_ids"]) - base), axis=1)
                 apart = np.nonzero(~(moved <= own))[0]
                 itself += int(apart[0]) if apart.size else int(moved.size)
             detail = dict(positions=total, agreeing=agree, reference_agreeing=itself, on="logits",
@@ -115,8 +117,8 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
                                       for f in logit})
             instead = "the mean KLD is gated against the 8-bit yardstick instead"
             # a count of leading runs under one position per prompt has no resolution (as for streams below):
-            # measured, e2b F16 through the llamacpp engine, the jittered reference 2 over 6 prompts and the correct
-            # engine 0 (a false alarm)
+            # measured, e2b F16 through the llamacpp engine, the input-jittered reference 2 over 6 prompts and the
+            # correct engine 0 (a false alarm); with NULL, 0 over 8 (tests/quant_logits_only.py e2b-f16)
             floor = len(logit)
         elif streams:  # an engine without logits: its greedy streams' log-probs (stream_agreement)
             f = streams[0]
@@ -156,9 +158,10 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
                 figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
                                    **({"windows": win} if win else {}), informational_reason=SIZES_JUDGE))
             elif itself < floor:
-                dense = (f"{'no position' if itself == 0 else f'{itself} position(s) over {floor} streams'} of the "
-                         f"emulating reference agree(s) with itself within {own:g} once its inputs move in their last "
-                         "bits: int8 rounding flips are too dense on this model to judge by positions; "
+                over = "prompts" if logit else "streams"
+                dense = (f"{'no position' if itself == 0 else f'{itself} position(s) over {floor} {over}'} of the "
+                         f"emulating reference agree(s) with itself within {own:g} once its fp32 sums move in their "
+                         "last bits: int8 rounding flips are too dense on this model to judge by positions; "
                          f"{instead}")
                 figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
                                    informational_reason=dense, no_resolution=instead))
@@ -282,7 +285,8 @@ def local_figure(pair: str, per_prompt: Sequence[Figure]) -> Figure:
 
 
 NULL = "jitter_sums"
-"""The null of :func:`stream_agreement`: the emulating reference with every product's *output* moved in its last
+"""The null of ``agreeing_positions``, on logits (:func:`quantized_gates`) and on streams (:func:`stream_agreement`,
+:func:`window_agreement`): the emulating reference with every product's *output* moved in its last
 fp32 bits (:func:`harness.engines.llamacpp.numerics.jitter_sums_numerics`: fp32 sums in another order, what an engine
 that rounds exactly as the emulation does still computes differently). Not the input jitter (``jitter``): that one
 also moves the inputs a server computes bit for bit as the reference does (the first layer's norm of a quantized
@@ -290,7 +294,10 @@ embedding row, whose exact .5 ties are common), so it flips int8 roundings no co
 prompt positions. Measured, six text prompts, 8 new tokens, the input jitter agreeing with itself on 4 positions over
 6 streams where llama-cpp-python's correct server agreed on 12 (e2b Q4_1) and 69 (IQ4_NL): a null noisier than the
 engine it judges, under the floor of one position per stream, and every fault passed (docs/quantized-activations.md).
-The same null as ``local_median``'s (:meth:`.reference_runs.ReferenceRuns.reseeded`)."""
+On logits likewise (issue 34; tests/quant_logits_only.py, the 8 synthetic prompts, 217 positions): on the PLE Q4_0 file
+of tests/test_local_gate.py the input jitter agreed with itself on no position (the pair fell back to the 8-bit
+yardstick, which passed rows x1.02 and one block x1.5), the sums jitter on 52, the correct engines on 39 and 51, each
+fault on 0. The same null as ``local_median``'s (:meth:`.reference_runs.ReferenceRuns.reseeded`)."""
 
 
 def _agreeing_run(diffs: Sequence[float | None], bound: float) -> tuple[int, int]:

@@ -241,12 +241,12 @@ class ReferenceRuns:
         each layer L > 0 enters with the engine's ``l_out`` of layer L - 1, and the final norm with its last layer's
         (``layer_inputs`` of :func:`reference.model.forward`), so that each layer is computed from what the engine's
         own layer took and a difference cannot carry from one layer to the next; then the same with every product's
-        input jittered in its last bits (``(*approx, "jitter")``: what the int8 rounding flips alone leave, the null
-        of ``local_rel_l2``). The first layer enters with the engine's ``inp_scaled`` where it traced it. Two
-        forwards, not kept (another engine's trace is another seed). The fast oracle (``--oracle fast``) re-seeds
-        its own forward the same way (:meth:`fast.model.FastModel.step`'s ``layer_inputs``), in q8 compute
-        (:meth:`numerics`). None when the oracle can do neither, or the engine's trace lacks an ``l_out`` tensor of
-        the prompt's shape."""
+        fp32 output jittered in its last bits (``(*approx, "jitter_sums")``, :data:`.quantized.NULL`: what the int8
+        rounding flips alone leave, the null of ``local_median``). The first layer enters with the engine's
+        ``inp_scaled`` where it traced it. Two forwards, not kept (another engine's trace is another seed). The fast
+        oracle (``--oracle fast``) re-seeds its own forward the same way (:meth:`fast.model.FastModel.step`'s
+        ``layer_inputs``), in q8 compute (:meth:`numerics`). None when the oracle can do neither, or the engine's
+        trace lacks an ``l_out`` tensor of the prompt's shape."""
         fast = self.oracle is not self.ref
         if fast and self._fast_q8() is None:
             return None
