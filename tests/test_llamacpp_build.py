@@ -148,3 +148,26 @@ def test_cli_prints_the_paths(built):
     assert p.returncode == 0 and p.stdout.strip() == str(built.wheel)
     p = _run_cli({}, "--print-path")
     assert p.returncode == 0 and p.stdout.strip() == str(built.root)
+
+
+def test_every_module_name_the_llamacpp_package_reaches_exists():
+    """Each ``<module>.<name>`` that a module of the llamacpp package reads from a sibling it imported as a module
+    exists there. The tools (``llama-quantize``, ``llama-imatrix``) are compiled only where the cache lacks them, so
+    a name moved by a split (``build._Lock`` -> ``build_steps.BuildLock``) failed only on a fresh cache, with an
+    AttributeError in ``g4h quantize`` and every test that quantizes (found on a fresh machine; CI's kept cache never
+    compiles them)."""
+    import ast
+    import importlib
+
+    folder = Path(REPO_ROOT) / "harness" / "engines" / "llamacpp"
+    missing = []
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = {a.asname or a.name: a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                   and node.level == 1 and not node.module for a in node.names}  # from . import build as _build
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                module = importlib.import_module(f"gemma4_harness.harness.engines.llamacpp.{aliases[node.value.id]}")
+                if not hasattr(module, node.attr):
+                    missing.append(f"{path.name}:{node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    assert not missing, missing

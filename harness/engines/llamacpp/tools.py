@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 from gemma4_harness.reference.errors import InputError
 
 from . import build as _build
+from .build_steps import BuildLock, _last_error, extract_sdist, run_step
 
 #: The tools and their sources in the vendored tree (``tools/quantize/CMakeLists.txt``: ``llama-quantize`` is
 #: ``main.cpp`` over the ``llama-quantize-impl`` library, i.e. ``quantize.cpp``; ``tools/imatrix/CMakeLists.txt``).
@@ -133,7 +134,7 @@ def ensure_tools(build: _build.LlamaCppBuild | None = None, force: bool = False,
         found = _load_tools(b)
         if found is not None:
             return found
-    with _build._Lock(b.root.with_name(b.root.name + ".lock")):
+    with BuildLock(b.root.with_name(b.root.name + ".lock")):
         found = None if force else _load_tools(b)
         if found is not None:  # another process made them while we waited
             return found
@@ -148,13 +149,13 @@ def _make_tools(b: _build.LlamaCppBuild, jobs: int | None, say: Callable[[str], 
     try:
         with open(log_path, "w") as logf:
             tarball = _build.fetch_sdist(cache, None, say)
-            src = _build._extract(tarball, tmp / "src") / "vendor" / "llama.cpp"
+            src = extract_sdist(tarball, tmp / "src") / "vendor" / "llama.cpp"
             cfg = tmp / "configure"
             flags = [f for f in b.stamp.get("flags", []) if not f.startswith("-DCMAKE_INSTALL_RPATH=")]
             gen = ["-G", "Ninja"] if shutil.which("ninja") else []
             t0 = time.perf_counter()
             say(f"configuring the vendored llama.cpp for {', '.join(TOOL_SOURCES)} (flags of {b.root.name})")
-            _build._run(["cmake", "-S", str(src), "-B", str(cfg), *gen, *flags, "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"],
+            run_step(["cmake", "-S", str(src), "-B", str(cfg), *gen, *flags, "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"],
                         logf, "cmake configure (tools)", log_path)
             seconds["configure"] = time.perf_counter() - t0
             commands = _compile_commands(cfg / "compile_commands.json", src, cfg)
@@ -252,7 +253,7 @@ def _compile_all(sources: Sequence[str], commands: dict[str, tuple[list[str], st
         logf.flush()
         s, rc = failed[0]
         raise _build.BuildError(f"llama.cpp tools: compiling {s} failed (exit status {rc}): "
-                                f"{_build._last_error(log_path)} (full log: {log_path})")
+                                f"{_last_error(log_path)} (full log: {log_path})")
     return obj_of
 
 
@@ -267,7 +268,7 @@ def _link(objs: Sequence[Path], out: Path, b: _build.LlamaCppBuild, logf, log_pa
             f"-Wl,-rpath,{origin}/../lib"]
     if sys.platform != "darwin":
         argv.append(f"-Wl,-rpath-link,{b.lib_dir}")
-    _build._run(argv, logf, f"link {out.name}", log_path)
+    run_step(argv, logf, f"link {out.name}", log_path)
 
 
 def _check_tool(exe: Path) -> None:
