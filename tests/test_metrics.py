@@ -477,3 +477,45 @@ def test_top1_margin_is_the_gap_between_the_two_largest():
         z = rng.standard_normal((5, v))
         s = np.sort(z, axis=1)
         assert np.array_equal(M.top1_margin(z), s[:, -1] - s[:, -2])
+
+
+# --------------------------------------------------------------------------- binned KLD (top-N log-probs)
+
+
+def test_binned_kld_by_hand():
+    """Two named tokens and the rest, worked with math.log: base (0.5, 0.3 | 0.2), ours (0.4, 0.4 | 0.2)."""
+    base, ours = [math.log(0.5), math.log(0.3)], [math.log(0.4), math.log(0.4)]
+    want = 0.5 * math.log(0.5 / 0.4) + 0.3 * math.log(0.3 / 0.4) + 0.2 * math.log(0.2 / 0.2)
+    assert M.binned_kld(ours, base) == pytest.approx(want, rel=1e-12)
+    # the rest bin counts: ours moves mass out of the named tokens
+    ours2 = [math.log(0.5), math.log(0.2)]
+    want2 = 0.3 * math.log(0.3 / 0.2) + 0.2 * math.log(0.2 / 0.3)
+    assert M.binned_kld(ours2, base) == pytest.approx(want2, rel=1e-12)
+
+
+@FAST
+@given(hnp.arrays(np.float64, st.integers(3, 40), elements=st.floats(-8, 8)),
+       hnp.arrays(np.float64, 40, elements=st.floats(-0.5, 0.5)), st.integers(1, 6))
+def test_binned_kld_is_a_lower_bound_of_the_full_kld(z, dz, n):
+    """Merging tokens never raises the KLD (data processing): the binned KLD of any top-n is at most the full KLD
+    of the same rows, and with every token named it is the full KLD (the rest bin then empty on both sides)."""
+    base, ours = z, z + dz[: z.size]
+    full = float(M.kld_per_position(ours[None], base[None])[0])
+    lp_b, lp_o = M.log_softmax(base[None])[0], M.log_softmax(ours[None])[0]
+    named = np.argsort(-lp_o)[: min(n, z.size)]
+    # the rest floor can only drop a negative rest term, of at most REST_FLOOR / e in size (r ln(r / REST_FLOOR) is
+    # least at r = REST_FLOOR / e)
+    assert M.binned_kld(lp_o[named], lp_b[named]) <= full + M.REST_FLOOR / math.e + 1e-12
+    every = np.arange(z.size)
+    assert M.binned_kld(lp_o[every], lp_b[every]) == pytest.approx(full, rel=1e-6, abs=1e-5)
+
+
+def test_binned_kld_rounding_and_bad_input():
+    """float32 log-probs of a peaked row summing a little over 1 are rounding, not an infinite divergence; NaN in
+    ours is NaN (never a pass); shapes must agree."""
+    base = np.array([-1e-9, -21.0, -22.0])
+    ours = np.array([np.float32(-1e-9), 2e-7, -22.0])  # a log-prob above 0 by float32 rounding
+    assert 0.0 <= M.binned_kld(ours, base) < 1e-5
+    assert math.isnan(M.binned_kld([float("nan"), -1.0], [-0.5, -1.0]))
+    with pytest.raises(ValueError, match="1-D arrays of one length"):
+        M.binned_kld([-1.0], [-1.0, -2.0])

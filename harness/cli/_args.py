@@ -288,7 +288,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "float32, KV cache f16, flash attention; llama-cpp-python: float32, KV cache f16; vLLM: "
                         "bfloat16): dtype=float32|float64|bfloat16|float16, kv_cache=f32|f16|bf16, "
                         "approximations=NAME,...|none (gelu_fp16_table, quantized_activations, attn_fp16_operands, "
-                        "flash_attn_fp16); repeatable. The gates follow it (docs/engine-protocol.md, \"Numerics\")")
+                        "flash_attn_fp16), vec_dot_types=llama.cpp|none (whose dot-product types the quantized "
+                        "activations round to; none: not known, as on a GPU backend, judged by the 8-bit yardstick); "
+                        "repeatable. The gates follow it (docs/engine-protocol.md, \"Numerics\")")
 
 
 def add_scale_args(p: argparse.ArgumentParser, layers: bool = True) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "rel_l2",
     "log_softmax",
     "kld_per_position",
+    "binned_kld",
     "kld_histogram",
     "top1_agreement",
     "GreedyAgreement",
@@ -307,6 +308,50 @@ def kld_per_position(ours: Any, base: Any) -> np.ndarray:
     """
     x, y = _logit_pair(ours, base)
     return _kld_rows(_log_softmax(x), _log_softmax(y))
+
+
+REST_FLOOR = 1e-6
+"""The least rest mass :func:`binned_kld` takes: above the float32 rounding of the sum of the top-N probabilities
+a server sends (the harness asks for 5: 5 x 2^-24 = 3.0e-7 at most), and small enough that a row whose rest is
+that small adds next to nothing (a rest of 1e-6 against 1e-4 adds 1e-6 x ln(1e-2) = -4.6e-6 nats)."""
+
+
+def binned_kld(ours: Any, base: Any) -> float:
+    """``KL(base || ours)`` of two distributions coarsened to the ``n`` tokens one side named (a server's top-N)
+    plus one bin for every other token: what can be said of the KLD from top-N log-probs alone.
+
+    Formula: ``sum_i p_base[i] * (log p_base[i] - log p_ours[i]) + r_base * (log r_base - log r_ours)`` over the
+    named tokens ``i``, with ``p = exp(log-prob)`` and ``r = 1 - sum_i p`` the mass of the tokens not named. By the
+    data-processing inequality of the KL divergence (merging outcomes never increases it: Cover & Thomas, *Elements
+    of Information Theory*, 2nd ed., Theorem 2.8.1; in code, llama.cpp's ``kl_divergence`` of
+    ``tools/perplexity/perplexity.cpp`` sums the same terms over every token) it is a lower bound of the full
+    :func:`kld_per_position` of the same rows. ``0 log 0 = 0``. Each rest mass is taken as at least
+    :data:`REST_FLOOR`: top-N log-probs sent as float32 sum to 1 only within their rounding (``n`` values of relative
+    error up to 2^-24 each), so a rest of 0 or below on one side is rounding, not a token called impossible, and
+    must not turn a peaked row into an infinite divergence.
+
+    Args:
+        ours, base: log-probabilities (natural log, float) of the same ``n`` tokens, shape ``[n]``, ``n >= 1``; each
+            side's probabilities summing to at most 1 (within rounding). NaN in ``ours`` gives NaN (a non-finite
+            log-prob is not a number to pass); ``-inf`` is a token given no mass.
+
+    Returns:
+        The binned KLD in nats, >= 0 (rounding clamped), NaN where ``ours`` holds NaN.
+
+    Raises:
+        ValueError: shapes differ, not 1-D, or empty.
+    """
+    q, p = np.asarray(ours, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    if p.ndim != 1 or p.shape != q.shape or not p.size:
+        raise ValueError(f"binned_kld: expected two 1-D arrays of one length >= 1, got {q.shape} and {p.shape}")
+    if np.isnan(q).any():
+        return float("nan")
+    pb, pq = np.exp(p), np.exp(q)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        terms = np.where(pb > 0, pb * (p - q), 0.0)
+        rb, rq = (max(1.0 - float(np.sum(x)), REST_FLOOR) for x in (pb, pq))
+        rest = rb * (math.log(rb) - math.log(rq))
+    return max(float(np.sum(terms)) + rest, 0.0)
 
 
 KLD_HIST_BINS_PER_DECADE = 4

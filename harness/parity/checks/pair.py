@@ -58,7 +58,7 @@ from ..compare import (as_streams, generation_figures, layer_figure, logit_figur
 from ..explain_decoding import decoding_by_logprobs
 from ..result import Figure, fig, one_line
 from ..skips import skipped
-from .quantized import quantized_gates, stream_agreement
+from .quantized import quantized_gates, stream_agreement, stream_kld
 from .reference_runs import ReferenceRuns
 
 GREEDY_NEW_TOKENS = 8
@@ -344,7 +344,8 @@ def _measure(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Seque
     if gap is not None:
         approx = tuple(a for a in approx if a != "quantized_activations")
     try:
-        _measure_figures(runs, eng, kind, pair, prompts, progress, case, approx, new_tokens, top_n, out)
+        _measure_figures(runs, eng, kind, pair, prompts, progress, case, approx, new_tokens, top_n, out,
+                         yardstick=gap is not None)
     finally:
         if types:
             quantized_gates(runs, out, pair, kind, types, gap, prompts, approx)
@@ -430,7 +431,10 @@ def _not_greedy_failure(runs: ReferenceRuns, eng: Any, kind: str, approx: tuple[
 def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompts: Sequence[dict[str, Any]],
                      progress: Progress, case: str, approx: tuple[str, ...],
                      new_tokens: int = GREEDY_NEW_TOKENS, top_n: int = TOP_N,
-                     out: list[Figure] | None = None) -> list[Figure]:
+                     out: list[Figure] | None = None, yardstick: bool = False) -> list[Figure]:
+    """The figures of :func:`_measure`, appended to ``out``; ``yardstick``: the engine rounds its activations in a
+    way the oracle cannot emulate, so an engine without logits is measured against the 8-bit yardstick on its
+    streams too (:func:`.quantized.stream_kld`)."""
     out = [] if out is None else out
     # what this pair asks of the reference that the job's prefetch could not foresee (a server's or a cmd: engine's
     # declared emulations), in one set of passes over the weights rather than a forward per prompt and step
@@ -485,6 +489,11 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
                         figs[1].detail.update(stream_agreement(
                             runs, eng, approx, gen_prompts, ours_g, DEFAULT_GATES[f"{pair}.max_abs_logprob"].limit,
                             top_n))
+                    except EngineFailure as e:
+                        raise _naming(e, gen_prompts)
+                elif yardstick and not _can(eng, "logits"):  # not emulable: its KLD on the top-N bins judges
+                    try:
+                        figs[1].detail.update(stream_kld(runs, eng, approx, gen_prompts, ours_g, top_n))
                     except EngineFailure as e:
                         raise _naming(e, gen_prompts)
                 out += figs

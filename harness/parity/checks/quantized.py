@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,7 +26,7 @@ from gemma4_harness.reference.errors import InputError
 
 from ...core.gates import DEFAULT_GATES, EFFECT_FACTOR, Q8_AGREEING, Q8_LOCAL_ALPHA, effect_limit
 from ...core.kld import kld_stats
-from ...core.metrics import log_softmax
+from ...core.metrics import binned_kld, log_softmax
 from ...core.workers import EngineFailure
 from ...engines.base import TOP_N
 from ..result import Figure, fig
@@ -34,8 +35,8 @@ from .reference_runs import ReferenceRuns
 QUANTIZED_ACTIVATIONS = (
     "{engine} rounds the activations of matrix products with {types} weights to their dot-product type "
     "(quantized_activations), which the reference cannot emulate here: {why}. Reported, not gated; the pair's mean "
-    "KLD is gated instead, at 2 x the KLD an 8-bit rounding of every such product's input causes on this model "
-    "(the yardstick, {pair}_q8x.mean_kld)")
+    "KLD is gated instead (on its greedy streams' top-N log-probs for an engine without logits), at 2 x the KLD an "
+    "8-bit rounding of every such product's input causes on this model (the yardstick, {pair}_q8x.mean_kld)")
 """The reason a pair's figures (all but its mean KLD) are informational when the engine declares
 ``quantized_activations``, the file holds quantized or 16-bit matrices, and the rounding cannot be emulated
 (:meth:`ReferenceRuns.emulation_gap`)."""
@@ -90,7 +91,9 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
     Not emulated (``gap`` says why): every figure is informational with the reason
     (:data:`QUANTIZED_ACTIVATIONS`), except the mean KLD, judged by ``<pair>_q8x.mean_kld`` at 2 x the KLD the
     yardstick rounding (:data:`YARDSTICK`) causes on the same prompt, so a fault larger than an 8-bit rounding
-    still fails."""
+    still fails. An engine without logits (a server) has no full KLD: its greedy streams' KLD on the top-N bins
+    (:func:`stream_kld`, in the ``max_abs_logprob`` figure's detail) is that figure, pooled over the streams, against
+    the yardstick's on the same bins."""
     head = pair + "."
     by_id = {str(p["id"]): p for p in prompts}
     dense = None
@@ -167,6 +170,7 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
                                    informational_reason=dense, no_resolution=instead))
             else:
                 figures.append(fig(f"{pair}_q8.agreeing_positions", agree / itself, None, **detail))
+    yardstick: list[Figure] = []  # the streams' yardstick figure of an engine without logits, added after the loop
     for f in figures:
         if not f.gate.startswith(head) or f.gate[len(head):] not in Q8_METRICS:
             continue
@@ -188,6 +192,13 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
                 f.detail["informational_reason"] = Q8_REPORTED_WHY
             continue
         why = QUANTIZED_ACTIVATIONS.format(engine=kind, types="/".join(types), why=gap, pair=pair)
+        kld = f.detail.get("stream_kld") if metric == "max_abs_logprob" else None
+        if kld is not None:  # an engine without logits: its streams' KLD on the top-N bins (stream_kld) judges
+            yardstick.append(fig(f"{pair}_q8x.mean_kld", kld["mean_kld"], None, effect=kld["yardstick"],
+                                 effect_power=1, yardstick=kld["yardstick"], positions=kld["positions"],
+                                 per_prompt=kld["per_prompt"], on=STREAM_KLD_ON,
+                                 quantized_activations=f"not emulated: {gap}",
+                                 **({} if kld["positions"] else {"not_measured": NO_STREAM_ROWS})))
         p = by_id.get(str(f.prompt))
         if metric == "mean_kld" and p is not None:
             exact = runs.logits((), p)[0]
@@ -197,6 +208,17 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
                             quantized_activations=f"not emulated: {gap}")
         else:
             f.detail["informational_reason"] = why
+    figures += yardstick
+
+
+STREAM_KLD_ON = ("log-probs along the greedy streams (stream_rows' positions): the KLD coarsened to the ids the "
+                 "engine named plus one bin for the rest, a lower bound of the full KLD (binned_kld), against the "
+                 "yardstick's on the same bins")
+"""What ``<pair>_q8x.mean_kld`` is measured on for an engine that gives log-probs, not logits."""
+
+NO_STREAM_ROWS = ("no position with log-probs to compare: every greedy stream ended before its first token (an "
+                  "end-of-sequence at once) and no prompt log-probs were offered")
+"""Why the streams' ``<pair>_q8x.mean_kld`` was not measured (reported as such, never a pass, not a failure)."""
 
 
 MEDIAN_REPORTED = ("reported, not gated: agreeing_positions judges (its null has resolution, on the streams or on "
@@ -313,31 +335,34 @@ def _agreeing_run(diffs: Sequence[float | None], bound: float) -> tuple[int, int
     return run, seen
 
 
-def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]],
-                     streams: dict[str, dict[str, Any]], bound: float, top_n: int = TOP_N) -> dict[str, Any]:
-    """For an engine that gives log-probs, not logits (a server, a ``cmd:`` engine without ``logits``) and rounds its
-    activations (``quantized_activations`` in ``approx``, emulated): per greedy stream, the leading run of positions
-    whose returned log-probs agree with the emulating oracle's for the same ids within ``bound`` (the fp32 bound of
-    ``max_abs_logprob``), and the same run for the emulating oracle against itself with its fp32 sums jittered
-    (``(*approx, NULL)``, :data:`NULL`, :func:`harness.engines.llamacpp.numerics.jitter_sums_numerics`) on the same
-    tokens, positions and ids. The positions: the prompt's where the engine reports prompt log-probs
-    (``offers_prompt_logprobs``, :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the
-    top-N) or where it
-    gives them for one token after each prefix (``probes_prompt_logprobs``, llama-server: the top-N; without the
-    prompt's positions its streams start where an int8 flip has had a whole prompt to spread, and the jittered
-    reference agreed on none of them on e2b Q8_0), then every generated step with log-probs (the engine's top-N)
-    up to the first step whose token it left unnamed (-1); the oracle runs teacher-forced on the prompt and the
-    engine's own tokens, a prefill of the prompt then a decode step per token as the engine ran them
-    (:meth:`ReferenceRuns.decoded_logits`), so a stream that parts from the oracle's or stops at EOS is still
-    compared where it went. Only ids the engine returned are compared (the oracle has every id); ``top_n``: the
-    log-probs asked per prompt position.
+@dataclass
+class StreamRows:
+    """The positions of an engine's greedy streams where its log-probs can be set beside the oracle's
+    (:func:`stream_rows`), one entry per stream that has tokens, in prompt order.
 
-    Returns:
-        ``agreeing_prefix``, ``positions`` and ``reference_agreeing`` summed over the streams, ``per_prompt``
-        ``{id: [agreeing, positions, reference_agreeing]}``, ``agreement_on`` (``log-probs``: what
-        :func:`quantized_gates` reads), ``median_abs_logprob`` and ``reference_median_abs_logprob``: the median over
-        every compared position of every stream of the engine's difference (the largest over the ids compared there)
-        and of the null's (:data:`MEDIAN_WHY`; NaN where no position was compared).
+    Attributes:
+        rids: the prompts' ids.
+        prompts: each prompt's token ids.
+        forced: the engine's tokens to teacher-force after each prompt (up to the last one it named).
+        compared: per stream, ``(row, {token id: log-prob})``: the row of the oracle's logits of the prompt and
+            ``forced`` (a prefill, then a decode step per token: :meth:`ReferenceRuns.decoded_logits`) that the
+            engine's log-probs stand beside, and the ids the engine gave there (ids < 0 left out).
+    """
+
+    rids: list[str]
+    prompts: list[list[int]]
+    forced: list[list[int]]
+    compared: list[list[tuple[int, dict[int, float]]]]
+
+
+def stream_rows(eng: Any, prompts: Sequence[dict[str, Any]], streams: dict[str, dict[str, Any]],
+                top_n: int = TOP_N) -> StreamRows:
+    """The positions of :class:`StreamRows` for an engine that gives log-probs, not logits: the prompt's where the
+    engine reports prompt log-probs (``offers_prompt_logprobs``, :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`:
+    the prompt token and the top-``top_n``) or gives them for one token after each prefix
+    (``probes_prompt_logprobs``, llama-server: the top-``top_n``), then every generated step of ``streams`` (as
+    :func:`harness.parity.compare.as_streams` gives them) up to the first step whose token the engine left unnamed
+    (-1: its log-probs still count, the context after it is unknown).
 
     Raises:
         EngineFailure: the engine failed a prompt log-probs request (its ``index`` in ``prompts``).
@@ -353,28 +378,58 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
                 prompt_lp[rid] = ask(ids[rid], top_n)
             except EngineFailure as e:
                 raise e.at(index=k)
-    # a step whose token the engine left unnamed (-1: llama-server's gaps, a text the oracle cannot name) ends
-    # what can be followed: its log-probs still count, the context after it is unknown
-    last = {}
+    rows = StreamRows([], [], [], [])
     for rid in rids:
         toks = list(streams[rid]["tokens"])
-        last[rid] = toks.index(-1) if -1 in toks else len(toks) - 1
-    forced = [list(streams[rid]["tokens"][:last[rid]]) for rid in rids]
-    emulated = runs.decoded_logits(approx, [ids[rid] for rid in rids], forced)
-    jittered = runs.decoded_logits((*approx, NULL), [ids[rid] for rid in rids], forced)
-    out = {"agreeing_prefix": 0, "positions": 0, "reference_agreeing": 0, "per_prompt": {},
-           "agreement_on": "log-probs"}
-    sizes: tuple[list[float], list[float]] = ([], [])  # every compared position's difference: the engine's, the null's
-    for rid, z, zj in zip(rids, emulated, jittered):
-        lp, jit = log_softmax(z), log_softmax(zj)
-        compared: list[tuple[int, dict[int, float]]] = []  # (row of the oracle's logits, the engine's log-probs)
+        last = toks.index(-1) if -1 in toks else len(toks) - 1
+        compared: list[tuple[int, dict[int, float]]] = []
         for i, entry in enumerate(prompt_lp.get(rid, [])):
             if entry is not None and 0 < i < len(ids[rid]):
                 given = {} if entry[0] is None else {ids[rid][i]: float(entry[0])}
                 compared.append((i - 1, {**dict(entry[1]), **given}))
         start = len(ids[rid]) - 1
         compared += [(start + s, {int(k): float(v) for k, v in d.items() if int(k) >= 0})
-                     for s, d in enumerate(streams[rid]["logprobs"][:last[rid] + 1])]
+                     for s, d in enumerate(streams[rid]["logprobs"][:last + 1])]
+        rows.rids.append(rid)
+        rows.prompts.append(ids[rid])
+        rows.forced.append(toks[:last])
+        rows.compared.append(compared)
+    return rows
+
+
+def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]],
+                     streams: dict[str, dict[str, Any]], bound: float, top_n: int = TOP_N) -> dict[str, Any]:
+    """For an engine that gives log-probs, not logits (a server, a ``cmd:`` engine without ``logits``) and rounds its
+    activations (``quantized_activations`` in ``approx``, emulated): per greedy stream, the leading run of positions
+    whose returned log-probs agree with the emulating oracle's for the same ids within ``bound`` (the fp32 bound of
+    ``max_abs_logprob``), and the same run for the emulating oracle against itself with its fp32 sums jittered
+    (``(*approx, NULL)``, :data:`NULL`, :func:`harness.engines.llamacpp.numerics.jitter_sums_numerics`) on the same
+    tokens, positions and ids. The positions are :func:`stream_rows`' (the prompt's where the engine reports or is
+    probed for them: without them its streams start where an int8 flip has had a whole prompt to spread, and the
+    jittered reference agreed on none of them on e2b Q8_0; then every generated step); the oracle runs teacher-forced on the prompt and the
+    engine's own tokens, a prefill of the prompt then a decode step per token as the engine ran them
+    (:meth:`ReferenceRuns.decoded_logits`), so a stream that parts from the oracle's or stops at EOS is still
+    compared where it went. Only ids the engine returned are compared (the oracle has every id); ``top_n``: the
+    log-probs asked per prompt position.
+
+    Returns:
+        ``agreeing_prefix``, ``positions`` and ``reference_agreeing`` summed over the streams, ``per_prompt``
+        ``{id: [agreeing, positions, reference_agreeing]}``, ``agreement_on`` (``log-probs``: what
+        :func:`quantized_gates` reads), ``median_abs_logprob`` and ``reference_median_abs_logprob``: the median over
+        every compared position of every stream of the engine's difference (the largest over the ids compared there)
+        and of the null's (:data:`MEDIAN_WHY`; NaN where no position was compared).
+
+    Raises:
+        EngineFailure: the engine failed a prompt log-probs request (its ``index`` in ``prompts``).
+    """
+    rows = stream_rows(eng, prompts, streams, top_n)
+    emulated = runs.decoded_logits(approx, rows.prompts, rows.forced)
+    jittered = runs.decoded_logits((*approx, NULL), rows.prompts, rows.forced)
+    out = {"agreeing_prefix": 0, "positions": 0, "reference_agreeing": 0, "per_prompt": {},
+           "agreement_on": "log-probs"}
+    sizes: tuple[list[float], list[float]] = ([], [])  # every compared position's difference: the engine's, the null's
+    for rid, compared, z, zj in zip(rows.rids, rows.compared, emulated, jittered):
+        lp, jit = log_softmax(z), log_softmax(zj)
         theirs = [max((abs(v - lp[row, k]) for k, v in d.items()), default=None) for row, d in compared]
         itself = [max((abs(jit[row, k] - lp[row, k]) for k in d), default=None) for row, d in compared]
         agree, seen = _agreeing_run(theirs, bound)
@@ -391,9 +446,51 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     # (a NaN log-prob counts as an infinite difference)
     out["median_abs_logprob"], out["reference_median_abs_logprob"] = (
         float(np.median(np.nan_to_num(v, nan=np.inf))) if v else float("nan") for v in sizes)
-    if out["reference_agreeing"] < len(rids):  # the leading runs have no resolution: ask the windows (WINDOWS_WHY)
-        out["windows"] = window_agreement(runs, eng, approx, [ids[rid] for rid in rids], bound, top_n)
+    if out["reference_agreeing"] < len(rows.rids):  # the leading runs have no resolution: ask the windows (WINDOWS_WHY)
+        out["windows"] = window_agreement(runs, eng, approx, rows.prompts, bound, top_n)
     return out
+
+
+def stream_kld(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]],
+               streams: dict[str, dict[str, Any]], top_n: int = TOP_N) -> dict[str, Any]:
+    """For an engine that gives log-probs, not logits, and rounds its activations in a way the oracle cannot emulate
+    (:meth:`ReferenceRuns.emulation_gap`; ``approx`` holds the rest of its declared numerics): at each position of
+    :func:`stream_rows`, the KLD of the oracle's distribution to the engine's, coarsened to the ids the engine named
+    plus one bin for the rest (:func:`harness.core.metrics.binned_kld`: a lower bound of the full KLD), and the same
+    for the yardstick (the oracle with every quantized product's input rounded to 8 bits, ``(*approx, *YARDSTICK)``,
+    :func:`harness.engines.llamacpp.numerics.coarse_q8_numerics`) on the same bins; the oracle teacher-forced on the
+    engine's tokens as in :func:`stream_agreement`. What ``<pair>_q8x.mean_kld`` judges for such an engine, as it
+    judges the full KLD of one that gives logits (:func:`quantized_gates`).
+
+    Returns:
+        ``stream_kld``: ``{"mean_kld", "yardstick", "positions", "per_prompt": {id: [mean_kld, yardstick,
+        positions]}}``, the means over every compared position (NaN where none was; a NaN log-prob of the engine's
+        makes its mean NaN).
+
+    Raises:
+        EngineFailure: the engine failed a prompt log-probs request (its ``index`` in ``prompts``).
+    """
+    rows = stream_rows(eng, prompts, streams, top_n)
+    exact = runs.decoded_logits(approx, rows.prompts, rows.forced)
+    yard = runs.decoded_logits((*approx, *YARDSTICK), rows.prompts, rows.forced)
+    theirs: list[float] = []
+    ruler: list[float] = []
+    per_prompt = {}
+    for rid, compared, z, zy in zip(rows.rids, rows.compared, exact, yard):
+        lp, ly = log_softmax(z), log_softmax(zy)
+        mine, yours = [], []
+        for row, d in compared:
+            if d:
+                named = list(d)
+                mine.append(binned_kld(np.array([d[k] for k in named]), lp[row, named]))
+                yours.append(binned_kld(ly[row, named], lp[row, named]))
+        per_prompt[rid] = [float(np.mean(mine)) if mine else float("nan"),
+                           float(np.mean(yours)) if yours else float("nan"), len(mine)]
+        theirs += mine
+        ruler += yours
+    mean = (lambda v: float(np.mean(v)) if v else float("nan"))
+    return {"stream_kld": {"mean_kld": mean(theirs), "yardstick": mean(ruler), "positions": len(theirs),
+                           "per_prompt": per_prompt}}
 
 
 WINDOWS = 64
