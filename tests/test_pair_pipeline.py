@@ -89,3 +89,32 @@ def test_g4h_explain_names_and_judges_the_pair_as_parity(runs, model, tmp_path, 
     assert pairs == {said["pair"]} == {"reference~fast_bf16"}, (pairs, said["pair"])
     assert sorted(said["failing_prompts"]) == parity_failing, (said["failing_prompts"], parity_failing)
     assert rc == (1 if parity_failing else 0), capsys.readouterr().out
+
+
+def test_explain_asks_no_stream_past_the_context():
+    """The explanation's engine answers (``observe``) ask for a greedy stream only where the prompt and its new
+    tokens fit the model's context, as the pair does (``_measure_figures``' ``gen_prompts``): a generate-only engine
+    that refuses past its context is not asked there (before, its refusal ended the explanation as "the engine
+    failed when asked again")."""
+    from gemma4_harness.harness.engines.base import Generated
+    from gemma4_harness.harness.parity.checks.explain_pair import observe
+    from gemma4_harness.reference.errors import InputError
+
+    class GenerateOnly:
+        ops = ("generate",)
+        context = 12
+        asked: list[int] = []
+
+        def generate_full(self, prompts, n, top_n=5):
+            (ids,) = prompts
+            self.asked.append(len(ids))
+            if len(ids) + n > self.context:
+                raise InputError(f"{len(ids)} + {n} tokens exceed the context of {self.context}")
+            g = Generated()
+            g.tokens, g.top = [1] * n, [[(1, -0.1)]] * n
+            return [g]
+
+    eng = GenerateOnly()
+    prompts = [{"id": "short", "prompt_ids": [2, 5, 6]}, {"id": "long", "prompt_ids": [2] + [7] * 9}]
+    seen = observe(eng, "cmd", prompts, new_tokens=4, streams=True, context=eng.context)
+    assert eng.asked == [3] and [o.stream is not None for o in seen] == [True, False]

@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         pair = engine_pair(eng, kind)  # the pair g4h parity names (reference~fast_bf16 for fast in bf16)
         if f"{pair}.max_abs_logit" not in DEFAULT_GATES:
             pair = "engine~oracle"
-        observed = observe(eng, kind, prompts, streams=True)  # streams too: a fault only in decoding is seen
+        # streams too: a fault only in decoding is seen
+        observed = observe(eng, kind, prompts, streams=True, context=ref.cfg.context_length)
     finally:
         close = getattr(eng, "close", None)
         if close is not None:

@@ -15,11 +15,11 @@ import numpy as np
 
 from gemma4_harness.reference.errors import InputError
 
-from ..core.gates import Gate, gate_for, with_effect
+from ..core.gates import Gate
 from ..core.engine_kinds import ORACLE
 from ..engines.variants import Variant, conflict
 from ..traces.format import Trace
-from .result import Figure
+from .result import Figure, judged
 
 
 DEFAULT_BUDGET_S = 60.0
@@ -331,20 +331,16 @@ def unmeasured(f: Figure) -> str | None:
 
 
 def judge_figures(figures: Sequence[Figure], gates: Mapping[str, Gate]) -> list[str]:
-    """The gates (by name) that ``figures`` fail, judged as :meth:`harness.parity.result.CaseResult.apply` judges
-    them (a figure with an ``effect`` at :func:`harness.core.gates.with_effect` of its gate); informational gates,
-    informational figures, figures marked ``not_measured`` (never a pass there either: :class:`TextSubject` holds a
-    variant to the figures measured without it) and figures without a gate do not count."""
+    """The gates (by name) that ``figures`` fail, judged by :func:`harness.parity.result.judged`, the rule of
+    :meth:`~harness.parity.result.CaseResult.apply`; informational gates, informational figures, figures marked
+    ``not_measured`` (never a pass there either: :class:`TextSubject` holds a variant to the figures measured without
+    it) and figures without a gate do not count."""
     bad = []
     for f in figures:
         try:
-            g = gate_for(gates, f.gate)
+            g, measured, _ = judged(f, gates)
         except KeyError:
             continue
-        if "informational_reason" in f.detail or f.detail.get("not_measured"):
-            continue
-        if f.detail.get("effect") is not None and not g.informational:
-            g = with_effect(g, float(f.detail["effect"]), int(f.detail.get("effect_power", 1)))
-        if not g.informational and not g.check(f.measured):
+        if not g.informational and not g.check(measured):
             bad.append(f.gate)
     return bad

@@ -45,6 +45,29 @@ def fig(gate: str, measured: float, prompt: Any = None, **detail: Any) -> Figure
     return Figure(gate, float(measured), prompt, detail)
 
 
+def judged(f: Figure, gates: Mapping[str, Gate]) -> tuple[Gate, float, dict[str, Any]]:
+    """How :meth:`CaseResult.apply` judges one figure: ``(gate, measured, detail)``, the gate of its name
+    (:func:`harness.core.gates.gate_for`) at :func:`harness.core.gates.with_effect` of its ``effect``, made
+    informational with the figure's ``informational_reason`` or, for a figure marked ``not_measured``, with ``not
+    measured: <why>`` and a NaN value; ``detail`` without ``informational_reason``. The one rule, for the case's
+    checks and for an explanation's trials (:func:`harness.parity.explain_search.judge_figures`).
+
+    Raises:
+        KeyError: the figure names a gate the table does not have.
+    """
+    detail = dict(f.detail)
+    reason = detail.pop("informational_reason", None)
+    gate = gate_for(gates, f.gate)
+    if detail.get("effect") is not None and not gate.informational:  # the engine's declared approximations
+        gate = with_effect(gate, float(detail["effect"]), int(detail.get("effect_power", 1)))
+    measured = f.measured
+    if detail.get("not_measured"):
+        reason, measured = f"not measured: {detail['not_measured']}", float("nan")
+    if reason is not None:
+        gate = replace(gate, informational=True, reason=reason)
+    return gate, measured, detail
+
+
 @dataclass
 class CaseResult:
     """Checks of one case; ``error`` is a one-line message when the case could not run."""
@@ -87,16 +110,7 @@ class CaseResult:
             KeyError: a figure names a gate the table does not have (a harness bug).
         """
         for f in figures:
-            detail = dict(f.detail)
-            reason = detail.pop("informational_reason", None)
-            gate = gate_for(gates, f.gate)
-            if detail.get("effect") is not None and not gate.informational:  # the engine's declared approximations
-                gate = with_effect(gate, float(detail["effect"]), int(detail.get("effect_power", 1)))
-            measured = f.measured
-            if detail.get("not_measured"):
-                reason, measured = f"not measured: {detail['not_measured']}", float("nan")
-            if reason is not None:
-                gate = replace(gate, informational=True, reason=reason)
+            gate, measured, detail = judged(f, gates)
             self.add(gate, measured, f.prompt, **detail)
 
     @property

@@ -78,11 +78,13 @@ def effects(figures: Sequence[Figure]) -> dict[tuple[str, str | None], tuple[flo
 
 
 def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: int = GREEDY_NEW_TOKENS,
-            top_n: int = TOP_N, streams: bool = False) -> list[Observed]:
+            top_n: int = TOP_N, streams: bool = False, context: int | None = None) -> list[Observed]:
     """The engine's answers on ``prompts``: logits and its trace (a file for ``cmd:``, the callback in-process) where
     it answers them, else greedy streams of ``new_tokens`` tokens. ``streams`` (only greedy streams failed): its
     streams too where it generates, and, where it gives logits, its logits of the prompt followed by its own stream
-    (:attr:`~harness.parity.explain_search.Observed.forced`)."""
+    (:attr:`~harness.parity.explain_search.Observed.forced`). ``context``: the model's context length; a prompt
+    whose stream would not fit in it gets none, as in the pair (:func:`harness.parity.checks.pair._measure_figures`:
+    the engine would be asked past its context, and its refusal read as a failure)."""
     out = []
     batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}  # llama.cpp: one worker for all
     with temp_folder("g4h-explain-") as tmp:
@@ -95,7 +97,8 @@ def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: 
                 if o.trace is not None and o.trace.records and o.trace.tensors is None:
                     # a trace file's tensor dump into memory before the scratch folder goes
                     o.trace.tensor(o.trace.records[0]["point"], int(o.trace.records[0]["layer"]))
-            if _can(eng, "generate") and (streams or o.logits is None):
+            fits = context is None or len(ids) + new_tokens <= context
+            if _can(eng, "generate") and (streams or o.logits is None) and fits:
                 g = eng.generate_full([ids], new_tokens, top_n=top_n)
                 o.stream = as_streams([p], g)[str(p["id"])]
                 if o.logits is not None and len(o.stream["tokens"]) > 1:
@@ -137,7 +140,8 @@ def explain_failing_pair(runs: Any, eng: Any, kind: str, pair: str, prompts: Seq
     steps = [int(r["step"]) for f in figures for r in f.detail.get("streams_detail", ()) if r.get("step") is not None]
     new_tokens = max(GREEDY_NEW_TOKENS, max(steps, default=0) + 1)
     try:
-        observed = observe(eng, kind, chosen, new_tokens=new_tokens, streams=gen_only)
+        observed = observe(eng, kind, chosen, new_tokens=new_tokens, streams=gen_only,
+                           context=runs.ref.cfg.context_length)
     except (EngineCrashed, InputError) as e:
         first.detail["explanation"] = {"status": "not_run", "line": f"not explained: the engine failed when asked "
                                        f"again ({str(e).splitlines()[0] if str(e) else type(e).__name__})"}
