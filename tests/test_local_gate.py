@@ -142,6 +142,23 @@ def test_reseeded_many_is_reseeded_one_by_one(variant, tmp_path):
     assert runs.local_errors_many((), prompts, engines) == [None] * len(prompts)
 
 
+def test_passing_cache_keeps_only_what_later_layers_read():
+    """``PassingCache`` (the caches of ``reseeded_many``'s chains): a forward through it gives the plain forward's
+    logits bit for bit on a shape with a KV-shared tail (the shared layers read their donors' K/V after them), and
+    at its end holds only the K/V of the layers read at or after the last layer that appends its own, not every
+    layer's."""
+    from gemma4_harness.harness.parity.checks.reference_runs import PassingCache
+    from gemma4_harness.harness.synth import ensure_built
+
+    cfg, W = load_model(ensure_built(SHAPES / "odd-h100-v389-ple.toml").gguf["F32"])
+    assert any(layer.kv_donor != layer.index for layer in cfg.layers)
+    ids = [3, 17, 42, 5, 99, 7, 11, 2, 64, 23, 31, 8, 77, 1]
+    whole, passing = rm.KVCache(cfg), PassingCache(cfg)
+    assert np.array_equal(rm.forward(cfg, W, ids, passing), rm.forward(cfg, W, ids, whole))
+    last = max(whole.k)
+    assert set(passing.k) == {j for j in whole.k if passing.last_reader[j] >= last} and len(passing.k) < len(whole.k)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_llamacpp_local_gate_passes_correct_names_faulty_layer(variant, tmp_path):
     """The ``llamacpp`` engine on a small quantized file passes ``local_median`` (within its floor, far below it), and
