@@ -14,7 +14,9 @@ for one row and GEMM for more, and small products take other kernels). ``tests/t
 against :func:`reference.model.forward` on every model family.
 
 A *chain* is a list of calls on one KV cache, in order: a prefill, then continuations (a prompt prefilled in
-two halves, or one token at a time: each call is what one ``forward(cfg, W, ids, cache)`` would be). A call
+two halves, or one token at a time: each call is what one ``forward(cfg, W, ids, cache)`` would be; a call may be
+re-seeded, ``forward``'s ``layer_inputs``: the parity job's ``local_median`` forwards,
+``ReferenceRuns.reseeded_many`` in ``harness/parity/checks/reference_runs.py``). A call
 ``c`` of a chain sees the cache exactly as it would after calls ``0..c-1``: at layer ``i`` the chain's calls
 run in order, each appending its own K/V; a KV-shared layer reads its donor's K/V only up to the call's own
 last token (the donor layer already holds every call's, :class:`_CallCache`).
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, Mapping, Sequence
 
 import numpy as np
 
@@ -66,7 +68,14 @@ class Chain:
         heads: per call, whether its logits are wanted (default: every call's); a call whose logits are not
             wanted skips the LM head (its layers still run: a later call needs its K/V).
         numerics: a context manager factory entered around every operation of this chain (the harness's
-            emulations swap :func:`reference.model.gelu_tanh` with it); default none.
+            emulations swap :func:`reference.model.gelu_tanh` with it); default none. An emulation that draws
+            random numbers (the ``jitter_sums`` null, :func:`reference.model.linear_output`) must draw from one
+            stream across the entries (one ``numpy.random.Generator`` per chain): then a chain of one call draws
+            what :func:`reference.model.forward` inside one entry draws, in the same order and shapes, since the
+            call's products run in ``forward``'s order (in a chain of several calls, the calls' draws interleave
+            layer by layer: not ``forward``'s order).
+        layer_inputs: per call, ``forward``'s ``layer_inputs`` (a re-seeded forward: ``{layer index: [T, h]}``, the
+            index ``n_layer`` for the stream that enters the final norm), or None; default none for every call.
     """
 
     calls: list[Sequence[int]]
@@ -74,6 +83,7 @@ class Chain:
     traces: list[TraceFn | None] | None = None
     heads: list[bool] | None = None
     numerics: Callable[[], ContextManager] = contextlib.nullcontext
+    layer_inputs: list[Mapping[int, np.ndarray] | None] | None = None
     _state: list["_Call"] = field(default_factory=list, repr=False)
 
 
@@ -87,6 +97,7 @@ class _Call:
     trace: TraceFn
     head: bool
     view: "_CallCache"
+    seeds: dict[int, np.ndarray] = field(default_factory=dict)  # layer index -> [T, h]: forward's layer_inputs
 
 
 class _Prefix:
@@ -135,27 +146,32 @@ def replaced() -> list[str]:
 
 
 def _begin(cfg: ModelConfig, W, chain: Chain) -> None:
-    """Check every call's ids, lay out its positions, embed it and compute its PLE inputs (forward's start)."""
+    """Check every call's ids and re-seeded streams, lay out its positions, embed it and compute its PLE inputs
+    (forward's start; a re-seeded call's PLE from its ``layer_inputs[0]`` where given, as ``forward``)."""
     chain.cache = chain.cache if chain.cache is not None else KVCache(cfg)
     n_calls = len(chain.calls)
     traces = chain.traces or [None] * n_calls
     heads = chain.heads or [True] * n_calls
-    if len(traces) != n_calls or len(heads) != n_calls:
-        raise ValueError(f"chain of {n_calls} calls with {len(traces)} traces and {len(heads)} head flags")
+    seeds = chain.layer_inputs or [None] * n_calls
+    if len(traces) != n_calls or len(heads) != n_calls or len(seeds) != n_calls:
+        raise ValueError(f"chain of {n_calls} calls with {len(traces)} traces, {len(heads)} head flags and "
+                         f"{len(seeds)} layer_inputs")
     k_pos, chain._state = chain.cache.pos, []
-    for ids, trace, head in zip(chain.calls, traces, heads):
+    for ids, trace, head, given in zip(chain.calls, traces, heads, seeds):
         ids = m.check_prompt(cfg, ids, k_pos.shape[0])
         positions = k_pos.shape[0] + np.arange(ids.shape[0], dtype=np.int64)
         k_pos = np.concatenate([k_pos, positions])  # [S]
+        seeded = {il: m.reseed(given[il], (ids.shape[0], cfg.hidden_size), il)
+                  for il in sorted(given or {}) if il in range(cfg.n_layer + 1)}  # checked before any layer runs
         trace = trace or m.no_trace
         x = m.embed(cfg, W, ids)  # [T, h]
         trace("inp_scaled", -1, x)
         ple = None
         if cfg.ple_dim:
-            ple = m.per_layer_inputs(cfg, W, ids, x)  # [T, L, P]
+            ple = m.per_layer_inputs(cfg, W, ids, seeded.get(0, x))  # [T, L, P]
             trace("inp_per_layer", -1, ple)
         chain._state.append(_Call(ids, positions, k_pos, x, ple, trace, bool(head),
-                                  _CallCache(chain.cache, k_pos.shape[0])))
+                                  _CallCache(chain.cache, k_pos.shape[0]), seeded))
 
 
 def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain],
@@ -166,7 +182,9 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain],
         cfg: model config.
         W: canonical weights with :meth:`reference.weights.Weights.hold` (a plain mapping works too: then
             nothing is held, and the result is the same).
-        chains: the calls (:class:`Chain`); text only (no multimodal injection).
+        chains: the calls (:class:`Chain`); text only (no multimodal injection). A call with ``layer_inputs`` is
+            re-seeded as ``forward(..., layer_inputs=...)`` re-seeds it: the given stream enters those layers (and
+            the final norm) in place of the one before.
         on_layer: called ``on_layer(i, n)`` after layer ``i`` (1 to ``n``, the model's layers) ran for every call
             (a caller's progress display; it computes nothing).
 
@@ -177,7 +195,8 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain],
 
     Raises:
         PromptError: an invalid call (:func:`reference.model.check_prompt`), before any layer runs.
-        ValueError: a chain whose ``traces`` or ``heads`` do not have one entry per call.
+        ValueError: a chain whose ``traces``, ``heads`` or ``layer_inputs`` do not have one entry per call; a
+            ``layer_inputs`` array that is not ``[T, h]`` (before any layer runs).
         RuntimeError: a function of :data:`REWRITTEN` is replaced (:func:`replaced`).
 
     Source: :func:`reference.model.forward`, whose operations each call runs in the same order.
@@ -191,6 +210,8 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain],
                 _begin(cfg, W, chain)
     group = [(chain, c) for chain in chains for c in chain._state]  # chain by chain, each in call order
     for i, layer in enumerate(cfg.layers, 1):
+        for _, c in group:  # a re-seeded call enters the layer with the given stream (forward's layer_inputs)
+            c.x = c.seeds.get(layer.index, c.x)
         with hold():  # this layer's weights, dequantized once for every call
             if group:
                 _layer(cfg, layer, W, group)
@@ -203,7 +224,7 @@ def forward_chains(cfg: ModelConfig, W, chains: Sequence[Chain],
             chain.cache.open_block = False  # text calls: as forward leaves it
         with chain.numerics():
             for c in chain._state:
-                c.x = m.rms_norm(c.x, W["output_norm.weight"], cfg.rms_eps)
+                c.x = m.rms_norm(c.seeds.get(cfg.n_layer, c.x), W["output_norm.weight"], cfg.rms_eps)
                 c.trace("result_norm", -1, c.x)
         wanted += [c for c in chain._state if c.head]
         numerics += [chain.numerics for c in chain._state if c.head]
@@ -225,8 +246,8 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray],
                  numerics: Sequence[Callable[[], ContextManager]] | None = None) -> list[np.ndarray]:
     """:func:`reference.model.lm_head` of each ``x`` in ``xs``, the head read once: for every row block
     (``W.row_blocks``), every ``x``'s product with it. [T_i, h] each -> [T_i, V] each. ``numerics``: per ``x``, the
-    context its chain's emulations run in (its input to each product, :func:`reference.model.linear_input`, is
-    taken there); default none.
+    context its chain's emulations run in (its input to each product, :func:`reference.model.linear_input`, its
+    offset and its output, :func:`reference.model.linear_output`, are taken there); default none.
 
     Each ``x``'s logits are the same products, concatenated and soft-capped the same way, as
     ``lm_head(cfg, W, x)`` alone. Source: :func:`reference.model.lm_head`.
@@ -239,7 +260,7 @@ def lm_head_many(cfg: ModelConfig, W, xs: Sequence[np.ndarray],
         ins = xs if numerics is None else [_input(n, x, block) for n, x in zip(numerics, xs)]
         ys = linear_many(ins, block)
         if numerics is not None:
-            ys = _offset(numerics, xs, block, ys)
+            ys = _output(numerics, block, _offset(numerics, xs, block, ys))
         for part, y in zip(parts, ys):
             part.append(y)
     out = []
@@ -266,6 +287,17 @@ def _offset(numerics: Sequence[Callable[[], ContextManager]], xs: Sequence[np.nd
         with n():
             extra = m.linear_offset(x, w)
         out.append(y if extra is None else y + extra)
+    return out
+
+
+def _output(numerics: Sequence[Callable[[], ContextManager]], w: np.ndarray, ys: list[np.ndarray]) -> list[np.ndarray]:
+    """Each product ``ys[i]`` (with its offset: :func:`_offset`) through :func:`reference.model.linear_output` under
+    ``numerics[i]``: the last step of :func:`reference.model.linear` (the ``jitter_sums`` null moves it there).
+    [T_i, out] each."""
+    out = []
+    for n, y in zip(numerics, ys):
+        with n():
+            out.append(m.linear_output(y, w))
     return out
 
 
@@ -452,8 +484,9 @@ def _layer(cfg: ModelConfig, layer, W, group: list[tuple[Chain, _Call]]) -> None
 
     def lin(xs, name):  # each call's input as its chain's numerics take it (llama.cpp's quantized activations)
         w = W[b + name]
-        ys = linear_many([_input(chain.numerics, x, w) for (chain, _), x in zip(group, xs)], w)
-        return _offset([chain.numerics for chain, _ in group], xs, w, ys)
+        ns = [chain.numerics for chain, _ in group]
+        ys = linear_many([_input(n, x, w) for n, x in zip(ns, xs)], w)
+        return _output(ns, w, _offset(ns, xs, w, ys))
 
     def norm(ys, name):  # each call's RMSNorm under its chain's numerics (llama.cpp's float32 norm, say)
         w = None if name is None else W[b + name]

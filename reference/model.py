@@ -97,12 +97,23 @@ def linear_offset(x: np.ndarray, w: np.ndarray) -> np.ndarray | None:
     return None
 
 
+def linear_output(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The output of a matrix product with ``w`` as the product leaves it: ``y`` itself. [..., out] -> [..., out].
+
+    The third op an emulation may replace: the null of the re-seeded per-layer comparison moves every product's
+    output in its last fp32 bits, as an engine that sums in another order would
+    (:func:`harness.engines.llamacpp.numerics.jitter_sums_numerics`). :func:`linear` passes its output through it
+    (the experts' :func:`expert_linear` does not).
+    """
+    return y
+
+
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T`` (``x`` through :func:`linear_input`, plus :func:`linear_offset` where one is given).
-    [T, in], [out, in] -> [T, out]."""
+    """``x @ w.T`` (``x`` through :func:`linear_input`, plus :func:`linear_offset` where one is given, the sum through
+    :func:`linear_output`). [T, in], [out, in] -> [T, out]."""
     y = linear_input(x, w) @ w.T
     extra = linear_offset(x, w)
-    return y if extra is None else y + extra
+    return linear_output(y if extra is None else y + extra, w)
 
 
 def rope_inv_freq(layer: LayerSpec) -> np.ndarray:

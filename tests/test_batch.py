@@ -132,6 +132,52 @@ def test_greedy_steps_continue_a_shared_prefill(case, row_blocks):
     assert forward_chains(cfg, W, skipped) == [[None]] and skipped[0].cache.n_past == len(prompts[0])
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_reseeded_chains_equal_reseeded_forwards_null_draws_too(case):
+    """Re-seeded forwards (``layer_inputs``: another stream into every layer and the final norm) under llama.cpp's
+    quantized activations, and their ``jitter_sums`` null (every product's output moved by a random stream), all
+    prompts in one call of ``forward_chains``: each chain's logits and trace equal ``forward(..., layer_inputs=...)``
+    inside one entry of the same emulations, bit for bit, the null's too, when each null chain draws from one
+    ``Generator`` of seed 0 kept across its entries (what ``ReferenceRuns.reseeded_many`` does). A stream started
+    afresh at each entry draws other numbers (the check can fail). A seed of the wrong shape stops the call before
+    any layer runs."""
+    from gemma4_harness.harness.engines.numerics import emulate
+
+    cfg, W = _model(case)
+    prompts = [p for p in _prompts() if len(p) <= cfg.context_length][:4]
+    approx = ("quantized_activations",)
+    rng = np.random.default_rng(3)
+    seeds = []
+    for ids in prompts:  # the plain stream, moved off in its last bits: another engine's, with its own roundings
+        w = TraceWriter("reference", ids, keep_tensors=True)
+        M.forward(cfg, W, ids, trace=w)
+        t = w.trace()
+        s = {0: t.tensor("inp_scaled", -1), **{il + 1: t.tensor("l_out", il) for il in range(cfg.n_layer)}}
+        seeds.append({k: v * (1 + 1e-6 * rng.standard_normal(v.shape)) for k, v in s.items()})
+    old, chains, writers = [], [], []
+    for ids, s in zip(prompts, seeds):
+        for a in (approx, (*approx, "jitter_sums")):
+            w = TraceWriter("reference", ids, keep_tensors=True)
+            with emulate(a):
+                old.append((M.forward(cfg, W, ids, trace=w, layer_inputs=s), w))
+            wn = TraceWriter("reference", ids, keep_tensors=True)
+            g = np.random.default_rng(0)
+            chains.append(Chain([ids], traces=[wn], layer_inputs=[s],
+                                numerics=lambda a=a, g=g: emulate(a, jitter_rng=g)))
+            writers.append(wn)
+    got = forward_chains(cfg, W, chains)
+    for k, ((z, w), [zn], wn) in enumerate(zip(old, got, writers)):
+        assert np.array_equal(z, zn), (case, k, float(np.max(np.abs(z - zn))))
+        assert _traces_equal(w, wn), (case, k)
+    assert not np.array_equal(old[0][0], old[1][0])  # the null moved the logits
+    fresh = forward_chains(cfg, W, [Chain([prompts[0]], layer_inputs=[seeds[0]],
+                                          numerics=lambda: emulate((*approx, "jitter_sums")))])
+    assert not np.array_equal(fresh[0][0], old[1][0])
+    bad = {**seeds[0], 2: seeds[0][2][:-1]}
+    with pytest.raises(ValueError, match=r"layer_inputs\[2\]"):
+        forward_chains(cfg, W, [Chain([prompts[0]]), Chain([prompts[0]], layer_inputs=[bad])])
+
+
 def test_weights_hold_reads_each_tensor_once():
     cfg, W = _model("e2b")
     reads = []

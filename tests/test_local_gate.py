@@ -100,6 +100,65 @@ def test_reseeded_with_its_own_stream_is_the_forward(shape):
         assert np.array_equal(w3.trace().tensor("inp_scaled", -1), tr.tensor("inp_scaled", -1))
 
 
+@pytest.mark.parametrize("variant", ["h128-ple-q4_0", "h64-moe-q8_0"])
+def test_reseeded_many_is_reseeded_one_by_one(variant, tmp_path):
+    """``ReferenceRuns.reseeded_many`` (every prompt's re-seeded forward and its ``jitter_sums`` null in one pass over
+    the weights, what the pair's ``local_median`` takes) gives each prompt's traces of ``reseeded`` one prompt at a
+    time, bit for bit, the null's too, and the same ``local_errors``; a trace that cannot re-seed gets None in its
+    place. On a quantized file with PLE and one with MoE experts, seeded from streams that differ from the
+    reference's in their last bits (as an engine's do)."""
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns, local_errors
+
+    _, path = _built(variant, tmp_path)
+    runs = ReferenceRuns(ReferenceEngine(path))
+    cfg = runs.ref.cfg
+    approx = runs.effective(("quantized_activations",))
+    assert approx == ("quantized_activations",)
+    rng = np.random.default_rng(5)
+    prompts, engines = [], []
+    for k, ids in enumerate(([3, 17, 42, 5, 99, 7, 11, 2, 64, 23, 31, 8, 77, 1], [9, 4, 250, 18], [6])):
+        w = TraceWriter("engine", ids, keep_tensors=True)
+        ref = runs.trace(approx, {"id": f"p{k}", "prompt_ids": ids})
+        for r in ref.records:
+            t = ref.tensor(r["point"], int(r["layer"]))
+            w(r["point"], int(r["layer"]), (t * (1 + 1e-6 * rng.standard_normal(t.shape))).astype(np.float32))
+        prompts.append({"id": f"p{k}", "prompt_ids": ids})
+        engines.append(w.trace())
+    lacking = TraceWriter("engine", prompts[0]["prompt_ids"], keep_tensors=True)
+    lacking("inp_scaled", -1, engines[0].tensor("inp_scaled", -1))
+    passes = runs.passes
+    many = runs.reseeded_many(approx, prompts + [prompts[0]], engines + [lacking.trace()])
+    assert runs.passes == passes + 1 and many[-1] is None
+    for p, e, (seeded, null) in zip(prompts, engines, many):
+        one = runs.reseeded(approx, p, e)
+        for a, b in zip(one, (seeded, null)):
+            assert a.tensors.keys() == b.tensors.keys()
+            assert all(np.array_equal(a.tensors[k], b.tensors[k]) for k in a.tensors), (variant, p["id"])
+        assert not np.array_equal(seeded.tensor("l_out", cfg.n_layer - 1), null.tensor("l_out", cfg.n_layer - 1))
+        want = local_errors(e, *one, cfg.n_layer)
+        got = runs.local_errors(approx, p, e)
+        assert want.keys() == got.keys() and all(np.array_equal(want[k][i], got[k][i]) for k in want for i in (0, 1))
+    assert runs.local_errors_many((), prompts, engines) == [None] * len(prompts)
+
+
+def test_passing_cache_keeps_only_what_later_layers_read():
+    """``PassingCache`` (the caches of ``reseeded_many``'s chains): a forward through it gives the plain forward's
+    logits bit for bit on a shape with a KV-shared tail (the shared layers read their donors' K/V after them), and
+    at its end holds only the K/V of the layers read at or after the last layer that appends its own, not every
+    layer's."""
+    from gemma4_harness.harness.parity.checks.reference_runs import PassingCache
+    from gemma4_harness.harness.synth import ensure_built
+
+    cfg, W = load_model(ensure_built(SHAPES / "odd-h100-v389-ple.toml").gguf["F32"])
+    assert any(layer.kv_donor != layer.index for layer in cfg.layers)
+    ids = [3, 17, 42, 5, 99, 7, 11, 2, 64, 23, 31, 8, 77, 1]
+    whole, passing = rm.KVCache(cfg), PassingCache(cfg)
+    assert np.array_equal(rm.forward(cfg, W, ids, passing), rm.forward(cfg, W, ids, whole))
+    last = max(whole.k)
+    assert set(passing.k) == {j for j in whole.k if passing.last_reader[j] >= last} and len(passing.k) < len(whole.k)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_llamacpp_local_gate_passes_correct_names_faulty_layer(variant, tmp_path):
     """The ``llamacpp`` engine on a small quantized file passes ``local_median`` (within its floor, far below it), and

@@ -268,12 +268,15 @@ def declare(base: Numerics, overrides: Mapping[str, Any] | None) -> Numerics:
     return replace(base, **changed, source=f"--declare {said}" + (f" over {base.source}" if base.source else ""))
 
 
-def emulate(key: Iterable[str], fast_q8: Callable[[], ContextManager] | None = None) -> ContextManager:
+def emulate(key: Iterable[str], fast_q8: Callable[[], ContextManager] | None = None,
+            jitter_rng: Any = None) -> ContextManager:
     """The reference (and the fast twin, for the GELU table and the attention) under the emulations of ``key``
     (:meth:`Numerics.emulation`), nested; unknown names are ignored. ``fast_q8``: with ``quantized_activations`` in
     ``key``, the context in which a fast engine computes as llama.cpp (``FastEngine.computing("q8")``,
     :mod:`fast.q8_compute`: ``g4h parity --oracle fast``), entered beside the reference's emulation and before the
-    jitters, which then perturb its products' inputs too."""
+    jitters, which then perturb its products' inputs too. ``jitter_rng``: the ``numpy.random.Generator`` the
+    ``jitter_sums`` null draws from (one stream across many entries: a chain of :func:`reference.batch.forward_chains`,
+    :func:`harness.engines.llamacpp.numerics.jitter_sums_numerics`); None: a fresh stream of seed 0 per entry."""
     emulations = importlib.import_module(f"{__package__}.llamacpp.numerics")  # it imports torch: only when emulating
     attention_numerics, llamacpp_numerics = emulations.attention_numerics, emulations.llamacpp_numerics
     key = tuple(key)
@@ -287,7 +290,7 @@ def emulate(key: Iterable[str], fast_q8: Callable[[], ContextManager] | None = N
     if "jitter" in key:  # after the rounding it perturbs the input of (harness/parity/checks/quantized.py)
         stack.enter_context(emulations.jitter_numerics())
     if "jitter_sums" in key:  # the fp32 sums' last bits, the null of the re-seeded per-layer comparison
-        stack.enter_context(emulations.jitter_sums_numerics())
+        stack.enter_context(emulations.jitter_sums_numerics(0 if jitter_rng is None else jitter_rng))
     if "quantized_activations_q8" in key:  # the yardstick where the engine's rounding cannot be emulated
         stack.enter_context(emulations.coarse_q8_numerics())
     kv = next((k.split("=", 1)[1] for k in key if k.startswith("kv_cache=")), None)

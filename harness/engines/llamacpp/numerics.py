@@ -266,22 +266,28 @@ def jitter_numerics(seed: int = 0) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def jitter_sums_numerics(seed: int = 0) -> Iterator[None]:
-    """Inside :func:`quantized_activations_numerics`: every product's *output* (:func:`reference.model.linear`) is
-    multiplied by ``1 + JITTER * u`` (``u`` uniform in [-1, 1], a fixed-seed stream): a model of an engine that sums
-    in fp32 in another order. Unlike :func:`jitter_numerics` it leaves the inputs that the engine computes exactly
-    as we do bit for bit (a layer's first RMSNorm of a stream both sides share, the first layer's norm of a quantized
-    embedding row, whose exact .5 ties are common) where they are, so it flips only the roundings an engine's fp32
-    sums can flip: the null of the re-seeded, per-layer comparison (``harness/parity/checks/quantized.py``,
-    ``local_rel_l2``). Measured on e2b Q8_0 (re-seeded from the llamacpp engine's stream): the input jitter moved
-    the first layer by 1.9e-2 (its ties), where the engine itself stays within 1e-3. Restores on exit (not
-    thread-safe). The fast twin's :func:`fast.model.linear` too (its float32 output times the same factor, rounded
-    to float32), for the fast oracle computing in q8."""
-    rng = np.random.default_rng(seed)
-    inner, inner_fast = rm.linear, fm.linear
+def jitter_sums_numerics(seed: int | np.random.Generator = 0) -> Iterator[None]:
+    """Inside :func:`quantized_activations_numerics`: every product's *output* (:func:`reference.model.linear`, through
+    :func:`reference.model.linear_output`) is multiplied by ``1 + JITTER * u`` (``u`` uniform in [-1, 1], a fixed-seed
+    stream): a model of an engine that sums in fp32 in another order. Unlike :func:`jitter_numerics` it leaves the
+    inputs that the engine computes exactly as we do bit for bit (a layer's first RMSNorm of a stream both sides
+    share, the first layer's norm of a quantized embedding row, whose exact .5 ties are common) where they are, so it
+    flips only the roundings an engine's fp32 sums can flip: the null of the re-seeded, per-layer comparison
+    (``harness/parity/checks/quantized.py``, ``local_rel_l2``). Measured on e2b Q8_0 (re-seeded from the llamacpp
+    engine's stream): the input jitter moved the first layer by 1.9e-2 (its ties), where the engine itself stays
+    within 1e-3. Restores on exit (not thread-safe). The fast twin's :func:`fast.model.linear` too (its float32 output
+    times the same factor, rounded to float32), for the fast oracle computing in q8.
 
-    def jittered(x, w):
-        y = inner(x, w)
+    ``seed``: an int starts a fresh stream (``numpy.random.default_rng(seed)``) at each entry; a
+    ``numpy.random.Generator`` is drawn from as it stands, so that a forward whose operations enter this context
+    one at a time (a chain of :func:`reference.batch.forward_chains`, entered around each of its operations) draws
+    one stream across all of them: the same draws, in the same order and shapes, as one forward inside one entry
+    (``ReferenceRuns.reseeded_many``, ``harness/parity/checks/reference_runs.py``)."""
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    inner, inner_fast = rm.linear_output, fm.linear
+
+    def jittered(y, w):
+        y = inner(y, w)
         return y * (1.0 + JITTER * rng.uniform(-1.0, 1.0, y.shape))
 
     def jittered_fast(x, w):
@@ -289,11 +295,11 @@ def jitter_sums_numerics(seed: int = 0) -> Iterator[None]:
         u = torch.from_numpy(rng.uniform(-1.0, 1.0, tuple(y.shape))).to(y.device)
         return (y.double() * (1.0 + JITTER * u)).to(y.dtype)
 
-    rm.linear, fm.linear = jittered, jittered_fast
+    rm.linear_output, fm.linear = jittered, jittered_fast
     try:
         yield
     finally:
-        rm.linear, fm.linear = inner, inner_fast
+        rm.linear_output, fm.linear = inner, inner_fast
 
 
 def round_coarse_q8(x, weight_type: str | None = "Q8_0"):

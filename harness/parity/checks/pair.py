@@ -447,19 +447,30 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
     except EngineFailure as e:
         raise _naming(e, prompts)
     with temp_folder("g4h-pair-") as tmp:
-        for p in prompts if _can(eng, "logits") else ():
-            base, base_trace = runs.logits(approx, p)
+        local: list[tuple[int, dict[str, Any], Trace]] = []  # (where its figure goes in out, prompt, engine trace)
+
+        def told(m: str) -> None:
+            progress(f"[{case}] {m}")
+        try:
+            for p in prompts if _can(eng, "logits") else ():
+                base, base_trace = runs.logits(approx, p)
+                try:
+                    ours, ours_trace = engine_logits(eng, kind, p, batch, Path(tmp))
+                except EngineFailure as e:
+                    raise _naming(e, [p])
+                out += _logit_figures(runs, ours, base, approx, pair, p, logit_limit)
+                if ours_trace is not None:
+                    exact_trace = runs.trace((), p) if approx else None
+                    out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit, exact_trace))
+                    if "quantized_activations" in approx:
+                        local.append((len(out), p, ours_trace))
+        except EngineFailure:  # an engine that fails at a later prompt keeps the earlier prompts' figures
             try:
-                ours, ours_trace = engine_logits(eng, kind, p, batch, Path(tmp))
-            except EngineFailure as e:
-                raise _naming(e, [p])
-            out += _logit_figures(runs, ours, base, approx, pair, p, logit_limit)
-            if ours_trace is not None:
-                exact_trace = runs.trace((), p) if approx else None
-                out.append(_layer_figure(ours_trace, base_trace, pair, p, layer_limit, exact_trace))
-                errors = runs.local_errors(approx, p, ours_trace)
-                if errors:  # pooled over the prompts by quantized_gates
-                    out.append(fig(f"{pair}_q8.local_median", float("nan"), p["id"], _errors=errors))
+                _local_figures(runs, approx, pair, local, out, told)
+            except Exception as e:  # noqa: BLE001 - the engine's failure is the pair's finding, not this one
+                told(f"local_median of the prompts before the failure not computed: {type(e).__name__}: {e}")
+            raise
+        _local_figures(runs, approx, pair, local, out, told)
         if _can(eng, "generate") and new_tokens > 0:  # 0: no streams (g4h sweep --max-new-tokens 0)
             context = runs.ref.cfg.context_length
             gen_prompts = [p for p in prompts if len(p["prompt_ids"]) + new_tokens <= context]
@@ -503,6 +514,21 @@ def _measure_figures(runs: ReferenceRuns, eng: Any, kind: str, pair: str, prompt
     return out
 
 
+
+
+def _local_figures(runs: ReferenceRuns, approx: tuple[str, ...], pair: str,
+                   local: Sequence[tuple[int, dict[str, Any], Trace]], out: list[Figure], progress: Progress) -> None:
+    """The ``<pair>_q8.local_median`` figure of each prompt of ``local`` (``(index, prompt, engine trace)``), inserted
+    into ``out`` at its index (after the prompt's layer figure, where one by one it went): the errors of each
+    prompt's trace against the reference re-seeded from it, every prompt's re-seeded forwards in one pass over the
+    weights (:meth:`ReferenceRuns.local_errors_many`); pooled over the prompts by :func:`.quantized.quantized_gates`.
+    A prompt whose trace cannot re-seed the reference gets none."""
+    if not local:
+        return
+    errors = runs.local_errors_many(approx, [p for _, p, _ in local], [t for _, _, t in local], progress)
+    for (at, p, _), e in sorted(zip(local, errors), key=lambda x: -x[0][0]):  # from the end: earlier indices hold
+        if e:
+            out.insert(at, fig(f"{pair}_q8.local_median", float("nan"), p["id"], _errors=e))
 
 
 def _logits_many(eng: Any, kind: str, prompts: Sequence[dict[str, Any]]) -> dict[str, tuple[np.ndarray, Trace]]:

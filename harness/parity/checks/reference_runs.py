@@ -15,6 +15,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import numpy as np
 
 from gemma4_harness.reference import batch
+from gemma4_harness.reference.model import KVCache
 
 from ...core.metrics import log_softmax
 from ...core.engine_kinds import ORACLE
@@ -55,6 +56,28 @@ def local_errors(ours: Trace, seeded: Trace, null: Trace, n_layer: int) -> dict[
                              np.where(np.linalg.norm(x, axis=1) > 0, np.inf, 0.0)) for x in (a, j)]
         out[(point, layer)] = (np.nan_to_num(errs[0], nan=np.inf), np.nan_to_num(errs[1], nan=np.inf))
     return out
+
+
+class PassingCache(KVCache):
+    """A KV cache (:class:`reference.model.KVCache`) for one forward that is not continued: a layer's K/V are kept
+    only while a later layer may read them (itself, or a KV-shared layer whose donor it is), and dropped when a layer
+    past the last such reader appends its own. The values read are the same; what goes is memory: in a layer-outer
+    pass of many prompts (:meth:`ReferenceRuns.reseeded_many`) every chain's cache lives until the pass ends, on the
+    26B-A4B shape about 0.9 MB a token over its 30 layers (3 GB for 8 prompts of 217 tokens, twice). Not for a cache
+    that a later call continues (the dropped layers would be missing)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.last_reader: dict[int, int] = {}  # layer index -> the last layer that reads its K/V
+        for layer in cfg.layers:
+            self.last_reader[layer.kv_donor] = max(self.last_reader.get(layer.kv_donor, -1), layer.index)
+
+    def append(self, il: int, k: np.ndarray, v: np.ndarray) -> None:
+        """:meth:`reference.model.KVCache.append`, then drop the K/V of the layers no layer from ``il`` on reads
+        (every layer before ``il`` has run: a forward runs its layers in order)."""
+        super().append(il, k, v)
+        for j in [j for j in self.k if self.last_reader.get(j, j) < il]:
+            del self.k[j], self.v[j]
 
 
 class ReferenceRuns:
@@ -170,12 +193,13 @@ class ReferenceRuns:
         them (a prefill of ``prefill`` tokens, then one token per forward), else None."""
         return self._cached.get(str(prompt["id"]))
 
-    def numerics(self, approx: Sequence[str]) -> ContextManager:
+    def numerics(self, approx: Sequence[str], jitter_rng: np.random.Generator | None = None) -> ContextManager:
         """The oracle under the emulations ``approx`` (:meth:`harness.engines.numerics.Numerics.emulation`): the
         reference's (:func:`harness.engines.numerics.emulate`); with the fast oracle (``--oracle fast``) and
         ``quantized_activations`` in ``approx``, its forwards compute as llama.cpp does too (``--compute q8``:
-        :meth:`harness.engines.fast.FastEngine.computing`, :mod:`fast.q8_compute`)."""
-        return emulate(approx, fast_q8=self._fast_q8())
+        :meth:`harness.engines.fast.FastEngine.computing`, :mod:`fast.q8_compute`). ``jitter_rng``: the stream the
+        ``jitter_sums`` null draws from across entries (:meth:`reseeded_many`); None: a fresh one per entry."""
+        return emulate(approx, fast_q8=self._fast_q8(), jitter_rng=jitter_rng)
 
     def _fast_q8(self) -> Callable[[], ContextManager] | None:
         """The fast oracle's q8 compute (:meth:`harness.engines.fast.FastEngine.computing`), or None (the reference
@@ -241,23 +265,18 @@ class ReferenceRuns:
         each layer L > 0 enters with the engine's ``l_out`` of layer L - 1, and the final norm with its last layer's
         (``layer_inputs`` of :func:`reference.model.forward`), so that each layer is computed from what the engine's
         own layer took and a difference cannot carry from one layer to the next; then the same with every product's
-        fp32 output jittered in its last bits (``(*approx, "jitter_sums")``, :data:`.quantized.NULL`: what the int8
-        rounding flips alone leave, the null of ``local_median``). The first layer enters with the engine's
-        ``inp_scaled`` where it traced it. Two forwards, not kept (another engine's trace is another seed). The fast
-        oracle (``--oracle fast``) re-seeds its own forward the same way (:meth:`fast.model.FastModel.step`'s
+        fp32 output jittered in its last bits (``(*approx, "jitter_sums")``, :data:`.quantized.NULL`: what an engine
+        summing in fp32 in another order leaves, the null of ``local_median``). The first layer enters with the
+        engine's ``inp_scaled`` where it traced it. Two forwards, not kept (another engine's trace is another seed).
+        The fast oracle (``--oracle fast``) re-seeds its own forward the same way (:meth:`fast.model.FastModel.step`'s
         ``layer_inputs``), in q8 compute (:meth:`numerics`). None when the oracle can do neither, or the engine's
-        trace lacks an ``l_out`` tensor of the prompt's shape."""
+        trace lacks an ``l_out`` tensor of the prompt's shape. Many prompts at once: :meth:`reseeded_many`."""
         fast = self.oracle is not self.ref
         if fast and self._fast_q8() is None:
             return None
-        n, T, h = self.ref.cfg.n_layer, len(prompt["prompt_ids"]), self.ref.cfg.hidden_size
-        first = engine.tensor("inp_scaled", -1)  # the first layer's input too, where traced: its fp32 bits
-        seeds = {0: first} if first is not None and first.shape == (T, h) else {}
-        for il in range(n):
-            t = engine.tensor("l_out", il)
-            if t is None or t.shape != (T, h):
-                return None
-            seeds[il + 1] = t
+        seeds = self._seeds(prompt, engine)
+        if seeds is None:
+            return None
         out = []
         for a in (approx, (*approx, "jitter_sums")):
             w = TraceWriter(self.name, prompt["prompt_ids"], dtype="float32" if fast else "float64",
@@ -267,14 +286,82 @@ class ReferenceRuns:
             out.append(w.trace())
         return out[0], out[1]
 
+    def _seeds(self, prompt: dict[str, Any], engine: Trace) -> dict[int, np.ndarray] | None:
+        """The re-seeded forward's ``layer_inputs`` from the engine's trace (:meth:`reseeded`): layer 0 its
+        ``inp_scaled`` where traced in the prompt's shape, layer L + 1 its ``l_out`` of layer L; None when an
+        ``l_out`` is missing or not ``[T, h]``."""
+        T, h = len(prompt["prompt_ids"]), self.ref.cfg.hidden_size
+        first = engine.tensor("inp_scaled", -1)  # the first layer's input too, where traced: its fp32 bits
+        seeds = {0: first} if first is not None and first.shape == (T, h) else {}
+        for il in range(self.ref.cfg.n_layer):
+            t = engine.tensor("l_out", il)
+            if t is None or t.shape != (T, h):
+                return None
+            seeds[il + 1] = t
+        return seeds
+
+    def reseeded_many(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], engines: Sequence[Trace],
+                      progress: Progress = lambda m: None) -> list[tuple[Trace, Trace] | None]:
+        """:meth:`reseeded` of every prompt of ``prompts`` from the engine's trace of it (``engines[i]``), with the
+        reference as the oracle in one pass over the weights, layer-outer (:func:`reference.batch.forward_chains`,
+        a chain of one re-seeded call per prompt and set): each layer's weights read and dequantized once for every
+        prompt and both sets, where one by one each forward read them again (on the 26B-A4B shape, every expert
+        16 times for 8 prompts).
+
+        The same traces as :meth:`reseeded`, bit for bit, the null's too: the emulating forward's values are the
+        one-by-one path's (:mod:`reference.batch`); the null's random draws (``jitter_sums``,
+        :func:`harness.engines.llamacpp.numerics.jitter_sums_numerics`) come from one ``numpy.random.Generator``
+        of seed 0 per prompt, kept across its chain's operations (``jitter_rng`` of :meth:`numerics`), and a chain
+        of one call runs its products in :func:`reference.model.forward`'s order with the same output shapes, so it
+        draws the numbers the one-by-one forward draws, where they land there (``tests/test_local_gate.py``). Each
+        chain's KV cache keeps a layer's K/V only while a later layer reads them (:class:`PassingCache`).
+
+        One by one (:meth:`reseeded` per prompt) with the fast oracle (``--oracle fast``), where ``approx`` holds
+        the input jitter (``jitter``: its product input and offset are paired per call, which the many-forwards path
+        does not keep), or where a ``--spec`` variant replaces a function that path does the work of
+        (:func:`reference.batch.replaced`). ``progress``: told the pass's layers as they finish. Returns, per
+        prompt, what :meth:`reseeded` returns."""
+        prompts, engines = list(prompts), list(engines)
+        if (self.oracle is not self.ref or "jitter" in approx or batch.replaced()
+                or not hasattr(self.ref, "logits_chains")):
+            return [self.reseeded(approx, p, e) for p, e in zip(prompts, engines)]
+        seeds = [self._seeds(p, e) for p, e in zip(prompts, engines)]
+        chains, writers = [], []
+        for p, s in zip(prompts, seeds):
+            if s is None:
+                continue
+            for a, rng in ((approx, None), ((*approx, "jitter_sums"), np.random.default_rng(0))):
+                w = TraceWriter(self.name, p["prompt_ids"], dtype="float64", keep_tensors=True)
+                chains.append(batch.Chain([list(p["prompt_ids"])], cache=PassingCache(self.ref.cfg), traces=[w],
+                                          layer_inputs=[s],
+                                          numerics=lambda a=a, rng=rng: self.numerics(a, jitter_rng=rng)))
+                writers.append(w)
+        if chains:
+            self.passes += 1
+            progress(f"{self.name} re-seeded from the engine's stream: {len(chains) // 2} prompt(s), both sets, "
+                     "one pass over the weights")
+            self.ref.logits_chains(chains, on_layer=lambda i, n: progress(f"re-seeded pass: layer {i}/{n}"))
+        traces = iter(w.trace() for w in writers)
+        return [None if s is None else (next(traces), next(traces)) for s in seeds]
+
     def local_errors(self, approx: tuple[str, ...], prompt: dict[str, Any], engine: Trace
                      ) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] | None:
         """:func:`local_errors` of the engine's trace ``engine`` of ``prompt`` against the reference re-seeded from
         it under ``approx`` (:meth:`reseeded`): what ``<pair>_q8.local_median`` pools, in the pair and in its
         explanation's trials. None when ``approx`` does not round activations (no such figure) or the trace cannot
         re-seed the reference."""
-        seeded = self.reseeded(approx, prompt, engine) if "quantized_activations" in approx else None
-        return None if seeded is None else local_errors(engine, *seeded, self.ref.cfg.n_layer)
+        return self.local_errors_many(approx, [prompt], [engine])[0]
+
+    def local_errors_many(self, approx: tuple[str, ...], prompts: Sequence[dict[str, Any]], engines: Sequence[Trace],
+                          progress: Progress = lambda m: None
+                          ) -> list[dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] | None]:
+        """:meth:`local_errors` of every prompt of ``prompts`` and the engine's trace of it (``engines[i]``), the
+        re-seeded forwards of all of them in one pass over the weights (:meth:`reseeded_many`): the pair's
+        ``local_median`` (``harness/parity/checks/pair.py``)."""
+        if "quantized_activations" not in approx:
+            return [None] * len(prompts)
+        seeded = self.reseeded_many(approx, prompts, engines, progress)
+        return [None if s is None else local_errors(e, *s, self.ref.cfg.n_layer) for e, s in zip(engines, seeded)]
 
     def raw_logits(self, approx: tuple[str, ...], ids: Sequence[int]) -> np.ndarray:
         """The oracle's logits ``[T, V]`` (float64) of ``ids``, not kept, under ``approx``."""
