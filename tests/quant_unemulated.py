@@ -1,8 +1,9 @@
-"""A server whose activation rounding cannot be emulated, judged by the streams' yardstick (docs/quantized-activations.md,
-"Not emulated, on a server"): llama-server with its defaults on a file and on faulty copies of it
-(quant_faults: ``rows<factor>`` the first half of a matrix's rows scaled, ``block`` one block x1.5, ``swap`` two rows
-swapped), each judged by ``g4h parity --declare vec_dot_types=none`` against the correct file. Prints one line per
-run: the exit status, ``<pair>_q8x.mean_kld`` against its limit, the yardstick and their ratio.
+"""A server whose activation rounding cannot be emulated, judged by the streams' yardstick
+(docs/quantized-activations.md, "Not emulated, on a server"): llama-server with its defaults on a file and on
+faulty copies of it (quant_faults: ``rows<factor>`` the first half of a matrix's rows scaled, ``block`` one block
+x1.5, ``swap`` two rows swapped), each judged by ``g4h parity --declare vec_dot_types=none`` against the correct
+file. Prints one line per run: the exit status, ``<pair>_q8x.mean_kld`` against its limit, the yardstick and their
+ratio.
 
     python tests/quant_unemulated.py FILE|VARIANT PROMPTS|small|texts reference|fast FAULTS [NEW_TOKENS]
 

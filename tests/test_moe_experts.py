@@ -250,4 +250,19 @@ def test_layer_outer_pass_multiplies_each_expert_once(built, monkeypatch):
         count = stacked if rows > 1 else vectors
         count[tag] = count.get(tag, 0) + 1
     assert several, "the prompts route several tokens of a call to one expert"
-    assert stacked == dict.fromkeys(several, 1), (len(several), sorted(vectors.items(), key=lambda kv: -kv[1])[:5])
+    # stacking is taken only where this machine's BLAS gives a row the same bits in any tile of the product
+    # (M.tiles_exact, the rule expert_products follows); OpenBLAS's AVX-512 kernels (SkylakeX) measured not to at
+    # these shapes, where each call's rows rightly take their own product (the bits above still the forward's)
+
+    def total(key):  # the rows stacked for an expert in a layer: every call's that routed several to it, padded
+        il, _, e = key
+        n = sum(k for k in (int(np.sum(idx == e)) for l, idx in zip(moe_layers, routes) if l == il) if k > 1)
+        return -(-n // M.EXPERT_TILE) * M.EXPERT_TILE
+
+    exact = {k for k in several if M.tiles_exact(np.asarray(W[f"blk.{k[0]}.{k[1]}"])[k[2]], total(k))}
+    if not exact:
+        pytest.skip(f"this BLAS gives tile-exact rows at none of the {len(several)} expert products "
+                    "(reference.model.tiles_exact): each call's rows take their own product there, by design")
+    once = {k: v for k, v in stacked.items() if k in exact}
+    assert once == dict.fromkeys(exact, 1), (len(exact), len(several),
+                                             sorted(vectors.items(), key=lambda kv: -kv[1])[:5])

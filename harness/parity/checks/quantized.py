@@ -358,11 +358,11 @@ class StreamRows:
 def stream_rows(eng: Any, prompts: Sequence[dict[str, Any]], streams: dict[str, dict[str, Any]],
                 top_n: int = TOP_N) -> StreamRows:
     """The positions of :class:`StreamRows` for an engine that gives log-probs, not logits: the prompt's where the
-    engine reports prompt log-probs (``offers_prompt_logprobs``, :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`:
-    the prompt token and the top-``top_n``) or gives them for one token after each prefix
-    (``probes_prompt_logprobs``, llama-server: the top-``top_n``), then every generated step of ``streams`` (as
-    :func:`harness.parity.compare.as_streams` gives them) up to the first step whose token the engine left unnamed
-    (-1: its log-probs still count, the context after it is unknown).
+    engine reports prompt log-probs (``offers_prompt_logprobs``,
+    :meth:`harness.engines.openai.OpenAIEngine.prompt_logprobs`: the prompt token and the top-``top_n``) or gives
+    them for one token after each prefix (``probes_prompt_logprobs``, llama-server: the top-``top_n``), then every
+    generated step of ``streams`` (as :func:`harness.parity.compare.as_streams` gives them) up to the first step
+    whose token the engine left unnamed (-1: its log-probs still count, the context after it is unknown).
 
     Raises:
         EngineFailure: the engine failed a prompt log-probs request (its ``index`` in ``prompts``).
@@ -406,7 +406,8 @@ def stream_agreement(runs: ReferenceRuns, eng: Any, approx: tuple[str, ...], pro
     (``(*approx, NULL)``, :data:`NULL`, :func:`harness.engines.llamacpp.numerics.jitter_sums_numerics`) on the same
     tokens, positions and ids. The positions are :func:`stream_rows`' (the prompt's where the engine reports or is
     probed for them: without them its streams start where an int8 flip has had a whole prompt to spread, and the
-    jittered reference agreed on none of them on e2b Q8_0; then every generated step); the oracle runs teacher-forced on the prompt and the
+    jittered reference agreed on none of them on e2b Q8_0; then every generated step); the oracle runs
+    teacher-forced on the prompt and the
     engine's own tokens, a prefill of the prompt then a decode step per token as the engine ran them
     (:meth:`ReferenceRuns.decoded_logits`), so a stream that parts from the oracle's or stops at EOS is still
     compared where it went. Only ids the engine returned are compared (the oracle has every id); ``top_n``: the
