@@ -83,6 +83,14 @@ def _test_workers() -> int:
     return max(1, min(cpus, int(mem_gb // 8)))
 
 
+#: pytest-xdist's options for the suite: one test file per worker at a time (module fixtures build a model once), and
+#: a worker that dies (a SIGABRT inside a native library) ends the run at once, as a failure naming the test it ran.
+#: xdist 3.8's default replaces the dead worker, and under ``--dist loadfile`` the controller and the new worker
+#: then wait on each other until CI's time limit (seen: a fresh clone's run hung 40 min after a Ray driver's abort;
+#: tests/test_suite_runner.py).
+XDIST = ("--dist", "loadfile", "--max-worker-restart=0")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The pytest suite (default: everything, slow tests included), llama.cpp and its servers included, on
@@ -90,7 +98,7 @@ def tests(session: nox.Session) -> None:
     runs it in one process)."""
     _install(session)
     _install_llamacpp(session)
-    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", *session.posargs)
+    session.run("pytest", "-n", str(_test_workers()), *XDIST, *session.posargs)
 
 
 @nox.session
@@ -139,6 +147,6 @@ def oracle_latest(session: nox.Session) -> None:
     session.run("g4h", "parity", "--out", str(base / "newest"), "--oracle-drift", str(pinned), *session.posargs,
                 success_codes=[0, 1, 2])
     newest = _results(base / "newest")
-    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", *ORACLE_TESTS)
+    session.run("pytest", "-n", str(_test_workers()), *XDIST, *ORACLE_TESTS)
     if json.loads(newest.read_text())["status"] != 0:
         session.error(f"g4h parity with the newest transformers did not pass: {newest.parent / 'report.md'}")
