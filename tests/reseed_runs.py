@@ -29,7 +29,8 @@ from quant_pairs import prompts_for  # noqa: E402
 
 from gemma4_harness.harness.engines import make_engine  # noqa: E402
 from gemma4_harness.harness.engines.reference import ReferenceEngine  # noqa: E402
-from gemma4_harness.harness.parity.checks.pair import _logits_many, engine_numerics  # noqa: E402
+from gemma4_harness.harness.parity.checks.pair import engine_numerics  # noqa: E402
+from gemma4_harness.harness.parity.checks.pair_figures import _logits_many  # noqa: E402
 from gemma4_harness.harness.parity.checks.quantized import local_figure  # noqa: E402
 from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns, local_errors  # noqa: E402
 from gemma4_harness.harness.parity.result import fig  # noqa: E402

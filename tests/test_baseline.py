@@ -130,6 +130,38 @@ def test_v1_baseline_still_compares(tmp_path):
     assert out["compared"] == 3 and out["checks_only_in_baseline"] == 1  # the pooled KLD: per prompt now
 
 
+
+V2 = results(case("compare", [  # results version 2: the shared bounds named engine~oracle (harness/core/names.py)
+    check("engine~oracle.max_abs_logit", 1e-3, 2e-2),
+    check("engine~oracle.mean_kld", 1e-8, 1e-5),
+    check("engine_bf16~oracle.same_top1_decisive", 1.0, 0.99, "ge"),
+    check("reference~fast.max_abs_logit", 2e-5, 1e-3),
+]), version=2)
+
+
+def test_v2_baseline_with_engine_oracle_names_still_compares(tmp_path):
+    """A baseline of results version 2 is read with its ``engine~oracle`` pairs named ``oracle~engine`` (version 3),
+    every figure compared with this version's (the same measures, renamed): a regression under the new name is
+    found, nothing is listed as only in the baseline."""
+    (tmp_path / "v2.json").write_text(json.dumps(V2))
+    base = bl.load_baseline(tmp_path / "v2.json")
+    assert base["version"] == RESULTS_VERSION == 3
+    assert [c["gate"] for c in base["cases"][0]["checks"]] == [
+        "oracle~engine.max_abs_logit", "oracle~engine.mean_kld", "oracle~engine_bf16.same_top1_decisive",
+        "reference~fast.max_abs_logit"]
+    assert not any(c.get("informational") for c in base["cases"][0]["checks"])
+    now = results(case("compare", [
+        check("oracle~engine.max_abs_logit", 1e-3, 2e-2),
+        check("oracle~engine.mean_kld", 5e-7, 1e-5),  # 50x worse, still within its gate
+        check("oracle~engine_bf16.same_top1_decisive", 0.98, 0.99, "ge", passed=False),  # fails now
+        check("reference~fast.max_abs_logit", 2e-5, 1e-3),
+    ]))
+    out = bl.compare_to_baseline(now, base, "v2.json")
+    assert {(r["gate"], r["rule"]) for r in out["regressions"]} == {
+        ("oracle~engine.mean_kld", "worse"), ("oracle~engine_bf16.same_top1_decisive", "now fails")}
+    assert out["compared"] == 4 and out["checks_only_in_baseline"] == 0 and out["checks_only_now"] == 0
+
+
 def test_load_baseline_bad_input(tmp_path):
     with pytest.raises(bl.InputError, match="cannot read"):
         bl.load_baseline(tmp_path / "missing.json")

@@ -36,7 +36,7 @@ def test_intact_logits_pass_and_perturbed_fail(tiny_gguf, tmp_path):
     np.save(bad, z)
     proc = run_cli("compare", str(bad), str(ref))
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "engine~oracle.max_abs_logit" in proc.stdout.splitlines()[-1]
+    assert "oracle~engine.max_abs_logit" in proc.stdout.splitlines()[-1]
 
 
 @pytest.mark.slow

@@ -95,7 +95,7 @@ def test_gate_tables_list_every_gate_with_its_limit():
         row = next(ln for ln in summary.splitlines() if ln.startswith(f"| `{pair}` |"))
         assert f"`{metric}` {gates._limit(g)}" in row
     assert gates._limit(gates.DEFAULT_GATES["reference~cmd.layer_rel_l2"]) == "≤ 1e-3"
-    assert gates._limit(gates.DEFAULT_GATES["engine_bf16~oracle.max_abs_logit"]) == "≤ 1 (informational)"
+    assert gates._limit(gates.DEFAULT_GATES["oracle~engine_bf16.max_abs_logit"]) == "≤ 1 (informational)"
     with pytest.raises(ValueError, match="unknown gate table"):
         gates.gate_table("neither")
 

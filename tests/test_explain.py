@@ -190,7 +190,7 @@ def test_g4h_explain_says_a_fault_only_in_decoding(g4h, lab, prompts_file, tmp_p
 
 def test_g4h_explain_judges_by_the_declaration_and_tol(g4h, lab, prompts_file):
     """An fp32 engine that follows llama.cpp's fp16 GELU table without declaring it is held to the fp32 bound
-    (``engine~oracle``, 1e-3 on logits): it fails on lab-moe and is explained by ``gelu_fp16_table``. With
+    (``oracle~engine``, 1e-3 on logits): it fails on lab-moe and is explained by ``gelu_fp16_table``. With
     ``--tol 0.1`` the same difference is inside the user's bound: nothing to explain. Declared (``--approx``), the
     reference makes the table too: nothing to explain either."""
     eng = _cmd("gelu_fp16_table")

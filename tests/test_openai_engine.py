@@ -34,7 +34,7 @@ N_NEW = 8
 #: (the server's KV buffer and batch shapes vs the in-process worker's; 4 slots sharing a batch vs one request):
 #: the llama.cpp gate bounds that fp32 rounding at 2e-2 in any logit, and a log-softmax moves by at most twice
 #: the largest logit change. Measured on the synthetic 31b case: up to 5.6e-3 (docs/server-dialects.md).
-LOGPROB_FP32_ORDER_TOL = 2 * DEFAULT_GATES["engine~oracle.max_abs_logit"].limit
+LOGPROB_FP32_ORDER_TOL = 2 * DEFAULT_GATES["oracle~engine.max_abs_logit"].limit
 
 
 def _prompts():

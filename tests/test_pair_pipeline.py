@@ -20,7 +20,8 @@ from gemma4_harness.harness import synth
 from gemma4_harness.harness.cli import main as g4h_main
 from gemma4_harness.harness.core.gates import DEFAULT_GATES, NEAR_TIE_MARGIN
 from gemma4_harness.harness.engines.reference import ReferenceEngine
-from gemma4_harness.harness.parity.checks.pair import _logit_figures, pair_checks
+from gemma4_harness.harness.parity.checks.pair import pair_checks
+from gemma4_harness.harness.parity.checks.pair_figures import _logit_figures
 from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
 from gemma4_harness.harness.parity.explain import TextSubject
 from gemma4_harness.harness.parity.explain_search import Observed, judge_figures

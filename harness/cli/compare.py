@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, type=InFile(streams=True),
                    help="with --against and generations: the prompt set (JSONL)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
-                   help="which gates judge the engine: fp32 (engine~oracle) or bf16 (engine_bf16~oracle)")
+                   help="which gates judge the engine: fp32 (oracle~engine) or bf16 (oracle~engine_bf16)")
     p.add_argument("--top-n", type=Count(1), default=5, help="vLLM's rule: each side's token in the other's top-N")
     p.add_argument("--json", default=None, type=OutFile(), help="also write the result as JSON here")
     p.add_argument("--explain-budget", type=Number(0.0), default=None, metavar="SECONDS",

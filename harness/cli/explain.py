@@ -5,8 +5,9 @@ The engine's logits (and trace) where it gives them, and its greedy streams wher
 its own stream), are judged and explained as the parity job's explanation judges a failing pair
 (:func:`harness.parity.explain.explain_text`, one path): a divergence only in decoding (the logits agree, the streams
 part) is said to be in decoding, with the request and the step, and exits 1. A server's stream whose token is not
-the top-1 of its own log-probs is judged as ``g4h parity`` judges it (:func:`harness.parity.checks.pair.not_greedy`:
-not greedy, an engine failure, exit 1), said above its explanation. An engine that declares approximations (a
+the top-1 of its own log-probs is judged as ``g4h parity`` judges it
+(:func:`harness.parity.checks.pair_figures.not_greedy`: not greedy, an engine failure, exit 1), said above its
+explanation. An engine that declares approximations (a
 ``cmd:`` engine's hello, llama-server's f16 KV cache, the ``llamacpp`` engine's GELU table) is judged at the pair's
 limits: the reference makes them, and each figure's limit is raised by their effect on this model and prompt as the
 pair raises it (:func:`harness.parity.checks.pair.declared_effects`, the near-tie margin by
@@ -47,8 +48,9 @@ from ..engines.reference import ReferenceEngine
 from ..engines.variants import family, parse_spec
 from ..parity.checks.explain_pair import local_judge, observe
 from ..engines.base import TOP_N
-from ..parity.checks.pair import (GREEDY_NEW_TOKENS, declared_effects, engine_numerics, engine_pair, not_greedy,
-                                  not_greedy_line, pair_name, pair_near_tie)
+from ..parity.checks.pair import (GREEDY_NEW_TOKENS, declared_effects, engine_numerics, engine_pair, pair_name,
+                                  pair_near_tie)
+from ..parity.checks.pair_figures import not_greedy, not_greedy_line
 from ..parity.checks.reference_runs import ReferenceRuns
 from ..parity.explain import TextSubject, explain_text
 from ..parity.explain_search import LABELS, MAX_PROMPTS, Explanation, Observed, budget_seconds
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         pair = engine_pair(eng, kind)  # the pair g4h parity names (reference~fast_bf16 for fast in bf16)
         if f"{pair}.max_abs_logit" not in DEFAULT_GATES:
-            pair = "engine~oracle"
+            pair = "oracle~engine"
         # streams too: a fault only in decoding is seen
         observed = observe(eng, kind, prompts, streams=True, context=ref.cfg.context_length)
     finally:
@@ -208,7 +210,7 @@ def _run_mm(args: argparse.Namespace, budget: float) -> int:
     ref = MMReference.from_prompts(mm, [prompt], [ReferenceMM(mm).soft_tokens(prompt)])
     t_base = time.perf_counter() - t1
     pair = pair_name(engine_kind(args.engine))
-    pair = pair if f"{pair}.max_abs_logit" in DEFAULT_GATES else "engine~oracle"
+    pair = pair if f"{pair}.max_abs_logit" in DEFAULT_GATES else "oracle~engine"
     variants = parse_spec(args.variants, "--variants") if args.variants else None
     expl = explain_mm(ref, observed, pair, _gates(pair, args.tol), budget, variants)
     _print(expl, args, pair, 1, int(expl.status != "nothing_to_explain"), t_engine, t_base)

@@ -153,30 +153,30 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "the same change on the first sliding layer, the last soft token 7.5 windows later: 2.2e-2 measured on "
          "the tiny multimodal model; an engine that ignores the vision mask (vLLM #40106) or drops it for an "
          "image longer than the window (vLLM PR #47217) gives exactly 0"),
-    Gate("engine~oracle.max_abs_logit", 2e-2, "le",
+    Gate("oracle~engine.max_abs_logit", 2e-2, "le",
          "an fp32 engine against the oracle's logits (g4h compare, server and cmd engines): fp32 rounding through the "
          "layers plus approximations such as llama.cpp's fp16 GELU table reach 1.6e-2 on the small cases; a formula "
          "fault moves logits by > 1e-1"),
-    Gate("engine~oracle.mean_kld", 1e-5, "le",
+    Gate("oracle~engine.mean_kld", 1e-5, "le",
          "an fp32 engine: llama-perplexity mean KLD of 1e-8..5e-7 from rounding; a formula or layout fault gives > 1e-3"),
-    Gate("engine~oracle.same_top1_decisive", 1.0, "ge",
+    Gate("oracle~engine.same_top1_decisive", 1.0, "ge",
          "every position whose oracle top-1 margin is at least the near-tie margin must keep its argmax; flips at "
          "near-ties are reported beside, not failed (two correct engines may order a near-tie differently)"),
-    Gate("engine~oracle.greedy", 1.0, "ge",
+    Gate("oracle~engine.greedy", 1.0, "ge",
          "every greedy stream agrees by vLLM's rule (check_logprobs_close): identical, or at the first mismatch "
          "each token is in the other side's top-N; a divergence where the oracle's margin is a near-tie passes"),
-    Gate("engine~oracle.max_abs_logprob", 2e-2, "le",
+    Gate("oracle~engine.max_abs_logprob", 2e-2, "le",
          "an fp32 engine's log-probs of the shared top-N tokens on the agreed prefix: the same rounding as its logits"),
-    Gate("engine_bf16~oracle.max_abs_logit", 1.0, "le",
+    Gate("oracle~engine_bf16.max_abs_logit", 1.0, "le",
          "reported for a 16-bit engine, not gated: bf16 moves logits by 1e-2..1 on the small cases; the KLD and "
          "top-1 gates judge it", informational=True),
-    Gate("engine_bf16~oracle.mean_kld", 1e-3, "le",
+    Gate("oracle~engine_bf16.mean_kld", 1e-3, "le",
          "a 16-bit engine: mean KLD of ~1e-4 is typical for 16-bit formats (as reference~fast_bf16)"),
-    Gate("engine_bf16~oracle.same_top1_decisive", 0.99, "ge",
+    Gate("oracle~engine_bf16.same_top1_decisive", 0.99, "ge",
          "a 16-bit engine may flip a few decisive positions on narrow models; more is a fault"),
-    Gate("engine_bf16~oracle.greedy", 1.0, "ge",
+    Gate("oracle~engine_bf16.greedy", 1.0, "ge",
          "every greedy stream agrees by vLLM's rule (check_logprobs_close), as for fp32"),
-    Gate("engine_bf16~oracle.max_abs_logprob", 1.0, "le",
+    Gate("oracle~engine_bf16.max_abs_logprob", 1.0, "le",
          "reported for a 16-bit engine, not gated (as its logits)", informational=True),
     Gate("server.tokenizer", 1.0, "ge",
          "every text prompt must tokenize on the server to the ids our tokenizer gives; a difference is a tokenizer "
@@ -240,7 +240,7 @@ DEFAULT_GATES: dict[str, Gate] = {g.name: g for g in [
          "table emulated): a drafter reading the wrong KV group proposes others"),
     Gate("drafter.reference~llamacpp.max_abs", 2e-2, "le",
          "llama.cpp F32 drafter logits and h_next vs the reference with llama.cpp's fp16 GELU table: fp32 rounding "
-         "through target and drafter (measured up to 8e-3), the bound of engine~oracle.max_abs_logit"),
+         "through target and drafter (measured up to 8e-3), the bound of oracle~engine.max_abs_logit"),
     Gate("speculative.llamacpp.lossless", 1.0, "ge",
          "speculative greedy decoding inside llama.cpp (its drafter, verify, llama_memory_seq_rm rollback) must "
          "return llama.cpp's own plain greedy tokens"),
@@ -273,10 +273,10 @@ _RUNS = ("the engine must load the model and answer; an engine that cannot run (
 
 def _pair_gates(pair: str, engine: str, bf16: bool = False, **own: tuple[float, str]) -> list[Gate]:
     """The gates of ``pair``, the reference against one engine on a user's model (``g4h parity --model M --against
-    NAME``, :mod:`harness.parity.checks.pair`): ``runs``, then each metric with the bound of ``engine~oracle``
-    (``engine_bf16~oracle`` for a 16-bit engine), unless ``own`` gives the metric a ``(limit, reason)`` of its own
-    (``layer_rel_l2`` has no ``engine~oracle`` bound, so every pair gives one). ``engine`` says what the engine is."""
-    base = "engine_bf16~oracle" if bf16 else "engine~oracle"
+    NAME``, :mod:`harness.parity.checks.pair`): ``runs``, then each metric with the bound of ``oracle~engine``
+    (``oracle~engine_bf16`` for a 16-bit engine), unless ``own`` gives the metric a ``(limit, reason)`` of its own
+    (``layer_rel_l2`` has no ``oracle~engine`` bound, so every pair gives one). ``engine`` says what the engine is."""
+    base = "oracle~engine_bf16" if bf16 else "oracle~engine"
     gates = [Gate(f"{pair}.runs", 1.0, "ge", _RUNS)]
     for metric in ("max_abs_logit", "mean_kld", "same_top1_decisive", "greedy", "max_abs_logprob", "layer_rel_l2"):
         g = DEFAULT_GATES.get(f"{base}.{metric}")
@@ -322,12 +322,12 @@ PAIR_GATES: list[Gate] = [
                                                 "1e-1 or more")),
     # reference~transformers.max_abs_logit, .layer_rel_l2 and .runs are above (the built-in cases use them too)
     Gate("reference~transformers.mean_kld", 1e-5, "le",
-         "HF transformers fp32 eager: fp32 vs float64 leaves KLD near 1e-12 (bound as engine~oracle.mean_kld); a "
+         "HF transformers fp32 eager: fp32 vs float64 leaves KLD near 1e-12 (bound as oracle~engine.mean_kld); a "
          "formula fault gives > 1e-3"),
     Gate("reference~transformers.same_top1_decisive", 1.0, "ge",
-         "HF transformers fp32 eager: as engine~oracle.same_top1_decisive (near-ties reported, not failed)"),
+         "HF transformers fp32 eager: as oracle~engine.same_top1_decisive (near-ties reported, not failed)"),
     Gate("reference~transformers.greedy", 1.0, "ge",
-         "HF transformers fp32 eager: as engine~oracle.greedy (vLLM's rule)"),
+         "HF transformers fp32 eager: as oracle~engine.greedy (vLLM's rule)"),
     Gate("reference~transformers.max_abs_logprob", 1e-4, "le",
          "HF transformers fp32 eager: the same rounding as its logits (reference~transformers.max_abs_logit)"),
     *_pair_gates("reference~llamacpp", "llama.cpp through llama-cpp-python (F32 KV cache, flash attention off: "
@@ -483,7 +483,7 @@ the sporadic rounding flips (:data:`Q8_AGREEING_WHY`), as large as the rounding'
 
 def _q8_gates(pair: str) -> list[Gate]:
     """``<pair>_q8.*``: ``agreeing_positions`` (:data:`Q8_AGREEING`), the same top-1 and greedy rules as
-    ``engine~oracle`` (near-ties reported, not failed), and the worst-value figures reported (:data:`Q8_REPORTED`);
+    ``oracle~engine`` (near-ties reported, not failed), and the worst-value figures reported (:data:`Q8_REPORTED`);
     ``<pair>_q8x.mean_kld`` where the rounding cannot be emulated. Not ``max(fp32 bound, 2 x effect)``: the effect of
     the rounding (max |dlogit| ~1 on the small cases) is far larger than a fault of one matrix."""
     out = [Gate(f"{pair}_q8.{m}", limit, "le", _Q8_WHY + "reported against the fp32 bound, not gated: its worst "
@@ -493,7 +493,7 @@ def _q8_gates(pair: str) -> list[Gate]:
     out.append(Gate(f"{pair}_q8.local_median", Q8_LOCAL_FLOOR, "le", _Q8_WHY + Q8_LOCAL_WHY))
     out.append(Gate(f"{pair}_q8.median_abs_logprob", Q8_REPORTED["max_abs_logprob"], "le", _Q8_WHY + Q8_MEDIAN_WHY))
     for m in ("same_top1_decisive", "greedy"):
-        g = DEFAULT_GATES[f"engine~oracle.{m}"]
+        g = DEFAULT_GATES[f"oracle~engine.{m}"]
         out.append(Gate(f"{pair}_q8.{m}", g.limit, g.op, _Q8_WHY + "as " + g.name + ": " + g.reason))
     out.append(Gate(f"{pair}_q8x.mean_kld", 1e-5, "le",
                     "an engine that declares quantized_activations the reference cannot emulate (no vec_dot_types, "
@@ -641,7 +641,7 @@ def resolve(overrides: Mapping[str, Any] | None, where: str) -> dict[str, Gate]:
         name -> :class:`Gate`.
 
     Raises:
-        InputError: an unknown gate name (a name of results version 1: the line names the new one,
+        InputError: an unknown gate name (a name of an earlier results version: the line names the new one,
             :func:`harness.core.names.old_gate_line`), or an override without a reason, or with neither a limit
             nor ``informational = true``.
     """
@@ -690,9 +690,9 @@ cases (the same margin as ``reference~fast.max_abs_logit``); a formula fault mov
 or more. A bf16 or quantized engine needs a wider ``--tol``, chosen by whoever runs the diff."""
 
 
-NEAR_TIE_MARGIN = 2 * DEFAULT_GATES["engine~oracle.max_abs_logit"].limit
+NEAR_TIE_MARGIN = 2 * DEFAULT_GATES["oracle~engine.max_abs_logit"].limit
 """A reference top-1 margin below this is a near-tie: two engines each inside the max-|Δlogit| gate of
-an fp32 engine against the oracle (engine~oracle, 2e-2) may legitimately order the two best tokens
+an fp32 engine against the oracle (oracle~engine, 2e-2) may legitimately order the two best tokens
 differently there, so a flip at such a position is reported as a near-tie, not a fault."""
 
 
@@ -799,7 +799,7 @@ at layer 0 to 2 % at the last), Q4_K_M at layer 0 (10.6 %), Q2_K at layer 0 (39 
 SWEEP_GATES: dict[str, Gate] = {g.name: g for g in [
     Gate("sweep~engines.mean_kld", 1e-5, "le",
          "two engines on the same file, neither rounding its activations (or a file of F32 matrices only): each "
-         "computes the file's own weights in fp32, so only fp32 rounding separates them (as engine~oracle.mean_kld: "
+         "computes the file's own weights in fp32, so only fp32 rounding separates them (as oracle~engine.mean_kld: "
          "1e-8..5e-7 measured; llama.cpp and fast on e4b-wide F32: 9.2e-7 with llama.cpp's fp16 GELU table in it); a "
          "dequantization or formula fault in one of them moves the pair by the file's damage, 1e-3 or more. When the "
          "two declare different emulable approximations (llama.cpp's GELU table, fast none), max(this, 4 x their "
@@ -808,7 +808,7 @@ SWEEP_GATES: dict[str, Gate] = {g.name: g for g in [
          "3.9e-4)"),
     Gate("sweep~engines_bf16.mean_kld", 1e-3, "le",
          "two engines on the same file, one computing in 16 bits (a cmd: engine's hello dtype): as "
-         "engine_bf16~oracle.mean_kld"),
+         "oracle~engine_bf16.mean_kld"),
     Gate("sweep~engines_q8.mean_kld_ratio", 2.0, "le",
          "two engines on a file with quantized or 16-bit matrices, one of which rounds the activations of those "
          "products (llama.cpp: quantized_activations, to block_q8_0 for the legacy types and block_q8_K for K- and "

@@ -143,7 +143,7 @@ class CmdEngine:
         timeout: seconds to wait for each reply (default ``$G4H_CMD_TIMEOUT`` or :data:`DEFAULT_TIMEOUT`).
         check_greedy: :meth:`generate_full` fails a step whose token is not the most probable of its own top
             log-probs (False where that is judged and explained instead: ``g4h parity``, ``g4h explain``, through
-            :func:`harness.parity.checks.pair.not_greedy`).
+            :func:`harness.parity.checks.pair_figures.not_greedy`).
 
     Attributes (from the engine's ``hello`` reply):
         ops: the requests it answers (a subset of :data:`OPS`).

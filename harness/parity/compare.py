@@ -11,7 +11,7 @@ Two kinds of file, compared against an oracle's:
   largest |Δ log-prob| over the shared top-N tokens on the agreed prefix.
 
 The oracle side is a second file, or computed on the spot by an engine (``--against reference --model M``).
-Gates: ``engine~oracle.*`` for an fp32 engine, ``engine_bf16~oracle.*`` for a 16-bit one
+Gates: ``oracle~engine.*`` for an fp32 engine, ``oracle~engine_bf16.*`` for a 16-bit one
 (:mod:`harness.core.gates`). Checks measure; :func:`judge` applies the gates.
 
 The metric functions here are the pair pipeline's, one set for every engine-vs-oracle comparison: ``g4h parity``'s
@@ -41,7 +41,7 @@ from ..traces.compare import DivergenceRule, compare
 from ..traces.format import Trace
 from .result import CaseResult, Figure, fig
 
-PRECISIONS = {"fp32": "engine~oracle", "bf16": "engine_bf16~oracle"}
+PRECISIONS = {"fp32": "oracle~engine", "bf16": "oracle~engine_bf16"}
 """``--precision`` -> the gate pair that judges the engine."""
 
 

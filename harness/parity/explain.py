@@ -97,7 +97,7 @@ class TextSubject:
     Args:
         ref: the reference engine of the model (:class:`harness.engines.reference.ReferenceEngine`).
         observed: the engine's answers, shortest prompt first (:class:`Observed`).
-        pair: the gate prefix (``reference~cmd``, ``fast~cmd``, ``engine~oracle`` ...).
+        pair: the gate prefix (``reference~cmd``, ``fast~cmd``, ``oracle~engine`` ...).
         gates: the gate table (the case's, or :data:`harness.core.gates.DEFAULT_GATES`).
         numerics: the context under which the reference makes the approximations the engine declared (a
             ``ReferenceRuns.numerics`` result maker), or None.

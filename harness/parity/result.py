@@ -18,9 +18,11 @@ from gemma4_harness.reference.errors import InputError
 from ..core.gates import Gate, gate_for, with_effect
 from ..core.workers import EngineFailure
 
-RESULTS_VERSION = 2
+RESULTS_VERSION = 3
 """Version of ``results.json`` (``kind`` ``parity``). 2: every engine-vs-oracle figure named ``<oracle>~<engine>``
-with the pair pipeline's metrics (a version 1 file still compares: :func:`harness.core.names.upgrade_results`)."""
+with the pair pipeline's metrics. 3: the shared bounds of an engine against the oracle too (``oracle~engine.*``,
+``oracle~engine_bf16.*``; were ``engine~oracle.*``, ``engine_bf16~oracle.*``). A version 1 or 2 file still
+compares (:func:`harness.core.names.upgrade_results`; :data:`harness.core.names.VERSION` is this number)."""
 
 
 @dataclass

@@ -34,12 +34,10 @@ from ..explain_search import DEFAULT_BUDGET_S, MAX_PROMPTS, Observed, judge_figu
 from ..result import Figure
 from .pair import (
     GREEDY_NEW_TOKENS,
-    _can,
-    _logits_many,
-    engine_logits,
     engine_numerics,
     pair_near_tie,
 )
+from .pair_figures import _can, _logits_many, engine_logits
 from .quantized import local_figure
 
 
@@ -83,15 +81,16 @@ def observe(eng: Any, kind: str, prompts: Sequence[dict[str, Any]], new_tokens: 
     it answers them, else greedy streams of ``new_tokens`` tokens. ``streams`` (only greedy streams failed): its
     streams too where it generates, and, where it gives logits, its logits of the prompt followed by its own stream
     (:attr:`~harness.parity.explain_search.Observed.forced`). ``context``: the model's context length; a prompt
-    whose stream would not fit in it gets none, as in the pair (:func:`harness.parity.checks.pair._measure_figures`:
-    the engine would be asked past its context, and its refusal read as a failure)."""
+    whose stream would not fit in it gets none, as in the pair
+    (:func:`harness.parity.checks.pair_figures._measure_figures`: the engine would be asked past its context, and its
+    refusal read as a failure)."""
     out = []
     batch = _logits_many(eng, kind, prompts) if _can(eng, "logits") else {}  # llama.cpp: one worker for all
     with temp_folder("g4h-explain-") as tmp:
         for p in prompts:
             ids = list(p["prompt_ids"])
             o = Observed(str(p["id"]), ids)
-            if _can(eng, "logits"):  # asked as the pair asks (harness.parity.checks.pair.engine_logits)
+            if _can(eng, "logits"):  # asked as the pair asks (harness.parity.checks.pair_figures.engine_logits)
                 z, o.trace = engine_logits(eng, kind, p, batch, Path(tmp))
                 o.logits = np.asarray(z, dtype=np.float64)
                 if o.trace is not None and o.trace.records and o.trace.tensors is None:
