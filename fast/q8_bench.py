@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time the rounding emulated in torch + the exact packed kernel (the path before)")
     a = ap.parse_args(argv)
     print(f"exact packed kernel ISA {quant_kernels.isa()}, q8 kernel ISA {quant_kernels.q8_isa()} "
-          "(512: AVX-512 VNNI for q8 (the K-quants take its AVX2 path), AVX-512 for exact; 256: AVX2; 0: plain C)")
+          "(512: AVX-512 VNNI for q8, AVX-512 for exact; 256: AVX2; 0: plain C)")
     print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     rows = run(a.types.split(","), a.shapes.split(","), ints(a.rows), ints(a.threads), a.pool_mib, a.seconds,
                a.emulated)
