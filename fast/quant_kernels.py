@@ -49,7 +49,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from . import cpu_kernels
 
 __all__ = ["MAX_ROWS", "TYPES", "SOURCE", "FLAGS", "PACKED", "Q8", "bind", "bind_q8", "status", "isa", "disabled",
-           "layout", "linear", "take_rows", "dequantize_rows", "Q8_SOURCE", "Q8_TYPES", "Q8_MAX_ROWS", "q8_linear", "q8_quantize", "q8_isa"]
+           "layout", "linear", "take_rows", "dequantize_rows", "Q8_SOURCE", "Q8_TYPES", "Q8_MAX_ROWS", "q8_linear",
+           "q8_quantize", "q8k_quantize", "q8_isa"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_quant.c"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC"]
@@ -199,17 +200,19 @@ def dequantize_rows(raw: torch.Tensor, qtype: str, row_len: int, start: int, sto
 
 Q8_SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_q8.c"
 """The integer-dot-product kernels of the fast engine's ``--compute q8`` (its header gives what they compute)."""
-Q8_TYPES: dict[str, int] = {name: int(GGMLQuantizationType[name]) for name in ("Q8_0", "Q4_0", "Q5_0")}
-"""Weight types :func:`q8_linear` takes (their ``vec_dot_type`` is Q8_0); the others take the rounding emulation in
-torch (:mod:`fast.q8_compute`)."""
+Q8_TYPES: dict[str, int] = {name: int(GGMLQuantizationType[name])
+                            for name in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")}
+"""Weight types :func:`q8_linear` takes: Q8_0, Q4_0, Q5_0 (their ``vec_dot_type`` is Q8_0) and Q4_K, Q6_K (Q8_K, the
+types a Q4_K_M file mostly holds); the others take the rounding emulation in torch (:mod:`fast.q8_compute`)."""
 Q8_MAX_ROWS = 64
 """Largest ``M`` one call of ``g4h_q8_linear`` takes (:func:`q8_linear` cuts larger ones)."""
 
 Q8 = cpu_kernels.Library(Q8_SOURCE, FLAGS, LIBS, {"g4h_q8_linear": ([_I, _P, _L, _L, _L, _P, _L, _P, _I], _I),
                                                  "g4h_q8_quantize": ([_P, _L, _L, _P, _P], _I),
+                                                 "g4h_q8k_quantize": ([_P, _L, _L, _P, _P, _P], _I),
                                                  "g4h_q8_force_isa": ([_I], _I),
                                                  "g4h_q8_isa": ([], _I)})
-"""``csrc/linear_q8.c`` (:func:`q8_linear`, :func:`q8_quantize`)."""
+"""``csrc/linear_q8.c`` (:func:`q8_linear`, :func:`q8_quantize`, :func:`q8k_quantize`)."""
 bind_q8 = Q8.bind
 """Load a built ``linear_q8`` library and declare its functions (also used by the tests)."""
 
@@ -221,16 +224,21 @@ def q8_isa() -> int | None:
 
 
 def q8_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> torch.Tensor | None:
-    """``x @ W.T`` as llama.cpp's CPU backend computes it for a Q8_0 / Q4_0 / Q5_0 weight ``W`` (packed ``[N,
-    row_len]`` in ``raw``): each row of ``x`` quantized to Q8_0 blocks (``quantize_row_q8_0``, AVX path: ties to
-    even, multiplier ``127/amax``, fp16 scale), exact integer sums per block, times the two block scales in fp32,
-    summed in fp32 (``fast/csrc/linear_q8.c``). None when it does not apply (the caller emulates in torch).
+    """``x @ W.T`` as llama.cpp's CPU backend computes it for a weight ``W`` of one of :data:`Q8_TYPES` (packed
+    ``[N, row_len]`` in ``raw``), ``fast/csrc/linear_q8.c``. None when it does not apply (the caller emulates in torch).
+
+    Q8_0 / Q4_0 / Q5_0: each row of ``x`` quantized to Q8_0 blocks (``quantize_row_q8_0``, AVX path: ties to even,
+    multiplier ``127/amax``, fp16 scale), exact integer sums per block, times the two block scales in fp32, summed in
+    fp32. Q4_K / Q6_K: each row quantized to Q8_K (``quantize_row_q8_K_ref``: 256 values, ``d = 1/(-127/max)`` in
+    fp32, the int16 sums of 16), exact integer sums per sub-block times its 6-bit (Q4_K, with the min term through the
+    sums of 16) or int8 (Q6_K, weights ``q - 32``) scale, the super-block scale products and sums in fp32, in the order
+    of ggml's generic ``ggml_vec_dot_q4_K_q8_K`` / ``ggml_vec_dot_q6_K_q8_K`` (bit for bit, on every ISA path).
 
     Args:
         x: float32 ``[M, row_len]`` on the CPU, any ``M >= 1`` (cut in calls of :data:`Q8_MAX_ROWS`).
         raw: uint8 ``[N, bytes_per_row]``, contiguous, on the CPU.
         qtype: GGUF type name, one of :data:`Q8_TYPES`.
-        row_len: ``K``, a multiple of 32.
+        row_len: ``K``, a multiple of 32 (256 for the K-quants).
 
     Returns:
         float32 ``[M, N]``, or None (another type or device, not float32, autograd, no compiler).
@@ -262,3 +270,20 @@ def q8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     q = torch.empty(m, k, dtype=torch.int8)
     _check(lib.g4h_q8_quantize(x.data_ptr(), m, k, d.data_ptr(), q.data_ptr()), "q8 quantize")
     return d, q
+
+
+def q8k_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The kernels' ``block_q8_K`` of the rows of ``x`` (float32 ``[M, K]``, K a multiple of 256, CPU): ``(d float32
+    [M, K/256], q int8 [M, K], bsums int16 [M, K/256, 16])``, for the tests against
+    :func:`reference.activation_quants.quantize_q8_K` and the library's ``from_float``. None when the library is not
+    built."""
+    lib = Q8.get()
+    if lib is None:
+        return None
+    x = x.to(torch.float32).contiguous()
+    m, k = x.shape
+    d = torch.empty(m, k // 256, dtype=torch.float32)
+    q = torch.empty(m, k, dtype=torch.int8)
+    bsums = torch.empty(m, k // 256, 16, dtype=torch.int16)
+    _check(lib.g4h_q8k_quantize(x.data_ptr(), m, k, d.data_ptr(), q.data_ptr(), bsums.data_ptr()), "q8_K quantize")
+    return d, q, bsums

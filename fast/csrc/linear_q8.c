@@ -1,10 +1,11 @@
 /* y = x @ W.T computed as llama.cpp's CPU backend computes it: the fast engine's --compute q8.
  *
  * W: [N, K] in GGUF block layout (Q8_0 (8), Q4_0 (2), Q5_0 (6): ggml-common.h's block_q8_0 / block_q4_0 /
- * block_q5_0), x: [M, K] float32 row-major, y: [M, N] float32 row-major.
+ * block_q5_0; Q4_K (12), Q6_K (14): block_q4_K / block_q6_K, the section "K-quants" below), x: [M, K] float32
+ * row-major, y: [M, N] float32 row-major.
  *
- * What it computes (docs/quantized-activations.md; the weight types whose vec_dot_type is Q8_0 in ggml-cpu.c's
- * type_traits_cpu):
+ * What it computes for Q8_0, Q4_0, Q5_0 (docs/quantized-activations.md; the weight types whose vec_dot_type is
+ * Q8_0 in ggml-cpu.c's type_traits_cpu; the K-quants, whose vec_dot_type is Q8_K: their section):
  * 1. Each row of x becomes block_q8_0 blocks of 32, as quantize_row_q8_0 of ggml/src/ggml-cpu/arch/x86/quants.c
  *    (its AVX path, the one the harness's llama.cpp build runs): amax the largest magnitude, d = fp16(amax / 127)
  *    (round to nearest even), q = round_even(x * (127 / amax)) (0 where amax is 0), through _mm256_cvtps_epi32 and
@@ -366,6 +367,459 @@ static void row2_vnni(int type, long ts, const uint8_t *w, long rb, long nb, con
 #pragma GCC pop_options
 #endif
 
+/* ------------------------------------------------------------------ K-quants: Q4_K, Q6_K against Q8_K
+ *
+ * The activation rows as block_q8_K (quantize_row_q8_K_ref of ggml/src/ggml-quants.c, what quantize_row_q8_K of
+ * arch/x86/quants.c calls): per 256 values, max the first value of largest magnitude (with its sign), iscale =
+ * -127/max, q = MIN(127, nearest_int(iscale * x)) stored as int8 (the C conversion: the low byte), d = 1/iscale
+ * (a float32, negative for a positive max), bsums the int16 sums of 16; a block of zeros gives d = 0, q = 0 (and
+ * bsums 0: ggml leaves them unwritten, they multiply a zero scale). reference/activation_quants.py quantize_q8_K is
+ * the same function; tests/test_q8_compute.py compares both with the built library's from_float, bit for bit.
+ *
+ * The product of a weight row and an activation row: ggml_vec_dot_q4_K_q8_K_generic / ..._q6_K_q8_K_generic of
+ * ggml/src/ggml-cpu/quants.c, in their order and with the fused multiply-adds GCC forms there (the library's
+ * compiled generic functions hold vfmadd231ps for `sums[l] += d * aux32[l]` and vfnmadd231ss for
+ * `sumf -= dmin * sumi`; the tests compare with them bit for bit):
+ *   per super-block i of 256: eight int32 lanes aux32[l] = sum over the 16- (Q6_K) or 32-value (Q4_K) sub-blocks
+ *   of scale_sub * sum(w * q) over the values of index = l (mod 8) in the sub-block (exact integers: Q4_K w the
+ *   nibble 0..15, scale its 6-bit scale; Q6_K w = q6 - 32, scale its int8 scale); d = fp16(d_w) * d_x (float32);
+ *   sums[l] = fmaf(d, (float)aux32[l], sums[l]). Q4_K also: sumi = sum_j bsums[j] * min[j / 2] (exact), dmin =
+ *   fp16(dmin_w) * d_x, sumf = fmaf(-dmin, (float)sumi, sumf). Then y = sumf (0 for Q6_K) + sums[0] + ... +
+ *   sums[7], left to right. (float)aux32 and (float)sumi are exact (below 2^24).
+ * The AVX2 path computes the same integers per lane and the same float operations in the same order, so the same
+ * bits: the activation rows are kept a second time with each 16 bytes in the order 0, 8, 1, 9, ..., 7, 15 (qp), the
+ * weights' bytes put in that order by one _mm256_shuffle_epi8, so that each int16 of _mm256_maddubs_epi16 sums two
+ * values of one lane (l and l + 8); _mm256_unpacklo/hi_epi16 of two such vectors then pairs two sub-blocks' sums of
+ * one lane, and _mm256_madd_epi16 with their two scales adds them into int32 lanes (lanes 0-3 and 4-7 in two
+ * accumulators, folded once per super-block). The AVX-512 VNNI path does the same on 512-bit vectors (four 128-bit
+ * lanes of pair sums; _mm512_dpwssd_epi32 multiplies by the two scales and adds), folded into the same eight lanes
+ * before the same float operations: the same bits again. Every path takes the integers exactly, so the order of
+ * the integer additions is free; the float operations are the generic's, one by one. Both vector paths prefetch
+ * the packed stream 2 KB ahead (AK_PREFETCH: from memory a 2048 x 2816 Q4_K product at M = 1 took 0.94 ms of CPU
+ * without it, 0.46-0.51 with 1-2 KB, on the shared 2-core machine under load). ggml's own AVX2 path (what the built
+ * library runs) sums in another order (lanes by pairs of values, the min term in four fp32 lanes, a tree at the
+ * end): that difference is fp32 accumulation only (the tests bound it with fp32_bound, and find it at 1e-3 of it).
+ */
+#define QKK 256
+
+typedef struct {
+    int8_t *q;    /* [M, K] */
+    int8_t *qp;   /* [M, K], each 16 bytes in the order 0, 8, 1, 9, ..., 7, 15 (the AVX2 path) */
+    float *d;     /* [M, nb] */
+    int16_t *bs;  /* [M, nb, 16]: bsums */
+    int16_t *bs2; /* [M, nb, 8]: bsums[2i] + bsums[2i + 1] (the Q4_K min term on the AVX2 path) */
+} xk_t;
+
+/* nearest_int of ggml-quants.c (|v| <= 4194303 there; the bits are kept for any other value as the C does) */
+static inline int32_t k_nearest_int(float v) {
+    float t = v + 12582912.f;
+    int32_t i;
+    memcpy(&i, &t, sizeof i);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+/* quantize_row_q8_K_ref of one row (K a multiple of 256), its bsums, and the qp / bs2 copies */
+static void quantize_row_k(const float *x, long K, int8_t *q, int8_t *qp, float *d, int16_t *bs, int16_t *bs2) {
+    for (long b = 0; b < K / QKK; b++, x += QKK, q += QKK, qp += QKK, bs += 16, bs2 += 8) {
+        float max = 0.0f, amax = 0.0f;
+        for (int j = 0; j < QKK; j++) {
+            const float ax = fabsf(x[j]);
+            if (ax > amax) {
+                amax = ax;
+                max = x[j];
+            }
+        }
+        if (!amax) {
+            d[b] = 0.0f;
+            memset(q, 0, QKK);
+        } else {
+            const float iscale = -127.f / max;
+            for (int j = 0; j < QKK; j++) {
+                const int32_t v = k_nearest_int(iscale * x[j]);
+                q[j] = (int8_t)(uint8_t)(uint32_t)(v < 127 ? v : 127);
+            }
+            d[b] = 1 / iscale;
+        }
+        for (int j = 0; j < 16; j++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += q[16 * j + i];
+            bs[j] = (int16_t)sum;
+        }
+        for (int j = 0; j < 8; j++) bs2[j] = (int16_t)(bs[2 * j] + bs[2 * j + 1]);
+        for (int c = 0; c < QKK; c += 16)
+            for (int k = 0; k < 8; k++) {
+                qp[c + 2 * k] = q[c + k];
+                qp[c + 2 * k + 1] = q[c + k + 8];
+            }
+    }
+}
+
+/* the 6-bit scales and mins of a block_q4_K (its 12 bytes at sc12), as the generic path unpacks them */
+static inline void q4k_scales(const uint8_t *sc12, uint8_t *scales, uint8_t *mins) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    uint32_t utmp[4];
+    memcpy(utmp, sc12, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+    memcpy(scales, utmp, 8);
+    memcpy(mins, utmp + 2, 8);
+}
+
+typedef void (*rowk_fn)(int type, long ts, const uint8_t *w, long nb, const xk_t *x, long K, long M, float *y,
+                        long ldy);
+
+/* ggml_vec_dot_q4_K_q8_K_generic / ggml_vec_dot_q6_K_q8_K_generic (the header of this section), row by row */
+static void rowk_generic(int type, long ts, const uint8_t *w, long nb, const xk_t *x, long K, long M, float *y,
+                         long ldy) {
+    for (long m = 0; m < M; m++) {
+        float sums[8] = {0}, sumf = 0.0f;
+        for (long i = 0; i < nb; i++) {
+            const uint8_t *blk = w + i * ts;
+            const int8_t *q8 = x->q + m * K + i * QKK;
+            const float dx = x->d[m * nb + i];
+            int8_t a[QKK];
+            int32_t aux32[8] = {0};
+            if (type == 12) { /* block_q4_K: d, dmin (fp16), scales[12], qs[128] */
+                const uint8_t *q4 = blk + 16;
+                for (int j = 0; j < 4; j++, q4 += 32)
+                    for (int l = 0; l < 32; l++) {
+                        a[64 * j + l] = (int8_t)(q4[l] & 0xF);
+                        a[64 * j + 32 + l] = (int8_t)(q4[l] >> 4);
+                    }
+                uint8_t scales[8], mins[8];
+                q4k_scales(blk + 4, scales, mins);
+                const int16_t *bsums = x->bs + (m * nb + i) * 16;
+                int sumi = 0;
+                for (int j = 0; j < 16; j++) sumi += bsums[j] * mins[j / 2];
+                for (int j = 0; j < 8; j++)
+                    for (int c = 0; c < 32; c += 8)
+                        for (int l = 0; l < 8; l++) {
+                            const int16_t p = (int16_t)(q8[32 * j + c + l] * a[32 * j + c + l]);
+                            aux32[l] += scales[j] * p;
+                        }
+                const float d = g4h_f16_load(blk) * dx;
+                for (int l = 0; l < 8; l++) sums[l] = fmaf(d, (float)aux32[l], sums[l]);
+                const float dmin = g4h_f16_load(blk + 2) * dx;
+                sumf = fmaf(-dmin, (float)sumi, sumf);
+            } else { /* block_q6_K: ql[128], qh[64], scales[16] (int8), d (fp16) */
+                const uint8_t *ql = blk, *qh = blk + 128;
+                const int8_t *sc = (const int8_t *)(blk + 192);
+                for (int h = 0; h < 2; h++, ql += 64, qh += 32)
+                    for (int l = 0; l < 32; l++) {
+                        int8_t *o = a + 128 * h;
+                        o[l] = (int8_t)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                        o[l + 32] = (int8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                        o[l + 64] = (int8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                        o[l + 96] = (int8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    }
+                for (int j = 0; j < 16; j++)
+                    for (int c = 0; c < 16; c += 8)
+                        for (int l = 0; l < 8; l++) {
+                            const int16_t p = (int16_t)(q8[16 * j + c + l] * a[16 * j + c + l]);
+                            aux32[l] += sc[j] * p;
+                        }
+                const float d = g4h_f16_load(blk + 208) * dx;
+                for (int l = 0; l < 8; l++) sums[l] = fmaf(d, (float)aux32[l], sums[l]);
+            }
+        }
+        for (int l = 0; l < 8; l++) sumf += sums[l];
+        y[m * ldy] = sumf;
+    }
+}
+
+#if defined(Q8_X86)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+/* 16 bytes 0..15 -> 0, 8, 1, 9, ..., 7, 15 in each 128-bit lane (the qp order) */
+static inline __m256i ak_perm(__m256i v) {
+    const __m256i p = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3,
+                                       11, 4, 12, 5, 13, 6, 14, 7, 15);
+    return _mm256_shuffle_epi8(v, p);
+}
+
+/* lanes 0-3 (A: [sub-block pair, first 128 bits | second]) and 4-7 (B) -> the eight int32 lanes, as float */
+static inline __m256 ak_fold(__m256i A, __m256i B) {
+    return _mm256_cvtepi32_ps(
+        _mm256_add_epi32(_mm256_permute2x128_si256(A, B, 0x20), _mm256_permute2x128_si256(A, B, 0x31)));
+}
+
+static inline float ak_final(float s, __m256 acc) {
+    float l[8];
+    _mm256_storeu_ps(l, acc);
+    for (int k = 0; k < 8; k++) s += l[k];
+    return s;
+}
+
+#ifndef AK_PREFETCH
+#define AK_PREFETCH 2048
+#endif
+/* software prefetch of the super-block AK_PREFETCH bytes ahead in W's stream (rows are contiguous) */
+static inline void ak_prefetch(const uint8_t *blk, long ts) {
+    if (AK_PREFETCH > 0)
+        for (long o = 0; o < ts; o += 64) __builtin_prefetch(blk + AK_PREFETCH + o);
+}
+
+static inline int32_t ak_hsum4(__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1));
+    return _mm_cvtsi128_si32(v);
+}
+
+/* q4k_scales in registers (as ggml's AVX2 path unpacks them): the eight scales and the eight mins as int16 */
+static inline void ak_q4k_scales(const uint8_t *sc12, __m128i *scales, __m128i *mins) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    uint32_t u0, u1, u2;
+    memcpy(&u0, sc12, 4);
+    memcpy(&u1, sc12 + 4, 4);
+    memcpy(&u2, sc12 + 8, 4);
+    const uint32_t m3 = ((u2 >> 4) & kmask2) | (((u1 >> 6) & kmask3) << 4);
+    const uint32_t m2 = u1 & kmask1;
+    const uint32_t s1 = (u2 & kmask2) | (((u0 >> 6) & kmask3) << 4);
+    const uint32_t s0 = u0 & kmask1;
+    *scales = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)s1, (int)s0));
+    *mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)m3, (int)m2));
+}
+
+#define AK4_ROW(MB)                                                                                           \
+    static void ak4_row_##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y,   \
+                             long ldy) {                                                                      \
+        __m256 acc[MB];                                                                                       \
+        float mac[MB];                                                                                        \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps(), mac[m] = 0.0f;     \
+        const __m256i m4 = _mm256_set1_epi8(15);                                                              \
+        for (long i = 0; i < nb; i++) {                                                                       \
+            const uint8_t *blk = w + i * ts;                                                                  \
+            ak_prefetch(blk, ts);                                                                             \
+            __m128i sc16, mv;                                                                                 \
+            ak_q4k_scales(blk + 4, &sc16, &mv);                                                               \
+            const float dw = a2_f16(blk), dminw = a2_f16(blk + 2);                                            \
+            __m256i A[MB], B[MB];                                                                             \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) A[m] = B[m] = _mm256_setzero_si256();        \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                             \
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));                \
+                const __m256i wl = ak_perm(_mm256_and_si256(bits, m4));                                       \
+                const __m256i wh = ak_perm(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4));                 \
+                const __m256i sv = /* scales 2j, 2j + 1 as one int32, broadcast */                            \
+                    _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(sc16), _mm256_set1_epi32(j));          \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                        \
+                    const int8_t *q = x->qp + (m0 + m) * K + i * QKK + 64 * j;                                \
+                    const __m256i r0 = _mm256_maddubs_epi16(wl, _mm256_loadu_si256((const __m256i *)q));      \
+                    const __m256i r1 = _mm256_maddubs_epi16(wh, _mm256_loadu_si256((const __m256i *)(q + 32))); \
+                    A[m] = _mm256_add_epi32(A[m], _mm256_madd_epi16(_mm256_unpacklo_epi16(r0, r1), sv));      \
+                    B[m] = _mm256_add_epi32(B[m], _mm256_madd_epi16(_mm256_unpackhi_epi16(r0, r1), sv));      \
+                }                                                                                             \
+            }                                                                                                 \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                            \
+                const long r = (m0 + m) * nb + i;                                                             \
+                const float dx = x->d[r];                                                                     \
+                acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), ak_fold(A[m], B[m]), acc[m]);               \
+                const int32_t sumi =                                                                          \
+                    ak_hsum4(_mm_madd_epi16(_mm_loadu_si128((const __m128i *)(x->bs2 + r * 8)), mv));         \
+                mac[m] = fmaf(-(dminw * dx), (float)sumi, mac[m]);                                            \
+            }                                                                                                 \
+        }                                                                                                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] = ak_final(mac[m], acc[m]);    \
+    }
+AK4_ROW(1) AK4_ROW(2) AK4_ROW(3) AK4_ROW(4)
+
+/* the four vectors of 32 six-bit values (0..63) of one 128-value half of a block_q6_K, in the qp order */
+#define AK6_ROW(MB)                                                                                           \
+    static void ak6_row_##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y,   \
+                             long ldy) {                                                                      \
+        __m256 acc[MB];                                                                                       \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();                    \
+        const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), m30 = _mm256_set1_epi8(0x30);       \
+        const __m256i m32 = _mm256_set1_epi8(32);                                                             \
+        for (long i = 0; i < nb; i++) {                                                                       \
+            const uint8_t *blk = w + i * ts;                                                                  \
+            ak_prefetch(blk, ts);                                                                             \
+            const int8_t *sc = (const int8_t *)(blk + 192);                                                   \
+            const float dw = a2_f16(blk + 208);                                                               \
+            __m256i A[MB], B[MB];                                                                             \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) A[m] = B[m] = _mm256_setzero_si256();        \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                             \
+                const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;                                   \
+                const int8_t *s = sc + 8 * h;                                                                 \
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);                                   \
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));                            \
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);                                   \
+                __m256i v[4];                                                                                 \
+                v[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4)); \
+                v[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),                                              \
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4)); \
+                v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30)); \
+                v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),                        \
+                                       _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));                      \
+                _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) v[t] = ak_perm(v[t]);                      \
+                /* sub-blocks (0, 2) in the first 128 bits, (1, 3) in the second; then (4, 6), (5, 7) */       \
+                /* the int16 scales as int32 pairs [(0, 2), (1, 3), (4, 6), (5, 7)], then broadcast by halves */ \
+                const __m256i sp = _mm256_castsi128_si256(_mm_shuffle_epi8(                                   \
+                    _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)s)),                                   \
+                    _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15)));                    \
+                const __m256i s0 = _mm256_permutevar8x32_epi32(sp, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)); \
+                const __m256i s1 = _mm256_permutevar8x32_epi32(sp, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)); \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                        \
+                    const int8_t *q = x->qp + (m0 + m) * K + i * QKK + 128 * h;                               \
+                    __m256i r[4];                                                                             \
+                    _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                     \
+                        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * t));                 \
+                        r[t] = _mm256_sub_epi16(_mm256_maddubs_epi16(v[t], qv), _mm256_maddubs_epi16(m32, qv)); \
+                    }                                                                                         \
+                    A[m] = _mm256_add_epi32(A[m], _mm256_madd_epi16(_mm256_unpacklo_epi16(r[0], r[1]), s0));  \
+                    B[m] = _mm256_add_epi32(B[m], _mm256_madd_epi16(_mm256_unpackhi_epi16(r[0], r[1]), s0));  \
+                    A[m] = _mm256_add_epi32(A[m], _mm256_madd_epi16(_mm256_unpacklo_epi16(r[2], r[3]), s1));  \
+                    B[m] = _mm256_add_epi32(B[m], _mm256_madd_epi16(_mm256_unpackhi_epi16(r[2], r[3]), s1));  \
+                }                                                                                             \
+            }                                                                                                 \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_fmadd_ps(                    \
+                _mm256_set1_ps(dw * x->d[(m0 + m) * nb + i]), ak_fold(A[m], B[m]), acc[m]);                   \
+        }                                                                                                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] = ak_final(0.0f, acc[m]);      \
+    }
+AK6_ROW(1) AK6_ROW(2) AK6_ROW(3) AK6_ROW(4)
+
+#define KBLOCK_CASE(F, MB) \
+    case MB: F##MB(w, ts, nb, x, K, m0, y, ldy); break;
+#define KBLOCKS_4(F)                                                                                    \
+    for (long m0 = 0; m0 < M; m0 += 4) switch (M - m0 < 4 ? M - m0 : 4) {                              \
+        KBLOCK_CASE(F, 1) KBLOCK_CASE(F, 2) KBLOCK_CASE(F, 3) default: F##4(w, ts, nb, x, K, m0, y, ldy);  \
+        }
+
+static void rowk_avx2(int type, long ts, const uint8_t *w, long nb, const xk_t *x, long K, long M, float *y,
+                      long ldy) {
+    if (type == 12) {
+        KBLOCKS_4(ak4_row_)
+    } else {
+        KBLOCKS_4(ak6_row_)
+    }
+}
+#pragma GCC pop_options
+
+/* ---- the K-quants on AVX-512 VNNI: the AVX2 path's integers and float operations (so its bits) on 512-bit vectors:
+ * four 128-bit lanes of int16 pair sums, two sub-blocks paired by _mm512_unpacklo/hi_epi16 and multiplied by their
+ * scales and added into int32 by _mm512_dpwssd_epi32; the four 128-bit lanes folded once per super-block into the
+ * eight lanes of the AVX2 path (ak_fold), then its fmadd, min term and final sums. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")
+
+static inline __m512i vk_perm(__m512i v) {
+    const __m512i p = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+    return _mm512_shuffle_epi8(v, p);
+}
+
+/* lanes 0-3 in the four 128-bit lanes of A, 4-7 in B's -> the eight lanes, as float (exact integer sums) */
+static inline __m256 vk_fold(__m512i A, __m512i B) {
+    const __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(A), _mm512_extracti64x4_epi64(A, 1));
+    const __m256i b = _mm256_add_epi32(_mm512_castsi512_si256(B), _mm512_extracti64x4_epi64(B, 1));
+    return ak_fold(a, b);
+}
+
+#define VK4_ROW(MB)                                                                                           \
+    static void vk4_row_##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y,   \
+                             long ldy) {                                                                      \
+        __m256 acc[MB];                                                                                       \
+        float mac[MB];                                                                                        \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps(), mac[m] = 0.0f;     \
+        const __m512i m4 = _mm512_set1_epi8(15);                                                              \
+        const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1); /* 0 | 4 */    \
+        const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);                \
+        const __m512i i23 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);                \
+        for (long i = 0; i < nb; i++) {                                                                       \
+            const uint8_t *blk = w + i * ts;                                                                  \
+            ak_prefetch(blk, ts);                                                                             \
+            __m128i sc16, mv;                                                                                 \
+            ak_q4k_scales(blk + 4, &sc16, &mv);                                                               \
+            const float dw = a2_f16(blk), dminw = a2_f16(blk + 2);                                            \
+            /* scale pairs (0, 2), (1, 3), (4, 6), (5, 7) as int32; per 128-bit lane: sub-blocks 2j, 2j, 2j+1, \
+             * 2j+1 paired with those of j + 1 */                                                             \
+            const __m512i sp = _mm512_castsi128_si512(                                                        \
+                _mm_shuffle_epi8(sc16, _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15))); \
+            const __m512i s01 = _mm512_permutexvar_epi32(i01, sp), s23 = _mm512_permutexvar_epi32(i23, sp);   \
+            __m512i wv[4]; /* chunk j of qs: [low nibbles: sub-block 2j | high nibbles: 2j + 1], qp order */    \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) wv[j] = vk_perm(_mm512_and_si512(             \
+                _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j))), \
+                                  sh), m4));                                                                  \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                            \
+                const int8_t *q = x->qp + (m0 + m) * K + i * QKK;                                             \
+                __m512i r[4];                                                                                 \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++)                                          \
+                    r[j] = _mm512_maddubs_epi16(wv[j], _mm512_loadu_si512((const void *)(q + 64 * j)));      \
+                __m512i A = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_unpacklo_epi16(r[0], r[1]), s01); \
+                __m512i B = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_unpackhi_epi16(r[0], r[1]), s01); \
+                A = _mm512_dpwssd_epi32(A, _mm512_unpacklo_epi16(r[2], r[3]), s23);                           \
+                B = _mm512_dpwssd_epi32(B, _mm512_unpackhi_epi16(r[2], r[3]), s23);                           \
+                const long rr = (m0 + m) * nb + i;                                                            \
+                const float dx = x->d[rr];                                                                    \
+                acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), vk_fold(A, B), acc[m]);                     \
+                const int32_t sumi =                                                                          \
+                    ak_hsum4(_mm_madd_epi16(_mm_loadu_si128((const __m128i *)(x->bs2 + rr * 8)), mv));        \
+                mac[m] = fmaf(-(dminw * dx), (float)sumi, mac[m]);                                            \
+            }                                                                                                 \
+        }                                                                                                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] = ak_final(mac[m], acc[m]);    \
+    }
+VK4_ROW(1) VK4_ROW(2) VK4_ROW(3) VK4_ROW(4)
+
+#define VK6_ROW(MB)                                                                                           \
+    static void vk6_row_##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y,   \
+                             long ldy) {                                                                      \
+        __m256 acc[MB];                                                                                       \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();                    \
+        const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), m30 = _mm512_set1_epi8(0x30);       \
+        const __m512i m32 = _mm512_set1_epi8(32);                                                             \
+        const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); /* 0 | 2 */    \
+        const __m512i it = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);                 \
+        for (long i = 0; i < nb; i++) {                                                                       \
+            const uint8_t *blk = w + i * ts;                                                                  \
+            ak_prefetch(blk, ts);                                                                             \
+            const float dw = a2_f16(blk + 208);                                                               \
+            __m512i A[MB], B[MB];                                                                             \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) A[m] = B[m] = _mm512_setzero_si512();        \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                             \
+                const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));                           \
+                const __m512i hs = _mm512_srlv_epi16(                                                         \
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h))), sh);    \
+                /* values 0..63 (sub-blocks 0-3 of the half) and 64..127 (4-7), in the qp order */             \
+                const __m512i v01 = vk_perm(_mm512_or_si512(_mm512_and_si512(l, m4),                          \
+                                                            _mm512_slli_epi16(_mm512_and_si512(hs, m3), 4))); \
+                const __m512i v23 = vk_perm(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),    \
+                                                            _mm512_and_si512(hs, m30)));                      \
+                /* scale pairs (t, t + 4) of the half's sub-blocks as int32, pair t in 128-bit lane t */       \
+                const __m128i s16 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))); \
+                const __m512i sv = _mm512_permutexvar_epi32(                                                  \
+                    it, _mm512_castsi128_si512(_mm_unpacklo_epi16(s16, _mm_srli_si128(s16, 8))));             \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                        \
+                    const int8_t *q = x->qp + (m0 + m) * K + i * QKK + 128 * h;                               \
+                    const __m512i q0 = _mm512_loadu_si512((const void *)q);                                   \
+                    const __m512i q1 = _mm512_loadu_si512((const void *)(q + 64));                            \
+                    const __m512i r0 = _mm512_sub_epi16(_mm512_maddubs_epi16(v01, q0), _mm512_maddubs_epi16(m32, q0)); \
+                    const __m512i r1 = _mm512_sub_epi16(_mm512_maddubs_epi16(v23, q1), _mm512_maddubs_epi16(m32, q1)); \
+                    A[m] = _mm512_dpwssd_epi32(A[m], _mm512_unpacklo_epi16(r0, r1), sv);                      \
+                    B[m] = _mm512_dpwssd_epi32(B[m], _mm512_unpackhi_epi16(r0, r1), sv);                      \
+                }                                                                                             \
+            }                                                                                                 \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_fmadd_ps(                    \
+                _mm256_set1_ps(dw * x->d[(m0 + m) * nb + i]), vk_fold(A[m], B[m]), acc[m]);                   \
+        }                                                                                                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] = ak_final(0.0f, acc[m]);      \
+    }
+VK6_ROW(1) VK6_ROW(2) VK6_ROW(3) VK6_ROW(4)
+
+static void rowk_vnni(int type, long ts, const uint8_t *w, long nb, const xk_t *x, long K, long M, float *y,
+                      long ldy) {
+    if (type == 12) {
+        KBLOCKS_4(vk4_row_)
+    } else {
+        KBLOCKS_4(vk6_row_)
+    }
+}
+#pragma GCC pop_options
+#endif
+
 /* ------------------------------------------------------------------ dispatch, threads */
 
 static int isa_cap = 512;
@@ -410,6 +864,8 @@ typedef struct {
     float *y;
     row_fn row;
     int pairs; /* rows of W two at a time (the VNNI path, M >= 2) */
+    const xk_t *xk; /* the K-quants: Q8_K rows and their row function (else NULL) */
+    rowk_fn rowk;
 } job_t;
 
 static void run_rows(void *p, long run, int tid) {
@@ -417,6 +873,10 @@ static void run_rows(void *p, long run, int tid) {
     (void)tid;
     const long n1 = (run + 1) * j->per_run < j->N ? (run + 1) * j->per_run : j->N;
     long n = run * j->per_run;
+    if (j->rowk) {
+        for (; n < n1; n++) j->rowk(j->type, j->ts, j->w + n * j->row_bytes, j->nb, j->xk, j->K, j->M, j->y + n, j->N);
+        return;
+    }
 #if defined(Q8_X86)
     if (j->pairs)
         for (; n + 1 < n1; n += 2)
@@ -426,7 +886,44 @@ static void run_rows(void *p, long run, int tid) {
         j->row(j->type, j->ts, j->w + n * j->row_bytes, j->row_bytes, j->nb, j->x, j->K, j->M, j->y + n, j->N);
 }
 
-static long type_bytes(int type) { return type == 8 ? 34 : type == 2 ? 18 : type == 6 ? 22 : 0; }
+static long type_bytes(int type) {
+    return type == 8 ? 34 : type == 2 ? 18 : type == 6 ? 22 : type == 12 ? 144 : type == 14 ? 210 : 0;
+}
+
+static rowk_fn rowk_for(int isa) {
+#if defined(Q8_X86)
+    if (isa == 512) return rowk_vnni;
+    if (isa == 256) return rowk_avx2;
+#endif
+    (void)isa;
+    return rowk_generic;
+}
+
+/* The K-quant products (Q4_K 12, Q6_K 14): x quantized to Q8_K, then the rows of W in runs as below. */
+static int linear_k(int type, long ts, const uint8_t *w, long row_bytes, long N, long K, const float *x, long M,
+                    float *y, int nthreads) {
+    const long nb = K / QKK;
+    xk_t xk;
+    void *buf = NULL;
+    const size_t qbytes = (size_t)M * K, dbytes = (size_t)M * nb * sizeof(float), bbytes = (size_t)M * nb * 48;
+    if (posix_memalign(&buf, 64, 2 * qbytes + dbytes + bbytes + 64) != 0) return -3;
+    xk.q = buf;
+    xk.qp = xk.q + qbytes;
+    xk.d = (float *)(xk.qp + qbytes);
+    xk.bs = (int16_t *)((uint8_t *)xk.d + dbytes);
+    xk.bs2 = xk.bs + (size_t)M * nb * 16;
+    for (long m = 0; m < M; m++)
+        quantize_row_k(x + m * K, K, xk.q + m * K, xk.qp + m * K, xk.d + m * nb, xk.bs + m * nb * 16,
+                       xk.bs2 + m * nb * 8);
+    job_t j = {.type = type, .ts = ts, .nb = nb, .K = K, .M = M, .N = N, .row_bytes = row_bytes, .w = w,
+               .y = y, .xk = &xk, .rowk = rowk_for(best_isa())};
+    j.per_run = 131072 / row_bytes;
+    if (j.per_run < 1) j.per_run = 1;
+    if ((double)N * K * (M + 3) < (double)(1 << 20)) nthreads = 1;
+    wp_run(run_rows, &j, (N + j.per_run - 1) / j.per_run, nthreads);
+    free(buf);
+    return 0;
+}
 
 /* y[M, N] = x[M, K] @ W.T as llama.cpp computes it (the header). Returns 0; -1 unknown type; -2 bad shape;
  * -3 out of memory. */
@@ -434,6 +931,10 @@ int g4h_q8_linear(int type, const uint8_t *w, long row_bytes, long N, long K, co
                   int nthreads) {
     const long ts = type_bytes(type);
     if (!ts) return -1;
+    if (type == 12 || type == 14) {
+        if (M < 1 || M > MAX_M || N < 0 || K <= 0 || K % QKK || row_bytes != K / QKK * ts) return -2;
+        return N == 0 ? 0 : linear_k(type, ts, w, row_bytes, N, K, x, M, y, nthreads);
+    }
     if (M < 1 || M > MAX_M || N < 0 || K <= 0 || K % QK || row_bytes != K / QK * ts) return -2;
     if (N == 0) return 0;
     const long nb = K / QK;
@@ -464,5 +965,23 @@ int g4h_q8_quantize(const float *x, long M, long K, float *d_out, int8_t *q_out)
     if (!s) return -3;
     for (long m = 0; m < M; m++) quantize_row(x + m * K, K, q_out + m * K, d_out + m * (K / QK), s);
     free(s);
+    return 0;
+}
+
+/* block_q8_K of the rows of x (for the tests: the quantizer against the library's and reference/activation_quants.py):
+ * d_out [M, K/256] float32, q_out [M, K] int8, bsums_out [M, K/256, 16] int16. Returns 0, -2 or -3. */
+int g4h_q8k_quantize(const float *x, long M, long K, float *d_out, int8_t *q_out, int16_t *bsums_out) {
+    if (M < 0 || K <= 0 || K % QKK) return -2;
+    int8_t *qp = malloc((size_t)K);
+    int16_t *bs2 = malloc((size_t)(K / QKK) * 16);
+    if (!qp || !bs2) {
+        free(qp);
+        free(bs2);
+        return -3;
+    }
+    for (long m = 0; m < M; m++)
+        quantize_row_k(x + m * K, K, q_out + m * K, qp, d_out + m * (K / QKK), bsums_out + m * (K / QKK) * 16, bs2);
+    free(qp);
+    free(bs2);
     return 0;
 }
