@@ -199,7 +199,8 @@ def llama_server_cmd(server: Path, model: Path, *, parallel: int = PARALLEL, ctx
 
     ``--batch-size`` = ``--ubatch-size`` = 512: one physical batch per logical one, the same for every request.
     ``--no-repack``: the plain CPU kernels, as the in-process worker uses them (``extra_bufts`` off in
-    :class:`harness.llamacpp.LlamaCppEngine`); with repacked Q4_K weights the Gemma 3 270M log-probs move by ~0.1.
+    :class:`harness.engines.llamacpp.LlamaCppEngine`); with repacked Q4_K weights the Gemma 3 270M log-probs move by
+    ~0.1.
     The KV cache and flash attention stay llama-server's defaults (f16, auto); ``f32``: an F32 cache and flash
     attention off, the in-process engine's numerics (:data:`F32_DECLARE` says so to the harness).
     """

@@ -4,6 +4,8 @@ are the ones :mod:`harness.core.gates` generates, and docs/usage.md's ``--skip``
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
 from pathlib import Path
 
@@ -130,3 +132,55 @@ def test_limits_quoted_in_prose_match_gates_py():
                 if g is not None and float(value.rstrip(".")) != g.limit:
                     wrong.append(f"{doc.relative_to(ROOT)}:{n}: {name} {value}, gates.py {g.limit:g}")
     assert not wrong, "\n".join(wrong)
+
+
+_ROLE = re.compile(r":(?:func|data|class|mod|meth|attr|exc|obj):`~?((?:harness|reference|fast)(?:\.\w+)+)`")
+
+
+@functools.lru_cache(maxsize=None)
+def _defined(module: Path) -> set[str]:
+    """The names ``module`` binds anywhere (defs, classes, assignments, imports) and lists in ``__all__`` (a package's
+    lazy ``__getattr__`` serves those)."""
+    out: set[str] = set()
+    for n in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Name, ast.Attribute)) and isinstance(n.ctx, ast.Store):
+            out.add(n.id if isinstance(n, ast.Name) else n.attr)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier():
+            out.add(n.value)  # __all__'s entries
+    return out
+
+
+def unresolved(dotted: str, root: Path = ROOT) -> str | None:
+    """Why ``dotted`` (``harness.core.gates.DEFAULT_GATES``) names nothing in the tree at ``root``, or None: its longest
+    module prefix must be a module or package, and the next part a name that module binds."""
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        base = root.joinpath(*parts[:k])
+        module = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if module.is_file():
+            rest = parts[k:]
+            found = not rest or rest[0] in _defined(module)
+            return None if found else f"{rest[0]} is not in {module.relative_to(root)}"
+    return "no such module"
+
+
+def test_unresolved_finds_a_name_that_moved(tmp_path):
+    (tmp_path / "harness" / "core").mkdir(parents=True)
+    (tmp_path / "harness" / "core" / "gates.py").write_text("LIMIT = 1\n")
+    assert unresolved("harness.core.gates.LIMIT", tmp_path) is None
+    assert unresolved("harness.core.gates", tmp_path) is None
+    assert unresolved("harness.core.gates.GONE", tmp_path) == "GONE is not in harness/core/gates.py"
+    assert unresolved("harness.gone.LIMIT", tmp_path) == "no such module"
+
+
+def test_every_named_module_member_exists():
+    """A cross-reference by full dotted name (``:func:`harness.parity.checks.pair.pair_checks```) in a document or a
+    docstring names something its module still defines: a name that moved in a split is named where it now lives."""
+    bad = [f"{doc.relative_to(ROOT)}:{n}: {m}: {why}" for doc in _documents()
+           for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1)
+           for m in _ROLE.findall(line) if (why := unresolved(m)) is not None]
+    assert not bad, "cross-references to names that are not there:\n" + "\n".join(bad)

@@ -1,6 +1,6 @@
 """The ``g4h bench`` report: ``results.json``, a llama-bench-style ``report.md``, PNG plots, and the ratio baseline.
 
-Layout of ``results.json`` (``version`` :data:`harness.bench.RESULT_VERSION`)::
+Layout of ``results.json`` (``version`` :data:`harness.bench.run.RESULT_VERSION`)::
 
     {"version": 1, "kind": "bench", "created_utc": "...", "machine": {...},
      "model": {"name": ..., "path": ..., "params": N, "size_bytes": B, "arch": ...},

@@ -200,27 +200,6 @@ def emulable_types(types) -> list[str]:
     return sorted(t for t in set(types) if t not in VEC_DOT_TYPE)
 
 
-def check_declaration(dtype: Any, kv_cache: Any, approximations: Any, where: str,
-                      vec_dot_types: Any = None) -> Numerics:
-    """A :class:`Numerics` from declared values, checked.
-
-    Raises:
-        InputError: an unknown dtype, KV cache type, approximation or dot-product table (``where`` names the place:
-            ``hello``, ``--declare``).
-    """
-    if vec_dot_types is not None and vec_dot_types not in VEC_DOT_TABLES:
-        raise InputError(f"{where}: vec_dot_types: expected one of {', '.join(VEC_DOT_TABLES)}, got "
-                         f"{vec_dot_types!r}")
-    if dtype not in DTYPES:
-        raise InputError(f"{where}: dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
-    if kv_cache is not None and kv_cache not in KV_CACHE_TYPES:
-        raise InputError(f"{where}: kv_cache: expected one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
-    if not isinstance(approximations, (list, tuple)) or any(a not in APPROXIMATIONS for a in approximations):
-        raise InputError(f"{where}: approximations: expected a list of {', '.join(APPROXIMATIONS)}, "
-                         f"got {approximations!r}")
-    return Numerics(dtype, kv_cache, tuple(dict.fromkeys(approximations)), vec_dot_types=vec_dot_types)
-
-
 def parse_declare(items: Iterable[str]) -> dict[str, Any]:
     """``--declare KEY=VALUE`` options -> ``{"dtype": ..., "kv_cache": ..., "approximations": [...]}`` (only the keys
     given). ``approximations`` takes a comma list, or ``none``; ``kv_cache`` takes ``f16``/``f32``/``bf16`` as

@@ -281,7 +281,7 @@ def user_case(path: str, against: Sequence[str] | None, prompts: Sequence[dict[s
     model, one pair after another (:func:`harness.parity.checks.pair.pair_checks`: an engine that cannot run
     is a failing ``reference~<kind>.runs`` figure and the next pair still runs; a second engine of one kind is the
     pair ``reference~<kind>#2``), then the reference against itself (cached vs uncached). ``oracle`` ``fast``
-    (:data:`harness.parity.checks.pair.ORACLES`): the fast engine in fp32 (with ``engine_options``' device and
+    (:data:`harness.core.engine_kinds.ORACLES`): the fast engine in fp32 (with ``engine_options``' device and
     weight mode) stands in for the reference, the pairs are ``fast~<kind>``, and the reference's own
     cached-vs-uncached check is left out (it would run the float64 forwards ``--oracle fast`` is there to avoid;
     ``info["oracle"]`` says so). With ``--oracle fast`` the file is loaded once (:func:`reference.weights.load_model`)

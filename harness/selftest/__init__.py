@@ -69,7 +69,7 @@ MM_SELFTEST_PROMPTS = ("image-audio", "two-images")
 
 
 def fast_reference_rule(gates: dict | None = None) -> DivergenceRule:
-    """The selftest's rule as a :class:`harness.DivergenceRule`: per-point cosine
+    """The selftest's rule as a :class:`harness.traces.compare.DivergenceRule`: per-point cosine
     (:data:`harness.core.gates.SELFTEST_MIN_COSINE`, why not the pair's relative L2 there) and max |Δlogit| at
     ``result_output`` (``reference~fast.max_abs_logit``, from ``gates`` or :data:`harness.core.gates.DEFAULT_GATES`)."""
     g = gates or DEFAULT_GATES

@@ -1,8 +1,8 @@
 """The llama.cpp MTP-drafter worker: a ``gemma4-assistant`` GGUF drafting against its target, in its own process.
 
-Started as ``python -m gemma4_harness.harness.engines.llamacpp.drafter_worker`` by :func:`harness.engines.llamacpp.drafter.run`;
-one JSON request on stdin, ``<out_dir>/result.json`` when it exits with status 0 (else one stderr line
-``G4H-WORKER-ERROR[...]: ...``), as :mod:`.worker`.
+Started as ``python -m gemma4_harness.harness.engines.llamacpp.drafter_worker`` by
+:func:`harness.engines.llamacpp.drafter._run`; one JSON request on stdin, ``<out_dir>/result.json`` when it exits
+with status 0 (else one stderr line ``G4H-WORKER-ERROR[...]: ...``), as :mod:`.worker`.
 
 How llama.cpp is driven (the ``is_mem_shared`` path of ``common/speculative.cpp``'s ``draft-mtp``):
 
