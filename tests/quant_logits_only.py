@@ -2,7 +2,8 @@
 of tests/test_local_gate.py and its faulty copies (quant_faults.make_fault), judged as ``g4h parity`` judges the pair
 (``harness/parity/checks/pair.py`` ``_measure``; ``<pair>_q8.agreeing_positions`` on logits, harness/parity/checks/
 quantized.py ``quantized_gates``). Prints one JSON line per copy: whether the pair passes, the gates that fail, and
-the ``agreeing_positions`` figure (the engine's count, the null's, the ratio, or why it has no resolution); the
+the ``agreeing_positions`` figure (the engine's count, the null's, the ratio, or why it has no resolution) and the
+``median_abs_logit`` figure (the engine's median, the null's, the limit, whether it judges); the
 tables of docs/quantized-activations.md ("Engines with logits and no tensors").
 
     python tests/quant_logits_only.py VARIANT cmd|llamacpp [rows,block,swap] [N_TOKENS]
@@ -112,6 +113,10 @@ def main(argv: list[str]) -> int:
             row.update(ratio=agree["measured"], agreeing=agree.get("agreeing"),
                        reference_agreeing=agree.get("reference_agreeing"),
                        judged=not agree.get("informational"), no_resolution=agree.get("no_resolution"))
+        med = next((c for c in res.checks if c["gate"].endswith("_q8.median_abs_logit")), None)
+        if med is not None:  # the sizes (gates.Q8_MEDIAN_LOGIT_WHY): judged where the count has no resolution
+            row.update(median_abs_logit=med["measured"], median_null=med.get("null"), median_limit=med["limit"],
+                       median_judged=not med.get("informational"))
         kld = [c for c in res.checks if c["gate"].endswith("_q8x.mean_kld")]
         if kld:
             row["q8x_mean_kld"] = [round(c["measured"], 6) for c in kld]
