@@ -373,8 +373,11 @@ Q8_AGREEING_WHY = (
     "rows x1.02, one block of blk.3.attn_output x1.5, two rows of blk.2.ffn_gate swapped: 0 in all 24 copies. Against "
     "the input null: 3.07 (h96-q8_0), none (h128-ple-q4_0), 1.81 (e2b Q8_0), 0.82 (h96-q4_1), 0.80 (h128-ple-q5_1); "
     "with the llamacpp engine before it was judged per layer, correct files 7.89 (31b Q4_K_M by llama-quantize) and "
-    "21 (the real Gemma 3 270M Q4_K_M), the rows fault 0 in all 7 copies. 0.2: a correct engine's count may "
-    "fall below the jittered reference's one draw by chance; 5 x below is far outside what the figures show, and a "
+    "21 (the real Gemma 3 270M Q4_K_M), the rows fault 0 in all 7 copies; against the sums null, the llamacpp "
+    "engine with its traces withheld (tests/quant_logits_only.py 31b-Q4_K_M|gemma3-270m-Q4_K_M llamacpp), 82 "
+    "against 72 (1.14) and 22 against 16 (1.38), the rows, block and swap faults 0 on both. 0.2: a correct engine's "
+    "count may fall below the jittered reference's one draw by chance; 5 x below is far outside what the figures "
+    "show, and a "
     "fault gives 0 (docs/quantized-activations.md). An engine that gives log-probs, not logits (an OpenAI server, a "
     "cmd: engine without logits) is counted the same way on what it returns: per greedy stream, its prompt positions "
     "where it reports prompt log-probs (llama-cpp-python's echo, vLLM) or, where it takes ids and reports none "
@@ -441,9 +444,10 @@ Q8_MEDIAN_LOGIT_WHY = (
     "blk.3.attn_output x1.5 1.2e-1 (16 x), two rows of blk.2.ffn_gate swapped 4.1e-1 (55 x); the 8-bit yardstick "
     "that judged there before passed the rows and block faults. Its limits are median_abs_logprob's: blind where a "
     "coarse (int8) rounding's flips are dense (h128-ple-q4_0, where the count has resolution and judges: correct "
-    "0.16 against the null's 0.16, the rows fault 0.26 under the limit 0.33), and an engine whose fp32 noise is more "
-    "than ~4 x the null's would fail here correct (not seen). Elsewhere reported, not gated (agreeing_positions "
-    "judges)")
+    "0.16 against the null's 0.16, the rows fault 0.26 under the limit 0.33; the real Gemma 3 270M Q4_K_M through "
+    "the llamacpp engine without traces: correct 1.36 against 1.42, the faults 1.51 to 1.71 under 2.84), and an "
+    "engine whose fp32 noise is more than ~4 x the null's would fail here correct (not seen). Elsewhere reported, "
+    "not gated (agreeing_positions judges)")
 """Why ``<pair>_q8.median_abs_logit`` gates where the logits' leading runs have no resolution."""
 
 Q8_LOCAL_FLOOR = 1e-4
