@@ -2,7 +2,8 @@
 of tests/test_local_gate.py and its faulty copies (quant_faults.make_fault), judged as ``g4h parity`` judges the pair
 (``harness/parity/checks/pair.py`` ``_measure``; ``<pair>_q8.agreeing_positions`` on logits, harness/parity/checks/
 quantized.py ``quantized_gates``). Prints one JSON line per copy: whether the pair passes, the gates that fail, and
-the ``agreeing_positions`` figure (the engine's count, the null's, the ratio, or why it has no resolution); the
+the ``agreeing_positions`` figure (the engine's count, the null's, the ratio, or why it has no resolution) and the
+``median_abs_logit`` figure (the engine's median, the null's, the limit, whether it judges); the
 tables of docs/quantized-activations.md ("Engines with logits and no tensors").
 
     python tests/quant_logits_only.py VARIANT cmd|llamacpp [rows,block,swap] [N_TOKENS]
@@ -12,7 +13,8 @@ gelu_fp16_table and quantized_activations) with ``--declare vec_dot_types=llama.
 "cmd:python examples/llamacpp_engine.py" --declare vec_dot_types=llama.cpp`` would run it. ``llamacpp``: the
 ``llamacpp`` engine with its traces withheld (:class:`NoTraces`). The faults: rows x1.02 in ``blk.1.ffn_down`` (the
 first half), one block x1.5 in ``blk.3.attn_output``, rows swapped in ``blk.2.ffn_gate`` (quant_matrix.TENSORS);
-``e2b-q8_0`` or ``e2b-f16`` for VARIANT: the e2b case in that type.
+``e2b-q8_0`` or ``e2b-f16`` for VARIANT: the e2b case in that type; a row of tests/quant_matrix.py ``FILES``
+(``31b-Q4_K_M``, ``gemma3-270m-Q4_K_M``): that file. ``none`` for the faults: the correct file only.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def engine(which: str, path: Path):
 
 
 def built(variant: str, tmp: Path) -> Path:
+    from quant_matrix import FILES, model_file
+
+    if variant in FILES:  # a row of tests/quant_matrix.py: 31b-Q4_K_M (llama-quantize), gemma3-270m-Q4_K_M (real)
+        return model_file(variant, tmp)
     if variant.startswith("e2b-"):  # e2b-q8_0, e2b-f16: the e2b case in that type
         from gemma4_harness.harness.core.cases import resolve_spec
         from gemma4_harness.harness.synth import ensure_built
@@ -86,6 +92,7 @@ def built(variant: str, tmp: Path) -> Path:
 def main(argv: list[str]) -> int:
     variant, which = argv[0], argv[1]
     faults = argv[2].split(",") if len(argv) > 2 and argv[2] else ["rows", "block", "swap"]
+    faults = [f for f in faults if f != "none"]  # none: the correct file only
     n_tokens = int(argv[3]) if len(argv) > 3 else 4
     tensors = dict(zip(("rows", "block", "swap"), TENSORS))
     tmp = Path(tempfile.mkdtemp(prefix="quant-logits-only-"))
@@ -112,6 +119,10 @@ def main(argv: list[str]) -> int:
             row.update(ratio=agree["measured"], agreeing=agree.get("agreeing"),
                        reference_agreeing=agree.get("reference_agreeing"),
                        judged=not agree.get("informational"), no_resolution=agree.get("no_resolution"))
+        med = next((c for c in res.checks if c["gate"].endswith("_q8.median_abs_logit")), None)
+        if med is not None:  # the sizes (gates.Q8_MEDIAN_LOGIT_WHY): judged where the count has no resolution
+            row.update(median_abs_logit=med["measured"], median_null=med.get("null"), median_limit=med["limit"],
+                       median_judged=not med.get("informational"))
         kld = [c for c in res.checks if c["gate"].endswith("_q8x.mean_kld")]
         if kld:
             row["q8x_mean_kld"] = [round(c["measured"], 6) for c in kld]

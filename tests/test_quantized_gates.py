@@ -306,6 +306,55 @@ def test_logits_only_engine_is_judged_by_its_leading_runs_on_a_ple_q4_0_file(fau
         assert not res.passed and not agree["pass"] and agree["agreeing"] == 0, agree
 
 
+@pytest.fixture(scope="module")
+def e2b_f16(tmp_path_factory):
+    """The e2b case's F16 file, its reference runs and the first 4 synthetic prompts within its vocabulary."""
+    from quant_pairs import prompts_for
+
+    from gemma4_harness.harness.engines.reference import ReferenceEngine
+    from gemma4_harness.harness.parity.checks.reference_runs import ReferenceRuns
+
+    path = _case("e2b", "F16")
+    runs = ReferenceRuns(ReferenceEngine(path))
+    return tmp_path_factory.mktemp("e2b-f16"), path, runs, prompts_for(path, runs.ref.cfg)[:4]
+
+
+@pytest.mark.parametrize("fault", ["correct", "rows"])
+def test_logits_only_engine_is_judged_by_its_median_where_the_count_has_no_resolution(fault, e2b_f16):
+    """An engine that gives logits and no tensors (examples/llamacpp_engine.py behind the subprocess protocol, with
+    ``--declare vec_dot_types=llama.cpp``) on the e2b F16 file: the sums-jittered null (quantized.NULL) agrees on
+    fewer positions than one per prompt (F16's rounding flips are dense), so ``agreeing_positions`` is reported with
+    its reason and ``median_abs_logit`` judges (gates.Q8_MEDIAN_LOGIT_WHY), not the 8-bit yardstick, which passed
+    this fault (docs/quantized-activations.md, "Engines with logits and no tensors"). The correct file passes; the
+    first half of blk.1.ffn_down's rows x1.02 fails on ``median_abs_logit``."""
+    from quant_faults import make_fault
+    from quant_logits_only import engine
+
+    from gemma4_harness.harness.core.gates import DEFAULT_GATES
+    from gemma4_harness.harness.parity.checks.pair import _measure
+    from gemma4_harness.harness.parity.result import CaseResult
+
+    need_llamacpp()
+    tmp, path, runs, prompts = e2b_f16
+    served = path if fault == "correct" else make_fault("rows", path, tmp / "rows.gguf", "blk.1.ffn_down.weight")[0]
+    eng, kind = engine("cmd", served)
+    try:
+        figs = _measure(runs, eng, kind, "reference~cmd", prompts, lambda m: None, "q", 2)
+    finally:
+        eng.close()
+    assert not any("_per_position" in f.detail for f in figs)  # pooled, not reported per prompt
+    res = CaseResult(case="q", kind="user", model=str(served))
+    res.apply(figs, DEFAULT_GATES)
+    failing = sorted({c["gate"] for c in res.checks if not c["pass"] and not c.get("informational")})
+    assert failing == ([] if fault == "correct" else ["reference~cmd_q8.median_abs_logit"]), failing
+    (agree,) = [c for c in res.checks if c["gate"] == "reference~cmd_q8.agreeing_positions"]
+    assert agree.get("informational") and agree["reference_agreeing"] < len(prompts), agree
+    (med,) = [c for c in res.checks if c["gate"] == "reference~cmd_q8.median_abs_logit"]
+    assert not med.get("informational") and med["positions"] == sum(len(p["prompt_ids"]) for p in prompts), med
+    assert med["limit"] == max(1e-3, 2 * med["null"]), med
+    assert not [c for c in res.checks if c["gate"].endswith("_q8x.mean_kld")]  # no fallback to the yardstick
+
+
 def test_faults_change_what_they_say(tmp_path):
     """:mod:`quant_faults` on a Q8_0 matrix: the block fault changes one block's fp16 scale by x1.5 and no other byte;
     the swap exchanges two rows' bytes; the row fault scales the first half of the rows' scales."""

@@ -373,8 +373,11 @@ Q8_AGREEING_WHY = (
     "rows x1.02, one block of blk.3.attn_output x1.5, two rows of blk.2.ffn_gate swapped: 0 in all 24 copies. Against "
     "the input null: 3.07 (h96-q8_0), none (h128-ple-q4_0), 1.81 (e2b Q8_0), 0.82 (h96-q4_1), 0.80 (h128-ple-q5_1); "
     "with the llamacpp engine before it was judged per layer, correct files 7.89 (31b Q4_K_M by llama-quantize) and "
-    "21 (the real Gemma 3 270M Q4_K_M), the rows fault 0 in all 7 copies. 0.2: a correct engine's count may "
-    "fall below the jittered reference's one draw by chance; 5 x below is far outside what the figures show, and a "
+    "21 (the real Gemma 3 270M Q4_K_M), the rows fault 0 in all 7 copies; against the sums null, the llamacpp "
+    "engine with its traces withheld (tests/quant_logits_only.py 31b-Q4_K_M|gemma3-270m-Q4_K_M llamacpp), 82 "
+    "against 72 (1.14) and 22 against 16 (1.38), the rows, block and swap faults 0 on both. 0.2: a correct engine's "
+    "count may fall below the jittered reference's one draw by chance; 5 x below is far outside what the figures "
+    "show, and a "
     "fault gives 0 (docs/quantized-activations.md). An engine that gives log-probs, not logits (an OpenAI server, a "
     "cmd: engine without logits) is counted the same way on what it returns: per greedy stream, its prompt positions "
     "where it reports prompt log-probs (llama-cpp-python's echo, vLLM) or, where it takes ids and reports none "
@@ -395,8 +398,9 @@ Q8_AGREEING_WHY = (
     "rows x1.02: 0 (tests/test_quantized_servers.py). Judged where the jittered reference agrees on at least one "
     "position per stream, or per prompt on logits (fewer: no resolution, reported; with the input null, e2b F16 on "
     "llama-server, 2 over 6, was a false alarm, and through the llamacpp engine, 2 over 6 prompts; on logits, e2b F16 "
-    "agrees on none of 8 prompts with the sums null, 1 with the input null: the yardstick judges there, and passes "
-    "the rows and block faults). For a server whose streams' null is under "
+    "agrees on none of 8 prompts with the sums null, 1 with the input null: median_abs_logit judges there, "
+    "Q8_MEDIAN_LOGIT_WHY; the 8-bit yardstick judged there before it and passed the rows and block faults). For a "
+    "server whose streams' null is under "
     "that floor, windows judge instead: each distinct prompt token after BOS asked as [BOS, token] for one token "
     "(independent requests, two rows each: quantized.WINDOWS_WHY), counted the same way, judged where the null "
     "agrees on at least window_floor() = 14 of them (a Poisson count of mean 14 falls under 0.2 x 14 with "
@@ -422,6 +426,29 @@ Q8_MEDIAN_WHY = (
     "Gemma 3 270M Q4_K_M served by llama-cpp-python, correct 1.02 x, the three faults 1.06 to 1.14 x (that case is "
     "judged by the windows instead); and a server whose fp32 noise is more than ~4 x the null's would fail here "
     "correct (not seen)")
+
+Q8_MEDIAN_LOGIT_WHY = (
+    "where agreeing_positions on logits has no resolution (an engine with logits and no tensors: its null agrees on "
+    "fewer positions than one per prompt), the sizes judge, as median_abs_logprob does for a server (Q8_MEDIAN_WHY, "
+    "the same rule and factor): the median, over every position of every prompt pooled, of the largest difference "
+    "over the vocabulary of the engine's logits from the emulating reference's, at max(fp32 bound, 2 x the same "
+    "median of the null (the emulating reference with its fp32 sums jittered, quantized.NULL, against the emulating "
+    "reference)). Pooled, not per prompt: a fault moves every position of every prompt, and one prompt's few "
+    "positions make a coarse median of their own (as the streams' positions are pooled). Why sizes there: the flips "
+    "too dense to count are those of a fine rounding (F16, BF16), each small, every position carrying many: its "
+    "difference is their sum, the engine's and the null's of the same law, and a fault adds its effect to every "
+    "position. Measured (tests/quant_logits_only.py e2b-f16 cmd|llamacpp: the e2b F16 file, the 8 synthetic prompts, "
+    "217 positions, the null agreeing on no leading position; examples/llamacpp_engine.py and the llamacpp engine "
+    "with its traces withheld, the same figures): correct engine 7.0e-3 against the null's 7.5e-3 (0.94 x; limit "
+    "1.5e-2); the first half of blk.1.ffn_down's rows x1.02 4.9e-2 (6.6 x the null), one block of "
+    "blk.3.attn_output x1.5 1.2e-1 (16 x), two rows of blk.2.ffn_gate swapped 4.1e-1 (55 x); the 8-bit yardstick "
+    "that judged there before passed the rows and block faults. Its limits are median_abs_logprob's: blind where a "
+    "coarse (int8) rounding's flips are dense (h128-ple-q4_0, where the count has resolution and judges: correct "
+    "0.16 against the null's 0.16, the rows fault 0.26 under the limit 0.33; the real Gemma 3 270M Q4_K_M through "
+    "the llamacpp engine without traces: correct 1.36 against 1.42, the faults 1.51 to 1.71 under 2.84), and an "
+    "engine whose fp32 noise is more than ~4 x the null's would fail here correct (not seen). Elsewhere reported, "
+    "not gated (agreeing_positions judges)")
+"""Why ``<pair>_q8.median_abs_logit`` gates where the logits' leading runs have no resolution."""
 
 Q8_LOCAL_FLOOR = 1e-4
 """The least limit of ``<pair>_q8.local_median`` (see :data:`Q8_LOCAL_WHY`)."""
@@ -492,6 +519,8 @@ def _q8_gates(pair: str) -> list[Gate]:
     out.append(Gate(f"{pair}_q8.agreeing_positions", Q8_AGREEING, "ge", _Q8_WHY + Q8_AGREEING_WHY))
     out.append(Gate(f"{pair}_q8.local_median", Q8_LOCAL_FLOOR, "le", _Q8_WHY + Q8_LOCAL_WHY))
     out.append(Gate(f"{pair}_q8.median_abs_logprob", Q8_REPORTED["max_abs_logprob"], "le", _Q8_WHY + Q8_MEDIAN_WHY))
+    out.append(Gate(f"{pair}_q8.median_abs_logit", Q8_REPORTED["max_abs_logit"], "le",
+                    _Q8_WHY + Q8_MEDIAN_LOGIT_WHY))
     for m in ("same_top1_decisive", "greedy"):
         g = DEFAULT_GATES[f"oracle~engine.{m}"]
         out.append(Gate(f"{pair}_q8.{m}", g.limit, g.op, _Q8_WHY + "as " + g.name + ": " + g.reason))
@@ -554,7 +583,7 @@ def oracle_pair_gates(oracle: str) -> list[Gate]:
     return out
 
 
-Q8_ONLY_METRICS = ("agreeing_positions", "local_median", "median_abs_logprob")
+Q8_ONLY_METRICS = ("agreeing_positions", "local_median", "median_abs_logprob", "median_abs_logit")
 """The metrics only an emulated pair (``<pair>_q8``) has: :func:`oracle_pair_gates` gives them to the fast oracle's
 pairs too (it emulates ``quantized_activations`` through its ``--compute q8``)."""
 

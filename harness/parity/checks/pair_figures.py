@@ -161,7 +161,10 @@ def _logit_figures(runs: ReferenceRuns, ours: np.ndarray, base: np.ndarray, appr
     position whose max |Δlogit| is above the gate's limit: ``logits@position N``) and, under emulations, the
     *effect*: how far they move the oracle's logits and KLD (the oracle with them against the oracle without them),
     which raises the gates (:func:`harness.core.gates.effect_limit`), and the same figures against the exact oracle
-    beside (``vs_exact_reference``). ``limit``: the max |Δlogit| gate's base limit."""
+    beside (``vs_exact_reference``). ``limit``: the max |Δlogit| gate's base limit. Where ``approx`` emulates
+    ``quantized_activations``, the ``max_abs_logit`` figure also carries ``_per_position`` (``[T]`` float64, the
+    max |Δlogit| over the vocabulary at each position, against ``base``), which
+    :func:`.quantized.quantized_gates` pools into ``median_abs_logit`` and removes from the detail."""
     effect = e_kld = 0.0
     exact = None
     own = limit  # the gate's limit before any effect raises it
@@ -170,6 +173,8 @@ def _logit_figures(runs: ReferenceRuns, ours: np.ndarray, base: np.ndarray, appr
         effect, e_kld = logit_effect(runs, approx, p)
         limit = max(limit, effect_limit(DEFAULT_GATES[f"{pair}.max_abs_logit"], effect))
     figs = prompt_logit_figures(ours, base, pair, p["id"], limit, own, runs.name)
+    if "quantized_activations" in approx:  # for median_abs_logit (.quantized.quantized_gates pools and drops it)
+        figs[0].detail["_per_position"] = np.max(np.abs(ours - base), axis=1)
     if exact is not None:
         figs[0].detail.update(effect=effect, emulated=list(approx))
         figs[1].detail.update(effect=e_kld, effect_power=2, emulated=list(approx))

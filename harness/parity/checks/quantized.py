@@ -78,7 +78,13 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
     fp32 output moved in its last bits (:data:`NULL`, ``jitter_sums``: what the flips alone do on this model and
     prompt; not the input jitter, which flips exact ties no correct engine flips and, on a PLE Q4_0 file, agreed on
     no position at all). When that reference agrees on fewer positions than one per prompt (flips too dense: no
-    resolution), the figure is reported and the mean KLD is gated as below. An engine
+    resolution), the figure is reported and ``<pair>_q8.median_abs_logit`` judges (the median, over every position
+    of every prompt pooled, of the engine's max |dlogit| over the vocabulary against the emulating reference, at
+    max(fp32 bound, 2 x the same median of the null): ``Q8_MEDIAN_LOGIT_WHY`` in harness/core/gates.py, the rule of
+    ``median_abs_logprob`` below); it is reported wherever the count judges. The positions' differences come from
+    the ``max_abs_logit`` figures' ``_per_position`` (``pair._logit_figures``), removed from their detail here; where
+    they are missing (figures not measured by ``pair._logit_figures``), the mean KLD is gated against the yardstick
+    as below. An engine
     without logits (a server) is counted on its greedy streams' log-probs instead (:func:`stream_agreement`, in the
     ``max_abs_logprob`` figure's detail), against the same null: the same gate, the same ratio. Where that null
     agrees on fewer positions than one per stream, the windows judge (:func:`window_agreement`, :data:`WINDOWS_WHY`:
@@ -101,27 +107,44 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
     if seeded:  # the engine's tensor traces, each layer judged on its own: the gate of the emulated pair
         figures[:] = [f for f in figures if not any(f is g for g in seeded)]
         figures.append(local_figure(pair, seeded))
+    # the per-position max |dlogit| of each prompt (pair._logit_figures), for median_abs_logit; never reported as such
+    per_position = {id(f): f.detail.pop("_per_position") for f in figures if "_per_position" in f.detail}
     if gap is None:
         logit = [f for f in figures if f.gate == head + "max_abs_logit" and "agreeing_prefix" in f.detail]
         streams = [f for f in figures if f.gate == head + "max_abs_logprob" and "agreeing_prefix" in f.detail]
         detail: dict[str, Any] | None = None
+        logit_sizes: dict[str, Any] | None = None  # median_abs_logit's figures (MEDIAN_LOGIT_WHY)
         if logit:
             own = DEFAULT_GATES[head + "max_abs_logit"].limit
             agree, total = sum(f.detail["agreeing_prefix"] for f in logit), sum(f.detail["positions"] for f in logit)
             itself = 0  # the emulating reference against itself with its fp32 sums jittered (NULL)
+            diffs: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # per prompt: the engine's, the null's
+            per_prompt_sizes: dict[str, list[float]] = {}
             for f in (() if seeded else logit):  # reported beside local_median: not worth a forward per prompt
                 p = by_id[str(f.prompt)]
                 base = runs.logits(approx, p)[0]
                 moved = np.max(np.abs(runs.raw_logits((*approx, NULL), p["prompt_ids"]) - base), axis=1)
                 apart = np.nonzero(~(moved <= own))[0]
                 itself += int(apart[0]) if apart.size else int(moved.size)
+                theirs = per_position.get(id(f))
+                if theirs is not None and len(theirs) == len(moved):
+                    theirs = np.nan_to_num(np.asarray(theirs, dtype=np.float64), nan=np.inf)  # NaN: no agreement
+                    diffs[0].append(theirs)
+                    diffs[1].append(moved)
+                    per_prompt_sizes[str(f.prompt)] = [float(np.median(theirs)), float(np.median(moved)),
+                                                       int(moved.size)]
+            if diffs[0] and len(diffs[0]) == len(logit):  # every prompt's positions, pooled (as the streams')
+                e, j = np.concatenate(diffs[0]), np.concatenate(diffs[1])
+                logit_sizes = {"median": float(np.median(e)), "null": float(np.median(j)), "positions": int(e.size),
+                               "per_prompt": per_prompt_sizes}
             detail = dict(positions=total, agreeing=agree, reference_agreeing=itself, on="logits",
                           per_prompt={str(f.prompt): [f.detail["agreeing_prefix"], f.detail["positions"]]
                                       for f in logit})
             instead = "the mean KLD is gated against the 8-bit yardstick instead"
             # a count of leading runs under one position per prompt has no resolution (as for streams below):
             # measured, e2b F16 through the llamacpp engine, the input-jittered reference 2 over 6 prompts and the
-            # correct engine 0 (a false alarm); with NULL, 0 over 8 (tests/quant_logits_only.py e2b-f16)
+            # correct engine 0 (a false alarm); with NULL, 0 over 8 (tests/quant_logits_only.py e2b-f16); the sizes
+            # judge there (median_abs_logit, MEDIAN_LOGIT_WHY in harness/core/gates.py)
             floor = len(logit)
         elif streams:  # an engine without logits: its greedy streams' log-probs (stream_agreement)
             f = streams[0]
@@ -149,6 +172,12 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
                     extra = {} if not judged_by_count else {"informational_reason": MEDIAN_REPORTED}
                     figures.append(fig(f"{pair}_q8.median_abs_logprob", med, None, effect=null_med, null=null_med,
                                        positions=detail["positions"], **extra))
+            if logit_sizes is not None:  # the sizes of the differences on logits: gated where the count has none
+                extra = {} if itself < floor else {"informational_reason": MEDIAN_LOGIT_REPORTED}
+                figures.append(fig(f"{pair}_q8.median_abs_logit", logit_sizes["median"], None,
+                                   effect=logit_sizes["null"], null=logit_sizes["null"],
+                                   positions=logit_sizes["positions"], per_prompt=logit_sizes["per_prompt"],
+                                   on="logits: per position, the max |dlogit| over the vocabulary", **extra))
             if itself < floor and win is not None and win["reference_agreeing"] >= win["floor"]:
                 # the streams' leading runs have no resolution, the windows have (WINDOWS_WHY): they judge
                 figures.append(fig(f"{pair}_q8.agreeing_positions", win["agreeing"] / win["reference_agreeing"], None,
@@ -160,6 +189,10 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
                 # neither the streams nor the windows: flips too dense to count; median_abs_logprob judges
                 figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
                                    **({"windows": win} if win else {}), informational_reason=SIZES_JUDGE))
+            elif itself < floor and logit_sizes is not None and logit_sizes["null"] == logit_sizes["null"]:
+                # logits whose leading runs have no resolution: flips too dense to count; median_abs_logit judges
+                figures.append(fig(f"{pair}_q8.agreeing_positions", float("nan"), None, **detail,
+                                   informational_reason=SIZES_JUDGE_LOGITS))
             elif itself < floor:
                 over = "prompts" if logit else "streams"
                 dense = (f"{'no position' if itself == 0 else f'{itself} position(s) over {floor} {over}'} of the "
@@ -228,6 +261,14 @@ MEDIAN_REPORTED = ("reported, not gated: agreeing_positions judges (its null has
 SIZES_JUDGE = ("reported, not gated: the null agrees on fewer positions than one per stream and on fewer windows than "
                "the floor (rounding flips too dense to count agreeing positions); median_abs_logprob judges")
 """Why ``agreeing_positions`` is reported where ``median_abs_logprob`` judges."""
+
+MEDIAN_LOGIT_REPORTED = ("reported, not gated: agreeing_positions judges (its null agrees on at least one position "
+                         "per prompt)")
+"""Why ``median_abs_logit`` is reported where the count judges (:data:`harness.core.gates.Q8_MEDIAN_LOGIT_WHY`)."""
+
+SIZES_JUDGE_LOGITS = ("reported, not gated: the null agrees on fewer positions than one per prompt (rounding flips too "
+                      "dense to count agreeing positions); median_abs_logit judges")
+"""Why ``agreeing_positions`` on logits is reported where ``median_abs_logit`` judges."""
 
 LOCAL_JUDGES = ("reported, not gated: the engine gave its tensors, and local_median judges each layer on its own "
                 "(re-seeded from the engine's stream, so that an int8 rounding flip cannot carry into the layers after "
