@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from . import quant_kernels
+from . import q8_compute, quant_kernels
 from .quant_bench import case_args, ints, markdown, packed_pool, time_calls
 
 SHAPES = {"2048x8192": (2048, 8192), "8192x2048": (8192, 2048), "2048x2816": (2048, 2816)}
@@ -40,8 +40,6 @@ def run(types: list[str], shapes: list[str], rows: list[int], threads: list[int]
     """One dict per (type, shape, threads, M): ``exact`` and ``q8`` (wall seconds per call) and ``exact_cpu``,
     ``q8_cpu`` (process CPU seconds per call), ``MB`` packed; with ``emulated`` also ``emulated`` and
     ``emulated_cpu``."""
-    from . import q8_compute
-
     out = []
     saved = torch.get_num_threads()
     try:
