@@ -201,9 +201,10 @@ def dequantize_rows(raw: torch.Tensor, qtype: str, row_len: int, start: int, sto
 Q8_SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_q8.c"
 """The integer-dot-product kernels of the fast engine's ``--compute q8`` (its header gives what they compute)."""
 Q8_TYPES: dict[str, int] = {name: int(GGMLQuantizationType[name])
-                            for name in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")}
-"""Weight types :func:`q8_linear` takes: Q8_0, Q4_0, Q5_0 (their ``vec_dot_type`` is Q8_0) and Q4_K, Q6_K (Q8_K, the
-types a Q4_K_M file mostly holds); the others take the rounding emulation in torch (:mod:`fast.q8_compute`)."""
+                            for name in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")}
+"""Weight types :func:`q8_linear` takes: Q8_0, Q4_0, Q5_0 (their ``vec_dot_type`` is Q8_0) and Q4_K, Q5_K, Q6_K (Q8_K,
+the types a Q4_K_M or Q5_K_M file mostly holds); the others take the rounding emulation in torch
+(:mod:`fast.q8_compute`)."""
 Q8_MAX_ROWS = 64
 """Largest ``M`` one call of ``g4h_q8_linear`` takes (:func:`q8_linear` cuts larger ones)."""
 
@@ -229,10 +230,11 @@ def q8_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> t
 
     Q8_0 / Q4_0 / Q5_0: each row of ``x`` quantized to Q8_0 blocks (``quantize_row_q8_0``, AVX path: ties to even,
     multiplier ``127/amax``, fp16 scale), exact integer sums per block, times the two block scales in fp32, summed in
-    fp32. Q4_K / Q6_K: each row quantized to Q8_K (``quantize_row_q8_K_ref``: 256 values, ``d = 1/(-127/max)`` in
-    fp32, the int16 sums of 16), exact integer sums per sub-block times its 6-bit (Q4_K, with the min term through the
-    sums of 16) or int8 (Q6_K, weights ``q - 32``) scale, the super-block scale products and sums in fp32, in the order
-    of ggml's generic ``ggml_vec_dot_q4_K_q8_K`` / ``ggml_vec_dot_q6_K_q8_K`` (bit for bit, on every ISA path).
+    fp32. Q4_K / Q5_K / Q6_K: each row quantized to Q8_K (``quantize_row_q8_K_ref``: 256 values, ``d =
+    1/(-127/max)`` in fp32, the int16 sums of 16), exact integer sums per sub-block times its 6-bit (Q4_K, Q5_K: the
+    weight the nibble, plus 16 for Q5_K's high bit; the min term through the sums of 16) or int8 (Q6_K, weights ``q -
+    32``) scale, the super-block scale products and sums in fp32, in the order of ggml's generic
+    ``ggml_vec_dot_q4_K_q8_K`` / ``..._q5_K_...`` / ``..._q6_K_...`` (bit for bit, on every ISA path).
 
     Args:
         x: float32 ``[M, row_len]`` on the CPU, any ``M >= 1`` (cut in calls of :data:`Q8_MAX_ROWS`).

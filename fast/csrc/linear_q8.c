@@ -1,7 +1,8 @@
 /* y = x @ W.T computed as llama.cpp's CPU backend computes it: the fast engine's --compute q8.
  *
  * W: [N, K] in GGUF block layout (Q8_0 (8), Q4_0 (2), Q5_0 (6): ggml-common.h's block_q8_0 / block_q4_0 /
- * block_q5_0; Q4_K (12), Q6_K (14): block_q4_K / block_q6_K, the section "K-quants" below), x: [M, K] float32
+ * block_q5_0; Q4_K (12), Q5_K (13), Q6_K (14): block_q4_K / block_q5_K / block_q6_K, the section "K-quants" below),
+ * x: [M, K] float32
  * row-major, y: [M, N] float32 row-major.
  *
  * What it computes for Q8_0, Q4_0, Q5_0 (docs/quantized-activations.md; the weight types whose vec_dot_type is
@@ -367,7 +368,7 @@ static void row2_vnni(int type, long ts, const uint8_t *w, long rb, long nb, con
 #pragma GCC pop_options
 #endif
 
-/* ------------------------------------------------------------------ K-quants: Q4_K, Q6_K against Q8_K
+/* ------------------------------------------------------------------ K-quants: Q4_K, Q5_K, Q6_K against Q8_K
  *
  * The activation rows as block_q8_K (quantize_row_q8_K_ref of ggml/src/ggml-quants.c, what quantize_row_q8_K of
  * arch/x86/quants.c calls): per 256 values, max the first value of largest magnitude (with its sign), iscale =
@@ -376,16 +377,17 @@ static void row2_vnni(int type, long ts, const uint8_t *w, long rb, long nb, con
  * bsums 0: ggml leaves them unwritten, they multiply a zero scale). reference/activation_quants.py quantize_q8_K is
  * the same function; tests/test_q8_compute.py compares both with the built library's from_float, bit for bit.
  *
- * The product of a weight row and an activation row: ggml_vec_dot_q4_K_q8_K_generic / ..._q6_K_q8_K_generic of
- * ggml/src/ggml-cpu/quants.c, in their order and with the fused multiply-adds GCC forms there (the library's
- * compiled generic functions hold vfmadd231ps for `sums[l] += d * aux32[l]` and vfnmadd231ss for
- * `sumf -= dmin * sumi`; the tests compare with them bit for bit):
- *   per super-block i of 256: eight int32 lanes aux32[l] = sum over the 16- (Q6_K) or 32-value (Q4_K) sub-blocks
- *   of scale_sub * sum(w * q) over the values of index = l (mod 8) in the sub-block (exact integers: Q4_K w the
- *   nibble 0..15, scale its 6-bit scale; Q6_K w = q6 - 32, scale its int8 scale); d = fp16(d_w) * d_x (float32);
- *   sums[l] = fmaf(d, (float)aux32[l], sums[l]). Q4_K also: sumi = sum_j bsums[j] * min[j / 2] (exact), dmin =
- *   fp16(dmin_w) * d_x, sumf = fmaf(-dmin, (float)sumi, sumf). Then y = sumf (0 for Q6_K) + sums[0] + ... +
- *   sums[7], left to right. (float)aux32 and (float)sumi are exact (below 2^24).
+ * The product of a weight row and an activation row: ggml_vec_dot_q4_K_q8_K_generic / ..._q5_K_q8_K_generic /
+ * ..._q6_K_q8_K_generic of ggml/src/ggml-cpu/quants.c, in their order and with the fused multiply-adds GCC forms
+ * there (the library's compiled generic functions hold vfmadd231ps for `sums[l] += d * aux32[l]` and vfnmadd231ss
+ * for `sumf -= dmin * sumi`; the tests compare with them bit for bit):
+ *   per super-block i of 256: eight int32 lanes aux32[l] = sum over the 16- (Q6_K) or 32-value (Q4_K, Q5_K)
+ *   sub-blocks of scale_sub * sum(w * q) over the values of index = l (mod 8) in the sub-block (exact integers: Q4_K
+ *   w the nibble 0..15, Q5_K the nibble + 16 * its bit of qh (0..31), scale their 6-bit scale; Q6_K w = q6 - 32,
+ *   scale its int8 scale); d = fp16(d_w) * d_x (float32); sums[l] = fmaf(d, (float)aux32[l], sums[l]). Q4_K and
+ *   Q5_K also: sumi = sum_j bsums[j] * min[j / 2] (exact), dmin = fp16(dmin_w) * d_x, sumf = fmaf(-dmin,
+ *   (float)sumi, sumf). Then y = sumf (0 for Q6_K) + sums[0] + ... + sums[7], left to right. (float)aux32 and
+ *   (float)sumi are exact (below 2^24).
  * The AVX2 path computes the same integers per lane and the same float operations in the same order, so the same
  * bits: the activation rows are kept a second time with each 16 bytes in the order 0, 8, 1, 9, ..., 7, 15 (qp), the
  * weights' bytes put in that order by one _mm256_shuffle_epi8, so that each int16 of _mm256_maddubs_epi16 sums two
@@ -482,12 +484,16 @@ static void rowk_generic(int type, long ts, const uint8_t *w, long nb, const xk_
             const float dx = x->d[m * nb + i];
             int8_t a[QKK];
             int32_t aux32[8] = {0};
-            if (type == 12) { /* block_q4_K: d, dmin (fp16), scales[12], qs[128] */
-                const uint8_t *q4 = blk + 16;
+            if (type == 12 || type == 13) { /* block_q4_K: d, dmin (fp16), scales[12], qs[128]; block_q5_K: d,
+                                             * dmin, scales[12], qh[32], qs[128] (value 64j + l: bit 2j of qh[l],
+                                             * 64j + 32 + l: bit 2j + 1, as 16) */
+                const uint8_t *q4 = blk + (type == 13 ? 48 : 16), *qh = blk + 16;
                 for (int j = 0; j < 4; j++, q4 += 32)
                     for (int l = 0; l < 32; l++) {
-                        a[64 * j + l] = (int8_t)(q4[l] & 0xF);
-                        a[64 * j + 32 + l] = (int8_t)(q4[l] >> 4);
+                        const int h0 = type == 13 ? ((qh[l] >> (2 * j)) & 1) << 4 : 0;
+                        const int h1 = type == 13 ? ((qh[l] >> (2 * j + 1)) & 1) << 4 : 0;
+                        a[64 * j + l] = (int8_t)((q4[l] & 0xF) + h0);
+                        a[64 * j + 32 + l] = (int8_t)((q4[l] >> 4) + h1);
                     }
                 uint8_t scales[8], mins[8];
                 q4k_scales(blk + 4, scales, mins);
@@ -584,13 +590,15 @@ static inline void ak_q4k_scales(const uint8_t *sc12, __m128i *scales, __m128i *
     *mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)m3, (int)m2));
 }
 
-#define AK4_ROW(MB)                                                                                           \
-    static void ak4_row_##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y,   \
-                             long ldy) {                                                                      \
+/* Q4_K (H5 0: ak4_row_MB) and Q5_K (H5 1: ak5_row_MB, the fifth bit of value 64j + l from bit 2j of qh[l] and of
+ * 64j + 32 + l from bit 2j + 1, put at 0x10 of its byte before the reorder) */
+#define AK4_ROW(F, MB, H5)                                                                                    \
+    static void F##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y, long ldy) { \
         __m256 acc[MB];                                                                                       \
         float mac[MB];                                                                                        \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps(), mac[m] = 0.0f;     \
-        const __m256i m4 = _mm256_set1_epi8(15);                                                              \
+        const __m256i m4 = _mm256_set1_epi8(15), m16 = _mm256_set1_epi8(16);                                  \
+        (void)m16;                                                                                            \
         for (long i = 0; i < nb; i++) {                                                                       \
             const uint8_t *blk = w + i * ts;                                                                  \
             ak_prefetch(blk, ts);                                                                             \
@@ -600,9 +608,17 @@ static inline void ak_q4k_scales(const uint8_t *sc12, __m128i *scales, __m128i *
             __m256i A[MB], B[MB];                                                                             \
             _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) A[m] = B[m] = _mm256_setzero_si256();        \
             _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                             \
-                const __m256i bits = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));                \
-                const __m256i wl = ak_perm(_mm256_and_si256(bits, m4));                                       \
-                const __m256i wh = ak_perm(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4));                 \
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(blk + (H5 ? 48 : 16) + 32 * j));    \
+                __m256i wl = _mm256_and_si256(bits, m4), wh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4); \
+                if (H5) {                                                                                     \
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 16));                       \
+                    wl = _mm256_or_si256(wl, _mm256_and_si256(                                                \
+                                                 _mm256_slli_epi16(_mm256_srli_epi16(hb, 2 * j), 4), m16));   \
+                    wh = _mm256_or_si256(wh, _mm256_and_si256(                                                \
+                                                 _mm256_slli_epi16(_mm256_srli_epi16(hb, 2 * j + 1), 4), m16)); \
+                }                                                                                             \
+                wl = ak_perm(wl);                                                                             \
+                wh = ak_perm(wh);                                                                             \
                 const __m256i sv = /* scales 2j, 2j + 1 as one int32, broadcast */                            \
                     _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(sc16), _mm256_set1_epi32(j));          \
                 _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                        \
@@ -624,7 +640,8 @@ static inline void ak_q4k_scales(const uint8_t *sc12, __m128i *scales, __m128i *
         }                                                                                                     \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] = ak_final(mac[m], acc[m]);    \
     }
-AK4_ROW(1) AK4_ROW(2) AK4_ROW(3) AK4_ROW(4)
+AK4_ROW(ak4_row_, 1, 0) AK4_ROW(ak4_row_, 2, 0) AK4_ROW(ak4_row_, 3, 0) AK4_ROW(ak4_row_, 4, 0)
+AK4_ROW(ak5_row_, 1, 1) AK4_ROW(ak5_row_, 2, 1) AK4_ROW(ak5_row_, 3, 1) AK4_ROW(ak5_row_, 4, 1)
 
 /* the four vectors of 32 six-bit values (0..63) of one 128-value half of a block_q6_K, in the qp order */
 #define AK6_ROW(MB)                                                                                           \
@@ -693,6 +710,8 @@ static void rowk_avx2(int type, long ts, const uint8_t *w, long nb, const xk_t *
                       long ldy) {
     if (type == 12) {
         KBLOCKS_4(ak4_row_)
+    } else if (type == 13) {
+        KBLOCKS_4(ak5_row_)
     } else {
         KBLOCKS_4(ak6_row_)
     }
@@ -718,14 +737,17 @@ static inline __m256 vk_fold(__m512i A, __m512i B) {
     return ak_fold(a, b);
 }
 
-#define VK4_ROW(MB)                                                                                           \
-    static void vk4_row_##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y,   \
-                             long ldy) {                                                                      \
+/* Q4_K (vk4_row_MB) and Q5_K (H5 1: vk5_row_MB, the fifth bits as in AK4_ROW: bit 2j of qh for the low nibbles of
+ * chunk j, bit 2j + 1 for the high ones, each half of the vector shifted by its own count) */
+#define VK4_ROW(F, MB, H5)                                                                                    \
+    static void F##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y, long ldy) { \
         __m256 acc[MB];                                                                                       \
         float mac[MB];                                                                                        \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps(), mac[m] = 0.0f;     \
-        const __m512i m4 = _mm512_set1_epi8(15);                                                              \
+        const __m512i m4 = _mm512_set1_epi8(15), m16 = _mm512_set1_epi8(16);                                  \
         const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1); /* 0 | 4 */    \
+        const __m512i sh1 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1); /* 0 | 1 */  \
+        (void)m16, (void)sh1;                                                                                 \
         const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);                \
         const __m512i i23 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);                \
         for (long i = 0; i < nb; i++) {                                                                       \
@@ -741,8 +763,16 @@ static inline __m256 vk_fold(__m512i A, __m512i B) {
             const __m512i s01 = _mm512_permutexvar_epi32(i01, sp), s23 = _mm512_permutexvar_epi32(i23, sp);   \
             __m512i wv[4]; /* chunk j of qs: [low nibbles: sub-block 2j | high nibbles: 2j + 1], qp order */    \
             _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) wv[j] = vk_perm(_mm512_and_si512(             \
-                _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j))), \
-                                  sh), m4));                                                                  \
+                _mm512_srlv_epi16(_mm512_broadcast_i64x4(                                                     \
+                                      _mm256_loadu_si256((const __m256i *)(blk + (H5 ? 48 : 16) + 32 * j))), sh), \
+                m4));                                                                                         \
+            if (H5) {                                                                                         \
+                const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));   \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) wv[j] = _mm512_or_si512(wv[j], vk_perm(    \
+                    _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(                                     \
+                                         hb, _mm512_add_epi16(sh1, _mm512_set1_epi16((short)(2 * j)))), 4),   \
+                                     m16)));                                                                  \
+            }                                                                                                 \
             _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                            \
                 const int8_t *q = x->qp + (m0 + m) * K + i * QKK;                                             \
                 __m512i r[4];                                                                                 \
@@ -762,7 +792,8 @@ static inline __m256 vk_fold(__m512i A, __m512i B) {
         }                                                                                                     \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] = ak_final(mac[m], acc[m]);    \
     }
-VK4_ROW(1) VK4_ROW(2) VK4_ROW(3) VK4_ROW(4)
+VK4_ROW(vk4_row_, 1, 0) VK4_ROW(vk4_row_, 2, 0) VK4_ROW(vk4_row_, 3, 0) VK4_ROW(vk4_row_, 4, 0)
+VK4_ROW(vk5_row_, 1, 1) VK4_ROW(vk5_row_, 2, 1) VK4_ROW(vk5_row_, 3, 1) VK4_ROW(vk5_row_, 4, 1)
 
 #define VK6_ROW(MB)                                                                                           \
     static void vk6_row_##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y,   \
@@ -813,6 +844,8 @@ static void rowk_vnni(int type, long ts, const uint8_t *w, long nb, const xk_t *
                       long ldy) {
     if (type == 12) {
         KBLOCKS_4(vk4_row_)
+    } else if (type == 13) {
+        KBLOCKS_4(vk5_row_)
     } else {
         KBLOCKS_4(vk6_row_)
     }
@@ -887,7 +920,8 @@ static void run_rows(void *p, long run, int tid) {
 }
 
 static long type_bytes(int type) {
-    return type == 8 ? 34 : type == 2 ? 18 : type == 6 ? 22 : type == 12 ? 144 : type == 14 ? 210 : 0;
+    return type == 8 ? 34 : type == 2 ? 18 : type == 6 ? 22 : type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210
+                                                                                                                : 0;
 }
 
 static rowk_fn rowk_for(int isa) {
@@ -899,7 +933,7 @@ static rowk_fn rowk_for(int isa) {
     return rowk_generic;
 }
 
-/* The K-quant products (Q4_K 12, Q6_K 14): x quantized to Q8_K, then the rows of W in runs as below. */
+/* The K-quant products (Q4_K 12, Q5_K 13, Q6_K 14): x quantized to Q8_K, then the rows of W in runs as below. */
 static int linear_k(int type, long ts, const uint8_t *w, long row_bytes, long N, long K, const float *x, long M,
                     float *y, int nthreads) {
     const long nb = K / QKK;
@@ -931,7 +965,7 @@ int g4h_q8_linear(int type, const uint8_t *w, long row_bytes, long N, long K, co
                   int nthreads) {
     const long ts = type_bytes(type);
     if (!ts) return -1;
-    if (type == 12 || type == 14) {
+    if (type == 12 || type == 13 || type == 14) {
         if (M < 1 || M > MAX_M || N < 0 || K <= 0 || K % QKK || row_bytes != K / QKK * ts) return -2;
         return N == 0 ? 0 : linear_k(type, ts, w, row_bytes, N, K, x, M, y, nthreads);
     }
