@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggml_lib import load_ggml  # noqa: E402
 from test_activation_quants import GGML_TYPES, VEC_DOT, _from_float, adversarial_rows, fp32_bound  # noqa: E402
 
-TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 """The types whose activations are Q8_K (blocks of 256)."""
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,19 +123,21 @@ F16_SCALES = np.array([2.0 ** -24, 6.1e-5, 1e-3, 0.0123, 0.5, 3.0, 1000.0, 65504
 
 
 def _k_blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
-    """Random ``block_q4_K`` / ``block_q5_K`` / ``block_q6_K`` rows, uint8 ``[n, bytes_per_row]``: every bit of the
-    quants (Q5_K's high bits included) and of the packed 6-bit scales and mins (Q4_K, Q5_K) or int8 scales (Q6_K, -128
-    included) random; ``d`` (and ``dmin``) drawn from
+    """Random ``block_q2_K`` ... ``block_q6_K`` rows, uint8 ``[n, bytes_per_row]``: every bit of the quants (the high
+    bits of Q3_K's hmask and Q5_K's qh included) and of the scales and mins (Q2_K's 4-bit pairs, Q3_K's packed 6-bit
+    scales, Q4_K's and Q5_K's 6-bit scales and mins, Q6_K's int8 scales, -128 included) random; ``d`` (and ``dmin``) drawn from
     :data:`F16_SCALES` (mostly moderate, some extreme), with random signs."""
     nb = k // 256
-    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
+    size = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
     raw = rng.integers(0, 256, (n, nb, size), dtype=np.uint8)
     picks = np.where(rng.uniform(size=(n, nb, 2)) < 0.7, 0.0123, rng.choice(F16_SCALES, (n, nb, 2)))
     scales = (picks * rng.choice([-1.0, 1.0], (n, nb, 2))).astype(np.float16).view(np.uint8).reshape(n, nb, 4)
     if qtype in ("Q4_K", "Q5_K"):
         raw[..., 0:4] = scales  # d, dmin
+    elif qtype == "Q2_K":
+        raw[..., 80:84] = scales  # d, dmin
     else:
-        raw[..., 208:210] = scales[..., :2]  # d
+        raw[..., size - 2:size] = scales[..., :2]  # d (Q3_K, Q6_K)
     return raw.reshape(n, nb * size)
 
 
@@ -297,7 +299,7 @@ def test_q8_linear_routes_and_refuses():
     assert y is not None and y.shape == (130, 6)
     assert np.abs(y.double().numpy() - emu).max() < 1e-4
     assert torch.equal(qk.q8_linear(x[70:71], torch.from_numpy(raw), "Q8_0", 64), y[70:71])  # rows independent
-    assert qk.q8_linear(x, torch.from_numpy(raw), "Q2_K", 64) is None
+    assert qk.q8_linear(x, torch.from_numpy(raw), "Q4_1", 64) is None
     for qtype in K_TYPES:
         raw, deq = _weights(qtype, 5, 512, rng)
         x = torch.from_numpy(rng.standard_normal((70, 512)).astype(np.float32))
@@ -332,10 +334,12 @@ def test_engine_declares_llamacpps_rounding_only_under_q8():
 
 
 K_VARIANT = ("odd-h72-v300.toml", {"hidden_size": 256, "intermediate_size": 512})
-"""The Q4_K_M and Q5_K_M files of the pair test: odd-h72-v300 widened to rows of 256, quantized from its F32 file by
-the cached llama-quantize as a user makes one: Q4_K (Q5_K) and Q6_K matrices (the MLPs, attn_q/k/v, the tied
-embedding), the attention outputs (rows of 72 / 144) in its fallback F16."""
-K_MIXES = {"h256-q4_k_m": ("Q4_K_M", {"Q4_K", "Q6_K"}), "h256-q5_k_m": ("Q5_K_M", {"Q5_K", "Q6_K"})}
+"""The K-quant files of the pair test (:data:`K_MIXES`): odd-h72-v300 widened to rows of 256, quantized from its F32
+file by the cached llama-quantize as a user makes one: K-quant matrices (the MLPs, attn_q/k/v, the tied embedding),
+the attention outputs (rows of 72 / 144) in its fallback F16."""
+K_MIXES = {"h256-q4_k_m": ("Q4_K_M", {"Q4_K", "Q6_K"}), "h256-q5_k_m": ("Q5_K_M", {"Q5_K", "Q6_K"}),
+           "h256-q3_k_m": ("Q3_K_M", {"Q3_K", "Q4_K", "Q5_K", "Q6_K"}),
+           "h256-q2_k": ("Q2_K", {"Q2_K", "Q3_K", "Q6_K"})}
 """The K-quant variants of the pair test: llama-quantize's file type, and the types whose products take the C
 kernel (every quantized matrix of the file)."""
 
@@ -363,10 +367,10 @@ def _q8_file(variant: str, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("variant", ["h96-q8_0", "h128-ple-q4_0", *K_MIXES])
 def test_fast_q8_pair_passes_correct_and_names_the_faulty_layer(variant, tmp_path, monkeypatch):
-    """The fast engine under ``--compute q8`` on a small Q8_0 / Q4_0 / Q4_K_M / Q5_K_M file (with F16 matrices
-    beside) passes the emulated pair's gates, ``local_median`` far below its floor, every product of a :data:`TYPES`
-    weight through the C kernel (none rounded in torch; the Q4_K_M file's Q4_K and Q6_K, the Q5_K_M file's Q5_K and
-    Q6_K among them); on a copy whose
+    """The fast engine under ``--compute q8`` on a small Q8_0 / Q4_0 / Q4_K_M / Q5_K_M / Q3_K_M / Q2_K file (with
+    F16 matrices beside) passes the emulated pair's gates, ``local_median`` far below its floor, every product of a
+    :data:`TYPES` weight through the C kernel (none rounded in torch; the K-quant files' Q2_K to Q6_K, as
+    :data:`K_MIXES` lists, among them); on a copy whose
     ``blk.1.ffn_down`` has the first half of its rows x1.02 it fails ``local_median``, naming ``ffn_out@1``. And
     the gate sees the arithmetic: the same declaration over products that do not round their input (the exact fp32
     path) fails on the correct file."""
