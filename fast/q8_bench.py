@@ -39,7 +39,8 @@ def run(types: list[str], shapes: list[str], rows: list[int], threads: list[int]
         min_seconds: float = 1.0, emulated: bool = False) -> list[dict]:
     """One dict per (type, shape, threads, M): ``exact`` and ``q8`` (wall seconds per call) and ``exact_cpu``,
     ``q8_cpu`` (process CPU seconds per call), ``MB`` packed; with ``emulated`` also ``emulated`` and
-    ``emulated_cpu``."""
+    ``emulated_cpu``. ``exact`` and ``exact_cpu`` are None for a type the exact packed kernel does not take (Q2_K,
+    Q3_K: the engine dequantizes those in torch)."""
     out = []
     saved = torch.get_num_threads()
     try:
@@ -62,7 +63,8 @@ def run(types: list[str], shapes: list[str], rows: list[int], threads: list[int]
                     torch.set_num_threads(t)
                     for m in rows:
                         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                        (e, ec), (q, qc) = (time_calls(pool, x, min_seconds, fn=exact),
+                        packed = exact(x, pool[0]) is not None
+                        (e, ec), (q, qc) = (time_calls(pool, x, min_seconds, fn=exact) if packed else (None, None),
                                             time_calls(pool, x, min_seconds, fn=q8))
                         out.append({"type": qtype, "shape": shape, "threads": t, "M": m, "MB": nbytes / 1e6,
                                     "exact": e, "q8": q, "exact_cpu": ec, "q8_cpu": qc})
@@ -76,18 +78,28 @@ def run(types: list[str], shapes: list[str], rows: list[int], threads: list[int]
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown table of :func:`run`'s rows (the emulated columns where measured)."""
+    """Markdown table of :func:`run`'s rows (the emulated columns where measured; n/a where not)."""
     emu = all("emulated" in r for r in rows)
+
+    def ms(v):
+        return "n/a" if v is None else f"{v * 1e3:.3f}"
+
+    def ratio(a, b):
+        return "n/a" if a is None or b is None else f"{a / b:.2f}x"
+
+    def gbs(mb, v):
+        return "n/a" if v is None else f"{mb / 1e3 / v:.1f}"
+
     return markdown(["type", "matrix", "threads", "M", "MB", "exact ms", "exact GB/s", "q8 ms", "q8 GB/s",
                      "q8 speed-up (wall)", "exact CPU ms", "q8 CPU ms", "q8 speed-up (CPU)"]
                     + (["emulated ms", "emulated CPU ms", "q8 over emulated (wall)", "q8 over emulated (CPU)"]
                        if emu else []),
                     [[r["type"], r["shape"], str(r["threads"]), str(r["M"]), f"{r['MB']:.1f}",
-                      f"{r['exact'] * 1e3:.3f}", f"{r['MB'] / 1e3 / r['exact']:.1f}", f"{r['q8'] * 1e3:.3f}",
-                      f"{r['MB'] / 1e3 / r['q8']:.1f}", f"{r['exact'] / r['q8']:.2f}x", f"{r['exact_cpu'] * 1e3:.3f}",
-                      f"{r['q8_cpu'] * 1e3:.3f}", f"{r['exact_cpu'] / r['q8_cpu']:.2f}x"]
-                     + ([f"{r['emulated'] * 1e3:.3f}", f"{r['emulated_cpu'] * 1e3:.3f}",
-                         f"{r['emulated'] / r['q8']:.2f}x", f"{r['emulated_cpu'] / r['q8_cpu']:.2f}x"] if emu else [])
+                      ms(r["exact"]), gbs(r["MB"], r["exact"]), ms(r["q8"]), gbs(r["MB"], r["q8"]),
+                      ratio(r["exact"], r["q8"]), ms(r["exact_cpu"]), ms(r["q8_cpu"]),
+                      ratio(r["exact_cpu"], r["q8_cpu"])]
+                     + ([ms(r["emulated"]), ms(r["emulated_cpu"]), ratio(r["emulated"], r["q8"]),
+                         ratio(r["emulated_cpu"], r["q8_cpu"])] if emu else [])
                      for r in rows])
 
 

@@ -5,12 +5,13 @@ What changes, inside :func:`q8_compute` (docs/quantized-activations.md, "The fas
 
 * :func:`linear` replaces :func:`fast.model.linear`. A product with a weight of GGML type ``t`` takes its input as
   llama.cpp's CPU backend does, rounded to ``t``'s dot-product type (:data:`reference.activation_quants.VEC_DOT_TYPE`).
-  For packed Q8_0, Q4_0, Q5_0, Q4_K and Q6_K weights (:data:`fast.quant_kernels.Q8_TYPES`) on the CPU the product
-  is llama.cpp's own arithmetic in C (:func:`fast.quant_kernels.q8_linear`, ``fast/csrc/linear_q8.c``): int8
-  activations (Q8_0 blocks of 32; Q8_K blocks of 256 with their int16 sums of 16 for Q4_K/Q6_K), exact integer
-  sums per block or sub-block, the scales in fp32, fp32 sums (for Q4_K/Q6_K in the order of ggml's generic
-  ``ggml_vec_dot_q4_K_q8_K`` / ``ggml_vec_dot_q6_K_q8_K``, bit for bit); AVX-512 VNNI or AVX2 where present, the
-  same bits as plain C. For the other types (Q5_K, Q2_K, Q3_K, Q4_1/Q5_1, F16, BF16, matrices loaded dense, and
+  For packed Q8_0, Q4_0, Q5_0 and K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) weights
+  (:data:`fast.quant_kernels.Q8_TYPES`) on the CPU the product is llama.cpp's own arithmetic in C
+  (:func:`fast.quant_kernels.q8_linear`, ``fast/csrc/linear_q8.c``): int8 activations (Q8_0 blocks of 32; Q8_K
+  blocks of 256 with their int16 sums of 16 for the K-quants), exact integer sums per block or sub-block, the scales
+  in fp32, fp32 sums (for the K-quants in the order of ggml's generic ``ggml_vec_dot_q2_K_q8_K`` ...
+  ``ggml_vec_dot_q6_K_q8_K``, bit for bit); AVX-512 VNNI or AVX2 where present, the same bits as plain C. For the
+  other types (Q4_1/Q5_1, F16, BF16, matrices loaded dense, and
   every type off the CPU) the input is rounded by :func:`fast.activation_quants.round_activations` (the same
   rounding, bit for bit) and multiplied by the exact weights in fp32 (the packed or dense path of
   :func:`fast.model.linear`), plus for Q4_1/Q5_1 the fp16 rounding of the Q8_1 block sums

@@ -68,7 +68,8 @@ def packed_pool(qtype: str, n: int, k: int, pool_bytes: int, seed: int = 0) -> l
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
     scale = np.full((n, k // bs, 1), 0.01, dtype=np.float16).view(np.uint8)
-    offsets = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2)}.get(qtype, (0,))
+    offsets = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82),
+               "Q3_K": (108,)}.get(qtype, (0,))
     for off in offsets:
         raw[:, :, off:off + 2] = scale
     raw = raw.reshape(n, -1)

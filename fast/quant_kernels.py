@@ -101,7 +101,12 @@ def layout(raw: torch.Tensor, qtype: str, row_len: int) -> tuple[int, int] | Non
     """``(GGML type number, bytes per row)`` when ``raw`` is a contiguous CPU ``[rows, bytes_per_row]`` block
     of a kernel type with rows of ``row_len`` elements, else None. Depends on the tensor's type, shape, device
     and layout only (what :func:`linear` checks), so a caller may work it out once per weight and pass it."""
-    sizes = _SIZES.get(qtype)
+    return _layout(_SIZES, raw, qtype, row_len)
+
+
+def _layout(table: dict[str, tuple[int, int, int]], raw: torch.Tensor, qtype: str, row_len: int):
+    """:func:`layout` for the types of ``table`` (name -> (type number, block size, block bytes))."""
+    sizes = table.get(qtype)
     if sizes is None or raw.device.type != "cpu" or raw.dtype != torch.uint8 or raw.dim() != 2:
         return None
     num, bs, ts = sizes
@@ -201,9 +206,11 @@ def dequantize_rows(raw: torch.Tensor, qtype: str, row_len: int, start: int, sto
 Q8_SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_q8.c"
 """The integer-dot-product kernels of the fast engine's ``--compute q8`` (its header gives what they compute)."""
 Q8_TYPES: dict[str, int] = {name: int(GGMLQuantizationType[name])
-                            for name in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")}
-"""Weight types :func:`q8_linear` takes: Q8_0, Q4_0, Q5_0 (their ``vec_dot_type`` is Q8_0) and Q4_K, Q6_K (Q8_K, the
-types a Q4_K_M file mostly holds); the others take the rounding emulation in torch (:mod:`fast.q8_compute`)."""
+                            for name in ("Q8_0", "Q4_0", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+"""Weight types :func:`q8_linear` takes: Q8_0, Q4_0, Q5_0 (their ``vec_dot_type`` is Q8_0) and the K-quants Q2_K to
+Q6_K (Q8_K: what the Q2_K, Q3_K_*, Q4_K_* and Q5_K_* files hold); the others take the rounding emulation in torch
+(:mod:`fast.q8_compute`)."""
+_Q8_SIZES = {name: (num, *GGML_QUANT_SIZES[GGMLQuantizationType(num)]) for name, num in Q8_TYPES.items()}
 Q8_MAX_ROWS = 64
 """Largest ``M`` one call of ``g4h_q8_linear`` takes (:func:`q8_linear` cuts larger ones)."""
 
@@ -229,10 +236,11 @@ def q8_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> t
 
     Q8_0 / Q4_0 / Q5_0: each row of ``x`` quantized to Q8_0 blocks (``quantize_row_q8_0``, AVX path: ties to even,
     multiplier ``127/amax``, fp16 scale), exact integer sums per block, times the two block scales in fp32, summed in
-    fp32. Q4_K / Q6_K: each row quantized to Q8_K (``quantize_row_q8_K_ref``: 256 values, ``d = 1/(-127/max)`` in
-    fp32, the int16 sums of 16), exact integer sums per sub-block times its 6-bit (Q4_K, with the min term through the
-    sums of 16) or int8 (Q6_K, weights ``q - 32``) scale, the super-block scale products and sums in fp32, in the order
-    of ggml's generic ``ggml_vec_dot_q4_K_q8_K`` / ``ggml_vec_dot_q6_K_q8_K`` (bit for bit, on every ISA path).
+    fp32. The K-quants (Q2_K to Q6_K): each row quantized to Q8_K (``quantize_row_q8_K_ref``: 256 values, ``d =
+    1/(-127/max)`` in fp32, the int16 sums of 16), exact integer sums per sub-block times its scale (Q2_K 4-bit, Q3_K
+    6-bit minus 32, Q4_K / Q5_K 6-bit, Q6_K int8; the mins of Q2_K, Q4_K, Q5_K through the sums of 16), the
+    super-block scale products and sums in fp32, in the order of ggml's generic ``ggml_vec_dot_q2_K_q8_K`` ...
+    ``ggml_vec_dot_q6_K_q8_K`` (bit for bit, on every ISA path).
 
     Args:
         x: float32 ``[M, row_len]`` on the CPU, any ``M >= 1`` (cut in calls of :data:`Q8_MAX_ROWS`).
@@ -244,7 +252,8 @@ def q8_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, row_len: int) -> t
         float32 ``[M, N]``, or None (another type or device, not float32, autograd, no compiler).
     """
     num = Q8_TYPES.get(qtype)
-    call = None if num is None else _product(Q8, x, raw, qtype, row_len, None)
+    lay = None if num is None else _layout(_Q8_SIZES, raw, qtype, row_len)  # Q2_K / Q3_K: not in _SIZES
+    call = None if lay is None else _product(Q8, x, raw, qtype, row_len, None, lay)
     if call is None:
         return None
     lib, lay, x, y = call

@@ -4,18 +4,18 @@ this one).
 
 * the kernel's activation quantizers against the emulation and against the built library's ``from_float`` (Q8_0 and
   Q8_K), bit for bit, on the adversarial rows of tests/test_activation_quants.py;
-* its products of Q8_0, Q4_0, Q5_0, Q4_K and Q6_K weights against the emulation (the rounded row times the exact
+* its products of Q8_0, Q4_0, Q5_0, Q4_K, Q5_K and Q6_K weights against the emulation (the rounded row times the exact
   dequantized weight, float64) within the fp32 accumulation bound (:func:`test_activation_quants.fp32_bound`), on odd
   row counts, K a multiple of 32 but not of 64 or 256 (the K-quants: 256, 512, 2816), batches of 1 to 70 rows and
   several seeds; every ISA path (AVX-512
   VNNI, AVX2, plain C) the same bits; the unrounded product lies beyond the bound (so a rounding or block-sum error
   fails); and against ggml's own ``vec_dot`` on the library's own quantized weight and activation rows; the
   K-quants (random blocks: every 6-bit scale and min, int8 scales down to -128, fp16 super-block scales from
-  subnormal to 65504) bit for bit against the library's own generic ``ggml_vec_dot_q4_K_q8_K_generic`` /
-  ``..._q6_K_q8_K_generic`` on every ISA path;
+  subnormal to 65504; Q5_K's high bits) bit for bit against the library's own generic
+  ``ggml_vec_dot_q4_K_q8_K_generic`` / ``..._q5_K_...`` / ``..._q6_K_...`` on every ISA path;
 * the engine: ``--compute q8`` declares ``quantized_activations`` and its pair is judged by the emulated gates:
-  a small Q8_0 / Q4_0 / Q4_K_M file passes ``local_median`` (the Q4_K and Q6_K products of the last through the C
-  kernel), a copy with the first half of ``blk.1.ffn_down``'s rows x1.02
+  a small Q8_0 / Q4_0 / Q4_K_M / Q5_K_M file passes ``local_median`` (the K-quant products of the last two through
+  the C kernel), a copy with the first half of ``blk.1.ffn_down``'s rows x1.02
   fails it naming ``ffn_out@1``; ``g4h parity --against fast --compute q8`` exits 0 end to end.
 """
 
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggml_lib import load_ggml  # noqa: E402
 from test_activation_quants import GGML_TYPES, VEC_DOT, _from_float, adversarial_rows, fp32_bound  # noqa: E402
 
-TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
-K_TYPES = ("Q4_K", "Q6_K")
+TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 """The types whose activations are Q8_K (blocks of 256)."""
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,18 +123,21 @@ F16_SCALES = np.array([2.0 ** -24, 6.1e-5, 1e-3, 0.0123, 0.5, 3.0, 1000.0, 65504
 
 
 def _k_blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
-    """Random ``block_q4_K`` / ``block_q6_K`` rows, uint8 ``[n, bytes_per_row]``: every bit of the quants and of the
-    packed 6-bit scales and mins (Q4_K) or int8 scales (Q6_K, -128 included) random; ``d`` (and ``dmin``) drawn from
+    """Random ``block_q2_K`` ... ``block_q6_K`` rows, uint8 ``[n, bytes_per_row]``: every bit of the quants (the high
+    bits of Q3_K's hmask and Q5_K's qh included) and of the scales and mins (Q2_K's 4-bit pairs, Q3_K's packed 6-bit
+    scales, Q4_K's and Q5_K's 6-bit scales and mins, Q6_K's int8 scales, -128 included) random; ``d`` (and ``dmin``) drawn from
     :data:`F16_SCALES` (mostly moderate, some extreme), with random signs."""
     nb = k // 256
-    size = {"Q4_K": 144, "Q6_K": 210}[qtype]
+    size = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
     raw = rng.integers(0, 256, (n, nb, size), dtype=np.uint8)
     picks = np.where(rng.uniform(size=(n, nb, 2)) < 0.7, 0.0123, rng.choice(F16_SCALES, (n, nb, 2)))
     scales = (picks * rng.choice([-1.0, 1.0], (n, nb, 2))).astype(np.float16).view(np.uint8).reshape(n, nb, 4)
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q5_K"):
         raw[..., 0:4] = scales  # d, dmin
+    elif qtype == "Q2_K":
+        raw[..., 80:84] = scales  # d, dmin
     else:
-        raw[..., 208:210] = scales[..., :2]  # d
+        raw[..., size - 2:size] = scales[..., :2]  # d (Q3_K, Q6_K)
     return raw.reshape(n, nb * size)
 
 
@@ -251,7 +254,7 @@ def test_products_are_ggmls_vec_dot_within_fp32(lib, qtype):
 def test_k_products_are_ggmls_generic_bit_for_bit(lib, qtype):
     """The K-quant kernels compute ggml's generic (scalar) dot product in its order: every output, on every ISA path
     and on 1 and 2 threads, has the bits of the built library's own ``ggml_vec_dot_q4_K_q8_K_generic`` /
-    ``ggml_vec_dot_q6_K_q8_K_generic`` (compiled there with its fused multiply-adds) of the same weight row and the
+    ``..._q5_K_...`` / ``..._q6_K_...`` (compiled there with its fused multiply-adds) of the same weight row and the
     library's ``from_float`` (Q8_K) of the activation row; on the library's quantized weights and random blocks of
     extreme scales, K = 256, 512, 2816."""
     base, cpu = load_ggml()
@@ -284,7 +287,7 @@ def test_k_products_are_ggmls_generic_bit_for_bit(lib, qtype):
 
 
 def test_q8_linear_routes_and_refuses():
-    """:func:`fast.quant_kernels.q8_linear` takes float32 CPU rows of its types, Q4_K and Q6_K among them (any number
+    """:func:`fast.quant_kernels.q8_linear` takes float32 CPU rows of its types, the K-quants among them (any number
     of rows, cut in calls of 64), and returns None for another type (the engine then rounds in torch)."""
     if qk.q8_isa() is None:
         pytest.skip("no C compiler")
@@ -296,7 +299,7 @@ def test_q8_linear_routes_and_refuses():
     assert y is not None and y.shape == (130, 6)
     assert np.abs(y.double().numpy() - emu).max() < 1e-4
     assert torch.equal(qk.q8_linear(x[70:71], torch.from_numpy(raw), "Q8_0", 64), y[70:71])  # rows independent
-    assert qk.q8_linear(x, torch.from_numpy(raw), "Q2_K", 64) is None
+    assert qk.q8_linear(x, torch.from_numpy(raw), "Q4_1", 64) is None
     for qtype in K_TYPES:
         raw, deq = _weights(qtype, 5, 512, rng)
         x = torch.from_numpy(rng.standard_normal((70, 512)).astype(np.float32))
@@ -331,16 +334,21 @@ def test_engine_declares_llamacpps_rounding_only_under_q8():
 
 
 K_VARIANT = ("odd-h72-v300.toml", {"hidden_size": 256, "intermediate_size": 512})
-"""The Q4_K_M file of the pair test: odd-h72-v300 widened to rows of 256, quantized from its F32 file by the cached
-llama-quantize as a user makes one: Q4_K and Q6_K matrices (the MLPs, attn_q/k/v, the tied embedding), the
-attention outputs (rows of 72 / 144) in its fallback F16."""
+"""The K-quant files of the pair test (:data:`K_MIXES`): odd-h72-v300 widened to rows of 256, quantized from its F32
+file by the cached llama-quantize as a user makes one: K-quant matrices (the MLPs, attn_q/k/v, the tied embedding),
+the attention outputs (rows of 72 / 144) in its fallback F16."""
+K_MIXES = {"h256-q4_k_m": ("Q4_K_M", {"Q4_K", "Q6_K"}), "h256-q5_k_m": ("Q5_K_M", {"Q5_K", "Q6_K"}),
+           "h256-q3_k_m": ("Q3_K_M", {"Q3_K", "Q4_K", "Q5_K", "Q6_K"}),
+           "h256-q2_k": ("Q2_K", {"Q2_K", "Q3_K", "Q6_K"})}
+"""The K-quant variants of the pair test: llama-quantize's file type, and the types whose products take the C
+kernel (every quantized matrix of the file)."""
 
 
 def _q8_file(variant: str, tmp_path: Path) -> Path:
-    """The quantized GGUF of a pair test: test_local_gate's variants, or ``h256-q4_k_m`` (:data:`K_VARIANT`)."""
+    """The quantized GGUF of a pair test: test_local_gate's variants, or one of :data:`K_MIXES` (:data:`K_VARIANT`)."""
     from test_local_gate import _built
 
-    if variant != "h256-q4_k_m":
+    if variant not in K_MIXES:
         return _built(variant, tmp_path)[1]
     import re
 
@@ -354,14 +362,15 @@ def _q8_file(variant: str, tmp_path: Path) -> Path:
         text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, count=1, flags=re.M)
     spec = tmp_path / "q8-h256.toml"
     spec.write_text(text)
-    return quantize(ensure_built(spec).gguf["F32"], tmp_path / "h256-q4_k_m.gguf", "Q4_K_M", threads=1)
+    return quantize(ensure_built(spec).gguf["F32"], tmp_path / f"{variant}.gguf", K_MIXES[variant][0], threads=1)
 
 
-@pytest.mark.parametrize("variant", ["h96-q8_0", "h128-ple-q4_0", "h256-q4_k_m"])
+@pytest.mark.parametrize("variant", ["h96-q8_0", "h128-ple-q4_0", *K_MIXES])
 def test_fast_q8_pair_passes_correct_and_names_the_faulty_layer(variant, tmp_path, monkeypatch):
-    """The fast engine under ``--compute q8`` on a small Q8_0 / Q4_0 / Q4_K_M file (with F16 matrices beside)
-    passes the emulated pair's gates, ``local_median`` far below its floor, every product of a :data:`TYPES` weight
-    through the C kernel (none rounded in torch; the Q4_K_M file's Q4_K and Q6_K among them); on a copy whose
+    """The fast engine under ``--compute q8`` on a small Q8_0 / Q4_0 / Q4_K_M / Q5_K_M / Q3_K_M / Q2_K file (with
+    F16 matrices beside) passes the emulated pair's gates, ``local_median`` far below its floor, every product of a
+    :data:`TYPES` weight through the C kernel (none rounded in torch; the K-quant files' Q2_K to Q6_K, as
+    :data:`K_MIXES` lists, among them); on a copy whose
     ``blk.1.ffn_down`` has the first half of its rows x1.02 it fails ``local_median``, naming ``ffn_out@1``. And
     the gate sees the arithmetic: the same declaration over products that do not round their input (the exact fp32
     path) fails on the correct file."""
@@ -399,7 +408,7 @@ def test_fast_q8_pair_passes_correct_and_names_the_faulty_layer(variant, tmp_pat
     assert good["passed"], {g: v["worst"] for g, v in good["gates"].items() if v["fail"]}
     if qk.q8_isa() is not None:
         assert not in_torch & set(TYPES), f"rounded in torch: {sorted(in_torch & set(TYPES))}"
-        assert in_c == ({"Q4_K", "Q6_K"} if variant == "h256-q4_k_m" else {variant[-4:].upper()}), in_c
+        assert in_c == (K_MIXES[variant][1] if variant in K_MIXES else {variant[-4:].upper()}), in_c
     local = good["gates"][gate]
     assert local["worst"] < local["limit"] / 10 and local["detail"]["first_divergence"] is None, local
     bad_file, _ = make_fault("rows", path, tmp_path / "rows.gguf", "blk.1.ffn_down.weight")

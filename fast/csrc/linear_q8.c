@@ -1,7 +1,8 @@
 /* y = x @ W.T computed as llama.cpp's CPU backend computes it: the fast engine's --compute q8.
  *
  * W: [N, K] in GGUF block layout (Q8_0 (8), Q4_0 (2), Q5_0 (6): ggml-common.h's block_q8_0 / block_q4_0 /
- * block_q5_0; Q4_K (12), Q6_K (14): block_q4_K / block_q6_K, the section "K-quants" below), x: [M, K] float32
+ * block_q5_0; Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K (14): block_q2_K ... block_q6_K, the section
+ * "K-quants" below), x: [M, K] float32
  * row-major, y: [M, N] float32 row-major.
  *
  * What it computes for Q8_0, Q4_0, Q5_0 (docs/quantized-activations.md; the weight types whose vec_dot_type is
@@ -367,7 +368,7 @@ static void row2_vnni(int type, long ts, const uint8_t *w, long rb, long nb, con
 #pragma GCC pop_options
 #endif
 
-/* ------------------------------------------------------------------ K-quants: Q4_K, Q6_K against Q8_K
+/* ------------------------------------------------------------------ K-quants: Q2_K ... Q6_K against Q8_K
  *
  * The activation rows as block_q8_K (quantize_row_q8_K_ref of ggml/src/ggml-quants.c, what quantize_row_q8_K of
  * arch/x86/quants.c calls): per 256 values, max the first value of largest magnitude (with its sign), iscale =
@@ -376,16 +377,24 @@ static void row2_vnni(int type, long ts, const uint8_t *w, long rb, long nb, con
  * bsums 0: ggml leaves them unwritten, they multiply a zero scale). reference/activation_quants.py quantize_q8_K is
  * the same function; tests/test_q8_compute.py compares both with the built library's from_float, bit for bit.
  *
- * The product of a weight row and an activation row: ggml_vec_dot_q4_K_q8_K_generic / ..._q6_K_q8_K_generic of
- * ggml/src/ggml-cpu/quants.c, in their order and with the fused multiply-adds GCC forms there (the library's
- * compiled generic functions hold vfmadd231ps for `sums[l] += d * aux32[l]` and vfnmadd231ss for
- * `sumf -= dmin * sumi`; the tests compare with them bit for bit):
- *   per super-block i of 256: eight int32 lanes aux32[l] = sum over the 16- (Q6_K) or 32-value (Q4_K) sub-blocks
- *   of scale_sub * sum(w * q) over the values of index = l (mod 8) in the sub-block (exact integers: Q4_K w the
- *   nibble 0..15, scale its 6-bit scale; Q6_K w = q6 - 32, scale its int8 scale); d = fp16(d_w) * d_x (float32);
- *   sums[l] = fmaf(d, (float)aux32[l], sums[l]). Q4_K also: sumi = sum_j bsums[j] * min[j / 2] (exact), dmin =
- *   fp16(dmin_w) * d_x, sumf = fmaf(-dmin, (float)sumi, sumf). Then y = sumf (0 for Q6_K) + sums[0] + ... +
- *   sums[7], left to right. (float)aux32 and (float)sumi are exact (below 2^24).
+ * The product of a weight row and an activation row: ggml_vec_dot_q4_K_q8_K_generic / ..._q5_K_q8_K_generic /
+ * ..._q6_K_q8_K_generic (and Q2_K's, Q3_K's below) of ggml/src/ggml-cpu/quants.c, in their order and with the fused
+ * multiply-adds GCC forms there (the library's compiled generic functions hold vfmadd231ps for `sums[l] += d *
+ * aux32[l]` and vfnmadd231ss for `sumf -= dmin * sumi`; the tests compare with them bit for bit):
+ *   Q4_K, Q5_K, Q6_K: per super-block i of 256: eight int32 lanes aux32[l] = sum over the 16- (Q6_K) or 32-value
+ *   (Q4_K, Q5_K) sub-blocks of scale_sub * sum(w * q) over the values of index = l (mod 8) in the sub-block (exact
+ *   integers: Q4_K w the nibble 0..15, Q5_K the nibble + 16 * its bit of qh (0..31), scale their 6-bit scale; Q6_K
+ *   w = q6 - 32, scale its int8 scale); d = fp16(d_w) * d_x (float32); sums[l] = fmaf(d, (float)aux32[l], sums[l]).
+ *   Q4_K and Q5_K also: sumi = sum_j bsums[j] * min[j / 2] (exact), dmin = fp16(dmin_w) * d_x, sumf = fmaf(-dmin,
+ *   (float)sumi, sumf). Then y = sumf (0 for Q6_K) + sums[0] + ... + sums[7], left to right. (float)aux32 and
+ *   (float)sumi are exact (below 2^24).
+ *   Q3_K (ggml_vec_dot_q3_K_q8_K_generic) as Q6_K: sub-blocks of 16, w = its two bits of qs minus 4 unless its bit
+ *   of hmask is set (-4..3), scale its 6-bit scale minus 32; the same eight lanes and float operations (the library's
+ *   generic: vfmadd231ps, then the eight vaddss).
+ *   Q2_K (ggml_vec_dot_q2_K_q8_K_generic): one exact int isum = sum over the 16 sub-blocks of 16 of (sc & 15) *
+ *   sum(w * q), w its two bits (0..3); summs = sum_j bsums[j] * (sc[j] >> 4); dall = d_x * fp16(d_w), dmin = d_x *
+ *   fp16(dmin_w); sumf += fmaf(dall, (float)isum, -(dmin * (float)summs)) per super-block (the library's generic
+ *   holds vmulss, vfmsub132ss, vaddss), y = sumf (no lanes).
  * The AVX2 path computes the same integers per lane and the same float operations in the same order, so the same
  * bits: the activation rows are kept a second time with each 16 bytes in the order 0, 8, 1, 9, ..., 7, 15 (qp), the
  * weights' bytes put in that order by one _mm256_shuffle_epi8, so that each int16 of _mm256_maddubs_epi16 sums two
@@ -393,8 +402,10 @@ static void row2_vnni(int type, long ts, const uint8_t *w, long rb, long nb, con
  * one lane, and _mm256_madd_epi16 with their two scales adds them into int32 lanes (lanes 0-3 and 4-7 in two
  * accumulators, folded once per super-block). The AVX-512 VNNI path does the same on 512-bit vectors (four 128-bit
  * lanes of pair sums; _mm512_dpwssd_epi32 multiplies by the two scales and adds), folded into the same eight lanes
- * before the same float operations: the same bits again. Every path takes the integers exactly, so the order of
- * the integer additions is free; the float operations are the generic's, one by one. Both vector paths prefetch
+ * before the same float operations: the same bits again. Q2_K and Q3_K take the AVX2 path on both vector levels
+ * (AK23_ROW; Q2_K's single integer sum needs no lane order, its values multiply x->q as stored). Every path takes
+ * the integers exactly, so the order of the integer additions is free; the float operations are the generic's, one
+ * by one. Both vector paths prefetch
  * the packed stream 2 KB ahead (AK_PREFETCH: from memory a 2048 x 2816 Q4_K product at M = 1 took 0.94 ms of CPU
  * without it, 0.46-0.51 with 1-2 KB, on the shared 2-core machine under load). ggml's own AVX2 path (what the built
  * library runs) sums in another order (lanes by pairs of values, the min term in four fp32 lanes, a tree at the
@@ -468,6 +479,19 @@ static inline void q4k_scales(const uint8_t *sc12, uint8_t *scales, uint8_t *min
     memcpy(mins, utmp + 2, 8);
 }
 
+/* the 16 6-bit scales of a block_q3_K (its 12 bytes at sc12), as the generic path unpacks them (0..63; minus 32) */
+static inline void q3k_scales(const uint8_t *sc12, int8_t *scales) {
+    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+    uint32_t auxs[4];
+    memcpy(auxs, sc12, 12);
+    const uint32_t tmp = auxs[2];
+    auxs[2] = ((auxs[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    auxs[3] = ((auxs[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    auxs[0] = (auxs[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+    auxs[1] = (auxs[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    memcpy(scales, auxs, 16);
+}
+
 typedef void (*rowk_fn)(int type, long ts, const uint8_t *w, long nb, const xk_t *x, long K, long M, float *y,
                         long ldy);
 
@@ -482,12 +506,54 @@ static void rowk_generic(int type, long ts, const uint8_t *w, long nb, const xk_
             const float dx = x->d[m * nb + i];
             int8_t a[QKK];
             int32_t aux32[8] = {0};
-            if (type == 12) { /* block_q4_K: d, dmin (fp16), scales[12], qs[128] */
-                const uint8_t *q4 = blk + 16;
+            if (type == 10) { /* block_q2_K: scales[16] (scale low nibble, min high), qs[64], d, dmin (fp16) */
+                const uint8_t *sc = blk, *q2 = blk + 16;
+                int summs = 0;
+                for (int j = 0; j < 16; j++) summs += x->bs[(m * nb + i) * 16 + j] * (sc[j] >> 4);
+                const float dall = dx * g4h_f16_load(blk + 80), dmin = dx * g4h_f16_load(blk + 82);
+                int isum = 0;
+                /* value 128h + 32t + l: (q2[32h + l] >> 2t) & 3, sub-block (value / 16) scale sc[...] & 15 */
+                for (int v = 0; v < QKK; v++) {
+                    const int h = v / 128, t = (v % 128) / 32, l = v % 32;
+                    a[v] = (int8_t)((q2[32 * h + l] >> (2 * t)) & 3);
+                }
+                for (int j = 0; j < 16; j++) {
+                    int isuml = 0;
+                    for (int l = 0; l < 16; l++) isuml += q8[16 * j + l] * a[16 * j + l];
+                    isum += (sc[j] & 0xF) * isuml;
+                }
+                sumf += fmaf(dall, (float)isum, -(dmin * (float)summs));
+                continue;
+            }
+            if (type == 11) { /* block_q3_K: hmask[32], qs[64], scales[12] (16 6-bit, minus 32), d (fp16) */
+                const uint8_t *hm = blk, *q3 = blk + 32;
+                /* value 128h + 32t + l: ((q3[32h + l] >> 2t) & 3) - 4 unless bit 4h + t of hm[l] is set */
+                for (int v = 0; v < QKK; v++) {
+                    const int h = v / 128, t = (v % 128) / 32, l = v % 32;
+                    a[v] = (int8_t)(((q3[32 * h + l] >> (2 * t)) & 3) - ((hm[l] >> (4 * h + t)) & 1 ? 0 : 4));
+                }
+                int8_t sc[16];
+                q3k_scales(blk + 96, sc);
+                for (int j = 0; j < 16; j++)
+                    for (int c = 0; c < 16; c += 8)
+                        for (int l = 0; l < 8; l++) {
+                            const int16_t p = (int16_t)(q8[16 * j + c + l] * a[16 * j + c + l]);
+                            aux32[l] += (sc[j] - 32) * p;
+                        }
+                const float d = g4h_f16_load(blk + 108) * dx;
+                for (int l = 0; l < 8; l++) sums[l] = fmaf(d, (float)aux32[l], sums[l]);
+                continue;
+            }
+            if (type == 12 || type == 13) { /* block_q4_K: d, dmin (fp16), scales[12], qs[128]; block_q5_K: d,
+                                             * dmin, scales[12], qh[32], qs[128] (value 64j + l: bit 2j of qh[l],
+                                             * 64j + 32 + l: bit 2j + 1, as 16) */
+                const uint8_t *q4 = blk + (type == 13 ? 48 : 16), *qh = blk + 16;
                 for (int j = 0; j < 4; j++, q4 += 32)
                     for (int l = 0; l < 32; l++) {
-                        a[64 * j + l] = (int8_t)(q4[l] & 0xF);
-                        a[64 * j + 32 + l] = (int8_t)(q4[l] >> 4);
+                        const int h0 = type == 13 ? ((qh[l] >> (2 * j)) & 1) << 4 : 0;
+                        const int h1 = type == 13 ? ((qh[l] >> (2 * j + 1)) & 1) << 4 : 0;
+                        a[64 * j + l] = (int8_t)((q4[l] & 0xF) + h0);
+                        a[64 * j + 32 + l] = (int8_t)((q4[l] >> 4) + h1);
                     }
                 uint8_t scales[8], mins[8];
                 q4k_scales(blk + 4, scales, mins);
@@ -525,7 +591,8 @@ static void rowk_generic(int type, long ts, const uint8_t *w, long nb, const xk_
                 for (int l = 0; l < 8; l++) sums[l] = fmaf(d, (float)aux32[l], sums[l]);
             }
         }
-        for (int l = 0; l < 8; l++) sumf += sums[l];
+        if (type != 10) /* Q2_K: one float sum (sumf + 0.0f would turn a -0.0f into +0.0f) */
+            for (int l = 0; l < 8; l++) sumf += sums[l];
         y[m * ldy] = sumf;
     }
 }
@@ -584,13 +651,15 @@ static inline void ak_q4k_scales(const uint8_t *sc12, __m128i *scales, __m128i *
     *mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)m3, (int)m2));
 }
 
-#define AK4_ROW(MB)                                                                                           \
-    static void ak4_row_##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y,   \
-                             long ldy) {                                                                      \
+/* Q4_K (H5 0: ak4_row_MB) and Q5_K (H5 1: ak5_row_MB, the fifth bit of value 64j + l from bit 2j of qh[l] and of
+ * 64j + 32 + l from bit 2j + 1, put at 0x10 of its byte before the reorder) */
+#define AK4_ROW(F, MB, H5)                                                                                    \
+    static void F##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y, long ldy) { \
         __m256 acc[MB];                                                                                       \
         float mac[MB];                                                                                        \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps(), mac[m] = 0.0f;     \
-        const __m256i m4 = _mm256_set1_epi8(15);                                                              \
+        const __m256i m4 = _mm256_set1_epi8(15), m16 = _mm256_set1_epi8(16);                                  \
+        (void)m16;                                                                                            \
         for (long i = 0; i < nb; i++) {                                                                       \
             const uint8_t *blk = w + i * ts;                                                                  \
             ak_prefetch(blk, ts);                                                                             \
@@ -600,9 +669,17 @@ static inline void ak_q4k_scales(const uint8_t *sc12, __m128i *scales, __m128i *
             __m256i A[MB], B[MB];                                                                             \
             _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) A[m] = B[m] = _mm256_setzero_si256();        \
             _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                             \
-                const __m256i bits = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));                \
-                const __m256i wl = ak_perm(_mm256_and_si256(bits, m4));                                       \
-                const __m256i wh = ak_perm(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4));                 \
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(blk + (H5 ? 48 : 16) + 32 * j));    \
+                __m256i wl = _mm256_and_si256(bits, m4), wh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4); \
+                if (H5) {                                                                                     \
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 16));                       \
+                    wl = _mm256_or_si256(wl, _mm256_and_si256(                                                \
+                                                 _mm256_slli_epi16(_mm256_srli_epi16(hb, 2 * j), 4), m16));   \
+                    wh = _mm256_or_si256(wh, _mm256_and_si256(                                                \
+                                                 _mm256_slli_epi16(_mm256_srli_epi16(hb, 2 * j + 1), 4), m16)); \
+                }                                                                                             \
+                wl = ak_perm(wl);                                                                             \
+                wh = ak_perm(wh);                                                                             \
                 const __m256i sv = /* scales 2j, 2j + 1 as one int32, broadcast */                            \
                     _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(sc16), _mm256_set1_epi32(j));          \
                 _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                        \
@@ -624,7 +701,8 @@ static inline void ak_q4k_scales(const uint8_t *sc12, __m128i *scales, __m128i *
         }                                                                                                     \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] = ak_final(mac[m], acc[m]);    \
     }
-AK4_ROW(1) AK4_ROW(2) AK4_ROW(3) AK4_ROW(4)
+AK4_ROW(ak4_row_, 1, 0) AK4_ROW(ak4_row_, 2, 0) AK4_ROW(ak4_row_, 3, 0) AK4_ROW(ak4_row_, 4, 0)
+AK4_ROW(ak5_row_, 1, 1) AK4_ROW(ak5_row_, 2, 1) AK4_ROW(ak5_row_, 3, 1) AK4_ROW(ak5_row_, 4, 1)
 
 /* the four vectors of 32 six-bit values (0..63) of one 128-value half of a block_q6_K, in the qp order */
 #define AK6_ROW(MB)                                                                                           \
@@ -682,6 +760,90 @@ AK4_ROW(1) AK4_ROW(2) AK4_ROW(3) AK4_ROW(4)
     }
 AK6_ROW(1) AK6_ROW(2) AK6_ROW(3) AK6_ROW(4)
 
+/* Q2_K (T 10: ak2_row_MB) and Q3_K (T 11: ak3_row_MB): sub-blocks of 16 as Q6_K. Per half h of 128 values, vector t
+ * holds values 128h + 32t + (0..31), (qs[32h + l] >> 2t) & 3 (sub-blocks 8h + 2t, 8h + 2t + 1 in its two 128-bit
+ * halves); Q3_K adds 4 where bit 4h + t of hmask[l] is set (unsigned a + 4, 0..7; the 4 taken off through
+ * maddubs(4, q)), its scales the 6-bit ones minus 32 (int8); Q2_K's weights 0..3 and scales 0..15 (low nibbles)
+ * multiply x->q in element order (its integer sum is one int, the lanes do not matter), its min term
+ * sum(bsums * (sc >> 4)) by one madd. Float operations: Q3_K Q6_K's (eight lanes, fmadd, the final sum); Q2_K
+ * sumf += fmaf(dall, isum, -(dmin * summs)) per super-block, the generic's. */
+#define AK23_ROW(F, MB, T)                                                                                    \
+    static void F##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y, long ldy) { \
+        __m256 acc[MB];                                                                                       \
+        float mac[MB];                                                                                        \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps(), mac[m] = 0.0f;     \
+        const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(4);                                     \
+        for (long i = 0; i < nb; i++) {                                                                       \
+            const uint8_t *blk = w + i * ts;                                                                  \
+            ak_prefetch(blk, ts);                                                                             \
+            int8_t sc[16];                                                                                    \
+            if (T == 11) {                                                                                    \
+                q3k_scales(blk + 96, sc);                                                                     \
+                _mm_storeu_si128((__m128i *)sc, _mm_sub_epi8(_mm_loadu_si128((const __m128i *)sc),            \
+                                                             _mm_set1_epi8(32)));                             \
+            } else {                                                                                          \
+                _mm_storeu_si128((__m128i *)sc,                                                               \
+                                 _mm_and_si128(_mm_loadu_si128((const __m128i *)blk), _mm_set1_epi8(15)));     \
+            }                                                                                                 \
+            const float dw = a2_f16(blk + (T == 11 ? 108 : 80));                                              \
+            __m256i A[MB], B[MB];                                                                             \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) A[m] = B[m] = _mm256_setzero_si256();        \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                             \
+                const __m256i qb = _mm256_loadu_si256((const __m256i *)(blk + (T == 11 ? 32 : 16) + 32 * h)); \
+                __m256i v[4];                                                                                 \
+                _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                         \
+                    v[t] = _mm256_and_si256(_mm256_srli_epi16(qb, 2 * t), m3);                                \
+                    if (T == 11) {                                                                            \
+                        const __m256i hb = _mm256_loadu_si256((const __m256i *)blk);                          \
+                        v[t] = ak_perm(_mm256_or_si256(                                                       \
+                            v[t], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hb, 4 * h + t), 2), m4))); \
+                    }                                                                                         \
+                }                                                                                             \
+                const __m256i sp = _mm256_castsi128_si256(_mm_shuffle_epi8(                                   \
+                    _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * h))),                        \
+                    _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15)));                    \
+                const __m256i s0 = _mm256_permutevar8x32_epi32(sp, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)); \
+                const __m256i s1 = _mm256_permutevar8x32_epi32(sp, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)); \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                        \
+                    const int8_t *q = (T == 11 ? x->qp : x->q) + (m0 + m) * K + i * QKK + 128 * h;            \
+                    __m256i r[4];                                                                             \
+                    _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                     \
+                        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * t));                 \
+                        r[t] = _mm256_maddubs_epi16(v[t], qv);                                                \
+                        if (T == 11) r[t] = _mm256_sub_epi16(r[t], _mm256_maddubs_epi16(m4, qv));             \
+                    }                                                                                         \
+                    A[m] = _mm256_add_epi32(A[m], _mm256_madd_epi16(_mm256_unpacklo_epi16(r[0], r[1]), s0));  \
+                    B[m] = _mm256_add_epi32(B[m], _mm256_madd_epi16(_mm256_unpackhi_epi16(r[0], r[1]), s0));  \
+                    A[m] = _mm256_add_epi32(A[m], _mm256_madd_epi16(_mm256_unpacklo_epi16(r[2], r[3]), s1));  \
+                    B[m] = _mm256_add_epi32(B[m], _mm256_madd_epi16(_mm256_unpackhi_epi16(r[2], r[3]), s1));  \
+                }                                                                                             \
+            }                                                                                                 \
+            if (T == 11) {                                                                                    \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_fmadd_ps(                \
+                    _mm256_set1_ps(dw * x->d[(m0 + m) * nb + i]), ak_fold(A[m], B[m]), acc[m]);               \
+            } else {                                                                                          \
+                const float dminw = a2_f16(blk + 82);                                                         \
+                const __m256i mins = _mm256_cvtepu8_epi16(                                                    \
+                    _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)blk), 4), _mm_set1_epi8(15))); \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                        \
+                    const long r = (m0 + m) * nb + i;                                                         \
+                    const float dx = x->d[r];                                                                 \
+                    const __m256i sm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x->bs + r * 16)), mins); \
+                    const int32_t summs =                                                                     \
+                        ak_hsum4(_mm_add_epi32(_mm256_castsi256_si128(sm), _mm256_extracti128_si256(sm, 1))); \
+                    const __m256i ab = _mm256_add_epi32(A[m], B[m]);                                          \
+                    const int32_t isum =                                                                      \
+                        ak_hsum4(_mm_add_epi32(_mm256_castsi256_si128(ab), _mm256_extracti128_si256(ab, 1))); \
+                    mac[m] += fmaf(dx * dw, (float)isum, -((dx * dminw) * (float)summs));                     \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] =                              \
+            T == 11 ? ak_final(0.0f, acc[m]) : mac[m];                                                        \
+    }
+AK23_ROW(ak2_row_, 1, 10) AK23_ROW(ak2_row_, 2, 10) AK23_ROW(ak2_row_, 3, 10) AK23_ROW(ak2_row_, 4, 10)
+AK23_ROW(ak3_row_, 1, 11) AK23_ROW(ak3_row_, 2, 11) AK23_ROW(ak3_row_, 3, 11) AK23_ROW(ak3_row_, 4, 11)
+
 #define KBLOCK_CASE(F, MB) \
     case MB: F##MB(w, ts, nb, x, K, m0, y, ldy); break;
 #define KBLOCKS_4(F)                                                                                    \
@@ -691,8 +853,14 @@ AK6_ROW(1) AK6_ROW(2) AK6_ROW(3) AK6_ROW(4)
 
 static void rowk_avx2(int type, long ts, const uint8_t *w, long nb, const xk_t *x, long K, long M, float *y,
                       long ldy) {
-    if (type == 12) {
+    if (type == 10) {
+        KBLOCKS_4(ak2_row_)
+    } else if (type == 11) {
+        KBLOCKS_4(ak3_row_)
+    } else if (type == 12) {
         KBLOCKS_4(ak4_row_)
+    } else if (type == 13) {
+        KBLOCKS_4(ak5_row_)
     } else {
         KBLOCKS_4(ak6_row_)
     }
@@ -718,14 +886,17 @@ static inline __m256 vk_fold(__m512i A, __m512i B) {
     return ak_fold(a, b);
 }
 
-#define VK4_ROW(MB)                                                                                           \
-    static void vk4_row_##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y,   \
-                             long ldy) {                                                                      \
+/* Q4_K (vk4_row_MB) and Q5_K (H5 1: vk5_row_MB, the fifth bits as in AK4_ROW: bit 2j of qh for the low nibbles of
+ * chunk j, bit 2j + 1 for the high ones, each half of the vector shifted by its own count) */
+#define VK4_ROW(F, MB, H5)                                                                                    \
+    static void F##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y, long ldy) { \
         __m256 acc[MB];                                                                                       \
         float mac[MB];                                                                                        \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps(), mac[m] = 0.0f;     \
-        const __m512i m4 = _mm512_set1_epi8(15);                                                              \
+        const __m512i m4 = _mm512_set1_epi8(15), m16 = _mm512_set1_epi8(16);                                  \
         const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1); /* 0 | 4 */    \
+        const __m512i sh1 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1); /* 0 | 1 */  \
+        (void)m16, (void)sh1;                                                                                 \
         const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);                \
         const __m512i i23 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);                \
         for (long i = 0; i < nb; i++) {                                                                       \
@@ -741,8 +912,16 @@ static inline __m256 vk_fold(__m512i A, __m512i B) {
             const __m512i s01 = _mm512_permutexvar_epi32(i01, sp), s23 = _mm512_permutexvar_epi32(i23, sp);   \
             __m512i wv[4]; /* chunk j of qs: [low nibbles: sub-block 2j | high nibbles: 2j + 1], qp order */    \
             _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) wv[j] = vk_perm(_mm512_and_si512(             \
-                _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j))), \
-                                  sh), m4));                                                                  \
+                _mm512_srlv_epi16(_mm512_broadcast_i64x4(                                                     \
+                                      _mm256_loadu_si256((const __m256i *)(blk + (H5 ? 48 : 16) + 32 * j))), sh), \
+                m4));                                                                                         \
+            if (H5) {                                                                                         \
+                const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));   \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) wv[j] = _mm512_or_si512(wv[j], vk_perm(    \
+                    _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(                                     \
+                                         hb, _mm512_add_epi16(sh1, _mm512_set1_epi16((short)(2 * j)))), 4),   \
+                                     m16)));                                                                  \
+            }                                                                                                 \
             _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                            \
                 const int8_t *q = x->qp + (m0 + m) * K + i * QKK;                                             \
                 __m512i r[4];                                                                                 \
@@ -762,7 +941,8 @@ static inline __m256 vk_fold(__m512i A, __m512i B) {
         }                                                                                                     \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) y[(m0 + m) * ldy] = ak_final(mac[m], acc[m]);    \
     }
-VK4_ROW(1) VK4_ROW(2) VK4_ROW(3) VK4_ROW(4)
+VK4_ROW(vk4_row_, 1, 0) VK4_ROW(vk4_row_, 2, 0) VK4_ROW(vk4_row_, 3, 0) VK4_ROW(vk4_row_, 4, 0)
+VK4_ROW(vk5_row_, 1, 1) VK4_ROW(vk5_row_, 2, 1) VK4_ROW(vk5_row_, 3, 1) VK4_ROW(vk5_row_, 4, 1)
 
 #define VK6_ROW(MB)                                                                                           \
     static void vk6_row_##MB(const uint8_t *w, long ts, long nb, const xk_t *x, long K, long m0, float *y,   \
@@ -811,8 +991,12 @@ VK6_ROW(1) VK6_ROW(2) VK6_ROW(3) VK6_ROW(4)
 
 static void rowk_vnni(int type, long ts, const uint8_t *w, long nb, const xk_t *x, long K, long M, float *y,
                       long ldy) {
-    if (type == 12) {
+    if (type == 10 || type == 11) { /* the AVX2 row functions (the same bits) */
+        rowk_avx2(type, ts, w, nb, x, K, M, y, ldy);
+    } else if (type == 12) {
         KBLOCKS_4(vk4_row_)
+    } else if (type == 13) {
+        KBLOCKS_4(vk5_row_)
     } else {
         KBLOCKS_4(vk6_row_)
     }
@@ -887,7 +1071,17 @@ static void run_rows(void *p, long run, int tid) {
 }
 
 static long type_bytes(int type) {
-    return type == 8 ? 34 : type == 2 ? 18 : type == 6 ? 22 : type == 12 ? 144 : type == 14 ? 210 : 0;
+    switch (type) {
+    case 8: return 34;
+    case 2: return 18;
+    case 6: return 22;
+    case 10: return 84;
+    case 11: return 110;
+    case 12: return 144;
+    case 13: return 176;
+    case 14: return 210;
+    default: return 0;
+    }
 }
 
 static rowk_fn rowk_for(int isa) {
@@ -899,7 +1093,7 @@ static rowk_fn rowk_for(int isa) {
     return rowk_generic;
 }
 
-/* The K-quant products (Q4_K 12, Q6_K 14): x quantized to Q8_K, then the rows of W in runs as below. */
+/* The K-quant products (Q2_K 10 ... Q6_K 14): x quantized to Q8_K, then the rows of W in runs as below. */
 static int linear_k(int type, long ts, const uint8_t *w, long row_bytes, long N, long K, const float *x, long M,
                     float *y, int nthreads) {
     const long nb = K / QKK;
@@ -931,7 +1125,7 @@ int g4h_q8_linear(int type, const uint8_t *w, long row_bytes, long N, long K, co
                   int nthreads) {
     const long ts = type_bytes(type);
     if (!ts) return -1;
-    if (type == 12 || type == 14) {
+    if (type >= 10 && type <= 14) {
         if (M < 1 || M > MAX_M || N < 0 || K <= 0 || K % QKK || row_bytes != K / QKK * ts) return -2;
         return N == 0 ? 0 : linear_k(type, ts, w, row_bytes, N, K, x, M, y, nthreads);
     }
