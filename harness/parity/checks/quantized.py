@@ -82,9 +82,9 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
     of every prompt pooled, of the engine's max |dlogit| over the vocabulary against the emulating reference, at
     max(fp32 bound, 2 x the same median of the null): ``Q8_MEDIAN_LOGIT_WHY`` in harness/core/gates.py, the rule of
     ``median_abs_logprob`` below); it is reported wherever the count judges. The positions' differences come from
-    the ``max_abs_logit`` figures' ``_per_position`` (``pair._logit_figures``), removed from their detail here; where
-    they are missing (figures not measured by ``pair._logit_figures``), the mean KLD is gated against the yardstick
-    as below. An engine
+    the ``max_abs_logit`` figures' ``_per_position`` (``pair_figures._logit_figures``), removed from their detail
+    here; where they are missing (figures not measured there), the mean KLD is gated against the yardstick as
+    below. An engine
     without logits (a server) is counted on its greedy streams' log-probs instead (:func:`stream_agreement`, in the
     ``max_abs_logprob`` figure's detail), against the same null: the same gate, the same ratio. Where that null
     agrees on fewer positions than one per stream, the windows judge (:func:`window_agreement`, :data:`WINDOWS_WHY`:
@@ -107,7 +107,7 @@ def quantized_gates(runs: ReferenceRuns, figures: list[Figure], pair: str, kind:
     if seeded:  # the engine's tensor traces, each layer judged on its own: the gate of the emulated pair
         figures[:] = [f for f in figures if not any(f is g for g in seeded)]
         figures.append(local_figure(pair, seeded))
-    # the per-position max |dlogit| of each prompt (pair._logit_figures), for median_abs_logit; never reported as such
+    # each prompt's per-position max |dlogit| (pair_figures._logit_figures), for median_abs_logit; never reported
     per_position = {id(f): f.detail.pop("_per_position") for f in figures if "_per_position" in f.detail}
     if gap is None:
         logit = [f for f in figures if f.gate == head + "max_abs_logit" and "agreeing_prefix" in f.detail]
